@@ -1,0 +1,304 @@
+"""The region's math in plain PyTorch: forward and the explicit backward of SPEC §1.
+
+This is `kernels="reference"`: the CPU path, the float64 oracle of the tests, and the
+fallback of every other kernel set. It never synchronises with the host (no `.item()`,
+`.nonzero()`, `.tolist()`), so it runs under CUDA graphs and inside compiled graphs.
+
+Shapes: ctx [B,H,D], tok [B,N,D], q [P,Dh], wk/wv/wo [D,D] (nn.Linear: y = x Wᵀ + b),
+wg [E,D], w1/w3 [E,D,F], b1 [E,F], w2 [E,F,D], b2 [E,D]. R = B·H rows go through the MoE.
+
+Two rewrites make this path cheap (SPEC §1):
+- the pool is reassociated: scores are ⟨tok, u_p⟩ with u_p = Wk_pᵀ q_p / √Dh and the pooled
+  value is Wv_p t̄_p + bv_p with t̄_p = Σ_n a_n tok_n: one pass over tok, no [B,N,D] K or V;
+- the MoE computes only the chosen experts: (row, slot) pairs are sorted by expert on the
+  device into tiles of `tile` rows, each tile owned by one expert, and every tile runs as one
+  batched GEMM. The tile count has a host-known upper bound (R·k + E·(tile-1)) / tile, so no
+  count ever comes back to the host.
+"""
+import math
+
+import torch
+
+ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "swiglu")
+GELU_TANH_C = math.sqrt(2.0 / math.pi)
+
+
+def accumulation_dtype(dtype):
+    """fp32 accumulation for every floating dtype but float64, which stays float64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations and their derivatives.
+
+
+def act_forward(act, u, u3=None):
+    """Hidden activation. For swiglu, u is the gate pre-activation and u3 = x W3."""
+    if act == "gelu":
+        return torch.nn.functional.gelu(u)
+    if act == "gelu_tanh":
+        return torch.nn.functional.gelu(u, approximate="tanh")
+    if act == "silu":
+        return torch.nn.functional.silu(u)
+    if act == "swiglu":
+        return torch.nn.functional.silu(u) * u3
+    raise ValueError(f"act={act!r}: expected one of {ACTIVATIONS}")
+
+
+def act_backward(act, grad_h, u, u3=None):
+    """Returns (∂u, ∂u3) given ∂h; ∂u3 is None unless act is swiglu."""
+    if act == "gelu":
+        cdf = 0.5 * (1.0 + torch.erf(u * (1.0 / math.sqrt(2.0))))
+        pdf = torch.exp(-0.5 * u * u) * (1.0 / math.sqrt(2.0 * math.pi))
+        return grad_h * (cdf + u * pdf), None
+    if act == "gelu_tanh":
+        t = torch.tanh(GELU_TANH_C * (u + 0.044715 * u**3))
+        d = 0.5 * (1.0 + t) + 0.5 * u * (1.0 - t * t) * GELU_TANH_C * (1.0 + 3 * 0.044715 * u * u)
+        return grad_h * d, None
+    sig = torch.sigmoid(u)
+    dsilu = sig * (1.0 + u * (1.0 - sig))
+    if act == "silu":
+        return grad_h * dsilu, None
+    if act == "swiglu":
+        return grad_h * u3 * dsilu, grad_h * (u * sig)
+    raise ValueError(f"act={act!r}: expected one of {ACTIVATIONS}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Inverted attention pool (reassociated).
+
+
+def pool_directions(q, wk):
+    """u [P,D]: u_p = Wk_pᵀ q_p / √Dh. The key bias adds a constant per head and cancels."""
+    P, Dh = q.shape
+    return torch.einsum("pj,pjd->pd", q, wk.view(P, Dh, -1)) * (Dh**-0.5)
+
+
+def pool_forward(tok, q, wk, wv, bv, wo, bo, mask=None):
+    """inv [B,D] and the attention weights attn [B,N,P]. mask [B,N] bool: True = ignore key."""
+    P, Dh = q.shape
+    B, N, D = tok.shape
+    scores = tok @ pool_directions(q, wk).T  # [B,N,P]
+    if mask is not None:
+        scores = scores.masked_fill(mask[:, :, None], float("-inf"))
+    attn = torch.softmax(scores, dim=1)
+    tbar = torch.einsum("bnp,bnd->bpd", attn, tok)  # [B,P,D]
+    pooled = torch.einsum("bpd,pjd->bpj", tbar, wv.view(P, Dh, D)).reshape(B, D)
+    if bv is not None:
+        pooled = pooled + bv
+    inv = pooled @ wo.T
+    if bo is not None:
+        inv = inv + bo
+    return inv, attn
+
+
+def pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn):
+    """Gradients (tok, q, wk, wv, bv, wo, bo) of the pool. ∂bk is exactly zero."""
+    P, Dh = q.shape
+    B, N, D = tok.shape
+    wv_heads = wv.view(P, Dh, D)
+    tbar = torch.einsum("bnp,bnd->bpd", attn, tok)
+    pooled = torch.einsum("bpd,pjd->bpj", tbar, wv_heads).reshape(B, D)
+    if bv is not None:
+        pooled = pooled + bv
+    grad_bo = grad_inv.sum(0)
+    grad_wo = grad_inv.T @ pooled
+    grad_pooled = grad_inv @ wo  # [B,D]
+    grad_bv = grad_pooled.sum(0)
+    grad_pooled = grad_pooled.view(B, P, Dh)
+    grad_wv = torch.einsum("bpj,bpd->pjd", grad_pooled, tbar).reshape(D, D)
+    grad_tbar = torch.einsum("bpj,pjd->bpd", grad_pooled, wv_heads)  # [B,P,D]
+    grad_attn = torch.einsum("bpd,bnd->bnp", grad_tbar, tok)
+    grad_scores = attn * (grad_attn - (attn * grad_attn).sum(1, keepdim=True))
+    grad_scores = torch.nan_to_num(grad_scores)  # fully masked rows carry no gradient
+    u = pool_directions(q, wk)
+    grad_tok = torch.einsum("bnp,bpd->bnd", attn, grad_tbar) + grad_scores @ u
+    grad_u = torch.einsum("bnp,bnd->pd", grad_scores, tok) * (Dh**-0.5)
+    grad_q = torch.einsum("pd,pjd->pj", grad_u, wk.view(P, Dh, D))
+    grad_wk = torch.einsum("pj,pd->pjd", q, grad_u).reshape(D, D)
+    return grad_tok, grad_q, grad_wk, grad_wv, grad_bv, grad_wo, grad_bo
+
+
+# ---------------------------------------------------------------------------------------------
+# Router.
+
+
+def route(x, wg, top_k, renorm):
+    """Router in fp32 (or fp64): returns probs [R,E], topk weights [R,k] and indices [R,k]."""
+    probs = torch.softmax(x @ wg.T, dim=-1)
+    weight, index = torch.topk(probs, top_k, dim=-1)
+    if renorm:
+        weight = weight / weight.sum(-1, keepdim=True)
+    return probs, weight, index
+
+
+def route_backward(grad_weight, x, wg, probs, weight, index, renorm):
+    """∂x and ∂Wg through the router, given ∂w [R,k] (SPEC §1)."""
+    if renorm:
+        chosen = torch.gather(probs, 1, index)
+        grad_chosen = (grad_weight - (grad_weight * weight).sum(-1, keepdim=True)) / chosen.sum(
+            -1, keepdim=True
+        )
+    else:
+        grad_chosen = grad_weight
+    grad_probs = torch.zeros_like(probs).scatter(1, index, grad_chosen)
+    grad_logits = probs * (grad_probs - (grad_probs * probs).sum(-1, keepdim=True))
+    return grad_logits @ wg, grad_logits.T @ x
+
+
+# ---------------------------------------------------------------------------------------------
+# Grouping (row, slot) pairs by expert into tiles, on the device.
+
+
+def tile_rows(pairs, experts):
+    """A tile height for the grouped GEMMs: about the mean rows per expert, 8 to 128."""
+    mean = max(1, pairs // max(1, experts))
+    return int(min(128, max(8, 1 << (mean - 1).bit_length())))
+
+
+def group_by_expert(index, experts, tile):
+    """Sort the R·k (row, slot) pairs by expert into tiles of `tile` slots, one expert a tile.
+
+    Returns slot_pair [T·tile] (pair id of each slot, or R·k for a padding slot) and
+    tile_expert [T] (the expert of each tile; trailing all-padding tiles repeat the last).
+    T = ceil((R·k + E·(tile-1)) / tile) is known on the host from shapes alone.
+    """
+    pairs = index.numel()
+    flat = index.reshape(-1)
+    num_tiles = -(-(pairs + experts * (tile - 1)) // tile)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=experts)
+    padded = (counts + tile - 1) // tile * tile
+    padded_end = torch.cumsum(padded, 0)
+    padded_start = padded_end - padded
+    start = torch.cumsum(counts, 0) - counts
+    sorted_expert = flat[order]
+    rank = torch.arange(pairs, device=index.device) - start[sorted_expert]
+    slot = padded_start[sorted_expert] + rank
+    slot_pair = torch.full((num_tiles * tile,), pairs, dtype=torch.long, device=index.device)
+    slot_pair[slot] = order
+    tile_start = torch.arange(num_tiles, device=index.device) * tile
+    tile_expert = torch.searchsorted(padded_end, tile_start, right=True).clamp_(max=experts - 1)
+    return slot_pair, tile_expert
+
+
+def gather_slots(rows, slot_pair, top_k):
+    """[pairs, ...] view of `rows` [R, ...] through the slot map; padding slots read zeros."""
+    padded = torch.cat([rows, rows.new_zeros((1,) + rows.shape[1:])])
+    return padded[slot_pair // top_k]  # padding pair id R·k maps to the zero row R
+
+
+def scatter_slots(values, slot_pair, pairs):
+    """Inverse of the slot map: [slots, ...] -> [pairs, ...], dropping padding slots."""
+    out = values.new_zeros((pairs + 1,) + values.shape[1:])
+    out[slot_pair] = values
+    return out[:pairs]
+
+
+# ---------------------------------------------------------------------------------------------
+# Experts, grouped.
+
+
+def _expert_tiles(x_slots, tile_expert, w1, b1, w3, act):
+    """Pre-activations of every tile: u [T,tile,F] (and u3 for swiglu) and h = act(u)."""
+    u = torch.bmm(x_slots, w1[tile_expert])
+    if b1 is not None:
+        u = u + b1[tile_expert][:, None, :]
+    u3 = torch.bmm(x_slots, w3[tile_expert]) if w3 is not None else None
+    return u, u3, act_forward(act, u, u3)
+
+
+def moe_forward(x, weight, index, w1, b1, w2, b2, w3, act):
+    """out [R,D] = Σ_j w_j f_{idx_j}(x), computing only the chosen experts."""
+    R, D = x.shape
+    E, _, F = w1.shape
+    top_k = index.shape[1]
+    tile = tile_rows(R * top_k, E)
+    slot_pair, tile_expert = group_by_expert(index, E, tile)
+    T = tile_expert.numel()
+    x_slots = gather_slots(x, slot_pair, top_k).view(T, tile, D)
+    w_slots = torch.cat([weight.reshape(-1), weight.new_zeros(1)])[slot_pair].view(T, tile, 1)
+    _, _, h = _expert_tiles(x_slots, tile_expert, w1, b1, w3, act)
+    f = torch.bmm(h, w2[tile_expert])
+    if b2 is not None:
+        f = f + b2[tile_expert][:, None, :]
+    contrib = scatter_slots((w_slots * f).view(T * tile, D), slot_pair, R * top_k)
+    return contrib.view(R, top_k, D).sum(1)
+
+
+def moe_backward(grad_out, x, weight, index, w1, b1, w2, b2, w3, act):
+    """Gradients of the experts: ∂x [R,D], ∂w [R,k], ∂W1, ∂b1, ∂W2, ∂b2, ∂W3 (recomputes u)."""
+    R, D = x.shape
+    E, _, F = w1.shape
+    top_k = index.shape[1]
+    tile = tile_rows(R * top_k, E)
+    slot_pair, tile_expert = group_by_expert(index, E, tile)
+    T = tile_expert.numel()
+    x_slots = gather_slots(x, slot_pair, top_k).view(T, tile, D)
+    g_slots = gather_slots(grad_out, slot_pair, top_k).view(T, tile, D)
+    w_slots = torch.cat([weight.reshape(-1), weight.new_zeros(1)])[slot_pair].view(T, tile, 1)
+    u, u3, h = _expert_tiles(x_slots, tile_expert, w1, b1, w3, act)
+    w2_tiles = w2[tile_expert]
+    f = torch.bmm(h, w2_tiles)
+    if b2 is not None:
+        f = f + b2[tile_expert][:, None, :]
+    grad_weight = scatter_slots((g_slots * f).sum(-1).view(-1), slot_pair, R * top_k)
+    grad_f = w_slots * g_slots  # [T,tile,D]
+    grad_w2 = w2.new_zeros(w2.shape).index_add_(0, tile_expert, h.transpose(1, 2) @ grad_f)
+    grad_b2 = None if b2 is None else b2.new_zeros(b2.shape).index_add_(0, tile_expert, grad_f.sum(1))
+    grad_h = grad_f @ w2_tiles.transpose(1, 2)
+    grad_u, grad_u3 = act_backward(act, grad_h, u, u3)
+    grad_w1 = w1.new_zeros(w1.shape).index_add_(0, tile_expert, x_slots.transpose(1, 2) @ grad_u)
+    grad_b1 = None if b1 is None else b1.new_zeros(b1.shape).index_add_(0, tile_expert, grad_u.sum(1))
+    grad_x_slots = grad_u @ w1[tile_expert].transpose(1, 2)
+    grad_w3 = None
+    if w3 is not None:
+        grad_w3 = w3.new_zeros(w3.shape).index_add_(0, tile_expert, x_slots.transpose(1, 2) @ grad_u3)
+        grad_x_slots = grad_x_slots + grad_u3 @ w3[tile_expert].transpose(1, 2)
+    grad_x = scatter_slots(grad_x_slots.view(T * tile, D), slot_pair, R * top_k)
+    grad_x = grad_x.view(R, top_k, D).sum(1)
+    return grad_x, grad_weight.view(R, top_k), grad_w1, grad_b1, grad_w2, grad_b2, grad_w3
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole region.
+
+
+def region_forward(ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask, top_k, renorm, act):
+    """out [B,H,D] and what the backward keeps: inv [B,D], attn [B,N,P], topk weight and index.
+
+    Computes in fp32 (fp64 for fp64 inputs) and returns `out` in the input dtype.
+    """
+    acc = accumulation_dtype(ctx.dtype)
+    B, H, D = ctx.shape
+    c = lambda t: None if t is None else t.to(acc)
+    inv, attn = pool_forward(c(tok), c(q), c(wk), c(wv), c(bv), c(wo), c(bo), mask)
+    x = (c(ctx) + inv[:, None, :]).reshape(B * H, D)
+    _, weight, index = route(x, c(wg), top_k, renorm)
+    out = moe_forward(x, weight, index, c(w1), c(b1), c(w2), c(b2), c(w3), act)
+    return out.view(B, H, D).to(ctx.dtype), inv, attn, weight, index.to(torch.int32)
+
+
+def region_backward(grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask,
+                    inv, attn, weight, index, top_k, renorm, act):
+    """Gradients of every input of region_forward, in its order (None for absent optionals)."""
+    acc = accumulation_dtype(ctx.dtype)
+    B, H, D = ctx.shape
+    c = lambda t: None if t is None else t.to(acc)
+    index = index.long()
+    x = (c(ctx) + inv[:, None, :]).reshape(B * H, D)
+    wg_acc = c(wg)
+    probs = torch.softmax(x @ wg_acc.T, dim=-1)
+    grad_x, grad_weight, *grad_experts = moe_backward(
+        c(grad_out).reshape(B * H, D), x, weight, index, c(w1), c(b1), c(w2), c(b2), c(w3), act)
+    grad_x_router, grad_wg = route_backward(grad_weight, x, wg_acc, probs, weight, index, renorm)
+    grad_y = (grad_x + grad_x_router).view(B, H, D)
+    grad_inv = grad_y.sum(1)  # the seed's fix: the pool's upstream gradient is Σ_h ∂y
+    grad_tok, grad_q, grad_wk, grad_wv, grad_bv, grad_wo, grad_bo = pool_backward(
+        grad_inv, c(tok), c(q), c(wk), c(wv), c(bv), c(wo), attn)
+    grad_bk = None if bk is None else torch.zeros_like(bk)
+    grad_w1, grad_b1, grad_w2, grad_b2, grad_w3 = grad_experts
+    grads = (grad_y, grad_tok, grad_q, grad_wk, grad_bk, grad_wv, grad_bv, grad_wo, grad_bo,
+             grad_wg, grad_w1, grad_b1, grad_w2, grad_b2, grad_w3)
+    inputs = (ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3)
+    return tuple(None if t is None else g.to(t.dtype) for g, t in zip(grads, inputs))

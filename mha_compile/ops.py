@@ -1,0 +1,117 @@
+"""The region as PyTorch custom ops: `mha::region` and `mha::region_backward`.
+
+One op covers pool → merge → MoE so that autograd, AOTAutograd and Inductor see a single
+node. The op's `kernels` argument picks the implementation ("reference", "fused", "staged");
+the lowering resolves "auto" before it builds the call, so the op never guesses.
+
+Forward returns (out, inv, attn, weight, index); the last four are what the backward keeps
+(SPEC §1): the pool output [B,D], the attention [B,N,P], the top-k weights and indices [R,k].
+"""
+import importlib
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from mha_compile.kernels.reference import ACTIVATIONS, accumulation_dtype
+
+KERNEL_SETS = ("reference", "fused", "staged")
+_KERNEL_MODULES = {
+    "reference": "mha_compile.kernels.reference",
+    "fused": "mha_compile.kernels.fused",
+    "staged": "mha_compile.kernels.staged",
+}
+# Inputs of the region in op order; the backward returns one gradient for each.
+REGION_INPUTS = ("ctx", "tok", "q", "wk", "bk", "wv", "bv", "wo", "bo", "wg", "w1", "b1", "w2", "b2", "w3")
+
+
+def kernel_set(name):
+    """The module implementing `name`: it has region_forward and region_backward."""
+    if name not in _KERNEL_MODULES:
+        raise ValueError(f"kernels={name!r}: expected one of {KERNEL_SETS}")
+    try:
+        return importlib.import_module(_KERNEL_MODULES[name])
+    except ModuleNotFoundError as error:
+        if error.name != _KERNEL_MODULES[name]:
+            raise
+        raise NotImplementedError(f"kernels={name!r} is not built yet ({_KERNEL_MODULES[name]} is missing)") from None
+
+
+def _check_shapes(ctx, tok, q, wk, wv, wo, wg, w1, b1, w2, b2, w3, top_k, act):
+    B, H, D = ctx.shape
+    torch._check(tok.dim() == 3 and tok.shape[0] == B and tok.shape[2] == D,
+                 lambda: f"tok must be [B={B},N,D={D}], got {tuple(tok.shape)}")
+    P, Dh = q.shape
+    torch._check(P * Dh == D, lambda: f"q must be [P,D/P] with P·Dh = D={D}, got {tuple(q.shape)}")
+    for name, w in (("wk", wk), ("wv", wv), ("wo", wo)):
+        torch._check(tuple(w.shape) == (D, D), lambda: f"{name} must be [{D},{D}], got {tuple(w.shape)}")
+    E = wg.shape[0]
+    torch._check(tuple(wg.shape) == (E, D), lambda: f"wg must be [E,{D}], got {tuple(wg.shape)}")
+    F = w1.shape[2]
+    torch._check(tuple(w1.shape) == (E, D, F), lambda: f"w1 must be [{E},{D},F], got {tuple(w1.shape)}")
+    torch._check(tuple(w2.shape) == (E, F, D), lambda: f"w2 must be [{E},{F},{D}], got {tuple(w2.shape)}")
+    torch._check(b1 is None or tuple(b1.shape) == (E, F), lambda: f"b1 must be [{E},{F}]")
+    torch._check(b2 is None or tuple(b2.shape) == (E, D), lambda: f"b2 must be [{E},{D}]")
+    torch._check((w3 is not None) == (act == "swiglu"), lambda: f"w3 is required exactly when act='swiglu' (act={act!r})")
+    torch._check(w3 is None or tuple(w3.shape) == (E, D, F), lambda: f"w3 must be [{E},{D},{F}]")
+    torch._check(1 <= top_k <= E, lambda: f"top_k={top_k}: expected 1 <= top_k <= E={E}")
+    torch._check(act in ACTIVATIONS, lambda: f"act={act!r}: expected one of {ACTIVATIONS}")
+    return B, H, D, tok.shape[1], P
+
+
+@torch.library.custom_op("mha::region", mutates_args=())
+def region(ctx: Tensor, tok: Tensor, q: Tensor, wk: Tensor, bk: Optional[Tensor], wv: Tensor,
+           bv: Optional[Tensor], wo: Tensor, bo: Optional[Tensor], wg: Tensor, w1: Tensor,
+           b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor], w3: Optional[Tensor],
+           mask: Optional[Tensor], top_k: int, renorm: bool, act: str, kernels: str
+           ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """out = MoE(ctx + pool(tok)[:, None]); see SPEC §1."""
+    return kernel_set(kernels).region_forward(ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3,
+                                              mask, top_k, renorm, act)
+
+
+@region.register_fake
+def _region_fake(ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask, top_k, renorm, act, kernels):
+    B, H, D, N, P = _check_shapes(ctx, tok, q, wk, wv, wo, wg, w1, b1, w2, b2, w3, top_k, act)
+    acc = accumulation_dtype(ctx.dtype)
+    return (ctx.new_empty(B, H, D), ctx.new_empty(B, D, dtype=acc), ctx.new_empty(B, N, P, dtype=acc),
+            ctx.new_empty(B * H, top_k, dtype=acc), ctx.new_empty(B * H, top_k, dtype=torch.int32))
+
+
+@torch.library.custom_op("mha::region_backward", mutates_args=())
+def region_backward(grad_out: Tensor, ctx: Tensor, tok: Tensor, q: Tensor, wk: Tensor, bk: Optional[Tensor],
+                    wv: Tensor, bv: Optional[Tensor], wo: Tensor, bo: Optional[Tensor], wg: Tensor, w1: Tensor,
+                    b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor], w3: Optional[Tensor],
+                    mask: Optional[Tensor], inv: Tensor, attn: Tensor, weight: Tensor, index: Tensor,
+                    top_k: int, renorm: bool, act: str, kernels: str) -> list[Tensor]:
+    """Gradients of REGION_INPUTS, in order; an absent optional input gets an empty tensor."""
+    grads = kernel_set(kernels).region_backward(
+        grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask,
+        inv, attn, weight, index, top_k, renorm, act)
+    return [ctx.new_empty(0) if g is None else g for g in grads]
+
+
+@region_backward.register_fake
+def _region_backward_fake(grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask,
+                          inv, attn, weight, index, top_k, renorm, act, kernels):
+    inputs = (ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3)
+    return [ctx.new_empty(0) if t is None else torch.empty_like(t) for t in inputs]
+
+
+def _setup_context(ctx, inputs, output):
+    tensors = inputs[:16]
+    ctx.absent = [t is None for t in tensors]
+    ctx.save_for_backward(*[t for t in tensors if t is not None], *output[1:])
+    ctx.config = inputs[16:]
+
+
+def _backward(ctx, grad_out, *unused_aux_grads):
+    saved = list(ctx.saved_tensors)
+    tensors = [None if absent else saved.pop(0) for absent in ctx.absent]
+    inv, attn, weight, index = saved
+    grads = region_backward(grad_out.contiguous(), *tensors, inv, attn, weight, index, *ctx.config)
+    grads = [None if t is None else g for g, t in zip(grads, tensors)]
+    return (*grads, None, None, None, None, None)
+
+
+region.register_autograd(_backward, setup_context=_setup_context)
