@@ -1,0 +1,33 @@
+"""kernels="fused": the region with the merge folded into the kernels that read y.
+
+What runs (see triton_region, triton_pool, triton_router, triton_moe):
+- pool: one Triton kernel per direction that reads tok once (reassociated: scores against
+  u_p, softmax online, t̄ = Σ a tok), then the small [B,D]×[D,D] projections on cuBLAS;
+- router + softmax + top-k in fp32, with y = ctx + inv[b] formed in the tile load;
+- sync-free grouping by expert (device sort, grid from a host-known bound);
+- grouped GEMM1 with the merge on its A-tile load and the activation in its epilogue (y is
+  never written), grouped GEMM2 with bias and routing weight in its epilogue, token-order
+  combine (no atomics);
+- backward: one grouped kernel recomputes u and forms g = G W2ᵀ in a single K loop and writes
+  h, ∂u and the ∂w partials; ∂x and ∂W1/∂W2/∂W3/∂b as grouped GEMMs; the router gradient,
+  Σ_j, ∂ctx and ∂inv = Σ_h ∂y in one token-order pass; then the pool backward.
+Not fused (yet): the combine is its own pass after GEMM2; ∂Wg = ∂logitsᵀ x and the pool's
+projections are cuBLAS GEMMs.
+"""
+from mha_compile.kernels import triton_region
+
+
+def why_unsupported(ctx, tok, w1, top_k, act, mask):
+    """None when kernels="fused" takes these inputs; else why not (they run on the reference)."""
+    return triton_region.why_unsupported(ctx, tok, w1, top_k, act, mask)
+
+
+def region_forward(ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask, top_k, renorm, act):
+    return triton_region.region_forward("on_load", ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2,
+                                        w3, mask, top_k, renorm, act)
+
+
+def region_backward(grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask,
+                    inv, attn, weight, index, top_k, renorm, act):
+    return triton_region.region_backward("on_load", grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1,
+                                         w2, b2, w3, mask, inv, attn, weight, index, top_k, renorm, act)

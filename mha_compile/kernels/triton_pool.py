@@ -1,0 +1,203 @@
+"""The inverted attention pool, reassociated (SPEC §1), as one Triton kernel each way.
+
+Forward, per batch row b (one program), reading tok[b] once in BLOCK_N-token chunks:
+    s[n,p]   = ⟨tok[b,n], u_p⟩            u_p = Wk_pᵀ q_p / √Dh   (u: [P,D], computed once)
+    a[:,p]   = softmax_n(s[:,p])           online (flash-style) over the chunks
+    t̄[b,p]   = Σ_n a[n,p] tok[b,n]         [P,D]
+This is attention with P queries u_p and keys = values = tok[b]; the key bias bk shifts every
+score of a head equally and cancels. The raw scores go to `attn` in the loop and are normalised
+in place by a second, tiny pass over [N,P] once the softmax statistics are final, so tok is read
+once. The small projections pooled = Wv_p t̄_p + bv, inv = pooled Woᵀ + bo are [B,D]×[D,D]
+GEMMs (4·B·D² FLOPs, against the 4·B·N·D² the direct form would need) and run on cuBLAS.
+
+Backward, given ∂t̄[b,p] = Wv_pᵀ ∂pooled[b,p] (again a small GEMM), per batch row:
+    ∂a[n,p] = ⟨tok[b,n], ∂t̄_p⟩,   c_p = Σ_n a ∂a,   ∂s = a ⊙ (∂a − c)
+    ∂tok[b,n] = Σ_p a[n,p] ∂t̄_p + Σ_p ∂s[n,p] u_p
+    Σ_n ∂s[n,p] tok[b,n] = Σ_n (a ∂a)[n,p] tok[b,n] − c_p t̄_p      (→ ∂u, hence ∂q, ∂Wk)
+Pass 1 reads tok once and accumulates t̄, Σ(a ∂a) tok and c, storing ∂a ([N,P], small);
+pass 2 needs only a, ∂a, ∂t̄ and u to write ∂tok. Per-b partial ∂u [B,P,D] is summed on the
+host side of the launch by torch (a fixed-order reduction: bitwise reproducible).
+
+All pool arithmetic is fp32 with ieee dots: it is ~1% of the region's FLOPs, so the fp32 FMA
+path costs little and keeps scores (and the router downstream) close to the reference.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from mha_compile.kernels.reference import pool_directions
+from mha_compile.kernels.triton_util import pow2
+
+# A [P,D] fp32 accumulator (P padded to 16) lives in registers: D beyond this spills badly.
+MAX_POOL_D = 1024
+
+
+@triton.jit
+def _pool_fwd_kernel(
+    tok_ptr, u_ptr, mask_ptr, attn_ptr, tbar_ptr,
+    N, D, P,
+    stride_tb, stride_tn,
+    HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    """tok [B,N,D] (row stride 1), u [P,D] fp32 → attn [B,N,P] fp32, t̄ [B,P,D] fp32."""
+    b = tl.program_id(0).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_p = tl.arange(0, BLOCK_P)
+    d_ok = offs_d < D
+    p_ok = offs_p < P
+    u = tl.load(u_ptr + offs_p[:, None] * D + offs_d[None, :], mask=p_ok[:, None] & d_ok[None, :], other=0.0)
+    tok_b = tok_ptr + b * stride_tb
+    attn_b = attn_ptr + b * N * P
+    m = tl.full([BLOCK_P], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_P], tl.float32)
+    acc = tl.zeros([BLOCK_P, BLOCK_D], tl.float32)
+    for n0 in range(0, N, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        t = tl.load(tok_b + offs_n[:, None].to(tl.int64) * stride_tn + offs_d[None, :],
+                    mask=n_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        s = tl.dot(t, tl.trans(u), input_precision="ieee")  # [BLOCK_N, BLOCK_P]
+        keep = n_ok
+        if HAS_MASK:
+            ignore = tl.load(mask_ptr + b * N + offs_n, mask=n_ok, other=1)
+            keep = keep & (ignore == 0)
+        s = tl.where(keep[:, None], s, float("-inf"))
+        tl.store(attn_b + offs_n[:, None] * P + offs_p[None, :], s, mask=n_ok[:, None] & p_ok[None, :])
+        m_new = tl.maximum(m, tl.max(s, axis=0))
+        # A head whose keys so far are all masked has m = -inf: subtract 0 instead (no NaN).
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        e = tl.exp(s - m_safe[None, :])
+        l = l * alpha + tl.sum(e, axis=0)
+        acc = acc * alpha[:, None] + tl.dot(tl.trans(e), t, input_precision="ieee")
+        m = m_new
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    tl.store(tbar_ptr + b * P * D + offs_p[:, None] * D + offs_d[None, :], acc / l[:, None],
+             mask=p_ok[:, None] & d_ok[None, :])
+    # Normalise the stored scores; this program wrote them, the barrier orders its threads.
+    tl.debug_barrier()
+    for n0 in range(0, N, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        ptrs = attn_b + offs_n[:, None] * P + offs_p[None, :]
+        ok = (offs_n < N)[:, None] & p_ok[None, :]
+        s = tl.load(ptrs, mask=ok, other=float("-inf"))
+        tl.store(ptrs, tl.exp(s - m_safe[None, :]) / l[None, :], mask=ok)
+
+
+@triton.jit
+def _pool_bwd_kernel(
+    tok_ptr, u_ptr, attn_ptr, dtbar_ptr, da_ptr, tbar_ptr, du_ptr, dtok_ptr,
+    N, D, P,
+    stride_tb, stride_tn,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    """tok [B,N,D], u [P,D], attn [B,N,P], ∂t̄ [B,P,D] → ∂tok [B,N,D], t̄ and ∂u-partials [B,P,D]."""
+    b = tl.program_id(0).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_p = tl.arange(0, BLOCK_P)
+    d_ok = offs_d < D
+    p_ok = offs_p < P
+    pd_ok = p_ok[:, None] & d_ok[None, :]
+    pd_off = offs_p[:, None] * D + offs_d[None, :]
+    u = tl.load(u_ptr + pd_off, mask=pd_ok, other=0.0)
+    dtbar = tl.load(dtbar_ptr + b * P * D + pd_off, mask=pd_ok, other=0.0)
+    tok_b = tok_ptr + b * stride_tb
+    attn_b = attn_ptr + b * N * P
+    da_b = da_ptr + b * N * P
+    c = tl.zeros([BLOCK_P], tl.float32)
+    tbar = tl.zeros([BLOCK_P, BLOCK_D], tl.float32)
+    w = tl.zeros([BLOCK_P, BLOCK_D], tl.float32)
+    for n0 in range(0, N, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        np_ok = n_ok[:, None] & p_ok[None, :]
+        t = tl.load(tok_b + offs_n[:, None].to(tl.int64) * stride_tn + offs_d[None, :],
+                    mask=n_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        a = tl.load(attn_b + offs_n[:, None] * P + offs_p[None, :], mask=np_ok, other=0.0)
+        da = tl.dot(t, tl.trans(dtbar), input_precision="ieee")  # [BLOCK_N, BLOCK_P]
+        tl.store(da_b + offs_n[:, None] * P + offs_p[None, :], da, mask=np_ok)
+        c += tl.sum(a * da, axis=0)
+        tbar += tl.dot(tl.trans(a), t, input_precision="ieee")
+        w += tl.dot(tl.trans(a * da), t, input_precision="ieee")
+    tl.store(tbar_ptr + b * P * D + pd_off, tbar, mask=pd_ok)
+    tl.store(du_ptr + b * P * D + pd_off, w - c[:, None] * tbar, mask=pd_ok)
+    tl.debug_barrier()
+    for n0 in range(0, N, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        np_ok = n_ok[:, None] & p_ok[None, :]
+        a = tl.load(attn_b + offs_n[:, None] * P + offs_p[None, :], mask=np_ok, other=0.0)
+        da = tl.load(da_b + offs_n[:, None] * P + offs_p[None, :], mask=np_ok, other=0.0)
+        ds = a * (da - c[None, :])
+        dtok = tl.dot(a, dtbar, input_precision="ieee") + tl.dot(ds, u, input_precision="ieee")
+        tl.store(dtok_ptr + b * stride_tb + offs_n[:, None].to(tl.int64) * stride_tn + offs_d[None, :],
+                 dtok.to(dtok_ptr.dtype.element_ty), mask=n_ok[:, None] & d_ok[None, :])
+
+
+def _blocks(N, D):
+    block_d = pow2(D)
+    # Keep a [BLOCK_N, BLOCK_D] fp32 tile near 8K elements: registers, not local memory.
+    block_n = min(pow2(N), max(16, 8192 // block_d))
+    return block_n, block_d, (4 if block_d <= 256 else 8)
+
+
+def pool_attend(tok, u, mask=None):
+    """attn [B,N,P] and t̄ [B,P,D] (fp32) from tok [B,N,D] and the directions u [P,D]."""
+    B, N, D = tok.shape
+    P = u.shape[0]
+    torch._check(D <= MAX_POOL_D, lambda: f"pool kernel takes D ≤ {MAX_POOL_D}, got {D}")
+    tok = tok.contiguous()
+    u = u.float().contiguous()
+    attn = torch.empty(B, N, P, device=tok.device, dtype=torch.float32)
+    tbar = torch.empty(B, P, D, device=tok.device, dtype=torch.float32)
+    mask_u8 = mask.to(torch.uint8).contiguous() if mask is not None else attn
+    block_n, block_d, warps = _blocks(N, D)
+    _pool_fwd_kernel[(B,)](tok, u, mask_u8, attn, tbar, N, D, P, tok.stride(0), tok.stride(1),
+                           HAS_MASK=mask is not None, BLOCK_N=block_n, BLOCK_D=block_d,
+                           BLOCK_P=pow2(P), **({"num_warps": warps} if tok.is_cuda else {}))
+    return attn, tbar
+
+
+def pool_forward(tok, q, wk, wv, bv, wo, bo, mask=None):
+    """inv [B,D] and attn [B,N,P] (fp32), as reference.pool_forward; weights are fp32 here."""
+    P, Dh = q.shape
+    B, N, D = tok.shape
+    attn, tbar = pool_attend(tok, pool_directions(q, wk), mask)
+    pooled = torch.einsum("bpd,pjd->bpj", tbar, wv.view(P, Dh, D)).reshape(B, D)
+    if bv is not None:
+        pooled = pooled + bv
+    inv = pooled @ wo.T
+    if bo is not None:
+        inv = inv + bo
+    return inv, attn
+
+
+def pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn):
+    """(∂tok in tok's dtype, ∂q, ∂Wk, ∂Wv, ∂bv, ∂Wo, ∂bo) in fp32; weights given in fp32."""
+    P, Dh = q.shape
+    B, N, D = tok.shape
+    wv_heads = wv.view(P, Dh, D)
+    grad_pooled = grad_inv @ wo  # [B,D]
+    grad_tbar = torch.einsum("bpj,pjd->bpd", grad_pooled.view(B, P, Dh), wv_heads).contiguous()
+    u = pool_directions(q, wk).float().contiguous()
+    tok = tok.contiguous()
+    attn = attn.contiguous()
+    grad_tok = torch.empty_like(tok)
+    tbar = torch.empty(B, P, D, device=tok.device, dtype=torch.float32)
+    du_part = torch.empty_like(tbar)
+    da = torch.empty_like(attn)
+    block_n, block_d, warps = _blocks(N, D)
+    _pool_bwd_kernel[(B,)](tok, u, attn, grad_tbar, da, tbar, du_part, grad_tok, N, D, P,
+                           tok.stride(0), tok.stride(1), BLOCK_N=block_n, BLOCK_D=block_d,
+                           BLOCK_P=pow2(P), **({"num_warps": warps} if tok.is_cuda else {}))
+    pooled = torch.einsum("bpd,pjd->bpj", tbar, wv_heads).reshape(B, D)
+    if bv is not None:
+        pooled = pooled + bv
+    grad_bo = grad_inv.sum(0)
+    grad_wo = grad_inv.T @ pooled
+    grad_bv = grad_pooled.sum(0)
+    grad_wv = torch.einsum("bpj,bpd->pjd", grad_pooled.view(B, P, Dh), tbar).reshape(D, D)
+    grad_u = du_part.sum(0) * (Dh**-0.5)
+    grad_q = torch.einsum("pd,pjd->pj", grad_u, wk.view(P, Dh, D))
+    grad_wk = torch.einsum("pj,pd->pjd", q, grad_u).reshape(D, D)
+    return grad_tok, grad_q, grad_wk, grad_wv, grad_bv, grad_wo, grad_bo

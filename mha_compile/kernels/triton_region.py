@@ -1,0 +1,116 @@
+"""The region assembled from the Triton kernel families; fused.py and staged.py pick the merge.
+
+    merge="on_load" (kernels="fused"): y = ctx + inv[b] is formed inside the router's and the
+        expert GEMMs' A-tile loads and never written; the backward's token-order pass produces
+        ∂ctx and ∂inv = Σ_h ∂y together (triton_router.router_combine_backward, SUM_H).
+    merge="cuda" (kernels="staged"): y is materialised in fp32 by the handwritten CUDA merge
+        (merge_cuda; its Triton twin on CPU or without nvcc) and every later stage reads it;
+        ∂inv = Σ_h ∂y is the CUDA merge's backward.
+
+Both: pool (triton_pool) → router (triton_router) → expert grouping and grouped GEMMs
+(triton_moe) → token-order combine; the backward recomputes the grouping and u = x W1 + b1
+rather than keeping them. Saved tensors mean what they mean in reference.py: inv [B,D] and attn
+[B,N,P] fp32, the top-k weights [R,k] fp32 and indices [R,k] int32.
+
+Inputs the kernels do not take (see `why_unsupported`) run on reference.py, which is correct
+for all of them; no input is silently approximated.
+"""
+import torch
+
+from mha_compile.kernels import reference, triton_moe, triton_pool, triton_router
+from mha_compile.kernels.merge_cuda import merge_backward, merge_forward
+from mha_compile.kernels.triton_util import device_reason, dtype_reason
+
+MERGES = ("on_load", "cuda")
+
+
+def why_unsupported(ctx, tok, w1, top_k, act, mask):
+    """None when the Triton kernels take these inputs, else a short reason. Reads only dtype,
+    device and shapes, so it works on fake tensors."""
+    reason = dtype_reason(ctx) or device_reason(ctx)
+    if reason:
+        return reason
+    if tok.dtype != ctx.dtype or w1.dtype != ctx.dtype:
+        return (f"mixed dtypes (ctx {ctx.dtype}, tok {tok.dtype}, experts {w1.dtype}) run on the "
+                "reference path")
+    if tok.device != ctx.device or w1.device != ctx.device:
+        return "inputs on several devices run on the reference path"
+    D = ctx.shape[-1]
+    if D > triton_pool.MAX_POOL_D:
+        return f"D={D} > {triton_pool.MAX_POOL_D}: the pool kernel keeps a [P,D] tile in registers"
+    E = w1.shape[0]
+    if E > triton_router.MAX_EXPERTS:
+        return f"E={E} > {triton_router.MAX_EXPERTS} experts: the router keeps one [rows, E] tile"
+    if act not in reference.ACTIVATIONS:
+        return f"act={act!r} is not one of {reference.ACTIVATIONS}"
+    if mask is not None and (mask.dim() != 2 or mask.device != ctx.device):
+        return "a key-padding mask must be [B,N] on the inputs' device"
+    return None
+
+
+def _f32(t):
+    return None if t is None else t.float()
+
+
+def _c(t):
+    return None if t is None else t.contiguous()
+
+
+def _merged_input(ctx, inv, merge):
+    """(x, inv or None) as the MoE kernels take them: ctx with inv merged on load, or y."""
+    B, H, D = ctx.shape
+    if merge == "cuda":
+        return merge_forward(ctx, inv).view(B * H, D), None
+    return ctx.reshape(B * H, D).contiguous(), inv.contiguous()
+
+
+def region_forward(merge, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask, top_k, renorm, act):
+    """(out [B,H,D] ctx.dtype, inv [B,D], attn [B,N,P], weight [R,k] fp32, index [R,k] int32)."""
+    if why_unsupported(ctx, tok, w1, top_k, act, mask) is not None:
+        return reference.region_forward(ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3,
+                                        mask, top_k, renorm, act)
+    B, H, D = ctx.shape
+    E = w1.shape[0]
+    inv, attn = triton_pool.pool_forward(tok, _f32(q), _f32(wk), _f32(wv), _f32(bv), _f32(wo), _f32(bo), mask)
+    x, x_inv = _merged_input(ctx, inv, merge)
+    weight, index = triton_router.route(x, x_inv, wg.contiguous(), top_k, renorm, H)
+    groups = triton_moe.group(index, E)
+    out = triton_moe.moe_forward(x, x_inv, weight, groups, w1.contiguous(), _c(b1), w2.contiguous(), _c(b2),
+                                 _c(w3), act, H, ctx.dtype)
+    return out.view(B, H, D), inv, attn, weight, index
+
+
+def region_backward(merge, grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask,
+                    inv, attn, weight, index, top_k, renorm, act):
+    """Gradients of (ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3), None for absent."""
+    if why_unsupported(ctx, tok, w1, top_k, act, mask) is not None:
+        return reference.region_backward(grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3,
+                                         mask, inv, attn, weight, index, top_k, renorm, act)
+    B, H, D = ctx.shape
+    E = w1.shape[0]
+    inv = inv.float()
+    x, x_inv = _merged_input(ctx, inv, merge)
+    wg = wg.contiguous()
+    weight = weight.float().contiguous()
+    index = index.contiguous()
+    groups = triton_moe.group(index, E)
+    grad_rows = grad_out.reshape(B * H, D).contiguous()
+    dx_slot, gw_part, dw1, db1, dw2, db2, dw3 = triton_moe.moe_backward(
+        grad_rows, x, x_inv, weight, groups, w1.contiguous(), _c(b1), w2.contiguous(), _c(b2), _c(w3), act, H)
+    dy, dinv, dlogits = triton_router.router_combine_backward(
+        x, x_inv, wg, weight, index, groups.pair_slot, dx_slot, gw_part, H, renorm,
+        torch.float32 if merge == "cuda" else ctx.dtype)
+    if merge == "cuda":
+        dctx, dinv = merge_backward(dy.view(B, H, D), ctx.dtype)
+        dwg = dlogits.T @ x
+    else:
+        dctx = dy.view(B, H, D)
+        # ∂Wg = ∂logitsᵀ (ctx + inv[b]) without forming y: the inv part sums ∂logits over h first.
+        dwg = dlogits.T @ x.float() + dlogits.view(B, H, E).sum(1).T @ inv
+    grad_tok, grad_q, grad_wk, grad_wv, grad_bv, grad_wo, grad_bo = triton_pool.pool_backward(
+        dinv, tok, _f32(q), _f32(wk), _f32(wv), _f32(bv), _f32(wo), attn.float())
+    grad_bk = None if bk is None else torch.zeros_like(bk)
+    grads = (dctx, grad_tok, grad_q, grad_wk, grad_bk, grad_wv, grad_bv, grad_wo, grad_bo,
+             dwg, dw1, db1, dw2, db2, dw3)
+    inputs = (ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3)
+    return tuple(None if t is None else g.to(t.dtype) for g, t in zip(grads, inputs))

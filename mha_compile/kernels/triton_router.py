@@ -1,0 +1,159 @@
+"""The router in fp32: logits, softmax, top-k (forward), and its gradient (backward).
+
+Forward, BLOCK_R rows a program:
+    logits = x Wgᵀ          x = ctx + inv[b] (merge on load) or the staged y; ieee fp32 dots
+    π = softmax(logits);   (w, idx) = top-k of π (k rounds of argmax, lowest index first);
+    w ← w / Σw if renorm.
+The top-k is k rounds of "take the largest, mask it": E ≤ 64 fits one [BLOCK_R, BLOCK_E] tile.
+
+Backward (`router_combine_backward`), one program per batch row b over its H horizons, in
+token order and without atomics, so it is bitwise reproducible:
+    ∂w_j = Σ_c gw_part[slot(r,j), c]     (per-F-block partials from the experts' backward)
+    ∂π   = (∂w − Σ_i ∂w_i w_i) / Σ_i π_i on the chosen j (renorm), else ∂w; 0 elsewhere
+    ∂logits = π ⊙ (∂π − ⟨∂π, π⟩)
+    ∂y[r] = Σ_j ∂x_slot[slot(r,j)] + ∂logits Wg
+    ∂inv[b] = Σ_h ∂y[b,h]     (the seed's fix; only when SUM_H, i.e. kernels="fused")
+∂Wg = ∂logitsᵀ x is left to the caller (a [E,R]×[R,D] GEMM).
+"""
+import torch
+import triton
+import triton.language as tl
+
+from mha_compile.kernels.triton_util import load_x, pow2
+
+MAX_EXPERTS = 64
+
+
+@triton.jit
+def _logits_probs(x_ptr, inv_ptr, wg_ptr, rows, r_ok, H, D, E,
+                  HAS_INV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr):
+    """π [BLOCK_R, BLOCK_E] (padding experts 0) for the given rows; Wg [E,D] in fp32."""
+    offs_e = tl.arange(0, BLOCK_E)
+    e_ok = offs_e < E
+    logits = tl.zeros([BLOCK_R, BLOCK_E], tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        d_ok = offs_d < D
+        x = load_x(x_ptr, inv_ptr, rows, r_ok, offs_d, d_ok, H, D, HAS_INV)
+        wg = tl.load(wg_ptr + offs_e[:, None] * D + offs_d[None, :], mask=e_ok[:, None] & d_ok[None, :],
+                     other=0.0).to(tl.float32)
+        logits = tl.dot(x, tl.trans(wg), logits, input_precision="ieee")
+    logits = tl.where(e_ok[None, :], logits, float("-inf"))
+    z = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+    return z / tl.sum(z, axis=1)[:, None]
+
+
+@triton.jit
+def _router_fwd_kernel(
+    x_ptr, inv_ptr, wg_ptr, weight_ptr, index_ptr,
+    R, H, D, E,
+    TOP_K: tl.constexpr, HAS_INV: tl.constexpr, RENORM: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    """x [R,D] (+ inv [R/H,D]), Wg [E,D] → weight [R,k] fp32, index [R,k] int32."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = rows < R
+    probs = _logits_probs(x_ptr, inv_ptr, wg_ptr, rows, r_ok, H, D, E, HAS_INV, BLOCK_D, BLOCK_E, BLOCK_R)
+    offs_e = tl.arange(0, BLOCK_E)
+    # Padding experts get -1 so they are never chosen (real probabilities are ≥ 0).
+    probs = tl.where((offs_e < E)[None, :], probs, -1.0)
+    total = tl.full([BLOCK_R], 1.0, tl.float32)
+    if RENORM:
+        total = tl.zeros([BLOCK_R], tl.float32)
+        left = probs
+        for j in tl.static_range(TOP_K):
+            best = tl.argmax(left, axis=1)
+            total += tl.max(left, axis=1)
+            left = tl.where(offs_e[None, :] == best[:, None], -1.0, left)
+        total = tl.where(r_ok, total, 1.0)  # rows past R: no 0/0
+    left = probs
+    out = rows.to(tl.int64) * TOP_K
+    for j in tl.static_range(TOP_K):
+        best = tl.argmax(left, axis=1)
+        tl.store(weight_ptr + out + j, tl.max(left, axis=1) / total, mask=r_ok)
+        tl.store(index_ptr + out + j, best.to(tl.int32), mask=r_ok)
+        left = tl.where(offs_e[None, :] == best[:, None], -1.0, left)
+
+
+@triton.jit
+def _router_combine_bwd_kernel(
+    x_ptr, inv_ptr, wg_ptr, weight_ptr, index_ptr, pair_slot_ptr, dx_slot_ptr, gw_part_ptr,
+    dy_ptr, dinv_ptr, dlogits_ptr,
+    H, D, E, N_FBLK,
+    TOP_K: tl.constexpr, HAS_INV: tl.constexpr, SUM_H: tl.constexpr, RENORM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Per batch row b: ∂y [B,H,D] (dy_ptr's dtype), ∂inv [B,D] fp32 if SUM_H, ∂logits [R,E] fp32."""
+    b = tl.program_id(0).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    h_ok = offs_h < H
+    rows = b * H + offs_h
+    probs = _logits_probs(x_ptr, inv_ptr, wg_ptr, rows, h_ok, H, D, E, HAS_INV, BLOCK_D, BLOCK_E, BLOCK_H)
+    offs_e = tl.arange(0, BLOCK_E)
+    offs_c = tl.arange(0, BLOCK_C)
+    dpi = tl.zeros([BLOCK_H, BLOCK_E], tl.float32)
+    chosen = tl.zeros([BLOCK_H, BLOCK_E], tl.int1)
+    dw_w = tl.zeros([BLOCK_H], tl.float32)
+    for j in tl.static_range(TOP_K):
+        pair = rows * TOP_K + j
+        slot = tl.load(pair_slot_ptr + pair, mask=h_ok, other=0).to(tl.int64)
+        part = tl.load(gw_part_ptr + slot[:, None] * N_FBLK + offs_c[None, :],
+                       mask=h_ok[:, None] & (offs_c < N_FBLK)[None, :], other=0.0)
+        dw = tl.sum(part, axis=1)  # fixed order over the F blocks
+        hit = offs_e[None, :] == tl.load(index_ptr + pair, mask=h_ok, other=-1)[:, None]
+        dpi = tl.where(hit, dw[:, None], dpi)
+        chosen = chosen | hit
+        dw_w += dw * tl.load(weight_ptr + pair, mask=h_ok, other=0.0)
+    if RENORM:
+        chosen_sum = tl.where(h_ok, tl.sum(tl.where(chosen, probs, 0.0), axis=1), 1.0)
+        dpi = tl.where(chosen, (dpi - dw_w[:, None]) / chosen_sum[:, None], 0.0)
+    dlogits = probs * (dpi - tl.sum(dpi * probs, axis=1)[:, None])
+    dlogits = tl.where(h_ok[:, None], dlogits, 0.0)
+    tl.store(dlogits_ptr + rows[:, None] * E + offs_e[None, :], dlogits,
+             mask=h_ok[:, None] & (offs_e < E)[None, :])
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        d_ok = offs_d < D
+        hd_ok = h_ok[:, None] & d_ok[None, :]
+        wg = tl.load(wg_ptr + offs_e[:, None] * D + offs_d[None, :], mask=(offs_e < E)[:, None] & d_ok[None, :],
+                     other=0.0).to(tl.float32)
+        dy = tl.dot(dlogits, wg, input_precision="ieee")
+        for j in tl.static_range(TOP_K):
+            slot = tl.load(pair_slot_ptr + rows * TOP_K + j, mask=h_ok, other=0).to(tl.int64)
+            dy += tl.load(dx_slot_ptr + slot[:, None] * D + offs_d[None, :], mask=hd_ok, other=0.0)
+        tl.store(dy_ptr + rows[:, None] * D + offs_d[None, :], dy.to(dy_ptr.dtype.element_ty), mask=hd_ok)
+        if SUM_H:
+            tl.store(dinv_ptr + b * D + offs_d, tl.sum(tl.where(hd_ok, dy, 0.0), axis=0), mask=d_ok)
+
+
+def route(x, inv, wg, top_k, renorm, horizons):
+    """weight [R,k] fp32 and index [R,k] int32 for x [R,D] (+ inv [R/H,D] when given)."""
+    R, D = x.shape
+    E = wg.shape[0]
+    weight = torch.empty(R, top_k, device=x.device, dtype=torch.float32)
+    index = torch.empty(R, top_k, device=x.device, dtype=torch.int32)
+    block_r, block_e = 32, pow2(E)
+    _router_fwd_kernel[(triton.cdiv(R, block_r),)](
+        x, x if inv is None else inv, wg, weight, index, R, horizons, D, E,
+        TOP_K=top_k, HAS_INV=inv is not None, RENORM=renorm,
+        BLOCK_R=block_r, BLOCK_D=64 if block_e <= 32 else 32, BLOCK_E=block_e)
+    return weight, index
+
+
+def router_combine_backward(x, inv, wg, weight, index, pair_slot, dx_slot, gw_part, horizons, renorm, dy_dtype):
+    """(∂y [R,D] in dy_dtype, ∂inv [B,D] fp32 or None when inv is None, ∂logits [R,E] fp32)."""
+    R, D = x.shape
+    E = wg.shape[0]
+    top_k = index.shape[1]
+    B = R // horizons
+    dy = torch.empty(R, D, device=x.device, dtype=dy_dtype)
+    dinv = torch.empty(B, D, device=x.device, dtype=torch.float32) if inv is not None else None
+    dlogits = torch.empty(R, E, device=x.device, dtype=torch.float32)
+    block_h, block_e = pow2(horizons), pow2(E)
+    block_d = max(16, min(128, 4096 // max(block_h, block_e)))
+    _router_combine_bwd_kernel[(B,)](
+        x, x if inv is None else inv, wg, weight, index, pair_slot, dx_slot, gw_part,
+        dy, dy if dinv is None else dinv, dlogits, horizons, D, E, gw_part.shape[1],
+        TOP_K=top_k, HAS_INV=inv is not None, SUM_H=inv is not None, RENORM=renorm,
+        BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_E=block_e, BLOCK_C=pow2(gw_part.shape[1], 2))
+    return dy, dinv, dlogits

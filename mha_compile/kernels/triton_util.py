@@ -1,0 +1,168 @@
+"""Shared pieces of the Triton kernel families: activations, dtype rules, launching.
+
+Nothing here launches work on its own. The kernel files (triton_pool, triton_router,
+triton_moe, merge_cuda) import these helpers; fused.py and staged.py assemble the kernels.
+
+Launching: on CUDA a kernel runs through `triton.autotune` over a short config list (at most
+four configs a kernel, so a first training step spends seconds, not minutes, tuning), and
+the first launch of each new key logs one info line on the "mha_compile" logger. Under
+TRITON_INTERPRET=1 (CPU tensors, how CI runs these kernels) a kernel runs once with its
+first config: the interpreter would otherwise "benchmark" every config in Python.
+"""
+import logging
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from mha_compile.kernels.reference import ACTIVATIONS
+
+log = logging.getLogger("mha_compile")
+
+# Activation codes, constexpr in the kernels; the order of reference.ACTIVATIONS.
+ACT_CODE = {name: i for i, name in enumerate(ACTIVATIONS)}
+GELU, GELU_TANH, SILU, SWIGLU = (ACT_CODE[a] for a in ACTIVATIONS)
+
+# Set MHA_COMPILE_NO_AUTOTUNE=1 to launch every kernel with its first config on CUDA too
+# (used by the GPU tests to keep compile time down; the configs compute the same function).
+NO_AUTOTUNE = os.environ.get("MHA_COMPILE_NO_AUTOTUNE", "0") == "1"
+
+DOT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def interpreting():
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def device_reason(t):
+    """None when Triton kernels can run on `t`'s device, else why not."""
+    if t.device.type == "cuda":
+        return None
+    if t.device.type == "cpu" and interpreting():
+        return None
+    if t.device.type == "cpu":
+        return "device cpu needs TRITON_INTERPRET=1"
+    return f"device {t.device.type} has no Triton kernels here"
+
+
+def dtype_reason(t):
+    if t.dtype == torch.float64:
+        return "float64 runs on the reference path"
+    if t.dtype not in DOT_DTYPES:
+        return f"dtype {t.dtype} runs on the reference path (kernels take bf16, fp16, fp32)"
+    return None
+
+
+def pow2(n, lo=16):
+    """The next power of two ≥ max(n, lo): block sizes of masked tails."""
+    return max(lo, 1 << max(0, int(n) - 1).bit_length())
+
+
+def dot_precision(dtype):
+    """Triton's fp32 dot defaults to tf32 (≈3e-4 relative error): fp32 inputs ask for ieee."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def tl_dtype(dtype):
+    return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[dtype]
+
+
+def contiguous(*tensors):
+    return tuple(None if t is None else t.contiguous() for t in tensors)
+
+
+class Launcher:
+    """One kernel, its bounded config list and its autotune key.
+
+    `configs` are dicts of meta-parameters (with num_warps/num_stages); the first is the
+    default (interpreter, MHA_COMPILE_NO_AUTOTUNE). `key` names the kernel arguments that
+    change the best config; Triton adds the tensors' dtypes to it.
+    """
+
+    def __init__(self, kernel, configs, key):
+        self.kernel = kernel
+        self.configs = configs
+        self.key = key
+        tl_configs = [triton.Config({k: v for k, v in c.items() if k not in ("num_warps", "num_stages")},
+                                    num_warps=c.get("num_warps", 4), num_stages=c.get("num_stages", 2))
+                      for c in configs]
+        self.tuned = triton.autotune(configs=tl_configs, key=key)(kernel) if len(configs) > 1 else None
+        self.seen = set()
+
+    def __call__(self, grid, *args, **kwargs):
+        """grid: a function of the chosen meta-parameters (a dict) returning the launch grid."""
+        on_cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
+        if self.tuned is None or not on_cuda or NO_AUTOTUNE:
+            meta = dict(self.configs[0])
+            if not on_cuda:  # the interpreter ignores warps and stages
+                meta.pop("num_warps", None), meta.pop("num_stages", None)
+            self.kernel[grid({**meta, **kwargs})](*args, **kwargs, **meta)
+            return
+        names = self.kernel.arg_names
+        bound = dict(zip(names, args), **kwargs)
+        key = tuple(bound[k] for k in self.key) + tuple(
+            str(a.dtype) for a in args if isinstance(a, torch.Tensor))
+        if key not in self.seen:
+            self.seen.add(key)
+            log.info("mha_compile: autotuning %s over %d configs for %s",
+                     self.kernel.__name__, len(self.configs), dict(zip(self.key, key)))
+        self.tuned[lambda meta: grid({**meta, **kwargs})](*args, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations (codes above). u: pre-activation in fp32; u3 = x W3 for swiglu.
+
+GELU_TANH_C = math.sqrt(2.0 / math.pi)
+
+
+@triton.jit
+def act_fwd(u, u3, ACT: tl.constexpr):
+    if ACT == 0:  # gelu (erf)
+        return 0.5 * u * (1.0 + tl.erf(u * 0.7071067811865476))
+    elif ACT == 1:  # gelu (tanh); tanh(z) = 2σ(2z) − 1 keeps to ops the interpreter has
+        z = 0.7978845608028654 * (u + 0.044715 * u * u * u)
+        return 0.5 * u * (1.0 + (2.0 * tl.sigmoid(2.0 * z) - 1.0))
+    elif ACT == 2:  # silu
+        return u * tl.sigmoid(u)
+    else:  # swiglu
+        return u * tl.sigmoid(u) * u3
+
+
+@triton.jit
+def act_bwd(dh, u, u3, ACT: tl.constexpr):
+    """(∂u, ∂u3) given ∂h; ∂u3 is only meaningful for swiglu."""
+    if ACT == 0:
+        cdf = 0.5 * (1.0 + tl.erf(u * 0.7071067811865476))
+        pdf = tl.exp(-0.5 * u * u) * 0.3989422804014327
+        return dh * (cdf + u * pdf), dh
+    elif ACT == 1:
+        z = 0.7978845608028654 * (u + 0.044715 * u * u * u)
+        t = 2.0 * tl.sigmoid(2.0 * z) - 1.0
+        d = 0.5 * (1.0 + t) + 0.5 * u * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3 * 0.044715 * u * u)
+        return dh * d, dh
+    else:
+        sig = tl.sigmoid(u)
+        dsilu = sig * (1.0 + u * (1.0 - sig))
+        if ACT == 2:
+            return dh * dsilu, dh
+        else:
+            return dh * u3 * dsilu, dh * (u * sig)
+
+
+# ---------------------------------------------------------------------------------------------
+# The merge on load: the MoE input x = y[r] = ctx[r] + inv[r // H] is formed in registers from
+# its two sources and never written to memory (kernels="fused"); kernels="staged" passes the
+# materialised y as `x_ptr` with HAS_INV=False.
+
+
+@triton.jit
+def load_x(x_ptr, inv_ptr, rows, r_ok, offs_d, d_ok, H, D, HAS_INV: tl.constexpr):
+    """x[rows, offs_d] in fp32: x_ptr [R,D] row-major, plus inv [R/H, D] when HAS_INV."""
+    rows64 = rows.to(tl.int64)
+    ok = r_ok[:, None] & d_ok[None, :]
+    x = tl.load(x_ptr + rows64[:, None] * D + offs_d[None, :], mask=ok, other=0.0).to(tl.float32)
+    if HAS_INV:
+        x += tl.load(inv_ptr + (rows64 // H)[:, None] * D + offs_d[None, :], mask=ok, other=0.0)
+    return x
