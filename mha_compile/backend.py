@@ -1,0 +1,129 @@
+"""The torch.compile entry: options -> passes -> run the rest (eager | inductor).
+
+`torch.compile(model, backend="mha", options={...})` finds this function through the entry
+point `mha` in the group `torch_dynamo_backends`. It copies Dynamo's graph, rewrites the copy
+(find the regions, pick kernels, replace them with the `mha::region` op) and runs the result.
+Any failure in the rewrite returns the graph exactly as captured, with a warning that says
+why; `options={"strict": True}` raises instead. The original graph is never half-rewritten.
+"""
+import copy
+import itertools
+import logging
+
+import torch
+
+from mha_compile.debug.report import GraphReport
+from mha_compile.lowering.match import find_regions
+from mha_compile.lowering.rewrite import rewrite
+from mha_compile.lowering.select import choose_kernels
+from mha_compile.options import Options
+
+log = logging.getLogger("mha_compile")
+
+MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+VERIFY_RTOL = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
+_graph_counter = itertools.count()
+# Callables that receive each GraphReport (explain and the dumps listen here).
+observers = []
+
+
+def mha_backend(gm, example_inputs, options=None, mode=None):
+    """Dynamo backend: rewrite MHA regions of gm, then run everything with `rest`."""
+    opts = Options.parse(options)
+    if mode not in MODES:
+        raise ValueError(f"mha backend: mode={mode!r} is not supported; expected one of {MODES}")
+    report = GraphReport(next(_graph_counter), options={k: str(v) for k, v in vars(opts).items()})
+    report.code_before = gm.code
+    try:
+        lowered = lower(gm, opts, report)
+    except Exception as error:
+        if opts.strict:
+            raise
+        report.fallback = f"{type(error).__name__}: {error}"
+        log.warning("mha_compile: rewriting graph %d failed (%s); running it as captured", report.index, report.fallback)
+        lowered = gm
+    report.code_after = lowered.code
+    for observer in list(observers):
+        observer(report, gm, lowered)
+    compiled = run_rest(lowered, example_inputs, opts, mode)
+    if opts.verify and report.matches:
+        return _verified(run_rest(gm, example_inputs, opts, mode), compiled, report)
+    return compiled
+
+
+def lower(gm, opts, report):
+    """A rewritten copy of gm; fills report with matches and near-misses."""
+    matches, misses = find_regions(gm)
+    report.near_misses = [m.summary() for m in misses]
+    for miss in misses:
+        log.info("mha_compile: near-miss at %s: %s", miss.node, miss.reason)
+    if not matches:
+        return gm
+    new = _copy(gm)
+    matches, _ = find_regions(new)  # the same regions, on the copy's nodes
+    for match in matches:
+        match.kernels, match.kernels_reason = choose_kernels(match, opts.kernels)
+    report.matches = [m.summary() for m in matches]
+    rewrite(new, matches)
+    log.info("mha_compile: graph %d: replaced %d region(s)", report.index, len(matches))
+    return new
+
+
+def _copy(gm):
+    graph = torch.fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    graph._codegen = copy.deepcopy(gm.graph._codegen)
+    return torch.fx.GraphModule(gm, graph)
+
+
+def run_rest(gm, example_inputs, opts, mode):
+    """Everything outside the region: eagerly, or through Inductor (honouring `mode`)."""
+    if opts.rest == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+        patches = torch._inductor.list_mode_options(mode) if mode not in (None, "default") else {}
+        return compile_fx(gm, example_inputs, config_patches=patches)
+    if mode == "reduce-overhead":
+        if any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs):
+            from torch._dynamo.backends.cudagraphs import cudagraphs
+            return cudagraphs(gm, example_inputs)
+        log.info("mha_compile: mode='reduce-overhead' without CUDA inputs: running without CUDA graphs")
+    return gm.forward
+
+
+def _verified(original, compiled, report):
+    """On the first call run both graphs; on disagreement warn and keep the original."""
+    state = {"use": None}
+
+    def run(*args):
+        if state["use"] is not None:
+            return state["use"](*args)
+        with torch.no_grad():
+            expected = original(*args)
+        got = compiled(*args)
+        error = _max_relative_error(got, expected)
+        if error is None or error[0] > VERIFY_RTOL.get(error[1], 1e-4):
+            what = "a non-finite or missing output" if error is None else f"relative error {error[0]:.3g}"
+            report.fallback = f"verify: the rewritten graph disagrees with the original ({what}); using the original"
+            log.warning("mha_compile: graph %d: %s", report.index, report.fallback)
+            state["use"] = original
+            return original(*args)
+        state["use"] = compiled
+        return got
+
+    return run
+
+
+def _max_relative_error(got, expected):
+    got = got if isinstance(got, (list, tuple)) else [got]
+    expected = expected if isinstance(expected, (list, tuple)) else [expected]
+    worst = (0.0, torch.float32)
+    for a, b in zip(got, expected):
+        if not isinstance(b, torch.Tensor) or not b.is_floating_point():
+            continue
+        a64, b64 = a.detach().double(), b.detach().double()
+        if not torch.isfinite(a64).all():
+            return None
+        error = ((a64 - b64).norm() / b64.norm().clamp_min(1e-30)).item()
+        worst = max(worst, (error, b.dtype), key=lambda t: t[0])
+    return worst

@@ -1,0 +1,53 @@
+"""What the backend did to each graph, as data (for JSON) and as text (for people)."""
+import dataclasses
+
+
+@dataclasses.dataclass
+class GraphReport:
+    """One compiled graph: its matches and near-misses (dicts from Match/NearMiss.summary())."""
+    index: int
+    matches: list = dataclasses.field(default_factory=list)
+    near_misses: list = dataclasses.field(default_factory=list)
+    fallback: str | None = None  # why the graph ran unchanged, if the rewrite failed
+    code_before: str = ""
+    code_after: str = ""
+    options: dict = dataclasses.field(default_factory=dict)
+
+    def to_json(self):
+        return dataclasses.asdict(self)
+
+    def __str__(self):
+        lines = [f"graph {self.index}: {len(self.matches)} match(es), {len(self.near_misses)} near-miss(es)"]
+        for m in self.matches:
+            cfg = m["config"]
+            lines.append(f"  match at {m['output']}: ctx={m['ctx']} tok={m['tok']} act={cfg['act']} "
+                         f"top_k={cfg['top_k']} renorm={cfg['renorm']} dtype={m['dtype']}")
+            lines.append(f"    kernels: {m['kernels']} ({m['kernels_reason']})")
+            lines.append(f"    covers {len(m['nodes'])} nodes: {', '.join(m['nodes'])}")
+        for miss in self.near_misses:
+            lines.append(f"  near-miss at {miss['node']} (top-k {miss['anchor']}): {miss['reason']}")
+        if self.fallback:
+            lines.append(f"  fallback: {self.fallback}")
+        return "\n".join(lines)
+
+
+@dataclasses.dataclass
+class ExplainReport:
+    """What `mha_compile.explain` returns: every graph Dynamo handed the backend."""
+    graphs: list
+
+    @property
+    def matches(self):
+        return [m for g in self.graphs for m in g.matches]
+
+    @property
+    def near_misses(self):
+        return [m for g in self.graphs for m in g.near_misses]
+
+    def to_json(self):
+        return {"graphs": [g.to_json() for g in self.graphs]}
+
+    def __str__(self):
+        head = (f"mha_compile: {len(self.graphs)} graph(s), {len(self.matches)} match(es), "
+                f"{len(self.near_misses)} near-miss(es)")
+        return "\n".join([head] + [str(g) for g in self.graphs])

@@ -1,0 +1,1 @@
+"""Graph passes: canonicalize spellings, match the MHA region, rewrite it to the region op."""

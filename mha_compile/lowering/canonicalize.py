@@ -1,0 +1,168 @@
+"""One vocabulary for the many spellings of the same op.
+
+Dynamo graphs spell one operation many ways: `torch.add(a, b)`, `a + b`, `a.add(b)`, `a += b`;
+`x.softmax(-1)`, `torch.softmax(x, dim=-1)`, `F.softmax(x, -1)`; `x.view(...)`, `x.reshape(...)`,
+`x.unsqueeze(1)`, `x[:, None]`. `canon(node)` reads a node as an `Op` of one kind with its
+arguments in one order, without touching the graph. The matcher works on these kinds, shapes and
+dataflow, never on a literal spelling, so a new spelling of a known op is one line here.
+
+Kinds that only move or relabel elements are grouped by what they keep:
+- "reshape": the row-major sequence of elements is unchanged (view, reshape, flatten,
+  unflatten, unsqueeze, squeeze, indexing with only full slices and None);
+- "permute": axes reordered (transpose, permute, t, mT);
+- "expand": size-1 axes broadcast;
+- "cast": values kept, dtype/memory changed (to(dtype), float, contiguous, clone, type_as).
+"""
+import dataclasses
+import operator
+
+import torch
+from torch.nn import functional as F
+
+
+@dataclasses.dataclass
+class Op:
+    kind: str
+    args: tuple
+    kwargs: dict = dataclasses.field(default_factory=dict)
+
+
+def _fn(*names):
+    """Resolve torch attribute paths that exist in this torch build (some are private)."""
+    out = []
+    for name in names:
+        obj = torch
+        for part in name.split(".")[1:]:
+            obj = getattr(obj, part, None)
+        if obj is not None:
+            out.append(obj)
+    return out
+
+
+_FUNCTIONS = {}
+for kind, targets in {
+    "add": [operator.add, operator.iadd, *_fn("torch.add")],
+    "sub": [operator.sub, *_fn("torch.sub")],
+    "mul": [operator.mul, operator.imul, *_fn("torch.mul")],
+    "div": [operator.truediv, operator.itruediv, *_fn("torch.div", "torch.true_divide")],
+    "matmul": [operator.matmul, *_fn("torch.matmul", "torch.mm", "torch.bmm")],
+    "linear": [F.linear, *_fn("torch._C._nn.linear")],
+    "einsum": _fn("torch.einsum", "torch.functional.einsum"),
+    "softmax": [F.softmax, *_fn("torch.softmax", "torch.special.softmax")],
+    "topk": _fn("torch.topk"),
+    "sum": _fn("torch.sum"),
+    "getitem": [operator.getitem],
+    "eq": [operator.eq, *_fn("torch.eq")],
+    "scatter": _fn("torch.scatter"),
+    "zeros_like": _fn("torch.zeros_like"),
+    "gelu": [F.gelu, *_fn("torch._C._nn.gelu")],
+    "silu": [F.silu, *_fn("torch._C._nn.silu")],
+    "reshape": _fn("torch.reshape", "torch.flatten", "torch.unsqueeze", "torch.squeeze"),
+    "permute": _fn("torch.permute", "torch.transpose", "torch.t"),
+}.items():
+    for target in targets:
+        _FUNCTIONS[target] = kind
+
+_METHODS = {
+    "add": "add", "add_": "add", "__add__": "add", "__radd__": "add",
+    "sub": "sub", "mul": "mul", "mul_": "mul", "div": "div", "__truediv__": "div",
+    "matmul": "matmul", "mm": "matmul", "bmm": "matmul", "__matmul__": "matmul",
+    "softmax": "softmax", "topk": "topk", "sum": "sum", "eq": "eq", "scatter": "scatter",
+    "view": "reshape", "reshape": "reshape", "flatten": "reshape", "unflatten": "reshape",
+    "unsqueeze": "reshape", "squeeze": "reshape",
+    "transpose": "permute", "permute": "permute", "t": "permute",
+    "expand": "expand", "expand_as": "expand", "broadcast_to": "expand",
+    "to": "cast", "float": "cast", "double": "cast", "half": "cast", "bfloat16": "cast",
+    "type_as": "cast", "contiguous": "cast", "clone": "cast",
+}
+_CASTS_BY_FUNCTION = {torch.clone: "cast"}
+
+# Argument names per kind, so positional and keyword spellings read alike.
+_SIGNATURES = {
+    "linear": ("input", "weight", "bias"),
+    "softmax": ("input", "dim", "_stacklevel", "dtype"),
+    "topk": ("input", "k", "dim", "largest", "sorted"),
+    "sum": ("input", "dim", "keepdim"),
+    "scatter": ("input", "dim", "index", "src"),
+    "gelu": ("input", "approximate"),
+}
+
+
+def canon(node):
+    """The node read as an Op, or None when it is not a call we know."""
+    if node.op == "call_function":
+        kind = _FUNCTIONS.get(node.target) or _CASTS_BY_FUNCTION.get(node.target)
+        if kind is None:
+            return None
+    elif node.op == "call_method":
+        kind = _METHODS.get(node.target)
+        if kind is None:
+            return None
+    else:
+        return None
+    args, kwargs = tuple(node.args), dict(node.kwargs)
+    if kind == "einsum":
+        operands = args[1:]
+        if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+            operands = tuple(operands[0])
+        return Op("einsum", (args[0], *operands))
+    if kind in ("add", "sub") and kwargs.pop("alpha", 1) != 1:
+        return None
+    if kind == "div" and kwargs.pop("rounding_mode", None) is not None:
+        return None
+    if kind == "getitem":
+        return _read_getitem(node, args)
+    if kind == "permute":
+        return _read_permute(node, args, kwargs)
+    if kind == "sum" and node.op == "call_method" and len(args) == 1 and "dim" not in kwargs:
+        kwargs["dim"] = None
+    if kind in _SIGNATURES:
+        names = _SIGNATURES[kind]
+        merged = dict(zip(names, args))
+        merged.update({k: v for k, v in kwargs.items() if k in names or k == "dim"})
+        return Op(kind, tuple(merged.get(n) for n in names))
+    return Op(kind, args, kwargs)
+
+
+def _read_getitem(node, args):
+    """x[:, None] and friends are reshapes; W[e] is a select; anything else stays getitem."""
+    base, index = args
+    items = index if isinstance(index, tuple) else (index,)
+    if all(i is None or i is Ellipsis or i == slice(None) for i in items if not isinstance(i, int)) and \
+            not any(isinstance(i, int) for i in items) and any(i is None for i in items):
+        return Op("reshape", (base,))
+    return Op("getitem", (base, index))
+
+
+def _read_permute(node, args, kwargs):
+    """transpose / t / permute as Op("permute", (x, dims)) with every axis named."""
+    base, rest = args[0], args[1:]
+    in_shape = shape(base)
+    if in_shape is None:
+        return None
+    ndim = len(in_shape)
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    if name == "t":
+        dims = (1, 0) if ndim == 2 else tuple(range(ndim))
+    elif name == "transpose":
+        d0, d1 = (list(rest) + [kwargs.get("dim0"), kwargs.get("dim1")])[:2]
+        if not isinstance(d0, int) or not isinstance(d1, int):
+            return None
+        dims = list(range(ndim))
+        dims[d0 % ndim], dims[d1 % ndim] = dims[d1 % ndim], dims[d0 % ndim]
+    else:
+        dims = rest[0] if len(rest) == 1 and isinstance(rest[0], (list, tuple)) else rest or kwargs.get("dims")
+        if dims is None or not all(isinstance(d, int) for d in dims) or len(dims) != ndim:
+            return None
+    return Op("permute", (base, tuple(d % ndim for d in dims)))
+
+
+def shape(node):
+    """The node's shape from Dynamo's example value, or None."""
+    value = node.meta.get("example_value") if hasattr(node, "meta") else None
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+
+
+def dtype(node):
+    value = node.meta.get("example_value") if hasattr(node, "meta") else None
+    return value.dtype if isinstance(value, torch.Tensor) else None

@@ -1,0 +1,293 @@
+"""A small abstract interpreter over FX graphs: each node gets a meaning, not a spelling.
+
+A `Val` says what a node computes (its `kind`, e.g. "proj" for an affine map of the tokens)
+and what each of its axes is (`roles`, e.g. ("b", "n", "d")). Rules read canonical ops
+(canonicalize.py), check the axes they combine and produce the next Val. A node whose rule
+declines gets no Val; a rule that recognises an op but finds it wrong records a reason, which
+is what a near-miss report shows.
+
+Axis roles are names; reshapes split and merge them by sizes: "d" split into (P, Dh) gives
+("d.0", "d.1"), and merging ("d.0", "d.1") gives "d" back, while ("d.1", "d.0") does not.
+"b*h" is the merge of "b" and "h" and splits back into them.
+"""
+import dataclasses
+
+import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from mha_compile.lowering.canonicalize import canon, shape
+
+ONE = "1"  # the role of a size-1 axis
+OUTSIDE_KINDS = ("ext", "zero")  # Vals a node outside the region may have
+
+
+@dataclasses.dataclass
+class Val:
+    kind: str
+    roles: tuple | None = None
+    info: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamRef:
+    """A tensor from outside the region used as a parameter: node[select] then permuted by perm."""
+    node: object
+    perm: tuple | None = None  # permutation of the (selected) tensor's axes, None for identity
+    select: int | None = None  # index taken on axis 0 first (a per-expert slice)
+
+
+class Reject(Exception):
+    """Raised by a rule that recognised an op but found it is not the block's: the reason."""
+
+
+def known_eq(a, b):
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    try:
+        return bool(statically_known_true(a == b))
+    except Exception:
+        return False
+
+
+def known_lt(a, b):
+    if isinstance(a, int) and isinstance(b, int):
+        return a < b
+    try:
+        return bool(statically_known_true(a < b))
+    except Exception:
+        return False
+
+
+def is_one(size):
+    return isinstance(size, int) and size == 1
+
+
+class Axes:
+    """Sizes of the roles seen so far; splits and merges are checked against them."""
+
+    def __init__(self):
+        self.sizes = {}
+
+    def bind(self, role, size):
+        if role == ONE or role is None:
+            return True
+        if role in self.sizes:
+            return known_eq(self.sizes[role], size)
+        self.sizes[role] = size
+        return True
+
+    def bind_all(self, roles, shp):
+        return roles is not None and shp is not None and len(roles) == len(shp) and all(
+            self.bind(r, s) for r, s in zip(roles, shp))
+
+    def merge(self, roles):
+        if len(roles) == 1:
+            return roles[0]
+        bases = {r.rsplit(".", 1)[0] for r in roles if "." in r}
+        if len(bases) == 1 and list(roles) == [f"{next(iter(bases))}.{i}" for i in range(len(roles))]:
+            return next(iter(bases))
+        return "*".join(roles)
+
+    def split(self, role, sizes):
+        parts = role.split("*")
+        if len(parts) == len(sizes) and all(known_eq(self.sizes.get(p), s) for p, s in zip(parts, sizes)):
+            return tuple(parts)
+        parts = tuple(f"{role}.{i}" for i in range(len(sizes)))
+        return parts if all(self.bind(p, s) for p, s in zip(parts, sizes)) else None
+
+    def reshape(self, in_shape, in_roles, out_shape):
+        """Roles after a row-major reshape, or None when the axes cannot be followed."""
+        src = [(s, r) for s, r in zip(in_shape, in_roles) if not is_one(s)]
+        dst = [i for i, s in enumerate(out_shape) if not is_one(s)]
+        out = [ONE if is_one(s) else None for s in out_shape]
+        i = j = 0
+        while i < len(src) or j < len(dst):
+            if i >= len(src) or j >= len(dst):
+                return None
+            group_in, group_out = [src[i]], [dst[j]]
+            p_in, p_out = src[i][0], out_shape[dst[j]]
+            i, j = i + 1, j + 1
+            while not known_eq(p_in, p_out):
+                if known_lt(p_in, p_out) and i < len(src):
+                    group_in.append(src[i])
+                    p_in, i = p_in * src[i][0], i + 1
+                elif known_lt(p_out, p_in) and j < len(dst):
+                    group_out.append(dst[j])
+                    p_out, j = p_out * out_shape[dst[j]], j + 1
+                else:
+                    return None
+            roles = [r for _, r in group_in]
+            if None in roles:
+                return None
+            if len(group_out) == 1:
+                out[group_out[0]] = self.merge(roles)
+            elif len(roles) == 1:
+                parts = self.split(roles[0], [out_shape[k] for k in group_out])
+                if parts is None:
+                    return None
+                for k, r in zip(group_out, parts):
+                    out[k] = r
+            else:
+                return None
+        return tuple(out)
+
+
+def broadcast(a, b):
+    """Roles of a broadcasting elementwise op (right-aligned), or None on a clash."""
+    if a is None or b is None:
+        return None
+    n = max(len(a), len(b))
+    a, b = (ONE,) * (n - len(a)) + tuple(a), (ONE,) * (n - len(b)) + tuple(b)
+    out = []
+    for x, y in zip(a, b):
+        if x == y or y == ONE:
+            out.append(x)
+        elif x == ONE:
+            out.append(y)
+        else:
+            return None
+    return tuple(out)
+
+
+def einsum_roles(equation, operand_roles):
+    """(output roles, role of each letter, contracted letters) of an einsum, or None."""
+    equation = equation.replace(" ", "")
+    if "." in equation or "->" not in equation:
+        return None
+    inputs, output = equation.split("->")
+    terms = inputs.split(",")
+    if len(terms) != len(operand_roles):
+        return None
+    letters = {}
+    for term, roles in zip(terms, operand_roles):
+        if roles is None:
+            continue
+        if len(term) != len(roles):
+            return None
+        for letter, role in zip(term, roles):
+            if letters.get(letter, role) != role and ONE not in (role, letters[letter]):
+                return None
+            if letters.get(letter) in (None, ONE):
+                letters[letter] = role
+    contracted = set("".join(terms)) - set(output)
+    return tuple(letters.get(l) for l in output), letters, contracted, terms
+
+
+class Walk:
+    """Evaluates `rule` over `nodes` in graph order, starting from `start` {node: Val}."""
+
+    def __init__(self, rule, start, nodes, inside):
+        self.rule, self.vals, self.reasons, self.axes = rule, dict(start), {}, Axes()
+        self.inside = inside  # nodes that depend on a start: everything else is external
+        for node, val in start.items():
+            self.axes.bind_all(val.roles, shape(node))
+        for node in nodes:
+            if node in self.vals:
+                continue
+            op = canon(node)
+            if op is None:
+                continue
+            try:
+                val = rule(self, node, op)
+            except Reject as reason:
+                self.reasons[node] = str(reason)
+                continue
+            if val is not None and (node in inside or val.kind in OUTSIDE_KINDS):
+                if val.roles is not None and shape(node) is not None and not self.axes.bind_all(val.roles, shape(node)):
+                    self.reasons[node] = f"axis sizes of {node.name} do not agree with the roles {val.roles}"
+                    continue
+                self.vals[node] = val
+
+    def val(self, arg):
+        """The Val of an argument: computed, external (a parameter-like tensor), or a constant."""
+        if isinstance(arg, torch.fx.Node):
+            if arg in self.vals:
+                return self.vals[arg]
+            if arg not in self.inside:
+                return Val("ext", None, {"ref": ParamRef(arg)})
+            return None
+        if isinstance(arg, (int, float, bool)) or arg is None:
+            return Val("const", None, {"value": arg})
+        return None
+
+    def first_reason(self, target, nodes):
+        """Why `target` got no Val: the earliest recorded reason among its ancestors."""
+        ancestors = set()
+        stack = [target]
+        while stack:
+            node = stack.pop()
+            if node in ancestors or node not in self.inside and node is not target:
+                continue
+            ancestors.add(node)
+            stack.extend(node.all_input_nodes)
+        for node in nodes:
+            if node in ancestors and node in self.reasons:
+                return node, self.reasons[node]
+        for node in nodes:
+            if node in ancestors and node not in self.vals and canon(node) is not None and any(
+                    i in self.vals for i in node.all_input_nodes):
+                return node, f"{node.name} ({node.op} {getattr(node.target, '__name__', node.target)}) is not part of the block's math as far as the matcher can read it"
+        return target, f"{target.name} could not be read as the block"
+
+
+def layout_rule(walk, node, op):
+    """Reshape, permute, expand and cast keep a Val's meaning and move its roles.
+
+    On an external tensor (a parameter) a permute or select is remembered in its ParamRef, a
+    cast or a size-1 reshape is transparent; anything else leaves the parameter unread.
+    """
+    src = walk.val(op.args[0]) if op.args else None
+    if src is None:
+        return None
+    if src.kind == "zero":
+        return Val("zero", None)
+    in_shape, out_shape = shape(op.args[0]), shape(node)
+    if src.kind == "ext":
+        ref = src.info["ref"]
+        if op.kind == "cast":
+            return src
+        if op.kind == "permute" and in_shape is not None:
+            perm = op.args[1]
+            base = ref.perm or tuple(range(len(in_shape)))
+            return Val("ext", None, {"ref": dataclasses.replace(ref, perm=tuple(base[i] for i in perm))})
+        if op.kind == "reshape" and in_shape is not None and out_shape is not None and \
+                [s for s in in_shape if not is_one(s)] == [s for s in out_shape if not is_one(s)] and ref.perm is None:
+            return src
+        return None
+    if src.roles is None or in_shape is None or out_shape is None:
+        return Val(src.kind, None, src.info) if op.kind == "cast" else None
+    if op.kind == "cast":
+        return Val(src.kind, src.roles, src.info)
+    if op.kind == "reshape":
+        roles = walk.axes.reshape(in_shape, src.roles, out_shape)
+    elif op.kind == "permute":
+        roles = tuple(src.roles[i] for i in op.args[1])
+    else:  # expand: new or size-1 axes broadcast, the rest keep their roles
+        pad = len(out_shape) - len(in_shape)
+        full = (ONE,) * pad + tuple(src.roles)
+        roles = tuple(ONE if (i < pad or is_one(in_shape[i - pad])) else full[i] for i in range(len(out_shape)))
+    return None if roles is None else Val(src.kind, roles, src.info)
+
+
+def select_rule(walk, node, op):
+    """W[e] on a parameter: a per-expert slice, remembered in the ParamRef."""
+    src = walk.val(op.args[0])
+    index = op.args[1]
+    if src is None or src.kind != "ext" or not isinstance(index, int):
+        return None
+    ref = src.info["ref"]
+    if ref.perm is not None or ref.select is not None:
+        return None
+    return Val("ext", None, {"ref": ParamRef(ref.node, None, index)})
+
+
+def ext_ref(val):
+    return val.info["ref"] if val is not None and val.kind == "ext" else None
+
+
+def canonical_perm(roles, canonical):
+    """Permutation taking axes in `roles` order to `canonical` order, or None if identity."""
+    if sorted(roles) != sorted(canonical):
+        return False
+    perm = tuple(roles.index(r) for r in canonical)
+    return None if perm == tuple(range(len(perm))) else perm

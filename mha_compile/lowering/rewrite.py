@@ -1,0 +1,56 @@
+"""Replacing a matched region with one call of the `mha::region` op.
+
+The user's parameters are passed as they are; a layout difference becomes a `permute` view
+(never a copy) inserted in the graph. Region nodes that are dead after the replacement are
+erased; anything still used (a size query, say) stays, so nothing the rest of the graph
+reads is ever lost.
+"""
+import operator
+
+import torch
+
+from mha_compile import ops
+from mha_compile.lowering.canonicalize import shape
+
+
+def _param(graph, ref):
+    if ref is None:
+        return None
+    node = ref.node
+    if ref.select is not None:
+        raise ValueError(f"parameter {node.name} is used per expert but was not stacked")
+    if ref.perm is not None:
+        node = graph.call_method("permute", (node, *ref.perm))
+    return node
+
+
+def replace_region(gm, match):
+    """Insert the op before match.output, reroute its users, erase the dead region nodes."""
+    graph = gm.graph
+    with graph.inserting_before(match.output):
+        params = [_param(graph, match.params.get(name)) for name in
+                  ("q", "wk", "bk", "wv", "bv", "wo", "bo", "wg", "w1", "b1", "w2", "b2", "w3")]
+        cfg = match.config
+        call = graph.call_function(torch.ops.mha.region.default, (
+            match.ctx, match.tok, *params, None, cfg["top_k"], cfg["renorm"], cfg["act"], match.kernels))
+        out = graph.call_function(operator.getitem, (call, 0))
+        if len(shape(match.output)) == 2:  # the user's MoE ran on [B·H, D] rows
+            out = graph.call_method("flatten", (out, 0, 1))
+    out.meta.update({k: v for k, v in match.output.meta.items() if k in ("example_value", "val", "stack_trace")})
+    match.output.replace_all_uses_with(out)
+    for node in reversed(match.nodes):
+        if not node.users:
+            graph.erase_node(node)
+    return call
+
+
+def rewrite(gm, matches):
+    """Replace every match in gm (in place) and recompile it."""
+    for match in matches:
+        replace_region(gm, match)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+__all__ = ["rewrite", "replace_region", "ops"]

@@ -1,0 +1,34 @@
+"""Which kernel set runs a matched region, and why: decided from dtype, device and shapes."""
+from mha_compile import ops
+
+# Explicit requests fall back along this order: the staged set is the fused set's fallback,
+# the reference path everyone's (SPEC §3, issue 3).
+FALLBACKS = {"auto": ("fused", "staged"), "fused": ("fused", "staged"), "staged": ("staged",), "reference": ()}
+
+
+def _example(node):
+    return None if node is None else node.meta.get("example_value")
+
+
+def choose_kernels(match, requested):
+    """(kernel set name, reason) for the match; the reference path when nothing else fits."""
+    if requested == "reference":
+        return "reference", "kernels='reference' was requested"
+    ctx, tok = _example(match.ctx), _example(match.tok)
+    w1 = _example(match.params["w1"].node)
+    if requested == "auto" and ctx.device.type != "cuda":
+        return "reference", (f"inputs are on {ctx.device.type}; the Triton kernels need CUDA "
+                             f"(kernels='fused' or 'staged' also run on CPU under TRITON_INTERPRET=1)")
+    reasons = []
+    for name in FALLBACKS[requested]:
+        try:
+            module = ops.kernel_set(name)
+        except NotImplementedError as error:
+            reasons.append(str(error))
+            continue
+        why = module.why_unsupported(ctx, tok, w1, match.config["top_k"], match.config["act"], None)
+        if why is None:
+            chosen = f"kernels={requested!r}" + ("" if name == requested else f" -> {name}")
+            return name, "; ".join(reasons + [f"{chosen}: supports {ctx.dtype} on {ctx.device.type}"])
+        reasons.append(f"{name}: {why}")
+    return "reference", "; ".join(reasons) + " -> reference path"

@@ -1,0 +1,53 @@
+"""The backend's settings: one dataclass, defaults as named constants, validation with clear errors."""
+import dataclasses
+import os
+
+KERNELS = ("auto", "fused", "staged", "reference")
+REST = ("eager", "inductor")
+DEFAULT_KERNELS = "auto"
+DEFAULT_REST = "eager"
+DUMP_ENV = "MHA_COMPILE_DUMP"
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """Settings of `torch.compile(m, backend="mha", options={...})`.
+
+    kernels: which kernels replace the region ("auto": fused on CUDA where supported, else
+        the reference path). rest: how everything outside the region runs. dump: a folder for
+        graph dumps (default: $MHA_COMPILE_DUMP). verify: run the original region beside the
+        replacement on the first call and fall back with a warning if they disagree.
+        strict: raise instead of falling back when the backend fails.
+    """
+
+    kernels: str = DEFAULT_KERNELS
+    rest: str = DEFAULT_REST
+    dump: str | None = None
+    verify: bool = False
+    strict: bool = False
+
+    def __post_init__(self):
+        _check_choice("kernels", self.kernels, KERNELS)
+        _check_choice("rest", self.rest, REST)
+        for name in ("verify", "strict"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"mha options: {name}={getattr(self, name)!r} must be True or False")
+        if self.dump is not None and not isinstance(self.dump, (str, os.PathLike)):
+            raise TypeError(f"mha options: dump={self.dump!r} must be a folder path (str or os.PathLike)")
+
+    @classmethod
+    def parse(cls, options):
+        """Options from the dict given to torch.compile (None: defaults); unknown keys raise."""
+        options = dict(options or {})
+        allowed = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(options) - set(allowed))
+        if unknown:
+            raise ValueError(f"mha options: unknown key(s) {unknown}; allowed keys are {allowed}")
+        if options.get("dump") is None and os.environ.get(DUMP_ENV):
+            options["dump"] = os.environ[DUMP_ENV]
+        return cls(**options)
+
+
+def _check_choice(name, value, allowed):
+    if value not in allowed:
+        raise ValueError(f"mha options: {name}={value!r} is not allowed; expected one of {allowed}")
