@@ -1,0 +1,129 @@
+"""Inputs, the float64 oracle and the comparison rules shared by the kernel tests (SPEC §4).
+
+One tolerance table per dtype: ‖got − ref‖ / ‖ref‖ for the output and for every gradient.
+The reference runs in float64 on the same (already rounded) inputs. Rows whose top-k choice
+differs from the reference (rounding can flip a near-tie in bf16/fp16) are counted and
+reported separately: the output is compared on the other rows, the count is bounded, and the
+gradients are compared against the reference backward fed with this forward's saved tensors
+(that is the op's contract: its backward receives whatever its forward returned).
+"""
+import math
+
+import torch
+
+from mha_compile import models
+from mha_compile.kernels import reference
+
+# Relative-norm tolerance per dtype (fp32 with ieee dots; bf16/fp16 with fp32 accumulation).
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+# Largest fraction of rows allowed to flip their top-k set through rounding.
+FLIP_FRACTION = {torch.float32: 1e-3, torch.bfloat16: 2e-2, torch.float16: 1e-2}
+GRAD_NAMES = ("ctx", "tok", "q", "wk", "bk", "wv", "bv", "wo", "bo", "wg", "w1", "b1", "w2", "b2", "w3")
+
+
+def make_case(B, H, N, D, P, F, E, k, act="gelu", dtype=torch.float32, device="cpu", bias=True,
+              pool_bias=True, seed=None):
+    """Fresh random inputs: (ctx, tok, params) with params in region-op order, in `dtype`."""
+    gen = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
+    block = models.MHABlock(D, P, F, E, k, act=act, bias=bias)
+    params = []
+    for p in models.block_parameters(block):
+        if p is None:
+            params.append(None)
+            continue
+        # Re-draw every parameter from our generator (biases too: never zeros).
+        t = torch.randn(p.shape, generator=gen, dtype=torch.float64)
+        fan = p.shape[-2] if p.dim() >= 2 else 10.0
+        params.append(t / math.sqrt(fan))
+    if not pool_bias:
+        params[2] = params[4] = params[6] = None  # bk, bv, bo
+    ctx = torch.randn(B, H, D, generator=gen, dtype=torch.float64)
+    tok = torch.randn(B, N, D, generator=gen, dtype=torch.float64)
+    cast = lambda t: None if t is None else t.to(device=device, dtype=dtype)
+    return cast(ctx), cast(tok), [cast(p) for p in params]
+
+
+def preset_case(name, act="gelu", dtype=torch.float32, device="cpu", seed=0):
+    p = models.PRESETS[name]
+    return make_case(p["B"], p["H"], p["N"], p["D"], p["P"], p["F"], p["E"], p["k"], act=act, dtype=dtype,
+                     device=device, seed=seed)
+
+
+def rel_err(got, ref):
+    got, ref = got.double(), ref.double()
+    denom = ref.norm()
+    if denom == 0:
+        return float(got.norm())
+    return float((got - ref).norm() / denom)
+
+
+def _f64(t):
+    return None if t is None else t.double()
+
+
+def check_region(module, ctx, tok, params, top_k, renorm, act, mask=None, grad_seed=1, check_grads=True):
+    """Run `module`'s forward and backward and compare with the float64 reference.
+
+    Returns a dict of errors (and the flip count); raises AssertionError with every failure.
+    """
+    dtype = ctx.dtype
+    tol = TOLERANCE[dtype]
+    out, inv, attn, weight, index = module.region_forward(ctx, tok, *params, mask, top_k, renorm, act)
+    ref = reference.region_forward(_f64(ctx), _f64(tok), *[_f64(p) for p in params], mask, top_k, renorm, act)
+    r_out, r_inv, r_attn, r_weight, r_index = ref
+    B, H, D = ctx.shape
+    assert out.shape == (B, H, D) and out.dtype == dtype
+    assert inv.dtype == attn.dtype == weight.dtype == reference.accumulation_dtype(dtype)
+    assert index.dtype == torch.int32 and index.shape == r_index.shape
+    assert torch.isfinite(out).all(), "non-finite output"
+    same = (index.long().sort(1).values == r_index.sort(1).values).all(1)  # [R]
+    flips = int((~same).sum())
+    errors = {"flips": flips, "inv": rel_err(inv, r_inv), "attn": rel_err(attn, r_attn)}
+    keep = same.view(B, H)
+    errors["out"] = rel_err(out[keep], r_out[keep])
+    errors["weight"] = rel_err(weight[same], r_weight[same])
+    failures = [f"{name} {err:.2e} > {tol:.0e}" for name, err in errors.items()
+                if name != "flips" and err > tol]
+    if flips > FLIP_FRACTION[dtype] * B * H:
+        failures.append(f"{flips} of {B * H} rows flipped their top-k choice")
+    if check_grads:
+        gen = torch.Generator().manual_seed(grad_seed)
+        grad_out = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(device=ctx.device, dtype=dtype)
+        grads = module.region_backward(grad_out, ctx, tok, *params, mask, inv, attn, weight, index,
+                                       top_k, renorm, act)
+        # The reference backward, fed this forward's saved tensors (in float64).
+        r_grads = reference.region_backward(
+            _f64(grad_out), _f64(ctx), _f64(tok), *[_f64(p) for p in params], mask,
+            _f64(inv), _f64(attn), _f64(weight), index, top_k, renorm, act)
+        inputs = (ctx, tok, *params)
+        assert len(grads) == 15
+        for name, g, r, t in zip(GRAD_NAMES, grads, r_grads, inputs):
+            if t is None:
+                assert g is None, f"∂{name} should be None for an absent input"
+                continue
+            assert g.shape == t.shape and g.dtype == t.dtype, f"∂{name}: {g.shape} {g.dtype}"
+            assert torch.isfinite(g).all(), f"∂{name} is not finite"
+            if name == "bk":
+                assert (g == 0).all(), "∂bk must be exactly zero"
+                continue
+            errors["d" + name] = err = rel_err(g, r)
+            if err > tol:
+                failures.append(f"∂{name} {err:.2e} > {tol:.0e}")
+    assert not failures, f"{module.__name__}: " + "; ".join(failures) + f" (all: {fmt(errors)})"
+    return errors
+
+
+def fmt(errors):
+    return ", ".join(f"{k}={v:.1e}" if isinstance(v, float) else f"{k}={v}" for k, v in errors.items())
+
+
+def one_expert_router(ctx, wg, strength=6.0):
+    """Make expert 0 win every row: push ctx along a direction v and point Wg[0] at it."""
+    D = ctx.shape[-1]
+    gen = torch.Generator().manual_seed(7)
+    v = torch.randn(D, generator=gen, dtype=torch.float64)
+    v = v / v.norm()
+    ctx = (ctx.double() + strength * v.to(ctx.device)).to(ctx.dtype)
+    wg = (0.05 * wg.double()).clone()
+    wg[0] = strength * v.to(wg.device)
+    return ctx, wg.to(ctx.dtype)

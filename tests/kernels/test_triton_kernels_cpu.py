@@ -1,0 +1,163 @@
+"""The Triton kernel sets on CPU tensors under TRITON_INTERPRET=1, at tiny sizes (CI runs these).
+
+Every case runs the whole region forward and backward and compares the output, the saved
+tensors and all 15 gradients with the float64 reference (kernel_cases.check_region).
+bf16 is left to the GPU tests: triton 3.6's interpreter computes bf16 tl.dot wrongly
+(a 16×16 bf16 product comes back off by ~1e10), so fp32 and fp16 cover the interpreter.
+"""
+import os
+
+import pytest
+import torch
+
+from kernel_cases import check_region, make_case, one_expert_router
+from mha_compile.kernels import fused, reference, staged, triton_moe
+from mha_compile.kernels.merge_cuda import merge_backward, merge_forward
+
+pytestmark = [
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU Triton kernels need TRITON_INTERPRET=1"),
+    # numpy 2.3 warns for every scalar loop bound the interpreter converts (triton#9171).
+    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning"),
+]
+SETS = [pytest.param(fused, id="fused"), pytest.param(staged, id="staged")]
+
+
+@pytest.mark.parametrize("module", SETS)
+@pytest.mark.parametrize("act", reference.ACTIVATIONS)
+def test_region_matches_reference(module, act):
+    ctx, tok, params = make_case(2, 3, 5, 32, 2, 64, 4, 2, act=act)
+    check_region(module, ctx, tok, params, top_k=2, renorm=True, act=act)
+
+
+# Odd sizes (97, 47, 1 among them), rows fewer than a block, k = 1 and k = E, no biases,
+# no renormalisation, E = 64.
+ODD = [
+    dict(B=2, H=3, N=3, D=24, P=3, F=40, E=5, k=2),
+    dict(B=1, H=1, N=1, D=24, P=2, F=47, E=3, k=1),
+    dict(B=3, H=2, N=7, D=40, P=4, F=97, E=3, k=3),
+    dict(B=2, H=5, N=4, D=16, P=1, F=16, E=64, k=3),
+]
+
+
+@pytest.mark.parametrize("module", SETS)
+@pytest.mark.parametrize("shape", ODD, ids=lambda s: "B{B}H{H}N{N}D{D}P{P}F{F}E{E}k{k}".format(**s))
+def test_odd_sizes(module, shape):
+    s = dict(shape)
+    k = s.pop("k")
+    ctx, tok, params = make_case(*s.values(), k, act="silu")
+    check_region(module, ctx, tok, params, top_k=k, renorm=False, act="silu")
+
+
+@pytest.mark.parametrize("module", SETS)
+def test_no_biases_swiglu(module):
+    ctx, tok, params = make_case(2, 3, 5, 32, 2, 48, 4, 2, act="swiglu", bias=False, pool_bias=False)
+    check_region(module, ctx, tok, params, top_k=2, renorm=True, act="swiglu")
+
+
+@pytest.mark.parametrize("module", SETS)
+def test_key_padding_mask(module):
+    ctx, tok, params = make_case(3, 2, 6, 32, 2, 32, 4, 2)
+    mask = torch.zeros(3, 6, dtype=torch.bool)
+    mask[0, 1] = mask[0, 4] = mask[2, 5] = True
+    check_region(module, ctx, tok, params, top_k=2, renorm=True, act="gelu", mask=mask)
+
+
+@pytest.mark.parametrize("module", SETS)
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_all_rows_to_one_expert(module, top_k):
+    ctx, tok, params = make_case(2, 4, 5, 32, 2, 32, 6, top_k)
+    ctx, params[7] = one_expert_router(ctx, params[7])
+    out = module.region_forward(ctx, tok, *params, None, top_k, True, "gelu")
+    assert (out[4][:, 0] == 0).all(), "the test's router should send every row to expert 0"
+    check_region(module, ctx, tok, params, top_k=top_k, renorm=True, act="gelu")
+
+
+@pytest.mark.parametrize("module", SETS)
+def test_fp16(module):
+    ctx, tok, params = make_case(2, 3, 5, 32, 2, 64, 4, 2, dtype=torch.float16)
+    check_region(module, ctx, tok, params, top_k=2, renorm=True, act="gelu_tanh")
+
+
+@pytest.mark.parametrize("module", SETS)
+def test_float64_runs_on_reference(module):
+    ctx, tok, params = make_case(2, 3, 5, 32, 2, 64, 4, 2, dtype=torch.float64)
+    assert module.why_unsupported(ctx, tok, params[10], 2, "gelu", None) == "float64 runs on the reference path"
+    got = module.region_forward(ctx, tok, *params, None, 2, True, "gelu")
+    want = reference.region_forward(ctx, tok, *params, None, 2, True, "gelu")
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+def test_why_unsupported_reads_only_metadata():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        ctx = torch.empty(4, 3, 32, dtype=torch.bfloat16)
+        tok = torch.empty(4, 5, 32, dtype=torch.bfloat16)
+        w1 = torch.empty(4, 32, 64, dtype=torch.bfloat16)
+        assert fused.why_unsupported(ctx, tok, w1, 2, "gelu", None) is None  # TRITON_INTERPRET=1 here
+        assert "float64" in fused.why_unsupported(ctx.double(), tok.double(), w1.double(), 2, "gelu", None)
+        assert "mixed dtypes" in staged.why_unsupported(ctx, tok, w1.float(), 2, "gelu", None)
+        wide = torch.empty(4, 32, 64, dtype=torch.bfloat16).new_empty(65, 32, 64)
+        assert "E=65" in fused.why_unsupported(ctx, tok, wide, 2, "gelu", None)
+        big = torch.empty(4, 3, 2048, dtype=torch.bfloat16)
+        assert "D=2048" in fused.why_unsupported(big, big.new_empty(4, 5, 2048), big.new_empty(4, 2048, 8),
+                                                 2, "gelu", None)
+
+
+@pytest.mark.parametrize("module", SETS)
+def test_backward_is_bitwise_reproducible(module):
+    ctx, tok, params = make_case(2, 3, 5, 32, 2, 64, 4, 2)
+    saved = module.region_forward(ctx, tok, *params, None, 2, True, "gelu")[1:]
+    grad = torch.randn(2, 3, 32)
+    first = module.region_backward(grad, ctx, tok, *params, None, *saved, 2, True, "gelu")
+    second = module.region_backward(grad, ctx, tok, *params, None, *saved, 2, True, "gelu")
+    for a, b in zip(first, second):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+def test_grouping_layout():
+    R, k, E = 37, 3, 5
+    index = torch.stack([torch.randperm(E)[:k] for _ in range(R)]).to(torch.int32)
+    index[:, 0] = 2  # one crowded expert
+    g = triton_moe.Groups(index, E, 16)
+    pairs = R * k
+    assert g.slots == g.num_tiles * 16 and g.num_tiles == -(-(pairs + E * 15) // 16)
+    real = g.slot_pair[g.slot_pair < pairs].long()
+    assert torch.equal(real.sort().values, torch.arange(pairs))  # every pair exactly once
+    flat = index.reshape(-1).long()
+    tile_of_slot = torch.arange(g.slots) // 16
+    slot_expert = g.tile_expert.long()[tile_of_slot]
+    assert torch.equal(slot_expert[g.slot_pair < pairs], flat[real])  # one expert per tile
+    assert torch.equal(g.slot_pair[g.pair_slot.long()].long(), torch.arange(pairs))
+    lo, hi = g.expert_slots[:E].long(), g.expert_slots[E:].long()
+    assert torch.equal(hi - lo, (torch.bincount(flat, minlength=E) + 15) // 16 * 16)
+
+
+def test_merge_twin():
+    ctx = torch.randn(3, 5, 24, dtype=torch.float16)
+    inv = torch.randn(3, 24)
+    y = merge_forward(ctx, inv)
+    assert y.dtype == torch.float32 and torch.equal(y, ctx.float() + inv[:, None])
+    dy = torch.randn(3, 5, 24)
+    dctx, dinv = merge_backward(dy, torch.float16)
+    assert torch.equal(dctx, dy.half())
+    want = dy[:, 0].clone()
+    for h in range(1, 5):
+        want += dy[:, h]  # the kernel's order
+    assert torch.equal(dinv, want)
+
+
+def test_custom_op_uses_the_kernels():
+    """The mha::region op with kernels="fused" (CPU interpreter) trains like the reference."""
+    from mha_compile import ops  # noqa: F401  (registers torch.ops.mha)
+
+    ctx, tok, params = make_case(2, 3, 5, 32, 2, 32, 4, 2)
+    results = {}
+    for kernels in ("reference", "fused"):
+        leaves = [t.clone().requires_grad_() if t is not None else None for t in (ctx, tok, *params)]
+        out = torch.ops.mha.region(*leaves, None, 2, True, "gelu", kernels)[0]
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        results[kernels] = [out] + [t.grad for t in leaves if t is not None]
+    for a, b in zip(results["fused"], results["reference"]):
+        assert (a - b).norm() <= 1e-5 * b.norm() + 1e-12
