@@ -1,0 +1,100 @@
+"""The kernel sets on the GPU (run with `pytest -m cuda` on the H200): every preset of SPEC §5,
+bf16 and fp32, forward and all gradients against the float64 reference (computed on the GPU),
+edge cases at sizes above one block, reproducibility, and the CUDA merge against its twin."""
+import pytest
+import torch
+
+from kernel_cases import check_region, fmt, make_case, one_expert_router, preset_case
+from mha_compile.kernels import fused, reference, staged
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+SETS = [pytest.param(fused, id="fused"), pytest.param(staged, id="staged")]
+DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float32, id="fp32")]
+
+
+@pytest.mark.parametrize("module", SETS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("preset", ["tiny", "small", "medium", "large"])
+def test_presets(module, dtype, preset):
+    ctx, tok, params = preset_case(preset, dtype=dtype, device="cuda", seed=11)
+    assert module.why_unsupported(ctx, tok, params[10], 2, "gelu", None) is None
+    errors = check_region(module, ctx, tok, params, top_k=2, renorm=True, act="gelu")
+    print(f"{module.__name__} {preset} {dtype}: {fmt(errors)}")
+
+
+@pytest.mark.parametrize("module", SETS)
+@pytest.mark.parametrize("act", reference.ACTIVATIONS)
+def test_activations_bf16(module, act):
+    ctx, tok, params = preset_case("small", act=act, dtype=torch.bfloat16, device="cuda", seed=3)
+    errors = check_region(module, ctx, tok, params, top_k=2, renorm=act != "silu", act=act)
+    print(f"{module.__name__} {act}: {fmt(errors)}")
+
+
+EDGES = [
+    dict(B=33, H=7, N=47, D=100, P=4, F=97, E=5, k=2),   # odd everything, masked tails
+    dict(B=3, H=1, N=1, D=64, P=2, F=64, E=8, k=1),      # rows fewer than a block
+    dict(B=64, H=4, N=9, D=128, P=4, F=96, E=64, k=4),   # E = 64, many empty experts
+    dict(B=16, H=3, N=5, D=32, P=2, F=32, E=3, k=3),     # k = E
+]
+
+
+@pytest.mark.parametrize("module", SETS)
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float16, id="fp16"), *DTYPES])
+@pytest.mark.parametrize("shape", EDGES, ids=lambda s: "B{B}H{H}N{N}D{D}P{P}F{F}E{E}k{k}".format(**s))
+def test_edge_shapes(module, dtype, shape):
+    s = dict(shape)
+    k = s.pop("k")
+    ctx, tok, params = make_case(*s.values(), k, act="swiglu", dtype=dtype, device="cuda", seed=5)
+    errors = check_region(module, ctx, tok, params, top_k=k, renorm=True, act="swiglu")
+    print(f"{module.__name__} {shape} {dtype}: {fmt(errors)}")
+
+
+@pytest.mark.parametrize("module", SETS)
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_all_rows_to_one_expert(module, top_k):
+    ctx, tok, params = make_case(64, 8, 16, 128, 4, 256, 8, top_k, dtype=torch.float32, device="cuda", seed=9)
+    ctx, params[7] = one_expert_router(ctx, params[7])
+    index = module.region_forward(ctx, tok, *params, None, top_k, True, "gelu")[4]
+    assert (index[:, 0] == 0).all()
+    check_region(module, ctx, tok, params, top_k=top_k, renorm=True, act="gelu")
+
+
+@pytest.mark.parametrize("module", SETS)
+def test_key_padding_mask(module):
+    ctx, tok, params = make_case(32, 4, 24, 64, 2, 128, 4, 2, dtype=torch.float32, device="cuda", seed=4)
+    mask = torch.rand(32, 24, device="cuda") < 0.3
+    mask[:, 0] = False  # no fully masked row (the reference gives NaN there)
+    check_region(module, ctx, tok, params, top_k=2, renorm=True, act="gelu", mask=mask)
+
+
+@pytest.mark.parametrize("module", SETS)
+@pytest.mark.parametrize("preset", ["medium", "large"])
+def test_bitwise_reproducible(module, preset):
+    ctx, tok, params = preset_case(preset, dtype=torch.bfloat16, device="cuda", seed=2)
+    first = module.region_forward(ctx, tok, *params, None, 2, True, "gelu")
+    second = module.region_forward(ctx, tok, *params, None, 2, True, "gelu")
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+    grad = torch.randn_like(first[0])
+    g1 = module.region_backward(grad, ctx, tok, *params, None, *first[1:], 2, True, "gelu")
+    g2 = module.region_backward(grad, ctx, tok, *params, None, *first[1:], 2, True, "gelu")
+    for a, b in zip(g1, g2):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+def test_cuda_merge_matches_twin():
+    from mha_compile.kernels import merge_cuda
+
+    assert merge_cuda.cuda_merge_available(torch.device("cuda")), "the CUDA merge did not build"
+    ctx = torch.randn(37, 11, 200, device="cuda", dtype=torch.bfloat16)
+    inv = torch.randn(37, 200, device="cuda")
+    y = merge_cuda._extension().merge_forward(ctx, inv)
+    assert torch.equal(y, ctx.float() + inv[:, None])
+    dy = torch.randn(37, 11, 200, device="cuda")
+    dctx, dinv = merge_cuda._extension().merge_backward(dy, torch.empty(0, dtype=torch.bfloat16))
+    twin_dctx = torch.empty_like(dctx)
+    twin_dinv = torch.empty_like(dinv)
+    merge_cuda._merge_bwd_kernel[(37, 1)](dy, twin_dctx, twin_dinv, 11, 200, BLOCK_D=256)
+    assert torch.equal(dctx, dy.bfloat16()) and torch.equal(dctx, twin_dctx)
+    assert torch.allclose(dinv, dy.sum(1), rtol=1e-6, atol=1e-6) and torch.equal(dinv, twin_dinv)
