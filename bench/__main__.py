@@ -1,0 +1,176 @@
+"""`python -m bench`: presets × dtypes × modes × spellings × passes, one row each.
+
+Writes <out>/<name>.json (rows), <name>.md (table), <name>.png (speedup by preset) and
+<name>.errors.log (tracebacks); prints the table. JSON and markdown are rewritten after every
+row, so a run cut short (time limit, Ctrl-C) still leaves its results. See bench/README.md.
+"""
+import argparse
+import os
+import shlex
+import sys
+import time
+
+import torch
+
+from bench import measure, modes, plot, report
+from mha_compile.models import PRESETS
+
+PASSES = ("fwd+bwd", "fwd")  # training first: the targets that matter most are there
+CUDA_PRESETS, CUDA_QUICK_PRESETS = ("small", "medium", "large"), ("small", "medium")
+CUDA_MODES = ("eager", "inductor", "inductor-max-autotune", "mha-staged", "mha-fused", "mha-fused-cudagraphs")
+# max-autotune compiles for minutes per graph: by default only where SPEC §5 found it the best peer.
+CUDA_AUTOTUNE_PRESETS = ("small", "medium")
+CPU_PRESETS, CPU_QUICK_PRESETS = ("tiny", "small"), ("tiny",)
+CPU_MODES = ("eager", "inductor", "mha-reference")
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="fewer presets and modes, shorter timing")
+    p.add_argument("--presets", help=f"comma list of {list(PRESETS)}")
+    p.add_argument("--dtypes", help="comma list of fp32, bf16, fp16 (default: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--modes", help=f"comma list of {list(modes.MODES)}")
+    p.add_argument("--spellings", help=f"comma list of {list(modes.SPELLINGS)}")
+    p.add_argument("--passes", help=f"comma list of {list(PASSES)}")
+    p.add_argument("--autotune-presets", help="presets where inductor-max-autotune runs "
+                   f"(default on CUDA: {','.join(CUDA_AUTOTUNE_PRESETS)}; 'all' for every preset)")
+    p.add_argument("--budget", type=float, help="seconds after which no new row starts (rest: skipped)")
+    p.add_argument("--device", help="cuda or cpu (default: cuda if available)")
+    p.add_argument("--out", default="out/bench", help="output folder (default: out/bench)")
+    p.add_argument("--name", default="bench", help="file name stem of the outputs (default: bench)")
+    p.add_argument("--commit", help="commit to record when the tree has no .git (default: git HEAD)")
+    return p.parse_args(argv)
+
+
+def _list(value, allowed, default, what):
+    items = default if value is None else [v.strip() for v in value.split(",") if v.strip()]
+    bad = [v for v in items if v not in allowed]
+    if bad:
+        raise SystemExit(f"--{what}: unknown {bad}; expected some of {list(allowed)}")
+    return list(items)
+
+
+def plan(args, device_type):
+    """The jobs in run order, and notes saying what was left out and why."""
+    cuda = device_type == "cuda"
+    presets = _list(args.presets, PRESETS, (CUDA_QUICK_PRESETS if args.quick else CUDA_PRESETS) if cuda
+                    else (CPU_QUICK_PRESETS if args.quick else CPU_PRESETS), "presets")
+    dtypes = _list(args.dtypes, ("fp32", "bf16", "fp16"), ["bf16"] if cuda else ["fp32"], "dtypes")
+    default_modes = [m for m in CUDA_MODES if not (args.quick and m == "inductor-max-autotune")] if cuda else CPU_MODES
+    mode_list = _list(args.modes, modes.MODES, default_modes, "modes")
+    spellings = _list(args.spellings, modes.SPELLINGS, modes.SPELLINGS, "spellings")
+    passes = _list(args.passes, PASSES, PASSES, "passes")
+    autotune = list(PRESETS) if args.autotune_presets == "all" else _list(
+        args.autotune_presets, PRESETS, CUDA_AUTOTUNE_PRESETS if cuda else list(PRESETS), "autotune-presets")
+    notes = []
+    if not cuda:
+        notes.append("CPU: reduced set (presets " + ", ".join(presets) + "; " + ", ".join(dtypes) + "; modes "
+                     + ", ".join(mode_list) + "); the full sweep and the floor need CUDA")
+    if "inductor-max-autotune" in mode_list and set(presets) - set(autotune):
+        notes.append("inductor-max-autotune ran only at " + ", ".join(p for p in presets if p in autotune)
+                     + " (--autotune-presets): elsewhere the best peer may be slower than it could be")
+    jobs = []
+    for pass_ in PASSES:
+        for preset in presets:
+            for dtype in dtypes:
+                for spelling in spellings:
+                    for mode in mode_list:
+                        if pass_ not in passes:
+                            continue
+                        if spelling == "grouped_mm" and mode not in modes.GROUPED_MM_MODES:
+                            continue
+                        if mode == "inductor-max-autotune" and preset not in autotune:
+                            continue
+                        jobs.append({"preset": preset, "dtype": dtype, "mode": mode, "spelling": spelling,
+                                     "pass": pass_, "device_type": device_type})
+    # max-autotune last: the slowest to compile, so a time budget cuts it first.
+    jobs.sort(key=lambda job: job["mode"] == "inductor-max-autotune")
+    return jobs, notes
+
+
+class Progress:
+    """tqdm when installed, else one line per finished row on stderr."""
+
+    def __init__(self, total):
+        self.total, self.done = total, 0
+        try:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, file=sys.stderr, dynamic_ncols=True)
+        except ImportError:
+            self.bar = None
+
+    def start(self, label):
+        if self.bar is not None:
+            self.bar.set_description(label)
+
+    def finish(self, label, row):
+        self.done += 1
+        result = f"{row['time_ms']:.3f} ms" if row.get("time_ms") else f"{row['status']}: {row.get('error')}"
+        if self.bar is not None:
+            self.bar.update()
+        else:
+            print(f"[{self.done}/{self.total}] {label}: {result}"[:200], file=sys.stderr, flush=True)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _label(job):
+    return f"{job['preset']} {job['dtype']} {job['pass']} {job['spelling']} {job['mode']}"
+
+
+def main(argv=None):
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    device_type = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    jobs, notes = plan(args, device_type)
+    env = report.environment(device_type, args.commit)
+    meta = dict(env, date=report.now(), command="python -m bench " + shlex.join(sys.argv[1:] if argv is None else argv),
+                notes=notes)
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, args.name)
+    print(f"bench: {len(jobs)} rows on {env['device']}, torch {env['torch']}, triton {env['triton']}, "
+          f"commit {env['commit']}", file=sys.stderr)
+    for note in notes:
+        print(f"bench: {note}", file=sys.stderr)
+
+    rows, references, started = [], {}, time.perf_counter()
+    progress = Progress(len(jobs))
+    try:
+        for job in jobs:
+            label = _label(job)
+            progress.start(label)
+            if args.budget is not None and time.perf_counter() - started > args.budget:
+                row = dict(job, status="skipped", error=f"time budget of {args.budget:.0f} s spent")
+            else:
+                row = measure.run_row(job, references, quick=args.quick)
+            trace = row.pop("traceback", None)
+            if trace:
+                with open(stem + ".errors.log", "a") as log:
+                    log.write(f"==== {label}\n{trace}\n")
+            rows.append(dict(row, **env))
+            progress.finish(label, row)
+            _write(stem, meta, rows)
+    except KeyboardInterrupt:
+        notes.append(f"interrupted after {len(rows)} of {len(jobs)} rows")
+        print(f"bench: interrupted; writing the {len(rows)} rows done", file=sys.stderr)
+    finally:
+        progress.close()
+    _write(stem, meta, rows)
+    print(report.table(rows))
+    for note in notes:
+        print(f"note: {note}")
+    print(plot.plot_speedup(rows, stem + ".png"))
+    print(f"rows written to {stem}.json and {stem}.md")
+    return 0
+
+
+def _write(stem, meta, rows):
+    report.add_speedups(rows)
+    report.write_json(stem + ".json", meta, rows)
+    report.write_markdown(stem + ".md", meta, rows, meta["notes"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

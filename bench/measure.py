@@ -1,0 +1,130 @@
+"""One benchmark row: build, compile (first call), time, check against the reference, cost.
+
+A failure anywhere in a row becomes that row's `error` (with the full traceback kept apart),
+and the sweep goes on: a missing backend or an OOM at one preset must not hide the rest.
+"""
+import gc
+import traceback
+
+import torch
+
+from bench import cases, grouped_mm_moe, modes, timing
+from mha_compile import cost
+from mha_compile.models import PRESETS
+
+ACT = "gelu"  # MHABlock's default activation, which every spelling here uses
+
+
+def run_row(job, references, quick=False):
+    """Measure job = dict(preset, dtype, mode, spelling, pass, device_type); returns the row."""
+    row = dict(job)
+    row.update(cost_fields(job))
+    reason = skip_reason(job)
+    if reason:
+        row.update(status="skipped", error=reason)
+        return row
+    try:
+        row.update(_measure(job, references, quick))
+        row["status"] = "ok"
+    except Exception as error:  # noqa: BLE001 - every failure is a result here
+        message = f"{type(error).__name__}: {error}".strip().splitlines()
+        row.update(status="error", error=message[0][:400] if message else type(error).__name__,
+                   traceback=traceback.format_exc())
+    finally:
+        _cleanup(job["device_type"])
+    if row.get("time_ms"):
+        seconds = row["time_ms"] / 1e3
+        row["tflops"] = cost.achieved_tflops(row["flops_min"], seconds)
+        row["tflops_mode"] = cost.achieved_tflops(row["flops_mode"], seconds)
+        row["pct_floor"] = cost.percent_of_floor(row["floor_s"], seconds)
+    return row
+
+
+def skip_reason(job):
+    if job["spelling"] == "grouped_mm":
+        return grouped_mm_moe.available(job["device_type"], cases.DTYPES[job["dtype"]])
+    return None
+
+
+def cost_fields(job):
+    """Shapes, minimum and per-mode FLOPs, minimum bytes and the floor (bf16 on CUDA only)."""
+    dims = PRESETS[job["preset"]]
+    pass_ = job["pass"]
+    family = cost.mode_family(job["mode"], job["spelling"])
+    floor = cost.preset_floor(dims, job["dtype"], ACT, pass_) if job["device_type"] == "cuda" else None
+    return dict(
+        dims,
+        flops_min=cost.evaluate(cost.region_flops(cost.MINIMUM, ACT, pass_), dims),
+        flops_mode=cost.evaluate(cost.region_flops(family, ACT, pass_, job["spelling"]), dims),
+        bytes_min=cost.evaluate(cost.region_bytes(ACT, pass_, True, cost.DTYPE_BYTES[job["dtype"]]), dims),
+        floor_s=floor,
+    )
+
+
+def _measure(job, references, quick):
+    device = job["device_type"]
+    key = (job["preset"], job["dtype"])
+    if key not in references:
+        references[key] = cases.reference(job["preset"], job["dtype"], device)
+    ref_out, ref_grads = references[key]
+
+    model = cases.make_model(job["preset"], job["spelling"], job["dtype"], device)
+    ctx, tok, grad_out = cases.make_inputs(job["preset"], job["dtype"], device)
+    training = job["pass"] == "fwd+bwd"
+    leaves = []
+    if training:
+        ctx.requires_grad_(True)
+        tok.requires_grad_(True)
+        leaves = [ctx, tok, *model.parameters()]
+    torch._dynamo.reset()  # each compiled row starts from a clean cache: no reuse, no recompiles
+    fn = modes.build(job["mode"], model)
+
+    def step():
+        if training:
+            out = fn(ctx, tok)
+            out.backward(grad_out)
+            return out
+        with torch.no_grad():
+            return fn(ctx, tok)
+
+    result = {}
+    _, result["first_call_s"] = timing.timed_call(step, device)
+    result["time_ms"] = timing.median_ms(step, device, quick, leaves or None)
+    for t in leaves:
+        t.grad = None
+    # The check runs after timing, on the path that was timed (CUDA graphs replay only by now).
+    out, result["peak_mib"], result["peak_delta_mib"] = timing.peak_memory_call(step, device)
+    result["rel_err"] = cases.relative_error(out, ref_out)
+    if training:
+        result["grad_rel_err"] = cases.gradient_error([t.grad for t in leaves], ref_grads)
+    if job["mode"] in modes.MHA_MODES:
+        result.update(lowering_summary(job["mode"], model, ctx.detach(), tok.detach()))
+    return result
+
+
+def lowering_summary(mode, model, ctx, tok):
+    """Did backend="mha" replace the region? The backend falls back to the graph as captured
+    when it matches nothing, and then a row would time eager under our name (the seed's
+    dead-fast-path failure). Asked through the public mha_compile.explain, after the timing."""
+    import mha_compile
+
+    explain = mha_compile.explain
+    if not callable(explain):  # importing the submodule mha_compile.explain shadows the function
+        explain = explain.explain
+    try:
+        explained = explain(model, ctx, tok, options=modes.mha_options(mode))
+    except Exception as error:  # noqa: BLE001 - a broken explain must not lose the timing
+        return {"regions_replaced": None, "lowering_note": f"explain failed: {type(error).__name__}: {error}"[:300]}
+    finally:
+        torch._dynamo.reset()
+    fallbacks = [g.fallback for g in explained.graphs if getattr(g, "fallback", None)]
+    return {"regions_replaced": len(explained.matches),
+            "kernels_chosen": [m.get("kernels") for m in explained.matches],
+            "lowering_note": "; ".join(fallbacks + [m.get("reason", "") for m in explained.near_misses])[:300] or None}
+
+
+def _cleanup(device_type):
+    torch._dynamo.reset()
+    gc.collect()
+    if device_type == "cuda":
+        torch.cuda.empty_cache()

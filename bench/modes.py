@@ -1,0 +1,38 @@
+"""The benchmark's modes: how each one turns a model into the callable that is timed.
+
+Only public entry points: torch.compile with backend="inductor" or backend="mha". A mode whose
+backend cannot be built (e.g. mha_compile.backend not landed yet) raises here, and the
+harness records the message in that row.
+"""
+import torch
+
+# Peers are what a user has without us: eager and Inductor, on any spelling.
+PEER_MODES = ("eager", "inductor", "inductor-max-autotune")
+MHA_MODES = ("mha-reference", "mha-staged", "mha-fused", "mha-fused-cudagraphs")
+MODES = PEER_MODES + MHA_MODES
+SPELLINGS = ("dense", "loop", "grouped_mm")
+# The grouped-GEMM spelling is a peer of its own: the mha backend is not asked to match it.
+GROUPED_MM_MODES = PEER_MODES
+
+
+def build(mode, model):
+    """The callable to time for `mode`; compiled ones compile lazily on their first call."""
+    if mode == "eager":
+        return model
+    if mode == "inductor":
+        return torch.compile(model, dynamic=False)
+    if mode == "inductor-max-autotune":
+        return torch.compile(model, mode="max-autotune", dynamic=False)
+    if mode == "mha-fused-cudagraphs":
+        # torch.compile refuses mode and options together; kernels "auto" picks fused on CUDA.
+        return torch.compile(model, backend="mha", mode="reduce-overhead", dynamic=False)
+    if mode in MHA_MODES:
+        return torch.compile(model, backend="mha", options=mha_options(mode), dynamic=False)
+    raise ValueError(f"mode={mode!r}: expected one of {MODES}")
+
+
+def mha_options(mode):
+    """The backend options a mha-* mode compiles with (None: the defaults, kernels "auto")."""
+    if mode == "mha-fused-cudagraphs":
+        return None
+    return {"kernels": mode.split("-", 1)[1]}

@@ -1,0 +1,47 @@
+"""A picture of the speedup over the best peer, by preset: one panel per pass.
+
+Kept apart from the harness so that a machine without matplotlib still benchmarks; also runs
+on its own: `python -m bench.plot results.json speedup.png`.
+"""
+import json
+import sys
+
+
+def plot_speedup(rows, path):
+    """Bars of speedup per preset and mode (best spelling of each mode); returns a message."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "plot skipped: matplotlib is not installed"
+    ok = [r for r in rows if r.get("speedup")]
+    if not ok:
+        return "plot skipped: no row has a speedup"
+    ok = [r for r in ok if r["dtype"] == ok[0]["dtype"]]  # one dtype per picture: the first
+    passes = sorted({r["pass"] for r in ok})
+    presets = list(dict.fromkeys(r["preset"] for r in ok))
+    modes = list(dict.fromkeys(r["mode"] for r in ok))
+    fig, axes = plt.subplots(1, len(passes), figsize=(6 * len(passes), 4), squeeze=False)
+    width = 0.8 / len(modes)
+    for ax, pass_ in zip(axes[0], passes):
+        for i, mode in enumerate(modes):
+            best = [max((r["speedup"] for r in ok if (r["pass"], r["preset"], r["mode"]) == (pass_, p, mode)),
+                        default=0.0) for p in presets]
+            ax.bar([x + i * width for x in range(len(presets))], best, width, label=mode)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.axhline(8.0, color="red", linewidth=0.8, linestyle="--", label="target 8× (fwd+bwd)")
+        ax.set_yscale("log")
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(presets))], presets)
+        ax.set_title(f"{pass_}: speedup over the best peer (dtype {ok[0]['dtype']})")
+        ax.set_ylabel("× best peer (higher is better)")
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return f"plot written to {path}"
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1]) as f:
+        print(plot_speedup(json.load(f)["rows"], sys.argv[2]))

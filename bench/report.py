@@ -1,0 +1,130 @@
+"""Rows to results: the environment key, speedups over the best peer, the table, JSON and markdown."""
+import datetime
+import json
+import os
+import platform
+import subprocess
+
+import torch
+from tabulate import tabulate
+
+from bench.modes import PEER_MODES
+
+# Fields that, with the environment's, identify a row (the JSON "key").
+KEY_FIELDS = ("preset", "dtype", "mode", "spelling", "pass", "device", "torch", "triton", "commit")
+# Relative error above which a row is flagged in the table (SPEC §4's bounds; bf16 rows are
+# compared to an fp32 reference, so top-k flips through rounding can push them over).
+FLAG_ERROR = {"fp32": 1e-4, "bf16": 2e-2, "fp16": 2e-2}
+
+
+def environment(device_type, commit=None):
+    """The fields every row carries besides its job: device, versions, commit."""
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    device = torch.cuda.get_device_name() if device_type == "cuda" else f"cpu ({platform.processor() or platform.machine()})"
+    return dict(device=device, torch=torch.__version__, triton=triton_version, commit=commit or git_commit())
+
+
+def git_commit():
+    """HEAD's hash, with -dirty when tracked files differ; 'unknown' outside a git checkout."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=root).returncode != 0
+        return head + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def add_speedups(rows):
+    """speedup = best peer time / row time, per (preset, dtype, pass, device); names the peer."""
+    best = {}
+    for row in rows:
+        if row.get("status") == "ok" and row["mode"] in PEER_MODES:
+            group = _group(row)
+            if group not in best or row["time_ms"] < best[group]["time_ms"]:
+                best[group] = row
+    for row in rows:
+        peer = best.get(_group(row))
+        row["best_peer"] = f"{peer['mode']}/{peer['spelling']}" if peer else None
+        row["best_peer_ms"] = peer["time_ms"] if peer else None
+        row["speedup"] = peer["time_ms"] / row["time_ms"] if peer and row.get("time_ms") else None
+    return rows
+
+
+def _group(row):
+    return row["preset"], row["dtype"], row["pass"], row["device"]
+
+
+def _fmt(value, spec):
+    return "" if value is None else format(value, spec)
+
+
+def table_rows(rows):
+    """Rows for tabulate: one line per measurement, errors shortened."""
+    out = []
+    for r in rows:
+        err = r.get("rel_err")
+        flag = " (!)" if err is not None and err > FLAG_ERROR.get(r["dtype"], 1e-4) else ""
+        grad = r.get("grad_rel_err")
+        gflag = " (!)" if grad is not None and grad > FLAG_ERROR.get(r["dtype"], 1e-4) else ""
+        note = "" if r.get("status") == "ok" else f"{r.get('status')}: {r.get('error') or ''}"[:70]
+        if r.get("status") == "ok" and r.get("regions_replaced") == 0:
+            note = "NOT LOWERED: no region replaced, timed the graph as captured"
+        out.append([r["preset"], r["dtype"], r["pass"], r["spelling"], r["mode"],
+                    _fmt(r.get("time_ms"), ".3f"), _fmt(r.get("speedup"), ".2f"),
+                    _fmt(r.get("pct_floor"), ".1f"), _fmt(r.get("tflops"), ".2f"),
+                    _fmt(r.get("peak_mib"), ".0f"), _fmt(err, ".1e") + flag, _fmt(grad, ".1e") + gflag,
+                    _fmt(r.get("first_call_s"), ".1f"), note])
+    return out
+
+
+HEADERS = ["preset", "dtype", "pass", "spelling", "mode", "ms", "× best peer", "% floor", "TFLOP/s",
+           "peak MiB", "rel err", "grad err", "1st call s", "note"]
+
+
+def table(rows, fmt="simple"):
+    return tabulate(table_rows(rows), headers=HEADERS, tablefmt=fmt, disable_numparse=True)
+
+
+LEGEND = """\
+- **ms**: median time of one step (fwd: forward under no_grad; fwd+bwd: forward and backward).
+- **× best peer**: the best peer's time / this row's time, in the same run; peers are eager,
+  Inductor and Inductor max-autotune on every spelling (dense, loop, grouped_mm).
+- **% floor**: the roofline floor / this time (mha_compile/cost.py: max(FLOPs / 790 TFLOP/s,
+  bytes / 4.3 TB/s), both measured on an H200, SPEC §5); CUDA bf16 rows only.
+- **TFLOP/s**: the region's minimum FLOPs / time (useful work, whatever the mode computes).
+- **peak MiB**: torch.cuda.max_memory_allocated over one step (model, inputs and grads included).
+- **rel err / grad err**: ‖out − ref‖/‖ref‖ and the worst gradient's, against the eager loop
+  spelling in fp32 on the same rounded parameters and inputs; (!) marks errors above the
+  dtype's bound (fp32 1e-4, bf16 2e-2).
+- **1st call s**: the first call, synchronised: compile time plus one step for compiled modes.
+"""
+
+
+def write_json(path, meta, rows):
+    with open(path, "w") as f:
+        json.dump(dict(meta=meta, key_fields=list(KEY_FIELDS), rows=rows), f, indent=1, default=str)
+
+
+def write_markdown(path, meta, rows, notes=()):
+    lines = [f"# mha-compile benchmark: {meta.get('device')}", "",
+             f"torch {meta.get('torch')}, triton {meta.get('triton')}, commit {meta.get('commit')}, "
+             f"{meta.get('date')}.", "", f"Command: `{meta.get('command')}`", ""]
+    lines += [f"- {note}" for note in notes] + ([""] if notes else [])
+    lines += [table(rows, "github"), "", LEGEND]
+    errors = [r for r in rows if r.get("status") == "error"]
+    if errors:
+        lines += ["## Errors", ""]
+        lines += [f"- {r['preset']} {r['dtype']} {r['pass']} {r['spelling']} {r['mode']}: {r['error']}"
+                  for r in errors]
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def now():
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")

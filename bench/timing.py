@@ -1,0 +1,75 @@
+"""Median times and peak memory of one step.
+
+CUDA: triton.testing.do_bench (CUDA events, L2 flushed between runs, median). CPU: a plain
+timer with warmup and the median of repeated calls, since a mean would carry the odd
+scheduler hiccup into the table.
+"""
+import statistics
+import time
+
+import torch
+
+# do_bench's warmup and rep are in milliseconds of GPU time, per measurement.
+CUDA_WARMUP_MS, CUDA_REP_MS = 25, 100
+CUDA_QUICK_WARMUP_MS, CUDA_QUICK_REP_MS = 10, 40
+# CPU: warm up for at least CPU_WARMUP calls and CPU_WARMUP_SECONDS (lazy loading after a
+# compile made the first calls of a tiny graph 100x slow once); then at least this many timed
+# calls, and more until this much time has passed.
+CPU_WARMUP, CPU_WARMUP_SECONDS = 2, 0.1
+CPU_MIN_REPS, CPU_MAX_REPS, CPU_MIN_SECONDS = 5, 50, 0.5
+CPU_QUICK_MIN_REPS, CPU_QUICK_MIN_SECONDS = 3, 0.1
+
+
+def synchronize(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_ms(step, device, quick=False, grad_to_none=None):
+    """Median milliseconds of step(); grad_to_none: tensors whose .grad is cleared before each call."""
+    if torch.device(device).type == "cuda":
+        import triton.testing
+
+        warmup, rep = (CUDA_QUICK_WARMUP_MS, CUDA_QUICK_REP_MS) if quick else (CUDA_WARMUP_MS, CUDA_REP_MS)
+        return float(triton.testing.do_bench(step, warmup=warmup, rep=rep, grad_to_none=grad_to_none,
+                                             return_mode="median"))
+    min_reps, min_seconds = (CPU_QUICK_MIN_REPS, CPU_QUICK_MIN_SECONDS) if quick else (CPU_MIN_REPS, CPU_MIN_SECONDS)
+    warmup_end, calls = time.perf_counter() + CPU_WARMUP_SECONDS, 0
+    while calls < CPU_WARMUP or time.perf_counter() < warmup_end:
+        _clear_grads(grad_to_none)
+        step()
+        calls += 1
+    times = []
+    while len(times) < min_reps or (sum(times) < min_seconds and len(times) < CPU_MAX_REPS):
+        _clear_grads(grad_to_none)
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def _clear_grads(tensors):
+    for t in tensors or ():
+        t.grad = None
+
+
+def timed_call(step, device):
+    """(result, seconds) of one call, synchronised: the first call of a compiled mode is its compile time."""
+    synchronize(device)
+    start = time.perf_counter()
+    result = step()
+    synchronize(device)
+    return result, time.perf_counter() - start
+
+
+def peak_memory_call(step, device):
+    """(result, peak MiB, peak above what was allocated before the call, MiB); None on the CPU."""
+    if torch.device(device).type != "cuda":
+        return step(), None, None
+    synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    result = step()
+    synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    return result, peak / 2**20, (peak - before) / 2**20
