@@ -1,0 +1,91 @@
+"""The reference path (kernels="reference") against autograd through the plain models, in float64."""
+import itertools
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from mha_compile import models, ops
+from mha_compile.kernels import reference
+from numerics import relative_error
+
+CONFIGS = list(itertools.product(models.ACTIVATIONS, (True, False), (True, False)))
+
+
+def _block_and_inputs(act, renorm, bias, D=24, P=3, F=40, E=5, k=2, B=3, H=4, N=7, seed=0):
+    torch.manual_seed(seed)
+    block = models.MHABlock(D, P, F, E, k, act=act, renorm=renorm, bias=bias).double()
+    ctx = torch.randn(B, H, D, dtype=torch.float64, requires_grad=True)
+    tok = torch.randn(B, N, D, dtype=torch.float64, requires_grad=True)
+    return block, ctx, tok
+
+
+@pytest.mark.parametrize("act,renorm,bias", CONFIGS)
+def test_region_op_equals_autograd_of_the_model(act, renorm, bias):
+    block, ctx, tok = _block_and_inputs(act, renorm, bias)
+    params = models.block_parameters(block)
+    expected = block(ctx, tok)
+    got = ops.region(ctx, tok, *params, None, block.moe.top_k, renorm, act, "reference")[0]
+    assert relative_error(got, expected) <= 1e-12
+    grad = torch.randn_like(expected)
+    inputs = [t for t in (ctx, tok, *params) if t is not None]
+    names = [n for n, t in zip(ops.REGION_INPUTS, (ctx, tok, *params)) if t is not None]
+    want = torch.autograd.grad(expected, inputs, grad)
+    have = torch.autograd.grad(got, inputs, grad)
+    for name, w, h in zip(names, want, have):
+        if name == "bk":  # SPEC §1: ∂bk is exactly zero; autograd leaves rounding noise
+            assert torch.count_nonzero(h) == 0 and w.abs().max() <= 1e-12
+            continue
+        assert w.norm() > 0, f"{name}: the model's gradient is zero, the comparison would be vacuous"
+        assert relative_error(h, w) <= 1e-10, f"∂{name}"
+
+
+@pytest.mark.parametrize("act", models.ACTIVATIONS)
+def test_gradcheck_region_op(act):
+    block, ctx, tok = _block_and_inputs(act, renorm=act != "silu", bias=True, D=8, P=2, F=6, E=3, B=2, H=3, N=4)
+    params = models.block_parameters(block)
+    fn = lambda c, t, *p: ops.region(c, t, *p, None, 2, act != "silu", act, "reference")[0]
+    assert torch.autograd.gradcheck(fn, (ctx, tok, *params))
+
+
+def test_opcheck_region_op():
+    block, ctx, tok = _block_and_inputs("swiglu", True, True)
+    args = (ctx, tok, *models.block_parameters(block), None, 2, True, "swiglu", "reference")
+    torch.library.opcheck(ops.region, args)
+
+
+def test_reference_needs_no_host_sync():
+    """Under FakeTensorMode any .item()/.nonzero()/bincount-style data-dependent size raises."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    block, ctx, tok = _block_and_inputs("gelu", True, True)
+    params = [None if p is None else p.detach() for p in models.block_parameters(block)]
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        saved = reference.region_forward(ctx.detach(), tok.detach(), *params, None, 2, True, "gelu")
+        grads = reference.region_backward(saved[0], ctx.detach(), tok.detach(), *params, None, *saved[1:], 2, True, "gelu")
+    assert saved[0].shape == ctx.shape and grads[10].shape == params[8].shape
+
+
+def test_moe_computes_only_the_chosen_experts():
+    """FLOPs of the grouped MoE scale with k, not with E (the dense spelling computes all E)."""
+    torch.manual_seed(0)
+    R, D, F, E, k = 512, 32, 64, 16, 2
+    x, w1, w2 = torch.randn(R, D), torch.randn(E, D, F), torch.randn(E, F, D)
+    _, weight, index = reference.route(x, torch.randn(E, D), k, True)
+    with FlopCounterMode(display=False) as counter:
+        reference.moe_forward(x, weight, index, w1, None, w2, None, None, "gelu")
+    chosen = 4 * R * k * D * F
+    assert chosen <= counter.get_total_flops() <= 1.6 * chosen  # tile padding only
+    assert counter.get_total_flops() < 4 * R * E * D * F / 4
+
+
+def test_all_rows_to_one_expert_and_empty_experts():
+    torch.manual_seed(1)
+    R, D, F, E = 37, 16, 24, 6
+    x = torch.randn(R, D, dtype=torch.float64)
+    w1, w2 = torch.randn(E, D, F, dtype=torch.float64), torch.randn(E, F, D, dtype=torch.float64)
+    b1, b2 = torch.randn(E, F, dtype=torch.float64), torch.randn(E, D, dtype=torch.float64)
+    index = torch.full((R, 1), 4)
+    weight = torch.rand(R, 1, dtype=torch.float64)
+    got = reference.moe_forward(x, weight, index, w1, b1, w2, b2, None, "silu")
+    want = weight * (torch.nn.functional.silu(x @ w1[4] + b1[4]) @ w2[4] + b2[4])
+    assert relative_error(got, want) <= 1e-12

@@ -1,0 +1,19 @@
+"""Comparison helpers shared by the backend and lowering tests (SPEC §4)."""
+import torch
+
+# ‖got − ref‖ / ‖ref‖ bounds per dtype for whole-graph comparisons against eager.
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
+
+
+def relative_error(got, ref):
+    got, ref = got.detach().double(), ref.detach().double()
+    return ((got - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+def assert_close_rel(got, ref, dtype, what=""):
+    error = relative_error(got, ref)
+    assert error <= TOLERANCE[dtype], f"{what}: relative error {error:.3g} > {TOLERANCE[dtype]:g}"
+
+
+def graph_has_region(gm):
+    return any(n.target is torch.ops.mha.region.default for n in gm.graph.nodes)
