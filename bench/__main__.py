@@ -84,8 +84,9 @@ def plan(args, device_type):
                             continue
                         jobs.append({"preset": preset, "dtype": dtype, "mode": mode, "spelling": spelling,
                                      "pass": pass_, "device_type": device_type})
-    # max-autotune last: the slowest to compile, so a time budget cuts it first.
-    jobs.sort(key=lambda job: job["mode"] == "inductor-max-autotune")
+    # Within each pass, max-autotune last: the slowest to compile, so a time budget cuts it
+    # first; training (fwd+bwd) before forward, since the targets that matter most are there.
+    jobs.sort(key=lambda job: (PASSES.index(job["pass"]), job["mode"] == "inductor-max-autotune"))
     return jobs, notes
 
 
@@ -135,7 +136,7 @@ def main(argv=None):
     for note in notes:
         print(f"bench: {note}", file=sys.stderr)
 
-    rows, references, started = [], {}, time.perf_counter()
+    rows, cache, started = [], {}, time.perf_counter()
     progress = Progress(len(jobs))
     try:
         for job in jobs:
@@ -144,12 +145,12 @@ def main(argv=None):
             if args.budget is not None and time.perf_counter() - started > args.budget:
                 row = dict(job, status="skipped", error=f"time budget of {args.budget:.0f} s spent")
             else:
-                row = measure.run_row(job, references, quick=args.quick)
+                row = measure.run_row(job, cache, quick=args.quick)
             trace = row.pop("traceback", None)
             if trace:
                 with open(stem + ".errors.log", "a") as log:
                     log.write(f"==== {label}\n{trace}\n")
-            rows.append(dict(row, **env))
+            rows.append({**dict.fromkeys(report.ROW_FIELDS), **row, **env})
             progress.finish(label, row)
             _write(stem, meta, rows)
     except KeyboardInterrupt:

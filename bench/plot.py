@@ -13,13 +13,14 @@ def plot_speedup(rows, path):
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         return "plot skipped: matplotlib is not installed"
     ok = [r for r in rows if r.get("speedup")]
     if not ok:
         return "plot skipped: no row has a speedup"
     ok = [r for r in ok if r["dtype"] == ok[0]["dtype"]]  # one dtype per picture: the first
-    passes = sorted({r["pass"] for r in ok})
+    passes = list(dict.fromkeys(r["pass"] for r in ok))
     presets = list(dict.fromkeys(r["preset"] for r in ok))
     modes = list(dict.fromkeys(r["mode"] for r in ok))
     fig, axes = plt.subplots(1, len(passes), figsize=(6 * len(passes), 4), squeeze=False)
@@ -32,6 +33,8 @@ def plot_speedup(rows, path):
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.axhline(8.0, color="red", linewidth=0.8, linestyle="--", label="target 8× (fwd+bwd)")
         ax.set_yscale("log")
+        for axis in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
+            axis(matplotlib.ticker.FormatStrFormatter("%g"))
         ax.set_xticks([x + 0.4 - width / 2 for x in range(len(presets))], presets)
         ax.set_title(f"{pass_}: speedup over the best peer (dtype {ok[0]['dtype']})")
         ax.set_ylabel("× best peer (higher is better)")

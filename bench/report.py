@@ -12,6 +12,12 @@ from bench.modes import PEER_MODES
 
 # Fields that, with the environment's, identify a row (the JSON "key").
 KEY_FIELDS = ("preset", "dtype", "mode", "spelling", "pass", "device", "torch", "triton", "commit")
+# Every row has these (None where they do not apply); bench/README.md says what each means.
+RESULT_FIELDS = ("status", "error", "time_ms", "first_call_s", "peak_mib", "peak_delta_mib", "rel_err",
+                 "grad_rel_err", "regions_replaced", "kernels_chosen", "lowering_note", "flops_min",
+                 "flops_mode", "bytes_min", "floor_s", "pct_floor", "tflops", "tflops_mode", "speedup",
+                 "best_peer", "best_peer_ms", "B", "H", "N", "D", "P", "F", "E", "k")
+ROW_FIELDS = KEY_FIELDS + RESULT_FIELDS
 # Relative error above which a row is flagged in the table (SPEC §4's bounds; bf16 rows are
 # compared to an fp32 reference, so top-k flips through rounding can push them over).
 FLAG_ERROR = {"fp32": 1e-4, "bf16": 2e-2, "fp16": 2e-2}
@@ -103,6 +109,8 @@ LEGEND = """\
   spelling in fp32 on the same rounded parameters and inputs; (!) marks errors above the
   dtype's bound (fp32 1e-4, bf16 2e-2).
 - **1st call s**: the first call, synchronised: compile time plus one step for compiled modes.
+- **NOT LOWERED**: a backend="mha" row where mha_compile.explain found no region replaced; the
+  backend then runs the graph as captured, so its time is not our kernels'.
 """
 
 

@@ -1,0 +1,83 @@
+"""`python -m bench` end to end on the CPU: rows with the documented fields, errors kept per row."""
+import json
+import os
+
+import pytest
+
+from bench import __main__ as bench_main
+from bench import modes, report
+
+
+def _run(tmp_path, *argv):
+    assert bench_main.main([*argv, "--device", "cpu", "--quick", "--out", str(tmp_path), "--name", "t"]) == 0
+    with open(tmp_path / "t.json") as f:
+        data = json.load(f)
+    assert os.path.exists(tmp_path / "t.md")
+    return data["rows"]
+
+
+def test_rows_have_documented_fields(tmp_path, capsys):
+    rows = _run(tmp_path, "--presets", "tiny", "--modes", "eager,inductor", "--spellings", "dense,grouped_mm",
+                "--passes", "fwd")
+    assert [(r["mode"], r["spelling"]) for r in rows] == [
+        ("eager", "dense"), ("inductor", "dense"), ("eager", "grouped_mm"), ("inductor", "grouped_mm")]
+    for row in rows:
+        assert set(report.ROW_FIELDS) <= set(row), set(report.ROW_FIELDS) - set(row)
+        assert (row["preset"], row["dtype"], row["pass"]) == ("tiny", "fp32", "fwd")
+        assert row["torch"] and row["device"].startswith("cpu") and row["commit"]
+    eager, inductor, *grouped = rows
+    for row in (eager, inductor):
+        assert row["status"] == "ok", row["error"]
+        assert row["time_ms"] > 0 and row["first_call_s"] > 0
+        assert row["rel_err"] < 1e-5  # fp32 against the fp32 loop-spelling reference
+        assert row["flops_mode"] > row["flops_min"] > 0  # dense computes every expert
+        assert row["floor_s"] is None and row["pct_floor"] is None  # no floor off the H200
+    best = min(eager["time_ms"], inductor["time_ms"])
+    assert max(eager["speedup"], inductor["speedup"]) == pytest.approx(1.0)
+    assert eager["best_peer_ms"] == best
+    for row in grouped:  # CUDA bf16 only: a skipped row that says why
+        assert row["status"] == "skipped" and "CUDA bf16" in row["error"]
+    out = capsys.readouterr().out
+    assert "× best peer" in out and "CPU: reduced set" in out
+
+
+def test_a_failing_mode_is_an_error_row(tmp_path, monkeypatch):
+    real_build = modes.build
+
+    def build(mode, model):
+        if mode == "mha-fused":
+            raise ModuleNotFoundError("No module named 'mha_compile.kernels.fused' (test)")
+        return real_build(mode, model)
+
+    monkeypatch.setattr(modes, "build", build)
+    rows = _run(tmp_path, "--presets", "tiny", "--modes", "mha-fused,eager", "--spellings", "loop")
+    assert [(r["pass"], r["mode"], r["status"]) for r in rows] == [
+        ("fwd+bwd", "mha-fused", "error"), ("fwd+bwd", "eager", "ok"),
+        ("fwd", "mha-fused", "error"), ("fwd", "eager", "ok")]
+    assert "ModuleNotFoundError" in rows[0]["error"] and rows[0]["time_ms"] is None
+    assert rows[1]["grad_rel_err"] < 1e-5
+    with open(tmp_path / "t.errors.log") as f:
+        assert "Traceback" in f.read()
+
+
+def test_budget_skips_the_rest(tmp_path):
+    rows = _run(tmp_path, "--presets", "tiny", "--modes", "eager", "--spellings", "dense", "--budget", "0")
+    assert [r["status"] for r in rows] == ["skipped", "skipped"]
+    assert "budget" in rows[0]["error"]
+
+
+def test_plan_defaults_and_order():
+    args = bench_main.parse_args(["--modes", "eager,inductor-max-autotune,mha-fused", "--presets", "small,medium,large"])
+    jobs, notes = bench_main.plan(args, "cuda")
+    for pass_ in ("fwd+bwd", "fwd"):  # per pass, the slowest to compile last, where a budget cuts first
+        in_pass = [j for j in jobs if j["pass"] == pass_]
+        tuned = [j for j in in_pass if j["mode"] == "inductor-max-autotune"]
+        assert tuned and in_pass[-len(tuned):] == tuned
+    assert [j["pass"] for j in jobs] == sorted((j["pass"] for j in jobs), reverse=True)  # fwd+bwd first
+    tuned = [j for j in jobs if j["mode"] == "inductor-max-autotune"]
+    assert {j["preset"] for j in tuned} == {"small", "medium"} and any("max-autotune" in n for n in notes)
+    assert not [j for j in jobs if j["spelling"] == "grouped_mm" and j["mode"] == "mha-fused"]
+    cpu_jobs, cpu_notes = bench_main.plan(bench_main.parse_args([]), "cpu")
+    assert {j["preset"] for j in cpu_jobs} == {"tiny", "small"} and {j["dtype"] for j in cpu_jobs} == {"fp32"}
+    assert {j["mode"] for j in cpu_jobs} == {"eager", "inductor", "mha-reference"}
+    assert any("reduced set" in n for n in cpu_notes)
