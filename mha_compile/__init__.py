@@ -9,7 +9,7 @@ from mha_compile.options import Options
 
 
 def explain(model_or_fn, *args, options=None, **kwargs):
-    from mha_compile.explain import explain as _explain
+    from mha_compile.debug.explain import explain as _explain
     return _explain(model_or_fn, *args, options=options, **kwargs)
 
 

@@ -39,7 +39,7 @@ def mha_backend(gm, example_inputs, options=None, mode=None):
     except Exception as error:
         if opts.strict:
             raise
-        report.fallback = f"{type(error).__name__}: {error}"
+        report.fallback = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         log.warning("mha_compile: rewriting graph %d failed (%s); running it as captured", report.index, report.fallback)
         lowered = gm
     report.code_after = lowered.code

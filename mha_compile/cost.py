@@ -40,8 +40,10 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
 # Mode families: which algorithm a benchmark mode runs (see the module docstring).
 ALL_EXPERTS = "all_experts"        # eager / Inductor on the dense and loop spellings
 GROUPED = "grouped"                # the grouped-GEMM spelling: chosen experts, plain pool
-REGION_KERNELS = "region_kernels"  # backend="mha": reassociated pool, chosen experts
+REGION_KERNELS = "region_kernels"  # backend="mha", kernels="reference"
+REGION_TRITON = "region_triton"    # backend="mha", the Triton kernel sets (staged, fused)
 MINIMUM = "minimum"
+FAMILIES = (MINIMUM, ALL_EXPERTS, GROUPED, REGION_KERNELS, REGION_TRITON)
 
 
 def _check_pass(pass_):
@@ -109,7 +111,7 @@ def combine_flops(pass_):
 
 
 def region_flops(family, act="gelu", pass_="fwd", spelling="dense", pairs=None):
-    """FLOPs of the region as a mode family computes it (ALL_EXPERTS, GROUPED, REGION_KERNELS, MINIMUM).
+    """FLOPs of the region as a mode family (one of FAMILIES) computes it.
 
     pairs: (row, expert) pairs the chosen-expert families compute; R·k unless given
     (e.g. `reference_pairs(...)` to count the reference's padded tiles).
@@ -128,13 +130,20 @@ def region_flops(family, act="gelu", pass_="fwd", spelling="dense", pairs=None):
             total += 2 * D * D + 2 * B * N * D * P + 2 * B * D * D + 2 * R * D * E
             total += expert_flops(pairs, act, "fwd")
         return sympy.expand(total)
-    raise ValueError(f"family={family!r}: expected one of {(MINIMUM, ALL_EXPERTS, GROUPED, REGION_KERNELS)}")
+    if family == REGION_TRITON:
+        total = region_flops(MINIMUM, act, pass_, pairs=pairs)
+        if pass_ == "fwd+bwd":  # the backward recomputes u = x W1 (and u3 = x W3)
+            total += (4 if act == "swiglu" else 2) * pairs * D * F
+        return sympy.expand(total)
+    raise ValueError(f"family={family!r}: expected one of {FAMILIES}")
 
 
 def mode_family(mode, spelling):
     """The algorithm family of a benchmark (mode, spelling)."""
-    if mode.startswith("mha"):
+    if mode == "mha-reference":
         return REGION_KERNELS
+    if mode.startswith("mha"):
+        return REGION_TRITON
     return GROUPED if spelling == "grouped_mm" else ALL_EXPERTS
 
 

@@ -70,7 +70,9 @@ def _router_fwd_kernel(
     out = rows.to(tl.int64) * TOP_K
     for j in tl.static_range(TOP_K):
         best = tl.argmax(left, axis=1)
-        tl.store(weight_ptr + out + j, tl.max(left, axis=1) / total, mask=r_ok)
+        # Round-to-nearest division: with k = 1 and renorm the weight is exactly 1, as in the
+        # reference (Triton's default fp32 "/" is approximate on the GPU).
+        tl.store(weight_ptr + out + j, tl.div_rn(tl.max(left, axis=1), total), mask=r_ok)
         tl.store(index_ptr + out + j, best.to(tl.int32), mask=r_ok)
         left = tl.where(offs_e[None, :] == best[:, None], -1.0, left)
 
@@ -91,23 +93,40 @@ def _router_combine_bwd_kernel(
     probs = _logits_probs(x_ptr, inv_ptr, wg_ptr, rows, h_ok, H, D, E, HAS_INV, BLOCK_D, BLOCK_E, BLOCK_H)
     offs_e = tl.arange(0, BLOCK_E)
     offs_c = tl.arange(0, BLOCK_C)
-    dpi = tl.zeros([BLOCK_H, BLOCK_E], tl.float32)
+    dwv = tl.zeros([BLOCK_H, BLOCK_E], tl.float32)  # ∂w_j at the chosen experts, 0 elsewhere
+    wv = tl.zeros([BLOCK_H, BLOCK_E], tl.float32)
     chosen = tl.zeros([BLOCK_H, BLOCK_E], tl.int1)
-    dw_w = tl.zeros([BLOCK_H], tl.float32)
     for j in tl.static_range(TOP_K):
         pair = rows * TOP_K + j
         slot = tl.load(pair_slot_ptr + pair, mask=h_ok, other=0).to(tl.int64)
         part = tl.load(gw_part_ptr + slot[:, None] * N_FBLK + offs_c[None, :],
                        mask=h_ok[:, None] & (offs_c < N_FBLK)[None, :], other=0.0)
-        dw = tl.sum(part, axis=1)  # fixed order over the F blocks
         hit = offs_e[None, :] == tl.load(index_ptr + pair, mask=h_ok, other=-1)[:, None]
-        dpi = tl.where(hit, dw[:, None], dpi)
+        dwv = tl.where(hit, tl.sum(part, axis=1)[:, None], dwv)  # fixed order over the F blocks
+        wv = tl.where(hit, tl.load(weight_ptr + pair, mask=h_ok, other=0.0)[:, None], wv)
         chosen = chosen | hit
-        dw_w += dw * tl.load(weight_ptr + pair, mask=h_ok, other=0.0)
+    # Differences like ∂w_j − Σ_i ∂w_i w_i and ∂π_j − ⟨∂π, π⟩ cancel when one expert dominates;
+    # they are evaluated as sums over the *other* experts (1 − π_j = Σ_{i≠j} π_i), which keeps
+    # fp32 at ~1e-7 of the float64 reference instead of 1e-7 / (1 − π_j).
+    dpi = dwv
     if RENORM:
-        chosen_sum = tl.where(h_ok, tl.sum(tl.where(chosen, probs, 0.0), axis=1), 1.0)
-        dpi = tl.where(chosen, (dpi - dw_w[:, None]) / chosen_sum[:, None], 0.0)
-    dlogits = probs * (dpi - tl.sum(dpi * probs, axis=1)[:, None])
+        probs_c = tl.where(chosen, probs, 0.0)
+        total = tl.where(h_ok, tl.sum(probs_c, axis=1), 1.0)
+        for j in tl.static_range(TOP_K):
+            hit = offs_e[None, :] == tl.load(index_ptr + rows * TOP_K + j, mask=h_ok, other=-1)[:, None]
+            other_p = tl.sum(tl.where(hit, 0.0, probs_c), axis=1)
+            other_dw = tl.sum(tl.where(hit, 0.0, dwv * wv), axis=1)
+            dw_j = tl.sum(tl.where(hit, dwv, 0.0), axis=1)
+            dpi = tl.where(hit, ((dw_j * other_p / total - other_dw) / total)[:, None], dpi)
+        dpi = tl.where(chosen, dpi, 0.0)
+    inner = -tl.sum(dpi * probs, axis=1)[:, None] + tl.zeros([BLOCK_H, BLOCK_E], tl.float32)
+    for j in tl.static_range(TOP_K):
+        hit = offs_e[None, :] == tl.load(index_ptr + rows * TOP_K + j, mask=h_ok, other=-1)[:, None]
+        other_all = tl.sum(tl.where(hit, 0.0, probs), axis=1)
+        other_c = tl.sum(tl.where(hit, 0.0, dpi * probs), axis=1)
+        dpi_j = tl.sum(tl.where(hit, dpi, 0.0), axis=1)
+        inner = tl.where(hit, (dpi_j * other_all - other_c)[:, None], inner)
+    dlogits = probs * inner
     dlogits = tl.where(h_ok[:, None], dlogits, 0.0)
     tl.store(dlogits_ptr + rows[:, None] * E + offs_e[None, :], dlogits,
              mask=h_ok[:, None] & (offs_e < E)[None, :])

@@ -227,14 +227,15 @@ def _region_nodes(nodes, inputs, out):
     An intermediate used outside the region (other than for its size) makes it a near-miss.
     """
     ancestors = _ancestors(out)
-    reach = set()
+    reach, upstream = set(), set()
     for i in inputs:
         reach |= _descendants(i)
-    region = {n for n in ancestors & reach if n not in inputs}
+        upstream |= _ancestors(i)  # what feeds ctx or tok (an earlier block, say) is not ours
+    region = (ancestors & reach) - upstream
     changed = True
     while changed:
         changed = False
-        for n in ancestors - region - set(inputs):
+        for n in ancestors - region - upstream:
             if n.op in ("call_function", "call_method") and n.users and all(u in region for u in n.users):
                 region.add(n)
                 changed = True

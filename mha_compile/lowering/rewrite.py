@@ -41,13 +41,19 @@ def replace_region(gm, match):
     for node in reversed(match.nodes):
         if not node.users:
             graph.erase_node(node)
-    return call
+    return out
 
 
 def rewrite(gm, matches):
-    """Replace every match in gm (in place) and recompile it."""
+    """Replace every match in gm (in place) and recompile it.
+
+    A later region may read an earlier one's output (two blocks in a row): that output node is
+    replaced, so later matches are pointed at its replacement first.
+    """
+    replaced = {}
     for match in matches:
-        replace_region(gm, match)
+        match.ctx, match.tok = replaced.get(match.ctx, match.ctx), replaced.get(match.tok, match.tok)
+        replaced[match.output] = replace_region(gm, match)
     gm.graph.lint()
     gm.recompile()
     return gm

@@ -1,0 +1,203 @@
+"""torch.compile(backend="mha") end to end on the CPU: results, gradients, training, options."""
+import copy
+import logging
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import mha_compile
+from mha_compile import backend, models
+from numerics import TOLERANCE, assert_close_rel, relative_error
+
+BK = "pool.key.bias"  # SPEC §1: its gradient is exactly zero (it shifts every score of a head)
+
+
+def _block(dtype, spelling="loop", act="gelu", seed=0):
+    torch.manual_seed(seed)
+    return models.MHABlock(32, 2, 64, 4, 2, act=act, spelling=spelling).to(dtype)
+
+
+def _train_side_by_side(model, make_batch, dtype, steps=3, **compile_kwargs):
+    """Train eager and compiled copies in lockstep; compare outputs, every gradient, parameters."""
+    eager, compiled_model = model, copy.deepcopy(model)
+    compiled = torch.compile(compiled_model, backend="mha", **compile_kwargs)
+    opt_e = torch.optim.Adam(eager.parameters(), lr=1e-2)
+    opt_c = torch.optim.Adam(compiled_model.parameters(), lr=1e-2)
+    for step in range(steps):
+        inputs = make_batch(step)
+        out_e, out_c = eager(*inputs), compiled(*inputs)
+        assert_close_rel(out_c, out_e, dtype, f"step {step} output")
+        loss_e, loss_c = out_e.square().mean(), out_c.square().mean()
+        loss_e.backward()
+        loss_c.backward()
+        for (name, p_e), p_c in zip(eager.named_parameters(), compiled_model.parameters()):
+            if name.endswith(BK):
+                assert torch.count_nonzero(p_c.grad) == 0 and p_e.grad.abs().max() <= 1e-5 * p_c.grad.new_ones(()).abs().max() + 1e-6
+                continue
+            assert p_c.grad is not None and torch.isfinite(p_c.grad).all(), name
+            assert_close_rel(p_c.grad, p_e.grad, dtype, f"step {step} ∂{name}")
+        opt_e.step(), opt_c.step()
+        opt_e.zero_grad(), opt_c.zero_grad()
+    return eager, compiled_model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("spelling", models.MOE_SPELLINGS)
+def test_block_trains_like_eager(dtype, spelling):
+    torch._dynamo.reset()
+    model = _block(dtype, spelling, act="swiglu")
+    gen = torch.Generator().manual_seed(1)
+    batch = lambda step: (torch.randn(4, 3, 32, generator=gen, dtype=dtype), torch.randn(4, 5, 32, generator=gen, dtype=dtype))
+    _train_side_by_side(model, batch, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_forecaster_trains_like_eager(dtype):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = models.Forecaster(window=12, variates=5, horizons=3).to(dtype)
+    gen = torch.Generator().manual_seed(2)
+    batch = lambda step: (torch.randn(6, 12, 5, generator=gen, dtype=dtype),)
+    _train_side_by_side(model, batch, dtype, steps=4)
+
+
+def test_every_block_parameter_gets_gradient_through_the_compiled_path():
+    torch._dynamo.reset()
+    model = _block(torch.float32, "dense", act="swiglu")
+    compiled = torch.compile(model, backend="mha")
+    compiled(torch.randn(4, 3, 32), torch.randn(4, 5, 32)).square().mean().backward()
+    for name, p in model.named_parameters():
+        if name.endswith(BK):
+            assert torch.count_nonzero(p.grad) == 0
+        else:
+            assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
+
+
+def test_pool_contributes_to_the_compiled_output():
+    """The seed's bug: a branch that adds nothing. Zeroing the pool's output projection must matter."""
+    torch._dynamo.reset()
+    model = _block(torch.float32)
+    compiled = torch.compile(model, backend="mha")
+    ctx, tok = torch.randn(4, 3, 32), torch.randn(4, 5, 32)
+    before = compiled(ctx, tok).detach()
+    with torch.no_grad():
+        model.pool.out.weight.zero_()
+        model.pool.out.bias.zero_()
+    after = compiled(ctx, tok).detach()
+    assert relative_error(after, before) > 1e-2
+    assert_close_rel(after, model(ctx, tok), torch.float32, "zeroed pool")
+    assert_close_rel(after, model.moe(ctx), torch.float32, "zeroed pool = MoE of ctx alone")
+
+
+def test_smaller_second_batch_is_dynamic_and_correct():
+    torch._dynamo.reset()
+    model = _block(torch.float32)
+    reports = []
+    observe = lambda report, gm, lowered: reports.append(report)
+    backend.observers.append(observe)
+    try:
+        compiled = torch.compile(model, backend="mha")
+        for B in (6, 3):
+            ctx, tok = torch.randn(B, 3, 32), torch.randn(B, 5, 32)
+            assert_close_rel(compiled(ctx, tok), model(ctx, tok), torch.float32, f"B={B}")
+    finally:
+        backend.observers.remove(observe)
+    assert len(reports) == 2 and all(len(r.matches) == 1 for r in reports)
+    assert "s" in "".join(reports[1].matches[0]["shapes"]["ctx"])  # a symbolic batch size
+
+
+def test_rest_inductor_matches_eager():
+    torch._dynamo.reset()
+    model = models.Forecaster(window=12, variates=5, horizons=3)
+    _train_side_by_side(model, lambda step: (torch.randn(4, 12, 5),), torch.float32, steps=2,
+                        options={"rest": "inductor"})
+
+
+def test_explain_counts():
+    block = _block(torch.float32)
+    report = mha_compile.explain(block, torch.randn(4, 3, 32), torch.randn(4, 5, 32))
+    assert len(report.matches) == 1 and not report.near_misses and len(report.graphs) == 1
+    assert report.matches[0]["kernels"] == "reference" and "cpu" in report.matches[0]["kernels_reason"]
+    assert "1 match" in str(report) and "topk" in report.matches[0]["nodes"]
+
+    class TwoBlocks(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = _block(torch.float32, "loop"), _block(torch.float32, "dense", seed=1)
+
+        def forward(self, ctx, tok):
+            return self.b(self.a(ctx, tok), tok)
+
+    two = TwoBlocks()
+    ctx, tok = torch.randn(4, 3, 32), torch.randn(4, 5, 32)
+    report = mha_compile.explain(two, ctx, tok)
+    assert len(report.matches) == 2 and not report.near_misses
+    assert report.matches[1]["ctx"] == report.matches[0]["output"]  # the second block reads the first
+    torch._dynamo.reset()
+    assert_close_rel(torch.compile(two, backend="mha")(ctx, tok), two(ctx, tok), torch.float32, "two blocks")
+
+
+@pytest.mark.parametrize("options,needle", [
+    ({"kernel": "auto"}, "unknown key(s) ['kernel']"),
+    ({"kernels": "fastest"}, "kernels='fastest'"),
+    ({"rest": "tvm"}, "rest='tvm'"),
+    ({"verify": "yes"}, "verify='yes'"),
+])
+def test_bad_options_raise_clear_errors(options, needle):
+    with pytest.raises(Exception) as info:
+        mha_compile.Options.parse(options)
+    assert needle in str(info.value)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="mha"):
+        torch.compile(_block(torch.float32), backend="mha", options=options)(torch.randn(2, 3, 32), torch.randn(2, 5, 32))
+
+
+def test_failure_falls_back_with_a_warning_and_strict_raises(monkeypatch, caplog):
+    def broken(gm, matches):
+        raise RuntimeError("planted failure")
+
+    monkeypatch.setattr(backend, "rewrite", broken)
+    torch._dynamo.reset()
+    model = _block(torch.float32)
+    ctx, tok = torch.randn(4, 3, 32), torch.randn(4, 5, 32)
+    with caplog.at_level(logging.WARNING, logger="mha_compile"):
+        out = torch.compile(model, backend="mha")(ctx, tok)
+    assert "planted failure" in caplog.text
+    assert_close_rel(out, model(ctx, tok), torch.float32, "fallback")
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="planted failure"):
+        torch.compile(model, backend="mha", options={"strict": True})(ctx, tok)
+
+
+def test_verify_falls_back_when_the_replacement_is_wrong(monkeypatch, caplog):
+    from mha_compile.kernels import reference
+    right = reference.region_forward
+
+    def wrong(*args):
+        out, *saved = right(*args)
+        return (out + 1.0, *saved)
+
+    monkeypatch.setattr(reference, "region_forward", wrong)
+    torch._dynamo.reset()
+    model = _block(torch.float32)
+    ctx, tok = torch.randn(4, 3, 32), torch.randn(4, 5, 32)
+    compiled = torch.compile(model, backend="mha", options={"verify": True})
+    with caplog.at_level(logging.WARNING, logger="mha_compile"):
+        first = compiled(ctx, tok)
+    assert "disagrees" in caplog.text
+    assert_close_rel(first, model(ctx, tok), torch.float32, "verified fallback")
+    assert_close_rel(compiled(ctx, tok), model(ctx, tok), torch.float32, "second call")
+
+
+def test_fresh_interpreter_finds_the_backend_by_name():
+    code = ("import sys, torch\n"
+            "assert 'mha' in torch._dynamo.list_backends(), torch._dynamo.list_backends()\n"
+            "assert 'mha_compile' not in sys.modules\n"
+            "m = torch.nn.Linear(4, 4)\n"
+            "torch.compile(m, backend='mha')(torch.randn(2, 4))\n"
+            "assert 'mha_compile.backend' in sys.modules\n"
+            "print('ok')\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-2000:]
