@@ -43,7 +43,9 @@ class GroupedMMBlock(nn.Module):
         order = torch.argsort(flat, stable=True)
         expert = flat[order]
         rows = order // moe.top_k
-        offs = torch.cumsum(torch.bincount(flat, minlength=experts), 0).to(torch.int32)
+        # offs[e] = rows of experts ≤ e; searchsorted, not bincount, whose output size
+        # depends on the data and would break the graph under torch.compile
+        offs = torch.searchsorted(expert, torch.arange(experts, device=flat.device), right=True).to(torch.int32)
         xs = x[rows]
         u = torch._grouped_mm(xs, moe.w1, offs=offs)
         if moe.b1 is not None:
