@@ -249,15 +249,17 @@ def moe_backward(grad_out, x, weight, index, w1, b1, w2, b2, w3, act):
     g_slots = gather_slots(grad_out, slot_pair, top_k).view(T, tile, D)
     w_slots = torch.cat([weight.reshape(-1), weight.new_zeros(1)])[slot_pair].view(T, tile, 1)
     u, u3, h = _expert_tiles(x_slots, tile_expert, w1, b1, w3, act)
-    w2_tiles = w2[tile_expert]
-    f = torch.bmm(h, w2_tiles)
+    # ∂w = ⟨G, h W2 + b2⟩ = ⟨G W2ᵀ, h⟩ + ⟨G, b2⟩: G W2ᵀ is needed for ∂h anyway, so f is
+    # never recomputed (one GEMM fewer than the textbook order).
+    g_hidden = g_slots @ w2[tile_expert].transpose(1, 2)  # [T,tile,F]
+    grad_w_slots = (g_hidden * h).sum(-1)
     if b2 is not None:
-        f = f + b2[tile_expert][:, None, :]
-    grad_weight = scatter_slots((g_slots * f).sum(-1).view(-1), slot_pair, R * top_k)
+        grad_w_slots = grad_w_slots + (g_slots * b2[tile_expert][:, None, :]).sum(-1)
+    grad_weight = scatter_slots(grad_w_slots.view(-1), slot_pair, R * top_k)
     grad_f = w_slots * g_slots  # [T,tile,D]
     grad_w2 = _sum_tiles(h.transpose(1, 2) @ grad_f, tile_expert, E)
     grad_b2 = None if b2 is None else _sum_tiles(grad_f.sum(1), tile_expert, E)
-    grad_h = grad_f @ w2_tiles.transpose(1, 2)
+    grad_h = w_slots * g_hidden
     grad_u, grad_u3 = act_backward(act, grad_h, u, u3)
     grad_w1 = _sum_tiles(x_slots.transpose(1, 2) @ grad_u, tile_expert, E)
     grad_b1 = None if b1 is None else _sum_tiles(grad_u.sum(1), tile_expert, E)

@@ -46,7 +46,8 @@ def test_edge_shapes(module, dtype, shape):
     s = dict(shape)
     k = s.pop("k")
     ctx, tok, params = make_case(*s.values(), k, act="swiglu", dtype=dtype, device="cuda", seed=5)
-    errors = check_region(module, ctx, tok, params, top_k=k, renorm=True, act="swiglu")
+    # k = 1 with renorm gives w ≡ 1 and no router gradient (∂Wg ≡ 0): compare it without renorm.
+    errors = check_region(module, ctx, tok, params, top_k=k, renorm=k > 1, act="swiglu")
     print(f"{module.__name__} {shape} {dtype}: {fmt(errors)}")
 
 
@@ -57,7 +58,7 @@ def test_all_rows_to_one_expert(module, top_k):
     ctx, params[7] = one_expert_router(ctx, params[7])
     index = module.region_forward(ctx, tok, *params, None, top_k, True, "gelu")[4]
     assert (index[:, 0] == 0).all()
-    check_region(module, ctx, tok, params, top_k=top_k, renorm=True, act="gelu")
+    check_region(module, ctx, tok, params, top_k=top_k, renorm=top_k > 1, act="gelu")
 
 
 @pytest.mark.parametrize("module", SETS)
