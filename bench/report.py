@@ -114,6 +114,21 @@ LEGEND = """\
 """
 
 
+def compile_table(rows):
+    """The backend's compile time beside Inductor's: first-call seconds per mode, by preset and pass."""
+    columns = list(dict.fromkeys((r["preset"], r["pass"]) for r in rows))
+    lines = []
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        cells = []
+        for preset, pass_ in columns:
+            times = [r["first_call_s"] for r in rows if (r["mode"], r["preset"], r["pass"]) == (mode, preset, pass_)
+                     and r.get("first_call_s") is not None]
+            cells.append(f"{max(times):.1f}" if times else "")
+        lines.append([mode, *cells])
+    headers = ["mode (worst spelling)", *[f"{p} {q}" for p, q in columns]]
+    return tabulate(lines, headers=headers, tablefmt="github", disable_numparse=True)
+
+
 def write_json(path, meta, rows):
     with open(path, "w") as f:
         json.dump(dict(meta=meta, key_fields=list(KEY_FIELDS), rows=rows), f, indent=1, default=str)
@@ -124,7 +139,7 @@ def write_markdown(path, meta, rows, notes=()):
              f"torch {meta.get('torch')}, triton {meta.get('triton')}, commit {meta.get('commit')}, "
              f"{meta.get('date')}.", "", f"Command: `{meta.get('command')}`", ""]
     lines += [f"- {note}" for note in notes] + ([""] if notes else [])
-    lines += [table(rows, "github"), "", LEGEND]
+    lines += [table(rows, "github"), "", LEGEND, "## Compile time (first call, s)", "", compile_table(rows), ""]
     errors = [r for r in rows if r.get("status") == "error"]
     if errors:
         lines += ["## Errors", ""]
