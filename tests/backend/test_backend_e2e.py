@@ -201,3 +201,17 @@ def test_fresh_interpreter_finds_the_backend_by_name():
             "print('ok')\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-2000:]
+
+
+def test_dump_writes_graphs_and_reports(tmp_path, monkeypatch):
+    import json
+    monkeypatch.setenv("MHA_COMPILE_DUMP", str(tmp_path))
+    torch._dynamo.reset()
+    model = _block(torch.float32)
+    torch.compile(model, backend="mha")(torch.randn(4, 3, 32), torch.randn(4, 5, 32))
+    (run,) = list(tmp_path.iterdir())
+    (graph,) = list(run.iterdir())
+    report = json.loads((graph / "report.json").read_text())
+    assert len(report["matches"]) == 1 and "topk" in report["matches"][0]["nodes"]
+    assert "mha.region" in (graph / "rewritten.py").read_text()
+    assert "torch.topk" in (graph / "captured.py").read_text() or "topk" in (graph / "captured.py").read_text()
