@@ -124,16 +124,12 @@ def region_flops(family, act="gelu", pass_="fwd", spelling="dense", pairs=None):
         return pool_flops(False, pass_) + router_flops(pass_) + expert_flops(R * E, act, pass_) + combine
     if family == GROUPED:
         return pool_flops(False, pass_) + router_flops(pass_) + expert_flops(pairs, act, pass_)
-    if family == REGION_KERNELS:
+    if family in (REGION_KERNELS, REGION_TRITON):
         total = region_flops(MINIMUM, act, pass_, pairs=pairs)
-        if pass_ == "fwd+bwd":  # the backward recomputes u_p, t̄, pooled, the logits, the experts' u and f
-            total += 2 * D * D + 2 * B * N * D * P + 2 * B * D * D + 2 * R * D * E
-            total += expert_flops(pairs, act, "fwd")
-        return sympy.expand(total)
-    if family == REGION_TRITON:
-        total = region_flops(MINIMUM, act, pass_, pairs=pairs)
-        if pass_ == "fwd+bwd":  # the backward recomputes u = x W1 (and u3 = x W3)
-            total += (4 if act == "swiglu" else 2) * pairs * D * F
+        if pass_ == "fwd+bwd":
+            total += (4 if act == "swiglu" else 2) * pairs * D * F  # every set recomputes u = x W1 (and u3)
+            if family == REGION_KERNELS:  # the reference also recomputes u_p, t̄, pooled and the logits
+                total += 2 * D * D + 2 * B * N * D * P + 2 * B * D * D + 2 * R * D * E
         return sympy.expand(total)
     raise ValueError(f"family={family!r}: expected one of {FAMILIES}")
 
