@@ -35,6 +35,7 @@ def main():
     parser.add_argument("--preset", default="medium")
     parser.add_argument("--dtype", default="bf16", choices=DTYPES)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--profile", action="store_true", help="also print per-kernel CUDA times of fused/staged")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     dtype = DTYPES[args.dtype]
@@ -79,6 +80,15 @@ def main():
         print(f"{r['peer']:<16}{r['fwd_ms']:>10.3f}{r['fwd_bwd_ms']:>12.3f}{r['fwd_ms'] / floor[0]:>13.1f}"
               f"{r['fwd_bwd_ms'] / floor[1]:>13.1f}{r['rel_err_vs_eager_loop']:>10.1e}")
     print(f"{'floor':<16}{floor[0]:>10.3f}{floor[1]:>12.3f}")
+    if args.profile:
+        for name in ("mha fused", "mha staged"):
+            fn = peers[name]
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    fn().backward(grad)
+                torch.cuda.synchronize()
+            print(f"\n{name}: fwd+bwd x5, CUDA time per kernel")
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(device=device, torch=torch.__version__, floor_ms=floor, rows=rows), f, indent=1)
