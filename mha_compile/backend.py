@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from mha_compile.debug.dump import write_dump
+from mha_compile.debug.dump import publish
 from mha_compile.debug.report import GraphReport
 from mha_compile.lowering.match import find_regions
 from mha_compile.lowering.rewrite import rewrite
@@ -44,8 +44,7 @@ def mha_backend(gm, example_inputs, options=None, mode=None):
         log.warning("mha_compile: rewriting graph %d failed (%s); running it as captured", report.index, report.fallback)
         lowered = gm
     report.code_after = lowered.code
-    if opts.dump:
-        write_dump(opts.dump, report, gm, lowered)
+    publish(report, gm, lowered, opts.dump)  # log, trace and (with a dump folder) dump the report
     for observer in list(observers):
         observer(report, gm, lowered)
     compiled = run_rest(lowered, example_inputs, opts, mode)

@@ -1,8 +1,51 @@
 """Graph dumps: MHA_COMPILE_DUMP=folder or options={"dump": folder}.
 
-Each process writes into its own run folder (folder/run-<time>-<pid>), one subfolder per
-compiled graph in compile order, so runs never overwrite each other. A dump that cannot be
-written is reported once and never fails the user's compile.
+Each process writes into its own run folder, `folder/run-<YYYYmmdd-HHMMSS>-<pid>` (created
+with exist_ok=False; a taken name gets a `-1`, `-2`... suffix, so two processes, even two with
+the same pid in different containers, never share one). In it, one folder per compiled graph,
+`graph_<NNN>` numbered in compile order, and `index.html` linking everything:
+
+    graph_000/captured.py    the graph as Dynamo captured it, as a runnable script
+    graph_000/rewritten.py   the graph after rewriting (calls torch.ops.mha.region), runnable
+    graph_000/report.txt     the match / near-miss report for people
+    graph_000/report.json    the same as data (fields below)
+    graph_000/graph.dot      a picture of the captured graph: region green, near-misses red
+    graph_000/graph.svg      ...rendered by graphviz's `dot`, when it is installed
+    graph_000/rewritten.dot, rewritten.svg   the rewritten graph, its mha::region call green
+    graph_000/*_constants.pt tensors the graph reads with get_attr, if any (loaded by the scripts)
+
+Run a script: `python graph_000/captured.py [--seed N] [--device cpu] [--save out.pt]`. It
+rebuilds the GraphModule, makes random inputs of the recorded shapes, dtypes and strides
+(symbolic sizes take their hint; parameters are random too), runs it and prints the outputs'
+shapes; `--save` writes {"inputs", "outputs"} with torch.save.
+
+report.json fields:
+    schema         1 (bumped when a field changes meaning)
+    index          the graph's number in this process's compile order (the NNN of graph_NNN)
+    run            the run folder's name
+    options        the backend options in effect, as strings
+    matches        one per replaced region: output, ctx, tok (node names), nodes (every node the
+                   region covers), config (act, top_k, renorm...), params (region parameter ->
+                   the graph input it is read from), kernels (the kernel set chosen) and
+                   kernels_reason (why), shapes ({ctx, tok, out}: sizes as strings, symbolic
+                   ones by name), dtype
+    near_misses    one per candidate that is almost the block: anchor (its top-k node), node
+                   (where it stops being the block), reason (what to change), and, added here,
+                   target (what that node calls), shape and dtype of that node
+    fallback       why the graph runs as captured (the rewrite failed, or verify disagreed), or null
+    inputs         the graph's inputs in order: name, kind (tensor | int | float | none), and
+                   for tensors shape (concrete), symbolic (sizes as strings), stride, dtype, device
+    nodes          every node of the captured graph: name, op, target, shape, dtype, region
+                   (index into matches, or null), near_miss (reason, or null)
+    node_count     {"captured": n, "rewritten": n}
+    files          file names in the graph folder: captured, rewritten, text, json, dot, svg,
+                   rewritten_dot, rewritten_svg (null where not written, e.g. svg without `dot`)
+    code_before, code_after   the graph's forward code before and after rewriting
+
+A dump that cannot be written (the folder is a file, or not writable) is reported once as a
+warning on the "mha_compile" logger and the compile goes on without dumps; so does a picture
+that cannot be drawn. `publish` also logs each report at DEBUG (TORCH_LOGS="+mha_compile")
+and emits it as structured-trace artifacts under TORCH_TRACE (see logs.py).
 """
 import json
 import logging
@@ -10,33 +53,177 @@ import os
 import time
 from pathlib import Path
 
+import torch
+
+from mha_compile.debug import logs
+from mha_compile.debug.html import write_index
+from mha_compile.debug.picture import graph_dot, node_info, render_svg
+from mha_compile.debug.script import graph_script, input_specs
+
 log = logging.getLogger("mha_compile")
-_run_folders = {}
+SCHEMA = 1
+_run_folders = {}  # (pid, absolute folder) -> this process's run folder
 _warned = set()
 
 
+def publish(report, captured, lowered, folder=None):
+    """Everything the debug side does with a graph's report: log it, trace it, dump it."""
+    try:
+        logs.register()
+        text = report_text(report, captured)
+        log.debug("mha_compile: graph %d report:\n%s", report.index, text)
+        doc = report_document(report, captured, lowered)
+        logs.trace_report(doc, text)
+    except Exception as error:  # a report that cannot be built must not cost the user's compile
+        _warn_once(("report", type(error).__name__), "mha_compile: could not build the report of graph %d (%s: %s)",
+                   report.index, type(error).__name__, error)
+        return None
+    return write_dump(folder, report, captured, lowered, doc, text) if folder else None
+
+
 def run_folder(folder):
-    """This process's run folder under `folder` (created on first use)."""
-    key = os.path.abspath(folder)
+    """This process's run folder under `folder`, created on first use (never an existing one)."""
+    key = (os.getpid(), os.path.abspath(folder))
     if key not in _run_folders:
-        path = Path(folder) / f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-        path.mkdir(parents=True, exist_ok=False)
+        root = Path(folder)
+        if root.exists() and not root.is_dir():
+            raise NotADirectoryError(f"{folder!r} is a file, not a folder")
+        root.mkdir(parents=True, exist_ok=True)
+        base = f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        for attempt in range(1000):
+            path = root / (base if attempt == 0 else f"{base}-{attempt}")
+            try:
+                path.mkdir(exist_ok=False)
+                break
+            except FileExistsError:
+                continue
+        else:
+            raise FileExistsError(f"no free run folder name {base}-N under {folder!r}")
         _run_folders[key] = path
     return _run_folders[key]
 
 
-def write_dump(folder, report, captured, lowered):
-    """Write the graph before/after, and the report as text and JSON. Returns the graph folder."""
+def current_run(folder):
+    """The run folder this process writes under `folder`, or None if it has written none."""
+    return _run_folders.get((os.getpid(), os.path.abspath(folder)))
+
+
+def write_dump(folder, report, captured, lowered, doc=None, text=None):
+    """Write graph_<index>/ (scripts, report, pictures) and refresh index.html. Returns the graph folder."""
     try:
-        out = run_folder(folder) / f"graph_{report.index:03d}"
+        run = run_folder(folder)
+        out = run / f"graph_{report.index:03d}"
         out.mkdir()
-        (out / "captured.py").write_text(captured.code)
-        (out / "rewritten.py").write_text(lowered.code)
-        (out / "report.txt").write_text(str(report) + "\n")
-        (out / "report.json").write_text(json.dumps(report.to_json(), indent=2, default=str))
-        return out
     except OSError as error:
-        if folder not in _warned:
-            _warned.add(folder)
-            log.warning("mha_compile: cannot write graph dumps to %r (%s); compiling without dumps", folder, error)
+        _warn_once(("folder", str(folder)), "mha_compile: cannot write graph dumps to %r (%s); compiling without "
+                   "dumps. Set MHA_COMPILE_DUMP / options['dump'] to a folder you can write.", str(folder), error)
         return None
+    doc = doc if doc is not None else report_document(report, captured, lowered)
+    text = text if text is not None else report_text(report, captured)
+    doc["run"] = run.name
+    files = doc["files"]
+    try:
+        files["captured"] = _write_script(out, "captured", captured, f"graph {report.index} as captured", False)
+        files["rewritten"] = _write_script(out, "rewritten", lowered, f"graph {report.index} after rewriting", True)
+        files["dot"], files["svg"] = _write_picture(out, "graph", captured, report, doc, rewritten=False)
+        files["rewritten_dot"], files["rewritten_svg"] = _write_picture(out, "rewritten", lowered, report, doc,
+                                                                        rewritten=True)
+        (out / "report.txt").write_text(text + "\n", encoding="utf-8")
+        files["text"] = "report.txt"
+        files["json"] = "report.json"
+        (out / "report.json").write_text(json.dumps(doc, indent=2, default=str), encoding="utf-8")
+        write_index(run)
+    except OSError as error:
+        _warn_once(("write", str(folder)), "mha_compile: graph dump to %r incomplete (%s)", str(out), error)
+    log.info("mha_compile: graph %d dumped to %s", report.index, out)
+    return out
+
+
+def _write_script(out, stem, gm, title, needs_ops):
+    try:
+        source, constants = graph_script(gm, title, filename=f"{out.name}/{stem}.py",
+                                         constants_file=f"{stem}_constants.pt", needs_ops=needs_ops)
+        if constants:
+            torch.save(constants, out / f"{stem}_constants.pt")
+    except OSError:
+        raise
+    except Exception as error:  # a graph the script writer cannot rebuild: still show its code
+        _warn_once(("script", type(error).__name__), "mha_compile: %s.py of a graph dump is not runnable (%s: %s)",
+                   stem, type(error).__name__, error)
+        source = f"# {title}: not runnable ({type(error).__name__}: {error}); the graph's code:\n{gm.code}"
+    (out / f"{stem}.py").write_text(source, encoding="utf-8")
+    return f"{stem}.py"
+
+
+def _write_picture(out, stem, gm, report, doc, rewritten):
+    """Write stem.dot and (with graphviz) stem.svg. Returns their file names (svg None if not drawn)."""
+    n = len(report.matches)
+    title = (f"graph {report.index} {'after rewriting' if rewritten else 'as captured'}: {n} region(s) replaced, "
+             f"{len(report.near_misses)} near-miss(es)")
+    if report.fallback:
+        title += f"\nfallback: {report.fallback}"
+    try:
+        if rewritten:
+            dot = graph_dot(gm, title, replaced_target=_region_op())
+        else:
+            regions = [(f"MHA region {i} → kernels={m['kernels']} ({m['kernels_reason']})", m["nodes"])
+                       for i, m in enumerate(report.matches)]
+            dot = graph_dot(gm, title, regions, report.near_misses)
+    except Exception as error:  # never fail a compile for a picture
+        _warn_once(("picture", type(error).__name__), "mha_compile: could not draw graph %d (%s: %s)",
+                   report.index, type(error).__name__, error)
+        return None, None
+    (out / f"{stem}.dot").write_text(dot, encoding="utf-8")
+    svg = render_svg(dot, out / f"{stem}.svg")
+    return f"{stem}.dot", (f"{stem}.svg" if svg else None)
+
+
+def _region_op():
+    try:
+        return torch.ops.mha.region.default
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def report_document(report, captured, lowered):
+    """The report as the JSON document described in this module's docstring."""
+    doc = report.to_json()
+    nodes = {n.name: n for n in captured.graph.nodes}
+    region_of = {name: i for i, m in enumerate(report.matches) for name in m["nodes"]}
+    miss_at = {}
+    for miss in report.near_misses:
+        miss_at.setdefault(miss["node"], miss["reason"])
+    doc["near_misses"] = [dict(miss, **_node_fields(nodes.get(miss["node"]))) for miss in report.near_misses]
+    doc.update(
+        schema=SCHEMA, run=None,
+        inputs=[dict(name=name, **spec) for name, spec in input_specs(captured)],
+        nodes=[dict(name=n.name, op=n.op, **_node_fields(n), region=region_of.get(n.name), near_miss=miss_at.get(n.name))
+               for n in captured.graph.nodes],
+        node_count={"captured": len(captured.graph.nodes), "rewritten": len(lowered.graph.nodes)},
+        files={key: None for key in ("captured", "rewritten", "text", "json", "dot", "svg", "rewritten_dot",
+                                     "rewritten_svg")})
+    return doc
+
+
+def _node_fields(node):
+    if node is None:
+        return {"target": None, "shape": None, "dtype": None}
+    what, shape, dtype = node_info(node)
+    return {"target": what, "shape": shape or None, "dtype": dtype or None}
+
+
+def report_text(report, captured):
+    """The report for people: str(report) and the graph's inputs."""
+    lines = [str(report), "  inputs:"]
+    for name, spec in input_specs(captured):
+        if spec["kind"] == "tensor":
+            lines.append(f"    {name}: [{', '.join(spec['symbolic'])}] {spec['dtype']} on {spec['device']}")
+        else:
+            lines.append(f"    {name}: {spec['kind']} {spec.get('value', '')}")
+    return "\n".join(lines)
+
+
+def _warn_once(key, message, *args):
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(message, *args)
