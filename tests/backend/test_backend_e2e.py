@@ -210,7 +210,7 @@ def test_dump_writes_graphs_and_reports(tmp_path, monkeypatch):
     model = _block(torch.float32)
     torch.compile(model, backend="mha")(torch.randn(4, 3, 32), torch.randn(4, 5, 32))
     (run,) = list(tmp_path.iterdir())
-    (graph,) = list(run.iterdir())
+    (graph,) = list(run.glob("graph_*"))  # beside index.html
     report = json.loads((graph / "report.json").read_text())
     assert len(report["matches"]) == 1 and "topk" in report["matches"][0]["nodes"]
     assert "mha.region" in (graph / "rewritten.py").read_text()

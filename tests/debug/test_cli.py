@@ -1,0 +1,35 @@
+"""`python -m mha_compile explain script.py:factory`: the report, the dump, clear errors."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mha_compile.__main__ import main
+
+SCRIPT = Path(__file__).with_name("factory_script.py")
+
+
+def test_explain_prints_the_report_and_writes_the_dump(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "mha_compile", "explain", f"{SCRIPT}:make_block",
+                             "--dump", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "1 graph(s), 1 match(es), 0 near-miss(es)" in result.stdout
+    assert "kernels: reference" in result.stdout
+    (run,) = tmp_path.glob("run-*")
+    assert str(run / "index.html") in result.stderr
+    assert (run / "graph_000" / "report.json").exists() and (run / "graph_000" / "captured.py").exists()
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("no/such/script.py:make_block", "no/such/script.py: no such file"),
+    (f"{SCRIPT}", "expected path/to/script.py:function"),
+    (f"{SCRIPT}:make_nothing", "has no function 'make_nothing'; functions defined there: make_block, "
+                               "make_model_only, make_single_input"),
+    (f"{SCRIPT}:make_model_only", "must return (model, example_inputs); it returned a mha_compile.models.MHABlock"),
+    (f"{SCRIPT}:make_single_input", "must return example_inputs as a tuple"),
+])
+def test_bad_spec_is_a_clear_error(spec, message, capsys):
+    assert main(["explain", spec]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
