@@ -72,7 +72,10 @@ def node_info(node):
         return what, "[" + ", ".join(str(d) for d in value.shape) + "]", _dtype(value.dtype)
     if isinstance(value, (list, tuple)) and value and all(isinstance(v, torch.Tensor) for v in value):
         return what, " ".join("[" + ",".join(str(d) for d in v.shape) + "]" for v in value), _dtype(value[0].dtype)
-    if isinstance(value, (int, float, torch.SymInt, torch.SymFloat)):
+    if isinstance(value, (float, torch.SymFloat)):
+        hint = value.node.hint if isinstance(value, torch.SymFloat) else value
+        return what, str(value) if hint is None else f"{float(hint):.6g}", type(value).__name__
+    if isinstance(value, (int, torch.SymInt)):
         return what, str(value), type(value).__name__
     return what, "", ""
 
