@@ -12,6 +12,8 @@ the same pid in different containers, never share one). In it, one folder per co
     graph_000/graph.dot      a picture of the captured graph: region green, near-misses red
     graph_000/graph.svg      ...rendered by graphviz's `dot`, when it is installed
     graph_000/rewritten.dot, rewritten.svg   the rewritten graph, its mha::region call green
+    graph_000/graph_full.dot, rewritten_full.dot   every node, when the pictures above collapse
+                             the nodes far from the highlights (large graphs)
     graph_000/*_constants.pt tensors the graph reads with get_attr, if any (loaded by the scripts)
 
 Run a script: `python graph_000/captured.py [--seed N] [--device cpu] [--save out.pt]`. It
@@ -39,7 +41,8 @@ report.json fields:
                    (index into matches, or null), near_miss (reason, or null)
     node_count     {"captured": n, "rewritten": n}
     files          file names in the graph folder: captured, rewritten, text, json, dot, svg,
-                   rewritten_dot, rewritten_svg (null where not written, e.g. svg without `dot`)
+                   dot_full, rewritten_dot, rewritten_svg, rewritten_dot_full (null where not
+                   written: svg without `dot`, *_full when nothing was collapsed)
     code_before, code_after   the graph's forward code before and after rewriting
 
 A dump that cannot be written (the folder is a file, or not writable) is reported once as a
@@ -125,9 +128,9 @@ def write_dump(folder, report, captured, lowered, doc=None, text=None):
     try:
         files["captured"] = _write_script(out, "captured", captured, f"graph {report.index} as captured", False)
         files["rewritten"] = _write_script(out, "rewritten", lowered, f"graph {report.index} after rewriting", True)
-        files["dot"], files["svg"] = _write_picture(out, "graph", captured, report, doc, rewritten=False)
-        files["rewritten_dot"], files["rewritten_svg"] = _write_picture(out, "rewritten", lowered, report, doc,
-                                                                        rewritten=True)
+        files["dot"], files["svg"], files["dot_full"] = _write_picture(out, "graph", captured, report, rewritten=False)
+        files["rewritten_dot"], files["rewritten_svg"], files["rewritten_dot_full"] = _write_picture(
+            out, "rewritten", lowered, report, rewritten=True)
         (out / "report.txt").write_text(text + "\n", encoding="utf-8")
         files["text"] = "report.txt"
         files["json"] = "report.json"
@@ -155,27 +158,32 @@ def _write_script(out, stem, gm, title, needs_ops):
     return f"{stem}.py"
 
 
-def _write_picture(out, stem, gm, report, doc, rewritten):
-    """Write stem.dot and (with graphviz) stem.svg. Returns their file names (svg None if not drawn)."""
+def _write_picture(out, stem, gm, report, rewritten):
+    """Write stem.dot, (with graphviz) stem.svg and, if the picture collapses far nodes, stem_full.dot.
+
+    Returns the three file names (None where not written)."""
     n = len(report.matches)
     title = (f"graph {report.index} {'after rewriting' if rewritten else 'as captured'}: {n} region(s) replaced, "
              f"{len(report.near_misses)} near-miss(es)")
     if report.fallback:
         title += f"\nfallback: {report.fallback}"
+    if rewritten:
+        args = dict(replaced_target=_region_op())
+    else:
+        args = dict(regions=[(f"MHA region {i} → kernels={m['kernels']} ({m['kernels_reason']})", m["nodes"])
+                             for i, m in enumerate(report.matches)], near_misses=report.near_misses)
     try:
-        if rewritten:
-            dot = graph_dot(gm, title, replaced_target=_region_op())
-        else:
-            regions = [(f"MHA region {i} → kernels={m['kernels']} ({m['kernels_reason']})", m["nodes"])
-                       for i, m in enumerate(report.matches)]
-            dot = graph_dot(gm, title, regions, report.near_misses)
+        dot = graph_dot(gm, title, **args)
+        full = graph_dot(gm, title, collapse=False, **args) if "collapsed_0" in dot else None
     except Exception as error:  # never fail a compile for a picture
         _warn_once(("picture", type(error).__name__), "mha_compile: could not draw graph %d (%s: %s)",
                    report.index, type(error).__name__, error)
-        return None, None
+        return None, None, None
     (out / f"{stem}.dot").write_text(dot, encoding="utf-8")
+    if full is not None:
+        (out / f"{stem}_full.dot").write_text(full, encoding="utf-8")
     svg = render_svg(dot, out / f"{stem}.svg")
-    return f"{stem}.dot", (f"{stem}.svg" if svg else None)
+    return f"{stem}.dot", (f"{stem}.svg" if svg else None), (f"{stem}_full.dot" if full else None)
 
 
 def _region_op():
@@ -200,8 +208,8 @@ def report_document(report, captured, lowered):
         nodes=[dict(name=n.name, op=n.op, **_node_fields(n), region=region_of.get(n.name), near_miss=miss_at.get(n.name))
                for n in captured.graph.nodes],
         node_count={"captured": len(captured.graph.nodes), "rewritten": len(lowered.graph.nodes)},
-        files={key: None for key in ("captured", "rewritten", "text", "json", "dot", "svg", "rewritten_dot",
-                                     "rewritten_svg")})
+        files={key: None for key in ("captured", "rewritten", "text", "json", "dot", "svg", "dot_full",
+                                     "rewritten_dot", "rewritten_svg", "rewritten_dot_full")})
     return doc
 
 

@@ -1,7 +1,9 @@
 """A picture of an FX graph: Graphviz DOT text, rendered to SVG when `dot` is installed.
 
 One box per node (its name, the op it calls, its shape and dtype), an edge from each input
-to its user. Parameter, buffer and symbolic-size placeholders are not drawn as boxes (a
+to its user. In a large graph, runs of nodes far from every highlight become one grey box
+each (how many nodes, which ops); the full graph is then also written (graph_full.dot,
+rewritten_full.dot). Parameter, buffer and symbolic-size placeholders are not drawn as boxes (a
 real model has hundreds): each user lists them in a "← pool.key.weight" line instead.
 
 Highlights:
@@ -26,7 +28,10 @@ log = logging.getLogger("mha_compile")
 
 REGION_FILL, REGION_BORDER, REGION_CLUSTER = "#b7e1b0", "#2e7d32", "#eef8ec"
 MISS_FILL, MISS_BORDER, ANCHOR_BORDER = "#ffcdd2", "#c62828", "#ef6c00"
-PLAIN_FILL, INPUT_FILL, OUTPUT_FILL = "#ffffff", "#e3ecfa", "#f2f2f2"
+PLAIN_FILL, INPUT_FILL, OUTPUT_FILL, COLLAPSED_FILL = "#ffffff", "#e3ecfa", "#f2f2f2", "#e6e6e6"
+COLLAPSE_ABOVE = 120  # boxes; a larger graph with highlights shows only their neighbourhood in full
+CONTEXT_HOPS = 3  # edges around a highlight that stay drawn in full
+MIN_COLLAPSED = 4  # nodes in the smallest run drawn as one grey box
 LABEL_WIDTH = 44  # characters per label line; longer names are shortened in the middle
 CLUSTER_WIDTH = 80  # characters per line of a region's label
 PARAM_LINES = 3  # lines listing the parameters a node reads
@@ -97,10 +102,12 @@ def _clip(text, width=LABEL_WIDTH):
     return text if len(text) <= width else text[: width // 2 - 1] + "…" + text[-(width // 2 - 1):]
 
 
-def graph_dot(gm, title, regions=(), near_misses=(), replaced_target=None):
+def graph_dot(gm, title, regions=(), near_misses=(), replaced_target=None, collapse=True):
     """DOT text for gm. regions: [(label, [node names])]; near_misses: dicts anchor/node/reason.
 
     replaced_target: nodes calling this target (the mha::region op) are drawn green.
+    collapse: in a graph of more than COLLAPSE_ABOVE boxes with something highlighted, nodes more
+    than CONTEXT_HOPS edges away from every highlight are drawn as one box per connected run.
     """
     nodes = list(gm.graph.nodes)
     by_name = {n.name: n for n in nodes}
@@ -113,6 +120,12 @@ def graph_dot(gm, title, regions=(), near_misses=(), replaced_target=None):
         miss_at.setdefault(miss["node"], []).append(miss["reason"])
         anchor_of.setdefault(miss["anchor"], []).append(miss["reason"])
     folded = {n for n in nodes if is_folded(n)}
+    drawn = [n for n in nodes if n not in folded]
+    highlighted = [n for n in drawn if n.name in region_of or n.name in miss_at or n.name in anchor_of
+                   or (replaced_target is not None and n.target is replaced_target)]
+    group = _collapsed_groups(drawn, highlighted) if collapse and highlighted and len(drawn) > COLLAPSE_ABOVE else {}
+    if group:
+        title += f"\n({len(group)} nodes far from the highlights are collapsed into grey boxes; the _full.dot file beside this one has all)"
 
     out = ["digraph G {",
            f'  graph [label={_q(title)}, labelloc=t, fontname="Helvetica", fontsize=14, rankdir=TB, '
@@ -122,8 +135,8 @@ def graph_dot(gm, title, regions=(), near_misses=(), replaced_target=None):
            '  edge [color="#777777", arrowsize=0.6];']
     body = {i: [] for i in range(len(regions))}
     loose = []
-    for node in nodes:
-        if node in folded:
+    for node in drawn:
+        if node in group:
             continue
         line = "  " + _node_stmt(node, folded, region_of, miss_at, anchor_of, replaced_target)
         (body[region_of[node.name]] if node.name in region_of else loose).append(line)
@@ -134,12 +147,15 @@ def graph_dot(gm, title, regions=(), near_misses=(), replaced_target=None):
         out.extend("  " + line for line in body[i])
         out.append("  }")
     out.extend(loose)
-    for node in nodes:
-        if node in folded:
-            continue
+    out.extend(_group_stmts(group))
+    edges = set()
+    for node in drawn:
         for source in node.all_input_nodes:
             if source not in folded:
-                out.append(f"  {_q(source.name)} -> {_q(node.name)};")
+                edge = (group.get(source, source.name), group.get(node, node.name))
+                if edge[0] != edge[1] and edge not in edges:
+                    edges.add(edge)
+                    out.append(f"  {_q(edge[0])} -> {_q(edge[1])};")
     unplaced = [m for m in near_misses if m["node"] not in by_name or by_name[m["node"]] in folded]
     for i, miss in enumerate(unplaced):
         text = f"near-miss at {miss['node']} (top-k {miss['anchor']}):\n" + _wrap(miss["reason"])
@@ -147,6 +163,51 @@ def graph_dot(gm, title, regions=(), near_misses=(), replaced_target=None):
                    f"tooltip={_q(miss['reason'])}];")
     out.append("}")
     return "\n".join(out) + "\n"
+
+
+def _collapsed_groups(drawn, highlighted):
+    """{node: group id} for nodes more than CONTEXT_HOPS from every highlight (inputs and output stay)."""
+    drawn_set = set(drawn)
+    near, frontier = set(highlighted), set(highlighted)
+    for _ in range(CONTEXT_HOPS):
+        frontier = {m for n in frontier for m in (*n.all_input_nodes, *n.users) if m in drawn_set} - near
+        near |= frontier
+    far = [n for n in drawn if n not in near and n.op not in ("placeholder", "output")]
+    parent = {n: n for n in far}
+
+    def root(n):
+        while parent[n] is not n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    for n in far:
+        for m in n.all_input_nodes:
+            if m in parent:
+                parent[root(m)] = root(n)
+    sizes = {}
+    for n in far:
+        sizes[root(n)] = sizes.get(root(n), 0) + 1
+    roots = {}  # runs shorter than MIN_COLLAPSED stay drawn: a grey box would hide more than it saves
+    return {n: roots.setdefault(root(n), f"collapsed_{len(roots)}") for n in far if sizes[root(n)] >= MIN_COLLAPSED}
+
+
+def _group_stmts(group):
+    members = {}
+    for node, gid in group.items():
+        members.setdefault(gid, []).append(node)
+    out = []
+    for gid, nodes in members.items():
+        counts = {}
+        for n in nodes:
+            what = node_info(n)[0].split(" ")[0]
+            counts[what] = counts.get(what, 0) + 1
+        ops = ", ".join(f"{k} ×{v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1]))
+        label = f"… {len(nodes)} nodes\n" + _wrap(ops, lines=3)
+        tooltip = f"{len(nodes)} nodes: " + ", ".join(n.name for n in nodes)
+        out.append(f'  {_q(gid)} [label={_q(label)}, fillcolor="{COLLAPSED_FILL}", style="rounded,filled,dashed", '
+                   f"tooltip={_q(_clip(tooltip, 2000))}];")
+    return out
 
 
 def _node_stmt(node, folded, region_of, miss_at, anchor_of, replaced_target):

@@ -81,7 +81,7 @@ def test_every_file_exists_and_parses(dumped):
     assert tok["kind"] == "tensor" and tok["shape"] == [4, 5, 32] and tok["dtype"] == "float32"
     assert doc["node_count"]["rewritten"] == len(lowered.graph.nodes) < len(gm.graph.nodes)
     for key, name in doc["files"].items():
-        assert name is not None or (key.endswith("svg") and not HAS_DOT), key
+        assert name is not None or (key.endswith("svg") and not HAS_DOT) or key.endswith("_full"), key
         assert name is None or (folder / name).is_file(), name
     for script in ("captured.py", "rewritten.py"):
         ast.parse((folder / script).read_text())
@@ -171,6 +171,23 @@ def test_near_miss_reason_in_text_json_and_picture(dumped):
         tooltip = " ".join(a.get("{http://www.w3.org/1999/xlink}title", "") for a in node.iter(f"{SVG}a"))
         assert miss["reason"] in tooltip
         assert "near-miss: attn: scores are scaled" in " ".join(t.text or "" for t in node.iter(f"{SVG}text"))
+
+
+def test_large_graph_picture_collapses_what_is_far_from_the_highlights():
+    def chain(x):
+        for _ in range(150):
+            x = torch.relu(x) + 1
+        return torch.softmax(x, -1)
+
+    gm = torch.fx.symbolic_trace(chain)
+    names = [n.name for n in gm.graph.nodes]
+    region = names[-4:-1]  # the last add, relu... and the softmax
+    dot = picture.graph_dot(gm, "big", regions=[("region", region)])
+    boxes = [line for line in dot.splitlines() if "[label=" in line and "graph [" not in line]
+    assert len(boxes) < 20 and "collapsed_0" in dot and "… 29" in dot and "relu ×" in dot
+    assert all(f'"{name}" [label=' in dot for name in region)
+    full = picture.graph_dot(gm, "big", regions=[("region", region)], collapse=False)
+    assert "collapsed_" not in full and all(f'"{name}" [label=' in full for name in names)
 
 
 def test_without_dot_the_dump_has_the_dot_file_and_one_warning(tmp_path, monkeypatch, caplog):
