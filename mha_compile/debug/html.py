@@ -71,7 +71,7 @@ def _graph_section(folder, doc):
     files = doc.get("files", {})
     links = " ".join(f"<a href='{name}/{html.escape(path)}'>{html.escape(path)}</a>"
                      for key, path in files.items() if path)
-    out = [f"<h2 id='{name}'>{name}: <span class='ok'>{len(doc['matches'])} match(es)</span>, "
+    out = [f"<h2 id='{name}'>{name}: <span class='{'ok' if doc['matches'] else ''}'>{len(doc['matches'])} match(es)</span>, "
            f"<span class='{'miss' if doc['near_misses'] else ''}'>{len(doc['near_misses'])} near-miss(es)</span></h2>",
            f"<p class='files'>{links}</p>"]
     for i, m in enumerate(doc["matches"]):
