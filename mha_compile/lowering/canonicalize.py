@@ -59,6 +59,18 @@ for kind, targets in {
     "silu": [F.silu, *_fn("torch._C._nn.silu")],
     "reshape": _fn("torch.reshape", "torch.flatten", "torch.unsqueeze", "torch.squeeze"),
     "permute": _fn("torch.permute", "torch.transpose", "torch.t"),
+    "masked_fill": _fn("torch.masked_fill"),
+    "sdpa": [F.scaled_dot_product_attention, *_fn("torch._C._nn.scaled_dot_product_attention")],
+    "mha": [F.multi_head_attention_forward],
+    "chunk": _fn("torch.chunk"),
+    "split": _fn("torch.split", "torch.functional.split"),
+    "one_hot": [F.one_hot, *_fn("torch._C._nn.one_hot")],
+    "where": _fn("torch.where"),
+    "nonzero": _fn("torch.nonzero"),
+    "index_add": _fn("torch.index_add"),
+    "stack": _fn("torch.stack"),
+    "zeros": _fn("torch.zeros"),
+    "not": [operator.invert, *_fn("torch.logical_not", "torch.bitwise_not")],
 }.items():
     for target in targets:
         _FUNCTIONS[target] = kind
@@ -74,6 +86,9 @@ _METHODS = {
     "expand": "expand", "expand_as": "expand", "broadcast_to": "expand",
     "to": "cast", "float": "cast", "double": "cast", "half": "cast", "bfloat16": "cast",
     "type_as": "cast", "contiguous": "cast", "clone": "cast",
+    "masked_fill": "masked_fill", "masked_fill_": "masked_fill", "chunk": "chunk", "split": "split", "nonzero": "nonzero",
+    "index_add_": "index_add", "index_add": "index_add", "new_zeros": "zeros", "zero_": "zeros",
+    "logical_not": "not", "bitwise_not": "not", "__invert__": "not", "iadd": "add", "__iadd__": "add",
 }
 _CASTS_BY_FUNCTION = {torch.clone: "cast"}
 
@@ -85,7 +100,21 @@ _SIGNATURES = {
     "sum": ("input", "dim", "keepdim"),
     "scatter": ("input", "dim", "index", "src"),
     "gelu": ("input", "approximate"),
+    "masked_fill": ("input", "mask", "value"),
+    "sdpa": ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"),
+    "mha": ("query", "key", "value", "embed_dim_to_check", "num_heads", "in_proj_weight", "in_proj_bias",
+            "bias_k", "bias_v", "add_zero_attn", "dropout_p", "out_proj_weight", "out_proj_bias", "training",
+            "key_padding_mask", "need_weights", "attn_mask", "use_separate_proj_weight", "q_proj_weight",
+            "k_proj_weight", "v_proj_weight", "static_k", "static_v", "average_attn_weights", "is_causal"),
+    "chunk": ("input", "chunks", "dim"),
+    "split": ("input", "split_size_or_sections", "dim"),
+    "one_hot": ("input", "num_classes"),
+    "nonzero": ("input", "as_tuple"),
+    "index_add": ("input", "dim", "index", "source", "alpha"),
+    "stack": ("tensors", "dim"),
 }
+_DEFAULTS = {"chunk": {"dim": 0}, "split": {"dim": 0}, "stack": {"dim": 0}, "one_hot": {"num_classes": -1},
+             "sdpa": {"dropout_p": 0.0, "is_causal": False}}
 
 
 def canon(node):
@@ -116,11 +145,18 @@ def canon(node):
         return _read_permute(node, args, kwargs)
     if kind == "sum" and node.op == "call_method" and len(args) == 1 and "dim" not in kwargs:
         kwargs["dim"] = None
+    if kind == "where" and not (len(args) == 1 and not kwargs):
+        return None  # only where(cond): the (rows, slots) of the nonzero entries
+    if kind == "where":
+        return Op("nonzero", (args[0], True))
+    if kind == "index_add":
+        kwargs["_inplace"] = node.op == "call_method" and node.target == "index_add_"
     if kind in _SIGNATURES:
         names = _SIGNATURES[kind]
-        merged = dict(zip(names, args))
+        merged = dict(_DEFAULTS.get(kind, {}))
+        merged.update(zip(names, args))
         merged.update({k: v for k, v in kwargs.items() if k in names or k == "dim"})
-        return Op(kind, tuple(merged.get(n) for n in names))
+        return Op(kind, tuple(merged.get(n) for n in names), {k: v for k, v in kwargs.items() if k.startswith("_")})
     return Op(kind, args, kwargs)
 
 
@@ -128,6 +164,19 @@ def _read_getitem(node, args):
     """x[:, None] and friends are reshapes; W[e] is a select; anything else stays getitem."""
     base, index = args
     items = index if isinstance(index, tuple) else (index,)
+    in_shape = shape(base) if hasattr(base, "meta") else None
+    if in_shape is not None and Ellipsis not in items and any(isinstance(i, int) for i in items) and all(
+            i is None or i == slice(None) or isinstance(i, int) for i in items):
+        # x[:, 0] on a size-1 axis drops it: a reshape, like squeeze
+        axis, ok = 0, True
+        for i in items:
+            if i is None:
+                continue
+            if isinstance(i, int) and not (axis < len(in_shape) and is_one(in_shape[axis]) and i in (0, -1)):
+                ok = False
+            axis += 1
+        if ok:
+            return Op("reshape", (base,))
     if all(i is None or i is Ellipsis or i == slice(None) for i in items if not isinstance(i, int)) and \
             not any(isinstance(i, int) for i in items) and any(i is None for i in items):
         return Op("reshape", (base,))
@@ -166,3 +215,7 @@ def shape(node):
 def dtype(node):
     value = node.meta.get("example_value") if hasattr(node, "meta") else None
     return value.dtype if isinstance(value, torch.Tensor) else None
+
+
+def is_one(size):
+    return isinstance(size, int) and size == 1

@@ -30,10 +30,41 @@ class Val:
 
 @dataclasses.dataclass(frozen=True)
 class ParamRef:
-    """A tensor from outside the region used as a parameter: node[select] then permuted by perm."""
+    """A tensor from outside the region used as a parameter: node, then `steps`, then [select],
+    then permuted by perm.
+
+    `steps` are small graph-side views or computations on parameters that the rewrite emits
+    before the region op (never a copy of a large tensor): ("index", items) with items made of
+    ints, ":" (a full slice) and ("range", start, stop); ("reshape", shape); ("not",) for a
+    mask of the opposite sense; ("linear", weight ParamRef, bias ParamRef or None) for a learned
+    query that goes through a query projection (nn.MultiheadAttention: q = Wq·query + bq).
+    """
     node: object
     perm: tuple | None = None  # permutation of the (selected) tensor's axes, None for identity
     select: int | None = None  # index taken on axis 0 first (a per-expert slice)
+    steps: tuple = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class StackRef:
+    """Per-expert parameters in separate tensors (an nn.ModuleList of nn.Linear experts),
+    stacked over a new expert axis 0 in expert order by the rewrite."""
+    refs: tuple
+
+
+def with_step(ref, *steps):
+    return None if ref is None else dataclasses.replace(ref, steps=ref.steps + tuple(steps))
+
+
+def ext_val(node, ref, lay):
+    """An external tensor: `ref` reads it as a parameter (None if it cannot be), `lay` are its axes'
+    roles from its base (fresh names; ONE for size-1 and broadcast axes), `node` the node itself."""
+    return Val("ext", None, {"ref": ref, "lay": lay, "node": node})
+
+
+def base_layout(node):
+    shp = shape(node)
+    return None if shp is None else tuple(ONE if is_one(s) else f"@{node.name}.{i}" for i, s in enumerate(shp))
 
 
 class Reject(Exception):
@@ -165,6 +196,8 @@ def einsum_roles(equation, operand_roles):
         if len(term) != len(roles):
             return None
         for letter, role in zip(term, roles):
+            if role is None:  # an axis the caller reads itself (a gathered weight's own axes)
+                continue
             if letters.get(letter, role) != role and ONE not in (role, letters[letter]):
                 return None
             if letters.get(letter) in (None, ONE):
@@ -176,9 +209,10 @@ def einsum_roles(equation, operand_roles):
 class Walk:
     """Evaluates `rule` over `nodes` in graph order, starting from `start` {node: Val}."""
 
-    def __init__(self, rule, start, nodes, inside):
+    def __init__(self, rule, start, nodes, inside, **context):
         self.rule, self.vals, self.reasons, self.axes = rule, dict(start), {}, Axes()
         self.inside = inside  # nodes that depend on a start: everything else is external
+        self.__dict__.update(context)  # what a rule may need to know (the router node, say)
         for node, val in start.items():
             self.axes.bind_all(val.roles, shape(node))
         for node in nodes:
@@ -204,7 +238,10 @@ class Walk:
             if arg in self.vals:
                 return self.vals[arg]
             if arg not in self.inside:
-                return Val("ext", None, {"ref": ParamRef(arg)})
+                lay = base_layout(arg)
+                if lay is not None:
+                    self.axes.bind_all(lay, shape(arg))
+                return ext_val(arg, ParamRef(arg), lay)
             return None
         if isinstance(arg, (int, float, bool)) or arg is None:
             return Val("const", None, {"value": arg})
@@ -243,17 +280,7 @@ def layout_rule(walk, node, op):
         return Val("zero", None)
     in_shape, out_shape = shape(op.args[0]), shape(node)
     if src.kind == "ext":
-        ref = src.info["ref"]
-        if op.kind == "cast":
-            return src
-        if op.kind == "permute" and in_shape is not None:
-            perm = op.args[1]
-            base = ref.perm or tuple(range(len(in_shape)))
-            return Val("ext", None, {"ref": dataclasses.replace(ref, perm=tuple(base[i] for i in perm))})
-        if op.kind == "reshape" and in_shape is not None and out_shape is not None and \
-                [s for s in in_shape if not is_one(s)] == [s for s in out_shape if not is_one(s)] and ref.perm is None:
-            return src
-        return None
+        return _ext_layout(walk, node, op, src, in_shape, out_shape)
     if src.roles is None or in_shape is None or out_shape is None:
         return Val(src.kind, None, src.info) if op.kind == "cast" else None
     if op.kind == "cast":
@@ -269,6 +296,60 @@ def layout_rule(walk, node, op):
     return None if roles is None else Val(src.kind, roles, src.info)
 
 
+def _move_roles(walk, op, roles, in_shape, out_shape):
+    """Roles after a layout op (reshape, permute, expand, cast), or None."""
+    if roles is None or in_shape is None or out_shape is None:
+        return None
+    if op.kind == "cast":
+        return roles
+    if op.kind == "reshape":
+        return walk.axes.reshape(in_shape, roles, out_shape)
+    if op.kind == "permute":
+        return tuple(roles[i] for i in op.args[1])
+    pad = len(out_shape) - len(in_shape)  # expand: new or size-1 axes broadcast
+    full = (ONE,) * pad + tuple(roles)
+    return tuple(ONE if (i < pad or is_one(in_shape[i - pad])) else full[i] for i in range(len(out_shape)))
+
+
+def _ext_layout(walk, node, op, src, in_shape, out_shape):
+    """A layout op on an external tensor: its roles move (a learned query expanded over the
+    batch keeps its own axes and gains broadcast ones); as a parameter, a permute is remembered
+    in the ParamRef, a cast or a size-1 reshape is transparent, anything else unreads it."""
+    ref = src.info["ref"]
+    lay = _move_roles(walk, op, src.info.get("lay"), in_shape, out_shape)
+    new_ref = None
+    if ref is not None and op.kind == "cast":
+        new_ref = ref
+    elif ref is not None and op.kind == "permute" and in_shape is not None:
+        perm = op.args[1]
+        base = ref.perm or tuple(range(len(in_shape)))
+        new_ref = dataclasses.replace(ref, perm=tuple(base[i] for i in perm))
+    elif ref is not None and op.kind == "reshape" and in_shape is not None and out_shape is not None and \
+            [s for s in in_shape if not is_one(s)] == [s for s in out_shape if not is_one(s)] and ref.perm is None:
+        new_ref = ref
+    if new_ref is None and lay is None:
+        return None
+    return ext_val(node, new_ref, lay)
+
+
+def query_ref(val, wanted):
+    """A batch-invariant tensor read as [P,Dh]: `wanted` names each axis's role at its use
+    ("d.0" head, "d.1" head dim, None for an axis it must not vary along). Axes wanted None must
+    be broadcast or size 1 (lay role ONE), so taking index 0 there is exact; the result is a
+    view of the parameter. None when the tensor does not fit."""
+    lay = val.info.get("lay") if val is not None and val.kind == "ext" else None
+    if lay is None or len(lay) != len(wanted) or sorted(w for w in wanted if w) != ["d.0", "d.1"]:
+        return None
+    if any((w is None) != (r == ONE) for w, r in zip(wanted, lay)):
+        return None
+    items = tuple(":" if w else 0 for w in wanted)
+    ref = ParamRef(val.info["node"])
+    if items != (":", ":"):
+        ref = with_step(ref, ("index", items))
+    kept = [w for w in wanted if w]
+    return ref if kept == ["d.0", "d.1"] else dataclasses.replace(ref, perm=(1, 0))
+
+
 def select_rule(walk, node, op):
     """W[e] on a parameter: a per-expert slice, remembered in the ParamRef."""
     src = walk.val(op.args[0])
@@ -276,9 +357,9 @@ def select_rule(walk, node, op):
     if src is None or src.kind != "ext" or not isinstance(index, int):
         return None
     ref = src.info["ref"]
-    if ref.perm is not None or ref.select is not None:
+    if ref is None or ref.perm is not None or ref.select is not None:
         return None
-    return Val("ext", None, {"ref": ParamRef(ref.node, None, index)})
+    return ext_val(node, dataclasses.replace(ref, select=index), None)
 
 
 def ext_ref(val):

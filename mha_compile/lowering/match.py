@@ -11,9 +11,12 @@ For each topk: router -> merge -> pool are found by walking back; the pool and t
 then read forward. Every candidate ends as a Match or as a NearMiss with a reason.
 """
 import dataclasses
+import operator
+
+import torch
 
 from mha_compile.lowering.canonicalize import canon, shape
-from mha_compile.lowering.interpret import ONE, Axes, Val, Walk, broadcast, known_eq, layout_rule
+from mha_compile.lowering.interpret import StackRef, Val, Walk, broadcast, known_eq, layout_rule
 from mha_compile.lowering.moe import moe_params, moe_rule
 from mha_compile.lowering.pool import pool_params, pool_rule
 
@@ -58,7 +61,11 @@ class NearMiss:
 def _describe(ref):
     if ref is None:
         return None
+    if isinstance(ref, StackRef):
+        return "stack(" + ", ".join(_describe(r) for r in ref.refs) + ")"
     text = ref.node.name
+    for step in ref.steps:
+        text += f".{step[0]}{step[1:] if step[0] != 'linear' else ''}"
     if ref.select is not None:
         text += f"[{ref.select}]"
     if ref.perm is not None:
@@ -76,13 +83,25 @@ def _dtype(node):
     return getattr(value, "dtype", None)
 
 
-def _ancestors(node):
-    seen, stack = set(), [node]
+_INPLACE = {"index_add_", "add_", "mul_", "copy_", "__iadd__", "masked_fill_", "zero_", "scatter_", "scatter_add_"}
+
+
+def _mutators(node):
+    """Users of `node` that change it in place (out.index_add_(...), ctx += ...)."""
+    return [u for u in node.users if u.args and u.args[0] is node and (
+        (u.op == "call_method" and u.target in _INPLACE) or (u.op == "call_function" and u.target is operator.iadd))]
+
+
+def _ancestors(node, order):
+    """Nodes `node` depends on; an in-place change of a tensor counts as an input of the readers
+    that come after it in graph order."""
+    seen, stack = set(), [(node, order[node])]
     while stack:
-        n = stack.pop()
+        n, reader = stack.pop()
         if n not in seen:
             seen.add(n)
-            stack.extend(n.all_input_nodes)
+            stack.extend((i, order[n]) for i in n.all_input_nodes)
+            stack.extend((m, order[m]) for m in _mutators(n) if order[m] < reader)
     return seen
 
 
@@ -94,6 +113,20 @@ def _descendants(node):
             seen.add(n)
             stack.extend(n.users)
     return seen
+
+
+def _in_order(nodes, subset):
+    """The nodes of `subset` in graph order (sorting the subset, not scanning the graph)."""
+    order = nodes.order
+    return sorted(subset, key=order.__getitem__)
+
+
+class _Nodes(list):
+    """The graph's nodes in order, with each node's position (so subsets sort without a scan)."""
+
+    def __init__(self, graph):
+        super().__init__(graph.nodes)
+        self.order = {n: i for i, n in enumerate(self)}
 
 
 def _strip(node, kinds=_LAYOUT):
@@ -110,11 +143,16 @@ class _Miss(Exception):
         self.node, self.reason = node, reason
 
 
+SPLIT_HINT = ("set torch._dynamo.config.capture_dynamic_output_shape_ops = True so that Dynamo keeps "
+              "torch.where/nonzero (data-dependent shapes) in one graph with the router")
+
+
 def find_regions(gm):
     """All MHA regions of gm's graph: (matches, near_misses). The graph is not changed."""
-    nodes = list(gm.graph.nodes)
+    nodes = _Nodes(gm.graph)
     matches, misses = [], []
-    for anchor in nodes:
+    anchors = [n for n in nodes if n.op in ("call_function", "call_method") and getattr(n.target, "__name__", n.target) == "topk"]
+    for anchor in anchors:
         op = canon(anchor)
         if op is None or op.kind != "topk":
             continue
@@ -122,7 +160,20 @@ def find_regions(gm):
             matches.append(_match_at(nodes, anchor))
         except _Miss as miss:
             misses.append(NearMiss(anchor.name, getattr(miss.node, "name", str(miss.node)), miss.reason))
+    if not anchors:
+        misses.extend(_split_experts(nodes))
     return matches, misses
+
+
+def _split_experts(nodes):
+    """A graph holding index_add_ of expert outputs but no router: the rest of a region split by a
+    graph break (Mixtral-style routing without capture_dynamic_output_shape_ops)."""
+    adds = [n for n in nodes if n.op == "call_method" and n.target in ("index_add_", "index_add")]
+    if not adds:
+        return []
+    return [NearMiss(adds[0].name, adds[0].name,
+                     f"{adds[0].name}: this graph adds expert outputs (index_add_) but holds no router top-k: the MHA "
+                     f"region was split by a graph break and cannot be replaced; {SPLIT_HINT}")]
 
 
 def _match_at(nodes, anchor):
@@ -137,9 +188,10 @@ def _match_at(nodes, anchor):
         raise _Miss(y, f"{anchor.name}: the MoE's input {y.name} is not a broadcast-add of a pooled vector "
                        f"over horizons (no merge ctx + inv[:, None] before the router)")
     ctx, inv, bcast = _merge_operands(y, y_op)
+    _check_inplace_merge(nodes, y, ctx)
     tok, pool_walk = _read_pool(nodes, inv)
     _check_merge(nodes, y, ctx, inv, bcast, pool_walk)
-    out, moe_walk = _read_moe(nodes, anchor, y)
+    out, moe_walk = _read_moe(nodes, anchor, y, router)
     region = _region_nodes(nodes, (ctx, tok), out)
     params, config = moe_params(moe_walk.vals[out])
     params.update(pool_params(pool_walk.vals[inv]))
@@ -153,21 +205,60 @@ def _merge_operands(y, y_op):
     if y_shape is None or len(y_shape) != 3 or not all(hasattr(t, "op") for t in (a, b)):
         raise _Miss(y, f"{y.name}: the merge must add two tensors into [B,H,D], got shape {y_shape}")
     for ctx, bcast in ((a, b), (b, a)):
-        inv = _strip(bcast)
-        if shape(ctx) is not None and len(shape(ctx)) == 3 and shape(inv) is not None and len(shape(inv)) == 2:
+        inv = _deepest_vector(bcast)
+        if shape(ctx) is not None and len(shape(ctx)) == 3 and inv is not None:
             return ctx, inv, bcast
     raise _Miss(y, f"{y.name}: neither operand of the merge is a [B,D] vector broadcast over horizons")
 
 
+def _deepest_vector(node):
+    """The earliest [B,D] tensor on the layout chain that broadcasts it (inv before unsqueeze,
+    or out[:, 0] of an attention over one query position)."""
+    found = None
+    while True:
+        s = shape(node)
+        if s is not None and len(s) == 2:
+            found = node
+        op = canon(node)
+        if op is None or op.kind not in _LAYOUT or not isinstance(op.args[0], type(node)):
+            return found
+        node = op.args[0]
+
+
+def _check_inplace_merge(nodes, y, ctx):
+    """ctx += inv[:, None] changes ctx in place; replacing it with the op is only invisible when
+    nothing else reads ctx (or a tensor it is a view of) afterwards and ctx is not a graph input."""
+    inplace = (y.op == "call_function" and y.target is operator.iadd) or (
+        y.op == "call_method" and y.target in ("add_", "__iadd__"))
+    if not inplace:
+        return
+    node = ctx
+    while True:
+        if node.op == "placeholder":
+            raise _Miss(y, f"{y.name}: the merge adds in place into the graph input {node.name} (ctx += …); the "
+                           f"replacement would not change it: write y = ctx + inv[:, None]")
+        later = [u for u in node.users if u is not y and nodes.order[u] > nodes.order[y]
+                 and not (u.op == "call_method" and u.target in _SIZE_QUERIES)]
+        chain = canon(node)
+        if later and not (chain is not None and chain.kind in _LAYOUT and later == [y]):
+            readers = [u for u in later if u is not y]
+            if readers:
+                raise _Miss(y, f"{y.name}: the merge adds in place into {ctx.name}, which {readers[0].name} reads "
+                               f"afterwards; write y = ctx + inv[:, None]")
+        if chain is None or chain.kind not in ("reshape", "permute", "expand") or not isinstance(chain.args[0], type(node)):
+            return
+        node = chain.args[0]
+
+
 def _read_pool(nodes, inv):
     """Read the pool backwards from inv: try each token tensor that feeds a projection."""
-    ancestors = _ancestors(inv)
-    inner = [n for n in nodes if n in ancestors]
+    ancestors = _ancestors(inv, nodes.order)
+    inner = _in_order(nodes, ancestors)
     candidates = []
     for n in inner:
         op = canon(n)
-        if op is not None and op.kind in ("linear", "matmul"):
-            src = op.args[0]
+        if op is not None and op.kind in ("linear", "matmul", "mha"):
+            src = _strip(op.args[1]) if op.kind == "mha" else op.args[0]
             if hasattr(src, "op") and shape(src) is not None and len(shape(src)) == 3 and src not in candidates:
                 candidates.append(src)
     reason = (inv, f"{inv.name}: no [B,N,D] token tensor feeds a projection of the pool")
@@ -182,7 +273,7 @@ def _read_pool(nodes, inv):
 
 def _check_merge(nodes, y, ctx, inv, bcast, pool_walk):
     """inv [B,D] must be added along the horizon axis: bcast's roles are (b, 1, d)."""
-    between = [n for n in nodes if n in _ancestors(bcast) and n in _descendants(inv)]
+    between = _in_order(nodes, _ancestors(bcast, nodes.order) & _descendants(inv))
     walk = Walk(lambda w, n, op: layout_rule(w, n, op) if op.kind in _LAYOUT else None,
                 {inv: Val("inv", ("b", "d"))}, between, _descendants(inv))
     walk.axes = pool_walk.axes
@@ -197,10 +288,16 @@ def _check_merge(nodes, y, ctx, inv, bcast, pool_walk):
                            f"of ctx[b] (inv.unsqueeze(1))")
 
 
-def _read_moe(nodes, anchor, y):
+def _read_moe(nodes, anchor, y, router):
     inside = _descendants(y)
-    walk = Walk(moe_rule, {y: Val("x", ("b", "h", "d"))}, [n for n in nodes if n in inside or canon(n) is not None], inside)
-    outs = [n for n in nodes if n in walk.vals and walk.vals[n].kind == "moe_out"
+    feeding, stack = set(), [i for n in inside for i in n.all_input_nodes if i not in inside]
+    while stack:  # parameter views outside the region that feed it (W.t(), W[e], torch.zeros(...))
+        n = stack.pop()
+        if n not in feeding and n.op in ("call_function", "call_method"):
+            feeding.add(n)
+            stack.extend(i for i in n.all_input_nodes if i not in inside)
+    walk = Walk(moe_rule, {y: Val("x", ("b", "h", "d"))}, _in_order(nodes, inside | feeding), inside, router=router)
+    outs = [n for n in _in_order(nodes, walk.vals) if walk.vals[n].kind == "moe_out"
             and walk.vals[n].info["gate"]["topk"] is anchor]
     if not outs:
         node, reason = _moe_failure(walk, nodes, anchor)
@@ -210,10 +307,19 @@ def _read_moe(nodes, anchor, y):
 
 
 def _moe_failure(walk, nodes, anchor):
-    for n in nodes:
-        if n in walk.reasons:
-            return n, walk.reasons[n]
-    partial = [n for n in nodes if n in walk.vals and walk.vals[n].kind == "contrib"]
+    for n in _in_order(nodes, walk.reasons):
+        return n, walk.reasons[n]
+    valued = _in_order(nodes, walk.vals)
+    out_node = next((n for n in reversed(nodes) if n.op == "output"), None)
+    leaving = [n for n in valued if out_node in n.users and walk.vals[n].kind not in ("moe_out", "ext", "zero")]
+    if leaving:
+        return leaving[0], (f"{leaving[0].name}: the MoE after top-k {anchor.name} leaves this graph unfinished "
+                            f"(a graph break splits the region, e.g. at torch.where/nonzero); {SPLIT_HINT}")
+    top = walk.vals.get(anchor)
+    if top is not None and top.info.get("on_logits"):
+        return anchor, (f"{anchor.name}: top-k is taken on the router logits and its values are not normalised by "
+                        f"a softmax over the k chosen (which would equal the renormalised top-k of the softmax)")
+    partial = [n for n in valued if walk.vals[n].kind == "contrib"]
     if partial:
         covered = sorted(walk.vals[partial[-1]].info["covered"])
         return partial[-1], (f"{partial[-1].name}: the expert outputs summed cover experts {covered} of "
@@ -226,11 +332,11 @@ def _region_nodes(nodes, inputs, out):
 
     An intermediate used outside the region (other than for its size) makes it a near-miss.
     """
-    ancestors = _ancestors(out)
+    ancestors = _ancestors(out, nodes.order)
     reach, upstream = set(), set()
     for i in inputs:
         reach |= _descendants(i)
-        upstream |= _ancestors(i)  # what feeds ctx or tok (an earlier block, say) is not ours
+        upstream |= _ancestors(i, nodes.order)  # what feeds ctx or tok (an earlier block, say) is not ours
     region = (ancestors & reach) - upstream
     changed = True
     while changed:
@@ -239,10 +345,34 @@ def _region_nodes(nodes, inputs, out):
             if n.op in ("call_function", "call_method") and n.users and all(u in region for u in n.users):
                 region.add(n)
                 changed = True
+    region |= _size_checks(region)
     for n in region:
         if n is out:
             continue
         for user in n.users:
-            if user not in region and not (user.op == "call_method" and user.target in _SIZE_QUERIES):
+            if user not in region and not _is_size_query(user):
                 raise _Miss(n, f"{n.name} is used outside the region (by {user.name}); replacing the region would drop it")
-    return [n for n in nodes if n in region]
+    return _in_order(nodes, region)
+
+
+def _is_size_query(node):
+    return (node.op == "call_method" and node.target in _SIZE_QUERIES) or (
+        node.op == "call_function" and "sym_size" in str(node.target))
+
+
+def _size_checks(region):
+    """Runtime checks Dynamo adds on the data-dependent sizes of region nodes (torch.where's
+    output: sym_size, comparisons, _assert_scalar): they go with the region when nothing else
+    reads them."""
+    found = set()
+    for n in region:
+        for user in n.users:
+            if user in region or not (_is_size_query(user) or (
+                    user.target is operator.getitem and user.users and all(_is_size_query(u) for u in user.users))):
+                continue
+            closure = _descendants(user)
+            if all(c is user or isinstance(c.meta.get("example_value"), (torch.SymInt, torch.SymBool, int, bool)) or
+                   "_assert" in str(c.target) for c in closure if c.op != "output") and \
+                    not any(c.op == "output" for c in closure):
+                found |= closure
+    return found

@@ -1,19 +1,28 @@
 """Reading the top-k MoE: x [rows..., D] -> out [rows..., D] (SPEC §1, step 3).
 
 Router: x -> logits (rows,e) -> probs (softmax over e) -> topk over e -> topw / topi (rows,s),
-optionally renormalised (topw / Σ_s topw). Gates, two ways:
-  gate (rows,e)       a dense gate: zeros scattered with topw at topi (dense spelling);
-  gatecol (rows,1)    one expert's gate: Σ_s topw · (topi == e) (loop spelling).
-Experts, for one expert (loop) or all at once (dense, an extra "e" axis):
-  u = x W1 + b1 (rows,f) -> h = act(u) (swiglu: silu(u) ⊙ x W3) -> f = h W2 + b2 (rows,d).
-Combine: gatecol_e · f_e summed over every expert exactly once, or Σ_e gate · f.
-Each expert-specific Val carries its config; sums only join Vals with the same config.
+optionally renormalised (topw / Σ_s topw, or a softmax over the k top logits, which is the same).
+Gates, four ways:
+  gate (rows,e)       dense: zeros scattered with topw at topi, or Σ_s one_hot(topi) · topw;
+  gatecol (rows,1)    one expert's gate in a loop: Σ_s topw · (topi == e);
+  gatesel (sel,1)     Mixtral: topw[rows, slots] at where(one_hot(topi)[e]) for expert e;
+  topw (rows,s)       gathered weights: W1[topi] etc., the gate multiplies each slot.
+Experts: u = x W1 + b1 (rows,f) -> h = act(u) (swiglu: silu(u) ⊙ x W3) -> f = h W2 + b2 (rows,d),
+for one expert (a slice W1[e] of stacked parameters, or an nn.Linear of its own: `expert` None),
+for all at once (dense: an extra "e" axis) or per slot (gathered: an extra "s" axis).
+Combine: gate_e · f_e summed (or index_add_-ed) over every expert exactly once, Σ_e gate · f,
+or Σ_s topw · f. A contribution remembers each expert's parameters; when all are covered they
+become stacked parameters: views of one stacked tensor where the user stacked them, else a
+torch.stack of the separate tensors in the graph (see StackRef in interpret.py).
 """
+import dataclasses
+
 from mha_compile.lowering.canonicalize import shape
-from mha_compile.lowering.interpret import (ONE, ParamRef, Reject, Val, broadcast, canonical_perm, einsum_roles,
-                                            ext_ref, layout_rule, select_rule)
+from mha_compile.lowering.interpret import (ONE, ParamRef, Reject, StackRef, Val, broadcast, canonical_perm,
+                                            einsum_roles, ext_ref, layout_rule, select_rule)
 
 ACT_OF = {("gelu", "none"): "gelu", ("gelu", "tanh"): "gelu_tanh", ("silu", None): "silu"}
+EXPERT_PARAMS = ("w1", "b1", "w3", "w2", "b2")
 
 
 def _rows(roles):
@@ -24,7 +33,9 @@ def moe_rule(walk, node, op):
     if op.kind in ("reshape", "permute", "expand", "cast"):
         return layout_rule(walk, node, op)
     if op.kind == "getitem":
-        return select_rule(walk, node, op) or _topk_item(walk, op)
+        return select_rule(walk, node, op) or _getitem(walk, node, op)
+    if op.kind == "stack":
+        return _stack(walk, node, [walk.val(t) for t in op.args[0]], op.args[1])
     args = [walk.val(a) for a in op.args]
     if op.kind == "linear":
         x, w, b = args
@@ -48,10 +59,20 @@ def moe_rule(walk, node, op):
         if topi is not None and topi.kind == "topi" and e is not None and e.kind == "const" and isinstance(e.info["value"], int):
             return Val("eqmask", topi.roles, dict(topi.info, expert=e.info["value"]))
         return None
-    if op.kind == "zeros_like":
-        return Val("zero", args[0].roles if args[0] is not None else None)
+    if op.kind in ("zeros_like", "zeros"):
+        src = args[0] if op.kind == "zeros_like" and args else None
+        return Val("zero", src.roles if src is not None else None)
     if op.kind == "scatter":
         return _scatter(walk, node, *args)
+    if op.kind == "one_hot":
+        return _one_hot(walk, node, *args)
+    if op.kind == "nonzero":
+        src = args[0]
+        if src is not None and src.kind == "emask" and op.args[1] is True:
+            return Val("where", src.roles, dict(src.info, tag=node))
+        return None
+    if op.kind == "index_add":
+        return _index_add(walk, node, op, *args[:4])
     if op.kind in ("gelu", "silu"):
         return _activation(node, op, args[0])
     if op.kind == "mul":
@@ -61,31 +82,69 @@ def moe_rule(walk, node, op):
     return None
 
 
-def _topk_item(walk, op):
-    src, i = walk.val(op.args[0]), op.args[1]
-    if src is None or src.kind != "topk" or i not in (0, 1):
+def _getitem(walk, node, op):
+    src, index = walk.val(op.args[0]), op.args[1]
+    if src is None:
         return None
+    if src.kind in ("topk", "where") and isinstance(index, int):
+        return _tuple_item(src, index)
+    if src.kind == "onehot" and isinstance(index, int) and src.roles[0] == "e":  # one_hot(...).permute(2,1,0)[e]
+        return Val("emask", src.roles[1:], dict(src.info, expert=index))
+    items = index if isinstance(index, tuple) else (index,)
+    vals = [walk.val(i) if hasattr(i, "op") else None for i in items]
+    if src.kind == "x" and len(items) == 1 and vals[0] is not None and vals[0].kind == "selidx":
+        sel = vals[0].info
+        if sel["axis"] != src.roles[0] or len(src.roles) != 2:
+            return None
+        return Val("x", (f"sel:{sel['tag'].name}", src.roles[1]), {"sel": sel["tag"], "rows": src.roles[:-1]})
+    if src.kind == "topw" and len(items) == 3 and items[2] is None and all(
+            v is not None and v.kind == "selidx" for v in vals[:2]):
+        rows, slots = vals[0].info, vals[1].info
+        if rows["tag"] is not slots["tag"] or (rows["axis"], slots["axis"]) != src.roles or \
+                rows["topk"] is not src.info["topk"]:
+            return None
+        return Val("gatesel", (f"sel:{rows['tag'].name}", ONE), dict(src.info, expert=rows["expert"]))
+    if src.kind == "ext" and src.info["ref"] is not None and len(items) == 1 and vals[0] is not None and \
+            vals[0].kind == "topi":  # gathered weights W[topi]
+        ref = src.info["ref"]
+        w_shape = shape(ref.node)
+        if ref.perm is not None or ref.select is not None or ref.steps or w_shape is None or not walk.axes.bind("e", w_shape[0]):
+            return None
+        return Val("wsel", vals[0].roles + (None,) * (len(w_shape) - 1), {"ref": ref, "topk": vals[0].info["topk"]})
+    return None
+
+
+def _tuple_item(src, i):
+    if src.kind == "where":
+        if i not in (0, 1):
+            return None
+        return Val("selidx", None, dict(src.info, axis=src.roles[i]))
     if i == 0:
-        return Val("topw", src.roles, dict(src.info, renorm=False))
-    return Val("topi", src.roles, dict(src.info))
+        return Val("toplogit" if src.info.get("on_logits") else "topw", src.roles, dict(src.info, renorm=False))
+    if i == 1:
+        return Val("topi", src.roles, dict(src.info))
+    return None
 
 
 def _weight_product(walk, node, x, ref, linear, bias):
     """x against a parameter: the router's logits, or W1/W3 (from x) and W2 (from h) of an expert."""
-    if x is None or x.roles is None:
+    if x is None or x.roles is None or ref.steps:
         return None
     w_shape = shape(ref.node)
-    used = ref if linear is False else ParamRef(ref.node, _swap(ref.perm), ref.select)  # as [in,out]
-    if x.kind == "x" and ref.select is None and linear and x.roles[-1] == "d" and len(w_shape) == 2:
-        if bias is not None:
-            return None
-        return Val("logits", _rows(x.roles) + ("e",), {"wg": ref, "x_roles": x.roles})
-    if x.kind == "x" and ref.select is None and not linear and x.roles[-1] == "d" and len(w_shape) == 2:
-        return Val("logits", _rows(x.roles) + ("e",), {"wg": ParamRef(ref.node, _swap(ref.perm)), "x_roles": x.roles})
-    if ref.select is None:
+    if w_shape is None:
         return None
-    expert = ref.select
-    base = ParamRef(ref.node, None if used.perm is None else (0,) + tuple(1 + p for p in used.perm))
+    used = ref if linear is False else dataclasses.replace(ref, perm=_swap(ref.perm))  # as [in,out]
+    if node is walk.router:
+        if x.kind != "x" or ref.select is not None or x.roles[-1] != "d" or len(w_shape) != 2 or bias is not None:
+            return None
+        return Val("logits", _rows(x.roles) + ("e",), {"wg": ParamRef(ref.node, _swap(used.perm)), "x_roles": x.roles})
+    if ref.select is None and len(w_shape) == 2:  # an expert of its own (nn.Linear in a ModuleList)
+        expert, base = None, used
+    elif ref.select is not None and len(w_shape) == 3:
+        expert = ref.select
+        base = ParamRef(ref.node, None if used.perm is None else (0,) + tuple(1 + p for p in used.perm), expert)
+    else:
+        return None
     if x.kind == "x" and x.roles[-1] == "d":
         val = Val("u", _rows(x.roles) + ("f",), {"expert": expert, "w1": base, "b1": None})
         return _with_bias(walk, val, "b1", bias)
@@ -108,25 +167,42 @@ def _with_bias(walk, val, key, bias):
 
 
 def _einsum(walk, node, equation, operands):
-    """Dense experts: x·W1 / h·W2 over every expert at once, and Σ_e gate · f."""
+    """Dense experts: x·W1 / h·W2 over every expert at once, Σ_e gate · f, gathered W[topi]."""
     read = einsum_roles(equation, [v.roles if v is not None else None for v in operands])
     if read is None or any(v is None for v in operands):
         return None
     out_roles, letters, contracted, terms = read
     kinds = [v.kind for v in operands]
-    if kinds == ["gate", "f"] or kinds == ["f", "gate"]:
+    if sorted(kinds) == ["f", "gate"]:
         gate, f = operands if kinds[0] == "gate" else operands[::-1]
         if f.info["expert"] != "all" or {letters.get(l) for l in contracted} != {"e"}:
             return None
         if out_roles != _rows(gate.roles) + ("d",):
             return None
-        return Val("moe_out", out_roles, {"gate": gate.info, "experts": f.info})
+        return Val("moe_out", out_roles, {"gate": _gate_info(gate.info), "experts": _expert_info(f.info)})
+    if sorted(kinds) == ["f", "topw"]:  # gathered: Σ_s topw · f
+        w, f = operands if kinds[0] == "topw" else operands[::-1]
+        if f.info["expert"] != "gathered" or f.info["topk"] is not w.info["topk"] or \
+                {letters.get(l) for l in contracted} != {"s"} or out_roles != _rows(w.roles) + ("d",):
+            return None
+        return Val("moe_out", out_roles, {"gate": _gate_info(w.info), "experts": _expert_info(f.info)})
+    if sorted(kinds) == ["onehot", "topw"]:  # Σ_s topw · one_hot(topi)
+        w, onehot = operands if kinds[0] == "topw" else operands[::-1]
+        if onehot.info["topk"] is not w.info["topk"] or {letters.get(l) for l in contracted} != {"s"} or \
+                out_roles != _rows(w.roles) + ("e",):
+            return None
+        return Val("gate", out_roles, dict(w.info))
+    if "wsel" in kinds:
+        return _gathered_product(walk, node, equation, operands, kinds)
     if "ext" not in kinds:
         return None
     src, w = (operands[0], operands[1]) if kinds[1] == "ext" else (operands[1], operands[0])
+    if ext_ref(w) is None:
+        return None
     w_term, w_shape = terms[kinds.index("ext")], shape(ext_ref(w).node)
     fresh = [l for l in w_term if letters.get(l) is None]
-    if w_shape is None or len(w_shape) != len(w_term) or ext_ref(w).select is not None or ext_ref(w).perm is not None:
+    if w_shape is None or len(w_shape) != len(w_term) or ext_ref(w).select is not None or ext_ref(w).perm is not None \
+            or ext_ref(w).steps:
         return None
     size = dict(zip(w_term, w_shape))
     if src.kind == "x" and {letters.get(l) for l in contracted} == {"d"} and len(fresh) == 2:
@@ -152,12 +228,52 @@ def _einsum(walk, node, equation, operands):
     return Val(kind, out, dict(extra, **{key: ParamRef(ext_ref(w).node, perm)}))
 
 
+def _gathered_product(walk, node, equation, operands, kinds):
+    """x · W1[topi] -> u (rows,s,f); h · W2[topi] -> f (rows,s,d): per slot, the chosen expert's weight."""
+    if sorted(kinds) not in (["wsel", "x"], ["h", "wsel"]):
+        return None
+    src, w = (operands[0], operands[1]) if kinds[1] == "wsel" else (operands[1], operands[0])
+    terms = equation.replace(" ", "").split("->")[0].split(",")
+    src_term, w_term = (terms[0], terms[1]) if kinds[1] == "wsel" else (terms[1], terms[0])
+    out_term = _output(equation)
+    rows = w.roles[:-3]  # topi's (rows..., s) then the weight's two own axes
+    if len(w_term) != len(w.roles) or len(w.roles) < 4:
+        return None
+    own = w_term[-2:]
+    contracted_role = "d" if src.kind == "x" else "f"
+    if src.kind == "h" and (src.info["expert"] != "gathered" or src.info["topk"] is not w.info["topk"]):
+        return None
+    src_roles = dict(zip(src_term, src.roles))
+    if src_roles.get(src_term[-1]) != contracted_role or src_term[-1] not in own:
+        return None
+    inner = src_term[-1]
+    other = own[0] if own[1] == inner else own[1]
+    row_letters = w_term[:-2]
+    if src.kind == "x" and (len(src_term) != len(rows) + 1 or src_term[:-1] != row_letters[:-1]):
+        return None
+    if src.kind == "h" and src_term[:-1] != row_letters:
+        return None
+    if out_term != row_letters + other:
+        return None
+    perm = None if own[0] == inner else (0, 2, 1)
+    ref = ParamRef(w.info["ref"].node, perm)
+    if src.kind == "x":
+        return Val("u", w.roles[:-2] + ("f",), {"expert": "gathered", "topk": w.info["topk"], "w1": ref, "b1": None})
+    return Val("f", w.roles[:-2] + ("d",), dict(src.info, w2=ref, b2=None))
+
+
 def _output(equation):
     return equation.replace(" ", "").split("->")[1]
 
 
 def _softmax(node, logits, dim):
-    if logits is None or logits.kind != "logits" or not isinstance(dim, int):
+    if logits is None or not isinstance(dim, int):
+        return None
+    if logits.kind == "toplogit":  # softmax over the k top logits = renormalised top-k of the softmax
+        if logits.roles[dim] != "s":
+            raise Reject(f"{node.name}: the softmax of the top-k logits runs over dim {dim}, not over the k chosen")
+        return Val("topw", logits.roles, dict(logits.info, renorm=True, on_logits=False))
+    if logits.kind != "logits":
         return None
     if logits.roles[dim] != "e":
         raise Reject(f"{node.name}: the router's softmax runs over dim {dim}, not over the experts")
@@ -165,26 +281,27 @@ def _softmax(node, logits, dim):
 
 
 def _topk(node, probs, k, dim, largest, sorted_):
-    if probs is None or k is None:
-        return None
-    if probs.kind == "logits":
-        raise Reject(f"{node.name}: top-k is taken on the router logits before the softmax")
-    if probs.kind != "probs" or k.kind != "const":
+    if probs is None or k is None or probs.kind not in ("probs", "logits") or k.kind != "const":
         return None
     dim = -1 if dim is None or dim.info["value"] is None else dim.info["value"]
     if probs.roles[dim] != "e":
         raise Reject(f"{node.name}: top-k runs over dim {dim}, not over the experts")
     if largest is not None and largest.info["value"] is False:
         raise Reject(f"{node.name}: top-k picks the smallest probabilities (largest=False)")
-    return Val("topk", _rows(probs.roles) + ("s",), dict(probs.info, k=k.info["value"], topk=node))
+    return Val("topk", _rows(probs.roles) + ("s",), dict(probs.info, k=k.info["value"], topk=node,
+                                                         on_logits=probs.kind == "logits"))
 
 
 def _sum(node, src, dim, keepdim):
-    if src is None or src.kind not in ("topw", "maskedw") or not isinstance(dim, int):
+    if src is None or src.kind not in ("topw", "maskedw", "gate_s", "gcontrib") or not isinstance(dim, int):
         return None
     if src.roles[dim] != "s":
         return None
-    roles = _rows(src.roles) + ((ONE,) if keepdim else ())
+    roles = src.roles[:dim % len(src.roles)] + ((ONE,) if keepdim else ()) + src.roles[dim % len(src.roles) + 1:]
+    if src.kind == "gate_s":
+        return Val("gate", roles, dict(src.info))
+    if src.kind == "gcontrib":
+        return None if keepdim else Val("moe_out", roles, dict(src.info))
     return Val("sumw" if src.kind == "topw" else "gatecol", roles, dict(src.info))
 
 
@@ -205,6 +322,15 @@ def _scatter(walk, node, zero, dim, index, src):
     if dim.info["value"] % len(out) != len(out) - 1 or not walk.axes.bind("e", out[-1]):
         return None
     return Val("gate", _rows(src.roles) + ("e",), dict(src.info))
+
+
+def _one_hot(walk, node, topi, classes):
+    if topi is None or topi.kind != "topi":
+        return None
+    out = shape(node)
+    if out is None or not walk.axes.bind("e", out[-1]):
+        return None
+    return Val("onehot", topi.roles + ("e",), dict(topi.info))
 
 
 def _activation(node, op, u):
@@ -228,16 +354,28 @@ def _mul(walk, node, a, b):
         if topw.info["topk"] is not mask.info["topk"]:
             return None
         return Val("maskedw", broadcast(topw.roles, mask.roles), dict(topw.info, expert=mask.info["expert"]))
-    if "gatecol" in pair and "f" in pair:
-        gate, f = pair["gatecol"], pair["f"]
-        if f.info["expert"] != gate.info["expert"] or broadcast(gate.roles, f.roles) != f.roles:
+    if "topw" in pair and "onehot" in pair:
+        topw, onehot = pair["topw"], pair["onehot"]
+        roles = broadcast(topw.roles, onehot.roles)
+        if topw.info["topk"] is not onehot.info["topk"] or roles != onehot.roles:
             return None
-        return Val("contrib", f.roles, {"gate": _gate_key(gate.info), "experts": _expert_key(f.info),
-                                        "covered": frozenset([f.info["expert"]])})
+        return Val("gate_s", roles, dict(topw.info))
+    if "topw" in pair and "f" in pair:  # gathered: topw[..., None] · f per slot
+        topw, f = pair["topw"], pair["f"]
+        if f.info["expert"] != "gathered" or f.info["topk"] is not topw.info["topk"] or broadcast(topw.roles, f.roles) != f.roles:
+            return None
+        return Val("gcontrib", f.roles, {"gate": _gate_info(topw.info), "experts": _expert_info(f.info)})
+    if ("gatecol" in pair or "gatesel" in pair) and "f" in pair:
+        gate, f = pair.get("gatecol") or pair["gatesel"], pair["f"]
+        if f.info["expert"] in ("all", "gathered") or broadcast(gate.roles, f.roles) != f.roles:
+            return None
+        kind = "contrib" if gate.kind == "gatecol" else "contrib_sel"
+        return Val(kind, f.roles, {"gate": _gate_key(gate.info), "experts": {gate.info["expert"]: _expert_key(f.info)},
+                                   "covered": frozenset([gate.info["expert"]])})
     if "h" in pair and "u" in pair:  # swiglu: silu(x W1 + b1) ⊙ (x W3)
         h, u3 = pair["h"], pair["u"]
         if h.info["act"] != "silu" or h.info["w3"] is not None or u3.info["b1"] is not None or \
-                u3.info["expert"] != h.info["expert"] or h.roles != u3.roles:
+                u3.info["expert"] != h.info["expert"] or h.roles != u3.roles or h.info.get("topk") is not u3.info.get("topk"):
             return None
         return Val("h", h.roles, dict(h.info, act="swiglu", w3=u3.info["w1"]))
     return None
@@ -247,8 +385,16 @@ def _gate_key(info):
     return (info["topk"], info["renorm"], info["k"], info["wg"])
 
 
+def _gate_info(info):
+    return {"topk": info["topk"], "renorm": info["renorm"], "k": info["k"], "wg": info["wg"]}
+
+
 def _expert_key(info):
     return tuple(info.get(k) for k in ("w1", "b1", "w3", "act", "w2", "b2"))
+
+
+def _expert_info(info):
+    return {k: info.get(k) for k in ("w1", "b1", "w3", "act", "w2", "b2")}
 
 
 def _add(walk, node, a, b):
@@ -256,25 +402,77 @@ def _add(walk, node, a, b):
         return None
     if b.kind in ("u", "f") or a.kind in ("zero",):
         a, b = b, a
-    if a.kind in ("u", "f") and b.kind == "ext":
+    if a.kind in ("u", "f") and b.kind == "wsel" and a.info["expert"] == "gathered":  # + b[topi]
         key = "b1" if a.kind == "u" else "b2"
-        ref = b.info["ref"]
-        if a.info[key] is not None:
+        if a.info[key] is not None or b.info["topk"] is not a.info["topk"] or len(b.roles) != len(a.roles) or \
+                b.roles[:-1] != a.roles[:-1]:
             return None
+        return Val(a.kind, a.roles, dict(a.info, **{key: ParamRef(b.info["ref"].node)}))
+    if a.kind in ("u", "f") and b.kind == "ext" and ext_ref(b) is not None:
+        key = "b1" if a.kind == "u" else "b2"
+        ref = ext_ref(b)
+        if a.info[key] is not None or ref.steps:
+            return None
+        b_shape = shape(ref.node)
         if ref.select is not None:
-            if a.info["expert"] != ref.select or ref.perm is not None:
+            if ref.perm is not None or b_shape is None or len(b_shape) != 2:
+                return None
+        elif a.info["expert"] is None:
+            if ref.perm is not None or b_shape is None or len(b_shape) != 1:
                 return None
         elif a.info["expert"] != "all" or not _bias_shape_ok(walk, a, ref):
             return None
-        return Val(a.kind, a.roles, dict(a.info, **{key: ParamRef(ref.node)}))
+        return Val(a.kind, a.roles, dict(a.info, **{key: ref}))
     if a.kind == "contrib" and b.kind in ("zero", "contrib"):
         if b.kind == "zero":
             return _complete(walk, a)
-        if a.info["gate"] != b.info["gate"] or a.info["experts"] != b.info["experts"] or \
-                a.info["covered"] & b.info["covered"] or a.roles != b.roles:
-            return None
-        return _complete(walk, Val("contrib", a.roles, dict(a.info, covered=a.info["covered"] | b.info["covered"])))
+        return _join(walk, a, b)
     return None
+
+
+def _join(walk, a, b):
+    if a.info["gate"] != b.info["gate"] or a.info["covered"] & b.info["covered"] or a.roles != b.roles:
+        return None
+    info = dict(a.info, covered=a.info["covered"] | b.info["covered"], experts={**a.info["experts"], **b.info["experts"]})
+    return _complete(walk, Val("contrib", a.roles, info))
+
+
+def _index_add(walk, node, op, out, dim, index, src):
+    """Mixtral: out.index_add_(0, rows, f_e(x[rows]) · w[rows, slots]) per expert."""
+    if out is None or src is None or index is None or src.kind != "contrib_sel" or index.kind != "selidx" or \
+            out.kind not in ("zero", "contrib") or dim is None or dim.kind != "const" or dim.info["value"] != 0:
+        return None
+    tag = index.info["tag"]
+    if op.args[4] not in (None, 1) or index.info["axis"] == "s" or f"sel:{tag.name}" != src.roles[0] or \
+            set(src.info["covered"]) != {index.info["expert"]}:
+        return None
+    roles = (index.info["axis"],) + src.roles[1:]
+    val = Val("contrib", roles, dict(src.info))
+    if out.kind == "contrib":
+        val = _join(walk, out, val)
+    else:
+        val = _complete(walk, val)
+    if val is not None and op.kwargs.get("_inplace"):
+        walk.vals[op.args[0]] = val  # the in-place add changes what later readers of `out` see
+    return val
+
+
+def _stack(walk, node, vals, dim):
+    """Dense over nn.Linear experts: torch.stack([expert_e(x) for e], dim) is f over every expert."""
+    if not vals or any(v is None or v.kind != "f" or v.info["expert"] in ("all", "gathered") for v in vals):
+        return None
+    experts = len(vals)
+    if not walk.axes.bind("e", experts) or vals[0].roles is None or any(v.roles != vals[0].roles for v in vals):
+        return None
+    keys = {e: _expert_key(v.info) for e, v in enumerate(vals)}
+    refs = _stacked(keys, experts)
+    if refs is None:
+        return None
+    roles = list(vals[0].roles)
+    roles.insert(dim % (len(roles) + 1), "e")
+    if roles[-2:] != ["e", "d"]:
+        return None
+    return Val("f", tuple(roles), dict(refs, expert="all"))
 
 
 def _bias_shape_ok(walk, val, ref):
@@ -284,14 +482,39 @@ def _bias_shape_ok(walk, val, ref):
         walk.axes.bind("e", b_shape[0]) and walk.axes.bind(val.roles[-1], b_shape[1])
 
 
+def _stacked(keys, experts):
+    """Per-expert parameters as stacked ones: a view where the user stacked them, else a StackRef."""
+    names = ("w1", "b1", "w3", "act", "w2", "b2")
+    acts = {k[3] for k in keys.values()}
+    if len(acts) != 1:
+        return None
+    out = {"act": acts.pop()}
+    for i, name in enumerate(names):
+        if name == "act":
+            continue
+        refs = [keys[e][i] for e in range(experts)]
+        if all(r is None for r in refs):
+            out[name] = None
+        elif any(r is None for r in refs):
+            return None
+        elif all(r.node is refs[0].node and r.select == e and r.perm == refs[0].perm and not r.steps
+                 for e, r in enumerate(refs)):
+            out[name] = ParamRef(refs[0].node, refs[0].perm)
+        else:
+            out[name] = StackRef(tuple(refs))
+    return out
+
+
 def _complete(walk, contrib):
     """A sum of contributions is the MoE's output once it covers every expert exactly once."""
     experts = walk.axes.sizes.get("e")
     if isinstance(experts, int) and contrib.info["covered"] == frozenset(range(experts)):
+        refs = _stacked(contrib.info["experts"], experts)
+        if refs is None:
+            return contrib
         gate_topk, renorm, k, wg = contrib.info["gate"]
-        w1, b1, w3, act, w2, b2 = contrib.info["experts"]
         return Val("moe_out", contrib.roles, {"gate": {"topk": gate_topk, "renorm": renorm, "k": k, "wg": wg},
-                                              "experts": {"w1": w1, "b1": b1, "w3": w3, "act": act, "w2": w2, "b2": b2}})
+                                              "experts": refs})
     return contrib
 
 

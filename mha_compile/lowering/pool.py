@@ -2,18 +2,28 @@
 
 Vals, in the order the pool builds them (roles in brackets):
   tok (b,n,d) -> proj (b,n,d)  an affine map of the tokens (K or V; which one is decided by use)
+                 projcat (b,n,kv) one fused K|V linear, read as two projs once split in halves
   -> scores (b,d.0,n)          ⟨q_p, K[b,n,p]⟩: d split into heads d.0 and head dim d.1
   -> attn                      softmax over n of scores scaled by exactly 1/√Dh
   -> pooled (b,d.0,d.1)        Σ_n attn · V, then merged back to (b,d)
   -> inv (b,d)                 the output projection.
-Each rule accepts any spelling that computes the same thing (linear or matmul with a
-transposed weight, einsum with any letters, view/reshape/transpose in between).
+Size-1 axes (the single query position of matmul and SDPA spellings) may sit anywhere.
+Each rule accepts any spelling that computes the same thing: linear or matmul with a
+transposed weight, einsum with any letters, q @ Kᵀ with heads moved by transposes,
+F.scaled_dot_product_attention with the learned query expanded over the batch, and
+F.multi_head_attention_forward (what Dynamo captures for nn.MultiheadAttention), whose learned
+query goes through the query projection: the op gets q = Wq·query + bq, computed on the
+parameters in the graph. A key-padding mask is read from masked_fill(-inf) on the scores, a
+boolean SDPA attn_mask (True = take part, so the op gets its negation) or key_padding_mask.
 """
+import dataclasses
 import math
 
-from mha_compile.lowering.canonicalize import shape
-from mha_compile.lowering.interpret import (ParamRef, Reject, Val, canonical_perm, einsum_roles, ext_ref,
-                                            layout_rule, select_rule)
+import torch
+
+from mha_compile.lowering.canonicalize import canon, dtype, shape
+from mha_compile.lowering.interpret import (ONE, ParamRef, Reject, Val, broadcast, canonical_perm, einsum_roles,
+                                            ext_ref, layout_rule, query_ref, select_rule, with_step)
 
 SCALE_RTOL = 1e-6
 HEAD_ROLES = ("d.0", "d.1")
@@ -23,7 +33,7 @@ def _transposed(ref):
     """The ParamRef read as its transpose (x @ W uses W as [in,out]; nn.Linear stores [out,in])."""
     base = ref.perm or (0, 1)
     perm = (base[1], base[0])
-    return ParamRef(ref.node, None if perm == (0, 1) else perm, ref.select)
+    return dataclasses.replace(ref, perm=None if perm == (0, 1) else perm)
 
 
 def _affine(walk, node, x, weight, bias):
@@ -32,11 +42,13 @@ def _affine(walk, node, x, weight, bias):
         return None
     d = walk.axes.sizes.get("d")
     w_shape = shape(weight.node)
-    if w_shape is None or len(w_shape) != 2 or shape(node)[-1] != d:
+    if w_shape is None or len(w_shape) != 2 or weight.steps or weight.select is not None:
         return None
-    if x.kind == "tok":
+    if x.kind == "tok" and shape(node)[-1] == d:
         return Val("proj", x.roles, {"w": weight, "b": bias})
-    if x.kind == "pooled" and x.roles == ("b", "d"):
+    if x.kind == "tok" and isinstance(d, int) and shape(node)[-1] == 2 * d and weight.perm is None:
+        return Val("projcat", x.roles[:-1] + ("kv",), {"w": weight, "b": bias})
+    if x.kind == "pooled" and x.roles == ("b", "d") and shape(node)[-1] == d:
         return Val("inv", x.roles, dict(x.info, wo=weight, bo=bias))
     return None
 
@@ -45,15 +57,17 @@ def pool_rule(walk, node, op):
     if op.kind in ("reshape", "permute", "expand", "cast"):
         return layout_rule(walk, node, op)
     if op.kind == "getitem":
-        return select_rule(walk, node, op)
+        return select_rule(walk, node, op) or _item(walk, node, op)
     args = [walk.val(a) for a in op.args]
     if op.kind == "linear":
         x, w, b = args
         if ext_ref(w) is None or (b is not None and b.kind not in ("ext", "const")):
             return None
         return _affine(walk, node, x, ext_ref(w), ext_ref(b))
-    if op.kind == "matmul" and ext_ref(args[1]) is not None and args[0] is not None:
+    if op.kind == "matmul" and args[0] is not None and args[0].kind != "ext" and ext_ref(args[1]) is not None:
         return _affine(walk, node, args[0], _transposed(ext_ref(args[1])), None)
+    if op.kind == "matmul":
+        return _matmul(walk, node, *args)
     if op.kind == "add":
         return _add_bias(walk, node, *args)
     if op.kind in ("mul", "div"):
@@ -62,6 +76,14 @@ def pool_rule(walk, node, op):
         return _einsum(walk, node, op.args[0], args[1:])
     if op.kind == "softmax":
         return _softmax(walk, node, args[0], op.args[1])
+    if op.kind == "masked_fill":
+        return _masked_fill(walk, node, *args)
+    if op.kind in ("chunk", "split"):
+        return _split(walk, node, op.kind, *args)
+    if op.kind == "sdpa":
+        return _sdpa(walk, node, *args)
+    if op.kind == "mha":
+        return _mha(walk, node, op, args)
     return None
 
 
@@ -69,7 +91,14 @@ def _add_bias(walk, node, a, b):
     """proj/inv spelled as matmul + bias: the bias is a [D] parameter on the last axis."""
     if a is not None and a.kind == "ext":
         a, b = b, a
-    if a is None or b is None or b.kind != "ext" or a.kind not in ("proj", "inv"):
+    if a is not None and b is not None and a.kind == "scores" and b.kind == "ext" and a.info.get("mask") is None \
+            and _neg_inf_mask(b.info["node"]):
+        ref = _mask_ref(b, a.roles, node, invert=False)
+        return None if ref is None else Val("scores", a.roles, dict(a.info, mask=ref))
+    if a is not None and b is not None and a.kind == "scores" and b.kind == "ext":
+        raise Reject(f"{node.name}: an additive float mask on the scores that is not zeros.masked_fill(pad, -inf); the "
+                     f"region takes a boolean key-padding mask: write scores.masked_fill(pad[:, None, :], float('-inf')) (pad: True = ignore)")
+    if a is None or b is None or b.kind != "ext" or a.kind not in ("proj", "inv") or ext_ref(b) is None:
         return None
     key = "b" if a.kind == "proj" else "bo"
     if a.info.get(key) is not None or shape(b.info["ref"].node) != (walk.axes.sizes.get("d"),):
@@ -78,6 +107,8 @@ def _add_bias(walk, node, a, b):
 
 
 def _scale(kind, a, b):
+    if a is not None and a.kind == "const" and kind == "mul":
+        a, b = b, a
     if a is None or b is None or a.kind != "scores" or b.kind != "const" or not isinstance(b.info["value"], (int, float)):
         return None
     c = float(b.info["value"])
@@ -97,10 +128,11 @@ def _einsum(walk, node, equation, operands):
         q_term = terms[kinds.index("ext")]
         q_roles = tuple(letters.get(l) for l in q_term)
         if {letters.get(l) for l in contracted} != {"d.1"} or set(out_roles) != {"b", "n", "d.0"} or \
-                canonical_perm(q_roles, HEAD_ROLES) is False or k.roles[:2] != ("b", "n"):
+                canonical_perm(q_roles, HEAD_ROLES) is False or k.roles[:2] != ("b", "n") or ext_ref(q) is None:
             return None
         ref = ext_ref(q)
-        return Val("scores", out_roles, {"k": k.info, "q": ParamRef(ref.node, canonical_perm(q_roles, HEAD_ROLES)), "scale": 1.0})
+        return Val("scores", out_roles, {"k": k.info, "q": ParamRef(ref.node, canonical_perm(q_roles, HEAD_ROLES)),
+                                         "scale": 1.0, "mask": None})
     if sorted(kinds) == ["attn", "proj"]:
         attn, v = (operands[0], operands[1]) if kinds[0] == "attn" else (operands[1], operands[0])
         if {letters.get(l) for l in contracted} != {"n"}:
@@ -109,6 +141,225 @@ def _einsum(walk, node, equation, operands):
             return None
         return Val("pooled", out_roles, dict(attn.info, v=v.info))
     return None
+
+
+def _matmul_roles(a, b):
+    """(output roles, (a's contracted role, b's)) of a @ b with broadcast batch axes, or None."""
+    if a is None or b is None or len(a) < 2 or len(b) < 2:
+        return None
+    batch = broadcast(a[:-2], b[:-2])
+    return None if batch is None else (batch + (a[-2], b[-1]), (a[-1], b[-2]))
+
+
+def _wanted(n, k_roles, query_first):
+    """What each axis of the query operand of q @ Kᵀ (or K @ qᵀ) must be, aligned with K's roles."""
+    batch = tuple(k_roles[:-2])
+    batch = batch[len(batch) - (n - 2):] if n > 2 else ()
+    return [r if r in HEAD_ROLES else None for r in batch] + ([None, "d.1"] if query_first else ["d.1", None])
+
+
+def _matmul(walk, node, a, b):
+    """q @ Kᵀ -> scores; attn @ V -> pooled (head axes as batch axes, any size-1 query axis)."""
+    if a is None or b is None:
+        return None
+    for query, k, query_first in ((a, b, True), (b, a, False)):
+        if query.kind == "ext" and k.kind == "proj" and query.info.get("lay") is not None:
+            lay = query.info["lay"]
+            if len(lay) < 2 or len(lay) > len(k.roles) or k.roles[-1 if query_first else -2] != "n":
+                return None
+            wanted = _wanted(len(lay), k.roles, query_first)
+            ref = query_ref(query, wanted)
+            if ref is None:
+                return None
+            q_roles = tuple(w or ONE for w in wanted)
+            roles = _matmul_roles(q_roles, k.roles) if query_first else _matmul_roles(k.roles, q_roles)
+            if roles is None:
+                return None
+            out, contracted = roles
+            if contracted != ("d.1", "d.1") or "b" not in out or "d.0" not in out:
+                return None
+            return Val("scores", out, {"k": k.info, "q": ref, "scale": 1.0, "mask": None})
+    if a.kind == "attn" and b.kind == "proj":
+        roles = _matmul_roles(a.roles, b.roles)
+        if roles is None:
+            return None
+        out, contracted = roles
+        if contracted != ("n", "n"):
+            raise Reject(f"{node.name}: the attention-weighted sum contracts {contracted}; the pool sums over the tokens (n) only")
+        if sorted(r for r in out if r != ONE) != ["b", "d.0", "d.1"]:
+            return None
+        return Val("pooled", out, dict(a.info, v=b.info))
+    return None
+
+
+def _neg_inf_mask(node):
+    """True when `node` (up to layout ops) is zeros.masked_fill(bool, -inf): a float mask that
+    holds only 0 and -inf, so it is exactly the boolean mask isneginf(node)."""
+    while True:
+        op = canon(node)
+        if op is not None and op.kind in ("reshape", "permute", "expand", "cast") and hasattr(op.args[0], "op"):
+            node = op.args[0]
+            continue
+        break
+    if op is None or op.kind != "masked_fill" or op.args[2] != float("-inf") or dtype(op.args[1]) != torch.bool:
+        return False
+    base = canon(op.args[0]) if hasattr(op.args[0], "op") else None
+    return base is not None and base.kind in ("zeros_like", "zeros")
+
+
+def _mask_ref(val, wanted, node, invert):
+    """A boolean key-padding mask [B,N] read from a mask broadcast against roles `wanted`
+    (a float mask of only 0 and -inf is read as the boolean where it is -inf)."""
+    lay = val.info.get("lay") if val is not None and val.kind == "ext" else None
+    if lay is None or len(lay) != len(wanted):
+        return None
+    as_float = dtype(val.info["node"]) != torch.bool and _neg_inf_mask(val.info["node"])
+    if dtype(val.info["node"]) != torch.bool and not as_float:
+        raise Reject(f"{node.name}: the attention mask is {dtype(val.info['node'])}, not bool; the region takes a "
+                     f"boolean key-padding mask (True = ignore the token)")
+    for w, r in zip(wanted, lay):
+        if (w in ("b", "n")) == (r == ONE):
+            raise Reject(f"{node.name}: the mask varies along {[w for w, r in zip(wanted, lay) if r != ONE]}; "
+                         f"a key-padding mask varies along batch and tokens only")
+    items = tuple(":" if w in ("b", "n") else 0 for w in wanted)
+    ref = ParamRef(val.info["node"])
+    if items != (":", ":"):
+        ref = with_step(ref, ("index", items))
+    if [w for w in wanted if w in ("b", "n")] == ["n", "b"]:
+        ref = dataclasses.replace(ref, perm=(1, 0))
+    if as_float:  # additive: -inf = ignore, whatever the spelling's boolean sense would be
+        return with_step(ref, ("isneginf",))
+    return with_step(ref, ("not",)) if invert else ref
+
+
+def _masked_fill(walk, node, scores, mask, value):
+    if scores is None or scores.kind != "scores" or mask is None or value is None or value.kind != "const":
+        return None
+    if value.info["value"] != float("-inf"):
+        raise Reject(f"{node.name}: masked scores are filled with {value.info['value']}; a key-padding mask fills -inf")
+    if scores.info.get("mask") is not None:
+        return None
+    ref = _mask_ref(mask, scores.roles, node, invert=False)
+    return None if ref is None else Val("scores", scores.roles, dict(scores.info, mask=ref))
+
+
+def _split(walk, node, kind, src, size, dim):
+    """One fused K|V projection split in two halves on its last axis (chunk(2) or split(D))."""
+    if src is None or src.kind != "projcat" or dim is None or dim.kind != "const":
+        return None
+    if dim.info["value"] not in (-1, len(src.roles) - 1):
+        return None
+    d = walk.axes.sizes.get("d")
+    size = size.info["value"] if size is not None and size.kind == "const" else None
+    if (kind == "chunk" and size == 2) or (kind == "split" and size == d):
+        return Val("projparts", src.roles, dict(src.info))
+    return None
+
+
+def _half(info, i, d):
+    cut = lambda ref: with_step(ref, ("index", (("range", i * d, (i + 1) * d),)))
+    return Val("proj", None, {"w": cut(info["w"]), "b": cut(info["b"])})
+
+
+def _item(walk, node, op):
+    src, index = walk.val(op.args[0]), op.args[1]
+    if src is None:
+        return None
+    d = walk.axes.sizes.get("d")
+    if src.kind == "projparts" and index in (0, 1):
+        half = _half(src.info, index, d)
+        return Val("proj", src.roles[:-1] + ("d",), half.info)
+    if src.kind == "projcat":  # kv[..., :D] / kv[:, :, D:]
+        items = index if isinstance(index, tuple) else (index,)
+        last = items[-1]
+        if not isinstance(last, slice) or last.step not in (None, 1) or not all(
+                i == slice(None) or i is Ellipsis for i in items[:-1]) or (Ellipsis not in items and len(items) != len(src.roles)):
+            return None
+        bounds = (last.start or 0, last.stop if last.stop is not None else 2 * d)
+        if bounds not in ((0, d), (d, 2 * d)):
+            return None
+        return Val("proj", src.roles[:-1] + ("d",), _half(src.info, bounds[0] // d, d).info)
+    if src.kind == "mha_out" and index == 0:
+        return Val("inv", src.roles, dict(src.info))
+    return None
+
+
+def _const(val, default=None):
+    if val is None or (val.kind == "const" and val.info["value"] is None):
+        return default
+    return val.info["value"] if val.kind == "const" else "?"
+
+
+def _absent(val):
+    return val is None or (val.kind == "const" and val.info["value"] is None)
+
+
+def _sdpa(walk, node, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    if k is None or v is None or k.kind != "proj" or v.kind != "proj" or q is None or q.kind != "ext":
+        return None
+    if k.roles != v.roles or k.roles[-2:] != ("n", "d.1") or sorted(k.roles[:-2]) != ["b", "d.0"]:
+        return None
+    lay = q.info.get("lay")
+    if lay is None or len(lay) != len(k.roles):
+        return None
+    ref = query_ref(q, [r if r in HEAD_ROLES else None for r in k.roles[:-2]] + [None, "d.1"])
+    if ref is None:
+        return None
+    if _const(dropout_p, 0.0) not in (0, 0.0):
+        raise Reject(f"{node.name}: attention dropout (dropout_p={_const(dropout_p)}); the pool has none")
+    if _const(is_causal, False) is not False:
+        raise Reject(f"{node.name}: is_causal=True masks tokens by position; the pool attends to all of them")
+    if _const(enable_gqa, False) is not False:
+        return None
+    head_dim = walk.axes.sizes.get("d.1")
+    scale = _const(scale)
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    if not isinstance(scale, (int, float)):
+        return None
+    mask = None if _absent(attn_mask) else _mask_ref(attn_mask, k.roles[:-2] + (ONE, "n"), node, invert=True)
+    if not _absent(attn_mask) and mask is None:
+        return None
+    attn = _softmax(walk, node, Val("scores", k.roles[:-2] + (ONE, "n"),
+                                    {"k": k.info, "q": ref, "scale": float(scale), "mask": mask}), -1)
+    return Val("pooled", k.roles[:-2] + (ONE, "d.1"), dict(attn.info, v=v.info))
+
+
+def _mha(walk, node, op, args):
+    """F.multi_head_attention_forward(query, tok, tok, ...) with a learned query (L = 1)."""
+    names = ("query", "key", "value", "embed_dim_to_check", "num_heads", "in_proj_weight", "in_proj_bias",
+             "bias_k", "bias_v", "add_zero_attn", "dropout_p", "out_proj_weight", "out_proj_bias", "training",
+             "key_padding_mask", "need_weights", "attn_mask", "use_separate_proj_weight", "q_proj_weight",
+             "k_proj_weight", "v_proj_weight", "static_k", "static_v", "average_attn_weights", "is_causal")
+    a = dict(zip(names, args))
+    key, value, query = a["key"], a["value"], a["query"]
+    if key is None or value is None or key.kind != "tok" or value.kind != "tok" or key.roles != ("n", "b", "d") \
+            or value.roles != key.roles or query is None or query.kind != "ext":
+        return None
+    d, heads = walk.axes.sizes.get("d"), _const(a["num_heads"])
+    lay = query.info.get("lay")
+    if lay is None or len(lay) != 3 or lay[0] != ONE or lay[1] != ONE or lay[2] == ONE or shape(query.info["node"])[2] != d:
+        raise Reject(f"{node.name}: the attention query is not one learned vector broadcast over the batch "
+                     f"(shape {shape(query.info['node'])}); the pool's query is a parameter")
+    for name, ok in (("bias_k", _absent(a["bias_k"])), ("bias_v", _absent(a["bias_v"])),
+                     ("add_zero_attn", _const(a["add_zero_attn"], False) is False),
+                     ("attn_mask", _absent(a["attn_mask"])), ("is_causal", _const(a["is_causal"], False) is False),
+                     ("use_separate_proj_weight", _const(a["use_separate_proj_weight"], False) is False),
+                     ("dropout_p", _const(a["dropout_p"], 0.0) in (0, 0.0) or _const(a["training"], True) is False)):
+        if not ok:
+            raise Reject(f"{node.name}: nn.MultiheadAttention with {name} set; the pool has no such term")
+    w_in, b_in, wo, bo = (None if _absent(a[n]) else ext_ref(a[n]) for n in ("in_proj_weight", "in_proj_bias", "out_proj_weight", "out_proj_bias"))
+    if w_in is None or wo is None or not isinstance(heads, int) or not isinstance(d, int) or d % heads:
+        return None
+    if not walk.axes.bind("d.0", heads) or not walk.axes.bind("d.1", d // heads):
+        return None
+    cut = lambda ref, i: with_step(ref, ("index", (("range", i * d, (i + 1) * d),)))
+    q_vec = with_step(ParamRef(query.info["node"]), ("index", (0, 0, ":")),
+                      ("linear", cut(w_in, 0), cut(b_in, 0)), ("reshape", (heads, d // heads)))
+    mask = a["key_padding_mask"]
+    mask = None if _absent(mask) else _mask_ref(mask, ("b", "n"), node, invert=False)
+    info = {"k": {"w": cut(w_in, 1), "b": cut(b_in, 1)}, "v": {"w": cut(w_in, 2), "b": cut(b_in, 2)},
+            "q": q_vec, "scale": 1.0 / math.sqrt(d // heads), "mask": mask, "wo": wo, "bo": bo}
+    return Val("mha_out", (ONE, "b", "d"), info)
 
 
 def _softmax(walk, node, scores, dim):
@@ -124,11 +375,11 @@ def _softmax(walk, node, scores, dim):
     return Val("attn", scores.roles, dict(scores.info))
 
 
-_ROLE_NAMES = {"b": "batch", "n": "token", "d.0": "head", "d.1": "head-dim", "d": "feature"}
+_ROLE_NAMES = {"b": "batch", "n": "token", "d.0": "head", "d.1": "head-dim", "d": "feature", ONE: "size-1"}
 
 
 def pool_params(inv):
     """The pool's parameters from the Val of its output: {name: ParamRef or None}."""
     k, v = inv.info["k"], inv.info["v"]
     return {"q": inv.info["q"], "wk": k["w"], "bk": k["b"], "wv": v["w"], "bv": v["b"],
-            "wo": inv.info["wo"], "bo": inv.info["bo"]}
+            "wo": inv.info["wo"], "bo": inv.info["bo"], "mask": inv.info.get("mask")}

@@ -1,7 +1,13 @@
 """Replacing a matched region with one call of the `mha::region` op.
 
 The user's parameters are passed as they are; a layout difference becomes a `permute` view
-(never a copy) inserted in the graph. Region nodes that are dead after the replacement are
+(never a copy) inserted in the graph, a fused K|V weight is passed as two slice views, a learned
+query of nn.MultiheadAttention as Wq·query + bq (a [D]-sized computation on parameters).
+The one copy we accept: experts written as separate nn.Linear modules are stacked with
+torch.stack in the graph, on every call (E·D·F elements, the size of the weights, against the
+R·k·D·F work of the MoE). Caching the stack across calls would need invalidation on every
+optimizer step and would cut the gradient path; torch.stack keeps autograd to each expert's
+own parameters. Region nodes that are dead after the replacement are
 erased; anything still used (a size query, say) stays, so nothing the rest of the graph
 reads is ever lost.
 """
@@ -11,14 +17,36 @@ import torch
 
 from mha_compile import ops
 from mha_compile.lowering.canonicalize import shape
+from mha_compile.lowering.interpret import StackRef
 
 
-def _param(graph, ref):
+def _index(items):
+    return tuple(slice(None) if i == ":" else slice(i[1], i[2]) if isinstance(i, tuple) else i for i in items)
+
+
+def _param(graph, ref, per_expert=False):
     if ref is None:
         return None
+    if isinstance(ref, StackRef):
+        return graph.call_function(torch.stack, ([_param(graph, r, per_expert=True) for r in ref.refs],))
     node = ref.node
+    for step in ref.steps:
+        if step[0] == "index":
+            node = graph.call_function(operator.getitem, (node, _index(step[1])))
+        elif step[0] == "reshape":
+            node = graph.call_method("reshape", (node, *step[1]))
+        elif step[0] == "isneginf":
+            node = graph.call_function(torch.isneginf, (node,))
+        elif step[0] == "not":
+            node = graph.call_function(torch.logical_not, (node,))
+        elif step[0] == "linear":
+            node = graph.call_function(torch.nn.functional.linear, (node, _param(graph, step[1]), _param(graph, step[2])))
+        else:
+            raise NotImplementedError(f"parameter step {step[0]!r} has no rewrite")
     if ref.select is not None:
-        raise ValueError(f"parameter {node.name} is used per expert but was not stacked")
+        if not per_expert:
+            raise ValueError(f"parameter {node.name} is used per expert but was not stacked")
+        node = graph.call_function(operator.getitem, (node, ref.select))
     if ref.perm is not None:
         node = graph.call_method("permute", (node, *ref.perm))
     return node
@@ -32,7 +60,7 @@ def replace_region(gm, match):
                   ("q", "wk", "bk", "wv", "bv", "wo", "bo", "wg", "w1", "b1", "w2", "b2", "w3")]
         cfg = match.config
         call = graph.call_function(torch.ops.mha.region.default, (
-            match.ctx, match.tok, *params, None, cfg["top_k"], cfg["renorm"], cfg["act"], match.kernels))
+            match.ctx, match.tok, *params, _param(graph, match.params.get("mask")), cfg["top_k"], cfg["renorm"], cfg["act"], match.kernels))
         out = graph.call_function(operator.getitem, (call, 0))
         if len(shape(match.output)) == 2:  # the user's MoE ran on [B·H, D] rows
             out = graph.call_method("flatten", (out, 0, 1))

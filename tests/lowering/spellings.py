@@ -1,0 +1,186 @@
+"""The MHA block spelled the many ways users write it (SPEC §2), one switch per family.
+
+`SpelledBlock(pool=..., merge=..., moe=..., experts=..., ...)` computes exactly the math of
+SPEC §1 for every combination; the tests compile each with backend="mha" and expect one match.
+"""
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+POOLS = ("einsum", "matmul", "sdpa", "sdpa_scale", "mha", "fused_kv", "mul_scale")
+MERGES = ("unsqueeze", "none_index", "view_first", "torch_add", "iadd", "expand_as")
+MOES = ("loop", "dense_scatter", "dense_onehot", "gathered", "mixtral")
+EXPERTS = ("stacked", "modules")
+ACTS = ("gelu", "gelu_tanh", "silu", "swiglu")
+
+
+class SpelledBlock(nn.Module):
+    def __init__(self, D=32, P=2, F_=64, E=4, k=2, act="gelu", renorm=True, bias=True, pool="einsum",
+                 merge="unsqueeze", moe="loop", experts="stacked", mask=False, topk_logits=False):
+        super().__init__()
+        self.D, self.P, self.Dh, self.E, self.k = D, P, D // P, E, k
+        self.act, self.renorm, self.bias, self.pool, self.merge = act, renorm, bias, pool, merge
+        self.moe, self.experts, self.mask, self.topk_logits = moe, experts, mask, topk_logits
+        if pool == "mha":
+            self.query = nn.Parameter(torch.randn(1, 1, D) / math.sqrt(D))
+            self.attn = nn.MultiheadAttention(D, P, batch_first=True)
+        else:
+            self.query = nn.Parameter(torch.randn(P, self.Dh) / math.sqrt(self.Dh))
+            if pool == "fused_kv":
+                self.kv = nn.Linear(D, 2 * D)
+            else:
+                self.key, self.value = nn.Linear(D, D), nn.Linear(D, D)
+            self.out = nn.Linear(D, D)
+        self.router = nn.Linear(D, E, bias=False)
+        if experts == "stacked":
+            self.w1 = nn.Parameter(torch.randn(E, D, F_) / math.sqrt(D))
+            self.w2 = nn.Parameter(torch.randn(E, F_, D) / math.sqrt(F_))
+            self.w3 = nn.Parameter(torch.randn(E, D, F_) / math.sqrt(D)) if act == "swiglu" else None
+            self.b1 = nn.Parameter(0.1 * torch.randn(E, F_)) if bias else None
+            self.b2 = nn.Parameter(0.1 * torch.randn(E, D)) if bias else None
+        else:
+            self.up = nn.ModuleList(nn.Linear(D, F_, bias=bias) for _ in range(E))
+            self.down = nn.ModuleList(nn.Linear(F_, D, bias=bias) for _ in range(E))
+            self.gate_proj = nn.ModuleList(nn.Linear(D, F_, bias=False) for _ in range(E)) if act == "swiglu" else None
+
+    # ---- pool -------------------------------------------------------------------------------
+    def _kv(self, tok):
+        if self.pool == "fused_kv":
+            return self.kv(tok).chunk(2, dim=-1)
+        return self.key(tok), self.value(tok)
+
+    def pool_forward(self, tok, pad=None):
+        B, N, D = tok.shape
+        P, Dh = self.P, self.Dh
+        if self.pool == "mha":
+            out, _ = self.attn(self.query.expand(B, -1, -1), tok, tok, key_padding_mask=pad, need_weights=False)
+            return out[:, 0]
+        k, v = self._kv(tok)
+        if self.pool in ("einsum", "fused_kv", "mul_scale"):
+            k, v = k.view(B, N, P, Dh), v.view(B, N, P, Dh)
+            scores = torch.einsum("pd,bnpd->bpn", self.query, k)
+            scores = scores * Dh ** -0.5 if self.pool == "mul_scale" else scores / math.sqrt(Dh)
+            if pad is not None:
+                scores = scores.masked_fill(pad[:, None, :], float("-inf"))
+            attn = torch.softmax(scores, dim=-1)
+            return self.out(torch.einsum("bpn,bnpd->bpd", attn, v).reshape(B, D))
+        k = k.view(B, N, P, Dh).transpose(1, 2)  # [B,P,N,Dh]
+        v = v.view(B, N, P, Dh).transpose(1, 2)
+        if self.pool == "matmul":
+            scores = (self.query.unsqueeze(1) @ k.transpose(-2, -1)) / math.sqrt(Dh)  # [B,P,1,N]
+            if pad is not None:
+                scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
+            pooled = scores.softmax(dim=-1) @ v  # [B,P,1,Dh]
+        else:
+            q = self.query.view(1, P, 1, Dh).expand(B, -1, -1, -1)
+            mask = None if pad is None else ~pad[:, None, None, :]  # SDPA: True = take part
+            if self.pool == "sdpa_scale":
+                pooled = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=Dh ** -0.5)
+            else:
+                pooled = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.out(pooled.reshape(B, D))
+
+    # ---- merge ------------------------------------------------------------------------------
+    def merge_forward(self, ctx, inv):
+        B, D = inv.shape
+        if self.merge == "unsqueeze":
+            return ctx + inv.unsqueeze(1)
+        if self.merge == "none_index":
+            return ctx + inv[:, None]
+        if self.merge == "view_first":
+            return inv.view(B, 1, D) + ctx
+        if self.merge == "torch_add":
+            return torch.add(ctx, inv[:, None, :])
+        if self.merge == "expand_as":
+            return inv.unsqueeze(1).expand_as(ctx) + ctx
+        y = ctx * 1.0  # iadd: a fresh tensor of the graph's own, so the in-place add is unobservable
+        y += inv[:, None]
+        return y
+
+    # ---- MoE --------------------------------------------------------------------------------
+    def _act(self, u, gate_u=None):
+        if self.act == "gelu":
+            return F.gelu(u)
+        if self.act == "gelu_tanh":
+            return F.gelu(u, approximate="tanh")
+        if self.act == "silu":
+            return F.silu(u)
+        return F.silu(u) * gate_u
+
+    def expert(self, e, x):
+        if self.experts == "modules":
+            u3 = self.gate_proj[e](x) if self.gate_proj is not None else None
+            return self.down[e](self._act(self.up[e](x), u3))
+        u = x @ self.w1[e]
+        if self.b1 is not None:
+            u = u + self.b1[e]
+        f = self._act(u, x @ self.w3[e] if self.w3 is not None else None) @ self.w2[e]
+        return f + self.b2[e] if self.b2 is not None else f
+
+    def route(self, x):
+        logits = self.router(x)
+        if self.topk_logits:  # top-k on logits, softmax over the k values: the renormalised gate
+            top, index = logits.topk(self.k, dim=-1)
+            return top.softmax(dim=-1), index
+        weight, index = torch.softmax(logits, dim=-1).topk(self.k, dim=-1)
+        if self.renorm:
+            weight = weight / weight.sum(dim=-1, keepdim=True)
+        return weight, index
+
+    def moe_forward(self, y):
+        shape = y.shape
+        x = y.reshape(-1, shape[-1])
+        weight, index = self.route(x)
+        E = self.E
+        if self.moe == "loop":
+            out = torch.zeros_like(x)
+            for e in range(E):
+                gate = (weight * (index == e)).sum(dim=-1, keepdim=True)
+                out = out + gate * self.expert(e, x)
+        elif self.moe == "mixtral":
+            out = torch.zeros_like(x)
+            expert_mask = F.one_hot(index, E).permute(2, 1, 0)  # [E,k,R]
+            for e in range(E):
+                slot, rows = torch.where(expert_mask[e])
+                out.index_add_(0, rows, self.expert(e, x[rows]) * weight[rows, slot, None])
+        elif self.moe == "gathered":
+            u = torch.einsum("rd,rkdf->rkf", x, self.w1[index])
+            if self.b1 is not None:
+                u = u + self.b1[index]
+            gate_u = torch.einsum("rd,rkdf->rkf", x, self.w3[index]) if self.w3 is not None else None
+            f = torch.einsum("rkf,rkfd->rkd", self._act(u, gate_u), self.w2[index])
+            if self.b2 is not None:
+                f = f + self.b2[index]
+            out = (weight.unsqueeze(-1) * f).sum(dim=1)
+        else:
+            if self.moe == "dense_scatter":
+                gates = torch.zeros(x.shape[0], E, dtype=x.dtype, device=x.device).scatter(1, index, weight)
+            else:
+                gates = (F.one_hot(index, E).to(x.dtype) * weight.unsqueeze(-1)).sum(dim=1)
+            if self.experts == "modules":
+                f = torch.stack([self.expert(e, x) for e in range(E)], dim=1)  # [R,E,D]
+            else:
+                u = torch.einsum("rd,edf->ref", x, self.w1)
+                if self.b1 is not None:
+                    u = u + self.b1
+                gate_u = torch.einsum("rd,edf->ref", x, self.w3) if self.w3 is not None else None
+                f = torch.einsum("ref,efd->red", self._act(u, gate_u), self.w2)
+                if self.b2 is not None:
+                    f = f + self.b2
+            out = torch.einsum("re,red->rd", gates, f)
+        return out.reshape(shape)
+
+    def forward(self, ctx, tok, pad=None):
+        return self.moe_forward(self.merge_forward(ctx, self.pool_forward(tok, pad)))
+
+
+def inputs(B=4, H=3, N=5, D=32, dtype=torch.float32, mask=False, generator=None):
+    ctx = torch.randn(B, H, D, dtype=dtype, generator=generator)
+    tok = torch.randn(B, N, D, dtype=dtype, generator=generator)
+    if not mask:
+        return ctx, tok
+    pad = torch.rand(B, N, generator=generator) < 0.4
+    pad[:, 0] = False  # every row keeps a token
+    return ctx, tok, pad
