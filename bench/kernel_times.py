@@ -1,10 +1,14 @@
 """Forward and forward+backward times of the region: fused vs staged vs reference vs eager.
 
-    python -m bench.kernel_times [--preset medium] [--dtype bf16] [--out rows.json]
+    python bench/kernel_times.py [--presets small,medium,large] [--dtype bf16] [--peers fused,dense]
+                                 [--graphs fused,dense] [--profile] [--out rows.json]
 
-One preset, one dtype (default medium, bf16; an H200 is what SPEC §5 measures on). Peers:
+Presets and one dtype (default medium, bf16; an H200 is what SPEC §5 measures on). Peers:
 the mha::region op with kernels = fused | staged | reference, and the plain module
-(MHABlock.from_preset(preset, spelling=dense | loop)) run eagerly. Times are medians of
+(MHABlock.from_preset(preset, spelling=dense | loop)) run eagerly. Peers named in --graphs are
+also timed as CUDA graph replays (forward, and forward+backward with the autograd graph
+captured): what torch.compile(mode="reduce-overhead") runs, and a proof that the path has no
+host sync (a capture failure is printed, not hidden). Times are medians of
 triton.testing.do_bench on random inputs; fwd runs under no_grad, fwd+bwd backpropagates a
 random gradient into every input and parameter. The floor is max(FLOPs / 790 TFLOP/s, bytes /
 4.3 TB/s) with SPEC §5's FLOP counts. Autotuning happens in a warm-up call before timing.
@@ -14,6 +18,7 @@ import json
 import logging
 
 import torch
+import triton
 import triton.testing
 
 from mha_compile import models, ops  # noqa: F401  (ops registers torch.ops.mha)
@@ -30,19 +35,31 @@ def floor_ms(p, dtype, backward):
     return max(flops / 790e12, moved / 4.3e12) * 1e3
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--preset", default="medium")
-    parser.add_argument("--dtype", default="bf16", choices=DTYPES)
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--profile", action="store_true", help="also print per-kernel CUDA times of fused/staged")
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    dtype = DTYPES[args.dtype]
-    p = models.PRESETS[args.preset]
+def graphed(step, leaves):
+    """A CUDA graph of `step` (captured after warm-up on a side stream), or the reason it failed."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    for t in leaves:
+        t.grad = None
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            step()
+    except Exception as error:  # a host sync or an uncapturable op: report it, keep going
+        return f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
+    return graph
+
+
+def bench_preset(name, dtype_name, peer_names, graph_names, profile):
+    dtype = DTYPES[dtype_name]
+    p = models.PRESETS[name]
     torch.manual_seed(0)
     dev = "cuda"
-    blocks = {s: models.MHABlock.from_preset(args.preset, spelling=s).to(dev, dtype) for s in ("dense", "loop")}
+    blocks = {s: models.MHABlock.from_preset(name, spelling=s).to(dev, dtype) for s in ("dense", "loop")}
     blocks["loop"].load_state_dict(blocks["dense"].state_dict())
     params = [t for t in models.block_parameters(blocks["dense"])]
     ctx = torch.randn(p["B"], p["H"], p["D"], device=dev, dtype=dtype, requires_grad=True)
@@ -54,44 +71,91 @@ def main():
     def op(kernels):
         return lambda: torch.ops.mha.region(ctx, tok, *params, None, moe.top_k, moe.renorm, moe.act, kernels)[0]
 
-    peers = {f"mha {k}": op(k) for k in ("fused", "staged", "reference")}
-    peers.update({f"eager {s}": (lambda b: lambda: b(ctx, tok))(b) for s, b in blocks.items()})
-
+    every = {k: op(k) for k in ("fused", "staged", "reference")}
+    every.update({s: (lambda b: lambda: b(ctx, tok))(b) for s, b in blocks.items()})
+    label = {"fused": "mha fused", "staged": "mha staged", "reference": "mha reference",
+             "dense": "eager dense", "loop": "eager loop"}
     with torch.no_grad():
-        want = peers["eager loop"]().float()
+        want = every["dense"]().float()
     rows = []
-    for name, fn in peers.items():
+    for peer in peer_names:
+        fn = every[peer]
         with torch.no_grad():
             got = fn().float()  # warm-up: compiles and autotunes outside the timing
         err = float((got - want).norm() / want.norm())
         fn().backward(grad)
         with torch.no_grad():
-            fwd = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
-        both = triton.testing.do_bench(lambda: fn().backward(grad), warmup=25, rep=200, grad_to_none=leaves,
+            fwd = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+        both = triton.testing.do_bench(lambda: fn().backward(grad), warmup=25, rep=100, grad_to_none=leaves,
                                        return_mode="median")
-        rows.append(dict(peer=name, preset=args.preset, dtype=args.dtype, fwd_ms=fwd, fwd_bwd_ms=both,
-                         rel_err_vs_eager_loop=err))
-        print(f"done {name}: fwd {fwd:.3f} ms, fwd+bwd {both:.3f} ms, rel err {err:.1e}", flush=True)
+        row = dict(peer=label[peer], preset=name, dtype=dtype_name, fwd_ms=fwd, fwd_bwd_ms=both,
+                   rel_err_vs_eager_dense=err)
+        if peer in graph_names:
+            def fwd_step():
+                with torch.no_grad():
+                    fn()
+            g_fwd = graphed(fwd_step, leaves)
+            g_both = graphed(lambda: fn().backward(grad), leaves)
+            for key, g in (("graph_fwd_ms", g_fwd), ("graph_fwd_bwd_ms", g_both)):
+                row[key] = (triton.testing.do_bench(g.replay, warmup=25, rep=100, return_mode="median")
+                            if isinstance(g, torch.cuda.CUDAGraph) else g)
+            for t in leaves:
+                t.grad = None
+        rows.append(row)
+        print(f"done {name} {label[peer]}: fwd {fwd:.3f} ms, fwd+bwd {both:.3f} ms, "
+              f"graph {row.get('graph_fwd_ms', '-')} / {row.get('graph_fwd_bwd_ms', '-')}, rel err {err:.1e}",
+              flush=True)
     floor = (floor_ms(p, dtype, False), floor_ms(p, dtype, True))
+    if profile and "fused" in peer_names:
+        fn = every["fused"]
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                fn().backward(grad)
+            torch.cuda.synchronize()
+        print(f"\n{name} mha fused: fwd+bwd x5, CUDA time per kernel")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=24, max_name_column_width=60))
+    return rows, floor
+
+
+def fmt_ms(v):
+    return f"{v:.3f}" if isinstance(v, float) else "-" if v is None else "fail"
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--presets", default="medium", help="comma list of models.PRESETS names")
+    parser.add_argument("--dtype", default="bf16", choices=DTYPES)
+    parser.add_argument("--peers", default="fused,staged,reference,dense,loop",
+                        help="comma list of fused, staged, reference, dense, loop")
+    parser.add_argument("--graphs", default="fused,dense", help="peers also timed as CUDA graph replays")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--profile", action="store_true", help="also print per-kernel CUDA times of fused")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    peers, graphs = args.peers.split(","), args.graphs.split(",")
+    results = []
+    for name in args.presets.split(","):
+        rows, floor = bench_preset(name, args.dtype, peers, graphs, args.profile)
+        results.append(dict(preset=name, floor_ms=floor, rows=rows))
     device = torch.cuda.get_device_name()
-    print(f"\n{args.preset} preset {p}, {args.dtype}, {device}, torch {torch.__version__}")
-    print(f"{'peer':<16}{'fwd ms':>10}{'fwd+bwd ms':>12}{'x floor fwd':>13}{'x floor f+b':>13}{'err':>10}")
-    for r in rows:
-        print(f"{r['peer']:<16}{r['fwd_ms']:>10.3f}{r['fwd_bwd_ms']:>12.3f}{r['fwd_ms'] / floor[0]:>13.1f}"
-              f"{r['fwd_bwd_ms'] / floor[1]:>13.1f}{r['rel_err_vs_eager_loop']:>10.1e}")
-    print(f"{'floor':<16}{floor[0]:>10.3f}{floor[1]:>12.3f}")
-    if args.profile:
-        for name in ("mha fused", "mha staged"):
-            fn = peers[name]
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                for _ in range(5):
-                    fn().backward(grad)
-                torch.cuda.synchronize()
-            print(f"\n{name}: fwd+bwd x5, CUDA time per kernel")
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+    print(f"\n{args.dtype}, {device}, torch {torch.__version__}, triton {triton.__version__}; do_bench medians, ms")
+    print(f"{'preset':<8}{'peer':<15}{'fwd':>8}{'f+b':>8}{'graph fwd':>11}{'graph f+b':>11}"
+          f"{'f+b/floor':>11}{'err':>9}")
+    for res in results:
+        for r in res["rows"]:
+            print(f"{r['preset']:<8}{r['peer']:<15}{r['fwd_ms']:>8.3f}{r['fwd_bwd_ms']:>8.3f}"
+                  f"{fmt_ms(r.get('graph_fwd_ms')):>11}{fmt_ms(r.get('graph_fwd_bwd_ms')):>11}"
+                  f"{r['fwd_bwd_ms'] / res['floor_ms'][1]:>11.1f}{r['rel_err_vs_eager_dense']:>9.1e}")
+        print(f"{res['preset']:<8}{'floor':<15}{res['floor_ms'][0]:>8.3f}{res['floor_ms'][1]:>8.3f}")
+    for res in results:
+        for r in res["rows"]:
+            for key in ("graph_fwd_ms", "graph_fwd_bwd_ms"):
+                if isinstance(r.get(key), str):
+                    print(f"{r['preset']} {r['peer']} {key}: {r[key]}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(device=device, torch=torch.__version__, floor_ms=floor, rows=rows), f, indent=1)
+            json.dump(dict(device=device, torch=torch.__version__, triton=triton.__version__, results=results),
+                      f, indent=1)
 
 
 if __name__ == "__main__":

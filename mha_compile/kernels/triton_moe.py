@@ -1,6 +1,6 @@
 """The top-k experts as grouped GEMMs over expert-sorted tiles, forward and backward.
 
-Grouping (`group_by_expert`, torch ops on the device, no host sync): the R·k (row, slot j)
+Grouping (`Groups`: three small Triton launches, no host sync): the R·k (row, slot j)
 pairs are stable-sorted by expert and laid out in tiles of TILE slots, each tile owned by one
 expert, each expert's run padded to a whole number of tiles. The tile count has the host-known
 bound T = ceil((R·k + E·(TILE−1)) / TILE), so every grid below is sized from shapes alone and
@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from mha_compile.kernels.triton_util import (ACT_CODE, SWIGLU, Launcher, act_bwd, act_fwd, dot_precision,
-                                             load_x, pow2)
+                                             load_x, pow2, tl_dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -195,9 +195,9 @@ def _moe_bwd_hidden_kernel(
 def _moe_wgrad_kernel(
     a_ptr, inv_ptr, b_ptr, b2_ptr, weight_ptr, slot_pair_ptr, expert_slots_ptr,
     dw_ptr, dw2_ptr, db_ptr,
-    PAIRS, H, I, J, E,
+    PAIRS, H, I, J, E, SPLIT,
     TOP_K: tl.constexpr, A_GATHER: tl.constexpr, HAS_INV: tl.constexpr, B_GATHER: tl.constexpr,
-    HAS_B2: tl.constexpr, HAS_DB: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_B2: tl.constexpr, HAS_DB: tl.constexpr, TILE: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     """∂W[e] [I,J] = Σ_{s ∈ e} A[s]ᵀ B[s] over expert e's slots, in slot order (deterministic).
@@ -205,8 +205,13 @@ def _moe_wgrad_kernel(
     A: per-slot rows of a_ptr [S,I], or (A_GATHER) x[row(s)] = a_ptr[row] (+ inv[row // H]).
     B: per-slot rows of b_ptr [S,J], or (B_GATHER) w[pair] · b_ptr[row] (the weighted ∂out).
     HAS_B2: also ∂W2[e] = Σ A[s]ᵀ B2[s] (B2 per slot). HAS_DB: ∂b[e] = Σ_s B[s] (I-block 0).
+    SPLIT > 1: program axis 0 is (e, c); split c takes the c-th of SPLIT equal runs of whole
+    tiles of e's slots and writes fp32 partial sums to dw [E·SPLIT, I, J] (db [E·SPLIT, J]),
+    row e·SPLIT + c, which _sum_splits_kernel adds in c order: the boundaries depend only on the layout, so the
+    result is reproducible run to run.
     """
-    e = tl.program_id(0)
+    e = tl.program_id(0) // SPLIT
+    c = tl.program_id(0) % SPLIT
     pid_i = tl.program_id(1)
     offs_i = pid_i * BLOCK_I + tl.arange(0, BLOCK_I)
     offs_j = tl.program_id(2) * BLOCK_J + tl.arange(0, BLOCK_J)
@@ -214,6 +219,9 @@ def _moe_wgrad_kernel(
     j_ok = offs_j < J
     lo = tl.load(expert_slots_ptr + e)
     hi = tl.load(expert_slots_ptr + E + e)
+    run = tl.cdiv((hi - lo) // TILE, SPLIT) * TILE
+    lo = tl.minimum(lo + c * run, hi)
+    hi = tl.minimum(lo + run, hi)
     acc = tl.zeros([BLOCK_I, BLOCK_J], tl.float32)
     acc2 = tl.zeros([BLOCK_I, BLOCK_J], tl.float32)
     db = tl.zeros([BLOCK_J], tl.float32)
@@ -232,20 +240,43 @@ def _moe_wgrad_kernel(
             b = b.to(tl.float32) * tl.load(weight_ptr + pair, mask=valid, other=0.0)[:, None]
         else:
             b = tl.load(b_ptr + offs_s[:, None] * J + offs_j[None, :], mask=sj_ok, other=0.0)
-        at = tl.trans(a.to(dw_ptr.dtype.element_ty))
-        acc = tl.dot(at, b.to(dw_ptr.dtype.element_ty), acc, input_precision=PRECISION)
+        at = tl.trans(a.to(DOT))
+        acc = tl.dot(at, b.to(DOT), acc, input_precision=PRECISION)
         if HAS_B2:
             b2 = tl.load(b2_ptr + offs_s[:, None] * J + offs_j[None, :], mask=sj_ok, other=0.0)
-            acc2 = tl.dot(at, b2.to(dw_ptr.dtype.element_ty), acc2, input_precision=PRECISION)
+            acc2 = tl.dot(at, b2.to(DOT), acc2, input_precision=PRECISION)
         if HAS_DB:
             db += tl.sum(b.to(tl.float32), axis=0)
-    ij_off = e.to(tl.int64) * I * J + offs_i[:, None].to(tl.int64) * J + offs_j[None, :]
+    out_e = tl.program_id(0).to(tl.int64)  # e·SPLIT + c; = e when SPLIT = 1
+    ij_off = out_e * I * J + offs_i[:, None].to(tl.int64) * J + offs_j[None, :]
     ij_ok = i_ok[:, None] & j_ok[None, :]
     tl.store(dw_ptr + ij_off, acc.to(dw_ptr.dtype.element_ty), mask=ij_ok)
     if HAS_B2:
         tl.store(dw2_ptr + ij_off, acc2.to(dw2_ptr.dtype.element_ty), mask=ij_ok)
     if HAS_DB:
-        tl.store(db_ptr + e * J + offs_j, db.to(db_ptr.dtype.element_ty), mask=j_ok & (pid_i == 0))
+        tl.store(db_ptr + out_e * J + offs_j, db.to(db_ptr.dtype.element_ty), mask=j_ok & (pid_i == 0))
+
+
+@triton.jit
+def _sum_splits_kernel(part_ptr, out_ptr, part2_ptr, out2_ptr, part3_ptr, out3_ptr, E, N1, N2, N3, SPLIT,
+                       NB1, NB2, BLOCK: tl.constexpr):
+    """out[e, :] = Σ_{c < SPLIT} part[e·SPLIT + c, :] in c order, for up to three (part, out) pairs of
+    N per-expert elements each (program blocks [0, NB1) the first, [NB1, NB1+NB2) the second)."""
+    pid = tl.program_id(0)
+    if pid < NB1:
+        src, dst, n, blk = part_ptr, out_ptr, N1, pid
+    elif pid < NB1 + NB2:
+        src, dst, n, blk = part2_ptr, out2_ptr, N2, pid - NB1
+    else:
+        src, dst, n, blk = part3_ptr, out3_ptr, N3, pid - NB1 - NB2
+    offs = blk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < E * n
+    e = offs // n
+    within = offs - e * n
+    acc = tl.zeros([BLOCK], tl.float32)
+    for c in range(0, SPLIT):
+        acc += tl.load(src + (e * SPLIT + c) * n + within, mask=ok, other=0.0)
+    tl.store(dst + offs, acc.to(dst.dtype.element_ty), mask=ok)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -276,10 +307,10 @@ _slots_gemm = Launcher(_moe_slots_gemm_kernel, [
 ], key=["K", "NOUT", "TILE", "HAS_A2"])
 _wgrad = Launcher(_moe_wgrad_kernel, [
     dict(BLOCK_I=64, BLOCK_J=64, BLOCK_S=32, num_warps=4, num_stages=3),
-    dict(BLOCK_I=128, BLOCK_J=128, BLOCK_S=32, num_warps=8, num_stages=3),
-    dict(BLOCK_I=64, BLOCK_J=128, BLOCK_S=64, num_warps=8, num_stages=3),
-    dict(BLOCK_I=128, BLOCK_J=64, BLOCK_S=32, num_warps=4, num_stages=4),
-], key=["I", "J", "E", "A_GATHER", "B_GATHER", "HAS_B2"])
+    dict(BLOCK_I=128, BLOCK_J=128, BLOCK_S=64, num_warps=8, num_stages=3),
+    dict(BLOCK_I=128, BLOCK_J=64, BLOCK_S=64, num_warps=4, num_stages=3),
+    dict(BLOCK_I=64, BLOCK_J=128, BLOCK_S=64, num_warps=4, num_stages=4),
+], key=["I", "J", "E", "SPLIT", "TILE", "A_GATHER", "B_GATHER", "HAS_B2"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -292,36 +323,117 @@ def tile_rows(pairs, experts):
     return 128 if mean >= 1024 else 64 if mean >= 128 else 32 if mean >= 32 else 16
 
 
+# Grouping in three launches (it was ~14 torch ops, each a launch and ~10 µs of host work):
+#   count    per chunk of GROUP_CHUNK pairs, how many pairs go to each expert    [C, E]
+#   scan     one program: expert totals, padded starts, each chunk's first slot per expert
+#   scatter  per chunk: a pair's slot = its chunk's base + its rank among the chunk's pairs of
+#            its expert (a one-hot cumsum: stable, so slots follow pair order within an expert);
+#            per tile: the tile's expert and the padding slots (pair id = PAIRS).
+# Every slot is written exactly once (by its pair's chunk or as padding by its tile), so
+# nothing needs a fill first, and the layout is a pure function of `index`.
+GROUP_CHUNK = 256
+
+
+@triton.jit
+def _onehot(index_ptr, c, PAIRS, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
+    offs = c * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < PAIRS
+    ex = tl.load(index_ptr + offs, mask=ok, other=0)
+    hot = ((ex[:, None] == tl.arange(0, BLOCK_E)[None, :]) & ok[:, None]).to(tl.int32)
+    return offs, ok, ex, hot
+
+
+@triton.jit
+def _group_count_kernel(index_ptr, counts_ptr, PAIRS, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
+    """counts [C, BLOCK_E] int32: pairs of chunk c per expert."""
+    c = tl.program_id(0)
+    _, _, _, hot = _onehot(index_ptr, c, PAIRS, BLOCK, BLOCK_E)
+    tl.store(counts_ptr + c * BLOCK_E + tl.arange(0, BLOCK_E), tl.sum(hot, axis=0))
+
+
+@triton.jit
+def _group_scan_kernel(counts_ptr, base_ptr, meta_ptr, C, E,
+                       TILE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr):
+    """One program. meta [3E] = (padded start, padded end, count) per expert;
+    base [C, BLOCK_E] = the first slot of chunk c's pairs of expert e."""
+    offs_e = tl.arange(0, BLOCK_E)
+    e_ok = offs_e < E
+    total = tl.zeros([BLOCK_E], tl.int32)
+    for c0 in range(0, C, BLOCK_C):
+        offs_c = c0 + tl.arange(0, BLOCK_C)
+        cnt = tl.load(counts_ptr + offs_c[:, None] * BLOCK_E + offs_e[None, :], mask=(offs_c < C)[:, None], other=0)
+        total += tl.sum(cnt, axis=0)
+    padded = (total + TILE - 1) // TILE * TILE
+    end = tl.cumsum(padded, axis=0)
+    start = end - padded
+    tl.store(meta_ptr + offs_e, start, mask=e_ok)
+    tl.store(meta_ptr + E + offs_e, end, mask=e_ok)
+    tl.store(meta_ptr + 2 * E + offs_e, total, mask=e_ok)
+    run = start
+    for c0 in range(0, C, BLOCK_C):
+        offs_c = c0 + tl.arange(0, BLOCK_C)
+        c_ok = (offs_c < C)[:, None]
+        cnt = tl.load(counts_ptr + offs_c[:, None] * BLOCK_E + offs_e[None, :], mask=c_ok, other=0)
+        incl = tl.cumsum(cnt, axis=0)
+        tl.store(base_ptr + offs_c[:, None] * BLOCK_E + offs_e[None, :], run[None, :] + incl - cnt, mask=c_ok)
+        run += tl.sum(cnt, axis=0)
+
+
+@triton.jit
+def _group_scatter_kernel(index_ptr, base_ptr, meta_ptr, slot_pair_ptr, pair_slot_ptr, tile_expert_ptr,
+                          PAIRS, C, E,
+                          TILE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Programs [0, C): place chunk c's pairs. Programs [C, C + T): tile t's expert and padding."""
+    pid = tl.program_id(0)
+    if pid < C:
+        offs, ok, ex, hot = _onehot(index_ptr, pid, PAIRS, BLOCK, BLOCK_E)
+        rank = tl.sum(hot * (tl.cumsum(hot, axis=0) - 1), axis=1)
+        slot = tl.load(base_ptr + pid * BLOCK_E + ex, mask=ok, other=0) + rank
+        tl.store(slot_pair_ptr + slot, offs, mask=ok)
+        tl.store(pair_slot_ptr + offs, slot, mask=ok)
+    else:
+        t = pid - C
+        offs_e = tl.arange(0, BLOCK_E)
+        e_ok = offs_e < E
+        end = tl.load(meta_ptr + E + offs_e, mask=e_ok, other=0)
+        # searchsorted(end, t·TILE, right=True), clamped: tiles past the last expert's run are
+        # all padding and take expert E−1.
+        e = tl.minimum(tl.sum((e_ok & (end <= t * TILE)).to(tl.int32), axis=0), E - 1)
+        tl.store(tile_expert_ptr + t, e)
+        fill_end = tl.load(meta_ptr + e) + tl.load(meta_ptr + 2 * E + e)
+        offs_s = t * TILE + tl.arange(0, TILE)
+        tl.store(slot_pair_ptr + offs_s, tl.full([TILE], PAIRS, tl.int32), mask=offs_s >= fill_end)
+
+
 class Groups:
     """The expert-sorted slot layout of one index [R,k] (see the module docstring)."""
 
     def __init__(self, index, experts, tile):
         pairs = index.numel()
         device = index.device
-        flat = index.reshape(-1).long()
+        flat = index.reshape(-1).to(torch.int32).contiguous()
         num_tiles = -(-(pairs + experts * (tile - 1)) // tile)
-        order = torch.argsort(flat, stable=True)
-        sorted_expert = flat[order]
-        # Sync-free counts (torch.bincount reads its max back to the host on CUDA).
-        start = torch.searchsorted(sorted_expert, torch.arange(experts + 1, device=device))
-        counts = start[1:] - start[:-1]
-        padded = (counts + tile - 1) // tile * tile
-        padded_end = torch.cumsum(padded, 0)
-        padded_start = padded_end - padded
-        rank = torch.arange(pairs, device=device) - start[sorted_expert]
-        slot = padded_start[sorted_expert] + rank
-        slot_pair = torch.full((num_tiles * tile,), pairs, dtype=torch.int64, device=device)
-        slot_pair[slot] = order
-        pair_slot = torch.empty(pairs, dtype=torch.int64, device=device)
-        pair_slot[order] = slot
-        tile_start = torch.arange(num_tiles, device=device) * tile
-        tile_expert = torch.searchsorted(padded_end, tile_start, right=True).clamp_(max=experts - 1)
+        chunks = triton.cdiv(pairs, GROUP_CHUNK)
+        block_e = pow2(experts)
+        counts = torch.empty(chunks, block_e, dtype=torch.int32, device=device)
+        base = torch.empty_like(counts)
+        meta = torch.empty(3 * experts, dtype=torch.int32, device=device)
+        slot_pair = torch.empty(num_tiles * tile, dtype=torch.int32, device=device)
+        pair_slot = torch.empty(pairs, dtype=torch.int32, device=device)
+        tile_expert = torch.empty(num_tiles, dtype=torch.int32, device=device)
+        warps = {"num_warps": 8} if device.type == "cuda" else {}
+        _group_count_kernel[(chunks,)](flat, counts, pairs, BLOCK=GROUP_CHUNK, BLOCK_E=block_e, **warps)
+        _group_scan_kernel[(1,)](counts, base, meta, chunks, experts, TILE=tile, BLOCK_C=64, BLOCK_E=block_e,
+                                 **warps)
+        _group_scatter_kernel[(chunks + num_tiles,)](flat, base, meta, slot_pair, pair_slot, tile_expert,
+                                                     pairs, chunks, experts, TILE=tile, BLOCK=GROUP_CHUNK,
+                                                     BLOCK_E=block_e, **warps)
         self.pairs, self.tile, self.num_tiles, self.experts = pairs, tile, num_tiles, experts
         self.slots = num_tiles * tile
-        self.slot_pair = slot_pair.to(torch.int32)
-        self.pair_slot = pair_slot.to(torch.int32)
-        self.tile_expert = tile_expert.to(torch.int32)
-        self.expert_slots = torch.cat([padded_start, padded_end]).to(torch.int32)  # [2E]
+        self.slot_pair = slot_pair
+        self.pair_slot = pair_slot
+        self.tile_expert = tile_expert
+        self.expert_slots = meta[:2 * experts]  # [2E]: padded start, padded end
 
 
 def group(index, experts):
@@ -376,6 +488,60 @@ def moe_forward(x, inv, weight, groups, w1, b1, w2, b2, w3, act, horizons, out_d
     return combine(c, groups, x.shape[0], out_dtype)
 
 
+# The weight-gradient kernel splits each expert's slots into SPLIT runs when (e, I, J) tiles
+# alone would leave the SMs idle (medium preset: 8 experts × 2 × 8 tiles of 128² = 128
+# programs on 132 SMs, each walking 4096 slots). A split needs at least this many slots a run.
+WGRAD_SPLIT_MIN_SLOTS = 512
+WGRAD_MAX_SPLIT = 8
+
+
+def _num_sms(device):
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter: any small number
+
+
+def wgrad_splits(slots, experts, I, J, device):
+    """SPLIT for the weight-gradient kernel: enough programs for two waves at 128² tiles."""
+    tiles = experts * triton.cdiv(I, 128) * triton.cdiv(J, 128)
+    want = triton.cdiv(2 * _num_sms(device), tiles)
+    return max(1, min(WGRAD_MAX_SPLIT, want, slots // max(1, experts) // WGRAD_SPLIT_MIN_SLOTS))
+
+
+def weight_grads(a, inv, b, b2, weight, groups, I, J, horizons, top_k, a_gather, b_gather, with_db, dtype):
+    """(∂W [E,I,J], ∂W' [E,I,J] or None, ∂b [E,J] or None) in `dtype`; see _moe_wgrad_kernel."""
+    E = groups.experts
+    dev = a.device
+    split = wgrad_splits(groups.slots, E, I, J, dev)
+    dw = torch.empty(E, I, J, device=dev, dtype=dtype)
+    dw2 = torch.empty_like(dw) if b2 is not None else None
+    db = torch.empty(E, J, device=dev, dtype=dtype) if with_db else None
+    if split > 1:  # fp32 partial sums, row e·SPLIT + c
+        outs = [t for t in (dw, dw2, db) if t is not None]
+        parts = [torch.empty(E * split, *t.shape[1:], device=dev, dtype=torch.float32) for t in outs]
+        p_dw = parts[0]
+        p_dw2 = parts[1] if dw2 is not None else p_dw
+        p_db = parts[-1] if db is not None else p_dw
+    else:
+        p_dw, p_dw2, p_db = dw, dw if dw2 is None else dw2, dw if db is None else db
+    _wgrad(lambda m: (E * split, triton.cdiv(I, m["BLOCK_I"]), triton.cdiv(J, m["BLOCK_J"])),
+           a, a if inv is None else inv, b, b if b2 is None else b2, weight, groups.slot_pair,
+           groups.expert_slots, p_dw, p_dw2, p_db, groups.pairs, horizons, I, J, E, split,
+           TOP_K=top_k, A_GATHER=a_gather, HAS_INV=inv is not None, B_GATHER=b_gather, HAS_B2=b2 is not None,
+           HAS_DB=with_db, TILE=groups.tile, DOT=tl_dtype(dtype), PRECISION=dot_precision(dtype))
+    if split > 1:
+        n = [t[0].numel() for t in outs] + [0, 0]
+        nb = [triton.cdiv(E * k, SUM_BLOCK) for k in n[:3]]
+        srcs = parts + [parts[0]] * (3 - len(parts))
+        dsts = outs + [outs[0]] * (3 - len(outs))
+        _sum_splits_kernel[(sum(nb),)](srcs[0], dsts[0], srcs[1], dsts[1], srcs[2], dsts[2], E, n[0], n[1], n[2],
+                                       split, nb[0], nb[1], BLOCK=SUM_BLOCK)
+    return dw, dw2, db
+
+
+SUM_BLOCK = 1024
+
+
 def moe_backward(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, horizons):
     """(∂x_slot [S,D] fp32, gw_part [S, F blocks] fp32, ∂W1, ∂b1, ∂W2, ∂b2, ∂W3) — weights' dtypes."""
     E, D, F = w1.shape
@@ -396,21 +562,8 @@ def moe_backward(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, hori
         dx_slot = slots_gemm(du, w1, (D * F, 1, F), D, groups)
     else:
         dx_slot = slots_gemm(du, w1, (D * F, 1, F), D, groups, a2=du3, b2=w3)
-    prec = dot_precision(wdt)
-    dw2 = torch.empty_like(w2)
-    db2 = torch.empty_like(b2) if b2 is not None else None
-    _wgrad(lambda m: (E, triton.cdiv(F, m["BLOCK_I"]), triton.cdiv(D, m["BLOCK_J"])),
-           h, h, grad_out, h, weight, groups.slot_pair, groups.expert_slots, dw2, dw2,
-           dw2 if db2 is None else db2, groups.pairs, horizons, F, D, E,
-           TOP_K=top_k, A_GATHER=False, HAS_INV=False, B_GATHER=True, HAS_B2=False,
-           HAS_DB=db2 is not None, PRECISION=prec)
-    dw1 = torch.empty_like(w1)
-    dw3 = torch.empty_like(w3) if w3 is not None else None
-    db1 = torch.empty_like(b1) if b1 is not None else None
-    _wgrad(lambda m: (E, triton.cdiv(D, m["BLOCK_I"]), triton.cdiv(F, m["BLOCK_J"])),
-           x, x if inv is None else inv, du, du3, weight, groups.slot_pair, groups.expert_slots,
-           dw1, dw1 if dw3 is None else dw3, dw1 if db1 is None else db1,
-           groups.pairs, horizons, D, F, E,
-           TOP_K=top_k, A_GATHER=True, HAS_INV=inv is not None, B_GATHER=False, HAS_B2=w3 is not None,
-           HAS_DB=db1 is not None, PRECISION=prec)
+    dw2, _, db2 = weight_grads(h, None, grad_out, None, weight, groups, F, D, horizons, top_k,
+                               a_gather=False, b_gather=True, with_db=b2 is not None, dtype=wdt)
+    dw1, dw3, db1 = weight_grads(x, inv, du, du3 if w3 is not None else None, weight, groups, D, F, horizons,
+                                 top_k, a_gather=True, b_gather=False, with_db=b1 is not None, dtype=wdt)
     return dx_slot, gw, dw1, db1, dw2, db2, dw3

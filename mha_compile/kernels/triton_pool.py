@@ -18,8 +18,9 @@ Pass 1 reads tok once and accumulates t̄, Σ(a ∂a) tok and c, storing ∂a ([
 pass 2 needs only a, ∂a, ∂t̄ and u to write ∂tok. Per-b partial ∂u [B,P,D] is summed on the
 host side of the launch by torch (a fixed-order reduction: bitwise reproducible).
 
-All pool arithmetic is fp32 with ieee dots: it is ~1% of the region's FLOPs, so the fp32 FMA
-path costs little and keeps scores (and the router downstream) close to the reference.
+All pool arithmetic accumulates in fp32 to about fp32 accuracy: ieee fp32 dots for fp32 and
+fp16 tokens; for bf16 tokens the same products as split bf16 tensor-core dots (_dot_f32), since
+on the FMA units these thin dots, not the one read of tok, set the kernels' time.
 """
 import torch
 import triton
@@ -33,11 +34,42 @@ MAX_POOL_D = 1024
 
 
 @triton.jit
+def _split(x, DT: tl.constexpr):
+    """x (fp32) = hi + lo, both in DT: hi + lo carries ~16 of fp32's 24 mantissa bits."""
+    hi = x.to(DT)
+    return hi, (x - hi.to(tl.float32)).to(DT)
+
+
+@triton.jit
+def _dot_f32(a, b, SPLIT_DOT: tl.constexpr):
+    """a @ b with fp32 accumulation to about fp32 accuracy. SPLIT_DOT = 0: ieee fp32 dot (FMA
+    units). Otherwise SPLIT_DOT is the 16-bit dtype of the tokens (1 = bf16, 2 = fp16): an
+    operand already in it is used as is, an fp32 one is split into hi + lo halves, and the
+    products of the halves (lo · lo dropped) run on the tensor cores. The pool's dots are thin
+    ([N, D] × [D, P] with P ≤ 16): on the FMA path they, not the bytes of tok, set its time."""
+    if SPLIT_DOT == 0:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        DT: tl.constexpr = tl.bfloat16 if SPLIT_DOT == 1 else tl.float16
+        if a.dtype == DT:
+            b_hi, b_lo = _split(b, DT)
+            return tl.dot(a, b_lo, tl.dot(a, b_hi))
+        elif b.dtype == DT:
+            a_hi, a_lo = _split(a, DT)
+            return tl.dot(a_lo, b, tl.dot(a_hi, b))
+        else:
+            a_hi, a_lo = _split(a, DT)
+            b_hi, b_lo = _split(b, DT)
+            return tl.dot(a_lo, b_hi, tl.dot(a_hi, b_lo, tl.dot(a_hi, b_hi)))
+
+
+@triton.jit
 def _pool_fwd_kernel(
     tok_ptr, u_ptr, mask_ptr, attn_ptr, tbar_ptr,
     N, D, P,
     stride_tb, stride_tn,
-    HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+    HAS_MASK: tl.constexpr, SPLIT_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_P: tl.constexpr,
 ):
     """tok [B,N,D] (row stride 1), u [P,D] fp32 → attn [B,N,P] fp32, t̄ [B,P,D] fp32."""
     b = tl.program_id(0).to(tl.int64)
@@ -46,6 +78,7 @@ def _pool_fwd_kernel(
     d_ok = offs_d < D
     p_ok = offs_p < P
     u = tl.load(u_ptr + offs_p[:, None] * D + offs_d[None, :], mask=p_ok[:, None] & d_ok[None, :], other=0.0)
+    ut = tl.trans(u)
     tok_b = tok_ptr + b * stride_tb
     attn_b = attn_ptr + b * N * P
     m = tl.full([BLOCK_P], float("-inf"), tl.float32)
@@ -55,8 +88,8 @@ def _pool_fwd_kernel(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
         t = tl.load(tok_b + offs_n[:, None].to(tl.int64) * stride_tn + offs_d[None, :],
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        s = tl.dot(t, tl.trans(u), input_precision="ieee")  # [BLOCK_N, BLOCK_P]
+                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        s = _dot_f32(t, ut, SPLIT_DOT)  # [BLOCK_N, BLOCK_P]
         keep = n_ok
         if HAS_MASK:
             ignore = tl.load(mask_ptr + b * N + offs_n, mask=n_ok, other=1)
@@ -69,7 +102,7 @@ def _pool_fwd_kernel(
         alpha = tl.exp(m - m_safe)
         e = tl.exp(s - m_safe[None, :])
         l = l * alpha + tl.sum(e, axis=0)
-        acc = acc * alpha[:, None] + tl.dot(tl.trans(e), t, input_precision="ieee")
+        acc = acc * alpha[:, None] + _dot_f32(tl.trans(e), t, SPLIT_DOT)
         m = m_new
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     tl.store(tbar_ptr + b * P * D + offs_p[:, None] * D + offs_d[None, :], acc / l[:, None],
@@ -89,7 +122,7 @@ def _pool_bwd_kernel(
     tok_ptr, u_ptr, attn_ptr, dtbar_ptr, da_ptr, tbar_ptr, du_ptr, dtok_ptr,
     N, D, P,
     stride_tb, stride_tn,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+    SPLIT_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     """tok [B,N,D], u [P,D], attn [B,N,P], ∂t̄ [B,P,D] → ∂tok [B,N,D], t̄ and ∂u-partials [B,P,D]."""
     b = tl.program_id(0).to(tl.int64)
@@ -101,6 +134,7 @@ def _pool_bwd_kernel(
     pd_off = offs_p[:, None] * D + offs_d[None, :]
     u = tl.load(u_ptr + pd_off, mask=pd_ok, other=0.0)
     dtbar = tl.load(dtbar_ptr + b * P * D + pd_off, mask=pd_ok, other=0.0)
+    dtbar_t = tl.trans(dtbar)
     tok_b = tok_ptr + b * stride_tb
     attn_b = attn_ptr + b * N * P
     da_b = da_ptr + b * N * P
@@ -112,13 +146,13 @@ def _pool_bwd_kernel(
         n_ok = offs_n < N
         np_ok = n_ok[:, None] & p_ok[None, :]
         t = tl.load(tok_b + offs_n[:, None].to(tl.int64) * stride_tn + offs_d[None, :],
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         a = tl.load(attn_b + offs_n[:, None] * P + offs_p[None, :], mask=np_ok, other=0.0)
-        da = tl.dot(t, tl.trans(dtbar), input_precision="ieee")  # [BLOCK_N, BLOCK_P]
+        da = _dot_f32(t, dtbar_t, SPLIT_DOT)  # [BLOCK_N, BLOCK_P]
         tl.store(da_b + offs_n[:, None] * P + offs_p[None, :], da, mask=np_ok)
         c += tl.sum(a * da, axis=0)
-        tbar += tl.dot(tl.trans(a), t, input_precision="ieee")
-        w += tl.dot(tl.trans(a * da), t, input_precision="ieee")
+        tbar += _dot_f32(tl.trans(a), t, SPLIT_DOT)
+        w += _dot_f32(tl.trans(a * da), t, SPLIT_DOT)
     tl.store(tbar_ptr + b * P * D + pd_off, tbar, mask=pd_ok)
     tl.store(du_ptr + b * P * D + pd_off, w - c[:, None] * tbar, mask=pd_ok)
     tl.debug_barrier()
@@ -129,9 +163,18 @@ def _pool_bwd_kernel(
         a = tl.load(attn_b + offs_n[:, None] * P + offs_p[None, :], mask=np_ok, other=0.0)
         da = tl.load(da_b + offs_n[:, None] * P + offs_p[None, :], mask=np_ok, other=0.0)
         ds = a * (da - c[None, :])
-        dtok = tl.dot(a, dtbar, input_precision="ieee") + tl.dot(ds, u, input_precision="ieee")
+        dtok = _dot_f32(a, dtbar, SPLIT_DOT) + _dot_f32(ds, u, SPLIT_DOT)
         tl.store(dtok_ptr + b * stride_tb + offs_n[:, None].to(tl.int64) * stride_tn + offs_d[None, :],
                  dtok.to(dtok_ptr.dtype.element_ty), mask=n_ok[:, None] & d_ok[None, :])
+
+
+# Token dtypes whose pool dots run as split 16-bit tensor-core products (see _dot_f32). fp16
+# is left on the ieee path: the lo half of an fp32 value can fall below fp16's normal range.
+SPLIT_DOT_DTYPES = {torch.bfloat16: 1}
+
+
+def split_dot(dtype):
+    return SPLIT_DOT_DTYPES.get(dtype, 0)
 
 
 def _blocks(N, D):
@@ -153,7 +196,7 @@ def pool_attend(tok, u, mask=None):
     mask_u8 = mask.to(torch.uint8).contiguous() if mask is not None else attn
     block_n, block_d, warps = _blocks(N, D)
     _pool_fwd_kernel[(B,)](tok, u, mask_u8, attn, tbar, N, D, P, tok.stride(0), tok.stride(1),
-                           HAS_MASK=mask is not None, BLOCK_N=block_n, BLOCK_D=block_d,
+                           HAS_MASK=mask is not None, SPLIT_DOT=split_dot(tok.dtype), BLOCK_N=block_n, BLOCK_D=block_d,
                            BLOCK_P=pow2(P), **({"num_warps": warps} if tok.is_cuda else {}))
     return attn, tbar
 
@@ -188,7 +231,8 @@ def pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn):
     da = torch.empty_like(attn)
     block_n, block_d, warps = _blocks(N, D)
     _pool_bwd_kernel[(B,)](tok, u, attn, grad_tbar, da, tbar, du_part, grad_tok, N, D, P,
-                           tok.stride(0), tok.stride(1), BLOCK_N=block_n, BLOCK_D=block_d,
+                           tok.stride(0), tok.stride(1), SPLIT_DOT=split_dot(tok.dtype), BLOCK_N=block_n,
+                           BLOCK_D=block_d,
                            BLOCK_P=pow2(P), **({"num_warps": warps} if tok.is_cuda else {}))
     pooled = torch.einsum("bpd,pjd->bpj", tbar, wv_heads).reshape(B, D)
     if bv is not None:

@@ -5,7 +5,9 @@ triton_moe, merge_cuda) import these helpers; fused.py and staged.py assemble th
 
 Launching: on CUDA a kernel runs through `triton.autotune` over a short config list (at most
 four configs a kernel, so a first training step spends seconds, not minutes, tuning), and
-the first launch of each new key logs one info line on the "mha_compile" logger. Under
+the first launch of each new key logs one info line on the "mha_compile" logger. The chosen
+config is kept per key, and later calls launch the kernel with it directly (the autotuner's
+own per-call path costs host time on every launch). Under
 TRITON_INTERPRET=1 (CPU tensors, how CI runs these kernels) a kernel runs once with its
 first config: the interpreter would otherwise "benchmark" every config in Python.
 """
@@ -89,7 +91,7 @@ class Launcher:
                                     num_warps=c.get("num_warps", 4), num_stages=c.get("num_stages", 2))
                       for c in configs]
         self.tuned = triton.autotune(configs=tl_configs, key=key)(kernel) if len(configs) > 1 else None
-        self.seen = set()
+        self.best = {}  # autotune key -> the chosen config's meta-parameters
 
     def __call__(self, grid, *args, **kwargs):
         """grid: a function of the chosen meta-parameters (a dict) returning the launch grid."""
@@ -104,11 +106,14 @@ class Launcher:
         bound = dict(zip(names, args), **kwargs)
         key = tuple(bound[k] for k in self.key) + tuple(
             str(a.dtype) for a in args if isinstance(a, torch.Tensor))
-        if key not in self.seen:
-            self.seen.add(key)
-            log.info("mha_compile: autotuning %s over %d configs for %s",
-                     self.kernel.__name__, len(self.configs), dict(zip(self.key, key)))
+        best = self.best.get(key)
+        if best is not None:  # a plain launch: no autotuner bookkeeping per call
+            self.kernel[grid({**best, **kwargs})](*args, **kwargs, **best)
+            return
+        log.info("mha_compile: autotuning %s over %d configs for %s",
+                 self.kernel.__name__, len(self.configs), dict(zip(self.key, key)))
         self.tuned[lambda meta: grid({**meta, **kwargs})](*args, **kwargs)
+        self.best[key] = self.tuned.best_config.all_kwargs()
 
 
 # ---------------------------------------------------------------------------------------------

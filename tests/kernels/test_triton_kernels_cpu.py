@@ -116,13 +116,22 @@ def test_backward_is_bitwise_reproducible(module):
         assert (a is None and b is None) or torch.equal(a, b)
 
 
-def test_grouping_layout():
-    R, k, E = 37, 3, 5
+# 111 pairs fit one grouping chunk; 1001 pairs span four (GROUP_CHUNK = 256), so the chunks'
+# bases and the stable order across chunks are exercised too.
+@pytest.mark.parametrize("R,k,E", [(37, 3, 5), (1001, 1, 6)])
+def test_grouping_layout(R, k, E):
     index = torch.stack([torch.randperm(E)[:k] for _ in range(R)]).to(torch.int32)
     index[:, 0] = 2  # one crowded expert
+    index[R // 2:, 0] = torch.randint(0, E, (R - R // 2,), dtype=torch.int32)
+    if k == 1:
+        index[5:9, 0] = E - 1
     g = triton_moe.Groups(index, E, 16)
     pairs = R * k
     assert g.slots == g.num_tiles * 16 and g.num_tiles == -(-(pairs + E * 15) // 16)
+    # The stable sort by expert: within an expert, slots follow pair order.
+    flat_sorted = torch.argsort(index.reshape(-1).long(), stable=True)
+    real_in_order = g.slot_pair[g.slot_pair < pairs].long()
+    assert torch.equal(real_in_order, flat_sorted)
     real = g.slot_pair[g.slot_pair < pairs].long()
     assert torch.equal(real.sort().values, torch.arange(pairs))  # every pair exactly once
     flat = index.reshape(-1).long()
@@ -161,3 +170,24 @@ def test_custom_op_uses_the_kernels():
         results[kernels] = [out] + [t.grad for t in leaves if t is not None]
     for a, b in zip(results["fused"], results["reference"]):
         assert (a - b).norm() <= 1e-5 * b.norm() + 1e-12
+
+
+@pytest.mark.parametrize("act,bias", [("swiglu", True), ("gelu", False)])
+def test_weight_grads_split_over_slots(monkeypatch, act, bias):
+    """The weight gradients with each expert's slots split into runs (fp32 partials, then a
+    fixed-order sum): the path the GPU takes when (e, I, J) tiles alone leave SMs idle."""
+    monkeypatch.setattr(triton_moe, "WGRAD_SPLIT_MIN_SLOTS", 1)
+    ctx, tok, params = make_case(4, 6, 5, 32, 2, 48, 3, 2, act=act, bias=bias)
+    assert triton_moe.wgrad_splits(16 * 8, 3, 32, 48, ctx.device) > 1
+    check_region(fused, ctx, tok, params, top_k=2, renorm=True, act=act)
+
+
+def test_pool_split_dots(monkeypatch):
+    """The pool's split 16-bit dots (the bf16 GPU path) in fp16, which the interpreter computes
+    right: same tolerance as the plain fp16 path."""
+    from mha_compile.kernels import triton_pool
+
+    monkeypatch.setattr(triton_pool, "SPLIT_DOT_DTYPES", {torch.float16: 2})
+    ctx, tok, params = make_case(3, 2, 37, 32, 2, 32, 4, 2, dtype=torch.float16)
+    errors = check_region(fused, ctx, tok, params, top_k=2, renorm=True, act="gelu")
+    assert errors["attn"] < 1e-3 and errors["inv"] < 1e-3, errors
