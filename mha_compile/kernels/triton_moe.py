@@ -13,11 +13,14 @@ Forward, per tile t (expert e) and output block:
     GEMM2   c[s] = w[s] · (h[s] W2[e] + b2[e])   fp32, the routing weight in the epilogue
     combine out[r] = Σ_j c[slot(r, j)]           token order, fixed j order: no atomics
 Backward (recomputing u = x W1 + b1 rather than storing it):
-    hidden  per (tile, F block), one K loop over D for both u = x W1[e] and g = G W2[e]ᵀ:
-            h = act(u); ∂u = (w · g) ⊙ act′(u); per-F-block partial ∂w = Σ_f h g (+ ⟨G, b2[e]⟩)
+    gather  xs[s] = x[row(s)] (merged, weights' dtype), gs[s] = G[row(s)]: one memory-bound
+            pass, so that every GEMM below reads contiguous slot rows (no gathers, no merge
+            arithmetic on the operands: measured 2-3x slower dots on the H200 with them)
+    hidden  per (tile, F block), one K loop over D for both u = xs W1[e] and g = gs W2[e]ᵀ:
+            hw = w · act(u); ∂u = (w · g) ⊙ act′(u); per-F-block partial ∂w = Σ_f h g (+ ⟨G, b2[e]⟩)
     dX      ∂x[s] = ∂u W1[e]ᵀ (+ ∂u3 W3[e]ᵀ)        the GEMM2 kernel with other strides
-    dW      ∂W2[e] = Σ_{s∈e} h[s]ᵀ (w G)[s], ∂W1[e] = Σ x[s]ᵀ ∂u[s] (∂W3 likewise), biases as
-            row sums: one program per (e, block), a fixed-order loop over e's slots
+    dW      ∂W2[e] = Σ_{s∈e} hw[s]ᵀ gs[s], ∂W1[e] = Σ xs[s]ᵀ ∂u[s] (∂W3 likewise), biases as
+            row sums: per (e, block, run of slots) a fixed-order loop, runs summed in order
 The router gradient, the per-row sums over j and ∂inv = Σ_h ∂y happen in
 triton_router.router_combine_backward. All accumulation is fp32; row offsets are int64.
 """
@@ -132,18 +135,41 @@ def _combine_fwd_kernel(
 
 
 @triton.jit
+def _gather_rows_kernel(
+    x_ptr, inv_ptr, g_ptr, slot_pair_ptr, xs_ptr, gs_ptr,
+    PAIRS, H, D,
+    TOP_K: tl.constexpr, HAS_INV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Per slot s: xs[s] = x[row] (+ inv[row // H]) in xs's dtype, gs[s] = G[row]; 0 on padding.
+    The backward's GEMMs then read whole slot rows with plain, contiguous loads."""
+    offs_s = tl.program_id(0).to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    pair = tl.load(slot_pair_ptr + offs_s)
+    valid = pair < PAIRS
+    rows = pair // TOP_K
+    x = load_x(x_ptr, inv_ptr, rows, valid, offs_d, d_ok, H, D, HAS_INV)
+    g = tl.load(g_ptr + rows.to(tl.int64)[:, None] * D + offs_d[None, :], mask=valid[:, None] & d_ok[None, :],
+                other=0.0)
+    out = offs_s[:, None] * D + offs_d[None, :]
+    tl.store(xs_ptr + out, x.to(xs_ptr.dtype.element_ty), mask=d_ok[None, :])
+    tl.store(gs_ptr + out, g.to(gs_ptr.dtype.element_ty), mask=d_ok[None, :])
+
+
+@triton.jit
 def _moe_bwd_hidden_kernel(
-    x_ptr, inv_ptr, g_ptr, slot_pair_ptr, tile_expert_ptr, weight_ptr,
+    xs_ptr, gs_ptr, slot_pair_ptr, tile_expert_ptr, weight_ptr,
     w1_ptr, b1_ptr, w3_ptr, w2_ptr, b2_ptr,
-    h_ptr, du_ptr, du3_ptr, gw_ptr,
-    PAIRS, H, D, F, N_FBLK,
-    TOP_K: tl.constexpr, HAS_INV: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr,
+    hw_ptr, du_ptr, du3_ptr, gw_ptr,
+    PAIRS, D, F, N_FBLK,
+    HAS_B1: tl.constexpr, HAS_B2: tl.constexpr,
     ACT: tl.constexpr, PRECISION: tl.constexpr, TILE: tl.constexpr, BLOCK_F: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """Per slot s and F block: u = x W1[e] + b1, g = G[row] W2[e]ᵀ (one K loop over D);
-    h = act(u) [S,F]; ∂u = (w g) ⊙ act′(u) [S,F] (∂u3 for swiglu); gw [S,N_FBLK] = Σ_f h g
-    (+ ⟨G[row], b2[e]⟩ in F block 0), so that ∂w = Σ_blocks gw = ⟨G, h W2 + b2⟩."""
+    """Per slot s and F block: u = xs[s] W1[e] + b1, g = gs[s] W2[e]ᵀ (one K loop over D);
+    hw = w · act(u) [S,F] (∂W2's left operand); ∂u = (w g) ⊙ act′(u) [S,F] (∂u3 for swiglu);
+    gw [S,N_FBLK] = Σ_f h g (+ ⟨G[row], b2[e]⟩ in F block 0), so that ∂w = Σ_blocks gw =
+    ⟨G, h W2 + b2⟩. xs, gs: the slot rows of x and G (_gather_rows_kernel)."""
     t = tl.program_id(0)
     pid_f = tl.program_id(1)
     offs_f = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
@@ -151,7 +177,6 @@ def _moe_bwd_hidden_kernel(
     offs_s = t.to(tl.int64) * TILE + tl.arange(0, TILE)
     pair = tl.load(slot_pair_ptr + offs_s)
     valid = pair < PAIRS
-    rows = pair // TOP_K
     e = tl.load(tile_expert_ptr + t).to(tl.int64)
     k_end = tl.where(tl.load(slot_pair_ptr + t.to(tl.int64) * TILE) < PAIRS, D, 0)
     acc_u = tl.zeros([TILE, BLOCK_F], tl.float32)
@@ -162,13 +187,13 @@ def _moe_bwd_hidden_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < D
         w_ok = k_ok[:, None] & f_ok[None, :]
-        a = load_x(x_ptr, inv_ptr, rows, valid, offs_k, k_ok, H, D, HAS_INV).to(w1_ptr.dtype.element_ty)
+        row_off = offs_s[:, None] * D + offs_k[None, :]
+        a = tl.load(xs_ptr + row_off, mask=k_ok[None, :], other=0.0)
         w_off = e * D * F + offs_k[:, None].to(tl.int64) * F + offs_f[None, :]
         acc_u = tl.dot(a, tl.load(w1_ptr + w_off, mask=w_ok, other=0.0), acc_u, input_precision=PRECISION)
         if ACT == 3:
             acc_u3 = tl.dot(a, tl.load(w3_ptr + w_off, mask=w_ok, other=0.0), acc_u3, input_precision=PRECISION)
-        g = tl.load(g_ptr + rows.to(tl.int64)[:, None] * D + offs_k[None, :],
-                    mask=valid[:, None] & k_ok[None, :], other=0.0)
+        g = tl.load(gs_ptr + row_off, mask=k_ok[None, :], other=0.0)
         # W2[e] is [F,D]: read its [BLOCK_K, BLOCK_F] transpose through strides.
         w2t = tl.load(w2_ptr + e * F * D + offs_f[None, :].to(tl.int64) * D + offs_k[:, None], mask=w_ok, other=0.0)
         acc_g = tl.dot(g.to(w2_ptr.dtype.element_ty), w2t, acc_g, input_precision=PRECISION)
@@ -185,7 +210,7 @@ def _moe_bwd_hidden_kernel(
     du, du3 = act_bwd(w[:, None] * acc_g, acc_u, acc_u3, ACT)
     out_off = offs_s[:, None] * F + offs_f[None, :]
     keep = valid[:, None]
-    tl.store(h_ptr + out_off, tl.where(keep, h, 0.0).to(h_ptr.dtype.element_ty), mask=f_ok[None, :])
+    tl.store(hw_ptr + out_off, tl.where(keep, w[:, None] * h, 0.0).to(hw_ptr.dtype.element_ty), mask=f_ok[None, :])
     tl.store(du_ptr + out_off, tl.where(keep, du, 0.0).to(du_ptr.dtype.element_ty), mask=f_ok[None, :])
     if ACT == 3:
         tl.store(du3_ptr + out_off, tl.where(keep, du3, 0.0).to(du3_ptr.dtype.element_ty), mask=f_ok[None, :])
@@ -193,22 +218,21 @@ def _moe_bwd_hidden_kernel(
 
 @triton.jit
 def _moe_wgrad_kernel(
-    a_ptr, inv_ptr, b_ptr, b2_ptr, weight_ptr, slot_pair_ptr, expert_slots_ptr,
+    a_ptr, b_ptr, b2_ptr, weight_ptr, slot_pair_ptr, expert_slots_ptr,
     dw_ptr, dw2_ptr, db_ptr,
-    PAIRS, H, I, J, E, SPLIT,
-    TOP_K: tl.constexpr, A_GATHER: tl.constexpr, HAS_INV: tl.constexpr, B_GATHER: tl.constexpr,
-    HAS_B2: tl.constexpr, HAS_DB: tl.constexpr, TILE: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr,
+    PAIRS, I, J, E, SPLIT,
+    HAS_B2: tl.constexpr, HAS_DB: tl.constexpr, DB_WEIGHTED: tl.constexpr, TILE: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     """∂W[e] [I,J] = Σ_{s ∈ e} A[s]ᵀ B[s] over expert e's slots, in slot order (deterministic).
 
-    A: per-slot rows of a_ptr [S,I], or (A_GATHER) x[row(s)] = a_ptr[row] (+ inv[row // H]).
-    B: per-slot rows of b_ptr [S,J], or (B_GATHER) w[pair] · b_ptr[row] (the weighted ∂out).
-    HAS_B2: also ∂W2[e] = Σ A[s]ᵀ B2[s] (B2 per slot). HAS_DB: ∂b[e] = Σ_s B[s] (I-block 0).
+    A [S,I], B [S,J]: slot rows, zero on padding slots, read with plain contiguous loads.
+    HAS_B2: also ∂W2[e] = Σ A[s]ᵀ B2[s]. HAS_DB: ∂b[e] = Σ_s B[s] (· w[pair(s)] when
+    DB_WEIGHTED), kept by I-block 0.
     SPLIT > 1: program axis 0 is (e, c); split c takes the c-th of SPLIT equal runs of whole
     tiles of e's slots and writes fp32 partial sums to dw [E·SPLIT, I, J] (db [E·SPLIT, J]),
-    row e·SPLIT + c, which _sum_splits_kernel adds in c order: the boundaries depend only on the layout, so the
-    result is reproducible run to run.
+    row e·SPLIT + c, which _sum_splits_kernel adds in c order: the boundaries depend only on
+    the layout, so the result is reproducible run to run.
     """
     e = tl.program_id(0) // SPLIT
     c = tl.program_id(0) % SPLIT
@@ -227,26 +251,22 @@ def _moe_wgrad_kernel(
     db = tl.zeros([BLOCK_J], tl.float32)
     for s0 in range(lo, hi, BLOCK_S):
         offs_s = s0 + tl.arange(0, BLOCK_S).to(tl.int64)
-        pair = tl.load(slot_pair_ptr + offs_s, mask=offs_s < hi, other=PAIRS)
-        valid = pair < PAIRS
-        rows = pair // TOP_K
-        if A_GATHER:
-            a = load_x(a_ptr, inv_ptr, rows, valid, offs_i, i_ok, H, I, HAS_INV)
-        else:
-            a = tl.load(a_ptr + offs_s[:, None] * I + offs_i[None, :], mask=valid[:, None] & i_ok[None, :], other=0.0)
-        sj_ok = valid[:, None] & j_ok[None, :]
-        if B_GATHER:
-            b = tl.load(b_ptr + rows.to(tl.int64)[:, None] * J + offs_j[None, :], mask=sj_ok, other=0.0)
-            b = b.to(tl.float32) * tl.load(weight_ptr + pair, mask=valid, other=0.0)[:, None]
-        else:
-            b = tl.load(b_ptr + offs_s[:, None] * J + offs_j[None, :], mask=sj_ok, other=0.0)
-        at = tl.trans(a.to(DOT))
-        acc = tl.dot(at, b.to(DOT), acc, input_precision=PRECISION)
+        s_ok = offs_s < hi
+        a = tl.load(a_ptr + offs_s[:, None] * I + offs_i[None, :], mask=s_ok[:, None] & i_ok[None, :], other=0.0)
+        sj_ok = s_ok[:, None] & j_ok[None, :]
+        b = tl.load(b_ptr + offs_s[:, None] * J + offs_j[None, :], mask=sj_ok, other=0.0)
+        at = tl.trans(a)
+        acc = tl.dot(at, b, acc, input_precision=PRECISION)
         if HAS_B2:
             b2 = tl.load(b2_ptr + offs_s[:, None] * J + offs_j[None, :], mask=sj_ok, other=0.0)
-            acc2 = tl.dot(at, b2.to(DOT), acc2, input_precision=PRECISION)
+            acc2 = tl.dot(at, b2, acc2, input_precision=PRECISION)
         if HAS_DB:
-            db += tl.sum(b.to(tl.float32), axis=0)
+            if DB_WEIGHTED:
+                pair = tl.load(slot_pair_ptr + offs_s, mask=s_ok, other=PAIRS)
+                w = tl.load(weight_ptr + pair, mask=pair < PAIRS, other=0.0)
+                db += tl.sum(b.to(tl.float32) * w[:, None], axis=0)
+            else:
+                db += tl.sum(b.to(tl.float32), axis=0)
     out_e = tl.program_id(0).to(tl.int64)  # e·SPLIT + c; = e when SPLIT = 1
     ij_off = out_e * I * J + offs_i[:, None].to(tl.int64) * J + offs_j[None, :]
     ij_ok = i_ok[:, None] & j_ok[None, :]
@@ -298,7 +318,7 @@ _hidden = Launcher(_moe_bwd_hidden_kernel, [
     dict(BLOCK_K=32, num_warps=4, num_stages=3),
     dict(BLOCK_K=64, num_warps=8, num_stages=3),
     dict(BLOCK_K=64, num_warps=4, num_stages=4),
-], key=["D", "F", "TILE", "ACT", "HAS_INV"])
+], key=["D", "F", "TILE", "ACT"])
 _slots_gemm = Launcher(_moe_slots_gemm_kernel, [
     dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3),
     dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
@@ -310,7 +330,7 @@ _wgrad = Launcher(_moe_wgrad_kernel, [
     dict(BLOCK_I=128, BLOCK_J=128, BLOCK_S=64, num_warps=8, num_stages=3),
     dict(BLOCK_I=128, BLOCK_J=64, BLOCK_S=64, num_warps=4, num_stages=3),
     dict(BLOCK_I=64, BLOCK_J=128, BLOCK_S=64, num_warps=4, num_stages=4),
-], key=["I", "J", "E", "SPLIT", "TILE", "A_GATHER", "B_GATHER", "HAS_B2"])
+], key=["I", "J", "E", "SPLIT", "TILE", "HAS_B2", "HAS_DB"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -508,10 +528,12 @@ def wgrad_splits(slots, experts, I, J, device):
     return max(1, min(WGRAD_MAX_SPLIT, want, slots // max(1, experts) // WGRAD_SPLIT_MIN_SLOTS))
 
 
-def weight_grads(a, inv, b, b2, weight, groups, I, J, horizons, top_k, a_gather, b_gather, with_db, dtype):
-    """(∂W [E,I,J], ∂W' [E,I,J] or None, ∂b [E,J] or None) in `dtype`; see _moe_wgrad_kernel."""
+def weight_grads(a, b, b2, weight, groups, db_weighted, with_db):
+    """(∂W [E,I,J], ∂W' [E,I,J] or None, ∂b [E,J] or None) in a's dtype from slot rows
+    a [S,I], b [S,J] (b2 [S,J]); see _moe_wgrad_kernel."""
     E = groups.experts
-    dev = a.device
+    I, J = a.shape[1], b.shape[1]
+    dev, dtype = a.device, a.dtype
     split = wgrad_splits(groups.slots, E, I, J, dev)
     dw = torch.empty(E, I, J, device=dev, dtype=dtype)
     dw2 = torch.empty_like(dw) if b2 is not None else None
@@ -525,10 +547,10 @@ def weight_grads(a, inv, b, b2, weight, groups, I, J, horizons, top_k, a_gather,
     else:
         p_dw, p_dw2, p_db = dw, dw if dw2 is None else dw2, dw if db is None else db
     _wgrad(lambda m: (E * split, triton.cdiv(I, m["BLOCK_I"]), triton.cdiv(J, m["BLOCK_J"])),
-           a, a if inv is None else inv, b, b if b2 is None else b2, weight, groups.slot_pair,
-           groups.expert_slots, p_dw, p_dw2, p_db, groups.pairs, horizons, I, J, E, split,
-           TOP_K=top_k, A_GATHER=a_gather, HAS_INV=inv is not None, B_GATHER=b_gather, HAS_B2=b2 is not None,
-           HAS_DB=with_db, TILE=groups.tile, DOT=tl_dtype(dtype), PRECISION=dot_precision(dtype))
+           a, b, b if b2 is None else b2, weight, groups.slot_pair, groups.expert_slots, p_dw, p_dw2, p_db,
+           groups.pairs, I, J, E, split,
+           HAS_B2=b2 is not None, HAS_DB=with_db, DB_WEIGHTED=db_weighted, TILE=groups.tile,
+           PRECISION=dot_precision(dtype))
     if split > 1:
         n = [t[0].numel() for t in outs] + [0, 0]
         nb = [triton.cdiv(E * k, SUM_BLOCK) for k in n[:3]]
@@ -548,22 +570,30 @@ def moe_backward(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, hori
     R = x.shape[0]
     top_k = groups.pairs // R
     dev, wdt = x.device, w1.dtype
-    h = torch.empty(groups.slots, F, device=dev, dtype=wdt)
-    du = torch.empty_like(h)
-    du3 = torch.empty_like(h) if w3 is not None else du
+    # The slot rows of x (merged, in the weights' dtype: what the GEMMs' A tiles held before)
+    # and of G, once: every backward GEMM below then reads plain contiguous rows.
+    xs = torch.empty(groups.slots, D, device=dev, dtype=wdt)
+    gs = torch.empty(groups.slots, D, device=dev, dtype=grad_out.dtype)
+    block_d = min(128, pow2(D))
+    _gather_rows_kernel[(groups.slots // 16, triton.cdiv(D, block_d))](
+        x, x if inv is None else inv, grad_out, groups.slot_pair, xs, gs, groups.pairs, horizons, D,
+        TOP_K=top_k, HAS_INV=inv is not None, BLOCK_S=16, BLOCK_D=block_d)
+    hw = torch.empty(groups.slots, F, device=dev, dtype=wdt)
+    du = torch.empty_like(hw)
+    du3 = torch.empty_like(hw) if w3 is not None else du
     gw = torch.empty(groups.slots, triton.cdiv(F, HIDDEN_BLOCK_F), device=dev, dtype=torch.float32)
     _hidden(lambda m: (groups.num_tiles, gw.shape[1]),
-            x, x if inv is None else inv, grad_out, groups.slot_pair, groups.tile_expert, weight,
+            xs, gs, groups.slot_pair, groups.tile_expert, weight,
             w1, w1 if b1 is None else b1, w1 if w3 is None else w3, w2, w2 if b2 is None else b2,
-            h, du, du3, gw, groups.pairs, horizons, D, F, gw.shape[1],
-            TOP_K=top_k, HAS_INV=inv is not None, HAS_B1=b1 is not None, HAS_B2=b2 is not None,
+            hw, du, du3, gw, groups.pairs, D, F, gw.shape[1],
+            HAS_B1=b1 is not None, HAS_B2=b2 is not None,
             ACT=_act(act), PRECISION=dot_precision(wdt), TILE=groups.tile, BLOCK_F=HIDDEN_BLOCK_F)
     if w3 is None:
         dx_slot = slots_gemm(du, w1, (D * F, 1, F), D, groups)
     else:
         dx_slot = slots_gemm(du, w1, (D * F, 1, F), D, groups, a2=du3, b2=w3)
-    dw2, _, db2 = weight_grads(h, None, grad_out, None, weight, groups, F, D, horizons, top_k,
-                               a_gather=False, b_gather=True, with_db=b2 is not None, dtype=wdt)
-    dw1, dw3, db1 = weight_grads(x, inv, du, du3 if w3 is not None else None, weight, groups, D, F, horizons,
-                                 top_k, a_gather=True, b_gather=False, with_db=b1 is not None, dtype=wdt)
+    # ∂W2 = Σ (w h)ᵀ G, ∂b2 = Σ w G;  ∂W1 = Σ xᵀ ∂u (∂W3 = Σ xᵀ ∂u3), ∂b1 = Σ ∂u.
+    dw2, _, db2 = weight_grads(hw, gs.to(wdt), None, weight, groups, db_weighted=True, with_db=b2 is not None)
+    dw1, dw3, db1 = weight_grads(xs, du, du3 if w3 is not None else None, weight, groups, db_weighted=False,
+                                 with_db=b1 is not None)
     return dx_slot, gw, dw1, db1, dw2, db2, dw3
