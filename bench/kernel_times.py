@@ -1,7 +1,7 @@
 """Forward and forward+backward times of the region: fused vs staged vs reference vs eager.
 
-    python bench/kernel_times.py [--presets small,medium,large] [--dtype bf16] [--peers fused,dense]
-                                 [--graphs fused,dense] [--profile] [--out rows.json]
+    PYTHONPATH=. python bench/kernel_times.py [--presets small,medium,large] [--dtype bf16] [--peers fused,dense]
+                                              [--graphs fused,dense] [--profile] [--out rows.json]
 
 Presets and one dtype (default medium, bf16; an H200 is what SPEC §5 measures on). Peers:
 the mha::region op with kernels = fused | staged | reference, and the plain module
