@@ -94,26 +94,83 @@ def run_rest(gm, example_inputs, opts, mode):
 
 
 def _verified(original, compiled, report):
-    """On the first call run both graphs; on disagreement warn and keep the original."""
+    """On the first call run both graphs; on disagreement warn and keep the original.
+
+    Forward: outputs compared. Training (grad enabled and an input requires grad; Dynamo passes
+    parameters as graph inputs): both graphs also run on detached clones of the inputs, backward
+    with one random cotangent, and every input gradient is compared.
+    """
     state = {"use": None}
+
+    def fall_back(what, args):
+        report.fallback = f"verify: the rewritten graph disagrees with the original ({what}); using the original"
+        log.warning("mha_compile: graph %d: %s", report.index, report.fallback)
+        state["use"] = original
+        return original(*args)
 
     def run(*args):
         if state["use"] is not None:
             return state["use"](*args)
         with torch.no_grad():
             expected = original(*args)
-        got = compiled(*args)
+        try:
+            got = compiled(*args)
+        except Exception as error:  # the replacement must never be what breaks the user's run
+            return fall_back(f"it raised {type(error).__name__}: {error}", args)
         error = _max_relative_error(got, expected)
         if error is None or error[0] > VERIFY_RTOL.get(error[1], 1e-4):
-            what = "a non-finite or missing output" if error is None else f"relative error {error[0]:.3g}"
-            report.fallback = f"verify: the rewritten graph disagrees with the original ({what}); using the original"
-            log.warning("mha_compile: graph %d: %s", report.index, report.fallback)
-            state["use"] = original
-            return original(*args)
+            return fall_back("a non-finite or missing output" if error is None else f"relative error {error[0]:.3g}", args)
+        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            try:
+                grad_error = _gradient_error(original, compiled, args)
+            except Exception as error:
+                return fall_back(f"its backward raised {type(error).__name__}: {error}", args)
+            if grad_error is not None and grad_error[0] > VERIFY_RTOL.get(grad_error[1], 1e-4):
+                return fall_back(f"gradient of input {grad_error[2]}: relative error {grad_error[0]:.3g}", args)
         state["use"] = compiled
         return got
 
     return run
+
+
+def _gradient_error(original, compiled, args):
+    """(worst relative error, dtype, input index) of the input gradients of the two graphs, run on
+    detached clones with the same random cotangent; None when nothing is differentiable."""
+    def clones():
+        return [a.detach().clone().requires_grad_(True) if isinstance(a, torch.Tensor) and a.requires_grad else a
+                for a in args]
+
+    grads = []
+    cotangents = None
+    for fn in (original, compiled):
+        xs = clones()
+        outs = fn(*xs)
+        outs = [o for o in (outs if isinstance(outs, (list, tuple)) else [outs])
+                if isinstance(o, torch.Tensor) and o.requires_grad]
+        if not outs:
+            return None
+        if cotangents is None:
+            cotangents = [torch.randn_like(o) for o in outs]
+        wrt = [x for x in xs if isinstance(x, torch.Tensor) and x.requires_grad]
+        grads.append(torch.autograd.grad(outs, wrt, cotangents, allow_unused=True))
+    worst = None
+    for i, (g_c, g_o) in enumerate(zip(grads[1], grads[0])):
+        if g_o is None and g_c is None:
+            continue
+        g_o = torch.zeros_like(g_c) if g_o is None else g_o
+        g_c = torch.zeros_like(g_o) if g_c is None else g_c
+        if not torch.isfinite(g_c).all():
+            return (float("inf"), g_o.dtype, i)
+        scale = max(g_o.double().norm().item(), _GRAD_FLOOR * max(1.0, *(g.double().norm().item() for g in grads[0] if g is not None)))
+        error = (g_c.double() - g_o.double()).norm().item() / max(scale, 1e-30)
+        if worst is None or error > worst[0]:
+            worst = (error, g_o.dtype, i)
+    return worst
+
+
+# A gradient that is roundoff in the original (∂bk, exactly zero in the math, SPEC §1) is compared
+# relative to the largest gradient, not to its own roundoff-sized norm.
+_GRAD_FLOOR = 1e-6
 
 
 def _max_relative_error(got, expected):

@@ -143,6 +143,7 @@ class _Miss(Exception):
         self.node, self.reason = node, reason
 
 
+_ROUTING = ("topk", "topw", "topi", "sumw", "onehot", "emask", "where", "selidx", "gate", "gate_s", "gatecol", "probs")
 SPLIT_HINT = ("set torch._dynamo.config.capture_dynamic_output_shape_ops = True so that Dynamo keeps "
               "torch.where/nonzero (data-dependent shapes) in one graph with the router")
 
@@ -159,10 +160,29 @@ def find_regions(gm):
         try:
             matches.append(_match_at(nodes, anchor))
         except _Miss as miss:
+            if _leaves_graph(anchor) and "graph break" not in miss.reason:
+                miss = _Miss(anchor, f"{anchor.name}: the top-k's weights or indices leave this graph unreplaced: a graph "
+                                     f"break splits the MHA region (e.g. at torch.where/nonzero); {SPLIT_HINT}")
             misses.append(NearMiss(anchor.name, getattr(miss.node, "name", str(miss.node)), miss.reason))
     if not anchors:
         misses.extend(_split_experts(nodes))
     return matches, misses
+
+
+def _leaves_graph(anchor, limit=64):
+    """Whether the top-k's results (through at most `limit` nodes) are outputs of the graph."""
+    seen, stack = set(), [anchor]
+    while stack and len(seen) < limit:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "output":
+            return True
+        op = canon(n)
+        if n is anchor or (op is not None and op.kind in _LAYOUT + ("getitem", "div", "sum", "softmax", "one_hot")):
+            stack.extend(n.users)
+    return False
 
 
 def _split_experts(nodes):
@@ -311,7 +331,7 @@ def _moe_failure(walk, nodes, anchor):
         return n, walk.reasons[n]
     valued = _in_order(nodes, walk.vals)
     out_node = next((n for n in reversed(nodes) if n.op == "output"), None)
-    leaving = [n for n in valued if out_node in n.users and walk.vals[n].kind not in ("moe_out", "ext", "zero")]
+    leaving = [n for n in valued if out_node in n.users and walk.vals[n].kind in _ROUTING]
     if leaving:
         return leaving[0], (f"{leaving[0].name}: the MoE after top-k {anchor.name} leaves this graph unfinished "
                             f"(a graph break splits the region, e.g. at torch.where/nonzero); {SPLIT_HINT}")

@@ -1,0 +1,313 @@
+"""Every spelling family of SPEC §2, alone and in pairs, compiled with backend="mha": exactly one
+match, and the output and every gradient equal eager. Near-misses: no match, a reason naming the
+node, results equal eager."""
+import copy
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from mha_compile import backend
+from numerics import TOLERANCE, relative_error
+from spellings import ACTS, EXPERTS, MERGES, MOES, POOLS, SpelledBlock, inputs
+
+ZERO_GRAD = ("key.bias",)  # SPEC §1: ∂bk is exactly zero; eager leaves roundoff there
+
+
+def compile_and_compare(model, args, dtype, dynamic_where=False):
+    """Compile a copy with backend="mha"; compare output and every parameter and input gradient
+    with eager. Returns the reports of the compiled graphs."""
+    reports = []
+    observe = lambda report, gm, lowered: reports.append(report)
+    compiled_model = copy.deepcopy(model)
+    args_e = [a.clone().requires_grad_(a.is_floating_point()) for a in args]
+    args_c = [a.clone().requires_grad_(a.is_floating_point()) for a in args]
+    backend.observers.append(observe)
+    try:
+        torch._dynamo.reset()
+        with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=dynamic_where):
+            out_c = torch.compile(compiled_model, backend="mha", options={"strict": True})(*args_c)
+    finally:
+        backend.observers.remove(observe)
+    out_e = model(*args_e)
+    tol = TOLERANCE[dtype]
+    assert relative_error(out_c, out_e) <= tol, f"output: {relative_error(out_c, out_e):.3g}"
+    cotangent = torch.randn_like(out_e)
+    out_e.backward(cotangent)
+    out_c.backward(cotangent)
+    for (name, p_e), p_c in zip(model.named_parameters(), compiled_model.parameters()):
+        assert p_c.grad is not None, f"{name} received no gradient through the compiled path"
+        if name in ZERO_GRAD:
+            assert torch.count_nonzero(p_c.grad) == 0 and p_e.grad.abs().max() <= 1e-6
+            continue
+        assert relative_error(p_c.grad, p_e.grad) <= tol, f"∂{name}: {relative_error(p_c.grad, p_e.grad):.3g}"
+    for i, (a_e, a_c) in enumerate(zip(args_e, args_c)):
+        if a_e.grad is not None:
+            assert relative_error(a_c.grad, a_e.grad) <= tol, f"∂input{i}: {relative_error(a_c.grad, a_e.grad):.3g}"
+    return reports
+
+
+def _run(dtype=torch.float64, seed=0, mask=False, **config):
+    torch.manual_seed(seed)
+    model = SpelledBlock(mask=mask, **config).to(dtype)
+    gen = torch.Generator().manual_seed(seed + 1)
+    args = inputs(dtype=dtype, mask=mask, generator=gen)
+    reports = compile_and_compare(model, args, dtype, dynamic_where=config.get("moe") == "mixtral")
+    return reports
+
+
+def _assert_one_match(reports):
+    matches = [m for r in reports for m in r.matches]
+    assert len(matches) == 1 and not [m for r in reports for m in r.near_misses], [str(r) for r in reports]
+    return matches[0]
+
+
+SINGLE = ([dict(pool=p) for p in POOLS] + [dict(pool=p, mask=True) for p in ("einsum", "matmul", "sdpa", "mha")]
+          + [dict(merge=m) for m in MERGES] + [dict(moe=m) for m in MOES]
+          + [dict(moe=m, experts="modules") for m in ("loop", "dense_onehot", "dense_scatter", "mixtral")]
+          + [dict(act=a) for a in ACTS] + [dict(renorm=False), dict(bias=False), dict(topk_logits=True)])
+PAIRS = [dict(pool="mha", moe="mixtral", experts="modules", act="swiglu"),
+         dict(pool="sdpa", mask=True, merge="iadd", moe="gathered", act="gelu_tanh", bias=False),
+         dict(pool="matmul", merge="expand_as", moe="dense_onehot", experts="modules", renorm=False),
+         dict(pool="fused_kv", merge="view_first", moe="mixtral", act="silu"),
+         dict(pool="sdpa_scale", merge="torch_add", moe="loop", experts="modules", act="swiglu", bias=False),
+         dict(pool="mha", mask=True, merge="none_index", moe="gathered", act="swiglu"),
+         dict(pool="mul_scale", moe="dense_scatter", act="gelu_tanh", renorm=False, topk_logits=True),
+         dict(pool="einsum", mask=True, moe="mixtral", experts="modules", bias=False, renorm=False)]
+
+
+def _id(config):
+    return "-".join(f"{k}={v}" for k, v in config.items())
+
+
+@pytest.mark.parametrize("config", SINGLE + PAIRS, ids=_id)
+def test_spelling_matches_once_and_equals_eager_float64(config):
+    match = _assert_one_match(_run(torch.float64, **config))
+    assert match["config"]["act"] == config.get("act", "gelu")
+    assert match["config"]["renorm"] == (config.get("renorm", True) or config.get("topk_logits", False))
+    assert (match["params"]["mask"] is not None) == config.get("mask", False)
+
+
+@pytest.mark.parametrize("config", [dict(pool="mha", moe="mixtral", experts="modules", mask=True),
+                                    dict(pool="sdpa", moe="gathered", merge="iadd", act="swiglu")], ids=_id)
+def test_spelling_float32(config):
+    _assert_one_match(_run(torch.float32, **config))
+
+
+def test_modules_experts_are_stacked_in_the_graph():
+    torch.manual_seed(0)
+    reports = _run(torch.float64, moe="loop", experts="modules", act="swiglu")
+    match = _assert_one_match(reports)
+    assert match["params"]["w1"].startswith("stack(") and match["params"]["w3"].startswith("stack(")
+    assert "torch.stack" in reports[0].code_after
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
+          phases=(Phase.explicit, Phase.reuse, Phase.generate))  # no shrinking: each example compiles
+@given(P=st.sampled_from([2, 3]), Dh=st.sampled_from([3, 8]), F_=st.integers(5, 24), E=st.integers(2, 5),
+       data=st.data(), act=st.sampled_from(ACTS), renorm=st.booleans(), bias=st.booleans(),
+       pool=st.sampled_from(POOLS), merge=st.sampled_from(MERGES), moe=st.sampled_from(MOES),
+       experts=st.sampled_from(EXPERTS), seed=st.integers(0, 2**16))
+def test_random_block_configurations(P, Dh, F_, E, data, act, renorm, bias, pool, merge, moe, experts, seed):
+    k = data.draw(st.integers(1, E))
+    if moe == "gathered":
+        experts = "stacked"
+    torch.manual_seed(seed)
+    model = SpelledBlock(D=P * Dh, P=P, F_=F_, E=E, k=k, act=act, renorm=renorm, bias=bias, pool=pool, merge=merge,
+                         moe=moe, experts=experts).double()
+    gen = torch.Generator().manual_seed(seed)
+    B, H, N = data.draw(st.integers(2, 5)), data.draw(st.integers(2, 4)), data.draw(st.integers(2, 6))  # size-1 axes: see report
+    args = inputs(B, H, N, P * Dh, dtype=torch.float64, generator=gen)
+    reports = compile_and_compare(model, args, torch.float64, dynamic_where=moe == "mixtral")
+    match = _assert_one_match(reports)
+    assert match["config"] == {"top_k": k, "renorm": renorm, "act": act}
+
+
+class TwoBlocks(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = SpelledBlock(pool="sdpa", moe="dense_onehot")
+        self.b = SpelledBlock(pool="mha", moe="loop", experts="modules", merge="torch_add")
+
+    def forward(self, ctx, tok):
+        return self.b(self.a(ctx, tok), tok)
+
+
+def test_two_regions_give_two_matches():
+    torch.manual_seed(0)
+    model = TwoBlocks().double()
+    reports = compile_and_compare(model, inputs(dtype=torch.float64), torch.float64)
+    assert sum(len(r.matches) for r in reports) == 2
+    assert not any(r.near_misses for r in reports)
+
+
+# ---- near-misses ------------------------------------------------------------------------------
+
+
+class IaddIntoInput(SpelledBlock):
+    def merge_forward(self, ctx, inv):
+        ctx += inv[:, None]  # mutates the caller's tensor: replacing it would drop the mutation
+        return ctx
+
+
+class CausalSdpa(SpelledBlock):
+    def pool_forward(self, tok, pad=None):
+        B, N, D = tok.shape
+        k = self.key(tok).view(B, N, self.P, self.Dh).transpose(1, 2)
+        v = self.value(tok).view(B, N, self.P, self.Dh).transpose(1, 2)
+        q = self.query.view(1, self.P, 1, self.Dh).expand(B, -1, -1, -1)
+        return self.out(torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).reshape(B, D))
+
+
+class WrongSdpaScale(SpelledBlock):
+    def pool_forward(self, tok, pad=None):
+        B, N, D = tok.shape
+        k = self.key(tok).view(B, N, self.P, self.Dh).transpose(1, 2)
+        v = self.value(tok).view(B, N, self.P, self.Dh).transpose(1, 2)
+        q = self.query.view(1, self.P, 1, self.Dh).expand(B, -1, -1, -1)
+        return self.out(torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=1.0 / self.Dh).reshape(B, D))
+
+
+class FloatMask(SpelledBlock):
+    def pool_forward(self, tok, pad=None):
+        B, N, D = tok.shape
+        k, v = self.key(tok).view(B, N, self.P, self.Dh), self.value(tok).view(B, N, self.P, self.Dh)
+        scores = torch.einsum("pd,bnpd->bpn", self.query, k) / math.sqrt(self.Dh) + pad[:, None, :]
+        return self.out(torch.einsum("bpn,bnpd->bpd", scores.softmax(-1), v).reshape(B, D))
+
+
+class OtherExpertInput(SpelledBlock):
+    def moe_forward(self, y):
+        x = y.reshape(-1, y.shape[-1])
+        weight, index = self.route(x)
+        x2 = x * 1.5  # the experts see another x than the router
+        out = torch.zeros_like(x)
+        for e in range(self.E):
+            out = out + (weight * (index == e)).sum(-1, keepdim=True) * self.expert(e, x2)
+        return out.reshape(y.shape)
+
+
+class MissingExpert(SpelledBlock):
+    def moe_forward(self, y):
+        x = y.reshape(-1, y.shape[-1])
+        weight, index = self.route(x)
+        out = torch.zeros_like(x)
+        for e in range(self.E - 1):
+            out = out + (weight * (index == e)).sum(-1, keepdim=True) * self.expert(e, x)
+        return out.reshape(y.shape)
+
+
+class SmallestExperts(SpelledBlock):
+    def route(self, x):
+        weight, index = torch.softmax(self.router(x), dim=-1).topk(self.k, dim=-1, largest=False)
+        return weight / weight.sum(-1, keepdim=True), index
+
+
+class ProbsExported(SpelledBlock):
+    """The router's probabilities also leave the region (an auxiliary balance loss, say)."""
+
+    def forward(self, ctx, tok, pad=None):
+        y = self.merge_forward(ctx, self.pool_forward(tok, pad))
+        probs = torch.softmax(self.router(y.reshape(-1, self.D)), dim=-1)
+        weight, index = probs.topk(self.k, dim=-1)
+        weight = weight / weight.sum(-1, keepdim=True)
+        out = torch.zeros_like(y.reshape(-1, self.D))
+        for e in range(self.E):
+            out = out + (weight * (index == e)).sum(-1, keepdim=True) * self.expert(e, y.reshape(-1, self.D))
+        return out.reshape(y.shape), probs.mean(0)
+
+
+def _float_pad(B, N, gen):
+    return torch.randn(B, N, generator=gen, dtype=torch.float64)
+
+
+NEAR_MISSES = {
+    "in-place merge into a graph input": (IaddIntoInput, {}, "in place into the graph input"),
+    "causal SDPA": (CausalSdpa, {"pool": "sdpa"}, "is_causal"),
+    "SDPA scale 1/Dh": (WrongSdpaScale, {"pool": "sdpa"}, "scaled by"),
+    "additive float mask": (FloatMask, {}, "additive float mask"),
+    "experts fed another x": (OtherExpertInput, {}, "could not be read"),
+    "an expert missing from the loop": (MissingExpert, {}, "cover experts [0, 1, 2] of 4"),
+    "largest=False": (SmallestExperts, {}, "largest=False"),
+    "router probabilities used outside": (ProbsExported, {}, "used outside the region"),
+}
+
+
+@pytest.mark.parametrize("name", list(NEAR_MISSES))
+def test_near_miss_is_reported_and_not_rewritten(name):
+    cls, config, needle = NEAR_MISSES[name]
+    torch.manual_seed(0)
+    model = cls(**config).double()
+    gen = torch.Generator().manual_seed(1)
+    args = list(inputs(dtype=torch.float64, generator=gen))
+    if cls is FloatMask:
+        args.append(_float_pad(4, 5, gen))
+    reports = []
+    observe = lambda report, gm, lowered: reports.append(report)
+    backend.observers.append(observe)
+    try:
+        torch._dynamo.reset()
+        got = torch.compile(copy.deepcopy(model), backend="mha")(*[a.clone() for a in args])
+    finally:
+        backend.observers.remove(observe)
+    want = model(*[a.clone() for a in args])
+    assert not any(r.matches for r in reports)
+    misses = [m for r in reports for m in r.near_misses]
+    assert misses and any(needle in m["reason"] for m in misses), misses
+    assert all(m["node"] in m["reason"] or m["anchor"] in m["reason"] for m in misses)
+    for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+        assert relative_error(g, w) <= TOLERANCE[torch.float64]
+
+
+def test_mixtral_split_by_a_graph_break_is_reported():
+    """Without capture_dynamic_output_shape_ops, torch.where breaks the graph: say so, do not crash."""
+    torch.manual_seed(0)
+    model = SpelledBlock(moe="mixtral").double()
+    args = inputs(dtype=torch.float64)
+    reports = []
+    observe = lambda report, gm, lowered: reports.append(report)
+    backend.observers.append(observe)
+    try:
+        torch._dynamo.reset()
+        with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=False):
+            got = torch.compile(copy.deepcopy(model), backend="mha")(*args)
+    finally:
+        backend.observers.remove(observe)
+    assert len(reports) > 1 and not any(r.matches for r in reports)
+    reasons = [m["reason"] for r in reports for m in r.near_misses]
+    assert any("capture_dynamic_output_shape_ops" in r and "graph break" in r for r in reasons), reasons
+    assert relative_error(got, model(*args)) <= TOLERANCE[torch.float64]
+
+
+def test_verify_compares_gradients_and_falls_back(monkeypatch, caplog):
+    """verify in training: a replacement whose backward is wrong falls back with the error."""
+    import logging
+    from mha_compile.kernels import reference
+    right = reference.region_backward
+
+    def wrong(*args):
+        grads = list(right(*args))
+        grads[1] = grads[1] * 2.0  # ∂tok doubled: outputs agree, gradients do not
+        return tuple(grads)
+
+    torch.manual_seed(0)
+    model = SpelledBlock(pool="sdpa", moe="gathered").double()
+    ctx, tok = inputs(dtype=torch.float64)
+    tok.requires_grad_(True)
+    torch._dynamo.reset()
+    compiled = torch.compile(copy.deepcopy(model), backend="mha", options={"verify": True})
+    ok = compiled(ctx, tok)  # the right backward passes verify
+    assert relative_error(ok, model(ctx, tok)) <= TOLERANCE[torch.float64]
+    monkeypatch.setattr(reference, "region_backward", wrong)
+    torch._dynamo.reset()
+    compiled = torch.compile(copy.deepcopy(model), backend="mha", options={"verify": True})
+    with caplog.at_level(logging.WARNING, logger="mha_compile"):
+        out = compiled(ctx, tok)
+    assert "gradient of input" in caplog.text and "disagrees" in caplog.text
+    out.sum().backward()
+    tok_grad = tok.grad.clone()
+    tok.grad = None
+    model(ctx, tok).sum().backward()
+    assert relative_error(tok_grad, tok.grad) <= TOLERANCE[torch.float64]
