@@ -206,6 +206,9 @@ def einsum_roles(equation, operand_roles):
     return tuple(letters.get(l) for l in output), letters, contracted, terms
 
 
+_FROM_NOTHING = ("zeros", "new_zeros", "zeros_like")
+
+
 class Walk:
     """Evaluates `rule` over `nodes` in graph order, starting from `start` {node: Val}."""
 
@@ -218,6 +221,9 @@ class Walk:
         for node in nodes:
             if node in self.vals:
                 continue
+            if node in inside and node.op != "placeholder" and not any(i in self.vals for i in node.all_input_nodes) \
+                    and getattr(node.target, "__name__", node.target) not in _FROM_NOTHING:
+                continue  # nothing it reads has a meaning: it cannot get one (keeps a long graph linear)
             op = canon(node)
             if op is None:
                 continue

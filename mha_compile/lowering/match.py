@@ -92,14 +92,17 @@ def _mutators(node):
         (u.op == "call_method" and u.target in _INPLACE) or (u.op == "call_function" and u.target is operator.iadd))]
 
 
-def _ancestors(node, order):
+def _ancestors(node, order, stop=()):
     """Nodes `node` depends on; an in-place change of a tensor counts as an input of the readers
-    that come after it in graph order."""
+    that come after it in graph order. The walk does not go past nodes in `stop` (it keeps the
+    search local to one region in a long graph)."""
     seen, stack = set(), [(node, order[node])]
     while stack:
         n, reader = stack.pop()
         if n not in seen:
             seen.add(n)
+            if n in stop:
+                continue
             stack.extend((i, order[n]) for i in n.all_input_nodes)
             stack.extend((m, order[m]) for m in _mutators(n) if order[m] < reader)
     return seen
@@ -270,9 +273,34 @@ def _check_inplace_merge(nodes, y, ctx):
         node = chain.args[0]
 
 
+def _token_inputs(node):
+    op = canon(node)
+    if op is None or op.kind not in ("linear", "matmul", "mha"):
+        return ()
+    src = _strip(op.args[1]) if op.kind == "mha" else op.args[0]
+    return (src,) if hasattr(src, "op") and shape(src) is not None and len(shape(src)) == 3 else ()
+
+
+def _pool_ancestors(inv, order):
+    """inv's ancestors up to the [B,N,D] tensors that feed a projection (the token candidates)."""
+    seen, stack = set(), [inv]
+    stop = set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n in stop:
+            continue
+        tokens = _token_inputs(n)
+        stop.update(tokens)
+        stack.extend(n.all_input_nodes)
+    return seen
+
+
 def _read_pool(nodes, inv):
     """Read the pool backwards from inv: try each token tensor that feeds a projection."""
-    ancestors = _ancestors(inv, nodes.order)
+    ancestors = _pool_ancestors(inv, nodes.order)
     inner = _in_order(nodes, ancestors)
     candidates = []
     for n in inner:
@@ -293,7 +321,7 @@ def _read_pool(nodes, inv):
 
 def _check_merge(nodes, y, ctx, inv, bcast, pool_walk):
     """inv [B,D] must be added along the horizon axis: bcast's roles are (b, 1, d)."""
-    between = _in_order(nodes, _ancestors(bcast, nodes.order) & _descendants(inv))
+    between = _in_order(nodes, _ancestors(bcast, nodes.order, stop={inv}) & _descendants(inv))
     walk = Walk(lambda w, n, op: layout_rule(w, n, op) if op.kind in _LAYOUT else None,
                 {inv: Val("inv", ("b", "d"))}, between, _descendants(inv))
     walk.axes = pool_walk.axes
@@ -352,11 +380,19 @@ def _region_nodes(nodes, inputs, out):
 
     An intermediate used outside the region (other than for its size) makes it a near-miss.
     """
-    ancestors = _ancestors(out, nodes.order)
-    reach, upstream = set(), set()
+    ancestors = _ancestors(out, nodes.order, stop=set(inputs))
+    reach = set()
     for i in inputs:
         reach |= _descendants(i)
-        upstream |= _ancestors(i, nodes.order)  # what feeds ctx or tok (an earlier block, say) is not ours
+    # What feeds ctx or tok (an earlier block, say) is not ours. Only nodes before the later of
+    # the two can feed one of them, and the backward search above stopped at both.
+    last = max(nodes.order[i] for i in inputs)
+    maybe = [n for n in ancestors & reach if nodes.order[n] < last and n not in inputs]
+    upstream = set()
+    if maybe:
+        for i in inputs:
+            upstream |= _ancestors(i, nodes.order)
+    upstream |= set(inputs)
     region = (ancestors & reach) - upstream
     changed = True
     while changed:
