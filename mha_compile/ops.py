@@ -59,6 +59,16 @@ def _check_shapes(ctx, tok, q, wk, wv, wo, wg, w1, b1, w2, b2, w3, top_k, act):
     return B, H, D, tok.shape[1], P
 
 
+def _no_autocast(ctx):
+    """The kernels pick their own precisions (fp32 accumulation, fp32 router; SPEC §4).
+
+    A custom op has no autocast kernel, so under `torch.autocast` the ops inside its
+    implementation would be autocast themselves: the reference's fp32 matmuls ran in bf16, and it
+    saved a bf16 `attn` where the fake promises fp32, so the backward failed on a dtype mismatch.
+    """
+    return torch.autocast(ctx.device.type, enabled=False)
+
+
 @torch.library.custom_op("mha::region", mutates_args=())
 def region(ctx: Tensor, tok: Tensor, q: Tensor, wk: Tensor, bk: Optional[Tensor], wv: Tensor,
            bv: Optional[Tensor], wo: Tensor, bo: Optional[Tensor], wg: Tensor, w1: Tensor,
@@ -66,8 +76,9 @@ def region(ctx: Tensor, tok: Tensor, q: Tensor, wk: Tensor, bk: Optional[Tensor]
            mask: Optional[Tensor], top_k: int, renorm: bool, act: str, kernels: str
            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """out = MoE(ctx + pool(tok)[:, None]); see SPEC §1."""
-    return kernel_set(kernels).region_forward(ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3,
-                                              mask, top_k, renorm, act)
+    with _no_autocast(ctx):
+        return kernel_set(kernels).region_forward(ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3,
+                                                  mask, top_k, renorm, act)
 
 
 @region.register_fake
@@ -85,9 +96,10 @@ def region_backward(grad_out: Tensor, ctx: Tensor, tok: Tensor, q: Tensor, wk: T
                     mask: Optional[Tensor], inv: Tensor, attn: Tensor, weight: Tensor, index: Tensor,
                     top_k: int, renorm: bool, act: str, kernels: str) -> list[Tensor]:
     """Gradients of REGION_INPUTS, in order; an absent optional input gets an empty tensor."""
-    grads = kernel_set(kernels).region_backward(
-        grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask,
-        inv, attn, weight, index, top_k, renorm, act)
+    with _no_autocast(ctx):
+        grads = kernel_set(kernels).region_backward(
+            grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask,
+            inv, attn, weight, index, top_k, renorm, act)
     return [ctx.new_empty(0) if g is None else g for g in grads]
 
 
