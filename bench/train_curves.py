@@ -1,0 +1,223 @@
+"""Training curves on the GPU (issue 7): the overfit suite in bf16 through the fused kernels, and
+a 1,000-step run at the medium preset beside eager, plotted to a PNG.
+
+The H200 command (repository root; about 2-3 minutes; writes train_curves.json, .md and .png):
+
+    pip install -q --no-deps --no-build-isolation -e . && timeout -s INT 540 python -m bench.train_curves --out $OUT
+
+Check it end to end on the CPU (reference kernels; seconds):
+
+    python -m bench.train_curves --device cpu --kernels reference --preset tiny --steps 20 --suite-scale 0.1 --out /tmp/tc
+
+What runs:
+1. The suite (mha_compile.tasks, thresholds and budgets of tests/training/test_overfit.py), each
+   task trained twice on the same fixed batch and seed, eagerly and with
+   `torch.compile(backend="mha", options={"kernels": ...})`, in `--dtype` (bf16: parameters,
+   data and Adam state in bf16; the region accumulates in fp32). A row passes when the compiled
+   run reaches the fp32 threshold within the budget; the eager bf16 run is reported beside it, so
+   a miss caused by bf16 training itself (eager misses too) is told apart from a kernel defect.
+   pooled_selection runs once more with the pool cut and must miss its threshold.
+2. The curve: a Forecaster at `--preset` (medium: B=1024, H=16, N=64, D=256, P=8, F=1024, E=8,
+   k=2; window 96) trained `--steps` steps on pooled_selection with fresh batches (a cycle of 64
+   pre-generated batches, the same for both runs), eager and compiled, same seed, same dtype.
+
+The tracking tolerance, and why: in bf16 a single step's loss carries rounding of order 1e-2, and
+once any row's top-k choice flips the two runs follow different (equally valid) trajectories, so
+step-by-step equality is not expected. What must hold is that both learn at the same rate to the
+same level: the 50-step moving averages must stay within CURVE_RTOL = 10% of each other at every
+step after the first 50 (where the loss is still falling fastest), and the final 100-step means
+within 5%. A dead branch or a wrong gradient shows as a systematic gap well beyond this: on
+pooled_selection the pool-cut model plateaus near 1.0 while the full one falls below 1e-2.
+"""
+import argparse
+import functools
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from mha_compile import models, tasks
+
+CURVE_RTOL = 0.10  # 50-step moving averages, every step after the first 50
+FINAL_RTOL = 0.05  # mean of the last 100 steps (or the last fifth of a shorter run)
+SMOOTH = 50
+# task -> (threshold, steps, context kept): the table of tests/training/test_overfit.py
+SUITE = {
+    "constant_level": (3e-3, 120, True),
+    "linear_trend": (3e-3, 150, True),
+    "single_sine": (3e-3, 150, True),
+    "two_sines": (3e-3, 150, True),
+    "step_change": (3e-3, 200, True),
+    "ar1": (3e-3, 150, True),
+    "lead_lag": (3e-3, 200, True),
+    "horizon_offsets": (3e-3, 200, True),
+    "pooled_selection": (1e-2, 300, False),
+}
+WINDOW = {"tiny": 16, "small": 48, "medium": 96, "large": 96}
+
+
+def first_reach(losses, threshold):
+    return next((i + 1 for i, loss in enumerate(losses) if loss <= threshold), None)
+
+
+def run_suite(args, dtype):
+    rows = []
+    options = {"kernels": args.kernels}
+    for name, (threshold, steps, context) in SUITE.items():
+        steps = max(1, round(steps * args.suite_scale))
+        for pool in (True, False) if name == "pooled_selection" else (True,):
+            row = {"task": name, "pool": pool, "threshold": threshold, "steps": steps}
+            for label, compile in (("eager", False), ("mha", True)):
+                torch._dynamo.reset()
+                start = time.perf_counter()
+                losses = tasks.overfit(tasks.TASKS[name], steps, seed=0, context=context, pool=pool,
+                                       compile=compile, compile_options=options, dtype=dtype, device=args.device)
+                row[label] = {"final": losses[-1], "min": min(losses), "reached_at": first_reach(losses, threshold),
+                              "seconds": round(time.perf_counter() - start, 2)}
+            reached = row["mha"]["reached_at"] is not None
+            row["ok"] = reached if pool else not reached
+            rows.append(row)
+            print(f"  {name:17s} pool={pool!s:5s} mha min {row['mha']['min']:.3g} reached {row['mha']['reached_at']} "
+                  f"| eager min {row['eager']['min']:.3g} reached {row['eager']['reached_at']} "
+                  f"| {'ok' if row['ok'] else 'FAIL'} ({row['mha']['seconds']} s)", flush=True)
+    return rows
+
+
+def curve_batches(preset, count, device, dtype, seed=0):
+    p = models.PRESETS[preset]
+    gen = torch.Generator().manual_seed(seed)
+    make = functools.partial(tasks.pooled_selection, p["B"], WINDOW[preset], p["N"], p["H"])
+    return [tuple(t.to(device, dtype) for t in make(gen)) for _ in range(count)]
+
+
+def train_curve(args, dtype, batches, compile):
+    p = models.PRESETS[args.preset]
+    torch.manual_seed(0)
+    model = models.Forecaster(WINDOW[args.preset], p["N"], p["H"], dim=p["D"], heads=p["P"], hidden=p["F"],
+                              experts=p["E"], top_k=p["k"]).to(args.device, dtype)
+    run = torch.compile(model, backend="mha", options={"kernels": args.kernels}) if compile else model
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    losses = []
+    start = time.perf_counter()
+    for step in range(args.steps):
+        series, target = batches[step % len(batches)]
+        loss = (run(series) - target).float().square().mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    losses = torch.stack(losses).tolist()  # one sync at the end
+    return losses, time.perf_counter() - start
+
+
+def moving_average(values, width):
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v - (values[i - width] if i >= width else 0.0)
+        out.append(total / min(i + 1, width))
+    return out
+
+
+def compare_curves(eager, mine):
+    ma_e, ma_m = moving_average(eager, SMOOTH), moving_average(mine, SMOOTH)
+    start = min(SMOOTH, len(eager) - 1)
+    gaps = [abs(a - b) / abs(a) for a, b in zip(ma_e[start:], ma_m[start:])]
+    tail = max(1, min(100, len(eager) // 5))
+    mean_e, mean_m = sum(eager[-tail:]) / tail, sum(mine[-tail:]) / tail
+    final_gap = abs(mean_m - mean_e) / abs(mean_e)
+    worst = max(gaps) if gaps else 0.0
+    return {"worst_smoothed_gap": worst, "worst_at": start + gaps.index(worst) if gaps else 0,
+            "final_mean_eager": mean_e, "final_mean_mha": mean_m, "final_gap": final_gap,
+            "ok": worst <= CURVE_RTOL and final_gap <= FINAL_RTOL}
+
+
+def plot(out, eager, mine, title):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("  matplotlib is not installed: no PNG (the curves are in train_curves.json)")
+        return None
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    steps = range(1, len(eager) + 1)
+    ax.plot(steps, eager, color="tab:blue", alpha=0.25, lw=0.8)
+    ax.plot(steps, mine, color="tab:orange", alpha=0.25, lw=0.8)
+    ax.plot(steps, moving_average(eager, SMOOTH), color="tab:blue", label=f"eager ({SMOOTH}-step mean)")
+    ax.plot(steps, moving_average(mine, SMOOTH), color="tab:orange", ls="--", label=f"backend='mha' ({SMOOTH}-step mean)")
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("MSE")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    path = Path(out) / "train_curves.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return str(path)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="folder for train_curves.json, .md and .png")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--kernels", default="fused", choices=["fused", "staged", "reference", "auto"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--preset", default="medium", choices=list(models.PRESETS))
+    parser.add_argument("--steps", type=int, default=1000, help="steps of the curve run")
+    parser.add_argument("--suite-scale", type=float, default=1.0, help="multiply every suite budget (CPU smoke runs)")
+    parser.add_argument("--skip-suite", action="store_true")
+    parser.add_argument("--skip-curve", action="store_true")
+    args = parser.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    result = {"device": device_name, "torch": torch.__version__, "args": vars(args),
+              "curve_rtol": CURVE_RTOL, "final_rtol": FINAL_RTOL}
+    start = time.perf_counter()
+    if not args.skip_suite:
+        print(f"Overfit suite, {args.dtype}, kernels={args.kernels}, on {device_name}:")
+        result["suite"] = run_suite(args, dtype)
+    if not args.skip_curve:
+        p = models.PRESETS[args.preset]
+        print(f"Curve: preset {args.preset} {p}, window {WINDOW[args.preset]}, {args.steps} steps, {args.dtype}:")
+        batches = curve_batches(args.preset, min(64, args.steps), args.device, dtype)
+        eager, t_e = train_curve(args, dtype, batches, compile=False)
+        torch._dynamo.reset()
+        mine, t_m = train_curve(args, dtype, batches, compile=True)
+        check = compare_curves(eager, mine)
+        title = (f"Forecaster @ {args.preset}, {args.dtype}, pooled_selection, {args.steps} steps, {device_name}; "
+                 f"smoothed gap {check['worst_smoothed_gap']:.2%} (tol {CURVE_RTOL:.0%})")
+        result["curve"] = {"eager": eager, "mha": mine, "seconds_eager": round(t_e, 1),
+                           "seconds_mha_incl_compile": round(t_m, 1), **check, "png": plot(out, eager, mine, title)}
+        print(f"  eager {eager[0]:.4g} -> {check['final_mean_eager']:.4g} ({t_e:.1f} s); mha {mine[0]:.4g} -> "
+              f"{check['final_mean_mha']:.4g} ({t_m:.1f} s with compile); worst smoothed gap "
+              f"{check['worst_smoothed_gap']:.2%} at step {check['worst_at']}, final gap {check['final_gap']:.2%}: "
+              f"{'ok' if check['ok'] else 'FAIL'}")
+    result["seconds"] = round(time.perf_counter() - start, 1)
+    (out / "train_curves.json").write_text(json.dumps(result, indent=1))
+    lines = [f"# train_curves on {device_name} ({args.dtype}, kernels={args.kernels}), {result['seconds']} s", ""]
+    if "suite" in result:
+        lines += ["| task | pool | threshold | steps | mha min | mha reached at | eager min | eager reached at | ok |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['task']} | {r['pool']} | {r['threshold']:g} | {r['steps']} | {r['mha']['min']:.3g} | "
+                  f"{r['mha']['reached_at']} | {r['eager']['min']:.3g} | {r['eager']['reached_at']} | {r['ok']} |"
+                  for r in result["suite"]]
+    if "curve" in result:
+        c = result["curve"]
+        lines += ["", f"Curve ({args.preset}, {args.steps} steps): worst 50-step-mean gap {c['worst_smoothed_gap']:.2%} "
+                  f"(≤ {CURVE_RTOL:.0%}), final gap {c['final_gap']:.2%} (≤ {FINAL_RTOL:.0%}): {c['ok']}"]
+    (out / "train_curves.md").write_text("\n".join(lines) + "\n")
+    failed = [r["task"] for r in result.get("suite", []) if not r["ok"]]
+    if failed or not result.get("curve", {}).get("ok", True):
+        print(f"FAILED: suite {failed}, curve ok={result.get('curve', {}).get('ok')}")
+        return 1
+    print(f"all ok in {result['seconds']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
