@@ -88,7 +88,7 @@ def main():
     rows = []
     forecaster = models.Forecaster(window=12, variates=5, horizons=3)
     cases = [("forecaster", forecaster, (torch.randn(4, 12, 5),), 0.5),
-             ("deep-5000", Deep(blocks=16, filler=24), (torch.randn(4, 3, 32), torch.randn(4, 5, 32)), 2.0)]
+             ("deep-5000", Deep(blocks=16, filler=50), (torch.randn(4, 3, 32), torch.randn(4, 5, 32)), 2.0)]
     for name, model, inputs, budget in cases:
         graphs = capture(model, *inputs)
         nodes = sum(len(gm.graph.nodes) for gm in graphs)

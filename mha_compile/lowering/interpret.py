@@ -215,6 +215,7 @@ class Walk:
     def __init__(self, rule, start, nodes, inside, **context):
         self.rule, self.vals, self.reasons, self.axes = rule, dict(start), {}, Axes()
         self.inside = inside  # nodes that depend on a start: everything else is external
+        self.lazy = {}  # Vals of external call nodes, computed when a region node reads them
         self.__dict__.update(context)  # what a rule may need to know (the router node, say)
         for node, val in start.items():
             self.axes.bind_all(val.roles, shape(node))
@@ -243,6 +244,17 @@ class Walk:
         if isinstance(arg, torch.fx.Node):
             if arg in self.vals:
                 return self.vals[arg]
+            if arg not in self.inside and arg.op in ("call_function", "call_method"):
+                if arg not in self.lazy:  # a view of parameters outside the region: read on demand
+                    self.lazy[arg] = None
+                    op = canon(arg)
+                    try:
+                        val = None if op is None else self.rule(self, arg, op)
+                    except Reject:
+                        val = None
+                    self.lazy[arg] = val if val is not None and val.kind in OUTSIDE_KINDS else None
+                if self.lazy[arg] is not None:
+                    return self.lazy[arg]
             if arg not in self.inside:
                 lay = base_layout(arg)
                 if lay is not None:

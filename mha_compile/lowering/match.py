@@ -338,13 +338,7 @@ def _check_merge(nodes, y, ctx, inv, bcast, pool_walk):
 
 def _read_moe(nodes, anchor, y, router):
     inside = _descendants(y)
-    feeding, stack = set(), [i for n in inside for i in n.all_input_nodes if i not in inside]
-    while stack:  # parameter views outside the region that feed it (W.t(), W[e], torch.zeros(...))
-        n = stack.pop()
-        if n not in feeding and n.op in ("call_function", "call_method"):
-            feeding.add(n)
-            stack.extend(i for i in n.all_input_nodes if i not in inside)
-    walk = Walk(moe_rule, {y: Val("x", ("b", "h", "d"))}, _in_order(nodes, inside | feeding), inside, router=router)
+    walk = Walk(moe_rule, {y: Val("x", ("b", "h", "d"))}, _in_order(nodes, inside), inside, router=router)
     outs = [n for n in _in_order(nodes, walk.vals) if walk.vals[n].kind == "moe_out"
             and walk.vals[n].info["gate"]["topk"] is anchor]
     if not outs:
