@@ -83,6 +83,9 @@ def _measure(job, cache, quick):
     fn = modes.build(job["mode"], model)
 
     def step():
+        # CUDA-graph trees reuse output memory between replays; marking each step's start is how
+        # a training loop tells them the previous step's outputs are dead (else: "overwritten").
+        torch.compiler.cudagraph_mark_step_begin()
         if training:
             out = fn(ctx, tok)
             out.backward(grad_out)

@@ -8,6 +8,7 @@ the rule, not one curve. The docstrings state the signal exactly.
 `TASKS` lists them in the suite's order. The last one, `pooled_selection`, is built so that only
 the block's attention pool over variate tokens can solve it (see its docstring).
 """
+import contextlib
 import math
 
 import torch
@@ -171,6 +172,25 @@ def cut_context(model):
     weight.requires_grad_(False)
 
 
+@contextlib.contextmanager
+def require_lowered(what="the model"):
+    """Raise unless the backend="mha" compiles inside this block replace a region: a compiled
+    run that silently fell back to the captured graph would compare eager with eager (the
+    seed's dead fast path; the first H200 run of bench/train_curves.py did exactly that)."""
+    from mha_compile import backend
+
+    reports = []
+    observe = lambda report, gm, lowered: reports.append(report)
+    backend.observers.append(observe)
+    try:
+        yield reports
+    finally:
+        backend.observers.remove(observe)
+    if not any(r.matches for r in reports):
+        reasons = "; ".join(m["reason"] for r in reports for m in r.near_misses) or "no candidate region"
+        raise RuntimeError(f"backend='mha' replaced no region of {what}: {reasons}")
+
+
 def overfit(task, steps, seed=0, batch=256, lr=3e-3, compile_options=None, compile=True, pool=True,
             context=True, dtype=torch.float32, device="cpu", geometry=SUITE, model_kwargs=MODEL):
     """Train a fresh Forecaster on one fixed batch of `task`; returns the loss of every step.
@@ -195,8 +215,9 @@ def overfit(task, steps, seed=0, batch=256, lr=3e-3, compile_options=None, compi
     run = torch.compile(model, backend="mha", options=compile_options) if compile else model
     opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=lr)
     losses = []
-    for _ in range(steps):
-        loss = (run(series) - target).float().square().mean() * scale
+    for step in range(steps):
+        with require_lowered("the Forecaster") if compile and step == 0 else contextlib.nullcontext():
+            loss = (run(series) - target).float().square().mean() * scale
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

@@ -76,10 +76,13 @@ for kind, targets in {
         _FUNCTIONS[target] = kind
 
 _METHODS = {
-    "add": "add", "add_": "add", "__add__": "add", "__radd__": "add",
-    "sub": "sub", "mul": "mul", "mul_": "mul", "div": "div", "__truediv__": "div",
+    # Dunder spellings: torch 2.11's Dynamo records `index == e` as call_method "__eq__"
+    # (2.13 records operator.eq); the H200 run found the loop MoE unmatched through this.
+    "add": "add", "add_": "add", "__add__": "add", "__radd__": "add", "__iadd__": "add",
+    "sub": "sub", "__sub__": "sub", "mul": "mul", "mul_": "mul", "__mul__": "mul", "__rmul__": "mul",
+    "div": "div", "__truediv__": "div", "__itruediv__": "div",
     "matmul": "matmul", "mm": "matmul", "bmm": "matmul", "__matmul__": "matmul",
-    "softmax": "softmax", "topk": "topk", "sum": "sum", "eq": "eq", "scatter": "scatter",
+    "softmax": "softmax", "topk": "topk", "sum": "sum", "eq": "eq", "__eq__": "eq", "scatter": "scatter",
     "view": "reshape", "reshape": "reshape", "flatten": "reshape", "unflatten": "reshape",
     "unsqueeze": "reshape", "squeeze": "reshape",
     "transpose": "permute", "permute": "permute", "t": "permute",

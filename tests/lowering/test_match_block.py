@@ -1,5 +1,6 @@
 """The matcher on the reference spellings, near-misses and graphs without the region."""
 import copy
+import operator
 
 import pytest
 import torch
@@ -94,5 +95,18 @@ def test_dynamic_batch_still_matches():
     (gm,) = capture_graphs(model, *_inputs(), dynamic=True)
     symbolic = [n for n in gm.graph.find_nodes(op="placeholder") if isinstance(n.meta["example_value"], torch.SymInt)]
     assert symbolic, "the graph was expected to have symbolic sizes"
+    matches, misses = find_regions(gm)
+    assert len(matches) == 1 and not misses
+
+
+def test_dunder_method_spellings_read_as_their_ops():
+    """torch 2.11 records `index == e` as call_method "__eq__": the loop MoE must still match."""
+    model = models.MHABlock(32, 2, 64, 4, 2, spelling="loop")
+    (gm,) = capture_graphs(model, *_inputs())
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is operator.eq:
+            node.op, node.target = "call_method", "__eq__"
+    gm.recompile()
+    assert any(n.target == "__eq__" for n in gm.graph.nodes)
     matches, misses = find_regions(gm)
     assert len(matches) == 1 and not misses
