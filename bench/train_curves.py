@@ -3,7 +3,7 @@ a 1,000-step run at the medium preset beside eager, plotted to a PNG.
 
 The H200 command (repository root; about 2-3 minutes; writes train_curves.json, .md and .png):
 
-    pip install -q --no-deps --no-build-isolation -e . && timeout -s INT 540 python -m bench.train_curves --out $OUT
+    python -m pip install -q --no-deps --no-build-isolation -e . && timeout -s INT 540 python -m bench.train_curves --out $OUT
 
 Check it end to end on the CPU (reference kernels; seconds):
 
