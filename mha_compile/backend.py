@@ -54,21 +54,52 @@ def mha_backend(gm, example_inputs, options=None, mode=None):
 
 
 def lower(gm, opts, report):
-    """A rewritten copy of gm; fills report with matches and near-misses."""
-    matches, misses = find_regions(gm)
-    report.near_misses = [m.summary() for m in misses]
-    for miss in misses:
-        log.info("mha_compile: near-miss at %s: %s", miss.node, miss.reason)
-    if not matches:
+    """A rewritten copy of gm; fills report with matches and near-misses.
+
+    Regions are also sought in the subgraphs of higher-order ops (the body Dynamo makes for
+    torch.utils.checkpoint, say), whose GraphModules hang off gm as attributes; a rewritten
+    subgraph is rewritten on its own copy, so the captured graph is never touched.
+    """
+    found = {path: find_regions(sub) for path, sub in _graph_modules(gm)}
+    for path, (_, misses) in found.items():
+        report.near_misses += [dict(m.summary(), graph=path or "<top>") for m in misses]
+        for miss in misses:
+            log.info("mha_compile: near-miss at %s: %s", miss.node, miss.reason)
+    if not any(matches for matches, _ in found.values()):
         return gm
-    new = _copy(gm)
-    matches, _ = find_regions(new)  # the same regions, on the copy's nodes
-    for match in matches:
-        match.kernels, match.kernels_reason = choose_kernels(match, opts.kernels)
-    report.matches = [m.summary() for m in matches]
-    rewrite(new, matches)
-    log.info("mha_compile: graph %d: replaced %d region(s)", report.index, len(matches))
+    new, copies = _copy(gm), {}
+    for path, (matches, _) in found.items():
+        if not matches:
+            continue
+        sub = _copy_attribute(new, path, copies)
+        matches, _ = find_regions(sub)  # the same regions, on the copy's nodes
+        for match in matches:
+            match.kernels, match.kernels_reason = choose_kernels(match, opts.kernels)
+        report.matches += [dict(m.summary(), graph=path or "<top>") for m in matches]
+        rewrite(sub, matches)
+    log.info("mha_compile: graph %d: replaced %d region(s)", report.index, len(report.matches))
     return new
+
+
+def _graph_modules(gm, prefix=""):
+    """(attribute path, GraphModule) of gm and of every subgraph it reaches through get_attr."""
+    yield prefix, gm
+    for node in gm.graph.find_nodes(op="get_attr"):
+        sub = getattr(gm, node.target, None)
+        if isinstance(sub, torch.fx.GraphModule):
+            yield from _graph_modules(sub, f"{prefix}.{node.target}" if prefix else node.target)
+
+
+def _copy_attribute(root, path, copies):
+    """The GraphModule at `path` under the copy `root`, itself replaced by a copy (once)."""
+    if not path:
+        return root
+    if path not in copies:
+        parent_path, _, name = path.rpartition(".")
+        parent = _copy_attribute(root, parent_path, copies)
+        copies[path] = _copy(getattr(parent, name))
+        setattr(parent, name, copies[path])
+    return copies[path]
 
 
 def _copy(gm):

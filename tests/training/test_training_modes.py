@@ -138,10 +138,6 @@ def test_activation_checkpointing_trains_like_eager():
     _compare(got, want)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Dynamo puts a checkpointed block in a tag_activation_checkpoint subgraph; the matcher only "
-    "walks the top-level graph, so the region runs unaccelerated with no near-miss reported "
-    "(lowering must recurse into the HOP body)"))
 def test_activation_checkpointing_replaces_the_region():
     _, _, matches = _side_by_side(steps=1, cls=CheckpointedForecaster)
     assert sum(matches) == 1, f"regions replaced per graph: {matches}"
