@@ -33,7 +33,6 @@ import argparse
 import contextlib
 import functools
 import json
-import math
 import time
 from pathlib import Path
 
@@ -44,18 +43,7 @@ from mha_compile import models, tasks
 CURVE_RTOL = 0.10  # 50-step moving averages, every step after the first 50
 FINAL_RTOL = 0.05  # mean of the last 100 steps (or the last fifth of a shorter run)
 SMOOTH = 50
-# task -> (threshold, steps, context kept): the table of tests/training/test_overfit.py
-SUITE = {
-    "constant_level": (3e-3, 120, True),
-    "linear_trend": (3e-3, 150, True),
-    "single_sine": (3e-3, 150, True),
-    "two_sines": (3e-3, 150, True),
-    "step_change": (3e-3, 200, True),
-    "ar1": (3e-3, 150, True),
-    "lead_lag": (3e-3, 200, True),
-    "horizon_offsets": (3e-3, 200, True),
-    "pooled_selection": (1e-2, 300, False),
-}
+SUITE = tasks.THRESHOLDS  # task -> (threshold, step budget, context path kept)
 WINDOW = {"tiny": 16, "small": 48, "medium": 96, "large": 96}
 
 

@@ -223,3 +223,18 @@ def overfit(task, steps, seed=0, batch=256, lr=3e-3, compile_options=None, compi
         opt.step()
         losses.append(loss.item())
     return losses
+
+
+# The overfit suite: task -> (threshold on MSE / Var(target), step budget, context path kept).
+# Thresholds and budgets were chosen from compiled runs on seeds 0-3 (tests/training/test_overfit.py).
+THRESHOLDS = {
+    "constant_level": (3e-3, 120, True),
+    "linear_trend": (3e-3, 150, True),
+    "single_sine": (3e-3, 150, True),
+    "two_sines": (3e-3, 150, True),
+    "step_change": (3e-3, 200, True),
+    "ar1": (3e-3, 150, True),
+    "lead_lag": (3e-3, 200, True),
+    "horizon_offsets": (3e-3, 200, True),
+    "pooled_selection": (1e-2, 300, False),
+}

@@ -78,13 +78,19 @@ def pool_forward(tok, q, wk, wv, bv, wo, bo, mask=None):
         scores = scores.masked_fill(mask[:, :, None], float("-inf"))
     attn = torch.softmax(scores, dim=1)
     tbar = torch.einsum("bnp,bnd->bpd", attn, tok)  # [B,P,D]
-    pooled = torch.einsum("bpd,pjd->bpj", tbar, wv.view(P, Dh, D)).reshape(B, D)
+    return pool_project(tbar, wv, bv, wo, bo)[1], attn
+
+
+def pool_project(tbar, wv, bv, wo, bo):
+    """(pooled, inv) from t̄ [B,P,D]: pooled_p = Wv_p t̄_p + bv_p, inv = pooled Woᵀ + bo."""
+    B, P, D = tbar.shape
+    pooled = torch.einsum("bpd,pjd->bpj", tbar, wv.view(P, D // P, D)).reshape(B, D)
     if bv is not None:
         pooled = pooled + bv
     inv = pooled @ wo.T
     if bo is not None:
         inv = inv + bo
-    return inv, attn
+    return pooled, inv
 
 
 def pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn):
@@ -93,9 +99,7 @@ def pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn):
     B, N, D = tok.shape
     wv_heads = wv.view(P, Dh, D)
     tbar = torch.einsum("bnp,bnd->bpd", attn, tok)
-    pooled = torch.einsum("bpd,pjd->bpj", tbar, wv_heads).reshape(B, D)
-    if bv is not None:
-        pooled = pooled + bv
+    pooled, _ = pool_project(tbar, wv, bv, wo, None)
     grad_bo = grad_inv.sum(0)
     grad_wo = grad_inv.T @ pooled
     grad_pooled = grad_inv @ wo  # [B,D]

@@ -28,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mha_compile.kernels.triton_util import (ACT_CODE, SWIGLU, Launcher, act_bwd, act_fwd, dot_precision,
-                                             load_x, pow2, tl_dtype)
+from mha_compile.kernels.triton_util import (ACT_CODE, Launcher, act_bwd, act_fwd, dot_precision, load_x,
+                                             pow2)
 
 
 # ---------------------------------------------------------------------------------------------

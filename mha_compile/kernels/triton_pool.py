@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mha_compile.kernels.reference import pool_directions
+from mha_compile.kernels.reference import pool_directions, pool_project
 from mha_compile.kernels.triton_util import pow2
 
 # A [P,D] fp32 accumulator (P padded to 16) lives in registers: D beyond this spills badly.
@@ -203,16 +203,8 @@ def pool_attend(tok, u, mask=None):
 
 def pool_forward(tok, q, wk, wv, bv, wo, bo, mask=None):
     """inv [B,D] and attn [B,N,P] (fp32), as reference.pool_forward; weights are fp32 here."""
-    P, Dh = q.shape
-    B, N, D = tok.shape
     attn, tbar = pool_attend(tok, pool_directions(q, wk), mask)
-    pooled = torch.einsum("bpd,pjd->bpj", tbar, wv.view(P, Dh, D)).reshape(B, D)
-    if bv is not None:
-        pooled = pooled + bv
-    inv = pooled @ wo.T
-    if bo is not None:
-        inv = inv + bo
-    return inv, attn
+    return pool_project(tbar, wv, bv, wo, bo)[1], attn
 
 
 def pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn):

@@ -9,7 +9,7 @@ import torch
 
 import mha_compile
 from mha_compile import backend, models
-from numerics import TOLERANCE, assert_close_rel, relative_error
+from numerics import assert_close_rel, relative_error
 
 BK = "pool.key.bias"  # SPEC §1: its gradient is exactly zero (it shifts every score of a head)
 

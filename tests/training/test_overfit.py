@@ -35,18 +35,7 @@ import torch
 from mha_compile import tasks
 from training_utils import region_matches
 
-# task -> (threshold on MSE / Var(target), step budget, context path kept)
-SUITE = {
-    "constant_level": (3e-3, 120, True),
-    "linear_trend": (3e-3, 150, True),
-    "single_sine": (3e-3, 150, True),
-    "two_sines": (3e-3, 150, True),
-    "step_change": (3e-3, 200, True),
-    "ar1": (3e-3, 150, True),
-    "lead_lag": (3e-3, 200, True),
-    "horizon_offsets": (3e-3, 200, True),
-    "pooled_selection": (1e-2, 300, False),
-}
+SUITE = tasks.THRESHOLDS  # task -> (threshold, step budget, context path kept)
 
 
 def first_reach(losses, threshold):
