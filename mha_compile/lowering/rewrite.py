@@ -16,7 +16,7 @@ import operator
 import torch
 
 from mha_compile import ops
-from mha_compile.lowering.canonicalize import shape
+from mha_compile.lowering.canonicalize import dtype, shape
 from mha_compile.lowering.interpret import StackRef
 
 
@@ -64,6 +64,10 @@ def replace_region(gm, match):
         out = graph.call_function(operator.getitem, (call, 0))
         if len(shape(match.output)) == 2:  # the user's MoE ran on [B·H, D] rows
             out = graph.call_method("flatten", (out, 0, 1))
+        if dtype(match.output) is not None and dtype(match.output) != dtype(match.ctx):
+            # The op returns ctx's dtype; the user's spelling may promote (an fp32 gate times a
+            # bf16 expert output is fp32): keep what the rest of the graph was traced with.
+            out = graph.call_method("to", (out, dtype(match.output)))
     out.meta.update({k: v for k, v in match.output.meta.items() if k in ("example_value", "val", "stack_trace")})
     match.output.replace_all_uses_with(out)
     for node in reversed(match.nodes):

@@ -110,3 +110,32 @@ def test_dunder_method_spellings_read_as_their_ops():
     assert any(n.target == "__eq__" for n in gm.graph.nodes)
     matches, misses = find_regions(gm)
     assert len(matches) == 1 and not misses
+
+
+class _PromotingMoE(models.TopKMoE):
+    """The loop spelling without casting the fp32 router weights back: the output promotes to fp32."""
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        probs = torch.softmax(self.router(x).float(), dim=-1)
+        weight, index = torch.topk(probs, self.top_k, dim=-1)
+        weight = weight / weight.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(x)
+        for e in range(self.w1.shape[0]):
+            gate = (weight * (index == e)).sum(dim=-1, keepdim=True)
+            out = out + gate * (torch.nn.functional.gelu(x @ self.w1[e] + self.b1[e]) @ self.w2[e] + self.b2[e])
+        return out.reshape(shape)
+
+
+def test_replacement_keeps_the_output_dtype_of_the_users_spelling():
+    torch.manual_seed(0)
+    model = models.MHABlock(32, 2, 64, 4, 2)
+    model.moe = _PromotingMoE(32, 64, 4, 2)
+    model = model.to(torch.bfloat16)
+    ctx, tok = torch.randn(4, 3, 32, dtype=torch.bfloat16), torch.randn(4, 5, 32, dtype=torch.bfloat16)
+    want = model(ctx, tok)
+    reports, got = compile_with_reports(copy.deepcopy(model), ctx, tok)
+    assert want.dtype == torch.float32 and len(reports[0][0].matches) == 1
+    assert got.dtype == want.dtype
+    assert relative_error(got, want) <= 2e-2  # SPEC §4 bf16 bound: the region computes from bf16 inputs
