@@ -96,8 +96,9 @@ def is_one(size):
 class Axes:
     """Sizes of the roles seen so far; splits and merges are checked against them."""
 
-    def __init__(self):
+    def __init__(self, trivial_split=None):
         self.sizes = {}
+        self.trivial_split = trivial_split
 
     def bind(self, role, size):
         if role == ONE or role is None:
@@ -127,10 +128,18 @@ class Axes:
         return parts if all(self.bind(p, s) for p, s in zip(parts, sizes)) else None
 
     def reshape(self, in_shape, in_roles, out_shape):
-        """Roles after a row-major reshape, or None when the axes cannot be followed."""
-        src = [(s, r) for s, r in zip(in_shape, in_roles) if not is_one(s)]
+        """Roles after a row-major reshape, or None when the axes cannot be followed.
+
+        Axes of size > 1 are grouped by equal products (1 -> n splits, n -> 1 merges). A size-1
+        axis with a real role (a single token) keeps it where the output has a size-1 axis in the
+        same place. With `trivial_split` set to a role X (the one-head hypothesis of the pool,
+        P = 1), a size-1 axis just before X reads as the split (X.0, X.1) and the reverse merge
+        gives X back: for one head that split is exact, so the labels stay true to the values.
+        """
+        src = [(s, r, a) for a, (s, r) in enumerate(zip(in_shape, in_roles)) if not is_one(s)]
         dst = [i for i, s in enumerate(out_shape) if not is_one(s)]
         out = [ONE if is_one(s) else None for s in out_shape]
+        groups = []  # (input axes, output axes)
         i = j = 0
         while i < len(src) or j < len(dst):
             if i >= len(src) or j >= len(dst):
@@ -147,11 +156,11 @@ class Axes:
                     p_out, j = p_out * out_shape[dst[j]], j + 1
                 else:
                     return None
-            roles = [r for _, r in group_in]
+            roles = [r for _, r, _ in group_in]
             if None in roles:
                 return None
             if len(group_out) == 1:
-                out[group_out[0]] = self.merge(roles)
+                out[group_out[0]] = self._merge_with_trivial(roles, [a for _, _, a in group_in], in_shape, in_roles)
             elif len(roles) == 1:
                 parts = self.split(roles[0], [out_shape[k] for k in group_out])
                 if parts is None:
@@ -160,7 +169,40 @@ class Axes:
                     out[k] = r
             else:
                 return None
+            groups.append(([a for _, _, a in group_in], group_out))
+        self._carry_size_one(in_shape, in_roles, out, groups)
         return tuple(out)
+
+    def _merge_with_trivial(self, roles, axes, in_shape, in_roles):
+        x = self.trivial_split
+        if x and roles == [f"{x}.1"] and axes[0] > 0 and is_one(in_shape[axes[0] - 1]) and \
+                in_roles[axes[0] - 1] == f"{x}.0":
+            return x
+        return self.merge(roles)
+
+    def _carry_size_one(self, in_shape, in_roles, out, groups):
+        """Size-1 input axes with real roles keep them in the matching output gap (see reshape)."""
+        def gap(before):  # output positions between group `before - 1` and group `before`
+            lo = groups[before - 1][1][-1] + 1 if before > 0 else 0
+            hi = groups[before][1][0] if before < len(groups) else len(out)
+            return range(lo, hi)
+
+        taken = set()
+        for a, (size, role) in enumerate(zip(in_shape, in_roles)):
+            if not is_one(size) or role in (ONE, None):
+                continue
+            before = sum(1 for ins, _ in groups if ins[-1] < a)
+            slot = next((k for k in gap(before) if out[k] == ONE and k not in taken), None)
+            if slot is not None:
+                out[slot] = role
+                taken.add(slot)
+        x = self.trivial_split
+        if x:
+            for ins, outs in groups:
+                k = outs[0]
+                if len(ins) == len(outs) == 1 and out[k] == x and k > 0 and out[k - 1] == ONE and k - 1 not in taken \
+                        and self.bind(f"{x}.0", 1) and self.bind(f"{x}.1", self.sizes.get(x)):
+                    out[k - 1], out[k] = f"{x}.0", f"{x}.1"
 
 
 def broadcast(a, b):
@@ -212,8 +254,8 @@ _FROM_NOTHING = ("zeros", "new_zeros", "zeros_like")
 class Walk:
     """Evaluates `rule` over `nodes` in graph order, starting from `start` {node: Val}."""
 
-    def __init__(self, rule, start, nodes, inside, **context):
-        self.rule, self.vals, self.reasons, self.axes = rule, dict(start), {}, Axes()
+    def __init__(self, rule, start, nodes, inside, trivial_split=None, **context):
+        self.rule, self.vals, self.reasons, self.axes = rule, dict(start), {}, Axes(trivial_split)
         self.inside = inside  # nodes that depend on a start: everything else is external
         self.lazy = {}  # Vals of external call nodes, computed when a region node reads them
         self.__dict__.update(context)  # what a rule may need to know (the router node, say)
@@ -301,16 +343,7 @@ def layout_rule(walk, node, op):
         return _ext_layout(walk, node, op, src, in_shape, out_shape)
     if src.roles is None or in_shape is None or out_shape is None:
         return Val(src.kind, None, src.info) if op.kind == "cast" else None
-    if op.kind == "cast":
-        return Val(src.kind, src.roles, src.info)
-    if op.kind == "reshape":
-        roles = walk.axes.reshape(in_shape, src.roles, out_shape)
-    elif op.kind == "permute":
-        roles = tuple(src.roles[i] for i in op.args[1])
-    else:  # expand: new or size-1 axes broadcast, the rest keep their roles
-        pad = len(out_shape) - len(in_shape)
-        full = (ONE,) * pad + tuple(src.roles)
-        roles = tuple(ONE if (i < pad or is_one(in_shape[i - pad])) else full[i] for i in range(len(out_shape)))
+    roles = _move_roles(walk, op, src.roles, in_shape, out_shape)
     return None if roles is None else Val(src.kind, roles, src.info)
 
 

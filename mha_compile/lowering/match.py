@@ -311,11 +311,15 @@ def _read_pool(nodes, inv):
                 candidates.append(src)
     reason = (inv, f"{inv.name}: no [B,N,D] token tensor feeds a projection of the pool")
     for tok in candidates:
-        walk = Walk(pool_rule, {tok: Val("tok", ("b", "n", "d"))}, inner, _descendants(tok))
-        val = walk.vals.get(inv)
-        if val is not None and val.kind == "inv":
-            return tok, walk
-        reason = walk.first_reason(inv, inner)
+        # A one-head pool (P = 1) views [B,N,D] as [B,N,1,D], which reads the same as an
+        # unsqueeze: try the usual reading first, then the one-head one.
+        for trivial in (None, "d"):
+            walk = Walk(pool_rule, {tok: Val("tok", ("b", "n", "d"))}, inner, _descendants(tok), trivial_split=trivial)
+            val = walk.vals.get(inv)
+            if val is not None and val.kind == "inv":
+                return tok, walk
+            if trivial is None:
+                reason = walk.first_reason(inv, inner)
     raise _Miss(*reason) if isinstance(reason, tuple) else _Miss(inv, reason)
 
 

@@ -37,9 +37,12 @@ def compile_and_compare(model, args, dtype, dynamic_where=False):
     cotangent = torch.randn_like(out_e)
     out_e.backward(cotangent)
     out_c.backward(cotangent)
+    # With top_k=1 and renorm the weight is exactly 1, so ∂router is zero in exact math: eager
+    # leaves rounding noise there and the region exact zeros (like the key bias, SPEC §1).
+    router_zero = getattr(model, "k", None) == 1 and getattr(model, "renorm", False)
     for (name, p_e), p_c in zip(model.named_parameters(), compiled_model.parameters()):
         assert p_c.grad is not None, f"{name} received no gradient through the compiled path"
-        if name.endswith(ZERO_GRAD):
+        if name.endswith(ZERO_GRAD) or router_zero and "router" in name:
             assert torch.count_nonzero(p_c.grad) == 0 and p_e.grad.abs().max() <= 1e-6
             continue
         assert relative_error(p_c.grad, p_e.grad) <= tol, f"∂{name}: {relative_error(p_c.grad, p_e.grad):.3g}"
@@ -118,11 +121,26 @@ def test_random_block_configurations(P, Dh, F_, E, data, act, renorm, bias, pool
     model = SpelledBlock(D=P * Dh, P=P, F_=F_, E=E, k=k, act=act, renorm=renorm, bias=bias, pool=pool, merge=merge,
                          moe=moe, experts=experts).double()
     gen = torch.Generator().manual_seed(seed)
-    B, H, N = data.draw(st.integers(2, 5)), data.draw(st.integers(2, 4)), data.draw(st.integers(2, 6))  # size-1 axes: see report
+    B, H, N = data.draw(st.integers(2, 5)), data.draw(st.integers(1, 4)), data.draw(st.integers(1, 6))
     args = inputs(B, H, N, P * Dh, dtype=torch.float64, generator=gen)
     reports = compile_and_compare(model, args, torch.float64, dynamic_where=moe == "mixtral")
     match = _assert_one_match(reports)
     assert match["config"] == {"top_k": k, "renorm": renorm, "act": act}
+
+
+# Size-1 axes: one horizon (H=1) or one token (N=1) in every pool spelling; one head (P=1) in
+# the spellings that read it (a [B,N,1,Dh] view reads like an unsqueeze; the matcher retries the
+# one-head reading). P=1 through matmul/SDPA with transposed heads is not matched yet.
+SIZE_ONE = [(2, 1, 5, pool) for pool in POOLS] + [(2, 3, 1, pool) for pool in POOLS] + \
+    [(1, 3, 5, pool) for pool in ("einsum", "mha", "fused_kv", "mul_scale")]
+
+
+@pytest.mark.parametrize("P,H,N,pool", SIZE_ONE)
+def test_size_one_axes(P, H, N, pool):
+    torch.manual_seed(0)
+    model = SpelledBlock(D=P * 8, P=P, F_=12, E=3, k=2, pool=pool).double()
+    args = inputs(3, H, N, P * 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    _assert_one_match(compile_and_compare(model, args, torch.float64))
 
 
 class TwoBlocks(torch.nn.Module):
