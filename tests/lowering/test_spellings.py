@@ -96,7 +96,8 @@ def test_spelling_matches_once_and_equals_eager_float64(config):
 @pytest.mark.parametrize("config", [dict(pool="mha", moe="mixtral", experts="modules", mask=True),
                                     dict(pool="sdpa", moe="gathered", merge="iadd", act="swiglu")], ids=_id)
 def test_spelling_float32(config):
-    _assert_one_match(_run(torch.float32, **config))
+    match = _assert_one_match(_run(torch.float32, **config))  # compares outputs and gradients too
+    assert match["dtype"] == "torch.float32"
 
 
 def test_modules_experts_are_stacked_in_the_graph():
@@ -140,7 +141,8 @@ def test_size_one_axes(P, H, N, pool):
     torch.manual_seed(0)
     model = SpelledBlock(D=P * 8, P=P, F_=12, E=3, k=2, pool=pool).double()
     args = inputs(3, H, N, P * 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    _assert_one_match(compile_and_compare(model, args, torch.float64))
+    match = _assert_one_match(compile_and_compare(model, args, torch.float64))  # compares outputs and gradients
+    assert match["shapes"]["tok"][1] == str(N) and match["shapes"]["ctx"][1] == str(H)
 
 
 class TwoBlocks(torch.nn.Module):
