@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from mha_compile.kernels.reference import ACTIVATIONS, accumulation_dtype
+from mha_compile.kernels.reference import ACTIVATIONS, accumulation_dtype, pool_backward
 
 KERNEL_SETS = ("reference", "fused", "staged")
 _KERNEL_MODULES = {
@@ -73,16 +73,21 @@ def _no_autocast(ctx):
 def region(ctx: Tensor, tok: Tensor, q: Tensor, wk: Tensor, bk: Optional[Tensor], wv: Tensor,
            bv: Optional[Tensor], wo: Tensor, bo: Optional[Tensor], wg: Tensor, w1: Tensor,
            b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor], w3: Optional[Tensor],
-           mask: Optional[Tensor], top_k: int, renorm: bool, act: str, kernels: str
+           mask: Optional[Tensor], top_k: int, renorm: bool, act: str, kernels: str, export_inv: bool = False
            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """out = MoE(ctx + pool(tok)[:, None]); see SPEC §1."""
+    """out = MoE(ctx + pool(tok)[:, None]); see SPEC §1.
+
+    export_inv: the graph also reads `inv` (output 1), e.g. to rebuild y = ctx + inv for a
+    residual; then its gradient flows back through the pool too (see _backward).
+    """
     with _no_autocast(ctx):
         return kernel_set(kernels).region_forward(ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3,
                                                   mask, top_k, renorm, act)
 
 
 @region.register_fake
-def _region_fake(ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask, top_k, renorm, act, kernels):
+def _region_fake(ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask, top_k, renorm, act, kernels,
+                 export_inv=False):
     B, H, D, N, P = _check_shapes(ctx, tok, q, wk, wv, wo, wg, w1, b1, w2, b2, w3, top_k, act)
     acc = accumulation_dtype(ctx.dtype)
     return (ctx.new_empty(B, H, D), ctx.new_empty(B, D, dtype=acc), ctx.new_empty(B, N, P, dtype=acc),
@@ -94,18 +99,31 @@ def region_backward(grad_out: Tensor, ctx: Tensor, tok: Tensor, q: Tensor, wk: T
                     wv: Tensor, bv: Optional[Tensor], wo: Tensor, bo: Optional[Tensor], wg: Tensor, w1: Tensor,
                     b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor], w3: Optional[Tensor],
                     mask: Optional[Tensor], inv: Tensor, attn: Tensor, weight: Tensor, index: Tensor,
-                    top_k: int, renorm: bool, act: str, kernels: str) -> list[Tensor]:
-    """Gradients of REGION_INPUTS, in order; an absent optional input gets an empty tensor."""
+                    top_k: int, renorm: bool, act: str, kernels: str,
+                    grad_inv: Optional[Tensor] = None) -> list[Tensor]:
+    """Gradients of REGION_INPUTS, in order; an absent optional input gets an empty tensor.
+
+    grad_inv: the gradient of the exported `inv` from outside the region, or None. The pool's
+    backward is linear in ∂inv, so this part is the reference pool backward of grad_inv added to
+    whatever the kernel set computed: exact for every set, no kernel has to know about it.
+    """
     with _no_autocast(ctx):
-        grads = kernel_set(kernels).region_backward(
+        grads = list(kernel_set(kernels).region_backward(
             grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask,
-            inv, attn, weight, index, top_k, renorm, act)
+            inv, attn, weight, index, top_k, renorm, act))
+        if grad_inv is not None:
+            acc = accumulation_dtype(ctx.dtype)
+            c = lambda t: None if t is None else t.to(acc)
+            extra = pool_backward(c(grad_inv), c(tok), c(q), c(wk), c(wv), c(bv), c(wo), attn)
+            for position, g in zip((1, 2, 3, 5, 6, 7, 8), extra):  # tok, q, wk, wv, bv, wo, bo
+                if grads[position] is not None:
+                    grads[position] = grads[position] + g.to(grads[position].dtype)
     return [ctx.new_empty(0) if g is None else g for g in grads]
 
 
 @region_backward.register_fake
 def _region_backward_fake(grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask,
-                          inv, attn, weight, index, top_k, renorm, act, kernels):
+                          inv, attn, weight, index, top_k, renorm, act, kernels, grad_inv=None):
     inputs = (ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3)
     return [ctx.new_empty(0) if t is None else torch.empty_like(t) for t in inputs]
 
@@ -114,16 +132,21 @@ def _setup_context(ctx, inputs, output):
     tensors = inputs[:16]
     ctx.absent = [t is None for t in tensors]
     ctx.save_for_backward(*[t for t in tensors if t is not None], *output[1:])
-    ctx.config = inputs[16:]
+    ctx.config = inputs[16:20]
+    ctx.export_inv = bool(inputs[20]) if len(inputs) > 20 else False
 
 
-def _backward(ctx, grad_out, *unused_aux_grads):
+def _backward(ctx, grad_out, grad_inv, *unused_aux_grads):
+    """attn, weight and index are saved for the backward, never read by the graph: their
+    gradients are ignored. inv's is used only when the graph reads inv (export_inv): autograd
+    hands a zero tensor for an unread output, and a pool backward of zeros would cost a pass."""
     saved = list(ctx.saved_tensors)
     tensors = [None if absent else saved.pop(0) for absent in ctx.absent]
     inv, attn, weight, index = saved
-    grads = region_backward(grad_out.contiguous(), *tensors, inv, attn, weight, index, *ctx.config)
+    extra = grad_inv.contiguous() if ctx.export_inv and grad_inv is not None else None
+    grads = region_backward(grad_out.contiguous(), *tensors, inv, attn, weight, index, *ctx.config, grad_inv=extra)
     grads = [None if t is None else g for g, t in zip(grads, tensors)]
-    return (*grads, None, None, None, None, None)
+    return (*grads, None, None, None, None, None, None)
 
 
 region.register_autograd(_backward, setup_context=_setup_context)

@@ -89,3 +89,31 @@ def test_all_rows_to_one_expert_and_empty_experts():
     got = reference.moe_forward(x, weight, index, w1, b1, w2, b2, None, "silu")
     want = weight * (torch.nn.functional.silu(x @ w1[4] + b1[4]) @ w2[4] + b2[4])
     assert relative_error(got, want) <= 1e-12
+
+
+@pytest.mark.parametrize("kernels", ["reference", "fused"])
+def test_exported_inv_gets_its_gradient(kernels):
+    """With export_inv the graph reads inv too (a residual y + MoE(y)); gradcheck over both outputs
+    fails if the pool does not receive ∂inv from outside the region."""
+    import os
+    if kernels == "fused" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the fused set runs on CPU tensors only under TRITON_INTERPRET=1")
+    block, ctx, tok = _block_and_inputs("gelu", True, True, D=8, P=2, F=6, E=3, B=2, H=3, N=4)
+    params = models.block_parameters(block)
+    fn = lambda c, t, *p: ops.region(c, t, *p, None, 2, True, "gelu", kernels, True)[:2]
+    if kernels == "reference":
+        assert torch.autograd.gradcheck(fn, (ctx, tok, *params))
+        return
+    # fused runs in fp32: compare with autograd through the float64 reference math instead
+    tensors = (ctx, tok, *params)
+    names = [n for n, t in zip(ops.REGION_INPUTS, tensors) if t is not None]
+    args32 = [None if t is None else t.detach().float().requires_grad_(True) for t in tensors]
+    out64, inv64 = reference.region_forward(*tensors, None, 2, True, "gelu")[:2]  # plain autograd: the truth
+    out32, inv32 = ops.region(*args32, None, 2, True, "gelu", "fused", True)[:2]
+    g_out, g_inv = torch.randn_like(out64), torch.randn_like(inv64)
+    want = torch.autograd.grad((out64, inv64), [t for t in tensors if t is not None], (g_out, g_inv), allow_unused=True)
+    have = torch.autograd.grad((out32, inv32), [t for t in args32 if t is not None], (g_out.float(), g_inv.float()))
+    for name, w, h in zip(names, want, have):
+        if name == "bk":
+            continue
+        assert relative_error(h, w) <= 1e-5, f"∂{name}: {relative_error(h, w):.3g}"
