@@ -37,12 +37,17 @@ class Match:
     nodes: list
     kernels: str = "reference"
     kernels_reason: str = ""
+    # Region values the rest of the graph also reads, rebuilt from the op's inv output:
+    # {"inv": node, "y": node} (a residual y + MoE(y), say); empty when nothing escapes.
+    exports: dict = dataclasses.field(default_factory=dict)
+    inv: object = None  # the pool's output node (its dtype is what a rebuilt inv must have)
 
     def summary(self):
         return {"output": self.output.name, "ctx": self.ctx.name, "tok": self.tok.name,
                 "nodes": [n.name for n in self.nodes], "config": dict(self.config),
                 "params": {k: _describe(v) for k, v in self.params.items()},
                 "kernels": self.kernels, "kernels_reason": self.kernels_reason,
+                "exports": {k: v.name for k, v in self.exports.items()},
                 "shapes": {"ctx": _shape_str(self.ctx), "tok": _shape_str(self.tok), "out": _shape_str(self.output)},
                 "dtype": str(_dtype(self.ctx))}
 
@@ -215,10 +220,17 @@ def _match_at(nodes, anchor):
     tok, pool_walk = _read_pool(nodes, inv)
     _check_merge(nodes, y, ctx, inv, bcast, pool_walk)
     out, moe_walk = _read_moe(nodes, anchor, y, router)
-    region = _region_nodes(nodes, (ctx, tok), out)
+    # y and inv may also be read outside (a residual): the op's inv output rebuilds them. Not
+    # for an in-place merge, whose y is ctx's own storage.
+    exportable = {"inv": inv} if _is_inplace(y) else {"inv": inv, "y": y}
+    region, exports = _region_nodes(nodes, (ctx, tok), out, exportable)
     params, config = moe_params(moe_walk.vals[out])
     params.update(pool_params(pool_walk.vals[inv]))
-    return Match(anchor, out, ctx, tok, params, config, region)
+    return Match(anchor, out, ctx, tok, params, config, region, exports=exports, inv=inv)
+
+
+def _is_inplace(node):
+    return node.target is operator.iadd or node.op == "call_method" and str(node.target).endswith("_")
 
 
 def _merge_operands(y, y_op):
@@ -373,10 +385,12 @@ def _moe_failure(walk, nodes, anchor):
     return anchor, f"{anchor.name}: the experts after this router could not be read as act(x W1 + b1) W2 + b2 weighted by the top-k gates"
 
 
-def _region_nodes(nodes, inputs, out):
-    """Nodes the op replaces: on a path from ctx or tok to out, plus parameter views only they use.
+def _region_nodes(nodes, inputs, out, exportable=None):
+    """(nodes the op replaces, exports): the nodes on a path from ctx or tok to out, plus
+    parameter views only they use; exports names the `exportable` nodes also read outside.
 
-    An intermediate used outside the region (other than for its size) makes it a near-miss.
+    Any other intermediate used outside the region (other than for its size) makes it a
+    near-miss, and so does an export read before the region ends (its rebuilt value comes later).
     """
     ancestors = _ancestors(out, nodes.order, stop=set(inputs))
     reach = set()
@@ -400,13 +414,19 @@ def _region_nodes(nodes, inputs, out):
                 region.add(n)
                 changed = True
     region |= _size_checks(region)
+    exportable = {node: name for name, node in (exportable or {}).items()}
+    exports = {}
     for n in region:
         if n is out:
             continue
         for user in n.users:
-            if user not in region and not _is_size_query(user):
-                raise _Miss(n, f"{n.name} is used outside the region (by {user.name}); replacing the region would drop it")
-    return _in_order(nodes, region)
+            if user in region or _is_size_query(user):
+                continue
+            if n in exportable and nodes.order[user] > nodes.order[out]:
+                exports[exportable[n]] = n
+                continue
+            raise _Miss(n, f"{n.name} is used outside the region (by {user.name}); replacing the region would drop it")
+    return _in_order(nodes, region), exports
 
 
 def _is_size_query(node):

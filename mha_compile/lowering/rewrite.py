@@ -60,7 +60,9 @@ def replace_region(gm, match):
                   ("q", "wk", "bk", "wv", "bv", "wo", "bo", "wg", "w1", "b1", "w2", "b2", "w3")]
         cfg = match.config
         call = graph.call_function(torch.ops.mha.region.default, (
-            match.ctx, match.tok, *params, _param(graph, match.params.get("mask")), cfg["top_k"], cfg["renorm"], cfg["act"], match.kernels))
+            match.ctx, match.tok, *params, _param(graph, match.params.get("mask")), cfg["top_k"], cfg["renorm"],
+            cfg["act"], match.kernels, bool(match.exports)))
+        rebuilt = _rebuild_exports(graph, call, match)
         out = graph.call_function(operator.getitem, (call, 0))
         if len(shape(match.output)) == 2:  # the user's MoE ran on [B·H, D] rows
             out = graph.call_method("flatten", (out, 0, 1))
@@ -70,10 +72,32 @@ def replace_region(gm, match):
             out = graph.call_method("to", (out, dtype(match.output)))
     out.meta.update({k: v for k, v in match.output.meta.items() if k in ("example_value", "val", "stack_trace")})
     match.output.replace_all_uses_with(out)
+    inside = set(match.nodes)
+    for name, node in match.exports.items():
+        for user in list(node.users):
+            if user not in inside:
+                user.replace_input_with(node, rebuilt[name])
     for node in reversed(match.nodes):
         if not node.users:
             graph.erase_node(node)
     return out
+
+
+def _rebuild_exports(graph, call, match):
+    """The region values the rest of the graph reads, from the op's inv output (output 1, in the
+    accumulation dtype): inv in its traced dtype, and y = ctx + inv[:, None] as the merge wrote it.
+    With export_inv set on the op, gradients reaching them flow back through the pool."""
+    if not match.exports:
+        return {}
+    inv = graph.call_method("to", (graph.call_function(operator.getitem, (call, 1)), dtype(match.inv)))
+    rebuilt = {"inv": inv}
+    if "y" in match.exports:
+        rebuilt["y"] = graph.call_function(operator.add, (match.ctx, graph.call_method("unsqueeze", (inv, 1))))
+    for name, node in rebuilt.items():
+        source = match.exports.get(name)
+        if source is not None:
+            node.meta.update({k: v for k, v in source.meta.items() if k in ("example_value", "val")})
+    return rebuilt
 
 
 def rewrite(gm, matches):

@@ -227,3 +227,60 @@ def test_dump_writes_graphs_and_reports(tmp_path, monkeypatch):
     assert len(report["matches"]) == 1 and "topk" in report["matches"][0]["nodes"]
     assert "mha.region" in (graph / "rewritten.py").read_text()
     assert "torch.topk" in (graph / "captured.py").read_text() or "topk" in (graph / "captured.py").read_text()
+
+
+class _Residual(models.MHABlock):
+    """y = ctx + inv[:, None]; returns y + MoE(y) (and, with `expose_inv`, inv too)."""
+
+    def __init__(self, *args, expose_inv=False, early_read=False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.expose_inv, self.early_read = expose_inv, early_read
+
+    def forward(self, ctx, tok):
+        inv = self.pool(tok)
+        y = ctx + inv.unsqueeze(1)
+        early = y.mean() if self.early_read else 0.0  # read before the MoE runs
+        out = y + self.moe(y) + early
+        return (out, inv * 2.0) if self.expose_inv else out
+
+
+@pytest.mark.parametrize("expose_inv", [False, True])
+def test_residual_exports_y_and_inv_with_their_gradients(expose_inv):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Residual(32, 2, 64, 4, 2, expose_inv=expose_inv).double()
+    ctx, tok = torch.randn(4, 3, 32, dtype=torch.float64), torch.randn(4, 5, 32, dtype=torch.float64)
+    report = mha_compile.explain(model, ctx, tok)
+    assert len(report.matches) == 1 and not report.near_misses
+    assert set(report.matches[0]["exports"]) == ({"y", "inv"} if expose_inv else {"y"})
+    compiled_model = copy.deepcopy(model)
+    compiled = torch.compile(compiled_model, backend="mha")
+    args_e = [t.clone().requires_grad_(True) for t in (ctx, tok)]
+    args_c = [t.clone().requires_grad_(True) for t in (ctx, tok)]
+    outs_e, outs_c = model(*args_e), compiled(*args_c)
+    outs_e = outs_e if isinstance(outs_e, tuple) else (outs_e,)
+    outs_c = outs_c if isinstance(outs_c, tuple) else (outs_c,)
+    loss_e = sum((o * torch.randn(o.shape, generator=torch.Generator().manual_seed(i), dtype=o.dtype)).sum()
+                 for i, o in enumerate(outs_e))
+    loss_c = sum((o * torch.randn(o.shape, generator=torch.Generator().manual_seed(i), dtype=o.dtype)).sum()
+                 for i, o in enumerate(outs_c))
+    for o_c, o_e in zip(outs_c, outs_e):
+        assert_close_rel(o_c, o_e, torch.float64, "output")
+    loss_e.backward()
+    loss_c.backward()
+    for (name, p_e), p_c in zip(model.named_parameters(), compiled_model.parameters()):
+        if name.endswith(BK):
+            continue
+        assert_close_rel(p_c.grad, p_e.grad, torch.float64, f"∂{name}")
+    for a_c, a_e, name in zip(args_c, args_e, ("ctx", "tok")):
+        assert_close_rel(a_c.grad, a_e.grad, torch.float64, f"∂{name}")
+
+
+def test_a_region_value_read_before_the_region_ends_is_a_near_miss():
+    torch.manual_seed(0)
+    model = _Residual(32, 2, 64, 4, 2, early_read=True)
+    ctx, tok = torch.randn(4, 3, 32), torch.randn(4, 5, 32)
+    report = mha_compile.explain(model, ctx, tok)
+    assert not report.matches and "used outside the region" in report.near_misses[0]["reason"]
+    torch._dynamo.reset()
+    assert_close_rel(torch.compile(copy.deepcopy(model), backend="mha")(ctx, tok), model(ctx, tok), torch.float32, "eager")

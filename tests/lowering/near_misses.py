@@ -62,8 +62,8 @@ class Block(nn.Module):
             gate = (weight * (index == e)).sum(-1, keepdim=True)
             out = out + gate * (torch.nn.functional.gelu(x @ moe.w1[e] + moe.b1[e]) @ moe.w2[e] + moe.b2[e])
         out = out.reshape(y.shape)
-        if self.expose_attn:
-            return out, inv
+        if self.expose_attn:  # the MoE's row view of y leaves the region: not one the op rebuilds
+            return out, x.norm(dim=-1)
         return out
 
 
@@ -74,5 +74,5 @@ NEAR_MISSES = {
     "no merge": (lambda: Block(merge="none"), "merge"),
     "router softmax over rows": (lambda: Block(router_dim=0), "softmax"),
     "top-k on logits": (lambda: Block(topk_on_logits=True), "top-k is taken on the router logits"),
-    "pool output used outside": (lambda: Block(expose_attn=True), "used outside the region"),
+    "row view of y used outside": (lambda: Block(expose_attn=True), "used outside the region"),
 }
