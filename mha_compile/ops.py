@@ -23,6 +23,8 @@ _KERNEL_MODULES = {
 }
 # Inputs of the region in op order; the backward returns one gradient for each.
 REGION_INPUTS = ("ctx", "tok", "q", "wk", "bk", "wv", "bv", "wo", "bo", "wg", "w1", "b1", "w2", "b2", "w3")
+# What reference.pool_backward returns, in its order.
+POOL_GRADS = ("tok", "q", "wk", "wv", "bv", "wo", "bo")
 
 
 def kernel_set(name):
@@ -115,7 +117,8 @@ def region_backward(grad_out: Tensor, ctx: Tensor, tok: Tensor, q: Tensor, wk: T
             acc = accumulation_dtype(ctx.dtype)
             c = lambda t: None if t is None else t.to(acc)
             extra = pool_backward(c(grad_inv), c(tok), c(q), c(wk), c(wv), c(bv), c(wo), attn)
-            for position, g in zip((1, 2, 3, 5, 6, 7, 8), extra):  # tok, q, wk, wv, bv, wo, bo
+            for name, g in zip(POOL_GRADS, extra):
+                position = REGION_INPUTS.index(name)
                 if grads[position] is not None:
                     grads[position] = grads[position] + g.to(grads[position].dtype)
     return [ctx.new_empty(0) if g is None else g for g in grads]

@@ -20,7 +20,6 @@ from mha_compile.lowering.interpret import StackRef, Val, Walk, broadcast, known
 from mha_compile.lowering.moe import moe_params, moe_rule
 from mha_compile.lowering.pool import pool_params, pool_rule
 
-PARAM_NAMES = ("q", "wk", "bk", "wv", "bv", "wo", "bo", "wg", "w1", "b1", "w2", "b2", "w3")
 _LAYOUT = ("reshape", "permute", "expand", "cast")
 _SIZE_QUERIES = ("size", "dim", "numel", "stride")
 

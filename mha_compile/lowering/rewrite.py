@@ -56,8 +56,7 @@ def replace_region(gm, match):
     """Insert the op before match.output, reroute its users, erase the dead region nodes."""
     graph = gm.graph
     with graph.inserting_before(match.output):
-        params = [_param(graph, match.params.get(name)) for name in
-                  ("q", "wk", "bk", "wv", "bv", "wo", "bo", "wg", "w1", "b1", "w2", "b2", "w3")]
+        params = [_param(graph, match.params.get(name)) for name in ops.REGION_INPUTS[2:]]  # after ctx, tok
         cfg = match.config
         call = graph.call_function(torch.ops.mha.region.default, (
             match.ctx, match.tok, *params, _param(graph, match.params.get("mask")), cfg["top_k"], cfg["renorm"],
