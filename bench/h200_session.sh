@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# One device call on the H200 that checks and measures everything GPU-side (about 9 minutes):
-#   the CUDA tests, the benchmark against every peer, and the bf16 training curves.
-# Usage (repository root on the H200, $OUT set by the device tool):  bash bench/h200_session.sh
-# It writes at most 8 files under $OUT (the device tool's limit): run.log, h200.{md,json,png,errors.log},
-# train_curves.{json,md,png}. Budgets are per step so a slow step cannot starve the others.
+# The GPU-side checks and measurements on the H200, as two device calls (each fits the device
+# tool's 10-minute call and 8 files under $OUT). Repository root on the H200, $OUT set:
+#   bash bench/h200_session.sh check   # pytest -m cuda, per-kernel times, the training suite and curves
+#                                      # (~7 min): run.log, kernel_times.txt, train_curves.{json,md,png}
+#   bash bench/h200_session.sh bench   # the benchmark against every peer (~9 min):
+#                                      # run.log, h200.{md,json,png,errors.log}
+# Budgets are per step so a slow step cannot starve the others.
 set -u
+part=${1:?usage: bash bench/h200_session.sh check|bench}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 LOG="$OUT/run.log"
 commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
@@ -13,9 +16,19 @@ commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 python -m pip install -q --no-deps --no-build-isolation -e . >>"$LOG" 2>&1
 python -c "import torch; assert 'mha' in torch._dynamo.list_backends(), 'entry point not registered'" >>"$LOG" 2>&1 || exit 1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >>"$LOG"
-{ MHA_COMPILE_NO_AUTOTUNE=1 timeout 180 python -m pytest -q -m cuda tests -n 8 -p no:cacheprovider 2>&1 | tail -15; } >>"$LOG"
-{ timeout -s INT 260 python -m bench --out "$OUT" --name h200 --budget 220 --presets medium,large,small \
-    --modes eager,inductor,mha-staged,mha-fused,mha-fused-cudagraphs --spellings dense,loop,grouped_mm \
-    --commit "$commit" 2>&1 | tail -70; } >>"$LOG"
-{ timeout -s INT 110 python -m bench.train_curves --out "$OUT" 2>&1 | tail -30; } >>"$LOG"
-tail -120 "$LOG"
+echo "commit $commit, part $part" >>"$LOG"
+case "$part" in
+check)
+    { MHA_COMPILE_NO_AUTOTUNE=1 timeout 200 python -m pytest -q -m cuda tests -n 8 -p no:cacheprovider 2>&1 | tail -15; } >>"$LOG"
+    { timeout -s INT 120 python bench/kernel_times.py --presets medium,large --peers fused,staged,dense --profile \
+        2>&1 | tail -400; } >"$OUT/kernel_times.txt"
+    { timeout -s INT 230 python -m bench.train_curves --out "$OUT" 2>&1 | tail -30; } >>"$LOG"
+    ;;
+bench)
+    { timeout -s INT 560 python -m bench --out "$OUT" --name h200 --budget 500 --presets medium,large,small \
+        --modes eager,inductor,inductor-max-autotune,mha-staged,mha-fused,mha-fused-cudagraphs \
+        --spellings dense,loop,grouped_mm --commit "$commit" 2>&1 | tail -100; } >>"$LOG"
+    ;;
+*) echo "unknown part $part: expected check or bench" >&2; exit 2 ;;
+esac
+tail -150 "$LOG"

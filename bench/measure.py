@@ -87,6 +87,11 @@ def _measure(job, cache, quick):
         # a training loop tells them the previous step's outputs are dead (else: "overwritten").
         torch.compiler.cudagraph_mark_step_begin()
         if training:
+            # A training step starts from no gradients (zero_grad(set_to_none=True)). do_bench
+            # clears them only in its timed loop: in its warmup the backward accumulated into
+            # last step's .grad, which under CUDA graphs is a replay output since overwritten.
+            for t in leaves:
+                t.grad = None
             out = fn(ctx, tok)
             out.backward(grad_out)
             return out

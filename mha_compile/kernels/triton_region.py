@@ -30,9 +30,10 @@ def why_unsupported(ctx, tok, w1, top_k, act, mask):
     reason = dtype_reason(ctx) or device_reason(ctx)
     if reason:
         return reason
-    if tok.dtype != ctx.dtype or w1.dtype != ctx.dtype:
+    if not (_one_dtype(ctx, tok, w1) or autocast_mix(ctx, tok, w1)):
         return (f"mixed dtypes (ctx {ctx.dtype}, tok {tok.dtype}, experts {w1.dtype}) run on the "
-                "reference path")
+                "reference path (the kernels take one dtype, or bf16/fp16 activations with fp32 "
+                "tok and parameters, as torch.autocast hands them)")
     if tok.device != ctx.device or w1.device != ctx.device:
         return "inputs on several devices run on the reference path"
     D = ctx.shape[-1]
@@ -46,6 +47,26 @@ def why_unsupported(ctx, tok, w1, top_k, act, mask):
     if mask is not None and (mask.dim() != 2 or mask.device != ctx.device):
         return "a key-padding mask must be [B,N] on the inputs' device"
     return None
+
+
+def _one_dtype(ctx, tok, w1):
+    return tok.dtype == ctx.dtype and w1.dtype == ctx.dtype
+
+
+def autocast_mix(ctx, tok, w1):
+    """Under torch.autocast the op receives 16-bit activations (ctx, from an autocast linear)
+    with fp32 parameters, and tok in fp32 when a LayerNorm (an fp32 op under autocast) made it."""
+    return (ctx.dtype in (torch.bfloat16, torch.float16) and tok.dtype in (ctx.dtype, torch.float32)
+            and w1.dtype in (ctx.dtype, torch.float32) and not _one_dtype(ctx, tok, w1))
+
+
+def _in_compute_dtype(ctx, tok, w1, b1, w2, b2, w3):
+    """tok and the expert weights in ctx's dtype: autocast would run every matmul that reads
+    them in that dtype, so they are cast as autocast casts them (the kernels then see exactly
+    the one-dtype case). Wg stays as given: the router runs in fp32 either way. The gradients
+    go back in each input's own dtype (the last line of region_backward)."""
+    cast = lambda t: None if t is None else t.to(ctx.dtype)
+    return cast(tok), cast(w1), cast(b1), cast(w2), cast(b2), cast(w3)
 
 
 def _f32(t):
@@ -69,6 +90,7 @@ def region_forward(merge, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b
     if why_unsupported(ctx, tok, w1, top_k, act, mask) is not None:
         return reference.region_forward(ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3,
                                         mask, top_k, renorm, act)
+    tok, w1, b1, w2, b2, w3 = _in_compute_dtype(ctx, tok, w1, b1, w2, b2, w3)
     B, H, D = ctx.shape
     E = w1.shape[0]
     inv, attn = triton_pool.pool_forward(tok, _f32(q), _f32(wk), _f32(wv), _f32(bv), _f32(wo), _f32(bo), mask)
@@ -86,6 +108,8 @@ def region_backward(merge, grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1
     if why_unsupported(ctx, tok, w1, top_k, act, mask) is not None:
         return reference.region_backward(grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3,
                                          mask, inv, attn, weight, index, top_k, renorm, act)
+    inputs = (ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3)
+    tok, w1, b1, w2, b2, w3 = _in_compute_dtype(ctx, tok, w1, b1, w2, b2, w3)
     B, H, D = ctx.shape
     E = w1.shape[0]
     inv = inv.float()
@@ -112,5 +136,4 @@ def region_backward(merge, grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1
     grad_bk = None if bk is None else torch.zeros_like(bk)
     grads = (dctx, grad_tok, grad_q, grad_wk, grad_bk, grad_wv, grad_bv, grad_wo, grad_bo,
              dwg, dw1, db1, dw2, db2, dw3)
-    inputs = (ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3)
     return tuple(None if t is None else g.to(t.dtype) for g, t in zip(grads, inputs))

@@ -40,6 +40,9 @@ def choose_kernels(match, requested):
         why = module.why_unsupported(ctx, tok, w1, match.config["top_k"], match.config["act"], None)
         if why is None:
             chosen = f"kernels={requested!r}" + ("" if name == requested else f" -> {name}")
-            return name, "; ".join(reasons + [f"{chosen}: supports {ctx.dtype} on {ctx.device.type}"])
+            how = f"supports {ctx.dtype} on {ctx.device.type}"
+            if tok.dtype != ctx.dtype or w1.dtype != ctx.dtype:
+                how += f" (tok {tok.dtype} and experts {w1.dtype} cast to {ctx.dtype}, as autocast does)"
+            return name, "; ".join(reasons + [f"{chosen}: {how}"])
         reasons.append(f"{name}: {why}")
     return "reference", "; ".join(reasons) + " -> reference path"

@@ -191,3 +191,21 @@ def test_pool_split_dots(monkeypatch):
     ctx, tok, params = make_case(3, 2, 37, 32, 2, 32, 4, 2, dtype=torch.float16)
     errors = check_region(fused, ctx, tok, params, top_k=2, renorm=True, act="gelu")
     assert errors["attn"] < 1e-3 and errors["inv"] < 1e-3, errors
+
+
+@pytest.mark.parametrize("module", SETS)
+def test_autocast_mix(module):
+    """16-bit activations with fp32 tok and parameters, as torch.autocast hands them to the op:
+    the kernels take them (not the reference path), compute in the activations' dtype, and
+    return every gradient in its own input's dtype (check_region asserts the dtypes)."""
+    ctx, tok, params = make_case(2, 3, 5, 32, 2, 64, 4, 2)
+    ctx = ctx.half()
+    assert module.why_unsupported(ctx, tok, params[10], 2, "gelu", None) is None
+    check_region(module, ctx, tok, params, top_k=2, renorm=True, act="gelu")
+
+
+@pytest.mark.parametrize("ctx_dtype, param_dtype", [(torch.float32, torch.float16), (torch.float16, torch.float64)])
+def test_other_mixes_go_to_reference(ctx_dtype, param_dtype):
+    ctx, tok, params = make_case(2, 3, 5, 32, 2, 64, 4, 2)
+    reason = fused.why_unsupported(ctx.to(ctx_dtype), tok, params[10].to(param_dtype), 2, "gelu", None)
+    assert reason is not None and "mixed dtypes" in reason

@@ -99,3 +99,15 @@ def test_cuda_merge_matches_twin():
     merge_cuda._merge_bwd_kernel[(37, 1)](dy, twin_dctx, twin_dinv, 11, 200, BLOCK_D=256)
     assert torch.equal(dctx, dy.bfloat16()) and torch.equal(dctx, twin_dctx)
     assert torch.allclose(dinv, dy.sum(1), rtol=1e-6, atol=1e-6) and torch.equal(dinv, twin_dinv)
+
+
+@pytest.mark.parametrize("module", SETS)
+@pytest.mark.parametrize("preset", ["small", "medium"])
+def test_autocast_mix(module, preset):
+    """bf16 activations with fp32 tok and parameters (torch.autocast's hand-off): the kernels
+    run in bf16 on the cast inputs; gradients come back fp32 for the fp32 inputs."""
+    ctx, tok, params = preset_case(preset, dtype=torch.float32, device="cuda", seed=13)
+    ctx = ctx.bfloat16()
+    assert module.why_unsupported(ctx, tok, params[10], 2, "gelu", None) is None
+    errors = check_region(module, ctx, tok, params, top_k=2, renorm=True, act="gelu")
+    print(f"{module.__name__} {preset} autocast mix: {fmt(errors)}")

@@ -1,16 +1,31 @@
 """bench/train_curves.py (the H200 script) end to end at tiny size on the CPU, and its curve check."""
 import json
+import types
+
+import pytest
 
 from bench import train_curves
 
 
 def test_script_runs_end_to_end_on_cpu(tmp_path):
     rc = train_curves.main(["--device", "cpu", "--kernels", "reference", "--preset", "tiny", "--steps", "60",
-                            "--skip-suite", "--out", str(tmp_path)])
+                            "--curves", "autocast,fp32", "--skip-suite", "--out", str(tmp_path)])
     result = json.loads((tmp_path / "train_curves.json").read_text())
-    assert rc == 0 and result["curve"]["ok"], result["curve"]["worst_smoothed_gap"]
-    assert len(result["curve"]["eager"]) == len(result["curve"]["mha"]) == 60
-    assert (tmp_path / "train_curves.md").exists()
+    curves = result["curves"]
+    assert list(curves) == ["autocast", "fp32"]
+    for name, curve in curves.items():
+        assert curve["gated"] and curve["ok"], (name, curve["worst_smoothed_gap"])
+        assert len(curve["eager"]) == len(curve["mha"]) == 60
+        assert curve["kernels"] == ["reference"]
+    assert rc == 0
+    assert "| autocast | ['reference'] |" in (tmp_path / "train_curves.md").read_text()
+
+
+def test_a_fallback_kernel_set_is_refused():
+    report = types.SimpleNamespace(matches=[{"kernels": "reference", "kernels_reason": "mixed dtypes"}])
+    assert train_curves.require_kernels([report], "reference") == ["reference"]
+    with pytest.raises(RuntimeError, match="kernels='fused' was requested"):
+        train_curves.require_kernels([report], "fused")
 
 
 def test_curve_check_catches_a_systematic_gap():
