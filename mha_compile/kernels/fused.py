@@ -5,9 +5,9 @@ What runs (see triton_region, triton_pool, triton_router, triton_moe):
   u_p, softmax online, t̄ = Σ a tok), then the small [B,D]×[D,D] projections on cuBLAS;
 - router + softmax + top-k in fp32, with y = ctx + inv[b] formed in the tile load;
 - sync-free grouping by expert (device sort, grid from a host-known bound);
-- grouped GEMM1 with the merge on its A-tile load and the activation in its epilogue (y is
-  never written), grouped GEMM2 with bias and routing weight in its epilogue, token-order
-  combine (no atomics);
+- the slot rows of y gathered (and merged) once in expert order, then grouped GEMM1 on those
+  contiguous rows with the activation in its epilogue, grouped GEMM2 with bias and routing
+  weight in its epilogue, token-order combine (no atomics);
 - backward: one grouped kernel recomputes u and forms g = G W2ᵀ in a single K loop and writes
   h, ∂u and the ∂w partials; ∂x and ∂W1/∂W2/∂W3/∂b as grouped GEMMs; the router gradient,
   Σ_j, ∂ctx and ∂inv = Σ_h ∂y in one token-order pass; then the pool backward.

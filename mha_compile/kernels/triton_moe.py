@@ -7,16 +7,22 @@ bound T = ceil((R·k + E·(TILE−1)) / TILE), so every grid below is sized from
 the whole path can be captured in a CUDA graph. A padding slot holds pair id R·k; the programs
 of an all-padding tile skip their K loop and write zeros ("padding rows zero-filled").
 
+Both directions first gather the slot rows once, in one memory-bound pass
+(_gather_rows_kernel), so that every GEMM below reads plain contiguous rows: gathered and
+merged A tiles made the dots 2-3x slower (measured on the H200: GEMM1 merging x on its A-tile
+load at 172 TFLOP/s, GEMM2 on contiguous rows at 416).
+
 Forward, per tile t (expert e) and output block:
-    GEMM1   h[s] = act(x[row(s)] W1[e] + b1[e])   (swiglu: silu(u) ⊙ x W3[e])
-            x = ctx[r] + inv[r // H] is formed in the A-tile load: y is never written (fused)
+    gather  xs[s] = x[row(s)] (+ inv[row // H]), in the weights' dtype: with kernels="fused"
+            y = ctx + inv[b] is formed here and its slot rows are written once (k copies of
+            each row, plus zero padding rows), never in token order
+    GEMM1   h[s] = act(xs[s] W1[e] + b1[e])     (swiglu: silu(u) ⊙ xs W3[e])
     GEMM2   c[s] = w[s] · (h[s] W2[e] + b2[e])   fp32, the routing weight in the epilogue
     combine out[r] = Σ_j c[slot(r, j)]           token order, fixed j order: no atomics
 Backward (recomputing u = x W1 + b1 rather than storing it):
-    gather  xs[s] = x[row(s)] (merged, weights' dtype), gs[s] = G[row(s)]: one memory-bound
-            pass, so that every GEMM below reads contiguous slot rows (no gathers, no merge
-            arithmetic on the operands: measured 2-3x slower dots on the H200 with them)
-    hidden  per (tile, F block), one K loop over D for both u = xs W1[e] and g = gs W2[e]ᵀ:
+    gather  xs[s] as in the forward, and gs[s] = G[row(s)]
+    hidden  per (tile, F block), one K loop over D for both u = xs W1[e] and g = gs W2[e]ᵀ
+            (W2ᵀ copied once per call to [E,D,F], read like W1):
             hw = w · act(u); ∂u = (w · g) ⊙ act′(u); per-F-block partial ∂w = Σ_f h g (+ ⟨G, b2[e]⟩)
     dX      ∂x[s] = ∂u W1[e]ᵀ (+ ∂u3 W3[e]ᵀ)        the GEMM2 kernel with other strides
     dW      ∂W2[e] = Σ_{s∈e} hw[s]ᵀ gs[s], ∂W1[e] = Σ xs[s]ᵀ ∂u[s] (∂W3 likewise), biases as
@@ -38,19 +44,19 @@ from mha_compile.kernels.triton_util import (ACT_CODE, Launcher, act_bwd, act_fw
 
 @triton.jit
 def _moe_up_kernel(
-    x_ptr, inv_ptr, slot_pair_ptr, tile_expert_ptr, w1_ptr, b1_ptr, w3_ptr, h_ptr,
-    PAIRS, H, D, F,
-    TOP_K: tl.constexpr, HAS_INV: tl.constexpr, HAS_B1: tl.constexpr, ACT: tl.constexpr,
+    xs_ptr, slot_pair_ptr, tile_expert_ptr, w1_ptr, b1_ptr, w3_ptr, h_ptr,
+    PAIRS, D, F,
+    HAS_B1: tl.constexpr, ACT: tl.constexpr,
     PRECISION: tl.constexpr, TILE: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """h [S,F] = act(x W1[e] + b1[e]) per slot (x gathered, merged on load); W1 [E,D,F]."""
+    """h [S,F] = act(xs[s] W1[e] + b1[e]) per slot, 0 on padding; xs [S,D] the slot rows
+    (_gather_rows_kernel), W1 [E,D,F]."""
     t = tl.program_id(0)
     offs_f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     f_ok = offs_f < F
     offs_s = t.to(tl.int64) * TILE + tl.arange(0, TILE)
     pair = tl.load(slot_pair_ptr + offs_s)
     valid = pair < PAIRS
-    rows = pair // TOP_K
     e = tl.load(tile_expert_ptr + t).to(tl.int64)
     # An all-padding tile (its first slot is padding) skips the K loop.
     k_end = tl.where(tl.load(slot_pair_ptr + t.to(tl.int64) * TILE) < PAIRS, D, 0)
@@ -61,7 +67,7 @@ def _moe_up_kernel(
     for k0 in range(0, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < D
-        a = load_x(x_ptr, inv_ptr, rows, valid, offs_k, k_ok, H, D, HAS_INV).to(w1_ptr.dtype.element_ty)
+        a = tl.load(xs_ptr + offs_s[:, None] * D + offs_k[None, :], mask=k_ok[None, :], other=0.0)
         w_off = offs_k[:, None].to(tl.int64) * F + offs_f[None, :]
         w_ok = k_ok[:, None] & f_ok[None, :]
         acc = tl.dot(a, tl.load(w1_e + w_off, mask=w_ok, other=0.0), acc, input_precision=PRECISION)
@@ -138,10 +144,12 @@ def _combine_fwd_kernel(
 def _gather_rows_kernel(
     x_ptr, inv_ptr, g_ptr, slot_pair_ptr, xs_ptr, gs_ptr,
     PAIRS, H, D,
-    TOP_K: tl.constexpr, HAS_INV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    TOP_K: tl.constexpr, HAS_INV: tl.constexpr, HAS_G: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
-    """Per slot s: xs[s] = x[row] (+ inv[row // H]) in xs's dtype, gs[s] = G[row]; 0 on padding.
-    The backward's GEMMs then read whole slot rows with plain, contiguous loads."""
+    """Per slot s: xs[s] = x[row] (+ inv[row // H]) in xs's dtype, and gs[s] = G[row] when
+    HAS_G (the backward); 0 on padding. The GEMMs then read whole slot rows with plain,
+    contiguous loads."""
     offs_s = tl.program_id(0).to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
@@ -149,17 +157,18 @@ def _gather_rows_kernel(
     valid = pair < PAIRS
     rows = pair // TOP_K
     x = load_x(x_ptr, inv_ptr, rows, valid, offs_d, d_ok, H, D, HAS_INV)
-    g = tl.load(g_ptr + rows.to(tl.int64)[:, None] * D + offs_d[None, :], mask=valid[:, None] & d_ok[None, :],
-                other=0.0)
     out = offs_s[:, None] * D + offs_d[None, :]
     tl.store(xs_ptr + out, x.to(xs_ptr.dtype.element_ty), mask=d_ok[None, :])
-    tl.store(gs_ptr + out, g.to(gs_ptr.dtype.element_ty), mask=d_ok[None, :])
+    if HAS_G:
+        g = tl.load(g_ptr + rows.to(tl.int64)[:, None] * D + offs_d[None, :],
+                    mask=valid[:, None] & d_ok[None, :], other=0.0)
+        tl.store(gs_ptr + out, g.to(gs_ptr.dtype.element_ty), mask=d_ok[None, :])
 
 
 @triton.jit
 def _moe_bwd_hidden_kernel(
     xs_ptr, gs_ptr, slot_pair_ptr, tile_expert_ptr, weight_ptr,
-    w1_ptr, b1_ptr, w3_ptr, w2_ptr, b2_ptr,
+    w1_ptr, b1_ptr, w3_ptr, w2t_ptr, b2_ptr,
     hw_ptr, du_ptr, du3_ptr, gw_ptr,
     PAIRS, D, F, N_FBLK,
     HAS_B1: tl.constexpr, HAS_B2: tl.constexpr,
@@ -169,7 +178,8 @@ def _moe_bwd_hidden_kernel(
     """Per slot s and F block: u = xs[s] W1[e] + b1, g = gs[s] W2[e]ᵀ (one K loop over D);
     hw = w · act(u) [S,F] (∂W2's left operand); ∂u = (w g) ⊙ act′(u) [S,F] (∂u3 for swiglu);
     gw [S,N_FBLK] = Σ_f h g (+ ⟨G[row], b2[e]⟩ in F block 0), so that ∂w = Σ_blocks gw =
-    ⟨G, h W2 + b2⟩. xs, gs: the slot rows of x and G (_gather_rows_kernel)."""
+    ⟨G, h W2 + b2⟩. xs, gs: the slot rows of x and G (_gather_rows_kernel); W1, W3 and
+    W2ᵀ [E,D,F] (W2 transposed once by the launcher)."""
     t = tl.program_id(0)
     pid_f = tl.program_id(1)
     offs_f = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
@@ -194,9 +204,10 @@ def _moe_bwd_hidden_kernel(
         if ACT == 3:
             acc_u3 = tl.dot(a, tl.load(w3_ptr + w_off, mask=w_ok, other=0.0), acc_u3, input_precision=PRECISION)
         g = tl.load(gs_ptr + row_off, mask=k_ok[None, :], other=0.0)
-        # W2[e] is [F,D]: read its [BLOCK_K, BLOCK_F] transpose through strides.
-        w2t = tl.load(w2_ptr + e * F * D + offs_f[None, :].to(tl.int64) * D + offs_k[:, None], mask=w_ok, other=0.0)
-        acc_g = tl.dot(g.to(w2_ptr.dtype.element_ty), w2t, acc_g, input_precision=PRECISION)
+        # W2ᵀ[e] [D,F], read like W1[e]. Through W2's strides this transposed B tile was poorly
+        # coalesced (measured: hidden at 154 TFLOP/s on the H200, the contiguous GEMM2 at 416).
+        w2t = tl.load(w2t_ptr + w_off, mask=w_ok, other=0.0)
+        acc_g = tl.dot(g.to(w2t_ptr.dtype.element_ty), w2t, acc_g, input_precision=PRECISION)
         if HAS_B2:
             b2 = tl.load(b2_ptr + e * D + offs_k, mask=k_ok, other=0.0).to(tl.float32)
             gb2 += tl.sum(g.to(tl.float32) * b2[None, :], axis=1)
@@ -309,8 +320,9 @@ _GEMM_CONFIGS = [
     dict(BLOCK_F=128, BLOCK_K=64, num_warps=8, num_stages=3),
     dict(BLOCK_F=128, BLOCK_K=32, num_warps=4, num_stages=4),
     dict(BLOCK_F=64, BLOCK_K=32, num_warps=4, num_stages=4),
+    dict(BLOCK_F=128, BLOCK_K=64, num_warps=8, num_stages=4),
 ]
-_up = Launcher(_moe_up_kernel, _GEMM_CONFIGS, key=["D", "F", "TILE", "ACT", "HAS_INV"])
+_up = Launcher(_moe_up_kernel, _GEMM_CONFIGS, key=["D", "F", "TILE", "ACT"])
 # One BLOCK_F for all: the ∂w partials [S, F/BLOCK_F] must not depend on the config (a
 # config tried while tuning would otherwise leave stale columns behind).
 HIDDEN_BLOCK_F = 64
@@ -318,12 +330,14 @@ _hidden = Launcher(_moe_bwd_hidden_kernel, [
     dict(BLOCK_K=32, num_warps=4, num_stages=3),
     dict(BLOCK_K=64, num_warps=8, num_stages=3),
     dict(BLOCK_K=64, num_warps=4, num_stages=4),
+    dict(BLOCK_K=64, num_warps=8, num_stages=4),
 ], key=["D", "F", "TILE", "ACT"])
 _slots_gemm = Launcher(_moe_slots_gemm_kernel, [
     dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3),
     dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
     dict(BLOCK_N=128, BLOCK_K=32, num_warps=4, num_stages=4),
     dict(BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4),
+    dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
 ], key=["K", "NOUT", "TILE", "HAS_A2"])
 _wgrad = Launcher(_moe_wgrad_kernel, [
     dict(BLOCK_I=64, BLOCK_J=64, BLOCK_S=32, num_warps=4, num_stages=3),
@@ -464,16 +478,30 @@ def _act(act):
     return ACT_CODE[act]
 
 
-def experts_up(x, inv, groups, w1, b1, w3, act, horizons):
-    """h [S,F] in the weights' dtype (padding slots zero)."""
+def gather_rows(x, inv, groups, horizons, dtype, grad_out=None):
+    """(xs [S,D] in `dtype`, gs [S,D] in grad_out's dtype or None): the slot rows of
+    x (+ inv[r // H]) and of grad_out, zero on padding slots; see _gather_rows_kernel."""
     D = x.shape[1]
+    xs = torch.empty(groups.slots, D, device=x.device, dtype=dtype)
+    gs = None if grad_out is None else torch.empty(groups.slots, D, device=x.device, dtype=grad_out.dtype)
+    block_d = min(128, pow2(D))
+    _gather_rows_kernel[(groups.slots // 16, triton.cdiv(D, block_d))](
+        x, x if inv is None else inv, x if gs is None else grad_out, groups.slot_pair, xs,
+        xs if gs is None else gs, groups.pairs, horizons, D,
+        TOP_K=groups.pairs // x.shape[0], HAS_INV=inv is not None, HAS_G=gs is not None, BLOCK_S=16,
+        BLOCK_D=block_d)
+    return xs, gs
+
+
+def experts_up(xs, groups, w1, b1, w3, act):
+    """h [S,F] in the weights' dtype (padding slots zero) from the slot rows xs [S,D]."""
+    D = xs.shape[1]
     F = w1.shape[2]
-    h = torch.empty(groups.slots, F, device=x.device, dtype=w1.dtype)
+    h = torch.empty(groups.slots, F, device=xs.device, dtype=w1.dtype)
     _up(lambda m: (groups.num_tiles, triton.cdiv(F, m["BLOCK_F"])),
-        x, x if inv is None else inv, groups.slot_pair, groups.tile_expert, w1,
-        w1 if b1 is None else b1, w1 if w3 is None else w3, h, groups.pairs, horizons, D, F,
-        TOP_K=groups.pairs // x.shape[0], HAS_INV=inv is not None, HAS_B1=b1 is not None,
-        ACT=_act(act), PRECISION=dot_precision(w1.dtype), TILE=groups.tile)
+        xs, groups.slot_pair, groups.tile_expert, w1,
+        w1 if b1 is None else b1, w1 if w3 is None else w3, h, groups.pairs, D, F,
+        HAS_B1=b1 is not None, ACT=_act(act), PRECISION=dot_precision(w1.dtype), TILE=groups.tile)
     return h
 
 
@@ -501,9 +529,10 @@ def combine(c, groups, rows, out_dtype):
 
 
 def moe_forward(x, inv, weight, groups, w1, b1, w2, b2, w3, act, horizons, out_dtype):
-    """out [R,D] = Σ_j w_j f_{idx_j}(x), x = x (+ inv[r // H] merged on load)."""
+    """out [R,D] = Σ_j w_j f_{idx_j}(x), x = x (+ inv[r // H], merged by the slot-row gather)."""
     E, F, D = w2.shape
-    h = experts_up(x, inv, groups, w1, b1, w3, act, horizons)
+    xs, _ = gather_rows(x, inv, groups, horizons, w1.dtype)
+    h = experts_up(xs, groups, w1, b1, w3, act)
     c = slots_gemm(h, w2, (F * D, D, 1), D, groups, bias=b2, scale=weight.reshape(-1))
     return combine(c, groups, x.shape[0], out_dtype)
 
@@ -567,24 +596,20 @@ SUM_BLOCK = 1024
 def moe_backward(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, horizons):
     """(∂x_slot [S,D] fp32, gw_part [S, F blocks] fp32, ∂W1, ∂b1, ∂W2, ∂b2, ∂W3) — weights' dtypes."""
     E, D, F = w1.shape
-    R = x.shape[0]
-    top_k = groups.pairs // R
     dev, wdt = x.device, w1.dtype
-    # The slot rows of x (merged, in the weights' dtype: what the GEMMs' A tiles held before)
-    # and of G, once: every backward GEMM below then reads plain contiguous rows.
-    xs = torch.empty(groups.slots, D, device=dev, dtype=wdt)
-    gs = torch.empty(groups.slots, D, device=dev, dtype=grad_out.dtype)
-    block_d = min(128, pow2(D))
-    _gather_rows_kernel[(groups.slots // 16, triton.cdiv(D, block_d))](
-        x, x if inv is None else inv, grad_out, groups.slot_pair, xs, gs, groups.pairs, horizons, D,
-        TOP_K=top_k, HAS_INV=inv is not None, BLOCK_S=16, BLOCK_D=block_d)
+    # The slot rows of x (merged, in the weights' dtype, as in the forward) and of G, once:
+    # every backward GEMM below then reads plain contiguous rows.
+    xs, gs = gather_rows(x, inv, groups, horizons, wdt, grad_out)
+    # W2ᵀ [E,D,F] once per call (E·F·D elements, small next to the GEMMs), so that the hidden
+    # kernel reads its B tile like W1's instead of a strided transpose.
+    w2t = w2.transpose(1, 2).contiguous()
     hw = torch.empty(groups.slots, F, device=dev, dtype=wdt)
     du = torch.empty_like(hw)
     du3 = torch.empty_like(hw) if w3 is not None else du
     gw = torch.empty(groups.slots, triton.cdiv(F, HIDDEN_BLOCK_F), device=dev, dtype=torch.float32)
     _hidden(lambda m: (groups.num_tiles, gw.shape[1]),
             xs, gs, groups.slot_pair, groups.tile_expert, weight,
-            w1, w1 if b1 is None else b1, w1 if w3 is None else w3, w2, w2 if b2 is None else b2,
+            w1, w1 if b1 is None else b1, w1 if w3 is None else w3, w2t, w2t if b2 is None else b2,
             hw, du, du3, gw, groups.pairs, D, F, gw.shape[1],
             HAS_B1=b1 is not None, HAS_B2=b2 is not None,
             ACT=_act(act), PRECISION=dot_precision(wdt), TILE=groups.tile, BLOCK_F=HIDDEN_BLOCK_F)

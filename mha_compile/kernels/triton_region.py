@@ -1,7 +1,8 @@
 """The region assembled from the Triton kernel families; fused.py and staged.py pick the merge.
 
-    merge="on_load" (kernels="fused"): y = ctx + inv[b] is formed inside the router's and the
-        expert GEMMs' A-tile loads and never written; the backward's token-order pass produces
+    merge="on_load" (kernels="fused"): y = ctx + inv[b] is formed inside the router's tile
+        load and by the MoE's slot-row gather, which writes it once per (row, slot) in expert
+        order; it is never written in token order. The backward's token-order pass produces
         ∂ctx and ∂inv = Σ_h ∂y together (triton_router.router_combine_backward, SUM_H).
     merge="cuda" (kernels="staged"): y is materialised in fp32 by the handwritten CUDA merge
         (merge_cuda; its Triton twin on CPU or without nvcc) and every later stage reads it;
@@ -78,7 +79,8 @@ def _c(t):
 
 
 def _merged_input(ctx, inv, merge):
-    """(x, inv or None) as the MoE kernels take them: ctx with inv merged on load, or y."""
+    """(x, inv or None) as the router and the MoE gather take them: ctx with inv (merged as
+    they load it), or y."""
     B, H, D = ctx.shape
     if merge == "cuda":
         return merge_forward(ctx, inv).view(B * H, D), None

@@ -158,8 +158,8 @@ def act_bwd(dh, u, u3, ACT: tl.constexpr):
 
 # ---------------------------------------------------------------------------------------------
 # The merge on load: the MoE input x = y[r] = ctx[r] + inv[r // H] is formed in registers from
-# its two sources and never written to memory (kernels="fused"); kernels="staged" passes the
-# materialised y as `x_ptr` with HAS_INV=False.
+# its two sources (kernels="fused": by the router, and by the MoE's slot-row gather, which
+# writes the slot rows); kernels="staged" passes the materialised y as `x_ptr` with HAS_INV=False.
 
 
 @triton.jit

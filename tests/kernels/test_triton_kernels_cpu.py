@@ -97,7 +97,8 @@ def test_why_unsupported_reads_only_metadata():
         w1 = torch.empty(4, 32, 64, dtype=torch.bfloat16)
         assert fused.why_unsupported(ctx, tok, w1, 2, "gelu", None) is None  # TRITON_INTERPRET=1 here
         assert "float64" in fused.why_unsupported(ctx.double(), tok.double(), w1.double(), 2, "gelu", None)
-        assert "mixed dtypes" in staged.why_unsupported(ctx, tok, w1.float(), 2, "gelu", None)
+        assert "mixed dtypes" in staged.why_unsupported(ctx, tok, w1.half(), 2, "gelu", None)
+        assert staged.why_unsupported(ctx, tok.float(), w1.float(), 2, "gelu", None) is None  # autocast's mix
         wide = torch.empty(4, 32, 64, dtype=torch.bfloat16).new_empty(65, 32, 64)
         assert "E=65" in fused.why_unsupported(ctx, tok, wide, 2, "gelu", None)
         big = torch.empty(4, 3, 2048, dtype=torch.bfloat16)
