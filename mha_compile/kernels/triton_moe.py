@@ -21,8 +21,7 @@ Forward, per tile t (expert e) and output block:
     combine out[r] = Σ_j c[slot(r, j)]           token order, fixed j order: no atomics
 Backward (recomputing u = x W1 + b1 rather than storing it):
     gather  xs[s] as in the forward, and gs[s] = G[row(s)]
-    hidden  per (tile, F block), one K loop over D for both u = xs W1[e] and g = gs W2[e]ᵀ
-            (W2ᵀ copied once per call to [E,D,F], read like W1):
+    hidden  per (tile, F block), one K loop over D for both u = xs W1[e] and g = gs W2[e]ᵀ:
             hw = w · act(u); ∂u = (w · g) ⊙ act′(u); per-F-block partial ∂w = Σ_f h g (+ ⟨G, b2[e]⟩)
     dX      ∂x[s] = ∂u W1[e]ᵀ (+ ∂u3 W3[e]ᵀ)        the GEMM2 kernel with other strides
     dW      ∂W2[e] = Σ_{s∈e} hw[s]ᵀ gs[s], ∂W1[e] = Σ xs[s]ᵀ ∂u[s] (∂W3 likewise), biases as
@@ -168,7 +167,7 @@ def _gather_rows_kernel(
 @triton.jit
 def _moe_bwd_hidden_kernel(
     xs_ptr, gs_ptr, slot_pair_ptr, tile_expert_ptr, weight_ptr,
-    w1_ptr, b1_ptr, w3_ptr, w2t_ptr, b2_ptr,
+    w1_ptr, b1_ptr, w3_ptr, w2_ptr, b2_ptr,
     hw_ptr, du_ptr, du3_ptr, gw_ptr,
     PAIRS, D, F, N_FBLK,
     HAS_B1: tl.constexpr, HAS_B2: tl.constexpr,
@@ -178,8 +177,7 @@ def _moe_bwd_hidden_kernel(
     """Per slot s and F block: u = xs[s] W1[e] + b1, g = gs[s] W2[e]ᵀ (one K loop over D);
     hw = w · act(u) [S,F] (∂W2's left operand); ∂u = (w g) ⊙ act′(u) [S,F] (∂u3 for swiglu);
     gw [S,N_FBLK] = Σ_f h g (+ ⟨G[row], b2[e]⟩ in F block 0), so that ∂w = Σ_blocks gw =
-    ⟨G, h W2 + b2⟩. xs, gs: the slot rows of x and G (_gather_rows_kernel); W1, W3 and
-    W2ᵀ [E,D,F] (W2 transposed once by the launcher)."""
+    ⟨G, h W2 + b2⟩. xs, gs: the slot rows of x and G (_gather_rows_kernel)."""
     t = tl.program_id(0)
     pid_f = tl.program_id(1)
     offs_f = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
@@ -204,10 +202,10 @@ def _moe_bwd_hidden_kernel(
         if ACT == 3:
             acc_u3 = tl.dot(a, tl.load(w3_ptr + w_off, mask=w_ok, other=0.0), acc_u3, input_precision=PRECISION)
         g = tl.load(gs_ptr + row_off, mask=k_ok[None, :], other=0.0)
-        # W2ᵀ[e] [D,F], read like W1[e]. Through W2's strides this transposed B tile was poorly
-        # coalesced (measured: hidden at 154 TFLOP/s on the H200, the contiguous GEMM2 at 416).
-        w2t = tl.load(w2t_ptr + w_off, mask=w_ok, other=0.0)
-        acc_g = tl.dot(g.to(w2t_ptr.dtype.element_ty), w2t, acc_g, input_precision=PRECISION)
+        # W2[e] is [F,D]: read its [BLOCK_K, BLOCK_F] transpose through strides. A contiguous
+        # W2ᵀ copy read like W1 was slower (H200, large preset: hidden 3.57 -> 4.06 ms).
+        w2t = tl.load(w2_ptr + e * F * D + offs_f[None, :].to(tl.int64) * D + offs_k[:, None], mask=w_ok, other=0.0)
+        acc_g = tl.dot(g.to(w2_ptr.dtype.element_ty), w2t, acc_g, input_precision=PRECISION)
         if HAS_B2:
             b2 = tl.load(b2_ptr + e * D + offs_k, mask=k_ok, other=0.0).to(tl.float32)
             gb2 += tl.sum(g.to(tl.float32) * b2[None, :], axis=1)
@@ -600,16 +598,13 @@ def moe_backward(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, hori
     # The slot rows of x (merged, in the weights' dtype, as in the forward) and of G, once:
     # every backward GEMM below then reads plain contiguous rows.
     xs, gs = gather_rows(x, inv, groups, horizons, wdt, grad_out)
-    # W2ᵀ [E,D,F] once per call (E·F·D elements, small next to the GEMMs), so that the hidden
-    # kernel reads its B tile like W1's instead of a strided transpose.
-    w2t = w2.transpose(1, 2).contiguous()
     hw = torch.empty(groups.slots, F, device=dev, dtype=wdt)
     du = torch.empty_like(hw)
     du3 = torch.empty_like(hw) if w3 is not None else du
     gw = torch.empty(groups.slots, triton.cdiv(F, HIDDEN_BLOCK_F), device=dev, dtype=torch.float32)
     _hidden(lambda m: (groups.num_tiles, gw.shape[1]),
             xs, gs, groups.slot_pair, groups.tile_expert, weight,
-            w1, w1 if b1 is None else b1, w1 if w3 is None else w3, w2t, w2t if b2 is None else b2,
+            w1, w1 if b1 is None else b1, w1 if w3 is None else w3, w2, w2 if b2 is None else b2,
             hw, du, du3, gw, groups.pairs, D, F, gw.shape[1],
             HAS_B1=b1 is not None, HAS_B2=b2 is not None,
             ACT=_act(act), PRECISION=dot_precision(wdt), TILE=groups.tile, BLOCK_F=HIDDEN_BLOCK_F)
