@@ -5,12 +5,16 @@
 #                                      # (~7 min): run.log, kernel_times.txt, train_curves.{json,md,png}
 #   bash bench/h200_session.sh bench   # the benchmark against every peer (~9 min):
 #                                      # run.log, h200.{md,json,png,errors.log}
+#   bash bench/h200_session.sh short   # one call when device time is short (~9 min): the fused
+#                                      # kernel tests, the curves without the suite, and the
+#                                      # benchmark cut at 250 s (rows past it are listed as skipped)
 # Budgets are per step so a slow step cannot starve the others.
 set -u
-part=${1:?usage: bash bench/h200_session.sh check|bench}
+part=${1:?usage: bash bench/h200_session.sh check|bench|short}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 LOG="$OUT/run.log"
-commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+# COMMIT overrides: the device copy's .git can lag the working tree it carries.
+commit=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 # `python -m pip`: the image's plain `pip` belongs to another interpreter, and then the entry
 # point `mha` is not registered for the python that runs torch.
 python -m pip install -q --no-deps --no-build-isolation -e . >>"$LOG" 2>&1
@@ -22,13 +26,22 @@ check)
     { MHA_COMPILE_NO_AUTOTUNE=1 timeout 200 python -m pytest -q -m cuda tests -n 8 -p no:cacheprovider 2>&1 | tail -15; } >>"$LOG"
     { timeout -s INT 120 python bench/kernel_times.py --presets medium,large --peers fused,staged,dense --profile \
         2>&1 | tail -400; } >"$OUT/kernel_times.txt"
-    { timeout -s INT 230 python -m bench.train_curves --out "$OUT" 2>&1 | tail -30; } >>"$LOG"
+    { MHA_COMPILE_NO_AUTOTUNE=1 timeout -s INT 230 python -m bench.train_curves --out "$OUT" 2>&1 | tail -30; } >>"$LOG"
+    ;;
+short)
+    { MHA_COMPILE_NO_AUTOTUNE=1 timeout 120 python -m pytest -q -m cuda tests/kernels -k "not staged" -n 8 \
+        -p no:cacheprovider 2>&1 | tail -8; } >>"$LOG"
+    { MHA_COMPILE_NO_AUTOTUNE=1 timeout -s INT 170 python -m bench.train_curves --out "$OUT" --skip-suite \
+        --curves autocast,fp32 2>&1 | tail -12; } >>"$LOG"
+    { timeout -s INT 290 python -m bench --out "$OUT" --name h200 --budget 250 --presets medium,large,small \
+        --modes eager,inductor,mha-staged,mha-fused,mha-fused-cudagraphs \
+        --spellings dense,loop,grouped_mm --commit "$commit" 2>&1 | tail -100; } >>"$LOG"
     ;;
 bench)
     { timeout -s INT 560 python -m bench --out "$OUT" --name h200 --budget 500 --presets medium,large,small \
         --modes eager,inductor,inductor-max-autotune,mha-staged,mha-fused,mha-fused-cudagraphs \
         --spellings dense,loop,grouped_mm --commit "$commit" 2>&1 | tail -100; } >>"$LOG"
     ;;
-*) echo "unknown part $part: expected check or bench" >&2; exit 2 ;;
+*) echo "unknown part $part: expected check, bench or short" >&2; exit 2 ;;
 esac
 tail -150 "$LOG"

@@ -17,6 +17,7 @@ def test_script_runs_end_to_end_on_cpu(tmp_path):
         assert curve["gated"] and curve["ok"], (name, curve["worst_smoothed_gap"])
         assert len(curve["eager"]) == len(curve["mha"]) == 60
         assert curve["kernels"] == ["reference"]
+        assert len(curve["eager_twin"]) == 60 and curve["eager_twin"] != curve["eager"]
     assert rc == 0
     assert "| autocast | ['reference'] |" in (tmp_path / "train_curves.md").read_text()
 
@@ -31,5 +32,9 @@ def test_a_fallback_kernel_set_is_refused():
 def test_curve_check_catches_a_systematic_gap():
     eager = [1.0 / (1 + 0.05 * i) for i in range(300)]
     assert train_curves.compare_curves(eager, [v * 1.01 for v in eager])["ok"]
+    # A twin that rounding alone moved 15% away widens the bound to 30%, and no further.
+    twin = train_curves.compare_curves(eager, [v * 1.15 for v in eager])
+    assert train_curves.compare_curves(eager, [v * 1.2 for v in eager], twin)["ok"]
+    assert not train_curves.compare_curves(eager, [v * 1.4 for v in eager], twin)["ok"]
     assert not train_curves.compare_curves(eager, [v * 1.2 for v in eager])["ok"]
     assert not train_curves.compare_curves(eager, [max(v, 0.1) for v in eager])["ok"]  # a plateau
