@@ -122,6 +122,8 @@ _DEFAULTS = {"chunk": {"dim": 0}, "split": {"dim": 0}, "stack": {"dim": 0}, "one
 
 def canon(node):
     """The node read as an Op, or None when it is not a call we know."""
+    if node.op == "call_function" and node.target is getattr:
+        return _read_attribute(node)
     if node.op == "call_function":
         kind = _FUNCTIONS.get(node.target) or _CASTS_BY_FUNCTION.get(node.target)
         if kind is None:
@@ -184,6 +186,17 @@ def _read_getitem(node, args):
             not any(isinstance(i, int) for i in items) and any(i is None for i in items):
         return Op("reshape", (base,))
     return Op("getitem", (base, index))
+
+
+def _read_attribute(node):
+    """x.mT (Dynamo records getattr(x, "mT")): the last two axes swapped. Other attributes: None."""
+    base, name = node.args[:2]
+    in_shape = shape(base) if hasattr(base, "meta") else None
+    if name != "mT" or in_shape is None or len(in_shape) < 2:
+        return None
+    dims = list(range(len(in_shape)))
+    dims[-2], dims[-1] = dims[-1], dims[-2]
+    return Op("permute", (base, tuple(dims)))
 
 
 def _read_permute(node, args, kwargs):

@@ -121,11 +121,28 @@ class Axes:
         return "*".join(roles)
 
     def split(self, role, sizes):
-        parts = role.split("*")
-        if len(parts) == len(sizes) and all(known_eq(self.sizes.get(p), s) for p, s in zip(parts, sizes)):
-            return tuple(parts)
+        """A merged role "a*b*c" splits back along its parts, grouped in order by the sizes
+        ([A·B, C] gives ("a*b", "c")); any other split gives fresh roles (role.0, role.1, ...)."""
+        groups = self._group(role.split("*"), sizes)
+        if groups is not None:
+            return tuple(self.merge(g) for g in groups)
         parts = tuple(f"{role}.{i}" for i in range(len(sizes)))
         return parts if all(self.bind(p, s) for p, s in zip(parts, sizes)) else None
+
+    def _group(self, parts, sizes):
+        """Consecutive runs of `parts` whose known sizes multiply to each of `sizes`, or None."""
+        groups, i = [], 0
+        for size in sizes:
+            group, product = [], 1
+            while i < len(parts) and (not group or known_lt(product, size)):
+                if self.sizes.get(parts[i]) is None:
+                    return None
+                group.append(parts[i])
+                product, i = product * self.sizes[parts[i]], i + 1
+            if not group or not known_eq(product, size):
+                return None
+            groups.append(group)
+        return groups if i == len(parts) and len(parts) > 1 else None
 
     def reshape(self, in_shape, in_roles, out_shape):
         """Roles after a row-major reshape, or None when the axes cannot be followed.
@@ -343,11 +360,11 @@ def layout_rule(walk, node, op):
         return _ext_layout(walk, node, op, src, in_shape, out_shape)
     if src.roles is None or in_shape is None or out_shape is None:
         return Val(src.kind, None, src.info) if op.kind == "cast" else None
-    roles = _move_roles(walk, op, src.roles, in_shape, out_shape)
+    roles = move_roles(walk, op, src.roles, in_shape, out_shape)
     return None if roles is None else Val(src.kind, roles, src.info)
 
 
-def _move_roles(walk, op, roles, in_shape, out_shape):
+def move_roles(walk, op, roles, in_shape, out_shape):
     """Roles after a layout op (reshape, permute, expand, cast), or None."""
     if roles is None or in_shape is None or out_shape is None:
         return None
@@ -367,7 +384,7 @@ def _ext_layout(walk, node, op, src, in_shape, out_shape):
     batch keeps its own axes and gains broadcast ones); as a parameter, a permute is remembered
     in the ParamRef, a cast or a size-1 reshape is transparent, anything else unreads it."""
     ref = src.info["ref"]
-    lay = _move_roles(walk, op, src.info.get("lay"), in_shape, out_shape)
+    lay = move_roles(walk, op, src.info.get("lay"), in_shape, out_shape)
     new_ref = None
     if ref is not None and op.kind == "cast":
         new_ref = ref

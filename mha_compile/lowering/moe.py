@@ -6,7 +6,9 @@ Gates, four ways:
   gate (rows,e)       dense: zeros scattered with topw at topi, or Σ_s one_hot(topi) · topw;
   gatecol (rows,1)    one expert's gate in a loop: Σ_s topw · (topi == e);
   gatesel (sel,1)     Mixtral: topw[rows, slots] at where(one_hot(topi)[e]) for expert e;
-  topw (rows,s)       gathered weights: W1[topi] etc., the gate multiplies each slot.
+  topw (rows,s)       gathered weights: W1[topi] etc., the gate multiplies each slot; the
+                      (row, slot) pairs may also be flattened (W1[topi.reshape(-1)] with
+                      x expanded over the slots and torch.bmm): the merged role "b*h*s".
 Experts: u = x W1 + b1 (rows,f) -> h = act(u) (swiglu: silu(u) ⊙ x W3) -> f = h W2 + b2 (rows,d),
 for one expert (a slice W1[e] of stacked parameters, or an nn.Linear of its own: `expert` None),
 for all at once (dense: an extra "e" axis) or per slot (gathered: an extra "s" axis).
@@ -19,7 +21,8 @@ import dataclasses
 
 from mha_compile.lowering.canonicalize import shape
 from mha_compile.lowering.interpret import (ONE, ParamRef, Reject, StackRef, Val, broadcast, canonical_perm,
-                                            einsum_roles, ext_ref, layout_rule, select_rule)
+                                            einsum_roles, ext_ref, is_one, known_eq, layout_rule, move_roles,
+                                            select_rule)
 
 ACT_OF = {("gelu", "none"): "gelu", ("gelu", "tanh"): "gelu_tanh", ("silu", None): "silu"}
 EXPERT_PARAMS = ("w1", "b1", "w3", "w2", "b2")
@@ -31,7 +34,11 @@ def _rows(roles):
 
 def moe_rule(walk, node, op):
     if op.kind in ("reshape", "permute", "expand", "cast"):
-        return layout_rule(walk, node, op)
+        src = walk.val(op.args[0]) if op.args else None
+        if src is not None and src.kind == "wsel":
+            return _wsel_layout(walk, node, op, src)
+        val = layout_rule(walk, node, op)
+        return _slot_broadcast(walk, node, val) if op.kind == "expand" and val is not None else val
     if op.kind == "getitem":
         return select_rule(walk, node, op) or _getitem(walk, node, op)
     if op.kind == "stack":
@@ -42,6 +49,8 @@ def moe_rule(walk, node, op):
         if ext_ref(w) is None or (b is not None and b.kind not in ("ext", "const")):
             return None
         return _weight_product(walk, node, x, ext_ref(w), linear=True, bias=ext_ref(b))
+    if op.kind == "matmul" and args[1] is not None and args[1].kind == "wsel":
+        return _gathered_matmul(walk, args[0], args[1])
     if op.kind == "matmul" and ext_ref(args[1]) is not None:
         return _weight_product(walk, node, args[0], ext_ref(args[1]), linear=False, bias=None)
     if op.kind == "einsum" and len(args) == 3:
@@ -51,7 +60,7 @@ def moe_rule(walk, node, op):
     if op.kind == "topk":
         return _topk(node, *args)
     if op.kind == "sum":
-        return _sum(node, args[0], op.args[1], op.args[2])
+        return _sum(walk, node, args[0], op.args[1], op.args[2])
     if op.kind == "div":
         return _renorm(*args)
     if op.kind == "eq":
@@ -111,6 +120,65 @@ def _getitem(walk, node, op):
         if ref.perm is not None or ref.select is not None or ref.steps or w_shape is None or not walk.axes.bind("e", w_shape[0]):
             return None
         return Val("wsel", vals[0].roles + (None,) * (len(w_shape) - 1), {"ref": ref, "topk": vals[0].info["topk"]})
+    return None
+
+
+def _wsel_layout(walk, node, op, src):
+    """A layout op on gathered weights W[topi]: roles (topi's axes..., None for each of the
+    weight's own axes). The topi axes move as roles do; the own axes must stay last, and a
+    transpose of them is remembered in `own` (the parameter's axis behind each own axis, in
+    order), so that the product reads the parameter the right way round. Anything that
+    reshapes the own axes leaves the weights unread."""
+    n_own = sum(1 for r in src.roles if r is None)
+    lead = len(src.roles) - n_own
+    own = src.info.get("own", tuple(range(n_own)))
+    if op.kind == "cast":
+        return src
+    if op.kind == "permute":
+        perm = tuple(op.args[1])
+        if sorted(perm[lead:]) != list(range(lead, len(perm))):
+            return None
+        return Val("wsel", tuple(src.roles[p] for p in perm[:lead]) + (None,) * n_own,
+                   dict(src.info, own=tuple(own[p - lead] for p in perm[lead:])))
+    in_shape, out_shape = shape(op.args[0]), shape(node)
+    if in_shape is None or out_shape is None or len(out_shape) < n_own or \
+            not all(known_eq(a, b) for a, b in zip(in_shape[lead:], out_shape[len(out_shape) - n_own:])):
+        return None
+    roles = move_roles(walk, op, src.roles[:lead], tuple(in_shape[:lead]), tuple(out_shape[:len(out_shape) - n_own]))
+    return None if roles is None else Val("wsel", roles + (None,) * n_own, src.info)
+
+
+def _slot_broadcast(walk, node, val):
+    """x (or h) expanded along a new axis of k = the top-k's size: that axis reads as the slot
+    axis "s". The values do not vary along it, so the label only says how it lines up with
+    W[topi]: x.unsqueeze(1).expand(R, k, D).reshape(R·k, 1, D) pairs with W1[topi.reshape(-1)]."""
+    k = walk.axes.sizes.get("s")
+    out = shape(node)
+    if val.kind not in ("x", "h") or k is None or out is None or "s" in val.roles:
+        return val
+    slots = [i for i, (r, n) in enumerate(zip(val.roles, out)) if r == ONE and not is_one(n) and known_eq(n, k)]
+    if len(slots) != 1:
+        return val
+    return Val(val.kind, tuple("s" if i == slots[0] else r for i, r in enumerate(val.roles)), val.info)
+
+
+def _gathered_matmul(walk, a, w):
+    """x @ W1[topi] -> u and h @ W2[topi] -> f, per (row, slot) pair, as torch.matmul/bmm read
+    them: a [..., 1, K] against W [..., K, N] with the same leading (row, slot) axes, or a
+    broadcast along them (x[:, None, None, :] @ W1[topi])."""
+    n_own = sum(1 for r in w.roles if r is None)
+    if a is None or a.roles is None or a.kind not in ("x", "h") or n_own != 2 or len(a.roles) != len(w.roles):
+        return None
+    lead = w.roles[:-2]
+    if a.roles[-2] != ONE or any(r not in (l, ONE) for r, l in zip(a.roles[:-2], lead)):
+        return None
+    # The contracted axis is W's second to last: the parameter's axis (1 or 2 of [E, ·, ·]) behind it.
+    perm = None if w.info.get("own", (0, 1))[0] == 0 else (0, 2, 1)
+    ref = ParamRef(w.info["ref"].node, perm)
+    if a.kind == "x" and a.roles[-1] == "d":
+        return Val("u", lead + (ONE, "f"), {"expert": "gathered", "topk": w.info["topk"], "w1": ref, "b1": None})
+    if a.kind == "h" and a.roles[-1] == "f" and a.info["expert"] == "gathered" and a.info["topk"] is w.info["topk"]:
+        return Val("f", lead + (ONE, "d"), dict(a.info, w2=ref, b2=None))
     return None
 
 
@@ -255,7 +323,10 @@ def _gathered_product(walk, node, equation, operands, kinds):
         return None
     if out_term != row_letters + other:
         return None
-    perm = None if own[0] == inner else (0, 2, 1)
+    # The parameter's axis (1 or 2 of [E, ·, ·]) behind the contracted letter: W1 is read as
+    # [E, D, F] (W2 as [E, F, D]), transposed when the contracted axis is the parameter's last.
+    param_axis = w.info.get("own", (0, 1))[own.index(inner)]
+    perm = None if param_axis == 0 else (0, 2, 1)
     ref = ParamRef(w.info["ref"].node, perm)
     if src.kind == "x":
         return Val("u", w.roles[:-2] + ("f",), {"expert": "gathered", "topk": w.info["topk"], "w1": ref, "b1": None})
@@ -292,10 +363,13 @@ def _topk(node, probs, k, dim, largest, sorted_):
                                                          on_logits=probs.kind == "logits"))
 
 
-def _sum(node, src, dim, keepdim):
+def _sum(walk, node, src, dim, keepdim):
     if src is None or src.kind not in ("topw", "maskedw", "gate_s", "gcontrib") or not isinstance(dim, int):
         return None
-    if src.roles[dim] != "s":
+    # With k = 1 the flat (row, slot) pairs are the rows: their contributions come back with a
+    # size-1 axis in the slot's place (view(R, 1, D)), and summing it is the sum over the one slot.
+    one_slot = src.kind == "gcontrib" and src.roles[dim] == ONE and "s" not in src.roles and _one_slot(walk)
+    if src.roles[dim] != "s" and not one_slot:
         return None
     roles = src.roles[:dim % len(src.roles)] + ((ONE,) if keepdim else ()) + src.roles[dim % len(src.roles) + 1:]
     if src.kind == "gate_s":
@@ -303,6 +377,10 @@ def _sum(node, src, dim, keepdim):
     if src.kind == "gcontrib":
         return None if keepdim else Val("moe_out", roles, dict(src.info))
     return Val("sumw" if src.kind == "topw" else "gatecol", roles, dict(src.info))
+
+
+def _one_slot(walk):
+    return known_eq(walk.axes.sizes.get("s"), 1)
 
 
 def _renorm(topw, total):
@@ -362,7 +440,10 @@ def _mul(walk, node, a, b):
         return Val("gate_s", roles, dict(topw.info))
     if "topw" in pair and "f" in pair:  # gathered: topw[..., None] · f per slot
         topw, f = pair["topw"], pair["f"]
-        if f.info["expert"] != "gathered" or f.info["topk"] is not topw.info["topk"] or broadcast(topw.roles, f.roles) != f.roles:
+        w_roles = topw.roles
+        if "s" not in f.roles and _one_slot(walk):  # k = 1 and flat pairs: the slot axis is a broadcast
+            w_roles = tuple(ONE if r == "s" else r for r in w_roles)
+        if f.info["expert"] != "gathered" or f.info["topk"] is not topw.info["topk"] or broadcast(w_roles, f.roles) != f.roles:
             return None
         return Val("gcontrib", f.roles, {"gate": _gate_info(topw.info), "experts": _expert_info(f.info)})
     if ("gatecol" in pair or "gatesel" in pair) and "f" in pair:

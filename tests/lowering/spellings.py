@@ -11,7 +11,7 @@ from torch.nn import functional as F
 
 POOLS = ("einsum", "matmul", "sdpa", "sdpa_scale", "mha", "fused_kv", "mul_scale")
 MERGES = ("unsqueeze", "none_index", "view_first", "torch_add", "iadd", "expand_as")
-MOES = ("loop", "dense_scatter", "dense_onehot", "gathered", "mixtral")
+MOES = ("loop", "dense_scatter", "dense_onehot", "gathered", "gathered_t", "gathered_bmm", "mixtral")
 EXPERTS = ("stacked", "modules")
 ACTS = ("gelu", "gelu_tanh", "silu", "swiglu")
 
@@ -154,6 +154,28 @@ class SpelledBlock(nn.Module):
             if self.b2 is not None:
                 f = f + self.b2[index]
             out = (weight.unsqueeze(-1) * f).sum(dim=1)
+        elif self.moe == "gathered_t":  # W[topi] with its own two axes transposed into the einsum
+            u = torch.einsum("rd,rkfd->rkf", x, self.w1[index].transpose(-1, -2))
+            if self.b1 is not None:
+                u = u + self.b1[index]
+            gate_u = torch.einsum("rd,rkfd->rkf", x, self.w3[index].mT) if self.w3 is not None else None
+            f = torch.einsum("rkf,rkdf->rkd", self._act(u, gate_u), self.w2[index].transpose(2, 3))
+            if self.b2 is not None:
+                f = f + self.b2[index]
+            out = torch.einsum("rk,rkd->rd", weight, f)
+        elif self.moe == "gathered_bmm":  # flat (row, slot) pairs: W[topi.reshape(-1)] and torch.bmm
+            R, D = x.shape
+            k = index.shape[1]
+            flat = index.reshape(-1)
+            xk = x.unsqueeze(1).expand(R, k, D).reshape(R * k, 1, D)
+            u = torch.bmm(xk, self.w1[flat]).squeeze(1)
+            if self.b1 is not None:
+                u = u + self.b1[flat]
+            gate_u = torch.bmm(xk, self.w3[flat]).squeeze(1) if self.w3 is not None else None
+            f = torch.bmm(self._act(u, gate_u).unsqueeze(1), self.w2[flat]).squeeze(1)
+            if self.b2 is not None:
+                f = f + self.b2[flat]
+            out = (weight.reshape(-1, 1) * f).view(R, k, D).sum(dim=1)
         else:
             if self.moe == "dense_scatter":
                 gates = torch.zeros(x.shape[0], E, dtype=x.dtype, device=x.device).scatter(1, index, weight)

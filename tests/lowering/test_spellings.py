@@ -100,6 +100,13 @@ def test_spelling_float32(config):
     assert match["dtype"] == "torch.float32"
 
 
+@pytest.mark.parametrize("moe", ["gathered_t", "gathered_bmm"])
+def test_gathered_square_experts(moe):
+    """D = F: W[topi] read with its own axes the wrong way round still fits every shape, so a
+    transpose the matcher lost would be a silent wrong result (it was, for gathered_t)."""
+    _assert_one_match(_run(torch.float64, moe=moe, F_=32, act="swiglu"))
+
+
 def test_modules_experts_are_stacked_in_the_graph():
     torch.manual_seed(0)
     reports = _run(torch.float64, moe="loop", experts="modules", act="swiglu")
@@ -116,7 +123,7 @@ def test_modules_experts_are_stacked_in_the_graph():
        experts=st.sampled_from(EXPERTS), seed=st.integers(0, 2**16))
 def test_random_block_configurations(P, Dh, F_, E, data, act, renorm, bias, pool, merge, moe, experts, seed):
     k = data.draw(st.integers(1, E))
-    if moe == "gathered":
+    if moe.startswith("gathered"):
         experts = "stacked"
     torch.manual_seed(seed)
     model = SpelledBlock(D=P * Dh, P=P, F_=F_, E=E, k=k, act=act, renorm=renorm, bias=bias, pool=pool, merge=merge,
@@ -219,6 +226,23 @@ class MissingExpert(SpelledBlock):
         return out.reshape(y.shape)
 
 
+class MisalignedBmm(SpelledBlock):
+    """x repeated slot-major (k, R) against W1[topi.reshape(-1)] (row-major): each row meets
+    another row's experts. The shapes all fit; the pairing does not."""
+
+    def __init__(self):
+        super().__init__(moe="gathered_bmm", bias=False)
+
+    def moe_forward(self, y):
+        x = y.reshape(-1, y.shape[-1])
+        weight, index = self.route(x)
+        R, D = x.shape
+        flat = index.reshape(-1)
+        xk = x.unsqueeze(0).expand(self.k, R, D).reshape(self.k * R, 1, D)
+        f = torch.bmm(self._act(torch.bmm(xk, self.w1[flat]).squeeze(1)).unsqueeze(1), self.w2[flat]).squeeze(1)
+        return (weight.reshape(-1, 1) * f).view(R, self.k, D).sum(dim=1).reshape(y.shape)
+
+
 class SmallestExperts(SpelledBlock):
     def route(self, x):
         weight, index = torch.softmax(self.router(x), dim=-1).topk(self.k, dim=-1, largest=False)
@@ -251,6 +275,7 @@ NEAR_MISSES = {
     "experts fed another x": (OtherExpertInput, {}, "could not be read"),
     "an expert missing from the loop": (MissingExpert, {}, "cover experts [0, 1, 2] of 4"),
     "largest=False": (SmallestExperts, {}, "largest=False"),
+    "bmm rows paired with other rows' experts": (MisalignedBmm, {}, "could not be read"),
     "router probabilities used outside": (ProbsExported, {}, "used outside the region"),
 }
 
