@@ -63,6 +63,7 @@ for kind, targets in {
     "sdpa": [F.scaled_dot_product_attention, *_fn("torch._C._nn.scaled_dot_product_attention")],
     "mha": [F.multi_head_attention_forward],
     "chunk": _fn("torch.chunk"),
+    "unbind": _fn("torch.unbind"),
     "split": _fn("torch.split", "torch.functional.split"),
     "one_hot": [F.one_hot, *_fn("torch._C._nn.one_hot")],
     "where": _fn("torch.where"),
@@ -89,7 +90,8 @@ _METHODS = {
     "expand": "expand", "expand_as": "expand", "broadcast_to": "expand",
     "to": "cast", "float": "cast", "double": "cast", "half": "cast", "bfloat16": "cast",
     "type_as": "cast", "contiguous": "cast", "clone": "cast",
-    "masked_fill": "masked_fill", "masked_fill_": "masked_fill", "chunk": "chunk", "split": "split", "nonzero": "nonzero",
+    "masked_fill": "masked_fill", "masked_fill_": "masked_fill", "chunk": "chunk", "split": "split", "unbind": "unbind",
+    "nonzero": "nonzero",
     "index_add_": "index_add", "index_add": "index_add", "new_zeros": "zeros", "zero_": "zeros",
     "logical_not": "not", "bitwise_not": "not", "__invert__": "not", "iadd": "add", "__iadd__": "add",
 }
@@ -111,12 +113,13 @@ _SIGNATURES = {
             "k_proj_weight", "v_proj_weight", "static_k", "static_v", "average_attn_weights", "is_causal"),
     "chunk": ("input", "chunks", "dim"),
     "split": ("input", "split_size_or_sections", "dim"),
+    "unbind": ("input", "dim"),
     "one_hot": ("input", "num_classes"),
     "nonzero": ("input", "as_tuple"),
     "index_add": ("input", "dim", "index", "source", "alpha"),
     "stack": ("tensors", "dim"),
 }
-_DEFAULTS = {"chunk": {"dim": 0}, "split": {"dim": 0}, "stack": {"dim": 0}, "one_hot": {"num_classes": -1},
+_DEFAULTS = {"chunk": {"dim": 0}, "split": {"dim": 0}, "unbind": {"dim": 0}, "stack": {"dim": 0}, "one_hot": {"num_classes": -1},
              "sdpa": {"dropout_p": 0.0, "is_causal": False}}
 
 

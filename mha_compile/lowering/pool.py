@@ -3,6 +3,7 @@
 Vals, in the order the pool builds them (roles in brackets):
   tok (b,n,d) -> proj (b,n,d)  an affine map of the tokens (K or V; which one is decided by use)
                  projcat (b,n,kv) one fused K|V linear, read as two projs once split in halves
+                                  (chunk, split, slices, or view(B, N, 2, D).unbind(2))
   -> scores (b,d.0,n)          ⟨q_p, K[b,n,p]⟩: d split into heads d.0 and head dim d.1
   -> attn                      softmax over n of scores scaled by exactly 1/√Dh
   -> pooled (b,d.0,d.1)        Σ_n attn · V, then merged back to (b,d)
@@ -80,6 +81,8 @@ def pool_rule(walk, node, op):
         return _masked_fill(walk, node, *args)
     if op.kind in ("chunk", "split"):
         return _split(walk, node, op.kind, *args)
+    if op.kind == "unbind":
+        return _unbind(walk, node, *args)
     if op.kind == "sdpa":
         return _sdpa(walk, node, *args)
     if op.kind == "mha":
@@ -254,6 +257,20 @@ def _split(walk, node, kind, src, size, dim):
     if (kind == "chunk" and size == 2) or (kind == "split" and size == d):
         return Val("projparts", src.roles, dict(src.info))
     return None
+
+
+def _unbind(walk, node, src, dim):
+    """kv.view(B, N, 2, D).unbind(2): the fused K|V projection viewed as two halves of D features
+    (K first), then unbound along the axis of 2. A view as (D, 2) would interleave K and V
+    features instead: the axis unbound must be the halves', followed by the D features."""
+    if src is None or src.kind != "projcat" or dim is None or dim.kind != "const" or src.roles is None:
+        return None
+    in_shape = shape(node.args[0])
+    axis = dim.info["value"] % len(src.roles)
+    if src.roles[-2:] != ("kv.0", "kv.1") or axis != len(src.roles) - 2 or in_shape is None or \
+            in_shape[-2] != 2 or in_shape[-1] != walk.axes.sizes.get("d"):
+        return None
+    return Val("projparts", src.roles[:-2] + ("kv",), dict(src.info))
 
 
 def _half(info, i, d):

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-POOLS = ("einsum", "matmul", "sdpa", "sdpa_scale", "mha", "fused_kv", "mul_scale")
+POOLS = ("einsum", "matmul", "sdpa", "sdpa_scale", "mha", "fused_kv", "fused_kv_unbind", "mul_scale")
 MERGES = ("unsqueeze", "none_index", "view_first", "torch_add", "iadd", "expand_as")
 MOES = ("loop", "dense_scatter", "dense_onehot", "gathered", "gathered_t", "gathered_bmm", "mixtral")
 EXPERTS = ("stacked", "modules")
@@ -28,7 +28,7 @@ class SpelledBlock(nn.Module):
             self.attn = nn.MultiheadAttention(D, P, batch_first=True)
         else:
             self.query = nn.Parameter(torch.randn(P, self.Dh) / math.sqrt(self.Dh))
-            if pool == "fused_kv":
+            if pool in ("fused_kv", "fused_kv_unbind"):
                 self.kv = nn.Linear(D, 2 * D)
             else:
                 self.key, self.value = nn.Linear(D, D), nn.Linear(D, D)
@@ -49,6 +49,9 @@ class SpelledBlock(nn.Module):
     def _kv(self, tok):
         if self.pool == "fused_kv":
             return self.kv(tok).chunk(2, dim=-1)
+        if self.pool == "fused_kv_unbind":
+            B, N, D = tok.shape
+            return self.kv(tok).view(B, N, 2, D).unbind(2)
         return self.key(tok), self.value(tok)
 
     def pool_forward(self, tok, pad=None):
@@ -58,7 +61,7 @@ class SpelledBlock(nn.Module):
             out, _ = self.attn(self.query.expand(B, -1, -1), tok, tok, key_padding_mask=pad, need_weights=False)
             return out[:, 0]
         k, v = self._kv(tok)
-        if self.pool in ("einsum", "fused_kv", "mul_scale"):
+        if self.pool in ("einsum", "fused_kv", "fused_kv_unbind", "mul_scale"):
             k, v = k.view(B, N, P, Dh), v.view(B, N, P, Dh)
             scores = torch.einsum("pd,bnpd->bpn", self.query, k)
             scores = scores * Dh ** -0.5 if self.pool == "mul_scale" else scores / math.sqrt(Dh)

@@ -226,6 +226,18 @@ class MissingExpert(SpelledBlock):
         return out.reshape(y.shape)
 
 
+class InterleavedKV(SpelledBlock):
+    """The fused K|V output viewed as (D, 2) and unbound on the last axis: K takes the even
+    features, V the odd ones, not the two halves."""
+
+    def __init__(self):
+        super().__init__(pool="fused_kv_unbind")
+
+    def _kv(self, tok):
+        B, N, D = tok.shape
+        return self.kv(tok).view(B, N, D, 2).unbind(-1)
+
+
 class MisalignedBmm(SpelledBlock):
     """x repeated slot-major (k, R) against W1[topi.reshape(-1)] (row-major): each row meets
     another row's experts. The shapes all fit; the pairing does not."""
@@ -276,6 +288,7 @@ NEAR_MISSES = {
     "an expert missing from the loop": (MissingExpert, {}, "cover experts [0, 1, 2] of 4"),
     "largest=False": (SmallestExperts, {}, "largest=False"),
     "bmm rows paired with other rows' experts": (MisalignedBmm, {}, "could not be read"),
+    "fused K|V interleaved, not halves": (InterleavedKV, {}, "unbind"),
     "router probabilities used outside": (ProbsExported, {}, "used outside the region"),
 }
 
