@@ -11,7 +11,8 @@ from torch.nn import functional as F
 
 POOLS = ("einsum", "matmul", "sdpa", "sdpa_scale", "mha", "fused_kv", "fused_kv_unbind", "mul_scale")
 MERGES = ("unsqueeze", "none_index", "view_first", "torch_add", "iadd", "expand_as")
-MOES = ("loop", "dense_scatter", "dense_onehot", "gathered", "gathered_t", "gathered_bmm", "mixtral")
+MOES = ("loop", "dense_scatter", "dense_onehot", "gathered", "gathered_t", "gathered_bmm", "gathered_matmul",
+        "mixtral")
 EXPERTS = ("stacked", "modules")
 ACTS = ("gelu", "gelu_tanh", "silu", "swiglu")
 
@@ -166,6 +167,16 @@ class SpelledBlock(nn.Module):
             if self.b2 is not None:
                 f = f + self.b2[index]
             out = torch.einsum("rk,rkd->rd", weight, f)
+        elif self.moe == "gathered_matmul":  # x [R,1,1,D] @ W1[topi] [R,k,D,F], broadcast over the slots
+            xr = x[:, None, None, :]
+            u = (xr @ self.w1[index]).squeeze(-2)
+            if self.b1 is not None:
+                u = u + self.b1[index]
+            gate_u = (xr @ self.w3[index]).squeeze(-2) if self.w3 is not None else None
+            f = (self._act(u, gate_u).unsqueeze(-2) @ self.w2[index]).squeeze(-2)
+            if self.b2 is not None:
+                f = f + self.b2[index]
+            out = (weight.unsqueeze(-1) * f).sum(dim=1)
         elif self.moe == "gathered_bmm":  # flat (row, slot) pairs: W[topi.reshape(-1)] and torch.bmm
             R, D = x.shape
             k = index.shape[1]

@@ -100,11 +100,18 @@ def test_spelling_float32(config):
     assert match["dtype"] == "torch.float32"
 
 
-@pytest.mark.parametrize("moe", ["gathered_t", "gathered_bmm"])
+@pytest.mark.parametrize("moe", ["gathered_t", "gathered_bmm", "gathered_matmul"])
 def test_gathered_square_experts(moe):
     """D = F: W[topi] read with its own axes the wrong way round still fits every shape, so a
     transpose the matcher lost would be a silent wrong result (it was, for gathered_t)."""
     _assert_one_match(_run(torch.float64, moe=moe, F_=32, act="swiglu"))
+
+
+@pytest.mark.parametrize("moe", ["gathered", "gathered_t", "gathered_bmm", "gathered_matmul"])
+def test_gathered_one_expert_per_row(moe):
+    """k = 1: the slot axis has size 1 (and the flat pairs are the rows themselves)."""
+    match = _assert_one_match(_run(torch.float64, moe=moe, k=1, renorm=False))
+    assert match["config"]["top_k"] == 1
 
 
 def test_modules_experts_are_stacked_in_the_graph():
