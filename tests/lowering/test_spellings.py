@@ -107,6 +107,29 @@ def test_gathered_square_experts(moe):
     _assert_one_match(_run(torch.float64, moe=moe, F_=32, act="swiglu"))
 
 
+class TransposedStorage(SpelledBlock):
+    """W1 stored [E,F,D] (nn.Linear's [out, in]), D = F, read as x @ W1[idx].transpose(-1, -2)."""
+
+    def __init__(self):
+        super().__init__(D=32, F_=32, bias=False)
+        self.w1 = torch.nn.Parameter(torch.randn(self.E, 32, 32) / math.sqrt(32))
+
+    def moe_forward(self, y):
+        x = y.reshape(-1, y.shape[-1])
+        weight, index = self.route(x)
+        u = (x[:, None, None, :] @ self.w1[index].transpose(-1, -2)).squeeze(-2)
+        f = (self._act(u).unsqueeze(-2) @ self.w2[index]).squeeze(-2)
+        return (weight.unsqueeze(-1) * f).sum(dim=1).reshape(y.shape)
+
+
+def test_gathered_weights_stored_transposed():
+    torch.manual_seed(0)
+    model = TransposedStorage().double()
+    args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    match = _assert_one_match(compile_and_compare(model, args, torch.float64))
+    assert "permute" in match["params"]["w1"] or "transpose" in match["params"]["w1"], match["params"]["w1"]
+
+
 @pytest.mark.parametrize("moe", ["gathered", "gathered_t", "gathered_bmm", "gathered_matmul"])
 def test_gathered_one_expert_per_row(moe):
     """k = 1: the slot axis has size 1 (and the flat pairs are the rows themselves)."""
