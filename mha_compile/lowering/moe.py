@@ -379,6 +379,22 @@ def _sum(walk, node, src, dim, keepdim):
     return Val("sumw" if src.kind == "topw" else "gatecol", roles, dict(src.info))
 
 
+def _sum_plus_eps(walk, node, total, eps):
+    """Σw + eps as a renormaliser (w / (Σw + 1e-20), DeepSeek's spelling). Σw of the top k of a
+    softmax over E experts is at least k/E, so an eps under (k/E)·2⁻⁵⁵ is below half an ulp of
+    Σw even in float64: Σw + eps rounds to Σw exactly, and the renormalisation is the region's.
+    A larger eps changes the weights: not the block."""
+    c, E = eps.info["value"], walk.axes.sizes.get("e")
+    if not isinstance(c, (int, float)) or not isinstance(E, int):
+        return None
+    if 0 <= c <= total.info["k"] / E * 2.0 ** -55:
+        return total
+    raise Reject(f"{node.name}: the top-k weights are renormalised by Σw + {c:g}; the region divides by Σw "
+                 f"exactly, and an eps this large changes the weights (by up to {c * E / total.info['k']:.1e} "
+                 f"relative). Drop the eps (Σw ≥ k/E = {total.info['k'] / E:g} cannot be 0), or keep eps ≤ "
+                 f"{total.info['k'] / E * 2.0 ** -55:.1e}, which rounds away")
+
+
 def _one_slot(walk):
     return known_eq(walk.axes.sizes.get("s"), 1)
 
@@ -481,6 +497,8 @@ def _expert_info(info):
 def _add(walk, node, a, b):
     if a is None or b is None:
         return None
+    if "sumw" in (a.kind, b.kind) and "const" in (a.kind, b.kind):
+        return _sum_plus_eps(walk, node, a if a.kind == "sumw" else b, b if b.kind == "const" else a)
     if b.kind in ("u", "f") or a.kind in ("zero",):
         a, b = b, a
     if a.kind in ("u", "f") and b.kind == "wsel" and a.info["expert"] == "gathered":  # + b[topi]

@@ -285,6 +285,26 @@ class MisalignedBmm(SpelledBlock):
         return (weight.reshape(-1, 1) * f).view(R, self.k, D).sum(dim=1).reshape(y.shape)
 
 
+class EpsRenorm(SpelledBlock):
+    """w / (Σw + eps): DeepSeek's renormalisation spelling."""
+
+    def __init__(self, eps=1e-20):
+        super().__init__()
+        self.eps = eps
+
+    def route(self, x):
+        weight, index = torch.softmax(self.router(x), dim=-1).topk(self.k, dim=-1)
+        return weight / (weight.sum(dim=-1, keepdim=True) + self.eps), index
+
+
+def test_renorm_with_an_eps_that_rounds_away():
+    """Σw ≥ k/E, so + 1e-20 is below half an ulp even in float64: the same weights bit for bit."""
+    torch.manual_seed(0)
+    args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    match = _assert_one_match(compile_and_compare(EpsRenorm(1e-20).double(), args, torch.float64))
+    assert match["config"]["renorm"] is True
+
+
 class SmallestExperts(SpelledBlock):
     def route(self, x):
         weight, index = torch.softmax(self.router(x), dim=-1).topk(self.k, dim=-1, largest=False)
@@ -317,6 +337,7 @@ NEAR_MISSES = {
     "experts fed another x": (OtherExpertInput, {}, "could not be read"),
     "an expert missing from the loop": (MissingExpert, {}, "cover experts [0, 1, 2] of 4"),
     "largest=False": (SmallestExperts, {}, "largest=False"),
+    "renorm by Σw + 1e-6": (EpsRenorm, {"eps": 1e-6}, "renormalised by Σw + 1e-06"),
     "bmm rows paired with other rows' experts": (MisalignedBmm, {}, "could not be read"),
     "fused K|V interleaved, not halves": (InterleavedKV, {}, "unbind"),
     "router probabilities used outside": (ProbsExported, {}, "used outside the region"),
