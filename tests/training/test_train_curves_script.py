@@ -1,5 +1,7 @@
 """bench/train_curves.py (the H200 script) end to end at tiny size on the CPU, and its curve check."""
 import json
+import math
+import random
 import types
 
 import pytest
@@ -38,3 +40,22 @@ def test_curve_check_catches_a_systematic_gap():
     assert not train_curves.compare_curves(eager, [v * 1.4 for v in eager], twin)["ok"]
     assert not train_curves.compare_curves(eager, [v * 1.2 for v in eager])["ok"]
     assert not train_curves.compare_curves(eager, [max(v, 0.1) for v in eager])["ok"]  # a plateau
+
+
+def test_seed_check_catches_a_slower_learner_and_passes_noise():
+    gen = random.Random(0)
+    eager = [[(1.0 + 0.3 * gen.random()) / (1 + 0.05 * i) for i in range(300)] for _ in range(5)]
+    noisy = [[v * math.exp(gen.gauss(0, 0.02)) for v in run] for run in eager]
+    assert train_curves.compare_seeds(eager, noisy)["ok"]
+    slower = [[v * 1.3 for v in run] for run in eager]  # every seed 30% above eager
+    result = train_curves.compare_seeds(eager, slower)
+    assert not result["ok"] and abs(result["final"]["ratio"] - 1.3) < 1e-9
+
+
+def test_seeds_mode_runs_end_to_end_on_cpu(tmp_path):
+    rc = train_curves.main(["--device", "cpu", "--kernels", "reference", "--preset", "tiny", "--steps", "60",
+                            "--curves", "fp32", "--seeds", "2", "--skip-suite", "--out", str(tmp_path)])
+    curve = json.loads((tmp_path / "train_curves.json").read_text())["curves"]["fp32"]
+    assert rc == 0 and curve["ok"] is curve["seeds"]["ok"] is True
+    assert len(curve["runs"]["mha"]) == len(curve["seeds"]["final"]["per_seed_ratio"]) == 2
+    assert "Over 2 seeds" in (tmp_path / "train_curves.md").read_text()
