@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU-side checks and measurements on the H200, as two device calls (each fits the device
 # tool's 10-minute call and 8 files under $OUT). Repository root on the H200, $OUT set:
-#   bash bench/h200_session.sh check   # pytest -m cuda, per-kernel times, the training suite and curves
-#                                      # (~7 min): run.log, kernel_times.txt, train_curves.{json,md,png}
+#   bash bench/h200_session.sh check   # pytest -m cuda, the training suite, and the autocast and fp32
+#                                      # curves over 4 paired seeds (~8 min): run.log, train_curves.{json,md,png}
+#   bash bench/h200_session.sh kernels # per-kernel times and host profile (~2 min): run.log, kernel_times.txt
 #   bash bench/h200_session.sh bench   # the benchmark against every peer (~9 min):
 #                                      # run.log, h200.{md,json,png,errors.log}
 #   bash bench/h200_session.sh short   # one call when device time is short (~9 min): the fused
@@ -10,7 +11,7 @@
 #                                      # benchmark cut at 250 s (rows past it are listed as skipped)
 # Budgets are per step so a slow step cannot starve the others.
 set -u
-part=${1:?usage: bash bench/h200_session.sh check|bench|short}
+part=${1:?usage: bash bench/h200_session.sh check|kernels|bench|short}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 LOG="$OUT/run.log"
 # COMMIT overrides: the device copy's .git can lag the working tree it carries.
@@ -24,9 +25,12 @@ echo "commit $commit, part $part" >>"$LOG"
 case "$part" in
 check)
     { MHA_COMPILE_NO_AUTOTUNE=1 timeout 200 python -m pytest -q -m cuda tests -n 8 -p no:cacheprovider 2>&1 | tail -15; } >>"$LOG"
-    { timeout -s INT 120 python bench/kernel_times.py --presets medium,large --peers fused,staged,dense --profile \
+    { MHA_COMPILE_NO_AUTOTUNE=1 timeout -s INT 330 python -m bench.train_curves --out "$OUT" --curves autocast,fp32 \
+        --seeds 4 --steps 500 2>&1 | tail -30; } >>"$LOG"
+    ;;
+kernels)
+    { timeout -s INT 150 python bench/kernel_times.py --presets medium,large --peers fused,staged,dense --profile \
         2>&1 | tail -400; } >"$OUT/kernel_times.txt"
-    { MHA_COMPILE_NO_AUTOTUNE=1 timeout -s INT 230 python -m bench.train_curves --out "$OUT" 2>&1 | tail -30; } >>"$LOG"
     ;;
 short)
     { MHA_COMPILE_NO_AUTOTUNE=1 timeout 120 python -m pytest -q -m cuda tests/kernels -k "not staged" -n 8 \
@@ -42,6 +46,6 @@ bench)
         --modes eager,inductor,inductor-max-autotune,mha-staged,mha-fused,mha-fused-cudagraphs \
         --spellings dense,loop,grouped_mm --commit "$commit" 2>&1 | tail -100; } >>"$LOG"
     ;;
-*) echo "unknown part $part: expected check, bench or short" >&2; exit 2 ;;
+*) echo "unknown part $part: expected check, kernels, bench or short" >&2; exit 2 ;;
 esac
 tail -150 "$LOG"
