@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from bench import train_curves
+from bench import curve_check, train_curves
 
 
 def test_script_runs_end_to_end_on_cpu(tmp_path):
@@ -33,22 +33,22 @@ def test_a_fallback_kernel_set_is_refused():
 
 def test_curve_check_catches_a_systematic_gap():
     eager = [1.0 / (1 + 0.05 * i) for i in range(300)]
-    assert train_curves.compare_curves(eager, [v * 1.01 for v in eager])["ok"]
+    assert curve_check.compare_curves(eager, [v * 1.01 for v in eager])["ok"]
     # A twin that rounding alone moved 15% away widens the bound to 30%, and no further.
-    twin = train_curves.compare_curves(eager, [v * 1.15 for v in eager])
-    assert train_curves.compare_curves(eager, [v * 1.2 for v in eager], twin)["ok"]
-    assert not train_curves.compare_curves(eager, [v * 1.4 for v in eager], twin)["ok"]
-    assert not train_curves.compare_curves(eager, [v * 1.2 for v in eager])["ok"]
-    assert not train_curves.compare_curves(eager, [max(v, 0.1) for v in eager])["ok"]  # a plateau
+    twin = curve_check.compare_curves(eager, [v * 1.15 for v in eager])
+    assert curve_check.compare_curves(eager, [v * 1.2 for v in eager], twin)["ok"]
+    assert not curve_check.compare_curves(eager, [v * 1.4 for v in eager], twin)["ok"]
+    assert not curve_check.compare_curves(eager, [v * 1.2 for v in eager])["ok"]
+    assert not curve_check.compare_curves(eager, [max(v, 0.1) for v in eager])["ok"]  # a plateau
 
 
 def test_seed_check_catches_a_slower_learner_and_passes_noise():
     gen = random.Random(0)
     eager = [[(1.0 + 0.3 * gen.random()) / (1 + 0.05 * i) for i in range(300)] for _ in range(5)]
     noisy = [[v * math.exp(gen.gauss(0, 0.02)) for v in run] for run in eager]
-    assert train_curves.compare_seeds(eager, noisy)["ok"]
+    assert curve_check.compare_seeds(eager, noisy)["ok"]
     slower = [[v * 1.3 for v in run] for run in eager]  # every seed 30% above eager
-    result = train_curves.compare_seeds(eager, slower)
+    result = curve_check.compare_seeds(eager, slower)
     assert not result["ok"] and abs(result["final"]["ratio"] - 1.3) < 1e-9
 
 
