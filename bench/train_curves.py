@@ -178,8 +178,12 @@ def plot(out, curves, title):
                 ax.plot(steps, losses, color=color, alpha=0.2, lw=0.8)
             ax.plot(steps, moving_average(losses, SMOOTH), color=color, ls=style, label=f"{label} ({SMOOTH}-step mean)")
         gated = "gated" if precision in GATED else "not gated"
-        ax.set_title(f"{precision}: mha gap worst {c['worst_smoothed_gap']:.1%}, final {c['final_gap']:.1%}; "
-                     f"twin {c['twin_worst_gap']:.1%}, {c['twin_final_gap']:.1%} ({gated})", fontsize=8)
+        heading = (f"{precision}: mha gap worst {c['worst_smoothed_gap']:.1%}, final {c['final_gap']:.1%}; "
+                 f"twin {c['twin_worst_gap']:.1%}, {c['twin_final_gap']:.1%} ({gated})")
+        if "seeds" in c:  # the curves drawn are seed 0's; the verdict is the seeds'
+            heading += (f"\nseed 0 drawn; over {c['seeds']['seeds']} seeds ours/eager: learn "
+                      f"{c['seeds']['learn']['ratio']:.3f}, final {c['seeds']['final']['ratio']:.3f}")
+        ax.set_title(heading, fontsize=8)
         ax.set_yscale("log")
         ax.set_xlabel("step")
         ax.set_ylabel("MSE")
