@@ -268,6 +268,23 @@ class InterleavedKV(SpelledBlock):
         return self.kv(tok).view(B, N, D, 2).unbind(-1)
 
 
+class DenseExpertsStoredFDE(SpelledBlock):
+    """E = F, W1 stored [F,D,E]: the expert letter cannot be told from the hidden one by size,
+    and reading it the wrong way round fits every shape. It must stay unmatched, not misread."""
+
+    def __init__(self):
+        super().__init__(F_=4, E=4, bias=False, moe="dense_scatter")
+        self.w1 = torch.nn.Parameter(torch.randn(4, self.D, 4) / math.sqrt(self.D))  # [F, D, E]
+
+    def moe_forward(self, y):
+        x = y.reshape(-1, y.shape[-1])
+        weight, index = self.route(x)
+        gates = torch.zeros(x.shape[0], self.E, dtype=x.dtype).scatter(1, index, weight)
+        u = torch.einsum("rd,fde->rfe", x, self.w1)
+        f = torch.einsum("rfe,efd->red", self._act(u), self.w2)
+        return torch.einsum("re,red->rd", gates, f).reshape(y.shape)
+
+
 class MisalignedBmm(SpelledBlock):
     """x repeated slot-major (k, R) against W1[topi.reshape(-1)] (row-major): each row meets
     another row's experts. The shapes all fit; the pairing does not."""
@@ -339,6 +356,7 @@ NEAR_MISSES = {
     "largest=False": (SmallestExperts, {}, "largest=False"),
     "renorm by Σw + 1e-6": (EpsRenorm, {"eps": 1e-6}, "renormalised by Σw + 1e-06"),
     "bmm rows paired with other rows' experts": (MisalignedBmm, {}, "could not be read"),
+    "dense experts stored [F,D,E] with E = F": (DenseExpertsStoredFDE, {}, "could not be read"),
     "fused K|V interleaved, not halves": (InterleavedKV, {}, "unbind"),
     "router probabilities used outside": (ProbsExported, {}, "used outside the region"),
 }
