@@ -57,26 +57,26 @@ def lower(gm, opts, report):
     """A rewritten copy of gm; fills report with matches and near-misses.
 
     Regions are also sought in the subgraphs of higher-order ops (the body Dynamo makes for
-    torch.utils.checkpoint, say), whose GraphModules hang off gm as attributes; a rewritten
-    subgraph is rewritten on its own copy, so the captured graph is never touched.
+    torch.utils.checkpoint, say), whose GraphModules hang off gm as attributes. The search runs
+    once, on copies (graph_copy keeps node names, so reports read the same); a rewritten
+    subgraph is rewritten on its own copy, so the captured graph is never touched, and when
+    nothing matches gm itself is returned.
     """
-    found = {path: find_regions(sub) for path, sub in _graph_modules(gm)}
-    for path, (_, misses) in found.items():
+    new, copies = _copy(gm), {}
+    found = {path: (_copy_attribute(new, path, copies), find_regions(_copy_attribute(new, path, copies)))
+             for path, _ in _graph_modules(gm)}
+    for path, (_, (_, misses)) in found.items():
         report.near_misses += [dict(m.summary(), graph=path or "<top>") for m in misses]
         for miss in misses:
             log.info("mha_compile: near-miss at %s: %s", miss.node, miss.reason)
-    if not any(matches for matches, _ in found.values()):
+    if not any(matches for _, (matches, _) in found.values()):
         return gm
-    new, copies = _copy(gm), {}
-    for path, (matches, _) in found.items():
-        if not matches:
-            continue
-        sub = _copy_attribute(new, path, copies)
-        matches, _ = find_regions(sub)  # the same regions, on the copy's nodes
+    for path, (sub, (matches, _)) in found.items():
         for match in matches:
             match.kernels, match.kernels_reason = choose_kernels(match, opts.kernels)
         report.matches += [dict(m.summary(), graph=path or "<top>") for m in matches]
-        rewrite(sub, matches)
+        if matches:
+            rewrite(sub, matches)
     log.info("mha_compile: graph %d: replaced %d region(s)", report.index, len(report.matches))
     return new
 
