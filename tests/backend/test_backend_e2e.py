@@ -284,3 +284,16 @@ def test_a_region_value_read_before_the_region_ends_is_a_near_miss():
     assert not report.matches and "used outside the region" in report.near_misses[0]["reason"]
     torch._dynamo.reset()
     assert_close_rel(torch.compile(copy.deepcopy(model), backend="mha")(ctx, tok), model(ctx, tok), torch.float32, "eager")
+
+
+@pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1", reason="kernels='fused' on CPU needs TRITON_INTERPRET=1")
+def test_autocast_hand_off_chooses_the_fused_kernels():
+    """Under torch.autocast the op gets bf16 activations and fp32 parameters: the fused set takes
+    that mix (it used to fall back to the reference path), and the report says how."""
+    torch.manual_seed(0)
+    model = models.Forecaster(16, 5, 3)
+    with torch.autocast("cpu", torch.bfloat16):
+        report = mha_compile.explain(model, torch.randn(4, 16, 5), options={"kernels": "fused"})
+    (match,) = report.matches
+    assert match["kernels"] == "fused", match["kernels_reason"]
+    assert "as autocast does" in match["kernels_reason"]
