@@ -25,7 +25,7 @@ echo "commit $commit, part $part" >>"$LOG"
 case "$part" in
 check)
     { MHA_COMPILE_NO_AUTOTUNE=1 timeout 200 python -m pytest -q -m cuda tests -n 8 -p no:cacheprovider 2>&1 | tail -15; } >>"$LOG"
-    { MHA_COMPILE_NO_AUTOTUNE=1 timeout -s INT 330 python -m bench.train_curves --out "$OUT" --curves autocast,fp32 \
+    { MHA_COMPILE_NO_AUTOTUNE=1 timeout -s INT 360 python -m bench.train_curves --out "$OUT" --curves autocast,fp32 \
         --seeds 4 --steps 500 2>&1 | tail -30; } >>"$LOG"
     ;;
 kernels)
