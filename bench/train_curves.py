@@ -73,8 +73,8 @@ def first_reach(losses, threshold):
     return next((i + 1 for i, loss in enumerate(losses) if loss <= threshold), None)
 
 
-def run_suite(args, dtype):
-    rows = []
+def run_suite(args, dtype, rows):
+    """Appends one row per task (and the pool-cut row) to `rows` as each finishes."""
     options = {"kernels": args.kernels}
     for name, (threshold, steps, context) in SUITE.items():
         steps = max(1, round(steps * args.suite_scale))
@@ -196,9 +196,9 @@ def plot(out, curves, title):
     return str(path)
 
 
-def run_curves(args, device_name):
+def run_curves(args, device_name, curves):
+    """Fills `curves` {precision: ...} as each precision finishes; returns the PNG's path."""
     p = models.PRESETS[args.preset]
-    curves = {}
     for precision in args.curves.split(","):
         if precision not in PRECISIONS:
             raise SystemExit(f"--curves: {precision!r} is not one of {list(PRECISIONS)}")
@@ -236,9 +236,12 @@ def run_curves(args, device_name):
                       f"{st['learn']['ratio']:.3f} (bound {st['learn']['bound_ratio']:.3f}), final "
                       f"{st['final']['ratio']:.3f} (bound {st['final']['bound_ratio']:.3f}): "
                       f"{'ok' if st['ok'] else 'outside'}", flush=True)
+    return plot_curves(args, device_name, curves)
+
+
+def plot_curves(args, device_name, curves):
     title = f"Forecaster @ {args.preset}, pooled_selection, {args.steps} steps, kernels={args.kernels}, {device_name}"
-    png = plot(args.out, curves, title)
-    return curves, png
+    return plot(args.out, curves, title) if curves else None
 
 
 def main(argv=None):
@@ -265,11 +268,17 @@ def main(argv=None):
     result = {"device": device_name, "torch": torch.__version__, "args": vars(args),
               "curve_rtol": CURVE_RTOL, "final_rtol": FINAL_RTOL}
     start = time.perf_counter()
-    if not args.skip_suite:
-        print(f"Overfit suite, {args.dtype}, kernels={args.kernels}, on {device_name}:")
-        result["suite"] = run_suite(args, dtype)
-    if not args.skip_curve:
-        result["curves"], result["png"] = run_curves(args, device_name)
+    try:
+        if not args.skip_suite:
+            print(f"Overfit suite, {args.dtype}, kernels={args.kernels}, on {device_name}:")
+            run_suite(args, dtype, result.setdefault("suite", []))
+        if not args.skip_curve:
+            result["png"] = run_curves(args, device_name, result.setdefault("curves", {}))
+    except KeyboardInterrupt:  # a time limit (timeout -s INT): keep what finished
+        result["interrupted"] = True
+        print("interrupted: writing the rows and curves that finished", flush=True)
+        if result.get("curves"):
+            result["png"] = plot_curves(args, device_name, result["curves"])
     result["seconds"] = round(time.perf_counter() - start, 1)
     (out / "train_curves.json").write_text(json.dumps(result, indent=1))
     lines = [f"# train_curves on {device_name} ({args.dtype}, kernels={args.kernels}), {result['seconds']} s", ""]
@@ -302,6 +311,7 @@ def main(argv=None):
     (out / "train_curves.md").write_text("\n".join(lines) + "\n")
     failed = [r["task"] for r in result.get("suite", []) if not r["ok"]]
     failed += [f"curve {name}" for name, c in result.get("curves", {}).items() if c["gated"] and not c["ok"]]
+    failed += ["interrupted before the end"] if result.get("interrupted") else []
     if failed:
         print(f"FAILED: {failed}")
         return 1

@@ -59,3 +59,19 @@ def test_seeds_mode_runs_end_to_end_on_cpu(tmp_path):
     assert rc == 0 and curve["ok"] is curve["seeds"]["ok"] is True
     assert len(curve["runs"]["mha"]) == len(curve["seeds"]["final"]["per_seed_ratio"]) == 2
     assert "Over 2 seeds" in (tmp_path / "train_curves.md").read_text()
+
+
+def test_an_interrupted_run_keeps_what_finished(tmp_path, monkeypatch):
+    """timeout -s INT on the GPU machine: the finished curves are written, the run fails."""
+    original = train_curves.train_curve
+
+    def stop_at_autocast(args, precision, *rest, **kwargs):
+        if precision == "autocast":
+            raise KeyboardInterrupt
+        return original(args, precision, *rest, **kwargs)
+
+    monkeypatch.setattr(train_curves, "train_curve", stop_at_autocast)
+    rc = train_curves.main(["--device", "cpu", "--kernels", "reference", "--preset", "tiny", "--steps", "60",
+                            "--curves", "fp32,autocast", "--skip-suite", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "train_curves.json").read_text())
+    assert rc == 1 and result["interrupted"] is True and list(result["curves"]) == ["fp32"]
