@@ -191,10 +191,15 @@ class Axes:
         return tuple(out)
 
     def _merge_with_trivial(self, roles, axes, in_shape, in_roles):
+        """X.1 merged with a size-1 X.0 before it gives X back; size-1 axes without a role between
+        them (the query's length 1 in SDPA's [B, P, 1, Dh]) do not change the row-major order."""
         x = self.trivial_split
-        if x and roles == [f"{x}.1"] and axes[0] > 0 and is_one(in_shape[axes[0] - 1]) and \
-                in_roles[axes[0] - 1] == f"{x}.0":
-            return x
+        if x and roles == [f"{x}.1"]:
+            i = axes[0] - 1
+            while i >= 0 and is_one(in_shape[i]) and in_roles[i] == ONE:
+                i -= 1
+            if i >= 0 and is_one(in_shape[i]) and in_roles[i] == f"{x}.0":
+                return x
         return self.merge(roles)
 
     def _carry_size_one(self, in_shape, in_roles, out, groups):
@@ -400,15 +405,16 @@ def _ext_layout(walk, node, op, src, in_shape, out_shape):
     return ext_val(node, new_ref, lay)
 
 
-def query_ref(val, wanted):
+def query_ref(val, wanted, one_head=False):
     """A batch-invariant tensor read as [P,Dh]: `wanted` names each axis's role at its use
     ("d.0" head, "d.1" head dim, None for an axis it must not vary along). Axes wanted None must
     be broadcast or size 1 (lay role ONE), so taking index 0 there is exact; the result is a
-    view of the parameter. None when the tensor does not fit."""
+    view of the parameter. None when the tensor does not fit. one_head (P = 1): the head axis
+    has size 1 too, so it is a size-1 axis of the query's (lay ONE), kept whole."""
     lay = val.info.get("lay") if val is not None and val.kind == "ext" else None
     if lay is None or len(lay) != len(wanted) or sorted(w for w in wanted if w) != ["d.0", "d.1"]:
         return None
-    if any((w is None) != (r == ONE) for w, r in zip(wanted, lay)):
+    if any((w is None) != (r == ONE) and not (one_head and w == "d.0" and r == ONE) for w, r in zip(wanted, lay)):
         return None
     items = tuple(":" if w else 0 for w in wanted)
     ref = ParamRef(val.info["node"])

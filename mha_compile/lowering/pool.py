@@ -24,7 +24,7 @@ import torch
 
 from mha_compile.lowering.canonicalize import canon, dtype, shape
 from mha_compile.lowering.interpret import (ONE, ParamRef, Reject, Val, broadcast, canonical_perm, einsum_roles,
-                                            ext_ref, layout_rule, query_ref, select_rule, with_step)
+                                            ext_ref, known_eq, layout_rule, query_ref, select_rule, with_step)
 
 SCALE_RTOL = 1e-6
 HEAD_ROLES = ("d.0", "d.1")
@@ -161,6 +161,11 @@ def _wanted(n, k_roles, query_first):
     return [r if r in HEAD_ROLES else None for r in batch] + ([None, "d.1"] if query_first else ["d.1", None])
 
 
+def _one_head(walk):
+    """The one-head reading (P = 1, the walk's trivial split of d into a size-1 d.0)."""
+    return walk.axes.trivial_split == "d" and known_eq(walk.axes.sizes.get("d.0"), 1)
+
+
 def _matmul(walk, node, a, b):
     """q @ Kᵀ -> scores; attn @ V -> pooled (head axes as batch axes, any size-1 query axis)."""
     if a is None or b is None:
@@ -171,7 +176,7 @@ def _matmul(walk, node, a, b):
             if len(lay) < 2 or len(lay) > len(k.roles) or k.roles[-1 if query_first else -2] != "n":
                 return None
             wanted = _wanted(len(lay), k.roles, query_first)
-            ref = query_ref(query, wanted)
+            ref = query_ref(query, wanted, one_head=_one_head(walk))
             if ref is None:
                 return None
             q_roles = tuple(w or ONE for w in wanted)
@@ -319,7 +324,7 @@ def _sdpa(walk, node, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gq
     lay = q.info.get("lay")
     if lay is None or len(lay) != len(k.roles):
         return None
-    ref = query_ref(q, [r if r in HEAD_ROLES else None for r in k.roles[:-2]] + [None, "d.1"])
+    ref = query_ref(q, [r if r in HEAD_ROLES else None for r in k.roles[:-2]] + [None, "d.1"], one_head=_one_head(walk))
     if ref is None:
         return None
     if _const(dropout_p, 0.0) not in (0, 0.0):

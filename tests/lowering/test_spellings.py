@@ -166,11 +166,11 @@ def test_random_block_configurations(P, Dh, F_, E, data, act, renorm, bias, pool
     assert match["config"] == {"top_k": k, "renorm": renorm, "act": act}
 
 
-# Size-1 axes: one horizon (H=1) or one token (N=1) in every pool spelling; one head (P=1) in
-# the spellings that read it (a [B,N,1,Dh] view reads like an unsqueeze; the matcher retries the
-# one-head reading). P=1 through matmul/SDPA with transposed heads is not matched yet.
+# Size-1 axes: one horizon (H=1), one token (N=1) or one head (P=1) in every pool spelling (a
+# [B,N,1,Dh] view reads like an unsqueeze; the matcher retries the one-head reading, where the
+# query's size-1 head axis and SDPA's [B,1,1,Dh] output read as that one head).
 SIZE_ONE = [(2, 1, 5, pool) for pool in POOLS] + [(2, 3, 1, pool) for pool in POOLS] + \
-    [(1, 3, 5, pool) for pool in ("einsum", "mha", "fused_kv", "mul_scale")]
+    [(1, 3, 5, pool) for pool in POOLS]
 
 
 @pytest.mark.parametrize("P,H,N,pool", SIZE_ONE)
