@@ -23,8 +23,9 @@ import math
 import torch
 
 from mha_compile.lowering.canonicalize import canon, dtype, shape
-from mha_compile.lowering.interpret import (ONE, ParamRef, Reject, Val, broadcast, canonical_perm, einsum_roles,
-                                            ext_ref, known_eq, layout_rule, query_ref, select_rule, with_step)
+from mha_compile.lowering.interpret import (ONE, ParamRef, Reject, Val, base_layout, broadcast, canonical_perm,
+                                            einsum_roles, ext_ref, ext_val, known_eq, layout_rule, query_ref,
+                                            select_rule, with_step)
 
 SCALE_RTOL = 1e-6
 HEAD_ROLES = ("d.0", "d.1")
@@ -72,7 +73,7 @@ def pool_rule(walk, node, op):
     if op.kind == "add":
         return _add_bias(walk, node, *args)
     if op.kind in ("mul", "div"):
-        return _scale(op.kind, *args)
+        return _scale(op.kind, *args) or _prescaled(walk, node, op.kind, *args)
     if op.kind == "einsum":
         return _einsum(walk, node, op.args[0], args[1:])
     if op.kind == "softmax":
@@ -118,6 +119,24 @@ def _scale(kind, a, b):
     return Val("scores", a.roles, dict(a.info, scale=a.info["scale"] * (c if kind == "mul" else 1.0 / c)))
 
 
+def _prescaled(walk, node, kind, a, b):
+    """A parameter times (or over) a constant, outside the region: read like any external tensor
+    (the op takes the product as it is), remembering the parameter and the factor, so that a
+    query pre-scaled by 1/√Dh (q = self.query / math.sqrt(Dh), scores unscaled) can be read as
+    the block with the query itself (see _softmax)."""
+    if a is not None and a.kind == "const" and kind == "mul":
+        a, b = b, a
+    value = None if b is None or b.kind != "const" else b.info["value"]
+    if ext_ref(a) is None or isinstance(value, bool) or not isinstance(value, (int, float)) or value == 0:
+        return None
+    lay = base_layout(node)
+    if lay is None or not walk.axes.bind_all(lay, shape(node)):
+        return None
+    val = ext_val(node, ParamRef(node), lay)
+    val.info["prescaled"] = (ext_ref(a), float(value) if kind == "mul" else 1.0 / float(value))
+    return val
+
+
 def _einsum(walk, node, equation, operands):
     if len(operands) != 2 or any(v is None for v in operands):
         return None
@@ -133,9 +152,12 @@ def _einsum(walk, node, equation, operands):
         if {letters.get(l) for l in contracted} != {"d.1"} or set(out_roles) != {"b", "n", "d.0"} or \
                 canonical_perm(q_roles, HEAD_ROLES) is False or k.roles[:2] != ("b", "n") or ext_ref(q) is None:
             return None
-        ref = ext_ref(q)
-        return Val("scores", out_roles, {"k": k.info, "q": ParamRef(ref.node, canonical_perm(q_roles, HEAD_ROLES)),
-                                         "scale": 1.0, "mask": None})
+        ref, perm = ext_ref(q), canonical_perm(q_roles, HEAD_ROLES)
+        info = {"k": k.info, "q": ParamRef(ref.node, perm), "scale": 1.0, "mask": None}
+        inner, factor = q.info.get("prescaled", (None, None))
+        if inner is not None and inner.perm is None and inner.select is None and not inner.steps:
+            info["prescaled"] = (ParamRef(inner.node, perm), factor)  # a scalar multiple keeps the layout
+        return Val("scores", out_roles, info)
     if sorted(kinds) == ["attn", "proj"]:
         attn, v = (operands[0], operands[1]) if kinds[0] == "attn" else (operands[1], operands[0])
         if {letters.get(l) for l in contracted} != {"n"}:
@@ -392,9 +414,16 @@ def _softmax(walk, node, scores, dim):
         raise Reject(f"{node.name}: softmax over dim {dim} (the {_ROLE_NAMES.get(role, role)} axis); the pool normalises over the tokens")
     head_dim = walk.axes.sizes.get("d.1")
     expected = 1.0 / math.sqrt(head_dim)
-    if abs(scores.info["scale"] - expected) > SCALE_RTOL * expected:
-        raise Reject(f"{node.name}: scores are scaled by {scores.info['scale']:.6g}; the pool's scale is 1/√Dh = {expected:.6g}")
-    return Val("attn", scores.roles, dict(scores.info))
+    info = dict(scores.info)
+    inner, factor = info.pop("prescaled", (None, None))
+    if abs(info["scale"] - expected) > SCALE_RTOL * expected and inner is not None and \
+            abs(info["scale"] * factor - expected) <= SCALE_RTOL * expected:
+        info.update(q=inner, scale=info["scale"] * factor)  # q = c·query: the scale lives in the query
+    if abs(info["scale"] - expected) > SCALE_RTOL * expected:
+        also = f" (with the query's own factor {factor:.6g}: {info['scale'] * factor:.6g})" if inner is not None else ""
+        raise Reject(f"{node.name}: scores are scaled by {info['scale']:.6g}{also}; the pool's scale is "
+                     f"1/√Dh = {expected:.6g}")
+    return Val("attn", scores.roles, info)
 
 
 _ROLE_NAMES = {"b": "batch", "n": "token", "d.0": "head", "d.1": "head-dim", "d": "feature", ONE: "size-1"}

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-POOLS = ("einsum", "matmul", "sdpa", "sdpa_scale", "mha", "fused_kv", "fused_kv_unbind", "mul_scale")
+POOLS = ("einsum", "matmul", "sdpa", "sdpa_scale", "mha", "fused_kv", "fused_kv_unbind", "mul_scale",
+         "scaled_query")
 MERGES = ("unsqueeze", "none_index", "view_first", "torch_add", "iadd", "expand_as")
 MOES = ("loop", "dense_scatter", "dense_onehot", "gathered", "gathered_t", "gathered_bmm", "gathered_matmul",
         "mixtral")
@@ -62,10 +63,13 @@ class SpelledBlock(nn.Module):
             out, _ = self.attn(self.query.expand(B, -1, -1), tok, tok, key_padding_mask=pad, need_weights=False)
             return out[:, 0]
         k, v = self._kv(tok)
-        if self.pool in ("einsum", "fused_kv", "fused_kv_unbind", "mul_scale"):
+        if self.pool in ("einsum", "fused_kv", "fused_kv_unbind", "mul_scale", "scaled_query"):
             k, v = k.view(B, N, P, Dh), v.view(B, N, P, Dh)
-            scores = torch.einsum("pd,bnpd->bpn", self.query, k)
-            scores = scores * Dh ** -0.5 if self.pool == "mul_scale" else scores / math.sqrt(Dh)
+            if self.pool == "scaled_query":  # the query pre-scaled, the scores not
+                scores = torch.einsum("pd,bnpd->bpn", self.query / math.sqrt(Dh), k)
+            else:
+                scores = torch.einsum("pd,bnpd->bpn", self.query, k)
+                scores = scores * Dh ** -0.5 if self.pool == "mul_scale" else scores / math.sqrt(Dh)
             if pad is not None:
                 scores = scores.masked_fill(pad[:, None, :], float("-inf"))
             attn = torch.softmax(scores, dim=-1)

@@ -285,6 +285,30 @@ class DenseExpertsStoredFDE(SpelledBlock):
         return torch.einsum("re,red->rd", gates, f).reshape(y.shape)
 
 
+class ScaledQuery(SpelledBlock):
+    """The query times a constant before the scores; the scores times another."""
+
+    def __init__(self, query_factor, score_factor):
+        super().__init__()
+        self.query_factor, self.score_factor = query_factor, score_factor
+
+    def pool_forward(self, tok, pad=None):
+        B, N, D = tok.shape
+        k, v = self.key(tok).view(B, N, self.P, self.Dh), self.value(tok).view(B, N, self.P, self.Dh)
+        scores = torch.einsum("pd,bnpd->bpn", self.query * self.query_factor, k) * self.score_factor
+        return self.out(torch.einsum("bpn,bnpd->bpd", scores.softmax(-1), v).reshape(B, D))
+
+
+def test_a_scaled_query_reads_either_way():
+    """q·c with scores·s is the block when c·s = 1/√Dh (query: the parameter) or when s = 1/√Dh
+    (query: the product q·c, which the op then takes as it is). Both equal eager."""
+    dh = SpelledBlock().Dh
+    for c, scale in ((dh ** -0.5, 1.0), (3.0, dh ** -0.5), (0.5, 2 * dh ** -0.5)):
+        torch.manual_seed(0)
+        args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        _assert_one_match(compile_and_compare(ScaledQuery(c, scale).double(), args, torch.float64))
+
+
 class MisalignedBmm(SpelledBlock):
     """x repeated slot-major (k, R) against W1[topi.reshape(-1)] (row-major): each row meets
     another row's experts. The shapes all fit; the pairing does not."""
@@ -358,6 +382,8 @@ NEAR_MISSES = {
     "bmm rows paired with other rows' experts": (MisalignedBmm, {}, "could not be read"),
     "dense experts stored [F,D,E] with E = F": (DenseExpertsStoredFDE, {}, "could not be read"),
     "fused K|V interleaved, not halves": (InterleavedKV, {}, "unbind"),
+    "query times 3, scores unscaled": (ScaledQuery, {"query_factor": 3.0, "score_factor": 1.0},
+                                       "with the query's own factor"),
     "router probabilities used outside": (ProbsExported, {}, "used outside the region"),
 }
 
