@@ -285,9 +285,16 @@ def _check_inplace_merge(nodes, y, ctx):
 
 
 def _token_inputs(node):
+    """The [B,N,D] tensor a projection reads: linear's input, x of x @ W (W a parameter, up to
+    layout ops: attn @ V is not a projection, and stopping at attn would cut the search short
+    of K), or nn.MultiheadAttention's key."""
     op = canon(node)
     if op is None or op.kind not in ("linear", "matmul", "mha"):
         return ()
+    if op.kind == "matmul":
+        weight = _strip(op.args[1]) if hasattr(op.args[1], "op") else None
+        if weight is None or weight.op not in ("placeholder", "get_attr"):
+            return ()
     src = _strip(op.args[1]) if op.kind == "mha" else op.args[0]
     return (src,) if hasattr(src, "op") and shape(src) is not None and len(shape(src)) == 3 else ()
 
