@@ -184,8 +184,12 @@ class Axes:
                     return None
                 for k, r in zip(group_out, parts):
                     out[k] = r
-            else:
-                return None
+            else:  # several into several: [B·P, Dh] -> [B, P·Dh] regroups "b*d.0", "d.1" as "b", "d"
+                regrouped = self._group("*".join(roles).split("*"), [out_shape[k] for k in group_out])
+                if regrouped is None:
+                    return None
+                for k, parts in zip(group_out, regrouped):
+                    out[k] = self.merge(parts)
             groups.append(([a for _, _, a in group_in], group_out))
         self._carry_size_one(in_shape, in_roles, out, groups)
         return tuple(out)
@@ -405,18 +409,30 @@ def _ext_layout(walk, node, op, src, in_shape, out_shape):
     return ext_val(node, new_ref, lay)
 
 
-def query_ref(val, wanted, one_head=False):
+BATCH_HEADS = "b*d.0"  # batch and heads merged batch-major: attention over (B·P) batches
+
+
+def query_ref(val, wanted, one_head=False, heads=None):
     """A batch-invariant tensor read as [P,Dh]: `wanted` names each axis's role at its use
     ("d.0" head, "d.1" head dim, None for an axis it must not vary along). Axes wanted None must
     be broadcast or size 1 (lay role ONE), so taking index 0 there is exact; the result is a
     view of the parameter. None when the tensor does not fit. one_head (P = 1): the head axis
-    has size 1 too, so it is a size-1 axis of the query's (lay ONE), kept whole."""
+    has size 1 too, so it is a size-1 axis of the query's (lay ONE), kept whole. BATCH_HEADS
+    (the query expanded over the batch, then merged with its head axis batch-major, as for a
+    (B·P)-batched bmm): its lay must be a broadcast merged with one real axis, and the first
+    `heads` entries (batch 0) are the P heads."""
     lay = val.info.get("lay") if val is not None and val.kind == "ext" else None
-    if lay is None or len(lay) != len(wanted) or sorted(w for w in wanted if w) != ["d.0", "d.1"]:
+    heads_wanted = ["d.0" if w == BATCH_HEADS else w for w in wanted]
+    if lay is None or len(lay) != len(wanted) or sorted(w for w in heads_wanted if w) != ["d.0", "d.1"]:
         return None
-    if any((w is None) != (r == ONE) and not (one_head and w == "d.0" and r == ONE) for w, r in zip(wanted, lay)):
-        return None
-    items = tuple(":" if w else 0 for w in wanted)
+    for w, r in zip(wanted, lay):
+        if w == BATCH_HEADS:
+            if not (isinstance(heads, int) and r.startswith(f"{ONE}*") and r.count("*") == 1):
+                return None
+        elif (w is None) != (r == ONE) and not (one_head and w == "d.0" and r == ONE):
+            return None
+    items = tuple(("range", 0, heads) if w == BATCH_HEADS else ":" if w else 0 for w in wanted)
+    wanted = heads_wanted
     ref = ParamRef(val.info["node"])
     if items != (":", ":"):
         ref = with_step(ref, ("index", items))

