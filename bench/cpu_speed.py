@@ -12,16 +12,7 @@ import time
 import torch
 
 from mha_compile import models
-
-
-def cpu_ms(fn, repeats):
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.process_time()
-        fn()
-        times.append(time.process_time() - start)
-    return 1e3 * sorted(times)[len(times) // 2]
+from mha_compile.demo import median_ms
 
 
 def main():
@@ -38,7 +29,7 @@ def main():
         ctx = torch.randn(p["B"], p["H"], p["D"], requires_grad=True)
         tok = torch.randn(p["B"], p["N"], p["D"], requires_grad=True)
         step = lambda f: f(ctx, tok).square().mean().backward()
-        eager_ms, mha_ms = cpu_ms(lambda: step(block), args.repeats), cpu_ms(lambda: step(mha), args.repeats)
+        eager_ms, mha_ms = (median_ms(lambda: step(m), args.repeats, clock=time.process_time) for m in (block, mha))
         print(f"{args.preset} {spelling:5s} fwd+bwd: eager {eager_ms:7.1f} ms  mha(reference) {mha_ms:7.1f} ms  "
               f"speedup {eager_ms / mha_ms:.2f}x")
 

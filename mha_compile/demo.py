@@ -54,13 +54,15 @@ def train(steps):
     return rows
 
 
-def _median_ms(fn, repeats):
+def median_ms(fn, repeats, clock=time.perf_counter):
+    """Median milliseconds of fn() over `repeats` calls after one warm-up, by `clock` (wall time
+    here; bench/cpu_speed.py passes time.process_time)."""
     fn()
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return 1e3 * sorted(times)[len(times) // 2]
 
 
@@ -77,8 +79,8 @@ def speed_table(preset="small", repeats=3):
         times = {}
         for name, fn in (("eager", block), ("mha", mha)):
             with torch.no_grad():
-                times[name, "fwd"] = _median_ms(lambda: fn(ctx, tok), repeats)
-            times[name, "fwd+bwd"] = _median_ms(lambda: fn(ctx, tok).square().mean().backward(), repeats)
+                times[name, "fwd"] = median_ms(lambda: fn(ctx, tok), repeats)
+            times[name, "fwd+bwd"] = median_ms(lambda: fn(ctx, tok).square().mean().backward(), repeats)
         for phase in ("fwd", "fwd+bwd"):
             e, m = times["eager", phase], times["mha", phase]
             rows.append([spelling, phase, f"{e:.1f}", f"{m:.1f}", f"{e / m:.2f}x"])
