@@ -113,14 +113,14 @@ def require_kernels(reports, kernels):
 
 
 def make_forecaster(preset, spelling="loop", seed=0):
-    """The curve's model, seeded: every spelling starts from the same parameters."""
+    """The curve's model, seeded: every spelling starts from the loop spelling's parameters."""
     p = models.PRESETS[preset]
+    build = lambda s: models.Forecaster(WINDOW[preset], p["N"], p["H"], dim=p["D"], heads=p["P"], hidden=p["F"],
+                                        experts=p["E"], top_k=p["k"], spelling=s)
     torch.manual_seed(seed)
-    model = models.Forecaster(WINDOW[preset], p["N"], p["H"], dim=p["D"], heads=p["P"], hidden=p["F"],
-                              experts=p["E"], top_k=p["k"])
+    model = build("loop")
     if spelling != "loop":
-        twin = models.Forecaster(WINDOW[preset], p["N"], p["H"], dim=p["D"], heads=p["P"], hidden=p["F"],
-                                 experts=p["E"], top_k=p["k"], spelling=spelling)
+        twin = build(spelling)
         twin.load_state_dict(model.state_dict())
         model = twin
     return model

@@ -172,14 +172,22 @@ def _gathered_matmul(walk, a, w):
     lead = w.roles[:-2]
     if a.roles[-2] != ONE or any(r not in (l, ONE) for r, l in zip(a.roles[:-2], lead)):
         return None
-    # The contracted axis is W's second to last: the parameter's axis (1 or 2 of [E, ·, ·]) behind it.
-    perm = None if w.info.get("own", (0, 1))[0] == 0 else (0, 2, 1)
+    if a.roles[-1] != ("d" if a.kind == "x" else "f"):
+        return None
+    if a.kind == "h" and (a.info["expert"] != "gathered" or a.info["topk"] is not w.info["topk"]):
+        return None
+    return _gathered_out(a, lead + (ONE,), w, 0)  # matmul contracts W's second to last axis
+
+
+def _gathered_out(src, rows, w, own_axis):
+    """u = x W1[topi] (src x) or f = h W2[topi] (src h) per (row, slot), roles rows + (f | d).
+    The parameter behind W[topi] is read as [E, contracted, out] (W1 [E,D,F], W2 [E,F,D]):
+    transposed when the contracted axis, the view's own axis `own_axis`, is its last."""
+    perm = None if w.info.get("own", (0, 1))[own_axis] == 0 else (0, 2, 1)
     ref = ParamRef(w.info["ref"].node, perm)
-    if a.kind == "x" and a.roles[-1] == "d":
-        return Val("u", lead + (ONE, "f"), {"expert": "gathered", "topk": w.info["topk"], "w1": ref, "b1": None})
-    if a.kind == "h" and a.roles[-1] == "f" and a.info["expert"] == "gathered" and a.info["topk"] is w.info["topk"]:
-        return Val("f", lead + (ONE, "d"), dict(a.info, w2=ref, b2=None))
-    return None
+    if src.kind == "x":
+        return Val("u", rows + ("f",), {"expert": "gathered", "topk": w.info["topk"], "w1": ref, "b1": None})
+    return Val("f", rows + ("d",), dict(src.info, w2=ref, b2=None))
 
 
 def _tuple_item(src, i):
@@ -323,14 +331,7 @@ def _gathered_product(walk, node, equation, operands, kinds):
         return None
     if out_term != row_letters + other:
         return None
-    # The parameter's axis (1 or 2 of [E, ·, ·]) behind the contracted letter: W1 is read as
-    # [E, D, F] (W2 as [E, F, D]), transposed when the contracted axis is the parameter's last.
-    param_axis = w.info.get("own", (0, 1))[own.index(inner)]
-    perm = None if param_axis == 0 else (0, 2, 1)
-    ref = ParamRef(w.info["ref"].node, perm)
-    if src.kind == "x":
-        return Val("u", w.roles[:-2] + ("f",), {"expert": "gathered", "topk": w.info["topk"], "w1": ref, "b1": None})
-    return Val("f", w.roles[:-2] + ("d",), dict(src.info, w2=ref, b2=None))
+    return _gathered_out(src, w.roles[:-2], w, own.index(inner))
 
 
 def _output(equation):
