@@ -104,7 +104,8 @@ def test_spelling_float32(config):
 def test_gathered_square_experts(moe):
     """D = F: W[topi] read with its own axes the wrong way round still fits every shape, so a
     transpose the matcher lost would be a silent wrong result (it was, for gathered_t)."""
-    _assert_one_match(_run(torch.float64, moe=moe, F_=32, act="swiglu"))
+    match = _assert_one_match(_run(torch.float64, moe=moe, F_=32, act="swiglu"))  # outputs, gradients too
+    assert match["config"]["act"] == "swiglu" and match["params"]["w3"] is not None
 
 
 class TransposedStorage(SpelledBlock):
@@ -305,10 +306,12 @@ def test_a_scaled_query_reads_either_way():
     """q·c with scores·s is the block when c·s = 1/√Dh (query: the parameter) or when s = 1/√Dh
     (query: the product q·c, which the op then takes as it is). Both equal eager."""
     dh = SpelledBlock().Dh
-    for c, scale in ((dh ** -0.5, 1.0), (3.0, dh ** -0.5), (0.5, 2 * dh ** -0.5)):
+    for c, scale, query in ((dh ** -0.5, 1.0, "parameter"), (3.0, dh ** -0.5, "product"),
+                            (0.5, 2 * dh ** -0.5, "parameter")):
         torch.manual_seed(0)
         args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-        _assert_one_match(compile_and_compare(ScaledQuery(c, scale).double(), args, torch.float64))
+        match = _assert_one_match(compile_and_compare(ScaledQuery(c, scale).double(), args, torch.float64))
+        assert ("parameters_query" in match["params"]["q"]) == (query == "parameter"), (c, scale, match["params"])
 
 
 class PerBatchQueryBmm(SpelledBlock):
