@@ -6,12 +6,14 @@
 #   bash bench/h200_session.sh kernels # per-kernel times and host profile (~2 min): run.log, kernel_times.txt
 #   bash bench/h200_session.sh bench   # the benchmark against every peer (~9 min):
 #                                      # run.log, h200.{md,json,png,errors.log}
+#   bash bench/h200_session.sh fwd     # host time per piece (small, medium), then the forward rows of
+#                                      # the benchmark (~8 min): run.log, host_time.txt, h200_fwd.{md,json,png,errors.log}
 #   bash bench/h200_session.sh short   # one call when device time is short (~9 min): the fused
 #                                      # kernel tests, the curves without the suite, and the
 #                                      # benchmark cut at 250 s (rows past it are listed as skipped)
 # Budgets are per step so a slow step cannot starve the others.
 set -u
-part=${1:?usage: bash bench/h200_session.sh check|kernels|bench|short}
+part=${1:?usage: bash bench/h200_session.sh check|kernels|bench|fwd|short}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 LOG="$OUT/run.log"
 # COMMIT overrides: the device copy's .git can lag the working tree it carries.
@@ -32,6 +34,14 @@ kernels)
     { timeout -s INT 150 python bench/kernel_times.py --presets medium,large --peers fused,staged,dense --profile \
         2>&1 | tail -400; } >"$OUT/kernel_times.txt"
     ;;
+fwd)
+    for preset in small medium; do
+        timeout 90 python bench/host_time.py --preset $preset >>"$OUT/host_time.txt" 2>&1
+    done
+    { timeout -s INT 440 python -m bench --out "$OUT" --name h200_fwd --budget 400 --presets medium,large,small \
+        --passes fwd --modes eager,inductor,inductor-max-autotune,mha-staged,mha-fused,mha-fused-cudagraphs \
+        --spellings dense,loop,grouped_mm --commit "$commit" 2>&1 | tail -60; } >>"$LOG"
+    ;;
 short)
     { MHA_COMPILE_NO_AUTOTUNE=1 timeout 120 python -m pytest -q -m cuda tests/kernels -k "not staged" -n 8 \
         -p no:cacheprovider 2>&1 | tail -8; } >>"$LOG"
@@ -46,6 +56,6 @@ bench)
         --modes eager,inductor,inductor-max-autotune,mha-staged,mha-fused,mha-fused-cudagraphs \
         --spellings dense,loop,grouped_mm --commit "$commit" 2>&1 | tail -100; } >>"$LOG"
     ;;
-*) echo "unknown part $part: expected check, kernels, bench or short" >&2; exit 2 ;;
+*) echo "unknown part $part: expected check, kernels, bench, fwd or short" >&2; exit 2 ;;
 esac
 tail -150 "$LOG"

@@ -1,0 +1,122 @@
+"""Where the host time of a training step goes, on CUDA, at a preset where the host is the limit.
+
+    PYTHONPATH=. python bench/host_time.py [--preset small] [--calls 200]
+
+Without CUDA graphs the fused path is host-bound at small and medium (bench/results/h200.md:
+small fwd+bwd 4.9 ms plain against 0.85 ms as a graph replay). This measures the host side
+alone: the time to *issue* `calls` calls (perf_counter around the loop, synchronised before
+and after, so the GPU work of earlier calls is not counted). That is host time and only host
+time while the GPU keeps up, which the "gpu" column shows (do_bench's median of the same call).
+Pieces, from the whole compiled step down to one Triton launch:
+    compiled fwd+bwd / fwd   torch.compile(block, backend="mha") as a user runs it
+    op fwd+bwd / fwd         torch.ops.mha.region called directly (no Dynamo, no AOTAutograd)
+    region_forward/backward  the kernel set's Python alone (no custom op, no autograd)
+    group                    the expert grouping: three small launches and their buffers
+    bare launch              one trivial @triton.jit kernel, through JITFunction.run
+    torch.empty / add        one allocation, one tiny aten op
+Then cProfile of region_forward and region_backward on the main thread (the autograd engine
+runs CUDA backward on its own thread, which cProfile does not see; calling region_backward
+directly keeps it on this one).
+"""
+import argparse
+import cProfile
+import pstats
+import time
+
+import torch
+import triton
+import triton.language as tl
+import triton.testing
+
+from mha_compile import models, ops  # noqa: F401  (ops registers torch.ops.mha)
+from mha_compile.kernels import fused, triton_moe
+
+
+@triton.jit
+def _add_one_kernel(x_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1.0, mask=offs < n)
+
+
+def host_us(fn, calls):
+    """Microseconds to issue one call of `fn`, GPU work of earlier calls excluded."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    issued = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return issued / calls * 1e6
+
+
+def gpu_us(fn):
+    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--calls", type=int, default=200)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    dtype, dev = torch.bfloat16, "cuda"
+    p = models.PRESETS[args.preset]
+    block = models.MHABlock.from_preset(args.preset, spelling="dense").to(dev, dtype)
+    params = models.block_parameters(block)
+    moe = block.moe
+    ctx = torch.randn(p["B"], p["H"], p["D"], device=dev, dtype=dtype, requires_grad=True)
+    tok = torch.randn(p["B"], p["N"], p["D"], device=dev, dtype=dtype, requires_grad=True)
+    grad = torch.randn(p["B"], p["H"], p["D"], device=dev, dtype=dtype)
+    leaves = [ctx, tok] + [t for t in params if t is not None]
+    compiled = torch.compile(block, backend="mha", options={"kernels": "fused"}, dynamic=False)
+
+    def clear():
+        for t in leaves:
+            t.grad = None
+
+    def op():
+        return torch.ops.mha.region(ctx, tok, *params, None, moe.top_k, moe.renorm, moe.act, "fused")[0]
+
+    def no_grad(fn):
+        def call():
+            with torch.no_grad():
+                fn()
+        return call
+
+    raw = [t.detach() for t in (ctx, tok)] + [None if t is None else t.detach() for t in params]
+    saved = fused.region_forward(*raw, None, moe.top_k, moe.renorm, moe.act)
+    index = saved[4]
+    buf = torch.randn(1024, device=dev)
+    pieces = {
+        "compiled fwd+bwd": lambda: (clear(), compiled(ctx, tok).backward(grad)),
+        "compiled fwd": no_grad(lambda: compiled(ctx, tok)),
+        "op fwd+bwd": lambda: (clear(), op().backward(grad)),
+        "op fwd": no_grad(op),
+        "region_forward": lambda: fused.region_forward(*raw, None, moe.top_k, moe.renorm, moe.act),
+        "region_backward": lambda: fused.region_backward(grad, *raw, None, *saved[1:], moe.top_k, moe.renorm,
+                                                         moe.act),
+        "group": lambda: triton_moe.group(index, p["E"]),
+        "bare launch": lambda: _add_one_kernel[(1,)](buf, 1024, BLOCK=1024),
+        "torch.empty": lambda: torch.empty(4096, device=dev),
+        "torch.add": lambda: torch.add(buf, buf),
+    }
+    print(f"{args.preset} bf16 on {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"triton {triton.__version__}; host = issue time per call, gpu = do_bench median")
+    print(f"{'piece':<20}{'host us':>10}{'gpu us':>10}")
+    for name, fn in pieces.items():
+        host = host_us(fn, args.calls)
+        print(f"{name:<20}{host:>10.1f}{gpu_us(fn):>10.1f}", flush=True)
+    for name in ("region_forward", "region_backward"):
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(50):
+            pieces[name]()
+        prof.disable()
+        torch.cuda.synchronize()
+        print(f"\ncProfile, {name} x50, by own time")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+
+
+if __name__ == "__main__":
+    main()
