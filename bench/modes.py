@@ -11,6 +11,9 @@ PEER_MODES = ("eager", "inductor", "inductor-max-autotune")
 MHA_MODES = ("mha-reference", "mha-staged", "mha-fused", "mha-fused-cudagraphs")
 MODES = PEER_MODES + MHA_MODES
 SPELLINGS = ("dense", "loop", "grouped_mm")
+# Modes that replay CUDA graphs: torch.compile's mode="max-autotune" turns on Inductor's CUDA
+# graphs as mode="reduce-overhead" does. Their peak memory leaves out the graph's private pool.
+CUDA_GRAPH_MODES = ("inductor-max-autotune", "mha-fused-cudagraphs")
 # The grouped-GEMM spelling is a peer of its own: the mha backend is not asked to match it.
 GROUPED_MM_MODES = PEER_MODES
 

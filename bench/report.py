@@ -8,7 +8,7 @@ import subprocess
 import torch
 from tabulate import tabulate
 
-from bench.modes import PEER_MODES
+from bench.modes import CUDA_GRAPH_MODES, PEER_MODES
 
 # Fields that, with the environment's, identify a row (the JSON "key").
 KEY_FIELDS = ("preset", "dtype", "mode", "spelling", "pass", "device", "torch", "triton", "commit")
@@ -81,7 +81,7 @@ def table_rows(rows):
         note = "" if r.get("status") == "ok" else f"{r.get('status')}: {r.get('error') or ''}"[:70]
         if r.get("status") == "ok" and r.get("regions_replaced") == 0:
             note = "NOT LOWERED: no region replaced, timed the graph as captured"
-        elif r.get("status") == "ok" and r["mode"].endswith("cudagraphs"):
+        elif r.get("status") == "ok" and r["mode"] in CUDA_GRAPH_MODES:
             note = "peak MiB: without the graph's pool"
         out.append([r["preset"], r["dtype"], r["pass"], r["spelling"], r["mode"],
                     _fmt(r.get("time_ms"), ".3f"), _fmt(r.get("speedup"), ".2f"),
@@ -107,8 +107,9 @@ LEGEND = """\
   bytes / 4.3 TB/s), both measured on an H200, SPEC §5); CUDA bf16 rows only.
 - **TFLOP/s**: the region's minimum FLOPs / time (useful work, whatever the mode computes).
 - **peak MiB**: torch.cuda.max_memory_allocated over one step (model, inputs and grads included).
-  CUDA-graph rows replay into the graph's private pool, allocated at capture: their peak leaves
-  it out and is not comparable with the other rows.
+  CUDA-graph rows (mha-fused-cudagraphs, and inductor-max-autotune, whose mode turns on
+  Inductor's CUDA graphs) replay into the graph's private pool, allocated at capture: their peak
+  leaves it out and is not comparable with the other rows.
 - **rel err / grad err**: ‖out − ref‖/‖ref‖ and the worst gradient's, against the eager loop
   spelling in fp32 on the same rounded parameters and inputs; (!) marks errors above the
   dtype's bound (fp32 1e-4, bf16 2e-2).
