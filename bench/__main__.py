@@ -5,6 +5,7 @@ Writes <out>/<name>.json (rows), <name>.md (table), <name>.png (speedup by prese
 row, so a run cut short (time limit, Ctrl-C) still leaves its results. See bench/README.md.
 """
 import argparse
+import json
 import os
 import shlex
 import sys
@@ -41,6 +42,9 @@ def parse_args(argv):
     p.add_argument("--out", default="out/bench", help="output folder (default: out/bench)")
     p.add_argument("--name", default="bench", help="file name stem of the outputs (default: bench)")
     p.add_argument("--commit", help="commit to record when the tree has no .git (default: git HEAD)")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the groups (preset, dtype, pass) that <out>/<name>.json already holds whole, "
+                        "measured on this device, torch, triton and commit; run the rest")
     return p.parse_args(argv)
 
 
@@ -123,21 +127,56 @@ def _label(job):
     return f"{job['preset']} {job['dtype']} {job['pass']} {job['spelling']} {job['mode']}"
 
 
+def _group_of(row):
+    return row["preset"], row["dtype"], row["pass"]
+
+
+def resumed_rows(path, jobs, env):
+    """The rows of an earlier run to keep, whole groups only: a group (preset, dtype, pass) is
+    what one speedup compares, so all its rows must come from one process. A group is kept when
+    every planned job of it has a row that ran (ok or error, not skipped); an incomplete group
+    runs again in full. The earlier run must match `env` (device, versions, commit)."""
+    if not os.path.exists(path):
+        raise SystemExit(f"--resume: {path} does not exist; run without --resume first")
+    with open(path) as f:
+        earlier = json.load(f)
+    for field in ("device", "torch", "triton", "commit"):
+        if earlier["meta"].get(field) != env[field]:
+            raise SystemExit(f"--resume: {path} was measured with {field}={earlier['meta'].get(field)!r}, "
+                             f"this run has {env[field]!r}; rows from both cannot be compared")
+    ran = {tuple(r[k] for k in ("preset", "dtype", "pass", "spelling", "mode")): r
+           for r in earlier["rows"] if r.get("status") in ("ok", "error")}
+    kept = []
+    for group in dict.fromkeys(_group_of(job) for job in jobs):
+        members = [job for job in jobs if _group_of(job) == group]
+        rows = [ran.get((*group, job["spelling"], job["mode"])) for job in members]
+        if all(rows):
+            kept += rows
+    return kept, earlier["meta"].get("date")
+
+
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     device_type = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     jobs, notes = plan(args, device_type)
     env = report.environment(device_type, args.commit)
-    meta = dict(env, date=report.now(), command="python -m bench " + shlex.join(sys.argv[1:] if argv is None else argv),
-                notes=notes)
+    command = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--resume"]
+    meta = dict(env, date=report.now(), command="python -m bench " + shlex.join(command), notes=notes)
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, args.name)
+    kept = []
+    if args.resume:
+        kept, earlier_date = resumed_rows(stem + ".json", jobs, env)
+        done = {_group_of(r) for r in kept}
+        jobs = [job for job in jobs if _group_of(job) not in done]
+        notes.append(f"{len(kept)} rows ({len(done)} whole groups of preset, dtype and pass) from a run of this "
+                     f"command at {earlier_date}, resumed at {meta['date']}; each group's rows come from one run")
     print(f"bench: {len(jobs)} rows on {env['device']}, torch {env['torch']}, triton {env['triton']}, "
           f"commit {env['commit']}", file=sys.stderr)
     for note in notes:
         print(f"bench: {note}", file=sys.stderr)
 
-    rows, cache, started = [], {}, time.perf_counter()
+    rows, cache, started = list(kept), {}, time.perf_counter()
     progress = Progress(len(jobs))
     try:
         for job in jobs:
@@ -155,8 +194,8 @@ def main(argv=None):
             progress.finish(label, row)
             _write(stem, meta, rows)
     except KeyboardInterrupt:
-        notes.append(f"interrupted after {len(rows)} of {len(jobs)} rows")
-        print(f"bench: interrupted; writing the {len(rows)} rows done", file=sys.stderr)
+        notes.append(f"interrupted after {len(rows) - len(kept)} of {len(jobs)} rows")
+        print(f"bench: interrupted; writing the {len(rows) - len(kept)} rows done", file=sys.stderr)
     finally:
         progress.close()
     _write(stem, meta, rows)

@@ -6,6 +6,8 @@
 #   bash bench/h200_session.sh kernels # per-kernel times and host profile (~2 min): run.log, kernel_times.txt
 #   bash bench/h200_session.sh bench   # the benchmark against every peer (~9 min):
 #                                      # run.log, h200.{md,json,png,errors.log}
+#   bash bench/h200_session.sh bench-resume  # the same, continuing bench/results/h200.json (same commit
+#                                      # only): its whole (preset, dtype, pass) groups are kept
 #   bash bench/h200_session.sh fwd     # host time per piece (small, medium), then the forward rows of
 #                                      # the benchmark (~8 min): run.log, host_time.txt, h200_fwd.{md,json,png,errors.log}
 #   bash bench/h200_session.sh short   # one call when device time is short (~9 min): the fused
@@ -13,7 +15,7 @@
 #                                      # benchmark cut at 250 s (rows past it are listed as skipped)
 # Budgets are per step so a slow step cannot starve the others.
 set -u
-part=${1:?usage: bash bench/h200_session.sh check|kernels|bench|fwd|short}
+part=${1:?usage: bash bench/h200_session.sh check|kernels|bench|bench-resume|fwd|short}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 LOG="$OUT/run.log"
 # COMMIT overrides: the device copy's .git can lag the working tree it carries.
@@ -51,11 +53,13 @@ short)
         --modes eager,inductor,mha-staged,mha-fused,mha-fused-cudagraphs \
         --spellings dense,loop,grouped_mm --commit "$commit" 2>&1 | tail -100; } >>"$LOG"
     ;;
-bench)
+bench|bench-resume)
+    resume=()
+    if [ "$part" = bench-resume ]; then cp bench/results/h200.json "$OUT/h200.json" && resume=(--resume); fi
     { timeout -s INT 560 python -m bench --out "$OUT" --name h200 --budget 500 --presets medium,large,small \
         --modes eager,inductor,inductor-max-autotune,mha-staged,mha-fused,mha-fused-cudagraphs \
         --spellings dense,loop,grouped_mm --commit "$commit" 2>&1 | tail -100; } >>"$LOG"
     ;;
-*) echo "unknown part $part: expected check, kernels, bench, fwd or short" >&2; exit 2 ;;
+*) echo "unknown part $part: expected check, kernels, bench, bench-resume, fwd or short" >&2; exit 2 ;;
 esac
 tail -150 "$LOG"

@@ -10,6 +10,9 @@ time while the GPU keeps up, which the "gpu" column shows (do_bench's median of 
 Pieces, from the whole compiled step down to one Triton launch:
     compiled fwd+bwd / fwd   torch.compile(block, backend="mha") as a user runs it
     op fwd+bwd / fwd         torch.ops.mha.region called directly (no Dynamo, no AOTAutograd)
+    op fwd, grad enabled     the same forward recording autograd (what a training step pays)
+    op fwd+bwd, one thread   with torch.autograd.set_multithreading_enabled(False): the CUDA
+                             backward then runs on the calling thread, not the engine's
     region_forward/backward  the kernel set's Python alone (no custom op, no autograd)
     group                    the expert grouping: three small launches and their buffers
     bare launch              one trivial @triton.jit kernel, through JITFunction.run
@@ -93,6 +96,7 @@ def main():
         "compiled fwd": no_grad(lambda: compiled(ctx, tok)),
         "op fwd+bwd": lambda: (clear(), op().backward(grad)),
         "op fwd": no_grad(op),
+        "op fwd, grad enabled": op,
         "region_forward": lambda: fused.region_forward(*raw, None, moe.top_k, moe.renorm, moe.act),
         "region_backward": lambda: fused.region_backward(grad, *raw, None, *saved[1:], moe.top_k, moe.renorm,
                                                          moe.act),
@@ -107,6 +111,9 @@ def main():
     for name, fn in pieces.items():
         host = host_us(fn, args.calls)
         print(f"{name:<20}{host:>10.1f}{gpu_us(fn):>10.1f}", flush=True)
+    with torch.autograd.set_multithreading_enabled(False):
+        host = host_us(pieces["op fwd+bwd"], args.calls)
+        print(f"{'op fwd+bwd, 1 thread':<20}{host:>10.1f}{gpu_us(pieces['op fwd+bwd']):>10.1f}", flush=True)
     for name in ("region_forward", "region_backward"):
         prof = cProfile.Profile()
         prof.enable()

@@ -91,3 +91,40 @@ def test_cuda_graph_rows_say_their_peak_leaves_out_the_pool():
     notes = {row[4]: row[-1] for row in report.table_rows(rows)}
     assert notes == {"eager": "", "inductor-max-autotune": "peak MiB: without the graph's pool",
                      "mha-fused": "", "mha-fused-cudagraphs": "peak MiB: without the graph's pool"}
+
+
+def test_resume_keeps_whole_groups_and_reruns_the_rest(tmp_path):
+    argv = ["--presets", "tiny", "--modes", "eager,mha-reference", "--spellings", "dense"]
+    first = _run(tmp_path, *argv)
+    assert [(r["pass"], r["mode"], r["status"]) for r in first] == [
+        ("fwd+bwd", "eager", "ok"), ("fwd+bwd", "mha-reference", "ok"), ("fwd", "eager", "ok"),
+        ("fwd", "mha-reference", "ok")]
+    with open(tmp_path / "t.json") as f:
+        data = json.load(f)
+    data["rows"][3].update(status="skipped", time_ms=None)  # the fwd group is now incomplete
+    data["rows"][2]["time_ms"] = 123.0  # a marker: a re-run of its group replaces it
+    data["rows"][0]["time_ms"] = 456.0  # a marker: a kept group keeps it
+    with open(tmp_path / "t.json", "w") as f:
+        json.dump(data, f)
+    second = _run(tmp_path, *argv, "--resume")
+    by_key = {(r["pass"], r["mode"]): r for r in second}
+    assert len(second) == 4 and all(r["status"] == "ok" for r in second)
+    assert by_key["fwd+bwd", "eager"]["time_ms"] == 456.0
+    assert by_key["fwd", "eager"]["time_ms"] != 123.0
+    with open(tmp_path / "t.json") as f:
+        meta = json.load(f)["meta"]
+    assert "--resume" not in meta["command"] and any("2 rows (1 whole groups" in n for n in meta["notes"])
+
+
+def test_resume_refuses_rows_from_another_commit_or_no_file(tmp_path):
+    argv = ["--presets", "tiny", "--modes", "eager", "--spellings", "dense", "--passes", "fwd"]
+    with pytest.raises(SystemExit, match="does not exist"):
+        _run(tmp_path, *argv, "--resume")
+    _run(tmp_path, *argv)
+    with open(tmp_path / "t.json") as f:
+        data = json.load(f)
+    data["meta"]["commit"] = "0000000"
+    with open(tmp_path / "t.json", "w") as f:
+        json.dump(data, f)
+    with pytest.raises(SystemExit, match="commit='0000000'"):
+        _run(tmp_path, *argv, "--resume")
