@@ -12,6 +12,7 @@ import logging
 
 import torch
 
+from mha_compile import ops
 from mha_compile.debug.dump import publish
 from mha_compile.debug.report import GraphReport
 from mha_compile.lowering.match import find_regions
@@ -121,7 +122,24 @@ def run_rest(gm, example_inputs, opts, mode):
             from torch._dynamo.backends.cudagraphs import cudagraphs
             return cudagraphs(gm, example_inputs)
         log.info("mha_compile: mode='reduce-overhead' without CUDA inputs: running without CUDA graphs")
-    return gm.forward
+    return _eager_calls(gm).forward
+
+
+def _eager_calls(gm):
+    """gm, or a copy whose `mha::region` calls go through ops.region_call: the graph runs eagerly
+    and nothing traces it, so the region can skip the custom op's per-call overhead (the same
+    kernels and gradients; ops.RegionFunction). Reports and dumps keep showing the op."""
+    paths = [path for path, sub in _graph_modules(gm)
+             if sub.graph.find_nodes(op="call_function", target=torch.ops.mha.region.default)]
+    if not paths:
+        return gm
+    new, copies = _copy(gm), {}
+    for path in paths:
+        sub = _copy_attribute(new, path, copies)
+        for node in sub.graph.find_nodes(op="call_function", target=torch.ops.mha.region.default):
+            node.target = ops.region_call
+        sub.recompile()
+    return new
 
 
 def _verified(original, compiled, report):

@@ -6,6 +6,10 @@ the lowering resolves "auto" before it builds the call, so the op never guesses.
 
 Forward returns (out, inv, attn, weight, index); the last four are what the backward keeps
 (SPEC §1): the pool output [B,D], the attention [B,N,P], the top-k weights and indices [R,k].
+
+`region_call` is what a graph that runs eagerly calls instead (backend.run_rest swaps it in):
+RegionFunction, a plain autograd.Function over the same kernel-set calls, unless something is
+tracing, in which case the op itself.
 """
 import importlib
 from typing import Optional
@@ -109,6 +113,14 @@ def region_backward(grad_out: Tensor, ctx: Tensor, tok: Tensor, q: Tensor, wk: T
     backward is linear in ∂inv, so this part is the reference pool backward of grad_inv added to
     whatever the kernel set computed: exact for every set, no kernel has to know about it.
     """
+    grads = _region_gradients(grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask,
+                              inv, attn, weight, index, top_k, renorm, act, kernels, grad_inv)
+    return [ctx.new_empty(0) if g is None else g for g in grads]
+
+
+def _region_gradients(grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask,
+                      inv, attn, weight, index, top_k, renorm, act, kernels, grad_inv):
+    """region_backward's gradients, None for absent inputs (the op's body, and RegionFunction's)."""
     with _no_autocast(ctx):
         grads = list(kernel_set(kernels).region_backward(
             grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask,
@@ -121,7 +133,7 @@ def region_backward(grad_out: Tensor, ctx: Tensor, tok: Tensor, q: Tensor, wk: T
                 position = REGION_INPUTS.index(name)
                 if grads[position] is not None:
                     grads[position] = grads[position] + g.to(grads[position].dtype)
-    return [ctx.new_empty(0) if g is None else g for g in grads]
+    return grads
 
 
 @region_backward.register_fake
@@ -143,13 +155,62 @@ def _backward(ctx, grad_out, grad_inv, *unused_aux_grads):
     """attn, weight and index are saved for the backward, never read by the graph: their
     gradients are ignored. inv's is used only when the graph reads inv (export_inv): autograd
     hands a zero tensor for an unread output, and a pool backward of zeros would cost a pass."""
-    saved = list(ctx.saved_tensors)
-    tensors = [None if absent else saved.pop(0) for absent in ctx.absent]
-    inv, attn, weight, index = saved
-    extra = grad_inv.contiguous() if ctx.export_inv and grad_inv is not None else None
-    grads = region_backward(grad_out.contiguous(), *tensors, inv, attn, weight, index, *ctx.config, grad_inv=extra)
+    tensors, saved, extra = _unpack(ctx, grad_inv)
+    grads = region_backward(grad_out.contiguous(), *tensors, *saved, *ctx.config, grad_inv=extra)
     grads = [None if t is None else g for g, t in zip(grads, tensors)]
     return (*grads, None, None, None, None, None, None)
 
 
+def _unpack(ctx, grad_inv):
+    """(the 16 region inputs with None for absent ones, (inv, attn, weight, index), ∂inv or None)."""
+    saved = list(ctx.saved_tensors)
+    tensors = [None if absent else saved.pop(0) for absent in ctx.absent]
+    extra = grad_inv.contiguous() if ctx.export_inv and grad_inv is not None else None
+    return tensors, saved, extra
+
+
 region.register_autograd(_backward, setup_context=_setup_context)
+
+
+class RegionFunction(torch.autograd.Function):
+    """`mha::region` with its autograd, minus the custom op around it: for a graph that runs
+    eagerly (backend rest="eager" without CUDA graphs), where nothing traces the call.
+
+    Same arguments, outputs, saved tensors and kernel-set calls as the op (`region_call` picks
+    between them); what it leaves out is the op's per-call dispatch, argument filling and
+    aliasing checks and its generated autograd wrapper: host time that a training step pays
+    (bench/PERF_NOTES.md v4: the op's fwd+bwd issues in ~5 ms at medium on the H200, the kernel
+    set's own calls in ~2.5 ms). The backward is once differentiable, as the op's is: a second
+    derivative raises instead of treating the gradients as constants.
+    """
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        tensors, (top_k, renorm, act, kernels) = inputs[:16], inputs[16:20]
+        export_inv = len(inputs) > 20 and bool(inputs[20])
+        with _no_autocast(tensors[0]):
+            output = kernel_set(kernels).region_forward(*tensors, top_k, renorm, act)
+        _setup_context(ctx, inputs, output)
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(*output[2:] if export_inv else output[1:])
+        return tuple(output)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out, grad_inv, *unused_aux_grads):
+        tensors, saved, extra = _unpack(ctx, grad_inv)
+        if grad_out is None:  # only inv was read, and by nothing that needs a gradient
+            grad_out = torch.zeros_like(tensors[0])
+        grads = _region_gradients(grad_out.contiguous(), *tensors, *saved, *ctx.config, extra)
+        return (*[None if t is None else g for g, t in zip(grads, tensors)], None, None, None, None, None, None)
+
+
+def region_call(*args):
+    """The region for a graph that runs eagerly: RegionFunction, or the op itself whenever
+    something could be tracing or transforming the call (a dispatch mode such as FakeTensor or
+    make_fx, functorch, a tensor subclass), since those must see `mha::region`."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if (torch._C._len_torch_dispatch_stack() > 0 or torch._C._are_functorch_transforms_active()
+            or any(type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter for t in tensors)):
+        return torch.ops.mha.region.default(*args)
+    return RegionFunction.apply(*args)

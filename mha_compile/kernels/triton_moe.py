@@ -12,6 +12,10 @@ Both directions first gather the slot rows once, in one memory-bound pass
 merged A tiles made the dots 2-3x slower (measured on the H200: GEMM1 merging x on its A-tile
 load at 172 TFLOP/s, GEMM2 on contiguous rows at 416).
 
+Past SLOT_CHUNK_BYTES of slot buffers (the large preset) both directions walk runs of whole
+tiles (Groups.tiles), each run with buffers of its own; the fp32 rows that the token-order
+passes read (c, ∂x_slot) stay whole, and the weight gradients are summed over runs in fp32.
+
 Forward, per tile t (expert e) and output block:
     gather  xs[s] = x[row(s)] (+ inv[row // H]), in the weights' dtype: with kernels="fused"
             y = ctx + inv[b] is formed here and its slot rows are written once (k copies of
@@ -467,9 +471,40 @@ class Groups:
         self.tile_expert = tile_expert
         self.expert_slots = meta[:2 * experts]  # [2E]: padded start, padded end
 
+    def tiles(self, t0, t1):
+        """Tiles [t0, t1) as a layout of their own: a slot buffer made for it starts at slot
+        t0·TILE (its row 0). Pair ids stay global, and with them padding and the routing
+        weights; each expert's slot range is clipped to these tiles (empty for the experts
+        outside them). No pair_slot: the token-order passes read the whole layout."""
+        part = object.__new__(Groups)
+        s0, s1 = t0 * self.tile, t1 * self.tile
+        part.pairs, part.tile, part.num_tiles, part.experts = self.pairs, self.tile, t1 - t0, self.experts
+        part.slots, part.pair_slot = s1 - s0, None
+        part.slot_pair = self.slot_pair[s0:s1]
+        part.tile_expert = self.tile_expert[t0:t1]
+        part.expert_slots = (self.expert_slots - s0).clamp_(0, s1 - s0)
+        return part
+
 
 def group(index, experts):
     return Groups(index, experts, tile_rows(index.numel(), experts))
+
+
+# The slot buffers (xs, gs [S,D]; h, hw, ∂u [S,F]) are S ≈ R·k rows each: at the large preset
+# the backward's came to ~1.3 GB at once. Past this many bytes the forward and the backward
+# run over runs of whole tiles, each with buffers of its own; only the fp32 rows the
+# token-order passes read (c, ∂x_slot [S,D]) and the ∂w partials stay whole. The weight
+# gradients are then summed over runs in fp32, in run order (reproducible).
+SLOT_CHUNK_BYTES = 256 << 20
+
+
+def tile_runs(groups, bytes_per_slot):
+    """[(t0, t1)]: consecutive runs of whole tiles whose slot buffers fit SLOT_CHUNK_BYTES
+    (one run when everything fits)."""
+    per = max(1, SLOT_CHUNK_BYTES // (bytes_per_slot * groups.tile))
+    if per >= 8:
+        per -= per % 8  # tile_expert views at 32-byte boundaries
+    return [(t0, min(t0 + per, groups.num_tiles)) for t0 in range(0, groups.num_tiles, per)]
 
 
 def _act(act):
@@ -503,10 +538,12 @@ def experts_up(xs, groups, w1, b1, w3, act):
     return h
 
 
-def slots_gemm(a, b, strides, nout, groups, a2=None, b2=None, bias=None, scale=None):
-    """[S, nout] fp32: scale · (a B[e] (+ a2 B2[e]) + bias[e]); `strides` = (e, k, n) of B."""
+def slots_gemm(a, b, strides, nout, groups, a2=None, b2=None, bias=None, scale=None, out=None):
+    """[S, nout] fp32: scale · (a B[e] (+ a2 B2[e]) + bias[e]); `strides` = (e, k, n) of B.
+    out: rows to write into (a contiguous [S, nout] fp32 view), else allocated."""
     K = a.shape[1]
-    out = torch.empty(groups.slots, nout, device=a.device, dtype=torch.float32)
+    if out is None:
+        out = torch.empty(groups.slots, nout, device=a.device, dtype=torch.float32)
     _slots_gemm(lambda m: (groups.num_tiles, triton.cdiv(nout, m["BLOCK_N"])),
                 a, b, a if a2 is None else a2, b if b2 is None else b2, b if bias is None else bias,
                 out if scale is None else scale, groups.slot_pair, groups.tile_expert, out,
@@ -529,10 +566,17 @@ def combine(c, groups, rows, out_dtype):
 def moe_forward(x, inv, weight, groups, w1, b1, w2, b2, w3, act, horizons, out_dtype):
     """out [R,D] = Σ_j w_j f_{idx_j}(x), x = x (+ inv[r // H], merged by the slot-row gather)."""
     E, F, D = w2.shape
-    xs, _ = gather_rows(x, inv, groups, horizons, w1.dtype)
-    h = experts_up(xs, groups, w1, b1, w3, act)
-    c = slots_gemm(h, w2, (F * D, D, 1), D, groups, bias=b2, scale=weight.reshape(-1))
-    return combine(c, groups, x.shape[0], out_dtype)
+    runs = tile_runs(groups, (D + F) * w1.element_size())  # xs and h
+    c = None if len(runs) == 1 else torch.empty(groups.slots, D, device=x.device, dtype=torch.float32)
+    for t0, t1 in runs:
+        part = groups if len(runs) == 1 else groups.tiles(t0, t1)
+        xs, _ = gather_rows(x, inv, part, horizons, w1.dtype)
+        h = experts_up(xs, part, w1, b1, w3, act)
+        del xs
+        rows = None if c is None else c[t0 * groups.tile:t1 * groups.tile]
+        c_part = slots_gemm(h, w2, (F * D, D, 1), D, part, bias=b2, scale=weight.reshape(-1), out=rows)
+        del h
+    return combine(c_part if c is None else c, groups, x.shape[0], out_dtype)
 
 
 # The weight-gradient kernel splits each expert's slots into SPLIT runs when (e, I, J) tiles
@@ -555,16 +599,16 @@ def wgrad_splits(slots, experts, I, J, device):
     return max(1, min(WGRAD_MAX_SPLIT, want, slots // max(1, experts) // WGRAD_SPLIT_MIN_SLOTS))
 
 
-def weight_grads(a, b, b2, weight, groups, db_weighted, with_db):
-    """(∂W [E,I,J], ∂W' [E,I,J] or None, ∂b [E,J] or None) in a's dtype from slot rows
-    a [S,I], b [S,J] (b2 [S,J]); see _moe_wgrad_kernel."""
+def weight_grads(a, b, b2, weight, groups, db_weighted, with_db, out_dtype=None):
+    """(∂W [E,I,J], ∂W' [E,I,J] or None, ∂b [E,J] or None) in out_dtype (default a's dtype)
+    from slot rows a [S,I], b [S,J] (b2 [S,J]); see _moe_wgrad_kernel."""
     E = groups.experts
     I, J = a.shape[1], b.shape[1]
     dev, dtype = a.device, a.dtype
     split = wgrad_splits(groups.slots, E, I, J, dev)
-    dw = torch.empty(E, I, J, device=dev, dtype=dtype)
+    dw = torch.empty(E, I, J, device=dev, dtype=out_dtype or dtype)
     dw2 = torch.empty_like(dw) if b2 is not None else None
-    db = torch.empty(E, J, device=dev, dtype=dtype) if with_db else None
+    db = torch.empty(E, J, device=dev, dtype=out_dtype or dtype) if with_db else None
     if split > 1:  # fp32 partial sums, row e·SPLIT + c
         outs = [t for t in (dw, dw2, db) if t is not None]
         parts = [torch.empty(E * split, *t.shape[1:], device=dev, dtype=torch.float32) for t in outs]
@@ -595,13 +639,34 @@ def moe_backward(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, hori
     """(∂x_slot [S,D] fp32, gw_part [S, F blocks] fp32, ∂W1, ∂b1, ∂W2, ∂b2, ∂W3) — weights' dtypes."""
     E, D, F = w1.shape
     dev, wdt = x.device, w1.dtype
+    gw = torch.empty(groups.slots, triton.cdiv(F, HIDDEN_BLOCK_F), device=dev, dtype=torch.float32)
+    runs = tile_runs(groups, (2 * D + (3 if w3 is not None else 2) * F) * w1.element_size())  # xs, gs, hw, ∂u(3)
+    if len(runs) == 1:
+        dx_slot, grads = _backward_tiles(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, horizons,
+                                         gw, None, wdt)
+        return (dx_slot, gw, *grads)
+    dx_slot = torch.empty(groups.slots, D, device=dev, dtype=torch.float32)
+    total = None
+    for t0, t1 in runs:
+        rows = slice(t0 * groups.tile, t1 * groups.tile)
+        _, grads = _backward_tiles(grad_out, x, inv, weight, groups.tiles(t0, t1), w1, b1, w2, b2, w3, act,
+                                   horizons, gw[rows], dx_slot[rows], torch.float32)
+        total = grads if total is None else [None if t is None else t.add_(g) for t, g in zip(total, grads)]
+    return (dx_slot, gw, *[None if t is None else t.to(wdt) for t in total])
+
+
+def _backward_tiles(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, horizons, gw, dx_slot, out_dtype):
+    """The backward over `groups`' slots (the whole layout, or one run of tiles): writes their rows
+    of gw and ∂x_slot (None: allocated here) and returns (∂x_slot, (∂W1, ∂b1, ∂W2, ∂b2, ∂W3)), the
+    weight gradients summed over these slots, in out_dtype."""
+    E, D, F = w1.shape
+    dev, wdt = x.device, w1.dtype
     # The slot rows of x (merged, in the weights' dtype, as in the forward) and of G, once:
     # every backward GEMM below then reads plain contiguous rows.
     xs, gs = gather_rows(x, inv, groups, horizons, wdt, grad_out)
     hw = torch.empty(groups.slots, F, device=dev, dtype=wdt)
     du = torch.empty_like(hw)
     du3 = torch.empty_like(hw) if w3 is not None else du
-    gw = torch.empty(groups.slots, triton.cdiv(F, HIDDEN_BLOCK_F), device=dev, dtype=torch.float32)
     _hidden(lambda m: (groups.num_tiles, gw.shape[1]),
             xs, gs, groups.slot_pair, groups.tile_expert, weight,
             w1, w1 if b1 is None else b1, w1 if w3 is None else w3, w2, w2 if b2 is None else b2,
@@ -611,12 +676,13 @@ def moe_backward(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, hori
     # ∂W2 = Σ (w h)ᵀ G, ∂b2 = Σ w G first, so that hw and gs [S,F] + [S,D] are freed before ∂x
     # allocates its fp32 [S,D] (large preset, computed: slot buffers alive at once 1.61 -> 1.34 GB;
     # same kernels, same results). Then ∂W1 = Σ xᵀ ∂u (∂W3 = Σ xᵀ ∂u3), ∂b1 = Σ ∂u.
-    dw2, _, db2 = weight_grads(hw, gs.to(wdt), None, weight, groups, db_weighted=True, with_db=b2 is not None)
+    dw2, _, db2 = weight_grads(hw, gs.to(wdt), None, weight, groups, db_weighted=True, with_db=b2 is not None,
+                               out_dtype=out_dtype)
     del hw, gs
     if w3 is None:
-        dx_slot = slots_gemm(du, w1, (D * F, 1, F), D, groups)
+        dx_slot = slots_gemm(du, w1, (D * F, 1, F), D, groups, out=dx_slot)
     else:
-        dx_slot = slots_gemm(du, w1, (D * F, 1, F), D, groups, a2=du3, b2=w3)
+        dx_slot = slots_gemm(du, w1, (D * F, 1, F), D, groups, a2=du3, b2=w3, out=dx_slot)
     dw1, dw3, db1 = weight_grads(xs, du, du3 if w3 is not None else None, weight, groups, db_weighted=False,
-                                 with_db=b1 is not None)
-    return dx_slot, gw, dw1, db1, dw2, db2, dw3
+                                 with_db=b1 is not None, out_dtype=out_dtype)
+    return dx_slot, (dw1, db1, dw2, db2, dw3)

@@ -183,6 +183,21 @@ def test_weight_grads_split_over_slots(monkeypatch, act, bias):
     check_region(fused, ctx, tok, params, top_k=2, renorm=True, act=act)
 
 
+@pytest.mark.parametrize("module", SETS)
+@pytest.mark.parametrize("act,bias", [("gelu", True), ("swiglu", False)])
+def test_runs_of_tiles(monkeypatch, module, act, bias):
+    """Slot buffers past SLOT_CHUNK_BYTES (the large preset's path): forward and backward over
+    runs of one tile each, so an expert's slots span runs and its weight gradient is summed
+    across them. 64 pairs over 3 experts in tiles of 16: some expert holds at least 22."""
+    monkeypatch.setattr(triton_moe, "SLOT_CHUNK_BYTES", 1)
+    runs = []
+    tiles = triton_moe.Groups.tiles
+    monkeypatch.setattr(triton_moe.Groups, "tiles", lambda self, t0, t1: runs.append((t0, t1)) or tiles(self, t0, t1))
+    ctx, tok, params = make_case(4, 8, 5, 32, 2, 48, 3, 2, act=act, bias=bias)
+    check_region(module, ctx, tok, params, top_k=2, renorm=True, act=act)
+    assert len(runs) >= 2 * 6 and all(t1 == t0 + 1 for t0, t1 in runs)  # forward and backward, ≥ 6 tiles
+
+
 def test_pool_split_dots(monkeypatch):
     """The pool's split 16-bit dots (the bf16 GPU path) in fp16, which the interpreter computes
     right: same tolerance as the plain fp16 path."""

@@ -84,6 +84,21 @@ def test_bitwise_reproducible(module, preset):
         assert (a is None and b is None) or torch.equal(a, b)
 
 
+@pytest.mark.parametrize("module", SETS)
+@pytest.mark.parametrize("act", ["gelu", "swiglu"])
+def test_runs_of_tiles(monkeypatch, module, act):
+    """Forward and backward over runs of tiles (what the large preset's slot buffers take), at
+    the small preset with the budget cut so that it takes several runs; bf16."""
+    from mha_compile.kernels import triton_moe
+
+    monkeypatch.setattr(triton_moe, "SLOT_CHUNK_BYTES", 4 << 20)
+    ctx, tok, params = preset_case("small", act=act, dtype=torch.bfloat16, device="cuda", seed=5)
+    groups = triton_moe.group(torch.zeros(ctx.shape[0] * ctx.shape[1], 2, dtype=torch.int32, device="cuda"), 8)
+    assert len(triton_moe.tile_runs(groups, 2 * 128 * 2 + 3 * 512 * 2)) > 2
+    errors = check_region(module, ctx, tok, params, top_k=2, renorm=True, act=act)
+    print(f"{module.__name__} runs of tiles {act}: {fmt(errors)}")
+
+
 def test_cuda_merge_matches_twin():
     from mha_compile.kernels import merge_cuda
 

@@ -1,0 +1,100 @@
+"""ops.region_call / RegionFunction: the region for graphs that run eagerly, without the custom op.
+
+It must compute exactly what the op computes (same kernel-set calls), forward and every
+gradient, with and without the exported inv; refuse a second derivative as the op does; and
+leave the op in place wherever something traces the call.
+"""
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import mha_compile
+from mha_compile import backend, models, ops
+from numerics import graph_has_region
+
+
+def _inputs(act="gelu", bias=True, seed=0, D=8, P=2, F=6, E=3, B=2, H=3, N=4):
+    torch.manual_seed(seed)
+    block = models.MHABlock(D, P, F, E, 2, act=act, renorm=True, bias=bias).double()
+    ctx = torch.randn(B, H, D, dtype=torch.float64, requires_grad=True)
+    tok = torch.randn(B, N, D, dtype=torch.float64, requires_grad=True)
+    return [ctx, tok, *models.block_parameters(block)]
+
+
+def _grads(call, tensors, export_inv, seed=1):
+    out, inv = call(*tensors, None, 2, True, "gelu", "reference", export_inv)[:2]
+    torch.manual_seed(seed)
+    outputs, cotangents = (out, inv) if export_inv else (out,), (torch.randn_like(out), torch.randn_like(inv))
+    leaves = [t for t in tensors if t is not None]
+    return (out, inv), torch.autograd.grad(outputs, leaves, cotangents[:len(outputs)])
+
+
+@pytest.mark.parametrize("export_inv", [False, True])
+@pytest.mark.parametrize("bias", [True, False])
+def test_same_outputs_and_gradients_as_the_op(export_inv, bias):
+    tensors = _inputs(bias=bias)
+    (out_op, inv_op), grads_op = _grads(ops.region, tensors, export_inv)
+    (out_fn, inv_fn), grads_fn = _grads(ops.RegionFunction.apply, tensors, export_inv)
+    assert torch.equal(out_fn, out_op) and torch.equal(inv_fn, inv_op)
+    names = [n for n, t in zip(ops.REGION_INPUTS, tensors) if t is not None]
+    for name, g_fn, g_op in zip(names, grads_fn, grads_op):
+        assert torch.equal(g_fn, g_op), f"∂{name}"
+        assert name == "bk" or g_fn.abs().max() > 0, f"∂{name} is zero: the comparison would be vacuous"
+
+
+@pytest.mark.parametrize("export_inv", [False, True])
+def test_gradcheck(export_inv):
+    tensors = _inputs(act="swiglu")
+    n_out = 2 if export_inv else 1
+    fn = lambda *t: ops.RegionFunction.apply(*t, None, 2, True, "swiglu", "reference", export_inv)[:n_out]
+    assert torch.autograd.gradcheck(fn, tuple(tensors))
+
+
+def test_a_second_derivative_raises():
+    tensors = _inputs()
+    out = ops.RegionFunction.apply(*tensors, None, 2, True, "gelu", "reference", False)[0]
+    (g_ctx,) = torch.autograd.grad(out.square().sum(), tensors[:1], create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        g_ctx.sum().backward()
+
+
+def test_tracing_sees_the_op():
+    tensors = [None if t is None else t.detach() for t in _inputs()]
+    present = [t for t in tensors if t is not None]
+
+    def fn(*args):
+        it = iter(args)
+        return ops.region_call(*[None if t is None else next(it) for t in tensors], None, 2, True, "gelu",
+                               "reference", False)[0]
+
+    traced = make_fx(fn)(*present)
+    assert graph_has_region(traced)
+    assert torch.equal(traced(*present), fn(*present))
+
+
+def test_the_backend_runs_it_and_reports_the_op(monkeypatch):
+    """rest="eager": the compiled graph calls region_call; what explain and the dumps show is the op."""
+    calls, original = [], ops.RegionFunction
+
+    class Counting(original):
+        @staticmethod
+        def forward(ctx, *inputs):
+            calls.append("forward")
+            return original.forward(ctx, *inputs)
+
+    monkeypatch.setattr(ops, "RegionFunction", Counting)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    block = models.MHABlock(16, 2, 24, 4, 2)
+    ctx, tok = torch.randn(3, 4, 16, requires_grad=True), torch.randn(3, 5, 16)
+    reports = []
+    backend.observers.append(lambda report, gm, lowered: reports.append(lowered))
+    try:
+        out = torch.compile(block, backend="mha")(ctx, tok)
+    finally:
+        backend.observers.pop()
+    out.sum().backward()
+    assert calls == ["forward"] and ctx.grad is not None and block.moe.w1.grad.abs().max() > 0
+    assert len(reports) == 1 and graph_has_region(reports[0])
+    report = mha_compile.explain(block, ctx, tok)
+    assert "torch.ops.mha.region" in report.graphs[0].code_after
