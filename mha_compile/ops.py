@@ -113,14 +113,6 @@ def region_backward(grad_out: Tensor, ctx: Tensor, tok: Tensor, q: Tensor, wk: T
     backward is linear in ∂inv, so this part is the reference pool backward of grad_inv added to
     whatever the kernel set computed: exact for every set, no kernel has to know about it.
     """
-    grads = _region_gradients(grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask,
-                              inv, attn, weight, index, top_k, renorm, act, kernels, grad_inv)
-    return [ctx.new_empty(0) if g is None else g for g in grads]
-
-
-def _region_gradients(grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask,
-                      inv, attn, weight, index, top_k, renorm, act, kernels, grad_inv):
-    """region_backward's gradients, None for absent inputs (the op's body, and RegionFunction's)."""
     with _no_autocast(ctx):
         grads = list(kernel_set(kernels).region_backward(
             grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask,
@@ -133,7 +125,7 @@ def _region_gradients(grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1,
                 position = REGION_INPUTS.index(name)
                 if grads[position] is not None:
                     grads[position] = grads[position] + g.to(grads[position].dtype)
-    return grads
+    return [ctx.new_empty(0) if g is None else g for g in grads]
 
 
 @region_backward.register_fake
@@ -155,18 +147,13 @@ def _backward(ctx, grad_out, grad_inv, *unused_aux_grads):
     """attn, weight and index are saved for the backward, never read by the graph: their
     gradients are ignored. inv's is used only when the graph reads inv (export_inv): autograd
     hands a zero tensor for an unread output, and a pool backward of zeros would cost a pass."""
-    tensors, saved, extra = _unpack(ctx, grad_inv)
-    grads = region_backward(grad_out.contiguous(), *tensors, *saved, *ctx.config, grad_inv=extra)
-    grads = [None if t is None else g for g, t in zip(grads, tensors)]
-    return (*grads, None, None, None, None, None, None)
-
-
-def _unpack(ctx, grad_inv):
-    """(the 16 region inputs with None for absent ones, (inv, attn, weight, index), ∂inv or None)."""
     saved = list(ctx.saved_tensors)
     tensors = [None if absent else saved.pop(0) for absent in ctx.absent]
+    inv, attn, weight, index = saved
     extra = grad_inv.contiguous() if ctx.export_inv and grad_inv is not None else None
-    return tensors, saved, extra
+    grads = region_backward(grad_out.contiguous(), *tensors, inv, attn, weight, index, *ctx.config, grad_inv=extra)
+    grads = [None if t is None else g for g, t in zip(grads, tensors)]
+    return (*grads, None, None, None, None, None, None)
 
 
 region.register_autograd(_backward, setup_context=_setup_context)
@@ -180,8 +167,9 @@ class RegionFunction(torch.autograd.Function):
     between them); what it leaves out is the op's per-call dispatch, argument filling and
     aliasing checks and its generated autograd wrapper: host time that a training step pays
     (bench/PERF_NOTES.md v4: the op's fwd+bwd issues in ~5 ms at medium on the H200, the kernel
-    set's own calls in ~2.5 ms). The backward is once differentiable, as the op's is: a second
-    derivative raises instead of treating the gradients as constants.
+    set's own calls in ~2.5 ms). The backward calls the mha::region_backward op and is once
+    differentiable, as the op's is: a second derivative raises instead of treating the
+    gradients as constants.
     """
 
     @staticmethod
@@ -198,11 +186,11 @@ class RegionFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, grad_inv, *unused_aux_grads):
-        tensors, saved, extra = _unpack(ctx, grad_inv)
-        if grad_out is None:  # only inv was read, and by nothing that needs a gradient
-            grad_out = torch.zeros_like(tensors[0])
-        grads = _region_gradients(grad_out.contiguous(), *tensors, *saved, *ctx.config, extra)
-        return (*[None if t is None else g for g, t in zip(grads, tensors)], None, None, None, None, None, None)
+        """Through the mha::region_backward op, as the op's own autograd does: a backward that
+        is traced (compiled autograd) then sees one opaque op, not the kernel set's Python."""
+        if grad_out is None:  # only inv was read by something that needs a gradient
+            grad_out = torch.zeros_like(ctx.saved_tensors[0])
+        return _backward(ctx, grad_out, grad_inv)
 
 
 def region_call(*args):

@@ -98,3 +98,13 @@ def test_the_backend_runs_it_and_reports_the_op(monkeypatch):
     assert len(reports) == 1 and graph_has_region(reports[0])
     report = mha_compile.explain(block, ctx, tok)
     assert "torch.ops.mha.region" in report.graphs[0].code_after
+
+
+def test_the_backward_goes_through_the_backward_op(monkeypatch):
+    """So that a traced backward (compiled autograd) meets one opaque op, as with mha::region."""
+    calls = []
+    op = ops.region_backward
+    monkeypatch.setattr(ops, "region_backward", lambda *a, **k: calls.append(1) or op(*a, **k))
+    tensors = _inputs()
+    ops.RegionFunction.apply(*tensors, None, 2, True, "gelu", "reference", False)[0].sum().backward()
+    assert calls == [1] and tensors[0].grad is not None
