@@ -66,7 +66,9 @@ def act_backward(act, grad_h, u, u3=None):
 def pool_directions(q, wk):
     """u [P,D]: u_p = Wk_pᵀ q_p / √Dh. The key bias adds a constant per head and cancels."""
     P, Dh = q.shape
-    return torch.einsum("pj,pjd->pd", q, wk.view(P, Dh, -1)) * (Dh**-0.5)
+    # einsum("pj,pjd->pd"), spelled as the bmm it becomes: einsum's parsing costs host time
+    # on every training step (~40 µs a call on the H200's host, bench/results/kernel_times_medium.txt).
+    return torch.bmm(q.unsqueeze(1), wk.view(P, Dh, -1)).squeeze(1) * (Dh**-0.5)
 
 
 def pool_forward(tok, q, wk, wv, bv, wo, bo, mask=None):
@@ -78,19 +80,21 @@ def pool_forward(tok, q, wk, wv, bv, wo, bo, mask=None):
         scores = scores.masked_fill(mask[:, :, None], float("-inf"))
     attn = torch.softmax(scores, dim=1)
     tbar = torch.einsum("bnp,bnd->bpd", attn, tok)  # [B,P,D]
-    return pool_project(tbar, wv, bv, wo, bo)[1], attn
+    return pool_project(tbar, wv, bv, wo, bo), attn
+
+
+def pool_heads(tbar, wv, bv):
+    """pooled [B,D] from t̄ [B,P,D]: pooled_p = Wv_p t̄_p + bv_p."""
+    B, P, D = tbar.shape
+    # einsum("bpd,pjd->bpj", tbar, Wv as [P,Dh,D]), as one bmm over the heads
+    pooled = torch.bmm(tbar.transpose(0, 1), wv.view(P, D // P, D).transpose(1, 2)).transpose(0, 1).reshape(B, D)
+    return pooled if bv is None else pooled + bv
 
 
 def pool_project(tbar, wv, bv, wo, bo):
-    """(pooled, inv) from t̄ [B,P,D]: pooled_p = Wv_p t̄_p + bv_p, inv = pooled Woᵀ + bo."""
-    B, P, D = tbar.shape
-    pooled = torch.einsum("bpd,pjd->bpj", tbar, wv.view(P, D // P, D)).reshape(B, D)
-    if bv is not None:
-        pooled = pooled + bv
-    inv = pooled @ wo.T
-    if bo is not None:
-        inv = inv + bo
-    return pooled, inv
+    """inv [B,D] from t̄ [B,P,D]: pooled Woᵀ + bo, pooled as pool_heads."""
+    inv = pool_heads(tbar, wv, bv) @ wo.T
+    return inv if bo is None else inv + bo
 
 
 def pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn):
@@ -99,7 +103,7 @@ def pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn):
     B, N, D = tok.shape
     wv_heads = wv.view(P, Dh, D)
     tbar = torch.einsum("bnp,bnd->bpd", attn, tok)
-    pooled, _ = pool_project(tbar, wv, bv, wo, None)
+    pooled = pool_heads(tbar, wv, bv)
     grad_bo = grad_inv.sum(0)
     grad_wo = grad_inv.T @ pooled
     grad_pooled = grad_inv @ wo  # [B,D]

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mha_compile.kernels.reference import pool_directions, pool_project
+from mha_compile.kernels.reference import pool_directions, pool_heads, pool_project
 from mha_compile.kernels.triton_util import pow2
 
 # A [P,D] fp32 accumulator (P padded to 16) lives in registers: D beyond this spills badly.
@@ -204,7 +204,7 @@ def pool_attend(tok, u, mask=None):
 def pool_forward(tok, q, wk, wv, bv, wo, bo, mask=None):
     """inv [B,D] and attn [B,N,P] (fp32), as reference.pool_forward; weights are fp32 here."""
     attn, tbar = pool_attend(tok, pool_directions(q, wk), mask)
-    return pool_project(tbar, wv, bv, wo, bo)[1], attn
+    return pool_project(tbar, wv, bv, wo, bo), attn
 
 
 def pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn):
@@ -213,7 +213,10 @@ def pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn):
     B, N, D = tok.shape
     wv_heads = wv.view(P, Dh, D)
     grad_pooled = grad_inv @ wo  # [B,D]
-    grad_tbar = torch.einsum("bpj,pjd->bpd", grad_pooled.view(B, P, Dh), wv_heads).contiguous()
+    # The einsums of the math as the bmms they become (einsum's parsing costs host time, see
+    # reference.pool_directions). grad_heads [P,B,Dh]: ∂pooled per head.
+    grad_heads = grad_pooled.view(B, P, Dh).transpose(0, 1)
+    grad_tbar = torch.bmm(grad_heads, wv_heads).transpose(0, 1).contiguous()  # "bpj,pjd->bpd"
     u = pool_directions(q, wk).float().contiguous()
     tok = tok.contiguous()
     attn = attn.contiguous()
@@ -226,14 +229,12 @@ def pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn):
                            tok.stride(0), tok.stride(1), SPLIT_DOT=split_dot(tok.dtype), BLOCK_N=block_n,
                            BLOCK_D=block_d,
                            BLOCK_P=pow2(P), **({"num_warps": warps} if tok.is_cuda else {}))
-    pooled = torch.einsum("bpd,pjd->bpj", tbar, wv_heads).reshape(B, D)
-    if bv is not None:
-        pooled = pooled + bv
+    pooled = pool_heads(tbar, wv, bv)
     grad_bo = grad_inv.sum(0)
     grad_wo = grad_inv.T @ pooled
     grad_bv = grad_pooled.sum(0)
-    grad_wv = torch.einsum("bpj,bpd->pjd", grad_pooled.view(B, P, Dh), tbar).reshape(D, D)
+    grad_wv = torch.bmm(grad_heads.transpose(1, 2), tbar.transpose(0, 1)).reshape(D, D)  # "bpj,bpd->pjd"
     grad_u = du_part.sum(0) * (Dh**-0.5)
-    grad_q = torch.einsum("pd,pjd->pj", grad_u, wk.view(P, Dh, D))
-    grad_wk = torch.einsum("pj,pd->pjd", q, grad_u).reshape(D, D)
+    grad_q = torch.bmm(wk.view(P, Dh, D), grad_u.unsqueeze(2)).squeeze(2)  # "pd,pjd->pj"
+    grad_wk = (q[:, :, None] * grad_u[:, None, :]).reshape(D, D)  # "pj,pd->pjd"
     return grad_tok, grad_q, grad_wk, grad_wv, grad_bv, grad_wo, grad_bo
