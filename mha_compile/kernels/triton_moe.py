@@ -566,17 +566,17 @@ def combine(c, groups, rows, out_dtype):
 def moe_forward(x, inv, weight, groups, w1, b1, w2, b2, w3, act, horizons, out_dtype):
     """out [R,D] = Σ_j w_j f_{idx_j}(x), x = x (+ inv[r // H], merged by the slot-row gather)."""
     E, F, D = w2.shape
+    c = torch.empty(groups.slots, D, device=x.device, dtype=torch.float32)
     runs = tile_runs(groups, (D + F) * w1.element_size())  # xs and h
-    c = None if len(runs) == 1 else torch.empty(groups.slots, D, device=x.device, dtype=torch.float32)
     for t0, t1 in runs:
         part = groups if len(runs) == 1 else groups.tiles(t0, t1)
         xs, _ = gather_rows(x, inv, part, horizons, w1.dtype)
         h = experts_up(xs, part, w1, b1, w3, act)
-        del xs
-        rows = None if c is None else c[t0 * groups.tile:t1 * groups.tile]
-        c_part = slots_gemm(h, w2, (F * D, D, 1), D, part, bias=b2, scale=weight.reshape(-1), out=rows)
+        del xs  # each run's buffers go before the next run's come
+        slots_gemm(h, w2, (F * D, D, 1), D, part, bias=b2, scale=weight.reshape(-1),
+                   out=c[t0 * groups.tile:t1 * groups.tile])
         del h
-    return combine(c_part if c is None else c, groups, x.shape[0], out_dtype)
+    return combine(c, groups, x.shape[0], out_dtype)
 
 
 # The weight-gradient kernel splits each expert's slots into SPLIT runs when (e, I, J) tiles
