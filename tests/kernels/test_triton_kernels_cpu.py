@@ -198,6 +198,21 @@ def test_runs_of_tiles(monkeypatch, module, act, bias):
     assert len(runs) >= 2 * 6 and all(t1 == t0 + 1 for t0, t1 in runs)  # forward and backward, ≥ 6 tiles
 
 
+def test_tile_runs_cover_every_tile_once():
+    """The large preset's layout (1040 tiles of 128) in runs that fit SLOT_CHUNK_BYTES, each a
+    multiple of 8 tiles but the last; a layout that fits is one run."""
+    from types import SimpleNamespace
+
+    large = SimpleNamespace(tile=128, num_tiles=1040)
+    per_slot = (2 * 512 + 2 * 2048) * 2  # the backward's xs, gs, hw, ∂u in bf16
+    runs = triton_moe.tile_runs(large, per_slot)
+    assert [t for t0, t1 in runs for t in range(t0, t1)] == list(range(1040))
+    assert all((t1 - t0) % 8 == 0 and (t1 - t0) * 128 * per_slot <= triton_moe.SLOT_CHUNK_BYTES
+               for t0, t1 in runs[:-1])
+    assert len(runs) == 6
+    assert triton_moe.tile_runs(SimpleNamespace(tile=128, num_tiles=272), (2 * 256 + 2 * 1024) * 2) == [(0, 272)]
+
+
 def test_pool_split_dots(monkeypatch):
     """The pool's split 16-bit dots (the bf16 GPU path) in fp16, which the interpreter computes
     right: same tolerance as the plain fp16 path."""
