@@ -70,8 +70,17 @@ def _in_compute_dtype(ctx, tok, w1, b1, w2, b2, w3):
     return cast(tok), cast(w1), cast(b1), cast(w2), cast(b2), cast(w3)
 
 
-def _f32(t):
-    return None if t is None else t.float()
+def _f32(*tensors):
+    """The tensors in fp32 (None stays None) for the glue's matmuls, with one cast of one flat
+    buffer instead of one per tensor: each cast is a launch and ~40 µs of host time on the H200
+    (bench/results/kernel_times_medium.txt: 19 a training step), where a view costs a few. The
+    pieces are views of one buffer, so this is for inputs only, never for returned gradients
+    (outputs of a custom op must not alias each other)."""
+    todo = [t for t in tensors if t is not None and t.dtype != torch.float32]
+    if len(todo) < 2:
+        return [None if t is None else t.float() for t in tensors]
+    pieces = iter(torch.cat([t.reshape(-1) for t in todo]).float().split([t.numel() for t in todo]))
+    return [t if t is None or t.dtype == torch.float32 else next(pieces).view(t.shape) for t in tensors]
 
 
 def _c(t):
@@ -95,7 +104,7 @@ def region_forward(merge, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b
     tok, w1, b1, w2, b2, w3 = _in_compute_dtype(ctx, tok, w1, b1, w2, b2, w3)
     B, H, D = ctx.shape
     E = w1.shape[0]
-    inv, attn = triton_pool.pool_forward(tok, _f32(q), _f32(wk), _f32(wv), _f32(bv), _f32(wo), _f32(bo), mask)
+    inv, attn = triton_pool.pool_forward(tok, *_f32(q, wk, wv, bv, wo, bo), mask)
     x, x_inv = _merged_input(ctx, inv, merge)
     weight, index = triton_router.route(x, x_inv, wg.contiguous(), top_k, renorm, H)
     groups = triton_moe.group(index, E)
@@ -135,7 +144,7 @@ def region_backward(merge, grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1
         # ∂Wg = ∂logitsᵀ (ctx + inv[b]) without forming y: the inv part sums ∂logits over h first.
         dwg = dlogits.T @ x.float() + dlogits.view(B, H, E).sum(1).T @ inv
     grad_tok, grad_q, grad_wk, grad_wv, grad_bv, grad_wo, grad_bo = triton_pool.pool_backward(
-        dinv, tok, _f32(q), _f32(wk), _f32(wv), _f32(bv), _f32(wo), attn.float())
+        dinv, tok, *_f32(q, wk, wv, bv, wo), attn.float())
     grad_bk = None if bk is None else torch.zeros_like(bk)
     grads = (dctx, grad_tok, grad_q, grad_wk, grad_bk, grad_wv, grad_bv, grad_wo, grad_bo,
              dwg, dw1, db1, dw2, db2, dw3)
