@@ -108,3 +108,14 @@ def test_the_backward_goes_through_the_backward_op(monkeypatch):
     tensors = _inputs()
     ops.RegionFunction.apply(*tensors, None, 2, True, "gelu", "reference", False)[0].sum().backward()
     assert calls == [1] and tensors[0].grad is not None
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_without_grad(mode):
+    """Eval under no_grad or inference_mode: nothing is recorded, the output is the op's."""
+    tensors = _inputs()
+    args = (*tensors, None, 2, True, "gelu", "reference", False)
+    with mode():
+        out = ops.region_call(*args)[0]
+        want = ops.region(*args)[0]
+    assert not out.requires_grad and torch.equal(out, want)
