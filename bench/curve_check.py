@@ -23,6 +23,11 @@ def moving_average(values, width):
     return out
 
 
+def final_window(steps):
+    """How many last steps the final mean covers: 100, or the last fifth of a shorter run."""
+    return max(1, min(100, steps // 5))
+
+
 def compare_curves(eager, mine, twin=None):
     """Gaps between two loss curves. twin: compare_curves(eager, eager twin), the gaps two
     correct eager runs that differ only in rounding show on the same seed; the bounds are
@@ -30,7 +35,7 @@ def compare_curves(eager, mine, twin=None):
     ma_e, ma_m = moving_average(eager, SMOOTH), moving_average(mine, SMOOTH)
     start = min(SMOOTH, len(eager) - 1)
     gaps = [abs(a - b) / abs(a) for a, b in zip(ma_e[start:], ma_m[start:])]
-    tail = max(1, min(100, len(eager) // 5))
+    tail = final_window(len(eager))
     mean_e, mean_m = sum(eager[-tail:]) / tail, sum(mine[-tail:]) / tail
     final_gap = abs(mean_m - mean_e) / abs(mean_e)
     worst = max(gaps) if gaps else 0.0
@@ -55,7 +60,7 @@ def compare_seeds(eager_runs, mha_runs):
     their mean must be within max(log(1 + SEED_RTOL), 3 standard errors), read as a ratio.
     """
     n = len(eager_runs)
-    tail = max(1, min(100, len(eager_runs[0]) // 5))
+    tail = final_window(len(eager_runs[0]))
     stats = {"learn": lambda r: sum(r[SMOOTH:]) / max(1, len(r) - SMOOTH), "final": lambda r: sum(r[-tail:]) / tail}
     result = {"seeds": n}
     for name, stat in stats.items():

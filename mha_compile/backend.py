@@ -63,9 +63,10 @@ def lower(gm, opts, report):
     subgraph is rewritten on its own copy, so the captured graph is never touched, and when
     nothing matches gm itself is returned.
     """
-    new, copies = _copy(gm), {}
-    found = {path: (_copy_attribute(new, path, copies), find_regions(_copy_attribute(new, path, copies)))
-             for path, _ in _graph_modules(gm)}
+    new, copies, found = _copy(gm), {}, {}
+    for path, _ in _graph_modules(gm):
+        sub = _copy_attribute(new, path, copies)
+        found[path] = (sub, find_regions(sub))
     for path, (_, (_, misses)) in found.items():
         report.near_misses += [dict(m.summary(), graph=path or "<top>") for m in misses]
         for miss in misses:

@@ -86,9 +86,13 @@ def region(ctx: Tensor, tok: Tensor, q: Tensor, wk: Tensor, bk: Optional[Tensor]
     export_inv: the graph also reads `inv` (output 1), e.g. to rebuild y = ctx + inv for a
     residual; then its gradient flows back through the pool too (see _backward).
     """
-    with _no_autocast(ctx):
-        return kernel_set(kernels).region_forward(ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3,
-                                                  mask, top_k, renorm, act)
+    return _forward((ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask), top_k, renorm, act, kernels)
+
+
+def _forward(tensors, top_k, renorm, act, kernels):
+    """The kernel set's forward (the op's body, and RegionFunction's)."""
+    with _no_autocast(tensors[0]):
+        return kernel_set(kernels).region_forward(*tensors, top_k, renorm, act)
 
 
 @region.register_fake
@@ -174,13 +178,10 @@ class RegionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *inputs):
-        tensors, (top_k, renorm, act, kernels) = inputs[:16], inputs[16:20]
-        export_inv = len(inputs) > 20 and bool(inputs[20])
-        with _no_autocast(tensors[0]):
-            output = kernel_set(kernels).region_forward(*tensors, top_k, renorm, act)
+        output = _forward(inputs[:16], *inputs[16:20])
         _setup_context(ctx, inputs, output)
         ctx.set_materialize_grads(False)
-        ctx.mark_non_differentiable(*output[2:] if export_inv else output[1:])
+        ctx.mark_non_differentiable(*output[2:] if ctx.export_inv else output[1:])
         return tuple(output)
 
     @staticmethod
