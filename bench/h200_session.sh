@@ -10,12 +10,15 @@
 #                                      # only): its whole (preset, dtype, pass) groups are kept
 #   bash bench/h200_session.sh fwd     # host time per piece (small, medium), then the forward rows of
 #                                      # the benchmark (~8 min): run.log, host_time.txt, h200_fwd.{md,json,png,errors.log}
+#   bash bench/h200_session.sh graphs  # the region's CUDA graphs (options graphs=): pytest -m cuda, then
+#                                      # fwd+bwd rows with and without them, and host time (~7 min):
+#                                      # run.log, graphs.{md,json,png}, host_time.txt
 #   bash bench/h200_session.sh short   # one call when device time is short (~9 min): the fused
 #                                      # kernel tests, the curves without the suite, and the
 #                                      # benchmark cut at 250 s (rows past it are listed as skipped)
 # Budgets are per step so a slow step cannot starve the others.
 set -u
-part=${1:?usage: bash bench/h200_session.sh check|kernels|bench|bench-resume|fwd|short}
+part=${1:?usage: bash bench/h200_session.sh check|kernels|bench|bench-resume|fwd|graphs|short}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 LOG="$OUT/run.log"
 # COMMIT overrides: the device copy's .git can lag the working tree it carries.
@@ -44,6 +47,13 @@ fwd)
         --passes fwd --modes eager,inductor,inductor-max-autotune,mha-staged,mha-fused,mha-fused-cudagraphs \
         --spellings dense,loop,grouped_mm --commit "$commit" 2>&1 | tail -60; } >>"$LOG"
     ;;
+graphs)
+    { MHA_COMPILE_NO_AUTOTUNE=1 timeout 200 python -m pytest -q -m cuda tests -n 8 -p no:cacheprovider 2>&1 | tail -15; } >>"$LOG"
+    { timeout -s INT 280 python -m bench --out "$OUT" --name graphs --budget 250 --presets small,medium,large \
+        --passes fwd+bwd --modes eager,inductor,mha-fused,mha-fused-nographs,mha-fused-cudagraphs \
+        --spellings dense,grouped_mm --commit "$commit" 2>&1 | tail -40; } >>"$LOG"
+    timeout 60 python bench/host_time.py --preset medium >>"$OUT/host_time.txt" 2>&1
+    ;;
 short)
     { MHA_COMPILE_NO_AUTOTUNE=1 timeout 120 python -m pytest -q -m cuda tests/kernels -k "not staged" -n 8 \
         -p no:cacheprovider 2>&1 | tail -8; } >>"$LOG"
@@ -60,6 +70,6 @@ bench|bench-resume)
         --modes eager,inductor,inductor-max-autotune,mha-staged,mha-fused,mha-fused-cudagraphs \
         --spellings dense,loop,grouped_mm --commit "$commit" 2>&1 | tail -100; } >>"$LOG"
     ;;
-*) echo "unknown part $part: expected check, kernels, bench, bench-resume, fwd or short" >&2; exit 2 ;;
+*) echo "unknown part $part: expected check, kernels, bench, bench-resume, fwd, graphs or short" >&2; exit 2 ;;
 esac
 tail -150 "$LOG"

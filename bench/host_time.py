@@ -8,7 +8,9 @@ alone: the time to *issue* `calls` calls (perf_counter around the loop, synchron
 and after, so the GPU work of earlier calls is not counted). That is host time and only host
 time while the GPU keeps up, which the "gpu" column shows (do_bench's median of the same call).
 Pieces, from the whole compiled step down to one Triton launch:
-    compiled fwd+bwd / fwd   torch.compile(block, backend="mha") as a user runs it
+    compiled fwd+bwd / fwd   torch.compile(block, backend="mha") as a user runs it (the region's
+                             own CUDA graphs on, options graphs="auto"); "graphs off": without them
+    region_call fwd+bwd      ops.region_call, what the compiled graph calls, graphs "on" / "off"
     op fwd+bwd / fwd         torch.ops.mha.region called directly (no Dynamo, no AOTAutograd)
     op fwd, grad enabled     the same forward recording autograd (what a training step pays)
     op fwd+bwd, one thread   with torch.autograd.set_multithreading_enabled(False): the CUDA
@@ -22,6 +24,7 @@ runs CUDA backward on its own thread, which cProfile does not see; calling regio
 directly keeps it on this one).
 """
 import argparse
+import copy
 import cProfile
 import pstats
 import time
@@ -73,10 +76,17 @@ def main():
     grad = torch.randn(p["B"], p["H"], p["D"], device=dev, dtype=dtype)
     leaves = [ctx, tok] + [t for t in params if t is not None]
     compiled = torch.compile(block, backend="mha", options={"kernels": "fused"}, dynamic=False)
+    twin = copy.deepcopy(block)  # its own Dynamo cache entry, for the other graphs setting
+    twin_leaves = list(twin.parameters())
+    compiled_off = torch.compile(twin, backend="mha", options={"kernels": "fused", "graphs": "off"}, dynamic=False)
 
     def clear():
-        for t in leaves:
+        for t in leaves + twin_leaves:
             t.grad = None
+
+    def region_call(graphs):
+        return lambda: (clear(), ops.region_call(ctx, tok, *params, None, moe.top_k, moe.renorm, moe.act, "fused",
+                                                 False, graphs=graphs)[0].backward(grad))
 
     def op():
         return torch.ops.mha.region(ctx, tok, *params, None, moe.top_k, moe.renorm, moe.act, "fused")[0]
@@ -94,6 +104,10 @@ def main():
     pieces = {
         "compiled fwd+bwd": lambda: (clear(), compiled(ctx, tok).backward(grad)),
         "compiled fwd": no_grad(lambda: compiled(ctx, tok)),
+        "compiled fwd+bwd, graphs off": lambda: (clear(), compiled_off(ctx, tok).backward(grad)),
+        "compiled fwd, graphs off": no_grad(lambda: compiled_off(ctx, tok)),
+        "region_call fwd+bwd, graphs on": region_call("on"),
+        "region_call fwd+bwd, graphs off": region_call("off"),
         "op fwd+bwd": lambda: (clear(), op().backward(grad)),
         "op fwd": no_grad(op),
         "op fwd, grad enabled": op,
@@ -107,13 +121,13 @@ def main():
     }
     print(f"{args.preset} bf16 on {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"triton {triton.__version__}; host = issue time per call, gpu = do_bench median")
-    print(f"{'piece':<20}{'host us':>10}{'gpu us':>10}")
+    print(f"{'piece':<32}{'host us':>10}{'gpu us':>10}")
     for name, fn in pieces.items():
         host = host_us(fn, args.calls)
-        print(f"{name:<20}{host:>10.1f}{gpu_us(fn):>10.1f}", flush=True)
+        print(f"{name:<32}{host:>10.1f}{gpu_us(fn):>10.1f}", flush=True)
     with torch.autograd.set_multithreading_enabled(False):
         host = host_us(pieces["op fwd+bwd"], args.calls)
-        print(f"{'op fwd+bwd, 1 thread':<20}{host:>10.1f}{gpu_us(pieces['op fwd+bwd']):>10.1f}", flush=True)
+        print(f"{'op fwd+bwd, 1 thread':<32}{host:>10.1f}{gpu_us(pieces['op fwd+bwd']):>10.1f}", flush=True)
     for name in ("region_forward", "region_backward"):
         prof = cProfile.Profile()
         prof.enable()

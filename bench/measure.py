@@ -10,6 +10,7 @@ import torch
 
 from bench import cases, grouped_mm_moe, modes, timing
 from mha_compile import cost
+from mha_compile.kernels import region_graphs
 from mha_compile.models import PRESETS
 
 ACT = "gelu"  # MHABlock's default activation, which every spelling here uses
@@ -104,7 +105,8 @@ def _measure(job, cache, quick):
     for t in leaves:
         t.grad = None
     # The check runs after timing, on the path that was timed (CUDA graphs replay only by now).
-    out, result["peak_mib"], result["peak_delta_mib"] = timing.peak_memory_call(step, device)
+    out, *memory = timing.peak_memory_call(step, device)
+    result["peak_mib"], result["peak_delta_mib"], result["graph_pool_mib"] = memory
     result["rel_err"] = cases.relative_error(out, ref_out)
     if training:
         result["grad_rel_err"] = cases.gradient_error([t.grad for t in leaves], ref_grads)
@@ -140,6 +142,7 @@ def lowering_summary(mode, model, ctx, tok):
 
 def _cleanup(device_type):
     torch._dynamo.reset()
+    region_graphs.clear()  # the region's own CUDA graphs (options graphs=) outlive Dynamo's reset
     gc.collect()
     if device_type == "cuda":
         torch.cuda.empty_cache()

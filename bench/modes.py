@@ -8,12 +8,11 @@ import torch
 
 # Peers are what a user has without us: eager and Inductor, on any spelling.
 PEER_MODES = ("eager", "inductor", "inductor-max-autotune")
-MHA_MODES = ("mha-reference", "mha-staged", "mha-fused", "mha-fused-cudagraphs")
+# mha-fused: the defaults (graphs="auto": the region replays its own CUDA graphs at small and
+# medium); mha-fused-nographs: the same kernels issued from Python every call (graphs="off").
+MHA_MODES = ("mha-reference", "mha-staged", "mha-fused", "mha-fused-nographs", "mha-fused-cudagraphs")
 MODES = PEER_MODES + MHA_MODES
 SPELLINGS = ("dense", "loop", "grouped_mm")
-# Modes that replay CUDA graphs: torch.compile's mode="max-autotune" turns on Inductor's CUDA
-# graphs as mode="reduce-overhead" does. Their peak memory leaves out the graph's private pool.
-CUDA_GRAPH_MODES = ("inductor-max-autotune", "mha-fused-cudagraphs")
 # The grouped-GEMM spelling is a peer of its own: the mha backend is not asked to match it.
 GROUPED_MM_MODES = PEER_MODES
 
@@ -38,4 +37,6 @@ def mha_options(mode):
     """The backend options a mha-* mode compiles with (None: the defaults, kernels "auto")."""
     if mode == "mha-fused-cudagraphs":
         return None
+    if mode == "mha-fused-nographs":
+        return {"kernels": "fused", "graphs": "off"}
     return {"kernels": mode.split("-", 1)[1]}

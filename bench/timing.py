@@ -63,13 +63,26 @@ def timed_call(step, device):
 
 
 def peak_memory_call(step, device):
-    """(result, peak MiB, peak above what was allocated before the call, MiB); None on the CPU."""
+    """(result, peak MiB, peak above what was allocated before the call MiB, graph pools MiB);
+    None on the CPU. The peak counts the memory CUDA-graph pools hold beside their live tensors
+    (see graph_pool_held): a replay writes there, so it is the step's as much as any allocation."""
     if torch.device(device).type != "cuda":
-        return step(), None, None
+        return step(), None, None, None
     synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
     result = step()
     synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
-    return result, peak / 2**20, (peak - before) / 2**20
+    held = graph_pool_held(device)
+    return result, (peak + held) / 2**20, (peak - before) / 2**20, held / 2**20
+
+
+def graph_pool_held(device):
+    """Bytes that CUDA-graph private pools hold and max_memory_allocated does not count: a
+    graph's intermediates are freed at capture's end but stay the pool's, and each replay
+    writes them again. (Live tensors in a pool are counted as allocated already.)"""
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    return sum(s["total_size"] - s["allocated_size"] for s in torch.cuda.memory_snapshot()
+               if s["device"] == index and tuple(s.get("segment_pool_id", (0, 0))) != (0, 0))

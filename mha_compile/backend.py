@@ -117,28 +117,33 @@ def run_rest(gm, example_inputs, opts, mode):
     if opts.rest == "inductor":
         from torch._inductor.compile_fx import compile_fx
         patches = torch._inductor.list_mode_options(mode) if mode not in (None, "default") else {}
-        return compile_fx(gm, example_inputs, config_patches=patches)
+        graphs = "off" if patches.get("triton.cudagraphs") else opts.graphs
+        return compile_fx(_region_calls(gm, torch.ops.mha.region.default, graphs), example_inputs,
+                          config_patches=patches)
     if mode == "reduce-overhead":
         if any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs):
             from torch._dynamo.backends.cudagraphs import cudagraphs
             return cudagraphs(gm, example_inputs)
         log.info("mha_compile: mode='reduce-overhead' without CUDA inputs: running without CUDA graphs")
-    return _eager_calls(gm).forward
+    return _region_calls(gm, ops.region_call, opts.graphs).forward
 
 
-def _eager_calls(gm):
-    """gm, or a copy whose `mha::region` calls go through ops.region_call: the graph runs eagerly
-    and nothing traces it, so the region can skip the custom op's per-call overhead (the same
-    kernels and gradients; ops.RegionFunction). Reports and dumps keep showing the op."""
+def _region_calls(gm, target, graphs):
+    """gm, or a copy whose `mha::region` calls go to `target` with the `graphs` setting.
+
+    ops.region_call is for a graph that runs eagerly: nothing traces it, so the region can skip
+    the custom op's per-call overhead (the same kernels and gradients; ops.RegionFunction).
+    Reports and dumps keep showing the op as the rewrite made it."""
     paths = [path for path, sub in _graph_modules(gm)
              if sub.graph.find_nodes(op="call_function", target=torch.ops.mha.region.default)]
-    if not paths:
+    if not paths or (target is torch.ops.mha.region.default and graphs == "off"):
         return gm
     new, copies = _copy(gm), {}
     for path in paths:
         sub = _copy_attribute(new, path, copies)
         for node in sub.graph.find_nodes(op="call_function", target=torch.ops.mha.region.default):
-            node.target = ops.region_call
+            node.target = target
+            node.kwargs = {**node.kwargs, "graphs": graphs}
         sub.recompile()
     return new
 

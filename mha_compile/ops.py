@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from mha_compile.kernels import region_graphs
 from mha_compile.kernels.reference import ACTIVATIONS, accumulation_dtype, pool_backward
 
 KERNEL_SETS = ("reference", "fused", "staged")
@@ -79,25 +80,32 @@ def _no_autocast(ctx):
 def region(ctx: Tensor, tok: Tensor, q: Tensor, wk: Tensor, bk: Optional[Tensor], wv: Tensor,
            bv: Optional[Tensor], wo: Tensor, bo: Optional[Tensor], wg: Tensor, w1: Tensor,
            b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor], w3: Optional[Tensor],
-           mask: Optional[Tensor], top_k: int, renorm: bool, act: str, kernels: str, export_inv: bool = False
-           ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+           mask: Optional[Tensor], top_k: int, renorm: bool, act: str, kernels: str, export_inv: bool = False,
+           graphs: str = "off") -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """out = MoE(ctx + pool(tok)[:, None]); see SPEC §1.
 
     export_inv: the graph also reads `inv` (output 1), e.g. to rebuild y = ctx + inv for a
     residual; then its gradient flows back through the pool too (see _backward).
+    graphs: "auto" | "on" | "off", whether the kernels replay as a CUDA graph per call signature
+    (kernels/region_graphs.py); the backward follows the forward's setting.
     """
-    return _forward((ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask), top_k, renorm, act, kernels)
+    return _forward((ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask), top_k, renorm, act, kernels,
+                    graphs)
 
 
-def _forward(tensors, top_k, renorm, act, kernels):
+def _forward(tensors, top_k, renorm, act, kernels, graphs):
     """The kernel set's forward (the op's body, and RegionFunction's)."""
-    with _no_autocast(tensors[0]):
-        return kernel_set(kernels).region_forward(*tensors, top_k, renorm, act)
+    ctx, tok, w1, mask = tensors[0], tensors[1], tensors[10], tensors[15]
+    with _no_autocast(ctx):
+        forward = kernel_set(kernels).region_forward
+        if region_graphs.wanted(graphs, kernels, ctx, tok, w1, top_k, act, mask):
+            return region_graphs.call(forward, tensors, (top_k, renorm, act))
+        return forward(*tensors, top_k, renorm, act)
 
 
 @region.register_fake
 def _region_fake(ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask, top_k, renorm, act, kernels,
-                 export_inv=False):
+                 export_inv=False, graphs="off"):
     B, H, D, N, P = _check_shapes(ctx, tok, q, wk, wv, wo, wg, w1, b1, w2, b2, w3, top_k, act)
     acc = accumulation_dtype(ctx.dtype)
     return (ctx.new_empty(B, H, D), ctx.new_empty(B, D, dtype=acc), ctx.new_empty(B, N, P, dtype=acc),
@@ -110,17 +118,21 @@ def region_backward(grad_out: Tensor, ctx: Tensor, tok: Tensor, q: Tensor, wk: T
                     b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor], w3: Optional[Tensor],
                     mask: Optional[Tensor], inv: Tensor, attn: Tensor, weight: Tensor, index: Tensor,
                     top_k: int, renorm: bool, act: str, kernels: str,
-                    grad_inv: Optional[Tensor] = None) -> list[Tensor]:
+                    grad_inv: Optional[Tensor] = None, graphs: str = "off") -> list[Tensor]:
     """Gradients of REGION_INPUTS, in order; an absent optional input gets an empty tensor.
 
     grad_inv: the gradient of the exported `inv` from outside the region, or None. The pool's
     backward is linear in ∂inv, so this part is the reference pool backward of grad_inv added to
     whatever the kernel set computed: exact for every set, no kernel has to know about it.
+    graphs: as for mha::region.
     """
     with _no_autocast(ctx):
-        grads = list(kernel_set(kernels).region_backward(
-            grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask,
-            inv, attn, weight, index, top_k, renorm, act))
+        backward = kernel_set(kernels).region_backward
+        tensors = (grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask, inv, attn, weight, index)
+        if region_graphs.wanted(graphs, kernels, ctx, tok, w1, top_k, act, mask):
+            grads = list(region_graphs.call(backward, tensors, (top_k, renorm, act)))
+        else:
+            grads = list(backward(*tensors, top_k, renorm, act))
         if grad_inv is not None:
             acc = accumulation_dtype(ctx.dtype)
             c = lambda t: None if t is None else t.to(acc)
@@ -134,7 +146,7 @@ def region_backward(grad_out: Tensor, ctx: Tensor, tok: Tensor, q: Tensor, wk: T
 
 @region_backward.register_fake
 def _region_backward_fake(grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask,
-                          inv, attn, weight, index, top_k, renorm, act, kernels, grad_inv=None):
+                          inv, attn, weight, index, top_k, renorm, act, kernels, grad_inv=None, graphs="off"):
     inputs = (ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3)
     return [ctx.new_empty(0) if t is None else torch.empty_like(t) for t in inputs]
 
@@ -145,6 +157,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(*[t for t in tensors if t is not None], *output[1:])
     ctx.config = inputs[16:20]
     ctx.export_inv = bool(inputs[20]) if len(inputs) > 20 else False
+    ctx.graphs = inputs[21] if len(inputs) > 21 else "off"
 
 
 def _backward(ctx, grad_out, grad_inv, *unused_aux_grads):
@@ -155,9 +168,10 @@ def _backward(ctx, grad_out, grad_inv, *unused_aux_grads):
     tensors = [None if absent else saved.pop(0) for absent in ctx.absent]
     inv, attn, weight, index = saved
     extra = grad_inv.contiguous() if ctx.export_inv and grad_inv is not None else None
-    grads = region_backward(grad_out.contiguous(), *tensors, inv, attn, weight, index, *ctx.config, grad_inv=extra)
+    grads = region_backward(grad_out.contiguous(), *tensors, inv, attn, weight, index, *ctx.config, grad_inv=extra,
+                            graphs=ctx.graphs)
     grads = [None if t is None else g for g, t in zip(grads, tensors)]
-    return (*grads, None, None, None, None, None, None)
+    return (*grads, None, None, None, None, None, None, None)
 
 
 region.register_autograd(_backward, setup_context=_setup_context)
@@ -178,7 +192,7 @@ class RegionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *inputs):
-        output = _forward(inputs[:16], *inputs[16:20])
+        output = _forward(inputs[:16], *inputs[16:20], inputs[21] if len(inputs) > 21 else "off")
         _setup_context(ctx, inputs, output)
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(*output[2:] if ctx.export_inv else output[1:])
@@ -194,12 +208,14 @@ class RegionFunction(torch.autograd.Function):
         return _backward(ctx, grad_out, grad_inv)
 
 
-def region_call(*args):
+def region_call(*args, graphs="off"):
     """The region for a graph that runs eagerly: RegionFunction, or the op itself whenever
     something could be tracing or transforming the call (a dispatch mode such as FakeTensor or
-    make_fx, functorch, a tensor subclass), since those must see `mha::region`."""
+    make_fx, functorch, a tensor subclass), since those must see `mha::region`. args: the op's,
+    up to export_inv; graphs: as for the op."""
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     if (torch._C._len_torch_dispatch_stack() > 0 or torch._C._are_functorch_transforms_active()
             or any(type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter for t in tensors)):
-        return torch.ops.mha.region.default(*args)
-    return RegionFunction.apply(*args)
+        return torch.ops.mha.region.default(*args, graphs=graphs)
+    export_inv = args[20] if len(args) > 20 else False
+    return RegionFunction.apply(*args[:20], export_inv, graphs)

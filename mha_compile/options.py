@@ -4,8 +4,10 @@ import os
 
 KERNELS = ("auto", "fused", "staged", "reference")
 REST = ("eager", "inductor")
+GRAPHS = ("auto", "on", "off")
 DEFAULT_KERNELS = "auto"
 DEFAULT_REST = "eager"
+DEFAULT_GRAPHS = "auto"
 DUMP_ENV = "MHA_COMPILE_DUMP"
 
 
@@ -18,6 +20,12 @@ class Options:
         graph dumps (default: $MHA_COMPILE_DUMP). verify: run the original region beside the
         replacement on the first call and fall back with a warning if they disagree.
         strict: raise instead of falling back when the backend fails.
+        graphs: whether the region's kernels replay as a CUDA graph per call signature inside
+            the op, which cuts the host time of a step without mode="reduce-overhead" ("auto":
+            on CUDA at sizes where host time dominates, see kernels/region_graphs.py; "on":
+            at every size; "off": never). The graphs hold memory that the plain path frees
+            after each call. Under mode="reduce-overhead" (or an Inductor mode with CUDA
+            graphs) the whole graph is captured instead and this is ignored.
     """
 
     kernels: str = DEFAULT_KERNELS
@@ -25,10 +33,12 @@ class Options:
     dump: str | None = None
     verify: bool = False
     strict: bool = False
+    graphs: str = DEFAULT_GRAPHS
 
     def __post_init__(self):
         _check_choice("kernels", self.kernels, KERNELS)
         _check_choice("rest", self.rest, REST)
+        _check_choice("graphs", self.graphs, GRAPHS)
         for name in ("verify", "strict"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"mha options: {name}={getattr(self, name)!r} must be True or False")

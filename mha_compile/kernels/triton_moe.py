@@ -359,6 +359,17 @@ def tile_rows(pairs, experts):
     return 128 if mean >= 1024 else 64 if mean >= 128 else 32 if mean >= 32 else 16
 
 
+def tile_count(pairs, experts, tile):
+    """Tiles of the slot layout: every pair, and each expert's last tile padded."""
+    return -(-(pairs + experts * (tile - 1)) // tile)
+
+
+def slot_count(pairs, experts):
+    """S, the slot rows of the layout of `pairs` (row, expert) pairs: a function of the sizes alone."""
+    tile = tile_rows(pairs, experts)
+    return tile_count(pairs, experts, tile) * tile
+
+
 # Grouping in three launches (it was ~14 torch ops, each a launch and ~10 µs of host work):
 #   count    per chunk of GROUP_CHUNK pairs, how many pairs go to each expert    [C, E]
 #   scan     one program: expert totals, padded starts, each chunk's first slot per expert
@@ -448,7 +459,7 @@ class Groups:
         pairs = index.numel()
         device = index.device
         flat = index.reshape(-1).to(torch.int32).contiguous()
-        num_tiles = -(-(pairs + experts * (tile - 1)) // tile)
+        num_tiles = tile_count(pairs, experts, tile)
         chunks = triton.cdiv(pairs, GROUP_CHUNK)
         block_e = pow2(experts)
         counts = torch.empty(chunks, block_e, dtype=torch.int32, device=device)
@@ -640,7 +651,7 @@ def moe_backward(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, hori
     E, D, F = w1.shape
     dev, wdt = x.device, w1.dtype
     gw = torch.empty(groups.slots, triton.cdiv(F, HIDDEN_BLOCK_F), device=dev, dtype=torch.float32)
-    runs = tile_runs(groups, (2 * D + (3 if w3 is not None else 2) * F) * w1.element_size())  # xs, gs, hw, ∂u(3)
+    runs = tile_runs(groups, backward_slot_bytes(D, F, w3 is not None, w1.element_size()))
     if len(runs) == 1:
         dx_slot, grads = _backward_tiles(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, horizons,
                                          gw, None, wdt)
@@ -653,6 +664,11 @@ def moe_backward(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, hori
                                    horizons, gw[rows], dx_slot[rows], torch.float32)
         total = grads if total is None else [None if t is None else t.add_(g) for t, g in zip(total, grads)]
     return (dx_slot, gw, *[None if t is None else t.to(wdt) for t in total])
+
+
+def backward_slot_bytes(D, F, swiglu, element_size):
+    """Bytes of the backward's slot buffers per slot: xs, gs [S,D]; hw, ∂u (and ∂u3) [S,F]."""
+    return (2 * D + (3 if swiglu else 2) * F) * element_size
 
 
 def _backward_tiles(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, horizons, gw, dx_slot, out_dtype):

@@ -156,6 +156,7 @@ def test_explain_counts():
     ({"kernels": "fastest"}, "kernels='fastest'"),
     ({"rest": "tvm"}, "rest='tvm'"),
     ({"verify": "yes"}, "verify='yes'"),
+    ({"graphs": True}, "graphs=True"),
 ])
 def test_bad_options_raise_clear_errors(options, needle):
     with pytest.raises(Exception) as info:

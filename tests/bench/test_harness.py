@@ -83,14 +83,14 @@ def test_plan_defaults_and_order():
     assert any("reduced set" in n for n in cpu_notes)
 
 
-def test_cuda_graph_rows_say_their_peak_leaves_out_the_pool():
-    """max-autotune turns on Inductor's CUDA graphs: its peak is no more comparable than ours."""
+def test_rows_say_how_much_of_their_peak_is_graph_pools():
+    """Rows that replay CUDA graphs (max-autotune's, ours) hold pools: the note says how much."""
     base = dict(preset="medium", dtype="bf16", spelling="dense", status="ok", time_ms=1.0, regions_replaced=1)
-    rows = [dict(base, mode=m, **{"pass": "fwd+bwd"}) for m in ("eager", "inductor-max-autotune", "mha-fused",
-                                                                "mha-fused-cudagraphs")]
+    pools = {"eager": None, "inductor-max-autotune": 412.4, "mha-fused": 0.0, "mha-fused-cudagraphs": 96.0}
+    rows = [dict(base, mode=m, graph_pool_mib=p, **{"pass": "fwd+bwd"}) for m, p in pools.items()]
     notes = {row[4]: row[-1] for row in report.table_rows(rows)}
-    assert notes == {"eager": "", "inductor-max-autotune": "peak MiB: without the graph's pool",
-                     "mha-fused": "", "mha-fused-cudagraphs": "peak MiB: without the graph's pool"}
+    assert notes == {"eager": "", "inductor-max-autotune": "peak MiB: 412 of it CUDA-graph pools",
+                     "mha-fused": "", "mha-fused-cudagraphs": "peak MiB: 96 of it CUDA-graph pools"}
 
 
 def test_resume_keeps_whole_groups_and_reruns_the_rest(tmp_path):

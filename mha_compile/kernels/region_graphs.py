@@ -1,0 +1,196 @@
+"""The region's kernel calls replayed as per-signature CUDA graphs inside the op (options graphs=).
+
+Why: without CUDA graphs a medium training step spends ~2.5 ms of host time issuing the kernel
+set's 21 Triton launches and ~50 torch ops for ~1.3 ms of GPU work (bench/PERF_NOTES.md v4),
+so the GPU waits on Python. mode="reduce-overhead" graphs the whole compiled graph; this graphs
+only the region, so it also serves a plain `torch.compile(m, backend="mha")`.
+
+How, per call signature (every tensor's shape, strides, dtype and device, and the static
+arguments):
+1. the first call runs eagerly: it compiles and autotunes every kernel it launches;
+2. the second is captured: tensor arguments found at the same address as in the first call
+   (parameters, typically) are read where they are; every other one is copied into a static
+   input of the graph;
+3. later calls copy their arguments into the static inputs and replay. An argument read in
+   place that has moved makes the call be captured again, with that argument copied from then
+   on (so what is read in place only shrinks).
+Every output is copied out of the graph into fresh memory, so a tensor the backward saved
+survives the next replay (gradient accumulation, activation checkpointing). The kernels and
+their order are the eager call's, so the results are the eager call's, bit for bit
+(tests/kernels/test_region_graphs_cuda.py).
+
+All graphs of a device share one memory pool: they never run at once (one lock, and a replay
+on another stream than the last waits for it) and hold nothing live in the pool between
+replays but their static outputs, which stay allocated. The pool is the price: memory the
+eager path frees after each call stays held, which is why graphs="auto" graphs only sizes whose
+slot buffers take one run (`auto_wanted`), where host time dominates.
+"""
+import collections
+import logging
+import threading
+
+import torch
+
+from mha_compile.kernels import triton_moe, triton_region
+
+GRAPHS = ("auto", "on", "off")
+# Per-signature graphs kept (least recently used dropped first): each holds static inputs and
+# outputs, and dynamic shapes would otherwise capture without end.
+MAX_GRAPHS = 16
+
+log = logging.getLogger("mha_compile")
+_lock = threading.RLock()
+_entries = collections.OrderedDict()  # signature -> _Seen | _Graph | _EAGER
+_pools = {}  # device -> the shared graph memory pool
+_EAGER = "eager"  # a signature whose capture failed: it runs eagerly from then on
+
+
+def wanted(graphs, kernels, ctx, tok, w1, top_k, act, mask):
+    """Whether this call replays through a graph: graphs="on" or "auto" (see auto_wanted), a
+    Triton kernel set on CUDA that takes these inputs, and no capture already running (under
+    mode="reduce-overhead" the whole graph is being captured, this call with it)."""
+    if graphs not in GRAPHS:
+        raise ValueError(f"graphs={graphs!r}: expected one of {GRAPHS}")
+    if graphs == "off" or kernels not in ("fused", "staged") or not ctx.is_cuda:
+        return False
+    if torch.cuda.is_current_stream_capturing():
+        return False
+    if triton_region.why_unsupported(ctx, tok, w1, top_k, act, mask) is not None:
+        return False
+    return graphs == "on" or auto_wanted(ctx, w1, top_k, act)
+
+
+def auto_wanted(ctx, w1, top_k, act):
+    """graphs="auto": the sizes where the backward's slot buffers take one run
+    (triton_moe.SLOT_CHUNK_BYTES). Medium and small do (host-bound: 3.75 ms a plain step for
+    1.33 ms of GPU time at medium, bench/results/h200.md); large does not, and there the GPU
+    time dominates and the pool would hold ~1 GB."""
+    B, H, D = ctx.shape
+    E, _, F = w1.shape
+    slots = triton_moe.slot_count(B * H * top_k, E)
+    return slots * triton_moe.backward_slot_bytes(D, F, act == "swiglu", ctx.element_size()) <= triton_moe.SLOT_CHUNK_BYTES
+
+
+def call(fn, args, statics):
+    """fn(*args, *statics), through this signature's CUDA graph once it has one. args: tensors
+    or None; statics: hashable. Returns fn's output structure (a tuple or list of tensors or
+    None), every tensor in fresh memory."""
+    # Inference mode is part of the signature: static inputs made under it are inference
+    # tensors, which a call outside it could not copy into.
+    key = (fn, statics, torch.is_inference_mode_enabled(), tuple(_signature(a) for a in args))
+    with _lock:
+        entry = _entries.get(key)
+        if entry is _EAGER:
+            return fn(*args, *statics)
+        if entry is None:
+            _remember(key, _Seen(args))
+            return fn(*args, *statics)
+        if isinstance(entry, _Seen) or not entry.addresses_hold(args):
+            in_place = entry.in_place(args)
+            try:
+                entry = _Graph(fn, args, statics, in_place, _pool(args))
+            except Exception as error:  # noqa: BLE001 (any capture failure: run eagerly instead)
+                log.warning("mha_compile: capturing the region as a CUDA graph failed (%s: %s); "
+                            "this signature runs without one", type(error).__name__, error)
+                _remember(key, _EAGER)
+                return fn(*args, *statics)
+            _remember(key, entry)
+        _entries.move_to_end(key)
+        return entry.replay(args)
+
+
+def graphs_held():
+    """How many captured graphs are held (tests, reports)."""
+    with _lock:
+        return sum(isinstance(entry, _Graph) for entry in _entries.values())
+
+
+def clear():
+    """Drop every graph (their static buffers and, once unused, the pool's memory)."""
+    with _lock:
+        _entries.clear()
+        _pools.clear()
+
+
+def _signature(t):
+    if t is None:
+        return None
+    return tuple(t.shape), t.stride(), t.dtype, t.device
+
+
+def _remember(key, entry):
+    _entries[key] = entry
+    while len(_entries) > MAX_GRAPHS:
+        _entries.popitem(last=False)
+
+
+def _pool(args):
+    device = next(a.device for a in args if a is not None)
+    if device not in _pools:
+        _pools[device] = torch.cuda.graph_pool_handle()
+    return _pools[device]
+
+
+def _address(t):
+    return None if t is None else t.data_ptr()
+
+
+class _Seen:
+    """A signature called once (eagerly): where its arguments were."""
+
+    def __init__(self, args):
+        self.addresses = [_address(a) for a in args]
+
+    def in_place(self, args):
+        return [a is not None and _address(a) == seen for a, seen in zip(args, self.addresses)]
+
+
+class _Graph:
+    """One captured call: static inputs for the copied arguments, static outputs to copy out."""
+
+    def __init__(self, fn, args, statics, in_place, pool):
+        self.read_in_place = in_place
+        self.addresses = [_address(a) if keep else None for a, keep in zip(args, in_place)]
+        self.inputs = [a if keep or a is None else _static_copy(a) for a, keep in zip(args, in_place)]
+        stream = torch.cuda.Stream(device=self.inputs[0].device)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up on the static inputs: any kernel specialisation
+            fn(*self.inputs, *statics)  # they need is compiled now, not inside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+            self.outputs = fn(*self.inputs, *statics)
+        # The in-place arguments are read at their addresses; holding them would keep them alive.
+        self.inputs = [None if keep else t for t, keep in zip(self.inputs, in_place)]
+        self.device = self.outputs[0].device
+        self.stream = None  # the stream of the last replay
+
+    def addresses_hold(self, args):
+        return all(not keep or _address(a) == at for a, keep, at in zip(args, self.read_in_place, self.addresses))
+
+    def in_place(self, args):
+        """What stays read in place when this call is captured again (an argument moved)."""
+        return [keep and _address(a) == at for a, keep, at in zip(args, self.read_in_place, self.addresses)]
+
+    def replay(self, args):
+        current = torch.cuda.current_stream(self.device)
+        if self.stream is not None and self.stream != current:
+            current.wait_stream(self.stream)  # the last replay's reads and writes come first
+        self.stream = current
+        copies = [(s, a) for s, a in zip(self.inputs, args) if s is not None]
+        if copies:
+            torch._foreach_copy_([s for s, _ in copies], [a for _, a in copies])
+        self.graph.replay()
+        static = [o for o in self.outputs if o is not None]
+        fresh = [torch.empty_like(o) for o in static]
+        torch._foreach_copy_(fresh, static)
+        fresh = iter(fresh)
+        return type(self.outputs)(None if o is None else next(fresh) for o in self.outputs)
+
+
+def _static_copy(t):
+    """A graph input holding t's values, with t's strides where t is dense (so the captured
+    kernels see the layout the eager call saw), else contiguous."""
+    static = torch.empty_like(t, memory_format=torch.preserve_format)
+    static.copy_(t)
+    return static

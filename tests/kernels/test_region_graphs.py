@@ -1,0 +1,62 @@
+"""region_graphs on the CPU: when a call is graphed (the policy), and the option's checks.
+Capture and replay themselves need a GPU: test_region_graphs_cuda.py."""
+import pytest
+import torch
+
+import mha_compile
+from mha_compile import models
+from mha_compile.kernels import region_graphs, triton_moe
+
+
+def _meta_case(preset, dtype=torch.bfloat16, act="gelu"):
+    p = models.PRESETS[preset]
+    ctx = torch.empty(p["B"], p["H"], p["D"], device="meta", dtype=dtype)
+    w1 = torch.empty(p["E"], p["D"], p["F"], device="meta", dtype=dtype)
+    return ctx, w1, p["k"], act
+
+
+@pytest.mark.parametrize("preset,expected", [("tiny", True), ("small", True), ("medium", True), ("large", False)])
+def test_auto_graphs_the_host_bound_sizes_only(preset, expected):
+    """Medium's backward slot buffers (~170 MiB bf16) take one run of SLOT_CHUNK_BYTES; large's
+    (~1.3 GB) do not, and there the pool would hold about a gigabyte for little host time."""
+    assert region_graphs.auto_wanted(*_meta_case(preset)) is expected
+
+
+def test_auto_counts_swiglus_third_buffer():
+    """A size just inside the bound for gelu is outside it for swiglu (∂u3 is a third [S,F])."""
+    ctx, w1, k, _ = _meta_case("medium")
+    B, H, D = ctx.shape
+    E, _, F = w1.shape
+    slots = triton_moe.slot_count(B * H * k, E)
+    gelu, swiglu = (slots * triton_moe.backward_slot_bytes(D, F, s, 2) for s in (False, True))
+    # Scale the batch so that gelu fits and swiglu does not.
+    scale = (triton_moe.SLOT_CHUNK_BYTES / gelu + triton_moe.SLOT_CHUNK_BYTES / swiglu) / 2
+    big = torch.empty(int(B * scale) - 1, H, D, device="meta", dtype=ctx.dtype)
+    assert region_graphs.auto_wanted(big, w1, k, "gelu")
+    assert not region_graphs.auto_wanted(big, w1, k, "swiglu")
+
+
+def test_slot_count_is_the_layouts():
+    index = torch.randint(0, 5, (37, 2), dtype=torch.int32)
+    assert triton_moe.group(index, 5).slots == triton_moe.slot_count(index.numel(), 5)
+
+
+@pytest.mark.parametrize("graphs", ["auto", "on", "off"])
+def test_never_on_the_cpu_or_with_the_reference(graphs):
+    ctx, tok, w1 = torch.randn(2, 3, 8), torch.randn(2, 4, 8), torch.randn(3, 8, 6)
+    for kernels in ("fused", "staged", "reference"):
+        assert not region_graphs.wanted(graphs, kernels, ctx, tok, w1, 2, "gelu", None)
+
+
+def test_a_bad_setting_names_itself():
+    ctx, tok, w1 = torch.randn(2, 3, 8), torch.randn(2, 4, 8), torch.randn(3, 8, 6)
+    with pytest.raises(ValueError, match="graphs='always'"):
+        region_graphs.wanted("always", "fused", ctx, tok, w1, 2, "gelu", None)
+
+
+def test_option_default_and_values():
+    assert mha_compile.Options().graphs == "auto"
+    for value in ("auto", "on", "off"):
+        assert mha_compile.Options.parse({"graphs": value}).graphs == value
+    with pytest.raises(ValueError, match="graphs='yes'.*'auto', 'on', 'off'"):
+        mha_compile.Options.parse({"graphs": "yes"})

@@ -1,0 +1,143 @@
+"""The region replayed as per-signature CUDA graphs (kernels/region_graphs.py), on the GPU.
+
+A replayed call must give the eager call's results bit for bit (same kernels, same order), on
+fresh inputs every call; outputs the backward saved must survive later replays; a parameter
+that moves must be read where it now is; and the graphs must really be used (counted), so that
+a silent fallback to the eager path cannot pass for the graphed one.
+"""
+import pytest
+import torch
+
+from kernel_cases import make_case
+from mha_compile import models, ops
+from mha_compile.kernels import region_graphs
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+SHAPE = (33, 7, 47, 128, 4, 96, 5, 2)  # B H N D P F E k: odd sizes
+
+
+@pytest.fixture(autouse=True)
+def _fresh_graphs():
+    region_graphs.clear()
+    yield
+    region_graphs.clear()
+
+
+def _params(kernels_dtype, act, seed):
+    _, _, params = make_case(*SHAPE, act=act, dtype=kernels_dtype, device="cuda", seed=seed)
+    return [None if p is None else p.requires_grad_() for p in params]
+
+
+def _activations(dtype, seed):
+    ctx, tok, _ = make_case(*SHAPE, dtype=dtype, device="cuda", seed=seed)
+    return ctx.requires_grad_(), tok.requires_grad_()
+
+
+def _step(ctx, tok, params, act, kernels, graphs, grad_seed):
+    """(out, gradients of ctx, tok and every parameter) of one forward and backward."""
+    out = ops.region_call(ctx, tok, *params, None, SHAPE[-1], True, act, kernels, False, graphs=graphs)[0]
+    g = torch.randn(out.shape, generator=torch.Generator("cuda").manual_seed(grad_seed), device="cuda",
+                    dtype=out.dtype)
+    leaves = [t for t in (ctx, tok, *params) if t is not None]
+    return [out.detach(), *torch.autograd.grad(out, leaves, g)]
+
+
+@pytest.mark.parametrize("kernels", ["fused", "staged"])
+@pytest.mark.parametrize("dtype,act", [(torch.bfloat16, "gelu"), (torch.float32, "swiglu")])
+def test_replays_equal_eager_bitwise(kernels, dtype, act):
+    params = _params(dtype, act, seed=1)
+    for call in range(4):  # eager, capture, replay, replay; fresh activations each time
+        ctx, tok = _activations(dtype, seed=10 + call)
+        graphed = _step(ctx, tok, params, act, kernels, "on", grad_seed=call)
+        eager = _step(ctx, tok, params, act, kernels, "off", grad_seed=call)
+        for i, (a, b) in enumerate(zip(graphed, eager)):
+            assert torch.equal(a, b), f"call {call}, result {i}"
+    assert region_graphs.graphs_held() == 2, "the forward and the backward should each be one graph"
+
+
+def test_saved_tensors_survive_later_replays():
+    """Gradient accumulation: two forwards, then their backwards in reverse order."""
+    params = _params(torch.bfloat16, "gelu", seed=2)
+    batches = [_activations(torch.bfloat16, seed=20 + i) for i in range(4)]
+    expected = [_step(*b, params, "gelu", "fused", "off", grad_seed=i) for i, b in enumerate(batches)]
+    outs = [ops.region_call(*b, *params, None, SHAPE[-1], True, "gelu", "fused", False, graphs="on")[0]
+            for b in batches]
+    assert region_graphs.graphs_held() >= 1
+    for i in reversed(range(4)):
+        g = torch.randn(outs[i].shape, generator=torch.Generator("cuda").manual_seed(i), device="cuda",
+                        dtype=outs[i].dtype)
+        leaves = [t for t in (*batches[i], *params) if t is not None]
+        got = [outs[i].detach(), *torch.autograd.grad(outs[i], leaves, g)]
+        for j, (a, b) in enumerate(zip(got, expected[i])):
+            assert torch.equal(a, b), f"batch {i}, result {j}"
+
+
+def test_a_moved_parameter_is_read_where_it_now_is():
+    params = _params(torch.bfloat16, "gelu", seed=3)
+    ctx, tok = _activations(torch.bfloat16, seed=30)
+    for _ in range(3):  # captured with the parameters read in place
+        _step(ctx, tok, params, "gelu", "fused", "on", grad_seed=0)
+    moved = [None if p is None else p.detach().clone().requires_grad_() for p in params]
+    with torch.no_grad():
+        moved[10].mul_(1.5)  # W1 at a new address, with new values
+    got = _step(ctx, tok, moved, "gelu", "fused", "on", grad_seed=0)
+    expected = _step(ctx, tok, moved, "gelu", "fused", "off", grad_seed=0)
+    for i, (a, b) in enumerate(zip(got, expected)):
+        assert torch.equal(a, b), f"result {i}"
+
+
+def test_replay_on_another_stream():
+    params = _params(torch.bfloat16, "gelu", seed=4)
+    ctx, tok = _activations(torch.bfloat16, seed=40)
+    for _ in range(2):
+        _step(ctx, tok, params, "gelu", "fused", "on", grad_seed=0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        got = _step(ctx, tok, params, "gelu", "fused", "on", grad_seed=0)
+    torch.cuda.current_stream().wait_stream(side)
+    expected = _step(ctx, tok, params, "gelu", "fused", "off", grad_seed=0)
+    for i, (a, b) in enumerate(zip(got, expected)):
+        assert torch.equal(a, b), f"result {i}"
+
+
+def _train(model, options, mode=None, steps=4):
+    torch.manual_seed(0)
+    compiled = torch.compile(model, backend="mha", options=options, mode=mode)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(steps):
+        gen = torch.Generator("cuda").manual_seed(100 + step)
+        ctx = torch.randn(64, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+        tok = torch.randn(64, 24, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+        loss = compiled(ctx, tok).float().square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+def _block():
+    torch.manual_seed(5)
+    return models.MHABlock(128, 4, 256, 8, 2, act="gelu", renorm=True).cuda().to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("rest", ["eager", "inductor"])
+def test_backend_trains_with_graphs_as_without(rest):
+    torch._dynamo.reset()
+    losses_off, params_off = _train(_block(), {"graphs": "off", "rest": rest})
+    assert region_graphs.graphs_held() == 0
+    torch._dynamo.reset()
+    losses_on, params_on = _train(_block(), {"graphs": "auto", "rest": rest})
+    assert region_graphs.graphs_held() == 2, "graphs='auto' at this size should replay both directions"
+    assert losses_on == losses_off
+    for a, b in zip(params_on, params_off):
+        assert torch.equal(a, b)
+
+
+def test_no_region_graphs_inside_reduce_overhead():
+    torch._dynamo.reset()
+    _train(_block(), {"graphs": "on"}, mode="reduce-overhead")
+    assert region_graphs.graphs_held() == 0
