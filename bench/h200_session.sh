@@ -13,12 +13,16 @@
 #   bash bench/h200_session.sh graphs  # the region's CUDA graphs (options graphs=): pytest -m cuda, then
 #                                      # fwd+bwd rows with and without them, and host time (~7 min):
 #                                      # run.log, graphs.{md,json,png}, host_time.txt
+#   bash bench/h200_session.sh table   # pytest -m cuda, then the forward+backward rows of every mode,
+#                                      # max-autotune on the dense spelling at medium (~9 min):
+#                                      # run.log, h200.{md,json,png,errors.log}
+#   bash bench/h200_session.sh table-fwd  # the forward rows likewise (~6 min): h200_fwd.*
 #   bash bench/h200_session.sh short   # one call when device time is short (~9 min): the fused
 #                                      # kernel tests, the curves without the suite, and the
 #                                      # benchmark cut at 250 s (rows past it are listed as skipped)
 # Budgets are per step so a slow step cannot starve the others.
 set -u
-part=${1:?usage: bash bench/h200_session.sh check|kernels|bench|bench-resume|fwd|graphs|short}
+part=${1:?usage: bash bench/h200_session.sh check|kernels|bench|bench-resume|fwd|graphs|table|table-fwd|short}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 LOG="$OUT/run.log"
 # COMMIT overrides: the device copy's .git can lag the working tree it carries.
@@ -54,6 +58,17 @@ graphs)
         --spellings dense,grouped_mm --commit "$commit" 2>&1 | tail -40; } >>"$LOG"
     timeout 60 python bench/host_time.py --preset medium >>"$OUT/host_time.txt" 2>&1
     ;;
+table|table-fwd)
+    if [ "$part" = table ]; then
+        { MHA_COMPILE_NO_AUTOTUNE=1 timeout 150 python -m pytest -q -m cuda tests -n 8 -p no:cacheprovider 2>&1 | tail -15; } >>"$LOG"
+        pass=fwd+bwd name=h200
+    else
+        pass=fwd name=h200_fwd
+    fi
+    # The budget lets max-autotune's first graph (dense; ~3 min to compile) start and no other.
+    { timeout -s INT 450 python -m bench --out "$OUT" --name $name --budget 380 --presets medium,large,small \
+        --passes $pass --spellings dense,loop,grouped_mm --commit "$commit" 2>&1 | tail -70; } >>"$LOG"
+    ;;
 short)
     { MHA_COMPILE_NO_AUTOTUNE=1 timeout 120 python -m pytest -q -m cuda tests/kernels -k "not staged" -n 8 \
         -p no:cacheprovider 2>&1 | tail -8; } >>"$LOG"
@@ -70,6 +85,6 @@ bench|bench-resume)
         --modes eager,inductor,inductor-max-autotune,mha-staged,mha-fused,mha-fused-cudagraphs \
         --spellings dense,loop,grouped_mm --commit "$commit" 2>&1 | tail -100; } >>"$LOG"
     ;;
-*) echo "unknown part $part: expected check, kernels, bench, bench-resume, fwd, graphs or short" >&2; exit 2 ;;
+*) echo "unknown part $part: expected check, kernels, bench, bench-resume, fwd, graphs, table, table-fwd or short" >&2; exit 2 ;;
 esac
 tail -150 "$LOG"

@@ -234,8 +234,9 @@ def _moe_wgrad_kernel(
     a_ptr, b_ptr, b2_ptr, weight_ptr, slot_pair_ptr, expert_slots_ptr,
     dw_ptr, dw2_ptr, db_ptr,
     PAIRS, I, J, E, SPLIT,
-    HAS_B2: tl.constexpr, HAS_DB: tl.constexpr, DB_WEIGHTED: tl.constexpr, TILE: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr,
+    HAS_B2: tl.constexpr, HAS_DB: tl.constexpr, DB_WEIGHTED: tl.constexpr, ACCUMULATE: tl.constexpr,
+    TILE: tl.constexpr, PRECISION: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     """∂W[e] [I,J] = Σ_{s ∈ e} A[s]ᵀ B[s] over expert e's slots, in slot order (deterministic).
 
@@ -246,6 +247,9 @@ def _moe_wgrad_kernel(
     tiles of e's slots and writes fp32 partial sums to dw [E·SPLIT, I, J] (db [E·SPLIT, J]),
     row e·SPLIT + c, which _sum_splits_kernel adds in c order: the boundaries depend only on
     the layout, so the result is reproducible run to run.
+    ACCUMULATE (SPLIT = 1, fp32 outputs): add into dw (dw2, db) instead of writing, and leave an
+    expert with no slots here untouched: the runs of tiles (moe_backward) sum their weight
+    gradients in place, in run order, and each run holds only a few experts.
     """
     e = tl.program_id(0) // SPLIT
     c = tl.program_id(0) % SPLIT
@@ -283,11 +287,20 @@ def _moe_wgrad_kernel(
     out_e = tl.program_id(0).to(tl.int64)  # e·SPLIT + c; = e when SPLIT = 1
     ij_off = out_e * I * J + offs_i[:, None].to(tl.int64) * J + offs_j[None, :]
     ij_ok = i_ok[:, None] & j_ok[None, :]
+    db_ok = j_ok & (pid_i == 0)
+    if ACCUMULATE:
+        ij_ok = ij_ok & (hi > lo)
+        db_ok = db_ok & (hi > lo)
+        acc += tl.load(dw_ptr + ij_off, mask=ij_ok, other=0.0)
+        if HAS_B2:
+            acc2 += tl.load(dw2_ptr + ij_off, mask=ij_ok, other=0.0)
+        if HAS_DB:
+            db += tl.load(db_ptr + out_e * J + offs_j, mask=db_ok, other=0.0)
     tl.store(dw_ptr + ij_off, acc.to(dw_ptr.dtype.element_ty), mask=ij_ok)
     if HAS_B2:
         tl.store(dw2_ptr + ij_off, acc2.to(dw2_ptr.dtype.element_ty), mask=ij_ok)
     if HAS_DB:
-        tl.store(db_ptr + out_e * J + offs_j, db.to(db_ptr.dtype.element_ty), mask=j_ok & (pid_i == 0))
+        tl.store(db_ptr + out_e * J + offs_j, db.to(db_ptr.dtype.element_ty), mask=db_ok)
 
 
 @triton.jit
@@ -346,7 +359,7 @@ _wgrad = Launcher(_moe_wgrad_kernel, [
     dict(BLOCK_I=128, BLOCK_J=128, BLOCK_S=64, num_warps=8, num_stages=3),
     dict(BLOCK_I=128, BLOCK_J=64, BLOCK_S=64, num_warps=4, num_stages=3),
     dict(BLOCK_I=64, BLOCK_J=128, BLOCK_S=64, num_warps=4, num_stages=4),
-], key=["I", "J", "E", "SPLIT", "TILE", "HAS_B2", "HAS_DB"])
+], key=["I", "J", "E", "SPLIT", "TILE", "HAS_B2", "HAS_DB", "ACCUMULATE"], restore=["dw_ptr", "dw2_ptr", "db_ptr"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -610,16 +623,21 @@ def wgrad_splits(slots, experts, I, J, device):
     return max(1, min(WGRAD_MAX_SPLIT, want, slots // max(1, experts) // WGRAD_SPLIT_MIN_SLOTS))
 
 
-def weight_grads(a, b, b2, weight, groups, db_weighted, with_db, out_dtype=None):
-    """(∂W [E,I,J], ∂W' [E,I,J] or None, ∂b [E,J] or None) in out_dtype (default a's dtype)
-    from slot rows a [S,I], b [S,J] (b2 [S,J]); see _moe_wgrad_kernel."""
+def weight_grads(a, b, b2, weight, groups, db_weighted, with_db, into=None):
+    """(∂W [E,I,J], ∂W' [E,I,J] or None, ∂b [E,J] or None) in a's dtype
+    from slot rows a [S,I], b [S,J] (b2 [S,J]); see _moe_wgrad_kernel.
+    into: fp32 (∂W, ∂W', ∂b) to add these slots' sums to (one run of tiles), returned."""
     E = groups.experts
     I, J = a.shape[1], b.shape[1]
     dev, dtype = a.device, a.dtype
-    split = wgrad_splits(groups.slots, E, I, J, dev)
-    dw = torch.empty(E, I, J, device=dev, dtype=out_dtype or dtype)
-    dw2 = torch.empty_like(dw) if b2 is not None else None
-    db = torch.empty(E, J, device=dev, dtype=out_dtype or dtype) if with_db else None
+    accumulate = into is not None
+    split = 1 if accumulate else wgrad_splits(groups.slots, E, I, J, dev)
+    if accumulate:
+        dw, dw2, db = into
+    else:
+        dw = torch.empty(E, I, J, device=dev, dtype=dtype)
+        dw2 = torch.empty_like(dw) if b2 is not None else None
+        db = torch.empty(E, J, device=dev, dtype=dtype) if with_db else None
     if split > 1:  # fp32 partial sums, row e·SPLIT + c
         outs = [t for t in (dw, dw2, db) if t is not None]
         parts = [torch.empty(E * split, *t.shape[1:], device=dev, dtype=torch.float32) for t in outs]
@@ -631,7 +649,7 @@ def weight_grads(a, b, b2, weight, groups, db_weighted, with_db, out_dtype=None)
     _wgrad(lambda m: (E * split, triton.cdiv(I, m["BLOCK_I"]), triton.cdiv(J, m["BLOCK_J"])),
            a, b, b if b2 is None else b2, weight, groups.slot_pair, groups.expert_slots, p_dw, p_dw2, p_db,
            groups.pairs, I, J, E, split,
-           HAS_B2=b2 is not None, HAS_DB=with_db, DB_WEIGHTED=db_weighted, TILE=groups.tile,
+           HAS_B2=b2 is not None, HAS_DB=with_db, DB_WEIGHTED=db_weighted, ACCUMULATE=accumulate, TILE=groups.tile,
            PRECISION=dot_precision(dtype))
     if split > 1:
         n = [t[0].numel() for t in outs] + [0, 0]
@@ -654,15 +672,16 @@ def moe_backward(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, hori
     runs = tile_runs(groups, backward_slot_bytes(D, F, w3 is not None, w1.element_size()))
     if len(runs) == 1:
         dx_slot, grads = _backward_tiles(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, horizons,
-                                         gw, None, wdt)
+                                         gw, None, None)
         return (dx_slot, gw, *grads)
     dx_slot = torch.empty(groups.slots, D, device=dev, dtype=torch.float32)
-    total = None
+    # fp32 sums over the runs, added to in place by the weight-gradient kernel (ACCUMULATE)
+    zeros = lambda t, *shape: None if t is None else torch.zeros(*shape, device=dev, dtype=torch.float32)
+    total = (zeros(w1, E, D, F), zeros(b1, E, F), zeros(w2, E, F, D), zeros(b2, E, D), zeros(w3, E, D, F))
     for t0, t1 in runs:
         rows = slice(t0 * groups.tile, t1 * groups.tile)
-        _, grads = _backward_tiles(grad_out, x, inv, weight, groups.tiles(t0, t1), w1, b1, w2, b2, w3, act,
-                                   horizons, gw[rows], dx_slot[rows], torch.float32)
-        total = grads if total is None else [None if t is None else t.add_(g) for t, g in zip(total, grads)]
+        _backward_tiles(grad_out, x, inv, weight, groups.tiles(t0, t1), w1, b1, w2, b2, w3, act,
+                        horizons, gw[rows], dx_slot[rows], total)
     return (dx_slot, gw, *[None if t is None else t.to(wdt) for t in total])
 
 
@@ -671,10 +690,11 @@ def backward_slot_bytes(D, F, swiglu, element_size):
     return (2 * D + (3 if swiglu else 2) * F) * element_size
 
 
-def _backward_tiles(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, horizons, gw, dx_slot, out_dtype):
+def _backward_tiles(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, horizons, gw, dx_slot, total):
     """The backward over `groups`' slots (the whole layout, or one run of tiles): writes their rows
     of gw and ∂x_slot (None: allocated here) and returns (∂x_slot, (∂W1, ∂b1, ∂W2, ∂b2, ∂W3)), the
-    weight gradients summed over these slots, in out_dtype."""
+    weight gradients summed over these slots, in the weights' dtype; or, given `total` (fp32 sums
+    in that order), adds them there."""
     E, D, F = w1.shape
     dev, wdt = x.device, w1.dtype
     # The slot rows of x (merged, in the weights' dtype, as in the forward) and of G, once:
@@ -692,13 +712,14 @@ def _backward_tiles(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, h
     # ∂W2 = Σ (w h)ᵀ G, ∂b2 = Σ w G first, so that hw and gs [S,F] + [S,D] are freed before ∂x
     # allocates its fp32 [S,D] (large preset, computed: slot buffers alive at once 1.61 -> 1.34 GB;
     # same kernels, same results). Then ∂W1 = Σ xᵀ ∂u (∂W3 = Σ xᵀ ∂u3), ∂b1 = Σ ∂u.
+    into = (lambda *which: [None if i is None else total[i] for i in which]) if total is not None else None
     dw2, _, db2 = weight_grads(hw, gs.to(wdt), None, weight, groups, db_weighted=True, with_db=b2 is not None,
-                               out_dtype=out_dtype)
+                               into=into and into(2, None, 3))
     del hw, gs
     if w3 is None:
         dx_slot = slots_gemm(du, w1, (D * F, 1, F), D, groups, out=dx_slot)
     else:
         dx_slot = slots_gemm(du, w1, (D * F, 1, F), D, groups, a2=du3, b2=w3, out=dx_slot)
     dw1, dw3, db1 = weight_grads(xs, du, du3 if w3 is not None else None, weight, groups, db_weighted=False,
-                                 with_db=b1 is not None, out_dtype=out_dtype)
+                                 with_db=b1 is not None, into=into and into(0, 4, 1))
     return dx_slot, (dw1, db1, dw2, db2, dw3)

@@ -83,14 +83,16 @@ class Launcher:
     change the best config; Triton adds the tensors' dtypes to it.
     """
 
-    def __init__(self, kernel, configs, key):
+    def __init__(self, kernel, configs, key, restore=None):
+        """restore: arguments the kernel adds into, which autotuning's trial runs must not change."""
         self.kernel = kernel
         self.configs = configs
         self.key = key
         tl_configs = [triton.Config({k: v for k, v in c.items() if k not in ("num_warps", "num_stages")},
                                     num_warps=c.get("num_warps", 4), num_stages=c.get("num_stages", 2))
                       for c in configs]
-        self.tuned = triton.autotune(configs=tl_configs, key=key)(kernel) if len(configs) > 1 else None
+        self.tuned = (triton.autotune(configs=tl_configs, key=key, restore_value=restore)(kernel)
+                      if len(configs) > 1 else None)
         self.best = {}  # autotune key -> the chosen config's meta-parameters
 
     def __call__(self, grid, *args, **kwargs):

@@ -86,11 +86,14 @@ def test_bitwise_reproducible(module, preset):
 
 @pytest.mark.parametrize("module", SETS)
 @pytest.mark.parametrize("act", ["gelu", "swiglu"])
-def test_runs_of_tiles(monkeypatch, module, act):
+@pytest.mark.parametrize("autotune", [False, True])
+def test_runs_of_tiles(monkeypatch, module, act, autotune):
     """Forward and backward over runs of tiles (what the large preset's slot buffers take), at
-    the small preset with the budget cut so that it takes several runs; bf16."""
-    from mha_compile.kernels import triton_moe
+    the small preset with the budget cut so that it takes several runs; bf16. With autotuning
+    on, the weight-gradient kernel's trial runs must not add into the sums (restore_value)."""
+    from mha_compile.kernels import triton_moe, triton_util
 
+    monkeypatch.setattr(triton_util, "NO_AUTOTUNE", not autotune)
     monkeypatch.setattr(triton_moe, "SLOT_CHUNK_BYTES", 4 << 20)
     ctx, tok, params = preset_case("small", act=act, dtype=torch.bfloat16, device="cuda", seed=5)
     groups = triton_moe.group(torch.zeros(ctx.shape[0] * ctx.shape[1], 2, dtype=torch.int32, device="cuda"), 8)
