@@ -42,6 +42,11 @@ log = logging.getLogger("mha_compile")
 _lock = threading.RLock()
 _entries = collections.OrderedDict()  # signature -> _Seen | _Graph | _EAGER
 _pools = {}  # device -> the shared graph memory pool
+# device -> the one side stream every warm-up and capture runs on. One, not one per capture:
+# cuBLAS keeps a workspace for each stream it has run on until the process ends. (On the H200
+# at 7a84a28, which took a new stream per capture, benchmark rows that followed graphed ones
+# started 64-128 MiB higher; this is the suspected cause, not yet confirmed.)
+_streams = {}
 _EAGER = "eager"  # a signature whose capture failed: it runs eagerly from then on
 
 
@@ -88,7 +93,7 @@ def call(fn, args, statics):
         if isinstance(entry, _Seen) or not entry.addresses_hold(args):
             in_place = entry.in_place(args)
             try:
-                entry = _Graph(fn, args, statics, in_place, _pool(args))
+                entry = _Graph(fn, args, statics, in_place, *_pool_and_stream(args))
             except Exception as error:  # noqa: BLE001 (any capture failure: run eagerly instead)
                 log.warning("mha_compile: capturing the region as a CUDA graph failed (%s: %s); "
                             "this signature runs without one", type(error).__name__, error)
@@ -106,7 +111,8 @@ def graphs_held():
 
 
 def clear():
-    """Drop every graph (their static buffers and, once unused, the pool's memory)."""
+    """Drop every graph (their static buffers and, once unused, the pool's memory). The side
+    streams stay: a new one would cost cuBLAS another workspace."""
     with _lock:
         _entries.clear()
         _pools.clear()
@@ -124,11 +130,13 @@ def _remember(key, entry):
         _entries.popitem(last=False)
 
 
-def _pool(args):
+def _pool_and_stream(args):
     device = next(a.device for a in args if a is not None)
     if device not in _pools:
         _pools[device] = torch.cuda.graph_pool_handle()
-    return _pools[device]
+    if device not in _streams:
+        _streams[device] = torch.cuda.Stream(device=device)
+    return _pools[device], _streams[device]
 
 
 def _address(t):
@@ -148,11 +156,10 @@ class _Seen:
 class _Graph:
     """One captured call: static inputs for the copied arguments, static outputs to copy out."""
 
-    def __init__(self, fn, args, statics, in_place, pool):
+    def __init__(self, fn, args, statics, in_place, pool, stream):
         self.read_in_place = in_place
         self.addresses = [_address(a) if keep else None for a, keep in zip(args, in_place)]
         self.inputs = [a if keep or a is None else _static_copy(a) for a, keep in zip(args, in_place)]
-        stream = torch.cuda.Stream(device=self.inputs[0].device)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up on the static inputs: any kernel specialisation
             fn(*self.inputs, *statics)  # they need is compiled now, not inside the capture

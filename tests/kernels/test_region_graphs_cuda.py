@@ -143,3 +143,23 @@ def test_no_region_graphs_inside_reduce_overhead():
     torch._dynamo.reset()
     _train(_block(), None, mode="reduce-overhead")
     assert region_graphs.graphs_held() == 0
+
+
+def test_captures_do_not_grow_memory_once_cleared():
+    """Capturing more signatures and dropping them leaves nothing behind (a side stream per
+    capture would leave a cuBLAS workspace each)."""
+    params = _params(torch.bfloat16, "gelu", seed=6)
+
+    def capture_and_clear(batch):
+        ctx, tok, _ = make_case(batch, *SHAPE[1:], dtype=torch.bfloat16, device="cuda", seed=batch)
+        for _ in range(3):
+            _step(ctx.requires_grad_(), tok.requires_grad_(), params, "gelu", "fused", "on", grad_seed=0)
+        assert region_graphs.graphs_held() == 2
+        del ctx, tok
+        region_graphs.clear()
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated()
+
+    first = capture_and_clear(33)
+    later = [capture_and_clear(batch) for batch in (34, 35, 36)]
+    assert max(later) <= first, f"allocated after the first signature {first}, after later ones {later}"
