@@ -80,7 +80,7 @@ def test_a_moved_parameter_is_read_where_it_now_is():
         _step(ctx, tok, params, "gelu", "fused", "on", grad_seed=0)
     moved = [None if p is None else p.detach().clone().requires_grad_() for p in params]
     with torch.no_grad():
-        moved[10].mul_(1.5)  # W1 at a new address, with new values
+        moved[10].mul_(1.5)  # W2 at a new address, with new values
     got = _step(ctx, tok, moved, "gelu", "fused", "on", grad_seed=0)
     expected = _step(ctx, tok, moved, "gelu", "fused", "off", grad_seed=0)
     for i, (a, b) in enumerate(zip(got, expected)):
