@@ -83,7 +83,9 @@ def call(fn, args, statics):
     # Inference mode is part of the signature: static inputs made under it are inference
     # tensors, which a call outside it could not copy into.
     key = (fn, statics, torch.is_inference_mode_enabled(), tuple(_signature(a) for a in args))
-    with _lock:
+    device = next(a.device for a in args if a is not None)
+    # The inputs' device current: capture and replay use the current device's streams.
+    with _lock, torch.cuda.device(device):
         entry = _entries.get(key)
         if entry is _EAGER:
             return fn(*args, *statics)
@@ -93,7 +95,7 @@ def call(fn, args, statics):
         if isinstance(entry, _Seen) or not entry.addresses_hold(args):
             in_place = entry.in_place(args)
             try:
-                entry = _Graph(fn, args, statics, in_place, *_pool_and_stream(args))
+                entry = _Graph(fn, args, statics, in_place, *_pool_and_stream(device))
             except Exception as error:  # noqa: BLE001 (any capture failure: run eagerly instead)
                 log.warning("mha_compile: capturing the region as a CUDA graph failed (%s: %s); "
                             "this signature runs without one", type(error).__name__, error)
@@ -130,8 +132,7 @@ def _remember(key, entry):
         _entries.popitem(last=False)
 
 
-def _pool_and_stream(args):
-    device = next(a.device for a in args if a is not None)
+def _pool_and_stream(device):
     if device not in _pools:
         _pools[device] = torch.cuda.graph_pool_handle()
     if device not in _streams:
