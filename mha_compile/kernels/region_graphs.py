@@ -20,8 +20,9 @@ their order are the eager call's, so the results are the eager call's, bit for b
 (tests/kernels/test_region_graphs_cuda.py).
 
 All graphs of a device share one memory pool: they never run at once (one lock, and a replay
-on another stream than the last waits for it) and hold nothing live in the pool between
-replays but their static outputs, which stay allocated. The pool is the price: memory the
+on another stream than the device's last replay waits for it) and hold nothing live in the pool
+between replays but their static outputs, which stay allocated. A graph is dropped (clear, or
+the least recently used past MAX_GRAPHS) only after its device has finished its work. The pool is the price: memory the
 eager path frees after each call stays held, which is why graphs="auto" graphs only sizes whose
 slot buffers take one run (`auto_wanted`), where host time dominates.
 """
@@ -48,6 +49,9 @@ _pools = {}  # device -> the shared graph memory pool
 # started 64-128 MiB higher; this is the suspected cause, not yet confirmed.)
 _streams = {}
 _EAGER = "eager"  # a signature whose capture failed: it runs eagerly from then on
+# device -> the stream of the last replay there. The graphs share a pool, so any replay may
+# write where the last one (of any graph) kept its intermediates: on another stream it waits.
+_last_stream = {}
 
 
 def wanted(graphs, kernels, ctx, tok, w1, top_k, act, mask):
@@ -116,8 +120,11 @@ def clear():
     """Drop every graph (their static buffers and, once unused, the pool's memory). The side
     streams stay: a new one would cost cuBLAS another workspace."""
     with _lock:
+        for device in _pools:
+            torch.cuda.synchronize(device)  # no replay may still be using what is freed
         _entries.clear()
         _pools.clear()
+        _last_stream.clear()
 
 
 def _signature(t):
@@ -129,7 +136,9 @@ def _signature(t):
 def _remember(key, entry):
     _entries[key] = entry
     while len(_entries) > MAX_GRAPHS:
-        _entries.popitem(last=False)
+        _, dropped = _entries.popitem(last=False)
+        if isinstance(dropped, _Graph):
+            torch.cuda.synchronize(dropped.device)  # its last replay may still be running
 
 
 def _pool_and_stream(device):
@@ -170,8 +179,7 @@ class _Graph:
             self.outputs = fn(*self.inputs, *statics)
         # The in-place arguments are read at their addresses; holding them would keep them alive.
         self.inputs = [None if keep else t for t, keep in zip(self.inputs, in_place)]
-        self.device = self.outputs[0].device
-        self.stream = None  # the stream of the last replay
+        self.device = next(o.device for o in self.outputs if o is not None)
 
     def addresses_hold(self, args):
         return all(not keep or _address(a) == at for a, keep, at in zip(args, self.read_in_place, self.addresses))
@@ -182,9 +190,10 @@ class _Graph:
 
     def replay(self, args):
         current = torch.cuda.current_stream(self.device)
-        if self.stream is not None and self.stream != current:
-            current.wait_stream(self.stream)  # the last replay's reads and writes come first
-        self.stream = current
+        last = _last_stream.get(self.device)
+        if last is not None and last != current:
+            current.wait_stream(last)  # the last replay's reads and writes come first
+        _last_stream[self.device] = current
         copies = [(s, a) for s, a in zip(self.inputs, args) if s is not None]
         if copies:
             torch._foreach_copy_([s for s, _ in copies], [a for _, a in copies])

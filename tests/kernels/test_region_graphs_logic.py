@@ -40,8 +40,13 @@ def _fake_capture(graph, **_):
 
 
 class _Stream:
+    current = None  # what torch.cuda.current_stream() returns
+
+    def __init__(self):
+        self.waited_for = []
+
     def wait_stream(self, other):
-        pass
+        self.waited_for.append(other)
 
 
 class Kernel:
@@ -72,7 +77,9 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "graph", _fake_capture)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", object)
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _Stream())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
+    _Stream.current = _Stream()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream.current)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     region_graphs.clear()
@@ -156,3 +163,20 @@ def test_a_failed_capture_runs_eagerly_with_a_warning(caplog):
         _assert_equal(got, _expected(_args(seed, w)))
     assert "capturing the region as a CUDA graph failed" in caplog.text
     assert region_graphs.graphs_held() == 0
+
+
+def test_a_replay_on_another_stream_waits_for_the_devices_last_replay():
+    """The graphs share one pool: the forward's replay and the backward's must not overlap,
+    whichever graph ran last."""
+    forward, backward, w = Kernel(), Kernel(), torch.randn(4)
+    for seed in range(3):
+        region_graphs.call(forward, _args(seed, w), (2.0,))
+        region_graphs.call(backward, _args(seed, w), (1.0,))
+    first = _Stream.current
+    _Stream.current = other = _Stream()
+    region_graphs.call(backward, _args(3, w), (1.0,))  # last replayed on `first`, by either graph
+    assert first in other.waited_for
+    waits = len(first.waited_for)
+    _Stream.current = first
+    region_graphs.call(forward, _args(4, w), (2.0,))
+    assert other in first.waited_for[waits:]
