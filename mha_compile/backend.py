@@ -17,7 +17,7 @@ from mha_compile.debug.dump import publish
 from mha_compile.debug.report import GraphReport
 from mha_compile.lowering.match import find_regions
 from mha_compile.lowering.rewrite import rewrite
-from mha_compile.lowering.select import choose_kernels
+from mha_compile.lowering.select import choose_kernels, describe_graphs
 from mha_compile.options import Options
 
 log = logging.getLogger("mha_compile")
@@ -37,7 +37,7 @@ def mha_backend(gm, example_inputs, options=None, mode=None):
     report = GraphReport(next(_graph_counter), options={k: str(v) for k, v in vars(opts).items()})
     report.code_before = gm.code
     try:
-        lowered = lower(gm, opts, report)
+        lowered = lower(gm, opts, report, _whole_graph_captured(opts, mode, example_inputs))
     except Exception as error:
         if opts.strict:
             raise
@@ -54,8 +54,9 @@ def mha_backend(gm, example_inputs, options=None, mode=None):
     return compiled
 
 
-def lower(gm, opts, report):
-    """A rewritten copy of gm; fills report with matches and near-misses.
+def lower(gm, opts, report, whole_graph_captured=False):
+    """A rewritten copy of gm; fills report with matches and near-misses (and, for each match,
+    whether the region will replay its own CUDA graphs: not when the whole graph is captured).
 
     Regions are also sought in the subgraphs of higher-order ops (the body Dynamo makes for
     torch.utils.checkpoint, say), whose GraphModules hang off gm as attributes. The search runs
@@ -76,6 +77,7 @@ def lower(gm, opts, report):
     for path, (sub, (matches, _)) in found.items():
         for match in matches:
             match.kernels, match.kernels_reason = choose_kernels(match, opts.kernels)
+            match.graphs = describe_graphs(match, opts.graphs, whole_graph_captured)
         report.matches += [dict(m.summary(), graph=path or "<top>") for m in matches]
         if matches:
             rewrite(sub, matches)
@@ -112,18 +114,30 @@ def _copy(gm):
     return torch.fx.GraphModule(gm, graph)
 
 
+def _inductor_patches(mode):
+    return torch._inductor.list_mode_options(mode) if mode not in (None, "default") else {}
+
+
+def _whole_graph_captured(opts, mode, example_inputs):
+    """Whether `mode` replays the whole compiled graph as a CUDA graph (then the region's own
+    graphs stay off: it is captured with the rest)."""
+    if opts.rest == "inductor":
+        return bool(_inductor_patches(mode).get("triton.cudagraphs"))
+    return mode == "reduce-overhead" and any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
+
+
 def run_rest(gm, example_inputs, opts, mode):
     """Everything outside the region: eagerly, or through Inductor (honouring `mode`)."""
+    whole = _whole_graph_captured(opts, mode, example_inputs)
     if opts.rest == "inductor":
         from torch._inductor.compile_fx import compile_fx
-        patches = torch._inductor.list_mode_options(mode) if mode not in (None, "default") else {}
-        graphs = "off" if patches.get("triton.cudagraphs") else opts.graphs
+        graphs = "off" if whole else opts.graphs
         return compile_fx(_region_calls(gm, torch.ops.mha.region.default, graphs), example_inputs,
-                          config_patches=patches)
+                          config_patches=_inductor_patches(mode))
+    if whole:
+        from torch._dynamo.backends.cudagraphs import cudagraphs
+        return cudagraphs(gm, example_inputs)
     if mode == "reduce-overhead":
-        if any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs):
-            from torch._dynamo.backends.cudagraphs import cudagraphs
-            return cudagraphs(gm, example_inputs)
         log.info("mha_compile: mode='reduce-overhead' without CUDA inputs: running without CUDA graphs")
     return _region_calls(gm, ops.region_call, opts.graphs).forward
 

@@ -36,6 +36,7 @@ class Match:
     nodes: list
     kernels: str = "reference"
     kernels_reason: str = ""
+    graphs: str = ""  # whether the region replays its own CUDA graphs, and why
     # Region values the rest of the graph also reads, rebuilt from the op's inv output:
     # {"inv": node, "y": node} (a residual y + MoE(y), say); empty when nothing escapes.
     exports: dict = dataclasses.field(default_factory=dict)
@@ -45,7 +46,7 @@ class Match:
         return {"output": self.output.name, "ctx": self.ctx.name, "tok": self.tok.name,
                 "nodes": [n.name for n in self.nodes], "config": dict(self.config),
                 "params": {k: _describe(v) for k, v in self.params.items()},
-                "kernels": self.kernels, "kernels_reason": self.kernels_reason,
+                "kernels": self.kernels, "kernels_reason": self.kernels_reason, "graphs": self.graphs,
                 "exports": {k: v.name for k, v in self.exports.items()},
                 "shapes": {"ctx": _shape_str(self.ctx), "tok": _shape_str(self.tok), "out": _shape_str(self.output)},
                 "dtype": str(_dtype(self.ctx))}

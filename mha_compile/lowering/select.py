@@ -2,6 +2,7 @@
 import types
 
 from mha_compile import ops
+from mha_compile.kernels import region_graphs, triton_moe
 from mha_compile.lowering.interpret import StackRef
 
 # Explicit requests fall back along this order: the staged set is the fused set's fallback,
@@ -46,3 +47,30 @@ def choose_kernels(match, requested):
             return name, "; ".join(reasons + [f"{chosen}: {how}"])
         reasons.append(f"{name}: {why}")
     return "reference", "; ".join(reasons) + " -> reference path"
+
+
+def describe_graphs(match, graphs, whole_graph_captured):
+    """Whether the region will replay its own CUDA graphs (options graphs=), and why: what
+    region_graphs.wanted decides per call, told from the example shapes for the report."""
+    if whole_graph_captured:
+        return "no: the whole graph is captured as a CUDA graph (mode), the region with it"
+    if graphs == "off":
+        return "no: graphs='off'"
+    if match.kernels == "reference":
+        return "no: the reference path (graphs replay the fused and staged kernels)"
+    ctx = _example(match.ctx)
+    if ctx.device.type != "cuda":
+        return f"no: inputs are on {ctx.device.type}"
+    if graphs == "on":
+        return "yes (graphs='on'): captured on a call signature's second call, replayed after"
+    w1 = _expert_weights(match.params["w1"])
+    (B, H, D), (E, _, F) = ctx.shape, w1.shape
+    if not all(isinstance(d, int) for d in (B, H, D, E, F)):
+        return "decided per call (symbolic shapes): yes where the slot buffers fit one run"
+    top_k, act = match.config["top_k"], match.config["act"]
+    slot_bytes = triton_moe.slot_count(B * H * top_k, E) * triton_moe.backward_slot_bytes(
+        D, F, act == "swiglu", ctx.element_size())
+    fits = region_graphs.auto_wanted(ctx, w1, top_k, act)
+    return (f"{'yes' if fits else 'no'} (graphs='auto'): the backward's slot buffers, {slot_bytes / 2**20:.0f} MiB, "
+            f"{'fit' if fits else 'do not fit'} one run of {triton_moe.SLOT_CHUNK_BYTES >> 20} MiB"
+            + (": captured on a call signature's second call, replayed after" if fits else ""))

@@ -25,7 +25,8 @@ MISS = "pool scale 1/Dh"
 # report.json's fields, as documented in mha_compile/debug/dump.py and debug/README.md
 FIELDS = {"schema", "index", "run", "options", "matches", "near_misses", "fallback", "inputs", "nodes",
           "node_count", "files", "code_before", "code_after"}
-MATCH_FIELDS = {"output", "ctx", "tok", "nodes", "config", "params", "kernels", "kernels_reason", "shapes", "dtype"}
+MATCH_FIELDS = {"output", "ctx", "tok", "nodes", "config", "params", "kernels", "kernels_reason", "graphs", "shapes",
+                "dtype"}
 MISS_FIELDS = {"anchor", "node", "reason", "target", "shape", "dtype"}
 NODE_FIELDS = {"name", "op", "target", "shape", "dtype", "region", "near_miss"}
 

@@ -60,3 +60,40 @@ def test_option_default_and_values():
         assert mha_compile.Options.parse({"graphs": value}).graphs == value
     with pytest.raises(ValueError, match="graphs='yes'.*'auto', 'on', 'off'"):
         mha_compile.Options.parse({"graphs": "yes"})
+
+
+def _fake_match(preset, kernels="fused", act="gelu", device="cuda"):
+    """A match as describe_graphs reads it: example values of ctx and W1 (fake CUDA tensors)."""
+    from types import SimpleNamespace
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    p = models.PRESETS[preset]
+    with FakeTensorMode():
+        ctx = torch.empty(p["B"], p["H"], p["D"], device=device, dtype=torch.bfloat16)
+        w1 = torch.empty(p["E"], p["D"], p["F"], device=device, dtype=torch.bfloat16)
+    node = lambda value: SimpleNamespace(meta={"example_value": value})
+    return SimpleNamespace(ctx=node(ctx), params={"w1": SimpleNamespace(node=node(w1))}, kernels=kernels,
+                           config={"top_k": p["k"], "act": act})
+
+
+@pytest.mark.parametrize("preset,graphs,kernels,device,whole,expected", [
+    ("medium", "auto", "fused", "cuda", False, "yes (graphs='auto'): the backward's slot buffers, 165 MiB, fit"),
+    ("large", "auto", "fused", "cuda", False, "no (graphs='auto'): the backward's slot buffers, 1300 MiB, do not"),
+    ("large", "on", "staged", "cuda", False, "yes (graphs='on')"),
+    ("medium", "off", "fused", "cuda", False, "no: graphs='off'"),
+    ("medium", "auto", "reference", "cuda", False, "no: the reference path"),
+    ("medium", "auto", "fused", "cpu", False, "no: inputs are on cpu"),
+    ("medium", "auto", "fused", "cuda", True, "no: the whole graph is captured"),
+])
+def test_the_report_says_whether_and_why(preset, graphs, kernels, device, whole, expected):
+    from mha_compile.lowering.select import describe_graphs
+
+    assert describe_graphs(_fake_match(preset, kernels, device=device), graphs, whole).startswith(expected)
+
+
+def test_explain_reports_the_graphs_decision():
+    block = models.MHABlock.from_preset("tiny")
+    report = mha_compile.explain(block, torch.randn(4, 3, 32), torch.randn(4, 5, 32), options={"kernels": "fused"})
+    assert report.matches[0]["graphs"] == "no: inputs are on cpu"
+    assert "CUDA graphs: no: inputs are on cpu" in str(report)
