@@ -97,10 +97,17 @@ def _forward(tensors, top_k, renorm, act, kernels, graphs):
     """The kernel set's forward (the op's body, and RegionFunction's)."""
     ctx, tok, w1, mask = tensors[0], tensors[1], tensors[10], tensors[15]
     with _no_autocast(ctx):
-        forward = kernel_set(kernels).region_forward
-        if region_graphs.wanted(graphs, kernels, ctx, tok, w1, top_k, act, mask):
-            return region_graphs.call(forward, tensors, (top_k, renorm, act))
-        return forward(*tensors, top_k, renorm, act)
+        return _kernel_call(kernel_set(kernels).region_forward, tensors, (ctx, tok, w1, mask), top_k, renorm, act,
+                            kernels, graphs)
+
+
+def _kernel_call(fn, tensors, inputs, top_k, renorm, act, kernels, graphs):
+    """fn(*tensors, top_k, renorm, act), a kernel set's region_forward or region_backward,
+    through its CUDA graph where region_graphs.wanted says so; inputs = (ctx, tok, W1, mask)."""
+    ctx, tok, w1, mask = inputs
+    if region_graphs.wanted(graphs, kernels, ctx, tok, w1, top_k, act, mask):
+        return region_graphs.call(fn, tensors, (top_k, renorm, act))
+    return fn(*tensors, top_k, renorm, act)
 
 
 @region.register_fake
@@ -127,12 +134,9 @@ def region_backward(grad_out: Tensor, ctx: Tensor, tok: Tensor, q: Tensor, wk: T
     graphs: as for mha::region.
     """
     with _no_autocast(ctx):
-        backward = kernel_set(kernels).region_backward
         tensors = (grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask, inv, attn, weight, index)
-        if region_graphs.wanted(graphs, kernels, ctx, tok, w1, top_k, act, mask):
-            grads = list(region_graphs.call(backward, tensors, (top_k, renorm, act)))
-        else:
-            grads = list(backward(*tensors, top_k, renorm, act))
+        grads = list(_kernel_call(kernel_set(kernels).region_backward, tensors, (ctx, tok, w1, mask),
+                                  top_k, renorm, act, kernels, graphs))
         if grad_inv is not None:
             acc = accumulation_dtype(ctx.dtype)
             c = lambda t: None if t is None else t.to(acc)

@@ -22,9 +22,10 @@ their order are the eager call's, so the results are the eager call's, bit for b
 All graphs of a device share one memory pool: they never run at once (one lock, and a replay
 on another stream than the device's last replay waits for it) and hold nothing live in the pool
 between replays but their static outputs, which stay allocated. A graph is dropped (clear, or
-the least recently used past MAX_GRAPHS) only after its device has finished its work. The pool is the price: memory the
-eager path frees after each call stays held, which is why graphs="auto" graphs only sizes whose
-slot buffers take one run (`auto_wanted`), where host time dominates.
+the least recently used past MAX_GRAPHS) only after its device has finished its work.
+The pool is the price: memory the eager path frees after each call stays held, which is why
+graphs="auto" graphs only sizes whose slot buffers take one run (`auto_wanted`), where host time
+dominates.
 """
 import collections
 import logging
@@ -33,8 +34,7 @@ import threading
 import torch
 
 from mha_compile.kernels import triton_moe, triton_region
-
-GRAPHS = ("auto", "on", "off")
+from mha_compile.options import GRAPHS
 # Per-signature graphs kept (least recently used dropped first): each holds static inputs and
 # outputs, and dynamic shapes would otherwise capture without end.
 MAX_GRAPHS = 16
@@ -74,10 +74,15 @@ def auto_wanted(ctx, w1, top_k, act):
     (triton_moe.SLOT_CHUNK_BYTES). Medium and small do (host-bound: 3.75 ms a plain step for
     1.33 ms of GPU time at medium, bench/results/h200.md); large does not, and there the GPU
     time dominates and the pool would hold ~1 GB."""
+    return slot_buffer_bytes(ctx, w1, top_k, act) <= triton_moe.SLOT_CHUNK_BYTES
+
+
+def slot_buffer_bytes(ctx, w1, top_k, act):
+    """Bytes of the backward's slot buffers for ctx [B,H,D] and W1 [E,D,F], in ctx's dtype."""
     B, H, D = ctx.shape
     E, _, F = w1.shape
     slots = triton_moe.slot_count(B * H * top_k, E)
-    return slots * triton_moe.backward_slot_bytes(D, F, act == "swiglu", ctx.element_size()) <= triton_moe.SLOT_CHUNK_BYTES
+    return slots * triton_moe.backward_slot_bytes(D, F, act == "swiglu", ctx.element_size())
 
 
 def call(fn, args, statics):

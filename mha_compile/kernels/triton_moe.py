@@ -712,14 +712,13 @@ def _backward_tiles(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, h
     # ∂W2 = Σ (w h)ᵀ G, ∂b2 = Σ w G first, so that hw and gs [S,F] + [S,D] are freed before ∂x
     # allocates its fp32 [S,D] (large preset, computed: slot buffers alive at once 1.61 -> 1.34 GB;
     # same kernels, same results). Then ∂W1 = Σ xᵀ ∂u (∂W3 = Σ xᵀ ∂u3), ∂b1 = Σ ∂u.
-    into = (lambda *which: [None if i is None else total[i] for i in which]) if total is not None else None
     dw2, _, db2 = weight_grads(hw, gs.to(wdt), None, weight, groups, db_weighted=True, with_db=b2 is not None,
-                               into=into and into(2, None, 3))
+                               into=None if total is None else (total[2], None, total[3]))
     del hw, gs
     if w3 is None:
         dx_slot = slots_gemm(du, w1, (D * F, 1, F), D, groups, out=dx_slot)
     else:
         dx_slot = slots_gemm(du, w1, (D * F, 1, F), D, groups, a2=du3, b2=w3, out=dx_slot)
     dw1, dw3, db1 = weight_grads(xs, du, du3 if w3 is not None else None, weight, groups, db_weighted=False,
-                                 with_db=b1 is not None, into=into and into(0, 4, 1))
+                                 with_db=b1 is not None, into=None if total is None else (total[0], total[4], total[1]))
     return dx_slot, (dw1, db1, dw2, db2, dw3)

@@ -68,8 +68,7 @@ def describe_graphs(match, graphs, whole_graph_captured):
     if not all(isinstance(d, int) for d in (B, H, D, E, F)):
         return "decided per call (symbolic shapes): yes where the slot buffers fit one run"
     top_k, act = match.config["top_k"], match.config["act"]
-    slot_bytes = triton_moe.slot_count(B * H * top_k, E) * triton_moe.backward_slot_bytes(
-        D, F, act == "swiglu", ctx.element_size())
+    slot_bytes = region_graphs.slot_buffer_bytes(ctx, w1, top_k, act)
     fits = region_graphs.auto_wanted(ctx, w1, top_k, act)
     return (f"{'yes' if fits else 'no'} (graphs='auto'): the backward's slot buffers, {slot_bytes / 2**20:.0f} MiB, "
             f"{'fit' if fits else 'do not fit'} one run of {triton_moe.SLOT_CHUNK_BYTES >> 20} MiB"
