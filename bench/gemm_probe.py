@@ -1,0 +1,177 @@
+"""Each grouped GEMM of the MoE, alone, under every config and flag variant: what limits it.
+
+    PYTHONPATH=. python bench/gemm_probe.py [--presets medium,large] [--act gelu] [--out probe.json]
+
+For the MoE kernels of triton_moe (GEMM1 `up`, GEMM2 and ∂x `slots_gemm`, the backward's
+`hidden`, the weight gradients `wgrad`) on the real slot layout of a preset (bf16, random
+routing with the preset's R·k pairs), each config of the kernel's list (and a few more) is
+launched alone and timed as a CUDA-graph replay (triton.testing.do_bench_cudagraph: no host
+time in it). Per variant: ms, TFLOP/s of the work done (padding slots included), registers,
+spills, shared memory, and whether Triton emitted Hopper's wgmma (`warp_group_dot` in the
+TTGIR) and asynchronous copies. cuBLAS on a dense GEMM of the same shape (torch.mm) is the
+yardstick. A variant that fails prints its error and the probe goes on.
+"""
+import argparse
+import json
+
+import torch
+import triton
+import triton.testing
+
+from mha_compile import models
+from mha_compile.kernels import triton_moe as moe
+
+
+class _Recorder:
+    """Stands in for a @triton.jit kernel inside a Launcher: launches it, keeps the compiled kernel."""
+
+    def __init__(self, kernel):
+        self.kernel, self.last = kernel, None
+
+    def __getitem__(self, grid):
+        run = self.kernel[grid]
+
+        def call(*args, **kwargs):
+            self.last = run(*args, **kwargs)
+            return self.last
+        return call
+
+
+def variant(launcher, config, fn):
+    """Runs fn with `launcher` forced to `config`; returns (ms, compiled kernel)."""
+    saved = launcher.kernel, launcher.configs, launcher.tuned
+    launcher.kernel, launcher.configs, launcher.tuned = _Recorder(saved[0]), [config], None
+    try:
+        fn()
+        compiled = launcher.kernel.last
+        if not torch.cuda.is_available():  # --dry on the CPU: the interpreter runs it, nothing to time
+            return float("nan"), None
+        torch.cuda.synchronize()
+        ms = triton.testing.do_bench_cudagraph(fn, rep=60, return_mode="median")
+    finally:
+        launcher.kernel, launcher.configs, launcher.tuned = saved
+    return ms, compiled
+
+
+def describe(compiled):
+    if compiled is None:
+        return dict(regs=None, spills=None, smem=None, wgmma=None, wgmma_wait=None, async_copy=None, tma=None,
+                    local_load=None)
+    ttgir = compiled.asm.get("ttgir", "")
+    return dict(regs=getattr(compiled, "n_regs", None), spills=getattr(compiled, "n_spills", None),
+                smem=compiled.metadata.shared, wgmma=ttgir.count("warp_group_dot ") + ttgir.count("warp_group_dot\""),
+                wgmma_wait=ttgir.count("warp_group_dot_wait"), async_copy=ttgir.count("async_copy_global_to_local"),
+                tma=ttgir.count("async_tma_copy"), local_load=ttgir.count("local_load"))
+
+
+def extra(configs, *more):
+    return list(configs) + [m for m in more if m not in configs]
+
+
+def probe(preset, act, rows_out):
+    p = models.PRESETS[preset]
+    torch.manual_seed(0)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dt = torch.bfloat16 if dev == "cuda" else torch.float32
+    B, H, D, F, E, k = p["B"], p["H"], p["D"], p["F"], p["E"], p["k"]
+    R = B * H
+    x = torch.randn(R, D, device=dev, dtype=dt)
+    G = torch.randn(R, D, device=dev, dtype=dt)
+    index = torch.randint(0, E, (R, k), device=dev, dtype=torch.int32)
+    index[:, 1] = (index[:, 0] + 1 + torch.randint(0, E - 1, (R,), device=dev, dtype=torch.int32)) % E
+    weight = torch.rand(R, k, device=dev, dtype=torch.float32)
+    w1 = torch.randn(E, D, F, device=dev, dtype=dt) * D ** -0.5
+    w2 = torch.randn(E, F, D, device=dev, dtype=dt) * F ** -0.5
+    b1 = torch.randn(E, F, device=dev, dtype=dt) * 0.1
+    b2 = torch.randn(E, D, device=dev, dtype=dt) * 0.1
+    groups = moe.group(index, E)
+    S = groups.slots
+    xs, gs = moe.gather_rows(x, None, groups, H, dt, G)
+    h = moe.experts_up(xs, groups, w1, b1, None, act)
+    hw = torch.randn_like(h)
+    du = torch.randn_like(h)
+    gw = torch.empty(S, triton.cdiv(F, moe.HIDDEN_BLOCK_F), device=dev, dtype=torch.float32)
+    code = moe.ACT_CODE[act]
+    gemm = 2 * S * D * F
+    print(f"\n{preset}: S={S} slots (TILE {groups.tile}), D={D}, F={F}, E={E}, act {act}", flush=True)
+
+    def report(kernel, what, cfg, flops, fn, launcher):
+        row = dict(preset=preset, kernel=kernel, variant=what, config=cfg)
+        try:
+            ms, compiled = variant(launcher, cfg, fn)
+            row.update(ms=ms, tflops=flops / ms / 1e9, **describe(compiled))
+            print(f"{kernel:<10}{what:<14}{ms * 1e3:>8.1f} us {row['tflops']:>6.0f} TF/s  regs {row['regs']} "
+                  f"spills {row['spills']} smem {row['smem']} wgmma {row['wgmma']} async {row['async_copy']} "
+                  f"local_load {row['local_load']}  {cfg}", flush=True)
+        except Exception as error:  # a config that does not fit: say so, keep going
+            row.update(error=f"{type(error).__name__}: {str(error).splitlines()[0][:160]}")
+            print(f"{kernel:<10}{what:<14} FAILED {row['error']}  {cfg}", flush=True)
+        rows_out.append(row)
+
+    up_more = [dict(BLOCK_F=256, BLOCK_K=64, num_warps=8, num_stages=3),
+               dict(BLOCK_F=128, BLOCK_K=128, num_warps=8, num_stages=3),
+               dict(BLOCK_F=128, BLOCK_K=64, num_warps=4, num_stages=3)]
+    for cfg in extra(moe._up.configs, *up_more):
+        report("up", "gemm1", cfg, gemm, lambda: moe.experts_up(xs, groups, w1, b1, None, act), moe._up)
+
+    gemm_more = [dict(BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
+                 dict(BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
+                 dict(BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3)]
+    for cfg in extra(moe._slots_gemm.configs, *gemm_more):
+        report("slots", "gemm2", cfg, gemm,
+               lambda: moe.slots_gemm(h, w2, (F * D, D, 1), D, groups, bias=b2, scale=weight.reshape(-1)),
+               moe._slots_gemm)
+        report("slots", "dx", cfg, gemm, lambda: moe.slots_gemm(du, w1, (D * F, 1, F), D, groups), moe._slots_gemm)
+
+    def hidden(has_b2, act_code=code):
+        return lambda: moe._hidden(
+            lambda m: (groups.num_tiles, gw.shape[1]), xs, gs, groups.slot_pair, groups.tile_expert, weight,
+            w1, b1, w1, w2, b2, hw, du, du, gw, groups.pairs, D, F, gw.shape[1],
+            HAS_B1=True, HAS_B2=has_b2, ACT=act_code, PRECISION=moe.dot_precision(dt), TILE=groups.tile,
+            BLOCK_F=moe.HIDDEN_BLOCK_F)
+    hidden_more = [dict(BLOCK_K=128, num_warps=8, num_stages=3), dict(BLOCK_K=32, num_warps=8, num_stages=4)]
+    for cfg in extra(moe._hidden.configs, *hidden_more):
+        report("hidden", "b2", cfg, 2 * gemm, hidden(True), moe._hidden)
+        report("hidden", "no-b2", cfg, 2 * gemm, hidden(False), moe._hidden)
+        report("hidden", "no-b2-silu", cfg, 2 * gemm, hidden(False, moe.ACT_CODE["silu"]), moe._hidden)
+
+    wgrad_more = [dict(BLOCK_I=128, BLOCK_J=128, BLOCK_S=32, num_warps=8, num_stages=4),
+                  dict(BLOCK_I=128, BLOCK_J=256, BLOCK_S=64, num_warps=8, num_stages=3),
+                  dict(BLOCK_I=128, BLOCK_J=128, BLOCK_S=64, num_warps=4, num_stages=3)]
+    for cfg in extra(moe._wgrad.configs, *wgrad_more):
+        for with_db in (True, False):
+            tag = "db" if with_db else "no-db"
+            report("wgrad", f"dW1-{tag}", cfg, gemm,
+                   lambda: moe.weight_grads(xs, du, None, weight, groups, db_weighted=False, with_db=with_db),
+                   moe._wgrad)
+            report("wgrad", f"dW2-{tag}", cfg, gemm,
+                   lambda: moe.weight_grads(hw, gs, None, weight, groups, db_weighted=True, with_db=with_db),
+                   moe._wgrad)
+
+    # cuBLAS on dense GEMMs of the same extents (the yardstick).
+    if dev == "cpu":
+        return
+    for what, a, b in (("S×D·D×F", xs, w1[0]), ("S×F·F×D", h, w2[0]), ("D×S·S×F", xs.t(), du)):
+        ms = triton.testing.do_bench_cudagraph(lambda: torch.mm(a, b), rep=60, return_mode="median")
+        rows_out.append(dict(preset=preset, kernel="cublas", variant=what, ms=ms, tflops=gemm / ms / 1e9))
+        print(f"{'cublas':<10}{what:<14}{ms * 1e3:>8.1f} us {gemm / ms / 1e9:>6.0f} TF/s", flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--presets", default="medium,large")
+    parser.add_argument("--act", default="gelu")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (TRITON_INTERPRET=1, no times)"
+    print(f"{name}, torch {torch.__version__}, triton {triton.__version__}")
+    rows = []
+    for preset in args.presets.split(","):
+        probe(preset, args.act, rows)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
