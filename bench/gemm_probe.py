@@ -68,7 +68,7 @@ def extra(configs, *more):
     return list(configs) + [m for m in more if m not in configs]
 
 
-def probe(preset, act, rows_out):
+def probe(preset, act, rows_out, kernels):
     p = models.PRESETS[preset]
     torch.manual_seed(0)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -90,12 +90,16 @@ def probe(preset, act, rows_out):
     h = moe.experts_up(xs, groups, w1, b1, None, act)
     hw = torch.randn_like(h)
     du = torch.randn_like(h)
-    gw = torch.empty(S, triton.cdiv(F, moe.HIDDEN_BLOCK_F), device=dev, dtype=torch.float32)
+    gw = torch.empty(S, triton.cdiv(F, moe.GW_BLOCK), device=dev, dtype=torch.float32)
+    db1_part = torch.empty(groups.num_tiles, F, device=dev, dtype=torch.float32)
+    db2_part = torch.empty(groups.num_tiles, D, device=dev, dtype=torch.float32)
     code = moe.ACT_CODE[act]
     gemm = 2 * S * D * F
     print(f"\n{preset}: S={S} slots (TILE {groups.tile}), D={D}, F={F}, E={E}, act {act}", flush=True)
 
     def report(kernel, what, cfg, flops, fn, launcher):
+        if kernel not in kernels:
+            return
         row = dict(preset=preset, kernel=kernel, variant=what, config=cfg)
         try:
             ms, compiled = variant(launcher, cfg, fn)
@@ -125,28 +129,22 @@ def probe(preset, act, rows_out):
 
     def hidden(has_b2, act_code=code):
         return lambda: moe._hidden(
-            lambda m: (groups.num_tiles, gw.shape[1]), xs, gs, groups.slot_pair, groups.tile_expert, weight,
-            w1, b1, w1, w2, b2, hw, du, du, gw, groups.pairs, D, F, gw.shape[1],
-            HAS_B1=True, HAS_B2=has_b2, ACT=act_code, PRECISION=moe.dot_precision(dt), TILE=groups.tile,
-            BLOCK_F=moe.HIDDEN_BLOCK_F)
-    hidden_more = [dict(BLOCK_K=128, num_warps=8, num_stages=3), dict(BLOCK_K=32, num_warps=8, num_stages=4)]
+            lambda m: (groups.num_tiles, triton.cdiv(F, m["BLOCK_F"])), xs, gs, groups.slot_pair,
+            groups.tile_expert, weight, w1, b1, w1, w2, b2, hw, du, du, gw, db1_part, db2_part,
+            groups.pairs, D, F, gw.shape[1], HAS_B1=True, HAS_B2=has_b2, ACT=act_code,
+            PRECISION=moe.dot_precision(dt), TILE=groups.tile, GW_BLOCK=moe.GW_BLOCK)
+    hidden_more = [dict(BLOCK_F=128, BLOCK_K=64, num_warps=8, num_stages=4),
+                   dict(BLOCK_F=128, BLOCK_K=64, num_warps=4, num_stages=3)]
     for cfg in extra(moe._hidden.configs, *hidden_more):
         report("hidden", "b2", cfg, 2 * gemm, hidden(True), moe._hidden)
         report("hidden", "no-b2", cfg, 2 * gemm, hidden(False), moe._hidden)
-        report("hidden", "no-b2-silu", cfg, 2 * gemm, hidden(False, moe.ACT_CODE["silu"]), moe._hidden)
 
-    wgrad_more = [dict(BLOCK_I=128, BLOCK_J=128, BLOCK_S=32, num_warps=8, num_stages=4),
-                  dict(BLOCK_I=128, BLOCK_J=256, BLOCK_S=64, num_warps=8, num_stages=3),
-                  dict(BLOCK_I=128, BLOCK_J=128, BLOCK_S=64, num_warps=4, num_stages=3)]
+    wgrad_more = [dict(BLOCK_I=128, BLOCK_J=128, BLOCK_S=64, num_warps=4, num_stages=3),
+                  dict(BLOCK_I=256, BLOCK_J=128, BLOCK_S=64, num_warps=8, num_stages=3),
+                  dict(BLOCK_I=128, BLOCK_J=256, BLOCK_S=32, num_warps=8, num_stages=4)]
     for cfg in extra(moe._wgrad.configs, *wgrad_more):
-        for with_db in (True, False):
-            tag = "db" if with_db else "no-db"
-            report("wgrad", f"dW1-{tag}", cfg, gemm,
-                   lambda: moe.weight_grads(xs, du, None, weight, groups, db_weighted=False, with_db=with_db),
-                   moe._wgrad)
-            report("wgrad", f"dW2-{tag}", cfg, gemm,
-                   lambda: moe.weight_grads(hw, gs, None, weight, groups, db_weighted=True, with_db=with_db),
-                   moe._wgrad)
+        report("wgrad", "dW1", cfg, gemm, lambda: moe.weight_grads(xs, du, None, groups), moe._wgrad)
+        report("wgrad", "dW2", cfg, gemm, lambda: moe.weight_grads(hw, gs, None, groups), moe._wgrad)
 
     # cuBLAS on dense GEMMs of the same extents (the yardstick).
     if dev == "cpu":
@@ -161,13 +159,14 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--presets", default="medium,large")
     parser.add_argument("--act", default="gelu")
+    parser.add_argument("--kernels", default="up,slots,hidden,wgrad", help="comma list of the kernels to probe")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (TRITON_INTERPRET=1, no times)"
     print(f"{name}, torch {torch.__version__}, triton {triton.__version__}")
     rows = []
     for preset in args.presets.split(","):
-        probe(preset, args.act, rows)
+        probe(preset, args.act, rows, args.kernels.split(","))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

@@ -27,9 +27,11 @@ Backward (recomputing u = x W1 + b1 rather than storing it):
     gather  xs[s] as in the forward, and gs[s] = G[row(s)]
     hidden  per (tile, F block), one K loop over D for both u = xs W1[e] and g = gs W2[e]ᵀ:
             hw = w · act(u); ∂u = (w · g) ⊙ act′(u); per-F-block partial ∂w = Σ_f h g (+ ⟨G, b2[e]⟩)
+            and per tile the bias gradients' column sums Σ ∂u, Σ w·gs (fp32)
     dX      ∂x[s] = ∂u W1[e]ᵀ (+ ∂u3 W3[e]ᵀ)        the GEMM2 kernel with other strides
-    dW      ∂W2[e] = Σ_{s∈e} hw[s]ᵀ gs[s], ∂W1[e] = Σ xs[s]ᵀ ∂u[s] (∂W3 likewise), biases as
-            row sums: per (e, block, run of slots) a fixed-order loop, runs summed in order
+    dW      ∂W2[e] = Σ_{s∈e} hw[s]ᵀ gs[s], ∂W1[e] = Σ xs[s]ᵀ ∂u[s] (∂W3 likewise): per
+            (e, block, run of slots) a fixed-order loop, runs summed in order; ∂b1, ∂b2 as
+            each expert's tile sums added in tile order
 The router gradient, the per-row sums over j and ∂inv = Σ_h ∂y happen in
 triton_router.router_combine_backward. All accumulation is fp32; row offsets are int64.
 """
@@ -172,16 +174,21 @@ def _gather_rows_kernel(
 def _moe_bwd_hidden_kernel(
     xs_ptr, gs_ptr, slot_pair_ptr, tile_expert_ptr, weight_ptr,
     w1_ptr, b1_ptr, w3_ptr, w2_ptr, b2_ptr,
-    hw_ptr, du_ptr, du3_ptr, gw_ptr,
+    hw_ptr, du_ptr, du3_ptr, gw_ptr, db1_ptr, db2_ptr,
     PAIRS, D, F, N_FBLK,
     HAS_B1: tl.constexpr, HAS_B2: tl.constexpr,
-    ACT: tl.constexpr, PRECISION: tl.constexpr, TILE: tl.constexpr, BLOCK_F: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    ACT: tl.constexpr, PRECISION: tl.constexpr, TILE: tl.constexpr, GW_BLOCK: tl.constexpr,
+    BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Per slot s and F block: u = xs[s] W1[e] + b1, g = gs[s] W2[e]ᵀ (one K loop over D);
     hw = w · act(u) [S,F] (∂W2's left operand); ∂u = (w g) ⊙ act′(u) [S,F] (∂u3 for swiglu);
-    gw [S,N_FBLK] = Σ_f h g (+ ⟨G[row], b2[e]⟩ in F block 0), so that ∂w = Σ_blocks gw =
-    ⟨G, h W2 + b2⟩. xs, gs: the slot rows of x and G (_gather_rows_kernel)."""
+    gw [S,N_FBLK] = Σ_f h g per GW_BLOCK columns of F (+ ⟨G[row], b2[e]⟩ in column 0), so that
+    ∂w = Σ_columns gw = ⟨G, h W2 + b2⟩ whatever BLOCK_F the autotuner picks. xs, gs: the slot
+    rows of x and G (_gather_rows_kernel).
+    The bias gradients as per-tile column sums, fp32 (_sum_tiles_kernel adds each expert's):
+    db1 [T,F] = Σ_{s ∈ t} ∂u[s]; db2 [T,D] = Σ_{s ∈ t} w[s] gs[s] (by the F-block-0 programs).
+    Reductions of the dots' operands inside the K loop cost 10-15% here and 2-3x in the
+    weight-gradient kernel (bench/gemm_probe.py on the H200), hence after the loop."""
     t = tl.program_id(0)
     pid_f = tl.program_id(1)
     offs_f = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
@@ -189,12 +196,12 @@ def _moe_bwd_hidden_kernel(
     offs_s = t.to(tl.int64) * TILE + tl.arange(0, TILE)
     pair = tl.load(slot_pair_ptr + offs_s)
     valid = pair < PAIRS
+    w = tl.load(weight_ptr + pair, mask=valid, other=0.0)
     e = tl.load(tile_expert_ptr + t).to(tl.int64)
     k_end = tl.where(tl.load(slot_pair_ptr + t.to(tl.int64) * TILE) < PAIRS, D, 0)
     acc_u = tl.zeros([TILE, BLOCK_F], tl.float32)
     acc_u3 = tl.zeros([TILE, BLOCK_F], tl.float32)
     acc_g = tl.zeros([TILE, BLOCK_F], tl.float32)
-    gb2 = tl.zeros([TILE], tl.float32)
     for k0 in range(0, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < D
@@ -210,51 +217,63 @@ def _moe_bwd_hidden_kernel(
         # W2ᵀ copy read like W1 was slower (H200, large preset: hidden 3.57 -> 4.06 ms).
         w2t = tl.load(w2_ptr + e * F * D + offs_f[None, :].to(tl.int64) * D + offs_k[:, None], mask=w_ok, other=0.0)
         acc_g = tl.dot(g.to(w2_ptr.dtype.element_ty), w2t, acc_g, input_precision=PRECISION)
-        if HAS_B2:
-            b2 = tl.load(b2_ptr + e * D + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-            gb2 += tl.sum(g.to(tl.float32) * b2[None, :], axis=1)
     if HAS_B1:
         acc_u += tl.load(b1_ptr + e * F + offs_f, mask=f_ok, other=0.0).to(tl.float32)[None, :]
     h = act_fwd(acc_u, acc_u3, ACT)
-    gw = tl.sum(tl.where(f_ok[None, :], h * acc_g, 0.0), axis=1)
-    gw += tl.where(pid_f == 0, gb2, 0.0)
-    tl.store(gw_ptr + offs_s * N_FBLK + pid_f, tl.where(valid, gw, 0.0))
-    w = tl.load(weight_ptr + pair, mask=valid, other=0.0)
+    # ∂w partials, one column per GW_BLOCK of F (BLOCK_F is a multiple of it).
+    NB: tl.constexpr = BLOCK_F // GW_BLOCK
+    gw = tl.sum(tl.reshape(tl.where(f_ok[None, :], h * acc_g, 0.0), [TILE, NB, GW_BLOCK]), axis=2)
+    offs_c = pid_f * NB + tl.arange(0, NB)
+    if HAS_B2:
+        if pid_f == 0:  # ⟨G[row], b2[e]⟩ into column 0, and this tile's Σ w G for ∂b2
+            gb2 = tl.zeros([TILE], tl.float32)
+            for k0 in range(0, D, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                k_ok = offs_k < D
+                g = tl.load(gs_ptr + offs_s[:, None] * D + offs_k[None, :], mask=k_ok[None, :], other=0.0)
+                g = g.to(tl.float32)
+                b2 = tl.load(b2_ptr + e * D + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+                gb2 += tl.sum(g * b2[None, :], axis=1)
+                tl.store(db2_ptr + t.to(tl.int64) * D + offs_k, tl.sum(g * w[:, None], axis=0), mask=k_ok)
+            gw += tl.where(tl.arange(0, NB)[None, :] == 0, gb2[:, None], 0.0)
+    tl.store(gw_ptr + offs_s[:, None] * N_FBLK + offs_c[None, :], tl.where(valid[:, None], gw, 0.0),
+             mask=(offs_c < N_FBLK)[None, :])
     du, du3 = act_bwd(w[:, None] * acc_g, acc_u, acc_u3, ACT)
-    out_off = offs_s[:, None] * F + offs_f[None, :]
     keep = valid[:, None]
+    du = tl.where(keep, du, 0.0)
+    if HAS_B1:
+        tl.store(db1_ptr + t.to(tl.int64) * F + offs_f, tl.sum(du, axis=0), mask=f_ok)
+    out_off = offs_s[:, None] * F + offs_f[None, :]
     tl.store(hw_ptr + out_off, tl.where(keep, w[:, None] * h, 0.0).to(hw_ptr.dtype.element_ty), mask=f_ok[None, :])
-    tl.store(du_ptr + out_off, tl.where(keep, du, 0.0).to(du_ptr.dtype.element_ty), mask=f_ok[None, :])
+    tl.store(du_ptr + out_off, du.to(du_ptr.dtype.element_ty), mask=f_ok[None, :])
     if ACT == 3:
         tl.store(du3_ptr + out_off, tl.where(keep, du3, 0.0).to(du3_ptr.dtype.element_ty), mask=f_ok[None, :])
 
 
 @triton.jit
 def _moe_wgrad_kernel(
-    a_ptr, b_ptr, b2_ptr, weight_ptr, slot_pair_ptr, expert_slots_ptr,
-    dw_ptr, dw2_ptr, db_ptr,
-    PAIRS, I, J, E, SPLIT,
-    HAS_B2: tl.constexpr, HAS_DB: tl.constexpr, DB_WEIGHTED: tl.constexpr, ACCUMULATE: tl.constexpr,
+    a_ptr, b_ptr, b2_ptr, expert_slots_ptr, dw_ptr, dw2_ptr,
+    I, J, E, SPLIT,
+    HAS_B2: tl.constexpr, ACCUMULATE: tl.constexpr,
     TILE: tl.constexpr, PRECISION: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
     """∂W[e] [I,J] = Σ_{s ∈ e} A[s]ᵀ B[s] over expert e's slots, in slot order (deterministic).
 
     A [S,I], B [S,J]: slot rows, zero on padding slots, read with plain contiguous loads.
-    HAS_B2: also ∂W2[e] = Σ A[s]ᵀ B2[s]. HAS_DB: ∂b[e] = Σ_s B[s] (· w[pair(s)] when
-    DB_WEIGHTED), kept by I-block 0.
+    HAS_B2: also ∂W2[e] = Σ A[s]ᵀ B2[s]. (The bias gradients come from the hidden kernel's
+    per-tile sums: a row sum of B here, beside the dot, made this kernel 2-3x slower.)
     SPLIT > 1: program axis 0 is (e, c); split c takes the c-th of SPLIT equal runs of whole
-    tiles of e's slots and writes fp32 partial sums to dw [E·SPLIT, I, J] (db [E·SPLIT, J]),
-    row e·SPLIT + c, which _sum_splits_kernel adds in c order: the boundaries depend only on
-    the layout, so the result is reproducible run to run.
-    ACCUMULATE (SPLIT = 1, fp32 outputs): add into dw (dw2, db) instead of writing, and leave an
+    tiles of e's slots and writes fp32 partial sums to dw [E·SPLIT, I, J], row e·SPLIT + c,
+    which _sum_splits_kernel adds in c order: the boundaries depend only on the layout, so
+    the result is reproducible run to run.
+    ACCUMULATE (SPLIT = 1, fp32 outputs): add into dw (dw2) instead of writing, and leave an
     expert with no slots here untouched: the runs of tiles (moe_backward) sum their weight
     gradients in place, in run order, and each run holds only a few experts.
     """
     e = tl.program_id(0) // SPLIT
     c = tl.program_id(0) % SPLIT
-    pid_i = tl.program_id(1)
-    offs_i = pid_i * BLOCK_I + tl.arange(0, BLOCK_I)
+    offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     offs_j = tl.program_id(2) * BLOCK_J + tl.arange(0, BLOCK_J)
     i_ok = offs_i < I
     j_ok = offs_j < J
@@ -265,7 +284,6 @@ def _moe_wgrad_kernel(
     hi = tl.minimum(lo + run, hi)
     acc = tl.zeros([BLOCK_I, BLOCK_J], tl.float32)
     acc2 = tl.zeros([BLOCK_I, BLOCK_J], tl.float32)
-    db = tl.zeros([BLOCK_J], tl.float32)
     for s0 in range(lo, hi, BLOCK_S):
         offs_s = s0 + tl.arange(0, BLOCK_S).to(tl.int64)
         s_ok = offs_s < hi
@@ -277,30 +295,45 @@ def _moe_wgrad_kernel(
         if HAS_B2:
             b2 = tl.load(b2_ptr + offs_s[:, None] * J + offs_j[None, :], mask=sj_ok, other=0.0)
             acc2 = tl.dot(at, b2, acc2, input_precision=PRECISION)
-        if HAS_DB:
-            if DB_WEIGHTED:
-                pair = tl.load(slot_pair_ptr + offs_s, mask=s_ok, other=PAIRS)
-                w = tl.load(weight_ptr + pair, mask=pair < PAIRS, other=0.0)
-                db += tl.sum(b.to(tl.float32) * w[:, None], axis=0)
-            else:
-                db += tl.sum(b.to(tl.float32), axis=0)
     out_e = tl.program_id(0).to(tl.int64)  # e·SPLIT + c; = e when SPLIT = 1
     ij_off = out_e * I * J + offs_i[:, None].to(tl.int64) * J + offs_j[None, :]
     ij_ok = i_ok[:, None] & j_ok[None, :]
-    db_ok = j_ok & (pid_i == 0)
     if ACCUMULATE:
         ij_ok = ij_ok & (hi > lo)
-        db_ok = db_ok & (hi > lo)
         acc += tl.load(dw_ptr + ij_off, mask=ij_ok, other=0.0)
         if HAS_B2:
             acc2 += tl.load(dw2_ptr + ij_off, mask=ij_ok, other=0.0)
-        if HAS_DB:
-            db += tl.load(db_ptr + out_e * J + offs_j, mask=db_ok, other=0.0)
     tl.store(dw_ptr + ij_off, acc.to(dw_ptr.dtype.element_ty), mask=ij_ok)
     if HAS_B2:
         tl.store(dw2_ptr + ij_off, acc2.to(dw2_ptr.dtype.element_ty), mask=ij_ok)
-    if HAS_DB:
-        tl.store(db_ptr + out_e * J + offs_j, db.to(db_ptr.dtype.element_ty), mask=db_ok)
+
+
+@triton.jit
+def _sum_tiles_kernel(part_ptr, out_ptr, part2_ptr, out2_ptr, expert_slots_ptr, E, N1, N2, NB1,
+                      TILE: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK: tl.constexpr):
+    """out[e, :] = Σ_{t ∈ e's tiles} part[t, :] in tile order (+= with ACCUMULATE, experts with
+    no tiles untouched), for two (part [T,N], out [E,N]) pairs: program axis 1's blocks
+    [0, NB1) take the first pair. The bias gradients from the hidden kernel's tile sums."""
+    e = tl.program_id(0)
+    pid = tl.program_id(1)
+    if pid < NB1:
+        src, dst, n, blk = part_ptr, out_ptr, N1, pid
+    else:
+        src, dst, n, blk = part2_ptr, out2_ptr, N2, pid - NB1
+    offs = blk * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    t0 = tl.load(expert_slots_ptr + e) // TILE
+    t1 = tl.load(expert_slots_ptr + E + e) // TILE
+    acc = tl.zeros([BLOCK], tl.float32)
+    row = src + t0.to(tl.int64) * n + offs
+    for _ in range(t0, t1):
+        acc += tl.load(row, mask=ok, other=0.0)
+        row += n
+    out = dst + e.to(tl.int64) * n + offs
+    if ACCUMULATE:
+        ok = ok & (t1 > t0)
+        acc += tl.load(out, mask=ok, other=0.0)
+    tl.store(out, acc.to(dst.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -330,36 +363,36 @@ def _sum_splits_kernel(part_ptr, out_ptr, part2_ptr, out2_ptr, part3_ptr, out3_p
 # Keys: the GEMM's K and N extents, TILE and the flags that change the work per program;
 # Launcher adds the tensors' dtypes. TILE comes from the grouping, not from tuning.
 
-_GEMM_CONFIGS = [
+# Lists pruned and widened by bench/gemm_probe.py on the H200 (bf16, medium and large): BLOCK
+# 256 won GEMM2 and ∂x everywhere (∂x at large 728 -> 592 us, 472 TFLOP/s) and GEMM1 at large.
+_up = Launcher(_moe_up_kernel, [
     dict(BLOCK_F=64, BLOCK_K=64, num_warps=4, num_stages=3),
-    dict(BLOCK_F=128, BLOCK_K=64, num_warps=8, num_stages=3),
     dict(BLOCK_F=128, BLOCK_K=32, num_warps=4, num_stages=4),
-    dict(BLOCK_F=64, BLOCK_K=32, num_warps=4, num_stages=4),
-    dict(BLOCK_F=128, BLOCK_K=64, num_warps=8, num_stages=4),
-]
-_up = Launcher(_moe_up_kernel, _GEMM_CONFIGS, key=["D", "F", "TILE", "ACT"])
-# One BLOCK_F for all: the ∂w partials [S, F/BLOCK_F] must not depend on the config (a
-# config tried while tuning would otherwise leave stale columns behind).
-HIDDEN_BLOCK_F = 64
+    dict(BLOCK_F=128, BLOCK_K=64, num_warps=4, num_stages=3),
+    dict(BLOCK_F=256, BLOCK_K=64, num_warps=8, num_stages=3),
+], key=["D", "F", "TILE", "ACT"])
+# The ∂w partials [S, F/GW_BLOCK] have one column per GW_BLOCK of F whatever BLOCK_F a config
+# has (a config tried while tuning must not leave a different layout behind).
+GW_BLOCK = 64
 _hidden = Launcher(_moe_bwd_hidden_kernel, [
-    dict(BLOCK_K=32, num_warps=4, num_stages=3),
-    dict(BLOCK_K=64, num_warps=8, num_stages=3),
-    dict(BLOCK_K=64, num_warps=4, num_stages=4),
-    dict(BLOCK_K=64, num_warps=8, num_stages=4),
+    dict(BLOCK_F=64, BLOCK_K=32, num_warps=4, num_stages=3),
+    dict(BLOCK_F=64, BLOCK_K=64, num_warps=8, num_stages=3),
+    dict(BLOCK_F=64, BLOCK_K=64, num_warps=8, num_stages=4),
+    dict(BLOCK_F=128, BLOCK_K=64, num_warps=8, num_stages=3),
+    dict(BLOCK_F=128, BLOCK_K=32, num_warps=8, num_stages=4),
 ], key=["D", "F", "TILE", "ACT"])
 _slots_gemm = Launcher(_moe_slots_gemm_kernel, [
     dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3),
     dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
-    dict(BLOCK_N=128, BLOCK_K=32, num_warps=4, num_stages=4),
-    dict(BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4),
-    dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
+    dict(BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3),
+    dict(BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
 ], key=["K", "NOUT", "TILE", "HAS_A2"])
 _wgrad = Launcher(_moe_wgrad_kernel, [
     dict(BLOCK_I=64, BLOCK_J=64, BLOCK_S=32, num_warps=4, num_stages=3),
     dict(BLOCK_I=128, BLOCK_J=128, BLOCK_S=64, num_warps=8, num_stages=3),
-    dict(BLOCK_I=128, BLOCK_J=64, BLOCK_S=64, num_warps=4, num_stages=3),
-    dict(BLOCK_I=64, BLOCK_J=128, BLOCK_S=64, num_warps=4, num_stages=4),
-], key=["I", "J", "E", "SPLIT", "TILE", "HAS_B2", "HAS_DB", "ACCUMULATE"], restore=["dw_ptr", "dw2_ptr", "db_ptr"])
+    dict(BLOCK_I=128, BLOCK_J=128, BLOCK_S=32, num_warps=8, num_stages=4),
+    dict(BLOCK_I=128, BLOCK_J=256, BLOCK_S=64, num_warps=8, num_stages=3),
+], key=["I", "J", "E", "SPLIT", "TILE", "HAS_B2", "ACCUMULATE"], restore=["dw_ptr", "dw2_ptr"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -623,34 +656,29 @@ def wgrad_splits(slots, experts, I, J, device):
     return max(1, min(WGRAD_MAX_SPLIT, want, slots // max(1, experts) // WGRAD_SPLIT_MIN_SLOTS))
 
 
-def weight_grads(a, b, b2, weight, groups, db_weighted, with_db, into=None):
-    """(∂W [E,I,J], ∂W' [E,I,J] or None, ∂b [E,J] or None) in a's dtype
-    from slot rows a [S,I], b [S,J] (b2 [S,J]); see _moe_wgrad_kernel.
-    into: fp32 (∂W, ∂W', ∂b) to add these slots' sums to (one run of tiles), returned."""
+def weight_grads(a, b, b2, groups, into=None):
+    """(∂W [E,I,J], ∂W' [E,I,J] or None) in a's dtype from slot rows a [S,I], b [S,J] (b2 [S,J]);
+    see _moe_wgrad_kernel. into: fp32 (∂W, ∂W') to add these slots' sums to (one run of
+    tiles), returned."""
     E = groups.experts
     I, J = a.shape[1], b.shape[1]
     dev, dtype = a.device, a.dtype
     accumulate = into is not None
     split = 1 if accumulate else wgrad_splits(groups.slots, E, I, J, dev)
     if accumulate:
-        dw, dw2, db = into
+        dw, dw2 = into
     else:
         dw = torch.empty(E, I, J, device=dev, dtype=dtype)
         dw2 = torch.empty_like(dw) if b2 is not None else None
-        db = torch.empty(E, J, device=dev, dtype=dtype) if with_db else None
     if split > 1:  # fp32 partial sums, row e·SPLIT + c
-        outs = [t for t in (dw, dw2, db) if t is not None]
-        parts = [torch.empty(E * split, *t.shape[1:], device=dev, dtype=torch.float32) for t in outs]
-        p_dw = parts[0]
-        p_dw2 = parts[1] if dw2 is not None else p_dw
-        p_db = parts[-1] if db is not None else p_dw
+        outs = [t for t in (dw, dw2) if t is not None]
+        parts = [torch.empty(E * split, I, J, device=dev, dtype=torch.float32) for _ in outs]
+        p_dw, p_dw2 = parts[0], parts[-1]
     else:
-        p_dw, p_dw2, p_db = dw, dw if dw2 is None else dw2, dw if db is None else db
+        p_dw, p_dw2 = dw, dw if dw2 is None else dw2
     _wgrad(lambda m: (E * split, triton.cdiv(I, m["BLOCK_I"]), triton.cdiv(J, m["BLOCK_J"])),
-           a, b, b if b2 is None else b2, weight, groups.slot_pair, groups.expert_slots, p_dw, p_dw2, p_db,
-           groups.pairs, I, J, E, split,
-           HAS_B2=b2 is not None, HAS_DB=with_db, DB_WEIGHTED=db_weighted, ACCUMULATE=accumulate, TILE=groups.tile,
-           PRECISION=dot_precision(dtype))
+           a, b, b if b2 is None else b2, groups.expert_slots, p_dw, p_dw2, I, J, E, split,
+           HAS_B2=b2 is not None, ACCUMULATE=accumulate, TILE=groups.tile, PRECISION=dot_precision(dtype))
     if split > 1:
         n = [t[0].numel() for t in outs] + [0, 0]
         nb = [triton.cdiv(E * k, SUM_BLOCK) for k in n[:3]]
@@ -658,7 +686,26 @@ def weight_grads(a, b, b2, weight, groups, db_weighted, with_db, into=None):
         dsts = outs + [outs[0]] * (3 - len(outs))
         _sum_splits_kernel[(sum(nb),)](srcs[0], dsts[0], srcs[1], dsts[1], srcs[2], dsts[2], E, n[0], n[1], n[2],
                                        split, nb[0], nb[1], BLOCK=SUM_BLOCK)
-    return dw, dw2, db
+    return dw, dw2
+
+
+def bias_grads(db1_part, db2_part, groups, dtype, into=None):
+    """(∂b1 [E,F] or None, ∂b2 [E,D] or None) in `dtype`: each expert's sum of the hidden kernel's
+    per-tile sums [T,F], [T,D] (None: no such bias), in tile order. into: fp32 (∂b1, ∂b2) to add
+    to (one run of tiles), returned."""
+    E = groups.experts
+    pairs = [(part, None if part is None else (torch.empty(E, part.shape[1], device=part.device, dtype=dtype)
+                                              if into is None else into[i]))
+             for i, part in enumerate((db1_part, db2_part))]
+    live = [(part, out) for part, out in pairs if part is not None]
+    if live:
+        (p1, o1), (p2, o2) = live[0], live[-1]
+        n1, n2 = p1.shape[1], (p2.shape[1] if len(live) == 2 else 0)
+        nb1 = triton.cdiv(n1, SUM_BLOCK)
+        _sum_tiles_kernel[(E, nb1 + triton.cdiv(n2, SUM_BLOCK))](
+            p1, o1, p2, o2, groups.expert_slots, E, n1, n2, nb1,
+            TILE=groups.tile, ACCUMULATE=into is not None, BLOCK=SUM_BLOCK)
+    return tuple(out for _, out in pairs)
 
 
 SUM_BLOCK = 1024
@@ -668,14 +715,14 @@ def moe_backward(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, hori
     """(∂x_slot [S,D] fp32, gw_part [S, F blocks] fp32, ∂W1, ∂b1, ∂W2, ∂b2, ∂W3) — weights' dtypes."""
     E, D, F = w1.shape
     dev, wdt = x.device, w1.dtype
-    gw = torch.empty(groups.slots, triton.cdiv(F, HIDDEN_BLOCK_F), device=dev, dtype=torch.float32)
+    gw = torch.empty(groups.slots, triton.cdiv(F, GW_BLOCK), device=dev, dtype=torch.float32)
     runs = tile_runs(groups, backward_slot_bytes(D, F, w3 is not None, w1.element_size()))
     if len(runs) == 1:
         dx_slot, grads = _backward_tiles(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, horizons,
                                          gw, None, None)
         return (dx_slot, gw, *grads)
     dx_slot = torch.empty(groups.slots, D, device=dev, dtype=torch.float32)
-    # fp32 sums over the runs, added to in place by the weight-gradient kernel (ACCUMULATE)
+    # fp32 sums over the runs, added to in place by the weight-gradient and tile-sum kernels
     zeros = lambda t, *shape: None if t is None else torch.zeros(*shape, device=dev, dtype=torch.float32)
     total = (zeros(w1, E, D, F), zeros(b1, E, F), zeros(w2, E, F, D), zeros(b2, E, D), zeros(w3, E, D, F))
     for t0, t1 in runs:
@@ -703,22 +750,26 @@ def _backward_tiles(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, h
     hw = torch.empty(groups.slots, F, device=dev, dtype=wdt)
     du = torch.empty_like(hw)
     du3 = torch.empty_like(hw) if w3 is not None else du
-    _hidden(lambda m: (groups.num_tiles, gw.shape[1]),
+    tile_sum = lambda bias, n: None if bias is None else torch.empty(groups.num_tiles, n, device=dev,
+                                                                     dtype=torch.float32)
+    db1_part, db2_part = tile_sum(b1, F), tile_sum(b2, D)
+    _hidden(lambda m: (groups.num_tiles, triton.cdiv(F, m["BLOCK_F"])),
             xs, gs, groups.slot_pair, groups.tile_expert, weight,
             w1, w1 if b1 is None else b1, w1 if w3 is None else w3, w2, w2 if b2 is None else b2,
-            hw, du, du3, gw, groups.pairs, D, F, gw.shape[1],
+            hw, du, du3, gw, gw if b1 is None else db1_part, gw if b2 is None else db2_part,
+            groups.pairs, D, F, gw.shape[1],
             HAS_B1=b1 is not None, HAS_B2=b2 is not None,
-            ACT=_act(act), PRECISION=dot_precision(wdt), TILE=groups.tile, BLOCK_F=HIDDEN_BLOCK_F)
-    # ∂W2 = Σ (w h)ᵀ G, ∂b2 = Σ w G first, so that hw and gs [S,F] + [S,D] are freed before ∂x
-    # allocates its fp32 [S,D] (large preset, computed: slot buffers alive at once 1.61 -> 1.34 GB;
-    # same kernels, same results). Then ∂W1 = Σ xᵀ ∂u (∂W3 = Σ xᵀ ∂u3), ∂b1 = Σ ∂u.
-    dw2, _, db2 = weight_grads(hw, gs.to(wdt), None, weight, groups, db_weighted=True, with_db=b2 is not None,
-                               into=None if total is None else (total[2], None, total[3]))
+            ACT=_act(act), PRECISION=dot_precision(wdt), TILE=groups.tile, GW_BLOCK=GW_BLOCK)
+    db1, db2 = bias_grads(db1_part, db2_part, groups, wdt, into=None if total is None else (total[1], total[3]))
+    # ∂W2 = Σ (w h)ᵀ G first, so that hw and gs [S,F] + [S,D] are freed before ∂x allocates its
+    # fp32 [S,D] (large preset, computed: slot buffers alive at once 1.61 -> 1.34 GB; same
+    # kernels, same results). Then ∂W1 = Σ xᵀ ∂u (∂W3 = Σ xᵀ ∂u3).
+    dw2, _ = weight_grads(hw, gs.to(wdt), None, groups, into=None if total is None else (total[2], None))
     del hw, gs
     if w3 is None:
         dx_slot = slots_gemm(du, w1, (D * F, 1, F), D, groups, out=dx_slot)
     else:
         dx_slot = slots_gemm(du, w1, (D * F, 1, F), D, groups, a2=du3, b2=w3, out=dx_slot)
-    dw1, dw3, db1 = weight_grads(xs, du, du3 if w3 is not None else None, weight, groups, db_weighted=False,
-                                 with_db=b1 is not None, into=None if total is None else (total[0], total[4], total[1]))
+    dw1, dw3 = weight_grads(xs, du, du3 if w3 is not None else None, groups,
+                            into=None if total is None else (total[0], total[4]))
     return dx_slot, (dw1, db1, dw2, db2, dw3)

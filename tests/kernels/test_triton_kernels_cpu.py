@@ -183,6 +183,21 @@ def test_weight_grads_split_over_slots(monkeypatch, act, bias):
     check_region(fused, ctx, tok, params, top_k=2, renorm=True, act=act)
 
 
+MOE_CONFIGS = [pytest.param(name, i, id=f"{name}{i}") for name in ("_up", "_hidden", "_slots_gemm", "_wgrad")
+               for i in range(len(getattr(triton_moe, name).configs))]
+
+
+@pytest.mark.parametrize("name,i", MOE_CONFIGS)
+def test_every_moe_config(monkeypatch, name, i):
+    """Every config the autotuner may pick on the GPU computes the same function (the
+    interpreter otherwise runs only the first): blocks wider than F = 160 or D = 40 (partial
+    and empty blocks), and the hidden kernel's ∂w partial columns when BLOCK_F spans several."""
+    launcher = getattr(triton_moe, name)
+    monkeypatch.setattr(launcher, "configs", [launcher.configs[i]])
+    ctx, tok, params = make_case(3, 4, 5, 40, 2, 160, 3, 2, act="gelu")
+    check_region(fused, ctx, tok, params, top_k=2, renorm=True, act="gelu")
+
+
 @pytest.mark.parametrize("module", SETS)
 @pytest.mark.parametrize("act,bias", [("gelu", True), ("swiglu", False)])
 def test_runs_of_tiles(monkeypatch, module, act, bias):
