@@ -86,13 +86,12 @@ def probe(preset, act, rows_out, kernels):
     b2 = torch.randn(E, D, device=dev, dtype=dt) * 0.1
     groups = moe.group(index, E)
     S = groups.slots
-    xs, gs = moe.gather_rows(x, None, groups, H, dt, G)
+    xs, gs, _ = moe.gather_rows(x, None, groups, H, dt, G)
     h = moe.experts_up(xs, groups, w1, b1, None, act)
     hw = torch.randn_like(h)
     du = torch.randn_like(h)
-    gw = torch.empty(S, triton.cdiv(F, moe.GW_BLOCK), device=dev, dtype=torch.float32)
+    gw = torch.empty(S, moe.gw_columns(D, F, True), device=dev, dtype=torch.float32)
     db1_part = torch.empty(groups.num_tiles, F, device=dev, dtype=torch.float32)
-    db2_part = torch.empty(groups.num_tiles, D, device=dev, dtype=torch.float32)
     code = moe.ACT_CODE[act]
     gemm = 2 * S * D * F
     print(f"\n{preset}: S={S} slots (TILE {groups.tile}), D={D}, F={F}, E={E}, act {act}", flush=True)
@@ -127,17 +126,19 @@ def probe(preset, act, rows_out, kernels):
                moe._slots_gemm)
         report("slots", "dx", cfg, gemm, lambda: moe.slots_gemm(du, w1, (D * F, 1, F), D, groups), moe._slots_gemm)
 
-    def hidden(has_b2, act_code=code):
+    def hidden(has_b1, two_loops=False):
         return lambda: moe._hidden(
             lambda m: (groups.num_tiles, triton.cdiv(F, m["BLOCK_F"])), xs, gs, groups.slot_pair,
-            groups.tile_expert, weight, w1, b1, w1, w2, b2, hw, du, du, gw, db1_part, db2_part,
-            groups.pairs, D, F, gw.shape[1], HAS_B1=True, HAS_B2=has_b2, ACT=act_code,
-            PRECISION=moe.dot_precision(dt), TILE=groups.tile, GW_BLOCK=moe.GW_BLOCK)
-    hidden_more = [dict(BLOCK_F=128, BLOCK_K=64, num_warps=8, num_stages=4),
-                   dict(BLOCK_F=128, BLOCK_K=64, num_warps=4, num_stages=3)]
+            groups.tile_expert, weight, w1, b1, w1, w2, hw, du, du, gw, db1_part,
+            groups.pairs, D, F, gw.shape[1], HAS_B1=has_b1, ACT=code,
+            PRECISION=moe.dot_precision(dt), TILE=groups.tile, GW_BLOCK=moe.GW_BLOCK,
+            TWO_LOOPS=two_loops)
+    hidden_more = [dict(BLOCK_F=64, BLOCK_K=128, num_warps=8, num_stages=2),
+                   dict(BLOCK_F=128, BLOCK_K=64, num_warps=8, num_stages=2)]
     for cfg in extra(moe._hidden.configs, *hidden_more):
-        report("hidden", "b2", cfg, 2 * gemm, hidden(True), moe._hidden)
-        report("hidden", "no-b2", cfg, 2 * gemm, hidden(False), moe._hidden)
+        report("hidden", "b1", cfg, 2 * gemm, hidden(True), moe._hidden)
+        report("hidden", "no-b1", cfg, 2 * gemm, hidden(False), moe._hidden)
+        report("hidden", "b1-2loops", cfg, 2 * gemm, hidden(True, True), moe._hidden)
 
     wgrad_more = [dict(BLOCK_I=128, BLOCK_J=128, BLOCK_S=64, num_warps=4, num_stages=3),
                   dict(BLOCK_I=256, BLOCK_J=128, BLOCK_S=64, num_warps=8, num_stages=3),

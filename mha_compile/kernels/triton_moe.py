@@ -148,15 +148,22 @@ def _combine_fwd_kernel(
 @triton.jit
 def _gather_rows_kernel(
     x_ptr, inv_ptr, g_ptr, slot_pair_ptr, xs_ptr, gs_ptr,
-    PAIRS, H, D,
-    TOP_K: tl.constexpr, HAS_INV: tl.constexpr, HAS_G: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    tile_expert_ptr, weight_ptr, b2_ptr, gw_ptr, db2_ptr,
+    PAIRS, H, D, GW_COLS, GB2_COL,
+    TOP_K: tl.constexpr, HAS_INV: tl.constexpr, HAS_G: tl.constexpr, HAS_B2: tl.constexpr,
+    TILE: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Per slot s: xs[s] = x[row] (+ inv[row // H]) in xs's dtype, and gs[s] = G[row] when
     HAS_G (the backward); 0 on padding. The GEMMs then read whole slot rows with plain,
-    contiguous loads."""
-    offs_s = tl.program_id(0).to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)
-    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    contiguous loads.
+    HAS_B2 (backward, experts with b2): gw[s, GB2_COL + D block] = ⟨G[row], b2[e]⟩ over this D
+    block (∂w's b2 part, beside the hidden kernel's columns), and db2 [S/BLOCK_S, D] fp32 =
+    Σ_{s ∈ BLOCK_S slots} w[s] G[row] (∂b2's partial sums): here, where G is in registers
+    anyway, rather than beside the hidden kernel's dots (bench/gemm_probe.py, H200)."""
+    pid_s = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    offs_s = pid_s.to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     pair = tl.load(slot_pair_ptr + offs_s)
     valid = pair < PAIRS
@@ -168,27 +175,34 @@ def _gather_rows_kernel(
         g = tl.load(g_ptr + rows.to(tl.int64)[:, None] * D + offs_d[None, :],
                     mask=valid[:, None] & d_ok[None, :], other=0.0)
         tl.store(gs_ptr + out, g.to(gs_ptr.dtype.element_ty), mask=d_ok[None, :])
+        if HAS_B2:
+            g = g.to(tl.float32)
+            e = tl.load(tile_expert_ptr + offs_s // TILE).to(tl.int64)
+            b2 = tl.load(b2_ptr + e[:, None] * D + offs_d[None, :], mask=d_ok[None, :], other=0.0).to(tl.float32)
+            tl.store(gw_ptr + offs_s * GW_COLS + GB2_COL + pid_d, tl.sum(g * b2, axis=1))
+            w = tl.load(weight_ptr + pair, mask=valid, other=0.0)
+            tl.store(db2_ptr + pid_s.to(tl.int64) * D + offs_d, tl.sum(g * w[:, None], axis=0), mask=d_ok)
 
 
 @triton.jit
 def _moe_bwd_hidden_kernel(
     xs_ptr, gs_ptr, slot_pair_ptr, tile_expert_ptr, weight_ptr,
-    w1_ptr, b1_ptr, w3_ptr, w2_ptr, b2_ptr,
-    hw_ptr, du_ptr, du3_ptr, gw_ptr, db1_ptr, db2_ptr,
-    PAIRS, D, F, N_FBLK,
-    HAS_B1: tl.constexpr, HAS_B2: tl.constexpr,
+    w1_ptr, b1_ptr, w3_ptr, w2_ptr,
+    hw_ptr, du_ptr, du3_ptr, gw_ptr, db1_ptr,
+    PAIRS, D, F, GW_COLS,
+    HAS_B1: tl.constexpr,
     ACT: tl.constexpr, PRECISION: tl.constexpr, TILE: tl.constexpr, GW_BLOCK: tl.constexpr,
-    BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, TWO_LOOPS: tl.constexpr = False,
 ):
     """Per slot s and F block: u = xs[s] W1[e] + b1, g = gs[s] W2[e]ᵀ (one K loop over D);
     hw = w · act(u) [S,F] (∂W2's left operand); ∂u = (w g) ⊙ act′(u) [S,F] (∂u3 for swiglu);
-    gw [S,N_FBLK] = Σ_f h g per GW_BLOCK columns of F (+ ⟨G[row], b2[e]⟩ in column 0), so that
-    ∂w = Σ_columns gw = ⟨G, h W2 + b2⟩ whatever BLOCK_F the autotuner picks. xs, gs: the slot
-    rows of x and G (_gather_rows_kernel).
-    The bias gradients as per-tile column sums, fp32 (_sum_tiles_kernel adds each expert's):
-    db1 [T,F] = Σ_{s ∈ t} ∂u[s]; db2 [T,D] = Σ_{s ∈ t} w[s] gs[s] (by the F-block-0 programs).
-    Reductions of the dots' operands inside the K loop cost 10-15% here and 2-3x in the
-    weight-gradient kernel (bench/gemm_probe.py on the H200), hence after the loop."""
+    gw[s, c] = Σ_f h g over the c-th GW_BLOCK columns of F (c < cdiv(F, GW_BLOCK); the gather
+    kernel writes ⟨G[row], b2[e]⟩ in columns after these), so that ∂w = Σ_c gw = ⟨G, h W2 + b2⟩
+    whatever BLOCK_F the autotuner picks. xs, gs: the slot rows of x and G (_gather_rows_kernel).
+    db1 [T,F] fp32 = Σ_{s ∈ tile t} ∂u[s], ∂b1's per-tile sums (_sum_tiles_kernel adds each
+    expert's). Reductions of the dots' operands inside the K loop, or a branch after it, cost
+    10-15% here and 2-3x in the weight-gradient kernel (bench/gemm_probe.py on the H200).
+    """
     t = tl.program_id(0)
     pid_f = tl.program_id(1)
     offs_f = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
@@ -202,21 +216,41 @@ def _moe_bwd_hidden_kernel(
     acc_u = tl.zeros([TILE, BLOCK_F], tl.float32)
     acc_u3 = tl.zeros([TILE, BLOCK_F], tl.float32)
     acc_g = tl.zeros([TILE, BLOCK_F], tl.float32)
-    for k0 in range(0, k_end, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < D
-        w_ok = k_ok[:, None] & f_ok[None, :]
-        row_off = offs_s[:, None] * D + offs_k[None, :]
-        a = tl.load(xs_ptr + row_off, mask=k_ok[None, :], other=0.0)
-        w_off = e * D * F + offs_k[:, None].to(tl.int64) * F + offs_f[None, :]
-        acc_u = tl.dot(a, tl.load(w1_ptr + w_off, mask=w_ok, other=0.0), acc_u, input_precision=PRECISION)
-        if ACT == 3:
-            acc_u3 = tl.dot(a, tl.load(w3_ptr + w_off, mask=w_ok, other=0.0), acc_u3, input_precision=PRECISION)
-        g = tl.load(gs_ptr + row_off, mask=k_ok[None, :], other=0.0)
-        # W2[e] is [F,D]: read its [BLOCK_K, BLOCK_F] transpose through strides. A contiguous
-        # W2ᵀ copy read like W1 was slower (H200, large preset: hidden 3.57 -> 4.06 ms).
-        w2t = tl.load(w2_ptr + e * F * D + offs_f[None, :].to(tl.int64) * D + offs_k[:, None], mask=w_ok, other=0.0)
-        acc_g = tl.dot(g.to(w2_ptr.dtype.element_ty), w2t, acc_g, input_precision=PRECISION)
+    if TWO_LOOPS:
+        for k0 in range(0, k_end, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < D
+            w_ok = k_ok[:, None] & f_ok[None, :]
+            a = tl.load(xs_ptr + offs_s[:, None] * D + offs_k[None, :], mask=k_ok[None, :], other=0.0)
+            w_off = e * D * F + offs_k[:, None].to(tl.int64) * F + offs_f[None, :]
+            acc_u = tl.dot(a, tl.load(w1_ptr + w_off, mask=w_ok, other=0.0), acc_u, input_precision=PRECISION)
+            if ACT == 3:
+                acc_u3 = tl.dot(a, tl.load(w3_ptr + w_off, mask=w_ok, other=0.0), acc_u3, input_precision=PRECISION)
+        for k0 in range(0, k_end, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < D
+            w_ok = k_ok[:, None] & f_ok[None, :]
+            g = tl.load(gs_ptr + offs_s[:, None] * D + offs_k[None, :], mask=k_ok[None, :], other=0.0)
+            w2t = tl.load(w2_ptr + e * F * D + offs_f[None, :].to(tl.int64) * D + offs_k[:, None], mask=w_ok,
+                          other=0.0)
+            acc_g = tl.dot(g.to(w2_ptr.dtype.element_ty), w2t, acc_g, input_precision=PRECISION)
+    else:
+        for k0 in range(0, k_end, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < D
+            w_ok = k_ok[:, None] & f_ok[None, :]
+            row_off = offs_s[:, None] * D + offs_k[None, :]
+            a = tl.load(xs_ptr + row_off, mask=k_ok[None, :], other=0.0)
+            w_off = e * D * F + offs_k[:, None].to(tl.int64) * F + offs_f[None, :]
+            acc_u = tl.dot(a, tl.load(w1_ptr + w_off, mask=w_ok, other=0.0), acc_u, input_precision=PRECISION)
+            if ACT == 3:
+                acc_u3 = tl.dot(a, tl.load(w3_ptr + w_off, mask=w_ok, other=0.0), acc_u3, input_precision=PRECISION)
+            g = tl.load(gs_ptr + row_off, mask=k_ok[None, :], other=0.0)
+            # W2[e] is [F,D]: read its [BLOCK_K, BLOCK_F] transpose through strides. A contiguous
+            # W2ᵀ copy read like W1 was slower (H200, large preset: hidden 3.57 -> 4.06 ms).
+            w2t = tl.load(w2_ptr + e * F * D + offs_f[None, :].to(tl.int64) * D + offs_k[:, None], mask=w_ok,
+                          other=0.0)
+            acc_g = tl.dot(g.to(w2_ptr.dtype.element_ty), w2t, acc_g, input_precision=PRECISION)
     if HAS_B1:
         acc_u += tl.load(b1_ptr + e * F + offs_f, mask=f_ok, other=0.0).to(tl.float32)[None, :]
     h = act_fwd(acc_u, acc_u3, ACT)
@@ -224,20 +258,8 @@ def _moe_bwd_hidden_kernel(
     NB: tl.constexpr = BLOCK_F // GW_BLOCK
     gw = tl.sum(tl.reshape(tl.where(f_ok[None, :], h * acc_g, 0.0), [TILE, NB, GW_BLOCK]), axis=2)
     offs_c = pid_f * NB + tl.arange(0, NB)
-    if HAS_B2:
-        if pid_f == 0:  # ⟨G[row], b2[e]⟩ into column 0, and this tile's Σ w G for ∂b2
-            gb2 = tl.zeros([TILE], tl.float32)
-            for k0 in range(0, D, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                k_ok = offs_k < D
-                g = tl.load(gs_ptr + offs_s[:, None] * D + offs_k[None, :], mask=k_ok[None, :], other=0.0)
-                g = g.to(tl.float32)
-                b2 = tl.load(b2_ptr + e * D + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-                gb2 += tl.sum(g * b2[None, :], axis=1)
-                tl.store(db2_ptr + t.to(tl.int64) * D + offs_k, tl.sum(g * w[:, None], axis=0), mask=k_ok)
-            gw += tl.where(tl.arange(0, NB)[None, :] == 0, gb2[:, None], 0.0)
-    tl.store(gw_ptr + offs_s[:, None] * N_FBLK + offs_c[None, :], tl.where(valid[:, None], gw, 0.0),
-             mask=(offs_c < N_FBLK)[None, :])
+    tl.store(gw_ptr + offs_s[:, None] * GW_COLS + offs_c[None, :], tl.where(valid[:, None], gw, 0.0),
+             mask=(offs_c < tl.cdiv(F, GW_BLOCK))[None, :])
     du, du3 = act_bwd(w[:, None] * acc_g, acc_u, acc_u3, ACT)
     keep = valid[:, None]
     du = tl.where(keep, du, 0.0)
@@ -310,28 +332,29 @@ def _moe_wgrad_kernel(
 
 @triton.jit
 def _sum_tiles_kernel(part_ptr, out_ptr, part2_ptr, out2_ptr, expert_slots_ptr, E, N1, N2, NB1,
-                      TILE: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK: tl.constexpr):
-    """out[e, :] = Σ_{t ∈ e's tiles} part[t, :] in tile order (+= with ACCUMULATE, experts with
-    no tiles untouched), for two (part [T,N], out [E,N]) pairs: program axis 1's blocks
-    [0, NB1) take the first pair. The bias gradients from the hidden kernel's tile sums."""
+                      ROWS1: tl.constexpr, ROWS2: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK: tl.constexpr):
+    """out[e, :] = Σ part[i, :] over the parts i of expert e's slots, in order, where part i
+    sums slots [i·ROWS, (i+1)·ROWS) (+= with ACCUMULATE, experts with no slots untouched); for
+    two (part [S/ROWS, N], out [E,N]) pairs: program axis 1's blocks [0, NB1) take the first.
+    The bias gradients from the hidden kernel's tile sums and the gather kernel's."""
     e = tl.program_id(0)
     pid = tl.program_id(1)
     if pid < NB1:
-        src, dst, n, blk = part_ptr, out_ptr, N1, pid
+        src, dst, n, blk, rows = part_ptr, out_ptr, N1, pid, ROWS1
     else:
-        src, dst, n, blk = part2_ptr, out2_ptr, N2, pid - NB1
+        src, dst, n, blk, rows = part2_ptr, out2_ptr, N2, pid - NB1, ROWS2
     offs = blk * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
-    t0 = tl.load(expert_slots_ptr + e) // TILE
-    t1 = tl.load(expert_slots_ptr + E + e) // TILE
+    i0 = tl.load(expert_slots_ptr + e) // rows
+    i1 = tl.load(expert_slots_ptr + E + e) // rows
     acc = tl.zeros([BLOCK], tl.float32)
-    row = src + t0.to(tl.int64) * n + offs
-    for _ in range(t0, t1):
+    row = src + i0.to(tl.int64) * n + offs
+    for _ in range(i0, i1):
         acc += tl.load(row, mask=ok, other=0.0)
         row += n
     out = dst + e.to(tl.int64) * n + offs
     if ACCUMULATE:
-        ok = ok & (t1 > t0)
+        ok = ok & (i1 > i0)
         acc += tl.load(out, mask=ok, other=0.0)
     tl.store(out, acc.to(dst.dtype.element_ty), mask=ok)
 
@@ -568,19 +591,37 @@ def _act(act):
     return ACT_CODE[act]
 
 
-def gather_rows(x, inv, groups, horizons, dtype, grad_out=None):
-    """(xs [S,D] in `dtype`, gs [S,D] in grad_out's dtype or None): the slot rows of
-    x (+ inv[r // H]) and of grad_out, zero on padding slots; see _gather_rows_kernel."""
+# The gather kernel's blocks: BLOCK_S slots (also the rows of each ∂b2 partial sum) by up to
+# GATHER_BLOCK_D columns (one ∂w column of ⟨G, b2⟩ each).
+GATHER_BLOCK_S = 16
+GATHER_BLOCK_D = 128
+
+
+def gather_blocks_d(D):
+    block_d = min(GATHER_BLOCK_D, pow2(D))
+    return block_d, triton.cdiv(D, block_d)
+
+
+def gather_rows(x, inv, groups, horizons, dtype, grad_out=None, weight=None, b2=None, gw=None, gb2_col=0):
+    """(xs [S,D] in `dtype`, gs [S,D] in grad_out's dtype or None, db2 partials [S/16, D] fp32
+    or None): the slot rows of x (+ inv[r // H]) and of grad_out, zero on padding slots; with b2
+    (the backward), ⟨G, b2[e]⟩ into gw's columns from gb2_col on, and ∂b2's partial sums; see
+    _gather_rows_kernel."""
     D = x.shape[1]
     xs = torch.empty(groups.slots, D, device=x.device, dtype=dtype)
     gs = None if grad_out is None else torch.empty(groups.slots, D, device=x.device, dtype=grad_out.dtype)
-    block_d = min(128, pow2(D))
-    _gather_rows_kernel[(groups.slots // 16, triton.cdiv(D, block_d))](
+    has_b2 = b2 is not None
+    db2 = (torch.empty(groups.slots // GATHER_BLOCK_S, D, device=x.device, dtype=torch.float32)
+           if has_b2 else None)
+    block_d, n_d = gather_blocks_d(D)
+    _gather_rows_kernel[(groups.slots // GATHER_BLOCK_S, n_d)](
         x, x if inv is None else inv, x if gs is None else grad_out, groups.slot_pair, xs,
-        xs if gs is None else gs, groups.pairs, horizons, D,
-        TOP_K=groups.pairs // x.shape[0], HAS_INV=inv is not None, HAS_G=gs is not None, BLOCK_S=16,
-        BLOCK_D=block_d)
-    return xs, gs
+        xs if gs is None else gs, groups.tile_expert, weight if has_b2 else x, b2 if has_b2 else x,
+        gw if has_b2 else x, db2 if has_b2 else x,
+        groups.pairs, horizons, D, gw.shape[1] if has_b2 else 0, gb2_col,
+        TOP_K=groups.pairs // x.shape[0], HAS_INV=inv is not None, HAS_G=gs is not None, HAS_B2=has_b2,
+        TILE=groups.tile, BLOCK_S=GATHER_BLOCK_S, BLOCK_D=block_d)
+    return xs, gs, db2
 
 
 def experts_up(xs, groups, w1, b1, w3, act):
@@ -627,7 +668,7 @@ def moe_forward(x, inv, weight, groups, w1, b1, w2, b2, w3, act, horizons, out_d
     runs = tile_runs(groups, (D + F) * w1.element_size())  # xs and h
     for t0, t1 in runs:
         part = groups if len(runs) == 1 else groups.tiles(t0, t1)
-        xs, _ = gather_rows(x, inv, part, horizons, w1.dtype)
+        xs, _, _ = gather_rows(x, inv, part, horizons, w1.dtype)
         h = experts_up(xs, part, w1, b1, w3, act)
         del xs  # each run's buffers go before the next run's come
         slots_gemm(h, w2, (F * D, D, 1), D, part, bias=b2, scale=weight.reshape(-1),
@@ -690,22 +731,24 @@ def weight_grads(a, b, b2, groups, into=None):
 
 
 def bias_grads(db1_part, db2_part, groups, dtype, into=None):
-    """(∂b1 [E,F] or None, ∂b2 [E,D] or None) in `dtype`: each expert's sum of the hidden kernel's
-    per-tile sums [T,F], [T,D] (None: no such bias), in tile order. into: fp32 (∂b1, ∂b2) to add
-    to (one run of tiles), returned."""
+    """(∂b1 [E,F] or None, ∂b2 [E,D] or None) in `dtype`: each expert's sum of the per-tile sums
+    db1_part [T,F] (hidden kernel) and of the per-GATHER_BLOCK_S sums db2_part [S/16, D] (gather
+    kernel), None where there is no such bias, in slot order. into: fp32 (∂b1, ∂b2) to add to
+    (one run of tiles), returned."""
     E = groups.experts
-    pairs = [(part, None if part is None else (torch.empty(E, part.shape[1], device=part.device, dtype=dtype)
-                                              if into is None else into[i]))
-             for i, part in enumerate((db1_part, db2_part))]
-    live = [(part, out) for part, out in pairs if part is not None]
+    outs = [None if part is None else (torch.empty(E, part.shape[1], device=part.device, dtype=dtype)
+                                       if into is None else into[i])
+            for i, part in enumerate((db1_part, db2_part))]
+    live = [(part, out, rows) for part, out, rows in zip((db1_part, db2_part), outs, (groups.tile, GATHER_BLOCK_S))
+            if part is not None]
     if live:
-        (p1, o1), (p2, o2) = live[0], live[-1]
+        (p1, o1, r1), (p2, o2, r2) = live[0], live[-1]
         n1, n2 = p1.shape[1], (p2.shape[1] if len(live) == 2 else 0)
         nb1 = triton.cdiv(n1, SUM_BLOCK)
         _sum_tiles_kernel[(E, nb1 + triton.cdiv(n2, SUM_BLOCK))](
             p1, o1, p2, o2, groups.expert_slots, E, n1, n2, nb1,
-            TILE=groups.tile, ACCUMULATE=into is not None, BLOCK=SUM_BLOCK)
-    return tuple(out for _, out in pairs)
+            ROWS1=r1, ROWS2=r2, ACCUMULATE=into is not None, BLOCK=SUM_BLOCK)
+    return tuple(outs)
 
 
 SUM_BLOCK = 1024
@@ -715,7 +758,8 @@ def moe_backward(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, hori
     """(∂x_slot [S,D] fp32, gw_part [S, F blocks] fp32, ∂W1, ∂b1, ∂W2, ∂b2, ∂W3) — weights' dtypes."""
     E, D, F = w1.shape
     dev, wdt = x.device, w1.dtype
-    gw = torch.empty(groups.slots, triton.cdiv(F, GW_BLOCK), device=dev, dtype=torch.float32)
+    # ∂w's partial sums: the hidden kernel's F columns, then the gather kernel's ⟨G, b2⟩ columns
+    gw = torch.empty(groups.slots, gw_columns(D, F, b2 is not None), device=dev, dtype=torch.float32)
     runs = tile_runs(groups, backward_slot_bytes(D, F, w3 is not None, w1.element_size()))
     if len(runs) == 1:
         dx_slot, grads = _backward_tiles(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, horizons,
@@ -732,6 +776,10 @@ def moe_backward(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, hori
     return (dx_slot, gw, *[None if t is None else t.to(wdt) for t in total])
 
 
+def gw_columns(D, F, has_b2):
+    return triton.cdiv(F, GW_BLOCK) + (gather_blocks_d(D)[1] if has_b2 else 0)
+
+
 def backward_slot_bytes(D, F, swiglu, element_size):
     """Bytes of the backward's slot buffers per slot: xs, gs [S,D]; hw, ∂u (and ∂u3) [S,F]."""
     return (2 * D + (3 if swiglu else 2) * F) * element_size
@@ -746,20 +794,18 @@ def _backward_tiles(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, h
     dev, wdt = x.device, w1.dtype
     # The slot rows of x (merged, in the weights' dtype, as in the forward) and of G, once:
     # every backward GEMM below then reads plain contiguous rows.
-    xs, gs = gather_rows(x, inv, groups, horizons, wdt, grad_out)
+    xs, gs, db2_part = gather_rows(x, inv, groups, horizons, wdt, grad_out, weight, b2, gw,
+                                   gb2_col=triton.cdiv(F, GW_BLOCK))
     hw = torch.empty(groups.slots, F, device=dev, dtype=wdt)
     du = torch.empty_like(hw)
     du3 = torch.empty_like(hw) if w3 is not None else du
-    tile_sum = lambda bias, n: None if bias is None else torch.empty(groups.num_tiles, n, device=dev,
-                                                                     dtype=torch.float32)
-    db1_part, db2_part = tile_sum(b1, F), tile_sum(b2, D)
+    db1_part = None if b1 is None else torch.empty(groups.num_tiles, F, device=dev, dtype=torch.float32)
     _hidden(lambda m: (groups.num_tiles, triton.cdiv(F, m["BLOCK_F"])),
             xs, gs, groups.slot_pair, groups.tile_expert, weight,
-            w1, w1 if b1 is None else b1, w1 if w3 is None else w3, w2, w2 if b2 is None else b2,
-            hw, du, du3, gw, gw if b1 is None else db1_part, gw if b2 is None else db2_part,
-            groups.pairs, D, F, gw.shape[1],
-            HAS_B1=b1 is not None, HAS_B2=b2 is not None,
-            ACT=_act(act), PRECISION=dot_precision(wdt), TILE=groups.tile, GW_BLOCK=GW_BLOCK)
+            w1, w1 if b1 is None else b1, w1 if w3 is None else w3, w2,
+            hw, du, du3, gw, gw if b1 is None else db1_part, groups.pairs, D, F, gw.shape[1],
+            HAS_B1=b1 is not None, ACT=_act(act), PRECISION=dot_precision(wdt), TILE=groups.tile,
+            GW_BLOCK=GW_BLOCK)
     db1, db2 = bias_grads(db1_part, db2_part, groups, wdt, into=None if total is None else (total[1], total[3]))
     # ∂W2 = Σ (w h)ᵀ G first, so that hw and gs [S,F] + [S,D] are freed before ∂x allocates its
     # fp32 [S,D] (large preset, computed: slot buffers alive at once 1.61 -> 1.34 GB; same

@@ -146,8 +146,12 @@ def test_no_region_graphs_inside_reduce_overhead():
 
 
 def test_captures_do_not_grow_memory_once_cleared():
-    """Capturing more signatures and dropping them leaves nothing behind (a side stream per
-    capture would leave a cuBLAS workspace each)."""
+    """Capturing more signatures and dropping them leaves nothing behind: a side stream per
+    capture would leave a cuBLAS workspace each, which is what this guards against. torch may
+    allocate small things lazily on a first use (seen once on the H200, in a pytest-xdist worker
+    after other tests: 0.83 MB after the third signature, then none), so the bound is one
+    cuBLAS workspace over five new signatures, not zero; a fresh process measured 0 bytes over
+    ten (bench/graph_memory_probe.py)."""
     params = _params(torch.bfloat16, "gelu", seed=6)
 
     def capture_and_clear(batch):
@@ -161,5 +165,7 @@ def test_captures_do_not_grow_memory_once_cleared():
         return torch.cuda.memory_allocated()
 
     first = capture_and_clear(33)
-    later = [capture_and_clear(batch) for batch in (34, 35, 36)]
-    assert max(later) <= first, f"allocated after the first signature {first}, after later ones {later}"
+    later = [capture_and_clear(batch) for batch in (34, 35, 36, 37, 38)]
+    workspace = getattr(torch._C, "_cuda_getCublasWorkspaceSize", lambda: 1 << 20)()
+    assert max(later) - first < min(workspace, 1 << 20), (
+        f"allocated after the first signature {first}, after later ones {later}")
