@@ -126,19 +126,17 @@ def probe(preset, act, rows_out, kernels):
                moe._slots_gemm)
         report("slots", "dx", cfg, gemm, lambda: moe.slots_gemm(du, w1, (D * F, 1, F), D, groups), moe._slots_gemm)
 
-    def hidden(has_b1, two_loops=False):
+    def hidden(has_b1):
         return lambda: moe._hidden(
             lambda m: (groups.num_tiles, triton.cdiv(F, m["BLOCK_F"])), xs, gs, groups.slot_pair,
             groups.tile_expert, weight, w1, b1, w1, w2, hw, du, du, gw, db1_part,
             groups.pairs, D, F, gw.shape[1], HAS_B1=has_b1, ACT=code,
-            PRECISION=moe.dot_precision(dt), TILE=groups.tile, GW_BLOCK=moe.GW_BLOCK,
-            TWO_LOOPS=two_loops)
-    hidden_more = [dict(BLOCK_F=64, BLOCK_K=128, num_warps=8, num_stages=2),
-                   dict(BLOCK_F=128, BLOCK_K=64, num_warps=8, num_stages=2)]
+            PRECISION=moe.dot_precision(dt), TILE=groups.tile, GW_BLOCK=moe.GW_BLOCK)
+    hidden_more = [dict(BLOCK_F=64, BLOCK_K=64, TWO_LOOPS=False, num_warps=8, num_stages=4),
+                   dict(BLOCK_F=128, BLOCK_K=64, TWO_LOOPS=True, num_warps=8, num_stages=3)]
     for cfg in extra(moe._hidden.configs, *hidden_more):
         report("hidden", "b1", cfg, 2 * gemm, hidden(True), moe._hidden)
         report("hidden", "no-b1", cfg, 2 * gemm, hidden(False), moe._hidden)
-        report("hidden", "b1-2loops", cfg, 2 * gemm, hidden(True, True), moe._hidden)
 
     wgrad_more = [dict(BLOCK_I=128, BLOCK_J=128, BLOCK_S=64, num_warps=4, num_stages=3),
                   dict(BLOCK_I=256, BLOCK_J=128, BLOCK_S=64, num_warps=8, num_stages=3),

@@ -192,9 +192,10 @@ def _moe_bwd_hidden_kernel(
     PAIRS, D, F, GW_COLS,
     HAS_B1: tl.constexpr,
     ACT: tl.constexpr, PRECISION: tl.constexpr, TILE: tl.constexpr, GW_BLOCK: tl.constexpr,
-    BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, TWO_LOOPS: tl.constexpr = False,
+    BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, TWO_LOOPS: tl.constexpr,
 ):
-    """Per slot s and F block: u = xs[s] W1[e] + b1, g = gs[s] W2[e]ᵀ (one K loop over D);
+    """Per slot s and F block: u = xs[s] W1[e] + b1, g = gs[s] W2[e]ᵀ (one K loop over D, or
+    one for each with TWO_LOOPS: a meta-parameter, the better depends on the sizes);
     hw = w · act(u) [S,F] (∂W2's left operand); ∂u = (w g) ⊙ act′(u) [S,F] (∂u3 for swiglu);
     gw[s, c] = Σ_f h g over the c-th GW_BLOCK columns of F (c < cdiv(F, GW_BLOCK); the gather
     kernel writes ⟨G[row], b2[e]⟩ in columns after these), so that ∂w = Σ_c gw = ⟨G, h W2 + b2⟩
@@ -332,11 +333,14 @@ def _moe_wgrad_kernel(
 
 @triton.jit
 def _sum_tiles_kernel(part_ptr, out_ptr, part2_ptr, out2_ptr, expert_slots_ptr, E, N1, N2, NB1,
-                      ROWS1: tl.constexpr, ROWS2: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK: tl.constexpr):
-    """out[e, :] = Σ part[i, :] over the parts i of expert e's slots, in order, where part i
-    sums slots [i·ROWS, (i+1)·ROWS) (+= with ACCUMULATE, experts with no slots untouched); for
-    two (part [S/ROWS, N], out [E,N]) pairs: program axis 1's blocks [0, NB1) take the first.
-    The bias gradients from the hidden kernel's tile sums and the gather kernel's."""
+                      ROWS1: tl.constexpr, ROWS2: tl.constexpr, ACCUMULATE: tl.constexpr,
+                      BLOCK_R: tl.constexpr, BLOCK: tl.constexpr):
+    """out[e, :] = Σ part[i, :] over the parts i of expert e's slots, where part i sums slots
+    [i·ROWS, (i+1)·ROWS) (+= with ACCUMULATE, experts with no slots untouched); for two
+    (part [S/ROWS, N], out [E,N]) pairs: program axis 1's blocks [0, NB1) take the first. The
+    bias gradients from the hidden kernel's tile sums and the gather kernel's. BLOCK_R parts a
+    step, in a fixed order: one part a step was a chain of ~500 dependent loads an expert at
+    large (+0.8 ms, H200)."""
     e = tl.program_id(0)
     pid = tl.program_id(1)
     if pid < NB1:
@@ -347,16 +351,17 @@ def _sum_tiles_kernel(part_ptr, out_ptr, part2_ptr, out2_ptr, expert_slots_ptr, 
     ok = offs < n
     i0 = tl.load(expert_slots_ptr + e) // rows
     i1 = tl.load(expert_slots_ptr + E + e) // rows
-    acc = tl.zeros([BLOCK], tl.float32)
-    row = src + i0.to(tl.int64) * n + offs
-    for _ in range(i0, i1):
-        acc += tl.load(row, mask=ok, other=0.0)
-        row += n
+    acc = tl.zeros([BLOCK_R, BLOCK], tl.float32)
+    for r0 in range(i0, i1, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        acc += tl.load(src + offs_r.to(tl.int64)[:, None] * n + offs[None, :],
+                       mask=(offs_r < i1)[:, None] & ok[None, :], other=0.0)
+    total = tl.sum(acc, axis=0)
     out = dst + e.to(tl.int64) * n + offs
     if ACCUMULATE:
         ok = ok & (i1 > i0)
-        acc += tl.load(out, mask=ok, other=0.0)
-    tl.store(out, acc.to(dst.dtype.element_ty), mask=ok)
+        total += tl.load(out, mask=ok, other=0.0)
+    tl.store(out, total.to(dst.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -397,12 +402,14 @@ _up = Launcher(_moe_up_kernel, [
 # The ∂w partials [S, F/GW_BLOCK] have one column per GW_BLOCK of F whatever BLOCK_F a config
 # has (a config tried while tuning must not leave a different layout behind).
 GW_BLOCK = 64
+# TWO_LOOPS (u's K loop, then g's) won with BLOCK_F 64 at medium (223 against 260 us), one loop
+# with both dots with BLOCK_F 128 at large (2.51 against 2.99 ms): bench/gemm_probe.py, H200.
 _hidden = Launcher(_moe_bwd_hidden_kernel, [
-    dict(BLOCK_F=64, BLOCK_K=32, num_warps=4, num_stages=3),
-    dict(BLOCK_F=64, BLOCK_K=64, num_warps=8, num_stages=3),
-    dict(BLOCK_F=64, BLOCK_K=64, num_warps=8, num_stages=4),
-    dict(BLOCK_F=128, BLOCK_K=64, num_warps=8, num_stages=3),
-    dict(BLOCK_F=128, BLOCK_K=32, num_warps=8, num_stages=4),
+    dict(BLOCK_F=64, BLOCK_K=32, TWO_LOOPS=False, num_warps=4, num_stages=3),
+    dict(BLOCK_F=64, BLOCK_K=64, TWO_LOOPS=True, num_warps=8, num_stages=4),
+    dict(BLOCK_F=64, BLOCK_K=128, TWO_LOOPS=True, num_warps=8, num_stages=2),
+    dict(BLOCK_F=128, BLOCK_K=64, TWO_LOOPS=False, num_warps=8, num_stages=3),
+    dict(BLOCK_F=128, BLOCK_K=32, TWO_LOOPS=False, num_warps=8, num_stages=4),
 ], key=["D", "F", "TILE", "ACT"])
 _slots_gemm = Launcher(_moe_slots_gemm_kernel, [
     dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3),
@@ -744,14 +751,15 @@ def bias_grads(db1_part, db2_part, groups, dtype, into=None):
     if live:
         (p1, o1, r1), (p2, o2, r2) = live[0], live[-1]
         n1, n2 = p1.shape[1], (p2.shape[1] if len(live) == 2 else 0)
-        nb1 = triton.cdiv(n1, SUM_BLOCK)
-        _sum_tiles_kernel[(E, nb1 + triton.cdiv(n2, SUM_BLOCK))](
+        nb1 = triton.cdiv(n1, TILE_SUM_BLOCK)
+        _sum_tiles_kernel[(E, nb1 + triton.cdiv(n2, TILE_SUM_BLOCK))](
             p1, o1, p2, o2, groups.expert_slots, E, n1, n2, nb1,
-            ROWS1=r1, ROWS2=r2, ACCUMULATE=into is not None, BLOCK=SUM_BLOCK)
+            ROWS1=r1, ROWS2=r2, ACCUMULATE=into is not None, BLOCK_R=32, BLOCK=TILE_SUM_BLOCK)
     return tuple(outs)
 
 
 SUM_BLOCK = 1024
+TILE_SUM_BLOCK = 256
 
 
 def moe_backward(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, horizons):
