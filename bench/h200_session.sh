@@ -17,12 +17,14 @@
 #                                      # max-autotune on the dense spelling at medium (~9 min):
 #                                      # run.log, h200.{md,json,png,errors.log}
 #   bash bench/h200_session.sh table-fwd  # the forward rows likewise (~6 min): h200_fwd.*
+#   bash bench/h200_session.sh probe   # each MoE kernel alone under every config (bench/gemm_probe.py), then
+#                                      # CUDA time per kernel of the op (~6 min): gemm_probe.{txt,json}, kernel_times.txt
 #   bash bench/h200_session.sh short   # one call when device time is short (~9 min): the fused
 #                                      # kernel tests, the curves without the suite, and the
 #                                      # benchmark cut at 250 s (rows past it are listed as skipped)
 # Budgets are per step so a slow step cannot starve the others.
 set -u
-part=${1:?usage: bash bench/h200_session.sh check|kernels|bench|bench-resume|fwd|graphs|table|table-fwd|short}
+part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|bench|bench-resume|fwd|graphs|table|table-fwd|short}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 LOG="$OUT/run.log"
 # COMMIT overrides: the device copy's .git can lag the working tree it carries.
@@ -41,6 +43,12 @@ check)
     ;;
 kernels)
     { timeout -s INT 150 python bench/kernel_times.py --presets medium,large --peers fused,staged,dense --profile \
+        2>&1 | tail -400; } >"$OUT/kernel_times.txt"
+    ;;
+probe)
+    { timeout -s INT 330 python bench/gemm_probe.py --presets medium,large --out "$OUT/gemm_probe.json" \
+        2>&1; } >"$OUT/gemm_probe.txt"
+    { timeout -s INT 120 python bench/kernel_times.py --presets medium,large --peers fused --graphs fused --profile \
         2>&1 | tail -400; } >"$OUT/kernel_times.txt"
     ;;
 fwd)
@@ -85,6 +93,6 @@ bench|bench-resume)
         --modes eager,inductor,inductor-max-autotune,mha-staged,mha-fused,mha-fused-cudagraphs \
         --spellings dense,loop,grouped_mm --commit "$commit" 2>&1 | tail -100; } >>"$LOG"
     ;;
-*) echo "unknown part $part: expected check, kernels, bench, bench-resume, fwd, graphs, table, table-fwd or short" >&2; exit 2 ;;
+*) echo "unknown part $part: expected check, kernels, probe, bench, bench-resume, fwd, graphs, table, table-fwd or short" >&2; exit 2 ;;
 esac
 tail -150 "$LOG"

@@ -1,0 +1,30 @@
+"""bench/gemm_probe.py on the CPU (TRITON_INTERPRET=1, tiny preset): every kernel under every
+config it probes launches through the real launchers and the probe restores them after."""
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+import gemm_probe  # noqa: E402
+
+from mha_compile.kernels import triton_moe  # noqa: E402
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="the probe's kernels on the CPU need TRITON_INTERPRET=1")
+
+
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+def test_every_probe_variant_runs_and_launchers_are_restored():
+    launchers = [triton_moe._up, triton_moe._slots_gemm, triton_moe._hidden, triton_moe._wgrad]
+    before = [(l.kernel, l.configs, l.tuned) for l in launchers]
+    rows = []
+    gemm_probe.probe("tiny", "gelu", rows, ["up", "slots", "hidden", "wgrad"])
+    assert [(l.kernel, l.configs, l.tuned) for l in launchers] == before
+    assert {r["kernel"] for r in rows} == {"up", "slots", "hidden", "wgrad"}
+    failed = [(r["kernel"], r["variant"], r["config"], r["error"]) for r in rows if "error" in r]
+    assert not failed, failed
+    # each kernel's whole config list is among what it probes
+    for name, launcher in zip(("up", "slots", "hidden", "wgrad"), launchers):
+        probed = [r["config"] for r in rows if r["kernel"] == name]
+        assert all(cfg in probed for cfg in launcher.configs), name
