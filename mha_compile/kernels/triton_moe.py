@@ -185,6 +185,33 @@ def _gather_rows_kernel(
 
 
 @triton.jit
+def _up_step(xs_ptr, w1_ptr, w3_ptr, acc_u, acc_u3, row_off, offs_k, offs_f, f_ok, e, D, F,
+             ACT: tl.constexpr, PRECISION: tl.constexpr):
+    """One K step of u = xs W1[e] (and u3 = xs W3[e] for swiglu) over columns offs_f; row_off:
+    the slot rows' offsets at columns offs_k of xs."""
+    k_ok = offs_k < D
+    w_ok = k_ok[:, None] & f_ok[None, :]
+    a = tl.load(xs_ptr + row_off, mask=k_ok[None, :], other=0.0)
+    w_off = e * D * F + offs_k[:, None].to(tl.int64) * F + offs_f[None, :]
+    acc_u = tl.dot(a, tl.load(w1_ptr + w_off, mask=w_ok, other=0.0), acc_u, input_precision=PRECISION)
+    if ACT == 3:
+        acc_u3 = tl.dot(a, tl.load(w3_ptr + w_off, mask=w_ok, other=0.0), acc_u3, input_precision=PRECISION)
+    return acc_u, acc_u3
+
+
+@triton.jit
+def _down_t_step(gs_ptr, w2_ptr, acc_g, row_off, offs_k, offs_f, f_ok, e, D, F, PRECISION: tl.constexpr):
+    """One K step of g = gs W2[e]ᵀ over columns offs_f. W2[e] is [F,D]: its [BLOCK_K, BLOCK_F]
+    transpose is read through strides (a contiguous W2ᵀ copy read like W1 was slower: H200,
+    large preset, 3.57 -> 4.06 ms)."""
+    k_ok = offs_k < D
+    w_ok = k_ok[:, None] & f_ok[None, :]
+    g = tl.load(gs_ptr + row_off, mask=k_ok[None, :], other=0.0)
+    w2t = tl.load(w2_ptr + e * F * D + offs_f[None, :].to(tl.int64) * D + offs_k[:, None], mask=w_ok, other=0.0)
+    return tl.dot(g.to(w2_ptr.dtype.element_ty), w2t, acc_g, input_precision=PRECISION)
+
+
+@triton.jit
 def _moe_bwd_hidden_kernel(
     xs_ptr, gs_ptr, slot_pair_ptr, tile_expert_ptr, weight_ptr,
     w1_ptr, b1_ptr, w3_ptr, w2_ptr,
@@ -220,38 +247,19 @@ def _moe_bwd_hidden_kernel(
     if TWO_LOOPS:
         for k0 in range(0, k_end, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < D
-            w_ok = k_ok[:, None] & f_ok[None, :]
-            a = tl.load(xs_ptr + offs_s[:, None] * D + offs_k[None, :], mask=k_ok[None, :], other=0.0)
-            w_off = e * D * F + offs_k[:, None].to(tl.int64) * F + offs_f[None, :]
-            acc_u = tl.dot(a, tl.load(w1_ptr + w_off, mask=w_ok, other=0.0), acc_u, input_precision=PRECISION)
-            if ACT == 3:
-                acc_u3 = tl.dot(a, tl.load(w3_ptr + w_off, mask=w_ok, other=0.0), acc_u3, input_precision=PRECISION)
+            acc_u, acc_u3 = _up_step(xs_ptr, w1_ptr, w3_ptr, acc_u, acc_u3, offs_s[:, None] * D + offs_k[None, :],
+                                     offs_k, offs_f, f_ok, e, D, F, ACT, PRECISION)
         for k0 in range(0, k_end, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < D
-            w_ok = k_ok[:, None] & f_ok[None, :]
-            g = tl.load(gs_ptr + offs_s[:, None] * D + offs_k[None, :], mask=k_ok[None, :], other=0.0)
-            w2t = tl.load(w2_ptr + e * F * D + offs_f[None, :].to(tl.int64) * D + offs_k[:, None], mask=w_ok,
-                          other=0.0)
-            acc_g = tl.dot(g.to(w2_ptr.dtype.element_ty), w2t, acc_g, input_precision=PRECISION)
+            acc_g = _down_t_step(gs_ptr, w2_ptr, acc_g, offs_s[:, None] * D + offs_k[None, :], offs_k, offs_f, f_ok,
+                                 e, D, F, PRECISION)
     else:
         for k0 in range(0, k_end, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < D
-            w_ok = k_ok[:, None] & f_ok[None, :]
             row_off = offs_s[:, None] * D + offs_k[None, :]
-            a = tl.load(xs_ptr + row_off, mask=k_ok[None, :], other=0.0)
-            w_off = e * D * F + offs_k[:, None].to(tl.int64) * F + offs_f[None, :]
-            acc_u = tl.dot(a, tl.load(w1_ptr + w_off, mask=w_ok, other=0.0), acc_u, input_precision=PRECISION)
-            if ACT == 3:
-                acc_u3 = tl.dot(a, tl.load(w3_ptr + w_off, mask=w_ok, other=0.0), acc_u3, input_precision=PRECISION)
-            g = tl.load(gs_ptr + row_off, mask=k_ok[None, :], other=0.0)
-            # W2[e] is [F,D]: read its [BLOCK_K, BLOCK_F] transpose through strides. A contiguous
-            # W2ᵀ copy read like W1 was slower (H200, large preset: hidden 3.57 -> 4.06 ms).
-            w2t = tl.load(w2_ptr + e * F * D + offs_f[None, :].to(tl.int64) * D + offs_k[:, None], mask=w_ok,
-                          other=0.0)
-            acc_g = tl.dot(g.to(w2_ptr.dtype.element_ty), w2t, acc_g, input_precision=PRECISION)
+            acc_u, acc_u3 = _up_step(xs_ptr, w1_ptr, w3_ptr, acc_u, acc_u3, row_off, offs_k, offs_f, f_ok, e, D, F,
+                                     ACT, PRECISION)
+            acc_g = _down_t_step(gs_ptr, w2_ptr, acc_g, row_off, offs_k, offs_f, f_ok, e, D, F, PRECISION)
     if HAS_B1:
         acc_u += tl.load(b1_ptr + e * F + offs_f, mask=f_ok, other=0.0).to(tl.float32)[None, :]
     h = act_fwd(acc_u, acc_u3, ACT)
