@@ -39,8 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mha_compile.kernels.triton_util import (ACT_CODE, Launcher, act_bwd, act_fwd, dot_precision, load_x,
-                                             pow2)
+from mha_compile.kernels.triton_util import (ACT_CODE, Launcher, act_bwd, act_fwd, dot_precision, gpu_options,
+                                             load_x, pow2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -552,7 +552,7 @@ class Groups:
         slot_pair = torch.empty(num_tiles * tile, dtype=torch.int32, device=device)
         pair_slot = torch.empty(pairs, dtype=torch.int32, device=device)
         tile_expert = torch.empty(num_tiles, dtype=torch.int32, device=device)
-        warps = {"num_warps": 8} if device.type == "cuda" else {}
+        warps = gpu_options(index, num_warps=8)
         _group_count_kernel[(chunks,)](flat, counts, pairs, BLOCK=GROUP_CHUNK, BLOCK_E=block_e, **warps)
         _group_scan_kernel[(1,)](counts, base, meta, chunks, experts, TILE=tile, BLOCK_C=64, BLOCK_E=block_e,
                                  **warps)

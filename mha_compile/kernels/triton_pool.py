@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from mha_compile.kernels.reference import pool_directions, pool_heads, pool_project
-from mha_compile.kernels.triton_util import pow2
+from mha_compile.kernels.triton_util import gpu_options, pow2
 
 # A [P,D] fp32 accumulator (P padded to 16) lives in registers: D beyond this spills badly.
 MAX_POOL_D = 1024
@@ -197,7 +197,7 @@ def pool_attend(tok, u, mask=None):
     block_n, block_d, warps = _blocks(N, D)
     _pool_fwd_kernel[(B,)](tok, u, mask_u8, attn, tbar, N, D, P, tok.stride(0), tok.stride(1),
                            HAS_MASK=mask is not None, SPLIT_DOT=split_dot(tok.dtype), BLOCK_N=block_n, BLOCK_D=block_d,
-                           BLOCK_P=pow2(P), **({"num_warps": warps} if tok.is_cuda else {}))
+                           BLOCK_P=pow2(P), **gpu_options(tok, num_warps=warps))
     return attn, tbar
 
 
@@ -228,7 +228,7 @@ def pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn):
     _pool_bwd_kernel[(B,)](tok, u, attn, grad_tbar, da, tbar, du_part, grad_tok, N, D, P,
                            tok.stride(0), tok.stride(1), SPLIT_DOT=split_dot(tok.dtype), BLOCK_N=block_n,
                            BLOCK_D=block_d,
-                           BLOCK_P=pow2(P), **({"num_warps": warps} if tok.is_cuda else {}))
+                           BLOCK_P=pow2(P), **gpu_options(tok, num_warps=warps))
     pooled = pool_heads(tbar, wv, bv)
     grad_bo = grad_inv.sum(0)
     grad_wo = grad_inv.T @ pooled

@@ -38,9 +38,21 @@ def interpreting():
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def on_gpu(t):
+    """Whether `t` is on a GPU, where launches take num_warps and num_stages (the interpreter
+    takes neither). One place, so that bench/offline_sass.py can record the GPU's launches from
+    shapes alone (meta tensors)."""
+    return t.is_cuda
+
+
+def gpu_options(t, **options):
+    """Launch options (num_warps, num_stages) when `t` is on a GPU, none for the interpreter."""
+    return options if on_gpu(t) else {}
+
+
 def device_reason(t):
     """None when Triton kernels can run on `t`'s device, else why not."""
-    if t.device.type == "cuda":
+    if on_gpu(t):
         return None
     if t.device.type == "cpu" and interpreting():
         return None
@@ -97,7 +109,7 @@ class Launcher:
 
     def __call__(self, grid, *args, **kwargs):
         """grid: a function of the chosen meta-parameters (a dict) returning the launch grid."""
-        on_cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
+        on_cuda = any(isinstance(a, torch.Tensor) and on_gpu(a) for a in args)
         if self.tuned is None or not on_cuda or NO_AUTOTUNE:
             meta = dict(self.configs[0])
             if not on_cuda:  # the interpreter ignores warps and stages

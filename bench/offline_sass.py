@@ -1,0 +1,174 @@
+"""Registers, spills, shared memory and instruction counts of every Triton kernel the fused
+path launches at a preset, compiled for the H200 (sm_90a) on a machine without a GPU.
+
+    PYTHONPATH=. python bench/offline_sass.py [--presets medium,large] [--act gelu] [--all-configs]
+                                              [--kernels _moe_bwd_hidden_kernel,...] [--out rows.json]
+
+How: the fused region's forward and backward run on meta tensors (shapes and dtypes, no data,
+no GPU) taken for GPU ones (triton_util.on_gpu), and every Triton launch is recorded instead of
+run, with its arguments and meta-parameters, as the GPU would get them. Each distinct launch is then compiled with triton.compile
+for GPUTarget("cuda", 90, 32), the way Triton specialises it on the GPU (integer arguments
+equal to 1 become constants, multiples of 16 are marked divisible by 16; pointers are taken as
+16-byte aligned), and assembled with the ptxas that Triton bundles (`ptxas -v`). With
+--all-configs an autotuned kernel (a triton_util.Launcher) is compiled under every config of
+its list, not only the first. The registers and spills match what the H200 reports for the
+same config (bench/results/gemm_probe.txt); what this cannot tell is time.
+"""
+import argparse
+import json
+import os
+import re
+import subprocess
+import tempfile
+from unittest import mock
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+from mha_compile import models
+from mha_compile.kernels import triton_moe, triton_region, triton_util
+
+H200 = GPUTarget("cuda", 90, 32)
+H200_SMS = 132
+H200_SMEM = 232448  # bytes of shared memory one block may use (a config past it fails to launch)
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+NVDISASM = os.path.join(os.path.dirname(PTXAS), "nvdisasm")
+TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
+         torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8", torch.int8: "i8", torch.bool: "i1"}
+LAUNCHERS = [v for v in vars(triton_moe).values() if isinstance(v, triton_util.Launcher)]
+
+
+def record_launches(preset, act, dtype=torch.bfloat16):
+    """[(kernel, {argument name: value}, num_warps, num_stages)] of one fused forward and backward."""
+    calls = []
+
+    def run(self, *args, grid, warmup, **kwargs):
+        named = dict(zip(self.arg_names, args), **kwargs)
+        warps, stages = named.pop("num_warps", 4), named.pop("num_stages", 3)
+        calls.append((self, named, warps, stages))
+
+    p = models.PRESETS[preset]
+    with mock.patch.object(JITFunction, "run", run), \
+            mock.patch.object(triton_util, "on_gpu", lambda t: True), \
+            mock.patch.object(triton_util, "NO_AUTOTUNE", True), \
+            mock.patch.object(triton_moe, "_num_sms", lambda device: H200_SMS):
+        dev = "meta"
+        B, H, N, D, P, F, E, k = (p[key] for key in ("B", "H", "N", "D", "P", "F", "E", "k"))
+        block = models.MHABlock(D, P, F, E, k, act=act)
+        params = [None if t is None else torch.empty(t.shape, device=dev, dtype=dtype)
+                  for t in models.block_parameters(block)]
+        ctx = torch.empty(B, H, D, device=dev, dtype=dtype)
+        tok = torch.empty(B, N, D, device=dev, dtype=dtype)
+        out, inv, attn, weight, index = triton_region.region_forward(
+            "on_load", ctx, tok, *params, None, k, block.moe.renorm, act)
+        triton_region.region_backward("on_load", torch.empty_like(out), ctx, tok, *params, None, inv, attn,
+                                      weight, index, k, block.moe.renorm, act)
+    return calls
+
+
+def _signature(kernel, named):
+    """(signature, constexprs, attrs) for ASTSource, specialised as Triton does on the GPU."""
+    signature, constexprs, attrs = {}, {}, {}
+    for i, param in enumerate(kernel.params):
+        value = named[param.name]
+        if param.is_constexpr:
+            signature[param.name] = "constexpr"
+            constexprs[(i,)] = value
+        elif isinstance(value, torch.Tensor):
+            signature[param.name] = "*" + TYPES[value.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, bool):
+            signature[param.name] = "i1"
+        elif isinstance(value, int):
+            if value == 1:  # Triton makes an integer argument equal to 1 a constant
+                signature[param.name] = "constexpr"
+                constexprs[(i,)] = 1
+                continue
+            signature[param.name] = "i32" if -2**31 <= value < 2**31 else "i64"
+            if value % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, float):
+            signature[param.name] = "fp32"
+        else:
+            raise TypeError(f"{kernel.__name__}: argument {param.name}={value!r} of a type this tool does not map")
+    return signature, constexprs, attrs
+
+
+def compile_stats(kernel, named, warps, stages):
+    """Registers, spill bytes, shared memory, wgmma and SASS instruction counts of one launch."""
+    signature, constexprs, attrs = _signature(kernel, named)
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
+                              target=H200, options=dict(num_warps=warps, num_stages=stages))
+    with tempfile.TemporaryDirectory() as folder:
+        ptx, cubin = os.path.join(folder, "k.ptx"), os.path.join(folder, "k.cubin")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        log = subprocess.run([PTXAS, "-v", "--gpu-name", "sm_90a", ptx, "-o", cubin],
+                             capture_output=True, text=True, check=True).stderr
+        sass = subprocess.run([NVDISASM, "-c", cubin], capture_output=True, text=True, check=True).stdout
+    instructions = [line for line in sass.splitlines() if line.strip().startswith("/*") and ";" in line]
+    return dict(regs=int(re.search(r"Used (\d+) registers", log).group(1)),
+                spill_bytes=int(re.search(r"(\d+) bytes spill stores", log).group(1)),
+                smem=compiled.metadata.shared,
+                wgmma=sum("HGMMA" in line for line in instructions),
+                mma=sum(" HMMA" in line for line in instructions),
+                sass=len(instructions))
+
+
+def _launcher_of(kernel):
+    return next((launcher for launcher in LAUNCHERS if launcher.kernel is kernel), None)
+
+
+def main():
+    if triton_util.interpreting():
+        raise SystemExit("bench/offline_sass.py compiles the kernels: run it without TRITON_INTERPRET=1")
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--presets", default="medium,large")
+    parser.add_argument("--act", default="gelu")
+    parser.add_argument("--all-configs", action="store_true", help="every config of each autotuned kernel")
+    parser.add_argument("--kernels", default=None, help="comma list of kernel names (default: all)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    wanted = None if args.kernels is None else set(args.kernels.split(","))
+    rows = []
+    print(f"sm_90a (H200) offline, triton {triton.__version__}, torch {torch.__version__}")
+    for preset in args.presets.split(","):
+        seen = set()
+        for kernel, named, warps, stages in record_launches(preset, args.act):
+            if wanted is not None and kernel.__name__ not in wanted:
+                continue
+            launcher = _launcher_of(kernel)
+            configs = launcher.configs if (launcher is not None and args.all_configs) else [None]
+            for config in configs:
+                meta = dict(named)
+                if config is not None:
+                    meta.update({key: value for key, value in config.items() if key not in ("num_warps", "num_stages")})
+                    warps, stages = config.get("num_warps", 4), config.get("num_stages", 3)
+                signature, constexprs, _ = _signature(kernel, meta)
+                key = (kernel.__name__, warps, stages, repr(sorted(signature.items())), repr(sorted(constexprs.items())))
+                if key in seen:
+                    continue
+                seen.add(key)
+                shown = {name: value for name, value in meta.items()
+                         if name.isupper() and not isinstance(value, torch.Tensor) and name not in ("PAIRS",)}
+                row = dict(preset=preset, kernel=kernel.__name__, num_warps=warps, num_stages=stages, constexprs=shown)
+                try:
+                    row.update(compile_stats(kernel, meta, warps, stages))
+                    row["fits"] = row["smem"] <= H200_SMEM
+                    print(f"{preset:<7}{kernel.__name__:<28} regs {row['regs']:>3} spill {row['spill_bytes']:>5} B "
+                          f"smem {row['smem']:>6} wgmma {row['wgmma']:>3} mma {row['mma']:>3} sass {row['sass']:>5}  "
+                          f"w{warps} s{stages} {shown}{'' if row['fits'] else '  SHARED MEMORY OVER THE LIMIT'}", flush=True)
+                except Exception as error:  # a config that does not compile: say so, go on
+                    row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+                    print(f"{preset:<7}{kernel.__name__:<28} FAILED {row['error']}", flush=True)
+                rows.append(row)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""bench/offline_sass.py: the fused path's launches recorded from shapes alone and compiled for
+the H200 without a GPU (a subprocess: the tool compiles, so it runs without TRITON_INTERPRET)."""
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+
+
+def test_records_every_launch_and_compiles_for_sm90(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.path.abspath(ROOT)
+    out = tmp_path / "rows.json"
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "offline_sass.py"), "--presets", "medium",
+                          "--kernels", "_moe_up_kernel,_moe_wgrad_kernel", "--all-configs", "--out", str(out)],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    failed = [r for r in rows if "error" in r]
+    assert not failed, failed
+    from mha_compile.kernels import triton_moe
+    # every config of both autotuned kernels, once each: ∂W1's and ∂W2's launches differ only in
+    # I and J, both multiples of 16, so Triton compiles them as one kernel (and so does this tool)
+    for name, launcher in (("_moe_up_kernel", triton_moe._up), ("_moe_wgrad_kernel", triton_moe._wgrad)):
+        probed = [r for r in rows if r["kernel"] == name]
+        assert len(probed) == len(launcher.configs)
+        for config in launcher.configs:
+            meta = {k: v for k, v in config.items() if k not in ("num_warps", "num_stages")}
+            assert any(all(r["constexprs"][k] == v for k, v in meta.items())
+                       and (r["num_warps"], r["num_stages"]) == (config["num_warps"], config["num_stages"])
+                       for r in probed), (name, config)
+    for r in rows:
+        assert 0 < r["regs"] <= 255 and r["sass"] > 0 and r["fits"]
+        assert r["wgmma"] > 0, r  # bf16 tiles of 128 slots: Hopper's wgmma (HGMMA) on the H200
+        assert r["constexprs"]["TILE"] == 128  # the medium preset's layout, as on the GPU
