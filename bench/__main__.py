@@ -156,10 +156,27 @@ def resumed_rows(path, jobs, env):
     return kept, earlier["meta"].get("date")
 
 
+def inductor_cache_note():
+    """A note when TORCHINDUCTOR_CACHE_DIR already holds compiled code (h200_session.sh's
+    autotune-cache part fills it in an earlier call): Inductor rows' first calls then compile
+    from that cache, not from scratch. None otherwise."""
+    folder = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not folder or not os.path.isdir(folder):
+        return None
+    files = sum(len(names) for _, _, names in os.walk(folder))
+    if not files:
+        return None
+    return (f"Inductor's cache ({folder}) held {files} files from an earlier run: the Inductor rows' "
+            "first-call times are compiles from that cache, not from scratch")
+
+
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     device_type = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     jobs, notes = plan(args, device_type)
+    cached = inductor_cache_note()
+    if cached:
+        notes.append(cached)
     env = report.environment(device_type, args.commit)
     command = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--resume"]
     meta = dict(env, date=report.now(), command="python -m bench " + shlex.join(command), notes=notes)

@@ -17,6 +17,11 @@
 #                                      # max-autotune on the dense spelling at medium (~9 min):
 #                                      # run.log, h200.{md,json,png,errors.log}
 #   bash bench/h200_session.sh table-fwd  # the forward rows likewise (~6 min): h200_fwd.*
+#   bash bench/h200_session.sh autotune-cache  # Inductor max-autotune's fwd+bwd rows at medium on every
+#                                      # spelling (~3 min of compiling each, ~9 min): autotune.{md,json},
+#                                      # and its compiled graphs left in .inductor_cache/, which a `table`
+#                                      # call chained right after on the same machine reuses (its max-autotune
+#                                      # rows then fit; its notes say their first calls were cached compiles)
 #   bash bench/h200_session.sh probe   # each MoE kernel alone under every config (bench/gemm_probe.py), then
 #                                      # CUDA time per kernel of the op (~6 min): gemm_probe.{txt,json}, kernel_times.txt
 #   bash bench/h200_session.sh short   # one call when device time is short (~9 min): the fused
@@ -24,8 +29,11 @@
 #                                      # benchmark cut at 250 s (rows past it are listed as skipped)
 # Budgets are per step so a slow step cannot starve the others.
 set -u
-part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|bench|bench-resume|fwd|graphs|table|table-fwd|short}
+part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|short}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
+# Inductor's compiled graphs kept in the checkout (git ignores it): the device keeps ignored
+# files between calls on a machine it still holds, so `table` can reuse `autotune-cache`'s.
+export TORCHINDUCTOR_CACHE_DIR="$PWD/.inductor_cache"
 LOG="$OUT/run.log"
 # COMMIT overrides: the device copy's .git can lag the working tree it carries.
 commit=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -77,6 +85,10 @@ table|table-fwd)
     { timeout -s INT 450 python -m bench --out "$OUT" --name $name --budget 380 --presets medium,large,small \
         --passes $pass --spellings dense,loop,grouped_mm --commit "$commit" 2>&1 | tail -70; } >>"$LOG"
     ;;
+autotune-cache)
+    { timeout -s INT 580 python -m bench --out "$OUT" --name autotune --presets medium --passes fwd+bwd \
+        --modes inductor-max-autotune --spellings dense,loop,grouped_mm --commit "$commit" 2>&1 | tail -20; } >>"$LOG"
+    ;;
 short)
     { MHA_COMPILE_NO_AUTOTUNE=1 timeout 120 python -m pytest -q -m cuda tests/kernels -k "not staged" -n 8 \
         -p no:cacheprovider 2>&1 | tail -8; } >>"$LOG"
@@ -93,6 +105,6 @@ bench|bench-resume)
         --modes eager,inductor,inductor-max-autotune,mha-staged,mha-fused,mha-fused-cudagraphs \
         --spellings dense,loop,grouped_mm --commit "$commit" 2>&1 | tail -100; } >>"$LOG"
     ;;
-*) echo "unknown part $part: expected check, kernels, probe, bench, bench-resume, fwd, graphs, table, table-fwd or short" >&2; exit 2 ;;
+*) echo "unknown part $part: expected check, kernels, probe, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache or short" >&2; exit 2 ;;
 esac
 tail -150 "$LOG"

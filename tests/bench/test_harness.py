@@ -128,3 +128,15 @@ def test_resume_refuses_rows_from_another_commit_or_no_file(tmp_path):
         json.dump(data, f)
     with pytest.raises(SystemExit, match="commit='0000000'"):
         _run(tmp_path, *argv, "--resume")
+
+
+def test_inductor_cache_note(tmp_path, monkeypatch):
+    """A table whose Inductor rows compiled from an earlier run's cache says so."""
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    assert bench_main.inductor_cache_note() is None
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    assert bench_main.inductor_cache_note() is None  # empty: compiles from scratch
+    (tmp_path / "fxgraph").mkdir()
+    (tmp_path / "fxgraph" / "entry").write_text("x")
+    note = bench_main.inductor_cache_note()
+    assert note is not None and str(tmp_path) in note and "1 files" in note
