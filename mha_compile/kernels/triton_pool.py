@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from mha_compile.kernels.reference import pool_directions, pool_heads, pool_project
-from mha_compile.kernels.triton_util import gpu_options, pow2
+from mha_compile.kernels.triton_util import Launcher, pow2
 
 # A [P,D] fp32 accumulator (P padded to 16) lives in registers: D beyond this spills badly.
 MAX_POOL_D = 1024
@@ -177,11 +177,20 @@ def split_dot(dtype):
     return SPLIT_DOT_DTYPES.get(dtype, 0)
 
 
-def _blocks(N, D):
-    block_d = pow2(D)
-    # Keep a [BLOCK_N, BLOCK_D] fp32 tile near 8K elements: registers, not local memory.
-    block_n = min(pow2(N), max(16, 8192 // block_d))
-    return block_n, block_d, (4 if block_d <= 256 else 8)
+# Config lists, autotuned per (N, D, P) on the GPU (the first is the interpreter's and
+# MHA_COMPILE_NO_AUTOTUNE's). They hold the fixed choice these kernels had before, which was
+# BLOCK_N 32 with 4 warps at D ≤ 256 and BLOCK_N 16 with 8 warps above, and the configs that
+# bench/offline_sass.py compiles with fewer registers or spills: the backward at medium spills
+# 644 bytes with BLOCK_N 32 and 4 warps, none with 16 and 8; the forward at medium needs 214
+# registers with 32 and 4, 148 with 16 and 8 (sm_90a, bench/PERF_NOTES.md v8).
+_POOL_CONFIGS = [
+    dict(BLOCK_N=16, num_warps=8, num_stages=3),
+    dict(BLOCK_N=16, num_warps=4, num_stages=3),
+    dict(BLOCK_N=32, num_warps=4, num_stages=3),
+    dict(BLOCK_N=16, num_warps=16, num_stages=2),
+]
+_attend = Launcher(_pool_fwd_kernel, _POOL_CONFIGS, key=["N", "D", "P", "HAS_MASK", "SPLIT_DOT"])
+_attend_bwd = Launcher(_pool_bwd_kernel, _POOL_CONFIGS, key=["N", "D", "P", "SPLIT_DOT"])
 
 
 def pool_attend(tok, u, mask=None):
@@ -194,10 +203,8 @@ def pool_attend(tok, u, mask=None):
     attn = torch.empty(B, N, P, device=tok.device, dtype=torch.float32)
     tbar = torch.empty(B, P, D, device=tok.device, dtype=torch.float32)
     mask_u8 = mask.to(torch.uint8).contiguous() if mask is not None else attn
-    block_n, block_d, warps = _blocks(N, D)
-    _pool_fwd_kernel[(B,)](tok, u, mask_u8, attn, tbar, N, D, P, tok.stride(0), tok.stride(1),
-                           HAS_MASK=mask is not None, SPLIT_DOT=split_dot(tok.dtype), BLOCK_N=block_n, BLOCK_D=block_d,
-                           BLOCK_P=pow2(P), **gpu_options(tok, num_warps=warps))
+    _attend(lambda m: (B,), tok, u, mask_u8, attn, tbar, N, D, P, tok.stride(0), tok.stride(1),
+            HAS_MASK=mask is not None, SPLIT_DOT=split_dot(tok.dtype), BLOCK_D=pow2(D), BLOCK_P=pow2(P))
     return attn, tbar
 
 
@@ -224,11 +231,8 @@ def pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn):
     tbar = torch.empty(B, P, D, device=tok.device, dtype=torch.float32)
     du_part = torch.empty_like(tbar)
     da = torch.empty_like(attn)
-    block_n, block_d, warps = _blocks(N, D)
-    _pool_bwd_kernel[(B,)](tok, u, attn, grad_tbar, da, tbar, du_part, grad_tok, N, D, P,
-                           tok.stride(0), tok.stride(1), SPLIT_DOT=split_dot(tok.dtype), BLOCK_N=block_n,
-                           BLOCK_D=block_d,
-                           BLOCK_P=pow2(P), **gpu_options(tok, num_warps=warps))
+    _attend_bwd(lambda m: (B,), tok, u, attn, grad_tbar, da, tbar, du_part, grad_tok, N, D, P,
+                tok.stride(0), tok.stride(1), SPLIT_DOT=split_dot(tok.dtype), BLOCK_D=pow2(D), BLOCK_P=pow2(P))
     pooled = pool_heads(tbar, wv, bv)
     grad_bo = grad_inv.sum(0)
     grad_wo = grad_inv.T @ pooled

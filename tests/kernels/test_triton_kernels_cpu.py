@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kernel_cases import check_region, make_case, one_expert_router
-from mha_compile.kernels import fused, reference, staged, triton_moe
+from mha_compile.kernels import fused, reference, staged, triton_moe, triton_pool
 from mha_compile.kernels.merge_cuda import merge_backward, merge_forward
 
 pytestmark = [
@@ -183,18 +183,21 @@ def test_weight_grads_split_over_slots(monkeypatch, act, bias):
     check_region(fused, ctx, tok, params, top_k=2, renorm=True, act=act)
 
 
-MOE_CONFIGS = [pytest.param(name, i, id=f"{name}{i}") for name in ("_up", "_hidden", "_slots_gemm", "_wgrad")
-               for i in range(len(getattr(triton_moe, name).configs))]
+TUNED = [(triton_moe, name) for name in ("_up", "_hidden", "_slots_gemm", "_wgrad")] + [
+    (triton_pool, name) for name in ("_attend", "_attend_bwd")]
+TUNED_CONFIGS = [pytest.param(module, name, i, id=f"{name}{i}") for module, name in TUNED
+                 for i in range(len(getattr(module, name).configs))]
 
 
-@pytest.mark.parametrize("name,i", MOE_CONFIGS)
-def test_every_moe_config(monkeypatch, name, i):
+@pytest.mark.parametrize("module,name,i", TUNED_CONFIGS)
+def test_every_tuned_config(monkeypatch, module, name, i):
     """Every config the autotuner may pick on the GPU computes the same function (the
     interpreter otherwise runs only the first): blocks wider than F = 160 or D = 40 (partial
-    and empty blocks), and the hidden kernel's ∂w partial columns when BLOCK_F spans several."""
-    launcher = getattr(triton_moe, name)
+    and empty blocks), the hidden kernel's ∂w partial columns when BLOCK_F spans several, and
+    pool blocks of tokens past N = 37."""
+    launcher = getattr(module, name)
     monkeypatch.setattr(launcher, "configs", [launcher.configs[i]])
-    ctx, tok, params = make_case(3, 4, 5, 40, 2, 160, 3, 2, act="gelu")
+    ctx, tok, params = make_case(3, 4, 37, 40, 2, 160, 3, 2, act="gelu")
     check_region(fused, ctx, tok, params, top_k=2, renorm=True, act="gelu")
 
 
