@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mha_compile.kernels.triton_util import load_x, pow2
+from mha_compile.kernels.triton_util import Launcher, load_x, pow2
 
 MAX_EXPERTS = 64
 
@@ -145,17 +145,34 @@ def _router_combine_bwd_kernel(
             tl.store(dinv_ptr + b * D + offs_d, tl.sum(tl.where(hd_ok, dy, 0.0), axis=0), mask=d_ok)
 
 
+# Config lists, autotuned on the GPU (the first, the fixed choice these kernels had before, is
+# the interpreter's and MHA_COMPILE_NO_AUTOTUNE's). Offline for sm_90a (bench/offline_sass.py):
+# the backward at large needs 156 registers a thread with 4 warps, 80 with 8; one program per
+# batch row, so registers bound how many rows an SM holds. Its BLOCK_D stays a function of the
+# sizes (it bounds the [H, BLOCK_D] tiles), only the warps are tuned.
+_route = Launcher(_router_fwd_kernel, [
+    dict(BLOCK_R=32, num_warps=4, num_stages=3),
+    dict(BLOCK_R=32, num_warps=8, num_stages=3),
+    dict(BLOCK_R=64, num_warps=8, num_stages=3),
+    dict(BLOCK_R=16, num_warps=4, num_stages=3),
+], key=["D", "E", "TOP_K", "HAS_INV", "RENORM"])
+_combine_bwd = Launcher(_router_combine_bwd_kernel, [
+    dict(num_warps=4, num_stages=3),
+    dict(num_warps=8, num_stages=3),
+    dict(num_warps=2, num_stages=3),
+], key=["H", "D", "E", "N_FBLK", "TOP_K", "HAS_INV", "RENORM"])
+
+
 def route(x, inv, wg, top_k, renorm, horizons):
     """weight [R,k] fp32 and index [R,k] int32 for x [R,D] (+ inv [R/H,D] when given)."""
     R, D = x.shape
     E = wg.shape[0]
     weight = torch.empty(R, top_k, device=x.device, dtype=torch.float32)
     index = torch.empty(R, top_k, device=x.device, dtype=torch.int32)
-    block_r, block_e = 32, pow2(E)
-    _router_fwd_kernel[(triton.cdiv(R, block_r),)](
-        x, x if inv is None else inv, wg, weight, index, R, horizons, D, E,
-        TOP_K=top_k, HAS_INV=inv is not None, RENORM=renorm,
-        BLOCK_R=block_r, BLOCK_D=64 if block_e <= 32 else 32, BLOCK_E=block_e)
+    block_e = pow2(E)
+    _route(lambda m: (triton.cdiv(R, m["BLOCK_R"]),),
+           x, x if inv is None else inv, wg, weight, index, R, horizons, D, E,
+           TOP_K=top_k, HAS_INV=inv is not None, RENORM=renorm, BLOCK_D=64 if block_e <= 32 else 32, BLOCK_E=block_e)
     return weight, index
 
 
@@ -170,9 +187,9 @@ def router_combine_backward(x, inv, wg, weight, index, pair_slot, dx_slot, gw_pa
     dlogits = torch.empty(R, E, device=x.device, dtype=torch.float32)
     block_h, block_e = pow2(horizons), pow2(E)
     block_d = max(16, min(128, 4096 // max(block_h, block_e)))
-    _router_combine_bwd_kernel[(B,)](
-        x, x if inv is None else inv, wg, weight, index, pair_slot, dx_slot, gw_part,
-        dy, dy if dinv is None else dinv, dlogits, horizons, D, E, gw_part.shape[1],
-        TOP_K=top_k, HAS_INV=inv is not None, SUM_H=inv is not None, RENORM=renorm,
-        BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_E=block_e, BLOCK_C=pow2(gw_part.shape[1], 2))
+    _combine_bwd(lambda m: (B,),
+                 x, x if inv is None else inv, wg, weight, index, pair_slot, dx_slot, gw_part,
+                 dy, dy if dinv is None else dinv, dlogits, horizons, D, E, gw_part.shape[1],
+                 TOP_K=top_k, HAS_INV=inv is not None, SUM_H=inv is not None, RENORM=renorm,
+                 BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_E=block_e, BLOCK_C=pow2(gw_part.shape[1], 2))
     return dy, dinv, dlogits

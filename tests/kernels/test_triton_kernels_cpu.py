@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kernel_cases import check_region, make_case, one_expert_router
-from mha_compile.kernels import fused, reference, staged, triton_moe, triton_pool
+from mha_compile.kernels import fused, reference, staged, triton_moe, triton_pool, triton_router
 from mha_compile.kernels.merge_cuda import merge_backward, merge_forward
 
 pytestmark = [
@@ -184,7 +184,8 @@ def test_weight_grads_split_over_slots(monkeypatch, act, bias):
 
 
 TUNED = [(triton_moe, name) for name in ("_up", "_hidden", "_slots_gemm", "_wgrad")] + [
-    (triton_pool, name) for name in ("_attend", "_attend_bwd")]
+    (triton_pool, name) for name in ("_attend", "_attend_bwd")] + [
+    (triton_router, name) for name in ("_route", "_combine_bwd")]
 TUNED_CONFIGS = [pytest.param(module, name, i, id=f"{name}{i}") for module, name in TUNED
                  for i in range(len(getattr(module, name).configs))]
 
@@ -193,8 +194,8 @@ TUNED_CONFIGS = [pytest.param(module, name, i, id=f"{name}{i}") for module, name
 def test_every_tuned_config(monkeypatch, module, name, i):
     """Every config the autotuner may pick on the GPU computes the same function (the
     interpreter otherwise runs only the first): blocks wider than F = 160 or D = 40 (partial
-    and empty blocks), the hidden kernel's ∂w partial columns when BLOCK_F spans several, and
-    pool blocks of tokens past N = 37."""
+    and empty blocks), the hidden kernel's ∂w partial columns when BLOCK_F spans several, pool
+    blocks of tokens past N = 37, and router blocks of rows past R = 12."""
     launcher = getattr(module, name)
     monkeypatch.setattr(launcher, "configs", [launcher.configs[i]])
     ctx, tok, params = make_case(3, 4, 37, 40, 2, 160, 3, 2, act="gelu")
