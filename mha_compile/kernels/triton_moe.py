@@ -340,17 +340,19 @@ def _moe_wgrad_kernel(
 
 
 @triton.jit
-def _sum_tiles_kernel(part_ptr, out_ptr, part2_ptr, out2_ptr, expert_slots_ptr, E, N1, N2, NB1,
+def _sum_tiles_kernel(part_ptr, out_ptr, part2_ptr, out2_ptr, expert_slots_ptr, E, N1, N2,
                       ROWS1: tl.constexpr, ROWS2: tl.constexpr, ACCUMULATE: tl.constexpr,
                       BLOCK_R: tl.constexpr, BLOCK: tl.constexpr):
     """out[e, :] = Σ part[i, :] over the parts i of expert e's slots, where part i sums slots
     [i·ROWS, (i+1)·ROWS) (+= with ACCUMULATE, experts with no slots untouched); for two
-    (part [S/ROWS, N], out [E,N]) pairs: program axis 1's blocks [0, NB1) take the first. The
-    bias gradients from the hidden kernel's tile sums and the gather kernel's. BLOCK_R parts a
-    step, in a fixed order: one part a step was a chain of ~500 dependent loads an expert at
-    large (+0.8 ms, H200)."""
+    (part [S/ROWS, N], out [E,N]) pairs: program axis 1's first cdiv(N1, BLOCK) blocks take the
+    first. The bias gradients from the hidden kernel's tile sums and the gather kernel's.
+    BLOCK_R parts a step, in a fixed order: one part a step was a chain of ~500 dependent loads
+    an expert at large (+0.8 ms, H200); at BLOCK 256 it still took 33 us a medium step (40
+    programs), hence BLOCK is tuned."""
     e = tl.program_id(0)
     pid = tl.program_id(1)
+    NB1 = tl.cdiv(N1, BLOCK)
     if pid < NB1:
         src, dst, n, blk, rows = part_ptr, out_ptr, N1, pid, ROWS1
     else:
@@ -431,6 +433,14 @@ _wgrad = Launcher(_moe_wgrad_kernel, [
     dict(BLOCK_I=128, BLOCK_J=128, BLOCK_S=32, num_warps=8, num_stages=4),
     dict(BLOCK_I=128, BLOCK_J=256, BLOCK_S=64, num_warps=8, num_stages=3),
 ], key=["I", "J", "E", "SPLIT", "TILE", "HAS_B2", "ACCUMULATE"], restore=["dw_ptr", "dw2_ptr"])
+# The first is the choice measured at 27c4aa0 (33 us a medium step, 0.33 ms a large one, 40
+# programs at medium); narrower column blocks give 4x the programs for the same loads.
+_sum_tiles = Launcher(_sum_tiles_kernel, [
+    dict(BLOCK=256, BLOCK_R=32, num_warps=4, num_stages=3),
+    dict(BLOCK=64, BLOCK_R=32, num_warps=4, num_stages=3),
+    dict(BLOCK=128, BLOCK_R=16, num_warps=4, num_stages=3),
+    dict(BLOCK=64, BLOCK_R=64, num_warps=4, num_stages=3),
+], key=["E", "N1", "N2", "ROWS1", "ROWS2", "ACCUMULATE"], restore=["out_ptr", "out2_ptr"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -759,15 +769,13 @@ def bias_grads(db1_part, db2_part, groups, dtype, into=None):
     if live:
         (p1, o1, r1), (p2, o2, r2) = live[0], live[-1]
         n1, n2 = p1.shape[1], (p2.shape[1] if len(live) == 2 else 0)
-        nb1 = triton.cdiv(n1, TILE_SUM_BLOCK)
-        _sum_tiles_kernel[(E, nb1 + triton.cdiv(n2, TILE_SUM_BLOCK))](
-            p1, o1, p2, o2, groups.expert_slots, E, n1, n2, nb1,
-            ROWS1=r1, ROWS2=r2, ACCUMULATE=into is not None, BLOCK_R=32, BLOCK=TILE_SUM_BLOCK)
+        _sum_tiles(lambda m: (E, triton.cdiv(n1, m["BLOCK"]) + triton.cdiv(n2, m["BLOCK"])),
+                   p1, o1, p2, o2, groups.expert_slots, E, n1, n2,
+                   ROWS1=r1, ROWS2=r2, ACCUMULATE=into is not None)
     return tuple(outs)
 
 
 SUM_BLOCK = 1024
-TILE_SUM_BLOCK = 256
 
 
 def moe_backward(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, horizons):

@@ -183,7 +183,7 @@ def test_weight_grads_split_over_slots(monkeypatch, act, bias):
     check_region(fused, ctx, tok, params, top_k=2, renorm=True, act=act)
 
 
-TUNED = [(triton_moe, name) for name in ("_up", "_hidden", "_slots_gemm", "_wgrad")] + [
+TUNED = [(triton_moe, name) for name in ("_up", "_hidden", "_slots_gemm", "_wgrad", "_sum_tiles")] + [
     (triton_pool, name) for name in ("_attend", "_attend_bwd")] + [
     (triton_router, name) for name in ("_route", "_combine_bwd")]
 TUNED_CONFIGS = [pytest.param(module, name, i, id=f"{name}{i}") for module, name in TUNED
