@@ -129,3 +129,26 @@ def test_autocast_mix(module, preset):
     assert module.why_unsupported(ctx, tok, params[10], 2, "gelu", None) is None
     errors = check_region(module, ctx, tok, params, top_k=2, renorm=True, act="gelu")
     print(f"{module.__name__} {preset} autocast mix: {fmt(errors)}")
+
+
+def _tuned_configs():
+    from mha_compile.kernels import triton_moe, triton_pool, triton_router
+
+    tuned = [(triton_moe, name) for name in ("_up", "_hidden", "_slots_gemm", "_wgrad", "_sum_tiles")]
+    tuned += [(triton_pool, name) for name in ("_attend", "_attend_bwd")]
+    tuned += [(triton_router, name) for name in ("_route", "_combine_bwd")]
+    return [pytest.param(module, name, i, id=f"{name}{i}") for module, name in tuned
+            for i in range(len(getattr(module, name).configs))]
+
+
+@pytest.mark.parametrize("module,name,i", _tuned_configs())
+def test_every_tuned_config_bf16(monkeypatch, module, name, i):
+    """Every config the autotuner may pick, on the GPU in bf16 (the interpreter checks them in
+    fp32 only): tiles of 128 slots (4200 pairs over 4 experts), odd D, F and N."""
+    launcher = getattr(module, name)
+    monkeypatch.setattr(launcher, "configs", [launcher.configs[i]])
+    monkeypatch.setattr(launcher, "tuned", None)
+    ctx, tok, params = make_case(300, 7, 37, 100, 4, 200, 4, 2, act="gelu", dtype=torch.bfloat16, device="cuda",
+                                 seed=13)
+    errors = check_region(fused, ctx, tok, params, top_k=2, renorm=True, act="gelu")
+    print(f"{name}[{i}]: {fmt(errors)}")
