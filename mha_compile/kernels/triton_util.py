@@ -5,7 +5,8 @@ triton_moe, merge_cuda) import these helpers; fused.py and staged.py assemble th
 
 Launching: on CUDA a kernel runs through `triton.autotune` over a short config list (at most
 five configs a kernel, so a first training step spends seconds, not minutes, tuning), and
-the first launch of each new key logs one info line on the "mha_compile" logger. The chosen
+the first launch of each new key logs two info lines on the "mha_compile" logger (what it
+tunes, then the config it chose). The chosen
 config is kept per key, and later calls launch the kernel with it directly (the autotuner's
 own per-call path costs host time on every launch). Under
 TRITON_INTERPRET=1 (CPU tensors, how CI runs these kernels) a kernel runs once with its
@@ -128,6 +129,8 @@ class Launcher:
                  self.kernel.__name__, len(self.configs), dict(zip(self.key, key)))
         self.tuned[lambda meta: grid({**meta, **kwargs})](*args, **kwargs)
         self.best[key] = self.tuned.best_config.all_kwargs()
+        log.info("mha_compile: %s chose %s", self.kernel.__name__,
+                 {k: v for k, v in self.best[key].items() if k in self.configs[0] or k in ("num_warps", "num_stages")})
 
 
 # ---------------------------------------------------------------------------------------------

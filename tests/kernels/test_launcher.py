@@ -1,0 +1,78 @@
+"""triton_util.Launcher's bookkeeping on the GPU path, with stand-ins for the kernel and for
+triton.autotune (the tuned path only runs on CUDA): tune once per key, log the choice, then
+launch the chosen config directly."""
+import logging
+
+import torch
+import triton
+import triton.language as tl
+
+from mha_compile.kernels import triton_util
+
+
+@triton.jit
+def _noop(x_ptr, N, BLOCK: tl.constexpr):
+    pass
+
+
+def _launcher(kernel, configs):
+    """A Launcher built on a real (never launched) kernel, its launches then going to `kernel`."""
+    launcher = triton_util.Launcher(_noop, configs, key=["N"])
+    launcher.kernel = kernel
+    return launcher
+
+
+class _Kernel:
+    """A @triton.jit kernel's launch surface: kernel[grid](*args, **kwargs)."""
+    arg_names = ["x_ptr", "N", "BLOCK"]
+    __name__ = "_fake_kernel"
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((grid, args, kwargs))
+
+
+class _Autotuner:
+    def __init__(self, chosen):
+        self.tunes, self.chosen = [], chosen
+        self.best_config = self
+
+    def all_kwargs(self):
+        return dict(self.chosen)
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.tunes.append((grid({"BLOCK": 64}), args, kwargs))
+
+
+def test_tunes_once_per_key_logs_the_choice_then_launches_it(monkeypatch, caplog):
+    monkeypatch.setattr(triton_util, "on_gpu", lambda t: True)
+    monkeypatch.setattr(triton_util, "NO_AUTOTUNE", False)
+    kernel = _Kernel()
+    launcher = _launcher(kernel, [dict(BLOCK=32, num_warps=4), dict(BLOCK=64, num_warps=8)])
+    launcher.tuned = _Autotuner(dict(BLOCK=64, num_warps=8, num_stages=3, maxnreg=None))
+    x = torch.zeros(4)
+    grid = lambda meta: (meta["BLOCK"],)
+    with caplog.at_level(logging.INFO, logger="mha_compile"):
+        launcher(grid, x, 100)
+    assert len(launcher.tuned.tunes) == 1 and not kernel.launches
+    assert "_fake_kernel chose {'BLOCK': 64, 'num_warps': 8, 'num_stages': 3}" in caplog.text
+    launcher(grid, x, 100)  # same key: the chosen config, launched directly
+    assert len(launcher.tuned.tunes) == 1
+    assert kernel.launches == [((64,), (x, 100), dict(BLOCK=64, num_warps=8, num_stages=3, maxnreg=None))]
+    launcher(grid, x, 200)  # a new key tunes again
+    assert len(launcher.tuned.tunes) == 2
+
+
+def test_first_config_without_autotuning(monkeypatch):
+    """MHA_COMPILE_NO_AUTOTUNE (the GPU tests) and the interpreter launch the first config."""
+    monkeypatch.setattr(triton_util, "NO_AUTOTUNE", True)
+    monkeypatch.setattr(triton_util, "on_gpu", lambda t: True)
+    kernel = _Kernel()
+    launcher = _launcher(kernel, [dict(BLOCK=32, num_warps=4), dict(BLOCK=64, num_warps=8)])
+    launcher(lambda meta: (meta["BLOCK"],), torch.zeros(4), 100)
+    assert kernel.launches[0][0] == (32,) and kernel.launches[0][2] == dict(BLOCK=32, num_warps=4)
+    monkeypatch.setattr(triton_util, "on_gpu", lambda t: False)  # the interpreter: no warps
+    launcher(lambda meta: (meta["BLOCK"],), torch.zeros(4), 100)
+    assert kernel.launches[1][2] == dict(BLOCK=32)
