@@ -375,24 +375,20 @@ def _sum_tiles_kernel(part_ptr, out_ptr, part2_ptr, out2_ptr, expert_slots_ptr, 
 
 
 @triton.jit
-def _sum_splits_kernel(part_ptr, out_ptr, part2_ptr, out2_ptr, part3_ptr, out3_ptr, E, N1, N2, N3, SPLIT,
-                       NB1, NB2, BLOCK: tl.constexpr):
-    """out[e, :] = Σ_{c < SPLIT} part[e·SPLIT + c, :] in c order, for up to three (part, out) pairs of
-    N per-expert elements each (program blocks [0, NB1) the first, [NB1, NB1+NB2) the second)."""
-    pid = tl.program_id(0)
-    if pid < NB1:
-        src, dst, n, blk = part_ptr, out_ptr, N1, pid
-    elif pid < NB1 + NB2:
-        src, dst, n, blk = part2_ptr, out2_ptr, N2, pid - NB1
+def _sum_splits_kernel(part_ptr, out_ptr, part2_ptr, out2_ptr, E, N, SPLIT, BLOCK: tl.constexpr):
+    """out[e, :] = Σ_{c < SPLIT} part[e·SPLIT + c, :] in c order, N per-expert elements; program
+    axis 1 picks the pair: 0 (part, out), 1 (part2, out2)."""
+    if tl.program_id(1) == 0:
+        src, dst = part_ptr, out_ptr
     else:
-        src, dst, n, blk = part3_ptr, out3_ptr, N3, pid - NB1 - NB2
-    offs = blk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < E * n
-    e = offs // n
-    within = offs - e * n
+        src, dst = part2_ptr, out2_ptr
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < E * N
+    e = offs // N
+    within = offs - e * N
     acc = tl.zeros([BLOCK], tl.float32)
     for c in range(0, SPLIT):
-        acc += tl.load(src + (e * SPLIT + c) * n + within, mask=ok, other=0.0)
+        acc += tl.load(src + (e * SPLIT + c) * N + within, mask=ok, other=0.0)
     tl.store(dst + offs, acc.to(dst.dtype.element_ty), mask=ok)
 
 
@@ -750,12 +746,8 @@ def weight_grads(a, b, b2, groups, into=None):
            a, b, b if b2 is None else b2, groups.expert_slots, p_dw, p_dw2, I, J, E, split,
            HAS_B2=b2 is not None, ACCUMULATE=accumulate, TILE=groups.tile, PRECISION=dot_precision(dtype))
     if split > 1:
-        n = [t[0].numel() for t in outs] + [0, 0]
-        nb = [triton.cdiv(E * k, SUM_BLOCK) for k in n[:3]]
-        srcs = parts + [parts[0]] * (3 - len(parts))
-        dsts = outs + [outs[0]] * (3 - len(outs))
-        _sum_splits_kernel[(sum(nb),)](srcs[0], dsts[0], srcs[1], dsts[1], srcs[2], dsts[2], E, n[0], n[1], n[2],
-                                       split, nb[0], nb[1], BLOCK=SUM_BLOCK)
+        _sum_splits_kernel[(triton.cdiv(E * I * J, SUM_BLOCK), len(outs))](
+            parts[0], outs[0], parts[-1], outs[-1], E, I * J, split, BLOCK=SUM_BLOCK)
     return dw, dw2
 
 
