@@ -43,9 +43,13 @@ python -m pip install -q --no-deps --no-build-isolation -e . >>"$LOG" 2>&1
 python -c "import torch; assert 'mha' in torch._dynamo.list_backends(), 'entry point not registered'" >>"$LOG" 2>&1 || exit 1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >>"$LOG"
 echo "commit $commit, part $part" >>"$LOG"
+# pytest -m cuda within a time limit (s), its last lines into the log
+gpu_tests() {
+    { MHA_COMPILE_NO_AUTOTUNE=1 timeout "$1" python -m pytest -q -m cuda tests -n 8 -p no:cacheprovider 2>&1 | tail -15; } >>"$LOG"
+}
 case "$part" in
 check)
-    { MHA_COMPILE_NO_AUTOTUNE=1 timeout 200 python -m pytest -q -m cuda tests -n 8 -p no:cacheprovider 2>&1 | tail -15; } >>"$LOG"
+    gpu_tests 200
     { MHA_COMPILE_NO_AUTOTUNE=1 timeout -s INT 360 python -m bench.train_curves --out "$OUT" --curves autocast,fp32 \
         --seeds 4 --steps 500 2>&1 | tail -30; } >>"$LOG"
     ;;
@@ -68,7 +72,7 @@ fwd)
         --spellings dense,loop,grouped_mm --commit "$commit" 2>&1 | tail -60; } >>"$LOG"
     ;;
 graphs)
-    { MHA_COMPILE_NO_AUTOTUNE=1 timeout 200 python -m pytest -q -m cuda tests -n 8 -p no:cacheprovider 2>&1 | tail -15; } >>"$LOG"
+    gpu_tests 200
     { timeout -s INT 280 python -m bench --out "$OUT" --name graphs --budget 250 --presets small,medium,large \
         --passes fwd+bwd --modes eager,inductor,mha-fused,mha-fused-nographs,mha-fused-cudagraphs \
         --spellings dense,grouped_mm --commit "$commit" 2>&1 | tail -40; } >>"$LOG"
@@ -76,7 +80,7 @@ graphs)
     ;;
 table|table-fwd)
     if [ "$part" = table ]; then
-        { MHA_COMPILE_NO_AUTOTUNE=1 timeout 150 python -m pytest -q -m cuda tests -n 8 -p no:cacheprovider 2>&1 | tail -15; } >>"$LOG"
+        gpu_tests 150
         pass=fwd+bwd name=h200
     else
         pass=fwd name=h200_fwd
