@@ -24,12 +24,14 @@
 #                                      # rows then fit; its notes say their first calls were cached compiles)
 #   bash bench/h200_session.sh probe   # each MoE kernel alone under every config (bench/gemm_probe.py), then
 #                                      # CUDA time per kernel of the op (~6 min): gemm_probe.{txt,json}, kernel_times.txt
+#   bash bench/h200_session.sh verify  # pytest -m cuda, then CUDA time per kernel of the op (~5 min):
+#                                      # run.log, kernel_times.txt
 #   bash bench/h200_session.sh short   # one call when device time is short (~9 min): the fused
 #                                      # kernel tests, the curves without the suite, and the
 #                                      # benchmark cut at 250 s (rows past it are listed as skipped)
 # Budgets are per step so a slow step cannot starve the others.
 set -u
-part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|short}
+part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|short}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 # Inductor's compiled graphs kept in the checkout (git ignores it): the device keeps ignored
 # files between calls on a machine it still holds, so `table` can reuse `autotune-cache`'s.
@@ -55,6 +57,11 @@ check)
     ;;
 kernels)
     { timeout -s INT 150 python bench/kernel_times.py --presets medium,large --peers fused,staged,dense --profile \
+        2>&1 | tail -400; } >"$OUT/kernel_times.txt"
+    ;;
+verify)
+    gpu_tests 200
+    { timeout -s INT 150 python bench/kernel_times.py --presets medium,large --peers fused --graphs fused --profile \
         2>&1 | tail -400; } >"$OUT/kernel_times.txt"
     ;;
 probe)
@@ -109,6 +116,6 @@ bench|bench-resume)
         --modes eager,inductor,inductor-max-autotune,mha-staged,mha-fused,mha-fused-cudagraphs \
         --spellings dense,loop,grouped_mm --commit "$commit" 2>&1 | tail -100; } >>"$LOG"
     ;;
-*) echo "unknown part $part: expected check, kernels, probe, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache or short" >&2; exit 2 ;;
+*) echo "unknown part $part: expected check, kernels, probe, verify, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache or short" >&2; exit 2 ;;
 esac
 tail -150 "$LOG"
