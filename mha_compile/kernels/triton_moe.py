@@ -13,15 +13,19 @@ merged A tiles made the dots 2-3x slower (measured on the H200: GEMM1 merging x 
 load at 172 TFLOP/s, GEMM2 on contiguous rows at 416).
 
 Past SLOT_CHUNK_BYTES of slot buffers (the large preset) both directions walk runs of whole
-tiles (Groups.tiles), each run with buffers of its own; the fp32 rows that the token-order
+tiles (Groups.tiles), each run with buffers of its own; the rows that the token-order
 passes read (c, ∂x_slot) stay whole, and the weight gradients are summed over runs in fp32.
+
+c and ∂x_slot, each one GEMM's fp32 accumulator per slot, are stored in the weights' dtype (as
+a grouped GEMM such as torch._grouped_mm stores them) and summed over j in fp32: in bf16 at the
+large preset each was 256 MiB in fp32, and ∂x_slot is alive at the training peak.
 
 Forward, per tile t (expert e) and output block:
     gather  xs[s] = x[row(s)] (+ inv[row // H]), in the weights' dtype: with kernels="fused"
             y = ctx + inv[b] is formed here and its slot rows are written once (k copies of
             each row, plus zero padding rows), never in token order
     GEMM1   h[s] = act(xs[s] W1[e] + b1[e])     (swiglu: silu(u) ⊙ xs W3[e])
-    GEMM2   c[s] = w[s] · (h[s] W2[e] + b2[e])   fp32, the routing weight in the epilogue
+    GEMM2   c[s] = w[s] · (h[s] W2[e] + b2[e])   the routing weight in the epilogue
     combine out[r] = Σ_j c[slot(r, j)]           token order, fixed j order: no atomics
 Backward (recomputing u = x W1 + b1 rather than storing it):
     gather  xs[s] as in the forward, and gs[s] = G[row(s)]
@@ -92,7 +96,8 @@ def _moe_slots_gemm_kernel(
     HAS_A2: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
     PRECISION: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """out [S,NOUT] fp32 = scale[pair] · (a[s] B[e] (+ a2[s] B2[e]) + bias[e]); 0 on padding.
+    """out [S,NOUT] = scale[pair] · (a[s] B[e] (+ a2[s] B2[e]) + bias[e]); 0 on padding.
+    Accumulated in fp32, stored in out's dtype.
 
     a, a2 [S,K] per slot; B, B2 [E, K, NOUT] addressed through strides, so the GEMM2 of the
     forward (B = W2) and ∂x of the backward (B = W1ᵀ, W3ᵀ) are the same kernel.
@@ -141,7 +146,7 @@ def _combine_fwd_kernel(
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
     for j in tl.static_range(TOP_K):
         slot = tl.load(pair_slot_ptr + rows.to(tl.int64) * TOP_K + j, mask=r_ok, other=0).to(tl.int64)
-        acc += tl.load(c_ptr + slot[:, None] * D + offs_d[None, :], mask=ok, other=0.0)
+        acc += tl.load(c_ptr + slot[:, None] * D + offs_d[None, :], mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * D + offs_d[None, :], acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -662,11 +667,11 @@ def experts_up(xs, groups, w1, b1, w3, act):
 
 
 def slots_gemm(a, b, strides, nout, groups, a2=None, b2=None, bias=None, scale=None, out=None):
-    """[S, nout] fp32: scale · (a B[e] (+ a2 B2[e]) + bias[e]); `strides` = (e, k, n) of B.
-    out: rows to write into (a contiguous [S, nout] fp32 view), else allocated."""
+    """[S, nout] in b's dtype: scale · (a B[e] (+ a2 B2[e]) + bias[e]); `strides` = (e, k, n)
+    of B. out: rows to write into (a contiguous [S, nout] view), else allocated."""
     K = a.shape[1]
     if out is None:
-        out = torch.empty(groups.slots, nout, device=a.device, dtype=torch.float32)
+        out = torch.empty(groups.slots, nout, device=a.device, dtype=b.dtype)
     _slots_gemm(lambda m: (groups.num_tiles, triton.cdiv(nout, m["BLOCK_N"])),
                 a, b, a if a2 is None else a2, b if b2 is None else b2, b if bias is None else bias,
                 out if scale is None else scale, groups.slot_pair, groups.tile_expert, out,
@@ -689,7 +694,7 @@ def combine(c, groups, rows, out_dtype):
 def moe_forward(x, inv, weight, groups, w1, b1, w2, b2, w3, act, horizons, out_dtype):
     """out [R,D] = Σ_j w_j f_{idx_j}(x), x = x (+ inv[r // H], merged by the slot-row gather)."""
     E, F, D = w2.shape
-    c = torch.empty(groups.slots, D, device=x.device, dtype=torch.float32)
+    c = torch.empty(groups.slots, D, device=x.device, dtype=w2.dtype)
     runs = tile_runs(groups, (D + F) * w1.element_size())  # xs and h
     for t0, t1 in runs:
         part = groups if len(runs) == 1 else groups.tiles(t0, t1)
@@ -775,7 +780,7 @@ SUM_BLOCK = 1024
 
 
 def moe_backward(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, horizons):
-    """(∂x_slot [S,D] fp32, gw_part [S, F blocks] fp32, ∂W1, ∂b1, ∂W2, ∂b2, ∂W3) — weights' dtypes."""
+    """(∂x_slot [S,D], gw_part [S, F blocks] fp32, ∂W1, ∂b1, ∂W2, ∂b2, ∂W3) — weights' dtypes."""
     E, D, F = w1.shape
     dev, wdt = x.device, w1.dtype
     # ∂w's partial sums: the hidden kernel's F columns, then the gather kernel's ⟨G, b2⟩ columns
@@ -785,7 +790,7 @@ def moe_backward(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, hori
         dx_slot, grads = _backward_tiles(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, horizons,
                                          gw, None, None)
         return (dx_slot, gw, *grads)
-    dx_slot = torch.empty(groups.slots, D, device=dev, dtype=torch.float32)
+    dx_slot = torch.empty(groups.slots, D, device=dev, dtype=wdt)
     # fp32 sums over the runs, added to in place by the weight-gradient and tile-sum kernels
     zeros = lambda t, *shape: None if t is None else torch.zeros(*shape, device=dev, dtype=torch.float32)
     total = (zeros(w1, E, D, F), zeros(b1, E, F), zeros(w2, E, F, D), zeros(b2, E, D), zeros(w3, E, D, F))
@@ -828,7 +833,7 @@ def _backward_tiles(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, h
             GW_BLOCK=GW_BLOCK)
     db1, db2 = bias_grads(db1_part, db2_part, groups, wdt, into=None if total is None else (total[1], total[3]))
     # ∂W2 = Σ (w h)ᵀ G first, so that hw and gs [S,F] + [S,D] are freed before ∂x allocates its
-    # fp32 [S,D] (large preset, computed: slot buffers alive at once 1.61 -> 1.34 GB; same
+    # [S,D] (large preset, computed: slot buffers alive at once 1.61 -> 1.34 GB; same
     # kernels, same results). Then ∂W1 = Σ xᵀ ∂u (∂W3 = Σ xᵀ ∂u3).
     dw2, _ = weight_grads(hw, gs.to(wdt), None, groups, into=None if total is None else (total[2], None))
     del hw, gs

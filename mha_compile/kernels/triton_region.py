@@ -135,7 +135,7 @@ def region_backward(merge, grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1
     dy, dinv, dlogits = triton_router.router_combine_backward(
         x, x_inv, wg, weight, index, groups.pair_slot, dx_slot, gw_part, H, renorm,
         torch.float32 if merge == "cuda" else ctx.dtype)
-    del dx_slot, gw_part  # [S,D] fp32 (256 MiB at large): freed before the pool's ∂tok is allocated
+    del dx_slot, gw_part  # [S,D] (128 MiB at large in bf16): freed before the pool's ∂tok is allocated
     if merge == "cuda":
         dctx, dinv = merge_backward(dy.view(B, H, D), ctx.dtype)
         dwg = dlogits.T @ x

@@ -139,7 +139,7 @@ def _router_combine_bwd_kernel(
         dy = tl.dot(dlogits, wg, input_precision="ieee")
         for j in tl.static_range(TOP_K):
             slot = tl.load(pair_slot_ptr + rows * TOP_K + j, mask=h_ok, other=0).to(tl.int64)
-            dy += tl.load(dx_slot_ptr + slot[:, None] * D + offs_d[None, :], mask=hd_ok, other=0.0)
+            dy += tl.load(dx_slot_ptr + slot[:, None] * D + offs_d[None, :], mask=hd_ok, other=0.0).to(tl.float32)
         tl.store(dy_ptr + rows[:, None] * D + offs_d[None, :], dy.to(dy_ptr.dtype.element_ty), mask=hd_ok)
         if SUM_H:
             tl.store(dinv_ptr + b * D + offs_d, tl.sum(tl.where(hd_ok, dy, 0.0), axis=0), mask=d_ok)
