@@ -4,7 +4,7 @@ edge cases at sizes above one block, reproducibility, and the CUDA merge against
 import pytest
 import torch
 
-from kernel_cases import check_region, fmt, make_case, one_expert_router, preset_case
+from kernel_cases import check_region, fmt, make_case, one_expert_router, preset_case, rel_err
 from mha_compile.kernels import fused, reference, staged
 
 pytestmark = [pytest.mark.cuda,
@@ -152,3 +152,40 @@ def test_every_tuned_config_bf16(monkeypatch, module, name, i):
                                  seed=13)
     errors = check_region(fused, ctx, tok, params, top_k=2, renorm=True, act="gelu")
     print(f"{name}[{i}]: {fmt(errors)}")
+
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_router_at_fp32_accuracy(dtype):
+    """The router kernels alone against float64 at the medium preset's sizes. bf16 inputs run
+    their dots as tf32x3 (triton_router.router_precision), fp32 ones as ieee: both must keep
+    the fp32 bound, 1e-5, on the weights, ∂y and ∂Wg, with at most 1e-3 of the rows choosing
+    other experts (near-ties), which are left out of the comparison."""
+    from mha_compile.kernels import triton_moe, triton_router
+
+    B, H, D, E, k = 1024, 16, 256, 8, 2
+    R = B * H
+    gen = torch.Generator(device="cuda").manual_seed(17)
+    ctx = torch.randn(R, D, device="cuda", generator=gen).to(dtype)
+    inv = torch.randn(B, D, device="cuda", generator=gen)
+    wg = (torch.randn(E, D, device="cuda", generator=gen) * D**-0.5).to(dtype)
+    weight, index = triton_router.route(ctx, inv, wg, k, True, H)
+    x64 = ctx.double() + inv.double().repeat_interleave(H, 0)
+    probs, ref_weight, ref_index = reference.route(x64, wg.double(), k, True)
+    same = (index.long() == ref_index).all(1)
+    assert same.float().mean() >= 1 - 1e-3, f"{int((~same).sum())} of {R} rows chose other experts"
+    assert rel_err(weight[same], ref_weight[same]) <= 1e-5
+
+    groups = triton_moe.group(index, E)
+    gw_part = torch.randn(groups.slots, 3, device="cuda", generator=gen)
+    dx_slot = torch.randn(groups.slots, D, device="cuda", generator=gen).to(dtype)
+    dy, dinv, dlogits = triton_router.router_combine_backward(
+        ctx, inv, wg, weight, index, groups.pair_slot, dx_slot, gw_part, H, True, torch.float32)
+    slots = groups.pair_slot.long().view(R, k)
+    grad_weight = gw_part.double().sum(1)[slots]
+    ref_dx, ref_dwg = reference.route_backward(grad_weight[same], x64[same], wg.double(), probs[same],
+                                               ref_weight[same], ref_index[same], True)
+    ref_dy = ref_dx + dx_slot.double()[slots[same]].sum(1)
+    assert rel_err(dy[same], ref_dy) <= 1e-5
+    assert rel_err(dlogits[same].double().T @ x64[same], ref_dwg) <= 1e-5
+    assert rel_err(dinv, dy.view(B, H, D).double().sum(1)) <= 1e-6
