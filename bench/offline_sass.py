@@ -55,7 +55,8 @@ def record_launches(preset, act, dtype=torch.bfloat16):
     with mock.patch.object(JITFunction, "run", run), \
             mock.patch.object(triton_util, "on_gpu", lambda t: True), \
             mock.patch.object(triton_util, "NO_AUTOTUNE", True), \
-            mock.patch.object(triton_moe, "_num_sms", lambda device: H200_SMS):
+            mock.patch.object(triton_moe, "num_sms", lambda device: H200_SMS), \
+            mock.patch.object(triton_router, "num_sms", lambda device: H200_SMS):
         dev = "meta"
         B, H, N, D, P, F, E, k = (p[key] for key in ("B", "H", "N", "D", "P", "F", "E", "k"))
         block = models.MHABlock(D, P, F, E, k, act=act)

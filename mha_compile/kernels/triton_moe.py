@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from mha_compile.kernels.triton_util import (ACT_CODE, Launcher, act_bwd, act_fwd, dot_precision, gpu_options,
-                                             load_x, pow2)
+                                             load_x, num_sms, pow2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -714,16 +714,10 @@ WGRAD_SPLIT_MIN_SLOTS = 512
 WGRAD_MAX_SPLIT = 8
 
 
-def _num_sms(device):
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # the interpreter: any small number
-
-
 def wgrad_splits(slots, experts, I, J, device):
     """SPLIT for the weight-gradient kernel: enough programs for two waves at 128² tiles."""
     tiles = experts * triton.cdiv(I, 128) * triton.cdiv(J, 128)
-    want = triton.cdiv(2 * _num_sms(device), tiles)
+    want = triton.cdiv(2 * num_sms(device), tiles)
     return max(1, min(WGRAD_MAX_SPLIT, want, slots // max(1, experts) // WGRAD_SPLIT_MIN_SLOTS))
 
 

@@ -136,13 +136,11 @@ def region_backward(merge, grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1
         x, x_inv, wg, weight, index, groups.pair_slot, dx_slot, gw_part, H, renorm,
         torch.float32 if merge == "cuda" else ctx.dtype)
     del dx_slot, gw_part  # [S,D] (128 MiB at large in bf16): freed before the pool's ∂tok is allocated
+    dwg = triton_router.router_weight_grad(dlogits, x, x_inv, H)
     if merge == "cuda":
         dctx, dinv = merge_backward(dy.view(B, H, D), ctx.dtype)
-        dwg = dlogits.T @ x
     else:
         dctx = dy.view(B, H, D)
-        # ∂Wg = ∂logitsᵀ (ctx + inv[b]) without forming y: the inv part sums ∂logits over h first.
-        dwg = dlogits.T @ x.float() + dlogits.view(B, H, E).sum(1).T @ inv
     grad_tok, grad_q, grad_wk, grad_wv, grad_bv, grad_wo, grad_bo = triton_pool.pool_backward(
         dinv, tok, *_f32(q, wk, wv, bv, wo), attn.float())
     grad_bk = None if bk is None else torch.zeros_like(bk)

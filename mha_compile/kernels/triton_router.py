@@ -13,7 +13,9 @@ token order and without atomics, so it is bitwise reproducible:
     ∂logits = π ⊙ (∂π − ⟨∂π, π⟩)
     ∂y[r] = Σ_j ∂x_slot[slot(r,j)] + ∂logits Wg
     ∂inv[b] = Σ_h ∂y[b,h]     (the seed's fix; only when SUM_H, i.e. kernels="fused")
-∂Wg = ∂logitsᵀ x is left to the caller (a [E,R]×[R,D] GEMM).
+∂Wg = ∂logitsᵀ x (`router_weight_grad`): per (run of rows, D block) partial sums [SPLIT, E, D]
+of x merged on load, added over the runs in order. As a cuBLAS fp32 GEMM on x.float() it took
+0.17 ms at the large preset, plus the cast (K = R = 65536, M = E = 16).
 
 The two thin dots (x Wgᵀ and ∂logits Wg, N or K = E) set these kernels' time on the FMA units:
 at the large preset the forward took 0.34 ms and the backward 0.57 ms for 64 MiB of x each
@@ -25,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mha_compile.kernels.triton_util import Launcher, load_x, pow2
+from mha_compile.kernels.triton_util import Launcher, gpu_options, load_x, num_sms, pow2
 
 MAX_EXPERTS = 64
 
@@ -151,6 +153,32 @@ def _router_combine_bwd_kernel(
             tl.store(dinv_ptr + b * D + offs_d, tl.sum(tl.where(hd_ok, dy, 0.0), axis=0), mask=d_ok)
 
 
+@triton.jit
+def _router_wgrad_kernel(
+    dlogits_ptr, x_ptr, inv_ptr, part_ptr,
+    R, H, D, E, ROWS,
+    HAS_INV: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    """part[c] [E,D] fp32 = Σ_{r in run c} ∂logits[r]ᵀ x[r], runs of ROWS rows (a multiple of BLOCK_R)."""
+    c = tl.program_id(0)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    offs_e = tl.arange(0, BLOCK_E)
+    e_ok = offs_e < E
+    acc = tl.zeros([BLOCK_E, BLOCK_D], tl.float32)
+    r_end = tl.minimum(c * ROWS + ROWS, R)
+    for r0 in range(c * ROWS, r_end, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        r_ok = rows < r_end
+        dl = tl.load(dlogits_ptr + rows.to(tl.int64)[:, None] * E + offs_e[None, :],
+                     mask=r_ok[:, None] & e_ok[None, :], other=0.0)
+        x = load_x(x_ptr, inv_ptr, rows, r_ok, offs_d, d_ok, H, D, HAS_INV)
+        acc = tl.dot(tl.trans(dl), x, acc, input_precision=PRECISION)
+    tl.store(part_ptr + (c * E + offs_e[:, None]).to(tl.int64) * D + offs_d[None, :], acc,
+             mask=e_ok[:, None] & d_ok[None, :])
+
+
 # Config lists, autotuned on the GPU (the first, the fixed choice these kernels had before, is
 # the interpreter's and MHA_COMPILE_NO_AUTOTUNE's). Offline for sm_90a (bench/offline_sass.py):
 # the backward at large needs 156 registers a thread with 4 warps, 80 with 8; one program per
@@ -209,3 +237,36 @@ def router_combine_backward(x, inv, wg, weight, index, pair_slot, dx_slot, gw_pa
                  PRECISION=precision, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_E=block_e,
                  BLOCK_C=pow2(gw_part.shape[1], 2))
     return dy, dinv, dlogits
+
+
+# ∂Wg's runs of rows: enough (run, D block) programs for two waves of the SMs, each run at
+# least this many rows; the partials are then [runs, E, D] fp32 (2 MiB at the large preset).
+WGRAD_MIN_ROWS = 256
+WGRAD_BLOCK_R = 64
+
+
+def _wgrad_block_d(D):
+    return min(128, pow2(D))
+
+
+def router_runs(R, D, device):
+    """(runs of rows, rows a run) for router_weight_grad."""
+    n_d = triton.cdiv(D, _wgrad_block_d(D))
+    runs = max(1, min(triton.cdiv(2 * num_sms(device), n_d), R // WGRAD_MIN_ROWS))
+    rows = triton.cdiv(triton.cdiv(R, runs), WGRAD_BLOCK_R) * WGRAD_BLOCK_R
+    return triton.cdiv(R, rows), rows
+
+
+def router_weight_grad(dlogits, x, inv, horizons):
+    """∂Wg [E,D] fp32 = Σ_r ∂logits[r]ᵀ (x[r] + inv[r // H]), in a fixed order."""
+    R, D = x.shape
+    E = dlogits.shape[1]
+    block_d = _wgrad_block_d(D)
+    n_d = triton.cdiv(D, block_d)
+    runs, rows = router_runs(R, D, x.device)
+    part = torch.empty(runs, E, D, device=x.device, dtype=torch.float32)
+    _router_wgrad_kernel[(runs, n_d)](
+        dlogits, x, x if inv is None else inv, part, R, horizons, D, E, rows,
+        HAS_INV=inv is not None, PRECISION=router_precision(x.dtype),
+        BLOCK_R=WGRAD_BLOCK_R, BLOCK_D=block_d, BLOCK_E=pow2(E), **gpu_options(x, num_warps=4, num_stages=3))
+    return part.sum(0)

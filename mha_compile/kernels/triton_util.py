@@ -46,6 +46,14 @@ def on_gpu(t):
     return t.is_cuda
 
 
+def num_sms(device):
+    """The device's SM count, which sizes split grids; 4 off the GPU (the interpreter: any small
+    number). bench/offline_sass.py patches it to the H200's where it is imported."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
 def gpu_options(t, **options):
     """Launch options (num_warps, num_stages) when `t` is on a GPU, none for the interpreter."""
     return options if on_gpu(t) else {}

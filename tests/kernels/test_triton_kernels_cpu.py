@@ -259,3 +259,21 @@ def test_other_mixes_go_to_reference(ctx_dtype, param_dtype):
     ctx, tok, params = make_case(2, 3, 5, 32, 2, 64, 4, 2)
     reason = fused.why_unsupported(ctx.to(ctx_dtype), tok, params[10].to(param_dtype), 2, "gelu", None)
     assert reason is not None and "mixed dtypes" in reason
+
+
+@pytest.mark.parametrize("merged", [True, False], ids=["ctx+inv", "y"])
+@pytest.mark.parametrize("R,H,D,E", [(1000, 8, 40, 5), (37, 1, 24, 3)])
+def test_router_weight_grad(merged, R, H, D, E):
+    """∂Wg = Σ_r ∂logits[r]ᵀ (x[r] + inv[r // H]) against float64, over several runs of rows with
+    a ragged last run (R = 1000: 384, 384, 232) and over one short run."""
+    gen = torch.Generator().manual_seed(R + D)
+    dlogits = torch.randn(R, E, generator=gen)
+    x = torch.randn(R, D, generator=gen)
+    inv = torch.randn(R // H, D, generator=gen) if merged else None
+    runs, rows = triton_router.router_runs(R, D, torch.device("cpu"))
+    assert (runs, rows) == ((3, 384) if R == 1000 else (1, 64))
+    got = triton_router.router_weight_grad(dlogits, x, inv, H)
+    y = x.double() + (inv.double().repeat_interleave(H, 0) if merged else 0)
+    want = dlogits.double().T @ y
+    assert got.dtype == torch.float32
+    assert ((got.double() - want).norm() / want.norm()).item() <= 1e-6
