@@ -15,6 +15,7 @@ its list, not only the first. The registers and spills match what the H200 repor
 same config (bench/results/gemm_probe.txt); what this cannot tell is time.
 """
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -42,32 +43,47 @@ LAUNCHERS = [v for module in (triton_moe, triton_pool, triton_router) for v in v
              if isinstance(v, triton_util.Launcher)]
 
 
-def record_launches(preset, act, dtype=torch.bfloat16):
-    """[(kernel, {argument name: value}, num_warps, num_stages)] of one fused forward and backward."""
-    calls = []
-
+@contextlib.contextmanager
+def as_h200(calls=None):
+    """Meta tensors taken for an H200's: every Triton launch is skipped, or appended to `calls`
+    as (kernel, {argument name: value}, num_warps, num_stages), which keeps its tensors alive;
+    each kernel takes its first config, and split grids are sized for 132 SMs."""
     def run(self, *args, grid, warmup, **kwargs):
+        if calls is None:
+            return
         named = dict(zip(self.arg_names, args), **kwargs)
         warps, stages = named.pop("num_warps", 4), named.pop("num_stages", 3)
         calls.append((self, named, warps, stages))
 
-    p = models.PRESETS[preset]
     with mock.patch.object(JITFunction, "run", run), \
             mock.patch.object(triton_util, "on_gpu", lambda t: True), \
             mock.patch.object(triton_util, "NO_AUTOTUNE", True), \
             mock.patch.object(triton_moe, "num_sms", lambda device: H200_SMS), \
             mock.patch.object(triton_router, "num_sms", lambda device: H200_SMS):
-        dev = "meta"
-        B, H, N, D, P, F, E, k = (p[key] for key in ("B", "H", "N", "D", "P", "F", "E", "k"))
-        block = models.MHABlock(D, P, F, E, k, act=act)
-        params = [None if t is None else torch.empty(t.shape, device=dev, dtype=dtype)
-                  for t in models.block_parameters(block)]
-        ctx = torch.empty(B, H, D, device=dev, dtype=dtype)
-        tok = torch.empty(B, N, D, device=dev, dtype=dtype)
+        yield
+
+
+def meta_case(preset, act, dtype=torch.bfloat16):
+    """(ctx, tok, params in region-op order, k, renorm) of the preset, as meta tensors."""
+    p = models.PRESETS[preset]
+    B, H, N, D, P, F, E, k = (p[key] for key in ("B", "H", "N", "D", "P", "F", "E", "k"))
+    block = models.MHABlock(D, P, F, E, k, act=act)
+    params = [None if t is None else torch.empty(t.shape, device="meta", dtype=dtype)
+              for t in models.block_parameters(block)]
+    ctx = torch.empty(B, H, D, device="meta", dtype=dtype)
+    tok = torch.empty(B, N, D, device="meta", dtype=dtype)
+    return ctx, tok, params, k, block.moe.renorm
+
+
+def record_launches(preset, act, dtype=torch.bfloat16):
+    """[(kernel, {argument name: value}, num_warps, num_stages)] of one fused forward and backward."""
+    calls = []
+    with as_h200(calls):
+        ctx, tok, params, k, renorm = meta_case(preset, act, dtype)
         out, inv, attn, weight, index = triton_region.region_forward(
-            "on_load", ctx, tok, *params, None, k, block.moe.renorm, act)
+            "on_load", ctx, tok, *params, None, k, renorm, act)
         triton_region.region_backward("on_load", torch.empty_like(out), ctx, tok, *params, None, inv, attn,
-                                      weight, index, k, block.moe.renorm, act)
+                                      weight, index, k, renorm, act)
     return calls
 
 

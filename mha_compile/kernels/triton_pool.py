@@ -124,7 +124,11 @@ def _pool_bwd_kernel(
     stride_tb, stride_tn,
     SPLIT_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
-    """tok [B,N,D], u [P,D], attn [B,N,P], ∂t̄ [B,P,D] → ∂tok [B,N,D], t̄ and ∂u-partials [B,P,D]."""
+    """tok [B,N,D], u [P,D], attn [B,N,P], ∂t̄ [B,P,D] → ∂tok [B,N,D], t̄ and ∂u-partials [B,P,D].
+
+    du_ptr may be dtbar_ptr: program b reads its ∂t̄[b] whole before its loops and writes the
+    ∂u-partials[b] after the first, and no other program touches row b.
+    """
     b = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     offs_p = tl.arange(0, BLOCK_P)
@@ -190,7 +194,8 @@ _POOL_CONFIGS = [
     dict(BLOCK_N=16, num_warps=16, num_stages=2),
 ]
 _attend = Launcher(_pool_fwd_kernel, _POOL_CONFIGS, key=["N", "D", "P", "HAS_MASK", "SPLIT_DOT"])
-_attend_bwd = Launcher(_pool_bwd_kernel, _POOL_CONFIGS, key=["N", "D", "P", "SPLIT_DOT"])
+# pool_backward passes ∂t̄ as du_ptr too: autotuning's trial runs must each see it restored.
+_attend_bwd = Launcher(_pool_bwd_kernel, _POOL_CONFIGS, key=["N", "D", "P", "SPLIT_DOT"], restore=["dtbar_ptr"])
 
 
 def pool_attend(tok, u, mask=None):
@@ -224,21 +229,26 @@ def pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn):
     # reference.pool_directions). grad_heads [P,B,Dh]: ∂pooled per head.
     grad_heads = grad_pooled.view(B, P, Dh).transpose(0, 1)
     grad_tbar = torch.bmm(grad_heads, wv_heads).transpose(0, 1).contiguous()  # "bpj,pjd->bpd"
+    # The kernel writes the ∂u-partials over ∂t̄ (see _pool_bwd_kernel), and they are summed
+    # and dropped before t̄'s projections: at the large preset this is where training peaks,
+    # with ∂tok (512 MiB) live, and three [B,P,D] fp32 buffers (64 MiB each) became two there
+    # and one after (bench/offline_memory.py).
+    du_part = grad_tbar
     u = pool_directions(q, wk).float().contiguous()
     tok = tok.contiguous()
     attn = attn.contiguous()
     grad_tok = torch.empty_like(tok)
     tbar = torch.empty(B, P, D, device=tok.device, dtype=torch.float32)
-    du_part = torch.empty_like(tbar)
     da = torch.empty_like(attn)
     _attend_bwd(lambda m: (B,), tok, u, attn, grad_tbar, da, tbar, du_part, grad_tok, N, D, P,
                 tok.stride(0), tok.stride(1), SPLIT_DOT=split_dot(tok.dtype), BLOCK_D=pow2(D), BLOCK_P=pow2(P))
+    grad_u = du_part.sum(0) * (Dh**-0.5)
+    del grad_tbar, du_part, da
     pooled = pool_heads(tbar, wv, bv)
     grad_bo = grad_inv.sum(0)
     grad_wo = grad_inv.T @ pooled
     grad_bv = grad_pooled.sum(0)
     grad_wv = torch.bmm(grad_heads.transpose(1, 2), tbar.transpose(0, 1)).reshape(D, D)  # "bpj,bpd->pjd"
-    grad_u = du_part.sum(0) * (Dh**-0.5)
     grad_q = torch.bmm(wk.view(P, Dh, D), grad_u.unsqueeze(2)).squeeze(2)  # "pd,pjd->pj"
     grad_wk = (q[:, :, None] * grad_u[:, None, :]).reshape(D, D)  # "pj,pd->pjd"
     return grad_tok, grad_q, grad_wk, grad_wv, grad_bv, grad_wo, grad_bo

@@ -105,7 +105,8 @@ class Launcher:
     """
 
     def __init__(self, kernel, configs, key, restore=None):
-        """restore: arguments the kernel adds into, which autotuning's trial runs must not change."""
+        """restore: arguments the kernel adds into or overwrites while reading them, which
+        autotuning's trial runs must not change."""
         self.kernel = kernel
         self.configs = configs
         self.key = key

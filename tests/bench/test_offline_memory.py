@@ -1,0 +1,51 @@
+"""bench/offline_memory.py: live bytes counted from allocations and frees, and the fused training
+step's peak at the large preset read from shapes alone (a subprocess: the tool records GPU
+launches, so it runs without TRITON_INTERPRET)."""
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+from bench.offline_memory import LiveBytes
+from mha_compile import models
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+
+
+def test_live_bytes_counts_new_memory_until_freed():
+    with LiveBytes() as mem:
+        a = torch.empty(1000, device="meta")             # 4000 B
+        b = torch.empty(250, 2, device="meta")           # 2000 B
+        view = a.view(10, 100)                            # a view: no new memory
+        a.add_(1)                                         # in place: none
+        del a                                             # the view keeps a's memory
+        assert mem.now == 6000
+        c = view * 2                                      # 4000 B more: the peak, 10000
+        del view, c
+        assert mem.now == 2000
+        d = torch.empty(500, device="meta", dtype=torch.float64)  # 4000 B: 6000, below the peak
+    assert mem.peak == 10000
+    assert sorted(n for n, _ in mem.at_peak) == [2000, 4000, 4000]
+    del b, d
+
+
+def test_large_training_peak_holds_two_pool_buffers(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.path.abspath(ROOT)
+    out = tmp_path / "peaks.json"
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "offline_memory.py"), "--presets", "large",
+                          "--out", str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    found = json.loads(out.read_text())["large"]
+    p = models.PRESETS["large"]
+    tok_bytes = p["B"] * p["N"] * p["D"] * 2
+    bpd_bytes = p["B"] * p["P"] * p["D"] * 4
+    sizes = [n for n, _ in found["at_peak"]]
+    assert found["peak_bytes"] == sum(sizes)
+    # tok and ∂tok (bf16) are both alive where the step peaks: the pool backward
+    assert sizes.count(tok_bytes) == 2
+    # ∂t̄ shares its memory with the ∂u-partials, and t̄ is the other (see triton_pool.pool_backward)
+    pool = [n for n, site in found["at_peak"] if n == bpd_bytes and "triton_pool" in site]
+    assert len(pool) <= 2, found["at_peak"]
