@@ -110,10 +110,11 @@ class Launcher:
         self.kernel = kernel
         self.configs = configs
         self.key = key
+        self.restore = list(restore or [])
         tl_configs = [triton.Config({k: v for k, v in c.items() if k not in ("num_warps", "num_stages")},
                                     num_warps=c.get("num_warps", 4), num_stages=c.get("num_stages", 2))
                       for c in configs]
-        self.tuned = (triton.autotune(configs=tl_configs, key=key, restore_value=restore)(kernel)
+        self.tuned = (triton.autotune(configs=tl_configs, key=key, restore_value=self.restore or None)(kernel)
                       if len(configs) > 1 else None)
         self.best = {}  # autotune key -> the chosen config's meta-parameters
 
