@@ -18,7 +18,7 @@ passes read (c, ∂x_slot) stay whole, and the weight gradients are summed over 
 
 c and ∂x_slot, each one GEMM's fp32 accumulator per slot, are stored in the weights' dtype (as
 a grouped GEMM such as torch._grouped_mm stores them) and summed over j in fp32: in bf16 at the
-large preset each was 256 MiB in fp32, and ∂x_slot is alive at the training peak.
+large preset each was 256 MiB in fp32, read and written once a step.
 
 Forward, per tile t (expert e) and output block:
     gather  xs[s] = x[row(s)] (+ inv[row // H]), in the weights' dtype: with kernels="fused"
