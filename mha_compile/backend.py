@@ -36,8 +36,9 @@ def mha_backend(gm, example_inputs, options=None, mode=None):
         raise ValueError(f"mha backend: mode={mode!r} is not supported; expected one of {MODES}")
     report = GraphReport(next(_graph_counter), options={k: str(v) for k, v in vars(opts).items()})
     report.code_before = gm.code
+    whole = _whole_graph_captured(opts, mode, example_inputs)
     try:
-        lowered = lower(gm, opts, report, _whole_graph_captured(opts, mode, example_inputs))
+        lowered = lower(gm, opts, report, whole)
     except Exception as error:
         if opts.strict:
             raise
@@ -48,9 +49,9 @@ def mha_backend(gm, example_inputs, options=None, mode=None):
     publish(report, gm, lowered, opts.dump)  # log, trace and (with a dump folder) dump the report
     for observer in list(observers):
         observer(report, gm, lowered)
-    compiled = run_rest(lowered, example_inputs, opts, mode)
+    compiled = run_rest(lowered, example_inputs, opts, mode, whole)
     if opts.verify and report.matches:
-        return _verified(run_rest(gm, example_inputs, opts, mode), compiled, report)
+        return _verified(run_rest(gm, example_inputs, opts, mode, whole), compiled, report)
     return compiled
 
 
@@ -126,9 +127,9 @@ def _whole_graph_captured(opts, mode, example_inputs):
     return mode == "reduce-overhead" and any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
 
 
-def run_rest(gm, example_inputs, opts, mode):
-    """Everything outside the region: eagerly, or through Inductor (honouring `mode`)."""
-    whole = _whole_graph_captured(opts, mode, example_inputs)
+def run_rest(gm, example_inputs, opts, mode, whole):
+    """Everything outside the region: eagerly, or through Inductor (honouring `mode`); whole:
+    _whole_graph_captured's answer for this compile."""
     if opts.rest == "inductor":
         from torch._inductor.compile_fx import compile_fx
         graphs = "off" if whole else opts.graphs

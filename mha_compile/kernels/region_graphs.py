@@ -46,7 +46,8 @@ _pools = {}  # device -> the shared graph memory pool
 # device -> the one side stream every warm-up and capture runs on. One, not one per capture:
 # cuBLAS keeps a workspace for each stream it has run on until the process ends. (On the H200
 # at 7a84a28, which took a new stream per capture, benchmark rows that followed graphed ones
-# started 64-128 MiB higher; this is the suspected cause, not yet confirmed.)
+# started 64-128 MiB higher; with one stream, at 27c4aa0, they no longer did and the medium
+# row's pools went 286 -> 158 MiB.)
 _streams = {}
 _EAGER = "eager"  # a signature whose capture failed: it runs eagerly from then on
 # device -> the stream of the last replay there. The graphs share a pool, so any replay may
@@ -64,9 +65,11 @@ def wanted(graphs, kernels, ctx, tok, w1, top_k, act, mask):
         return False
     if torch.cuda.is_current_stream_capturing():
         return False
-    if triton_region.why_unsupported(ctx, tok, w1, top_k, act, mask) is not None:
+    # The size rule first: where it says no (the large preset), the kernel set's own
+    # why_unsupported check is then the call's only one.
+    if graphs == "auto" and not auto_wanted(ctx, w1, top_k, act):
         return False
-    return graphs == "on" or auto_wanted(ctx, w1, top_k, act)
+    return triton_region.why_unsupported(ctx, tok, w1, top_k, act, mask) is None
 
 
 def auto_wanted(ctx, w1, top_k, act):
