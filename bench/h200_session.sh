@@ -49,6 +49,11 @@ echo "commit $commit, part $part" >>"$LOG"
 gpu_tests() {
     { MHA_COMPILE_NO_AUTOTUNE=1 timeout "$1" python -m pytest -q -m cuda tests -n 8 -p no:cacheprovider 2>&1 | tail -15; } >>"$LOG"
 }
+# the fused op's times and CUDA time per kernel (region graphs replayed too) within a time limit (s)
+fused_kernel_times() {
+    { timeout -s INT "$1" python bench/kernel_times.py --presets medium,large --peers fused --graphs fused --profile \
+        2>&1 | tail -400; } >"$OUT/kernel_times.txt"
+}
 case "$part" in
 check)
     gpu_tests 200
@@ -61,14 +66,12 @@ kernels)
     ;;
 verify)
     gpu_tests 200
-    { timeout -s INT 150 python bench/kernel_times.py --presets medium,large --peers fused --graphs fused --profile \
-        2>&1 | tail -400; } >"$OUT/kernel_times.txt"
+    fused_kernel_times 150
     ;;
 probe)
     { timeout -s INT 330 python bench/gemm_probe.py --presets medium,large --out "$OUT/gemm_probe.json" \
         2>&1; } >"$OUT/gemm_probe.txt"
-    { timeout -s INT 120 python bench/kernel_times.py --presets medium,large --peers fused --graphs fused --profile \
-        2>&1 | tail -400; } >"$OUT/kernel_times.txt"
+    fused_kernel_times 120
     ;;
 fwd)
     for preset in small medium; do
