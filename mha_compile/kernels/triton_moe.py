@@ -605,7 +605,11 @@ def group(index, experts):
 # run over runs of whole tiles, each with buffers of its own; only the fp32 rows the
 # token-order passes read (c, ∂x_slot [S,D]) and the ∂w partials stay whole. The weight
 # gradients are then summed over runs in fp32, in run order (reproducible).
-SLOT_CHUNK_BYTES = 256 << 20
+# 512 MiB: three runs at large, whose weight gradients each span ~6 of 16 experts (with six
+# runs of 256 MiB, ~3: 0.99 ms a GEMM against 0.60 over the whole layout, gemm_probe.txt).
+# bench/offline_memory.py puts the MoE backward's peak at 1592 MiB with it (1327 with 256),
+# still under the pool backward's 1603, which sets the step's peak; 768 would set it at 1846.
+SLOT_CHUNK_BYTES = 512 << 20
 
 
 def tile_runs(groups, bytes_per_slot):
