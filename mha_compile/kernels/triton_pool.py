@@ -1,4 +1,4 @@
-"""The inverted attention pool, reassociated (SPEC §1), as one Triton kernel each way.
+"""The inverted attention pool, reassociated (SPEC §1), as Triton kernels.
 
 Forward, per batch row b (one program), reading tok[b] once in BLOCK_N-token chunks:
     s[n,p]   = ⟨tok[b,n], u_p⟩            u_p = Wk_pᵀ q_p / √Dh   (u: [P,D], computed once)
@@ -10,13 +10,16 @@ in place by a second, tiny pass over [N,P] once the softmax statistics are final
 once. The small projections pooled = Wv_p t̄_p + bv, inv = pooled Woᵀ + bo are [B,D]×[D,D]
 GEMMs (4·B·D² FLOPs, against the 4·B·N·D² the direct form would need) and run on cuBLAS.
 
-Backward, given ∂t̄[b,p] = Wv_pᵀ ∂pooled[b,p] (again a small GEMM), per batch row:
+Backward, given ∂t̄[b,p] = Wv_pᵀ ∂pooled[b,p] (again a small GEMM), in two kernels:
     ∂a[n,p] = ⟨tok[b,n], ∂t̄_p⟩,   c_p = Σ_n a ∂a,   ∂s = a ⊙ (∂a − c)
     ∂tok[b,n] = Σ_p a[n,p] ∂t̄_p + Σ_p ∂s[n,p] u_p
-    Σ_n ∂s[n,p] tok[b,n] = Σ_n (a ∂a)[n,p] tok[b,n] − c_p t̄_p      (→ ∂u, hence ∂q, ∂Wk)
-Pass 1 reads tok once and accumulates t̄, Σ(a ∂a) tok and c, storing ∂a ([N,P], small);
-pass 2 needs only a, ∂a, ∂t̄ and u to write ∂tok. Per-b partial ∂u [B,P,D] is summed on the
-host side of the launch by torch (a fixed-order reduction: bitwise reproducible).
+    t̄_p = Σ_n a tok[b,n],   Σ_n ∂s[n,p] tok[b,n]      (→ ∂u, hence ∂q, ∂Wk; t̄ → ∂Wv, ∂Wo)
+Pass 1, one program per batch row (∂a needs all of D), reads tok and writes [a | ∂s] ([N,2P],
+small). Pass 2, per batch row and block of D columns, reads tok again and writes ∂tok: each
+line above is then one dot against [a | ∂s] or the stacked [∂t̄_b ; u]. One program per batch
+row for both, with [P,D] fp32 accumulators, held 255 registers and one program an SM, and ran at
+~4x the memory floor (1.07 ms at large, H200). The per-b ∂u-partials [B,P,D] are summed by
+torch (a fixed-order reduction: bitwise reproducible).
 
 All pool arithmetic accumulates in fp32 to about fp32 accuracy: ieee fp32 dots for fp32 and
 fp16 tokens; for bf16 tokens the same products as split bf16 tensor-core dots (_dot_f32), since
@@ -118,33 +121,28 @@ def _pool_fwd_kernel(
 
 
 @triton.jit
-def _pool_bwd_kernel(
-    tok_ptr, u_ptr, attn_ptr, dtbar_ptr, da_ptr, tbar_ptr, du_ptr, dtok_ptr,
+def _pool_bwd_scores_kernel(
+    tok_ptr, attn_ptr, dtbar_ptr, ads_ptr,
     N, D, P,
     stride_tb, stride_tn,
     SPLIT_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
-    """tok [B,N,D], u [P,D], attn [B,N,P], ∂t̄ [B,P,D] → ∂tok [B,N,D], t̄ and ∂u-partials [B,P,D].
-
-    du_ptr may be dtbar_ptr: program b reads its ∂t̄[b] whole before its loops and writes the
-    ∂u-partials[b] after the first, and no other program touches row b.
-    """
+    """Pass 1 of the backward, per batch row b (one program, all of D): tok [B,N,D], attn
+    [B,N,P], ∂t̄ [B,P,D] → ads [B,N,2P] fp32 = [a | ∂s], the scores' gradient
+    ∂s = a ⊙ (∂a − c) beside a, with ∂a[n,p] = ⟨tok[b,n], ∂t̄_p⟩ and c_p = Σ_n a ∂a. ∂a is parked
+    in ∂s's columns until c is final (a second, tiny pass over [N,P], as the forward's)."""
     b = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     offs_p = tl.arange(0, BLOCK_P)
     d_ok = offs_d < D
     p_ok = offs_p < P
-    pd_ok = p_ok[:, None] & d_ok[None, :]
-    pd_off = offs_p[:, None] * D + offs_d[None, :]
-    u = tl.load(u_ptr + pd_off, mask=pd_ok, other=0.0)
-    dtbar = tl.load(dtbar_ptr + b * P * D + pd_off, mask=pd_ok, other=0.0)
+    dtbar = tl.load(dtbar_ptr + b * P * D + offs_p[:, None] * D + offs_d[None, :],
+                    mask=p_ok[:, None] & d_ok[None, :], other=0.0)
     dtbar_t = tl.trans(dtbar)
     tok_b = tok_ptr + b * stride_tb
     attn_b = attn_ptr + b * N * P
-    da_b = da_ptr + b * N * P
+    ads_b = ads_ptr + b * N * 2 * P
     c = tl.zeros([BLOCK_P], tl.float32)
-    tbar = tl.zeros([BLOCK_P, BLOCK_D], tl.float32)
-    w = tl.zeros([BLOCK_P, BLOCK_D], tl.float32)
     for n0 in range(0, N, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
@@ -153,23 +151,62 @@ def _pool_bwd_kernel(
                     mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         a = tl.load(attn_b + offs_n[:, None] * P + offs_p[None, :], mask=np_ok, other=0.0)
         da = _dot_f32(t, dtbar_t, SPLIT_DOT)  # [BLOCK_N, BLOCK_P]
-        tl.store(da_b + offs_n[:, None] * P + offs_p[None, :], da, mask=np_ok)
+        tl.store(ads_b + offs_n[:, None] * 2 * P + P + offs_p[None, :], da, mask=np_ok)
         c += tl.sum(a * da, axis=0)
-        tbar += _dot_f32(tl.trans(a), t, SPLIT_DOT)
-        w += _dot_f32(tl.trans(a * da), t, SPLIT_DOT)
-    tl.store(tbar_ptr + b * P * D + pd_off, tbar, mask=pd_ok)
-    tl.store(du_ptr + b * P * D + pd_off, w - c[:, None] * tbar, mask=pd_ok)
+    # This program wrote the ∂a it now reads; the barrier orders its threads.
     tl.debug_barrier()
     for n0 in range(0, N, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < N
-        np_ok = n_ok[:, None] & p_ok[None, :]
+        np_ok = (offs_n < N)[:, None] & p_ok[None, :]
         a = tl.load(attn_b + offs_n[:, None] * P + offs_p[None, :], mask=np_ok, other=0.0)
-        da = tl.load(da_b + offs_n[:, None] * P + offs_p[None, :], mask=np_ok, other=0.0)
-        ds = a * (da - c[None, :])
-        dtok = _dot_f32(a, dtbar, SPLIT_DOT) + _dot_f32(ds, u, SPLIT_DOT)
-        tl.store(dtok_ptr + b * stride_tb + offs_n[:, None].to(tl.int64) * stride_tn + offs_d[None, :],
-                 dtok.to(dtok_ptr.dtype.element_ty), mask=n_ok[:, None] & d_ok[None, :])
+        row = ads_b + offs_n[:, None] * 2 * P + offs_p[None, :]
+        da = tl.load(row + P, mask=np_ok, other=0.0)
+        tl.store(row, a, mask=np_ok)
+        tl.store(row + P, a * (da - c[None, :]), mask=np_ok)
+
+
+@triton.jit
+def _pool_bwd_kernel(
+    tok_ptr, u_ptr, ads_ptr, dtbar_ptr, tbar_ptr, du_ptr, dtok_ptr,
+    N, D, P,
+    stride_tb, stride_tn,
+    SPLIT_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
+):
+    """Pass 2, per batch row b and block of D columns, one read of tok and one write of ∂tok.
+    With ads = [a | ∂s] (pass 1) and the stacked directions R = [∂t̄_b ; u] ([2P, D]):
+        ∂tok[b,n] = ads[n] R = Σ_p a ∂t̄_p + Σ_p ∂s u_p
+        adsᵀ tok[b] = [t̄_b ; Σ_n ∂s tok[b,n]] → t̄ [B,P,D] and the ∂u-partials [B,P,D]
+    (2P is padded to BLOCK_Q ≥ 16 columns, one dot each way). du_ptr may be dtbar_ptr: a
+    program reads its block of ∂t̄[b] before its loop and writes the same block after it, and
+    no other program touches that block.
+    """
+    b = tl.program_id(0).to(tl.int64)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_q = tl.arange(0, BLOCK_Q)
+    d_ok = offs_d < D
+    q_a = offs_q < P
+    q_s = (offs_q >= P) & (offs_q < 2 * P)
+    rows = dtbar_ptr + b * P * D + offs_q[:, None] * D + offs_d[None, :]
+    dirs = (tl.load(rows, mask=q_a[:, None] & d_ok[None, :], other=0.0)
+            + tl.load(u_ptr + (offs_q - P)[:, None] * D + offs_d[None, :], mask=q_s[:, None] & d_ok[None, :],
+                      other=0.0))
+    tok_b = tok_ptr + b * stride_tb
+    ads_b = ads_ptr + b * N * 2 * P
+    acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
+    for n0 in range(0, N, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        nd_off = offs_n[:, None].to(tl.int64) * stride_tn + offs_d[None, :]
+        nd_ok = n_ok[:, None] & d_ok[None, :]
+        t = tl.load(tok_b + nd_off, mask=nd_ok, other=0.0)
+        ads = tl.load(ads_b + offs_n[:, None] * 2 * P + offs_q[None, :], mask=n_ok[:, None] & (q_a | q_s)[None, :],
+                      other=0.0)
+        dtok = _dot_f32(ads, dirs, SPLIT_DOT)  # [BLOCK_N, BLOCK_D]
+        tl.store(dtok_ptr + b * stride_tb + nd_off, dtok.to(dtok_ptr.dtype.element_ty), mask=nd_ok)
+        acc += _dot_f32(tl.trans(ads), t, SPLIT_DOT)  # [BLOCK_Q, BLOCK_D]
+    out_off = b * P * D + offs_q[:, None] * D + offs_d[None, :]
+    tl.store(tbar_ptr + out_off, acc, mask=q_a[:, None] & d_ok[None, :])
+    tl.store(du_ptr + out_off - P * D, acc, mask=q_s[:, None] & d_ok[None, :])
 
 
 # Token dtypes whose pool dots run as split 16-bit tensor-core products (see _dot_f32). fp16
@@ -194,8 +231,17 @@ _POOL_CONFIGS = [
     dict(BLOCK_N=16, num_warps=16, num_stages=2),
 ]
 _attend = Launcher(_pool_fwd_kernel, _POOL_CONFIGS, key=["N", "D", "P", "HAS_MASK", "SPLIT_DOT"])
-# pool_backward passes ∂t̄ as du_ptr too: autotuning's trial runs must each see it restored.
-_attend_bwd = Launcher(_pool_bwd_kernel, _POOL_CONFIGS, key=["N", "D", "P", "SPLIT_DOT"], restore=["dtbar_ptr"])
+_attend_bwd_scores = Launcher(_pool_bwd_scores_kernel, _POOL_CONFIGS, key=["N", "D", "P", "SPLIT_DOT"])
+# Pass 2 by blocks of D: the first config (32 columns) gives the interpreter's tests more than
+# one block at their D of 33-40. pool_backward passes ∂t̄ as du_ptr too: autotuning's trial
+# runs must each see it restored.
+_attend_bwd = Launcher(_pool_bwd_kernel, [
+    dict(BLOCK_N=16, BLOCK_D=32, num_warps=4, num_stages=3),
+    dict(BLOCK_N=32, BLOCK_D=128, num_warps=4, num_stages=3),
+    dict(BLOCK_N=64, BLOCK_D=128, num_warps=8, num_stages=3),
+    dict(BLOCK_N=32, BLOCK_D=256, num_warps=8, num_stages=3),
+    dict(BLOCK_N=64, BLOCK_D=64, num_warps=4, num_stages=4),
+], key=["N", "D", "P", "SPLIT_DOT"], restore=["dtbar_ptr"])
 
 
 def pool_attend(tok, u, mask=None):
@@ -239,11 +285,14 @@ def pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn):
     attn = attn.contiguous()
     grad_tok = torch.empty_like(tok)
     tbar = torch.empty(B, P, D, device=tok.device, dtype=torch.float32)
-    da = torch.empty_like(attn)
-    _attend_bwd(lambda m: (B,), tok, u, attn, grad_tbar, da, tbar, du_part, grad_tok, N, D, P,
-                tok.stride(0), tok.stride(1), SPLIT_DOT=split_dot(tok.dtype), BLOCK_D=pow2(D), BLOCK_P=pow2(P))
+    ads = torch.empty(B, N, 2 * P, device=tok.device, dtype=torch.float32)
+    strides = tok.stride(0), tok.stride(1)
+    _attend_bwd_scores(lambda m: (B,), tok, attn, grad_tbar, ads, N, D, P, *strides,
+                       SPLIT_DOT=split_dot(tok.dtype), BLOCK_D=pow2(D), BLOCK_P=pow2(P))
+    _attend_bwd(lambda m: (B, triton.cdiv(D, m["BLOCK_D"])), tok, u, ads, grad_tbar, tbar, du_part, grad_tok,
+                N, D, P, *strides, SPLIT_DOT=split_dot(tok.dtype), BLOCK_Q=pow2(2 * P))
     grad_u = du_part.sum(0) * (Dh**-0.5)
-    del grad_tbar, du_part, da
+    del grad_tbar, du_part, ads
     pooled = pool_heads(tbar, wv, bv)
     grad_bo = grad_inv.sum(0)
     grad_wo = grad_inv.T @ pooled

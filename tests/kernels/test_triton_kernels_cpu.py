@@ -184,7 +184,7 @@ def test_weight_grads_split_over_slots(monkeypatch, act, bias):
 
 
 TUNED = [(triton_moe, name) for name in ("_up", "_hidden", "_slots_gemm", "_wgrad", "_sum_tiles")] + [
-    (triton_pool, name) for name in ("_attend", "_attend_bwd")] + [
+    (triton_pool, name) for name in ("_attend", "_attend_bwd_scores", "_attend_bwd")] + [
     (triton_router, name) for name in ("_route", "_combine_bwd")]
 TUNED_CONFIGS = [pytest.param(module, name, i, id=f"{name}{i}") for module, name in TUNED
                  for i in range(len(getattr(module, name).configs))]
