@@ -144,6 +144,41 @@ class Launcher:
 
 
 # ---------------------------------------------------------------------------------------------
+# fp32 products on 16-bit tensor cores.
+
+
+@triton.jit
+def split16(x, DT: tl.constexpr):
+    """x (fp32) = hi + lo, both in DT: hi + lo carries ~16 of fp32's 24 mantissa bits."""
+    hi = x.to(DT)
+    return hi, (x - hi.to(tl.float32)).to(DT)
+
+
+@triton.jit
+def dot_f32(a, b, SPLIT_DOT: tl.constexpr):
+    """a @ b with fp32 accumulation to about fp32 accuracy. SPLIT_DOT = 0: ieee fp32 dot (FMA
+    units). Otherwise SPLIT_DOT is the 16-bit dtype of the tokens (1 = bf16, 2 = fp16): an
+    operand already in it is used as is, an fp32 one is split into hi + lo halves, and the
+    products of the halves (lo · lo dropped) run on the tensor cores: ~2⁻¹⁶ relative. The pool's
+    dots are thin ([N, D] × [D, P] with P ≤ 16): on the FMA path they, not the bytes of tok, set
+    its time."""
+    if SPLIT_DOT == 0:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        DT: tl.constexpr = tl.bfloat16 if SPLIT_DOT == 1 else tl.float16
+        if a.dtype == DT:
+            b_hi, b_lo = split16(b, DT)
+            return tl.dot(a, b_lo, tl.dot(a, b_hi))
+        elif b.dtype == DT:
+            a_hi, a_lo = split16(a, DT)
+            return tl.dot(a_lo, b, tl.dot(a_hi, b))
+        else:
+            a_hi, a_lo = split16(a, DT)
+            b_hi, b_lo = split16(b, DT)
+            return tl.dot(a_lo, b_hi, tl.dot(a_hi, b_lo, tl.dot(a_hi, b_hi)))
+
+
+# ---------------------------------------------------------------------------------------------
 # Activations (codes above). u: pre-activation in fp32; u3 = x W3 for swiglu.
 
 GELU_TANH_C = math.sqrt(2.0 / math.pi)

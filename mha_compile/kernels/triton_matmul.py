@@ -1,0 +1,98 @@
+"""fp32 GEMMs at about fp32 accuracy on the 16-bit tensor cores: the pool's small projections.
+
+Around the pool kernels sit [B,D]×[D,D]-sized fp32 products (pooled = Wv t̄ per head, inv =
+pooled Woᵀ, and their gradients): 4·B·D² FLOPs each. On cuBLAS in fp32 they ran on the FMA
+units, 32×32-tile kernels among them, ~0.49 ms of a large training step and ~80 µs of a medium
+one (H200, bench/results/kernel_times.txt). Here each tile's product is triton_util.dot_f32:
+the fp32 operands split into 16-bit hi + lo halves, three tensor-core dots (~2⁻¹⁶ relative),
+accumulated in fp32, which is the accuracy the pool kernels already keep.
+
+    matmul_f32(a [Bt,M,K], b [Bt,K,N], out [Bt,M,N], split_dot)    any strides, fp32
+
+When M×N gives too few tiles to fill the GPU (∂Wo, ∂Wv: a [D,D] output summed over K = B),
+K is cut into SPLIT equal runs whose fp32 partials [SPLIT,Bt,M,N] torch sums in run order
+(reproducible run to run).
+"""
+import torch
+import triton
+import triton.language as tl
+
+from mha_compile.kernels.triton_util import Launcher, dot_f32, num_sms
+
+
+@triton.jit
+def _matmul_f32_kernel(
+    a_ptr, b_ptr, c_ptr,
+    M, N, K, K_RUN,
+    stride_ab, stride_am, stride_ak, stride_bb, stride_bk, stride_bn, stride_cs, stride_cb, stride_cm, stride_cn,
+    SPLIT_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """c[s, bt] = a[bt, :, ks] @ b[bt, ks, :] over the s-th run ks of K_RUN columns of K
+    (program axes: (m, n) tile, bt, s)."""
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    pid_m = tl.program_id(0) // n_tiles
+    pid_n = tl.program_id(0) % n_tiles
+    bt = tl.program_id(1).to(tl.int64)
+    s = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    k_lo = s * K_RUN
+    k_hi = tl.minimum(k_lo + K_RUN, K)
+    a_bt = a_ptr + bt * stride_ab
+    b_bt = b_ptr + bt * stride_bb
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < k_hi
+        a = tl.load(a_bt + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :].to(tl.int64) * stride_ak,
+                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_bt + offs_k[:, None].to(tl.int64) * stride_bk + offs_n[None, :].to(tl.int64) * stride_bn,
+                    mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc += dot_f32(a, b, SPLIT_DOT)
+    c = c_ptr + s.to(tl.int64) * stride_cs + bt * stride_cb
+    tl.store(c + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :].to(tl.int64) * stride_cn, acc,
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+# The first config is the interpreter's (and MHA_COMPILE_NO_AUTOTUNE's). BLOCK_K ≤ RUN_ALIGN.
+_matmul = Launcher(_matmul_f32_kernel, [
+    dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=3),
+    dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3),
+    dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=3),
+    dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3),
+], key=["M", "N", "K", "K_RUN", "SPLIT_DOT"])
+
+RUN_ALIGN = 64  # K runs are whole multiples of every config's BLOCK_K
+MIN_RUN = 512  # no run shorter than this: each costs a [Bt,M,N] fp32 partial
+SPLIT_TILE = 128  # the tile the split count assumes (the largest config's)
+
+
+def k_runs(batch, M, N, K, device):
+    """(SPLIT, K_RUN): runs of K so that (tiles of SPLIT_TILE²) × runs reach ~2 programs an SM."""
+    tiles = batch * triton.cdiv(M, SPLIT_TILE) * triton.cdiv(N, SPLIT_TILE)
+    split = max(1, min(triton.cdiv(2 * num_sms(device), tiles), K // MIN_RUN))
+    run = triton.cdiv(triton.cdiv(K, split), RUN_ALIGN) * RUN_ALIGN
+    return triton.cdiv(K, run), run
+
+
+def matmul_f32(a, b, out, split_dot):
+    """out [Bt,M,N] (fp32, any strides, written) = a [Bt,M,K] @ b [Bt,K,N] (fp32, any strides),
+    with split_dot as in triton_util.dot_f32 (0: ieee fp32). Returns out."""
+    Bt, M, K = a.shape
+    N = b.shape[2]
+    torch._check(b.shape == (Bt, K, N) and out.shape == (Bt, M, N),
+                 lambda: f"matmul_f32: a {tuple(a.shape)} @ b {tuple(b.shape)} into out {tuple(out.shape)}")
+    torch._check(a.dtype == b.dtype == out.dtype == torch.float32,
+                 lambda: f"matmul_f32 takes fp32, got {a.dtype}, {b.dtype} into {out.dtype}")
+    split, run = k_runs(Bt, M, N, K, a.device)
+    dest = out if split == 1 else torch.empty(split, Bt, M, N, device=a.device, dtype=torch.float32)
+    cs = 0 if split == 1 else dest.stride(0)
+    cb, cm, cn = dest.stride()[-3:]
+    _matmul(lambda m: (triton.cdiv(M, m["BLOCK_M"]) * triton.cdiv(N, m["BLOCK_N"]), Bt, split),
+            a, b, dest, M, N, K, run, *a.stride(), *b.stride(), cs, cb, cm, cn, SPLIT_DOT=split_dot)
+    if split > 1:
+        out.copy_(dest.sum(0))
+    return out

@@ -1,0 +1,56 @@
+"""triton_matmul.matmul_f32 (the pool's projections on split tensor-core dots) against float64:
+odd extents, strided operands and outputs, and K cut into runs whose partials are summed."""
+import pytest
+import torch
+
+from mha_compile.kernels import triton_matmul
+
+BOUND = {0: 1e-5, 1: 1e-4, 2: 1e-5}  # ieee fp32; split bf16 halves ~2⁻¹⁶; split fp16 ~2⁻²²
+
+
+def _case(device, Bt=3, M=37, K=97, N=45, seed=0):
+    """a [Bt,M,K] and b [Bt,K,N] fp32, each a strided view (a transposed, b sliced)."""
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(Bt, K, M, generator=g).to(device).transpose(1, 2)
+    b = torch.randn(Bt, K, 2 * N, generator=g).to(device)[:, :, ::2]
+    return a, b
+
+
+def _check(a, b, out, split_dot):
+    ref = a.double() @ b.double()
+    got = triton_matmul.matmul_f32(a, b, out, split_dot)
+    assert got.data_ptr() == out.data_ptr()
+    err = ((got.double() - ref).norm() / ref.norm()).item()
+    assert err <= BOUND[split_dot], (split_dot, err)
+    return err
+
+
+@pytest.mark.parametrize("split_dot", [0, 2])
+@pytest.mark.parametrize("runs", [False, True])
+def test_matmul_f32(monkeypatch, split_dot, runs):
+    if runs:  # runs of K: with 4 SMs off the GPU, K = 97 becomes two runs of 64
+        monkeypatch.setattr(triton_matmul, "MIN_RUN", 16)
+    a, b = _case("cpu")
+    assert triton_matmul.k_runs(3, 37, 45, 97, a.device)[0] == (2 if runs else 1)
+    out = torch.empty(45, 3, 37).transpose(0, 2).transpose(0, 1)  # [3,37,45], no unit stride on N
+    _check(a, b, out, split_dot)
+
+
+def test_matmul_f32_checks_its_inputs():
+    a, b = _case("cpu")
+    with pytest.raises(RuntimeError, match="matmul_f32"):
+        triton_matmul.matmul_f32(a, b.transpose(1, 2), torch.empty(3, 37, 45), 0)
+    with pytest.raises(RuntimeError, match="fp32"):
+        triton_matmul.matmul_f32(a.half(), b.half(), torch.empty(3, 37, 45), 0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("shape", [(1, 4096, 512, 512), (8, 4096, 512, 64), (1, 512, 4096, 512), (3, 37, 97, 45)])
+def test_matmul_f32_bf16_halves(shape):
+    """bf16 halves on the H200 at the large preset's projection shapes ((Bt, M, K, N): Wo,
+    per-head Wv, ∂Wo with K = B cut into runs) and an odd one."""
+    Bt, M, K, N = shape
+    a, b = _case("cuda", Bt, M, K, N, seed=1)
+    err = _check(a, b, torch.empty(Bt, M, N, device="cuda"), 1)
+    print(f"{shape}: {err:.1e}")
