@@ -438,10 +438,10 @@ _wgrad = Launcher(_moe_wgrad_kernel, [
     # over the whole layout, gemm_probe.txt). At b6e8cdb the autotuner kept 128x256 there.
     dict(BLOCK_I=64, BLOCK_J=128, BLOCK_S=64, num_warps=4, num_stages=4),
 ], key=["I", "J", "E", "SPLIT", "TILE", "HAS_B2", "ACCUMULATE"], restore=["dw_ptr", "dw2_ptr"])
-# The first is the choice measured at 27c4aa0 (33 us a medium step, 0.33 ms a large one, 40
-# programs at medium); narrower column blocks give 4x the programs for the same loads.
+# Narrow column blocks give many programs for the same loads: BLOCK 64 took 11 us a medium
+# step where BLOCK 256 (40 programs) took 33, which the autotuner still picked once (e166b7f,
+# kernel_times.txt), so 256 is out of the list.
 _sum_tiles = Launcher(_sum_tiles_kernel, [
-    dict(BLOCK=256, BLOCK_R=32, num_warps=4, num_stages=3),
     dict(BLOCK=64, BLOCK_R=32, num_warps=4, num_stages=3),
     dict(BLOCK=128, BLOCK_R=16, num_warps=4, num_stages=3),
     dict(BLOCK=64, BLOCK_R=64, num_warps=4, num_stages=3),
