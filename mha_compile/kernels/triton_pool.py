@@ -138,7 +138,7 @@ def _pool_bwd_scores_kernel(
 @triton.jit
 def _pool_bwd_kernel(
     tok_ptr, u_ptr, attn_ptr, ds_ptr, dtbar_ptr, tbar_ptr, du_ptr, dtok_ptr,
-    N, D, P,
+    N, D, P: tl.constexpr,
     stride_tb, stride_tn,
     SPLIT_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
 ):
@@ -148,7 +148,8 @@ def _pool_bwd_kernel(
         adsᵀ tok[b] = [t̄_b ; Σ_n ∂s tok[b,n]] → t̄ [B,P,D] and the ∂u-partials [B,P,D]
     (2P is padded to BLOCK_Q ≥ 16 columns, one dot each way). du_ptr may be dtbar_ptr: a
     program reads its block of ∂t̄[b] before its loop and writes the same block after it, and
-    no other program touches that block.
+    no other program touches that block. P is a compile-time constant here: a and ∂s are read
+    as [BLOCK_N, P] rows of P contiguous values, which the compiler can then load as vectors.
     """
     b = tl.program_id(0).to(tl.int64)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
