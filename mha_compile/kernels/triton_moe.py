@@ -433,9 +433,10 @@ _wgrad = Launcher(_moe_wgrad_kernel, [
     dict(BLOCK_I=128, BLOCK_J=128, BLOCK_S=64, num_warps=8, num_stages=3),
     dict(BLOCK_I=128, BLOCK_J=128, BLOCK_S=32, num_warps=8, num_stages=4),
     dict(BLOCK_I=128, BLOCK_J=256, BLOCK_S=64, num_warps=8, num_stages=3),
-    # Inside a run of tiles (large) only the run's ~3 of 16 experts have programs with work:
-    # 96 of them at 128x256 for 132 SMs, 384 at 64x128 (runs took 0.99 ms a GEMM against 0.60
-    # over the whole layout, gemm_probe.txt). At b6e8cdb the autotuner kept 128x256 there.
+    # Inside a run of tiles (large) only the run's experts have programs with work: with runs
+    # of 256 MiB ~3 of 16, 96 programs at 128x256 for 132 SMs, 384 at 64x128 (runs took 0.99 ms
+    # a GEMM against 0.60 over the whole layout, gemm_probe.txt); the autotuner kept 128x256.
+    # Runs of 512 MiB (~6 experts) took the two GEMMs 1.98 -> 1.48 ms a step (7863c64).
     dict(BLOCK_I=64, BLOCK_J=128, BLOCK_S=64, num_warps=4, num_stages=4),
 ], key=["I", "J", "E", "SPLIT", "TILE", "HAS_B2", "ACCUMULATE"], restore=["dw_ptr", "dw2_ptr"])
 # Narrow column blocks give many programs for the same loads: BLOCK 64 took 11 us a medium
