@@ -196,6 +196,7 @@ def main(argv=None):
 
     rows, cache, started = list(kept), {}, time.perf_counter()
     progress = Progress(len(jobs))
+    running = None  # (job, when it started) while a row is being measured
     try:
         for job in jobs:
             label = _label(job)
@@ -203,7 +204,12 @@ def main(argv=None):
             if args.budget is not None and time.perf_counter() - started > args.budget:
                 row = dict(job, status="skipped", error=f"time budget of {args.budget:.0f} s spent")
             else:
+                # On disk first as unfinished: a process killed inside a row (max-autotune's
+                # compile does not answer an interrupt) then leaves a table that names it.
+                running = (job, time.perf_counter())
+                _write(stem, meta, rows + [_unfinished(job, env, running[1] - started, None)])
                 row = measure.run_row(job, cache, quick=args.quick)
+                running = None
             trace = row.pop("traceback", None)
             if trace:
                 with open(stem + ".errors.log", "a") as log:
@@ -212,8 +218,12 @@ def main(argv=None):
             progress.finish(label, row)
             _write(stem, meta, rows)
     except KeyboardInterrupt:
-        notes.append(f"interrupted after {len(rows) - len(kept)} of {len(jobs)} rows")
-        print(f"bench: interrupted; writing the {len(rows) - len(kept)} rows done", file=sys.stderr)
+        done = len(rows) - len(kept)
+        notes.append(f"interrupted after {done} of {len(jobs)} rows")
+        print(f"bench: interrupted; writing the {done} rows done", file=sys.stderr)
+        if running is not None:
+            job, since = running
+            rows.append(_unfinished(job, env, since - started, time.perf_counter() - since))
     finally:
         progress.close()
     _write(stem, meta, rows)
@@ -223,6 +233,15 @@ def main(argv=None):
     print(plot.plot_speedup(rows, stem + ".png"))
     print(f"rows written to {stem}.json and {stem}.md")
     return 0
+
+
+def _unfinished(job, env, started_s, ran_s):
+    """The row of a job that did not finish: started `started_s` into the run, interrupted after
+    `ran_s` seconds (None: still running when these files were last written)."""
+    how = (f"interrupted after {ran_s:.0f} s" if ran_s is not None
+           else "still running when the process stopped")
+    error = f"{how} (started at {started_s:.0f} s of the run)"
+    return {**dict.fromkeys(report.ROW_FIELDS), **job, "status": "unfinished", "error": error, **env}
 
 
 def _write(stem, meta, rows):

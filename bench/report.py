@@ -117,6 +117,9 @@ LEGEND = """\
 - **1st call s**: the first call, synchronised: compile time plus one step for compiled modes.
   Triton compiles and autotunes each kernel once per process: the first mha row of a kernel set
   at a preset pays it (e.g. mha-staged at medium), later rows reuse the kernels.
+- **unfinished**: a row that was being measured when the run was interrupted or killed (a
+  compiled mode's first call compiles: Inductor max-autotune can take minutes); the note says
+  when it started.
 - **NOT LOWERED**: a backend="mha" row where mha_compile.explain found no region replaced; the
   backend then runs the graph as captured, so its time is not our kernels'.
 """

@@ -66,6 +66,44 @@ def test_budget_skips_the_rest(tmp_path):
     assert "budget" in rows[0]["error"]
 
 
+def test_a_row_in_progress_is_on_disk_as_unfinished(tmp_path, monkeypatch):
+    """While a row runs, the files already hold it as unfinished (a process killed inside a
+    compile leaves a table that names the row); once it has run, its real row replaces it."""
+    real_run = bench_main.measure.run_row
+    seen = []
+
+    def run_row(job, cache, quick=False):
+        with open(tmp_path / "t.json") as f:
+            seen.append([(r["mode"], r["status"], r["error"]) for r in json.load(f)["rows"]])
+        return real_run(job, cache, quick=quick)
+
+    monkeypatch.setattr(bench_main.measure, "run_row", run_row)
+    rows = _run(tmp_path, "--presets", "tiny", "--modes", "eager,inductor", "--spellings", "dense",
+                "--passes", "fwd")
+    assert [r[:2] for r in seen[0]] == [("eager", "unfinished")]
+    assert [r[:2] for r in seen[1]] == [("eager", "ok"), ("inductor", "unfinished")]
+    assert "still running" in seen[1][1][2]
+    assert [(r["mode"], r["status"]) for r in rows] == [("eager", "ok"), ("inductor", "ok")]
+
+
+def test_an_interrupted_row_is_kept_as_unfinished(tmp_path, monkeypatch):
+    real_run = bench_main.measure.run_row
+
+    def run_row(job, cache, quick=False):
+        if job["mode"] == "inductor":
+            raise KeyboardInterrupt
+        return real_run(job, cache, quick=quick)
+
+    monkeypatch.setattr(bench_main.measure, "run_row", run_row)
+    rows = _run(tmp_path, "--presets", "tiny", "--modes", "eager,inductor", "--spellings", "dense",
+                "--passes", "fwd")
+    assert [(r["mode"], r["status"]) for r in rows] == [("eager", "ok"), ("inductor", "unfinished")]
+    assert rows[1]["error"].startswith("interrupted after") and rows[1]["time_ms"] is None
+    with open(tmp_path / "t.md") as f:
+        text = f.read()
+    assert "unfinished: interrupted after" in text and "interrupted after 1 of 2 rows" in text
+
+
 def test_plan_defaults_and_order():
     args = bench_main.parse_args(["--modes", "eager,inductor-max-autotune,mha-fused", "--presets", "small,medium,large"])
     jobs, notes = bench_main.plan(args, "cuda")
