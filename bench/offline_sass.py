@@ -30,7 +30,7 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
 from mha_compile import models
-from mha_compile.kernels import triton_moe, triton_pool, triton_region, triton_router, triton_util
+from mha_compile.kernels import triton_matmul, triton_moe, triton_pool, triton_region, triton_router, triton_util
 
 H200 = GPUTarget("cuda", 90, 32)
 H200_SMS = 132
@@ -39,7 +39,7 @@ PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bi
 NVDISASM = os.path.join(os.path.dirname(PTXAS), "nvdisasm")
 TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
          torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8", torch.int8: "i8", torch.bool: "i1"}
-LAUNCHERS = [v for module in (triton_moe, triton_pool, triton_router) for v in vars(module).values()
+LAUNCHERS = [v for module in (triton_matmul, triton_moe, triton_pool, triton_router) for v in vars(module).values()
              if isinstance(v, triton_util.Launcher)]
 
 
@@ -58,8 +58,8 @@ def as_h200(calls=None):
     with mock.patch.object(JITFunction, "run", run), \
             mock.patch.object(triton_util, "on_gpu", lambda t: True), \
             mock.patch.object(triton_util, "NO_AUTOTUNE", True), \
-            mock.patch.object(triton_moe, "num_sms", lambda device: H200_SMS), \
-            mock.patch.object(triton_router, "num_sms", lambda device: H200_SMS):
+            mock.patch.object(triton_util, "num_sms", lambda device: H200_SMS), \
+            mock.patch.object(triton_moe, "num_sms", lambda device: H200_SMS):
         yield
 
 

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mha_compile.kernels.triton_util import Launcher, dot_f32, num_sms
+from mha_compile.kernels.triton_util import Launcher, dot_f32, split_runs
 
 
 @triton.jit
@@ -73,9 +73,7 @@ SPLIT_TILE = 128  # the tile the split count assumes (the largest config's)
 def k_runs(batch, M, N, K, device):
     """(SPLIT, K_RUN): runs of K so that (tiles of SPLIT_TILE²) × runs reach ~2 programs an SM."""
     tiles = batch * triton.cdiv(M, SPLIT_TILE) * triton.cdiv(N, SPLIT_TILE)
-    split = max(1, min(triton.cdiv(2 * num_sms(device), tiles), K // MIN_RUN))
-    run = triton.cdiv(triton.cdiv(K, split), RUN_ALIGN) * RUN_ALIGN
-    return triton.cdiv(K, run), run
+    return split_runs(K, tiles, MIN_RUN, RUN_ALIGN, device)
 
 
 def matmul_f32(a, b, out, split_dot):

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mha_compile.kernels.triton_util import Launcher, gpu_options, load_x, num_sms, pow2
+from mha_compile.kernels.triton_util import Launcher, gpu_options, load_x, pow2, split_runs
 
 MAX_EXPERTS = 64
 
@@ -251,10 +251,7 @@ def _wgrad_block_d(D):
 
 def router_runs(R, D, device):
     """(runs of rows, rows a run) for router_weight_grad."""
-    n_d = triton.cdiv(D, _wgrad_block_d(D))
-    runs = max(1, min(triton.cdiv(2 * num_sms(device), n_d), R // WGRAD_MIN_ROWS))
-    rows = triton.cdiv(triton.cdiv(R, runs), WGRAD_BLOCK_R) * WGRAD_BLOCK_R
-    return triton.cdiv(R, rows), rows
+    return split_runs(R, triton.cdiv(D, _wgrad_block_d(D)), WGRAD_MIN_ROWS, WGRAD_BLOCK_R, device)
 
 
 def router_weight_grad(dlogits, x, inv, horizons):

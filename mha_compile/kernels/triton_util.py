@@ -54,6 +54,15 @@ def num_sms(device):
     return 4
 
 
+def split_runs(length, programs, min_run, align, device):
+    """(runs, run): a reduction of `length` cut into runs of `run` (a multiple of `align`, the
+    last one shorter), enough of them that `programs` × runs reach two waves of the device's
+    SMs, and none shorter than `min_run` unless the whole is."""
+    runs = max(1, min(triton.cdiv(2 * num_sms(device), programs), length // min_run))
+    run = triton.cdiv(triton.cdiv(length, runs), align) * align
+    return triton.cdiv(length, run), run
+
+
 def gpu_options(t, **options):
     """Launch options (num_warps, num_stages) when `t` is on a GPU, none for the interpreter."""
     return options if on_gpu(t) else {}
