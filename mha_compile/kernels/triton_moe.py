@@ -52,97 +52,85 @@ from mha_compile.kernels.triton_util import (ACT_CODE, Launcher, act_bwd, act_fw
 
 
 @triton.jit
-def _job(job, N, BLOCK_N: tl.constexpr):
-    """(tile t, its column offsets) of job `job`: the jobs of one tile are adjacent, so that
-    programs running together share its rows."""
-    n_blocks = tl.cdiv(N, BLOCK_N)
-    return job // n_blocks, (job % n_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
-
-
-@triton.jit
 def _moe_up_kernel(
     xs_ptr, slot_pair_ptr, tile_expert_ptr, w1_ptr, b1_ptr, w3_ptr, h_ptr,
-    PAIRS, D, F, NUM_TILES,
+    PAIRS, D, F,
     HAS_B1: tl.constexpr, ACT: tl.constexpr,
     PRECISION: tl.constexpr, TILE: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
-    PERSISTENT: tl.constexpr,
 ):
     """h [S,F] = act(xs[s] W1[e] + b1[e]) per slot, 0 on padding; xs [S,D] the slot rows
-    (_gather_rows_kernel), W1 [E,D,F]. One job per (tile, F block); see job_grid."""
-    for job in tl.range(tl.program_id(0), NUM_TILES * tl.cdiv(F, BLOCK_F), tl.num_programs(0), flatten=PERSISTENT):
-        t, offs_f = _job(job, F, BLOCK_F)
-        f_ok = offs_f < F
-        offs_s = t.to(tl.int64) * TILE + tl.arange(0, TILE)
-        pair = tl.load(slot_pair_ptr + offs_s)
-        valid = pair < PAIRS
-        e = tl.load(tile_expert_ptr + t).to(tl.int64)
-        # An all-padding tile (its first slot is padding) skips the K loop.
-        k_end = tl.where(tl.load(slot_pair_ptr + t.to(tl.int64) * TILE) < PAIRS, D, 0)
-        acc = tl.zeros([TILE, BLOCK_F], tl.float32)
-        acc3 = tl.zeros([TILE, BLOCK_F], tl.float32)
-        w1_e = w1_ptr + e * D * F
-        w3_e = w3_ptr + e * D * F
-        for k0 in range(0, k_end, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < D
-            a = tl.load(xs_ptr + offs_s[:, None] * D + offs_k[None, :], mask=k_ok[None, :], other=0.0)
-            w_off = offs_k[:, None].to(tl.int64) * F + offs_f[None, :]
-            w_ok = k_ok[:, None] & f_ok[None, :]
-            acc = tl.dot(a, tl.load(w1_e + w_off, mask=w_ok, other=0.0), acc, input_precision=PRECISION)
-            if ACT == 3:
-                acc3 = tl.dot(a, tl.load(w3_e + w_off, mask=w_ok, other=0.0), acc3, input_precision=PRECISION)
-        if HAS_B1:
-            acc += tl.load(b1_ptr + e * F + offs_f, mask=f_ok, other=0.0).to(tl.float32)[None, :]
-        h = tl.where(valid[:, None], act_fwd(acc, acc3, ACT), 0.0)
-        tl.store(h_ptr + offs_s[:, None] * F + offs_f[None, :], h.to(h_ptr.dtype.element_ty), mask=f_ok[None, :])
+    (_gather_rows_kernel), W1 [E,D,F]."""
+    t = tl.program_id(0)
+    offs_f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    f_ok = offs_f < F
+    offs_s = t.to(tl.int64) * TILE + tl.arange(0, TILE)
+    pair = tl.load(slot_pair_ptr + offs_s)
+    valid = pair < PAIRS
+    e = tl.load(tile_expert_ptr + t).to(tl.int64)
+    # An all-padding tile (its first slot is padding) skips the K loop.
+    k_end = tl.where(tl.load(slot_pair_ptr + t.to(tl.int64) * TILE) < PAIRS, D, 0)
+    acc = tl.zeros([TILE, BLOCK_F], tl.float32)
+    acc3 = tl.zeros([TILE, BLOCK_F], tl.float32)
+    w1_e = w1_ptr + e * D * F
+    w3_e = w3_ptr + e * D * F
+    for k0 in range(0, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < D
+        a = tl.load(xs_ptr + offs_s[:, None] * D + offs_k[None, :], mask=k_ok[None, :], other=0.0)
+        w_off = offs_k[:, None].to(tl.int64) * F + offs_f[None, :]
+        w_ok = k_ok[:, None] & f_ok[None, :]
+        acc = tl.dot(a, tl.load(w1_e + w_off, mask=w_ok, other=0.0), acc, input_precision=PRECISION)
+        if ACT == 3:
+            acc3 = tl.dot(a, tl.load(w3_e + w_off, mask=w_ok, other=0.0), acc3, input_precision=PRECISION)
+    if HAS_B1:
+        acc += tl.load(b1_ptr + e * F + offs_f, mask=f_ok, other=0.0).to(tl.float32)[None, :]
+    h = tl.where(valid[:, None], act_fwd(acc, acc3, ACT), 0.0)
+    tl.store(h_ptr + offs_s[:, None] * F + offs_f[None, :], h.to(h_ptr.dtype.element_ty), mask=f_ok[None, :])
 
 
 @triton.jit
 def _moe_slots_gemm_kernel(
     a_ptr, b_ptr, a2_ptr, b2_ptr, bias_ptr, scale_ptr, slot_pair_ptr, tile_expert_ptr, out_ptr,
-    PAIRS, K, NOUT, NUM_TILES,
+    PAIRS, K, NOUT,
     stride_be, stride_bk, stride_bn,
     HAS_A2: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
     PRECISION: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PERSISTENT: tl.constexpr,
 ):
     """out [S,NOUT] = scale[pair] · (a[s] B[e] (+ a2[s] B2[e]) + bias[e]); 0 on padding.
     Accumulated in fp32, stored in out's dtype.
 
     a, a2 [S,K] per slot; B, B2 [E, K, NOUT] addressed through strides, so the GEMM2 of the
-    forward (B = W2) and ∂x of the backward (B = W1ᵀ, W3ᵀ) are the same kernel. One job per (tile,
-    NOUT block); see job_grid.
+    forward (B = W2) and ∂x of the backward (B = W1ᵀ, W3ᵀ) are the same kernel.
     """
-    for job in tl.range(tl.program_id(0), NUM_TILES * tl.cdiv(NOUT, BLOCK_N), tl.num_programs(0),
-                        flatten=PERSISTENT):
-        t, offs_n = _job(job, NOUT, BLOCK_N)
-        n_ok = offs_n < NOUT
-        offs_s = t.to(tl.int64) * TILE + tl.arange(0, TILE)
-        pair = tl.load(slot_pair_ptr + offs_s)
-        valid = pair < PAIRS
-        e = tl.load(tile_expert_ptr + t).to(tl.int64)
-        k_end = tl.where(tl.load(slot_pair_ptr + t.to(tl.int64) * TILE) < PAIRS, K, 0)
-        acc = tl.zeros([TILE, BLOCK_N], tl.float32)
-        b_e = b_ptr + e * stride_be
-        b2_e = b2_ptr + e * stride_be
-        for k0 in range(0, k_end, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < K
-            a_off = offs_s[:, None] * K + offs_k[None, :]
-            b_off = offs_k[:, None].to(tl.int64) * stride_bk + offs_n[None, :] * stride_bn
-            b_ok = k_ok[:, None] & n_ok[None, :]
-            a = tl.load(a_ptr + a_off, mask=k_ok[None, :], other=0.0)
-            acc = tl.dot(a, tl.load(b_e + b_off, mask=b_ok, other=0.0), acc, input_precision=PRECISION)
-            if HAS_A2:
-                a2 = tl.load(a2_ptr + a_off, mask=k_ok[None, :], other=0.0)
-                acc = tl.dot(a2, tl.load(b2_e + b_off, mask=b_ok, other=0.0), acc, input_precision=PRECISION)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + e * NOUT + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        if HAS_SCALE:
-            acc *= tl.load(scale_ptr + pair, mask=valid, other=0.0)[:, None]
-        acc = tl.where(valid[:, None], acc, 0.0)
-        tl.store(out_ptr + offs_s[:, None] * NOUT + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=n_ok[None, :])
+    t = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < NOUT
+    offs_s = t.to(tl.int64) * TILE + tl.arange(0, TILE)
+    pair = tl.load(slot_pair_ptr + offs_s)
+    valid = pair < PAIRS
+    e = tl.load(tile_expert_ptr + t).to(tl.int64)
+    k_end = tl.where(tl.load(slot_pair_ptr + t.to(tl.int64) * TILE) < PAIRS, K, 0)
+    acc = tl.zeros([TILE, BLOCK_N], tl.float32)
+    b_e = b_ptr + e * stride_be
+    b2_e = b2_ptr + e * stride_be
+    for k0 in range(0, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        a_off = offs_s[:, None] * K + offs_k[None, :]
+        b_off = offs_k[:, None].to(tl.int64) * stride_bk + offs_n[None, :] * stride_bn
+        b_ok = k_ok[:, None] & n_ok[None, :]
+        a = tl.load(a_ptr + a_off, mask=k_ok[None, :], other=0.0)
+        acc = tl.dot(a, tl.load(b_e + b_off, mask=b_ok, other=0.0), acc, input_precision=PRECISION)
+        if HAS_A2:
+            a2 = tl.load(a2_ptr + a_off, mask=k_ok[None, :], other=0.0)
+            acc = tl.dot(a2, tl.load(b2_e + b_off, mask=b_ok, other=0.0), acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + e * NOUT + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if HAS_SCALE:
+        acc *= tl.load(scale_ptr + pair, mask=valid, other=0.0)[:, None]
+    acc = tl.where(valid[:, None], acc, 0.0)
+    tl.store(out_ptr + offs_s[:, None] * NOUT + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=n_ok[None, :])
 
 
 @triton.jit
@@ -233,10 +221,10 @@ def _moe_bwd_hidden_kernel(
     xs_ptr, gs_ptr, slot_pair_ptr, tile_expert_ptr, weight_ptr,
     w1_ptr, b1_ptr, w3_ptr, w2_ptr,
     hw_ptr, du_ptr, du3_ptr, gw_ptr, db1_ptr,
-    PAIRS, D, F, GW_COLS, NUM_TILES,
+    PAIRS, D, F, GW_COLS,
     HAS_B1: tl.constexpr,
     ACT: tl.constexpr, PRECISION: tl.constexpr, TILE: tl.constexpr, GW_BLOCK: tl.constexpr,
-    BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, TWO_LOOPS: tl.constexpr, PERSISTENT: tl.constexpr,
+    BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, TWO_LOOPS: tl.constexpr,
 ):
     """Per slot s and F block: u = xs[s] W1[e] + b1, g = gs[s] W2[e]ᵀ (one K loop over D, or
     one for each with TWO_LOOPS: a meta-parameter, the better depends on the sizes);
@@ -247,55 +235,55 @@ def _moe_bwd_hidden_kernel(
     db1 [T,F] fp32 = Σ_{s ∈ tile t} ∂u[s], ∂b1's per-tile sums (_sum_tiles_kernel adds each
     expert's). Reductions of the dots' operands inside the K loop, or a branch after it, cost
     10-15% here and 2-3x in the weight-gradient kernel (bench/gemm_probe.py on the H200).
-    One job per (tile, F block); see job_grid.
     """
-    for job in tl.range(tl.program_id(0), NUM_TILES * tl.cdiv(F, BLOCK_F), tl.num_programs(0), flatten=PERSISTENT):
-        t, offs_f = _job(job, F, BLOCK_F)
-        f_ok = offs_f < F
-        offs_s = t.to(tl.int64) * TILE + tl.arange(0, TILE)
-        pair = tl.load(slot_pair_ptr + offs_s)
-        valid = pair < PAIRS
-        w = tl.load(weight_ptr + pair, mask=valid, other=0.0)
-        e = tl.load(tile_expert_ptr + t).to(tl.int64)
-        k_end = tl.where(tl.load(slot_pair_ptr + t.to(tl.int64) * TILE) < PAIRS, D, 0)
-        acc_u = tl.zeros([TILE, BLOCK_F], tl.float32)
-        acc_u3 = tl.zeros([TILE, BLOCK_F], tl.float32)
-        acc_g = tl.zeros([TILE, BLOCK_F], tl.float32)
-        if TWO_LOOPS:
-            for k0 in range(0, k_end, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                acc_u, acc_u3 = _up_step(xs_ptr, w1_ptr, w3_ptr, acc_u, acc_u3, offs_s[:, None] * D + offs_k[None, :],
-                                         offs_k, offs_f, f_ok, e, D, F, ACT, PRECISION)
-            for k0 in range(0, k_end, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                acc_g = _down_t_step(gs_ptr, w2_ptr, acc_g, offs_s[:, None] * D + offs_k[None, :], offs_k, offs_f, f_ok,
-                                     e, D, F, PRECISION)
-        else:
-            for k0 in range(0, k_end, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                row_off = offs_s[:, None] * D + offs_k[None, :]
-                acc_u, acc_u3 = _up_step(xs_ptr, w1_ptr, w3_ptr, acc_u, acc_u3, row_off, offs_k, offs_f, f_ok, e, D, F,
-                                         ACT, PRECISION)
-                acc_g = _down_t_step(gs_ptr, w2_ptr, acc_g, row_off, offs_k, offs_f, f_ok, e, D, F, PRECISION)
-        if HAS_B1:
-            acc_u += tl.load(b1_ptr + e * F + offs_f, mask=f_ok, other=0.0).to(tl.float32)[None, :]
-        h = act_fwd(acc_u, acc_u3, ACT)
-        # ∂w partials, one column per GW_BLOCK of F (BLOCK_F is a multiple of it).
-        NB: tl.constexpr = BLOCK_F // GW_BLOCK
-        gw = tl.sum(tl.reshape(tl.where(f_ok[None, :], h * acc_g, 0.0), [TILE, NB, GW_BLOCK]), axis=2)
-        offs_c = (job % tl.cdiv(F, BLOCK_F)) * NB + tl.arange(0, NB)
-        tl.store(gw_ptr + offs_s[:, None] * GW_COLS + offs_c[None, :], tl.where(valid[:, None], gw, 0.0),
-                 mask=(offs_c < tl.cdiv(F, GW_BLOCK))[None, :])
-        du, du3 = act_bwd(w[:, None] * acc_g, acc_u, acc_u3, ACT)
-        keep = valid[:, None]
-        du = tl.where(keep, du, 0.0)
-        if HAS_B1:
-            tl.store(db1_ptr + t.to(tl.int64) * F + offs_f, tl.sum(du, axis=0), mask=f_ok)
-        out_off = offs_s[:, None] * F + offs_f[None, :]
-        tl.store(hw_ptr + out_off, tl.where(keep, w[:, None] * h, 0.0).to(hw_ptr.dtype.element_ty), mask=f_ok[None, :])
-        tl.store(du_ptr + out_off, du.to(du_ptr.dtype.element_ty), mask=f_ok[None, :])
-        if ACT == 3:
-            tl.store(du3_ptr + out_off, tl.where(keep, du3, 0.0).to(du3_ptr.dtype.element_ty), mask=f_ok[None, :])
+    t = tl.program_id(0)
+    pid_f = tl.program_id(1)
+    offs_f = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
+    f_ok = offs_f < F
+    offs_s = t.to(tl.int64) * TILE + tl.arange(0, TILE)
+    pair = tl.load(slot_pair_ptr + offs_s)
+    valid = pair < PAIRS
+    w = tl.load(weight_ptr + pair, mask=valid, other=0.0)
+    e = tl.load(tile_expert_ptr + t).to(tl.int64)
+    k_end = tl.where(tl.load(slot_pair_ptr + t.to(tl.int64) * TILE) < PAIRS, D, 0)
+    acc_u = tl.zeros([TILE, BLOCK_F], tl.float32)
+    acc_u3 = tl.zeros([TILE, BLOCK_F], tl.float32)
+    acc_g = tl.zeros([TILE, BLOCK_F], tl.float32)
+    if TWO_LOOPS:
+        for k0 in range(0, k_end, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            acc_u, acc_u3 = _up_step(xs_ptr, w1_ptr, w3_ptr, acc_u, acc_u3, offs_s[:, None] * D + offs_k[None, :],
+                                     offs_k, offs_f, f_ok, e, D, F, ACT, PRECISION)
+        for k0 in range(0, k_end, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            acc_g = _down_t_step(gs_ptr, w2_ptr, acc_g, offs_s[:, None] * D + offs_k[None, :], offs_k, offs_f, f_ok,
+                                 e, D, F, PRECISION)
+    else:
+        for k0 in range(0, k_end, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            row_off = offs_s[:, None] * D + offs_k[None, :]
+            acc_u, acc_u3 = _up_step(xs_ptr, w1_ptr, w3_ptr, acc_u, acc_u3, row_off, offs_k, offs_f, f_ok, e, D, F,
+                                     ACT, PRECISION)
+            acc_g = _down_t_step(gs_ptr, w2_ptr, acc_g, row_off, offs_k, offs_f, f_ok, e, D, F, PRECISION)
+    if HAS_B1:
+        acc_u += tl.load(b1_ptr + e * F + offs_f, mask=f_ok, other=0.0).to(tl.float32)[None, :]
+    h = act_fwd(acc_u, acc_u3, ACT)
+    # ∂w partials, one column per GW_BLOCK of F (BLOCK_F is a multiple of it).
+    NB: tl.constexpr = BLOCK_F // GW_BLOCK
+    gw = tl.sum(tl.reshape(tl.where(f_ok[None, :], h * acc_g, 0.0), [TILE, NB, GW_BLOCK]), axis=2)
+    offs_c = pid_f * NB + tl.arange(0, NB)
+    tl.store(gw_ptr + offs_s[:, None] * GW_COLS + offs_c[None, :], tl.where(valid[:, None], gw, 0.0),
+             mask=(offs_c < tl.cdiv(F, GW_BLOCK))[None, :])
+    du, du3 = act_bwd(w[:, None] * acc_g, acc_u, acc_u3, ACT)
+    keep = valid[:, None]
+    du = tl.where(keep, du, 0.0)
+    if HAS_B1:
+        tl.store(db1_ptr + t.to(tl.int64) * F + offs_f, tl.sum(du, axis=0), mask=f_ok)
+    out_off = offs_s[:, None] * F + offs_f[None, :]
+    tl.store(hw_ptr + out_off, tl.where(keep, w[:, None] * h, 0.0).to(hw_ptr.dtype.element_ty), mask=f_ok[None, :])
+    tl.store(du_ptr + out_off, du.to(du_ptr.dtype.element_ty), mask=f_ok[None, :])
+    if ACT == 3:
+        tl.store(du3_ptr + out_off, tl.where(keep, du3, 0.0).to(du3_ptr.dtype.element_ty), mask=f_ok[None, :])
 
 
 @triton.jit
@@ -416,15 +404,11 @@ def _sum_splits_kernel(part_ptr, out_ptr, part2_ptr, out2_ptr, E, N, SPLIT, BLOC
 
 # Lists pruned and widened by bench/gemm_probe.py on the H200 (bf16, medium and large): BLOCK
 # 256 won GEMM2 and ∂x everywhere (∂x at large 728 -> 592 us, 472 TFLOP/s) and GEMM1 at large.
-# PERSISTENT (job_grid): GEMM1's activation epilogue costs it about as much as its dots (with
-# TMA loads at large, 547 us a call without the gelu, 970 with it); a program per SM that walks
-# the jobs loads its next tile during the epilogue: 1000 -> 853 us (bench/tma_probe.py, H200).
 _up = Launcher(_moe_up_kernel, [
-    dict(BLOCK_F=64, BLOCK_K=64, num_warps=4, num_stages=3, PERSISTENT=True),
-    dict(BLOCK_F=128, BLOCK_K=32, num_warps=4, num_stages=4, PERSISTENT=False),
-    dict(BLOCK_F=256, BLOCK_K=64, num_warps=8, num_stages=3, PERSISTENT=False),
-    dict(BLOCK_F=128, BLOCK_K=64, num_warps=8, num_stages=4, PERSISTENT=True),
-    dict(BLOCK_F=128, BLOCK_K=128, num_warps=8, num_stages=3, PERSISTENT=True),
+    dict(BLOCK_F=64, BLOCK_K=64, num_warps=4, num_stages=3),
+    dict(BLOCK_F=128, BLOCK_K=32, num_warps=4, num_stages=4),
+    dict(BLOCK_F=128, BLOCK_K=64, num_warps=4, num_stages=3),
+    dict(BLOCK_F=256, BLOCK_K=64, num_warps=8, num_stages=3),
 ], key=["D", "F", "TILE", "ACT"])
 # The ∂w partials [S, F/GW_BLOCK] have one column per GW_BLOCK of F whatever BLOCK_F a config
 # has (a config tried while tuning must not leave a different layout behind).
@@ -432,18 +416,17 @@ GW_BLOCK = 64
 # TWO_LOOPS (u's K loop, then g's) won with BLOCK_F 64 at medium (223 against 260 us), one loop
 # with both dots with BLOCK_F 128 at large (2.51 against 2.99 ms): bench/gemm_probe.py, H200.
 _hidden = Launcher(_moe_bwd_hidden_kernel, [
-    dict(BLOCK_F=64, BLOCK_K=32, TWO_LOOPS=False, num_warps=4, num_stages=3, PERSISTENT=True),
-    dict(BLOCK_F=64, BLOCK_K=64, TWO_LOOPS=True, num_warps=8, num_stages=4, PERSISTENT=False),
-    dict(BLOCK_F=64, BLOCK_K=64, TWO_LOOPS=True, num_warps=8, num_stages=4, PERSISTENT=True),
-    dict(BLOCK_F=128, BLOCK_K=64, TWO_LOOPS=False, num_warps=8, num_stages=3, PERSISTENT=False),
-    dict(BLOCK_F=128, BLOCK_K=64, TWO_LOOPS=False, num_warps=8, num_stages=3, PERSISTENT=True),
+    dict(BLOCK_F=64, BLOCK_K=32, TWO_LOOPS=False, num_warps=4, num_stages=3),
+    dict(BLOCK_F=64, BLOCK_K=64, TWO_LOOPS=True, num_warps=8, num_stages=4),
+    dict(BLOCK_F=64, BLOCK_K=128, TWO_LOOPS=True, num_warps=8, num_stages=2),
+    dict(BLOCK_F=128, BLOCK_K=64, TWO_LOOPS=False, num_warps=8, num_stages=3),
+    dict(BLOCK_F=128, BLOCK_K=32, TWO_LOOPS=False, num_warps=8, num_stages=4),
 ], key=["D", "F", "TILE", "ACT"])
 _slots_gemm = Launcher(_moe_slots_gemm_kernel, [
-    dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3, PERSISTENT=True),
-    dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, PERSISTENT=False),
-    dict(BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3, PERSISTENT=False),
-    dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, PERSISTENT=True),
-    dict(BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3, PERSISTENT=True),
+    dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3),
+    dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
+    dict(BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3),
+    dict(BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
 ], key=["K", "NOUT", "TILE", "HAS_A2"])
 _wgrad = Launcher(_moe_wgrad_kernel, [
     dict(BLOCK_I=64, BLOCK_J=64, BLOCK_S=32, num_warps=4, num_stages=3),
@@ -676,24 +659,14 @@ def gather_rows(x, inv, groups, horizons, dtype, grad_out=None, weight=None, b2=
     return xs, gs, db2
 
 
-def job_grid(groups, n, block, device):
-    """The launch grid, given a config, of a kernel with one job per (tile, `block` of n
-    columns): a program per job, or with PERSISTENT one per SM, each walking jobs SMs apart
-    (its next job's loads then start during this one's epilogue)."""
-    def grid(meta):
-        jobs = groups.num_tiles * triton.cdiv(n, meta[block])
-        return (min(jobs, num_sms(device)) if meta["PERSISTENT"] else jobs,)
-    return grid
-
-
 def experts_up(xs, groups, w1, b1, w3, act):
     """h [S,F] in the weights' dtype (padding slots zero) from the slot rows xs [S,D]."""
     D = xs.shape[1]
     F = w1.shape[2]
     h = torch.empty(groups.slots, F, device=xs.device, dtype=w1.dtype)
-    _up(job_grid(groups, F, "BLOCK_F", xs.device),
+    _up(lambda m: (groups.num_tiles, triton.cdiv(F, m["BLOCK_F"])),
         xs, groups.slot_pair, groups.tile_expert, w1,
-        w1 if b1 is None else b1, w1 if w3 is None else w3, h, groups.pairs, D, F, groups.num_tiles,
+        w1 if b1 is None else b1, w1 if w3 is None else w3, h, groups.pairs, D, F,
         HAS_B1=b1 is not None, ACT=_act(act), PRECISION=dot_precision(w1.dtype), TILE=groups.tile)
     return h
 
@@ -704,10 +677,10 @@ def slots_gemm(a, b, strides, nout, groups, a2=None, b2=None, bias=None, scale=N
     K = a.shape[1]
     if out is None:
         out = torch.empty(groups.slots, nout, device=a.device, dtype=b.dtype)
-    _slots_gemm(job_grid(groups, nout, "BLOCK_N", a.device),
+    _slots_gemm(lambda m: (groups.num_tiles, triton.cdiv(nout, m["BLOCK_N"])),
                 a, b, a if a2 is None else a2, b if b2 is None else b2, b if bias is None else bias,
                 out if scale is None else scale, groups.slot_pair, groups.tile_expert, out,
-                groups.pairs, K, nout, groups.num_tiles, *strides,
+                groups.pairs, K, nout, *strides,
                 HAS_A2=a2 is not None, HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
                 PRECISION=dot_precision(b.dtype), TILE=groups.tile)
     return out
@@ -851,10 +824,10 @@ def _backward_tiles(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, h
     du = torch.empty_like(hw)
     du3 = torch.empty_like(hw) if w3 is not None else du
     db1_part = None if b1 is None else torch.empty(groups.num_tiles, F, device=dev, dtype=torch.float32)
-    _hidden(job_grid(groups, F, "BLOCK_F", dev),
+    _hidden(lambda m: (groups.num_tiles, triton.cdiv(F, m["BLOCK_F"])),
             xs, gs, groups.slot_pair, groups.tile_expert, weight,
             w1, w1 if b1 is None else b1, w1 if w3 is None else w3, w2,
-            hw, du, du3, gw, gw if b1 is None else db1_part, groups.pairs, D, F, gw.shape[1], groups.num_tiles,
+            hw, du, du3, gw, gw if b1 is None else db1_part, groups.pairs, D, F, gw.shape[1],
             HAS_B1=b1 is not None, ACT=_act(act), PRECISION=dot_precision(wdt), TILE=groups.tile,
             GW_BLOCK=GW_BLOCK)
     db1, db2 = bias_grads(db1_part, db2_part, groups, wdt, into=None if total is None else (total[1], total[3]))
