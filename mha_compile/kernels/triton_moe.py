@@ -43,8 +43,10 @@ import torch
 import triton
 import triton.language as tl
 
+from triton.tools.tensor_descriptor import TensorDescriptor
+
 from mha_compile.kernels.triton_util import (ACT_CODE, Launcher, act_bwd, act_fwd, dot_precision, gpu_options,
-                                             load_x, num_sms, pow2)
+                                             load_x, num_sms, pow2, tma_ok)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -53,39 +55,57 @@ from mha_compile.kernels.triton_util import (ACT_CODE, Launcher, act_bwd, act_fw
 
 @triton.jit
 def _moe_up_kernel(
-    xs_ptr, slot_pair_ptr, tile_expert_ptr, w1_ptr, b1_ptr, w3_ptr, h_ptr,
-    PAIRS, D, F,
+    xs, slot_pair_ptr, tile_expert_ptr, w1, b1_ptr, w3, h,
+    PAIRS, D, F, NUM_TILES,
     HAS_B1: tl.constexpr, ACT: tl.constexpr,
     PRECISION: tl.constexpr, TILE: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """h [S,F] = act(xs[s] W1[e] + b1[e]) per slot, 0 on padding; xs [S,D] the slot rows
-    (_gather_rows_kernel), W1 [E,D,F]."""
-    t = tl.program_id(0)
-    offs_f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
-    f_ok = offs_f < F
-    offs_s = t.to(tl.int64) * TILE + tl.arange(0, TILE)
-    pair = tl.load(slot_pair_ptr + offs_s)
-    valid = pair < PAIRS
-    e = tl.load(tile_expert_ptr + t).to(tl.int64)
-    # An all-padding tile (its first slot is padding) skips the K loop.
-    k_end = tl.where(tl.load(slot_pair_ptr + t.to(tl.int64) * TILE) < PAIRS, D, 0)
-    acc = tl.zeros([TILE, BLOCK_F], tl.float32)
-    acc3 = tl.zeros([TILE, BLOCK_F], tl.float32)
-    w1_e = w1_ptr + e * D * F
-    w3_e = w3_ptr + e * D * F
-    for k0 in range(0, k_end, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < D
-        a = tl.load(xs_ptr + offs_s[:, None] * D + offs_k[None, :], mask=k_ok[None, :], other=0.0)
-        w_off = offs_k[:, None].to(tl.int64) * F + offs_f[None, :]
-        w_ok = k_ok[:, None] & f_ok[None, :]
-        acc = tl.dot(a, tl.load(w1_e + w_off, mask=w_ok, other=0.0), acc, input_precision=PRECISION)
-        if ACT == 3:
-            acc3 = tl.dot(a, tl.load(w3_e + w_off, mask=w_ok, other=0.0), acc3, input_precision=PRECISION)
-    if HAS_B1:
-        acc += tl.load(b1_ptr + e * F + offs_f, mask=f_ok, other=0.0).to(tl.float32)[None, :]
-    h = tl.where(valid[:, None], act_fwd(acc, acc3, ACT), 0.0)
-    tl.store(h_ptr + offs_s[:, None] * F + offs_f[None, :], h.to(h_ptr.dtype.element_ty), mask=f_ok[None, :])
+    (_gather_rows_kernel), W1 [E,D,F]. One job per (tile, F block), the jobs of a tile adjacent.
+
+    TMA (Hopper): xs, w1 (w3) and h are tensor descriptors (blocks [TILE, BLOCK_K],
+    [1, BLOCK_K, BLOCK_F], [TILE, BLOCK_F]) and one program per SM walks the jobs, loading its
+    next tile while the activation epilogue of this one runs. Else pointers, a program per job.
+    """
+    NF = tl.cdiv(F, BLOCK_F)
+    for job in tl.range(tl.program_id(0), NUM_TILES * NF, tl.num_programs(0), flatten=TMA):
+        t = job // NF
+        f0 = (job % NF) * BLOCK_F
+        offs_f = f0 + tl.arange(0, BLOCK_F)
+        f_ok = offs_f < F
+        offs_s = t.to(tl.int64) * TILE + tl.arange(0, TILE)
+        valid = tl.load(slot_pair_ptr + offs_s) < PAIRS
+        e = tl.load(tile_expert_ptr + t)
+        # An all-padding tile (its first slot is padding) skips the K loop.
+        k_end = tl.where(tl.load(slot_pair_ptr + t.to(tl.int64) * TILE) < PAIRS, D, 0)
+        acc = tl.zeros([TILE, BLOCK_F], tl.float32)
+        acc3 = tl.zeros([TILE, BLOCK_F], tl.float32)
+        for k0 in range(0, k_end, BLOCK_K):
+            if TMA:
+                a = xs.load([t * TILE, k0])
+                b = w1.load([e, k0, f0]).reshape(BLOCK_K, BLOCK_F)
+                if ACT == 3:
+                    b3 = w3.load([e, k0, f0]).reshape(BLOCK_K, BLOCK_F)
+            else:
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                k_ok = offs_k < D
+                a = tl.load(xs + offs_s[:, None] * D + offs_k[None, :], mask=k_ok[None, :], other=0.0)
+                w_off = e.to(tl.int64) * D * F + offs_k[:, None].to(tl.int64) * F + offs_f[None, :]
+                w_ok = k_ok[:, None] & f_ok[None, :]
+                b = tl.load(w1 + w_off, mask=w_ok, other=0.0)
+                if ACT == 3:
+                    b3 = tl.load(w3 + w_off, mask=w_ok, other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            if ACT == 3:
+                acc3 = tl.dot(a, b3, acc3, input_precision=PRECISION)
+        if HAS_B1:
+            acc += tl.load(b1_ptr + e.to(tl.int64) * F + offs_f, mask=f_ok, other=0.0).to(tl.float32)[None, :]
+        out = tl.where(valid[:, None], act_fwd(acc, acc3, ACT), 0.0)
+        if TMA:
+            h.store([t * TILE, f0], out.to(h.dtype))
+        else:
+            tl.store(h + offs_s[:, None] * F + offs_f[None, :], out.to(h.dtype.element_ty), mask=f_ok[None, :])
 
 
 @triton.jit
@@ -404,12 +424,20 @@ def _sum_splits_kernel(part_ptr, out_ptr, part2_ptr, out2_ptr, E, N, SPLIT, BLOC
 
 # Lists pruned and widened by bench/gemm_probe.py on the H200 (bf16, medium and large): BLOCK
 # 256 won GEMM2 and ∂x everywhere (∂x at large 728 -> 592 us, 472 TFLOP/s) and GEMM1 at large.
+# TMA (experts_up): GEMM1's gelu epilogue costs about what its dots do (TMA at large: 547 us a
+# call without it, 970 with it, bench/tma_probe.py on the H200). With pointer loads the [TILE,
+# BLOCK_K] addresses take the registers a persistent loop would need, and it gained nothing
+# (1080-1108 against 1100 us, 8d08dd7); with TMA loads and one program per SM, 1000 -> 853
+# (BLOCK_F 128, BLOCK_K 64, 4 stages) at large and 110 -> 89 us at medium (BLOCK_K 128).
 _up = Launcher(_moe_up_kernel, [
     dict(BLOCK_F=64, BLOCK_K=64, num_warps=4, num_stages=3),
     dict(BLOCK_F=128, BLOCK_K=32, num_warps=4, num_stages=4),
-    dict(BLOCK_F=128, BLOCK_K=64, num_warps=4, num_stages=3),
     dict(BLOCK_F=256, BLOCK_K=64, num_warps=8, num_stages=3),
-], key=["D", "F", "TILE", "ACT"])
+    dict(BLOCK_F=128, BLOCK_K=64, num_warps=8, num_stages=4),
+    dict(BLOCK_F=128, BLOCK_K=128, num_warps=8, num_stages=3),
+], key=["D", "F", "TILE", "ACT", "TMA"], blocks=lambda m: dict(
+    xs=(m["TILE"], m["BLOCK_K"]), w1=(1, m["BLOCK_K"], m["BLOCK_F"]), w3=(1, m["BLOCK_K"], m["BLOCK_F"]),
+    h=(m["TILE"], m["BLOCK_F"])))
 # The ∂w partials [S, F/GW_BLOCK] have one column per GW_BLOCK of F whatever BLOCK_F a config
 # has (a config tried while tuning must not leave a different layout behind).
 GW_BLOCK = 64
@@ -664,10 +692,16 @@ def experts_up(xs, groups, w1, b1, w3, act):
     D = xs.shape[1]
     F = w1.shape[2]
     h = torch.empty(groups.slots, F, device=xs.device, dtype=w1.dtype)
-    _up(lambda m: (groups.num_tiles, triton.cdiv(F, m["BLOCK_F"])),
-        xs, groups.slot_pair, groups.tile_expert, w1,
-        w1 if b1 is None else b1, w1 if w3 is None else w3, h, groups.pairs, D, F,
-        HAS_B1=b1 is not None, ACT=_act(act), PRECISION=dot_precision(w1.dtype), TILE=groups.tile)
+    w3 = w1 if w3 is None else w3
+    tma = tma_ok(xs, w1, w3, h)
+    jobs = lambda m: groups.num_tiles * triton.cdiv(F, m["BLOCK_F"])  # noqa: E731
+    grid = (lambda m: (min(jobs(m), num_sms(xs.device)),)) if tma else (lambda m: (jobs(m),))
+    # the descriptors' block shapes are set per config (_up's `blocks`)
+    xs_, w1_, w3_, h_ = ((TensorDescriptor.from_tensor(t, [1] * t.dim()) for t in (xs, w1, w3, h)) if tma
+                         else (xs, w1, w3, h))
+    _up(grid, xs_, groups.slot_pair, groups.tile_expert, w1_, w1 if b1 is None else b1, w3_, h_,
+        groups.pairs, D, F, groups.num_tiles,
+        HAS_B1=b1 is not None, ACT=_act(act), PRECISION=dot_precision(w1.dtype), TILE=groups.tile, TMA=tma)
     return h
 
 

@@ -19,6 +19,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from mha_compile.kernels.reference import ACTIVATIONS
 
@@ -52,6 +53,19 @@ def num_sms(device):
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4
+
+
+def tma_ok(*tensors):
+    """Whether TMA tensor descriptors may address these tensors: on a GPU with TMA (Hopper or
+    later) or the interpreter, each with its last dimension contiguous and its base and other
+    strides 16-byte aligned (an odd F in bf16 is not)."""
+    device = tensors[0].device
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 9:
+        return False
+    if device.type not in ("cuda", "cpu"):  # meta tensors (bench/offline_*.py)
+        return False
+    return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+               and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) for t in tensors)
 
 
 def split_runs(length, programs, min_run, align, device):
@@ -113,19 +127,36 @@ class Launcher:
     change the best config; Triton adds the tensors' dtypes to it.
     """
 
-    def __init__(self, kernel, configs, key, restore=None):
+    def __init__(self, kernel, configs, key, restore=None, blocks=None):
         """restore: arguments the kernel adds into or overwrites while reading them, which
-        autotuning's trial runs must not change."""
+        autotuning's trial runs must not change. blocks: for a kernel that may take TMA tensor
+        descriptors, a function of the arguments and meta-parameters (a dict) giving each
+        descriptor argument's block shape, which follows the config's tile sizes; it is set on
+        the descriptors before every launch and trial (pointer arguments are left alone)."""
         self.kernel = kernel
+        self.arg_names = kernel.arg_names  # kept: bench/gemm_probe.py stands a recorder in for the kernel
         self.configs = configs
         self.key = key
         self.restore = list(restore or [])
+        self.blocks = blocks
+        hook = None if blocks is None else self._set_blocks
         tl_configs = [triton.Config({k: v for k, v in c.items() if k not in ("num_warps", "num_stages")},
-                                    num_warps=c.get("num_warps", 4), num_stages=c.get("num_stages", 2))
+                                    num_warps=c.get("num_warps", 4), num_stages=c.get("num_stages", 2),
+                                    pre_hook=hook)
                       for c in configs]
         self.tuned = (triton.autotune(configs=tl_configs, key=key, restore_value=self.restore or None)(kernel)
                       if len(configs) > 1 else None)
         self.best = {}  # autotune key -> the chosen config's meta-parameters
+
+    def _set_blocks(self, nargs):
+        for name, shape in self.blocks(nargs).items():
+            if isinstance(nargs[name], TensorDescriptor):
+                nargs[name].block_shape = list(shape)
+
+    def _launch(self, grid, args, kwargs, meta):
+        if self.blocks is not None:
+            self._set_blocks({**dict(zip(self.arg_names, args)), **kwargs, **meta})
+        self.kernel[grid({**meta, **kwargs})](*args, **kwargs, **meta)
 
     def __call__(self, grid, *args, **kwargs):
         """grid: a function of the chosen meta-parameters (a dict) returning the launch grid."""
@@ -134,15 +165,14 @@ class Launcher:
             meta = dict(self.configs[0])
             if not on_cuda:  # the interpreter ignores warps and stages
                 meta.pop("num_warps", None), meta.pop("num_stages", None)
-            self.kernel[grid({**meta, **kwargs})](*args, **kwargs, **meta)
+            self._launch(grid, args, kwargs, meta)
             return
-        names = self.kernel.arg_names
-        bound = dict(zip(names, args), **kwargs)
+        bound = dict(zip(self.arg_names, args), **kwargs)
         key = tuple(bound[k] for k in self.key) + tuple(
             str(a.dtype) for a in args if isinstance(a, torch.Tensor))
         best = self.best.get(key)
         if best is not None:  # a plain launch: no autotuner bookkeeping per call
-            self.kernel[grid({**best, **kwargs})](*args, **kwargs, **best)
+            self._launch(grid, args, kwargs, best)
             return
         log.info("mha_compile: autotuning %s over %d configs for %s",
                  self.kernel.__name__, len(self.configs), dict(zip(self.key, key)))

@@ -183,6 +183,20 @@ def test_weight_grads_split_over_slots(monkeypatch, act, bias):
     check_region(fused, ctx, tok, params, top_k=2, renorm=True, act=act)
 
 
+@pytest.mark.parametrize("act", ["swiglu", "gelu"])
+def test_up_with_tma_and_with_pointers(monkeypatch, act):
+    """GEMM1 takes TMA descriptors where every stride is 16-byte aligned (F = 48 in fp32) and
+    pointers where one is not (F = 47: W1's rows of 188 bytes); both against float64, with
+    several jobs a program (4 programs off the GPU) on the TMA path."""
+    taken = []
+    real = triton_moe.tma_ok
+    monkeypatch.setattr(triton_moe, "tma_ok", lambda *t: taken.append(real(*t)) or taken[-1])
+    for F in (48, 47):
+        ctx, tok, params = make_case(3, 4, 5, 32, 2, F, 3, 2, act=act)
+        check_region(fused, ctx, tok, params, top_k=2, renorm=True, act=act)
+    assert True in taken and False in taken
+
+
 TUNED = [(triton_moe, name) for name in ("_up", "_hidden", "_slots_gemm", "_wgrad", "_sum_tiles")] + [
     (triton_pool, name) for name in ("_attend", "_attend_bwd_scores", "_attend_bwd")] + [
     (triton_router, name) for name in ("_route", "_combine_bwd")]
