@@ -22,6 +22,9 @@
 #                                      # and its compiled graphs left in .inductor_cache/, which a `table`
 #                                      # call chained right after on the same machine reuses (its max-autotune
 #                                      # rows then fit; its notes say their first calls were cached compiles)
+#   bash bench/h200_session.sh medium-autotune  # medium's best peer, Inductor max-autotune (~3 min of
+#                                      # compiling), beside Inductor and mha-fused on the dense spelling, in
+#                                      # a call of its own (~5 min): run.log, h200_medium_autotune.{md,json,png}
 #   bash bench/h200_session.sh probe   # each MoE kernel alone under every config (bench/gemm_probe.py), then
 #                                      # CUDA time per kernel of the op (~6 min): gemm_probe.{txt,json}, kernel_times.txt
 #   bash bench/h200_session.sh verify  # pytest -m cuda, then CUDA time per kernel of the op (~5 min):
@@ -31,7 +34,7 @@
 #                                      # benchmark cut at 250 s (rows past it are listed as skipped)
 # Budgets are per step so a slow step cannot starve the others.
 set -u
-part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|short}
+part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|short}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 # Inductor's compiled graphs kept in the checkout (git ignores it): the device keeps ignored
 # files between calls on a machine it still holds, so `table` can reuse `autotune-cache`'s.
@@ -108,6 +111,11 @@ autotune-cache)
         --passes fwd+bwd --modes inductor-max-autotune --spellings "${SPELLINGS:-dense,loop,grouped_mm}" \
         --commit "$commit" >>"$LOG" 2>&1
     ;;
+medium-autotune)
+    timeout -s INT -k 15 335 python -m bench --out "$OUT" --name h200_medium_autotune --budget 300 --presets medium \
+        --passes fwd+bwd --modes inductor,mha-fused,mha-fused-cudagraphs,inductor-max-autotune --spellings dense \
+        --commit "$commit" >>"$LOG" 2>&1
+    ;;
 short)
     { MHA_COMPILE_NO_AUTOTUNE=1 timeout 120 python -m pytest -q -m cuda tests/kernels -k "not staged" -n 8 \
         -p no:cacheprovider 2>&1 | tail -8; } >>"$LOG"
@@ -124,6 +132,6 @@ bench|bench-resume)
         --modes eager,inductor,inductor-max-autotune,mha-staged,mha-fused,mha-fused-cudagraphs \
         --spellings dense,loop,grouped_mm --commit "$commit" 2>&1 | tail -100; } >>"$LOG"
     ;;
-*) echo "unknown part $part: expected check, kernels, probe, verify, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache or short" >&2; exit 2 ;;
+*) echo "unknown part $part: expected check, kernels, probe, verify, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache, medium-autotune or short" >&2; exit 2 ;;
 esac
 tail -150 "$LOG"

@@ -10,7 +10,8 @@ of an all-padding tile skip their K loop and write zeros ("padding rows zero-fil
 Both directions first gather the slot rows once, in one memory-bound pass
 (_gather_rows_kernel), so that every GEMM below reads plain contiguous rows: gathered and
 merged A tiles made the dots 2-3x slower (measured on the H200: GEMM1 merging x on its A-tile
-load at 172 TFLOP/s, GEMM2 on contiguous rows at 416).
+load at 172 TFLOP/s, GEMM2 on contiguous rows at 416). Contiguous rows also let GEMM1 load
+and store through TMA descriptors on Hopper, one program per SM (experts_up).
 
 Past SLOT_CHUNK_BYTES of slot buffers (the large preset) both directions walk runs of whole
 tiles (Groups.tiles), each run with buffers of its own; the rows that the token-order
