@@ -13,6 +13,7 @@ yardstick. A variant that fails prints its error and the probe goes on.
 """
 import argparse
 import json
+from types import SimpleNamespace
 
 import torch
 import triton
@@ -68,7 +69,9 @@ def extra(configs, *more):
     return list(configs) + [m for m in more if m not in configs]
 
 
-def probe(preset, act, rows_out, kernels):
+def slot_case(preset, act):
+    """The preset's slot layout with random routing (R·k pairs, two distinct experts a row),
+    weights and gathered slot rows, bf16 on the GPU (fp32 on the CPU); printed as a header."""
     p = models.PRESETS[preset]
     torch.manual_seed(0)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -85,16 +88,22 @@ def probe(preset, act, rows_out, kernels):
     b1 = torch.randn(E, F, device=dev, dtype=dt) * 0.1
     b2 = torch.randn(E, D, device=dev, dtype=dt) * 0.1
     groups = moe.group(index, E)
-    S = groups.slots
     xs, gs, _ = moe.gather_rows(x, None, groups, H, dt, G)
+    print(f"\n{preset}: S={groups.slots} slots (TILE {groups.tile}), D={D}, F={F}, E={E}, act {act}", flush=True)
+    return SimpleNamespace(dev=dev, dt=dt, D=D, F=F, E=E, S=groups.slots, weight=weight, w1=w1, w2=w2,
+                           b1=b1, b2=b2, groups=groups, xs=xs, gs=gs, code=moe.ACT_CODE[act])
+
+
+def probe(preset, act, rows_out, kernels):
+    c = slot_case(preset, act)
+    dev, dt, D, F, S, weight, w1, w2, b1, b2, groups, xs, gs, code = (
+        c.dev, c.dt, c.D, c.F, c.S, c.weight, c.w1, c.w2, c.b1, c.b2, c.groups, c.xs, c.gs, c.code)
     h = moe.experts_up(xs, groups, w1, b1, None, act)
     hw = torch.randn_like(h)
     du = torch.randn_like(h)
     gw = torch.empty(S, moe.gw_columns(D, F, True), device=dev, dtype=torch.float32)
     db1_part = torch.empty(groups.num_tiles, F, device=dev, dtype=torch.float32)
-    code = moe.ACT_CODE[act]
     gemm = 2 * S * D * F
-    print(f"\n{preset}: S={S} slots (TILE {groups.tile}), D={D}, F={F}, E={E}, act {act}", flush=True)
 
     def report(kernel, what, cfg, flops, fn, launcher):
         if kernel not in kernels:

@@ -18,9 +18,10 @@ import triton.language as tl
 import triton.testing
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from mha_compile import models
 from mha_compile.kernels import triton_moe as moe
 from mha_compile.kernels.triton_util import act_fwd, num_sms
+
+from gemm_probe import slot_case  # bench/, on the path when this runs as a script
 
 
 @triton.jit
@@ -88,25 +89,10 @@ def shipped(launcher, cfg, fn):
 
 
 def probe(preset, act):
-    p = models.PRESETS[preset]
-    torch.manual_seed(0)
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    dt = torch.bfloat16 if dev == "cuda" else torch.float32
-    B, H, D, F, E, k = p["B"], p["H"], p["D"], p["F"], p["E"], p["k"]
-    R = B * H
-    x = torch.randn(R, D, device=dev, dtype=dt)
-    G = torch.randn(R, D, device=dev, dtype=dt)
-    index = torch.randint(0, E, (R, k), device=dev, dtype=torch.int32)
-    index[:, 1] = (index[:, 0] + 1 + torch.randint(0, E - 1, (R,), device=dev, dtype=torch.int32)) % E
-    w1 = torch.randn(E, D, F, device=dev, dtype=dt) * D ** -0.5
-    w2 = torch.randn(E, F, D, device=dev, dtype=dt) * F ** -0.5
-    b1 = torch.randn(E, F, device=dev, dtype=dt) * 0.1
-    groups = moe.group(index, E)
-    S = groups.slots
-    xs, gs, _ = moe.gather_rows(x, None, groups, H, dt, G)
-    code = moe.ACT_CODE[act]
+    c = slot_case(preset, act)
+    dev, dt, D, F, E, S, w1, w2, b1, groups, xs, gs, code = (
+        c.dev, c.dt, c.D, c.F, c.E, c.S, c.w1, c.w2, c.b1, c.groups, c.xs, c.gs, c.code)
     gemm = 2 * S * D * F
-    print(f"\n{preset}: S={S} slots (TILE {groups.tile}), D={D}, F={F}, E={E}, act {act}", flush=True)
 
     rows = []
 

@@ -43,7 +43,6 @@ triton_router.router_combine_backward. All accumulation is fp32; row offsets are
 import torch
 import triton
 import triton.language as tl
-
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from mha_compile.kernels.triton_util import (ACT_CODE, Launcher, act_bwd, act_fwd, dot_precision, gpu_options,
