@@ -428,7 +428,7 @@ def _sum_splits_kernel(part_ptr, out_ptr, part2_ptr, out2_ptr, E, N, SPLIT, BLOC
 # call without it, 970 with it, bench/tma_probe.py on the H200). With pointer loads the [TILE,
 # BLOCK_K] addresses take the registers a persistent loop would need, and it gained nothing
 # (1080-1108 against 1100 us, 8d08dd7); with TMA loads and one program per SM, 1000 -> 853
-# (BLOCK_F 128, BLOCK_K 64, 4 stages) at large and 110 -> 89 us at medium (BLOCK_K 128).
+# (BLOCK_F 128, BLOCK_K 64, 4 stages) at large. At medium, 98 us a step before, 103 with TMA.
 _up = Launcher(_moe_up_kernel, [
     dict(BLOCK_F=64, BLOCK_K=64, num_warps=4, num_stages=3),
     dict(BLOCK_F=128, BLOCK_K=32, num_warps=4, num_stages=4),
