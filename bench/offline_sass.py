@@ -16,6 +16,7 @@ same config (bench/results/gemm_probe.txt); what this cannot tell is time.
 """
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -28,6 +29,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from mha_compile import models
 from mha_compile.kernels import triton_matmul, triton_moe, triton_pool, triton_region, triton_router, triton_util
@@ -47,7 +49,8 @@ LAUNCHERS = [v for module in (triton_matmul, triton_moe, triton_pool, triton_rou
 def as_h200(calls=None):
     """Meta tensors taken for an H200's: every Triton launch is skipped, or appended to `calls`
     as (kernel, {argument name: value}, num_warps, num_stages), which keeps its tensors alive;
-    each kernel takes its first config, and split grids are sized for 132 SMs."""
+    each kernel takes its first config, split grids are sized for 132 SMs, and GEMM1 takes TMA
+    descriptors as on the H200."""
     def run(self, *args, grid, warmup, **kwargs):
         if calls is None:
             return
@@ -58,6 +61,7 @@ def as_h200(calls=None):
     with mock.patch.object(JITFunction, "run", run), \
             mock.patch.object(triton_util, "on_gpu", lambda t: True), \
             mock.patch.object(triton_util, "NO_AUTOTUNE", True), \
+            mock.patch.object(triton_util, "tma_device", lambda device: True), \
             mock.patch.object(triton_util, "num_sms", lambda device: H200_SMS), \
             mock.patch.object(triton_moe, "num_sms", lambda device: H200_SMS):
         yield
@@ -95,6 +99,8 @@ def _signature(kernel, named):
         if param.is_constexpr:
             signature[param.name] = "constexpr"
             constexprs[(i,)] = value
+        elif isinstance(value, TensorDescriptor):  # as Triton names a host descriptor's type
+            signature[param.name] = f"tensordesc<{TYPES[value.base.dtype]}[{', '.join(map(str, value.block_shape))}]>"
         elif isinstance(value, torch.Tensor):
             signature[param.name] = "*" + TYPES[value.dtype]
             attrs[(i,)] = [["tt.divisibility", 16]]
@@ -165,6 +171,10 @@ def main():
                 if config is not None:
                     meta.update({key: value for key, value in config.items() if key not in ("num_warps", "num_stages")})
                     warps, stages = config.get("num_warps", 4), config.get("num_stages", 3)
+                    if launcher.blocks is not None:  # descriptors' block shapes follow the config
+                        meta.update({name: dataclasses.replace(meta[name], block_shape=list(shape))
+                                     for name, shape in launcher.blocks(meta).items()
+                                     if isinstance(meta[name], TensorDescriptor)})
                 signature, constexprs, _ = _signature(kernel, meta)
                 key = (kernel.__name__, warps, stages, repr(sorted(signature.items())), repr(sorted(constexprs.items())))
                 if key in seen:

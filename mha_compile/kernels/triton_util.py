@@ -55,17 +55,22 @@ def num_sms(device):
     return 4
 
 
+def tma_device(device):
+    """Whether launches on `device` may take TMA tensor descriptors: a GPU with TMA (Hopper or
+    later), or the CPU (the interpreter). bench/offline_sass.py patches it for meta tensors taken
+    for an H200's."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device)[0] >= 9
+    return device.type == "cpu"
+
+
 def tma_ok(*tensors):
-    """Whether TMA tensor descriptors may address these tensors: on a GPU with TMA (Hopper or
-    later) or the interpreter, each with its last dimension contiguous and its base and other
-    strides 16-byte aligned (an odd F in bf16 is not)."""
-    device = tensors[0].device
-    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 9:
-        return False
-    if device.type not in ("cuda", "cpu"):  # meta tensors (bench/offline_*.py)
-        return False
-    return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-               and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) for t in tensors)
+    """Whether TMA tensor descriptors may address these tensors: a device that takes them, and
+    each tensor with its last dimension contiguous and its base and other strides 16-byte
+    aligned (an odd F in bf16 is not)."""
+    return tma_device(tensors[0].device) and all(
+        t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
+        for t in tensors)
 
 
 def split_runs(length, programs, min_run, align, device):

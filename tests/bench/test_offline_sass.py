@@ -30,6 +30,8 @@ def test_records_every_launch_and_compiles_for_sm90(tmp_path):
             assert any(all(r["constexprs"][k] == v for k, v in meta.items())
                        and (r["num_warps"], r["num_stages"]) == (config["num_warps"], config["num_stages"])
                        for r in probed), (name, config)
+    # GEMM1 as the H200 runs it: TMA descriptors, their block shapes following each config
+    assert all(r["constexprs"]["TMA"] for r in rows if r["kernel"] == "_moe_up_kernel")
     for r in rows:
         assert 0 < r["regs"] <= 255 and r["sass"] > 0 and r["fits"]
         assert r["wgmma"] > 0, r  # bf16 tiles of 128 slots: Hopper's wgmma (HGMMA) on the H200
