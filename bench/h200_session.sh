@@ -25,6 +25,9 @@
 #   bash bench/h200_session.sh medium-autotune  # medium's best peer, Inductor max-autotune (~3 min of
 #                                      # compiling), beside Inductor and mha-fused on the dense spelling, in
 #                                      # a call of its own (~5 min): run.log, h200_medium_autotune.{md,json,png}
+#   [PRESET=large] bash bench/h200_session.sh ncu  # Nsight Compute on one training step's MoE and pool
+#                                      # kernels (bench/ncu_kernels.py; throughput, L2/DRAM traffic, warp stalls,
+#                                      # occupancy; ~4 min): run.log, ncu.txt
 #   bash bench/h200_session.sh probe   # each MoE kernel alone under every config (bench/gemm_probe.py), then
 #                                      # CUDA time per kernel of the op (~6 min): gemm_probe.{txt,json}, kernel_times.txt
 #   bash bench/h200_session.sh verify  # pytest -m cuda, then CUDA time per kernel of the op (~5 min):
@@ -34,7 +37,7 @@
 #                                      # benchmark cut at 250 s (rows past it are listed as skipped)
 # Budgets are per step so a slow step cannot starve the others.
 set -u
-part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|short}
+part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|short}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 # Inductor's compiled graphs kept in the checkout (git ignores it): the device keeps ignored
 # files between calls on a machine it still holds, so `table` can reuse `autotune-cache`'s.
@@ -111,6 +114,14 @@ autotune-cache)
         --passes fwd+bwd --modes inductor-max-autotune --spellings "${SPELLINGS:-dense,loop,grouped_mm}" \
         --commit "$commit" >>"$LOG" 2>&1
     ;;
+ncu)
+    # --clock-control none: the device notes (METHOD.md) say to leave the clocks alone
+    timeout -s INT 420 ncu --clock-control none --profile-from-start off -k "regex:_moe_|_pool_" \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+        --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats \
+        python bench/ncu_kernels.py --preset "${PRESET:-large}" >"$OUT/ncu.txt" 2>&1
+    tail -5 "$OUT/ncu.txt" >>"$LOG"
+    ;;
 medium-autotune)
     timeout -s INT -k 15 335 python -m bench --out "$OUT" --name h200_medium_autotune --budget 300 --presets medium \
         --passes fwd+bwd --modes inductor,mha-fused,mha-fused-cudagraphs,inductor-max-autotune --spellings dense \
@@ -132,6 +143,6 @@ bench|bench-resume)
         --modes eager,inductor,inductor-max-autotune,mha-staged,mha-fused,mha-fused-cudagraphs \
         --spellings dense,loop,grouped_mm --commit "$commit" 2>&1 | tail -100; } >>"$LOG"
     ;;
-*) echo "unknown part $part: expected check, kernels, probe, verify, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache, medium-autotune or short" >&2; exit 2 ;;
+*) echo "unknown part $part: expected check, kernels, probe, verify, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache, medium-autotune, ncu or short" >&2; exit 2 ;;
 esac
 tail -150 "$LOG"
