@@ -108,13 +108,21 @@ def bench_preset(name, dtype_name, peer_names, graph_names, profile):
     floor = (floor_ms(p, dtype, False), floor_ms(p, dtype, True))
     if profile and "fused" in peer_names:
         fn = every["fused"]
+
+        def train_step():
+            # from no gradients, as a training step after zero_grad(set_to_none=True): else
+            # autograd adds each gradient into the last step's (at large ~0.4 ms of add_ a step,
+            # mostly ∂tok's 512 MiB, which the sessions before 2026-11-30's 8th counted as ours)
+            for t in leaves:
+                t.grad = None
+            fn().backward(grad)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
-                fn().backward(grad)
+                train_step()
             torch.cuda.synchronize()
         print(f"\n{name} mha fused: fwd+bwd x5, CUDA time per kernel")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=24, max_name_column_width=60))
-        host_profile(lambda: fn().backward(grad), f"{name} mha fused")
+        host_profile(train_step, f"{name} mha fused")
     return rows, floor
 
 
