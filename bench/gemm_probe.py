@@ -126,9 +126,8 @@ def probe(preset, act, rows_out, kernels):
     for cfg in extra(moe._up.configs, *up_more):
         report("up", "gemm1", cfg, gemm, lambda: moe.experts_up(xs, groups, w1, b1, None, act), moe._up)
 
-    gemm_more = [dict(BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
-                 dict(BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
-                 dict(BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3)]
+    gemm_more = [dict(BLOCK_N=128, BLOCK_K=128, N_INNER=False, num_warps=8, num_stages=3),
+                 dict(BLOCK_N=128, BLOCK_K=64, N_INNER=True, num_warps=8, num_stages=3)]
     for cfg in extra(moe._slots_gemm.configs, *gemm_more):
         report("slots", "gemm2", cfg, gemm,
                lambda: moe.slots_gemm(h, w2, (F * D, D, 1), D, groups, bias=b2, scale=weight.reshape(-1)),
@@ -137,12 +136,12 @@ def probe(preset, act, rows_out, kernels):
 
     def hidden(has_b1):
         return lambda: moe._hidden(
-            lambda m: (groups.num_tiles, triton.cdiv(F, m["BLOCK_F"])), xs, gs, groups.slot_pair,
+            moe.tile_grid(groups, F, "BLOCK_F"), xs, gs, groups.slot_pair,
             groups.tile_expert, weight, w1, b1, w1, w2, hw, du, du, gw, db1_part,
             groups.pairs, D, F, gw.shape[1], HAS_B1=has_b1, ACT=code,
             PRECISION=moe.dot_precision(dt), TILE=groups.tile, GW_BLOCK=moe.GW_BLOCK)
-    hidden_more = [dict(BLOCK_F=64, BLOCK_K=64, TWO_LOOPS=False, num_warps=8, num_stages=4),
-                   dict(BLOCK_F=128, BLOCK_K=64, TWO_LOOPS=True, num_warps=8, num_stages=3)]
+    hidden_more = [dict(BLOCK_F=64, BLOCK_K=64, TWO_LOOPS=False, N_INNER=True, num_warps=8, num_stages=4),
+                   dict(BLOCK_F=128, BLOCK_K=32, TWO_LOOPS=False, N_INNER=True, num_warps=8, num_stages=4)]
     for cfg in extra(moe._hidden.configs, *hidden_more):
         report("hidden", "b1", cfg, 2 * gemm, hidden(True), moe._hidden)
         report("hidden", "no-b1", cfg, 2 * gemm, hidden(False), moe._hidden)

@@ -109,12 +109,26 @@ def _moe_up_kernel(
 
 
 @triton.jit
+def _tile_and_block(N, BLOCK_N: tl.constexpr, N_INNER: tl.constexpr):
+    """(tile t, index of its block of N columns) of this program. N_INNER: a 1-D grid with a
+    tile's column blocks in consecutive programs, so that programs running together read the
+    same slot rows (from L2, where the other order reads them from DRAM once per block: at
+    large a run's rows are ~90 MB, past the H200's 50 MB L2). Else the 2-D grid (tiles, blocks),
+    whose programs running together share one block of the weights instead."""
+    if N_INNER:
+        n_blocks = tl.cdiv(N, BLOCK_N)
+        return tl.program_id(0) // n_blocks, tl.program_id(0) % n_blocks
+    return tl.program_id(0), tl.program_id(1)
+
+
+@triton.jit
 def _moe_slots_gemm_kernel(
     a_ptr, b_ptr, a2_ptr, b2_ptr, bias_ptr, scale_ptr, slot_pair_ptr, tile_expert_ptr, out_ptr,
     PAIRS, K, NOUT,
     stride_be, stride_bk, stride_bn,
     HAS_A2: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
     PRECISION: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    N_INNER: tl.constexpr,
 ):
     """out [S,NOUT] = scale[pair] · (a[s] B[e] (+ a2[s] B2[e]) + bias[e]); 0 on padding.
     Accumulated in fp32, stored in out's dtype.
@@ -122,8 +136,8 @@ def _moe_slots_gemm_kernel(
     a, a2 [S,K] per slot; B, B2 [E, K, NOUT] addressed through strides, so the GEMM2 of the
     forward (B = W2) and ∂x of the backward (B = W1ᵀ, W3ᵀ) are the same kernel.
     """
-    t = tl.program_id(0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    t, pid_n = _tile_and_block(NOUT, BLOCK_N, N_INNER)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < NOUT
     offs_s = t.to(tl.int64) * TILE + tl.arange(0, TILE)
     pair = tl.load(slot_pair_ptr + offs_s)
@@ -244,7 +258,7 @@ def _moe_bwd_hidden_kernel(
     PAIRS, D, F, GW_COLS,
     HAS_B1: tl.constexpr,
     ACT: tl.constexpr, PRECISION: tl.constexpr, TILE: tl.constexpr, GW_BLOCK: tl.constexpr,
-    BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, TWO_LOOPS: tl.constexpr,
+    BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, TWO_LOOPS: tl.constexpr, N_INNER: tl.constexpr,
 ):
     """Per slot s and F block: u = xs[s] W1[e] + b1, g = gs[s] W2[e]ᵀ (one K loop over D, or
     one for each with TWO_LOOPS: a meta-parameter, the better depends on the sizes);
@@ -256,8 +270,7 @@ def _moe_bwd_hidden_kernel(
     expert's). Reductions of the dots' operands inside the K loop, or a branch after it, cost
     10-15% here and 2-3x in the weight-gradient kernel (bench/gemm_probe.py on the H200).
     """
-    t = tl.program_id(0)
-    pid_f = tl.program_id(1)
+    t, pid_f = _tile_and_block(F, BLOCK_F, N_INNER)
     offs_f = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
     f_ok = offs_f < F
     offs_s = t.to(tl.int64) * TILE + tl.arange(0, TILE)
@@ -443,18 +456,23 @@ _up = Launcher(_moe_up_kernel, [
 GW_BLOCK = 64
 # TWO_LOOPS (u's K loop, then g's) won with BLOCK_F 64 at medium (223 against 260 us), one loop
 # with both dots with BLOCK_F 128 at large (2.51 against 2.99 ms): bench/gemm_probe.py, H200.
+# N_INNER (_tile_and_block): the programs' order, not their work. Each config the autotuner
+# picked (medium's and large's) is here in both orders; N_INNER is not yet measured on the
+# H200 (session 8 had no device time left): at large the hidden kernel's slot rows, read once
+# per F block, come from DRAM in the 2-D order (~4.4 GB a step) and from L2 in N_INNER's.
 _hidden = Launcher(_moe_bwd_hidden_kernel, [
-    dict(BLOCK_F=64, BLOCK_K=32, TWO_LOOPS=False, num_warps=4, num_stages=3),
-    dict(BLOCK_F=64, BLOCK_K=64, TWO_LOOPS=True, num_warps=8, num_stages=4),
-    dict(BLOCK_F=64, BLOCK_K=128, TWO_LOOPS=True, num_warps=8, num_stages=2),
-    dict(BLOCK_F=128, BLOCK_K=64, TWO_LOOPS=False, num_warps=8, num_stages=3),
-    dict(BLOCK_F=128, BLOCK_K=32, TWO_LOOPS=False, num_warps=8, num_stages=4),
+    dict(BLOCK_F=64, BLOCK_K=32, TWO_LOOPS=False, N_INNER=True, num_warps=4, num_stages=3),
+    dict(BLOCK_F=64, BLOCK_K=64, TWO_LOOPS=True, N_INNER=False, num_warps=8, num_stages=4),
+    dict(BLOCK_F=64, BLOCK_K=64, TWO_LOOPS=True, N_INNER=True, num_warps=8, num_stages=4),
+    dict(BLOCK_F=128, BLOCK_K=64, TWO_LOOPS=False, N_INNER=False, num_warps=8, num_stages=3),
+    dict(BLOCK_F=128, BLOCK_K=64, TWO_LOOPS=False, N_INNER=True, num_warps=8, num_stages=3),
 ], key=["D", "F", "TILE", "ACT"])
 _slots_gemm = Launcher(_moe_slots_gemm_kernel, [
-    dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3),
-    dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
-    dict(BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3),
-    dict(BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
+    dict(BLOCK_N=64, BLOCK_K=64, N_INNER=True, num_warps=4, num_stages=3),
+    dict(BLOCK_N=128, BLOCK_K=64, N_INNER=False, num_warps=8, num_stages=3),
+    dict(BLOCK_N=128, BLOCK_K=64, N_INNER=False, num_warps=4, num_stages=3),
+    dict(BLOCK_N=256, BLOCK_K=64, N_INNER=False, num_warps=8, num_stages=3),
+    dict(BLOCK_N=256, BLOCK_K=64, N_INNER=True, num_warps=8, num_stages=3),
 ], key=["K", "NOUT", "TILE", "HAS_A2"])
 _wgrad = Launcher(_moe_wgrad_kernel, [
     dict(BLOCK_I=64, BLOCK_J=64, BLOCK_S=32, num_warps=4, num_stages=3),
@@ -705,13 +723,22 @@ def experts_up(xs, groups, w1, b1, w3, act):
     return h
 
 
+def tile_grid(groups, n, block):
+    """The launch grid, given a config, of a kernel with a program per (tile, `block` of n
+    columns), in the config's order (_tile_and_block)."""
+    def grid(meta):
+        blocks = triton.cdiv(n, meta[block])
+        return (groups.num_tiles * blocks,) if meta["N_INNER"] else (groups.num_tiles, blocks)
+    return grid
+
+
 def slots_gemm(a, b, strides, nout, groups, a2=None, b2=None, bias=None, scale=None, out=None):
     """[S, nout] in b's dtype: scale · (a B[e] (+ a2 B2[e]) + bias[e]); `strides` = (e, k, n)
     of B. out: rows to write into (a contiguous [S, nout] view), else allocated."""
     K = a.shape[1]
     if out is None:
         out = torch.empty(groups.slots, nout, device=a.device, dtype=b.dtype)
-    _slots_gemm(lambda m: (groups.num_tiles, triton.cdiv(nout, m["BLOCK_N"])),
+    _slots_gemm(tile_grid(groups, nout, "BLOCK_N"),
                 a, b, a if a2 is None else a2, b if b2 is None else b2, b if bias is None else bias,
                 out if scale is None else scale, groups.slot_pair, groups.tile_expert, out,
                 groups.pairs, K, nout, *strides,
@@ -858,7 +885,7 @@ def _backward_tiles(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, h
     du = torch.empty_like(hw)
     du3 = torch.empty_like(hw) if w3 is not None else du
     db1_part = None if b1 is None else torch.empty(groups.num_tiles, F, device=dev, dtype=torch.float32)
-    _hidden(lambda m: (groups.num_tiles, triton.cdiv(F, m["BLOCK_F"])),
+    _hidden(tile_grid(groups, F, "BLOCK_F"),
             xs, gs, groups.slot_pair, groups.tile_expert, weight,
             w1, w1 if b1 is None else b1, w1 if w3 is None else w3, w2,
             hw, du, du3, gw, gw if b1 is None else db1_part, groups.pairs, D, F, gw.shape[1],
