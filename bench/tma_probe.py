@@ -26,6 +26,7 @@ from gemm_probe import slot_case  # bench/, on the path when this runs as a scri
 
 @triton.jit
 def _job(job, NF, slot_pair_ptr, tile_expert_ptr, PAIRS, TILE: tl.constexpr, BLOCK_F: tl.constexpr):
+    """(tile, first column, slot rows, which are real, expert) of job `job`; a tile's NF jobs adjacent."""
     t = job // NF
     f0 = (job % NF) * BLOCK_F
     offs_s = t.to(tl.int64) * TILE + tl.arange(0, TILE)
@@ -38,6 +39,8 @@ def _job(job, NF, slot_pair_ptr, tile_expert_ptr, PAIRS, TILE: tl.constexpr, BLO
 def _up_tma_kernel(xs_desc, w1_desc, h_desc, b1_ptr, slot_pair_ptr, tile_expert_ptr, PAIRS, D, F, NUM_TILES,
                    ACT: tl.constexpr, PERSISTENT: tl.constexpr, TILE: tl.constexpr, BLOCK_F: tl.constexpr,
                    BLOCK_K: tl.constexpr, TRANS_B: tl.constexpr = False):
+    """h = act(xs W1[e] + b1[e]) over (tile, F block) jobs, every operand through a descriptor;
+    ACT -1: no activation; TRANS_B: w1_desc holds [E, F, D] (W2) and is read transposed."""
     NF = tl.cdiv(F, BLOCK_F)
     if PERSISTENT:
         start, step = tl.program_id(0), tl.num_programs(0)
