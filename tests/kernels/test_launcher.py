@@ -76,3 +76,43 @@ def test_first_config_without_autotuning(monkeypatch):
     monkeypatch.setattr(triton_util, "on_gpu", lambda t: False)  # the interpreter: no warps
     launcher(lambda meta: (meta["BLOCK"],), torch.zeros(4), 100)
     assert kernel.launches[1][2] == dict(BLOCK=32)
+
+
+def test_descriptor_block_shapes_follow_the_config(monkeypatch):
+    """A descriptor argument's block shape is set from each config: before a plain launch of
+    the chosen config, and by every autotune trial's pre_hook; pointer arguments are left alone."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    monkeypatch.setattr(triton_util, "on_gpu", lambda t: True)
+    monkeypatch.setattr(triton_util, "NO_AUTOTUNE", False)
+    configs = [dict(BLOCK=32, num_warps=4), dict(BLOCK=64, num_warps=8)]
+    blocks = lambda meta: dict(x_ptr=(meta["BLOCK"] // 2, 16))  # noqa: E731
+    launcher = triton_util.Launcher(_noop, configs, key=["N"], blocks=blocks)
+    x = torch.zeros(64, 16)
+    desc = TensorDescriptor.from_tensor(x, [1, 1])
+    # autotune trials: each config's pre_hook sets the shape for that config
+    for config, want in zip(launcher.tuned.configs, ([16, 16], [32, 16])):
+        config.pre_hook({"x_ptr": desc, "N": 100, **config.kwargs})
+        assert desc.block_shape == want
+    config.pre_hook({"x_ptr": x, "N": 100, **config.kwargs})  # a plain tensor: untouched, no error
+    # the chosen config's plain launch
+    kernel = _Kernel()
+    launcher.kernel = kernel
+    launcher.tuned = _Autotuner(dict(BLOCK=32, num_warps=4, num_stages=3))
+    launcher(lambda meta: (1,), desc, 100)  # tunes (the stand-in launches nothing)
+    launcher(lambda meta: (1,), desc, 100)  # launches the choice: its blocks first
+    assert kernel.launches and desc.block_shape == [16, 16]
+
+
+def test_tma_device_needs_hopper(monkeypatch):
+    """TMA descriptors on a GPU of compute capability 9 or later, or the interpreter's CPU;
+    never on an earlier GPU or for meta tensors (unless bench/offline_sass.py says so)."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert not triton_util.tma_device(torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert triton_util.tma_device(torch.device("cuda"))
+    assert triton_util.tma_device(torch.device("cpu"))
+    assert not triton_util.tma_device(torch.device("meta"))
+    # alignment: F = 47 fp32 rows (188 bytes) are not 16-byte strides; a contiguous [4, 48] is
+    assert triton_util.tma_ok(torch.zeros(4, 48)) and not triton_util.tma_ok(torch.zeros(4, 47))
+    assert not triton_util.tma_ok(torch.zeros(48, 4).t())  # last dimension not contiguous
