@@ -54,6 +54,26 @@ from mha_compile.kernels.triton_util import (ACT_CODE, Launcher, act_bwd, act_fw
 
 
 @triton.jit
+def _tile_of_job(job, N, BLOCK_N: tl.constexpr):
+    """(tile t, index of its block of N columns) of a linear job index, a tile's blocks adjacent:
+    programs running together then read the same slot rows (from L2, where the order with tiles
+    adjacent reads them from DRAM once per block: at large a run's rows are ~90 MB, past the
+    H200's 50 MB L2)."""
+    n_blocks = tl.cdiv(N, BLOCK_N)
+    return job // n_blocks, job % n_blocks
+
+
+@triton.jit
+def _tile_and_block(N, BLOCK_N: tl.constexpr, N_INNER: tl.constexpr):
+    """(tile t, index of its block of N columns) of this program. N_INNER: a 1-D grid in
+    _tile_of_job's order. Else the 2-D grid (tiles, blocks), whose programs running together
+    share one block of the weights instead."""
+    if N_INNER:
+        return _tile_of_job(tl.program_id(0), N, BLOCK_N)
+    return tl.program_id(0), tl.program_id(1)
+
+
+@triton.jit
 def _moe_up_kernel(
     xs, slot_pair_ptr, tile_expert_ptr, w1, b1_ptr, w3, h,
     PAIRS, D, F, NUM_TILES,
@@ -62,16 +82,15 @@ def _moe_up_kernel(
     TMA: tl.constexpr,
 ):
     """h [S,F] = act(xs[s] W1[e] + b1[e]) per slot, 0 on padding; xs [S,D] the slot rows
-    (_gather_rows_kernel), W1 [E,D,F]. One job per (tile, F block), the jobs of a tile adjacent.
+    (_gather_rows_kernel), W1 [E,D,F]. One job per (tile, F block), in _tile_of_job's order.
 
     TMA (Hopper): xs, w1 (w3) and h are tensor descriptors (blocks [TILE, BLOCK_K],
     [1, BLOCK_K, BLOCK_F], [TILE, BLOCK_F]) and one program per SM walks the jobs, loading its
     next tile while the activation epilogue of this one runs. Else pointers, a program per job.
     """
-    NF = tl.cdiv(F, BLOCK_F)
-    for job in tl.range(tl.program_id(0), NUM_TILES * NF, tl.num_programs(0), flatten=TMA):
-        t = job // NF
-        f0 = (job % NF) * BLOCK_F
+    for job in tl.range(tl.program_id(0), NUM_TILES * tl.cdiv(F, BLOCK_F), tl.num_programs(0), flatten=TMA):
+        t, f_block = _tile_of_job(job, F, BLOCK_F)
+        f0 = f_block * BLOCK_F
         offs_f = f0 + tl.arange(0, BLOCK_F)
         f_ok = offs_f < F
         offs_s = t.to(tl.int64) * TILE + tl.arange(0, TILE)
@@ -106,19 +125,6 @@ def _moe_up_kernel(
             h.store([t * TILE, f0], out.to(h.dtype))
         else:
             tl.store(h + offs_s[:, None] * F + offs_f[None, :], out.to(h.dtype.element_ty), mask=f_ok[None, :])
-
-
-@triton.jit
-def _tile_and_block(N, BLOCK_N: tl.constexpr, N_INNER: tl.constexpr):
-    """(tile t, index of its block of N columns) of this program. N_INNER: a 1-D grid with a
-    tile's column blocks in consecutive programs, so that programs running together read the
-    same slot rows (from L2, where the other order reads them from DRAM once per block: at
-    large a run's rows are ~90 MB, past the H200's 50 MB L2). Else the 2-D grid (tiles, blocks),
-    whose programs running together share one block of the weights instead."""
-    if N_INNER:
-        n_blocks = tl.cdiv(N, BLOCK_N)
-        return tl.program_id(0) // n_blocks, tl.program_id(0) % n_blocks
-    return tl.program_id(0), tl.program_id(1)
 
 
 @triton.jit
