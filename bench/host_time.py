@@ -9,7 +9,8 @@ and after, so the GPU work of earlier calls is not counted). That is host time a
 time while the GPU keeps up, which the "gpu" column shows (do_bench's median of the same call).
 Pieces, from the whole compiled step down to one Triton launch:
     compiled fwd+bwd / fwd   torch.compile(block, backend="mha") as a user runs it (the region's
-                             own CUDA graphs on, options graphs="auto"); "graphs off": without them
+                             own CUDA graphs on, options graphs="auto"); "graphs off": without them;
+                             "reduce-overhead": the whole compiled graph replayed as a CUDA graph
     region_call fwd+bwd      ops.region_call, what the compiled graph calls, graphs "on" / "off"
     op fwd+bwd / fwd         torch.ops.mha.region called directly (no Dynamo, no AOTAutograd)
     op fwd, grad enabled     the same forward recording autograd (what a training step pays)
@@ -19,9 +20,9 @@ Pieces, from the whole compiled step down to one Triton launch:
     group                    the expert grouping: three small launches and their buffers
     bare launch              one trivial @triton.jit kernel, through JITFunction.run
     torch.empty / add        one allocation, one tiny aten op
-Then cProfile of region_forward and region_backward on the main thread (the autograd engine
-runs CUDA backward on its own thread, which cProfile does not see; calling region_backward
-directly keeps it on this one).
+Then cProfile of the compiled step, region_forward and region_backward on the main thread (the
+autograd engine runs a CUDA backward on its own thread, which cProfile does not see; single-
+threaded autograd, or calling region_backward directly, keeps it on this one).
 """
 import argparse
 import copy
@@ -79,10 +80,19 @@ def main():
     twin = copy.deepcopy(block)  # its own Dynamo cache entry, for the other graphs setting
     twin_leaves = list(twin.parameters())
     compiled_off = torch.compile(twin, backend="mha", options={"kernels": "fused", "graphs": "off"}, dynamic=False)
+    whole = copy.deepcopy(block)  # the whole compiled graph replayed as a CUDA graph
+    whole_leaves = list(whole.parameters())
+    compiled_whole = torch.compile(whole, backend="mha", options={"kernels": "fused"}, mode="reduce-overhead",
+                                   dynamic=False)
 
     def clear():
-        for t in leaves + twin_leaves:
+        for t in leaves + twin_leaves + whole_leaves:
             t.grad = None
+
+    def whole_step():
+        torch.compiler.cudagraph_mark_step_begin()
+        clear()
+        compiled_whole(ctx, tok).backward(grad)
 
     def region_call(graphs):
         return lambda: (clear(), ops.region_call(ctx, tok, *params, None, moe.top_k, moe.renorm, moe.act, "fused",
@@ -104,6 +114,7 @@ def main():
     pieces = {
         "compiled fwd+bwd": lambda: (clear(), compiled(ctx, tok).backward(grad)),
         "compiled fwd": no_grad(lambda: compiled(ctx, tok)),
+        "compiled fwd+bwd, reduce-overhead": whole_step,
         "compiled fwd+bwd, graphs off": lambda: (clear(), compiled_off(ctx, tok).backward(grad)),
         "compiled fwd, graphs off": no_grad(lambda: compiled_off(ctx, tok)),
         "region_call fwd+bwd, graphs on": region_call("on"),
@@ -128,15 +139,20 @@ def main():
     with torch.autograd.set_multithreading_enabled(False):
         host = host_us(pieces["op fwd+bwd"], args.calls)
         print(f"{'op fwd+bwd, 1 thread':<32}{host:>10.1f}{gpu_us(pieces['op fwd+bwd']):>10.1f}", flush=True)
-    for name in ("region_forward", "region_backward"):
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(50):
-            pieces[name]()
-        prof.disable()
-        torch.cuda.synchronize()
-        print(f"\ncProfile, {name} x50, by own time")
-        pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+    # The compiled step with the backward on this thread, so that cProfile sees all of it.
+    with torch.autograd.set_multithreading_enabled(False):
+        for name in ("compiled fwd+bwd", "region_forward", "region_backward"):
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(50):
+                pieces[name]()
+            prof.disable()
+            torch.cuda.synchronize()
+            print(f"\ncProfile, {name} x50, by own time")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+            if name == "compiled fwd+bwd":
+                print(f"cProfile, {name} x50, by cumulative time")
+                pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
 
 
 if __name__ == "__main__":
