@@ -82,8 +82,8 @@ def main():
     compiled_off = torch.compile(twin, backend="mha", options={"kernels": "fused", "graphs": "off"}, dynamic=False)
     whole = copy.deepcopy(block)  # the whole compiled graph replayed as a CUDA graph
     whole_leaves = list(whole.parameters())
-    compiled_whole = torch.compile(whole, backend="mha", options={"kernels": "fused"}, mode="reduce-overhead",
-                                   dynamic=False)
+    # torch.compile takes mode or options, not both: kernels "auto" is the fused set on CUDA
+    compiled_whole = torch.compile(whole, backend="mha", mode="reduce-overhead", dynamic=False)
 
     def clear():
         for t in leaves + twin_leaves + whole_leaves:

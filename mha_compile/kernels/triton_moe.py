@@ -260,7 +260,7 @@ def _down_t_step(gs_ptr, w2_ptr, acc_g, row_off, offs_k, offs_f, f_ok, e, D, F, 
 def _moe_bwd_hidden_kernel(
     xs_ptr, gs_ptr, slot_pair_ptr, tile_expert_ptr, weight_ptr,
     w1_ptr, b1_ptr, w3_ptr, w2_ptr,
-    hw_ptr, du_ptr, du3_ptr, gw_ptr, db1_ptr,
+    hw_ptr, du_ptr, du3_ptr, gw_ptr,
     PAIRS, D, F, GW_COLS,
     HAS_B1: tl.constexpr,
     ACT: tl.constexpr, PRECISION: tl.constexpr, TILE: tl.constexpr, GW_BLOCK: tl.constexpr,
@@ -272,9 +272,10 @@ def _moe_bwd_hidden_kernel(
     gw[s, c] = Σ_f h g over the c-th GW_BLOCK columns of F (c < cdiv(F, GW_BLOCK); the gather
     kernel writes ⟨G[row], b2[e]⟩ in columns after these), so that ∂w = Σ_c gw = ⟨G, h W2 + b2⟩
     whatever BLOCK_F the autotuner picks. xs, gs: the slot rows of x and G (_gather_rows_kernel).
-    db1 [T,F] fp32 = Σ_{s ∈ tile t} ∂u[s], ∂b1's per-tile sums (_sum_tiles_kernel adds each
-    expert's). Reductions of the dots' operands inside the K loop, or a branch after it, cost
-    10-15% here and 2-3x in the weight-gradient kernel (bench/gemm_probe.py on the H200).
+    ∂b1 is not summed here (_tile_sums_kernel reads ∂u again): a column sum of the accumulator
+    in this epilogue cost 15% of the kernel. Reductions of the dots' operands inside the K loop,
+    or a branch after it, cost 10-15% here and 2-3x in the weight-gradient kernel
+    (bench/gemm_probe.py on the H200).
     """
     t, pid_f = _tile_and_block(F, BLOCK_F, N_INNER)
     offs_f = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
@@ -316,8 +317,6 @@ def _moe_bwd_hidden_kernel(
     du, du3 = act_bwd(w[:, None] * acc_g, acc_u, acc_u3, ACT)
     keep = valid[:, None]
     du = tl.where(keep, du, 0.0)
-    if HAS_B1:
-        tl.store(db1_ptr + t.to(tl.int64) * F + offs_f, tl.sum(du, axis=0), mask=f_ok)
     out_off = offs_s[:, None] * F + offs_f[None, :]
     tl.store(hw_ptr + out_off, tl.where(keep, w[:, None] * h, 0.0).to(hw_ptr.dtype.element_ty), mask=f_ok[None, :])
     tl.store(du_ptr + out_off, du.to(du_ptr.dtype.element_ty), mask=f_ok[None, :])
@@ -419,6 +418,23 @@ def _sum_tiles_kernel(part_ptr, out_ptr, part2_ptr, out2_ptr, expert_slots_ptr, 
 
 
 @triton.jit
+def _tile_sums_kernel(src_ptr, dst_ptr, N, TILE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK: tl.constexpr):
+    """dst[t, :] = Σ_{r < TILE} src[t·TILE + r, :] in fp32, rows in order: src [T·TILE, N] (slot
+    rows), dst [T, N]. ∂b1's per-tile sums of ∂u, which _sum_tiles_kernel then adds per expert.
+    In the hidden kernel's epilogue this column sum of the accumulator cost 15% of that kernel
+    (large: 2324 against 1965 us a call, bench/gemm_probe.py on the H200); here it costs a read
+    of ∂u at memory speed."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N
+    acc = tl.zeros([BLOCK_R, BLOCK], tl.float32)
+    for r0 in range(0, TILE, BLOCK_R):
+        rows = t * TILE + r0 + tl.arange(0, BLOCK_R)
+        acc += tl.load(src_ptr + rows[:, None] * N + offs[None, :], mask=ok[None, :], other=0.0).to(tl.float32)
+    tl.store(dst_ptr + t * N + offs, tl.sum(acc, axis=0), mask=ok)
+
+
+@triton.jit
 def _sum_splits_kernel(part_ptr, out_ptr, part2_ptr, out2_ptr, E, N, SPLIT, BLOCK: tl.constexpr):
     """out[e, :] = Σ_{c < SPLIT} part[e·SPLIT + c, :] in c order, N per-expert elements; program
     axis 1 picks the pair: 0 (part, out), 1 (part2, out2)."""
@@ -462,20 +478,25 @@ _up = Launcher(_moe_up_kernel, [
 GW_BLOCK = 64
 # TWO_LOOPS (u's K loop, then g's) won with BLOCK_F 64 at medium (223 against 260 us), one loop
 # with both dots with BLOCK_F 128 at large (2.51 against 2.99 ms): bench/gemm_probe.py, H200.
-# N_INNER (_tile_and_block): the programs' order, not their work. Each config the autotuner
-# picked (medium's and large's) is here in both orders; N_INNER is not yet measured on the
-# H200 (session 8 had no device time left): at large the hidden kernel's slot rows, read once
-# per F block, come from DRAM in the 2-D order (~4.4 GB a step) and from L2 in N_INNER's.
+# N_INNER (_tile_and_block): the programs' order, not their work. In the 2-D order the ~132
+# programs running at once are 132 tiles in one column block, so a tile's slot rows are read
+# again for every block, from DRAM at large; with N_INNER a tile's blocks run one after another
+# and read them from L2. Measured (bench/gemm_probe.py, H200, f67cd9b, large, ∂b1 still summed
+# here): 2546 -> 2324 us a call (BLOCK_F 128, BLOCK_K 64), TWO_LOOPS 2847 -> 2590; without
+# that sum (now _tile_sums_kernel) N_INNER's best took 1965 (BLOCK_K 64) and 1968 (BLOCK_K 32,
+# 4 stages) us, 190-202 us at medium. The 2-D order lost every pair, so it is out of the list.
 _hidden = Launcher(_moe_bwd_hidden_kernel, [
     dict(BLOCK_F=64, BLOCK_K=32, TWO_LOOPS=False, N_INNER=True, num_warps=4, num_stages=3),
-    dict(BLOCK_F=64, BLOCK_K=64, TWO_LOOPS=True, N_INNER=False, num_warps=8, num_stages=4),
     dict(BLOCK_F=64, BLOCK_K=64, TWO_LOOPS=True, N_INNER=True, num_warps=8, num_stages=4),
-    dict(BLOCK_F=128, BLOCK_K=64, TWO_LOOPS=False, N_INNER=False, num_warps=8, num_stages=3),
+    dict(BLOCK_F=64, BLOCK_K=64, TWO_LOOPS=False, N_INNER=True, num_warps=8, num_stages=4),
     dict(BLOCK_F=128, BLOCK_K=64, TWO_LOOPS=False, N_INNER=True, num_warps=8, num_stages=3),
+    dict(BLOCK_F=128, BLOCK_K=32, TWO_LOOPS=False, N_INNER=True, num_warps=8, num_stages=4),
 ], key=["D", "F", "TILE", "ACT"])
+# The slots GEMM at large (same run): N_INNER with BLOCK_N 256, GEMM2 576 -> 545 us, ∂x 537 ->
+# 514; equal at medium. BLOCK_N 128 with N_INNER (∂x 534) replaces its 2-D twin (654).
 _slots_gemm = Launcher(_moe_slots_gemm_kernel, [
     dict(BLOCK_N=64, BLOCK_K=64, N_INNER=True, num_warps=4, num_stages=3),
-    dict(BLOCK_N=128, BLOCK_K=64, N_INNER=False, num_warps=8, num_stages=3),
+    dict(BLOCK_N=128, BLOCK_K=64, N_INNER=True, num_warps=8, num_stages=3),
     dict(BLOCK_N=128, BLOCK_K=64, N_INNER=False, num_warps=4, num_stages=3),
     dict(BLOCK_N=256, BLOCK_K=64, N_INNER=False, num_warps=8, num_stages=3),
     dict(BLOCK_N=256, BLOCK_K=64, N_INNER=True, num_warps=8, num_stages=3),
@@ -491,6 +512,12 @@ _wgrad = Launcher(_moe_wgrad_kernel, [
     # Runs of 512 MiB (~6 experts) took the two GEMMs 1.98 -> 1.48 ms a step (7863c64).
     dict(BLOCK_I=64, BLOCK_J=128, BLOCK_S=64, num_warps=4, num_stages=4),
 ], key=["I", "J", "E", "SPLIT", "TILE", "HAS_B2", "ACCUMULATE"], restore=["dw_ptr", "dw2_ptr"])
+# BLOCK_R is at most TILE's least value, 16 (tile_rows).
+_tile_sums = Launcher(_tile_sums_kernel, [
+    dict(BLOCK=128, BLOCK_R=16, num_warps=4, num_stages=3),
+    dict(BLOCK=256, BLOCK_R=16, num_warps=4, num_stages=3),
+    dict(BLOCK=64, BLOCK_R=16, num_warps=2, num_stages=3),
+], key=["N", "TILE"])
 # Narrow column blocks give many programs for the same loads: BLOCK 64 took 11 us a medium
 # step where BLOCK 256 (40 programs) took 33, which the autotuner still picked once (e166b7f,
 # kernel_times.txt), so 256 is out of the list.
@@ -822,9 +849,17 @@ def weight_grads(a, b, b2, groups, into=None):
     return dw, dw2
 
 
+def tile_sums(rows, groups):
+    """[T, N] fp32: each tile's sum of the slot rows [S, N] (padding slots hold zeros)."""
+    T, N = groups.num_tiles, rows.shape[1]
+    out = torch.empty(T, N, device=rows.device, dtype=torch.float32)
+    _tile_sums(lambda m: (T, triton.cdiv(N, m["BLOCK"])), rows, out, N, TILE=groups.tile)
+    return out
+
+
 def bias_grads(db1_part, db2_part, groups, dtype, into=None):
     """(∂b1 [E,F] or None, ∂b2 [E,D] or None) in `dtype`: each expert's sum of the per-tile sums
-    db1_part [T,F] (hidden kernel) and of the per-GATHER_BLOCK_S sums db2_part [S/16, D] (gather
+    db1_part [T,F] (tile_sums of ∂u) and of the per-GATHER_BLOCK_S sums db2_part [S/16, D] (gather
     kernel), None where there is no such bias, in slot order. into: fp32 (∂b1, ∂b2) to add to
     (one run of tiles), returned."""
     E = groups.experts
@@ -890,13 +925,13 @@ def _backward_tiles(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, h
     hw = torch.empty(groups.slots, F, device=dev, dtype=wdt)
     du = torch.empty_like(hw)
     du3 = torch.empty_like(hw) if w3 is not None else du
-    db1_part = None if b1 is None else torch.empty(groups.num_tiles, F, device=dev, dtype=torch.float32)
     _hidden(tile_grid(groups, F, "BLOCK_F"),
             xs, gs, groups.slot_pair, groups.tile_expert, weight,
             w1, w1 if b1 is None else b1, w1 if w3 is None else w3, w2,
-            hw, du, du3, gw, gw if b1 is None else db1_part, groups.pairs, D, F, gw.shape[1],
+            hw, du, du3, gw, groups.pairs, D, F, gw.shape[1],
             HAS_B1=b1 is not None, ACT=_act(act), PRECISION=dot_precision(wdt), TILE=groups.tile,
             GW_BLOCK=GW_BLOCK)
+    db1_part = None if b1 is None else tile_sums(du, groups)
     db1, db2 = bias_grads(db1_part, db2_part, groups, wdt, into=None if total is None else (total[1], total[3]))
     # ∂W2 = Σ (w h)ᵀ G first, so that hw and gs [S,F] + [S,D] are freed before ∂x allocates its
     # [S,D] (large preset, computed: slot buffers alive at once 1.61 -> 1.34 GB; same

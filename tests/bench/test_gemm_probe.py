@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 
 @pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 def test_every_probe_variant_runs_and_launchers_are_restored():
-    launchers = [triton_moe._up, triton_moe._slots_gemm, triton_moe._hidden, triton_moe._wgrad]
+    launchers = [triton_moe._up, triton_moe._slots_gemm, triton_moe._hidden, triton_moe._wgrad, triton_moe._tile_sums]
     before = [(l.kernel, l.configs, l.tuned) for l in launchers]
     rows = []
     gemm_probe.probe("tiny", "gelu", rows, ["up", "slots", "hidden", "wgrad"])
@@ -28,3 +28,5 @@ def test_every_probe_variant_runs_and_launchers_are_restored():
     for name, launcher in zip(("up", "slots", "hidden", "wgrad"), launchers):
         probed = [r["config"] for r in rows if r["kernel"] == name]
         assert all(cfg in probed for cfg in launcher.configs), name
+    sums = [r["config"] for r in rows if r["variant"] == "db1 sums"]
+    assert sums == triton_moe._tile_sums.configs

@@ -197,7 +197,7 @@ def test_up_with_tma_and_with_pointers(monkeypatch, act):
     assert True in taken and False in taken
 
 
-TUNED = [(triton_moe, name) for name in ("_up", "_hidden", "_slots_gemm", "_wgrad", "_sum_tiles")] + [
+TUNED = [(triton_moe, name) for name in ("_up", "_hidden", "_slots_gemm", "_wgrad", "_sum_tiles", "_tile_sums")] + [
     (triton_pool, name) for name in ("_attend", "_attend_bwd_scores", "_attend_bwd")] + [
     (triton_router, name) for name in ("_route", "_combine_bwd")]
 TUNED_CONFIGS = [pytest.param(module, name, i, id=f"{name}{i}") for module, name in TUNED

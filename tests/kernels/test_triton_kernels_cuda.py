@@ -134,7 +134,7 @@ def test_autocast_mix(module, preset):
 def _tuned_configs():
     from mha_compile.kernels import triton_moe, triton_pool, triton_router
 
-    tuned = [(triton_moe, name) for name in ("_up", "_hidden", "_slots_gemm", "_wgrad", "_sum_tiles")]
+    tuned = [(triton_moe, name) for name in ("_up", "_hidden", "_slots_gemm", "_wgrad", "_sum_tiles", "_tile_sums")]
     tuned += [(triton_pool, name) for name in ("_attend", "_attend_bwd_scores", "_attend_bwd")]
     tuned += [(triton_router, name) for name in ("_route", "_combine_bwd")]
     return [pytest.param(module, name, i, id=f"{name}{i}") for module, name in tuned
