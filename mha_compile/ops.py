@@ -119,8 +119,7 @@ def _region_fake(ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, ma
             ctx.new_empty(B * H, top_k, dtype=acc), ctx.new_empty(B * H, top_k, dtype=torch.int32))
 
 
-@torch.library.custom_op("mha::region_backward", mutates_args=())
-def region_backward(grad_out: Tensor, ctx: Tensor, tok: Tensor, q: Tensor, wk: Tensor, bk: Optional[Tensor],
+def _region_backward(grad_out: Tensor, ctx: Tensor, tok: Tensor, q: Tensor, wk: Tensor, bk: Optional[Tensor],
                     wv: Tensor, bv: Optional[Tensor], wo: Tensor, bo: Optional[Tensor], wg: Tensor, w1: Tensor,
                     b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor], w3: Optional[Tensor],
                     mask: Optional[Tensor], inv: Tensor, attn: Tensor, weight: Tensor, index: Tensor,
@@ -148,6 +147,11 @@ def region_backward(grad_out: Tensor, ctx: Tensor, tok: Tensor, q: Tensor, wk: T
     return [ctx.new_empty(0) if g is None else g for g in grads]
 
 
+# The op, for whatever traces the backward (AOTAutograd, compiled autograd: one opaque node);
+# _backward calls _region_backward itself when nothing does.
+region_backward = torch.library.custom_op("mha::region_backward", mutates_args=())(_region_backward)
+
+
 @region_backward.register_fake
 def _region_backward_fake(grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask,
                           inv, attn, weight, index, top_k, renorm, act, kernels, grad_inv=None, graphs="off"):
@@ -172,8 +176,11 @@ def _backward(ctx, grad_out, grad_inv, *unused_aux_grads):
     tensors = [None if absent else saved.pop(0) for absent in ctx.absent]
     inv, attn, weight, index = saved
     extra = grad_inv.contiguous() if ctx.export_inv and grad_inv is not None else None
-    grads = region_backward(grad_out.contiguous(), *tensors, inv, attn, weight, index, *ctx.config, grad_inv=extra,
-                            graphs=ctx.graphs)
+    args = (grad_out.contiguous(), *tensors, inv, attn, weight, index)
+    # The op's dispatch costs ~0.1 ms of host time a medium step (host_time.py's cProfile on the
+    # H200), where the step issues in ~1.4 ms for ~1 ms of GPU time.
+    backward = region_backward if torch.compiler.is_compiling() or _traced(args) else _region_backward
+    grads = backward(*args, *ctx.config, grad_inv=extra, graphs=ctx.graphs)
     grads = [None if t is None else g for g, t in zip(grads, tensors)]
     return (*grads, None, None, None, None, None, None, None)
 
@@ -189,7 +196,7 @@ class RegionFunction(torch.autograd.Function):
     between them); what it leaves out is the op's per-call dispatch, argument filling and
     aliasing checks and its generated autograd wrapper: host time that a training step pays
     (bench/PERF_NOTES.md v4: the op's fwd+bwd issues in ~5 ms at medium on the H200, the kernel
-    set's own calls in ~2.5 ms). The backward calls the mha::region_backward op and is once
+    set's own calls in ~2.5 ms). The backward is _backward, as the op's, and is once
     differentiable, as the op's is: a second derivative raises instead of treating the
     gradients as constants.
     """
@@ -205,11 +212,19 @@ class RegionFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, grad_inv, *unused_aux_grads):
-        """Through the mha::region_backward op, as the op's own autograd does: a backward that
-        is traced (compiled autograd) then sees one opaque op, not the kernel set's Python."""
+        """_backward, as the op's own autograd: a backward that is traced (compiled autograd)
+        meets the mha::region_backward op, not the kernel set's Python."""
         if grad_out is None:  # only inv was read by something that needs a gradient
             grad_out = torch.zeros_like(ctx.saved_tensors[0])
         return _backward(ctx, grad_out, grad_inv)
+
+
+def _traced(args):
+    """Whether something could be tracing or transforming a call on `args`: a dispatch mode
+    (FakeTensor, make_fx), functorch, or a tensor subclass. Those must see the ops."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    return (torch._C._len_torch_dispatch_stack() > 0 or torch._C._are_functorch_transforms_active()
+            or any(type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter for t in tensors))
 
 
 def region_call(*args, graphs="off"):
@@ -217,9 +232,7 @@ def region_call(*args, graphs="off"):
     something could be tracing or transforming the call (a dispatch mode such as FakeTensor or
     make_fx, functorch, a tensor subclass), since those must see `mha::region`. args: the op's,
     up to export_inv; graphs: as for the op."""
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    if (torch._C._len_torch_dispatch_stack() > 0 or torch._C._are_functorch_transforms_active()
-            or any(type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter for t in tensors)):
+    if _traced(args):
         return torch.ops.mha.region.default(*args, graphs=graphs)
     export_inv = args[20] if len(args) > 20 else False
     return RegionFunction.apply(*args[:20], export_inv, graphs)

@@ -100,14 +100,30 @@ def test_the_backend_runs_it_and_reports_the_op(monkeypatch):
     assert "torch.ops.mha.region" in report.graphs[0].code_after
 
 
-def test_the_backward_goes_through_the_backward_op(monkeypatch):
-    """So that a traced backward (compiled autograd) meets one opaque op, as with mha::region."""
+def test_the_backward_op_only_where_something_traces(monkeypatch):
+    """Run eagerly, the backward calls the implementation (the op's dispatch is host time a step
+    pays); traced (make_fx, as compiled autograd and AOTAutograd trace), it meets one opaque
+    mha::region_backward op."""
     calls = []
-    op = ops.region_backward
-    monkeypatch.setattr(ops, "region_backward", lambda *a, **k: calls.append(1) or op(*a, **k))
+    op, impl = ops.region_backward, ops._region_backward
+    monkeypatch.setattr(ops, "region_backward", lambda *a, **k: calls.append("op") or op(*a, **k))
+    monkeypatch.setattr(ops, "_region_backward", lambda *a, **k: calls.append("impl") or impl(*a, **k))
     tensors = _inputs()
     ops.RegionFunction.apply(*tensors, None, 2, True, "gelu", "reference", False)[0].sum().backward()
-    assert calls == [1] and tensors[0].grad is not None
+    assert calls == ["impl"] and tensors[0].grad is not None
+
+    calls.clear()
+    leaves = [t for t in _inputs() if t is not None]
+
+    def step(*present):
+        it = iter(present)
+        args = [None if t is None else next(it) for t in _inputs()]
+        out = ops.RegionFunction.apply(*args, None, 2, True, "gelu", "reference", False)[0]
+        return torch.autograd.grad(out.sum(), present)
+
+    traced = make_fx(step)(*[t.detach().requires_grad_() for t in leaves])
+    assert calls == ["op"]
+    assert traced.graph.find_nodes(op="call_function", target=torch.ops.mha.region_backward.default)
 
 
 @pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])

@@ -74,6 +74,19 @@ def _tile_and_block(N, BLOCK_N: tl.constexpr, N_INNER: tl.constexpr):
 
 
 @triton.jit
+def _bias_rows(bias_ptr, offset, offs_n, n_ok, ROWS: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """A GEMM's fp32 accumulator [ROWS, len(offs_n)] starting at the bias row bias[offset + offs_n]
+    (zeros without one). Added before the K loop rather than after it: added after, at 255
+    registers, ptxas issued the bias loads one at a time through one register among the
+    epilogue's math, and a bias cost 12% of the hidden kernel at large (2208 against 1950 us a
+    call, bench/gemm_probe.py on the H200; 16 serial loads a job in its SASS)."""
+    acc = tl.zeros([ROWS, offs_n.shape[0]], tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offset + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    return acc
+
+
+@triton.jit
 def _moe_up_kernel(
     xs, slot_pair_ptr, tile_expert_ptr, w1, b1_ptr, w3, h,
     PAIRS, D, F, NUM_TILES,
@@ -98,7 +111,7 @@ def _moe_up_kernel(
         e = tl.load(tile_expert_ptr + t)
         # An all-padding tile (its first slot is padding) skips the K loop.
         k_end = tl.where(tl.load(slot_pair_ptr + t.to(tl.int64) * TILE) < PAIRS, D, 0)
-        acc = tl.zeros([TILE, BLOCK_F], tl.float32)
+        acc = _bias_rows(b1_ptr, e.to(tl.int64) * F, offs_f, f_ok, TILE, HAS_B1)
         acc3 = tl.zeros([TILE, BLOCK_F], tl.float32)
         for k0 in range(0, k_end, BLOCK_K):
             if TMA:
@@ -118,8 +131,6 @@ def _moe_up_kernel(
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
             if ACT == 3:
                 acc3 = tl.dot(a, b3, acc3, input_precision=PRECISION)
-        if HAS_B1:
-            acc += tl.load(b1_ptr + e.to(tl.int64) * F + offs_f, mask=f_ok, other=0.0).to(tl.float32)[None, :]
         out = tl.where(valid[:, None], act_fwd(acc, acc3, ACT), 0.0)
         if TMA:
             h.store([t * TILE, f0], out.to(h.dtype))
@@ -150,7 +161,7 @@ def _moe_slots_gemm_kernel(
     valid = pair < PAIRS
     e = tl.load(tile_expert_ptr + t).to(tl.int64)
     k_end = tl.where(tl.load(slot_pair_ptr + t.to(tl.int64) * TILE) < PAIRS, K, 0)
-    acc = tl.zeros([TILE, BLOCK_N], tl.float32)
+    acc = _bias_rows(bias_ptr, e * NOUT, offs_n, n_ok, TILE, HAS_BIAS)
     b_e = b_ptr + e * stride_be
     b2_e = b2_ptr + e * stride_be
     for k0 in range(0, k_end, BLOCK_K):
@@ -164,8 +175,6 @@ def _moe_slots_gemm_kernel(
         if HAS_A2:
             a2 = tl.load(a2_ptr + a_off, mask=k_ok[None, :], other=0.0)
             acc = tl.dot(a2, tl.load(b2_e + b_off, mask=b_ok, other=0.0), acc, input_precision=PRECISION)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + e * NOUT + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if HAS_SCALE:
         acc *= tl.load(scale_ptr + pair, mask=valid, other=0.0)[:, None]
     acc = tl.where(valid[:, None], acc, 0.0)
@@ -286,7 +295,7 @@ def _moe_bwd_hidden_kernel(
     w = tl.load(weight_ptr + pair, mask=valid, other=0.0)
     e = tl.load(tile_expert_ptr + t).to(tl.int64)
     k_end = tl.where(tl.load(slot_pair_ptr + t.to(tl.int64) * TILE) < PAIRS, D, 0)
-    acc_u = tl.zeros([TILE, BLOCK_F], tl.float32)
+    acc_u = _bias_rows(b1_ptr, e * F, offs_f, f_ok, TILE, HAS_B1)
     acc_u3 = tl.zeros([TILE, BLOCK_F], tl.float32)
     acc_g = tl.zeros([TILE, BLOCK_F], tl.float32)
     if TWO_LOOPS:
@@ -305,8 +314,6 @@ def _moe_bwd_hidden_kernel(
             acc_u, acc_u3 = _up_step(xs_ptr, w1_ptr, w3_ptr, acc_u, acc_u3, row_off, offs_k, offs_f, f_ok, e, D, F,
                                      ACT, PRECISION)
             acc_g = _down_t_step(gs_ptr, w2_ptr, acc_g, row_off, offs_k, offs_f, f_ok, e, D, F, PRECISION)
-    if HAS_B1:
-        acc_u += tl.load(b1_ptr + e * F + offs_f, mask=f_ok, other=0.0).to(tl.float32)[None, :]
     h = act_fwd(acc_u, acc_u3, ACT)
     # ∂w partials, one column per GW_BLOCK of F (BLOCK_F is a multiple of it).
     NB: tl.constexpr = BLOCK_F // GW_BLOCK
