@@ -30,8 +30,9 @@
 #                                      # occupancy; ~4 min): run.log, ncu.txt
 #   bash bench/h200_session.sh probe   # each MoE kernel alone under every config (bench/gemm_probe.py), then
 #                                      # CUDA time per kernel of the op (~6 min): gemm_probe.{txt,json}, kernel_times.txt
-#   bash bench/h200_session.sh verify  # pytest -m cuda, then CUDA time per kernel of the op (~5 min):
-#                                      # run.log, kernel_times.txt
+#   [PROBE=up,hidden PROBE_PRESETS=large] bash bench/h200_session.sh verify  # pytest -m cuda, then CUDA
+#                                      # time per kernel of the op (~5 min); with PROBE, then gemm_probe.py on
+#                                      # those kernels (90 s at most): run.log, kernel_times.txt, gemm_probe.txt
 #   bash bench/h200_session.sh short   # one call when device time is short (~9 min): the fused
 #                                      # kernel tests, the curves without the suite, and the
 #                                      # benchmark cut at 250 s (rows past it are listed as skipped)
@@ -73,6 +74,10 @@ kernels)
 verify)
     gpu_tests 200
     fused_kernel_times 150
+    if [ -n "${PROBE:-}" ]; then
+        { timeout -s INT 90 python bench/gemm_probe.py --presets "${PROBE_PRESETS:-large}" --kernels "$PROBE" \
+            --out "$OUT/gemm_probe.json" 2>&1; } >"$OUT/gemm_probe.txt"
+    fi
     ;;
 probe)
     { timeout -s INT 330 python bench/gemm_probe.py --presets medium,large --out "$OUT/gemm_probe.json" \
