@@ -120,11 +120,11 @@ def _region_fake(ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, ma
 
 
 def _region_backward(grad_out: Tensor, ctx: Tensor, tok: Tensor, q: Tensor, wk: Tensor, bk: Optional[Tensor],
-                    wv: Tensor, bv: Optional[Tensor], wo: Tensor, bo: Optional[Tensor], wg: Tensor, w1: Tensor,
-                    b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor], w3: Optional[Tensor],
-                    mask: Optional[Tensor], inv: Tensor, attn: Tensor, weight: Tensor, index: Tensor,
-                    top_k: int, renorm: bool, act: str, kernels: str,
-                    grad_inv: Optional[Tensor] = None, graphs: str = "off") -> list[Tensor]:
+                     wv: Tensor, bv: Optional[Tensor], wo: Tensor, bo: Optional[Tensor], wg: Tensor, w1: Tensor,
+                     b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor], w3: Optional[Tensor],
+                     mask: Optional[Tensor], inv: Tensor, attn: Tensor, weight: Tensor, index: Tensor,
+                     top_k: int, renorm: bool, act: str, kernels: str,
+                     grad_inv: Optional[Tensor] = None, graphs: str = "off") -> list[Tensor]:
     """Gradients of REGION_INPUTS, in order; an absent optional input gets an empty tensor.
 
     grad_inv: the gradient of the exported `inv` from outside the region, or None. The pool's

@@ -79,7 +79,9 @@ def _bias_rows(bias_ptr, offset, offs_n, n_ok, ROWS: tl.constexpr, HAS_BIAS: tl.
     (zeros without one). Added before the K loop rather than after it: added after, at 255
     registers, ptxas issued the bias loads one at a time through one register among the
     epilogue's math, and a bias cost 12% of the hidden kernel at large (2208 against 1950 us a
-    call, bench/gemm_probe.py on the H200; 16 serial loads a job in its SASS)."""
+    call, bench/gemm_probe.py on the H200; 16 serial loads a job in its SASS). Here it still
+    costs ~9% there (2125 against 1940 us): the loads wait on the expert index before the
+    first dot can start."""
     acc = tl.zeros([ROWS, offs_n.shape[0]], tl.float32)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offset + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -282,7 +284,7 @@ def _moe_bwd_hidden_kernel(
     kernel writes ⟨G[row], b2[e]⟩ in columns after these), so that ∂w = Σ_c gw = ⟨G, h W2 + b2⟩
     whatever BLOCK_F the autotuner picks. xs, gs: the slot rows of x and G (_gather_rows_kernel).
     ∂b1 is not summed here (_tile_sums_kernel reads ∂u again): a column sum of the accumulator
-    in this epilogue cost 15% of the kernel. Reductions of the dots' operands inside the K loop,
+    in this epilogue cost ~130 us of a ~2.2 ms call at large, what the re-read costs. Reductions of the dots' operands inside the K loop,
     or a branch after it, cost 10-15% here and 2-3x in the weight-gradient kernel
     (bench/gemm_probe.py on the H200).
     """
@@ -428,9 +430,9 @@ def _sum_tiles_kernel(part_ptr, out_ptr, part2_ptr, out2_ptr, expert_slots_ptr, 
 def _tile_sums_kernel(src_ptr, dst_ptr, N, TILE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK: tl.constexpr):
     """dst[t, :] = Σ_{r < TILE} src[t·TILE + r, :] in fp32, rows in order: src [T·TILE, N] (slot
     rows), dst [T, N]. ∂b1's per-tile sums of ∂u, which _sum_tiles_kernel then adds per expert.
-    In the hidden kernel's epilogue this column sum of the accumulator cost 15% of that kernel
-    (large: 2324 against 1965 us a call, bench/gemm_probe.py on the H200); here it costs a read
-    of ∂u at memory speed."""
+    In the hidden kernel's epilogue this column sum of the accumulator cost ~130 us a call at
+    large; here a read of ∂u at memory speed costs about the same (155 us, bench/gemm_probe.py
+    on the H200), and the epilogue is simpler."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
@@ -489,9 +491,9 @@ GW_BLOCK = 64
 # programs running at once are 132 tiles in one column block, so a tile's slot rows are read
 # again for every block, from DRAM at large; with N_INNER a tile's blocks run one after another
 # and read them from L2. Measured (bench/gemm_probe.py, H200, f67cd9b, large, ∂b1 still summed
-# here): 2546 -> 2324 us a call (BLOCK_F 128, BLOCK_K 64), TWO_LOOPS 2847 -> 2590; without
-# that sum (now _tile_sums_kernel) N_INNER's best took 1965 (BLOCK_K 64) and 1968 (BLOCK_K 32,
-# 4 stages) us, 190-202 us at medium. The 2-D order lost every pair, so it is out of the list.
+# here): 2546 -> 2324 us a call (BLOCK_F 128, BLOCK_K 64), TWO_LOOPS 2847 -> 2590. With the
+# bias in the accumulator and ∂b1 in _tile_sums_kernel (5008a42) BLOCK_F 128 takes 2125-2154
+# us (BLOCK_K 32 or 64), 225-229 at medium. The 2-D order lost every pair: out of the list.
 _hidden = Launcher(_moe_bwd_hidden_kernel, [
     dict(BLOCK_F=64, BLOCK_K=32, TWO_LOOPS=False, N_INNER=True, num_warps=4, num_stages=3),
     dict(BLOCK_F=64, BLOCK_K=64, TWO_LOOPS=True, N_INNER=True, num_warps=8, num_stages=4),
