@@ -126,6 +126,31 @@ def test_the_backward_op_only_where_something_traces(monkeypatch):
     assert traced.graph.find_nodes(op="call_function", target=torch.ops.mha.region_backward.default)
 
 
+def test_compiled_autograd_meets_the_backward_op(monkeypatch):
+    """torch.compile(backend="mha") with compiled autograd on: the traced backward graph holds the
+    mha::region_backward op, and the gradients are the eager block's."""
+    from torch._dynamo import compiled_autograd
+
+    calls, graphs = [], []
+    op = ops.region_backward
+    monkeypatch.setattr(ops, "region_backward", lambda *a, **k: calls.append("op") or op(*a, **k))
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    block = models.MHABlock(16, 2, 24, 4, 2).double()
+    ctx = torch.randn(3, 4, 16, dtype=torch.float64, requires_grad=True)
+    tok = torch.randn(3, 5, 16, dtype=torch.float64, requires_grad=True)
+    leaves = [ctx, tok, *block.parameters()]
+    want = torch.autograd.grad(block(ctx, tok).sum(), leaves)
+    out = torch.compile(block, backend="mha")(ctx, tok)
+    with compiled_autograd._enable(torch.compile(backend=lambda gm, example: graphs.append(gm) or gm)):
+        got = torch.autograd.grad(out.sum(), leaves)
+    assert calls == ["op"]
+    assert any(gm.graph.find_nodes(op="call_function", target=torch.ops.mha.region_backward.default)
+               for gm in graphs)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
 def test_without_grad(mode):
     """Eval under no_grad or inference_mode: nothing is recorded, the output is the op's."""
