@@ -33,12 +33,14 @@
 #   [PROBE=up,hidden PROBE_PRESETS=large] bash bench/h200_session.sh verify  # pytest -m cuda, then CUDA
 #                                      # time per kernel of the op (~5 min); with PROBE, then gemm_probe.py on
 #                                      # those kernels (90 s at most): run.log, kernel_times.txt, gemm_probe.txt
+#   bash bench/h200_session.sh gluon   # GEMM1 as a warp-specialised Gluon kernel against the shipped one
+#                                      # (bench/gluon_up_probe.py; ~2 min): run.log, gluon_up_probe.txt
 #   bash bench/h200_session.sh short   # one call when device time is short (~9 min): the fused
 #                                      # kernel tests, the curves without the suite, and the
 #                                      # benchmark cut at 250 s (rows past it are listed as skipped)
 # Budgets are per step so a slow step cannot starve the others.
 set -u
-part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|short}
+part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|gluon|short}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 # Inductor's compiled graphs kept in the checkout (git ignores it): the device keeps ignored
 # files between calls on a machine it still holds, so `table` can reuse `autotune-cache`'s.
@@ -132,6 +134,10 @@ medium-autotune)
         --passes fwd+bwd --modes inductor,mha-fused,mha-fused-cudagraphs,inductor-max-autotune --spellings dense \
         --commit "$commit" >>"$LOG" 2>&1
     ;;
+gluon)
+    { timeout -s INT 240 python bench/gluon_up_probe.py --presets medium,large 2>&1; } >"$OUT/gluon_up_probe.txt"
+    tail -12 "$OUT/gluon_up_probe.txt" >>"$LOG"
+    ;;
 short)
     { MHA_COMPILE_NO_AUTOTUNE=1 timeout 120 python -m pytest -q -m cuda tests/kernels -k "not staged" -n 8 \
         -p no:cacheprovider 2>&1 | tail -8; } >>"$LOG"
@@ -148,6 +154,6 @@ bench|bench-resume)
         --modes eager,inductor,inductor-max-autotune,mha-staged,mha-fused,mha-fused-cudagraphs \
         --spellings dense,loop,grouped_mm --commit "$commit" 2>&1 | tail -100; } >>"$LOG"
     ;;
-*) echo "unknown part $part: expected check, kernels, probe, verify, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache, medium-autotune, ncu or short" >&2; exit 2 ;;
+*) echo "unknown part $part: expected check, kernels, probe, verify, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache, medium-autotune, ncu, gluon or short" >&2; exit 2 ;;
 esac
 tail -150 "$LOG"
