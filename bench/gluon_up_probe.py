@@ -169,14 +169,17 @@ def _up_pingpong_kernel(xs_desc, w_desc, h_desc, b1_ptr, slot_pair_ptr, tile_exp
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
+def descriptor(t, block):
+    """A Gluon TMA descriptor of the 2-D tensor t in `block` tiles, the default swizzle."""
+    return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
+
+
 def descriptors(xs, w1, h, tile, block_n, block_k):
-    """Gluon TMA descriptors: xs [S,D] in [tile, block_k] blocks, W1 as [E·D, F] in [block_k,
-    block_n], h [S,F] in [tile, block_n]."""
+    """xs [S,D] in [tile, block_k] blocks, W1 as [E·D, F] in [block_k, block_n], h [S,F] in
+    [tile, block_n]."""
     E, D, F = w1.shape
-    lay = lambda shape: gl.NVMMASharedLayout.get_default_for(shape, gl.bfloat16)
-    return (TensorDescriptor.from_tensor(xs, [tile, block_k], lay([tile, block_k])),
-            TensorDescriptor.from_tensor(w1.view(E * D, F), [block_k, block_n], lay([block_k, block_n])),
-            TensorDescriptor.from_tensor(h, [tile, block_n], lay([tile, block_n])))
+    return (descriptor(xs, [tile, block_k]), descriptor(w1.view(E * D, F), [block_k, block_n]),
+            descriptor(h, [tile, block_n]))
 
 
 def up_pingpong(xs, groups, w1, b1, block_n=128, block_k=64, nbuf=4, consumer_regs=232, producer_regs=24,
@@ -196,9 +199,11 @@ def up_pingpong(xs, groups, w1, b1, block_n=128, block_k=64, nbuf=4, consumer_re
     return h
 
 
-def offline(tile=128, block_n=128, block_k=64, nbuf=4, consumer_regs=232, producer_regs=24):
-    """Compile the kernel for the H200 (sm_90a) without a GPU: registers, spills, shared memory
-    and SASS counts of the whole kernel (bench/offline_sass.py's ptxas and nvdisasm)."""
+def compile_offline(kernel, args, constexprs, num_warps=4):
+    """Compile a Gluon kernel for the H200 (sm_90a) without a GPU: registers, spills, shared memory
+    and SASS counts (bench/offline_sass.py's ptxas and nvdisasm). args: every other parameter's
+    value (CPU tensors, descriptors on CPU tensors, ints; an int 1 would be a constant on the GPU,
+    so pass another)."""
     import re
     import subprocess
     import tempfile
@@ -208,18 +213,10 @@ def offline(tile=128, block_n=128, block_k=64, nbuf=4, consumer_regs=232, produc
 
     import offline_sass
 
-    E, D, F, S = 2, 2 * block_k, 2 * block_n, 2 * tile
-    xs, h = torch.empty(S, D, dtype=torch.bfloat16), torch.empty(S, F, dtype=torch.bfloat16)
-    w1, b1 = torch.empty(E, D, F, dtype=torch.bfloat16), torch.empty(E, F, dtype=torch.bfloat16)
-    index = torch.empty(S, dtype=torch.int32)
-    args = dict(zip(("xs_desc", "w_desc", "h_desc"), descriptors(xs, w1, h, tile, block_n, block_k)))
-    args.update(b1_ptr=b1, slot_pair_ptr=index, tile_expert_ptr=index, PAIRS=1000, D=D, F=F, NUM_JOBS=1000, has_b1=3)
-    constexprs = dict(NBUF=nbuf, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs)
-    kernel = _up_pingpong_kernel
     signature = {name: "constexpr" if name in constexprs else mangle_type(args[name]) for name in kernel.arg_names}
     values = {(i,): constexprs[name] for i, name in enumerate(kernel.arg_names) if name in constexprs}
     compiled = triton.compile(GluonASTSource(kernel, signature, values), target=offline_sass.H200,
-                              options=dict(num_warps=4))
+                              options=dict(num_warps=num_warps))
     with tempfile.TemporaryDirectory() as folder:
         ptx, cubin = f"{folder}/k.ptx", f"{folder}/k.cubin"
         with open(ptx, "w") as f:
@@ -232,6 +229,18 @@ def offline(tile=128, block_n=128, block_k=64, nbuf=4, consumer_regs=232, produc
                 spill_bytes=int(re.search(r"(\d+) bytes spill stores", log).group(1)),
                 smem=compiled.metadata.shared, wgmma=sum("HGMMA" in line for line in lines), sass=len(lines),
                 setmaxnreg=sum("SETMAXREG" in line or "USETMAXREG" in line for line in lines))
+
+
+def offline(tile=128, block_n=128, block_k=64, nbuf=4, consumer_regs=232, producer_regs=24):
+    """compile_offline of this probe's kernel under one config."""
+    E, D, F, S = 2, 2 * block_k, 2 * block_n, 2 * tile
+    xs, h = torch.empty(S, D, dtype=torch.bfloat16), torch.empty(S, F, dtype=torch.bfloat16)
+    w1, b1 = torch.empty(E, D, F, dtype=torch.bfloat16), torch.empty(E, F, dtype=torch.bfloat16)
+    index = torch.empty(S, dtype=torch.int32)
+    args = dict(zip(("xs_desc", "w_desc", "h_desc"), descriptors(xs, w1, h, tile, block_n, block_k)))
+    args.update(b1_ptr=b1, slot_pair_ptr=index, tile_expert_ptr=index, PAIRS=1000, D=D, F=F, NUM_JOBS=1000, has_b1=3)
+    return compile_offline(_up_pingpong_kernel, args,
+                           dict(NBUF=nbuf, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs))
 
 
 def reference(c):

@@ -33,8 +33,9 @@
 #   [PROBE=up,hidden PROBE_PRESETS=large] bash bench/h200_session.sh verify  # pytest -m cuda, then CUDA
 #                                      # time per kernel of the op (~5 min); with PROBE, then gemm_probe.py on
 #                                      # those kernels (90 s at most): run.log, kernel_times.txt, gemm_probe.txt
-#   bash bench/h200_session.sh gluon   # GEMM1 as a warp-specialised Gluon kernel against the shipped one
-#                                      # (bench/gluon_up_probe.py; ~2 min): run.log, gluon_up_probe.txt
+#   bash bench/h200_session.sh gluon   # GEMM1 and the hidden kernel as warp-specialised Gluon kernels against
+#                                      # the shipped ones (bench/gluon_{up,hidden}_probe.py; ~6 min): run.log,
+#                                      # gluon_up_probe.txt, gluon_hidden_probe.txt
 #   bash bench/h200_session.sh short   # one call when device time is short (~9 min): the fused
 #                                      # kernel tests, the curves without the suite, and the
 #                                      # benchmark cut at 250 s (rows past it are listed as skipped)
@@ -135,8 +136,11 @@ medium-autotune)
         --commit "$commit" >>"$LOG" 2>&1
     ;;
 gluon)
-    { timeout -s INT 240 python bench/gluon_up_probe.py --presets medium,large 2>&1; } >"$OUT/gluon_up_probe.txt"
-    tail -12 "$OUT/gluon_up_probe.txt" >>"$LOG"
+    for kernel in up hidden; do
+        { timeout -s INT 260 python bench/gluon_${kernel}_probe.py --presets medium,large 2>&1; } \
+            >"$OUT/gluon_${kernel}_probe.txt"
+        tail -12 "$OUT/gluon_${kernel}_probe.txt" >>"$LOG"
+    done
     ;;
 short)
     { MHA_COMPILE_NO_AUTOTUNE=1 timeout 120 python -m pytest -q -m cuda tests/kernels -k "not staged" -n 8 \
