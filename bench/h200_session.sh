@@ -34,8 +34,8 @@
 #                                      # time per kernel of the op (~5 min); with PROBE, then gemm_probe.py on
 #                                      # those kernels (90 s at most): run.log, kernel_times.txt, gemm_probe.txt
 #   bash bench/h200_session.sh gluon   # GEMM1 and the hidden kernel as warp-specialised Gluon kernels against
-#                                      # the shipped ones (bench/gluon_{up,hidden}_probe.py; ~6 min): run.log,
-#                                      # gluon_up_probe.txt, gluon_hidden_probe.txt
+#                                      # the shipped ones, each checked first (bench/gluon_probe.py; ~6 min):
+#                                      # run.log, gluon_probe.txt
 #   bash bench/h200_session.sh short   # one call when device time is short (~9 min): the fused
 #                                      # kernel tests, the curves without the suite, and the
 #                                      # benchmark cut at 250 s (rows past it are listed as skipped)
@@ -136,11 +136,8 @@ medium-autotune)
         --commit "$commit" >>"$LOG" 2>&1
     ;;
 gluon)
-    for kernel in up hidden; do
-        { timeout -s INT 260 python bench/gluon_${kernel}_probe.py --presets medium,large 2>&1; } \
-            >"$OUT/gluon_${kernel}_probe.txt"
-        tail -12 "$OUT/gluon_${kernel}_probe.txt" >>"$LOG"
-    done
+    { timeout -s INT 500 python bench/gluon_probe.py --presets medium,large 2>&1; } >"$OUT/gluon_probe.txt"
+    tail -20 "$OUT/gluon_probe.txt" >>"$LOG"
     ;;
 short)
     { MHA_COMPILE_NO_AUTOTUNE=1 timeout 120 python -m pytest -q -m cuda tests/kernels -k "not staged" -n 8 \
