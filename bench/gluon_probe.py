@@ -28,8 +28,8 @@ Each writes 0 on padding slots, as the shipped kernels do. Limits: gelu (erf), b
 multiple of BLOCK_K (W1 is read as [E·D, F]), F of BLOCK_N for the hidden kernel.
 
 Status (session 9): written and compiled for sm_90a without a GPU (`--offline`: wgmma, the
-partitions' setmaxnreg, shared memory within the H200's; ~280 B of spills a consumer for GEMM1 at
-BLOCK_N 128, ~500 for the hidden kernel); NOT YET RUN on a GPU. Its first run checks each config
+partitions' setmaxnreg, shared memory within the H200's; ~210 B of spills for GEMM1 at
+BLOCK_N 128, ~440 for the hidden kernel); NOT YET RUN on a GPU. Its first run checks each config
 against an fp32 reference (`rel err`) before its time means anything.
 """
 import argparse
@@ -73,6 +73,7 @@ def _produce(descs, bufs, bars, ptrs, sizes, GEMMS: gl.constexpr):
     BLOCK_K: gl.constexpr = xs_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w1_desc.block_type.shape[1]
     NBUF: gl.constexpr = xs_bufs.type.shape[0]
+    # a stage's bytes: xs and W1 tiles, and as many again for gs and W2 (same block sizes)
     nbytes: gl.constexpr = GEMMS * (xs_desc.block_type.nbytes + w1_desc.block_type.nbytes)
     ksteps = gl.cdiv(D, BLOCK_K)
     pos = 0
@@ -270,14 +271,9 @@ def pingpong(xs, groups, w1, b1, gs=None, w2=None, weight=None, gw=None, block_n
 
 
 def compile_offline(kernel, args, constexprs, num_warps=4):
-    """Compile a Gluon kernel for the H200 (sm_90a) without a GPU: registers, spills, shared memory
-    and SASS counts (bench/offline_sass.py's ptxas and nvdisasm). args: every other parameter's
-    value (CPU tensors, descriptors on CPU tensors, ints; an int 1 would be a constant on the GPU,
-    so pass another)."""
-    import re
-    import subprocess
-    import tempfile
-
+    """Compile a Gluon kernel for the H200 (sm_90a) without a GPU: offline_sass.sass_stats of it.
+    args: every other parameter's value (CPU tensors, descriptors on CPU tensors, ints; an int 1
+    would be a constant on the GPU, so pass another)."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
@@ -287,18 +283,7 @@ def compile_offline(kernel, args, constexprs, num_warps=4):
     values = {(i,): constexprs[name] for i, name in enumerate(kernel.arg_names) if name in constexprs}
     compiled = triton.compile(GluonASTSource(kernel, signature, values), target=offline_sass.H200,
                               options=dict(num_warps=num_warps))
-    with tempfile.TemporaryDirectory() as folder:
-        ptx, cubin = f"{folder}/k.ptx", f"{folder}/k.cubin"
-        with open(ptx, "w") as f:
-            f.write(compiled.asm["ptx"])
-        log = subprocess.run([offline_sass.PTXAS, "-v", "--gpu-name", "sm_90a", ptx, "-o", cubin],
-                             capture_output=True, text=True, check=True).stderr
-        sass = subprocess.run([offline_sass.NVDISASM, "-c", cubin], capture_output=True, text=True, check=True).stdout
-    lines = [line for line in sass.splitlines() if line.strip().startswith("/*") and ";" in line]
-    return dict(regs=int(re.search(r"Used (\d+) registers", log).group(1)),
-                spill_bytes=int(re.search(r"(\d+) bytes spill stores", log).group(1)),
-                smem=compiled.metadata.shared, wgmma=sum("HGMMA" in line for line in lines), sass=len(lines),
-                setmaxnreg=sum("SETMAXREG" in line or "USETMAXREG" in line for line in lines))
+    return offline_sass.sass_stats(compiled)
 
 
 def offline(kernel, tile=128, block_n=128, block_k=64, nbuf=4, consumer_regs=232, producer_regs=24):
@@ -311,8 +296,7 @@ def offline(kernel, tile=128, block_n=128, block_k=64, nbuf=4, consumer_regs=232
     gs, weight, gw = (bf(S, D), torch.empty(S, dtype=torch.float32), torch.empty(S, 8)) if hidden else (None,) * 3
     index = torch.empty(S, dtype=torch.int32)
     names = _pingpong_kernel.arg_names
-    args = dict(zip(names, kernel_args(xs, gs, w1, w2 if hidden else None, b1, weight, gw, out0, out1 if hidden
-                                       else None, tile, block_n, block_k)))
+    args = dict(zip(names, kernel_args(xs, gs, w1, w2, b1, weight, gw, out0, out1, tile, block_n, block_k)))
     args.update(slot_pair_ptr=index, tile_expert_ptr=index, PAIRS=1000, D=D, F=F, GW_COLS=40, NUM_JOBS=1000, has_b1=3)
     return compile_offline(_pingpong_kernel, args, dict(GEMMS=2 if hidden else 1, NBUF=nbuf,
                                                         CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs))

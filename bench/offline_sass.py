@@ -126,6 +126,12 @@ def compile_stats(kernel, named, warps, stages):
     signature, constexprs, attrs = _signature(kernel, named)
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
                               target=H200, options=dict(num_warps=warps, num_stages=stages))
+    return sass_stats(compiled)
+
+
+def sass_stats(compiled):
+    """What ptxas and nvdisasm say of a kernel compiled for the H200: registers, spill bytes, shared
+    memory, wgmma, mma, SASS instruction and setmaxnreg (warp-specialised partitions) counts."""
     with tempfile.TemporaryDirectory() as folder:
         ptx, cubin = os.path.join(folder, "k.ptx"), os.path.join(folder, "k.cubin")
         with open(ptx, "w") as f:
@@ -139,7 +145,8 @@ def compile_stats(kernel, named, warps, stages):
                 smem=compiled.metadata.shared,
                 wgmma=sum("HGMMA" in line for line in instructions),
                 mma=sum(" HMMA" in line for line in instructions),
-                sass=len(instructions))
+                sass=len(instructions),
+                setmaxnreg=sum("SETMAXREG" in line for line in instructions))
 
 
 def _launcher_of(kernel):
