@@ -179,7 +179,7 @@ def _backward(ctx, grad_out, grad_inv, *unused_aux_grads):
     args = (grad_out.contiguous(), *tensors, inv, attn, weight, index)
     # The op's dispatch costs ~0.1 ms of host time a medium step (host_time.py's cProfile on the
     # H200), where the step issues in ~1.4 ms for ~1 ms of GPU time.
-    backward = region_backward if torch.compiler.is_compiling() or _traced(args) else _region_backward
+    backward = region_backward if _traced(args) else _region_backward
     grads = backward(*args, *ctx.config, grad_inv=extra, graphs=ctx.graphs)
     grads = [None if t is None else g for g, t in zip(grads, tensors)]
     return (*grads, None, None, None, None, None, None, None)
@@ -220,18 +220,19 @@ class RegionFunction(torch.autograd.Function):
 
 
 def _traced(args):
-    """Whether something could be tracing or transforming a call on `args`: a dispatch mode
-    (FakeTensor, make_fx), functorch, or a tensor subclass. Those must see the ops."""
+    """Whether something could be tracing or transforming a call on `args`: Dynamo, a dispatch
+    mode (FakeTensor, make_fx), functorch, or a tensor subclass. Those must see the ops."""
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    return (torch._C._len_torch_dispatch_stack() > 0 or torch._C._are_functorch_transforms_active()
+    return (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+            or torch._C._are_functorch_transforms_active()
             or any(type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter for t in tensors))
 
 
 def region_call(*args, graphs="off"):
     """The region for a graph that runs eagerly: RegionFunction, or the op itself whenever
-    something could be tracing or transforming the call (a dispatch mode such as FakeTensor or
-    make_fx, functorch, a tensor subclass), since those must see `mha::region`. args: the op's,
-    up to export_inv; graphs: as for the op."""
+    something could be tracing or transforming the call (_traced: Dynamo, a dispatch mode such
+    as FakeTensor or make_fx, functorch, a tensor subclass), since those must see `mha::region`.
+    args: the op's, up to export_inv; graphs: as for the op."""
     if _traced(args):
         return torch.ops.mha.region.default(*args, graphs=graphs)
     export_inv = args[20] if len(args) > 20 else False
