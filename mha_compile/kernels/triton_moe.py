@@ -284,9 +284,9 @@ def _moe_bwd_hidden_kernel(
     kernel writes ⟨G[row], b2[e]⟩ in columns after these), so that ∂w = Σ_c gw = ⟨G, h W2 + b2⟩
     whatever BLOCK_F the autotuner picks. xs, gs: the slot rows of x and G (_gather_rows_kernel).
     ∂b1 is not summed here (_tile_sums_kernel reads ∂u again): a column sum of the accumulator
-    in this epilogue cost ~130 us of a ~2.2 ms call at large, what the re-read costs. Reductions of the dots' operands inside the K loop,
-    or a branch after it, cost 10-15% here and 2-3x in the weight-gradient kernel
-    (bench/gemm_probe.py on the H200).
+    in this epilogue cost ~130 us of a ~2.2 ms call at large, what the re-read costs.
+    Reductions of the dots' operands inside the K loop, or a branch after it, cost 10-15% here
+    and 2-3x in the weight-gradient kernel (bench/gemm_probe.py on the H200).
     """
     t, pid_f = _tile_and_block(F, BLOCK_F, N_INNER)
     offs_f = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
