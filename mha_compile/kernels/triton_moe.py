@@ -365,8 +365,19 @@ def _moe_wgrad_kernel(
     run = tl.cdiv((hi - lo) // TILE, SPLIT) * TILE
     lo = tl.minimum(lo + c * run, hi)
     hi = tl.minimum(lo + run, hi)
+    # This program's block of ∂W (row e·SPLIT + c; = e when SPLIT = 1) as block pointers: their
+    # element offsets are made at each use from scalars, so none stay live across the K loop
+    # (with pointer tensors, ACCUMULATE took 128x256 tiles from 164 to 255 registers, spilling;
+    # sm_90a offline). H200, large: 1.47 -> 1.39 ms of this kernel a training step.
+    row = tl.program_id(0).to(tl.int64) * I * J
+    blocks = [tl.make_block_ptr(p + row, (I, J), (J, 1), (tl.program_id(1) * BLOCK_I, tl.program_id(2) * BLOCK_J),
+                                (BLOCK_I, BLOCK_J), (1, 0)) for p in (dw_ptr, dw2_ptr)]
     acc = tl.zeros([BLOCK_I, BLOCK_J], tl.float32)
     acc2 = tl.zeros([BLOCK_I, BLOCK_J], tl.float32)
+    if ACCUMULATE and hi > lo:  # the sums so far start the accumulators
+        acc = tl.load(blocks[0], boundary_check=(0, 1), padding_option="zero")
+        if HAS_B2:
+            acc2 = tl.load(blocks[1], boundary_check=(0, 1), padding_option="zero")
     for s0 in range(lo, hi, BLOCK_S):
         offs_s = s0 + tl.arange(0, BLOCK_S).to(tl.int64)
         s_ok = offs_s < hi
@@ -378,17 +389,10 @@ def _moe_wgrad_kernel(
         if HAS_B2:
             b2 = tl.load(b2_ptr + offs_s[:, None] * J + offs_j[None, :], mask=sj_ok, other=0.0)
             acc2 = tl.dot(at, b2, acc2, input_precision=PRECISION)
-    out_e = tl.program_id(0).to(tl.int64)  # e·SPLIT + c; = e when SPLIT = 1
-    ij_off = out_e * I * J + offs_i[:, None].to(tl.int64) * J + offs_j[None, :]
-    ij_ok = i_ok[:, None] & j_ok[None, :]
-    if ACCUMULATE:
-        ij_ok = ij_ok & (hi > lo)
-        acc += tl.load(dw_ptr + ij_off, mask=ij_ok, other=0.0)
+    if hi > lo or not ACCUMULATE:  # an expert with no slots in this run is left untouched
+        tl.store(blocks[0], acc.to(dw_ptr.dtype.element_ty), boundary_check=(0, 1))
         if HAS_B2:
-            acc2 += tl.load(dw2_ptr + ij_off, mask=ij_ok, other=0.0)
-    tl.store(dw_ptr + ij_off, acc.to(dw_ptr.dtype.element_ty), mask=ij_ok)
-    if HAS_B2:
-        tl.store(dw2_ptr + ij_off, acc2.to(dw2_ptr.dtype.element_ty), mask=ij_ok)
+            tl.store(blocks[1], acc2.to(dw2_ptr.dtype.element_ty), boundary_check=(0, 1))
 
 
 @triton.jit
