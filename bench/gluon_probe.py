@@ -55,11 +55,13 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 
 @gluon.jit
-def _job(job, F, BLOCK_N: gl.constexpr):
-    """(tile, F block) of a job, a tile's blocks adjacent (triton_moe._tile_of_job's order)."""
+def _job(job, F, TILE, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(first slot row, its tile, F block) of a job: TILE_M rows (the tile's, or half of them) by
+    BLOCK_N columns, a row block's F blocks adjacent (triton_moe._tile_of_job's order)."""
     blocks = gl.cdiv(F, BLOCK_N)
-    t = job // blocks
-    return t, job - t * blocks
+    r = job // blocks
+    row = r * TILE_M
+    return row, row // TILE, job - r * blocks
 
 
 @gluon.jit
@@ -68,8 +70,8 @@ def _produce(descs, bufs, bars, ptrs, sizes, GEMMS: gl.constexpr):
     xs_bufs, gs_bufs, w1_bufs, w2_bufs, out0_bufs, out1_bufs = bufs
     ready, empty, turn = bars
     b1_ptr, weight_ptr, gw_ptr, slot_pair_ptr, tile_expert_ptr = ptrs
-    PAIRS, D, F, GW_COLS, NUM_JOBS, has_b1 = sizes
-    TILE: gl.constexpr = xs_desc.block_type.shape[0]
+    PAIRS, D, F, GW_COLS, NUM_JOBS, has_b1, TILE = sizes
+    TILE_M: gl.constexpr = xs_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = xs_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w1_desc.block_type.shape[1]
     NBUF: gl.constexpr = xs_bufs.type.shape[0]
@@ -78,7 +80,7 @@ def _produce(descs, bufs, bars, ptrs, sizes, GEMMS: gl.constexpr):
     ksteps = gl.cdiv(D, BLOCK_K)
     pos = 0
     for job in range(gl.program_id(0), NUM_JOBS, gl.num_programs(0)):
-        t, n = _job(job, F, BLOCK_N)
+        row, t, n = _job(job, F, TILE, TILE_M, BLOCK_N)
         e = gl.load(tile_expert_ptr + t)
         for k in range(ksteps):
             stage = pos % NBUF
@@ -86,10 +88,10 @@ def _produce(descs, bufs, bars, ptrs, sizes, GEMMS: gl.constexpr):
             mbarrier.wait(empty.index(stage), ((pos // NBUF) & 1) ^ 1)
             bar = ready.index(stage)
             mbarrier.expect(bar, nbytes)
-            tma.async_copy_global_to_shared(xs_desc, [t * TILE, k * BLOCK_K], bar, xs_bufs.index(stage))
+            tma.async_copy_global_to_shared(xs_desc, [row, k * BLOCK_K], bar, xs_bufs.index(stage))
             tma.async_copy_global_to_shared(w1_desc, [e * D + k * BLOCK_K, n * BLOCK_N], bar, w1_bufs.index(stage))
             if GEMMS == 2:
-                tma.async_copy_global_to_shared(gs_desc, [t * TILE, k * BLOCK_K], bar, gs_bufs.index(stage))
+                tma.async_copy_global_to_shared(gs_desc, [row, k * BLOCK_K], bar, gs_bufs.index(stage))
                 tma.async_copy_global_to_shared(w2_desc, [e * F + n * BLOCK_N, k * BLOCK_K], bar,
                                                 w2_bufs.index(stage))
             pos += 1
@@ -102,11 +104,12 @@ def _consume(descs, bufs, bars, ptrs, sizes, GEMMS: gl.constexpr, which: gl.cons
     xs_bufs, gs_bufs, w1_bufs, w2_bufs, out0_bufs, out1_bufs = bufs
     ready, empty, turn = bars
     b1_ptr, weight_ptr, gw_ptr, slot_pair_ptr, tile_expert_ptr = ptrs
-    PAIRS, D, F, GW_COLS, NUM_JOBS, has_b1 = sizes
-    TILE: gl.constexpr = xs_desc.block_type.shape[0]
+    PAIRS, D, F, GW_COLS, NUM_JOBS, has_b1, TILE = sizes
+    TILE_M: gl.constexpr = xs_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = xs_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w1_desc.block_type.shape[1]
     NBUF: gl.constexpr = xs_bufs.type.shape[0]
+    NB: gl.constexpr = BLOCK_N // 64  # ∂w partial columns a job (triton_moe.GW_BLOCK = 64)
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
     rows_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
@@ -118,11 +121,11 @@ def _consume(descs, bufs, bars, ptrs, sizes, GEMMS: gl.constexpr, which: gl.cons
     own = 0  # this consumer's
     for job in range(gl.program_id(0), NUM_JOBS, gl.num_programs(0)):
         if i % 2 == which:
-            t, n = _job(job, F, BLOCK_N)
+            row, t, n = _job(job, F, TILE, TILE_M, BLOCK_N)
             e = gl.load(tile_expert_ptr + t)
             offs_n = n * BLOCK_N + gl.arange(0, BLOCK_N, layout=cols_layout)
-            acc_u = gl.zeros([TILE, BLOCK_N], gl.float32, acc_layout)
-            acc_g = gl.zeros([TILE, BLOCK_N], gl.float32, acc_layout)
+            acc_u = gl.zeros([TILE_M, BLOCK_N], gl.float32, acc_layout)
+            acc_g = gl.zeros([TILE_M, BLOCK_N], gl.float32, acc_layout)
             if has_b1 != 0:
                 bias = gl.load(b1_ptr + e * F + offs_n, mask=offs_n < F, other=0.0)
                 acc_u = acc_u + bias.to(gl.float32)[None, :]
@@ -153,7 +156,7 @@ def _consume(descs, bufs, bars, ptrs, sizes, GEMMS: gl.constexpr, which: gl.cons
             mbarrier.arrive(turn.index(1 - which), count=1)  # the other consumer's K loop may start
             own += 1
 
-            offs_s = t * TILE + gl.arange(0, TILE, layout=rows_layout)
+            offs_s = row + gl.arange(0, TILE_M, layout=rows_layout)
             pair = gl.load(slot_pair_ptr + offs_s)
             valid = pair < PAIRS
             cdf = 0.5 * (1.0 + gl.erf(acc_u * 0.7071067811865476))
@@ -161,7 +164,11 @@ def _consume(descs, bufs, bars, ptrs, sizes, GEMMS: gl.constexpr, which: gl.cons
             tma.store_wait(0)  # this consumer's last stores have left its staging tiles
             if GEMMS == 2:
                 w = gl.load(weight_ptr + pair, mask=valid, other=0.0)
-                gl.store(gw_ptr + offs_s * GW_COLS + n, gl.where(valid, gl.sum(h * acc_g, axis=1), 0.0))
+                hg = h * acc_g
+                for c in gl.static_range(NB):
+                    lo = n * BLOCK_N + c * 64
+                    part = gl.where(((offs_n >= lo) & (offs_n < lo + 64))[None, :], hg, 0.0)
+                    gl.store(gw_ptr + offs_s * GW_COLS + n * NB + c, gl.where(valid, gl.sum(part, axis=1), 0.0))
                 pdf = gl.exp(-0.5 * acc_u * acc_u) * 0.3989422804014327
                 du = gl.where(valid[:, None], (w[:, None] * acc_g) * (cdf + acc_u * pdf), 0.0)
                 out0_buf.store(gl.where(valid[:, None], w[:, None] * h, 0.0).to(out0_desc.dtype))
@@ -169,9 +176,9 @@ def _consume(descs, bufs, bars, ptrs, sizes, GEMMS: gl.constexpr, which: gl.cons
             else:
                 out0_buf.store(gl.where(valid[:, None], h, 0.0).to(out0_desc.dtype))
             fence_async_shared()
-            tma.async_copy_shared_to_global(out0_desc, [t * TILE, n * BLOCK_N], out0_buf)
+            tma.async_copy_shared_to_global(out0_desc, [row, n * BLOCK_N], out0_buf)
             if GEMMS == 2:
-                tma.async_copy_shared_to_global(out1_desc, [t * TILE, n * BLOCK_N], out1_buf)
+                tma.async_copy_shared_to_global(out1_desc, [row, n * BLOCK_N], out1_buf)
         i += 1
     tma.store_wait(0)
 
@@ -199,7 +206,7 @@ def _consume_hidden_odd(descs, bufs, bars, ptrs, sizes):
 @gluon.jit
 def _pingpong_kernel(xs_desc, gs_desc, w1_desc, w2_desc, out0_desc, out1_desc,
                      b1_ptr, weight_ptr, gw_ptr, slot_pair_ptr, tile_expert_ptr,
-                     PAIRS, D, F, GW_COLS, NUM_JOBS, has_b1,
+                     PAIRS, D, F, GW_COLS, NUM_JOBS, has_b1, TILE,
                      GEMMS: gl.constexpr, NBUF: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                      PRODUCER_REGS: gl.constexpr):
     dtype: gl.constexpr = xs_desc.dtype
@@ -221,7 +228,7 @@ def _pingpong_kernel(xs_desc, gs_desc, w1_desc, w2_desc, out0_desc, out1_desc,
         mbarrier.init(turn.index(c), count=1)
     args = ((xs_desc, gs_desc, w1_desc, w2_desc, out0_desc, out1_desc),
             (xs_bufs, gs_bufs, w1_bufs, w2_bufs, out0_bufs, out1_bufs), (ready, empty, turn),
-            (b1_ptr, weight_ptr, gw_ptr, slot_pair_ptr, tile_expert_ptr), (PAIRS, D, F, GW_COLS, NUM_JOBS, has_b1))
+            (b1_ptr, weight_ptr, gw_ptr, slot_pair_ptr, tile_expert_ptr), (PAIRS, D, F, GW_COLS, NUM_JOBS, has_b1, TILE))
     # The default partition (this kernel's 4 warps) is consumer 0; workers: consumer 1 (a
     # warpgroup) and the producer (one warp, the fewest registers a warp can have).
     if GEMMS == 2:
@@ -249,23 +256,24 @@ def kernel_args(xs, gs, w1, w2, b1, weight, gw, out0, out1, tile, block_n, block
 
 
 def pingpong(xs, groups, w1, b1, gs=None, w2=None, weight=None, gw=None, block_n=128, block_k=64, nbuf=4,
-             consumer_regs=232, producer_regs=24, num_sms=132):
+             tile_m=None, consumer_regs=232, producer_regs=24, num_sms=132):
     """GEMM1 (gs None): h [S,F] bf16 = gelu(xs W1[e] + b1[e]), triton_moe.experts_up's contract for
     act="gelu". The hidden kernel (gs, W2, the flat top-k weights and gw [S, ≥ F/64] fp32 given):
-    (hw, ∂u) [S,F] bf16 and gw[:, :F/64], the shipped hidden kernel's contract; BLOCK_N is 64."""
+    (hw, ∂u) [S,F] bf16 and gw[:, :F/64], the shipped hidden kernel's contract (BLOCK_N 64 or
+    128). A job is tile_m slot rows (the tile's, or 64 of them) by BLOCK_N columns."""
     E, D, F = w1.shape
     hidden = gs is not None
-    block_n = 64 if hidden else block_n
-    if D % block_k or (hidden and F % block_n):
-        raise ValueError(f"D={D}, F={F}: this probe needs D a multiple of BLOCK_K={block_k}"
-                         + (f" and F of BLOCK_N={block_n}" if hidden else ""))
+    tile_m = tile_m or groups.tile
+    if D % block_k or (hidden and F % block_n) or groups.tile % tile_m or (hidden and block_n % 64):
+        raise ValueError(f"D={D}, F={F}, TILE={groups.tile}: this probe needs D a multiple of BLOCK_K={block_k},"
+                         f" TILE of tile_m={tile_m}" + (f", F of BLOCK_N={block_n} and it of 64" if hidden else ""))
     out0 = torch.empty(xs.shape[0], F, device=xs.device, dtype=xs.dtype)
     out1 = torch.empty_like(out0) if hidden else None
-    jobs = groups.num_tiles * triton.cdiv(F, block_n)
+    jobs = groups.num_tiles * (groups.tile // tile_m) * triton.cdiv(F, block_n)
     _pingpong_kernel[(min(num_sms, jobs),)](
-        *kernel_args(xs, gs, w1, w2, b1, weight, gw, out0, out1, groups.tile, block_n, block_k),
+        *kernel_args(xs, gs, w1, w2, b1, weight, gw, out0, out1, tile_m, block_n, block_k),
         groups.slot_pair, groups.tile_expert, groups.pairs, D, F, gw.shape[1] if hidden else 0, jobs,
-        int(b1 is not None), GEMMS=2 if hidden else 1, NBUF=nbuf, CONSUMER_REGS=consumer_regs,
+        int(b1 is not None), groups.tile, GEMMS=2 if hidden else 1, NBUF=nbuf, CONSUMER_REGS=consumer_regs,
         PRODUCER_REGS=producer_regs, num_warps=4)
     return (out0, out1) if hidden else out0
 
@@ -286,10 +294,10 @@ def compile_offline(kernel, args, constexprs, num_warps=4):
     return offline_sass.sass_stats(compiled)
 
 
-def offline(kernel, tile=128, block_n=128, block_k=64, nbuf=4, consumer_regs=232, producer_regs=24):
+def offline(kernel, tile=128, block_n=128, block_k=64, nbuf=4, tile_m=None, consumer_regs=232, producer_regs=24):
     """compile_offline of `kernel` ("up" or "hidden") under one config."""
     hidden = kernel == "hidden"
-    block_n = 64 if hidden else block_n
+    tile = tile_m or tile
     E, D, F, S = 2, 2 * block_k, 2 * block_n, 2 * tile
     bf = lambda *shape: torch.empty(*shape, dtype=torch.bfloat16)
     xs, w1, w2, b1, out0, out1 = bf(S, D), bf(E, D, F), bf(E, F, D), bf(E, F), bf(S, F), bf(S, F)
@@ -297,7 +305,8 @@ def offline(kernel, tile=128, block_n=128, block_k=64, nbuf=4, consumer_regs=232
     index = torch.empty(S, dtype=torch.int32)
     names = _pingpong_kernel.arg_names
     args = dict(zip(names, kernel_args(xs, gs, w1, w2, b1, weight, gw, out0, out1, tile, block_n, block_k)))
-    args.update(slot_pair_ptr=index, tile_expert_ptr=index, PAIRS=1000, D=D, F=F, GW_COLS=40, NUM_JOBS=1000, has_b1=3)
+    args.update(slot_pair_ptr=index, tile_expert_ptr=index, PAIRS=1000, D=D, F=F, GW_COLS=40, NUM_JOBS=1000, has_b1=3,
+                TILE=128)
     return compile_offline(_pingpong_kernel, args, dict(GEMMS=2 if hidden else 1, NBUF=nbuf,
                                                         CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs))
 
@@ -327,9 +336,15 @@ def reference(c, weight=None):
     return h * w, du * w, gw * valid
 
 
-CONFIGS = {"up": [dict(block_n=128, block_k=64, nbuf=4), dict(block_n=128, block_k=64, nbuf=3),
-                  dict(block_n=64, block_k=64, nbuf=4)],
-           "hidden": [dict(block_k=64, nbuf=3), dict(block_k=64, nbuf=2), dict(block_k=32, nbuf=4)]}
+# Session 10's first run (bench/results/gluon_probe.txt): the hidden kernel with [128, 64] jobs
+# beat the shipped one (1893 against 2193 us at large), GEMM1's [128, 128] jobs spilled and lost
+# 2x. A job of 64 rows by 128 columns halves the wgmma count for the same work (one m64n128
+# instruction where [128, 64] takes two m64n64) and took the hidden kernel's spills from 456 to
+# 44 bytes (offline, sm_90a).
+CONFIGS = {"up": [dict(block_n=64, block_k=64, nbuf=4), dict(block_n=128, block_k=64, nbuf=4, tile_m=64),
+                  dict(block_n=256, block_k=64, nbuf=3, tile_m=64), dict(block_n=256, block_k=64, nbuf=4, tile_m=64)],
+           "hidden": [dict(block_n=64, block_k=64, nbuf=3), dict(block_n=128, block_k=64, nbuf=3, tile_m=64),
+                      dict(block_n=128, block_k=32, nbuf=6, tile_m=64), dict(block_n=128, block_k=32, nbuf=4, tile_m=64)]}
 
 
 def _time(name, fn, flops, err, cfg=""):
