@@ -33,6 +33,7 @@ Backward (recomputing u = x W1 + b1 rather than storing it):
     hidden  per (tile, F block), one K loop over D for both u = xs W1[e] and g = gs W2[e]ᵀ:
             hw = w · act(u); ∂u = (w · g) ⊙ act′(u); per-F-block partial ∂w = Σ_f h g (+ ⟨G, b2[e]⟩)
             and per tile the bias gradients' column sums Σ ∂u, Σ w·gs (fp32)
+            (on Hopper, in bf16/fp16 with gelu or silu: gluon_moe's warp-specialised kernel)
     dX      ∂x[s] = ∂u W1[e]ᵀ (+ ∂u3 W3[e]ᵀ)        the GEMM2 kernel with other strides
     dW      ∂W2[e] = Σ_{s∈e} hw[s]ᵀ gs[s], ∂W1[e] = Σ xs[s]ᵀ ∂u[s] (∂W3 likewise): per
             (e, block, run of slots) a fixed-order loop, runs summed in order; ∂b1, ∂b2 as
@@ -46,7 +47,13 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from mha_compile.kernels.triton_util import (ACT_CODE, Launcher, act_bwd, act_fwd, dot_precision, gpu_options,
-                                             load_x, num_sms, pow2, tma_ok)
+                                             load_x, log, num_sms, pow2, tma_ok)
+
+try:  # the hidden kernel for Hopper, where this Triton has Gluon (3.6 has)
+    from mha_compile.kernels import gluon_moe
+    GLUON_MISSING = None
+except ImportError as error:  # pragma: no cover - a Triton without Gluon's Hopper API
+    gluon_moe, GLUON_MISSING = None, f"this Triton ({triton.__version__}) has no Gluon: {error}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -924,6 +931,22 @@ def backward_slot_bytes(D, F, swiglu, element_size):
     return (2 * D + (3 if swiglu else 2) * F) * element_size
 
 
+def hidden_kernel(xs, gs, w1, w2, w3, act, tile):
+    """Which hidden kernel the backward runs on these operands: "gluon" (gluon_moe's warp-specialised
+    kernel: Hopper, bf16/fp16, gelu or silu, sizes its blocks divide) or "triton"; logged once per
+    reason on the "mha_compile" logger where a CUDA GPU runs the Triton kernel."""
+    why = GLUON_MISSING if gluon_moe is None else gluon_moe.unsupported(xs, gs, w1, w2, w3, act, tile)
+    if why is None:
+        return "gluon"
+    if xs.is_cuda and why not in _HIDDEN_LOGGED:
+        _HIDDEN_LOGGED.add(why)
+        log.info("mha_compile: the MoE backward's hidden kernel runs in Triton, not Gluon: %s", why)
+    return "triton"
+
+
+_HIDDEN_LOGGED = set()
+
+
 def _backward_tiles(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, horizons, gw, dx_slot, total):
     """The backward over `groups`' slots (the whole layout, or one run of tiles): writes their rows
     of gw and ∂x_slot (None: allocated here) and returns (∂x_slot, (∂W1, ∂b1, ∂W2, ∂b2, ∂W3)), the
@@ -938,12 +961,15 @@ def _backward_tiles(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, h
     hw = torch.empty(groups.slots, F, device=dev, dtype=wdt)
     du = torch.empty_like(hw)
     du3 = torch.empty_like(hw) if w3 is not None else du
-    _hidden(tile_grid(groups, F, "BLOCK_F"),
-            xs, gs, groups.slot_pair, groups.tile_expert, weight,
-            w1, w1 if b1 is None else b1, w1 if w3 is None else w3, w2,
-            hw, du, du3, gw, groups.pairs, D, F, gw.shape[1],
-            HAS_B1=b1 is not None, ACT=_act(act), PRECISION=dot_precision(wdt), TILE=groups.tile,
-            GW_BLOCK=GW_BLOCK)
+    if hidden_kernel(xs, gs, w1, w2, w3, act, groups.tile) == "gluon":
+        gluon_moe.backward_hidden(xs, gs, groups, w1, b1, w2, weight, act, hw, du, gw)
+    else:
+        _hidden(tile_grid(groups, F, "BLOCK_F"),
+                xs, gs, groups.slot_pair, groups.tile_expert, weight,
+                w1, w1 if b1 is None else b1, w1 if w3 is None else w3, w2,
+                hw, du, du3, gw, groups.pairs, D, F, gw.shape[1],
+                HAS_B1=b1 is not None, ACT=_act(act), PRECISION=dot_precision(wdt), TILE=groups.tile,
+                GW_BLOCK=GW_BLOCK)
     db1_part = None if b1 is None else tile_sums(du, groups)
     db1, db2 = bias_grads(db1_part, db2_part, groups, wdt, into=None if total is None else (total[1], total[3]))
     # ∂W2 = Σ (w h)ᵀ G first, so that hw and gs [S,F] + [S,D] are freed before ∂x allocates its

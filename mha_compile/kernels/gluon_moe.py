@@ -1,0 +1,299 @@
+"""The MoE backward's hidden kernel as a warp-specialised Gluon kernel for Hopper (sm_90).
+
+Same contract as triton_moe._moe_bwd_hidden_kernel (read its docstring for the math): per slot
+s of expert e and F block, u = xs[s] W1[e] + b1[e] and g = gs[s] W2[e]ᵀ, then
+    hw = w · act(u),   ∂u = (w · g) ⊙ act′(u)   [S,F] in the weights' dtype
+    gw[s, c] = Σ_f act(u) g over the c-th 64 columns of F (triton_moe.GW_BLOCK)
+with zeros on padding slots. triton_moe.moe_backward runs this kernel where `unsupported`
+finds nothing against it, and the Triton kernel everywhere else (CPU, other GPUs, swiglu, fp32,
+sizes below): both are tested against float64.
+
+Why a second kernel: Nsight Compute (bench/results/ncu_large.txt) shows the Triton kernel
+latency-bound, one program an SM, issuing its dots and its activation epilogue in turn. Triton's
+`tl` cannot give one program's warps different roles; Gluon's `gl.warp_specialize` can, and
+since Hopper's wgmma accumulates in the registers of the warpgroup that issues it, the overlap
+takes CUTLASS's "ping-pong" shape:
+  - a producer warp issues the TMA loads of each job's tiles (xs, gs [TILE_M, BLOCK_K]; W1 read
+    as [E·D, F], W2 as [E·F, D] and fed transposed) into a ring of NBUF stages;
+  - two consumer warpgroups take this program's (rows, F block) jobs in turn: one runs its
+    epilogue while the other runs its dots. A job's K steps are ring positions i·KSTEPS ...; a
+    turn barrier pair keeps the consumers' K loops in job order (a ring wait goes by the parity
+    of a stage's use, and a consumer a whole job ahead would take an older use for its own).
+One program per SM walks the jobs, a row block's F blocks adjacent. A job is a whole tile of
+128 slot rows by 64 columns (two m64n64 wgmmas a K step and accumulator), or with tiles of 64
+rows, 64 by 128 (one m64n128). On the H200, bf16, gelu (bench/gluon_probe.py,
+bench/results/gluon_probe.txt, run 3): 1622 against the Triton kernel's 2162 us a large-preset
+call ([64, 128] jobs: 1681), 177 against 213 at medium ([64, 128]: 174).
+"""
+import os
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from mha_compile.kernels.triton_util import ACT_CODE, interpreting, num_sms
+
+# MHA_COMPILE_GLUON=0 runs the Triton hidden kernel everywhere (to compare the two, or to step
+# around a fault in this one).
+ENABLED = os.environ.get("MHA_COMPILE_GLUON", "1") != "0"
+ACTS = {name: ACT_CODE[name] for name in ("gelu", "gelu_tanh", "silu")}
+DTYPES = (torch.bfloat16, torch.float16)
+# The config by the slot layout's TILE (triton_moe.tile_rows: 128 at the medium and large presets,
+# 64 at small): a job's rows and columns, the K step and the ring's stages (3 of 48 KiB, and the
+# staging tiles: 213 KiB of the H200's 227). bench/gluon_probe.py sweeps these.
+CONFIGS = {128: dict(tile_m=128, block_n=64, block_k=64, nbuf=3), 64: dict(tile_m=64, block_n=128, block_k=64, nbuf=3)}
+# The registers a thread of each partition (consumers: the two accumulators and the epilogue;
+# producer: one warp that only issues loads).
+CONSUMER_REGS, PRODUCER_REGS = 232, 24
+F_MULTIPLE = 128  # F in whole column blocks (W2 is read as [E·F, D]) under either config
+GW_BLOCK = 64  # triton_moe.GW_BLOCK (one ∂w partial column a 64 columns of F)
+
+
+def unsupported(xs, gs, w1, w2, w3, act, tile, capability=None):
+    """Why this kernel cannot take these operands (a sentence), or None when it can. capability:
+    the GPU's (major, minor), read from xs's device when None."""
+    if not ENABLED:
+        return "MHA_COMPILE_GLUON=0"
+    if capability is None:
+        if not xs.is_cuda or interpreting():
+            return "not on a CUDA GPU"
+        capability = torch.cuda.get_device_capability(xs.device)
+    if tuple(capability) != (9, 0):
+        return f"needs sm_90 (wgmma, setmaxnreg), this GPU is sm_{capability[0]}{capability[1]}"
+    if act not in ACTS or w3 is not None:
+        return f"act {act!r}: takes {', '.join(ACTS)}"
+    dtypes = {t.dtype for t in (xs, gs, w1, w2)}
+    if len(dtypes) != 1 or next(iter(dtypes)) not in DTYPES:
+        return f"dtypes {sorted(map(str, dtypes))}: takes one of bf16, fp16 for all of xs, gs, W1, W2"
+    D, F = w1.shape[1], w1.shape[2]
+    if tile not in CONFIGS or F % F_MULTIPLE or D % CONFIGS[tile]["block_k"]:
+        return (f"D={D}, F={F}, TILE={tile}: needs TILE in {sorted(CONFIGS)}, F a multiple of {F_MULTIPLE}"
+                f" and D of {CONFIGS[max(CONFIGS)]['block_k']}")
+    if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (xs, gs, w1, w2)):
+        return "xs, gs, W1, W2 must be contiguous and 16-byte aligned (TMA)"
+    return None
+
+
+@gluon.jit
+def _act(u, ACT: gl.constexpr):
+    """(act(u), act′(u)) in fp32, as triton_util.act_fwd / act_bwd."""
+    if ACT == 0:  # gelu (erf)
+        cdf = 0.5 * (1.0 + gl.erf(u * 0.7071067811865476))
+        return u * cdf, cdf + u * (gl.exp(-0.5 * u * u) * 0.3989422804014327)
+    elif ACT == 1:  # gelu (tanh), tanh(z) = 2σ(2z) − 1
+        z = 0.7978845608028654 * (u + 0.044715 * u * u * u)
+        t = 2.0 / (1.0 + gl.exp(-2.0 * z)) - 1.0
+        d = 0.5 * (1.0 + t) + 0.5 * u * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3 * 0.044715 * u * u)
+        return 0.5 * u * (1.0 + t), d
+    else:  # silu
+        sig = 1.0 / (1.0 + gl.exp(-u))
+        return u * sig, sig * (1.0 + u * (1.0 - sig))
+
+
+@gluon.jit
+def _job(job, F, TILE, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(first slot row, its tile, F block) of a job, a row block's F blocks adjacent."""
+    blocks = F // BLOCK_N
+    r = job // blocks
+    row = r * TILE_M
+    return row, row // TILE, job - r * blocks
+
+
+# Every partition takes (descs, bufs, bars, ptrs, sizes) (+ its own): worker partitions take no
+# Python constants (a tuple with one fails to flatten), so the odd consumer is told which it is
+# by a runtime value, and its activation by a small function of its own for each.
+#   descs = (xs, gs, W1 as [E·D, F], W2 as [E·F, D], hw, ∂u) TMA descriptors;
+#   bufs  = (xs, gs, W1, W2 rings of NBUF stages; hw, ∂u staging tiles, one a consumer);
+#   bars  = (ready, empty) a ring stage, and turn, one a consumer;
+#   ptrs  = (b1, weight (the flat top-k weights), gw, slot_pair, tile_expert);
+#   sizes = (PAIRS, D, F, GW_COLS, NUM_JOBS, has_b1, TILE).
+
+
+@gluon.jit
+def _produce(descs, bufs, bars, ptrs, sizes):
+    xs_desc, gs_desc, w1_desc, w2_desc, hw_desc, du_desc = descs
+    xs_bufs, gs_bufs, w1_bufs, w2_bufs, hw_bufs, du_bufs = bufs
+    ready, empty, turn = bars
+    b1_ptr, weight_ptr, gw_ptr, slot_pair_ptr, tile_expert_ptr = ptrs
+    PAIRS, D, F, GW_COLS, NUM_JOBS, has_b1, TILE = sizes
+    TILE_M: gl.constexpr = xs_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = xs_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = w1_desc.block_type.shape[1]
+    NBUF: gl.constexpr = xs_bufs.type.shape[0]
+    nbytes: gl.constexpr = 2 * (xs_desc.block_type.nbytes + w1_desc.block_type.nbytes)
+    ksteps = D // BLOCK_K
+    pos = 0
+    for job in range(gl.program_id(0), NUM_JOBS, gl.num_programs(0)):
+        row, t, n = _job(job, F, TILE, TILE_M, BLOCK_N)
+        e = gl.load(tile_expert_ptr + t)
+        for k in range(ksteps):
+            stage = pos % NBUF
+            # Barriers start with phase 1 complete: the first NBUF waits on "empty" pass.
+            mbarrier.wait(empty.index(stage), ((pos // NBUF) & 1) ^ 1)
+            bar = ready.index(stage)
+            mbarrier.expect(bar, nbytes)
+            tma.async_copy_global_to_shared(xs_desc, [row, k * BLOCK_K], bar, xs_bufs.index(stage))
+            tma.async_copy_global_to_shared(w1_desc, [e * D + k * BLOCK_K, n * BLOCK_N], bar, w1_bufs.index(stage))
+            tma.async_copy_global_to_shared(gs_desc, [row, k * BLOCK_K], bar, gs_bufs.index(stage))
+            tma.async_copy_global_to_shared(w2_desc, [e * F + n * BLOCK_N, k * BLOCK_K], bar, w2_bufs.index(stage))
+            pos += 1
+
+
+@gluon.jit
+def _consume(descs, bufs, bars, ptrs, sizes, which, ACT: gl.constexpr):
+    """This program's jobs i with i % 2 == which: the dots over the ring, then the epilogue."""
+    xs_desc, gs_desc, w1_desc, w2_desc, hw_desc, du_desc = descs
+    xs_bufs, gs_bufs, w1_bufs, w2_bufs, hw_bufs, du_bufs = bufs
+    ready, empty, turn = bars
+    b1_ptr, weight_ptr, gw_ptr, slot_pair_ptr, tile_expert_ptr = ptrs
+    PAIRS, D, F, GW_COLS, NUM_JOBS, has_b1, TILE = sizes
+    TILE_M: gl.constexpr = xs_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = xs_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = w1_desc.block_type.shape[1]
+    NBUF: gl.constexpr = xs_bufs.type.shape[0]
+    NB: gl.constexpr = BLOCK_N // 64  # ∂w partial columns a job
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+    rows_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    cols_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
+    hw_buf = hw_bufs.index(which)
+    du_buf = du_bufs.index(which)
+    ksteps = D // BLOCK_K
+    i = 0  # this program's jobs
+    own = 0  # this consumer's
+    for job in range(gl.program_id(0), NUM_JOBS, gl.num_programs(0)):
+        if i % 2 == which:
+            row, t, n = _job(job, F, TILE, TILE_M, BLOCK_N)
+            e = gl.load(tile_expert_ptr + t)
+            offs_n = n * BLOCK_N + gl.arange(0, BLOCK_N, layout=cols_layout)
+            acc_u = gl.zeros([TILE_M, BLOCK_N], gl.float32, acc_layout)
+            acc_g = gl.zeros([TILE_M, BLOCK_N], gl.float32, acc_layout)
+            if has_b1 != 0:  # loaded before this consumer's turn, while the other runs its dots
+                acc_u = acc_u + gl.load(b1_ptr + e * F + offs_n).to(gl.float32)[None, :]
+            # Consumer 0 goes first: a fresh barrier passes a wait on parity 1.
+            mbarrier.wait(turn.index(which), (own & 1) ^ (1 - which))
+            pos = i * ksteps
+            prev = 0
+            for k in range(ksteps):
+                stage = pos % NBUF
+                mbarrier.wait(ready.index(stage), (pos // NBUF) & 1)
+                acc_u = warpgroup_mma(xs_bufs.index(stage), w1_bufs.index(stage), acc_u, is_async=True)
+                acc_g = warpgroup_mma(gs_bufs.index(stage), w2_bufs.index(stage).permute((1, 0)), acc_g,
+                                      is_async=True)
+                # This step's wgmmas stay in flight: the step before has read its stage.
+                acc_u, acc_g = warpgroup_mma_wait(num_outstanding=2, deps=(acc_u, acc_g))
+                if k > 0:
+                    mbarrier.arrive(empty.index(prev), count=1)
+                prev = stage
+                pos += 1
+            acc_u, acc_g = warpgroup_mma_wait(num_outstanding=0, deps=(acc_u, acc_g))
+            mbarrier.arrive(empty.index(prev), count=1)
+            mbarrier.arrive(turn.index(1 - which), count=1)  # the other consumer's K loop may start
+            own += 1
+
+            offs_s = row + gl.arange(0, TILE_M, layout=rows_layout)
+            pair = gl.load(slot_pair_ptr + offs_s)
+            valid = pair < PAIRS
+            w = gl.load(weight_ptr + pair, mask=valid, other=0.0)
+            h, dact = _act(acc_u, ACT)
+            hg = h * acc_g
+            for c in gl.static_range(NB):
+                lo = n * BLOCK_N + c * 64
+                part = gl.where(((offs_n >= lo) & (offs_n < lo + 64))[None, :], hg, 0.0)
+                gl.store(gw_ptr + offs_s * GW_COLS + n * NB + c, gl.where(valid, gl.sum(part, axis=1), 0.0))
+            keep = valid[:, None]
+            tma.store_wait(0)  # this consumer's last stores have left its staging tiles
+            hw_buf.store(gl.where(keep, w[:, None] * h, 0.0).to(hw_desc.dtype))
+            du_buf.store(gl.where(keep, (w[:, None] * acc_g) * dact, 0.0).to(du_desc.dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(hw_desc, [row, n * BLOCK_N], hw_buf)
+            tma.async_copy_shared_to_global(du_desc, [row, n * BLOCK_N], du_buf)
+        i += 1
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _consume_gelu(descs, bufs, bars, ptrs, sizes, which):
+    _consume(descs, bufs, bars, ptrs, sizes, which, 0)
+
+
+@gluon.jit
+def _consume_gelu_tanh(descs, bufs, bars, ptrs, sizes, which):
+    _consume(descs, bufs, bars, ptrs, sizes, which, 1)
+
+
+@gluon.jit
+def _consume_silu(descs, bufs, bars, ptrs, sizes, which):
+    _consume(descs, bufs, bars, ptrs, sizes, which, 2)
+
+
+@gluon.jit
+def _hidden_kernel(xs_desc, gs_desc, w1_desc, w2_desc, hw_desc, du_desc,
+                   b1_ptr, weight_ptr, gw_ptr, slot_pair_ptr, tile_expert_ptr,
+                   PAIRS, D, F, GW_COLS, NUM_JOBS, has_b1, TILE,
+                   ACT: gl.constexpr, NBUF: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                   PRODUCER_REGS: gl.constexpr):
+    dtype: gl.constexpr = xs_desc.dtype
+    xs_bufs = gl.allocate_shared_memory(dtype, [NBUF] + xs_desc.block_type.shape, xs_desc.layout)
+    gs_bufs = gl.allocate_shared_memory(dtype, [NBUF] + gs_desc.block_type.shape, gs_desc.layout)
+    w1_bufs = gl.allocate_shared_memory(dtype, [NBUF] + w1_desc.block_type.shape, w1_desc.layout)
+    w2_bufs = gl.allocate_shared_memory(dtype, [NBUF] + w2_desc.block_type.shape, w2_desc.layout)
+    hw_bufs = gl.allocate_shared_memory(dtype, [2] + hw_desc.block_type.shape, hw_desc.layout)
+    du_bufs = gl.allocate_shared_memory(dtype, [2] + du_desc.block_type.shape, du_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NBUF):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    for c in gl.static_range(2):
+        mbarrier.init(turn.index(c), count=1)
+    args = ((xs_desc, gs_desc, w1_desc, w2_desc, hw_desc, du_desc),
+            (xs_bufs, gs_bufs, w1_bufs, w2_bufs, hw_bufs, du_bufs), (ready, empty, turn),
+            (b1_ptr, weight_ptr, gw_ptr, slot_pair_ptr, tile_expert_ptr), (PAIRS, D, F, GW_COLS, NUM_JOBS, has_b1, TILE))
+    zero = gl.program_id(0) * 0  # which consumer, as a runtime value (see above)
+    # The default partition (this kernel's 4 warps) is consumer 0; the workers are consumer 1 (a
+    # warpgroup) and the producer (one warp, the fewest registers a warp can have).
+    if ACT == 0:
+        gl.warp_specialize([(_consume, args + (zero, ACT)), (_consume_gelu, args + (zero + 1,)), (_produce, args)],
+                           [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    elif ACT == 1:
+        gl.warp_specialize([(_consume, args + (zero, ACT)), (_consume_gelu_tanh, args + (zero + 1,)),
+                            (_produce, args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([(_consume, args + (zero, ACT)), (_consume_silu, args + (zero + 1,)), (_produce, args)],
+                           [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def _descriptor(t, block, dtype):
+    return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, dtype))
+
+
+def kernel_args(xs, gs, w1, w2, b1, weight, gw, hw, du, tile_m, block_n, block_k):
+    """_hidden_kernel's tensor arguments in order, its operands as TMA descriptors."""
+    E, D, F = w1.shape
+    dtype = gl.bfloat16 if xs.dtype == torch.bfloat16 else gl.float16
+    return [_descriptor(xs, [tile_m, block_k], dtype), _descriptor(gs, [tile_m, block_k], dtype),
+            _descriptor(w1.view(E * D, F), [block_k, block_n], dtype),
+            _descriptor(w2.view(E * F, D), [block_n, block_k], dtype),
+            _descriptor(hw, [tile_m, block_n], dtype), _descriptor(du, [tile_m, block_n], dtype),
+            w1 if b1 is None else b1, weight, gw]
+
+
+def backward_hidden(xs, gs, groups, w1, b1, w2, weight, act, hw, du, gw, config=None):
+    """Writes hw, ∂u [S,F] and gw[:, :F/64] (gw [S, GW_COLS] fp32) for the slot rows xs, gs [S,D]
+    of `groups` (triton_moe.Groups, or one run of its tiles); weight: the flat top-k weights.
+    Callers check `unsupported` first. config: CONFIGS[TILE] when None (bench/gluon_probe.py
+    passes others)."""
+    E, D, F = w1.shape
+    config = config or CONFIGS[groups.tile]
+    tile_m, block_n, block_k, nbuf = (config[key] for key in ("tile_m", "block_n", "block_k", "nbuf"))
+    jobs = groups.num_tiles * (groups.tile // tile_m) * (F // block_n)
+    _hidden_kernel[(min(num_sms(xs.device), jobs),)](
+        *kernel_args(xs, gs, w1, w2, b1, weight, gw, hw, du, tile_m, block_n, block_k),
+        groups.slot_pair, groups.tile_expert, groups.pairs, D, F, gw.shape[1], jobs, int(b1 is not None),
+        groups.tile, ACT=ACTS[act], NBUF=nbuf, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
+        num_warps=4)

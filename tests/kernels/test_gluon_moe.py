@@ -1,0 +1,53 @@
+"""Where the MoE backward runs gluon_moe's hidden kernel, decided without a GPU: each condition
+that sends it to the Triton kernel, with the reason it gives (the kernel itself is compiled in
+tests/bench/test_gluon_probe.py and run against float64 in test_gluon_moe_cuda.py)."""
+import pytest
+import torch
+
+from mha_compile.kernels import gluon_moe
+from mha_compile.kernels import triton_moe as moe
+
+HOPPER = (9, 0)
+
+
+def operands(D=256, F=512, E=4, S=256, dtype=torch.bfloat16):
+    rand = lambda *shape: torch.randn(*shape).to(dtype)  # noqa: E731
+    return rand(S, D), rand(S, D), rand(E, D, F), rand(E, F, D)
+
+
+def test_takes_hopper_bf16_and_fp16_with_each_activation():
+    for dtype in (torch.bfloat16, torch.float16):
+        for act in ("gelu", "gelu_tanh", "silu"):
+            assert gluon_moe.unsupported(*operands(dtype=dtype), None, act, 128, capability=HOPPER) is None
+    assert gluon_moe.unsupported(*operands(), None, "gelu", 64, capability=HOPPER) is None  # small's tile
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(capability=(8, 0)), "sm_80"),
+    (dict(capability=(10, 0)), "sm_100"),
+    (dict(act="swiglu"), "'swiglu'"),
+    (dict(dtype=torch.float32), "torch.float32"),
+    (dict(D=200), "D=200"),
+    (dict(F=320), "F=320"),
+    (dict(tile=32), "TILE=32"),
+])
+def test_declines_with_the_reason(change, words):
+    change = dict(change)
+    capability, act, tile = change.pop("capability", HOPPER), change.pop("act", "gelu"), change.pop("tile", 128)
+    why = gluon_moe.unsupported(*operands(**change), None, act, tile, capability=capability)
+    assert why is not None and words in why, why
+
+
+def test_declines_mixed_dtypes_swiglu_weights_and_strided_rows():
+    xs, gs, w1, w2 = operands()
+    assert "dtypes" in gluon_moe.unsupported(xs, gs.half(), w1, w2, None, "gelu", 128, capability=HOPPER)
+    assert "act" in gluon_moe.unsupported(xs, gs, w1, w2, w1, "gelu", 128, capability=HOPPER)  # a W3
+    wide = torch.randn(256, 512).to(torch.bfloat16)[:, :256]
+    assert "contiguous" in gluon_moe.unsupported(wide, gs, w1, w2, None, "gelu", 128, capability=HOPPER)
+
+
+def test_off_the_gpu_and_when_switched_off(monkeypatch):
+    assert gluon_moe.unsupported(*operands(), None, "gelu", 128) == "not on a CUDA GPU"
+    assert moe.hidden_kernel(*operands(), None, "gelu", 128) == "triton"
+    monkeypatch.setattr(gluon_moe, "ENABLED", False)
+    assert gluon_moe.unsupported(*operands(), None, "gelu", 128, capability=HOPPER) == "MHA_COMPILE_GLUON=0"

@@ -1,0 +1,104 @@
+"""gluon_moe's hidden kernel on the H200 (`pytest -m cuda`): hw, ∂u and the ∂w partials against
+float64 on fresh random operands, for each activation, dtype and bias setting, with empty experts,
+padding slots, both tile sizes and one run of tiles; and the backward runs it where it applies
+(the whole region's gradients through it are checked in test_triton_kernels_cuda.py)."""
+import pytest
+import torch
+
+from mha_compile.kernels import gluon_moe, reference
+from mha_compile.kernels import triton_moe as moe
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+TOL = {torch.bfloat16: 2e-2, torch.float16: 2e-2}  # SPEC §4, 16-bit operands, fp32 accumulation
+
+
+def slot_case(R, k, D, F, E, experts_used, dtype, bias, seed):
+    """Slot rows of random routing over `experts_used` (the other experts empty), k distinct a row."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    used = torch.tensor(experts_used, device="cuda")
+    pick = torch.rand(R, len(experts_used), device="cuda", generator=g).argsort(1)[:, :k]
+    index = used[pick].to(torch.int32)
+    groups = moe.group(index, E)
+    rand = lambda *s, scale=1.0: (torch.randn(*s, device="cuda", generator=g) * scale).to(dtype)  # noqa: E731
+    x, grad = rand(R, D), rand(R, D)
+    xs, gs, _ = moe.gather_rows(x, None, groups, 1, dtype, grad)
+    w1, w2 = rand(E, D, F, scale=D ** -0.5), rand(E, F, D, scale=F ** -0.5)
+    b1 = rand(E, F, scale=0.5) if bias else None
+    weight = torch.rand(R * k, device="cuda", generator=g)
+    return groups, xs, gs, w1, b1, w2, weight
+
+
+def float64_hidden(groups, xs, gs, w1, b1, w2, weight, act):
+    """(hw, ∂u, gw [S, F/64]) from SPEC §1's backward, in float64, 0 on padding slots."""
+    valid = groups.slot_pair < groups.pairs
+    e = groups.tile_expert.long().repeat_interleave(groups.tile)
+    w = torch.where(valid, weight.double()[groups.slot_pair.clamp(max=groups.pairs - 1).long()], 0.0)[:, None]
+    u = torch.einsum("sd,sdf->sf", xs.double(), w1.double()[e])
+    if b1 is not None:
+        u = u + b1.double()[e]
+    g = torch.einsum("sd,sfd->sf", gs.double(), w2.double()[e])
+    h = reference.act_forward(act, u)
+    du, _ = reference.act_backward(act, w * g, u)
+    gw = (h * g).view(len(h), -1, 64).sum(-1) * valid[:, None]
+    return w * h, du * valid[:, None], gw
+
+
+CASES = [  # (R, k, D, F, E, experts used): TILE 64 (small's) with three empty experts; TILE 128
+    pytest.param((600, 2, 192, 384, 7, [0, 2, 3, 6]), id="tile64-empty-experts"),
+    pytest.param((1600, 2, 128, 256, 3, [0, 1, 2]), id="tile128"),
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("act", list(gluon_moe.ACTS))
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")])
+@pytest.mark.parametrize("bias", [True, False], ids=["b1", "no-b1"])
+def test_matches_float64(case, act, dtype, bias):
+    R, k, D, F, E, used = case
+    groups, xs, gs, w1, b1, w2, weight = slot_case(R, k, D, F, E, used, dtype, bias, seed=R + F + len(act))
+    assert groups.tile == (64 if E == 7 else 128) and (groups.slot_pair >= groups.pairs).any()  # and padding
+    assert moe.hidden_kernel(xs, gs, w1, w2, None, act, groups.tile) == "gluon"
+    hw, du = torch.full((2, groups.slots, F), float("nan"), device="cuda", dtype=dtype)
+    gw = torch.full((groups.slots, moe.gw_columns(D, F, True)), float("nan"), device="cuda")
+    gluon_moe.backward_hidden(xs, gs, groups, w1, b1, w2, weight, act, hw, du, gw)
+    want = float64_hidden(groups, xs, gs, w1, b1, w2, weight, act)
+    for name, got, ref in zip(("hw", "du", "gw"), (hw, du, gw[:, :F // 64]), want):
+        err = float((got.double() - ref).norm() / ref.norm())
+        assert err < TOL[dtype], f"{name}: rel err {err:.2e}"
+    padding = groups.slot_pair >= groups.pairs
+    assert (hw[padding] == 0).all() and (du[padding] == 0).all() and (gw[padding, :F // 64] == 0).all()
+
+
+def test_one_run_of_tiles_writes_only_its_rows():
+    """A run (Groups.tiles) reads its own slot buffers and writes gw rows at its offset only."""
+    groups, xs, gs, w1, b1, w2, weight = slot_case(3000, 2, 128, 256, 4, [0, 1, 2, 3], torch.bfloat16, True, 7)
+    t0, t1 = 8, 24
+    part = groups.tiles(t0, t1)
+    rows = slice(t0 * groups.tile, t1 * groups.tile)
+    F = w1.shape[2]
+    gw = torch.full((groups.slots, moe.gw_columns(128, F, True)), -7.0, device="cuda")
+    hw, du = torch.empty(2, part.slots, F, device="cuda", dtype=torch.bfloat16)
+    gluon_moe.backward_hidden(xs[rows].contiguous(), gs[rows].contiguous(), part, w1, b1, w2, weight, "gelu", hw, du,
+                              gw[rows])
+    want = float64_hidden(groups, xs, gs, w1, b1, w2, weight, "gelu")
+    for name, got, ref in zip(("hw", "du", "gw"), (hw, du, gw[rows, :F // 64]), want):
+        assert float((got.double() - ref[rows]).norm() / ref[rows].norm()) < 2e-2, name
+    outside = torch.ones(groups.slots, dtype=torch.bool, device="cuda")
+    outside[rows] = False
+    assert (gw[outside] == -7.0).all()
+
+
+def test_backward_runs_it_where_it_applies(monkeypatch):
+    calls = []
+    real = gluon_moe.backward_hidden
+    monkeypatch.setattr(gluon_moe, "backward_hidden", lambda *a, **kw: calls.append(a[7]) or real(*a, **kw))
+    for act, w3, want in (("gelu", False, ["gelu"]), ("swiglu", True, [])):
+        calls.clear()
+        groups, xs, gs, w1, b1, w2, weight = slot_case(1500, 2, 128, 256, 3, [0, 1, 2], torch.bfloat16, True, 3)
+        R, D = 1500, 128
+        x = torch.randn(R, D, device="cuda", dtype=torch.bfloat16)
+        grad = torch.randn(R, D, device="cuda", dtype=torch.bfloat16)
+        b2 = torch.randn(3, D, device="cuda", dtype=torch.bfloat16)
+        moe.moe_backward(grad, x, None, weight.view(R, 2), groups, w1, b1, w2, b2, w1.clone() if w3 else None, act, 1)
+        assert calls == want
