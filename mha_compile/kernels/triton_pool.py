@@ -197,29 +197,22 @@ def split_dot(dtype):
 # bench/offline_sass.py compiles with fewer registers or spills: the backward at medium spills
 # 644 bytes with BLOCK_N 32 and 4 warps, none with 16 and 8; the forward at medium needs 214
 # registers with 32 and 4, 148 with 16 and 8 (sm_90a, bench/PERF_NOTES.md v8).
-# At large the autotuner takes BLOCK_N 16 for the forward and 32 for the scores pass, with 4
-# warps: Nsight Compute (ncu_large.txt) has the forward at 35% of DRAM bandwidth with ~2 warps a
-# scheduler, mostly stalled, so the list also holds its config with 5 stages (tok chunks of 16
-# KiB in flight) instead of 3.
 _POOL_CONFIGS = [
     dict(BLOCK_N=16, num_warps=8, num_stages=3),
     dict(BLOCK_N=16, num_warps=4, num_stages=3),
     dict(BLOCK_N=32, num_warps=4, num_stages=3),
     dict(BLOCK_N=16, num_warps=16, num_stages=2),
-    dict(BLOCK_N=16, num_warps=4, num_stages=5),
 ]
 _attend = Launcher(_pool_fwd_kernel, _POOL_CONFIGS, key=["N", "D", "P", "HAS_MASK", "SPLIT_DOT"])
 _attend_bwd_scores = Launcher(_pool_bwd_scores_kernel, _POOL_CONFIGS, key=["N", "D", "P", "SPLIT_DOT"])
 # Pass 2 by blocks of D: the first config (32 columns) gives the interpreter's tests more than
 # one block at their D of 33-40. pool_backward passes ∂t̄ as du_ptr too: autotuning's trial
-# runs must each see it restored. The autotuner took 32 x 128 with 4 warps at medium and large;
-# Nsight Compute has it at 57% of DRAM bandwidth, stalled on its loads half the time (large,
-# ncu_large.txt), so that config with 5 stages replaced 32 x 256 with 8 warps, never taken.
+# runs must each see it restored.
 _attend_bwd = Launcher(_pool_bwd_kernel, [
     dict(BLOCK_N=16, BLOCK_D=32, num_warps=4, num_stages=3),
     dict(BLOCK_N=32, BLOCK_D=128, num_warps=4, num_stages=3),
     dict(BLOCK_N=64, BLOCK_D=128, num_warps=8, num_stages=3),
-    dict(BLOCK_N=32, BLOCK_D=128, num_warps=4, num_stages=5),
+    dict(BLOCK_N=32, BLOCK_D=256, num_warps=8, num_stages=3),
     dict(BLOCK_N=64, BLOCK_D=64, num_warps=4, num_stages=4),
 ], key=["N", "D", "P", "SPLIT_DOT"], restore=["dtbar_ptr"])
 
