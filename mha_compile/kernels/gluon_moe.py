@@ -108,7 +108,7 @@ def _job(job, F, TILE, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr):
 #   descs = (xs, gs, W1 as [E·D, F], W2 as [E·F, D], hw, ∂u) TMA descriptors;
 #   bufs  = (xs, gs, W1, W2 rings of NBUF stages; hw, ∂u staging tiles, one a consumer);
 #   bars  = (ready, empty) a ring stage, and turn, one a consumer;
-#   ptrs  = (b1, weight (the flat top-k weights), gw, ∂b1's per-tile sums, slot_pair, tile_expert);
+#   ptrs  = (b1, weight (the flat top-k weights), gw, slot_pair, tile_expert);
 #   sizes = (PAIRS, D, F, GW_COLS, NUM_JOBS, has_b1, TILE).
 
 
@@ -117,7 +117,7 @@ def _produce(descs, bufs, bars, ptrs, sizes):
     xs_desc, gs_desc, w1_desc, w2_desc, hw_desc, du_desc = descs
     xs_bufs, gs_bufs, w1_bufs, w2_bufs, hw_bufs, du_bufs = bufs
     ready, empty, turn = bars
-    b1_ptr, weight_ptr, gw_ptr, db1_ptr, slot_pair_ptr, tile_expert_ptr = ptrs
+    b1_ptr, weight_ptr, gw_ptr, slot_pair_ptr, tile_expert_ptr = ptrs
     PAIRS, D, F, GW_COLS, NUM_JOBS, has_b1, TILE = sizes
     TILE_M: gl.constexpr = xs_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = xs_desc.block_type.shape[1]
@@ -148,7 +148,7 @@ def _consume(descs, bufs, bars, ptrs, sizes, which, ACT: gl.constexpr):
     xs_desc, gs_desc, w1_desc, w2_desc, hw_desc, du_desc = descs
     xs_bufs, gs_bufs, w1_bufs, w2_bufs, hw_bufs, du_bufs = bufs
     ready, empty, turn = bars
-    b1_ptr, weight_ptr, gw_ptr, db1_ptr, slot_pair_ptr, tile_expert_ptr = ptrs
+    b1_ptr, weight_ptr, gw_ptr, slot_pair_ptr, tile_expert_ptr = ptrs
     PAIRS, D, F, GW_COLS, NUM_JOBS, has_b1, TILE = sizes
     TILE_M: gl.constexpr = xs_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = xs_desc.block_type.shape[1]
@@ -207,10 +207,7 @@ def _consume(descs, bufs, bars, ptrs, sizes, which, ACT: gl.constexpr):
             keep = valid[:, None]
             tma.store_wait(0)  # this consumer's last stores have left its staging tiles
             hw_buf.store(gl.where(keep, w[:, None] * h, 0.0).to(hw_desc.dtype))
-            du = gl.where(keep, (w[:, None] * acc_g) * dact, 0.0)
-            du_buf.store(du.to(du_desc.dtype))
-            if has_b1 != 0:  # the tile's column sums of ∂u, for ∂b1 (a job is a whole tile then)
-                gl.store(db1_ptr + t * F + offs_n, gl.sum(du, axis=0))
+            du_buf.store(gl.where(keep, (w[:, None] * acc_g) * dact, 0.0).to(du_desc.dtype))
             fence_async_shared()
             tma.async_copy_shared_to_global(hw_desc, [row, n * BLOCK_N], hw_buf)
             tma.async_copy_shared_to_global(du_desc, [row, n * BLOCK_N], du_buf)
@@ -235,7 +232,7 @@ def _consume_silu(descs, bufs, bars, ptrs, sizes, which):
 
 @gluon.jit
 def _hidden_kernel(xs_desc, gs_desc, w1_desc, w2_desc, hw_desc, du_desc,
-                   b1_ptr, weight_ptr, gw_ptr, db1_ptr, slot_pair_ptr, tile_expert_ptr,
+                   b1_ptr, weight_ptr, gw_ptr, slot_pair_ptr, tile_expert_ptr,
                    PAIRS, D, F, GW_COLS, NUM_JOBS, has_b1, TILE,
                    ACT: gl.constexpr, NBUF: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                    PRODUCER_REGS: gl.constexpr):
@@ -256,7 +253,7 @@ def _hidden_kernel(xs_desc, gs_desc, w1_desc, w2_desc, hw_desc, du_desc,
         mbarrier.init(turn.index(c), count=1)
     args = ((xs_desc, gs_desc, w1_desc, w2_desc, hw_desc, du_desc),
             (xs_bufs, gs_bufs, w1_bufs, w2_bufs, hw_bufs, du_bufs), (ready, empty, turn),
-            (b1_ptr, weight_ptr, gw_ptr, db1_ptr, slot_pair_ptr, tile_expert_ptr), (PAIRS, D, F, GW_COLS, NUM_JOBS, has_b1, TILE))
+            (b1_ptr, weight_ptr, gw_ptr, slot_pair_ptr, tile_expert_ptr), (PAIRS, D, F, GW_COLS, NUM_JOBS, has_b1, TILE))
     zero = gl.program_id(0) * 0  # which consumer, as a runtime value (see above)
     # The default partition (this kernel's 4 warps) is consumer 0; the workers are consumer 1 (a
     # warpgroup) and the producer (one warp, the fewest registers a warp can have).
@@ -275,7 +272,7 @@ def _descriptor(t, block, dtype):
     return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, dtype))
 
 
-def kernel_args(xs, gs, w1, w2, b1, weight, gw, db1, hw, du, tile_m, block_n, block_k):
+def kernel_args(xs, gs, w1, w2, b1, weight, gw, hw, du, tile_m, block_n, block_k):
     """_hidden_kernel's tensor arguments in order, its operands as TMA descriptors."""
     E, D, F = w1.shape
     dtype = gl.bfloat16 if xs.dtype == torch.bfloat16 else gl.float16
@@ -283,26 +280,20 @@ def kernel_args(xs, gs, w1, w2, b1, weight, gw, db1, hw, du, tile_m, block_n, bl
             _descriptor(w1.view(E * D, F), [block_k, block_n], dtype),
             _descriptor(w2.view(E * F, D), [block_n, block_k], dtype),
             _descriptor(hw, [tile_m, block_n], dtype), _descriptor(du, [tile_m, block_n], dtype),
-            w1 if b1 is None else b1, weight, gw, gw if db1 is None else db1]
+            w1 if b1 is None else b1, weight, gw]
 
 
 def backward_hidden(xs, gs, groups, w1, b1, w2, weight, act, hw, du, gw, config=None):
     """Writes hw, ∂u [S,F] and gw[:, :F/64] (gw [S, GW_COLS] fp32) for the slot rows xs, gs [S,D]
     of `groups` (triton_moe.Groups, or one run of its tiles); weight: the flat top-k weights.
-    Returns ∂b1's per-tile sums [T,F] fp32 (triton_moe.tile_sums(∂u) from the fp32 values, not
-    the stored ones) when b1 is given, else None. Callers check `unsupported` first. config:
-    CONFIGS[TILE] when None (bench/gluon_probe.py passes others; one whose jobs are part of a
-    tile runs without b1)."""
+    Callers check `unsupported` first. config: CONFIGS[TILE] when None (bench/gluon_probe.py
+    passes others)."""
     E, D, F = w1.shape
     config = config or CONFIGS[groups.tile]
     tile_m, block_n, block_k, nbuf = (config[key] for key in ("tile_m", "block_n", "block_k", "nbuf"))
-    if b1 is not None and tile_m != groups.tile:
-        raise ValueError(f"tile_m={tile_m} with b1: ∂b1's tile sums need jobs of whole tiles ({groups.tile} rows)")
-    db1 = None if b1 is None else torch.empty(groups.num_tiles, F, device=xs.device, dtype=torch.float32)
     jobs = groups.num_tiles * (groups.tile // tile_m) * (F // block_n)
     _hidden_kernel[(min(num_sms(xs.device), jobs),)](
-        *kernel_args(xs, gs, w1, w2, b1, weight, gw, db1, hw, du, tile_m, block_n, block_k),
+        *kernel_args(xs, gs, w1, w2, b1, weight, gw, hw, du, tile_m, block_n, block_k),
         groups.slot_pair, groups.tile_expert, groups.pairs, D, F, gw.shape[1], jobs, int(b1 is not None),
         groups.tile, ACT=ACTS[act], NBUF=nbuf, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
         num_warps=4)
-    return db1

@@ -961,8 +961,8 @@ def _backward_tiles(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, h
     hw = torch.empty(groups.slots, F, device=dev, dtype=wdt)
     du = torch.empty_like(hw)
     du3 = torch.empty_like(hw) if w3 is not None else du
-    if hidden_kernel(xs, gs, w1, w2, w3, act, groups.tile) == "gluon":  # ∂b1's tile sums in its epilogue
-        db1_part = gluon_moe.backward_hidden(xs, gs, groups, w1, b1, w2, weight, act, hw, du, gw)
+    if hidden_kernel(xs, gs, w1, w2, w3, act, groups.tile) == "gluon":
+        gluon_moe.backward_hidden(xs, gs, groups, w1, b1, w2, weight, act, hw, du, gw)
     else:
         _hidden(tile_grid(groups, F, "BLOCK_F"),
                 xs, gs, groups.slot_pair, groups.tile_expert, weight,
@@ -970,7 +970,7 @@ def _backward_tiles(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, h
                 hw, du, du3, gw, groups.pairs, D, F, gw.shape[1],
                 HAS_B1=b1 is not None, ACT=_act(act), PRECISION=dot_precision(wdt), TILE=groups.tile,
                 GW_BLOCK=GW_BLOCK)
-        db1_part = None if b1 is None else tile_sums(du, groups)
+    db1_part = None if b1 is None else tile_sums(du, groups)
     db1, db2 = bias_grads(db1_part, db2_part, groups, wdt, into=None if total is None else (total[1], total[3]))
     # ∂W2 = Σ (w h)ᵀ G first, so that hw and gs [S,F] + [S,D] are freed before ∂x allocates its
     # [S,D] (large preset, computed: slot buffers alive at once 1.61 -> 1.34 GB; same
