@@ -1,7 +1,12 @@
-"""STAGED, not yet run on a GPU: the MoE weight-gradient GEMM as a warp-specialised Gluon kernel,
-against the Triton one (triton_moe._moe_wgrad_kernel), the largest kernel of a large training
-step after the hidden kernel moved to Gluon (1.39 ms a step, 458 TFLOP/s at 128x256 tiles on the
-whole layout, where cuBLAS takes 654 on the same extents: bench/results/gemm_probe.txt).
+"""The MoE weight-gradient GEMM as a warp-specialised Gluon kernel, against the Triton one
+(triton_moe._moe_wgrad_kernel), the largest kernel of a large training step after the hidden
+kernel moved to Gluon (1.39 ms a step; cuBLAS takes 654 TFLOP/s on the same extents:
+bench/results/gemm_probe.txt). Not on the live path yet: it writes the whole layout's ∂W in one
+pass, where the backward also needs runs of tiles added into fp32 totals and split sums.
+
+First H200 run (session 10, bench/results/gluon_wgrad_probe.txt, large, whole layout, bf16):
+∂W1 435 against the Triton kernel's 575 us (641 against 485 TFLOP/s), ∂W2 440 against 604, rel
+err 1.7e-3 for both (the fp32 reference's bf16 rounding).
 
     PYTHONPATH=. python bench/gluon_wgrad_probe.py [--presets medium,large]   # H200
     PYTHONPATH=. python bench/gluon_wgrad_probe.py --offline                  # compile for sm_90a

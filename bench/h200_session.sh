@@ -33,8 +33,8 @@
 #   [PROBE=up,hidden PROBE_PRESETS=large] bash bench/h200_session.sh verify  # pytest -m cuda, then CUDA
 #                                      # time per kernel of the op (~5 min); with PROBE, then gemm_probe.py on
 #                                      # those kernels (90 s at most): run.log, kernel_times.txt, gemm_probe.txt
-#   bash bench/h200_session.sh gluon   # GEMM1 and the hidden kernel as warp-specialised Gluon kernels against
-#                                      # the shipped ones, each checked first (bench/gluon_probe.py; ~6 min):
+#   bash bench/h200_session.sh gluon   # the backward's hidden kernel in Gluon (gluon_moe) under each config
+#                                      # against the Triton one, each checked first (bench/gluon_probe.py; ~2 min):
 #                                      # run.log, gluon_probe.txt
 #   bash bench/h200_session.sh short   # one call when device time is short (~9 min): the fused
 #                                      # kernel tests, the curves without the suite, and the

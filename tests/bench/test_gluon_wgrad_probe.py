@@ -1,4 +1,4 @@
-"""bench/gluon_wgrad_probe.py without a GPU (the kernel is staged, not yet run on one): it compiles
+"""bench/gluon_wgrad_probe.py without a GPU: its kernel compiles
 for the H200 as a warp-specialised kernel under every config it probes, and its fp32 yardstick is
 triton_moe.weight_grads' contract (run in the interpreter)."""
 import json
