@@ -1,9 +1,7 @@
 """bench/gluon_probe.py without a GPU: gluon_moe's hidden kernel compiles for the H200 as a
 warp-specialised kernel under every config the probe times and for every activation it takes,
 and the probe's fp32 yardstick is the Triton hidden kernel's contract (run in the interpreter)."""
-import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -13,6 +11,7 @@ ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import gemm_probe  # noqa: E402
 import gluon_probe  # noqa: E402
+from offline_rows import offline_rows  # noqa: E402
 
 from mha_compile.kernels import gluon_moe  # noqa: E402
 from mha_compile.kernels import triton_moe as moe  # noqa: E402
@@ -22,12 +21,7 @@ interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 
 
 def test_compiles_warp_specialised_for_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.path.abspath(ROOT)
-    run = subprocess.run([sys.executable, gluon_probe.__file__, "--offline"], env=env, capture_output=True,
-                         text=True, timeout=900)
-    assert run.returncode == 0, run.stderr[-2000:]
-    rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    rows = offline_rows(gluon_probe.__file__)
     want = [(act, cfg) for act in gluon_moe.ACTS for cfg in (gluon_probe.CONFIGS if act == "gelu"
                                                              else gluon_probe.CONFIGS[:1])]
     assert [(r["act"], r["config"]) for r in rows] == want

@@ -1,9 +1,7 @@
 """bench/gluon_wgrad_probe.py without a GPU: its kernel compiles
 for the H200 as a warp-specialised kernel under every config it probes, and its fp32 yardstick is
 triton_moe.weight_grads' contract (run in the interpreter)."""
-import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -12,17 +10,13 @@ import torch
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import gluon_wgrad_probe  # noqa: E402
+from offline_rows import offline_rows  # noqa: E402
 
 from mha_compile.kernels import triton_moe as moe  # noqa: E402
 
 
 def test_compiles_warp_specialised_for_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.path.abspath(ROOT)
-    run = subprocess.run([sys.executable, gluon_wgrad_probe.__file__, "--offline"], env=env, capture_output=True,
-                         text=True, timeout=900)
-    assert run.returncode == 0, run.stderr[-2000:]
-    rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    rows = offline_rows(gluon_wgrad_probe.__file__)
     assert [r["config"] for r in rows] == gluon_wgrad_probe.CONFIGS
     for r in rows:
         assert r["wgmma"] > 0 and r["setmaxnreg"] > 0, r
