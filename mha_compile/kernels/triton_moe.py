@@ -41,6 +41,8 @@ Backward (recomputing u = x W1 + b1 rather than storing it):
 The router gradient, the per-row sums over j and ∂inv = Σ_h ∂y happen in
 triton_router.router_combine_backward. All accumulation is fp32; row offsets are int64.
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -931,20 +933,54 @@ def backward_slot_bytes(D, F, swiglu, element_size):
     return (2 * D + (3 if swiglu else 2) * F) * element_size
 
 
-def hidden_kernel(xs, gs, w1, w2, w3, act, tile):
-    """Which hidden kernel the backward runs on these operands: "gluon" (gluon_moe's warp-specialised
-    kernel: Hopper, bf16/fp16, gelu or silu, sizes its blocks divide) or "triton"; logged once per
-    reason on the "mha_compile" logger where a CUDA GPU runs the Triton kernel."""
-    why = GLUON_MISSING if gluon_moe is None else gluon_moe.unsupported(xs, gs, w1, w2, w3, act, tile)
+def _choose(kernel, device, why):
+    """"gluon" when nothing keeps `kernel` off its Gluon version (why is None), else "triton",
+    logged once per reason on the "mha_compile" logger where a CUDA GPU runs the Triton one."""
     if why is None:
         return "gluon"
-    if xs.is_cuda and why not in _HIDDEN_LOGGED:
-        _HIDDEN_LOGGED.add(why)
-        log.info("mha_compile: the MoE backward's hidden kernel runs in Triton, not Gluon: %s", why)
+    if device.type == "cuda" and (kernel, why) not in _GLUON_DECLINED:
+        _GLUON_DECLINED.add((kernel, why))
+        log.info("mha_compile: the MoE backward's %s runs in Triton, not Gluon: %s", kernel, why)
     return "triton"
 
 
-_HIDDEN_LOGGED = set()
+_GLUON_DECLINED = set()
+_GLUON_LAUNCHED = set()  # (kernel, compile key) launched once without error
+_GLUON_FAILED = {}  # (kernel, compile key) -> why its first launch failed
+
+
+def _gluon_launch(kernel, key, launch):
+    """launch() a Gluon kernel; True when it ran. Its first launch for a compile `key` builds it: if
+    that raises (a Triton whose Gluon cannot build it, say), the error is logged as a warning, the
+    key takes the Triton kernel from then on, and this returns False so that the caller runs it
+    now. Later launches are not guarded: a failure there is not a build's."""
+    if (kernel, key) in _GLUON_LAUNCHED:
+        launch()
+        return True
+    try:
+        launch()
+    except Exception as error:  # noqa: BLE001 - any build failure: the Triton kernel computes the same
+        why = f"its first launch failed ({type(error).__name__}: {str(error).splitlines()[0][:200]})"
+        _GLUON_FAILED[kernel, key] = why
+        log.warning("mha_compile: the MoE backward's Gluon %s for %s %s; the Triton kernel runs instead",
+                    kernel, key, why)
+        return False
+    _GLUON_LAUNCHED.add((kernel, key))
+    return True
+
+
+def hidden_key(xs, act, tile, b1):
+    """What the Gluon hidden kernel is compiled for (beside the shapes, which it takes at run time)."""
+    return act, xs.dtype, tile, b1 is not None
+
+
+def hidden_kernel(xs, gs, w1, w2, w3, b1, act, tile):
+    """Which hidden kernel the backward runs on these operands: "gluon" (gluon_moe's warp-specialised
+    kernel: Hopper, bf16/fp16, gelu or silu, sizes its blocks divide; and it has built) or "triton"."""
+    why = (GLUON_MISSING if gluon_moe is None else
+           _GLUON_FAILED.get(("hidden kernel", hidden_key(xs, act, tile, b1)))
+           or gluon_moe.unsupported(xs, gs, w1, w2, w3, act, tile))
+    return _choose("hidden kernel", xs.device, why)
 
 
 def _backward_tiles(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, horizons, gw, dx_slot, total):
@@ -961,9 +997,9 @@ def _backward_tiles(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, h
     hw = torch.empty(groups.slots, F, device=dev, dtype=wdt)
     du = torch.empty_like(hw)
     du3 = torch.empty_like(hw) if w3 is not None else du
-    if hidden_kernel(xs, gs, w1, w2, w3, act, groups.tile) == "gluon":
-        gluon_moe.backward_hidden(xs, gs, groups, w1, b1, w2, weight, act, hw, du, gw)
-    else:
+    if not (hidden_kernel(xs, gs, w1, w2, w3, b1, act, groups.tile) == "gluon" and _gluon_launch(
+            "hidden kernel", hidden_key(xs, act, groups.tile, b1),
+            functools.partial(gluon_moe.backward_hidden, xs, gs, groups, w1, b1, w2, weight, act, hw, du, gw))):
         _hidden(tile_grid(groups, F, "BLOCK_F"),
                 xs, gs, groups.slot_pair, groups.tile_expert, weight,
                 w1, w1 if b1 is None else b1, w1 if w3 is None else w3, w2,

@@ -48,6 +48,33 @@ def test_declines_mixed_dtypes_swiglu_weights_and_strided_rows():
 
 def test_off_the_gpu_and_when_switched_off(monkeypatch):
     assert gluon_moe.unsupported(*operands(), None, "gelu", 128) == "not on a CUDA GPU"
-    assert moe.hidden_kernel(*operands(), None, "gelu", 128) == "triton"
+    assert moe.hidden_kernel(*operands(), None, None, "gelu", 128) == "triton"
     monkeypatch.setattr(gluon_moe, "ENABLED", False)
     assert gluon_moe.unsupported(*operands(), None, "gelu", 128, capability=HOPPER) == "MHA_COMPILE_GLUON=0"
+
+
+def test_a_failed_first_launch_falls_back_to_triton_and_says_so(monkeypatch, caplog):
+    """A Gluon kernel that does not build (another Triton's Gluon, say) must not fail the user's
+    backward: its first launch's error is logged, that compile key takes the Triton kernel from
+    then on, and errors of later launches are not swallowed."""
+    monkeypatch.setattr(moe, "_GLUON_FAILED", {})
+    monkeypatch.setattr(moe, "_GLUON_LAUNCHED", set())
+    monkeypatch.setattr(gluon_moe, "unsupported", lambda *args, **kwargs: None)  # as on an H200
+    xs, gs, w1, w2 = operands()
+    key = moe.hidden_key(xs, "gelu", 128, None)
+    assert moe.hidden_kernel(xs, gs, w1, w2, None, None, "gelu", 128) == "gluon"
+
+    def broken():
+        raise RuntimeError("PTX .version 9.9 does not support .target sm_90a")
+
+    with caplog.at_level("WARNING", logger="mha_compile"):
+        assert moe._gluon_launch("hidden kernel", key, broken) is False
+    assert "PTX .version 9.9" in caplog.text and "Triton kernel runs instead" in caplog.text
+    assert moe.hidden_kernel(xs, gs, w1, w2, None, None, "gelu", 128) == "triton"
+    assert moe.hidden_kernel(xs, gs, w1, w2, None, w1[0, 0], "gelu", 128) == "gluon"  # another key: with b1
+
+    ran = []
+    other = moe.hidden_key(xs, "silu", 128, None)
+    assert moe._gluon_launch("hidden kernel", other, lambda: ran.append(1)) is True and ran == [1]
+    with pytest.raises(RuntimeError, match="illegal"):  # built once: a later failure is not a build's
+        moe._gluon_launch("hidden kernel", other, lambda: (_ for _ in ()).throw(RuntimeError("illegal address")))

@@ -58,7 +58,7 @@ def test_matches_float64(case, act, dtype, bias):
     R, k, D, F, E, used = case
     groups, xs, gs, w1, b1, w2, weight = slot_case(R, k, D, F, E, used, dtype, bias, seed=R + F + len(act))
     assert groups.tile == (64 if E == 7 else 128) and (groups.slot_pair >= groups.pairs).any()  # and padding
-    assert moe.hidden_kernel(xs, gs, w1, w2, None, act, groups.tile) == "gluon"
+    assert moe.hidden_kernel(xs, gs, w1, w2, None, b1, act, groups.tile) == "gluon"
     hw, du = torch.full((2, groups.slots, F), float("nan"), device="cuda", dtype=dtype)
     gw = torch.full((groups.slots, moe.gw_columns(D, F, True)), float("nan"), device="cuda")
     gluon_moe.backward_hidden(xs, gs, groups, w1, b1, w2, weight, act, hw, du, gw)
