@@ -36,12 +36,15 @@
 #   bash bench/h200_session.sh gluon   # the backward's hidden kernel in Gluon (gluon_moe) under each config
 #                                      # against the Triton one, each checked first (bench/gluon_probe.py; ~2 min):
 #                                      # run.log, gluon_probe.txt
+#   bash bench/h200_session.sh gluon-gemms  # the weight-gradient and slots GEMMs in Gluon against the
+#                                      # Triton ones (bench/gluon_wgrad_probe.py, gluon_slots_probe.py; ~3 min):
+#                                      # run.log, gluon_wgrad_probe.txt, gluon_slots_probe.txt
 #   bash bench/h200_session.sh short   # one call when device time is short (~9 min): the fused
 #                                      # kernel tests, the curves without the suite, and the
 #                                      # benchmark cut at 250 s (rows past it are listed as skipped)
 # Budgets are per step so a slow step cannot starve the others.
 set -u
-part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|gluon|short}
+part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|gluon|gluon-gemms|short}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 # Inductor's compiled graphs kept in the checkout (git ignores it): the device keeps ignored
 # files between calls on a machine it still holds, so `table` can reuse `autotune-cache`'s.
@@ -139,6 +142,11 @@ gluon)
     { timeout -s INT 500 python bench/gluon_probe.py --presets medium,large 2>&1; } >"$OUT/gluon_probe.txt"
     tail -20 "$OUT/gluon_probe.txt" >>"$LOG"
     ;;
+gluon-gemms)
+    { timeout -s INT 150 python bench/gluon_wgrad_probe.py --presets medium,large 2>&1; } >"$OUT/gluon_wgrad_probe.txt"
+    { timeout -s INT 150 python bench/gluon_slots_probe.py --presets medium,large 2>&1; } >"$OUT/gluon_slots_probe.txt"
+    tail -30 "$OUT/gluon_wgrad_probe.txt" "$OUT/gluon_slots_probe.txt" >>"$LOG"
+    ;;
 short)
     { MHA_COMPILE_NO_AUTOTUNE=1 timeout 120 python -m pytest -q -m cuda tests/kernels -k "not staged" -n 8 \
         -p no:cacheprovider 2>&1 | tail -8; } >>"$LOG"
@@ -155,6 +163,6 @@ bench|bench-resume)
         --modes eager,inductor,inductor-max-autotune,mha-staged,mha-fused,mha-fused-cudagraphs \
         --spellings dense,loop,grouped_mm --commit "$commit" 2>&1 | tail -100; } >>"$LOG"
     ;;
-*) echo "unknown part $part: expected check, kernels, probe, verify, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache, medium-autotune, ncu, gluon or short" >&2; exit 2 ;;
+*) echo "unknown part $part: expected check, kernels, probe, verify, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache, medium-autotune, ncu, gluon, gluon-gemms or short" >&2; exit 2 ;;
 esac
 tail -150 "$LOG"

@@ -1,0 +1,268 @@
+"""STAGED, not yet run on a GPU: the MoE slots GEMM (GEMM2 of the forward, ∂x of the backward) as a
+warp-specialised Gluon kernel, against the Triton one (triton_moe._moe_slots_gemm_kernel: 545
+TFLOP/s at large, 1.01 ms a step for the two). The weight-gradient GEMM written this way took
+435-440 against 575-604 us (bench/gluon_wgrad_probe.py); this is the same shape of kernel for the
+other GEMM whose epilogue is light.
+
+    PYTHONPATH=. python bench/gluon_slots_probe.py [--presets medium,large]   # H200
+    PYTHONPATH=. python bench/gluon_slots_probe.py --offline                  # compile for sm_90a
+
+out [S, N] = w[s] · (A[s] B[e] + bias[e]) over tile rows (triton_moe.slots_gemm without the second
+operand pair), 0 on padding slots; A [S, K] slot rows; B[e] [K, N] read through a TMA descriptor:
+  - GEMM2: B = W2 [E, F, D] as [E·F, D] in [BK, BN] blocks (N contiguous);
+  - ∂x:    B = W1[e]ᵀ, W1 [E, D, F] read as [E·D, F] in [BN, BK] blocks and fed transposed (B_T).
+One program per SM walks the (tile, N block) jobs, a tile's blocks adjacent; a producer warp issues
+TMA loads of A's two [64, BK] halves of the tile's 128 rows and B's tile; two consumer warpgroups
+each own 64 rows ("cooperative", as the weight-gradient kernel) and store their [64, BN] rows
+through a staging tile and TMA. K must be a multiple of BK within each expert's B, and TILE 128.
+"""
+import argparse
+import json
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
+
+from gluon_probe import _time, compile_offline
+from mha_compile.kernels import gluon_moe
+
+# Partitions take (descs, bufs, bars, ptrs, sizes) (+ which, a runtime value: see gluon_moe).
+#   descs = (A as [S, K] in [64, BK] blocks, B as [E·K, N] ([BK, BN] blocks) or, B_T, [E·N, K]
+#            ([BN, BK] blocks), out as [S, N] in [64, BN] blocks);
+#   bufs  = (A ring [2·NBUF, 64, BK] (stage·2 + half), B ring [NBUF, ...], out staging [2, 64, BN]);
+#   bars  = (ready, empty) a stage;  ptrs = (bias, scale, slot_pair, tile_expert);
+#   sizes = (PAIRS, K, N, JOBS, has_bias, has_scale).
+
+
+@gluon.jit
+def _job(job, N, BN: gl.constexpr):
+    """(tile, first column) of a job, a tile's blocks adjacent."""
+    blocks = N // BN
+    t = job // blocks
+    return t, (job - t * blocks) * BN
+
+
+@gluon.jit
+def _produce(descs, bufs, bars, ptrs, sizes, B_T: gl.constexpr):
+    a_desc, b_desc, out_desc = descs
+    a_bufs, b_bufs, out_bufs = bufs
+    ready, empty = bars
+    bias_ptr, scale_ptr, slot_pair_ptr, tile_expert_ptr = ptrs
+    PAIRS, K, N, JOBS, has_bias, has_scale = sizes
+    HALF: gl.constexpr = a_desc.block_type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    BN: gl.constexpr = out_desc.block_type.shape[1]
+    NBUF: gl.constexpr = b_bufs.type.shape[0]
+    nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    pos = 0
+    for job in range(gl.program_id(0), JOBS, gl.num_programs(0)):
+        t, n0 = _job(job, N, BN)
+        e = gl.load(tile_expert_ptr + t)
+        for k0 in range(0, K, BK):
+            stage = pos % NBUF
+            mbarrier.wait(empty.index(stage), ((pos // NBUF) & 1) ^ 1)
+            bar = ready.index(stage)
+            mbarrier.expect(bar, nbytes)
+            tma.async_copy_global_to_shared(a_desc, [t * 2 * HALF, k0], bar, a_bufs.index(2 * stage))
+            tma.async_copy_global_to_shared(a_desc, [t * 2 * HALF + HALF, k0], bar, a_bufs.index(2 * stage + 1))
+            if B_T:
+                tma.async_copy_global_to_shared(b_desc, [e * N + n0, k0], bar, b_bufs.index(stage))
+            else:
+                tma.async_copy_global_to_shared(b_desc, [e * K + k0, n0], bar, b_bufs.index(stage))
+            pos += 1
+
+
+@gluon.jit
+def _consume(descs, bufs, bars, ptrs, sizes, which, B_T: gl.constexpr):
+    """Rows [which·64, which·64 + 64) of every job's tile: the K loop, then scale, bias and the store."""
+    a_desc, b_desc, out_desc = descs
+    a_bufs, b_bufs, out_bufs = bufs
+    ready, empty = bars
+    bias_ptr, scale_ptr, slot_pair_ptr, tile_expert_ptr = ptrs
+    PAIRS, K, N, JOBS, has_bias, has_scale = sizes
+    HALF: gl.constexpr = a_desc.block_type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    BN: gl.constexpr = out_desc.block_type.shape[1]
+    NBUF: gl.constexpr = b_bufs.type.shape[0]
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BN, 16])
+    rows_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    cols_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
+    out_buf = out_bufs.index(which)
+    pos = 0
+    for job in range(gl.program_id(0), JOBS, gl.num_programs(0)):
+        t, n0 = _job(job, N, BN)
+        e = gl.load(tile_expert_ptr + t)
+        offs_n = n0 + gl.arange(0, BN, layout=cols_layout)
+        acc = gl.zeros([HALF, BN], gl.float32, acc_layout)
+        if has_bias != 0:
+            acc = acc + gl.load(bias_ptr + e * N + offs_n).to(gl.float32)[None, :]
+        prev = 0
+        for k0 in range(0, K, BK):
+            stage = pos % NBUF
+            mbarrier.wait(ready.index(stage), (pos // NBUF) & 1)
+            if B_T:
+                b = b_bufs.index(stage).permute((1, 0))
+            else:
+                b = b_bufs.index(stage)
+            acc = warpgroup_mma(a_bufs.index(2 * stage + which), b, acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            if k0 > 0:
+                mbarrier.arrive(empty.index(prev), count=1)
+            prev = stage
+            pos += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(empty.index(prev), count=1)
+        row = t * 2 * HALF + which * HALF
+        pair = gl.load(slot_pair_ptr + row + gl.arange(0, HALF, layout=rows_layout))
+        valid = pair < PAIRS
+        if has_scale != 0:
+            acc = acc * gl.load(scale_ptr + pair, mask=valid, other=0.0)[:, None]
+        tma.store_wait(0)  # this consumer's last store has left its staging tile
+        out_buf.store(gl.where(valid[:, None], acc, 0.0).to(out_desc.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(out_desc, [row, n0], out_buf)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _consume_second(descs, bufs, bars, ptrs, sizes, which):
+    _consume(descs, bufs, bars, ptrs, sizes, which, False)
+
+
+@gluon.jit
+def _consume_second_t(descs, bufs, bars, ptrs, sizes, which):
+    _consume(descs, bufs, bars, ptrs, sizes, which, True)
+
+
+@gluon.jit
+def _produce_n(descs, bufs, bars, ptrs, sizes):
+    _produce(descs, bufs, bars, ptrs, sizes, False)
+
+
+@gluon.jit
+def _produce_t(descs, bufs, bars, ptrs, sizes):
+    _produce(descs, bufs, bars, ptrs, sizes, True)
+
+
+@gluon.jit
+def _slots_kernel(a_desc, b_desc, out_desc, bias_ptr, scale_ptr, slot_pair_ptr, tile_expert_ptr,
+                  PAIRS, K, N, JOBS, has_bias, has_scale,
+                  B_T: gl.constexpr, NBUF: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    dtype: gl.constexpr = a_desc.dtype
+    a_bufs = gl.allocate_shared_memory(dtype, [2 * NBUF] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(dtype, [NBUF] + b_desc.block_type.shape, b_desc.layout)
+    out_bufs = gl.allocate_shared_memory(dtype, [2] + out_desc.block_type.shape, out_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NBUF):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)  # both consumers release a stage
+    args = ((a_desc, b_desc, out_desc), (a_bufs, b_bufs, out_bufs), (ready, empty),
+            (bias_ptr, scale_ptr, slot_pair_ptr, tile_expert_ptr), (PAIRS, K, N, JOBS, has_bias, has_scale))
+    zero = gl.program_id(0) * 0
+    if B_T:
+        gl.warp_specialize([(_consume, args + (zero, B_T)), (_consume_second_t, args + (zero + 1, )),
+                            (_produce_t, args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([(_consume, args + (zero, B_T)), (_consume_second, args + (zero + 1, )),
+                            (_produce_n, args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def kernel_args(a, b, out, bias, scale, b_t, block_k, block_n):
+    """_slots_kernel's tensor arguments: A, B (as [E·K, N], or [E·N, K] when b_t) and out as TMA
+    descriptors, then bias and scale (stand-ins where None)."""
+    E = b.shape[0]
+    dtype = gl.bfloat16 if a.dtype == torch.bfloat16 else gl.float16
+    flat = b.reshape(E * b.shape[1], b.shape[2])
+    return [gluon_moe._descriptor(a, [64, block_k], dtype),
+            gluon_moe._descriptor(flat, [block_n, block_k] if b_t else [block_k, block_n], dtype),
+            gluon_moe._descriptor(out, [64, block_n], dtype), out if bias is None else bias,
+            out if scale is None else scale]
+
+
+def slots_gemm(a, b, groups, b_t=False, bias=None, scale=None, block_k=64, block_n=256, nbuf=3, num_sms=132):
+    """[S, N] in b's dtype: scale · (a B[e] + bias[e]), B[e] = b[e] ([K, N]) or, b_t, b[e]ᵀ (b [E, N, K])."""
+    K = a.shape[1]
+    N = b.shape[1] if b_t else b.shape[2]
+    if K % block_k or N % block_n or groups.tile != 128:
+        raise ValueError(f"K={K}, N={N}, TILE={groups.tile}: needs K % {block_k}, N % {block_n} and TILE 128")
+    out = torch.empty(groups.slots, N, device=a.device, dtype=b.dtype)
+    jobs = groups.num_tiles * (N // block_n)
+    _slots_kernel[(min(num_sms, jobs),)](
+        *kernel_args(a, b, out, bias, scale, b_t, block_k, block_n), groups.slot_pair, groups.tile_expert,
+        groups.pairs, K, N, jobs, int(bias is not None), int(scale is not None), B_T=b_t, NBUF=nbuf,
+        CONSUMER_REGS=gluon_moe.CONSUMER_REGS, PRODUCER_REGS=gluon_moe.PRODUCER_REGS, num_warps=4)
+    return out
+
+
+CONFIGS = [dict(block_k=64, block_n=256, nbuf=3), dict(block_k=64, block_n=128, nbuf=4),
+           dict(block_k=32, block_n=256, nbuf=5)]
+
+
+def offline(b_t=False, block_k=64, block_n=256, nbuf=3):
+    """compile_offline of the kernel under one config (b_t: ∂x's transposed B)."""
+    S, E, K, N = 256, 2, 2 * block_k, 2 * block_n
+    bf = lambda *shape: torch.empty(*shape, dtype=torch.bfloat16)  # noqa: E731
+    a, out, bias = bf(S, K), bf(S, N), bf(E, N)
+    b = bf(E, N, K) if b_t else bf(E, K, N)
+    index = torch.empty(S, dtype=torch.int32)
+    args = dict(zip(_slots_kernel.arg_names, kernel_args(a, b, out, bias, torch.empty(S), b_t, block_k, block_n)))
+    args.update(slot_pair_ptr=index, tile_expert_ptr=index, PAIRS=1000, K=K, N=N, JOBS=1000, has_bias=3,
+                has_scale=3)
+    return compile_offline(_slots_kernel, args, dict(B_T=b_t, NBUF=nbuf, CONSUMER_REGS=gluon_moe.CONSUMER_REGS,
+                                                     PRODUCER_REGS=gluon_moe.PRODUCER_REGS))
+
+
+def reference(a, b, groups, b_t=False, bias=None, scale=None):
+    """fp32, expert by expert over the slot layout, 0 on padding slots."""
+    bounds = groups.expert_slots.tolist()
+    E = groups.experts
+    N = b.shape[1] if b_t else b.shape[2]
+    out = torch.zeros(groups.slots, N, device=a.device, dtype=torch.float32)
+    for e in range(E):
+        lo, hi = bounds[e], bounds[E + e]
+        w = b[e].float().t() if b_t else b[e].float()
+        out[lo:hi] = a[lo:hi].float() @ w + (0.0 if bias is None else bias[e].float())
+    valid = groups.slot_pair < groups.pairs
+    if scale is not None:
+        out = out * scale[groups.slot_pair.clamp(max=groups.pairs - 1).long()][:, None]
+    return out * valid[:, None]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--presets", default="medium,large")
+    parser.add_argument("--offline", action="store_true", help="compile for sm_90a only (no GPU needed)")
+    args = parser.parse_args()
+    if args.offline or not torch.cuda.is_available():
+        for b_t in (False, True):
+            for cfg in CONFIGS:
+                print(json.dumps(dict(b_t=b_t, config=cfg, **offline(b_t, **cfg))), flush=True)
+        return
+    from gemm_probe import slot_case
+    from mha_compile.kernels import triton_moe as moe
+
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    for preset in args.presets.split(","):
+        c = slot_case(preset, "gelu")
+        D, F = c.D, c.F
+        h = moe.experts_up(c.xs, c.groups, c.w1, c.b1, None, "gelu")
+        scale = c.weight.reshape(-1)
+        flops = 2 * c.S * D * F
+        # GEMM2: c = w · (h W2[e] + b2[e]);  ∂x = ∂u W1[e]ᵀ (∂u ~ h here: its shape and scale)
+        for name, a, b, b_t, bias, sc, strides in (("GEMM2", h, c.w2, False, c.b2, scale, (F * D, D, 1)),
+                                                   ("dx", h, c.w1, True, None, None, (D * F, 1, F))):
+            want = reference(a, b, c.groups, b_t, bias, sc)
+            err = lambda got: float((got.float() - want).norm() / want.norm())  # noqa: E731
+            _time(f"{name} triton", lambda: moe.slots_gemm(a, b, strides, D, c.groups, bias=bias, scale=sc), flops,
+                  err)
+            for cfg in CONFIGS:
+                _time(f"{name} gluon", lambda: slots_gemm(a, b, c.groups, b_t, bias, sc, **cfg), flops, err, cfg)
+
+
+if __name__ == "__main__":
+    main()
