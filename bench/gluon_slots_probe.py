@@ -1,16 +1,17 @@
-"""STAGED, not yet run on a GPU: the MoE slots GEMM (GEMM2 of the forward, ∂x of the backward) as a
-warp-specialised Gluon kernel, against the Triton one (triton_moe._moe_slots_gemm_kernel: 545
-TFLOP/s at large, 1.01 ms a step for the two). The weight-gradient GEMM written this way took
-435-440 against 575-604 us (bench/gluon_wgrad_probe.py); this is the same shape of kernel for the
-other GEMM whose epilogue is light.
+"""STAGED, not yet run on a GPU: the MoE slots GEMM (GEMM2 of the forward, ∂x of the backward; and
+GEMM1, the same GEMM with a gelu epilogue) as a warp-specialised Gluon kernel, against the Triton
+ones (triton_moe._moe_slots_gemm_kernel: 545 TFLOP/s at large, 1.01 ms a step for the two; GEMM1's
+TMA kernel: 333, 0.87 ms). The weight-gradient GEMM written this way took 435-440 against 575-604
+us (bench/gluon_wgrad_probe.py); this is the same shape of kernel for the GEMMs over tile rows.
 
     PYTHONPATH=. python bench/gluon_slots_probe.py [--presets medium,large]   # H200
     PYTHONPATH=. python bench/gluon_slots_probe.py --offline                  # compile for sm_90a
 
-out [S, N] = w[s] · (A[s] B[e] + bias[e]) over tile rows (triton_moe.slots_gemm without the second
-operand pair), 0 on padding slots; A [S, K] slot rows; B[e] [K, N] read through a TMA descriptor:
-  - GEMM2: B = W2 [E, F, D] as [E·F, D] in [BK, BN] blocks (N contiguous);
-  - ∂x:    B = W1[e]ᵀ, W1 [E, D, F] read as [E·D, F] in [BN, BK] blocks and fed transposed (B_T).
+out [S, N] = w[s] · act(A[s] B[e] + bias[e]) over tile rows (triton_moe.slots_gemm without the
+second operand pair; act = gelu for GEMM1, as experts_up), 0 on padding slots; A [S, K] slot rows;
+B[e] [K, N] read through a TMA descriptor:
+  - GEMM2: B = W2 [E, F, D] as [E·F, D] in [BK, BN] blocks (N contiguous; GEMM1's W1 likewise);
+  - ∂x:    B = W1[e]ᵀ, W1 [E, D, F] read as [E·D, F] in [BN, BK] blocks and fed transposed.
 One program per SM walks the (tile, N block) jobs, a tile's blocks adjacent; a producer warp issues
 TMA loads of A's two [64, BK] halves of the tile's 128 rows and B's tile; two consumer warpgroups
 each own 64 rows ("cooperative", as the weight-gradient kernel) and store their [64, BN] rows
@@ -30,11 +31,12 @@ from gluon_probe import _time, compile_offline
 from mha_compile.kernels import gluon_moe
 
 # Partitions take (descs, bufs, bars, ptrs, sizes) (+ which, a runtime value: see gluon_moe).
-#   descs = (A as [S, K] in [64, BK] blocks, B as [E·K, N] ([BK, BN] blocks) or, B_T, [E·N, K]
+#   descs = (A as [S, K] in [64, BK] blocks, B as [E·K, N] ([BK, BN] blocks) or, transposed, [E·N, K]
 #            ([BN, BK] blocks), out as [S, N] in [64, BN] blocks);
 #   bufs  = (A ring [2·NBUF, 64, BK] (stage·2 + half), B ring [NBUF, ...], out staging [2, 64, BN]);
 #   bars  = (ready, empty) a stage;  ptrs = (bias, scale, slot_pair, tile_expert);
 #   sizes = (PAIRS, K, N, JOBS, has_bias, has_scale).
+# MODE (a constant): 0 plain B, 1 B transposed (∂x), 2 plain B and a gelu epilogue (GEMM1).
 
 
 @gluon.jit
@@ -46,7 +48,7 @@ def _job(job, N, BN: gl.constexpr):
 
 
 @gluon.jit
-def _produce(descs, bufs, bars, ptrs, sizes, B_T: gl.constexpr):
+def _produce(descs, bufs, bars, ptrs, sizes, MODE: gl.constexpr):
     a_desc, b_desc, out_desc = descs
     a_bufs, b_bufs, out_bufs = bufs
     ready, empty = bars
@@ -68,7 +70,7 @@ def _produce(descs, bufs, bars, ptrs, sizes, B_T: gl.constexpr):
             mbarrier.expect(bar, nbytes)
             tma.async_copy_global_to_shared(a_desc, [t * 2 * HALF, k0], bar, a_bufs.index(2 * stage))
             tma.async_copy_global_to_shared(a_desc, [t * 2 * HALF + HALF, k0], bar, a_bufs.index(2 * stage + 1))
-            if B_T:
+            if MODE == 1:
                 tma.async_copy_global_to_shared(b_desc, [e * N + n0, k0], bar, b_bufs.index(stage))
             else:
                 tma.async_copy_global_to_shared(b_desc, [e * K + k0, n0], bar, b_bufs.index(stage))
@@ -76,7 +78,7 @@ def _produce(descs, bufs, bars, ptrs, sizes, B_T: gl.constexpr):
 
 
 @gluon.jit
-def _consume(descs, bufs, bars, ptrs, sizes, which, B_T: gl.constexpr):
+def _consume(descs, bufs, bars, ptrs, sizes, which, MODE: gl.constexpr):
     """Rows [which·64, which·64 + 64) of every job's tile: the K loop, then scale, bias and the store."""
     a_desc, b_desc, out_desc = descs
     a_bufs, b_bufs, out_bufs = bufs
@@ -104,7 +106,7 @@ def _consume(descs, bufs, bars, ptrs, sizes, which, B_T: gl.constexpr):
         for k0 in range(0, K, BK):
             stage = pos % NBUF
             mbarrier.wait(ready.index(stage), (pos // NBUF) & 1)
-            if B_T:
+            if MODE == 1:
                 b = b_bufs.index(stage).permute((1, 0))
             else:
                 b = b_bufs.index(stage)
@@ -119,6 +121,8 @@ def _consume(descs, bufs, bars, ptrs, sizes, which, B_T: gl.constexpr):
         row = t * 2 * HALF + which * HALF
         pair = gl.load(slot_pair_ptr + row + gl.arange(0, HALF, layout=rows_layout))
         valid = pair < PAIRS
+        if MODE == 2:  # GEMM1's epilogue
+            acc = acc * (0.5 * (1.0 + gl.erf(acc * 0.7071067811865476)))
         if has_scale != 0:
             acc = acc * gl.load(scale_ptr + pair, mask=valid, other=0.0)[:, None]
         tma.store_wait(0)  # this consumer's last store has left its staging tile
@@ -129,29 +133,34 @@ def _consume(descs, bufs, bars, ptrs, sizes, which, B_T: gl.constexpr):
 
 
 @gluon.jit
-def _consume_second(descs, bufs, bars, ptrs, sizes, which):
-    _consume(descs, bufs, bars, ptrs, sizes, which, False)
+def _consume_plain(descs, bufs, bars, ptrs, sizes, which):
+    _consume(descs, bufs, bars, ptrs, sizes, which, 0)
 
 
 @gluon.jit
-def _consume_second_t(descs, bufs, bars, ptrs, sizes, which):
-    _consume(descs, bufs, bars, ptrs, sizes, which, True)
+def _consume_t(descs, bufs, bars, ptrs, sizes, which):
+    _consume(descs, bufs, bars, ptrs, sizes, which, 1)
 
 
 @gluon.jit
-def _produce_n(descs, bufs, bars, ptrs, sizes):
-    _produce(descs, bufs, bars, ptrs, sizes, False)
+def _consume_gelu(descs, bufs, bars, ptrs, sizes, which):
+    _consume(descs, bufs, bars, ptrs, sizes, which, 2)
+
+
+@gluon.jit
+def _produce_plain(descs, bufs, bars, ptrs, sizes):
+    _produce(descs, bufs, bars, ptrs, sizes, 0)
 
 
 @gluon.jit
 def _produce_t(descs, bufs, bars, ptrs, sizes):
-    _produce(descs, bufs, bars, ptrs, sizes, True)
+    _produce(descs, bufs, bars, ptrs, sizes, 1)
 
 
 @gluon.jit
 def _slots_kernel(a_desc, b_desc, out_desc, bias_ptr, scale_ptr, slot_pair_ptr, tile_expert_ptr,
                   PAIRS, K, N, JOBS, has_bias, has_scale,
-                  B_T: gl.constexpr, NBUF: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                  MODE: gl.constexpr, NBUF: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     dtype: gl.constexpr = a_desc.dtype
     a_bufs = gl.allocate_shared_memory(dtype, [2 * NBUF] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [NBUF] + b_desc.block_type.shape, b_desc.layout)
@@ -162,14 +171,18 @@ def _slots_kernel(a_desc, b_desc, out_desc, bias_ptr, scale_ptr, slot_pair_ptr, 
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)  # both consumers release a stage
     args = ((a_desc, b_desc, out_desc), (a_bufs, b_bufs, out_bufs), (ready, empty),
-            (bias_ptr, scale_ptr, slot_pair_ptr, tile_expert_ptr), (PAIRS, K, N, JOBS, has_bias, has_scale))
+            (bias_ptr, scale_ptr, slot_pair_ptr, tile_expert_ptr),
+            (PAIRS, K, N, JOBS, has_bias, has_scale))
     zero = gl.program_id(0) * 0
-    if B_T:
-        gl.warp_specialize([(_consume, args + (zero, B_T)), (_consume_second_t, args + (zero + 1, )),
-                            (_produce_t, args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    if MODE == 1:
+        gl.warp_specialize([(_consume, args + (zero, MODE)), (_consume_t, args + (zero + 1, )), (_produce_t, args)],
+                           [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    elif MODE == 2:
+        gl.warp_specialize([(_consume, args + (zero, MODE)), (_consume_gelu, args + (zero + 1, )),
+                            (_produce_plain, args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
-        gl.warp_specialize([(_consume, args + (zero, B_T)), (_consume_second, args + (zero + 1, )),
-                            (_produce_n, args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        gl.warp_specialize([(_consume, args + (zero, MODE)), (_consume_plain, args + (zero + 1, )),
+                            (_produce_plain, args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def kernel_args(a, b, out, bias, scale, b_t, block_k, block_n):
@@ -184,8 +197,10 @@ def kernel_args(a, b, out, bias, scale, b_t, block_k, block_n):
             out if scale is None else scale]
 
 
-def slots_gemm(a, b, groups, b_t=False, bias=None, scale=None, block_k=64, block_n=256, nbuf=3, num_sms=132):
-    """[S, N] in b's dtype: scale · (a B[e] + bias[e]), B[e] = b[e] ([K, N]) or, b_t, b[e]ᵀ (b [E, N, K])."""
+def slots_gemm(a, b, groups, b_t=False, bias=None, scale=None, gelu=False, block_k=64, block_n=256, nbuf=3,
+               num_sms=132):
+    """[S, N] in b's dtype: scale · act(a B[e] + bias[e]), B[e] = b[e] ([K, N]) or, b_t, b[e]ᵀ (b [E, N,
+    K]); act is gelu (GEMM1) or none."""
     K = a.shape[1]
     N = b.shape[1] if b_t else b.shape[2]
     if K % block_k or N % block_n or groups.tile != 128:
@@ -194,7 +209,8 @@ def slots_gemm(a, b, groups, b_t=False, bias=None, scale=None, block_k=64, block
     jobs = groups.num_tiles * (N // block_n)
     _slots_kernel[(min(num_sms, jobs),)](
         *kernel_args(a, b, out, bias, scale, b_t, block_k, block_n), groups.slot_pair, groups.tile_expert,
-        groups.pairs, K, N, jobs, int(bias is not None), int(scale is not None), B_T=b_t, NBUF=nbuf,
+        groups.pairs, K, N, jobs, int(bias is not None), int(scale is not None), MODE=1 if b_t else 2 if gelu else 0,
+        NBUF=nbuf,
         CONSUMER_REGS=gluon_moe.CONSUMER_REGS, PRODUCER_REGS=gluon_moe.PRODUCER_REGS, num_warps=4)
     return out
 
@@ -203,8 +219,9 @@ CONFIGS = [dict(block_k=64, block_n=256, nbuf=3), dict(block_k=64, block_n=128, 
            dict(block_k=32, block_n=256, nbuf=5)]
 
 
-def offline(b_t=False, block_k=64, block_n=256, nbuf=3):
-    """compile_offline of the kernel under one config (b_t: ∂x's transposed B)."""
+def offline(mode=0, block_k=64, block_n=256, nbuf=3):
+    """compile_offline of the kernel under one config (MODE: 0 GEMM2, 1 ∂x, 2 GEMM1)."""
+    b_t = mode == 1
     S, E, K, N = 256, 2, 2 * block_k, 2 * block_n
     bf = lambda *shape: torch.empty(*shape, dtype=torch.bfloat16)  # noqa: E731
     a, out, bias = bf(S, K), bf(S, N), bf(E, N)
@@ -213,11 +230,11 @@ def offline(b_t=False, block_k=64, block_n=256, nbuf=3):
     args = dict(zip(_slots_kernel.arg_names, kernel_args(a, b, out, bias, torch.empty(S), b_t, block_k, block_n)))
     args.update(slot_pair_ptr=index, tile_expert_ptr=index, PAIRS=1000, K=K, N=N, JOBS=1000, has_bias=3,
                 has_scale=3)
-    return compile_offline(_slots_kernel, args, dict(B_T=b_t, NBUF=nbuf, CONSUMER_REGS=gluon_moe.CONSUMER_REGS,
+    return compile_offline(_slots_kernel, args, dict(MODE=mode, NBUF=nbuf, CONSUMER_REGS=gluon_moe.CONSUMER_REGS,
                                                      PRODUCER_REGS=gluon_moe.PRODUCER_REGS))
 
 
-def reference(a, b, groups, b_t=False, bias=None, scale=None):
+def reference(a, b, groups, b_t=False, bias=None, scale=None, gelu=False):
     """fp32, expert by expert over the slot layout, 0 on padding slots."""
     bounds = groups.expert_slots.tolist()
     E = groups.experts
@@ -227,6 +244,8 @@ def reference(a, b, groups, b_t=False, bias=None, scale=None):
         lo, hi = bounds[e], bounds[E + e]
         w = b[e].float().t() if b_t else b[e].float()
         out[lo:hi] = a[lo:hi].float() @ w + (0.0 if bias is None else bias[e].float())
+    if gelu:
+        out = torch.nn.functional.gelu(out)
     valid = groups.slot_pair < groups.pairs
     if scale is not None:
         out = out * scale[groups.slot_pair.clamp(max=groups.pairs - 1).long()][:, None]
@@ -239,9 +258,9 @@ def main():
     parser.add_argument("--offline", action="store_true", help="compile for sm_90a only (no GPU needed)")
     args = parser.parse_args()
     if args.offline or not torch.cuda.is_available():
-        for b_t in (False, True):
+        for mode in (0, 1, 2):
             for cfg in CONFIGS:
-                print(json.dumps(dict(b_t=b_t, config=cfg, **offline(b_t, **cfg))), flush=True)
+                print(json.dumps(dict(mode=mode, config=cfg, **offline(mode, **cfg))), flush=True)
         return
     from gemm_probe import slot_case
     from mha_compile.kernels import triton_moe as moe
@@ -253,15 +272,19 @@ def main():
         h = moe.experts_up(c.xs, c.groups, c.w1, c.b1, None, "gelu")
         scale = c.weight.reshape(-1)
         flops = 2 * c.S * D * F
-        # GEMM2: c = w · (h W2[e] + b2[e]);  ∂x = ∂u W1[e]ᵀ (∂u ~ h here: its shape and scale)
-        for name, a, b, b_t, bias, sc, strides in (("GEMM2", h, c.w2, False, c.b2, scale, (F * D, D, 1)),
-                                                   ("dx", h, c.w1, True, None, None, (D * F, 1, F))):
-            want = reference(a, b, c.groups, b_t, bias, sc)
+        # GEMM2: c = w · (h W2[e] + b2[e]);  ∂x = ∂u W1[e]ᵀ (∂u ~ h here: its shape and scale);
+        # GEMM1: h = gelu(xs W1[e] + b1[e]), the Triton one being experts_up's TMA kernel
+        cases = (("GEMM2", h, c.w2, False, c.b2, scale, False,
+                  lambda: moe.slots_gemm(h, c.w2, (F * D, D, 1), D, c.groups, bias=c.b2, scale=scale)),
+                 ("dx", h, c.w1, True, None, None, False, lambda: moe.slots_gemm(h, c.w1, (D * F, 1, F), D, c.groups)),
+                 ("GEMM1", c.xs, c.w1, False, c.b1, None, True,
+                  lambda: moe.experts_up(c.xs, c.groups, c.w1, c.b1, None, "gelu")))
+        for name, a, b, b_t, bias, sc, gelu, shipped in cases:
+            want = reference(a, b, c.groups, b_t, bias, sc, gelu)
             err = lambda got: float((got.float() - want).norm() / want.norm())  # noqa: E731
-            _time(f"{name} triton", lambda: moe.slots_gemm(a, b, strides, D, c.groups, bias=bias, scale=sc), flops,
-                  err)
+            _time(f"{name} triton", shipped, flops, err)
             for cfg in CONFIGS:
-                _time(f"{name} gluon", lambda: slots_gemm(a, b, c.groups, b_t, bias, sc, **cfg), flops, err, cfg)
+                _time(f"{name} gluon", lambda: slots_gemm(a, b, c.groups, b_t, bias, sc, gelu, **cfg), flops, err, cfg)
 
 
 if __name__ == "__main__":

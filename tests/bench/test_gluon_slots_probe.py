@@ -1,6 +1,7 @@
 """bench/gluon_slots_probe.py without a GPU (its kernel is staged, not yet run on one): it compiles
-for the H200 as a warp-specialised kernel under every config, for GEMM2's B and ∂x's transposed
-one, and its fp32 yardstick is triton_moe.slots_gemm's contract (run in the interpreter)."""
+for the H200 as a warp-specialised kernel under every config, for GEMM2's B, ∂x's transposed one
+and GEMM1's gelu epilogue, and its fp32 yardstick is triton_moe's contract (slots_gemm and
+experts_up, run in the interpreter)."""
 import os
 import sys
 
@@ -17,8 +18,8 @@ from mha_compile.kernels import triton_moe as moe  # noqa: E402
 
 def test_compiles_warp_specialised_for_sm90():
     rows = offline_rows(gluon_slots_probe.__file__)
-    assert [(r["b_t"], r["config"]) for r in rows] == [(b_t, cfg) for b_t in (False, True)
-                                                       for cfg in gluon_slots_probe.CONFIGS]
+    assert [(r["mode"], r["config"]) for r in rows] == [(mode, cfg) for mode in (0, 1, 2)
+                                                        for cfg in gluon_slots_probe.CONFIGS]
     for r in rows:
         assert r["wgmma"] > 0 and r["setmaxnreg"] > 0, r
         assert r["smem"] <= 232448, r
@@ -39,4 +40,18 @@ def test_reference_is_slots_gemm(b_t):
     want = gluon_slots_probe.reference(a, b, groups, b_t, bias, scale)
     got = moe.slots_gemm(a, b, strides, N, groups, bias=bias, scale=scale)
     assert (groups.slot_pair >= groups.pairs).any()
+    assert float((got - want).norm() / want.norm()) < 1e-5
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="triton_moe on the CPU needs TRITON_INTERPRET=1")
+def test_reference_with_gelu_is_experts_up():
+    torch.manual_seed(2)
+    E, K, N = 3, 32, 48
+    index = torch.randint(0, E, (90, 2), dtype=torch.int32)
+    index[:, 1] = (index[:, 0] + 2) % E
+    groups = moe.group(index, E)
+    xs = torch.randn(groups.slots, K) * (groups.slot_pair < groups.pairs)[:, None]
+    w1, b1 = torch.randn(E, K, N) * K ** -0.5, torch.randn(E, N)
+    want = gluon_slots_probe.reference(xs, w1, groups, bias=b1, gelu=True)
+    got = moe.experts_up(xs, groups, w1, b1, None, "gelu")
     assert float((got - want).norm() / want.norm()) < 1e-5
