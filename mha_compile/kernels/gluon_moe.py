@@ -253,7 +253,8 @@ def _hidden_kernel(xs_desc, gs_desc, w1_desc, w2_desc, hw_desc, du_desc,
         mbarrier.init(turn.index(c), count=1)
     args = ((xs_desc, gs_desc, w1_desc, w2_desc, hw_desc, du_desc),
             (xs_bufs, gs_bufs, w1_bufs, w2_bufs, hw_bufs, du_bufs), (ready, empty, turn),
-            (b1_ptr, weight_ptr, gw_ptr, slot_pair_ptr, tile_expert_ptr), (PAIRS, D, F, GW_COLS, NUM_JOBS, has_b1, TILE))
+            (b1_ptr, weight_ptr, gw_ptr, slot_pair_ptr, tile_expert_ptr),
+            (PAIRS, D, F, GW_COLS, NUM_JOBS, has_b1, TILE))
     zero = gl.program_id(0) * 0  # which consumer, as a runtime value (see above)
     # The default partition (this kernel's 4 warps) is consumer 0; the workers are consumer 1 (a
     # warpgroup) and the producer (one warp, the fewest registers a warp can have).
