@@ -953,7 +953,9 @@ def _gluon_launch(kernel, key, launch):
     """launch() a Gluon kernel; True when it ran. Its first launch for a compile `key` builds it: if
     that raises (a Triton whose Gluon cannot build it, say), the error is logged as a warning, the
     key takes the Triton kernel from then on, and this returns False so that the caller runs it
-    now. Later launches are not guarded: a failure there is not a build's."""
+    now. Later launches are not guarded: a failure there is not a build's (Triton may still build
+    another variant of a key for its integer arguments' divisibility by 16; that would be the same
+    code, built the same way)."""
     if (kernel, key) in _GLUON_LAUNCHED:
         launch()
         return True
