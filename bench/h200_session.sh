@@ -39,12 +39,14 @@
 #   bash bench/h200_session.sh gluon-gemms  # the weight-gradient and slots GEMMs in Gluon against the
 #                                      # Triton ones (bench/gluon_wgrad_probe.py, gluon_slots_probe.py; ~3 min):
 #                                      # run.log, gluon_wgrad_probe.txt, gluon_slots_probe.txt
+#   bash bench/h200_session.sh verify-gemms  # verify, then gluon-gemms at large only, in one call (~9 min;
+#                                      # one machine start instead of two when landing staged Gluon work)
 #   bash bench/h200_session.sh short   # one call when device time is short (~9 min): the fused
 #                                      # kernel tests, the curves without the suite, and the
 #                                      # benchmark cut at 250 s (rows past it are listed as skipped)
 # Budgets are per step so a slow step cannot starve the others.
 set -u
-part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|gluon|gluon-gemms|short}
+part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|gluon|gluon-gemms|verify-gemms|short}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 # Inductor's compiled graphs kept in the checkout (git ignores it): the device keeps ignored
 # files between calls on a machine it still holds, so `table` can reuse `autotune-cache`'s.
@@ -142,9 +144,15 @@ gluon)
     { timeout -s INT 500 python bench/gluon_probe.py --presets medium,large 2>&1; } >"$OUT/gluon_probe.txt"
     tail -20 "$OUT/gluon_probe.txt" >>"$LOG"
     ;;
-gluon-gemms)
-    { timeout -s INT 150 python bench/gluon_wgrad_probe.py --presets medium,large 2>&1; } >"$OUT/gluon_wgrad_probe.txt"
-    { timeout -s INT 150 python bench/gluon_slots_probe.py --presets medium,large 2>&1; } >"$OUT/gluon_slots_probe.txt"
+gluon-gemms|verify-gemms)
+    presets=medium,large limit=150
+    if [ "$part" = verify-gemms ]; then
+        gpu_tests 200
+        fused_kernel_times 130
+        presets=large limit=70
+    fi
+    { timeout -s INT $limit python bench/gluon_wgrad_probe.py --presets $presets 2>&1; } >"$OUT/gluon_wgrad_probe.txt"
+    { timeout -s INT $limit python bench/gluon_slots_probe.py --presets $presets 2>&1; } >"$OUT/gluon_slots_probe.txt"
     tail -30 "$OUT/gluon_wgrad_probe.txt" "$OUT/gluon_slots_probe.txt" >>"$LOG"
     ;;
 short)
@@ -163,6 +171,6 @@ bench|bench-resume)
         --modes eager,inductor,inductor-max-autotune,mha-staged,mha-fused,mha-fused-cudagraphs \
         --spellings dense,loop,grouped_mm --commit "$commit" 2>&1 | tail -100; } >>"$LOG"
     ;;
-*) echo "unknown part $part: expected check, kernels, probe, verify, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache, medium-autotune, ncu, gluon, gluon-gemms or short" >&2; exit 2 ;;
+*) echo "unknown part $part: expected check, kernels, probe, verify, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache, medium-autotune, ncu, gluon, gluon-gemms, verify-gemms or short" >&2; exit 2 ;;
 esac
 tail -150 "$LOG"
