@@ -78,3 +78,14 @@ def test_a_failed_first_launch_falls_back_to_triton_and_says_so(monkeypatch, cap
     assert moe._gluon_launch("hidden kernel", other, lambda: ran.append(1)) is True and ran == [1]
     with pytest.raises(RuntimeError, match="illegal"):  # built once: a later failure is not a build's
         moe._gluon_launch("hidden kernel", other, lambda: (_ for _ in ()).throw(RuntimeError("illegal address")))
+
+
+def test_descriptors_take_the_layout_the_tile_needs():
+    """The layouts kept per (block, dtype) are the ones Gluon works out for that tile."""
+    from triton.experimental.gluon import language as gl
+
+    t = torch.empty(256, 192, dtype=torch.bfloat16)
+    for block in ([128, 64], [64, 128], [64, 64]):
+        desc = gluon_moe._descriptor(t, block, gl.bfloat16)
+        assert desc.block_shape == block
+        assert desc.layout == gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
