@@ -3,7 +3,7 @@
 Same contract as triton_moe._moe_bwd_hidden_kernel (read its docstring for the math): per slot
 s of expert e and F block, u = xs[s] W1[e] + b1[e] and g = gs[s] W2[e]ᵀ, then
     hw = w · act(u),   ∂u = (w · g) ⊙ act′(u)   [S,F] in the weights' dtype
-    gw[s, c] = Σ_f act(u) g over the c-th 64 columns of F (triton_moe.GW_BLOCK)
+    gw[s, c] = Σ_f act(u) g over the c-th GW_BLOCK (64) columns of F (triton_util.GW_BLOCK)
 with zeros on padding slots. triton_moe.moe_backward runs this kernel where `unsupported`
 finds nothing against it, and the Triton kernel everywhere else (CPU, other GPUs, swiglu, fp32,
 sizes below): both are tested against float64.
@@ -35,7 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from mha_compile.kernels.triton_util import ACT_CODE, interpreting, num_sms
+from mha_compile.kernels.triton_util import ACT_CODE, GW_BLOCK, interpreting, num_sms
 
 # MHA_COMPILE_GLUON=0 runs the Triton hidden kernel everywhere (to compare the two, or to step
 # around a fault in this one).
@@ -50,7 +50,7 @@ CONFIGS = {128: dict(tile_m=128, block_n=64, block_k=64, nbuf=3), 64: dict(tile_
 # producer: one warp that only issues loads).
 CONSUMER_REGS, PRODUCER_REGS = 232, 24
 F_MULTIPLE = 128  # F in whole column blocks (W2 is read as [E·F, D]) under either config
-GW_BLOCK = 64  # triton_moe.GW_BLOCK (one ∂w partial column a 64 columns of F)
+_GW_BLOCK = gl.constexpr(GW_BLOCK)  # the kernel's view of it
 
 
 def unsupported(xs, gs, w1, w2, w3, act, tile, capability=None):
@@ -155,7 +155,7 @@ def _consume(descs, bufs, bars, ptrs, sizes, which, ACT: gl.constexpr):
     BLOCK_K: gl.constexpr = xs_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w1_desc.block_type.shape[1]
     NBUF: gl.constexpr = xs_bufs.type.shape[0]
-    NB: gl.constexpr = BLOCK_N // 64  # ∂w partial columns a job
+    NB: gl.constexpr = BLOCK_N // _GW_BLOCK  # ∂w partial columns a job
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
     rows_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
@@ -202,8 +202,8 @@ def _consume(descs, bufs, bars, ptrs, sizes, which, ACT: gl.constexpr):
             h, dact = _act(acc_u, ACT)
             hg = h * acc_g
             for c in gl.static_range(NB):
-                lo = n * BLOCK_N + c * 64
-                part = gl.where(((offs_n >= lo) & (offs_n < lo + 64))[None, :], hg, 0.0)
+                lo = n * BLOCK_N + c * _GW_BLOCK
+                part = gl.where(((offs_n >= lo) & (offs_n < lo + _GW_BLOCK))[None, :], hg, 0.0)
                 gl.store(gw_ptr + offs_s * GW_COLS + n * NB + c, gl.where(valid, gl.sum(part, axis=1), 0.0))
             keep = valid[:, None]
             tma.store_wait(0)  # this consumer's last stores have left its staging tiles

@@ -48,8 +48,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from mha_compile.kernels.triton_util import (ACT_CODE, Launcher, act_bwd, act_fwd, dot_precision, gpu_options,
-                                             load_x, log, num_sms, pow2, tma_ok)
+from mha_compile.kernels.triton_util import (ACT_CODE, GW_BLOCK, Launcher, act_bwd, act_fwd, dot_precision,
+                                             gpu_options, load_x, log, num_sms, pow2, tma_ok)
 
 try:  # the hidden kernel for Hopper, where this Triton has Gluon (3.6 has)
     from mha_compile.kernels import gluon_moe
@@ -495,9 +495,6 @@ _up = Launcher(_moe_up_kernel, [
 ], key=["D", "F", "TILE", "ACT", "TMA"], blocks=lambda m: dict(
     xs=(m["TILE"], m["BLOCK_K"]), w1=(1, m["BLOCK_K"], m["BLOCK_F"]), w3=(1, m["BLOCK_K"], m["BLOCK_F"]),
     h=(m["TILE"], m["BLOCK_F"])))
-# The ∂w partials [S, F/GW_BLOCK] have one column per GW_BLOCK of F whatever BLOCK_F a config
-# has (a config tried while tuning must not leave a different layout behind).
-GW_BLOCK = 64
 # TWO_LOOPS (u's K loop, then g's) won with BLOCK_F 64 at medium (223 against 260 us), one loop
 # with both dots with BLOCK_F 128 at large (2.51 against 2.99 ms): bench/gemm_probe.py, H200.
 # N_INNER (_tile_and_block): the programs' order, not their work. In the 2-D order the ~132

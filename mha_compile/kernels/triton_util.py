@@ -29,6 +29,11 @@ log = logging.getLogger("mha_compile")
 ACT_CODE = {name: i for i, name in enumerate(ACTIVATIONS)}
 GELU, GELU_TANH, SILU, SWIGLU = (ACT_CODE[a] for a in ACTIVATIONS)
 
+# The MoE backward's ∂w partials [S, F/GW_BLOCK + ...] have one column per GW_BLOCK of F, written
+# by the hidden kernel (triton_moe's or gluon_moe's) whatever its block of F (a config tried while
+# tuning must not leave a different layout behind).
+GW_BLOCK = 64
+
 # Set MHA_COMPILE_NO_AUTOTUNE=1 to launch every kernel with its first config on CUDA too
 # (used by the GPU tests to keep compile time down; the configs compute the same function).
 NO_AUTOTUNE = os.environ.get("MHA_COMPILE_NO_AUTOTUNE", "0") == "1"
