@@ -96,45 +96,58 @@ def _time(name, fn, flops, err, cfg=""):
         print(f"{name:<14} FAILED {type(error).__name__}: {str(error).splitlines()[0][:160]}  {cfg}", flush=True)
 
 
-def main():
+def probe_cli(offline_rows, probe_preset, presets="medium,large"):
+    """The Gluon probes' command line. --offline (or no GPU): print each of offline_rows() (a dict
+    a build) as a JSON line. On the GPU: probe_preset(case) for gemm_probe.slot_case of each of
+    --presets, under a header naming the GPU and the versions."""
     parser = argparse.ArgumentParser()
-    parser.add_argument("--presets", default="medium,large")
+    parser.add_argument("--presets", default=presets)
     parser.add_argument("--offline", action="store_true", help="compile for sm_90a only (no GPU needed)")
     args = parser.parse_args()
     if args.offline or not torch.cuda.is_available():
-        for act in gluon_moe.ACTS:
-            for cfg in CONFIGS if act == "gelu" else CONFIGS[:1]:
-                print(json.dumps(dict(act=act, config=cfg, **offline(act, **cfg))), flush=True)
+        for row in offline_rows():
+            print(json.dumps(row), flush=True)
         return
     from gemm_probe import slot_case
-    from mha_compile.kernels import triton_moe as moe
 
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     for preset in args.presets.split(","):
-        c = slot_case(preset, "gelu")
-        weight = c.weight.reshape(-1)
-        want = reference(c, weight)
-        cols = moe.gw_columns(c.D, c.F, True)
-        gw = torch.zeros(c.S, cols, device=c.dev, dtype=torch.float32)
-        err = lambda got: max(float((g.float() - w).norm() / w.norm()) for g, w in zip(got, want))  # noqa: E731
-        hw, du = torch.empty(c.S, c.F, device=c.dev, dtype=c.dt), torch.empty(c.S, c.F, device=c.dev, dtype=c.dt)
+        probe_preset(slot_case(preset, "gelu"))
 
-        def triton_hidden():
-            moe._hidden(moe.tile_grid(c.groups, c.F, "BLOCK_F"), c.xs, c.gs, c.groups.slot_pair,
-                        c.groups.tile_expert, weight, c.w1, c.b1, c.w1, c.w2, hw, du, du, gw,
-                        c.groups.pairs, c.D, c.F, cols, HAS_B1=True, ACT=moe.ACT_CODE["gelu"],
-                        PRECISION=moe.dot_precision(c.dt), TILE=c.groups.tile, GW_BLOCK=moe.GW_BLOCK)
-            return hw, du, gw[:, :c.F // 64]
 
-        def gluon_hidden(cfg):
-            gw.zero_()
-            gluon_moe.backward_hidden(c.xs, c.gs, c.groups, c.w1, c.b1, c.w2, weight, "gelu", hw, du, gw, cfg)
-            return hw, du, gw[:, :c.F // 64]
+def offline_rows():
+    for act in gluon_moe.ACTS:
+        for cfg in CONFIGS if act == "gelu" else CONFIGS[:1]:
+            yield dict(act=act, config=cfg, **offline(act, **cfg))
 
-        _time("hidden triton", triton_hidden, 4 * c.S * c.D * c.F, err)
-        for cfg in CONFIGS:
-            _time("hidden gluon", lambda: gluon_hidden(cfg), 4 * c.S * c.D * c.F, err, cfg)
+
+def probe_preset(c):
+    """The Triton hidden kernel, then the Gluon one under each config, on the slot case c."""
+    from mha_compile.kernels import triton_moe as moe
+
+    weight = c.weight.reshape(-1)
+    want = reference(c, weight)
+    cols = moe.gw_columns(c.D, c.F, True)
+    gw = torch.zeros(c.S, cols, device=c.dev, dtype=torch.float32)
+    err = lambda got: max(float((g.float() - w).norm() / w.norm()) for g, w in zip(got, want))  # noqa: E731
+    hw, du = torch.empty(c.S, c.F, device=c.dev, dtype=c.dt), torch.empty(c.S, c.F, device=c.dev, dtype=c.dt)
+
+    def triton_hidden():
+        moe._hidden(moe.tile_grid(c.groups, c.F, "BLOCK_F"), c.xs, c.gs, c.groups.slot_pair,
+                    c.groups.tile_expert, weight, c.w1, c.b1, c.w1, c.w2, hw, du, du, gw,
+                    c.groups.pairs, c.D, c.F, cols, HAS_B1=True, ACT=moe.ACT_CODE["gelu"],
+                    PRECISION=moe.dot_precision(c.dt), TILE=c.groups.tile, GW_BLOCK=moe.GW_BLOCK)
+        return hw, du, gw[:, :c.F // 64]
+
+    def gluon_hidden(cfg):
+        gw.zero_()
+        gluon_moe.backward_hidden(c.xs, c.gs, c.groups, c.w1, c.b1, c.w2, weight, "gelu", hw, du, gw, cfg)
+        return hw, du, gw[:, :c.F // 64]
+
+    _time("hidden triton", triton_hidden, 4 * c.S * c.D * c.F, err)
+    for cfg in CONFIGS:
+        _time("hidden gluon", lambda: gluon_hidden(cfg), 4 * c.S * c.D * c.F, err, cfg)
 
 
 if __name__ == "__main__":
-    main()
+    probe_cli(offline_rows, probe_preset)

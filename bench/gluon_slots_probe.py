@@ -17,17 +17,13 @@ TMA loads of A's two [64, BK] halves of the tile's 128 rows and B's tile; two co
 each own 64 rows ("cooperative", as the weight-gradient kernel) and store their [64, BN] rows
 through a staging tile and TMA. K must be a multiple of BK within each expert's B, and TILE 128.
 """
-import argparse
-import json
-
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
 
-from gluon_probe import _time, compile_offline
+from gluon_probe import _time, compile_offline, probe_cli
 from mha_compile.kernels import gluon_moe
 
 # Partitions take (descs, bufs, bars, ptrs, sizes) (+ which, a runtime value: see gluon_moe).
@@ -252,40 +248,34 @@ def reference(a, b, groups, b_t=False, bias=None, scale=None, gelu=False):
     return out * valid[:, None]
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--presets", default="medium,large")
-    parser.add_argument("--offline", action="store_true", help="compile for sm_90a only (no GPU needed)")
-    args = parser.parse_args()
-    if args.offline or not torch.cuda.is_available():
-        for mode in (0, 1, 2):
-            for cfg in CONFIGS:
-                print(json.dumps(dict(mode=mode, config=cfg, **offline(mode, **cfg))), flush=True)
-        return
-    from gemm_probe import slot_case
+def offline_rows():
+    for mode in (0, 1, 2):
+        for cfg in CONFIGS:
+            yield dict(mode=mode, config=cfg, **offline(mode, **cfg))
+
+
+def probe_preset(c):
+    """GEMM2, ∂x and GEMM1: the Triton kernel, then the Gluon one under each config."""
     from mha_compile.kernels import triton_moe as moe
 
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
-    for preset in args.presets.split(","):
-        c = slot_case(preset, "gelu")
-        D, F = c.D, c.F
-        h = moe.experts_up(c.xs, c.groups, c.w1, c.b1, None, "gelu")
-        scale = c.weight.reshape(-1)
-        flops = 2 * c.S * D * F
-        # GEMM2: c = w · (h W2[e] + b2[e]);  ∂x = ∂u W1[e]ᵀ (∂u ~ h here: its shape and scale);
-        # GEMM1: h = gelu(xs W1[e] + b1[e]), the Triton one being experts_up's TMA kernel
-        cases = (("GEMM2", h, c.w2, False, c.b2, scale, False,
-                  lambda: moe.slots_gemm(h, c.w2, (F * D, D, 1), D, c.groups, bias=c.b2, scale=scale)),
-                 ("dx", h, c.w1, True, None, None, False, lambda: moe.slots_gemm(h, c.w1, (D * F, 1, F), D, c.groups)),
-                 ("GEMM1", c.xs, c.w1, False, c.b1, None, True,
-                  lambda: moe.experts_up(c.xs, c.groups, c.w1, c.b1, None, "gelu")))
-        for name, a, b, b_t, bias, sc, gelu, shipped in cases:
-            want = reference(a, b, c.groups, b_t, bias, sc, gelu)
-            err = lambda got: float((got.float() - want).norm() / want.norm())  # noqa: E731
-            _time(f"{name} triton", shipped, flops, err)
-            for cfg in CONFIGS:
-                _time(f"{name} gluon", lambda: slots_gemm(a, b, c.groups, b_t, bias, sc, gelu, **cfg), flops, err, cfg)
+    D, F = c.D, c.F
+    h = moe.experts_up(c.xs, c.groups, c.w1, c.b1, None, "gelu")
+    scale = c.weight.reshape(-1)
+    flops = 2 * c.S * D * F
+    # GEMM2: c = w · (h W2[e] + b2[e]);  ∂x = ∂u W1[e]ᵀ (∂u ~ h here: its shape and scale);
+    # GEMM1: h = gelu(xs W1[e] + b1[e]), the Triton one being experts_up's TMA kernel
+    cases = (("GEMM2", h, c.w2, False, c.b2, scale, False,
+              lambda: moe.slots_gemm(h, c.w2, (F * D, D, 1), D, c.groups, bias=c.b2, scale=scale)),
+             ("dx", h, c.w1, True, None, None, False, lambda: moe.slots_gemm(h, c.w1, (D * F, 1, F), D, c.groups)),
+             ("GEMM1", c.xs, c.w1, False, c.b1, None, True,
+              lambda: moe.experts_up(c.xs, c.groups, c.w1, c.b1, None, "gelu")))
+    for name, a, b, b_t, bias, sc, gelu, shipped in cases:
+        want = reference(a, b, c.groups, b_t, bias, sc, gelu)
+        err = lambda got: float((got.float() - want).norm() / want.norm())  # noqa: E731
+        _time(f"{name} triton", shipped, flops, err)
+        for cfg in CONFIGS:
+            _time(f"{name} gluon", lambda: slots_gemm(a, b, c.groups, b_t, bias, sc, gelu, **cfg), flops, err, cfg)
 
 
 if __name__ == "__main__":
-    main()
+    probe_cli(offline_rows, probe_preset)

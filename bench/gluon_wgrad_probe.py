@@ -26,16 +26,12 @@ written in B's dtype. The Triton kernel loads its tiles with pointer loads insid
 Each expert's slot range is a whole number of tiles (TILE ≥ 64 here), so BK = 64 never crosses
 into the next expert's rows; padding slots are zero rows.
 """
-import argparse
-import json
-
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from gluon_probe import _time, compile_offline
+from gluon_probe import _time, compile_offline, probe_cli
 from mha_compile.kernels import gluon_moe
 
 
@@ -191,30 +187,24 @@ def reference(a, b, groups):
     return out
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--presets", default="medium,large")
-    parser.add_argument("--offline", action="store_true", help="compile for sm_90a only (no GPU needed)")
-    args = parser.parse_args()
-    if args.offline or not torch.cuda.is_available():
-        for cfg in CONFIGS:
-            print(json.dumps(dict(config=cfg, **offline(**cfg))), flush=True)
-        return
-    from gemm_probe import slot_case
+def offline_rows():
+    for cfg in CONFIGS:
+        yield dict(config=cfg, **offline(**cfg))
+
+
+def probe_preset(c):
+    """∂W1's and ∂W2's shapes, the Triton kernel then the Gluon one under each config."""
     from mha_compile.kernels import triton_moe as moe
 
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
-    for preset in args.presets.split(","):
-        c = slot_case(preset, "gelu")
-        du = torch.randn(c.S, c.F, device=c.dev, dtype=c.dt) * (c.groups.slot_pair < c.groups.pairs)[:, None]
-        for name, a, b in (("dW1", c.xs, du), ("dW2", du, c.gs)):  # ∂W1 = xsᵀ ∂u; ∂W2's shape (hw ~ ∂u)
-            want = reference(a, b, c.groups)
-            err = lambda got: float((got.float() - want).norm() / want.norm())  # noqa: E731
-            flops = 2 * c.S * a.shape[1] * b.shape[1]
-            _time(f"{name} triton", lambda: moe.weight_grads(a, b, None, c.groups)[0], flops, err)
-            for cfg in CONFIGS:
-                _time(f"{name} gluon", lambda: wgrad(a, b, c.groups, **cfg), flops, err, cfg)
+    du = torch.randn(c.S, c.F, device=c.dev, dtype=c.dt) * (c.groups.slot_pair < c.groups.pairs)[:, None]
+    for name, a, b in (("dW1", c.xs, du), ("dW2", du, c.gs)):  # ∂W1 = xsᵀ ∂u; ∂W2's shape (hw ~ ∂u)
+        want = reference(a, b, c.groups)
+        err = lambda got: float((got.float() - want).norm() / want.norm())  # noqa: E731
+        flops = 2 * c.S * a.shape[1] * b.shape[1]
+        _time(f"{name} triton", lambda: moe.weight_grads(a, b, None, c.groups)[0], flops, err)
+        for cfg in CONFIGS:
+            _time(f"{name} gluon", lambda: wgrad(a, b, c.groups, **cfg), flops, err, cfg)
 
 
 if __name__ == "__main__":
-    main()
+    probe_cli(offline_rows, probe_preset)
