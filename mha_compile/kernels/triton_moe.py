@@ -33,7 +33,7 @@ Backward (recomputing u = x W1 + b1 rather than storing it):
     hidden  per (tile, F block), one K loop over D for both u = xs W1[e] and g = gs W2[e]ᵀ:
             hw = w · act(u); ∂u = (w · g) ⊙ act′(u); per-F-block partial ∂w = Σ_f h g (+ ⟨G, b2[e]⟩)
             and per tile the bias gradients' column sums Σ ∂u, Σ w·gs (fp32)
-            (on Hopper, in bf16/fp16 with gelu or silu: gluon_moe's warp-specialised kernel)
+            (on Hopper, in bf16/fp16 with gelu, silu or swiglu: gluon_moe's warp-specialised kernel)
     dX      ∂x[s] = ∂u W1[e]ᵀ (+ ∂u3 W3[e]ᵀ)        the GEMM2 kernel with other strides
     dW      ∂W2[e] = Σ_{s∈e} hw[s]ᵀ gs[s], ∂W1[e] = Σ xs[s]ᵀ ∂u[s] (∂W3 likewise): per
             (e, block, run of slots) a fixed-order loop, runs summed in order (on Hopper, one
@@ -980,7 +980,8 @@ def hidden_key(xs, act, tile, b1):
 
 def hidden_kernel(xs, gs, w1, w2, w3, b1, act, tile):
     """Which hidden kernel the backward runs on these operands: "gluon" (gluon_moe's warp-specialised
-    kernel: Hopper, bf16/fp16, gelu or silu, sizes its blocks divide; and it has built) or "triton"."""
+    kernel: Hopper, bf16/fp16, gelu, silu or swiglu, sizes its blocks divide; and it has built) or
+    "triton"."""
     why = (GLUON_MISSING if gluon_moe is None else
            _GLUON_FAILED.get(("hidden kernel", hidden_key(xs, act, tile, b1)))
            or gluon_moe.unsupported(xs, gs, w1, w2, w3, act, tile))
@@ -1017,7 +1018,8 @@ def _backward_tiles(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, h
     du3 = torch.empty_like(hw) if w3 is not None else du
     if not (hidden_kernel(xs, gs, w1, w2, w3, b1, act, groups.tile) == "gluon" and _gluon_launch(
             "hidden kernel", hidden_key(xs, act, groups.tile, b1),
-            functools.partial(gluon_moe.backward_hidden, xs, gs, groups, w1, b1, w2, weight, act, hw, du, gw))):
+            functools.partial(gluon_moe.backward_hidden, xs, gs, groups, w1, b1, w2, weight, act, hw, du, gw,
+                              w3, None if w3 is None else du3))):
         _hidden(tile_grid(groups, F, "BLOCK_F"),
                 xs, gs, groups.slot_pair, groups.tile_expert, weight,
                 w1, w1 if b1 is None else b1, w1 if w3 is None else w3, w2,

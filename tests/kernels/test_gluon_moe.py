@@ -20,6 +20,8 @@ def test_takes_hopper_bf16_and_fp16_with_each_activation():
     for dtype in (torch.bfloat16, torch.float16):
         for act in ("gelu", "gelu_tanh", "silu"):
             assert gluon_moe.unsupported(*operands(dtype=dtype), None, act, 128, capability=HOPPER) is None
+        xs, gs, w1, w2 = operands(dtype=dtype)
+        assert gluon_moe.unsupported(xs, gs, w1, w2, w1.clone(), "swiglu", 128, capability=HOPPER) is None
     assert gluon_moe.unsupported(*operands(), None, "gelu", 64, capability=HOPPER) is None  # small's tile
 
 
@@ -43,6 +45,9 @@ def test_declines_mixed_dtypes_swiglu_weights_and_strided_rows():
     xs, gs, w1, w2 = operands()
     assert "dtypes" in gluon_moe.unsupported(xs, gs.half(), w1, w2, None, "gelu", 128, capability=HOPPER)
     assert "act" in gluon_moe.unsupported(xs, gs, w1, w2, w1, "gelu", 128, capability=HOPPER)  # a W3
+    assert "dtypes" in gluon_moe.unsupported(xs, gs, w1, w2, w1.float(), "swiglu", 128, capability=HOPPER)
+    assert "contiguous" in gluon_moe.unsupported(xs, gs, w1, w2, w1.transpose(1, 2).contiguous().transpose(1, 2),
+                                                 "swiglu", 128, capability=HOPPER)
     wide = torch.randn(256, 512).to(torch.bfloat16)[:, :256]
     assert "contiguous" in gluon_moe.unsupported(wide, gs, w1, w2, None, "gelu", 128, capability=HOPPER)
 

@@ -1,8 +1,9 @@
-"""gluon_moe's kernels on the H200 (`pytest -m cuda`). The hidden kernel: hw, ∂u and the ∂w
-partials against float64 on fresh random operands, for each activation, dtype and bias setting,
-with empty experts, padding slots, both tile sizes and one run of tiles. The weight-gradient GEMM:
-∂W against float64, written and added into fp32 totals run by run. And the backward runs each
-where it applies (the whole region's gradients through them: test_triton_kernels_cuda.py)."""
+"""gluon_moe's kernels on the H200 (`pytest -m cuda`). The hidden kernel: hw, ∂u (∂u3 for swiglu)
+and the ∂w partials against float64 on fresh random operands, for each activation, dtype and bias
+setting, with empty experts, padding slots, both tile sizes and one run of tiles. The
+weight-gradient GEMM: ∂W against float64, written and added into fp32 totals run by run. And the
+backward runs each where it applies (the whole region's gradients through them:
+test_triton_kernels_cuda.py)."""
 import pytest
 import torch
 
@@ -30,8 +31,9 @@ def slot_case(R, k, D, F, E, experts_used, dtype, bias, seed):
     return groups, xs, gs, w1, b1, w2, weight
 
 
-def float64_hidden(groups, xs, gs, w1, b1, w2, weight, act):
-    """(hw, ∂u, gw [S, F/64]) from SPEC §1's backward, in float64, 0 on padding slots."""
+def float64_hidden(groups, xs, gs, w1, b1, w2, weight, act, w3=None):
+    """(hw, ∂u, gw [S, F/64]) (and ∂u3 with W3) from SPEC §1's backward, in float64, 0 on padding
+    slots."""
     valid = groups.slot_pair < groups.pairs
     e = groups.tile_expert.long().repeat_interleave(groups.tile)
     w = torch.where(valid, weight.double()[groups.slot_pair.clamp(max=groups.pairs - 1).long()], 0.0)[:, None]
@@ -39,10 +41,11 @@ def float64_hidden(groups, xs, gs, w1, b1, w2, weight, act):
     if b1 is not None:
         u = u + b1.double()[e]
     g = torch.einsum("sd,sfd->sf", gs.double(), w2.double()[e])
-    h = reference.act_forward(act, u)
-    du, _ = reference.act_backward(act, w * g, u)
+    u3 = None if w3 is None else torch.einsum("sd,sdf->sf", xs.double(), w3.double()[e])
+    h = reference.act_forward(act, u, u3)
+    du, du3 = reference.act_backward(act, w * g, u, u3)
     gw = (h * g).view(len(h), -1, 64).sum(-1) * valid[:, None]
-    return w * h, du * valid[:, None], gw
+    return (w * h, du * valid[:, None], gw) + (() if w3 is None else (du3 * valid[:, None],))
 
 
 CASES = [  # (R, k, D, F, E, experts used): TILE 64 (small's) with three empty experts; TILE 128
@@ -59,12 +62,13 @@ def test_matches_float64(case, act, dtype, bias):
     R, k, D, F, E, used = case
     groups, xs, gs, w1, b1, w2, weight = slot_case(R, k, D, F, E, used, dtype, bias, seed=R + F + len(act))
     assert groups.tile == (64 if E == 7 else 128) and (groups.slot_pair >= groups.pairs).any()  # and padding
-    assert moe.hidden_kernel(xs, gs, w1, w2, None, b1, act, groups.tile) == "gluon"
-    hw, du = torch.full((2, groups.slots, F), float("nan"), device="cuda", dtype=dtype)
+    w3 = (torch.randn_like(w1, dtype=torch.float32) * D ** -0.5).to(dtype) if act == "swiglu" else None
+    assert moe.hidden_kernel(xs, gs, w1, w2, w3, b1, act, groups.tile) == "gluon"
+    hw, du, du3 = torch.full((3, groups.slots, F), float("nan"), device="cuda", dtype=dtype)
     gw = torch.full((groups.slots, moe.gw_columns(D, F, True)), float("nan"), device="cuda")
-    gluon_moe.backward_hidden(xs, gs, groups, w1, b1, w2, weight, act, hw, du, gw)
-    want = float64_hidden(groups, xs, gs, w1, b1, w2, weight, act)
-    for name, got, ref in zip(("hw", "du", "gw"), (hw, du, gw[:, :F // 64]), want):
+    gluon_moe.backward_hidden(xs, gs, groups, w1, b1, w2, weight, act, hw, du, gw, w3, None if w3 is None else du3)
+    want = float64_hidden(groups, xs, gs, w1, b1, w2, weight, act, w3)
+    for name, got, ref in zip(("hw", "du", "gw", "du3"), (hw, du, gw[:, :F // 64], du3), want):
         err = float((got.double() - ref).norm() / ref.norm())
         assert err < TOL[dtype], f"{name}: rel err {err:.2e}"
     padding = groups.slot_pair >= groups.pairs
@@ -94,7 +98,7 @@ def test_backward_runs_it_where_it_applies(monkeypatch):
     calls = []
     real = gluon_moe.backward_hidden
     monkeypatch.setattr(gluon_moe, "backward_hidden", lambda *a, **kw: calls.append(a[7]) or real(*a, **kw))
-    for act, w3, want in (("gelu", False, ["gelu"]), ("swiglu", True, [])):
+    for act, w3, want in (("gelu", False, ["gelu"]), ("swiglu", True, ["swiglu"])):
         calls.clear()
         groups, xs, gs, w1, b1, w2, weight = slot_case(1500, 2, 128, 256, 3, [0, 1, 2], torch.bfloat16, True, 3)
         R, D = 1500, 128
