@@ -47,15 +47,21 @@ def compile_offline(kernel, args, constexprs, num_warps=4):
     return offline_sass.sass_stats(compiled)
 
 
+def offline_configs(act):
+    """The configs --offline compiles for `act`: every one for gelu, the shipped one for the rest."""
+    return CONFIGS if act == "gelu" else [gluon_moe.SWIGLU_CONFIG if act == "swiglu" else CONFIGS[0]]
+
+
 def offline(act="gelu", tile_m=64, block_n=128, block_k=64, nbuf=3):
     """compile_offline of gluon_moe's hidden kernel for `act` under one config."""
     E, D, F, S = 2, 2 * block_k, 2 * block_n, 256
     bf = lambda *shape: torch.empty(*shape, dtype=torch.bfloat16)  # noqa: E731
     xs, gs, w1, w2, b1, hw, du = bf(S, D), bf(S, D), bf(E, D, F), bf(E, F, D), bf(E, F), bf(S, F), bf(S, F)
     weight, gw, index = torch.empty(S), torch.empty(S, 8), torch.empty(S, dtype=torch.int32)
+    w3, du3 = (bf(E, D, F), bf(S, F)) if act == "swiglu" else (None, None)
     kernel = gluon_moe._hidden_kernel
     args = dict(zip(kernel.arg_names, gluon_moe.kernel_args(xs, gs, w1, w2, b1, weight, gw, hw, du,
-                                                            tile_m, block_n, block_k)))
+                                                            tile_m, block_n, block_k, w3, du3)))
     args.update(slot_pair_ptr=index, tile_expert_ptr=index, PAIRS=1000, D=D, F=F, GW_COLS=40, NUM_JOBS=1000,
                 has_b1=3, TILE=128)
     return compile_offline(kernel, args, dict(ACT=gluon_moe.ACTS[act], NBUF=nbuf,
@@ -117,7 +123,7 @@ def probe_cli(offline_rows, probe_preset, presets="medium,large"):
 
 def offline_rows():
     for act in gluon_moe.ACTS:
-        for cfg in CONFIGS if act == "gelu" else CONFIGS[:1]:
+        for cfg in offline_configs(act):
             yield dict(act=act, config=cfg, **offline(act, **cfg))
 
 

@@ -1,4 +1,5 @@
-"""The MoE backward's hidden kernel as a warp-specialised Gluon kernel for Hopper (sm_90).
+"""The MoE backward's hidden kernel and weight-gradient GEMM as warp-specialised Gluon kernels for
+Hopper (sm_90). The weight-gradient GEMM is described at its section below.
 
 Same contract as triton_moe._moe_bwd_hidden_kernel (read its docstring for the math): per slot
 s of expert e and F block, u = xs[s] W1[e] + b1[e] and g = gs[s] W2[e]ᵀ, then
@@ -40,12 +41,15 @@ from mha_compile.kernels.triton_util import ACT_CODE, GW_BLOCK, interpreting, nu
 # MHA_COMPILE_GLUON=0 runs the Triton hidden kernel everywhere (to compare the two, or to step
 # around a fault in this one).
 ENABLED = os.environ.get("MHA_COMPILE_GLUON", "1") != "0"
-ACTS = {name: ACT_CODE[name] for name in ("gelu", "gelu_tanh", "silu")}
+ACTS = {name: ACT_CODE[name] for name in ("gelu", "gelu_tanh", "silu", "swiglu")}
 DTYPES = (torch.bfloat16, torch.float16)
 # The config by the slot layout's TILE (triton_moe.tile_rows: 128 at the medium and large presets,
 # 64 at small): a job's rows and columns, the K step and the ring's stages (3 of 48 KiB, and the
 # staging tiles: 213 KiB of the H200's 227). bench/gluon_probe.py sweeps these.
 CONFIGS = {128: dict(tile_m=128, block_n=64, block_k=64, nbuf=3), 64: dict(tile_m=64, block_n=128, block_k=64, nbuf=3)}
+# swiglu holds three accumulators (u, u3 = xs W3, g): jobs of [64, 64] keep them at 32 registers a
+# thread each; a stage is then 40 KiB (five tiles), 168 KiB with the staging tiles.
+SWIGLU_CONFIG = dict(tile_m=64, block_n=64, block_k=64, nbuf=3)
 # The registers a thread of each partition (consumers: the two accumulators and the epilogue;
 # producer: one warp that only issues loads).
 CONSUMER_REGS, PRODUCER_REGS = 232, 24
@@ -53,28 +57,37 @@ F_MULTIPLE = 128  # F in whole column blocks (W2 is read as [E·F, D]) under eit
 _GW_BLOCK = gl.constexpr(GW_BLOCK)  # the kernel's view of it
 
 
-def unsupported(xs, gs, w1, w2, w3, act, tile, capability=None):
-    """Why this kernel cannot take these operands (a sentence), or None when it can. capability:
-    the GPU's (major, minor), read from xs's device when None."""
+def _device_reason(tensors, names, capability):
+    """What keeps these operands off a Gluon Hopper kernel (switch, GPU, dtypes, TMA), or None."""
     if not ENABLED:
         return "MHA_COMPILE_GLUON=0"
     if capability is None:
-        if not xs.is_cuda or interpreting():
+        if not tensors[0].is_cuda or interpreting():
             return "not on a CUDA GPU"
-        capability = torch.cuda.get_device_capability(xs.device)
+        capability = torch.cuda.get_device_capability(tensors[0].device)
     if tuple(capability) != (9, 0):
         return f"needs sm_90 (wgmma, setmaxnreg), this GPU is sm_{capability[0]}{capability[1]}"
-    if act not in ACTS or w3 is not None:
-        return f"act {act!r}: takes {', '.join(ACTS)}"
-    dtypes = {t.dtype for t in (xs, gs, w1, w2)}
+    dtypes = {t.dtype for t in tensors}
     if len(dtypes) != 1 or next(iter(dtypes)) not in DTYPES:
-        return f"dtypes {sorted(map(str, dtypes))}: takes one of bf16, fp16 for all of xs, gs, W1, W2"
+        return f"dtypes {sorted(map(str, dtypes))}: takes one of bf16, fp16 for all of {names}"
+    if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors):
+        return f"{names} must be contiguous and 16-byte aligned (TMA)"
+    return None
+
+
+def unsupported(xs, gs, w1, w2, w3, act, tile, capability=None):
+    """Why the hidden kernel cannot take these operands (a sentence), or None when it can.
+    capability: the GPU's (major, minor), read from xs's device when None."""
+    if act not in ACTS or (w3 is not None) != (act == "swiglu"):
+        return f"act {act!r} {'with' if w3 is not None else 'without'} W3: takes {', '.join(ACTS)} (W3 with swiglu)"
+    operands = (xs, gs, w1, w2) + (() if w3 is None else (w3,))
+    why = _device_reason(operands, "xs, gs, W1, W2" + ("" if w3 is None else ", W3"), capability)
+    if why is not None:
+        return why
     D, F = w1.shape[1], w1.shape[2]
     if tile not in CONFIGS or F % F_MULTIPLE or D % CONFIGS[tile]["block_k"]:
         return (f"D={D}, F={F}, TILE={tile}: needs TILE in {sorted(CONFIGS)}, F a multiple of {F_MULTIPLE}"
                 f" and D of {CONFIGS[max(CONFIGS)]['block_k']}")
-    if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (xs, gs, w1, w2)):
-        return "xs, gs, W1, W2 must be contiguous and 16-byte aligned (TMA)"
     return None
 
 
@@ -105,18 +118,21 @@ def _job(job, F, TILE, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr):
 
 # Every partition takes (descs, bufs, bars, ptrs, sizes) (+ its own): worker partitions take no
 # Python constants (a tuple with one fails to flatten), so the odd consumer is told which it is
-# by a runtime value, and its activation by a small function of its own for each.
-#   descs = (xs, gs, W1 as [E·D, F], W2 as [E·F, D], hw, ∂u) TMA descriptors;
-#   bufs  = (xs, gs, W1, W2 rings of NBUF stages; hw, ∂u staging tiles, one a consumer);
+# by a runtime value, and its activation (the producer: whether there is a W3) by a small
+# function of its own for each.
+#   descs = (xs, gs, W1 as [E·D, F], W2 as [E·F, D], hw, ∂u, W3 as W1, ∂u3) TMA descriptors (W3,
+#           ∂u3: W1's and ∂u's again without swiglu, never read);
+#   bufs  = (xs, gs, W1, W2 rings of NBUF stages; hw, ∂u staging tiles, one a consumer; the W3
+#           ring and ∂u3 staging tiles, or W1's and ∂u's again);
 #   bars  = (ready, empty) a ring stage, and turn, one a consumer;
 #   ptrs  = (b1, weight (the flat top-k weights), gw, slot_pair, tile_expert);
 #   sizes = (PAIRS, D, F, GW_COLS, NUM_JOBS, has_b1, TILE).
 
 
 @gluon.jit
-def _produce(descs, bufs, bars, ptrs, sizes):
-    xs_desc, gs_desc, w1_desc, w2_desc, hw_desc, du_desc = descs
-    xs_bufs, gs_bufs, w1_bufs, w2_bufs, hw_bufs, du_bufs = bufs
+def _produce(descs, bufs, bars, ptrs, sizes, SWIGLU: gl.constexpr):
+    xs_desc, gs_desc, w1_desc, w2_desc, hw_desc, du_desc, w3_desc, du3_desc = descs
+    xs_bufs, gs_bufs, w1_bufs, w2_bufs, hw_bufs, du_bufs, w3_bufs, du3_bufs = bufs
     ready, empty, turn = bars
     b1_ptr, weight_ptr, gw_ptr, slot_pair_ptr, tile_expert_ptr = ptrs
     PAIRS, D, F, GW_COLS, NUM_JOBS, has_b1, TILE = sizes
@@ -124,7 +140,7 @@ def _produce(descs, bufs, bars, ptrs, sizes):
     BLOCK_K: gl.constexpr = xs_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w1_desc.block_type.shape[1]
     NBUF: gl.constexpr = xs_bufs.type.shape[0]
-    nbytes: gl.constexpr = 2 * (xs_desc.block_type.nbytes + w1_desc.block_type.nbytes)
+    nbytes: gl.constexpr = (2 + SWIGLU) * w1_desc.block_type.nbytes + 2 * xs_desc.block_type.nbytes
     ksteps = D // BLOCK_K
     pos = 0
     for job in range(gl.program_id(0), NUM_JOBS, gl.num_programs(0)):
@@ -140,14 +156,17 @@ def _produce(descs, bufs, bars, ptrs, sizes):
             tma.async_copy_global_to_shared(w1_desc, [e * D + k * BLOCK_K, n * BLOCK_N], bar, w1_bufs.index(stage))
             tma.async_copy_global_to_shared(gs_desc, [row, k * BLOCK_K], bar, gs_bufs.index(stage))
             tma.async_copy_global_to_shared(w2_desc, [e * F + n * BLOCK_N, k * BLOCK_K], bar, w2_bufs.index(stage))
+            if SWIGLU:
+                tma.async_copy_global_to_shared(w3_desc, [e * D + k * BLOCK_K, n * BLOCK_N], bar,
+                                                w3_bufs.index(stage))
             pos += 1
 
 
 @gluon.jit
 def _consume(descs, bufs, bars, ptrs, sizes, which, ACT: gl.constexpr):
     """This program's jobs i with i % 2 == which: the dots over the ring, then the epilogue."""
-    xs_desc, gs_desc, w1_desc, w2_desc, hw_desc, du_desc = descs
-    xs_bufs, gs_bufs, w1_bufs, w2_bufs, hw_bufs, du_bufs = bufs
+    xs_desc, gs_desc, w1_desc, w2_desc, hw_desc, du_desc, w3_desc, du3_desc = descs
+    xs_bufs, gs_bufs, w1_bufs, w2_bufs, hw_bufs, du_bufs, w3_bufs, du3_bufs = bufs
     ready, empty, turn = bars
     b1_ptr, weight_ptr, gw_ptr, slot_pair_ptr, tile_expert_ptr = ptrs
     PAIRS, D, F, GW_COLS, NUM_JOBS, has_b1, TILE = sizes
@@ -162,6 +181,7 @@ def _consume(descs, bufs, bars, ptrs, sizes, which, ACT: gl.constexpr):
     cols_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
     hw_buf = hw_bufs.index(which)
     du_buf = du_bufs.index(which)
+    du3_buf = du3_bufs.index(which)
     ksteps = D // BLOCK_K
     i = 0  # this program's jobs
     own = 0  # this consumer's
@@ -172,6 +192,7 @@ def _consume(descs, bufs, bars, ptrs, sizes, which, ACT: gl.constexpr):
             offs_n = n * BLOCK_N + gl.arange(0, BLOCK_N, layout=cols_layout)
             acc_u = gl.zeros([TILE_M, BLOCK_N], gl.float32, acc_layout)
             acc_g = gl.zeros([TILE_M, BLOCK_N], gl.float32, acc_layout)
+            acc_u3 = gl.zeros([TILE_M, BLOCK_N], gl.float32, acc_layout)
             if has_b1 != 0:  # loaded before this consumer's turn, while the other runs its dots
                 acc_u = acc_u + gl.load(b1_ptr + e * F + offs_n).to(gl.float32)[None, :]
             # Consumer 0 goes first: a fresh barrier passes a wait on parity 1.
@@ -185,12 +206,19 @@ def _consume(descs, bufs, bars, ptrs, sizes, which, ACT: gl.constexpr):
                 acc_g = warpgroup_mma(gs_bufs.index(stage), w2_bufs.index(stage).permute((1, 0)), acc_g,
                                       is_async=True)
                 # This step's wgmmas stay in flight: the step before has read its stage.
-                acc_u, acc_g = warpgroup_mma_wait(num_outstanding=2, deps=(acc_u, acc_g))
+                if ACT == 3:
+                    acc_u3 = warpgroup_mma(xs_bufs.index(stage), w3_bufs.index(stage), acc_u3, is_async=True)
+                    acc_u, acc_g, acc_u3 = warpgroup_mma_wait(num_outstanding=3, deps=(acc_u, acc_g, acc_u3))
+                else:
+                    acc_u, acc_g = warpgroup_mma_wait(num_outstanding=2, deps=(acc_u, acc_g))
                 if k > 0:
                     mbarrier.arrive(empty.index(prev), count=1)
                 prev = stage
                 pos += 1
-            acc_u, acc_g = warpgroup_mma_wait(num_outstanding=0, deps=(acc_u, acc_g))
+            if ACT == 3:
+                acc_u, acc_g, acc_u3 = warpgroup_mma_wait(num_outstanding=0, deps=(acc_u, acc_g, acc_u3))
+            else:
+                acc_u, acc_g = warpgroup_mma_wait(num_outstanding=0, deps=(acc_u, acc_g))
             mbarrier.arrive(empty.index(prev), count=1)
             mbarrier.arrive(turn.index(1 - which), count=1)  # the other consumer's K loop may start
             own += 1
@@ -199,7 +227,14 @@ def _consume(descs, bufs, bars, ptrs, sizes, which, ACT: gl.constexpr):
             pair = gl.load(slot_pair_ptr + offs_s)
             valid = pair < PAIRS
             w = gl.load(weight_ptr + pair, mask=valid, other=0.0)
-            h, dact = _act(acc_u, ACT)
+            if ACT == 3:  # swiglu: h = silu(u) u3, ∂u = w g u3 silu′(u), ∂u3 = w g silu(u)
+                sig = 1.0 / (1.0 + gl.exp(-acc_u))
+                silu = acc_u * sig
+                h = silu * acc_u3
+                dact = acc_u3 * (sig * (1.0 + acc_u * (1.0 - sig)))
+            else:
+                h, dact = _act(acc_u, ACT)
+                silu = h
             hg = h * acc_g
             for c in gl.static_range(NB):
                 lo = n * BLOCK_N + c * _GW_BLOCK
@@ -209,9 +244,13 @@ def _consume(descs, bufs, bars, ptrs, sizes, which, ACT: gl.constexpr):
             tma.store_wait(0)  # this consumer's last stores have left its staging tiles
             hw_buf.store(gl.where(keep, w[:, None] * h, 0.0).to(hw_desc.dtype))
             du_buf.store(gl.where(keep, (w[:, None] * acc_g) * dact, 0.0).to(du_desc.dtype))
+            if ACT == 3:
+                du3_buf.store(gl.where(keep, (w[:, None] * acc_g) * silu, 0.0).to(du3_desc.dtype))
             fence_async_shared()
             tma.async_copy_shared_to_global(hw_desc, [row, n * BLOCK_N], hw_buf)
             tma.async_copy_shared_to_global(du_desc, [row, n * BLOCK_N], du_buf)
+            if ACT == 3:
+                tma.async_copy_shared_to_global(du3_desc, [row, n * BLOCK_N], du3_buf)
         i += 1
     tma.store_wait(0)
 
@@ -232,7 +271,22 @@ def _consume_silu(descs, bufs, bars, ptrs, sizes, which):
 
 
 @gluon.jit
-def _hidden_kernel(xs_desc, gs_desc, w1_desc, w2_desc, hw_desc, du_desc,
+def _consume_swiglu(descs, bufs, bars, ptrs, sizes, which):
+    _consume(descs, bufs, bars, ptrs, sizes, which, 3)
+
+
+@gluon.jit
+def _produce_two(descs, bufs, bars, ptrs, sizes):
+    _produce(descs, bufs, bars, ptrs, sizes, False)
+
+
+@gluon.jit
+def _produce_three(descs, bufs, bars, ptrs, sizes):
+    _produce(descs, bufs, bars, ptrs, sizes, True)
+
+
+@gluon.jit
+def _hidden_kernel(xs_desc, gs_desc, w1_desc, w2_desc, hw_desc, du_desc, w3_desc, du3_desc,
                    b1_ptr, weight_ptr, gw_ptr, slot_pair_ptr, tile_expert_ptr,
                    PAIRS, D, F, GW_COLS, NUM_JOBS, has_b1, TILE,
                    ACT: gl.constexpr, NBUF: gl.constexpr, CONSUMER_REGS: gl.constexpr,
@@ -244,6 +298,10 @@ def _hidden_kernel(xs_desc, gs_desc, w1_desc, w2_desc, hw_desc, du_desc,
     w2_bufs = gl.allocate_shared_memory(dtype, [NBUF] + w2_desc.block_type.shape, w2_desc.layout)
     hw_bufs = gl.allocate_shared_memory(dtype, [2] + hw_desc.block_type.shape, hw_desc.layout)
     du_bufs = gl.allocate_shared_memory(dtype, [2] + du_desc.block_type.shape, du_desc.layout)
+    w3_bufs, du3_bufs = w1_bufs, du_bufs  # stand-ins, never read, but with swiglu
+    if ACT == 3:
+        w3_bufs = gl.allocate_shared_memory(dtype, [NBUF] + w3_desc.block_type.shape, w3_desc.layout)
+        du3_bufs = gl.allocate_shared_memory(dtype, [2] + du3_desc.block_type.shape, du3_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -252,22 +310,25 @@ def _hidden_kernel(xs_desc, gs_desc, w1_desc, w2_desc, hw_desc, du_desc,
         mbarrier.init(empty.index(s), count=1)
     for c in gl.static_range(2):
         mbarrier.init(turn.index(c), count=1)
-    args = ((xs_desc, gs_desc, w1_desc, w2_desc, hw_desc, du_desc),
-            (xs_bufs, gs_bufs, w1_bufs, w2_bufs, hw_bufs, du_bufs), (ready, empty, turn),
+    args = ((xs_desc, gs_desc, w1_desc, w2_desc, hw_desc, du_desc, w3_desc, du3_desc),
+            (xs_bufs, gs_bufs, w1_bufs, w2_bufs, hw_bufs, du_bufs, w3_bufs, du3_bufs), (ready, empty, turn),
             (b1_ptr, weight_ptr, gw_ptr, slot_pair_ptr, tile_expert_ptr),
             (PAIRS, D, F, GW_COLS, NUM_JOBS, has_b1, TILE))
     zero = gl.program_id(0) * 0  # which consumer, as a runtime value (see above)
     # The default partition (this kernel's 4 warps) is consumer 0; the workers are consumer 1 (a
     # warpgroup) and the producer (one warp, the fewest registers a warp can have).
     if ACT == 0:
-        gl.warp_specialize([(_consume, args + (zero, ACT)), (_consume_gelu, args + (zero + 1,)), (_produce, args)],
+        gl.warp_specialize([(_consume, args + (zero, ACT)), (_consume_gelu, args + (zero + 1,)), (_produce_two, args)],
                            [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     elif ACT == 1:
         gl.warp_specialize([(_consume, args + (zero, ACT)), (_consume_gelu_tanh, args + (zero + 1,)),
-                            (_produce, args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-    else:
-        gl.warp_specialize([(_consume, args + (zero, ACT)), (_consume_silu, args + (zero + 1,)), (_produce, args)],
+                            (_produce_two, args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    elif ACT == 2:
+        gl.warp_specialize([(_consume, args + (zero, ACT)), (_consume_silu, args + (zero + 1,)), (_produce_two, args)],
                            [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([(_consume, args + (zero, ACT)), (_consume_swiglu, args + (zero + 1,)),
+                            (_produce_three, args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 @functools.lru_cache(maxsize=None)
@@ -281,28 +342,188 @@ def _descriptor(t, block, dtype):
     return TensorDescriptor.from_tensor(t, block, _layout(tuple(block), dtype))
 
 
-def kernel_args(xs, gs, w1, w2, b1, weight, gw, hw, du, tile_m, block_n, block_k):
-    """_hidden_kernel's tensor arguments in order, its operands as TMA descriptors."""
+def kernel_args(xs, gs, w1, w2, b1, weight, gw, hw, du, tile_m, block_n, block_k, w3=None, du3=None):
+    """_hidden_kernel's tensor arguments in order, its operands as TMA descriptors (W3 and ∂u3 with
+    swiglu, else W1's and ∂u's again)."""
     E, D, F = w1.shape
     dtype = gl.bfloat16 if xs.dtype == torch.bfloat16 else gl.float16
-    return [_descriptor(xs, [tile_m, block_k], dtype), _descriptor(gs, [tile_m, block_k], dtype),
-            _descriptor(w1.view(E * D, F), [block_k, block_n], dtype),
-            _descriptor(w2.view(E * F, D), [block_n, block_k], dtype),
-            _descriptor(hw, [tile_m, block_n], dtype), _descriptor(du, [tile_m, block_n], dtype),
+    w1_desc = _descriptor(w1.view(E * D, F), [block_k, block_n], dtype)
+    du_desc = _descriptor(du, [tile_m, block_n], dtype)
+    return [_descriptor(xs, [tile_m, block_k], dtype), _descriptor(gs, [tile_m, block_k], dtype), w1_desc,
+            _descriptor(w2.view(E * F, D), [block_n, block_k], dtype), _descriptor(hw, [tile_m, block_n], dtype),
+            du_desc, w1_desc if w3 is None else _descriptor(w3.view(E * D, F), [block_k, block_n], dtype),
+            du_desc if du3 is None else _descriptor(du3, [tile_m, block_n], dtype),
             w1 if b1 is None else b1, weight, gw]
 
 
-def backward_hidden(xs, gs, groups, w1, b1, w2, weight, act, hw, du, gw, config=None):
-    """Writes hw, ∂u [S,F] and gw[:, :F/64] (gw [S, GW_COLS] fp32) for the slot rows xs, gs [S,D]
-    of `groups` (triton_moe.Groups, or one run of its tiles); weight: the flat top-k weights.
-    Callers check `unsupported` first. config: CONFIGS[TILE] when None (bench/gluon_probe.py
-    passes others)."""
+def backward_hidden(xs, gs, groups, w1, b1, w2, weight, act, hw, du, gw, w3=None, du3=None, config=None):
+    """Writes hw, ∂u [S,F] (∂u3 with swiglu, given W3) and gw[:, :F/64] (gw [S, GW_COLS] fp32) for
+    the slot rows xs, gs [S,D] of `groups` (triton_moe.Groups, or one run of its tiles); weight:
+    the flat top-k weights. Callers check `unsupported` first. config: SWIGLU_CONFIG or
+    CONFIGS[TILE] when None (bench/gluon_probe.py passes others)."""
     E, D, F = w1.shape
-    config = config or CONFIGS[groups.tile]
+    config = config or (SWIGLU_CONFIG if act == "swiglu" else CONFIGS[groups.tile])
     tile_m, block_n, block_k, nbuf = (config[key] for key in ("tile_m", "block_n", "block_k", "nbuf"))
     jobs = groups.num_tiles * (groups.tile // tile_m) * (F // block_n)
     _hidden_kernel[(min(num_sms(xs.device), jobs),)](
-        *kernel_args(xs, gs, w1, w2, b1, weight, gw, hw, du, tile_m, block_n, block_k),
+        *kernel_args(xs, gs, w1, w2, b1, weight, gw, hw, du, tile_m, block_n, block_k, w3, du3),
         groups.slot_pair, groups.tile_expert, groups.pairs, D, F, gw.shape[1], jobs, int(b1 is not None),
         groups.tile, ACT=ACTS[act], NBUF=nbuf, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
         num_warps=4)
+
+
+# ---------------------------------------------------------------------------------------------
+# The weight-gradient GEMM: ∂W[e] [I,J] = Σ_{s ∈ e} A[s]ᵀ B[s] over expert e's slots (A [S,I]: xs or
+# hw; B [S,J]: ∂u or gs), triton_moe._moe_wgrad_kernel's contract for one B and SPLIT 1: written in
+# the output's dtype, or with `accumulate` added into fp32 totals, leaving an expert with no slots
+# here untouched (the runs of tiles). One program per SM walks the (e, I block, J block) jobs,
+# expert-major (the jobs running together share an expert's K window in L2); a producer warp
+# issues TMA loads of A's two [BK, 64] halves of the job's 128 rows and B's [BK, BN] tile; two
+# consumer warpgroups each own 64 rows ("cooperative": both wait on a stage, each feeds its half
+# of A transposed from shared memory to its wgmma, and the stage is free after both arrive).
+# Each expert's slot range is whole tiles (TILE ≥ 64 here), so BK = 64 never crosses into the
+# next expert's rows. H200, large, whole layout, bf16 (bench/gluon_wgrad_probe.py): ∂W1 435
+# against 575 us, ∂W2 440 against 604.
+WGRAD_BK, WGRAD_NBUF = 64, 3
+
+
+def wgrad_unsupported(a, b, tile, capability=None):
+    """Why the weight-gradient kernel cannot take these slot rows, or None when it can."""
+    why = _device_reason((a, b), "the slot rows A, B", capability)
+    if why is not None:
+        return why
+    I, J = a.shape[1], b.shape[1]
+    if I % 128 or J % 128 or tile % WGRAD_BK:
+        return f"I={I}, J={J}, TILE={tile}: needs I and J multiples of 128 and TILE of {WGRAD_BK}"
+    return None
+
+
+@gluon.jit
+def _wjob(job, I, J, BM: gl.constexpr, BN: gl.constexpr):
+    """(e, first row of ∂W[e], first column) of a job, expert-major."""
+    ni = I // BM
+    nj = J // BN
+    e = job // (ni * nj)
+    rest = job - e * (ni * nj)
+    i = rest // nj
+    return e, i * BM, (rest - i * nj) * BN
+
+
+# Partitions take (descs, bufs, bars, ptrs, sizes) (+ which, a runtime value, as above):
+#   descs = (A as [S, I] in [BK, 64] blocks, B as [S, J] in [BK, BN] blocks);
+#   bufs  = (A ring [2·NBUF, BK, 64] (stage·2 + half), B ring [NBUF, BK, BN]);
+#   bars  = (ready, empty) a stage;  ptrs = (out [E·I, J], expert_slots [2E]);
+#   sizes = (I, J, E, JOBS, accumulate).
+
+
+@gluon.jit
+def _wgrad_produce(descs, bufs, bars, ptrs, sizes):
+    a_desc, b_desc = descs
+    a_bufs, b_bufs = bufs
+    ready, empty = bars
+    out_ptr, expert_slots_ptr = ptrs
+    I, J, E, JOBS, accumulate = sizes
+    BK: gl.constexpr = a_desc.block_type.shape[0]
+    HALF: gl.constexpr = a_desc.block_type.shape[1]
+    BN: gl.constexpr = b_desc.block_type.shape[1]
+    NBUF: gl.constexpr = b_bufs.type.shape[0]
+    nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    pos = 0
+    for job in range(gl.program_id(0), JOBS, gl.num_programs(0)):
+        e, i0, j0 = _wjob(job, I, J, 2 * HALF, BN)
+        lo = gl.load(expert_slots_ptr + e)
+        hi = gl.load(expert_slots_ptr + E + e)
+        for s0 in range(lo, hi, BK):
+            stage = pos % NBUF
+            mbarrier.wait(empty.index(stage), ((pos // NBUF) & 1) ^ 1)
+            bar = ready.index(stage)
+            mbarrier.expect(bar, nbytes)
+            tma.async_copy_global_to_shared(a_desc, [s0, i0], bar, a_bufs.index(2 * stage))
+            tma.async_copy_global_to_shared(a_desc, [s0, i0 + HALF], bar, a_bufs.index(2 * stage + 1))
+            tma.async_copy_global_to_shared(b_desc, [s0, j0], bar, b_bufs.index(stage))
+            pos += 1
+
+
+@gluon.jit
+def _wgrad_consume(descs, bufs, bars, ptrs, sizes, which):
+    """Rows [which·64, which·64 + 64) of every job's 128: the K loop over the ring, then the store."""
+    a_desc, b_desc = descs
+    a_bufs, b_bufs = bufs
+    ready, empty = bars
+    out_ptr, expert_slots_ptr = ptrs
+    I, J, E, JOBS, accumulate = sizes
+    BK: gl.constexpr = a_desc.block_type.shape[0]
+    HALF: gl.constexpr = a_desc.block_type.shape[1]
+    BN: gl.constexpr = b_desc.block_type.shape[1]
+    NBUF: gl.constexpr = b_bufs.type.shape[0]
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BN, 16])
+    rows_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    cols_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
+    pos = 0
+    for job in range(gl.program_id(0), JOBS, gl.num_programs(0)):
+        e, i0, j0 = _wjob(job, I, J, 2 * HALF, BN)
+        lo = gl.load(expert_slots_ptr + e)
+        hi = gl.load(expert_slots_ptr + E + e)
+        acc = gl.zeros([HALF, BN], gl.float32, acc_layout)
+        prev = 0
+        for s0 in range(lo, hi, BK):
+            stage = pos % NBUF
+            mbarrier.wait(ready.index(stage), (pos // NBUF) & 1)
+            acc = warpgroup_mma(a_bufs.index(2 * stage + which).permute((1, 0)), b_bufs.index(stage), acc,
+                                is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            if s0 > lo:  # the step before has finished reading its stage
+                mbarrier.arrive(empty.index(prev), count=1)
+            prev = stage
+            pos += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        if hi > lo:
+            mbarrier.arrive(empty.index(prev), count=1)
+        rows = e * I + i0 + which * HALF + gl.arange(0, HALF, layout=rows_layout)
+        cols = j0 + gl.arange(0, BN, layout=cols_layout)
+        ptrs_out = out_ptr + rows.to(gl.int64)[:, None] * J + cols[None, :]
+        if accumulate == 0:
+            gl.store(ptrs_out, acc.to(out_ptr.dtype.element_ty))
+        elif hi > lo:  # an expert with no slots in this run is left untouched
+            gl.store(ptrs_out, (gl.load(ptrs_out).to(gl.float32) + acc).to(out_ptr.dtype.element_ty))
+
+
+@gluon.jit
+def _wgrad_consume_second(descs, bufs, bars, ptrs, sizes, which):
+    _wgrad_consume(descs, bufs, bars, ptrs, sizes, which)
+
+
+@gluon.jit
+def _wgrad_kernel(a_desc, b_desc, out_ptr, expert_slots_ptr, I, J, E, JOBS, accumulate,
+                  NBUF: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * NBUF] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NBUF] + b_desc.block_type.shape, b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NBUF):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)  # both consumers release a stage
+    args = ((a_desc, b_desc), (a_bufs, b_bufs), (ready, empty), (out_ptr, expert_slots_ptr),
+            (I, J, E, JOBS, accumulate))
+    zero = gl.program_id(0) * 0
+    gl.warp_specialize([(_wgrad_consume, args + (zero, )), (_wgrad_consume_second, args + (zero + 1, )),
+                        (_wgrad_produce, args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def wgrad_kernel_args(a, b, out, block_k, block_n):
+    """_wgrad_kernel's tensor arguments: A and B as TMA descriptors, then out."""
+    dtype = gl.bfloat16 if a.dtype == torch.bfloat16 else gl.float16
+    return [_descriptor(a, [block_k, 64], dtype), _descriptor(b, [block_k, block_n], dtype), out]
+
+
+def weight_grads(a, b, groups, out, accumulate, block_k=WGRAD_BK, block_n=None, nbuf=WGRAD_NBUF):
+    """out [E,I,J] = Σ_{s∈e} A[s]ᵀ B[s] (accumulate: added into out, fp32 totals, experts without
+    slots here untouched). Callers check `wgrad_unsupported` first; block_n: 256 where J allows."""
+    E, (I, J) = groups.experts, (a.shape[1], b.shape[1])
+    block_n = block_n or (256 if J % 256 == 0 else 128)
+    jobs = E * (I // 128) * (J // block_n)
+    _wgrad_kernel[(min(num_sms(a.device), jobs),)](
+        *wgrad_kernel_args(a, b, out, block_k, block_n), groups.expert_slots, I, J, E, jobs, int(accumulate),
+        NBUF=nbuf, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
+    return out

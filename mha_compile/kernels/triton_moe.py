@@ -33,10 +33,11 @@ Backward (recomputing u = x W1 + b1 rather than storing it):
     hidden  per (tile, F block), one K loop over D for both u = xs W1[e] and g = gs W2[e]ᵀ:
             hw = w · act(u); ∂u = (w · g) ⊙ act′(u); per-F-block partial ∂w = Σ_f h g (+ ⟨G, b2[e]⟩)
             and per tile the bias gradients' column sums Σ ∂u, Σ w·gs (fp32)
-            (on Hopper, in bf16/fp16 with gelu or silu: gluon_moe's warp-specialised kernel)
+            (on Hopper, in bf16/fp16 with gelu, silu or swiglu: gluon_moe's warp-specialised kernel)
     dX      ∂x[s] = ∂u W1[e]ᵀ (+ ∂u3 W3[e]ᵀ)        the GEMM2 kernel with other strides
     dW      ∂W2[e] = Σ_{s∈e} hw[s]ᵀ gs[s], ∂W1[e] = Σ xs[s]ᵀ ∂u[s] (∂W3 likewise): per
-            (e, block, run of slots) a fixed-order loop, runs summed in order; ∂b1, ∂b2 as
+            (e, block, run of slots) a fixed-order loop, runs summed in order (on Hopper, one
+            B and no split: gluon_moe's warp-specialised GEMM, same order); ∂b1, ∂b2 as
             each expert's tile sums added in tile order
 The router gradient, the per-row sums over j and ∂inv = Σ_h ∂y happen in
 triton_router.router_combine_backward. All accumulation is fp32; row offsets are int64.
@@ -859,6 +860,10 @@ def weight_grads(a, b, b2, groups, into=None):
         p_dw, p_dw2 = parts[0], parts[-1]
     else:
         p_dw, p_dw2 = dw, dw if dw2 is None else dw2
+    if b2 is None and split == 1 and wgrad_kernel(a, b, groups.tile, accumulate) == "gluon" and _gluon_launch(
+            "weight-gradient GEMM", wgrad_key(a, b, accumulate),
+            functools.partial(gluon_moe.weight_grads, a, b, groups, dw, accumulate)):
+        return dw, dw2
     _wgrad(lambda m: (E * split, triton.cdiv(I, m["BLOCK_I"]), triton.cdiv(J, m["BLOCK_J"])),
            a, b, b if b2 is None else b2, groups.expert_slots, p_dw, p_dw2, I, J, E, split,
            HAS_B2=b2 is not None, ACCUMULATE=accumulate, TILE=groups.tile, PRECISION=dot_precision(dtype))
@@ -975,11 +980,26 @@ def hidden_key(xs, act, tile, b1):
 
 def hidden_kernel(xs, gs, w1, w2, w3, b1, act, tile):
     """Which hidden kernel the backward runs on these operands: "gluon" (gluon_moe's warp-specialised
-    kernel: Hopper, bf16/fp16, gelu or silu, sizes its blocks divide; and it has built) or "triton"."""
+    kernel: Hopper, bf16/fp16, gelu, silu or swiglu, sizes its blocks divide; and it has built) or
+    "triton"."""
     why = (GLUON_MISSING if gluon_moe is None else
            _GLUON_FAILED.get(("hidden kernel", hidden_key(xs, act, tile, b1)))
            or gluon_moe.unsupported(xs, gs, w1, w2, w3, act, tile))
     return _choose("hidden kernel", xs.device, why)
+
+
+def wgrad_key(a, b, accumulate):
+    """What the Gluon weight-gradient GEMM is compiled for: the rows' dtype, written or added into
+    fp32 totals, and its column block (256 where J allows)."""
+    return a.dtype, bool(accumulate), b.shape[1] % 256 == 0
+
+
+def wgrad_kernel(a, b, tile, accumulate):
+    """Which weight-gradient kernel weight_grads runs (one B, no split) on these slot rows."""
+    why = (GLUON_MISSING if gluon_moe is None else
+           _GLUON_FAILED.get(("weight-gradient GEMM", wgrad_key(a, b, accumulate)))
+           or gluon_moe.wgrad_unsupported(a, b, tile))
+    return _choose("weight-gradient GEMM", a.device, why)
 
 
 def _backward_tiles(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, horizons, gw, dx_slot, total):
@@ -998,7 +1018,8 @@ def _backward_tiles(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, h
     du3 = torch.empty_like(hw) if w3 is not None else du
     if not (hidden_kernel(xs, gs, w1, w2, w3, b1, act, groups.tile) == "gluon" and _gluon_launch(
             "hidden kernel", hidden_key(xs, act, groups.tile, b1),
-            functools.partial(gluon_moe.backward_hidden, xs, gs, groups, w1, b1, w2, weight, act, hw, du, gw))):
+            functools.partial(gluon_moe.backward_hidden, xs, gs, groups, w1, b1, w2, weight, act, hw, du, gw,
+                              w3, None if w3 is None else du3))):
         _hidden(tile_grid(groups, F, "BLOCK_F"),
                 xs, gs, groups.slot_pair, groups.tile_expert, weight,
                 w1, w1 if b1 is None else b1, w1 if w3 is None else w3, w2,

@@ -22,8 +22,8 @@ interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 
 def test_compiles_warp_specialised_for_sm90():
     rows = offline_rows(gluon_probe.__file__)
-    want = [(act, cfg) for act in gluon_moe.ACTS for cfg in (gluon_probe.CONFIGS if act == "gelu"
-                                                             else gluon_probe.CONFIGS[:1])]
+    want = [(act, cfg) for act in gluon_moe.ACTS for cfg in gluon_probe.offline_configs(act)]
+    assert ("swiglu", gluon_moe.SWIGLU_CONFIG) in want
     assert [(r["act"], r["config"]) for r in rows] == want
     assert gluon_probe.CONFIGS[:2] == [gluon_moe.CONFIGS[128], gluon_moe.CONFIGS[64]]  # what the backward runs
     for r in rows:

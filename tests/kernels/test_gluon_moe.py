@@ -1,6 +1,7 @@
-"""Where the MoE backward runs gluon_moe's hidden kernel, decided without a GPU: each condition
-that sends it to the Triton kernel, with the reason it gives (the kernel itself is compiled in
-tests/bench/test_gluon_probe.py and run against float64 in test_gluon_moe_cuda.py)."""
+"""Where the MoE backward runs gluon_moe's kernels (the hidden kernel, the weight-gradient GEMM),
+decided without a GPU: each condition that sends it to the Triton kernel, with the reason it gives
+(the kernels are compiled in tests/bench/test_gluon_probe.py and test_gluon_wgrad_probe.py and run
+against float64 in test_gluon_moe_cuda.py)."""
 import pytest
 import torch
 
@@ -19,6 +20,8 @@ def test_takes_hopper_bf16_and_fp16_with_each_activation():
     for dtype in (torch.bfloat16, torch.float16):
         for act in ("gelu", "gelu_tanh", "silu"):
             assert gluon_moe.unsupported(*operands(dtype=dtype), None, act, 128, capability=HOPPER) is None
+        xs, gs, w1, w2 = operands(dtype=dtype)
+        assert gluon_moe.unsupported(xs, gs, w1, w2, w1.clone(), "swiglu", 128, capability=HOPPER) is None
     assert gluon_moe.unsupported(*operands(), None, "gelu", 64, capability=HOPPER) is None  # small's tile
 
 
@@ -42,6 +45,9 @@ def test_declines_mixed_dtypes_swiglu_weights_and_strided_rows():
     xs, gs, w1, w2 = operands()
     assert "dtypes" in gluon_moe.unsupported(xs, gs.half(), w1, w2, None, "gelu", 128, capability=HOPPER)
     assert "act" in gluon_moe.unsupported(xs, gs, w1, w2, w1, "gelu", 128, capability=HOPPER)  # a W3
+    assert "dtypes" in gluon_moe.unsupported(xs, gs, w1, w2, w1.float(), "swiglu", 128, capability=HOPPER)
+    assert "contiguous" in gluon_moe.unsupported(xs, gs, w1, w2, w1.transpose(1, 2).contiguous().transpose(1, 2),
+                                                 "swiglu", 128, capability=HOPPER)
     wide = torch.randn(256, 512).to(torch.bfloat16)[:, :256]
     assert "contiguous" in gluon_moe.unsupported(wide, gs, w1, w2, None, "gelu", 128, capability=HOPPER)
 
@@ -89,3 +95,16 @@ def test_descriptors_take_the_layout_the_tile_needs():
         desc = gluon_moe._descriptor(t, block, gl.bfloat16)
         assert desc.block_shape == block
         assert desc.layout == gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+
+
+def test_weight_gradients_take_hopper_16_bit_rows_of_whole_blocks():
+    rows = lambda I, J, dtype=torch.bfloat16: (torch.randn(256, I).to(dtype), torch.randn(256, J).to(dtype))  # noqa: E731
+    assert gluon_moe.wgrad_unsupported(*rows(512, 2048), 128, capability=HOPPER) is None
+    assert gluon_moe.wgrad_unsupported(*rows(256, 384, torch.float16), 64, capability=HOPPER) is None
+    assert "I=200" in gluon_moe.wgrad_unsupported(*rows(200, 256), 128, capability=HOPPER)
+    assert "J=320" in gluon_moe.wgrad_unsupported(*rows(256, 320), 128, capability=HOPPER)
+    assert "TILE=32" in gluon_moe.wgrad_unsupported(*rows(256, 256), 32, capability=HOPPER)
+    assert "torch.float32" in gluon_moe.wgrad_unsupported(*rows(256, 256, torch.float32), 128, capability=HOPPER)
+    assert "sm_80" in gluon_moe.wgrad_unsupported(*rows(256, 256), 128, capability=(8, 0))
+    assert gluon_moe.wgrad_unsupported(*rows(256, 256), 128) == "not on a CUDA GPU"
+    assert moe.wgrad_kernel(*rows(256, 256), 128, False) == "triton"

@@ -1,7 +1,9 @@
-"""gluon_moe's hidden kernel on the H200 (`pytest -m cuda`): hw, ∂u and the ∂w partials against
-float64 on fresh random operands, for each activation, dtype and bias setting, with empty experts,
-padding slots, both tile sizes and one run of tiles; and the backward runs it where it applies
-(the whole region's gradients through it are checked in test_triton_kernels_cuda.py)."""
+"""gluon_moe's kernels on the H200 (`pytest -m cuda`). The hidden kernel: hw, ∂u (∂u3 for swiglu)
+and the ∂w partials against float64 on fresh random operands, for each activation, dtype and bias
+setting, with empty experts, padding slots, both tile sizes and one run of tiles. The
+weight-gradient GEMM: ∂W against float64, written and added into fp32 totals run by run. And the
+backward runs each where it applies (the whole region's gradients through them:
+test_triton_kernels_cuda.py)."""
 import pytest
 import torch
 
@@ -29,8 +31,9 @@ def slot_case(R, k, D, F, E, experts_used, dtype, bias, seed):
     return groups, xs, gs, w1, b1, w2, weight
 
 
-def float64_hidden(groups, xs, gs, w1, b1, w2, weight, act):
-    """(hw, ∂u, gw [S, F/64]) from SPEC §1's backward, in float64, 0 on padding slots."""
+def float64_hidden(groups, xs, gs, w1, b1, w2, weight, act, w3=None):
+    """(hw, ∂u, gw [S, F/64]) (and ∂u3 with W3) from SPEC §1's backward, in float64, 0 on padding
+    slots."""
     valid = groups.slot_pair < groups.pairs
     e = groups.tile_expert.long().repeat_interleave(groups.tile)
     w = torch.where(valid, weight.double()[groups.slot_pair.clamp(max=groups.pairs - 1).long()], 0.0)[:, None]
@@ -38,10 +41,11 @@ def float64_hidden(groups, xs, gs, w1, b1, w2, weight, act):
     if b1 is not None:
         u = u + b1.double()[e]
     g = torch.einsum("sd,sfd->sf", gs.double(), w2.double()[e])
-    h = reference.act_forward(act, u)
-    du, _ = reference.act_backward(act, w * g, u)
+    u3 = None if w3 is None else torch.einsum("sd,sdf->sf", xs.double(), w3.double()[e])
+    h = reference.act_forward(act, u, u3)
+    du, du3 = reference.act_backward(act, w * g, u, u3)
     gw = (h * g).view(len(h), -1, 64).sum(-1) * valid[:, None]
-    return w * h, du * valid[:, None], gw
+    return (w * h, du * valid[:, None], gw) + (() if w3 is None else (du3 * valid[:, None],))
 
 
 CASES = [  # (R, k, D, F, E, experts used): TILE 64 (small's) with three empty experts; TILE 128
@@ -58,12 +62,13 @@ def test_matches_float64(case, act, dtype, bias):
     R, k, D, F, E, used = case
     groups, xs, gs, w1, b1, w2, weight = slot_case(R, k, D, F, E, used, dtype, bias, seed=R + F + len(act))
     assert groups.tile == (64 if E == 7 else 128) and (groups.slot_pair >= groups.pairs).any()  # and padding
-    assert moe.hidden_kernel(xs, gs, w1, w2, None, b1, act, groups.tile) == "gluon"
-    hw, du = torch.full((2, groups.slots, F), float("nan"), device="cuda", dtype=dtype)
+    w3 = (torch.randn_like(w1, dtype=torch.float32) * D ** -0.5).to(dtype) if act == "swiglu" else None
+    assert moe.hidden_kernel(xs, gs, w1, w2, w3, b1, act, groups.tile) == "gluon"
+    hw, du, du3 = torch.full((3, groups.slots, F), float("nan"), device="cuda", dtype=dtype)
     gw = torch.full((groups.slots, moe.gw_columns(D, F, True)), float("nan"), device="cuda")
-    gluon_moe.backward_hidden(xs, gs, groups, w1, b1, w2, weight, act, hw, du, gw)
-    want = float64_hidden(groups, xs, gs, w1, b1, w2, weight, act)
-    for name, got, ref in zip(("hw", "du", "gw"), (hw, du, gw[:, :F // 64]), want):
+    gluon_moe.backward_hidden(xs, gs, groups, w1, b1, w2, weight, act, hw, du, gw, w3, None if w3 is None else du3)
+    want = float64_hidden(groups, xs, gs, w1, b1, w2, weight, act, w3)
+    for name, got, ref in zip(("hw", "du", "gw", "du3"), (hw, du, gw[:, :F // 64], du3), want):
         err = float((got.double() - ref).norm() / ref.norm())
         assert err < TOL[dtype], f"{name}: rel err {err:.2e}"
     padding = groups.slot_pair >= groups.pairs
@@ -93,7 +98,7 @@ def test_backward_runs_it_where_it_applies(monkeypatch):
     calls = []
     real = gluon_moe.backward_hidden
     monkeypatch.setattr(gluon_moe, "backward_hidden", lambda *a, **kw: calls.append(a[7]) or real(*a, **kw))
-    for act, w3, want in (("gelu", False, ["gelu"]), ("swiglu", True, [])):
+    for act, w3, want in (("gelu", False, ["gelu"]), ("swiglu", True, ["swiglu"])):
         calls.clear()
         groups, xs, gs, w1, b1, w2, weight = slot_case(1500, 2, 128, 256, 3, [0, 1, 2], torch.bfloat16, True, 3)
         R, D = 1500, 128
@@ -102,3 +107,65 @@ def test_backward_runs_it_where_it_applies(monkeypatch):
         b2 = torch.randn(3, D, device="cuda", dtype=torch.bfloat16)
         moe.moe_backward(grad, x, None, weight.view(R, 2), groups, w1, b1, w2, b2, w1.clone() if w3 else None, act, 1)
         assert calls == want
+
+
+def float64_wgrad(a, b, groups):
+    bounds = groups.expert_slots.tolist()
+    E = groups.experts
+    out = torch.zeros(E, a.shape[1], b.shape[1], device="cuda", dtype=torch.float64)
+    for e in range(E):
+        out[e] = a[bounds[e]:bounds[E + e]].double().t() @ b[bounds[e]:bounds[E + e]].double()
+    return out
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")])
+def test_weight_grads_match_float64(case, dtype):
+    R, k, D, F, E, used = case
+    groups, xs, gs, w1, b1, w2, weight = slot_case(R, k, D, F, E, used, dtype, True, seed=R + D)
+    du = torch.randn(groups.slots, F, device="cuda").to(dtype) * (groups.slot_pair < groups.pairs)[:, None]
+    for a, b in ((xs, du), (du, gs)):  # ∂W1's shape (I = D, J = F; F = 384 takes BN 128), ∂W2's
+        assert moe.wgrad_kernel(a, b, groups.tile, False) == "gluon"
+        out = torch.full((E, a.shape[1], b.shape[1]), float("nan"), device="cuda", dtype=dtype)
+        gluon_moe.weight_grads(a, b, groups, out, accumulate=False)
+        want = float64_wgrad(a, b, groups)
+        assert (out[[e for e in range(E) if e not in used]] == 0).all()  # experts without slots: zeros
+        assert float((out.double() - want).norm() / want.norm()) < TOL[dtype]
+
+
+def test_weight_grads_add_run_by_run():
+    """The runs of tiles: each run's sums added into fp32 totals, experts absent from it untouched."""
+    groups, xs, gs, w1, b1, w2, weight = slot_case(3000, 2, 128, 256, 4, [0, 1, 2, 3], torch.bfloat16, True, 11)
+    want = float64_wgrad(xs, gs, groups)
+    total = torch.full(want.shape, 0.25, device="cuda")  # a starting sum the kernel must keep
+    runs = [(0, 10), (10, 27), (27, groups.num_tiles)]
+    for t0, t1 in runs:
+        rows = slice(t0 * groups.tile, t1 * groups.tile)
+        part = groups.tiles(t0, t1)
+        before = total.clone()
+        gluon_moe.weight_grads(xs[rows].contiguous(), gs[rows].contiguous(), part, total, accumulate=True)
+        bounds = part.expert_slots.tolist()
+        for e in range(4):
+            if bounds[e] == bounds[4 + e]:
+                assert torch.equal(total[e], before[e]), f"expert {e} has no slots in run {t0}-{t1}"
+    # exact bf16 products summed in fp32 over ≤ ~1600 slots an expert: ≤ K·2⁻²⁴ ≈ 1e-4
+    assert float((total.double() - 0.25 - want).norm() / want.norm()) < 1e-4
+
+
+def test_weight_grads_dispatch(monkeypatch):
+    """weight_grads takes the Gluon GEMM for one B added into totals (the runs of tiles) or without a
+    split, the Triton one for two Bs (swiglu's ∂W1, ∂W3) or where it splits the slots."""
+    calls = []
+    real = gluon_moe.weight_grads
+    monkeypatch.setattr(gluon_moe, "weight_grads", lambda *a, **kw: calls.append(a[4]) or real(*a, **kw))
+    groups, xs, gs, w1, b1, w2, weight = slot_case(3000, 2, 128, 256, 4, [0, 1, 2, 3], torch.bfloat16, True, 5)
+    total = torch.zeros(4, 128, 128, device="cuda")
+    moe.weight_grads(xs, gs, None, groups, into=(total, None))
+    assert calls == [True]
+    assert float((total.double() - float64_wgrad(xs, gs, groups)).norm() / total.double().norm()) < 1e-4
+    assert moe.wgrad_splits(groups.slots, 4, 128, 128, xs.device) > 1
+    split, _ = moe.weight_grads(xs, gs, None, groups)  # the Triton kernel's split sums
+    pair = moe.weight_grads(xs, gs, gs, groups)  # two Bs: the Triton kernel
+    assert calls == [True]
+    for got in (split, *pair):
+        assert float((got.double() - total.double()).norm() / total.double().norm()) < 2e-2
