@@ -32,17 +32,28 @@ import triton.language as tl
 
 from mha_compile.kernels.reference import pool_directions
 from mha_compile.kernels.triton_matmul import matmul_f32
-from mha_compile.kernels.triton_util import Launcher, dot_f32, num_sms, pow2
+from mha_compile.kernels.triton_util import Launcher, dot_f32, pow2
 
 # A [P,D] fp32 accumulator (P padded to 16) lives in registers: D beyond this spills badly.
 MAX_POOL_D = 1024
 
 
 @triton.jit
-def _attend_row(b, tok_ptr, ut, mask_ptr, attn_ptr, tbar_ptr, N, D, P, stride_tb, stride_tn, offs_d, offs_p,
-                d_ok, p_ok, HAS_MASK: tl.constexpr, SPLIT_DOT: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr):
-    """The forward of batch row b (see _pool_fwd_kernel), u given transposed as ut [D, P]."""
+def _pool_fwd_kernel(
+    tok_ptr, u_ptr, mask_ptr, attn_ptr, tbar_ptr,
+    N, D, P,
+    stride_tb, stride_tn,
+    HAS_MASK: tl.constexpr, SPLIT_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    """tok [B,N,D] (row stride 1), u [P,D] fp32 → attn [B,N,P] fp32, t̄ [B,P,D] fp32."""
+    b = tl.program_id(0).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_p = tl.arange(0, BLOCK_P)
+    d_ok = offs_d < D
+    p_ok = offs_p < P
+    u = tl.load(u_ptr + offs_p[:, None] * D + offs_d[None, :], mask=p_ok[:, None] & d_ok[None, :], other=0.0)
+    ut = tl.trans(u)
     tok_b = tok_ptr + b * stride_tb
     attn_b = attn_ptr + b * N * P
     m = tl.full([BLOCK_P], float("-inf"), tl.float32)
@@ -79,32 +90,6 @@ def _attend_row(b, tok_ptr, ut, mask_ptr, attn_ptr, tbar_ptr, N, D, P, stride_tb
         ok = (offs_n < N)[:, None] & p_ok[None, :]
         s = tl.load(ptrs, mask=ok, other=float("-inf"))
         tl.store(ptrs, tl.exp(s - m_safe[None, :]) / l[None, :], mask=ok)
-
-
-@triton.jit
-def _pool_fwd_kernel(
-    tok_ptr, u_ptr, mask_ptr, attn_ptr, tbar_ptr,
-    B, N, D, P,
-    stride_tb, stride_tn,
-    HAS_MASK: tl.constexpr, SPLIT_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_P: tl.constexpr, PERSISTENT: tl.constexpr,
-):
-    """tok [B,N,D] (row stride 1), u [P,D] fp32 → attn [B,N,P] fp32, t̄ [B,P,D] fp32. A program a
-    batch row, or (PERSISTENT) a program walks rows b, b + programs, ...: u [P,D] and its split
-    for the dots are then set up once a program, not once a row (large: 32 KiB of u a row)."""
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_p = tl.arange(0, BLOCK_P)
-    d_ok = offs_d < D
-    p_ok = offs_p < P
-    u = tl.load(u_ptr + offs_p[:, None] * D + offs_d[None, :], mask=p_ok[:, None] & d_ok[None, :], other=0.0)
-    ut = tl.trans(u)
-    if PERSISTENT:
-        for b in range(tl.program_id(0).to(tl.int64), B, tl.num_programs(0)):
-            _attend_row(b, tok_ptr, ut, mask_ptr, attn_ptr, tbar_ptr, N, D, P, stride_tb, stride_tn,
-                        offs_d, offs_p, d_ok, p_ok, HAS_MASK, SPLIT_DOT, BLOCK_N, BLOCK_D, BLOCK_P)
-    else:
-        _attend_row(tl.program_id(0).to(tl.int64), tok_ptr, ut, mask_ptr, attn_ptr, tbar_ptr, N, D, P, stride_tb,
-                    stride_tn, offs_d, offs_p, d_ok, p_ok, HAS_MASK, SPLIT_DOT, BLOCK_N, BLOCK_D, BLOCK_P)
 
 
 @triton.jit
@@ -218,11 +203,7 @@ _POOL_CONFIGS = [
     dict(BLOCK_N=32, num_warps=4, num_stages=3),
     dict(BLOCK_N=16, num_warps=16, num_stages=2),
 ]
-# The forward also as a persistent kernel, PERSISTENT programs an SM (its config at large, where
-# 252 registers a thread fit two 4-warp programs an SM), each walking batch rows.
-_attend = Launcher(_pool_fwd_kernel, [dict(c, PERSISTENT=0) for c in _POOL_CONFIGS] + [
-    dict(BLOCK_N=16, num_warps=4, num_stages=3, PERSISTENT=2),
-], key=["N", "D", "P", "HAS_MASK", "SPLIT_DOT"])
+_attend = Launcher(_pool_fwd_kernel, _POOL_CONFIGS, key=["N", "D", "P", "HAS_MASK", "SPLIT_DOT"])
 _attend_bwd_scores = Launcher(_pool_bwd_scores_kernel, _POOL_CONFIGS, key=["N", "D", "P", "SPLIT_DOT"])
 # Pass 2 by blocks of D: the first config (32 columns) gives the interpreter's tests more than
 # one block at their D of 33-40. pool_backward passes ∂t̄ as du_ptr too: autotuning's trial
@@ -246,8 +227,7 @@ def pool_attend(tok, u, mask=None):
     attn = torch.empty(B, N, P, device=tok.device, dtype=torch.float32)
     tbar = torch.empty(B, P, D, device=tok.device, dtype=torch.float32)
     mask_u8 = mask.to(torch.uint8).contiguous() if mask is not None else attn
-    grid = lambda m: (min(B, m["PERSISTENT"] * num_sms(tok.device)),) if m["PERSISTENT"] else (B,)  # noqa: E731
-    _attend(grid, tok, u, mask_u8, attn, tbar, B, N, D, P, tok.stride(0), tok.stride(1),
+    _attend(lambda m: (B,), tok, u, mask_u8, attn, tbar, N, D, P, tok.stride(0), tok.stride(1),
             HAS_MASK=mask is not None, SPLIT_DOT=split_dot(tok.dtype), BLOCK_D=pow2(D), BLOCK_P=pow2(P))
     return attn, tbar
 

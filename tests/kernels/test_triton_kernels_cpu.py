@@ -257,20 +257,6 @@ def test_pool_split_dots(monkeypatch):
     assert errors["attn"] < 1e-3 and errors["inv"] < 1e-3, errors
 
 
-def test_persistent_pool_forward_walks_rows(monkeypatch):
-    """The pool forward's persistent config: more batch rows (B = 13, with a key-padding mask)
-    than its programs (8 off the GPU), so programs walk several rows each."""
-    persistent = [c for c in triton_pool._attend.configs if c["PERSISTENT"]]
-    assert persistent
-    monkeypatch.setattr(triton_pool._attend, "configs", persistent)
-    ctx, tok, params = make_case(13, 2, 21, 32, 2, 32, 4, 2)
-    mask = torch.zeros(13, 21, dtype=torch.bool)
-    mask[1, 5:] = True
-    mask[7, :3] = True
-    errors = check_region(fused, ctx, tok, params, top_k=2, renorm=True, act="gelu", mask=mask)
-    assert errors["attn"] < 1e-5 and errors["inv"] < 1e-5, errors
-
-
 @pytest.mark.parametrize("name", ["_attend_bwd", "_wgrad", "_sum_tiles"])
 def test_kernels_survive_autotune_trials(monkeypatch, name):
     """Autotuning on the GPU runs a kernel several times on the same arguments, restoring only
