@@ -24,7 +24,10 @@ by torch (a fixed-order reduction: bitwise reproducible).
 
 All pool arithmetic accumulates in fp32 to about fp32 accuracy: ieee fp32 dots for fp32 and
 fp16 tokens; for bf16 tokens the same products as split bf16 tensor-core dots (triton_util.dot_f32), since
-on the FMA units these thin dots, not the one read of tok, set the kernels' time.
+on the FMA units these thin dots, not the one read of tok, set the kernels' time. The forward and
+pass 1 put an fp32 operand's hi and lo halves side by side (triton_util.split_pairs): one dot of
+2P columns instead of two chained dots of P padded to 16, which took the large forward from 252
+to 140 registers a thread and its mma instructions from 96 to 48 (sm_90a, offline).
 """
 import torch
 import triton
@@ -32,7 +35,8 @@ import triton.language as tl
 
 from mha_compile.kernels.reference import pool_directions
 from mha_compile.kernels.triton_matmul import matmul_f32
-from mha_compile.kernels.triton_util import Launcher, dot_f32, pow2
+from mha_compile.kernels.triton_util import (Launcher, dot16, dot_f32, dot_pairs, pow2, repeat_pairs, split_pairs,
+                                             sum_pairs)
 
 # A [P,D] fp32 accumulator (P padded to 16) lives in registers: D beyond this spills badly.
 MAX_POOL_D = 1024
@@ -53,18 +57,20 @@ def _pool_fwd_kernel(
     d_ok = offs_d < D
     p_ok = offs_p < P
     u = tl.load(u_ptr + offs_p[:, None] * D + offs_d[None, :], mask=p_ok[:, None] & d_ok[None, :], other=0.0)
-    ut = tl.trans(u)
+    # u's hi and lo halves side by side (split_pairs): one dot takes both, and the [P, D]
+    # accumulator holds a row for each half, added at the end (sum_pairs).
+    u2 = split_pairs(tl.trans(u), SPLIT_DOT)  # [BLOCK_D, 2·BLOCK_P]
     tok_b = tok_ptr + b * stride_tb
     attn_b = attn_ptr + b * N * P
     m = tl.full([BLOCK_P], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_P], tl.float32)
-    acc = tl.zeros([BLOCK_P, BLOCK_D], tl.float32)
+    acc = tl.zeros([u2.shape[1], BLOCK_D], tl.float32)
     for n0 in range(0, N, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
         t = tl.load(tok_b + offs_n[:, None].to(tl.int64) * stride_tn + offs_d[None, :],
                     mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        s = dot_f32(t, ut, SPLIT_DOT)  # [BLOCK_N, BLOCK_P]
+        s = dot_pairs(t, u2, SPLIT_DOT)  # [BLOCK_N, BLOCK_P]
         keep = n_ok
         if HAS_MASK:
             ignore = tl.load(mask_ptr + b * N + offs_n, mask=n_ok, other=1)
@@ -77,10 +83,10 @@ def _pool_fwd_kernel(
         alpha = tl.exp(m - m_safe)
         e = tl.exp(s - m_safe[None, :])
         l = l * alpha + tl.sum(e, axis=0)
-        acc = acc * alpha[:, None] + dot_f32(tl.trans(e), t, SPLIT_DOT)
+        acc = acc * repeat_pairs(alpha, SPLIT_DOT)[:, None] + dot16(tl.trans(split_pairs(e, SPLIT_DOT)), t, SPLIT_DOT)
         m = m_new
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    tl.store(tbar_ptr + b * P * D + offs_p[:, None] * D + offs_d[None, :], acc / l[:, None],
+    tl.store(tbar_ptr + b * P * D + offs_p[:, None] * D + offs_d[None, :], sum_pairs(acc, SPLIT_DOT) / l[:, None],
              mask=p_ok[:, None] & d_ok[None, :])
     # Normalise the stored scores; this program wrote them, the barrier orders its threads.
     tl.debug_barrier()
@@ -110,7 +116,7 @@ def _pool_bwd_scores_kernel(
     p_ok = offs_p < P
     dtbar = tl.load(dtbar_ptr + b * P * D + offs_p[:, None] * D + offs_d[None, :],
                     mask=p_ok[:, None] & d_ok[None, :], other=0.0)
-    dtbar_t = tl.trans(dtbar)
+    dtbar2 = split_pairs(tl.trans(dtbar), SPLIT_DOT)  # [BLOCK_D, 2·BLOCK_P], as the forward's u
     tok_b = tok_ptr + b * stride_tb
     attn_b = attn_ptr + b * N * P
     ds_b = ds_ptr + b * N * P
@@ -122,7 +128,7 @@ def _pool_bwd_scores_kernel(
         t = tl.load(tok_b + offs_n[:, None].to(tl.int64) * stride_tn + offs_d[None, :],
                     mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         a = tl.load(attn_b + offs_n[:, None] * P + offs_p[None, :], mask=np_ok, other=0.0)
-        da = dot_f32(t, dtbar_t, SPLIT_DOT)  # [BLOCK_N, BLOCK_P]
+        da = dot_pairs(t, dtbar2, SPLIT_DOT)  # [BLOCK_N, BLOCK_P]
         tl.store(ds_b + offs_n[:, None] * P + offs_p[None, :], da, mask=np_ok)
         c += tl.sum(a * da, axis=0)
     # This program wrote the ∂a it now reads; the barrier orders its threads.
@@ -191,6 +197,12 @@ def split_dot(dtype):
     return SPLIT_DOT_DTYPES.get(dtype, 0)
 
 
+def block_p(P, split):
+    """BLOCK_P, the heads padded for the forward and pass 1: with split dots the 2·BLOCK_P
+    columns of split_pairs are a dot's (≥ 16), so P = 8 needs no padding."""
+    return pow2(2 * P) // 2 if split else pow2(P)
+
+
 # Config lists, autotuned per (N, D, P) on the GPU (the first is the interpreter's and
 # MHA_COMPILE_NO_AUTOTUNE's). They hold the fixed choice these kernels had before, which was
 # BLOCK_N 32 with 4 warps at D ≤ 256 and BLOCK_N 16 with 8 warps above, and the configs that
@@ -202,6 +214,8 @@ _POOL_CONFIGS = [
     dict(BLOCK_N=16, num_warps=4, num_stages=3),
     dict(BLOCK_N=32, num_warps=4, num_stages=3),
     dict(BLOCK_N=16, num_warps=16, num_stages=2),
+    dict(BLOCK_N=32, num_warps=8, num_stages=3),
+    dict(BLOCK_N=16, num_warps=4, num_stages=4),
 ]
 _attend = Launcher(_pool_fwd_kernel, _POOL_CONFIGS, key=["N", "D", "P", "HAS_MASK", "SPLIT_DOT"])
 _attend_bwd_scores = Launcher(_pool_bwd_scores_kernel, _POOL_CONFIGS, key=["N", "D", "P", "SPLIT_DOT"])
@@ -227,8 +241,9 @@ def pool_attend(tok, u, mask=None):
     attn = torch.empty(B, N, P, device=tok.device, dtype=torch.float32)
     tbar = torch.empty(B, P, D, device=tok.device, dtype=torch.float32)
     mask_u8 = mask.to(torch.uint8).contiguous() if mask is not None else attn
+    split = split_dot(tok.dtype)
     _attend(lambda m: (B,), tok, u, mask_u8, attn, tbar, N, D, P, tok.stride(0), tok.stride(1),
-            HAS_MASK=mask is not None, SPLIT_DOT=split_dot(tok.dtype), BLOCK_D=pow2(D), BLOCK_P=pow2(P))
+            HAS_MASK=mask is not None, SPLIT_DOT=split, BLOCK_D=pow2(D), BLOCK_P=block_p(P, split))
     return attn, tbar
 
 
@@ -286,7 +301,7 @@ def pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn):
     ds = torch.empty_like(attn)
     strides = tok.stride(0), tok.stride(1)
     _attend_bwd_scores(lambda m: (B,), tok, attn, grad_tbar, ds, N, D, P, *strides,
-                       SPLIT_DOT=split, BLOCK_D=pow2(D), BLOCK_P=pow2(P))
+                       SPLIT_DOT=split, BLOCK_D=pow2(D), BLOCK_P=block_p(P, split))
     _attend_bwd(lambda m: (B, triton.cdiv(D, m["BLOCK_D"])), tok, u, attn, ds, grad_tbar, tbar, du_part, grad_tok,
                 N, D, P, *strides, SPLIT_DOT=split, BLOCK_Q=pow2(2 * P))
     del ds

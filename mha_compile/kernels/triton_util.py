@@ -227,6 +227,58 @@ def dot_f32(a, b, SPLIT_DOT: tl.constexpr):
             return tl.dot(a_lo, b_hi, tl.dot(a_hi, b_lo, tl.dot(a_hi, b_hi)))
 
 
+@triton.jit
+def split_pairs(x, SPLIT_DOT: tl.constexpr):
+    """x [M, N] fp32 as [M, 2N] in the 16-bit dtype of SPLIT_DOT (as dot_f32's), columns 2n and
+    2n + 1 the hi and lo halves of x[:, n] (split16); SPLIT_DOT = 0: x itself. One dot against
+    it (dot_pairs) takes both halves' products, where dot_f32 chains two dots of N columns."""
+    if SPLIT_DOT == 0:
+        return x
+    else:
+        hi, lo = split16(x, tl.bfloat16 if SPLIT_DOT == 1 else tl.float16)
+        return tl.reshape(tl.join(hi, lo), [x.shape[0], 2 * x.shape[1]])
+
+
+@triton.jit
+def dot16(a, b, SPLIT_DOT: tl.constexpr):
+    """a @ b (fp32 accumulation) of operands in the 16-bit dtype of SPLIT_DOT; SPLIT_DOT = 0: an
+    ieee fp32 dot."""
+    if SPLIT_DOT == 0:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def dot_pairs(a, b2, SPLIT_DOT: tl.constexpr):
+    """a @ b, b given as b2 = split_pairs(b): a [M, K] in the 16-bit dtype, b2 [K, 2N], to
+    about fp32 accuracy; SPLIT_DOT = 0: an ieee fp32 dot."""
+    c2 = dot16(a, b2, SPLIT_DOT)
+    if SPLIT_DOT == 0:
+        return c2
+    else:
+        return tl.sum(tl.reshape(c2, [c2.shape[0], c2.shape[1] // 2, 2]), axis=2)
+
+
+@triton.jit
+def sum_pairs(x, SPLIT_DOT: tl.constexpr):
+    """[2M, N] → [M, N], rows 2m and 2m + 1 added: the product of split_pairs(b)ᵀ and a
+    (the hi and lo halves' rows); SPLIT_DOT = 0: x itself."""
+    if SPLIT_DOT == 0:
+        return x
+    else:
+        return tl.sum(tl.reshape(x, [x.shape[0] // 2, 2, x.shape[1]]), axis=1)
+
+
+@triton.jit
+def repeat_pairs(v, SPLIT_DOT: tl.constexpr):
+    """v [M] as [2M], each value twice (a scale for split_pairs' rows); SPLIT_DOT = 0: v."""
+    if SPLIT_DOT == 0:
+        return v
+    else:
+        return tl.reshape(tl.join(v, v), [2 * v.shape[0]])
+
+
 # ---------------------------------------------------------------------------------------------
 # Activations (codes above). u: pre-activation in fp32; u3 = x W3 for swiglu.
 

@@ -248,13 +248,33 @@ def test_tile_runs_cover_every_tile_once():
 
 def test_pool_split_dots(monkeypatch):
     """The pool's split 16-bit dots (the bf16 GPU path) in fp16, which the interpreter computes
-    right: same tolerance as the plain fp16 path."""
+    right, to fp32's bound (SPEC §4): both halves count. Measured 1.3e-7 (inv) and 1.7e-7 (attn);
+    with the lo halves dropped 1.0e-4 and 1.6e-4, which the bound of 1e-3 this test had let pass."""
     from mha_compile.kernels import triton_pool
 
     monkeypatch.setattr(triton_pool, "SPLIT_DOT_DTYPES", {torch.float16: 2})
     ctx, tok, params = make_case(3, 2, 37, 32, 2, 32, 4, 2, dtype=torch.float16)
     errors = check_region(fused, ctx, tok, params, top_k=2, renorm=True, act="gelu")
-    assert errors["attn"] < 1e-3 and errors["inv"] < 1e-3, errors
+    assert errors["attn"] < 1e-5 and errors["inv"] < 1e-5, errors
+
+
+def test_pool_backward_split_dots(monkeypatch):
+    """The pool backward's split dots (pass 1's ∂a against ∂t̄'s halves, pass 2) in fp16 against
+    float64 autograd of the reference pool: the fp32 gradients to fp32's bound, ∂tok to its fp16
+    rounding. N = 37 leaves a partial block of tokens."""
+    monkeypatch.setattr(triton_pool, "SPLIT_DOT_DTYPES", {torch.float16: 2})
+    B, N, D, P = 3, 37, 32, 2
+    tok = torch.randn(B, N, D).half()
+    q, bv, bo = torch.randn(P, D // P), torch.randn(D) * 0.1, torch.randn(D) * 0.1
+    wk, wv, wo = (torch.randn(D, D) * D ** -0.5 for _ in range(3))
+    grad_inv = torch.randn(B, D)
+    _, attn = triton_pool.pool_forward(tok, q, wk, wv, bv, wo, bo)
+    got = triton_pool.pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn)
+    leaves = [t.double().requires_grad_() for t in (tok, q, wk, wv, bv, wo, bo)]
+    reference.pool_forward(*leaves)[0].backward(grad_inv.double())
+    for name, g, leaf in zip(("tok", "q", "wk", "wv", "bv", "wo", "bo"), got, leaves):
+        err = float((g.double() - leaf.grad).norm() / leaf.grad.norm())
+        assert err < (2e-3 if name == "tok" else 1e-5), (name, err)
 
 
 @pytest.mark.parametrize("name", ["_attend_bwd", "_wgrad", "_sum_tiles"])
