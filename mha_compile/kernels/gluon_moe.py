@@ -342,11 +342,16 @@ def _descriptor(t, block, dtype):
     return TensorDescriptor.from_tensor(t, block, _layout(tuple(block), dtype))
 
 
+def _gl_dtype(t):
+    """Gluon's dtype of a bf16 or fp16 tensor."""
+    return gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+
+
 def kernel_args(xs, gs, w1, w2, b1, weight, gw, hw, du, tile_m, block_n, block_k, w3=None, du3=None):
     """_hidden_kernel's tensor arguments in order, its operands as TMA descriptors (W3 and ∂u3 with
     swiglu, else W1's and ∂u's again)."""
     E, D, F = w1.shape
-    dtype = gl.bfloat16 if xs.dtype == torch.bfloat16 else gl.float16
+    dtype = _gl_dtype(xs)
     w1_desc = _descriptor(w1.view(E * D, F), [block_k, block_n], dtype)
     du_desc = _descriptor(du, [tile_m, block_n], dtype)
     return [_descriptor(xs, [tile_m, block_k], dtype), _descriptor(gs, [tile_m, block_k], dtype), w1_desc,
@@ -370,6 +375,50 @@ def backward_hidden(xs, gs, groups, w1, b1, w2, weight, act, hw, du, gw, w3=None
         groups.slot_pair, groups.tile_expert, groups.pairs, D, F, gw.shape[1], jobs, int(b1 is not None),
         groups.tile, ACT=ACTS[act], NBUF=nbuf, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
         num_warps=4)
+
+
+# ---------------------------------------------------------------------------------------------
+# The cooperative GEMMs' ring (the weight-gradient GEMM below): a producer warp fills its
+# NBUF stages (ready: the stage's TMA loads have landed), two consumer warpgroups read each stage
+# (empty: both are done with it, a barrier of count 2), each issuing one wgmma a K step, left in
+# flight until its next one is issued.
+
+
+@gluon.jit
+def _ring_claim(ready, empty, pos, nbytes: gl.constexpr):
+    """The producer's stage for ring position pos, once both consumers are done with its last use,
+    set to expect nbytes of TMA loads."""
+    NBUF: gl.constexpr = ready.type.shape[0]
+    stage = pos % NBUF
+    # Barriers start with phase 1 complete: the first NBUF waits on "empty" pass.
+    mbarrier.wait(empty.index(stage), ((pos // NBUF) & 1) ^ 1)
+    mbarrier.expect(ready.index(stage), nbytes)
+    return stage
+
+
+@gluon.jit
+def _ring_dot(a, b, acc, ready, empty, pos, release):
+    """A consumer's K step at ring position pos: acc + a b (a, b: views of the stage), issued once
+    the stage has landed and left in flight. The step before has then finished reading its stage,
+    which is released when `release` (there was a step before in this job)."""
+    NBUF: gl.constexpr = ready.type.shape[0]
+    mbarrier.wait(ready.index(pos % NBUF), (pos // NBUF) & 1)
+    acc = warpgroup_mma(a, b, acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+    if release:
+        mbarrier.arrive(empty.index((pos + NBUF - 1) % NBUF), count=1)
+    return acc
+
+
+@gluon.jit
+def _ring_drain(acc, empty, pos, release):
+    """acc once a job's last wgmma is done; its stage (ring position pos − 1) released when
+    `release` (the job had K steps)."""
+    NBUF: gl.constexpr = empty.type.shape[0]
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    if release:
+        mbarrier.arrive(empty.index((pos + NBUF - 1) % NBUF), count=1)
+    return acc
 
 
 # ---------------------------------------------------------------------------------------------
@@ -426,7 +475,6 @@ def _wgrad_produce(descs, bufs, bars, ptrs, sizes):
     BK: gl.constexpr = a_desc.block_type.shape[0]
     HALF: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = b_desc.block_type.shape[1]
-    NBUF: gl.constexpr = b_bufs.type.shape[0]
     nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes
     pos = 0
     for job in range(gl.program_id(0), JOBS, gl.num_programs(0)):
@@ -434,10 +482,8 @@ def _wgrad_produce(descs, bufs, bars, ptrs, sizes):
         lo = gl.load(expert_slots_ptr + e)
         hi = gl.load(expert_slots_ptr + E + e)
         for s0 in range(lo, hi, BK):
-            stage = pos % NBUF
-            mbarrier.wait(empty.index(stage), ((pos // NBUF) & 1) ^ 1)
+            stage = _ring_claim(ready, empty, pos, nbytes)
             bar = ready.index(stage)
-            mbarrier.expect(bar, nbytes)
             tma.async_copy_global_to_shared(a_desc, [s0, i0], bar, a_bufs.index(2 * stage))
             tma.async_copy_global_to_shared(a_desc, [s0, i0 + HALF], bar, a_bufs.index(2 * stage + 1))
             tma.async_copy_global_to_shared(b_desc, [s0, j0], bar, b_bufs.index(stage))
@@ -466,20 +512,12 @@ def _wgrad_consume(descs, bufs, bars, ptrs, sizes, which):
         lo = gl.load(expert_slots_ptr + e)
         hi = gl.load(expert_slots_ptr + E + e)
         acc = gl.zeros([HALF, BN], gl.float32, acc_layout)
-        prev = 0
         for s0 in range(lo, hi, BK):
             stage = pos % NBUF
-            mbarrier.wait(ready.index(stage), (pos // NBUF) & 1)
-            acc = warpgroup_mma(a_bufs.index(2 * stage + which).permute((1, 0)), b_bufs.index(stage), acc,
-                                is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-            if s0 > lo:  # the step before has finished reading its stage
-                mbarrier.arrive(empty.index(prev), count=1)
-            prev = stage
+            acc = _ring_dot(a_bufs.index(2 * stage + which).permute((1, 0)), b_bufs.index(stage), acc, ready, empty,
+                            pos, s0 > lo)
             pos += 1
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        if hi > lo:
-            mbarrier.arrive(empty.index(prev), count=1)
+        acc = _ring_drain(acc, empty, pos, hi > lo)
         rows = e * I + i0 + which * HALF + gl.arange(0, HALF, layout=rows_layout)
         cols = j0 + gl.arange(0, BN, layout=cols_layout)
         ptrs_out = out_ptr + rows.to(gl.int64)[:, None] * J + cols[None, :]
@@ -513,7 +551,7 @@ def _wgrad_kernel(a_desc, b_desc, out_ptr, expert_slots_ptr, I, J, E, JOBS, accu
 
 def wgrad_kernel_args(a, b, out, block_k, block_n):
     """_wgrad_kernel's tensor arguments: A and B as TMA descriptors, then out."""
-    dtype = gl.bfloat16 if a.dtype == torch.bfloat16 else gl.float16
+    dtype = _gl_dtype(a)
     return [_descriptor(a, [block_k, 64], dtype), _descriptor(b, [block_k, block_n], dtype), out]
 
 
