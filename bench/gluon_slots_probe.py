@@ -1,8 +1,12 @@
-"""STAGED, not yet run on a GPU: the MoE slots GEMM (GEMM2 of the forward, ∂x of the backward; and
-GEMM1, the same GEMM with a gelu epilogue) as a warp-specialised Gluon kernel, against the Triton
-ones (triton_moe._moe_slots_gemm_kernel: 545 TFLOP/s at large, 1.01 ms a step for the two; GEMM1's
-TMA kernel: 333, 0.87 ms). The weight-gradient GEMM written this way took 435-440 against 575-604
-us (bench/gluon_wgrad_probe.py); this is the same shape of kernel for the GEMMs over tile rows.
+"""The MoE slots GEMM (GEMM2 of the forward, ∂x of the backward; and GEMM1, the same GEMM with a
+gelu epilogue) as a warp-specialised Gluon kernel, against the Triton ones
+(triton_moe._moe_slots_gemm_kernel: 545 TFLOP/s at large, 1.01 ms a step for the two; GEMM1's TMA
+kernel: 333, 0.87 ms). The weight-gradient GEMM written this way took 435-440 against 575-604 us
+(bench/gluon_wgrad_probe.py); this is the same shape of kernel for the GEMMs over tile rows.
+
+On the H200 (large, bf16, this probe's own kernel then): GEMM2 448 against the Triton kernel's
+552 us (BK 64, BN 256, 3 stages), ∂x 488 against 493, GEMM1 lost. GEMM2 is now the forward's
+(gluon_moe.slots_gemm, which its rows here time); ∂x and GEMM1 stay in this file's kernel.
 
     PYTHONPATH=. python bench/gluon_slots_probe.py [--presets medium,large]   # H200
     PYTHONPATH=. python bench/gluon_slots_probe.py --offline                  # compile for sm_90a
@@ -12,10 +16,12 @@ second operand pair; act = gelu for GEMM1, as experts_up), 0 on padding slots; A
 B[e] [K, N] read through a TMA descriptor:
   - GEMM2: B = W2 [E, F, D] as [E·F, D] in [BK, BN] blocks (N contiguous; GEMM1's W1 likewise);
   - ∂x:    B = W1[e]ᵀ, W1 [E, D, F] read as [E·D, F] in [BN, BK] blocks and fed transposed.
-One program per SM walks the (tile, N block) jobs, a tile's blocks adjacent; a producer warp issues
-TMA loads of A's two [64, BK] halves of the tile's 128 rows and B's tile; two consumer warpgroups
-each own 64 rows ("cooperative", as the weight-gradient kernel) and store their [64, BN] rows
-through a staging tile and TMA. K must be a multiple of BK within each expert's B, and TILE 128.
+This file's kernel (∂x, GEMM1; gluon_moe's GEMM2 has its shape, and at TILE 64 splits a job's
+columns instead): one program per SM walks the (tile, N block) jobs, a tile's blocks adjacent; a
+producer warp issues TMA loads of A's two [64, BK] halves of the tile's 128 rows and B's tile; two
+consumer warpgroups each own 64 rows ("cooperative", as the weight-gradient kernel) and store
+their [64, BN] rows through a staging tile and TMA. K must be a multiple of BK within each
+expert's B, and TILE 128.
 """
 import torch
 from triton.experimental import gluon
@@ -26,13 +32,19 @@ from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
 from gluon_probe import _time, compile_offline, probe_cli
 from mha_compile.kernels import gluon_moe
 
+# GEMM2's builds compiled offline: what the forward ships (gluon_moe.slots_gemm's config at each
+# TILE, for N a multiple of 256 and of 128 only), then the other configs below at TILE 128.
+GEMM2_SHIPPED = [dict(tile=tile, block_k=gluon_moe.SLOTS_BK, block_n=gluon_moe.slots_block_n(n, tile),
+                      nbuf=gluon_moe.SLOTS_NBUF) for tile in (128, 64) for n in (256, 128)]
+
 # Partitions take (descs, bufs, bars, ptrs, sizes) (+ which, a runtime value: see gluon_moe).
 #   descs = (A as [S, K] in [64, BK] blocks, B as [E·K, N] ([BK, BN] blocks) or, transposed, [E·N, K]
 #            ([BN, BK] blocks), out as [S, N] in [64, BN] blocks);
 #   bufs  = (A ring [2·NBUF, 64, BK] (stage·2 + half), B ring [NBUF, ...], out staging [2, 64, BN]);
 #   bars  = (ready, empty) a stage;  ptrs = (bias, scale, slot_pair, tile_expert);
 #   sizes = (PAIRS, K, N, JOBS, has_bias, has_scale).
-# MODE (a constant): 0 plain B, 1 B transposed (∂x), 2 plain B and a gelu epilogue (GEMM1).
+# MODE (a constant): 1 B transposed (∂x), 2 plain B and a gelu epilogue (GEMM1). (MODE 0, plain B
+# without one, was GEMM2's: gluon_moe.slots_gemm now.)
 
 
 @gluon.jit
@@ -129,11 +141,6 @@ def _consume(descs, bufs, bars, ptrs, sizes, which, MODE: gl.constexpr):
 
 
 @gluon.jit
-def _consume_plain(descs, bufs, bars, ptrs, sizes, which):
-    _consume(descs, bufs, bars, ptrs, sizes, which, 0)
-
-
-@gluon.jit
 def _consume_t(descs, bufs, bars, ptrs, sizes, which):
     _consume(descs, bufs, bars, ptrs, sizes, which, 1)
 
@@ -173,11 +180,8 @@ def _slots_kernel(a_desc, b_desc, out_desc, bias_ptr, scale_ptr, slot_pair_ptr, 
     if MODE == 1:
         gl.warp_specialize([(_consume, args + (zero, MODE)), (_consume_t, args + (zero + 1, )), (_produce_t, args)],
                            [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-    elif MODE == 2:
-        gl.warp_specialize([(_consume, args + (zero, MODE)), (_consume_gelu, args + (zero + 1, )),
-                            (_produce_plain, args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
-        gl.warp_specialize([(_consume, args + (zero, MODE)), (_consume_plain, args + (zero + 1, )),
+        gl.warp_specialize([(_consume, args + (zero, MODE)), (_consume_gelu, args + (zero + 1, )),
                             (_produce_plain, args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -196,16 +200,18 @@ def kernel_args(a, b, out, bias, scale, b_t, block_k, block_n):
 def slots_gemm(a, b, groups, b_t=False, bias=None, scale=None, gelu=False, block_k=64, block_n=256, nbuf=3,
                num_sms=132):
     """[S, N] in b's dtype: scale · act(a B[e] + bias[e]), B[e] = b[e] ([K, N]) or, b_t, b[e]ᵀ (b [E, N,
-    K]); act is gelu (GEMM1) or none."""
+    K]); act is gelu (GEMM1) or none. This file's kernel: ∂x (b_t) or GEMM1 (gelu) only."""
     K = a.shape[1]
     N = b.shape[1] if b_t else b.shape[2]
+    if not (b_t or gelu):
+        raise ValueError("GEMM2 (plain B, no gelu) is gluon_moe.slots_gemm's")
     if K % block_k or N % block_n or groups.tile != 128:
         raise ValueError(f"K={K}, N={N}, TILE={groups.tile}: needs K % {block_k}, N % {block_n} and TILE 128")
     out = torch.empty(groups.slots, N, device=a.device, dtype=b.dtype)
     jobs = groups.num_tiles * (N // block_n)
     _slots_kernel[(min(num_sms, jobs),)](
         *kernel_args(a, b, out, bias, scale, b_t, block_k, block_n), groups.slot_pair, groups.tile_expert,
-        groups.pairs, K, N, jobs, int(bias is not None), int(scale is not None), MODE=1 if b_t else 2 if gelu else 0,
+        groups.pairs, K, N, jobs, int(bias is not None), int(scale is not None), MODE=1 if b_t else 2,
         NBUF=nbuf,
         CONSUMER_REGS=gluon_moe.CONSUMER_REGS, PRODUCER_REGS=gluon_moe.PRODUCER_REGS, num_warps=4)
     return out
@@ -215,8 +221,8 @@ CONFIGS = [dict(block_k=64, block_n=256, nbuf=3), dict(block_k=64, block_n=128, 
            dict(block_k=32, block_n=256, nbuf=5)]
 
 
-def offline(mode=0, block_k=64, block_n=256, nbuf=3):
-    """compile_offline of the kernel under one config (MODE: 0 GEMM2, 1 ∂x, 2 GEMM1)."""
+def offline(mode=1, block_k=64, block_n=256, nbuf=3):
+    """compile_offline of this file's kernel under one config (MODE: 1 ∂x, 2 GEMM1)."""
     b_t = mode == 1
     S, E, K, N = 256, 2, 2 * block_k, 2 * block_n
     bf = lambda *shape: torch.empty(*shape, dtype=torch.bfloat16)  # noqa: E731
@@ -228,6 +234,27 @@ def offline(mode=0, block_k=64, block_n=256, nbuf=3):
                 has_scale=3)
     return compile_offline(_slots_kernel, args, dict(MODE=mode, NBUF=nbuf, CONSUMER_REGS=gluon_moe.CONSUMER_REGS,
                                                      PRODUCER_REGS=gluon_moe.PRODUCER_REGS))
+
+
+def offline_gemm2(tile=128, block_k=64, block_n=256, nbuf=3):
+    """compile_offline of gluon_moe's GEMM2 kernel at TILE (128: the consumers split a job's rows,
+    64: its columns) under one config."""
+    S, E, K, N = 256, 2, 2 * block_k, (2 if tile == 128 else 4) * block_n
+    bf = lambda *shape: torch.empty(*shape, dtype=torch.bfloat16)  # noqa: E731
+    a, b, out, bias = bf(S, K), bf(E, K, N), bf(S, N), bf(E, N)
+    index = torch.empty(S, dtype=torch.int32)
+    kernel = gluon_moe._slots_kernel
+    args = dict(zip(kernel.arg_names, gluon_moe.slots_kernel_args(a, b, out, bias, torch.empty(S), block_k, block_n)))
+    args.update(slot_pair_ptr=index, tile_expert_ptr=index, PAIRS=1000, K=K, N=N, JOBS=1000, has_bias=3,
+                has_scale=3)
+    return compile_offline(kernel, args, dict(SPLIT_ROWS=tile == 128, NBUF=nbuf, CONSUMER_REGS=gluon_moe.CONSUMER_REGS,
+                                              PRODUCER_REGS=gluon_moe.PRODUCER_REGS))
+
+
+def gemm2_configs():
+    """GEMM2's offline builds: GEMM2_SHIPPED, then CONFIGS' others at TILE 128."""
+    others = [dict(tile=128, **cfg) for cfg in CONFIGS]
+    return GEMM2_SHIPPED + [cfg for cfg in others if cfg not in GEMM2_SHIPPED]
 
 
 def reference(a, b, groups, b_t=False, bias=None, scale=None, gelu=False):
@@ -249,32 +276,53 @@ def reference(a, b, groups, b_t=False, bias=None, scale=None, gelu=False):
 
 
 def offline_rows():
-    for mode in (0, 1, 2):
+    for cfg in gemm2_configs():
+        yield dict(mode=0, config=cfg, **offline_gemm2(**cfg))
+    for mode in (1, 2):
         for cfg in CONFIGS:
             yield dict(mode=mode, config=cfg, **offline(mode, **cfg))
 
 
+def triton_only(fn):
+    """fn() with gluon_moe switched off (MHA_COMPILE_GLUON=0's effect): the Triton kernels' times."""
+    enabled, gluon_moe.ENABLED = gluon_moe.ENABLED, False
+    try:
+        return fn()
+    finally:
+        gluon_moe.ENABLED = enabled
+
+
 def probe_preset(c):
-    """GEMM2, ∂x and GEMM1: the Triton kernel, then the Gluon one under each config."""
+    """GEMM2, ∂x and GEMM1: the Triton kernel, then the Gluon one under each config (GEMM2:
+    gluon_moe's, as the forward runs it)."""
     from mha_compile.kernels import triton_moe as moe
 
     D, F = c.D, c.F
     h = moe.experts_up(c.xs, c.groups, c.w1, c.b1, None, "gelu")
     scale = c.weight.reshape(-1)
     flops = 2 * c.S * D * F
+    out = torch.empty(c.S, D, device=c.dev, dtype=c.dt)
+    gemm2 = lambda cfg: gluon_moe.slots_gemm(h, c.w2, c.groups, out, c.b2, scale, **cfg)  # noqa: E731
     # GEMM2: c = w · (h W2[e] + b2[e]);  ∂x = ∂u W1[e]ᵀ (∂u ~ h here: its shape and scale);
     # GEMM1: h = gelu(xs W1[e] + b1[e]), the Triton one being experts_up's TMA kernel
     cases = (("GEMM2", h, c.w2, False, c.b2, scale, False,
-              lambda: moe.slots_gemm(h, c.w2, (F * D, D, 1), D, c.groups, bias=c.b2, scale=scale)),
-             ("dx", h, c.w1, True, None, None, False, lambda: moe.slots_gemm(h, c.w1, (D * F, 1, F), D, c.groups)),
+              lambda: triton_only(lambda: moe.slots_gemm(h, c.w2, (F * D, D, 1), D, c.groups, bias=c.b2, scale=scale)),
+              gemm2),
+             ("dx", h, c.w1, True, None, None, False, lambda: moe.slots_gemm(h, c.w1, (D * F, 1, F), D, c.groups),
+              lambda cfg: slots_gemm(h, c.w1, c.groups, True, **cfg)),
              ("GEMM1", c.xs, c.w1, False, c.b1, None, True,
-              lambda: moe.experts_up(c.xs, c.groups, c.w1, c.b1, None, "gelu")))
-    for name, a, b, b_t, bias, sc, gelu, shipped in cases:
+              lambda: moe.experts_up(c.xs, c.groups, c.w1, c.b1, None, "gelu"),
+              lambda cfg: slots_gemm(c.xs, c.w1, c.groups, False, c.b1, gelu=True, **cfg)))
+    for name, a, b, b_t, bias, sc, gelu, shipped, run in cases:
         want = reference(a, b, c.groups, b_t, bias, sc, gelu)
         err = lambda got: float((got.float() - want).norm() / want.norm())  # noqa: E731
         _time(f"{name} triton", shipped, flops, err)
+        if c.groups.tile != 128:  # this file's kernel takes TILE 128 only; GEMM2's its shipped config
+            if name == "GEMM2":
+                _time(f"{name} gluon", lambda: gemm2({}), flops, err, "shipped")
+            continue
         for cfg in CONFIGS:
-            _time(f"{name} gluon", lambda: slots_gemm(a, b, c.groups, b_t, bias, sc, gelu, **cfg), flops, err, cfg)
+            _time(f"{name} gluon", lambda: run(cfg), flops, err, cfg)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
-"""The MoE backward's hidden kernel and weight-gradient GEMM as warp-specialised Gluon kernels for
-Hopper (sm_90). The weight-gradient GEMM is described at its section below.
+"""The MoE's warp-specialised Gluon kernels for Hopper (sm_90): the backward's hidden kernel (below),
+its weight-gradient GEMM and the forward's GEMM2 (each described at its section further down).
 
-Same contract as triton_moe._moe_bwd_hidden_kernel (read its docstring for the math): per slot
-s of expert e and F block, u = xs[s] W1[e] + b1[e] and g = gs[s] W2[e]ᵀ, then
+The hidden kernel has triton_moe._moe_bwd_hidden_kernel's contract (read its docstring for the
+math): per slot s of expert e and F block, u = xs[s] W1[e] + b1[e] and g = gs[s] W2[e]ᵀ, then
     hw = w · act(u),   ∂u = (w · g) ⊙ act′(u)   [S,F] in the weights' dtype
     gw[s, c] = Σ_f act(u) g over the c-th GW_BLOCK (64) columns of F (triton_util.GW_BLOCK)
 with zeros on padding slots. triton_moe.moe_backward runs this kernel where `unsupported`
@@ -38,8 +38,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mha_compile.kernels.triton_util import ACT_CODE, GW_BLOCK, interpreting, num_sms
 
-# MHA_COMPILE_GLUON=0 runs the Triton hidden kernel everywhere (to compare the two, or to step
-# around a fault in this one).
+# MHA_COMPILE_GLUON=0 runs the Triton kernels everywhere instead of these (to compare the two, or to
+# step around a fault in one of these).
 ENABLED = os.environ.get("MHA_COMPILE_GLUON", "1") != "0"
 ACTS = {name: ACT_CODE[name] for name in ("gelu", "gelu_tanh", "silu", "swiglu")}
 DTYPES = (torch.bfloat16, torch.float16)
@@ -378,7 +378,7 @@ def backward_hidden(xs, gs, groups, w1, b1, w2, weight, act, hw, du, gw, w3=None
 
 
 # ---------------------------------------------------------------------------------------------
-# The cooperative GEMMs' ring (the weight-gradient GEMM below): a producer warp fills its
+# The cooperative GEMMs' ring (the weight-gradient GEMM and GEMM2 below): a producer warp fills its
 # NBUF stages (ready: the stage's TMA loads have landed), two consumer warpgroups read each stage
 # (empty: both are done with it, a barrier of count 2), each issuing one wgmma a K step, left in
 # flight until its next one is issued.
@@ -564,4 +564,202 @@ def weight_grads(a, b, groups, out, accumulate, block_k=WGRAD_BK, block_n=None, 
     _wgrad_kernel[(min(num_sms(a.device), jobs),)](
         *wgrad_kernel_args(a, b, out, block_k, block_n), groups.expert_slots, I, J, E, jobs, int(accumulate),
         NBUF=nbuf, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The forward's GEMM2: out[s] = scale[pair(s)] · (A[s] B[e] + bias[e]) over the tile rows s of
+# expert e, 0 on padding slots: triton_moe._moe_slots_gemm_kernel's contract for one operand pair
+# and B row-major (A = h [S, K = F], B = W2 [E, K, N = D] read as [E·K, N]; with c's rows of one run
+# of tiles as out). One program per SM walks the (tile, column block) jobs, a tile's blocks adjacent
+# (the programs running together read its rows from L2); a producer warp issues the TMA loads and
+# two consumer warpgroups share each job ("cooperative", on the ring above), each storing its
+# [64, BN] through a staging tile and TMA:
+#   TILE 128: a job is [128, BN] and each consumer owns 64 of its rows (A's two [64, BK] halves a
+#             stage, B's [BK, BN] tile shared);
+#   TILE 64:  a job is [64, 2·BN] and each consumer owns BN of its columns (A's [64, BK] tile
+#             shared, B's two [BK, BN] halves).
+# An all-padding tile skips its K loop (the producer and both consumers read the same slot), as
+# the Triton kernel does. bench/gluon_slots_probe.py on the H200 (large, TILE 128, bf16, the
+# kernel then in the probe): 448 against the Triton kernel's 552 us at BK 64, BN 256, 3 stages,
+# the same error. ∂x (B transposed) tied there and GEMM1 lost, so they stay in Triton. TILE 64
+# (the small preset's) has not been timed.
+SLOTS_BK, SLOTS_NBUF = 64, 3
+SLOTS_TILES = (64, 128)
+SLOTS_N_MULTIPLE = 128  # N in whole jobs at either TILE (128 = [128, 128] or [64, 2·64])
+
+
+def slots_block_n(N, tile):
+    """A consumer's columns (BN) for N output columns at TILE: jobs of 256 columns where N allows."""
+    wide = N % 256 == 0
+    return (256 if wide else 128) if tile == 128 else (128 if wide else 64)
+
+
+def slots_unsupported(a, b, out, bias, scale, tile, capability=None):
+    """Why GEMM2's kernel cannot take these operands (A [S, K], B [E, K, N], out [S, N], bias [E, N],
+    scale: one weight a pair), or None when it can."""
+    operands = (a, b, out) + (() if bias is None else (bias,))
+    why = _device_reason(operands, "A, B, out" + ("" if bias is None else ", bias"), capability)
+    if why is not None:
+        return why
+    (S, K), N = a.shape, out.shape[1]
+    if b.dim() != 3 or tuple(b.shape[1:]) != (K, N) or out.shape[0] != S:
+        return f"B {tuple(b.shape)}, out {tuple(out.shape)}: takes B [E, K, N] and out [S, N] for A [{S}, {K}]"
+    if tile not in SLOTS_TILES or K % SLOTS_BK or N % SLOTS_N_MULTIPLE:
+        return (f"K={K}, N={N}, TILE={tile}: needs TILE in {list(SLOTS_TILES)}, K a multiple of {SLOTS_BK}"
+                f" and N of {SLOTS_N_MULTIPLE}")
+    if scale is not None and (scale.dim() != 1 or not scale.is_contiguous()):
+        return "scale must be one contiguous vector (a weight a pair)"
+    return None
+
+
+@gluon.jit
+def _slots_job(job, N, COLS: gl.constexpr):
+    """(tile, first column) of a job of COLS columns, a tile's column blocks adjacent."""
+    blocks = N // COLS
+    t = job // blocks
+    return t, (job - t * blocks) * COLS
+
+
+# Partitions take (descs, bufs, bars, ptrs, sizes) (+ which, a runtime value, as above):
+#   descs = (A as [S, K] in [64, BK] blocks, B as [E·K, N] in [BK, BN] blocks, out as [S, N] in
+#            [64, BN] blocks);
+#   bufs  = (A ring [A_PARTS·NBUF, 64, BK], B ring [B_PARTS·NBUF, BK, BN] (stage·PARTS + part:
+#            2 A parts at TILE 128, 2 B parts at 64), out staging [2, 64, BN], one a consumer);
+#   bars  = (ready, empty) a stage;  ptrs = (bias, scale, slot_pair, tile_expert);
+#   sizes = (PAIRS, K, N, JOBS, has_bias, has_scale).
+# TILE = A_PARTS · 64 and a job's columns B_PARTS · BN follow from the rings' shapes.
+
+
+@gluon.jit
+def _slots_produce(descs, bufs, bars, ptrs, sizes):
+    a_desc, b_desc, out_desc = descs
+    a_bufs, b_bufs, out_bufs = bufs
+    ready, empty = bars
+    bias_ptr, scale_ptr, slot_pair_ptr, tile_expert_ptr = ptrs
+    PAIRS, K, N, JOBS, has_bias, has_scale = sizes
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    BN: gl.constexpr = b_desc.block_type.shape[1]
+    NBUF: gl.constexpr = ready.type.shape[0]
+    A_PARTS: gl.constexpr = a_bufs.type.shape[0] // NBUF
+    B_PARTS: gl.constexpr = b_bufs.type.shape[0] // NBUF
+    TILE: gl.constexpr = A_PARTS * BM
+    nbytes: gl.constexpr = A_PARTS * a_desc.block_type.nbytes + B_PARTS * b_desc.block_type.nbytes
+    pos = 0
+    for job in range(gl.program_id(0), JOBS, gl.num_programs(0)):
+        t, n0 = _slots_job(job, N, B_PARTS * BN)
+        e = gl.load(tile_expert_ptr + t)
+        k_end = K * (gl.load(slot_pair_ptr + t * TILE) < PAIRS).to(gl.int32)  # 0: an all-padding tile
+        for k0 in range(0, k_end, BK):
+            stage = _ring_claim(ready, empty, pos, nbytes)
+            bar = ready.index(stage)
+            for p in gl.static_range(A_PARTS):
+                tma.async_copy_global_to_shared(a_desc, [t * TILE + p * BM, k0], bar, a_bufs.index(A_PARTS * stage + p))
+            for p in gl.static_range(B_PARTS):
+                tma.async_copy_global_to_shared(b_desc, [e * K + k0, n0 + p * BN], bar,
+                                                b_bufs.index(B_PARTS * stage + p))
+            pos += 1
+
+
+@gluon.jit
+def _slots_consume(descs, bufs, bars, ptrs, sizes, which):
+    """This consumer's [64, BN] of every job: the K loop over the ring, then bias (added before it),
+    scale, zeros on padding slots, and the store."""
+    a_desc, b_desc, out_desc = descs
+    a_bufs, b_bufs, out_bufs = bufs
+    ready, empty = bars
+    bias_ptr, scale_ptr, slot_pair_ptr, tile_expert_ptr = ptrs
+    PAIRS, K, N, JOBS, has_bias, has_scale = sizes
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    BN: gl.constexpr = b_desc.block_type.shape[1]
+    NBUF: gl.constexpr = ready.type.shape[0]
+    A_PARTS: gl.constexpr = a_bufs.type.shape[0] // NBUF
+    B_PARTS: gl.constexpr = b_bufs.type.shape[0] // NBUF
+    TILE: gl.constexpr = A_PARTS * BM
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BN, 16])
+    rows_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    cols_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
+    out_buf = out_bufs.index(which)
+    a_part = which * (A_PARTS - 1)  # this consumer's part of a stage's A (its rows) or B (its columns)
+    b_part = which * (B_PARTS - 1)
+    pos = 0
+    for job in range(gl.program_id(0), JOBS, gl.num_programs(0)):
+        t, n0 = _slots_job(job, N, B_PARTS * BN)
+        e = gl.load(tile_expert_ptr + t)
+        k_end = K * (gl.load(slot_pair_ptr + t * TILE) < PAIRS).to(gl.int32)
+        row = t * TILE + a_part * BM
+        col = n0 + b_part * BN
+        acc = gl.zeros([BM, BN], gl.float32, acc_layout)
+        if has_bias != 0:  # loaded before the K loop, while the stage lands
+            acc = acc + gl.load(bias_ptr + e * N + col + gl.arange(0, BN, layout=cols_layout)).to(gl.float32)[None, :]
+        for k0 in range(0, k_end, BK):
+            stage = pos % NBUF
+            acc = _ring_dot(a_bufs.index(A_PARTS * stage + a_part), b_bufs.index(B_PARTS * stage + b_part), acc,
+                            ready, empty, pos, k0 > 0)
+            pos += 1
+        acc = _ring_drain(acc, empty, pos, k_end > 0)
+        pair = gl.load(slot_pair_ptr + row + gl.arange(0, BM, layout=rows_layout))
+        valid = pair < PAIRS
+        if has_scale != 0:
+            acc = acc * gl.load(scale_ptr + pair, mask=valid, other=0.0).to(gl.float32)[:, None]
+        tma.store_wait(0)  # this consumer's last store has left its staging tile
+        out_buf.store(gl.where(valid[:, None], acc, 0.0).to(out_desc.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(out_desc, [row, col], out_buf)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _slots_consume_second(descs, bufs, bars, ptrs, sizes, which):
+    _slots_consume(descs, bufs, bars, ptrs, sizes, which)
+
+
+@gluon.jit
+def _slots_kernel(a_desc, b_desc, out_desc, bias_ptr, scale_ptr, slot_pair_ptr, tile_expert_ptr,
+                  PAIRS, K, N, JOBS, has_bias, has_scale,
+                  SPLIT_ROWS: gl.constexpr, NBUF: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                  PRODUCER_REGS: gl.constexpr):
+    """SPLIT_ROWS: the consumers split a job's rows (TILE 128), else its columns (TILE 64)."""
+    dtype: gl.constexpr = a_desc.dtype
+    A_PARTS: gl.constexpr = 2 if SPLIT_ROWS else 1
+    a_bufs = gl.allocate_shared_memory(dtype, [A_PARTS * NBUF] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(dtype, [(3 - A_PARTS) * NBUF] + b_desc.block_type.shape, b_desc.layout)
+    out_bufs = gl.allocate_shared_memory(dtype, [2] + out_desc.block_type.shape, out_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NBUF):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)  # both consumers release a stage
+    args = ((a_desc, b_desc, out_desc), (a_bufs, b_bufs, out_bufs), (ready, empty),
+            (bias_ptr, scale_ptr, slot_pair_ptr, tile_expert_ptr), (PAIRS, K, N, JOBS, has_bias, has_scale))
+    zero = gl.program_id(0) * 0
+    gl.warp_specialize([(_slots_consume, args + (zero, )), (_slots_consume_second, args + (zero + 1, )),
+                        (_slots_produce, args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def slots_kernel_args(a, b, out, bias, scale, block_k, block_n):
+    """_slots_kernel's tensor arguments: A, B (as [E·K, N]) and out as TMA descriptors, then bias
+    and scale (stand-ins where None)."""
+    E, K, N = b.shape
+    dtype = _gl_dtype(a)
+    return [_descriptor(a, [64, block_k], dtype), _descriptor(b.view(E * K, N), [block_k, block_n], dtype),
+            _descriptor(out, [64, block_n], dtype), out if bias is None else bias, out if scale is None else scale]
+
+
+def slots_gemm(a, b, groups, out, bias=None, scale=None, block_k=SLOTS_BK, block_n=None, nbuf=SLOTS_NBUF):
+    """out [S, N] = scale[pair] · (a[s] b[e] + bias[e]) per slot s of groups' tiles (expert e), 0 on
+    padding slots, in out's dtype: a [S, K] slot rows, b [E, K, N], bias [E, N], scale: one weight
+    a (row, j) pair (the flat top-k weights). Callers check `slots_unsupported` first. block_n: a
+    consumer's columns (slots_block_n when None; bench/gluon_slots_probe.py passes others)."""
+    K, N = b.shape[1], b.shape[2]
+    block_n = block_n or slots_block_n(N, groups.tile)
+    split_rows = groups.tile == 128
+    jobs = groups.num_tiles * (N // (block_n * (1 if split_rows else 2)))
+    _slots_kernel[(min(num_sms(a.device), jobs),)](
+        *slots_kernel_args(a, b, out, bias, scale, block_k, block_n), groups.slot_pair, groups.tile_expert,
+        groups.pairs, K, N, jobs, int(bias is not None), int(scale is not None), SPLIT_ROWS=split_rows, NBUF=nbuf,
+        CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
     return out

@@ -1,7 +1,8 @@
-"""bench/gluon_slots_probe.py without a GPU (its kernel is staged, not yet run on one): it compiles
-for the H200 as a warp-specialised kernel under every config, for GEMM2's B, ∂x's transposed one
-and GEMM1's gelu epilogue, and its fp32 yardstick is triton_moe's contract (slots_gemm and
-experts_up, run in the interpreter)."""
+"""bench/gluon_slots_probe.py without a GPU: the forward's GEMM2 (gluon_moe.slots_gemm, the live
+kernel: each build it ships, without spills, and the probe's other configs) and the probe's own
+kernel (∂x's transposed B, GEMM1's gelu epilogue) compile for the H200 as warp-specialised kernels,
+and the probe's fp32 yardstick is triton_moe's contract (slots_gemm and experts_up, run in the
+interpreter)."""
 import os
 import sys
 
@@ -13,16 +14,25 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 import gluon_slots_probe  # noqa: E402
 from offline_rows import offline_rows  # noqa: E402
 
+from mha_compile.kernels import gluon_moe  # noqa: E402
 from mha_compile.kernels import triton_moe as moe  # noqa: E402
 
 
 def test_compiles_warp_specialised_for_sm90():
     rows = offline_rows(gluon_slots_probe.__file__)
-    assert [(r["mode"], r["config"]) for r in rows] == [(mode, cfg) for mode in (0, 1, 2)
-                                                        for cfg in gluon_slots_probe.CONFIGS]
+    shipped = gluon_slots_probe.GEMM2_SHIPPED
+    assert [(r["mode"], r["config"]) for r in rows] == (
+        [(0, cfg) for cfg in gluon_slots_probe.gemm2_configs()]
+        + [(mode, cfg) for mode in (1, 2) for cfg in gluon_slots_probe.CONFIGS])
+    # what the forward runs: each TILE it takes, at both column blocks, in its config
+    assert sorted((cfg["tile"], cfg["block_n"]) for cfg in shipped) == [(64, 64), (64, 128), (128, 128), (128, 256)]
+    assert gluon_moe.SLOTS_TILES == (64, 128)
+    assert all(cfg["block_k"] == gluon_moe.SLOTS_BK and cfg["nbuf"] == gluon_moe.SLOTS_NBUF for cfg in shipped)
     for r in rows:
         assert r["wgmma"] > 0 and r["setmaxnreg"] > 0, r
         assert r["smem"] <= 232448, r
+        if r["mode"] == 0 and r["config"] in shipped:
+            assert r["spill_bytes"] == 0, r  # the accumulator and epilogue fit the consumers' registers
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="triton_moe on the CPU needs TRITON_INTERPRET=1")
