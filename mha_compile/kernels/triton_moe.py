@@ -27,6 +27,7 @@ Forward, per tile t (expert e) and output block:
             each row, plus zero padding rows), never in token order
     GEMM1   h[s] = act(xs[s] W1[e] + b1[e])     (swiglu: silu(u) ⊙ xs W3[e])
     GEMM2   c[s] = w[s] · (h[s] W2[e] + b2[e])   the routing weight in the epilogue
+            (on Hopper, bf16/fp16, TILE 64 or 128: gluon_moe's warp-specialised GEMM)
     combine out[r] = Σ_j c[slot(r, j)]           token order, fixed j order: no atomics
 Backward (recomputing u = x W1 + b1 rather than storing it):
     gather  xs[s] as in the forward, and gs[s] = G[row(s)]
@@ -52,7 +53,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from mha_compile.kernels.triton_util import (ACT_CODE, GW_BLOCK, Launcher, act_bwd, act_fwd, dot_precision,
                                              gpu_options, load_x, log, num_sms, pow2, tma_ok)
 
-try:  # the hidden kernel for Hopper, where this Triton has Gluon (3.6 has)
+try:  # the Gluon kernels for Hopper, where this Triton has Gluon (3.6 has)
     from mha_compile.kernels import gluon_moe
     GLUON_MISSING = None
 except ImportError as error:  # pragma: no cover - a Triton without Gluon's Hopper API
@@ -787,10 +788,16 @@ def tile_grid(groups, n, block):
 
 def slots_gemm(a, b, strides, nout, groups, a2=None, b2=None, bias=None, scale=None, out=None):
     """[S, nout] in b's dtype: scale · (a B[e] (+ a2 B2[e]) + bias[e]); `strides` = (e, k, n)
-    of B. out: rows to write into (a contiguous [S, nout] view), else allocated."""
+    of B. out: rows to write into (a contiguous [S, nout] view), else allocated. One operand
+    pair with B row-major (GEMM2, B = W2) runs gluon_moe's GEMM where gemm2_kernel says so."""
     K = a.shape[1]
     if out is None:
         out = torch.empty(groups.slots, nout, device=a.device, dtype=b.dtype)
+    if a2 is None and tuple(strides) == (K * nout, nout, 1) and gemm2_kernel(
+            a, b, out, bias, scale, groups.tile) == "gluon" and _gluon_launch(
+            "GEMM2", gemm2_key(a, out, bias, scale, groups.tile),
+            functools.partial(gluon_moe.slots_gemm, a, b, groups, out, bias, scale)):
+        return out
     _slots_gemm(tile_grid(groups, nout, "BLOCK_N"),
                 a, b, a if a2 is None else a2, b if b2 is None else b2, b if bias is None else bias,
                 out if scale is None else scale, groups.slot_pair, groups.tile_expert, out,
@@ -942,7 +949,7 @@ def _choose(kernel, device, why):
         return "gluon"
     if device.type == "cuda" and (kernel, why) not in _GLUON_DECLINED:
         _GLUON_DECLINED.add((kernel, why))
-        log.info("mha_compile: the MoE backward's %s runs in Triton, not Gluon: %s", kernel, why)
+        log.info("mha_compile: the MoE's %s runs in Triton, not Gluon: %s", kernel, why)
     return "triton"
 
 
@@ -966,7 +973,7 @@ def _gluon_launch(kernel, key, launch):
     except Exception as error:  # noqa: BLE001 - any build failure: the Triton kernel computes the same
         why = f"its first launch failed ({type(error).__name__}: {str(error).splitlines()[0][:200]})"
         _GLUON_FAILED[kernel, key] = why
-        log.warning("mha_compile: the MoE backward's Gluon %s for %s %s; the Triton kernel runs instead",
+        log.warning("mha_compile: the MoE's Gluon %s for %s %s; the Triton kernel runs instead",
                     kernel, key, why)
         return False
     _GLUON_LAUNCHED.add((kernel, key))
@@ -1000,6 +1007,22 @@ def wgrad_kernel(a, b, tile, accumulate):
            _GLUON_FAILED.get(("weight-gradient GEMM", wgrad_key(a, b, accumulate)))
            or gluon_moe.wgrad_unsupported(a, b, tile))
     return _choose("weight-gradient GEMM", a.device, why)
+
+
+def gemm2_key(a, out, bias, scale, tile):
+    """What the Gluon GEMM2 is compiled for: the dtype, TILE (which splits a job's rows, or its
+    columns), its column block (slots_block_n), and whether it adds a bias and scales."""
+    return a.dtype, tile, out.shape[1] % 256 == 0, bias is not None, scale is not None
+
+
+def gemm2_kernel(a, b, out, bias, scale, tile):
+    """Which kernel the forward's GEMM2 runs (slots_gemm with one operand pair, B row-major):
+    "gluon" (gluon_moe.slots_gemm: Hopper, bf16/fp16, TILE 64 or 128, sizes its blocks divide;
+    and it has built) or "triton"."""
+    why = (GLUON_MISSING if gluon_moe is None else
+           _GLUON_FAILED.get(("GEMM2", gemm2_key(a, out, bias, scale, tile)))
+           or gluon_moe.slots_unsupported(a, b, out, bias, scale, tile))
+    return _choose("GEMM2", a.device, why)
 
 
 def _backward_tiles(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, horizons, gw, dx_slot, total):

@@ -1,7 +1,10 @@
-"""Where the MoE backward runs gluon_moe's kernels (the hidden kernel, the weight-gradient GEMM),
-decided without a GPU: each condition that sends it to the Triton kernel, with the reason it gives
-(the kernels are compiled in tests/bench/test_gluon_probe.py and test_gluon_wgrad_probe.py and run
-against float64 in test_gluon_moe_cuda.py)."""
+"""Where the MoE runs gluon_moe's kernels (the backward's hidden kernel and weight-gradient GEMM,
+the forward's GEMM2), decided without a GPU: each condition that sends it to the Triton kernel,
+with the reason it gives (the kernels are compiled in tests/bench/test_gluon_probe.py,
+test_gluon_wgrad_probe.py and test_gluon_slots_probe.py and run against float64 in
+test_gluon_moe_cuda.py)."""
+import os
+
 import pytest
 import torch
 
@@ -108,3 +111,102 @@ def test_weight_gradients_take_hopper_16_bit_rows_of_whole_blocks():
     assert "sm_80" in gluon_moe.wgrad_unsupported(*rows(256, 256), 128, capability=(8, 0))
     assert gluon_moe.wgrad_unsupported(*rows(256, 256), 128) == "not on a CUDA GPU"
     assert moe.wgrad_kernel(*rows(256, 256), 128, False) == "triton"
+
+
+def gemm2_operands(S=256, K=512, N=256, E=4, dtype=torch.bfloat16, bias=True):
+    """GEMM2's (h [S, K], W2 [E, K, N], c [S, N], b2 [E, N] or None, routing weights [S] fp32)."""
+    rand = lambda *shape: torch.randn(*shape).to(dtype)  # noqa: E731
+    return rand(S, K), rand(E, K, N), torch.empty(S, N, dtype=dtype), rand(E, N) if bias else None, torch.rand(S)
+
+
+def test_gemm2_takes_hopper_16_bit_rows_of_whole_blocks():
+    for dtype in (torch.bfloat16, torch.float16):
+        for tile in (64, 128):
+            for K, N, bias in ((2048, 512, True), (192, 384, False), (64, 128, True)):
+                operands = gemm2_operands(K=K, N=N, dtype=dtype, bias=bias)
+                assert gluon_moe.slots_unsupported(*operands, tile, capability=HOPPER) is None, (dtype, tile, K, N)
+    h, w2, c, b2, _ = gemm2_operands()
+    assert gluon_moe.slots_unsupported(h, w2, c, b2, None, 128, capability=HOPPER) is None  # no scale
+    assert gluon_moe.slots_unsupported(h[64:192], w2, c[64:192], b2, None, 64, capability=HOPPER) is None  # a run
+    # the column blocks: jobs of 256 columns where N allows, at either TILE
+    assert [gluon_moe.slots_block_n(N, tile) for N in (512, 384) for tile in (128, 64)] == [256, 128, 128, 64]
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(capability=(8, 0)), "sm_80"),
+    (dict(capability=(10, 0)), "sm_100"),
+    (dict(dtype=torch.float32), "torch.float32"),
+    (dict(N=192), "N=192"),  # D = 192: not in whole 128-column jobs
+    (dict(K=96), "K=96"),  # F = 96: not in whole 64-column K steps
+    (dict(tile=32), "TILE=32"),
+    (dict(tile=16), "TILE=16"),
+])
+def test_gemm2_declines_with_the_reason(change, words):
+    change = dict(change)
+    capability, tile = change.pop("capability", HOPPER), change.pop("tile", 128)
+    why = gluon_moe.slots_unsupported(*gemm2_operands(**change), tile, capability=capability)
+    assert why is not None and words in why, why
+
+
+def test_gemm2_declines_mixed_dtypes_mismatched_shapes_and_strided_or_misaligned_rows():
+    h, w2, c, b2, scale = gemm2_operands()
+    why = lambda *args: gluon_moe.slots_unsupported(*args, 128, capability=HOPPER)  # noqa: E731
+    assert "dtypes" in why(h, w2, c, b2.float(), scale)  # a bias in another dtype
+    assert "dtypes" in why(h, w2, c.half(), b2, scale)
+    assert "B (4, 512, 384)" in why(h, torch.randn(4, 512, 384).to(h.dtype), c, b2, scale)
+    assert "out (128, 256)" in why(h, w2, c[:128], b2, scale)
+    wide = torch.randn(256, 512).to(torch.bfloat16)
+    assert "contiguous" in why(h, w2, wide[:, :256], b2, scale)  # c's rows inside wider ones
+    flat = torch.empty(256 * 256 + 1, dtype=torch.bfloat16)
+    assert "16-byte aligned" in why(h, w2, flat[1:].view(256, 256), b2, scale)
+    assert "contiguous" in why(h, w2.transpose(1, 2).contiguous().transpose(1, 2), c, b2, scale)
+    assert "scale" in why(h, w2, c, b2, torch.rand(512)[::2])
+
+
+def test_gemm2_off_the_gpu_and_when_switched_off(monkeypatch):
+    h, w2, c, b2, scale = gemm2_operands()
+    assert gluon_moe.slots_unsupported(h, w2, c, b2, scale, 128) == "not on a CUDA GPU"
+    assert moe.gemm2_kernel(h, w2, c, b2, scale, 128) == "triton"
+    monkeypatch.setattr(gluon_moe, "ENABLED", False)  # what MHA_COMPILE_GLUON=0 sets
+    assert gluon_moe.slots_unsupported(h, w2, c, b2, scale, 128, capability=HOPPER) == "MHA_COMPILE_GLUON=0"
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="triton_moe on the CPU needs TRITON_INTERPRET=1")
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+def test_gemm2_falls_back_to_triton_when_its_first_launch_fails(monkeypatch, caplog):
+    """triton_moe.slots_gemm as moe_forward calls it for GEMM2, with the Gluon kernel taken (as on
+    an H200) but failing to build: the Triton kernel computes c the same call, the failure is
+    logged, and that compile key stays on Triton. ∂x's call (B transposed) never asks for it."""
+    monkeypatch.setattr(moe, "_GLUON_FAILED", {})
+    monkeypatch.setattr(moe, "_GLUON_LAUNCHED", set())
+    monkeypatch.setattr(gluon_moe, "slots_unsupported", lambda *args, **kwargs: None)
+    launches = []
+
+    def broken(*args):
+        launches.append(args)
+        raise RuntimeError("PTX .version 9.9 does not support .target sm_90a")
+
+    monkeypatch.setattr(gluon_moe, "slots_gemm", broken)
+    torch.manual_seed(3)
+    E, K, N = 3, 40, 24
+    index = torch.randint(0, E, (90, 2), dtype=torch.int32)
+    index[:, 1] = (index[:, 0] + 1) % E
+    groups = moe.group(index, E)
+    h, w2, b2, scale = torch.randn(groups.slots, K), torch.randn(E, K, N), torch.randn(E, N), torch.rand(180)
+    moe.slots_gemm(h, w2.transpose(1, 2).contiguous(), (N * K, 1, K), N, groups)  # ∂x's strides
+    assert launches == []
+    # float64: c[s] = w · (h W2[e] + b2[e]), 0 on padding slots
+    e = groups.tile_expert.long().repeat_interleave(groups.tile)
+    valid = groups.slot_pair < groups.pairs
+    w = scale.double()[groups.slot_pair.clamp(max=groups.pairs - 1).long()] * valid
+    want = (torch.einsum("sk,skn->sn", h.double(), w2.double()[e]) + b2.double()[e]) * w[:, None]
+    assert (~valid).any()
+    for call in range(2):
+        with caplog.at_level("WARNING", logger="mha_compile"):
+            got = moe.slots_gemm(h, w2, (K * N, N, 1), N, groups, bias=b2, scale=scale)
+        assert len(launches) == 1  # tried once; the second call goes straight to Triton
+        assert float((got.double() - want).norm() / want.norm()) < 1e-5
+        assert (got[~valid] == 0).all()
+    assert "PTX .version 9.9" in caplog.text and "GEMM2" in caplog.text
+    assert moe.gemm2_kernel(h, w2, got, b2, scale, groups.tile) == "triton"
+    assert moe.gemm2_kernel(h, w2, got, None, scale, groups.tile) == "gluon"  # another key: no bias

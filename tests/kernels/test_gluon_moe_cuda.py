@@ -1,9 +1,10 @@
 """gluon_moe's kernels on the H200 (`pytest -m cuda`). The hidden kernel: hw, ∂u (∂u3 for swiglu)
 and the ∂w partials against float64 on fresh random operands, for each activation, dtype and bias
 setting, with empty experts, padding slots, both tile sizes and one run of tiles. The
-weight-gradient GEMM: ∂W against float64, written and added into fp32 totals run by run. And the
-backward runs each where it applies (the whole region's gradients through them:
-test_triton_kernels_cuda.py)."""
+weight-gradient GEMM: ∂W against float64, written and added into fp32 totals run by run. The
+forward's GEMM2: c against float64 at both tile sizes and column blocks, with and without b2,
+whole and for one run of tiles. And the backward and the forward run each where it applies (the
+whole region's output and gradients through them: test_triton_kernels_cuda.py)."""
 import pytest
 import torch
 
@@ -175,3 +176,127 @@ def test_weight_grads_dispatch(monkeypatch):
     assert calls == [True]
     for got in (split, *pair):
         assert float((got.double() - total.double()).norm() / total.double().norm()) < 2e-2
+
+
+def float64_gemm2(groups, h, w2, b2, weight):
+    """c [S, D] = w · (h W2[e] + b2[e]) from SPEC §1's forward, in float64, 0 on padding slots
+    (whatever h holds there)."""
+    bounds, E = groups.expert_slots.tolist(), groups.experts
+    out = torch.zeros(groups.slots, w2.shape[2], device="cuda", dtype=torch.float64)
+    for e in range(E):
+        lo, hi = bounds[e], bounds[E + e]
+        out[lo:hi] = h[lo:hi].double() @ w2[e].double() + (0.0 if b2 is None else b2[e].double())
+    valid = groups.slot_pair < groups.pairs
+    w = torch.where(valid, weight.double()[groups.slot_pair.clamp(max=groups.pairs - 1).long()], 0.0)
+    return out * w[:, None]
+
+
+def gemm2_case(case, dtype, bias, seed):
+    """(groups, h [S, F] random on every slot row, padding ones too, W2, b2 or None, weight)."""
+    R, k, D, F, E, used = case
+    groups, _, _, _, _, w2, weight = slot_case(R, k, D, F, E, used, dtype, False, seed)
+    g = torch.Generator(device="cuda").manual_seed(seed + 1)
+    h = torch.randn(groups.slots, F, device="cuda", generator=g).to(dtype)
+    b2 = (torch.randn(E, D, device="cuda", generator=g) * 0.5).to(dtype) if bias else None
+    return groups, h, w2, b2, weight
+
+
+# (R, k, D, F, E, experts used): D = N, the output columns (jobs of 256 where D allows, else 128:
+# both at each TILE), F = K (steps of 64). Every case is one the kernel takes (asserted below);
+# D = 192 is not (test_gemm2_declines_what_it_cannot_take).
+GEMM2_CASES = [
+    pytest.param((600, 2, 256, 384, 7, [0, 2, 3, 6]), id="tile64-D256-empty-experts"),
+    pytest.param((600, 2, 128, 320, 5, [0, 1, 3]), id="tile64-D128"),
+    pytest.param((2200, 2, 384, 256, 4, [0, 1, 3]), id="tile128-D384-empty-expert"),
+    pytest.param((1600, 2, 256, 192, 3, [0, 1, 2]), id="tile128-D256"),
+]
+GEMM2_TILES = {600: 64, 2200: 128, 1600: 128}
+
+
+@pytest.mark.parametrize("case", GEMM2_CASES)
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")])
+@pytest.mark.parametrize("bias", [True, False], ids=["b2", "no-b2"])
+def test_gemm2_matches_float64(case, dtype, bias):
+    groups, h, w2, b2, weight = gemm2_case(case, dtype, bias, seed=case[0] + case[2] + int(bias))
+    assert groups.tile == GEMM2_TILES[case[0]] and (groups.slot_pair >= groups.pairs).any()  # and padding
+    c = torch.full((groups.slots, w2.shape[2]), float("nan"), device="cuda", dtype=dtype)
+    assert moe.gemm2_kernel(h, w2, c, b2, weight, groups.tile) == "gluon"
+    gluon_moe.slots_gemm(h, w2, groups, c, b2, weight)
+    want = float64_gemm2(groups, h, w2, b2, weight)
+    err = float((c.double() - want).norm() / want.norm())  # NaN (fails) where a row was not written
+    assert err < TOL[dtype], f"rel err {err:.2e}"
+    padding = groups.slot_pair >= groups.pairs
+    assert (c[padding] == 0).all()
+
+
+@pytest.mark.parametrize("case", [GEMM2_CASES[0], GEMM2_CASES[2]], ids=["tile64", "tile128"])
+def test_gemm2_one_run_of_tiles_writes_only_its_rows(monkeypatch, case):
+    """A run (Groups.tiles), as moe_forward calls it: its own h rows, and c's rows of the run
+    written through triton_moe.slots_gemm's dispatch; c's other rows untouched."""
+    groups, h, w2, b2, weight = gemm2_case(case, torch.bfloat16, True, seed=17)
+    t0, t1 = 3, groups.num_tiles - 2
+    part = groups.tiles(t0, t1)
+    rows = slice(t0 * groups.tile, t1 * groups.tile)
+    E, F, D = w2.shape
+    c = torch.full((groups.slots, D), -7.0, device="cuda", dtype=torch.bfloat16)
+    assert moe.gemm2_kernel(h[rows], w2, c[rows], b2, weight, part.tile) == "gluon"
+    calls = []
+    real = gluon_moe.slots_gemm
+    monkeypatch.setattr(gluon_moe, "slots_gemm", lambda *a, **kw: calls.append(a[3].data_ptr()) or real(*a, **kw))
+    moe.slots_gemm(h[rows].contiguous(), w2, (F * D, D, 1), D, part, bias=b2, scale=weight, out=c[rows])
+    assert calls == [c[rows].data_ptr()]
+    want = float64_gemm2(groups, h, w2, b2, weight)[rows]
+    assert float((c[rows].double() - want).norm() / want.norm()) < TOL[torch.bfloat16]
+    assert (c[rows][part.slot_pair >= part.pairs] == 0).all()
+    outside = torch.ones(groups.slots, dtype=torch.bool, device="cuda")
+    outside[rows] = False
+    assert (c[outside] == -7.0).all()
+
+
+def test_gemm2_declines_what_it_cannot_take():
+    """D = 192 (jobs of 128 columns do not divide it) and fp32 go to the Triton kernel, whose c is
+    right; ∂x's call (W1 read transposed) never asks for the Gluon GEMM."""
+    groups, h, w2, b2, weight = gemm2_case((1600, 2, 192, 256, 3, [0, 1, 2]), torch.bfloat16, True, seed=5)
+    D = w2.shape[2]
+    c = torch.empty(groups.slots, D, device="cuda", dtype=torch.bfloat16)
+    assert moe.gemm2_kernel(h, w2, c, b2, weight, groups.tile) == "triton"
+    assert moe.gemm2_kernel(h.float(), w2.float(), c.float(), b2.float(), weight, groups.tile) == "triton"
+    got = moe.slots_gemm(h, w2, (w2.shape[1] * D, D, 1), D, groups, bias=b2, scale=weight)
+    want = float64_gemm2(groups, h, w2, b2, weight)
+    assert float((got.double() - want).norm() / want.norm()) < TOL[torch.bfloat16]
+
+
+def test_forward_runs_gemm2_in_gluon_where_it_applies(monkeypatch):
+    """moe_forward's GEMM2 goes to the Gluon kernel (once a run of tiles, into c's rows of the run),
+    and not with MHA_COMPILE_GLUON=0 (gluon_moe.ENABLED); ∂x in the backward stays in Triton.
+    The output against the float64 reference of the experts (SPEC §1)."""
+    calls = []
+    real = gluon_moe.slots_gemm
+    monkeypatch.setattr(gluon_moe, "slots_gemm", lambda *a, **kw: calls.append(a[3].shape[0]) or real(*a, **kw))
+    g = torch.Generator(device="cuda").manual_seed(23)
+    R, D, F, E, k = 1500, 128, 256, 3, 2
+    index = torch.rand(R, E, device="cuda", generator=g).argsort(1)[:, :k].to(torch.int32)
+    groups = moe.group(index, E)
+    rand = lambda *s, scale=1.0: (torch.randn(*s, device="cuda", generator=g) * scale).to(torch.bfloat16)  # noqa: E731
+    x, w1, b1 = rand(R, D), rand(E, D, F, scale=D ** -0.5), rand(E, F)
+    w2, b2 = rand(E, F, D, scale=F ** -0.5), rand(E, D)
+    weight = torch.rand(R, k, device="cuda", generator=g)
+    want = reference.moe_forward(*(t.double() for t in (x, weight)), index.long(),
+                                 *(t.double() for t in (w1, b1, w2, b2)), None, "gelu")
+    err = lambda got: float((got.double() - want).norm() / want.norm())  # noqa: E731
+    out = moe.moe_forward(x, None, weight, groups, w1, b1, w2, b2, None, "gelu", 1, torch.bfloat16)
+    assert calls == [groups.slots] and err(out) < TOL[torch.bfloat16]
+    # runs of tiles (the large preset's slot buffers): one call a run, c's rows of it
+    monkeypatch.setattr(moe, "SLOT_CHUNK_BYTES", 256 << 10)
+    runs = moe.tile_runs(groups, (D + F) * 2)
+    assert len(runs) > 2
+    calls.clear()
+    out = moe.moe_forward(x, None, weight, groups, w1, b1, w2, b2, None, "gelu", 1, torch.bfloat16)
+    assert calls == [(t1 - t0) * groups.tile for t0, t1 in runs] and err(out) < TOL[torch.bfloat16]
+    monkeypatch.setattr(gluon_moe, "ENABLED", False)
+    calls.clear()
+    out = moe.moe_forward(x, None, weight, groups, w1, b1, w2, b2, None, "gelu", 1, torch.bfloat16)
+    assert calls == [] and err(out) < TOL[torch.bfloat16]
+    monkeypatch.setattr(gluon_moe, "ENABLED", True)
+    moe.moe_backward(rand(R, D), x, None, weight, groups, w1, b1, w2, b2, None, "gelu", 1)
+    assert calls == []  # ∂x = ∂u W1ᵀ reads W1 transposed: the Triton kernel
