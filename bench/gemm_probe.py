@@ -20,6 +20,7 @@ import triton
 import triton.testing
 
 from mha_compile import models
+from mha_compile.kernels import gluon_moe
 from mha_compile.kernels import triton_moe as moe
 
 
@@ -39,9 +40,12 @@ class _Recorder:
 
 
 def variant(launcher, config, fn):
-    """Runs fn with `launcher` forced to `config`; returns (ms, compiled kernel)."""
+    """Runs fn with `launcher` forced to `config`; returns (ms, compiled kernel). gluon_moe is
+    switched off meanwhile (as MHA_COMPILE_GLUON=0): on the H200 triton_moe's GEMM2 and
+    weight-gradient entries would otherwise run its kernels, not the config asked for."""
     saved = launcher.kernel, launcher.configs, launcher.tuned
     launcher.kernel, launcher.configs, launcher.tuned = _Recorder(saved[0]), [config], None
+    enabled, gluon_moe.ENABLED = gluon_moe.ENABLED, False
     try:
         fn()
         compiled = launcher.kernel.last
@@ -51,6 +55,7 @@ def variant(launcher, config, fn):
         ms = triton.testing.do_bench_cudagraph(fn, rep=60, return_mode="median")
     finally:
         launcher.kernel, launcher.configs, launcher.tuned = saved
+        gluon_moe.ENABLED = enabled
     return ms, compiled
 
 
