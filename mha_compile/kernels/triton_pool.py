@@ -99,14 +99,17 @@ def _pool_fwd_kernel(
 
 
 @triton.jit
-def _scores_row(
-    b, tok_ptr, attn_ptr, dtbar_ptr, ds_ptr, N, D, P, stride_tb, stride_tn,
+def _pool_bwd_scores_kernel(
+    tok_ptr, attn_ptr, dtbar_ptr, ds_ptr,
+    N, D, P,
+    stride_tb, stride_tn,
     SPLIT_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
-    """Pass 1 of the backward for batch row b (all of D): tok [B,N,D], attn [B,N,P], ∂t̄ [B,P,D]
-    → ∂s [B,N,P] fp32, the scores' gradient ∂s = a ⊙ (∂a − c) with ∂a[n,p] = ⟨tok[b,n], ∂t̄_p⟩
-    and c_p = Σ_n a ∂a. ∂a is parked in ∂s until c is final (a second, tiny pass over [N,P], as
-    the forward's)."""
+    """Pass 1 of the backward, per batch row b (one program, all of D): tok [B,N,D], attn
+    [B,N,P], ∂t̄ [B,P,D] → ∂s [B,N,P] fp32, the scores' gradient ∂s = a ⊙ (∂a − c) with
+    ∂a[n,p] = ⟨tok[b,n], ∂t̄_p⟩ and c_p = Σ_n a ∂a. ∂a is parked in ∂s until c is final (a
+    second, tiny pass over [N,P], as the forward's)."""
+    b = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     offs_p = tl.arange(0, BLOCK_P)
     d_ok = offs_d < D
@@ -139,32 +142,23 @@ def _scores_row(
 
 
 @triton.jit
-def _pool_bwd_scores_kernel(
-    tok_ptr, attn_ptr, dtbar_ptr, ds_ptr,
-    N, D, P,
+def _pool_bwd_kernel(
+    tok_ptr, u_ptr, attn_ptr, ds_ptr, dtbar_ptr, tbar_ptr, du_ptr, dtok_ptr,
+    N, D, P: tl.constexpr,
     stride_tb, stride_tn,
-    SPLIT_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+    SPLIT_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
 ):
-    """Pass 1 (_scores_row), one program a batch row."""
-    _scores_row(tl.program_id(0).to(tl.int64), tok_ptr, attn_ptr, dtbar_ptr, ds_ptr, N, D, P, stride_tb, stride_tn,
-                SPLIT_DOT, BLOCK_N, BLOCK_D, BLOCK_P)
-
-
-@triton.jit
-def _dtok_block(
-    b, offs_d, tok_ptr, u_ptr, attn_ptr, ds_ptr, dtbar_ptr, tbar_ptr, du_ptr, dtok_ptr,
-    N, D, P: tl.constexpr, stride_tb, stride_tn,
-    SPLIT_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
-):
-    """Pass 2 for batch row b and the D columns offs_d, one read of tok and one write of ∂tok.
+    """Pass 2, per batch row b and block of D columns, one read of tok and one write of ∂tok.
     With ads = [a | ∂s] ([N,2P], ∂s from pass 1) and the stacked directions R = [∂t̄_b ; u] ([2P, D]):
         ∂tok[b,n] = ads[n] R = Σ_p a ∂t̄_p + Σ_p ∂s u_p
         adsᵀ tok[b] = [t̄_b ; Σ_n ∂s tok[b,n]] → t̄ [B,P,D] and the ∂u-partials [B,P,D]
-    (2P is padded to BLOCK_Q ≥ 16 columns, one dot each way). du_ptr may be dtbar_ptr: the
-    block of ∂t̄[b] is read before the loop and the same block written after it, by this
-    program only. P is a compile-time constant here: a and ∂s are read as [BLOCK_N, P] rows of
-    P contiguous values, which the compiler can then load as vectors.
+    (2P is padded to BLOCK_Q ≥ 16 columns, one dot each way). du_ptr may be dtbar_ptr: a
+    program reads its block of ∂t̄[b] before its loop and writes the same block after it, and
+    no other program touches that block. P is a compile-time constant here: a and ∂s are read
+    as [BLOCK_N, P] rows of P contiguous values, which the compiler can then load as vectors.
     """
+    b = tl.program_id(0).to(tl.int64)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     offs_q = tl.arange(0, BLOCK_Q)
     d_ok = offs_d < D
     q_a = offs_q < P
@@ -176,7 +170,7 @@ def _dtok_block(
     tok_b = tok_ptr + b * stride_tb
     attn_b = attn_ptr + b * N * P
     ds_b = ds_ptr + b * N * P
-    acc = tl.zeros([BLOCK_Q, offs_d.shape[0]], tl.float32)
+    acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
     for n0 in range(0, N, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
@@ -192,40 +186,6 @@ def _dtok_block(
     out_off = b * P * D + offs_q[:, None] * D + offs_d[None, :]
     tl.store(tbar_ptr + out_off, acc, mask=q_a[:, None] & d_ok[None, :])
     tl.store(du_ptr + out_off - P * D, acc, mask=q_s[:, None] & d_ok[None, :])
-
-
-@triton.jit
-def _pool_bwd_kernel(
-    tok_ptr, u_ptr, attn_ptr, ds_ptr, dtbar_ptr, tbar_ptr, du_ptr, dtok_ptr,
-    N, D, P: tl.constexpr,
-    stride_tb, stride_tn,
-    SPLIT_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
-):
-    """Pass 2 (_dtok_block), one program a batch row and block of D columns."""
-    _dtok_block(tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D),
-                tok_ptr, u_ptr, attn_ptr, ds_ptr, dtbar_ptr, tbar_ptr, du_ptr, dtok_ptr, N, D, P, stride_tb, stride_tn,
-                SPLIT_DOT, BLOCK_N, BLOCK_Q)
-
-
-@triton.jit
-def _pool_bwd_row_kernel(
-    tok_ptr, u_ptr, attn_ptr, ds_ptr, dtbar_ptr, tbar_ptr, du_ptr, dtok_ptr,
-    N, D, P: tl.constexpr,
-    stride_tb, stride_tn,
-    SPLIT_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_N2: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_Q: tl.constexpr,
-):
-    """Both passes, one program a batch row: pass 1, then pass 2 over the row's blocks of
-    BLOCK_D2 columns. tok[b] is read twice, as by the two kernels, but the second time soon
-    after the first (128 KiB a row at large), while it is likely still in L2."""
-    b = tl.program_id(0).to(tl.int64)
-    _scores_row(b, tok_ptr, attn_ptr, dtbar_ptr, ds_ptr, N, D, P, stride_tb, stride_tn,
-                SPLIT_DOT, BLOCK_N, BLOCK_D, BLOCK_P)
-    # Pass 2 reads the ∂s this program's threads wrote.
-    tl.debug_barrier()
-    for d0 in range(0, D, BLOCK_D2):
-        _dtok_block(b, d0 + tl.arange(0, BLOCK_D2), tok_ptr, u_ptr, attn_ptr, ds_ptr, dtbar_ptr, tbar_ptr, du_ptr,
-                    dtok_ptr, N, D, P, stride_tb, stride_tn, SPLIT_DOT, BLOCK_N2, BLOCK_Q)
 
 
 # Token dtypes whose pool dots run as split 16-bit tensor-core products (see triton_util.dot_f32). fp16
@@ -269,18 +229,6 @@ _attend_bwd = Launcher(_pool_bwd_kernel, [
     dict(BLOCK_N=32, BLOCK_D=256, num_warps=8, num_stages=3),
     dict(BLOCK_N=64, BLOCK_D=64, num_warps=4, num_stages=4),
 ], key=["N", "D", "P", "SPLIT_DOT"], restore=["dtbar_ptr"])
-# Both passes in one program a row (_pool_bwd_row_kernel): pass 1's BLOCK_N over all of D, then
-# pass 2's BLOCK_N2 × BLOCK_D2 blocks; the first config again gives the interpreter several blocks.
-_attend_bwd_row = Launcher(_pool_bwd_row_kernel, [
-    dict(BLOCK_N=16, BLOCK_N2=16, BLOCK_D2=32, num_warps=4, num_stages=3),
-    dict(BLOCK_N=16, BLOCK_N2=32, BLOCK_D2=128, num_warps=4, num_stages=3),
-    dict(BLOCK_N=16, BLOCK_N2=64, BLOCK_D2=128, num_warps=8, num_stages=3),
-    dict(BLOCK_N=16, BLOCK_N2=32, BLOCK_D2=256, num_warps=8, num_stages=3),
-    dict(BLOCK_N=16, BLOCK_N2=16, BLOCK_D2=128, num_warps=4, num_stages=4),
-], key=["N", "D", "P", "SPLIT_DOT"], restore=["dtbar_ptr"])
-# The backward as one kernel a row (True) or as its two passes' kernels (False): bench/pool_probe.py
-# times both.
-ROW_BACKWARD = True
 
 
 def pool_attend(tok, u, mask=None):
@@ -352,14 +300,10 @@ def pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn):
     tbar = torch.empty(B, P, D, device=tok.device, dtype=torch.float32)
     ds = torch.empty_like(attn)
     strides = tok.stride(0), tok.stride(1)
-    if ROW_BACKWARD:
-        _attend_bwd_row(lambda m: (B,), tok, u, attn, ds, grad_tbar, tbar, du_part, grad_tok, N, D, P, *strides,
-                        SPLIT_DOT=split, BLOCK_D=pow2(D), BLOCK_P=block_p(P, split), BLOCK_Q=pow2(2 * P))
-    else:
-        _attend_bwd_scores(lambda m: (B,), tok, attn, grad_tbar, ds, N, D, P, *strides,
-                           SPLIT_DOT=split, BLOCK_D=pow2(D), BLOCK_P=block_p(P, split))
-        _attend_bwd(lambda m: (B, triton.cdiv(D, m["BLOCK_D"])), tok, u, attn, ds, grad_tbar, tbar, du_part,
-                    grad_tok, N, D, P, *strides, SPLIT_DOT=split, BLOCK_Q=pow2(2 * P))
+    _attend_bwd_scores(lambda m: (B,), tok, attn, grad_tbar, ds, N, D, P, *strides,
+                       SPLIT_DOT=split, BLOCK_D=pow2(D), BLOCK_P=block_p(P, split))
+    _attend_bwd(lambda m: (B, triton.cdiv(D, m["BLOCK_D"])), tok, u, attn, ds, grad_tbar, tbar, du_part, grad_tok,
+                N, D, P, *strides, SPLIT_DOT=split, BLOCK_Q=pow2(2 * P))
     del ds
     grad_u = du_part.sum(0) * (Dh**-0.5)
     del grad_tbar, du_part

@@ -198,7 +198,7 @@ def test_up_with_tma_and_with_pointers(monkeypatch, act):
 
 
 TUNED = [(triton_moe, name) for name in ("_up", "_hidden", "_slots_gemm", "_wgrad", "_sum_tiles", "_tile_sums")] + [
-    (triton_pool, name) for name in ("_attend", "_attend_bwd_scores", "_attend_bwd", "_attend_bwd_row")] + [
+    (triton_pool, name) for name in ("_attend", "_attend_bwd_scores", "_attend_bwd")] + [
     (triton_router, name) for name in ("_route", "_combine_bwd")]
 TUNED_CONFIGS = [pytest.param(module, name, i, id=f"{name}{i}") for module, name in TUNED
                  for i in range(len(getattr(module, name).configs))]
@@ -212,7 +212,6 @@ def test_every_tuned_config(monkeypatch, module, name, i):
     blocks of tokens past N = 37, and router blocks of rows past R = 12."""
     launcher = getattr(module, name)
     monkeypatch.setattr(launcher, "configs", [launcher.configs[i]])
-    monkeypatch.setattr(triton_pool, "ROW_BACKWARD", name not in ("_attend_bwd_scores", "_attend_bwd"))
     ctx, tok, params = make_case(3, 4, 37, 40, 2, 160, 3, 2, act="gelu")
     check_region(fused, ctx, tok, params, top_k=2, renorm=True, act="gelu")
 
@@ -259,14 +258,12 @@ def test_pool_split_dots(monkeypatch):
     assert errors["attn"] < 1e-5 and errors["inv"] < 1e-5, errors
 
 
-@pytest.mark.parametrize("row", [True, False], ids=["one-kernel", "two-kernels"])
-def test_pool_backward_split_dots(monkeypatch, row):
+def test_pool_backward_split_dots(monkeypatch):
     """The pool backward's split dots (pass 1's ∂a against ∂t̄'s halves, pass 2) in fp16 against
     float64 autograd of the reference pool: the fp32 gradients to fp32's bound, ∂tok to its fp16
     rounding. N = 37 leaves a partial block of tokens."""
     monkeypatch.setattr(triton_pool, "SPLIT_DOT_DTYPES", {torch.float16: 2})
-    monkeypatch.setattr(triton_pool, "ROW_BACKWARD", row)
-    B, N, D, P = 3, 37, 40, 2  # D = 40: pass 2 in blocks of 32 columns, the last partial
+    B, N, D, P = 3, 37, 32, 2
     tok = torch.randn(B, N, D).half()
     q, bv, bo = torch.randn(P, D // P), torch.randn(D) * 0.1, torch.randn(D) * 0.1
     wk, wv, wo = (torch.randn(D, D) * D ** -0.5 for _ in range(3))
@@ -280,15 +277,14 @@ def test_pool_backward_split_dots(monkeypatch, row):
         assert err < (2e-3 if name == "tok" else 1e-5), (name, err)
 
 
-@pytest.mark.parametrize("name", ["_attend_bwd", "_attend_bwd_row", "_wgrad", "_sum_tiles"])
+@pytest.mark.parametrize("name", ["_attend_bwd", "_wgrad", "_sum_tiles"])
 def test_kernels_survive_autotune_trials(monkeypatch, name):
     """Autotuning on the GPU runs a kernel several times on the same arguments, restoring only
     its Launcher's `restore` list in between. The pool backward writes its ∂u-partials over ∂t̄,
     and the runs of tiles add into fp32 totals: every gradient must come out as after one run."""
     from mha_compile.kernels import triton_util
 
-    module = triton_pool if name.startswith("_attend") else triton_moe
-    monkeypatch.setattr(triton_pool, "ROW_BACKWARD", name == "_attend_bwd_row")
+    module = triton_pool if name == "_attend_bwd" else triton_moe
     launcher = getattr(module, name)
     real = triton_util.Launcher.__call__
 

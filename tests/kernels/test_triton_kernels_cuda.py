@@ -135,7 +135,7 @@ def _tuned_configs():
     from mha_compile.kernels import triton_moe, triton_pool, triton_router
 
     tuned = [(triton_moe, name) for name in ("_up", "_hidden", "_slots_gemm", "_wgrad", "_sum_tiles", "_tile_sums")]
-    tuned += [(triton_pool, name) for name in ("_attend", "_attend_bwd_scores", "_attend_bwd", "_attend_bwd_row")]
+    tuned += [(triton_pool, name) for name in ("_attend", "_attend_bwd_scores", "_attend_bwd")]
     tuned += [(triton_router, name) for name in ("_route", "_combine_bwd")]
     return [pytest.param(module, name, i, id=f"{name}{i}") for module, name in tuned
             for i in range(len(getattr(module, name).configs))]
@@ -148,8 +148,6 @@ def test_every_tuned_config_bf16(monkeypatch, module, name, i):
     launcher = getattr(module, name)
     monkeypatch.setattr(launcher, "configs", [launcher.configs[i]])
     monkeypatch.setattr(launcher, "tuned", None)
-    from mha_compile.kernels import triton_pool
-    monkeypatch.setattr(triton_pool, "ROW_BACKWARD", name not in ("_attend_bwd_scores", "_attend_bwd"))
     ctx, tok, params = make_case(300, 7, 37, 100, 4, 200, 4, 2, act="gelu", dtype=torch.bfloat16, device="cuda",
                                  seed=13)
     errors = check_region(fused, ctx, tok, params, top_k=2, renorm=True, act="gelu")
