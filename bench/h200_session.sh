@@ -30,10 +30,9 @@
 #                                      # occupancy; ~4 min): run.log, ncu.txt
 #   bash bench/h200_session.sh probe   # each MoE kernel alone under every config (bench/gemm_probe.py), then
 #                                      # CUDA time per kernel of the op (~6 min): gemm_probe.{txt,json}, kernel_times.txt
-#   [PROBE=up,hidden PROBE_PRESETS=large POOL=1] bash bench/h200_session.sh verify  # pytest -m cuda, then CUDA
+#   [PROBE=up,hidden PROBE_PRESETS=large] bash bench/h200_session.sh verify  # pytest -m cuda, then CUDA
 #                                      # time per kernel of the op (~5 min); with PROBE, then gemm_probe.py on
-#                                      # those kernels (90 s at most): run.log, kernel_times.txt, gemm_probe.txt;
-#                                      # with POOL, bench/pool_probe.py (90 s at most): pool_probe.txt
+#                                      # those kernels (90 s at most): run.log, kernel_times.txt, gemm_probe.txt
 #   bash bench/h200_session.sh gluon   # the backward's hidden kernel in Gluon (gluon_moe) under each config
 #                                      # against the Triton one, each checked first (bench/gluon_probe.py; ~2 min):
 #                                      # run.log, gluon_probe.txt
@@ -83,10 +82,6 @@ kernels)
 verify)
     gpu_tests 250
     fused_kernel_times 150
-    if [ -n "${POOL:-}" ]; then
-        { timeout -s INT 90 python bench/pool_probe.py --presets medium,large 2>&1; } >"$OUT/pool_probe.txt"
-        tail -12 "$OUT/pool_probe.txt" >>"$LOG"
-    fi
     if [ -n "${PROBE:-}" ]; then
         { timeout -s INT 90 python bench/gemm_probe.py --presets "${PROBE_PRESETS:-large}" --kernels "$PROBE" \
             --out "$OUT/gemm_probe.json" 2>&1; } >"$OUT/gemm_probe.txt"
