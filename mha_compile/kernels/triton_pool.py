@@ -57,14 +57,15 @@ def _pool_fwd_kernel(
     d_ok = offs_d < D
     p_ok = offs_p < P
     u = tl.load(u_ptr + offs_p[:, None] * D + offs_d[None, :], mask=p_ok[:, None] & d_ok[None, :], other=0.0)
-    # u's hi and lo halves side by side (split_pairs): one dot takes both, and the [P, D]
-    # accumulator holds a row for each half, added at the end (sum_pairs).
+    # u's hi and lo halves side by side (split_pairs): one dot takes both. The accumulator is
+    # t̄ᵀ [D, P] (a column for each half of e, added at the end): D, not P, is the dot's M, so
+    # with BLOCK_N 64 both dots can be wgmma reading the tok tile from shared memory.
     u2 = split_pairs(tl.trans(u), SPLIT_DOT)  # [BLOCK_D, 2·BLOCK_P]
     tok_b = tok_ptr + b * stride_tb
     attn_b = attn_ptr + b * N * P
     m = tl.full([BLOCK_P], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_P], tl.float32)
-    acc = tl.zeros([u2.shape[1], BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_D, u2.shape[1]], tl.float32)
     for n0 in range(0, N, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
@@ -83,11 +84,11 @@ def _pool_fwd_kernel(
         alpha = tl.exp(m - m_safe)
         e = tl.exp(s - m_safe[None, :])
         l = l * alpha + tl.sum(e, axis=0)
-        acc = acc * repeat_pairs(alpha, SPLIT_DOT)[:, None] + dot16(tl.trans(split_pairs(e, SPLIT_DOT)), t, SPLIT_DOT)
+        acc = acc * repeat_pairs(alpha, SPLIT_DOT)[None, :] + dot16(tl.trans(t), split_pairs(e, SPLIT_DOT), SPLIT_DOT)
         m = m_new
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    tl.store(tbar_ptr + b * P * D + offs_p[:, None] * D + offs_d[None, :], sum_pairs(acc, SPLIT_DOT) / l[:, None],
-             mask=p_ok[:, None] & d_ok[None, :])
+    tl.store(tbar_ptr + b * P * D + offs_p[None, :] * D + offs_d[:, None], sum_pairs(acc, SPLIT_DOT) / l[None, :],
+             mask=p_ok[None, :] & d_ok[:, None])
     # Normalise the stored scores; this program wrote them, the barrier orders its threads.
     tl.debug_barrier()
     for n0 in range(0, N, BLOCK_N):
@@ -217,7 +218,10 @@ _POOL_CONFIGS = [
     dict(BLOCK_N=32, num_warps=8, num_stages=3),
     dict(BLOCK_N=16, num_warps=4, num_stages=4),
 ]
-_attend = Launcher(_pool_fwd_kernel, _POOL_CONFIGS, key=["N", "D", "P", "HAS_MASK", "SPLIT_DOT"])
+_attend = Launcher(_pool_fwd_kernel, _POOL_CONFIGS + [
+    dict(BLOCK_N=64, num_warps=4, num_stages=2),
+    dict(BLOCK_N=64, num_warps=8, num_stages=2),
+], key=["N", "D", "P", "HAS_MASK", "SPLIT_DOT"])
 _attend_bwd_scores = Launcher(_pool_bwd_scores_kernel, _POOL_CONFIGS, key=["N", "D", "P", "SPLIT_DOT"])
 # Pass 2 by blocks of D: the first config (32 columns) gives the interpreter's tests more than
 # one block at their D of 33-40. pool_backward passes ∂t̄ as du_ptr too: autotuning's trial

@@ -253,26 +253,22 @@ def dot16(a, b, SPLIT_DOT: tl.constexpr):
 def dot_pairs(a, b2, SPLIT_DOT: tl.constexpr):
     """a @ b, b given as b2 = split_pairs(b): a [M, K] in the 16-bit dtype, b2 [K, 2N], to
     about fp32 accuracy; SPLIT_DOT = 0: an ieee fp32 dot."""
-    c2 = dot16(a, b2, SPLIT_DOT)
-    if SPLIT_DOT == 0:
-        return c2
-    else:
-        return tl.sum(tl.reshape(c2, [c2.shape[0], c2.shape[1] // 2, 2]), axis=2)
+    return sum_pairs(dot16(a, b2, SPLIT_DOT), SPLIT_DOT)
 
 
 @triton.jit
 def sum_pairs(x, SPLIT_DOT: tl.constexpr):
-    """[2M, N] → [M, N], rows 2m and 2m + 1 added: the product of split_pairs(b)ᵀ and a
-    (the hi and lo halves' rows); SPLIT_DOT = 0: x itself."""
+    """[M, 2N] → [M, N], columns 2n and 2n + 1 added: a product a @ split_pairs(b) (the hi and
+    lo halves' columns); SPLIT_DOT = 0: x itself."""
     if SPLIT_DOT == 0:
         return x
     else:
-        return tl.sum(tl.reshape(x, [x.shape[0] // 2, 2, x.shape[1]]), axis=1)
+        return tl.sum(tl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]), axis=2)
 
 
 @triton.jit
 def repeat_pairs(v, SPLIT_DOT: tl.constexpr):
-    """v [M] as [2M], each value twice (a scale for split_pairs' rows); SPLIT_DOT = 0: v."""
+    """v [M] as [2M], each value twice (a scale for split_pairs' columns); SPLIT_DOT = 0: v."""
     if SPLIT_DOT == 0:
         return v
     else:
