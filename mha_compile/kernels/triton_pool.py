@@ -122,13 +122,19 @@ def _pool_bwd_scores_kernel(
     attn_b = attn_ptr + b * N * P
     ds_b = ds_ptr + b * N * P
     c = tl.zeros([BLOCK_P], tl.float32)
+    # a is loaded one block ahead by hand, as pass 2's [a | ∂s] (see there).
+    offs_n = tl.arange(0, BLOCK_N)
+    a_next = tl.load(attn_b + offs_n[:, None] * P + offs_p[None, :], mask=(offs_n < N)[:, None] & p_ok[None, :],
+                     other=0.0)
     for n0 in range(0, N, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
         np_ok = n_ok[:, None] & p_ok[None, :]
+        a = a_next
+        a_next = tl.load(attn_b + (offs_n + BLOCK_N)[:, None] * P + offs_p[None, :],
+                         mask=(offs_n + BLOCK_N < N)[:, None] & p_ok[None, :], other=0.0)
         t = tl.load(tok_b + offs_n[:, None].to(tl.int64) * stride_tn + offs_d[None, :],
                     mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        a = tl.load(attn_b + offs_n[:, None] * P + offs_p[None, :], mask=np_ok, other=0.0)
         da = dot_pairs(t, dtbar2, SPLIT_DOT)  # [BLOCK_N, BLOCK_P]
         tl.store(ds_b + offs_n[:, None] * P + offs_p[None, :], da, mask=np_ok)
         c += tl.sum(a * da, axis=0)
@@ -140,6 +146,17 @@ def _pool_bwd_scores_kernel(
         a = tl.load(attn_b + offs_n[:, None] * P + offs_p[None, :], mask=np_ok, other=0.0)
         ptrs = ds_b + offs_n[:, None] * P + offs_p[None, :]
         tl.store(ptrs, a * (tl.load(ptrs, mask=np_ok, other=0.0) - c[None, :]), mask=np_ok)
+
+
+@triton.jit
+def _ads_rows(attn_b, ds_b, n0, N, P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """[a | ∂s] of tokens n0 … n0 + BLOCK_N of one batch row, [BLOCK_N, BLOCK_Q] (0 past N and 2P)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_q = tl.arange(0, BLOCK_Q)
+    n_ok = (offs_n < N)[:, None]
+    return (tl.load(attn_b + offs_n[:, None] * P + offs_q[None, :], mask=n_ok & (offs_q < P)[None, :], other=0.0)
+            + tl.load(ds_b + offs_n[:, None] * P + (offs_q - P)[None, :],
+                      mask=n_ok & ((offs_q >= P) & (offs_q < 2 * P))[None, :], other=0.0))
 
 
 @triton.jit
@@ -172,15 +189,18 @@ def _pool_bwd_kernel(
     attn_b = attn_ptr + b * N * P
     ds_b = ds_ptr + b * N * P
     acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
+    # The rows of [a | ∂s] are loaded one block ahead, by hand: the compiler pipelines only the
+    # loads that feed a dot as they are (tok's), and these waited on memory every block (ncu at
+    # large: pass 2 stalled on L1TEX scoreboards, 5 of its 10 cycles between instructions).
+    ads_next = _ads_rows(attn_b, ds_b, 0, N, P, BLOCK_N, BLOCK_Q)
     for n0 in range(0, N, BLOCK_N):
+        ads = ads_next
+        ads_next = _ads_rows(attn_b, ds_b, n0 + BLOCK_N, N, P, BLOCK_N, BLOCK_Q)
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
         nd_off = offs_n[:, None].to(tl.int64) * stride_tn + offs_d[None, :]
         nd_ok = n_ok[:, None] & d_ok[None, :]
         t = tl.load(tok_b + nd_off, mask=nd_ok, other=0.0)
-        ads = (tl.load(attn_b + offs_n[:, None] * P + offs_q[None, :], mask=n_ok[:, None] & q_a[None, :], other=0.0)
-               + tl.load(ds_b + offs_n[:, None] * P + (offs_q - P)[None, :], mask=n_ok[:, None] & q_s[None, :],
-                         other=0.0))
         dtok = dot_f32(ads, dirs, SPLIT_DOT)  # [BLOCK_N, BLOCK_D]
         tl.store(dtok_ptr + b * stride_tb + nd_off, dtok.to(dtok_ptr.dtype.element_ty), mask=nd_ok)
         acc += dot_f32(tl.trans(ads), t, SPLIT_DOT)  # [BLOCK_Q, BLOCK_D]
