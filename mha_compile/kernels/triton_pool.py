@@ -26,8 +26,9 @@ All pool arithmetic accumulates in fp32 to about fp32 accuracy: ieee fp32 dots f
 fp16 tokens; for bf16 tokens the same products as split bf16 tensor-core dots (triton_util.dot_f32), since
 on the FMA units these thin dots, not the one read of tok, set the kernels' time. The forward and
 pass 1 put an fp32 operand's hi and lo halves side by side (triton_util.split_pairs): one dot of
-2P columns instead of two chained dots of P padded to 16, which took the large forward from 252
-to 140 registers a thread and its mma instructions from 96 to 48 (sm_90a, offline).
+2P columns instead of two chained dots of P padded to 16 (the large forward 252 → 140 registers a
+thread, sm_90a offline). On the H200 at large (bench/PERF_NOTES.md v14) the three kernels take
+0.25, 0.17 and 0.41 ms a step (1.07 before split pairs, t̄ᵀ and the loads one block ahead).
 """
 import torch
 import triton
@@ -38,7 +39,7 @@ from mha_compile.kernels.triton_matmul import matmul_f32
 from mha_compile.kernels.triton_util import (Launcher, dot16, dot_f32, dot_pairs, pow2, repeat_pairs, split_pairs,
                                              sum_pairs)
 
-# A [P,D] fp32 accumulator (P padded to 16) lives in registers: D beyond this spills badly.
+# A [D, 2P] fp32 accumulator (2P padded to 16) lives in registers: D beyond this spills badly.
 MAX_POOL_D = 1024
 
 
