@@ -52,8 +52,9 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 # files between calls on a machine it still holds, so `table` can reuse `autotune-cache`'s.
 export TORCHINDUCTOR_CACHE_DIR="$PWD/.inductor_cache"
 LOG="$OUT/run.log"
-# COMMIT overrides: the device copy's .git can lag the working tree it carries.
-commit=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+# COMMIT overrides: the device copy's .git can lag the working tree it carries, and then the
+# label without it ends in -dirty (session 11 ran trees its .git called 00effa4).
+commit=${COMMIT:-$(git describe --always --dirty 2>/dev/null || echo unknown)}
 # `python -m pip`: the image's plain `pip` belongs to another interpreter, and then the entry
 # point `mha` is not registered for the python that runs torch.
 python -m pip install -q --no-deps --no-build-isolation -e . >>"$LOG" 2>&1
