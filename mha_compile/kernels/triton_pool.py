@@ -28,7 +28,7 @@ on the FMA units these thin dots, not the one read of tok, set the kernels' time
 pass 1 put an fp32 operand's hi and lo halves side by side (triton_util.split_pairs): one dot of
 2P columns instead of two chained dots of P padded to 16 (the large forward 252 → 140 registers a
 thread, sm_90a offline). On the H200 at large (bench/PERF_NOTES.md v14) the three kernels take
-0.25, 0.17 and 0.41 ms a step (1.07 before split pairs, t̄ᵀ and the loads one block ahead).
+0.25, 0.17 and 0.41 ms a step (1.12 before split pairs, t̄ᵀ and the loads one block ahead).
 """
 import torch
 import triton
