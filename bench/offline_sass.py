@@ -4,6 +4,8 @@ path launches at a preset, compiled for the H200 (sm_90a) on a machine without a
     PYTHONPATH=. python bench/offline_sass.py [--presets medium,large] [--act gelu] [--all-configs]
                                               [--kernels _moe_bwd_hidden_kernel,...] [--out rows.json]
 
+A preset is a name (SPEC §5) or sizes B×H×N×D×P×F×E×k written with x (300x7x37x100x4x200x4x2).
+
 How: the fused region's forward and backward run on meta tensors (shapes and dtypes, no data,
 no GPU) taken for GPU ones (triton_util.on_gpu), and every Triton launch is recorded instead of
 run, with its arguments and meta-parameters, as the GPU would get them. Each distinct launch is then compiled with triton.compile
@@ -67,10 +69,24 @@ def as_h200(calls=None):
         yield
 
 
+DIMS = ("B", "H", "N", "D", "P", "F", "E", "k")
+
+
+def preset_dims(preset):
+    """(B, H, N, D, P, F, E, k) of a preset's name, or of sizes written B×H×N×D×P×F×E×k with x
+    ("300x7x37x100x4x200x4x2": the odd shape the GPU tests try every config at)."""
+    if preset in models.PRESETS:
+        return tuple(models.PRESETS[preset][key] for key in DIMS)
+    sizes = preset.split("x")
+    if len(sizes) != len(DIMS) or not all(size.isdigit() and int(size) > 0 for size in sizes):
+        raise SystemExit(f"preset {preset!r}: expected one of {list(models.PRESETS)} or eight positive sizes "
+                         f"{'x'.join(DIMS)}, e.g. 300x7x37x100x4x200x4x2")
+    return tuple(map(int, sizes))
+
+
 def meta_case(preset, act, dtype=torch.bfloat16):
     """(ctx, tok, params in region-op order, k, renorm) of the preset, as meta tensors."""
-    p = models.PRESETS[preset]
-    B, H, N, D, P, F, E, k = (p[key] for key in ("B", "H", "N", "D", "P", "F", "E", "k"))
+    B, H, N, D, P, F, E, k = preset_dims(preset)
     block = models.MHABlock(D, P, F, E, k, act=act)
     params = [None if t is None else torch.empty(t.shape, device="meta", dtype=dtype)
               for t in models.block_parameters(block)]
@@ -157,7 +173,7 @@ def main():
     if triton_util.interpreting():
         raise SystemExit("bench/offline_sass.py compiles the kernels: run it without TRITON_INTERPRET=1")
     parser = argparse.ArgumentParser()
-    parser.add_argument("--presets", default="medium,large")
+    parser.add_argument("--presets", default="medium,large", help="names, or sizes BxHxNxDxPxFxExk")
     parser.add_argument("--act", default="gelu")
     parser.add_argument("--all-configs", action="store_true", help="every config of each autotuned kernel")
     parser.add_argument("--kernels", default=None, help="comma list of kernel names (default: all)")
@@ -166,7 +182,9 @@ def main():
     wanted = None if args.kernels is None else set(args.kernels.split(","))
     rows = []
     print(f"sm_90a (H200) offline, triton {triton.__version__}, torch {torch.__version__}")
-    for preset in args.presets.split(","):
+    presets = args.presets.split(",")
+    width = max(7, *(len(p) + 1 for p in presets))
+    for preset in presets:
         seen = set()
         for kernel, named, warps, stages in record_launches(preset, args.act):
             if wanted is not None and kernel.__name__ not in wanted:
@@ -193,12 +211,12 @@ def main():
                 try:
                     row.update(compile_stats(kernel, meta, warps, stages))
                     row["fits"] = row["smem"] <= H200_SMEM
-                    print(f"{preset:<7}{kernel.__name__:<28} regs {row['regs']:>3} spill {row['spill_bytes']:>5} B "
+                    print(f"{preset:<{width}}{kernel.__name__:<28} regs {row['regs']:>3} spill {row['spill_bytes']:>5} B "
                           f"smem {row['smem']:>6} wgmma {row['wgmma']:>3} mma {row['mma']:>3} sass {row['sass']:>5}  "
                           f"w{warps} s{stages} {shown}{'' if row['fits'] else '  SHARED MEMORY OVER THE LIMIT'}", flush=True)
                 except Exception as error:  # a config that does not compile: say so, go on
                     row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
-                    print(f"{preset:<7}{kernel.__name__:<28} FAILED {row['error']}", flush=True)
+                    print(f"{preset:<{width}}{kernel.__name__:<28} FAILED {row['error']}", flush=True)
                 rows.append(row)
     if args.out:
         with open(args.out, "w") as f:

@@ -36,3 +36,24 @@ def test_records_every_launch_and_compiles_for_sm90(tmp_path):
         assert 0 < r["regs"] <= 255 and r["sass"] > 0 and r["fits"]
         assert r["wgmma"] > 0, r  # bf16 tiles of 128 slots: Hopper's wgmma (HGMMA) on the H200
         assert r["constexprs"]["TILE"] == 128  # the medium preset's layout, as on the GPU
+
+
+def test_every_config_builds_at_an_odd_shape(tmp_path):
+    """Every config the autotuner may pick, of every Triton kernel the fused path launches, builds
+    for sm_90a at the odd shape the GPU tests try them at (D = 100, N = 37, P = 4: partial blocks,
+    strides not multiples of 16). Triton's autotuner raises when a config fails to build, so such
+    a config fails a user's compile at that shape; the pool forward's BLOCK_N 64 configs did
+    (session 11), which this catches without a GPU."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.path.abspath(ROOT)
+    out = tmp_path / "rows.json"
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "offline_sass.py"), "--presets",
+                          "300x7x37x100x4x200x4x2", "--all-configs", "--out", str(out)],
+                         env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    assert not [r for r in rows if "error" in r]
+    from mha_compile.kernels import triton_pool
+    for name, launcher in (("_pool_fwd_kernel", triton_pool._attend), ("_pool_bwd_kernel", triton_pool._attend_bwd)):
+        assert len([r for r in rows if r["kernel"] == name]) == len(launcher.configs), name
+    assert {r["constexprs"]["D"] for r in rows if r["kernel"] == "_pool_fwd_kernel"} == {100}
