@@ -1,7 +1,7 @@
 """Registers, spills, shared memory and instruction counts of every Triton kernel the fused
 path launches at a preset, compiled for the H200 (sm_90a) on a machine without a GPU.
 
-    PYTHONPATH=. python bench/offline_sass.py [--presets medium,large] [--act gelu] [--all-configs]
+    PYTHONPATH=. python bench/offline_sass.py [--presets medium,large] [--act gelu] [--dtype bf16] [--all-configs]
                                               [--kernels _moe_bwd_hidden_kernel,...] [--out rows.json]
 
 A preset is a name (SPEC §5) or sizes B×H×N×D×P×F×E×k written with x (300x7x37x100x4x200x4x2).
@@ -175,6 +175,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--presets", default="medium,large", help="names, or sizes BxHxNxDxPxFxExk")
     parser.add_argument("--act", default="gelu")
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"],
+                        help="the model's dtype (ctx, tok and parameters)")
     parser.add_argument("--all-configs", action="store_true", help="every config of each autotuned kernel")
     parser.add_argument("--kernels", default=None, help="comma list of kernel names (default: all)")
     parser.add_argument("--out", default=None)
@@ -186,7 +188,8 @@ def main():
     width = max(7, *(len(p) + 1 for p in presets))
     for preset in presets:
         seen = set()
-        for kernel, named, warps, stages in record_launches(preset, args.act):
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+        for kernel, named, warps, stages in record_launches(preset, args.act, dtype):
             if wanted is not None and kernel.__name__ not in wanted:
                 continue
             launcher = _launcher_of(kernel)

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
 
@@ -38,7 +40,8 @@ def test_records_every_launch_and_compiles_for_sm90(tmp_path):
         assert r["constexprs"]["TILE"] == 128  # the medium preset's layout, as on the GPU
 
 
-def test_every_config_builds_at_an_odd_shape(tmp_path):
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])  # fp32 builds too (checked once), but take 3 min
+def test_every_config_builds_at_an_odd_shape(tmp_path, dtype):
     """Every config the autotuner may pick, of every Triton kernel the fused path launches, builds
     for sm_90a at the odd shape the GPU tests try them at (D = 100, N = 37, P = 4: partial blocks,
     strides not multiples of 16). Triton's autotuner raises when a config fails to build, so such
@@ -48,7 +51,7 @@ def test_every_config_builds_at_an_odd_shape(tmp_path):
     env["PYTHONPATH"] = os.path.abspath(ROOT)
     out = tmp_path / "rows.json"
     run = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "offline_sass.py"), "--presets",
-                          "300x7x37x100x4x200x4x2", "--all-configs", "--out", str(out)],
+                          "300x7x37x100x4x200x4x2", "--dtype", dtype, "--all-configs", "--out", str(out)],
                          env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-2000:]
     rows = json.loads(out.read_text())
