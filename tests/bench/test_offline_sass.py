@@ -10,15 +10,20 @@ import pytest
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
 
-def test_records_every_launch_and_compiles_for_sm90(tmp_path):
+def offline_sass(tmp_path, *args):
+    """The rows bench/offline_sass.py writes for these arguments, run outside the interpreter."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.path.abspath(ROOT)
     out = tmp_path / "rows.json"
-    run = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "offline_sass.py"), "--presets", "medium",
-                          "--kernels", "_moe_up_kernel,_moe_wgrad_kernel", "--all-configs", "--out", str(out)],
-                         env=env, capture_output=True, text=True, timeout=600)
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "offline_sass.py"), *args, "--out", str(out)],
+                         env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-2000:]
-    rows = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_records_every_launch_and_compiles_for_sm90(tmp_path):
+    rows = offline_sass(tmp_path, "--presets", "medium", "--kernels", "_moe_up_kernel,_moe_wgrad_kernel",
+                        "--all-configs")
     failed = [r for r in rows if "error" in r]
     assert not failed, failed
     from mha_compile.kernels import triton_moe
@@ -47,14 +52,7 @@ def test_every_config_builds_at_an_odd_shape(tmp_path, dtype):
     strides not multiples of 16). Triton's autotuner raises when a config fails to build, so such
     a config fails a user's compile at that shape; the pool forward's BLOCK_N 64 configs did
     (session 11), which this catches without a GPU."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.path.abspath(ROOT)
-    out = tmp_path / "rows.json"
-    run = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "offline_sass.py"), "--presets",
-                          "300x7x37x100x4x200x4x2", "--dtype", dtype, "--all-configs", "--out", str(out)],
-                         env=env, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stderr[-2000:]
-    rows = json.loads(out.read_text())
+    rows = offline_sass(tmp_path, "--presets", "300x7x37x100x4x200x4x2", "--dtype", dtype, "--all-configs")
     assert not [r for r in rows if "error" in r]
     from mha_compile.kernels import triton_pool
     for name, launcher in (("_pool_fwd_kernel", triton_pool._attend), ("_pool_bwd_kernel", triton_pool._attend_bwd)):
