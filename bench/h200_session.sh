@@ -41,12 +41,15 @@
 #                                      # run.log, gluon_wgrad_probe.txt, gluon_slots_probe.txt
 #   bash bench/h200_session.sh verify-gemms  # verify, then gluon-gemms at large only, in one call (~9 min;
 #                                      # one machine start instead of two when landing staged Gluon work)
+#   bash bench/h200_session.sh host-large  # host time per piece at large (bench/host_time.py, 5 calls a
+#                                      # piece: more would fill CUDA's launch queue and time the GPU instead;
+#                                      # ~5 min of compiling): run.log, host_time_large.txt
 #   bash bench/h200_session.sh short   # one call when device time is short (~9 min): the fused
 #                                      # kernel tests, the curves without the suite, and the
 #                                      # benchmark cut at 250 s (rows past it are listed as skipped)
 # Budgets are per step so a slow step cannot starve the others.
 set -u
-part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|gluon|gluon-gemms|verify-gemms|short}
+part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|gluon|gluon-gemms|verify-gemms|host-large|short}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 # Inductor's compiled graphs kept in the checkout (git ignores it): the device keeps ignored
 # files between calls on a machine it still holds, so `table` can reuse `autotune-cache`'s.
@@ -156,6 +159,10 @@ gluon-gemms|verify-gemms)
     { timeout -s INT $limit python bench/gluon_slots_probe.py --presets $presets 2>&1; } >"$OUT/gluon_slots_probe.txt"
     tail -30 "$OUT/gluon_wgrad_probe.txt" "$OUT/gluon_slots_probe.txt" >>"$LOG"
     ;;
+host-large)
+    timeout -s INT 540 python bench/host_time.py --preset large --calls 5 >"$OUT/host_time_large.txt" 2>&1
+    head -25 "$OUT/host_time_large.txt" >>"$LOG"
+    ;;
 short)
     { MHA_COMPILE_NO_AUTOTUNE=1 timeout 120 python -m pytest -q -m cuda tests/kernels -k "not staged" -n 8 \
         -p no:cacheprovider 2>&1 | tail -8; } >>"$LOG"
@@ -172,6 +179,6 @@ bench|bench-resume)
         --modes eager,inductor,inductor-max-autotune,mha-staged,mha-fused,mha-fused-cudagraphs \
         --spellings dense,loop,grouped_mm --commit "$commit" 2>&1 | tail -100; } >>"$LOG"
     ;;
-*) echo "unknown part $part: expected check, kernels, probe, verify, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache, medium-autotune, ncu, gluon, gluon-gemms, verify-gemms or short" >&2; exit 2 ;;
+*) echo "unknown part $part: expected check, kernels, probe, verify, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache, medium-autotune, ncu, gluon, gluon-gemms, verify-gemms, host-large or short" >&2; exit 2 ;;
 esac
 tail -150 "$LOG"
