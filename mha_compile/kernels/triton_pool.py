@@ -59,8 +59,8 @@ def _pool_fwd_kernel(
     p_ok = offs_p < P
     u = tl.load(u_ptr + offs_p[:, None] * D + offs_d[None, :], mask=p_ok[:, None] & d_ok[None, :], other=0.0)
     # u's hi and lo halves side by side (split_pairs): one dot takes both. The accumulator is
-    # t̄ᵀ [D, P] (a column for each half of e, added at the end): D, not P, is the dot's M, so
-    # the e-weighted sum is a wgmma reading the tok tile from shared memory.
+    # t̄ᵀ [D, 2P] (a column for each half of e, added in pairs at the end): D, not P, is the
+    # dot's M, so the e-weighted sum is a wgmma reading the tok tile from shared memory.
     u2 = split_pairs(tl.trans(u), SPLIT_DOT)  # [BLOCK_D, 2·BLOCK_P]
     tok_b = tok_ptr + b * stride_tb
     attn_b = attn_ptr + b * N * P
