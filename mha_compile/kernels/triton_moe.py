@@ -942,9 +942,12 @@ def backward_slot_bytes(D, F, swiglu, element_size):
     return (2 * D + (3 if swiglu else 2) * F) * element_size
 
 
-def _choose(kernel, device, why):
-    """"gluon" when nothing keeps `kernel` off its Gluon version (why is None), else "triton",
-    logged once per reason on the "mha_compile" logger where a CUDA GPU runs the Triton one."""
+def _choose(kernel, key, device, unsupported):
+    """"gluon" when nothing keeps `kernel` off its Gluon version: gluon_moe imports, its build for
+    the compile `key` has not failed (_gluon_launch), and unsupported() (its operand checks) says
+    None; else "triton", the reason logged once on the "mha_compile" logger where a CUDA GPU runs
+    the Triton one."""
+    why = GLUON_MISSING if gluon_moe is None else _GLUON_FAILED.get((kernel, key)) or unsupported()
     if why is None:
         return "gluon"
     if device.type == "cuda" and (kernel, why) not in _GLUON_DECLINED:
@@ -989,10 +992,8 @@ def hidden_kernel(xs, gs, w1, w2, w3, b1, act, tile):
     """Which hidden kernel the backward runs on these operands: "gluon" (gluon_moe's warp-specialised
     kernel: Hopper, bf16/fp16, gelu, silu or swiglu, sizes its blocks divide; and it has built) or
     "triton"."""
-    why = (GLUON_MISSING if gluon_moe is None else
-           _GLUON_FAILED.get(("hidden kernel", hidden_key(xs, act, tile, b1)))
-           or gluon_moe.unsupported(xs, gs, w1, w2, w3, act, tile))
-    return _choose("hidden kernel", xs.device, why)
+    return _choose("hidden kernel", hidden_key(xs, act, tile, b1), xs.device,
+                   lambda: gluon_moe.unsupported(xs, gs, w1, w2, w3, act, tile))
 
 
 def wgrad_key(a, b, accumulate):
@@ -1003,10 +1004,8 @@ def wgrad_key(a, b, accumulate):
 
 def wgrad_kernel(a, b, tile, accumulate):
     """Which weight-gradient kernel weight_grads runs (one B, no split) on these slot rows."""
-    why = (GLUON_MISSING if gluon_moe is None else
-           _GLUON_FAILED.get(("weight-gradient GEMM", wgrad_key(a, b, accumulate)))
-           or gluon_moe.wgrad_unsupported(a, b, tile))
-    return _choose("weight-gradient GEMM", a.device, why)
+    return _choose("weight-gradient GEMM", wgrad_key(a, b, accumulate), a.device,
+                   lambda: gluon_moe.wgrad_unsupported(a, b, tile))
 
 
 def gemm2_key(a, out, bias, scale, tile):
@@ -1019,10 +1018,8 @@ def gemm2_kernel(a, b, out, bias, scale, tile):
     """Which kernel the forward's GEMM2 runs (slots_gemm with one operand pair, B row-major):
     "gluon" (gluon_moe.slots_gemm: Hopper, bf16/fp16, TILE 64 or 128, sizes its blocks divide;
     and it has built) or "triton"."""
-    why = (GLUON_MISSING if gluon_moe is None else
-           _GLUON_FAILED.get(("GEMM2", gemm2_key(a, out, bias, scale, tile)))
-           or gluon_moe.slots_unsupported(a, b, out, bias, scale, tile))
-    return _choose("GEMM2", a.device, why)
+    return _choose("GEMM2", gemm2_key(a, out, bias, scale, tile), a.device,
+                   lambda: gluon_moe.slots_unsupported(a, b, out, bias, scale, tile))
 
 
 def _backward_tiles(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, horizons, gw, dx_slot, total):
