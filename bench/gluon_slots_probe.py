@@ -26,8 +26,7 @@ expert's B, and TILE 128.
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
-from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, tma
 
 from gluon_probe import _time, compile_offline, probe_cli
 from mha_compile.kernels import gluon_moe
@@ -65,17 +64,14 @@ def _produce(descs, bufs, bars, ptrs, sizes, MODE: gl.constexpr):
     HALF: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = out_desc.block_type.shape[1]
-    NBUF: gl.constexpr = b_bufs.type.shape[0]
     nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes
     pos = 0
     for job in range(gl.program_id(0), JOBS, gl.num_programs(0)):
         t, n0 = _job(job, N, BN)
         e = gl.load(tile_expert_ptr + t)
         for k0 in range(0, K, BK):
-            stage = pos % NBUF
-            mbarrier.wait(empty.index(stage), ((pos // NBUF) & 1) ^ 1)
+            stage = gluon_moe._ring_claim(ready, empty, pos, nbytes)
             bar = ready.index(stage)
-            mbarrier.expect(bar, nbytes)
             tma.async_copy_global_to_shared(a_desc, [t * 2 * HALF, k0], bar, a_bufs.index(2 * stage))
             tma.async_copy_global_to_shared(a_desc, [t * 2 * HALF + HALF, k0], bar, a_bufs.index(2 * stage + 1))
             if MODE == 1:
@@ -110,22 +106,15 @@ def _consume(descs, bufs, bars, ptrs, sizes, which, MODE: gl.constexpr):
         acc = gl.zeros([HALF, BN], gl.float32, acc_layout)
         if has_bias != 0:
             acc = acc + gl.load(bias_ptr + e * N + offs_n).to(gl.float32)[None, :]
-        prev = 0
         for k0 in range(0, K, BK):
             stage = pos % NBUF
-            mbarrier.wait(ready.index(stage), (pos // NBUF) & 1)
             if MODE == 1:
                 b = b_bufs.index(stage).permute((1, 0))
             else:
                 b = b_bufs.index(stage)
-            acc = warpgroup_mma(a_bufs.index(2 * stage + which), b, acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-            if k0 > 0:
-                mbarrier.arrive(empty.index(prev), count=1)
-            prev = stage
+            acc = gluon_moe._ring_dot(a_bufs.index(2 * stage + which), b, acc, ready, empty, pos, k0 > 0)
             pos += 1
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        mbarrier.arrive(empty.index(prev), count=1)
+        acc = gluon_moe._ring_drain(acc, empty, pos, K > 0)
         row = t * 2 * HALF + which * HALF
         pair = gl.load(slot_pair_ptr + row + gl.arange(0, HALF, layout=rows_layout))
         valid = pair < PAIRS
@@ -168,11 +157,7 @@ def _slots_kernel(a_desc, b_desc, out_desc, bias_ptr, scale_ptr, slot_pair_ptr, 
     a_bufs = gl.allocate_shared_memory(dtype, [2 * NBUF] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [NBUF] + b_desc.block_type.shape, b_desc.layout)
     out_bufs = gl.allocate_shared_memory(dtype, [2] + out_desc.block_type.shape, out_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(NBUF):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=2)  # both consumers release a stage
+    ready, empty = gluon_moe._ring_barriers(NBUF)
     args = ((a_desc, b_desc, out_desc), (a_bufs, b_bufs, out_bufs), (ready, empty),
             (bias_ptr, scale_ptr, slot_pair_ptr, tile_expert_ptr),
             (PAIRS, K, N, JOBS, has_bias, has_scale))
