@@ -101,6 +101,15 @@ def _pool_fwd_kernel(
 
 
 @triton.jit
+def _attn_rows(attn_b, n0, N, P, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr):
+    """a of tokens n0 … n0 + BLOCK_N of one batch row, [BLOCK_N, BLOCK_P] (0 past N and P)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_p = tl.arange(0, BLOCK_P)
+    return tl.load(attn_b + offs_n[:, None] * P + offs_p[None, :], mask=(offs_n < N)[:, None] & (offs_p < P)[None, :],
+                   other=0.0)
+
+
+@triton.jit
 def _pool_bwd_scores_kernel(
     tok_ptr, attn_ptr, dtbar_ptr, ds_ptr,
     N, D, P,
@@ -124,16 +133,13 @@ def _pool_bwd_scores_kernel(
     ds_b = ds_ptr + b * N * P
     c = tl.zeros([BLOCK_P], tl.float32)
     # a is loaded one block ahead by hand, as pass 2's [a | ∂s] (see there).
-    offs_n = tl.arange(0, BLOCK_N)
-    a_next = tl.load(attn_b + offs_n[:, None] * P + offs_p[None, :], mask=(offs_n < N)[:, None] & p_ok[None, :],
-                     other=0.0)
+    a_next = _attn_rows(attn_b, 0, N, P, BLOCK_N, BLOCK_P)
     for n0 in range(0, N, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
         np_ok = n_ok[:, None] & p_ok[None, :]
         a = a_next
-        a_next = tl.load(attn_b + (offs_n + BLOCK_N)[:, None] * P + offs_p[None, :],
-                         mask=(offs_n + BLOCK_N < N)[:, None] & p_ok[None, :], other=0.0)
+        a_next = _attn_rows(attn_b, n0 + BLOCK_N, N, P, BLOCK_N, BLOCK_P)
         t = tl.load(tok_b + offs_n[:, None].to(tl.int64) * stride_tn + offs_d[None, :],
                     mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         da = dot_pairs(t, dtbar2, SPLIT_DOT)  # [BLOCK_N, BLOCK_P]
@@ -144,7 +150,7 @@ def _pool_bwd_scores_kernel(
     for n0 in range(0, N, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         np_ok = (offs_n < N)[:, None] & p_ok[None, :]
-        a = tl.load(attn_b + offs_n[:, None] * P + offs_p[None, :], mask=np_ok, other=0.0)
+        a = _attn_rows(attn_b, n0, N, P, BLOCK_N, BLOCK_P)
         ptrs = ds_b + offs_n[:, None] * P + offs_p[None, :]
         tl.store(ptrs, a * (tl.load(ptrs, mask=np_ok, other=0.0) - c[None, :]), mask=np_ok)
 
