@@ -154,9 +154,36 @@ class Launcher:
                                     num_warps=c.get("num_warps", 4), num_stages=c.get("num_stages", 2),
                                     pre_hook=hook)
                       for c in configs]
-        self.tuned = (triton.autotune(configs=tl_configs, key=key, restore_value=self.restore or None)(kernel)
+        self.tuned = (triton.autotune(configs=tl_configs, key=key, restore_value=self.restore or None,
+                                      prune_configs_by={"early_config_prune": self._buildable})(kernel)
                       if len(configs) > 1 else None)
         self.best = {}  # autotune key -> the chosen config's meta-parameters
+
+    def _buildable(self, configs, nargs, **kwargs):
+        """The configs that build for this call (the autotuner's early prune, before it times them).
+        Triton's autotuner skips a config that runs out of resources but raises when one fails to
+        build, and some do at some shapes only (the pool forward's BLOCK_N 64 at D = 100 on Triton
+        3.6, bench/PERF_NOTES.md v14): each is built here first (JITFunction.warmup, the same
+        specialisation the timing run then takes from the cache); a failure is logged and dropped,
+        and none building raises, naming every failure."""
+        call = {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")}
+        kept, failures = [], []
+        for config in configs:
+            meta = {**call, **config.all_kwargs()}
+            try:
+                if self.blocks is not None:
+                    self._set_blocks({**nargs, **meta})
+                self.kernel.warmup(**nargs, **meta, grid=(1,))
+            except Exception as error:  # noqa: BLE001 - any build failure: the other configs compute the same
+                failures.append(f"{config.kwargs} ({type(error).__name__}: {str(error).splitlines()[0][:160]})")
+                log.warning("mha_compile: %s does not build under %s; autotuning leaves it out",
+                            self.kernel.__name__, failures[-1])
+            else:
+                kept.append(config)
+        if not kept:
+            raise RuntimeError(f"mha_compile: {self.kernel.__name__} builds under none of its configs: "
+                               + "; ".join(failures))
+        return kept
 
     def _set_blocks(self, nargs):
         for name, shape in self.blocks(nargs).items():

@@ -1,8 +1,9 @@
 """triton_util.Launcher's bookkeeping on the GPU path, with stand-ins for the kernel and for
 triton.autotune (the tuned path only runs on CUDA): tune once per key, log the choice, then
-launch the chosen config directly."""
+launch the chosen config directly; leave out of autotuning the configs that do not build."""
 import logging
 
+import pytest
 import torch
 import triton
 import triton.language as tl
@@ -116,3 +117,66 @@ def test_tma_device_needs_hopper(monkeypatch):
     # alignment: F = 47 fp32 rows (188 bytes) are not 16-byte strides; a contiguous [4, 48] is
     assert triton_util.tma_ok(torch.zeros(4, 48)) and not triton_util.tma_ok(torch.zeros(4, 47))
     assert not triton_util.tma_ok(torch.zeros(48, 4).t())  # last dimension not contiguous
+
+
+class _Warmups:
+    """JITFunction.warmup's surface: records each build, fails those `fails` says."""
+    __name__ = "_fake_kernel"
+
+    def __init__(self, fails):
+        self.builds, self.fails = [], fails
+
+    def warmup(self, grid, **kwargs):
+        self.builds.append(kwargs)
+        if self.fails(kwargs):
+            raise RuntimeError("PassManager::run failed\n(the compiler's dump)")
+
+
+def test_autotuning_leaves_out_configs_that_do_not_build(caplog):
+    """Triton's autotuner raises when a config fails to build; the Launcher's early prune builds
+    each config first, logs and drops a failure, and times the rest."""
+    launcher = triton_util.Launcher(_noop, [dict(BLOCK=32, num_warps=4), dict(BLOCK=64, num_warps=8)], key=["N"])
+    assert launcher.tuned.early_config_prune == launcher._buildable
+    launcher.kernel = _Warmups(lambda kwargs: kwargs["BLOCK"] == 64)
+    x = torch.zeros(4)
+    with caplog.at_level(logging.WARNING, logger="mha_compile"):
+        kept = launcher._buildable(launcher.tuned.configs, {"x_ptr": x, "N": 100}, grid=lambda meta: (1,),
+                                   warmup=False)
+    assert [c.kwargs for c in kept] == [{"BLOCK": 32}]
+    assert "_fake_kernel does not build under {'BLOCK': 64} (RuntimeError: PassManager::run failed)" in caplog.text
+    # each build with the call's arguments and the config's meta-parameters, not the launch's grid
+    assert [(b["x_ptr"] is x, b["N"], b["BLOCK"], b["num_warps"]) for b in launcher.kernel.builds] == [
+        (True, 100, 32, 4), (True, 100, 64, 8)]
+    assert all("warmup" not in b and "grid" not in b for b in launcher.kernel.builds)
+
+
+def test_autotuning_with_no_config_that_builds_says_so():
+    launcher = triton_util.Launcher(_noop, [dict(BLOCK=32), dict(BLOCK=64)], key=["N"])
+    launcher.kernel = _Warmups(lambda kwargs: True)
+    try:
+        launcher._buildable(launcher.tuned.configs, {"x_ptr": torch.zeros(4), "N": 100}, grid=None, warmup=False)
+    except RuntimeError as error:
+        assert "_fake_kernel builds under none of its configs" in str(error)
+        assert "{'BLOCK': 32}" in str(error) and "{'BLOCK': 64}" in str(error)
+    else:
+        raise AssertionError("no error")
+
+
+@triton.jit
+def _copy(x_ptr, y_ptr, N, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < N), mask=offs < N)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_autotuning_survives_a_config_that_does_not_build_cuda(monkeypatch):
+    """On the GPU: BLOCK 48 fails to build (tl.arange needs a power of two), which Triton's own
+    autotuner would raise; the Launcher times BLOCK 64 alone and copies right."""
+    monkeypatch.setattr(triton_util, "NO_AUTOTUNE", False)
+    launcher = triton_util.Launcher(_copy, [dict(BLOCK=48), dict(BLOCK=64)], key=["N"])
+    x = torch.randn(1000, device="cuda")
+    y = torch.empty_like(x)
+    launcher(lambda meta: (triton.cdiv(1000, meta["BLOCK"]),), x, y, 1000)
+    assert torch.equal(y, x)
+    assert list(launcher.best.values())[0]["BLOCK"] == 64
