@@ -459,21 +459,34 @@ def wgrad_unsupported(a, b, tile, capability=None):
 
 
 @gluon.jit
-def _wjob(job, I, J, BM: gl.constexpr, BN: gl.constexpr):
-    """(e, first row of ∂W[e], first column) of a job, expert-major."""
+def _wjob(job, I, J, SPLIT, BM: gl.constexpr, BN: gl.constexpr):
+    """(e·SPLIT + c, first row of its ∂W block, first column) of a job, expert-major, then split c."""
     ni = I // BM
     nj = J // BN
-    e = job // (ni * nj)
-    rest = job - e * (ni * nj)
+    ec = job // (ni * nj)
+    rest = job - ec * (ni * nj)
     i = rest // nj
-    return e, i * BM, (rest - i * nj) * BN
+    return ec, i * BM, (rest - i * nj) * BN
+
+
+@gluon.jit
+def _wslots(expert_slots_ptr, E, ec, SPLIT, TILE):
+    """[lo, hi): the slots of split c of expert e (ec = e·SPLIT + c), the c-th of SPLIT equal runs
+    of whole tiles, as triton_moe._moe_wgrad_kernel cuts them."""
+    e = ec // SPLIT
+    c = ec - e * SPLIT
+    lo = gl.load(expert_slots_ptr + e)
+    hi = gl.load(expert_slots_ptr + E + e)
+    run = gl.cdiv((hi - lo) // TILE, SPLIT) * TILE
+    lo = gl.minimum(lo + c * run, hi)
+    return lo, gl.minimum(lo + run, hi)
 
 
 # Partitions take (descs, bufs, bars, ptrs, sizes) (+ which, a runtime value, as above):
 #   descs = (A as [S, I] in [BK, 64] blocks, B as [S, J] in [BK, BN] blocks);
 #   bufs  = (A ring [2·NBUF, BK, 64] (stage·2 + half), B ring [NBUF, BK, BN]);
-#   bars  = (ready, empty) a stage;  ptrs = (out [E·I, J], expert_slots [2E]);
-#   sizes = (I, J, E, JOBS, accumulate).
+#   bars  = (ready, empty) a stage;  ptrs = (out [E·SPLIT·I, J], expert_slots [2E]);
+#   sizes = (I, J, E, JOBS, accumulate, SPLIT, TILE).
 
 
 @gluon.jit
@@ -482,16 +495,15 @@ def _wgrad_produce(descs, bufs, bars, ptrs, sizes):
     a_bufs, b_bufs = bufs
     ready, empty = bars
     out_ptr, expert_slots_ptr = ptrs
-    I, J, E, JOBS, accumulate = sizes
+    I, J, E, JOBS, accumulate, SPLIT, TILE = sizes
     BK: gl.constexpr = a_desc.block_type.shape[0]
     HALF: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = b_desc.block_type.shape[1]
     nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes
     pos = 0
     for job in range(gl.program_id(0), JOBS, gl.num_programs(0)):
-        e, i0, j0 = _wjob(job, I, J, 2 * HALF, BN)
-        lo = gl.load(expert_slots_ptr + e)
-        hi = gl.load(expert_slots_ptr + E + e)
+        ec, i0, j0 = _wjob(job, I, J, SPLIT, 2 * HALF, BN)
+        lo, hi = _wslots(expert_slots_ptr, E, ec, SPLIT, TILE)
         for s0 in range(lo, hi, BK):
             stage = _ring_claim(ready, empty, pos, nbytes)
             bar = ready.index(stage)
@@ -508,7 +520,7 @@ def _wgrad_consume(descs, bufs, bars, ptrs, sizes, which):
     a_bufs, b_bufs = bufs
     ready, empty = bars
     out_ptr, expert_slots_ptr = ptrs
-    I, J, E, JOBS, accumulate = sizes
+    I, J, E, JOBS, accumulate, SPLIT, TILE = sizes
     BK: gl.constexpr = a_desc.block_type.shape[0]
     HALF: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = b_desc.block_type.shape[1]
@@ -519,9 +531,8 @@ def _wgrad_consume(descs, bufs, bars, ptrs, sizes, which):
     cols_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
     pos = 0
     for job in range(gl.program_id(0), JOBS, gl.num_programs(0)):
-        e, i0, j0 = _wjob(job, I, J, 2 * HALF, BN)
-        lo = gl.load(expert_slots_ptr + e)
-        hi = gl.load(expert_slots_ptr + E + e)
+        ec, i0, j0 = _wjob(job, I, J, SPLIT, 2 * HALF, BN)
+        lo, hi = _wslots(expert_slots_ptr, E, ec, SPLIT, TILE)
         acc = gl.zeros([HALF, BN], gl.float32, acc_layout)
         for s0 in range(lo, hi, BK):
             stage = pos % NBUF
@@ -529,7 +540,7 @@ def _wgrad_consume(descs, bufs, bars, ptrs, sizes, which):
                             pos, s0 > lo)
             pos += 1
         acc = _ring_drain(acc, empty, pos, hi > lo)
-        rows = e * I + i0 + which * HALF + gl.arange(0, HALF, layout=rows_layout)
+        rows = ec * I + i0 + which * HALF + gl.arange(0, HALF, layout=rows_layout)
         cols = j0 + gl.arange(0, BN, layout=cols_layout)
         ptrs_out = out_ptr + rows.to(gl.int64)[:, None] * J + cols[None, :]
         if accumulate == 0:
@@ -544,13 +555,13 @@ def _wgrad_consume_second(descs, bufs, bars, ptrs, sizes, which):
 
 
 @gluon.jit
-def _wgrad_kernel(a_desc, b_desc, out_ptr, expert_slots_ptr, I, J, E, JOBS, accumulate,
+def _wgrad_kernel(a_desc, b_desc, out_ptr, expert_slots_ptr, I, J, E, JOBS, accumulate, SPLIT, TILE,
                   NBUF: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * NBUF] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NBUF] + b_desc.block_type.shape, b_desc.layout)
     ready, empty = _ring_barriers(NBUF)
     args = ((a_desc, b_desc), (a_bufs, b_bufs), (ready, empty), (out_ptr, expert_slots_ptr),
-            (I, J, E, JOBS, accumulate))
+            (I, J, E, JOBS, accumulate, SPLIT, TILE))
     zero = gl.program_id(0) * 0
     gl.warp_specialize([(_wgrad_consume, args + (zero, )), (_wgrad_consume_second, args + (zero + 1, )),
                         (_wgrad_produce, args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -562,15 +573,21 @@ def wgrad_kernel_args(a, b, out, block_k, block_n):
     return [_descriptor(a, [block_k, 64], dtype), _descriptor(b, [block_k, block_n], dtype), out]
 
 
-def weight_grads(a, b, groups, out, accumulate, block_k=WGRAD_BK, block_n=None, nbuf=WGRAD_NBUF):
+def weight_grads(a, b, groups, out, accumulate, split=1, block_k=WGRAD_BK, block_n=None, nbuf=WGRAD_NBUF):
     """out [E,I,J] = Σ_{s∈e} A[s]ᵀ B[s] (accumulate: added into out, fp32 totals, experts without
-    slots here untouched). Callers check `wgrad_unsupported` first; block_n: 256 where J allows."""
+    slots here untouched). split > 1 (not with accumulate): out is [E·split, I, J] fp32, row
+    e·split + c the sum over split c of e's slots (as triton_moe._moe_wgrad_kernel cuts them),
+    for triton_moe's _sum_splits_kernel to add. Callers check `wgrad_unsupported` first;
+    block_n: 256 where J allows."""
     E, (I, J) = groups.experts, (a.shape[1], b.shape[1])
+    if split > 1 and (accumulate or out.dtype != torch.float32 or out.shape[0] != E * split):
+        raise ValueError(f"split={split}: takes fp32 partial sums out [E·split = {E * split}, I, J] and no "
+                         f"accumulate; got out {tuple(out.shape)} {out.dtype}, accumulate={accumulate}")
     block_n = block_n or (256 if J % 256 == 0 else 128)
-    jobs = E * (I // 128) * (J // block_n)
+    jobs = E * split * (I // 128) * (J // block_n)
     _wgrad_kernel[(min(num_sms(a.device), jobs),)](
         *wgrad_kernel_args(a, b, out, block_k, block_n), groups.expert_slots, I, J, E, jobs, int(accumulate),
-        NBUF=nbuf, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
+        split, groups.tile, NBUF=nbuf, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
     return out
 
 

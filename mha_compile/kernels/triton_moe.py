@@ -38,7 +38,7 @@ Backward (recomputing u = x W1 + b1 rather than storing it):
     dX      ∂x[s] = ∂u W1[e]ᵀ (+ ∂u3 W3[e]ᵀ)        the GEMM2 kernel with other strides
     dW      ∂W2[e] = Σ_{s∈e} hw[s]ᵀ gs[s], ∂W1[e] = Σ xs[s]ᵀ ∂u[s] (∂W3 likewise): per
             (e, block, run of slots) a fixed-order loop, runs summed in order (on Hopper, one
-            B and no split: gluon_moe's warp-specialised GEMM, same order); ∂b1, ∂b2 as
+            B: gluon_moe's warp-specialised GEMM, same runs and order); ∂b1, ∂b2 as
             each expert's tile sums added in tile order
 The router gradient, the per-row sums over j and ∂inv = Σ_h ∂y happen in
 triton_router.router_combine_backward. All accumulation is fp32; row offsets are int64.
@@ -867,13 +867,13 @@ def weight_grads(a, b, b2, groups, into=None):
         p_dw, p_dw2 = parts[0], parts[-1]
     else:
         p_dw, p_dw2 = dw, dw if dw2 is None else dw2
-    if b2 is None and split == 1 and wgrad_kernel(a, b, groups.tile, accumulate) == "gluon" and _gluon_launch(
-            "weight-gradient GEMM", wgrad_key(a, b, accumulate),
-            functools.partial(gluon_moe.weight_grads, a, b, groups, dw, accumulate)):
-        return dw, dw2
-    _wgrad(lambda m: (E * split, triton.cdiv(I, m["BLOCK_I"]), triton.cdiv(J, m["BLOCK_J"])),
-           a, b, b if b2 is None else b2, groups.expert_slots, p_dw, p_dw2, I, J, E, split,
-           HAS_B2=b2 is not None, ACCUMULATE=accumulate, TILE=groups.tile, PRECISION=dot_precision(dtype))
+    gluon = b2 is None and wgrad_kernel(a, b, groups.tile, accumulate, split) == "gluon" and _gluon_launch(
+        "weight-gradient GEMM", wgrad_key(a, b, accumulate, split),
+        functools.partial(gluon_moe.weight_grads, a, b, groups, p_dw, accumulate, split))
+    if not gluon:
+        _wgrad(lambda m: (E * split, triton.cdiv(I, m["BLOCK_I"]), triton.cdiv(J, m["BLOCK_J"])),
+               a, b, b if b2 is None else b2, groups.expert_slots, p_dw, p_dw2, I, J, E, split,
+               HAS_B2=b2 is not None, ACCUMULATE=accumulate, TILE=groups.tile, PRECISION=dot_precision(dtype))
     if split > 1:
         _sum_splits_kernel[(triton.cdiv(E * I * J, SUM_BLOCK), len(outs))](
             parts[0], outs[0], parts[-1], outs[-1], E, I * J, split, BLOCK=SUM_BLOCK)
@@ -996,15 +996,16 @@ def hidden_kernel(xs, gs, w1, w2, w3, b1, act, tile):
                    lambda: gluon_moe.unsupported(xs, gs, w1, w2, w3, act, tile))
 
 
-def wgrad_key(a, b, accumulate):
+def wgrad_key(a, b, accumulate, split=1):
     """What the Gluon weight-gradient GEMM is compiled for: the rows' dtype, written or added into
-    fp32 totals, and its column block (256 where J allows)."""
-    return a.dtype, bool(accumulate), b.shape[1] % 256 == 0
+    fp32 totals, its column block (256 where J allows), and whether it splits the slots (Triton
+    builds SPLIT = 1 apart: an integer argument equal to 1 is a constant)."""
+    return a.dtype, bool(accumulate), b.shape[1] % 256 == 0, split > 1
 
 
-def wgrad_kernel(a, b, tile, accumulate):
-    """Which weight-gradient kernel weight_grads runs (one B, no split) on these slot rows."""
-    return _choose("weight-gradient GEMM", wgrad_key(a, b, accumulate), a.device,
+def wgrad_kernel(a, b, tile, accumulate, split=1):
+    """Which weight-gradient kernel weight_grads runs (one B) on these slot rows."""
+    return _choose("weight-gradient GEMM", wgrad_key(a, b, accumulate, split), a.device,
                    lambda: gluon_moe.wgrad_unsupported(a, b, tile))
 
 

@@ -113,6 +113,19 @@ def test_weight_gradients_take_hopper_16_bit_rows_of_whole_blocks():
     assert moe.wgrad_kernel(*rows(256, 256), 128, False) == "triton"
 
 
+def test_weight_gradient_splits_take_fp32_partial_sums():
+    """Split sums (medium's) go to an fp32 [E·split, I, J] buffer and never add into totals: any
+    other output is refused before a launch, naming what it got."""
+    from types import SimpleNamespace
+
+    a, b = torch.randn(256, 128).bfloat16(), torch.randn(256, 256).bfloat16()
+    groups = SimpleNamespace(experts=4, tile=128)
+    for out, accumulate in ((torch.empty(12, 128, 256), True), (torch.empty(12, 128, 256).bfloat16(), False),
+                            (torch.empty(4, 128, 256), False)):
+        with pytest.raises(ValueError, match=rf"split=3: .*got out \({out.shape[0]}, 128, 256\)"):
+            gluon_moe.weight_grads(a, b, groups, out, accumulate, split=3)
+
+
 def gemm2_operands(S=256, K=512, N=256, E=4, dtype=torch.bfloat16, bias=True):
     """GEMM2's (h [S, K], W2 [E, K, N], c [S, N], b2 [E, N] or None, routing weights [S] fp32)."""
     rand = lambda *shape: torch.randn(*shape).to(dtype)  # noqa: E731

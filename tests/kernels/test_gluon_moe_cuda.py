@@ -126,18 +126,38 @@ WGRAD_CASES = [pytest.param((600, 2, 256, 384, 7, [0, 2, 3, 6]), id="tile64-empt
 
 @pytest.mark.parametrize("case", WGRAD_CASES)
 @pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")])
-def test_weight_grads_match_float64(case, dtype):
+@pytest.mark.parametrize("split", [1, 3], ids=["whole", "split3"])
+def test_weight_grads_match_float64(case, dtype, split):
+    """∂W against float64, written whole, or split 3 ways into fp32 partial sums (rows e·3 + c) that
+    add up to it, each split c holding the sum over its part of e's slots as the Triton kernel cuts
+    them (the last splits of a small expert empty: zeros)."""
     R, k, D, F, E, used = case
     groups, xs, gs, w1, b1, w2, weight = slot_case(R, k, D, F, E, used, dtype, True, seed=R + D)
     assert groups.tile == (64 if E == 7 else 128)
     du = torch.randn(groups.slots, F, device="cuda").to(dtype) * (groups.slot_pair < groups.pairs)[:, None]
     for a, b in ((xs, du), (du, gs)):  # ∂W1's shape (I = D, J = F; F = 384 takes BN 128), ∂W2's
-        assert moe.wgrad_kernel(a, b, groups.tile, False) == "gluon"
-        out = torch.full((E, a.shape[1], b.shape[1]), float("nan"), device="cuda", dtype=dtype)
-        gluon_moe.weight_grads(a, b, groups, out, accumulate=False)
+        assert moe.wgrad_kernel(a, b, groups.tile, False, split) == "gluon"
+        rows = E * split
+        out = torch.full((rows, a.shape[1], b.shape[1]), float("nan"), device="cuda",
+                         dtype=dtype if split == 1 else torch.float32)
+        gluon_moe.weight_grads(a, b, groups, out, accumulate=False, split=split)
         want = float64_wgrad(a, b, groups)
-        assert (out[[e for e in range(E) if e not in used]] == 0).all()  # experts without slots: zeros
-        assert float((out.double() - want).norm() / want.norm()) < TOL[dtype]
+        got = out.view(E, split, *out.shape[1:])
+        for e in range(E):
+            for c, (lo, hi) in enumerate(split_bounds(groups, e, split)):
+                part = a[lo:hi].double().t() @ b[lo:hi].double()
+                assert float((got[e, c].double() - part).norm()) <= TOL[dtype] * max(float(part.norm()), 1e-30), (e, c)
+        total = got.double().sum(1)
+        assert (total[[e for e in range(E) if e not in used]] == 0).all()  # experts without slots: zeros
+        assert float((total - want).norm() / want.norm()) < TOL[dtype]
+
+
+def split_bounds(groups, e, split):
+    """[(lo, hi)] of expert e's slots in each of `split` runs of whole tiles (_moe_wgrad_kernel's cut)."""
+    bounds = groups.expert_slots.tolist()
+    lo, hi = bounds[e], bounds[groups.experts + e]
+    run = -(-((hi - lo) // groups.tile) // split) * groups.tile
+    return [(min(lo + c * run, hi), min(lo + (c + 1) * run, hi)) for c in range(split)]
 
 
 def test_weight_grads_add_run_by_run():
@@ -160,20 +180,21 @@ def test_weight_grads_add_run_by_run():
 
 
 def test_weight_grads_dispatch(monkeypatch):
-    """weight_grads takes the Gluon GEMM for one B added into totals (the runs of tiles) or without a
-    split, the Triton one for two Bs (swiglu's ∂W1, ∂W3) or where it splits the slots."""
+    """weight_grads takes the Gluon GEMM for one B, added into totals (the runs of tiles) or in
+    split sums (medium's), and the Triton one for two Bs (swiglu's ∂W1, ∂W3)."""
     calls = []
     real = gluon_moe.weight_grads
-    monkeypatch.setattr(gluon_moe, "weight_grads", lambda *a, **kw: calls.append(a[4]) or real(*a, **kw))
+    monkeypatch.setattr(gluon_moe, "weight_grads", lambda *a, **kw: calls.append(a[4:]) or real(*a, **kw))
     groups, xs, gs, w1, b1, w2, weight = slot_case(3000, 2, 128, 256, 4, [0, 1, 2, 3], torch.bfloat16, True, 5)
     total = torch.zeros(4, 128, 128, device="cuda")
     moe.weight_grads(xs, gs, None, groups, into=(total, None))
-    assert calls == [True]
+    assert calls == [(True, 1)]
     assert float((total.double() - float64_wgrad(xs, gs, groups)).norm() / total.double().norm()) < 1e-4
-    assert moe.wgrad_splits(groups.slots, 4, 128, 128, xs.device) > 1
-    split, _ = moe.weight_grads(xs, gs, None, groups)  # the Triton kernel's split sums
+    splits = moe.wgrad_splits(groups.slots, 4, 128, 128, xs.device)
+    assert splits > 1
+    split, _ = moe.weight_grads(xs, gs, None, groups)  # split sums, added by _sum_splits_kernel
     pair = moe.weight_grads(xs, gs, gs, groups)  # two Bs: the Triton kernel
-    assert calls == [True]
+    assert calls == [(True, 1), (False, splits)]
     for got in (split, *pair):
         assert float((got.double() - total.double()).norm() / total.double().norm()) < 2e-2
 
