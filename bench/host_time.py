@@ -20,6 +20,9 @@ Pieces, from the whole compiled step down to one Triton launch:
     group                    the expert grouping: three small launches and their buffers
     bare launch              one trivial @triton.jit kernel, through JITFunction.run
     torch.empty / add        one allocation, one tiny aten op
+Then each of bare launch, torch.add, torch.empty and a little pure Python run inside a backward,
+with autograd's multithreading on (the CUDA backward runs on the engine's device thread, as in
+a user's step) and off (on the calling thread): host us per piece on each thread.
 Then cProfile of the compiled step, region_forward and region_backward on the main thread (the
 autograd engine runs a CUDA backward on its own thread, which cProfile does not see; single-
 threaded autograd, or calling region_backward directly, keeps it on this one).
@@ -43,6 +46,38 @@ from mha_compile.kernels import fused, triton_moe
 def _add_one_kernel(x_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1.0, mask=offs < n)
+
+
+class _RunInBackward(torch.autograd.Function):
+    """Identity whose backward runs `work` `repeats` times: a piece's cost on the thread that
+    runs a CUDA backward."""
+
+    @staticmethod
+    def forward(ctx, x, work, repeats):
+        ctx.work, ctx.repeats = work, repeats
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        for _ in range(ctx.repeats):
+            ctx.work()
+        return grad, None, None
+
+
+def engine_thread_us(work, x, repeats=20, calls=50):
+    """Host us of one `work` inside a backward: (multithreaded, single-threaded autograd)."""
+    def step(n):
+        return lambda: _RunInBackward.apply(x, work, n).sum().backward()
+
+    costs = []
+    for threads in (True, False):
+        with torch.autograd.set_multithreading_enabled(threads):
+            costs.append((host_us(step(repeats), calls) - host_us(step(0), calls)) / repeats)
+    return costs
+
+
+def _python_work():
+    return sum(i * i for i in range(200))
 
 
 def host_us(fn, calls):
@@ -139,6 +174,13 @@ def main():
     with torch.autograd.set_multithreading_enabled(False):
         host = host_us(pieces["op fwd+bwd"], args.calls)
         print(f"{'op fwd+bwd, 1 thread':<32}{host:>10.1f}{gpu_us(pieces['op fwd+bwd']):>10.1f}", flush=True)
+    print(f"\n{'piece inside a backward':<32}{'engine us':>10}{'caller us':>10}")
+    x = torch.randn(1024, device=dev, requires_grad=True)
+    for name in ("bare launch", "torch.add", "torch.empty"):
+        engine, caller = engine_thread_us(pieces[name], x)
+        print(f"{name:<32}{engine:>10.1f}{caller:>10.1f}", flush=True)
+    engine, caller = engine_thread_us(_python_work, x)
+    print(f"{'pure Python (200 squares)':<32}{engine:>10.1f}{caller:>10.1f}", flush=True)
     # The compiled step with the backward on this thread, so that cProfile sees all of it.
     with torch.autograd.set_multithreading_enabled(False):
         for name in ("compiled fwd+bwd", "region_forward", "region_backward"):
