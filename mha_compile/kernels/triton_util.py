@@ -12,6 +12,7 @@ own per-call path costs host time on every launch). Under
 TRITON_INTERPRET=1 (CPU tensors, how CI runs these kernels) a kernel runs once with its
 first config: the interpreter would otherwise "benchmark" every config in Python.
 """
+import functools
 import logging
 import math
 import os
@@ -21,6 +22,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from mha_compile.kernels.fast_launch import fast
 from mha_compile.kernels.reference import ACTIVATIONS
 
 log = logging.getLogger("mha_compile")
@@ -56,8 +58,23 @@ def num_sms(device):
     """The device's SM count, which sizes split grids; 4 off the GPU (the interpreter: any small
     number). bench/offline_sass.py patches it to the H200's where it is imported."""
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return _cuda_properties(_index(device)).multi_processor_count
     return 4
+
+
+def capability(device):
+    """A CUDA device's (major, minor), read once per device: torch's query costs ~10 us of host
+    time a call on the H200's host, and the launch paths ask on every call."""
+    return _cuda_properties(_index(device)).major, _cuda_properties(_index(device)).minor
+
+
+def _index(device):
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_properties(index):
+    return torch.cuda.get_device_properties(index)
 
 
 def tma_device(device):
@@ -65,7 +82,7 @@ def tma_device(device):
     later), or the CPU (the interpreter). bench/offline_sass.py patches it for meta tensors taken
     for an H200's."""
     if device.type == "cuda":
-        return torch.cuda.get_device_capability(device)[0] >= 9
+        return capability(device)[0] >= 9
     return device.type == "cpu"
 
 
@@ -193,7 +210,7 @@ class Launcher:
     def _launch(self, grid, args, kwargs, meta):
         if self.blocks is not None:
             self._set_blocks({**dict(zip(self.arg_names, args)), **kwargs, **meta})
-        self.kernel[grid({**meta, **kwargs})](*args, **kwargs, **meta)
+        fast(self.kernel)[grid({**meta, **kwargs})](*args, **kwargs, **meta)
 
     def __call__(self, grid, *args, **kwargs):
         """grid: a function of the chosen meta-parameters (a dict) returning the launch grid."""
@@ -206,7 +223,7 @@ class Launcher:
             return
         bound = dict(zip(self.arg_names, args), **kwargs)
         key = tuple(bound[k] for k in self.key) + tuple(
-            str(a.dtype) for a in args if isinstance(a, torch.Tensor))
+            a.dtype for a in args if isinstance(a, torch.Tensor))
         best = self.best.get(key)
         if best is not None:  # a plain launch: no autotuner bookkeeping per call
             self._launch(grid, args, kwargs, best)
