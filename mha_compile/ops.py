@@ -11,6 +11,7 @@ Forward returns (out, inv, attn, weight, index); the last four are what the back
 RegionFunction, a plain autograd.Function over the same kernel-set calls, unless something is
 tracing, in which case the op itself.
 """
+import contextlib
 import importlib
 from typing import Optional
 
@@ -72,8 +73,13 @@ def _no_autocast(ctx):
     A custom op has no autocast kernel, so under `torch.autocast` the ops inside its
     implementation would be autocast themselves: the reference's fp32 matmuls ran in bf16, and it
     saved a bf16 `attn` where the fake promises fp32, so the backward failed on a dtype mismatch.
+    Where autocast is off already, nothing: entering and leaving torch.autocast costs ~25 us of
+    host time on the H200's host, twice a training step (bench/host_timers.py).
     """
-    return torch.autocast(ctx.device.type, enabled=False)
+    device = ctx.device.type
+    if device in ("cuda", "cpu") and not torch.is_autocast_enabled(device):
+        return contextlib.nullcontext()
+    return torch.autocast(device, enabled=False)
 
 
 @torch.library.custom_op("mha::region", mutates_args=())

@@ -36,7 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from mha_compile.kernels.triton_util import ACT_CODE, GW_BLOCK, interpreting, num_sms
+from mha_compile.kernels.triton_util import ACT_CODE, GW_BLOCK, capability as cuda_capability, interpreting, num_sms
 
 # MHA_COMPILE_GLUON=0 runs the Triton kernels everywhere instead of these (to compare the two, or to
 # step around a fault in one of these).
@@ -64,7 +64,7 @@ def _device_reason(tensors, names, capability):
     if capability is None:
         if not tensors[0].is_cuda or interpreting():
             return "not on a CUDA GPU"
-        capability = torch.cuda.get_device_capability(tensors[0].device)
+        capability = cuda_capability(tensors[0].device)
     if tuple(capability) != (9, 0):
         return f"needs sm_90 (wgmma, setmaxnreg), this GPU is sm_{capability[0]}{capability[1]}"
     dtypes = {t.dtype for t in tensors}

@@ -2,6 +2,7 @@
 triton.autotune (the tuned path only runs on CUDA): tune once per key, log the choice, then
 launch the chosen config directly; leave out of autotuning the configs that do not build."""
 import logging
+import types
 
 import pytest
 import torch
@@ -108,9 +109,9 @@ def test_descriptor_block_shapes_follow_the_config(monkeypatch):
 def test_tma_device_needs_hopper(monkeypatch):
     """TMA descriptors on a GPU of compute capability 9 or later, or the interpreter's CPU;
     never on an earlier GPU or for meta tensors (unless bench/offline_sass.py says so)."""
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(triton_util, "capability", lambda device: (8, 0))
     assert not triton_util.tma_device(torch.device("cuda"))
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(triton_util, "capability", lambda device: (9, 0))
     assert triton_util.tma_device(torch.device("cuda"))
     assert triton_util.tma_device(torch.device("cpu"))
     assert not triton_util.tma_device(torch.device("meta"))
@@ -180,3 +181,20 @@ def test_autotuning_survives_a_config_that_does_not_build_cuda(monkeypatch):
     launcher(lambda meta: (triton.cdiv(1000, meta["BLOCK"]),), x, y, 1000)
     assert torch.equal(y, x)
     assert list(launcher.best.values())[0]["BLOCK"] == 64
+
+
+def test_device_properties_are_read_once_a_device(monkeypatch):
+    """capability and num_sms ask torch once per device (each ask costs host time per launch)."""
+    asked = []
+    props = {2: types.SimpleNamespace(major=9, minor=0, multi_processor_count=132),
+             3: types.SimpleNamespace(major=8, minor=6, multi_processor_count=84)}
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: asked.append(index) or props[index])
+    triton_util._cuda_properties.cache_clear()
+    try:
+        for _ in range(3):
+            assert triton_util.capability(torch.device("cuda", 2)) == (9, 0)
+            assert triton_util.num_sms(torch.device("cuda", 2)) == 132
+            assert triton_util.capability(torch.device("cuda", 3)) == (8, 6)
+        assert sorted(asked) == [2, 3]
+    finally:
+        triton_util._cuda_properties.cache_clear()
