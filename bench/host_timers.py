@@ -21,7 +21,7 @@ import torch
 import triton
 
 from mha_compile import models, ops
-from mha_compile.kernels import (fast_launch, fused, gluon_moe, region_graphs, triton_matmul, triton_moe, triton_pool,
+from mha_compile.kernels import (fused, gluon_moe, region_graphs, triton_matmul, triton_moe, triton_pool,
                                  triton_region, triton_router, triton_util)
 from triton.backends.nvidia import driver as nvidia_driver
 from triton.runtime import jit
@@ -43,8 +43,7 @@ TIMED = [
     (triton_moe, "_backward_tiles"), (triton_moe, "tile_sums"), (triton_moe, "bias_grads"),
     (triton_moe, "_choose"), (gluon_moe, "backward_hidden"), (gluon_moe, "weight_grads"),
     (gluon_moe, "slots_gemm"), (triton_util.Launcher, "__call__"), (jit.JITFunction, "run"),
-    (nvidia_driver.CudaLauncher, "__call__"), (triton_matmul, "matmul_f32"), (fast_launch.FastLaunch, "launch"),
-    (fast_launch.FastLaunch, "key"), (ops, "_no_autocast"),
+    (nvidia_driver.CudaLauncher, "__call__"), (triton_matmul, "matmul_f32"), (ops, "_no_autocast"),
 ]
 
 

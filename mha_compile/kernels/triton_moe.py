@@ -50,7 +50,6 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from mha_compile.kernels.fast_launch import fast
 from mha_compile.kernels.triton_util import (ACT_CODE, GW_BLOCK, Launcher, act_bwd, act_fwd, dot_precision,
                                              gpu_options, load_x, log, num_sms, pow2, tma_ok)
 
@@ -670,10 +669,10 @@ class Groups:
         pair_slot = torch.empty(pairs, dtype=torch.int32, device=device)
         tile_expert = torch.empty(num_tiles, dtype=torch.int32, device=device)
         warps = gpu_options(index, num_warps=8)
-        fast(_group_count_kernel)[(chunks,)](flat, counts, pairs, BLOCK=GROUP_CHUNK, BLOCK_E=block_e, **warps)
-        fast(_group_scan_kernel)[(1,)](counts, base, meta, chunks, experts, TILE=tile, BLOCK_C=64, BLOCK_E=block_e,
+        _group_count_kernel[(chunks,)](flat, counts, pairs, BLOCK=GROUP_CHUNK, BLOCK_E=block_e, **warps)
+        _group_scan_kernel[(1,)](counts, base, meta, chunks, experts, TILE=tile, BLOCK_C=64, BLOCK_E=block_e,
                                  **warps)
-        fast(_group_scatter_kernel)[(chunks + num_tiles,)](flat, base, meta, slot_pair, pair_slot, tile_expert,
+        _group_scatter_kernel[(chunks + num_tiles,)](flat, base, meta, slot_pair, pair_slot, tile_expert,
                                                      pairs, chunks, experts, TILE=tile, BLOCK=GROUP_CHUNK,
                                                      BLOCK_E=block_e, **warps)
         self.pairs, self.tile, self.num_tiles, self.experts = pairs, tile, num_tiles, experts
@@ -750,7 +749,7 @@ def gather_rows(x, inv, groups, horizons, dtype, grad_out=None, weight=None, b2=
     db2 = (torch.empty(groups.slots // GATHER_BLOCK_S, D, device=x.device, dtype=torch.float32)
            if has_b2 else None)
     block_d, n_d = gather_blocks_d(D)
-    fast(_gather_rows_kernel)[(groups.slots // GATHER_BLOCK_S, n_d)](
+    _gather_rows_kernel[(groups.slots // GATHER_BLOCK_S, n_d)](
         x, x if inv is None else inv, x if gs is None else grad_out, groups.slot_pair, xs,
         xs if gs is None else gs, groups.tile_expert, weight if has_b2 else x, b2 if has_b2 else x,
         gw if has_b2 else x, db2 if has_b2 else x,
@@ -813,7 +812,7 @@ def combine(c, groups, rows, out_dtype):
     D = c.shape[1]
     out = torch.empty(rows, D, device=c.device, dtype=out_dtype)
     block_d = min(128, pow2(D))
-    fast(_combine_fwd_kernel)[(triton.cdiv(rows, 16), triton.cdiv(D, block_d))](
+    _combine_fwd_kernel[(triton.cdiv(rows, 16), triton.cdiv(D, block_d))](
         c, groups.pair_slot, out, rows, D, TOP_K=groups.pairs // rows, BLOCK_R=16, BLOCK_D=block_d)
     return out
 
@@ -876,7 +875,7 @@ def weight_grads(a, b, b2, groups, into=None):
                a, b, b if b2 is None else b2, groups.expert_slots, p_dw, p_dw2, I, J, E, split,
                HAS_B2=b2 is not None, ACCUMULATE=accumulate, TILE=groups.tile, PRECISION=dot_precision(dtype))
     if split > 1:
-        fast(_sum_splits_kernel)[(triton.cdiv(E * I * J, SUM_BLOCK), len(outs))](
+        _sum_splits_kernel[(triton.cdiv(E * I * J, SUM_BLOCK), len(outs))](
             parts[0], outs[0], parts[-1], outs[-1], E, I * J, split, BLOCK=SUM_BLOCK)
     return dw, dw2
 

@@ -27,7 +27,6 @@ import torch
 import triton
 import triton.language as tl
 
-from mha_compile.kernels.fast_launch import fast
 from mha_compile.kernels.triton_util import Launcher, gpu_options, load_x, pow2, split_runs
 
 MAX_EXPERTS = 64
@@ -263,7 +262,7 @@ def router_weight_grad(dlogits, x, inv, horizons):
     n_d = triton.cdiv(D, block_d)
     runs, rows = router_runs(R, D, x.device)
     part = torch.empty(runs, E, D, device=x.device, dtype=torch.float32)
-    fast(_router_wgrad_kernel)[(runs, n_d)](
+    _router_wgrad_kernel[(runs, n_d)](
         dlogits, x, x if inv is None else inv, part, R, horizons, D, E, rows,
         HAS_INV=inv is not None, PRECISION=router_precision(x.dtype),
         BLOCK_R=WGRAD_BLOCK_R, BLOCK_D=block_d, BLOCK_E=pow2(E), **gpu_options(x, num_warps=4, num_stages=3))

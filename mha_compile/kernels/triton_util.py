@@ -22,7 +22,6 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from mha_compile.kernels.fast_launch import fast
 from mha_compile.kernels.reference import ACTIVATIONS
 
 log = logging.getLogger("mha_compile")
@@ -210,7 +209,7 @@ class Launcher:
     def _launch(self, grid, args, kwargs, meta):
         if self.blocks is not None:
             self._set_blocks({**dict(zip(self.arg_names, args)), **kwargs, **meta})
-        fast(self.kernel)[grid({**meta, **kwargs})](*args, **kwargs, **meta)
+        self.kernel[grid({**meta, **kwargs})](*args, **kwargs, **meta)
 
     def __call__(self, grid, *args, **kwargs):
         """grid: a function of the chosen meta-parameters (a dict) returning the launch grid."""
