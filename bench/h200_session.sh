@@ -44,12 +44,15 @@
 #   bash bench/h200_session.sh host-large  # host time per piece at large (bench/host_time.py, 5 calls a
 #                                      # piece: more would fill CUDA's launch queue and time the GPU instead;
 #                                      # ~5 min of compiling): run.log, host_time_large.txt
+#   bash bench/h200_session.sh host-timers  # inclusive host time per function of a training step
+#                                      # (bench/host_timers.py) at small, medium and large (~3 min):
+#                                      # run.log, host_timers_{small,medium,large}.txt
 #   bash bench/h200_session.sh short   # one call when device time is short (~9 min): the fused
 #                                      # kernel tests, the curves without the suite, and the
 #                                      # benchmark cut at 250 s (rows past it are listed as skipped)
 # Budgets are per step so a slow step cannot starve the others.
 set -u
-part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|gluon|gluon-gemms|verify-gemms|host-large|short}
+part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|gluon|gluon-gemms|verify-gemms|host-large|host-timers|short}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 # Inductor's compiled graphs kept in the checkout (git ignores it): the device keeps ignored
 # files between calls on a machine it still holds, so `table` can reuse `autotune-cache`'s.
@@ -162,6 +165,12 @@ gluon-gemms|verify-gemms)
 host-large)
     timeout -s INT 540 python bench/host_time.py --preset large --calls 5 >"$OUT/host_time_large.txt" 2>&1
     head -25 "$OUT/host_time_large.txt" >>"$LOG"
+    ;;
+host-timers)
+    for preset in small medium large; do
+        { timeout 150 python bench/host_timers.py --preset $preset --calls 50 2>&1 | grep -v "autotuning\|chose"; } \
+            >"$OUT/host_timers_$preset.txt"
+    done
     ;;
 short)
     { MHA_COMPILE_NO_AUTOTUNE=1 timeout 120 python -m pytest -q -m cuda tests/kernels -k "not staged" -n 8 \
