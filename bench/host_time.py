@@ -96,21 +96,28 @@ def gpu_us(fn):
     return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3
 
 
+def training_step(preset, dtype=torch.bfloat16, dev="cuda"):
+    """The dense spelling's block at `preset` on the GPU and one training step's tensors, seeded:
+    (block, its region parameters, ctx, tok, the output's gradient, every leaf)."""
+    torch.manual_seed(0)
+    p = models.PRESETS[preset]
+    block = models.MHABlock.from_preset(preset, spelling="dense").to(dev, dtype)
+    params = models.block_parameters(block)
+    ctx = torch.randn(p["B"], p["H"], p["D"], device=dev, dtype=dtype, requires_grad=True)
+    tok = torch.randn(p["B"], p["N"], p["D"], device=dev, dtype=dtype, requires_grad=True)
+    grad = torch.randn(p["B"], p["H"], p["D"], device=dev, dtype=dtype)
+    return block, params, ctx, tok, grad, [ctx, tok] + [t for t in params if t is not None]
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--preset", default="small")
     parser.add_argument("--calls", type=int, default=200)
     args = parser.parse_args()
-    torch.manual_seed(0)
-    dtype, dev = torch.bfloat16, "cuda"
+    dev = "cuda"
     p = models.PRESETS[args.preset]
-    block = models.MHABlock.from_preset(args.preset, spelling="dense").to(dev, dtype)
-    params = models.block_parameters(block)
+    block, params, ctx, tok, grad, leaves = training_step(args.preset)
     moe = block.moe
-    ctx = torch.randn(p["B"], p["H"], p["D"], device=dev, dtype=dtype, requires_grad=True)
-    tok = torch.randn(p["B"], p["N"], p["D"], device=dev, dtype=dtype, requires_grad=True)
-    grad = torch.randn(p["B"], p["H"], p["D"], device=dev, dtype=dtype)
-    leaves = [ctx, tok] + [t for t in params if t is not None]
     compiled = torch.compile(block, backend="mha", options={"kernels": "fused"}, dynamic=False)
     twin = copy.deepcopy(block)  # its own Dynamo cache entry, for the other graphs setting
     twin_leaves = list(twin.parameters())

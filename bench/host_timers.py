@@ -20,7 +20,8 @@ import time
 import torch
 import triton
 
-from mha_compile import models, ops
+from host_time import training_step
+from mha_compile import ops
 from mha_compile.kernels import (fused, gluon_moe, region_graphs, triton_matmul, triton_moe, triton_pool,
                                  triton_region, triton_router, triton_util)
 from triton.backends.nvidia import driver as nvidia_driver
@@ -97,16 +98,8 @@ def main():
     timers = Timers()
     for owner, name in TIMED:
         timers.wrap(owner, name)
-    torch.manual_seed(0)
-    dtype, dev = torch.bfloat16, "cuda"
-    p = models.PRESETS[args.preset]
-    block = models.MHABlock.from_preset(args.preset, spelling="dense").to(dev, dtype)
-    params = models.block_parameters(block)
+    block, params, ctx, tok, grad, leaves = training_step(args.preset)
     moe = block.moe
-    ctx = torch.randn(p["B"], p["H"], p["D"], device=dev, dtype=dtype, requires_grad=True)
-    tok = torch.randn(p["B"], p["N"], p["D"], device=dev, dtype=dtype, requires_grad=True)
-    grad = torch.randn(p["B"], p["H"], p["D"], device=dev, dtype=dtype)
-    leaves = [ctx, tok] + [t for t in params if t is not None]
     compiled = torch.compile(block, backend="mha", options={"kernels": "fused"}, dynamic=False)
     raw = [t.detach() for t in (ctx, tok)] + [None if t is None else t.detach() for t in params]
     config = (moe.top_k, moe.renorm, moe.act)
