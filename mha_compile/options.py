@@ -22,7 +22,7 @@ class Options:
         strict: raise instead of falling back when the backend fails.
         graphs: whether the region's kernels replay as a CUDA graph per call signature inside
             the op, which cuts the host time of a step without mode="reduce-overhead" ("auto":
-            on CUDA at sizes where host time dominates, see kernels/region_graphs.py; "on":
+            on CUDA at sizes whose graphs hold little memory, see kernels/region_graphs.py; "on":
             at every size; "off": never). The graphs hold memory that the plain path frees
             after each call. Under mode="reduce-overhead" (or an Inductor mode with CUDA
             graphs) the whole graph is captured instead and this is ignored.

@@ -24,8 +24,7 @@ on another stream than the device's last replay waits for it) and hold nothing l
 between replays but their static outputs, which stay allocated. A graph is dropped (clear, or
 the least recently used past MAX_GRAPHS) only after its device has finished its work.
 The pool is the price: memory the eager path frees after each call stays held, which is why
-graphs="auto" graphs only sizes whose slot buffers take one run (`auto_wanted`), where host time
-dominates.
+graphs="auto" graphs only sizes whose slot buffers take one run (`auto_wanted`).
 """
 import collections
 import logging
@@ -75,8 +74,10 @@ def wanted(graphs, kernels, ctx, tok, w1, top_k, act, mask):
 def auto_wanted(ctx, w1, top_k, act):
     """graphs="auto": the sizes where the backward's slot buffers take one run
     (triton_moe.SLOT_CHUNK_BYTES). Medium and small do (host-bound: 3.75 ms a plain step for
-    1.33 ms of GPU time at medium, bench/results/h200.md); large does not, and there the GPU
-    time dominates and the pool would hold ~1 GB."""
+    1.33 ms of GPU time at medium, bench/results/h200.md); large does not: the pool would hold
+    ~1 GB, and the training peak would pass half the best peer's (issue 4's memory target). Large
+    is host-bound too on a slow host (~9-10 ms of host for 6.6 ms of GPU time on the H200's,
+    bench/PERF_NOTES.md v15): graphs="on" trades the memory for that time."""
     return slot_buffer_bytes(ctx, w1, top_k, act) <= triton_moe.SLOT_CHUNK_BYTES
 
 
