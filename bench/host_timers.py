@@ -6,8 +6,8 @@ Not cProfile: it adds a cost to every Python call, and with many calls queued it
 large were the GPU's (bench/results/host_time_large.txt). Not a sampling thread either (tried,
 session 12): its samples land where the sampled thread gives up the GIL (a torch op, a launch),
 so they say which C calls happen, not how long they take. Here each function named in TIMED is
-wrapped to add perf_counter's time, inclusive, to its
-total (on whatever thread calls it: the autograd engine's for the backward). Per step, for the
+wrapped to add perf_counter's time, inclusive, to its total (on whatever thread calls it: the
+autograd engine's for the backward). Per step, for the
 compiled training step (torch.compile(block, backend="mha"), the region's own CUDA graphs as
 options graphs="auto" chooses) and, where the region runs without graphs, its kernel set's
 forward and backward called directly. A wrapper costs ~1 us a call, included in its callers.

@@ -70,6 +70,7 @@ def as_h200(calls=None):
 
 
 DIMS = ("B", "H", "N", "D", "P", "F", "E", "k")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def preset_dims(preset):
@@ -175,7 +176,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--presets", default="medium,large", help="names, or sizes BxHxNxDxPxFxExk")
     parser.add_argument("--act", default="gelu")
-    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"],
+    parser.add_argument("--dtype", default="bf16", choices=list(DTYPES),
                         help="the model's dtype (ctx, tok and parameters)")
     parser.add_argument("--all-configs", action="store_true", help="every config of each autotuned kernel")
     parser.add_argument("--kernels", default=None, help="comma list of kernel names (default: all)")
@@ -185,10 +186,10 @@ def main():
     rows = []
     print(f"sm_90a (H200) offline, triton {triton.__version__}, torch {torch.__version__}")
     presets = args.presets.split(",")
+    dtype = DTYPES[args.dtype]
     width = max(7, *(len(p) + 1 for p in presets))
     for preset in presets:
         seen = set()
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
         for kernel, named, warps, stages in record_launches(preset, args.act, dtype):
             if wanted is not None and kernel.__name__ not in wanted:
                 continue

@@ -65,7 +65,8 @@ def capability(device):
     """A CUDA device's (major, minor), read once per device: the Gluon choosers, TMA checks and
     split grids ask on every launch (the choosers went 30 -> 23 us a call on the H200's host,
     bench/host_timers.py)."""
-    return _cuda_properties(_index(device)).major, _cuda_properties(_index(device)).minor
+    properties = _cuda_properties(_index(device))
+    return properties.major, properties.minor
 
 
 def _index(device):

@@ -154,13 +154,9 @@ def test_autotuning_leaves_out_configs_that_do_not_build(caplog):
 def test_autotuning_with_no_config_that_builds_says_so():
     launcher = triton_util.Launcher(_noop, [dict(BLOCK=32), dict(BLOCK=64)], key=["N"])
     launcher.kernel = _Warmups(lambda kwargs: True)
-    try:
+    with pytest.raises(RuntimeError, match="_fake_kernel builds under none of its configs") as error:
         launcher._buildable(launcher.tuned.configs, {"x_ptr": torch.zeros(4), "N": 100}, grid=None, warmup=False)
-    except RuntimeError as error:
-        assert "_fake_kernel builds under none of its configs" in str(error)
-        assert "{'BLOCK': 32}" in str(error) and "{'BLOCK': 64}" in str(error)
-    else:
-        raise AssertionError("no error")
+    assert "{'BLOCK': 32}" in str(error.value) and "{'BLOCK': 64}" in str(error.value)
 
 
 @triton.jit
