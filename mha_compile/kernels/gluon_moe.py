@@ -533,14 +533,30 @@ def _wslots(expert_slots_ptr, E, ec, SPLIT, TILE):
 
 
 # Partitions take (descs, bufs, bars, ptrs, sizes) (+ which, a runtime value, as above):
-#   descs = (A as [S, I] in [BK, 64] blocks, B as [S, J] in [BK, BN] blocks);
+#   descs = (A, B, S), from which each makes its descriptors (_wgrad_descriptors): A as [S, I] in
+#           [BK, 64] blocks, B as [S, J] in [BK, BN] blocks;
 #   bufs  = (A ring [2·NBUF, BK, 64] (stage·2 + half), B ring [NBUF, BK, BN]);
 #   bars  = (ready, empty) a stage;  ptrs = (out [E·SPLIT·I, J], expert_slots [2E]);
 #   sizes = (I, J, E, JOBS, accumulate, SPLIT, TILE).
 
 
 @gluon.jit
+def _wgrad_descriptors(dptrs, bufs, sizes):
+    """The weight-gradient kernel's TMA descriptors, made on the device by the partition that uses
+    them (as _hidden_descriptors): A [S, I] in [BK, 64] blocks, B [S, J] in [BK, BN] blocks."""
+    a_ptr, b_ptr, S = dptrs
+    a_bufs, b_bufs = bufs
+    I, J, E, JOBS, accumulate, SPLIT, TILE = sizes
+    BK: gl.constexpr = b_bufs.type.shape[1]
+    HALF: gl.constexpr = a_bufs.type.shape[2]
+    BN: gl.constexpr = b_bufs.type.shape[2]
+    return (tma.make_tensor_descriptor(a_ptr, [S, I], [I, 1], [BK, HALF], a_bufs.type.layout),
+            tma.make_tensor_descriptor(b_ptr, [S, J], [J, 1], [BK, BN], b_bufs.type.layout))
+
+
+@gluon.jit
 def _wgrad_produce(descs, bufs, bars, ptrs, sizes):
+    descs = _wgrad_descriptors(descs, bufs, sizes)
     a_desc, b_desc = descs
     a_bufs, b_bufs = bufs
     ready, empty = bars
@@ -566,6 +582,7 @@ def _wgrad_produce(descs, bufs, bars, ptrs, sizes):
 @gluon.jit
 def _wgrad_consume(descs, bufs, bars, ptrs, sizes, which):
     """Rows [which·64, which·64 + 64) of every job's 128: the K loop over the ring, then the store."""
+    descs = _wgrad_descriptors(descs, bufs, sizes)
     a_desc, b_desc = descs
     a_bufs, b_bufs = bufs
     ready, empty = bars
@@ -605,22 +622,23 @@ def _wgrad_consume_second(descs, bufs, bars, ptrs, sizes, which):
 
 
 @gluon.jit
-def _wgrad_kernel(a_desc, b_desc, out_ptr, expert_slots_ptr, I, J, E, JOBS, accumulate, SPLIT, TILE,
-                  NBUF: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * NBUF] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NBUF] + b_desc.block_type.shape, b_desc.layout)
+def _wgrad_kernel(a_ptr, b_ptr, out_ptr, expert_slots_ptr, S, I, J, E, JOBS, accumulate, SPLIT, TILE,
+                  BK: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                  PRODUCER_REGS: gl.constexpr):
+    # TMA descriptors made on the device, by each partition (_wgrad_descriptors): see _hidden_kernel.
+    dtype: gl.constexpr = a_ptr.dtype.element_ty
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK, 64], dtype)
+    b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK, BN], dtype)
+    a_bufs = gl.allocate_shared_memory(dtype, [2 * NBUF, BK, 64], a_layout)
+    b_bufs = gl.allocate_shared_memory(dtype, [NBUF, BK, BN], b_layout)
     ready, empty = _ring_barriers(NBUF)
-    args = ((a_desc, b_desc), (a_bufs, b_bufs), (ready, empty), (out_ptr, expert_slots_ptr),
+    args = ((a_ptr, b_ptr, S), (a_bufs, b_bufs), (ready, empty), (out_ptr, expert_slots_ptr),
             (I, J, E, JOBS, accumulate, SPLIT, TILE))
     zero = gl.program_id(0) * 0
     gl.warp_specialize([(_wgrad_consume, args + (zero, )), (_wgrad_consume_second, args + (zero + 1, )),
                         (_wgrad_produce, args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def wgrad_kernel_args(a, b, out, block_k, block_n):
-    """_wgrad_kernel's tensor arguments: A and B as TMA descriptors, then out."""
-    dtype = _gl_dtype(a)
-    return [_descriptor(a, [block_k, 64], dtype), _descriptor(b, [block_k, block_n], dtype), out]
 
 
 def weight_grads(a, b, groups, out, accumulate, split=1, block_k=WGRAD_BK, block_n=None, nbuf=WGRAD_NBUF):
@@ -635,9 +653,11 @@ def weight_grads(a, b, groups, out, accumulate, split=1, block_k=WGRAD_BK, block
                          f"accumulate; got out {tuple(out.shape)} {out.dtype}, accumulate={accumulate}")
     block_n = block_n or (256 if J % 256 == 0 else 128)
     jobs = E * split * (I // 128) * (J // block_n)
-    _wgrad_kernel[(min(num_sms(a.device), jobs),)](
-        *wgrad_kernel_args(a, b, out, block_k, block_n), groups.expert_slots, I, J, E, jobs, int(accumulate),
-        split, groups.tile, NBUF=nbuf, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
+    with device_scratch():
+        _wgrad_kernel[(min(num_sms(a.device), jobs),)](
+            a, b, out, groups.expert_slots, a.shape[0], I, J, E, jobs, int(accumulate), split, groups.tile,
+            BK=block_k, BN=block_n, NBUF=nbuf, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
+            num_warps=4)
     return out
 
 

@@ -340,3 +340,19 @@ def test_back_to_back_launches_on_new_buffers():
         want = float64_hidden(groups, xs, gs, w1, b1, w2, weight, "gelu")
         for name, g, ref in zip(("hw", "du", "gw"), got, want):
             assert float((g.double() - ref).norm() / ref.norm()) < 2e-2, name
+
+
+def test_weight_grads_back_to_back_on_new_buffers():
+    """As test_back_to_back_launches_on_new_buffers, for the weight-gradient kernel (whole and in
+    split sums): launches queued on different slot buffers and sizes, checked after."""
+    cases = [slot_case(R, 2, 128, 256, 3, [0, 1, 2], torch.bfloat16, False, seed) for R, seed in
+             ((1500, 21), (900, 22), (2100, 23))]
+    outs = []
+    for split, (groups, xs, gs, *_) in zip((1, 3, 1), cases):
+        out = torch.full((3 * split, 128, 128), float("nan"), device="cuda",
+                         dtype=torch.bfloat16 if split == 1 else torch.float32)
+        gluon_moe.weight_grads(xs, gs, groups, out, accumulate=False, split=split)
+        outs.append(out.view(3, split, 128, 128).double().sum(1))
+    for (groups, xs, gs, *_), got in zip(cases, outs):
+        want = float64_wgrad(xs, gs, groups)
+        assert float((got - want).norm() / want.norm()) < TOL[torch.bfloat16]
