@@ -726,7 +726,23 @@ def _slots_job(job, N, COLS: gl.constexpr):
 
 
 @gluon.jit
+def _slots_descriptors(dptrs, bufs):
+    """GEMM2's TMA descriptors, made on the device by the partition that uses them (as
+    _hidden_descriptors): A [S, K] in [64, BK] blocks, B as [E·K, N] in [BK, BN], out [S, N] in
+    [64, BN]."""
+    a_ptr, b_ptr, out_ptr, S, E, K, N = dptrs
+    a_bufs, b_bufs, out_bufs = bufs
+    BM: gl.constexpr = a_bufs.type.shape[1]
+    BK: gl.constexpr = a_bufs.type.shape[2]
+    BN: gl.constexpr = b_bufs.type.shape[2]
+    return (tma.make_tensor_descriptor(a_ptr, [S, K], [K, 1], [BM, BK], a_bufs.type.layout),
+            tma.make_tensor_descriptor(b_ptr, [E * K, N], [N, 1], [BK, BN], b_bufs.type.layout),
+            tma.make_tensor_descriptor(out_ptr, [S, N], [N, 1], [BM, BN], out_bufs.type.layout))
+
+
+@gluon.jit
 def _slots_produce(descs, bufs, bars, ptrs, sizes):
+    descs = _slots_descriptors(descs, bufs)
     a_desc, b_desc, out_desc = descs
     a_bufs, b_bufs, out_bufs = bufs
     ready, empty = bars
@@ -760,6 +776,7 @@ def _slots_produce(descs, bufs, bars, ptrs, sizes):
 def _slots_consume(descs, bufs, bars, ptrs, sizes, which):
     """This consumer's [64, BN] of every job: the K loop over the ring, then bias (added before it),
     scale, zeros on padding slots, and the store."""
+    descs = _slots_descriptors(descs, bufs)
     a_desc, b_desc, out_desc = descs
     a_bufs, b_bufs, out_bufs = bufs
     ready, empty = bars
@@ -812,31 +829,31 @@ def _slots_consume_second(descs, bufs, bars, ptrs, sizes, which):
 
 
 @gluon.jit
-def _slots_kernel(a_desc, b_desc, out_desc, bias_ptr, scale_ptr, slot_pair_ptr, tile_expert_ptr,
-                  PAIRS, K, N, JOBS, has_bias, has_scale,
-                  SPLIT_ROWS: gl.constexpr, NBUF: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                  PRODUCER_REGS: gl.constexpr):
-    """SPLIT_ROWS: the consumers split a job's rows (TILE 128), else its columns (TILE 64)."""
-    dtype: gl.constexpr = a_desc.dtype
+def _slots_kernel(a_ptr, b_ptr, out_ptr, bias_ptr, scale_ptr, slot_pair_ptr, tile_expert_ptr,
+                  S, E, PAIRS, K, N, JOBS, has_bias, has_scale,
+                  BK: gl.constexpr, BN: gl.constexpr, SPLIT_ROWS: gl.constexpr, NBUF: gl.constexpr,
+                  CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    """SPLIT_ROWS: the consumers split a job's rows (TILE 128), else its columns (TILE 64). The TMA
+    descriptors are made on the device, by each partition (_slots_descriptors): see _hidden_kernel."""
+    dtype: gl.constexpr = a_ptr.dtype.element_ty
     A_PARTS: gl.constexpr = 2 if SPLIT_ROWS else 1
-    a_bufs = gl.allocate_shared_memory(dtype, [A_PARTS * NBUF] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(dtype, [(3 - A_PARTS) * NBUF] + b_desc.block_type.shape, b_desc.layout)
-    out_bufs = gl.allocate_shared_memory(dtype, [2] + out_desc.block_type.shape, out_desc.layout)
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BK], dtype)
+    b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK, BN], dtype)
+    out_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BN], dtype)
+    a_bufs = gl.allocate_shared_memory(dtype, [A_PARTS * NBUF, 64, BK], a_layout)
+    b_bufs = gl.allocate_shared_memory(dtype, [(3 - A_PARTS) * NBUF, BK, BN], b_layout)
+    out_bufs = gl.allocate_shared_memory(dtype, [2, 64, BN], out_layout)
     ready, empty = _ring_barriers(NBUF)
-    args = ((a_desc, b_desc, out_desc), (a_bufs, b_bufs, out_bufs), (ready, empty),
+    args = ((a_ptr, b_ptr, out_ptr, S, E, K, N), (a_bufs, b_bufs, out_bufs), (ready, empty),
             (bias_ptr, scale_ptr, slot_pair_ptr, tile_expert_ptr), (PAIRS, K, N, JOBS, has_bias, has_scale))
     zero = gl.program_id(0) * 0
     gl.warp_specialize([(_slots_consume, args + (zero, )), (_slots_consume_second, args + (zero + 1, )),
                         (_slots_produce, args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def slots_kernel_args(a, b, out, bias, scale, block_k, block_n):
-    """_slots_kernel's tensor arguments: A, B (as [E·K, N]) and out as TMA descriptors, then bias
-    and scale (stand-ins where None)."""
-    E, K, N = b.shape
-    dtype = _gl_dtype(a)
-    return [_descriptor(a, [64, block_k], dtype), _descriptor(b.view(E * K, N), [block_k, block_n], dtype),
-            _descriptor(out, [64, block_n], dtype), out if bias is None else bias, out if scale is None else scale]
+def slots_kernel_args(a, b, out, bias, scale):
+    """_slots_kernel's tensor arguments: A, B, out, then bias and scale (stand-ins where None)."""
+    return [a, b, out, out if bias is None else bias, out if scale is None else scale]
 
 
 def slots_gemm(a, b, groups, out, bias=None, scale=None, block_k=SLOTS_BK, block_n=None, nbuf=SLOTS_NBUF):
@@ -848,8 +865,10 @@ def slots_gemm(a, b, groups, out, bias=None, scale=None, block_k=SLOTS_BK, block
     block_n = block_n or slots_block_n(N, groups.tile)
     split_rows = groups.tile == 128
     jobs = groups.num_tiles * (N // (block_n * (1 if split_rows else 2)))
-    _slots_kernel[(min(num_sms(a.device), jobs),)](
-        *slots_kernel_args(a, b, out, bias, scale, block_k, block_n), groups.slot_pair, groups.tile_expert,
-        groups.pairs, K, N, jobs, int(bias is not None), int(scale is not None), SPLIT_ROWS=split_rows, NBUF=nbuf,
-        CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
+    with device_scratch():
+        _slots_kernel[(min(num_sms(a.device), jobs),)](
+            *slots_kernel_args(a, b, out, bias, scale), groups.slot_pair, groups.tile_expert, a.shape[0], b.shape[0],
+            groups.pairs, K, N, jobs, int(bias is not None), int(scale is not None), BK=block_k, BN=block_n,
+            SPLIT_ROWS=split_rows, NBUF=nbuf, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
+            num_warps=4)
     return out

@@ -356,3 +356,17 @@ def test_weight_grads_back_to_back_on_new_buffers():
     for (groups, xs, gs, *_), got in zip(cases, outs):
         want = float64_wgrad(xs, gs, groups)
         assert float((got - want).norm() / want.norm()) < TOL[torch.bfloat16]
+
+
+def test_gemm2_back_to_back_on_new_buffers():
+    """As test_back_to_back_launches_on_new_buffers, for GEMM2 at both tile sizes: launches queued
+    on different operands and sizes, checked after."""
+    cases = [gemm2_case(GEMM2_CASES[i].values[0], torch.bfloat16, True, seed=40 + i) for i in (3, 0, 2, 1)]
+    outs = []
+    for groups, h, w2, b2, weight in cases:
+        c = torch.full((groups.slots, w2.shape[2]), float("nan"), device="cuda", dtype=torch.bfloat16)
+        gluon_moe.slots_gemm(h, w2, groups, c, b2, weight)
+        outs.append(c)
+    for (groups, h, w2, b2, weight), c in zip(cases, outs):
+        want = float64_gemm2(groups, h, w2, b2, weight)
+        assert float((c.double() - want).norm() / want.norm()) < TOL[torch.bfloat16]
