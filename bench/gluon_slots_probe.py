@@ -229,10 +229,11 @@ def offline_gemm2(tile=128, block_k=64, block_n=256, nbuf=3):
     a, b, out, bias = bf(S, K), bf(E, K, N), bf(S, N), bf(E, N)
     index = torch.empty(S, dtype=torch.int32)
     kernel = gluon_moe._slots_kernel
-    args = dict(zip(kernel.arg_names, gluon_moe.slots_kernel_args(a, b, out, bias, torch.empty(S), block_k, block_n)))
-    args.update(slot_pair_ptr=index, tile_expert_ptr=index, PAIRS=1000, K=K, N=N, JOBS=1000, has_bias=3,
+    args = dict(zip(kernel.arg_names, gluon_moe.slots_kernel_args(a, b, out, bias, torch.empty(S))))
+    args.update(slot_pair_ptr=index, tile_expert_ptr=index, S=1000, E=E, PAIRS=1000, K=K, N=N, JOBS=1000, has_bias=3,
                 has_scale=3)
-    return compile_offline(kernel, args, dict(SPLIT_ROWS=tile == 128, NBUF=nbuf, CONSUMER_REGS=gluon_moe.CONSUMER_REGS,
+    return compile_offline(kernel, args, dict(BK=block_k, BN=block_n, SPLIT_ROWS=tile == 128, NBUF=nbuf,
+                                              CONSUMER_REGS=gluon_moe.CONSUMER_REGS,
                                               PRODUCER_REGS=gluon_moe.PRODUCER_REGS))
 
 

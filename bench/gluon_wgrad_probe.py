@@ -25,9 +25,9 @@ def offline(block_k=64, block_n=256, nbuf=3, out_dtype=torch.bfloat16):
     a, b = torch.empty(S, I, dtype=torch.bfloat16), torch.empty(S, J, dtype=torch.bfloat16)
     out, slots = torch.empty(E, I, J, dtype=out_dtype), torch.empty(2 * E, dtype=torch.int32)
     kernel = gluon_moe._wgrad_kernel
-    args = dict(zip(kernel.arg_names, gluon_moe.wgrad_kernel_args(a, b, out, block_k, block_n)))
-    args.update(expert_slots_ptr=slots, I=I, J=J, E=E, JOBS=1000, accumulate=3, SPLIT=3, TILE=128)
-    return compile_offline(kernel, args, dict(NBUF=nbuf, CONSUMER_REGS=gluon_moe.CONSUMER_REGS,
+    args = dict(a_ptr=a, b_ptr=b, out_ptr=out, expert_slots_ptr=slots, S=1000, I=I, J=J, E=E, JOBS=1000,
+                accumulate=3, SPLIT=3, TILE=128)
+    return compile_offline(kernel, args, dict(BK=block_k, BN=block_n, NBUF=nbuf, CONSUMER_REGS=gluon_moe.CONSUMER_REGS,
                                               PRODUCER_REGS=gluon_moe.PRODUCER_REGS))
 
 

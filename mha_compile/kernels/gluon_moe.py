@@ -26,6 +26,7 @@ rows, 64 by 128 (one m64n128). On the H200, bf16, gelu (bench/gluon_probe.py,
 bench/results/gluon_probe.txt, run 3): 1622 against the Triton kernel's 2162 us a large-preset
 call ([64, 128] jobs: 1681), 177 against 213 at medium ([64, 128]: 174).
 """
+import contextlib
 import functools
 import os
 
@@ -35,6 +36,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.runtime import _allocation
 
 from mha_compile.kernels.triton_util import ACT_CODE, GW_BLOCK, capability as cuda_capability, interpreting, num_sms
 
@@ -130,7 +132,33 @@ def _job(job, F, TILE, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
+def _hidden_descriptors(dptrs, bufs, sizes):
+    """The hidden kernel's TMA descriptors, made on the device by the partition that uses them (so
+    the fence that makes a new descriptor visible to the TMA unit is that partition's own): xs, gs
+    [S,D]; W1, W3 [E·D,F]; W2 [E·F,D]; hw, ∂u, ∂u3 [S,F]; blocks and layouts those of the buffers."""
+    xs_ptr, gs_ptr, w1_ptr, w2_ptr, hw_ptr, du_ptr, w3_ptr, du3_ptr, S, E = dptrs
+    xs_bufs, gs_bufs, w1_bufs, w2_bufs, hw_bufs, du_bufs, w3_bufs, du3_bufs = bufs
+    PAIRS, D, F, GW_COLS, NUM_JOBS, has_b1, TILE = sizes
+    TILE_M: gl.constexpr = xs_bufs.type.shape[1]
+    BLOCK_K: gl.constexpr = xs_bufs.type.shape[2]
+    BLOCK_N: gl.constexpr = w1_bufs.type.shape[2]
+    rows_k: gl.constexpr = xs_bufs.type.layout
+    k_n: gl.constexpr = w1_bufs.type.layout
+    n_k: gl.constexpr = w2_bufs.type.layout
+    rows_n: gl.constexpr = hw_bufs.type.layout
+    return (tma.make_tensor_descriptor(xs_ptr, [S, D], [D, 1], [TILE_M, BLOCK_K], rows_k),
+            tma.make_tensor_descriptor(gs_ptr, [S, D], [D, 1], [TILE_M, BLOCK_K], rows_k),
+            tma.make_tensor_descriptor(w1_ptr, [E * D, F], [F, 1], [BLOCK_K, BLOCK_N], k_n),
+            tma.make_tensor_descriptor(w2_ptr, [E * F, D], [D, 1], [BLOCK_N, BLOCK_K], n_k),
+            tma.make_tensor_descriptor(hw_ptr, [S, F], [F, 1], [TILE_M, BLOCK_N], rows_n),
+            tma.make_tensor_descriptor(du_ptr, [S, F], [F, 1], [TILE_M, BLOCK_N], rows_n),
+            tma.make_tensor_descriptor(w3_ptr, [E * D, F], [F, 1], [BLOCK_K, BLOCK_N], k_n),
+            tma.make_tensor_descriptor(du3_ptr, [S, F], [F, 1], [TILE_M, BLOCK_N], rows_n))
+
+
+@gluon.jit
 def _produce(descs, bufs, bars, ptrs, sizes, SWIGLU: gl.constexpr):
+    descs = _hidden_descriptors(descs, bufs, sizes)
     xs_desc, gs_desc, w1_desc, w2_desc, hw_desc, du_desc, w3_desc, du3_desc = descs
     xs_bufs, gs_bufs, w1_bufs, w2_bufs, hw_bufs, du_bufs, w3_bufs, du3_bufs = bufs
     ready, empty, turn = bars
@@ -165,6 +193,7 @@ def _produce(descs, bufs, bars, ptrs, sizes, SWIGLU: gl.constexpr):
 @gluon.jit
 def _consume(descs, bufs, bars, ptrs, sizes, which, ACT: gl.constexpr):
     """This program's jobs i with i % 2 == which: the dots over the ring, then the epilogue."""
+    descs = _hidden_descriptors(descs, bufs, sizes)
     xs_desc, gs_desc, w1_desc, w2_desc, hw_desc, du_desc, w3_desc, du3_desc = descs
     xs_bufs, gs_bufs, w1_bufs, w2_bufs, hw_bufs, du_bufs, w3_bufs, du3_bufs = bufs
     ready, empty, turn = bars
@@ -286,22 +315,31 @@ def _produce_three(descs, bufs, bars, ptrs, sizes):
 
 
 @gluon.jit
-def _hidden_kernel(xs_desc, gs_desc, w1_desc, w2_desc, hw_desc, du_desc, w3_desc, du3_desc,
+def _hidden_kernel(xs_ptr, gs_ptr, w1_ptr, w2_ptr, hw_ptr, du_ptr, w3_ptr, du3_ptr,
                    b1_ptr, weight_ptr, gw_ptr, slot_pair_ptr, tile_expert_ptr,
-                   PAIRS, D, F, GW_COLS, NUM_JOBS, has_b1, TILE,
+                   S, E, PAIRS, D, F, GW_COLS, NUM_JOBS, has_b1, TILE,
+                   TILE_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                    ACT: gl.constexpr, NBUF: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                    PRODUCER_REGS: gl.constexpr):
-    dtype: gl.constexpr = xs_desc.dtype
-    xs_bufs = gl.allocate_shared_memory(dtype, [NBUF] + xs_desc.block_type.shape, xs_desc.layout)
-    gs_bufs = gl.allocate_shared_memory(dtype, [NBUF] + gs_desc.block_type.shape, gs_desc.layout)
-    w1_bufs = gl.allocate_shared_memory(dtype, [NBUF] + w1_desc.block_type.shape, w1_desc.layout)
-    w2_bufs = gl.allocate_shared_memory(dtype, [NBUF] + w2_desc.block_type.shape, w2_desc.layout)
-    hw_bufs = gl.allocate_shared_memory(dtype, [2] + hw_desc.block_type.shape, hw_desc.layout)
-    du_bufs = gl.allocate_shared_memory(dtype, [2] + du_desc.block_type.shape, du_desc.layout)
+    # The TMA descriptors are made on the device, by each partition that uses them
+    # (_hidden_descriptors): a host descriptor cost the launch ~20 us of host time each (built, its
+    # layout formatted into the kernel's signature, encoded by the launcher; 8 of them,
+    # bench/results/host_timers_large.txt).
+    dtype: gl.constexpr = xs_ptr.dtype.element_ty
+    rows_k: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_M, BLOCK_K], dtype)
+    k_n: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], dtype)
+    n_k: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], dtype)
+    rows_n: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_M, BLOCK_N], dtype)
+    xs_bufs = gl.allocate_shared_memory(dtype, [NBUF, TILE_M, BLOCK_K], rows_k)
+    gs_bufs = gl.allocate_shared_memory(dtype, [NBUF, TILE_M, BLOCK_K], rows_k)
+    w1_bufs = gl.allocate_shared_memory(dtype, [NBUF, BLOCK_K, BLOCK_N], k_n)
+    w2_bufs = gl.allocate_shared_memory(dtype, [NBUF, BLOCK_N, BLOCK_K], n_k)
+    hw_bufs = gl.allocate_shared_memory(dtype, [2, TILE_M, BLOCK_N], rows_n)
+    du_bufs = gl.allocate_shared_memory(dtype, [2, TILE_M, BLOCK_N], rows_n)
     w3_bufs, du3_bufs = w1_bufs, du_bufs  # stand-ins, never read, but with swiglu
     if ACT == 3:
-        w3_bufs = gl.allocate_shared_memory(dtype, [NBUF] + w3_desc.block_type.shape, w3_desc.layout)
-        du3_bufs = gl.allocate_shared_memory(dtype, [2] + du3_desc.block_type.shape, du3_desc.layout)
+        w3_bufs = gl.allocate_shared_memory(dtype, [NBUF, BLOCK_K, BLOCK_N], k_n)
+        du3_bufs = gl.allocate_shared_memory(dtype, [2, TILE_M, BLOCK_N], rows_n)
     ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -310,7 +348,7 @@ def _hidden_kernel(xs_desc, gs_desc, w1_desc, w2_desc, hw_desc, du_desc, w3_desc
         mbarrier.init(empty.index(s), count=1)
     for c in gl.static_range(2):
         mbarrier.init(turn.index(c), count=1)
-    args = ((xs_desc, gs_desc, w1_desc, w2_desc, hw_desc, du_desc, w3_desc, du3_desc),
+    args = ((xs_ptr, gs_ptr, w1_ptr, w2_ptr, hw_ptr, du_ptr, w3_ptr, du3_ptr, S, E),
             (xs_bufs, gs_bufs, w1_bufs, w2_bufs, hw_bufs, du_bufs, w3_bufs, du3_bufs), (ready, empty, turn),
             (b1_ptr, weight_ptr, gw_ptr, slot_pair_ptr, tile_expert_ptr),
             (PAIRS, D, F, GW_COLS, NUM_JOBS, has_b1, TILE))
@@ -347,18 +385,29 @@ def _gl_dtype(t):
     return gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
 
 
-def kernel_args(xs, gs, w1, w2, b1, weight, gw, hw, du, tile_m, block_n, block_k, w3=None, du3=None):
-    """_hidden_kernel's tensor arguments in order, its operands as TMA descriptors (W3 and ∂u3 with
-    swiglu, else W1's and ∂u's again)."""
-    E, D, F = w1.shape
-    dtype = _gl_dtype(xs)
-    w1_desc = _descriptor(w1.view(E * D, F), [block_k, block_n], dtype)
-    du_desc = _descriptor(du, [tile_m, block_n], dtype)
-    return [_descriptor(xs, [tile_m, block_k], dtype), _descriptor(gs, [tile_m, block_k], dtype), w1_desc,
-            _descriptor(w2.view(E * F, D), [block_n, block_k], dtype), _descriptor(hw, [tile_m, block_n], dtype),
-            du_desc, w1_desc if w3 is None else _descriptor(w3.view(E * D, F), [block_k, block_n], dtype),
-            du_desc if du3 is None else _descriptor(du3, [tile_m, block_n], dtype),
+def kernel_args(xs, gs, w1, w2, b1, weight, gw, hw, du, w3=None, du3=None):
+    """_hidden_kernel's tensor arguments in order (W3 and ∂u3 with swiglu, else W1 and ∂u again;
+    W1 for an absent b1): the kernel makes its TMA descriptors from them."""
+    return [xs, gs, w1, w2, hw, du, w1 if w3 is None else w3, du if du3 is None else du3,
             w1 if b1 is None else b1, weight, gw]
+
+
+def _torch_scratch(size, alignment, stream):
+    """Global scratch for a launch (Triton's allocator protocol): torch's caching allocator on the
+    current stream and device, whose blocks are 512-byte aligned."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+@contextlib.contextmanager
+def device_scratch():
+    """Triton's global-scratch allocator for the launches inside (kernels that make their TMA
+    descriptors on the device write them there), set in this context only: triton.set_allocator
+    would change it for the whole process."""
+    token = _allocation._allocator.set(_torch_scratch)
+    try:
+        yield
+    finally:
+        _allocation._allocator.reset(token)
 
 
 def backward_hidden(xs, gs, groups, w1, b1, w2, weight, act, hw, du, gw, w3=None, du3=None, config=None):
@@ -370,11 +419,12 @@ def backward_hidden(xs, gs, groups, w1, b1, w2, weight, act, hw, du, gw, w3=None
     config = config or (SWIGLU_CONFIG if act == "swiglu" else CONFIGS[groups.tile])
     tile_m, block_n, block_k, nbuf = (config[key] for key in ("tile_m", "block_n", "block_k", "nbuf"))
     jobs = groups.num_tiles * (groups.tile // tile_m) * (F // block_n)
-    _hidden_kernel[(min(num_sms(xs.device), jobs),)](
-        *kernel_args(xs, gs, w1, w2, b1, weight, gw, hw, du, tile_m, block_n, block_k, w3, du3),
-        groups.slot_pair, groups.tile_expert, groups.pairs, D, F, gw.shape[1], jobs, int(b1 is not None),
-        groups.tile, ACT=ACTS[act], NBUF=nbuf, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
-        num_warps=4)
+    with device_scratch():
+        _hidden_kernel[(min(num_sms(xs.device), jobs),)](
+            *kernel_args(xs, gs, w1, w2, b1, weight, gw, hw, du, w3, du3),
+            groups.slot_pair, groups.tile_expert, xs.shape[0], E, groups.pairs, D, F, gw.shape[1], jobs,
+            int(b1 is not None), groups.tile, TILE_M=tile_m, BLOCK_N=block_n, BLOCK_K=block_k, ACT=ACTS[act],
+            NBUF=nbuf, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -483,14 +533,30 @@ def _wslots(expert_slots_ptr, E, ec, SPLIT, TILE):
 
 
 # Partitions take (descs, bufs, bars, ptrs, sizes) (+ which, a runtime value, as above):
-#   descs = (A as [S, I] in [BK, 64] blocks, B as [S, J] in [BK, BN] blocks);
+#   descs = (A, B, S), from which each makes its descriptors (_wgrad_descriptors): A as [S, I] in
+#           [BK, 64] blocks, B as [S, J] in [BK, BN] blocks;
 #   bufs  = (A ring [2·NBUF, BK, 64] (stage·2 + half), B ring [NBUF, BK, BN]);
 #   bars  = (ready, empty) a stage;  ptrs = (out [E·SPLIT·I, J], expert_slots [2E]);
 #   sizes = (I, J, E, JOBS, accumulate, SPLIT, TILE).
 
 
 @gluon.jit
+def _wgrad_descriptors(dptrs, bufs, sizes):
+    """The weight-gradient kernel's TMA descriptors, made on the device by the partition that uses
+    them (as _hidden_descriptors): A [S, I] in [BK, 64] blocks, B [S, J] in [BK, BN] blocks."""
+    a_ptr, b_ptr, S = dptrs
+    a_bufs, b_bufs = bufs
+    I, J, E, JOBS, accumulate, SPLIT, TILE = sizes
+    BK: gl.constexpr = b_bufs.type.shape[1]
+    HALF: gl.constexpr = a_bufs.type.shape[2]
+    BN: gl.constexpr = b_bufs.type.shape[2]
+    return (tma.make_tensor_descriptor(a_ptr, [S, I], [I, 1], [BK, HALF], a_bufs.type.layout),
+            tma.make_tensor_descriptor(b_ptr, [S, J], [J, 1], [BK, BN], b_bufs.type.layout))
+
+
+@gluon.jit
 def _wgrad_produce(descs, bufs, bars, ptrs, sizes):
+    descs = _wgrad_descriptors(descs, bufs, sizes)
     a_desc, b_desc = descs
     a_bufs, b_bufs = bufs
     ready, empty = bars
@@ -516,6 +582,7 @@ def _wgrad_produce(descs, bufs, bars, ptrs, sizes):
 @gluon.jit
 def _wgrad_consume(descs, bufs, bars, ptrs, sizes, which):
     """Rows [which·64, which·64 + 64) of every job's 128: the K loop over the ring, then the store."""
+    descs = _wgrad_descriptors(descs, bufs, sizes)
     a_desc, b_desc = descs
     a_bufs, b_bufs = bufs
     ready, empty = bars
@@ -555,22 +622,23 @@ def _wgrad_consume_second(descs, bufs, bars, ptrs, sizes, which):
 
 
 @gluon.jit
-def _wgrad_kernel(a_desc, b_desc, out_ptr, expert_slots_ptr, I, J, E, JOBS, accumulate, SPLIT, TILE,
-                  NBUF: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * NBUF] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NBUF] + b_desc.block_type.shape, b_desc.layout)
+def _wgrad_kernel(a_ptr, b_ptr, out_ptr, expert_slots_ptr, S, I, J, E, JOBS, accumulate, SPLIT, TILE,
+                  BK: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                  PRODUCER_REGS: gl.constexpr):
+    # TMA descriptors made on the device, by each partition (_wgrad_descriptors): see _hidden_kernel.
+    dtype: gl.constexpr = a_ptr.dtype.element_ty
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK, 64], dtype)
+    b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK, BN], dtype)
+    a_bufs = gl.allocate_shared_memory(dtype, [2 * NBUF, BK, 64], a_layout)
+    b_bufs = gl.allocate_shared_memory(dtype, [NBUF, BK, BN], b_layout)
     ready, empty = _ring_barriers(NBUF)
-    args = ((a_desc, b_desc), (a_bufs, b_bufs), (ready, empty), (out_ptr, expert_slots_ptr),
+    args = ((a_ptr, b_ptr, S), (a_bufs, b_bufs), (ready, empty), (out_ptr, expert_slots_ptr),
             (I, J, E, JOBS, accumulate, SPLIT, TILE))
     zero = gl.program_id(0) * 0
     gl.warp_specialize([(_wgrad_consume, args + (zero, )), (_wgrad_consume_second, args + (zero + 1, )),
                         (_wgrad_produce, args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def wgrad_kernel_args(a, b, out, block_k, block_n):
-    """_wgrad_kernel's tensor arguments: A and B as TMA descriptors, then out."""
-    dtype = _gl_dtype(a)
-    return [_descriptor(a, [block_k, 64], dtype), _descriptor(b, [block_k, block_n], dtype), out]
 
 
 def weight_grads(a, b, groups, out, accumulate, split=1, block_k=WGRAD_BK, block_n=None, nbuf=WGRAD_NBUF):
@@ -585,9 +653,11 @@ def weight_grads(a, b, groups, out, accumulate, split=1, block_k=WGRAD_BK, block
                          f"accumulate; got out {tuple(out.shape)} {out.dtype}, accumulate={accumulate}")
     block_n = block_n or (256 if J % 256 == 0 else 128)
     jobs = E * split * (I // 128) * (J // block_n)
-    _wgrad_kernel[(min(num_sms(a.device), jobs),)](
-        *wgrad_kernel_args(a, b, out, block_k, block_n), groups.expert_slots, I, J, E, jobs, int(accumulate),
-        split, groups.tile, NBUF=nbuf, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
+    with device_scratch():
+        _wgrad_kernel[(min(num_sms(a.device), jobs),)](
+            a, b, out, groups.expert_slots, a.shape[0], I, J, E, jobs, int(accumulate), split, groups.tile,
+            BK=block_k, BN=block_n, NBUF=nbuf, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
+            num_warps=4)
     return out
 
 
@@ -656,7 +726,23 @@ def _slots_job(job, N, COLS: gl.constexpr):
 
 
 @gluon.jit
+def _slots_descriptors(dptrs, bufs):
+    """GEMM2's TMA descriptors, made on the device by the partition that uses them (as
+    _hidden_descriptors): A [S, K] in [64, BK] blocks, B as [E·K, N] in [BK, BN], out [S, N] in
+    [64, BN]."""
+    a_ptr, b_ptr, out_ptr, S, E, K, N = dptrs
+    a_bufs, b_bufs, out_bufs = bufs
+    BM: gl.constexpr = a_bufs.type.shape[1]
+    BK: gl.constexpr = a_bufs.type.shape[2]
+    BN: gl.constexpr = b_bufs.type.shape[2]
+    return (tma.make_tensor_descriptor(a_ptr, [S, K], [K, 1], [BM, BK], a_bufs.type.layout),
+            tma.make_tensor_descriptor(b_ptr, [E * K, N], [N, 1], [BK, BN], b_bufs.type.layout),
+            tma.make_tensor_descriptor(out_ptr, [S, N], [N, 1], [BM, BN], out_bufs.type.layout))
+
+
+@gluon.jit
 def _slots_produce(descs, bufs, bars, ptrs, sizes):
+    descs = _slots_descriptors(descs, bufs)
     a_desc, b_desc, out_desc = descs
     a_bufs, b_bufs, out_bufs = bufs
     ready, empty = bars
@@ -690,6 +776,7 @@ def _slots_produce(descs, bufs, bars, ptrs, sizes):
 def _slots_consume(descs, bufs, bars, ptrs, sizes, which):
     """This consumer's [64, BN] of every job: the K loop over the ring, then bias (added before it),
     scale, zeros on padding slots, and the store."""
+    descs = _slots_descriptors(descs, bufs)
     a_desc, b_desc, out_desc = descs
     a_bufs, b_bufs, out_bufs = bufs
     ready, empty = bars
@@ -742,31 +829,31 @@ def _slots_consume_second(descs, bufs, bars, ptrs, sizes, which):
 
 
 @gluon.jit
-def _slots_kernel(a_desc, b_desc, out_desc, bias_ptr, scale_ptr, slot_pair_ptr, tile_expert_ptr,
-                  PAIRS, K, N, JOBS, has_bias, has_scale,
-                  SPLIT_ROWS: gl.constexpr, NBUF: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                  PRODUCER_REGS: gl.constexpr):
-    """SPLIT_ROWS: the consumers split a job's rows (TILE 128), else its columns (TILE 64)."""
-    dtype: gl.constexpr = a_desc.dtype
+def _slots_kernel(a_ptr, b_ptr, out_ptr, bias_ptr, scale_ptr, slot_pair_ptr, tile_expert_ptr,
+                  S, E, PAIRS, K, N, JOBS, has_bias, has_scale,
+                  BK: gl.constexpr, BN: gl.constexpr, SPLIT_ROWS: gl.constexpr, NBUF: gl.constexpr,
+                  CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    """SPLIT_ROWS: the consumers split a job's rows (TILE 128), else its columns (TILE 64). The TMA
+    descriptors are made on the device, by each partition (_slots_descriptors): see _hidden_kernel."""
+    dtype: gl.constexpr = a_ptr.dtype.element_ty
     A_PARTS: gl.constexpr = 2 if SPLIT_ROWS else 1
-    a_bufs = gl.allocate_shared_memory(dtype, [A_PARTS * NBUF] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(dtype, [(3 - A_PARTS) * NBUF] + b_desc.block_type.shape, b_desc.layout)
-    out_bufs = gl.allocate_shared_memory(dtype, [2] + out_desc.block_type.shape, out_desc.layout)
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BK], dtype)
+    b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK, BN], dtype)
+    out_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BN], dtype)
+    a_bufs = gl.allocate_shared_memory(dtype, [A_PARTS * NBUF, 64, BK], a_layout)
+    b_bufs = gl.allocate_shared_memory(dtype, [(3 - A_PARTS) * NBUF, BK, BN], b_layout)
+    out_bufs = gl.allocate_shared_memory(dtype, [2, 64, BN], out_layout)
     ready, empty = _ring_barriers(NBUF)
-    args = ((a_desc, b_desc, out_desc), (a_bufs, b_bufs, out_bufs), (ready, empty),
+    args = ((a_ptr, b_ptr, out_ptr, S, E, K, N), (a_bufs, b_bufs, out_bufs), (ready, empty),
             (bias_ptr, scale_ptr, slot_pair_ptr, tile_expert_ptr), (PAIRS, K, N, JOBS, has_bias, has_scale))
     zero = gl.program_id(0) * 0
     gl.warp_specialize([(_slots_consume, args + (zero, )), (_slots_consume_second, args + (zero + 1, )),
                         (_slots_produce, args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def slots_kernel_args(a, b, out, bias, scale, block_k, block_n):
-    """_slots_kernel's tensor arguments: A, B (as [E·K, N]) and out as TMA descriptors, then bias
-    and scale (stand-ins where None)."""
-    E, K, N = b.shape
-    dtype = _gl_dtype(a)
-    return [_descriptor(a, [64, block_k], dtype), _descriptor(b.view(E * K, N), [block_k, block_n], dtype),
-            _descriptor(out, [64, block_n], dtype), out if bias is None else bias, out if scale is None else scale]
+def slots_kernel_args(a, b, out, bias, scale):
+    """_slots_kernel's tensor arguments: A, B, out, then bias and scale (stand-ins where None)."""
+    return [a, b, out, out if bias is None else bias, out if scale is None else scale]
 
 
 def slots_gemm(a, b, groups, out, bias=None, scale=None, block_k=SLOTS_BK, block_n=None, nbuf=SLOTS_NBUF):
@@ -778,8 +865,10 @@ def slots_gemm(a, b, groups, out, bias=None, scale=None, block_k=SLOTS_BK, block
     block_n = block_n or slots_block_n(N, groups.tile)
     split_rows = groups.tile == 128
     jobs = groups.num_tiles * (N // (block_n * (1 if split_rows else 2)))
-    _slots_kernel[(min(num_sms(a.device), jobs),)](
-        *slots_kernel_args(a, b, out, bias, scale, block_k, block_n), groups.slot_pair, groups.tile_expert,
-        groups.pairs, K, N, jobs, int(bias is not None), int(scale is not None), SPLIT_ROWS=split_rows, NBUF=nbuf,
-        CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
+    with device_scratch():
+        _slots_kernel[(min(num_sms(a.device), jobs),)](
+            *slots_kernel_args(a, b, out, bias, scale), groups.slot_pair, groups.tile_expert, a.shape[0], b.shape[0],
+            groups.pairs, K, N, jobs, int(bias is not None), int(scale is not None), BK=block_k, BN=block_n,
+            SPLIT_ROWS=split_rows, NBUF=nbuf, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
+            num_warps=4)
     return out

@@ -223,3 +223,17 @@ def test_gemm2_falls_back_to_triton_when_its_first_launch_fails(monkeypatch, cap
     assert "PTX .version 9.9" in caplog.text and "GEMM2" in caplog.text
     assert moe.gemm2_kernel(h, w2, got, b2, scale, groups.tile) == "triton"
     assert moe.gemm2_kernel(h, w2, got, None, scale, groups.tile) == "gluon"  # another key: no bias
+
+
+def test_device_scratch_is_set_for_its_launches_only():
+    """The kernels that make their TMA descriptors on the device need Triton's scratch allocator;
+    device_scratch sets it inside its block only (triton.set_allocator would set it for the
+    process), and puts the previous one back when the block raises."""
+    from triton.runtime import _allocation
+    before = _allocation._allocator.get()
+    with gluon_moe.device_scratch():
+        assert _allocation._allocator.get() is gluon_moe._torch_scratch
+    assert _allocation._allocator.get() is before
+    with pytest.raises(ValueError), gluon_moe.device_scratch():
+        raise ValueError("a launch failed")
+    assert _allocation._allocator.get() is before

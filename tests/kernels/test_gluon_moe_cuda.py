@@ -321,3 +321,52 @@ def test_forward_runs_gemm2_in_gluon_where_it_applies(monkeypatch):
     monkeypatch.setattr(gluon_moe, "ENABLED", True)
     moe.moe_backward(rand(R, D), x, None, weight, groups, w1, b1, w2, b2, None, "gelu", 1)
     assert calls == []  # ∂x = ∂u W1ᵀ reads W1 transposed: the Triton kernel
+
+
+def test_back_to_back_launches_on_new_buffers():
+    """The kernel makes its TMA descriptors on the device, in scratch memory that the next launch
+    may get at the same address: launches queued back to back on different buffers and sizes (no
+    synchronisation between them) must each read and write their own."""
+    cases = [slot_case(R, 2, 128, 256, 3, [0, 1, 2], torch.bfloat16, True, seed) for R, seed in
+             ((1500, 11), (700, 12), (1500, 13), (2300, 14))]
+    outs = []
+    for groups, xs, gs, w1, b1, w2, weight in cases:
+        F = w1.shape[2]
+        hw, du = torch.full((2, groups.slots, F), float("nan"), device="cuda", dtype=torch.bfloat16)
+        gw = torch.full((groups.slots, moe.gw_columns(128, F, True)), float("nan"), device="cuda")
+        gluon_moe.backward_hidden(xs, gs, groups, w1, b1, w2, weight, "gelu", hw, du, gw)
+        outs.append((hw, du, gw[:, :F // 64]))
+    for (groups, xs, gs, w1, b1, w2, weight), got in zip(cases, outs):
+        want = float64_hidden(groups, xs, gs, w1, b1, w2, weight, "gelu")
+        for name, g, ref in zip(("hw", "du", "gw"), got, want):
+            assert float((g.double() - ref).norm() / ref.norm()) < 2e-2, name
+
+
+def test_weight_grads_back_to_back_on_new_buffers():
+    """As test_back_to_back_launches_on_new_buffers, for the weight-gradient kernel (whole and in
+    split sums): launches queued on different slot buffers and sizes, checked after."""
+    cases = [slot_case(R, 2, 128, 256, 3, [0, 1, 2], torch.bfloat16, False, seed) for R, seed in
+             ((1500, 21), (900, 22), (2100, 23))]
+    outs = []
+    for split, (groups, xs, gs, *_) in zip((1, 3, 1), cases):
+        out = torch.full((3 * split, 128, 128), float("nan"), device="cuda",
+                         dtype=torch.bfloat16 if split == 1 else torch.float32)
+        gluon_moe.weight_grads(xs, gs, groups, out, accumulate=False, split=split)
+        outs.append(out.view(3, split, 128, 128).double().sum(1))
+    for (groups, xs, gs, *_), got in zip(cases, outs):
+        want = float64_wgrad(xs, gs, groups)
+        assert float((got - want).norm() / want.norm()) < TOL[torch.bfloat16]
+
+
+def test_gemm2_back_to_back_on_new_buffers():
+    """As test_back_to_back_launches_on_new_buffers, for GEMM2 at both tile sizes: launches queued
+    on different operands and sizes, checked after."""
+    cases = [gemm2_case(GEMM2_CASES[i].values[0], torch.bfloat16, True, seed=40 + i) for i in (3, 0, 2, 1)]
+    outs = []
+    for groups, h, w2, b2, weight in cases:
+        c = torch.full((groups.slots, w2.shape[2]), float("nan"), device="cuda", dtype=torch.bfloat16)
+        gluon_moe.slots_gemm(h, w2, groups, c, b2, weight)
+        outs.append(c)
+    for (groups, h, w2, b2, weight), c in zip(cases, outs):
+        want = float64_gemm2(groups, h, w2, b2, weight)
+        assert float((c.double() - want).norm() / want.norm()) < TOL[torch.bfloat16]
