@@ -60,11 +60,11 @@ def offline(act="gelu", tile_m=64, block_n=128, block_k=64, nbuf=3):
     weight, gw, index = torch.empty(S), torch.empty(S, 8), torch.empty(S, dtype=torch.int32)
     w3, du3 = (bf(E, D, F), bf(S, F)) if act == "swiglu" else (None, None)
     kernel = gluon_moe._hidden_kernel
-    args = dict(zip(kernel.arg_names, gluon_moe.kernel_args(xs, gs, w1, w2, b1, weight, gw, hw, du, w3, du3)))
-    args.update(slot_pair_ptr=index, tile_expert_ptr=index, S=1000, E=3, PAIRS=1000, D=D, F=F, GW_COLS=40,
-                NUM_JOBS=1000, has_b1=3, TILE=128)
-    return compile_offline(kernel, args, dict(TILE_M=tile_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                                              ACT=gluon_moe.ACTS[act], NBUF=nbuf,
+    args = dict(zip(kernel.arg_names, gluon_moe.kernel_args(xs, gs, w1, w2, b1, weight, gw, hw, du,
+                                                            tile_m, block_n, block_k, w3, du3)))
+    args.update(slot_pair_ptr=index, tile_expert_ptr=index, PAIRS=1000, D=D, F=F, GW_COLS=40, NUM_JOBS=1000,
+                has_b1=3, TILE=128)
+    return compile_offline(kernel, args, dict(ACT=gluon_moe.ACTS[act], NBUF=nbuf,
                                               CONSUMER_REGS=gluon_moe.CONSUMER_REGS,
                                               PRODUCER_REGS=gluon_moe.PRODUCER_REGS))
 

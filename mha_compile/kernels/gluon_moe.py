@@ -132,33 +132,7 @@ def _job(job, F, TILE, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _hidden_descriptors(dptrs, bufs, sizes):
-    """The hidden kernel's TMA descriptors, made on the device by the partition that uses them (so
-    the fence that makes a new descriptor visible to the TMA unit is that partition's own): xs, gs
-    [S,D]; W1, W3 [E·D,F]; W2 [E·F,D]; hw, ∂u, ∂u3 [S,F]; blocks and layouts those of the buffers."""
-    xs_ptr, gs_ptr, w1_ptr, w2_ptr, hw_ptr, du_ptr, w3_ptr, du3_ptr, S, E = dptrs
-    xs_bufs, gs_bufs, w1_bufs, w2_bufs, hw_bufs, du_bufs, w3_bufs, du3_bufs = bufs
-    PAIRS, D, F, GW_COLS, NUM_JOBS, has_b1, TILE = sizes
-    TILE_M: gl.constexpr = xs_bufs.type.shape[1]
-    BLOCK_K: gl.constexpr = xs_bufs.type.shape[2]
-    BLOCK_N: gl.constexpr = w1_bufs.type.shape[2]
-    rows_k: gl.constexpr = xs_bufs.type.layout
-    k_n: gl.constexpr = w1_bufs.type.layout
-    n_k: gl.constexpr = w2_bufs.type.layout
-    rows_n: gl.constexpr = hw_bufs.type.layout
-    return (tma.make_tensor_descriptor(xs_ptr, [S, D], [D, 1], [TILE_M, BLOCK_K], rows_k),
-            tma.make_tensor_descriptor(gs_ptr, [S, D], [D, 1], [TILE_M, BLOCK_K], rows_k),
-            tma.make_tensor_descriptor(w1_ptr, [E * D, F], [F, 1], [BLOCK_K, BLOCK_N], k_n),
-            tma.make_tensor_descriptor(w2_ptr, [E * F, D], [D, 1], [BLOCK_N, BLOCK_K], n_k),
-            tma.make_tensor_descriptor(hw_ptr, [S, F], [F, 1], [TILE_M, BLOCK_N], rows_n),
-            tma.make_tensor_descriptor(du_ptr, [S, F], [F, 1], [TILE_M, BLOCK_N], rows_n),
-            tma.make_tensor_descriptor(w3_ptr, [E * D, F], [F, 1], [BLOCK_K, BLOCK_N], k_n),
-            tma.make_tensor_descriptor(du3_ptr, [S, F], [F, 1], [TILE_M, BLOCK_N], rows_n))
-
-
-@gluon.jit
 def _produce(descs, bufs, bars, ptrs, sizes, SWIGLU: gl.constexpr):
-    descs = _hidden_descriptors(descs, bufs, sizes)
     xs_desc, gs_desc, w1_desc, w2_desc, hw_desc, du_desc, w3_desc, du3_desc = descs
     xs_bufs, gs_bufs, w1_bufs, w2_bufs, hw_bufs, du_bufs, w3_bufs, du3_bufs = bufs
     ready, empty, turn = bars
@@ -193,7 +167,6 @@ def _produce(descs, bufs, bars, ptrs, sizes, SWIGLU: gl.constexpr):
 @gluon.jit
 def _consume(descs, bufs, bars, ptrs, sizes, which, ACT: gl.constexpr):
     """This program's jobs i with i % 2 == which: the dots over the ring, then the epilogue."""
-    descs = _hidden_descriptors(descs, bufs, sizes)
     xs_desc, gs_desc, w1_desc, w2_desc, hw_desc, du_desc, w3_desc, du3_desc = descs
     xs_bufs, gs_bufs, w1_bufs, w2_bufs, hw_bufs, du_bufs, w3_bufs, du3_bufs = bufs
     ready, empty, turn = bars
@@ -315,31 +288,25 @@ def _produce_three(descs, bufs, bars, ptrs, sizes):
 
 
 @gluon.jit
-def _hidden_kernel(xs_ptr, gs_ptr, w1_ptr, w2_ptr, hw_ptr, du_ptr, w3_ptr, du3_ptr,
+def _hidden_kernel(xs_desc, gs_desc, w1_desc, w2_desc, hw_desc, du_desc, w3_desc, du3_desc,
                    b1_ptr, weight_ptr, gw_ptr, slot_pair_ptr, tile_expert_ptr,
-                   S, E, PAIRS, D, F, GW_COLS, NUM_JOBS, has_b1, TILE,
-                   TILE_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                   PAIRS, D, F, GW_COLS, NUM_JOBS, has_b1, TILE,
                    ACT: gl.constexpr, NBUF: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                    PRODUCER_REGS: gl.constexpr):
-    # The TMA descriptors are made on the device, by each partition that uses them
-    # (_hidden_descriptors): a host descriptor cost the launch ~20 us of host time each (built, its
-    # layout formatted into the kernel's signature, encoded by the launcher; 8 of them,
-    # bench/results/host_timers_large.txt).
-    dtype: gl.constexpr = xs_ptr.dtype.element_ty
-    rows_k: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_M, BLOCK_K], dtype)
-    k_n: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], dtype)
-    n_k: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], dtype)
-    rows_n: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_M, BLOCK_N], dtype)
-    xs_bufs = gl.allocate_shared_memory(dtype, [NBUF, TILE_M, BLOCK_K], rows_k)
-    gs_bufs = gl.allocate_shared_memory(dtype, [NBUF, TILE_M, BLOCK_K], rows_k)
-    w1_bufs = gl.allocate_shared_memory(dtype, [NBUF, BLOCK_K, BLOCK_N], k_n)
-    w2_bufs = gl.allocate_shared_memory(dtype, [NBUF, BLOCK_N, BLOCK_K], n_k)
-    hw_bufs = gl.allocate_shared_memory(dtype, [2, TILE_M, BLOCK_N], rows_n)
-    du_bufs = gl.allocate_shared_memory(dtype, [2, TILE_M, BLOCK_N], rows_n)
+    # Host descriptors, unlike the other two Gluon kernels: made on the device (tma.make_tensor_descriptor,
+    # each partition its own) this kernel took 579 against 500 us a large-preset call on the H200
+    # (session 13, bench/results/kernel_times.txt), for ~140 us less host time a launch.
+    dtype: gl.constexpr = xs_desc.dtype
+    xs_bufs = gl.allocate_shared_memory(dtype, [NBUF] + xs_desc.block_type.shape, xs_desc.layout)
+    gs_bufs = gl.allocate_shared_memory(dtype, [NBUF] + gs_desc.block_type.shape, gs_desc.layout)
+    w1_bufs = gl.allocate_shared_memory(dtype, [NBUF] + w1_desc.block_type.shape, w1_desc.layout)
+    w2_bufs = gl.allocate_shared_memory(dtype, [NBUF] + w2_desc.block_type.shape, w2_desc.layout)
+    hw_bufs = gl.allocate_shared_memory(dtype, [2] + hw_desc.block_type.shape, hw_desc.layout)
+    du_bufs = gl.allocate_shared_memory(dtype, [2] + du_desc.block_type.shape, du_desc.layout)
     w3_bufs, du3_bufs = w1_bufs, du_bufs  # stand-ins, never read, but with swiglu
     if ACT == 3:
-        w3_bufs = gl.allocate_shared_memory(dtype, [NBUF, BLOCK_K, BLOCK_N], k_n)
-        du3_bufs = gl.allocate_shared_memory(dtype, [2, TILE_M, BLOCK_N], rows_n)
+        w3_bufs = gl.allocate_shared_memory(dtype, [NBUF] + w3_desc.block_type.shape, w3_desc.layout)
+        du3_bufs = gl.allocate_shared_memory(dtype, [2] + du3_desc.block_type.shape, du3_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -348,7 +315,7 @@ def _hidden_kernel(xs_ptr, gs_ptr, w1_ptr, w2_ptr, hw_ptr, du_ptr, w3_ptr, du3_p
         mbarrier.init(empty.index(s), count=1)
     for c in gl.static_range(2):
         mbarrier.init(turn.index(c), count=1)
-    args = ((xs_ptr, gs_ptr, w1_ptr, w2_ptr, hw_ptr, du_ptr, w3_ptr, du3_ptr, S, E),
+    args = ((xs_desc, gs_desc, w1_desc, w2_desc, hw_desc, du_desc, w3_desc, du3_desc),
             (xs_bufs, gs_bufs, w1_bufs, w2_bufs, hw_bufs, du_bufs, w3_bufs, du3_bufs), (ready, empty, turn),
             (b1_ptr, weight_ptr, gw_ptr, slot_pair_ptr, tile_expert_ptr),
             (PAIRS, D, F, GW_COLS, NUM_JOBS, has_b1, TILE))
@@ -385,10 +352,17 @@ def _gl_dtype(t):
     return gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
 
 
-def kernel_args(xs, gs, w1, w2, b1, weight, gw, hw, du, w3=None, du3=None):
-    """_hidden_kernel's tensor arguments in order (W3 and ∂u3 with swiglu, else W1 and ∂u again;
-    W1 for an absent b1): the kernel makes its TMA descriptors from them."""
-    return [xs, gs, w1, w2, hw, du, w1 if w3 is None else w3, du if du3 is None else du3,
+def kernel_args(xs, gs, w1, w2, b1, weight, gw, hw, du, tile_m, block_n, block_k, w3=None, du3=None):
+    """_hidden_kernel's tensor arguments in order, its operands as TMA descriptors (W3 and ∂u3 with
+    swiglu, else W1's and ∂u's again)."""
+    E, D, F = w1.shape
+    dtype = _gl_dtype(xs)
+    w1_desc = _descriptor(w1.view(E * D, F), [block_k, block_n], dtype)
+    du_desc = _descriptor(du, [tile_m, block_n], dtype)
+    return [_descriptor(xs, [tile_m, block_k], dtype), _descriptor(gs, [tile_m, block_k], dtype), w1_desc,
+            _descriptor(w2.view(E * F, D), [block_n, block_k], dtype), _descriptor(hw, [tile_m, block_n], dtype),
+            du_desc, w1_desc if w3 is None else _descriptor(w3.view(E * D, F), [block_k, block_n], dtype),
+            du_desc if du3 is None else _descriptor(du3, [tile_m, block_n], dtype),
             w1 if b1 is None else b1, weight, gw]
 
 
@@ -419,12 +393,11 @@ def backward_hidden(xs, gs, groups, w1, b1, w2, weight, act, hw, du, gw, w3=None
     config = config or (SWIGLU_CONFIG if act == "swiglu" else CONFIGS[groups.tile])
     tile_m, block_n, block_k, nbuf = (config[key] for key in ("tile_m", "block_n", "block_k", "nbuf"))
     jobs = groups.num_tiles * (groups.tile // tile_m) * (F // block_n)
-    with device_scratch():
-        _hidden_kernel[(min(num_sms(xs.device), jobs),)](
-            *kernel_args(xs, gs, w1, w2, b1, weight, gw, hw, du, w3, du3),
-            groups.slot_pair, groups.tile_expert, xs.shape[0], E, groups.pairs, D, F, gw.shape[1], jobs,
-            int(b1 is not None), groups.tile, TILE_M=tile_m, BLOCK_N=block_n, BLOCK_K=block_k, ACT=ACTS[act],
-            NBUF=nbuf, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
+    _hidden_kernel[(min(num_sms(xs.device), jobs),)](
+        *kernel_args(xs, gs, w1, w2, b1, weight, gw, hw, du, tile_m, block_n, block_k, w3, du3),
+        groups.slot_pair, groups.tile_expert, groups.pairs, D, F, gw.shape[1], jobs, int(b1 is not None),
+        groups.tile, ACT=ACTS[act], NBUF=nbuf, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
+        num_warps=4)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -324,9 +324,9 @@ def test_forward_runs_gemm2_in_gluon_where_it_applies(monkeypatch):
 
 
 def test_back_to_back_launches_on_new_buffers():
-    """The kernel makes its TMA descriptors on the device, in scratch memory that the next launch
-    may get at the same address: launches queued back to back on different buffers and sizes (no
-    synchronisation between them) must each read and write their own."""
+    """Launches of the hidden kernel queued back to back on different buffers and sizes (no
+    synchronisation between them) must each read and write their own (its descriptors are made on
+    the host; the other Gluon kernels', tested likewise below, on the device)."""
     cases = [slot_case(R, 2, 128, 256, 3, [0, 1, 2], torch.bfloat16, True, seed) for R, seed in
              ((1500, 11), (700, 12), (1500, 13), (2300, 14))]
     outs = []
