@@ -180,3 +180,40 @@ def test_a_replay_on_another_stream_waits_for_the_devices_last_replay():
     _Stream.current = first
     region_graphs.call(forward, _args(4, w), (2.0,))
     assert other in first.waited_for[waits:]
+
+
+def test_copies_of_mixed_dtypes_and_layouts_land_each_in_its_own():
+    """The copies in and out are grouped by dtype and layout (one _foreach_copy_ a group): each
+    destination still gets its own source, whatever the mix."""
+    gen = torch.Generator().manual_seed(7)
+    srcs = [torch.randn(4, 3, generator=gen), torch.randint(0, 9, (5,), generator=gen, dtype=torch.int32),
+            torch.randn(3, 4, generator=gen).to(torch.bfloat16), torch.randn(2, 6, generator=gen),
+            torch.randn(6, 2, generator=gen).t(), torch.randint(0, 9, (2, 2), generator=gen, dtype=torch.int32)]
+    dsts = [torch.full_like(s, 0, memory_format=torch.contiguous_format) for s in srcs]
+    region_graphs._copy(list(zip(dsts, srcs)))
+    assert all(d.dtype == s.dtype and torch.equal(d, s) for d, s in zip(dsts, srcs))
+
+
+def test_replays_copy_mixed_dtype_arguments_and_outputs():
+    """A kernel whose arguments and outputs mix fp32, int32 and bf16: replays on fresh inputs give
+    the eager results, each output in its own dtype."""
+    def kernel(x, idx, h):
+        out = (x * 2 + idx.float().sum(), idx + 1, h * 3)
+        if _Capture.active is not None:
+            _Capture.active.work.append((_Mixed, (x, idx, h), out))
+        return out
+
+    for seed in range(4):
+        gen = torch.Generator().manual_seed(seed)
+        args = [torch.randn(5, 3, generator=gen), torch.randint(0, 9, (4,), generator=gen, dtype=torch.int32),
+                torch.randn(2, 2, generator=gen).to(torch.bfloat16)]
+        got = region_graphs.call(kernel, args, ())
+        want = _Mixed.compute(*args)
+        assert all(g.dtype == w.dtype and torch.equal(g, w) for g, w in zip(got, want))
+    assert region_graphs.graphs_held() == 1
+
+
+class _Mixed:
+    @staticmethod
+    def compute(x, idx, h):
+        return x * 2 + idx.float().sum(), idx + 1, h * 3
