@@ -28,6 +28,9 @@
 #   [PRESET=large] bash bench/h200_session.sh ncu  # Nsight Compute on one training step's MoE and pool
 #                                      # kernels (bench/ncu_kernels.py; throughput, L2/DRAM traffic, warp stalls,
 #                                      # occupancy; ~4 min): run.log, ncu.txt
+#   [PRESET=large] bash bench/h200_session.sh ncu-gemms  # the same sections but Occupancy, LaunchStats
+#                                      # and SchedulerStats, on GEMM1 and the Gluon hidden kernel only, their
+#                                      # first four launches (~1.5 min): run.log, ncu_gemms.txt
 #   bash bench/h200_session.sh probe   # each MoE kernel alone under every config (bench/gemm_probe.py), then
 #                                      # CUDA time per kernel of the op (~6 min): gemm_probe.{txt,json}, kernel_times.txt
 #   [PROBE=up,hidden PROBE_PRESETS=large] bash bench/h200_session.sh verify  # pytest -m cuda, then CUDA
@@ -52,7 +55,7 @@
 #                                      # benchmark cut at 250 s (rows past it are listed as skipped)
 # Budgets are per step so a slow step cannot starve the others.
 set -u
-part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|gluon|gluon-gemms|verify-gemms|host-large|host-timers|short}
+part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|ncu-gemms|gluon|gluon-gemms|verify-gemms|host-large|host-timers|short}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 # Inductor's compiled graphs kept in the checkout (git ignores it): the device keeps ignored
 # files between calls on a machine it still holds, so `table` can reuse `autotune-cache`'s.
@@ -142,6 +145,14 @@ ncu)
         python bench/ncu_kernels.py --preset "${PRESET:-large}" >"$OUT/ncu.txt" 2>&1
     tail -5 "$OUT/ncu.txt" >>"$LOG"
     ;;
+ncu-gemms)
+    # the two GEMMs with activation epilogues, GEMM1 (_moe_up_kernel, 2 a large step) and the
+    # backward's Gluon hidden kernel (_hidden_kernel, 3), their first four launches (~1.5 min)
+    timeout -s INT 150 ncu --clock-control none --profile-from-start off -k "regex:^(_moe_up_kernel|_hidden_kernel)$" \
+        -c 4 --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+        python bench/ncu_kernels.py --preset "${PRESET:-large}" >"$OUT/ncu_gemms.txt" 2>&1
+    tail -5 "$OUT/ncu_gemms.txt" >>"$LOG"
+    ;;
 medium-autotune)
     timeout -s INT -k 15 335 python -m bench --out "$OUT" --name h200_medium_autotune --budget 300 --presets medium \
         --passes fwd+bwd --modes inductor,mha-fused,mha-fused-cudagraphs,inductor-max-autotune --spellings dense \
@@ -188,6 +199,6 @@ bench|bench-resume)
         --modes eager,inductor,inductor-max-autotune,mha-staged,mha-fused,mha-fused-cudagraphs \
         --spellings dense,loop,grouped_mm --commit "$commit" 2>&1 | tail -100; } >>"$LOG"
     ;;
-*) echo "unknown part $part: expected check, kernels, probe, verify, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache, medium-autotune, ncu, gluon, gluon-gemms, verify-gemms, host-large, host-timers or short" >&2; exit 2 ;;
+*) echo "unknown part $part: expected check, kernels, probe, verify, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache, medium-autotune, ncu, ncu-gemms, gluon, gluon-gemms, verify-gemms, host-large, host-timers or short" >&2; exit 2 ;;
 esac
 tail -150 "$LOG"
