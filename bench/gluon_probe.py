@@ -24,17 +24,11 @@ import triton
 
 from mha_compile.kernels import gluon_moe
 
-# The ping-pong kernel's configs tried; the first was TILE 128's until session 13 (now the
-# cooperative kernel's, COOP_CONFIGS), the second is TILE 64's. Runs 1-2 (the probe's
+# The configs tried; the first two are gluon_moe.CONFIGS (TILE 128, TILE 64). Runs 1-2 (the probe's
 # own copy of the kernel): [128, 64] jobs 1849-1893 us at large with 456 bytes of spills a thread
 # (offline), [64, 128] jobs 1687 with 44. Run 3 (gluon_moe, no spills in either): 1622 and 1681.
 CONFIGS = [dict(tile_m=128, block_n=64, block_k=64, nbuf=3), dict(tile_m=64, block_n=128, block_k=64, nbuf=3),
            dict(tile_m=64, block_n=128, block_k=32, nbuf=6), dict(tile_m=64, block_n=128, block_k=32, nbuf=4)]
-# The cooperative kernel (_hidden_coop_kernel, session 13): [128, 128] jobs, both consumers on one
-# stage's W blocks; a stage is 64 KiB at BK 64, 32 at BK 32, beside 64 KiB of staging tiles.
-COOP_CONFIGS = [dict(tile_m=128, block_n=128, block_k=64, nbuf=2, coop=True),
-                dict(tile_m=128, block_n=128, block_k=32, nbuf=4, coop=True),
-                dict(tile_m=128, block_n=128, block_k=32, nbuf=5, coop=True)]
 
 
 def compile_offline(kernel, args, constexprs, num_warps=4):
@@ -68,22 +62,6 @@ def offline(act="gelu", tile_m=64, block_n=128, block_k=64, nbuf=3):
     kernel = gluon_moe._hidden_kernel
     args = dict(zip(kernel.arg_names, gluon_moe.kernel_args(xs, gs, w1, w2, b1, weight, gw, hw, du,
                                                             tile_m, block_n, block_k, w3, du3)))
-    args.update(slot_pair_ptr=index, tile_expert_ptr=index, PAIRS=1000, D=D, F=F, GW_COLS=40, NUM_JOBS=1000,
-                has_b1=3, TILE=128)
-    return compile_offline(kernel, args, dict(ACT=gluon_moe.ACTS[act], NBUF=nbuf,
-                                              CONSUMER_REGS=gluon_moe.CONSUMER_REGS,
-                                              PRODUCER_REGS=gluon_moe.PRODUCER_REGS))
-
-
-def offline_coop(act="gelu", block_n=128, block_k=64, nbuf=2, **_):
-    """compile_offline of gluon_moe's cooperative hidden kernel for `act` under one config."""
-    E, D, F, S = 2, 2 * block_k, 2 * block_n, 256
-    bf = lambda *shape: torch.empty(*shape, dtype=torch.bfloat16)  # noqa: E731
-    xs, gs, w1, w2, b1, hw, du = bf(S, D), bf(S, D), bf(E, D, F), bf(E, F, D), bf(E, F), bf(S, F), bf(S, F)
-    weight, gw, index = torch.empty(S), torch.empty(S, 8), torch.empty(S, dtype=torch.int32)
-    kernel = gluon_moe._hidden_coop_kernel
-    args = dict(zip(kernel.arg_names, gluon_moe.coop_kernel_args(xs, gs, w1, w2, b1, weight, gw, hw, du,
-                                                                 block_n, block_k)))
     args.update(slot_pair_ptr=index, tile_expert_ptr=index, PAIRS=1000, D=D, F=F, GW_COLS=40, NUM_JOBS=1000,
                 has_b1=3, TILE=128)
     return compile_offline(kernel, args, dict(ACT=gluon_moe.ACTS[act], NBUF=nbuf,
@@ -147,9 +125,6 @@ def offline_rows():
     for act in gluon_moe.ACTS:
         for cfg in offline_configs(act):
             yield dict(act=act, config=cfg, **offline(act, **cfg))
-    for act in ("gelu", "gelu_tanh", "silu"):
-        for cfg in COOP_CONFIGS if act == "gelu" else COOP_CONFIGS[:1]:
-            yield dict(act=act, config=cfg, **offline_coop(act, **cfg))
 
 
 def probe_preset(c):
@@ -176,7 +151,7 @@ def probe_preset(c):
         return hw, du, gw[:, :c.F // 64]
 
     _time("hidden triton", triton_hidden, 4 * c.S * c.D * c.F, err)
-    for cfg in CONFIGS + COOP_CONFIGS:
+    for cfg in CONFIGS:
         _time("hidden gluon", lambda: gluon_hidden(cfg), 4 * c.S * c.D * c.F, err, cfg)
 
 

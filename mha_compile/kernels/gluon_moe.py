@@ -46,12 +46,9 @@ ENABLED = os.environ.get("MHA_COMPILE_GLUON", "1") != "0"
 ACTS = {name: ACT_CODE[name] for name in ("gelu", "gelu_tanh", "silu", "swiglu")}
 DTYPES = (torch.bfloat16, torch.float16)
 # The config by the slot layout's TILE (triton_moe.tile_rows: 128 at the medium and large presets,
-# 64 at small): a job's rows and columns, the K step and the ring's stages. TILE 128: the
-# cooperative kernel (_hidden_coop_kernel), 5 stages of 32 KiB and 64 KiB of staging tiles (224 KiB
-# of the H200's 227); TILE 64: the ping-pong one, 3 stages of 48 KiB (213 KiB with its staging
-# tiles). bench/gluon_probe.py sweeps these.
-CONFIGS = {128: dict(tile_m=128, block_n=128, block_k=32, nbuf=5, coop=True),
-           64: dict(tile_m=64, block_n=128, block_k=64, nbuf=3)}
+# 64 at small): a job's rows and columns, the K step and the ring's stages (3 of 48 KiB, and the
+# staging tiles: 213 KiB of the H200's 227). bench/gluon_probe.py sweeps these.
+CONFIGS = {128: dict(tile_m=128, block_n=64, block_k=64, nbuf=3), 64: dict(tile_m=64, block_n=128, block_k=64, nbuf=3)}
 # swiglu holds three accumulators (u, u3 = xs W3, g): jobs of [64, 64] keep them at 32 registers a
 # thread each; a stage is then 40 KiB (five tiles), 168 KiB with the staging tiles.
 SWIGLU_CONFIG = dict(tile_m=64, block_n=64, block_k=64, nbuf=3)
@@ -91,9 +88,8 @@ def unsupported(xs, gs, w1, w2, w3, act, tile, capability=None):
         return why
     D, F = w1.shape[1], w1.shape[2]
     if tile not in CONFIGS or F % F_MULTIPLE or D % CONFIGS[tile]["block_k"]:
-        block_k = CONFIGS[tile]["block_k"] if tile in CONFIGS else max(c["block_k"] for c in CONFIGS.values())
         return (f"D={D}, F={F}, TILE={tile}: needs TILE in {sorted(CONFIGS)}, F a multiple of {F_MULTIPLE}"
-                f" and D of {block_k}")
+                f" and D of {CONFIGS[max(CONFIGS)]['block_k']}")
     return None
 
 
@@ -340,156 +336,6 @@ def _hidden_kernel(xs_desc, gs_desc, w1_desc, w2_desc, hw_desc, du_desc, w3_desc
                             (_produce_three, args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-# ---------------------------------------------------------------------------------------------
-# The hidden kernel, cooperative (TILE 128, no swiglu): a job is a tile's 128 rows by BLOCK_N
-# columns; a producer warp fills the ring with xs's and gs's two [64, BK] halves and one W1 and
-# one W2 block, and two consumer warpgroups each own 64 rows of the job, both reading the stage's
-# W blocks (empty: a barrier of count 2, as the weight-gradient kernel's ring). Against the
-# ping-pong kernel above with [128, 64] jobs, a job reads its W1 and W2 blocks once for 128 rows
-# at N = 128 instead of 64: 65 against 44 FLOP a byte through L2, and per wgmma (A and B both from
-# shared memory) 96 against 128 bytes of shared reads a cycle at the tensor cores' pace. Nsight
-# Compute on the ping-pong one at large (bench/results/ncu_gemms.txt): SM and L2 throughput 46%
-# and 56% of peak. The price: the consumers' epilogues no longer run under the other's dots.
-
-
-@gluon.jit
-def _coop_produce(descs, bufs, bars, ptrs, sizes):
-    xs_desc, gs_desc, w1_desc, w2_desc, hw_desc, du_desc = descs
-    xs_bufs, gs_bufs, w1_bufs, w2_bufs, hw_bufs, du_bufs = bufs
-    ready, empty = bars
-    b1_ptr, weight_ptr, gw_ptr, slot_pair_ptr, tile_expert_ptr = ptrs
-    PAIRS, D, F, GW_COLS, NUM_JOBS, has_b1, TILE = sizes
-    HALF: gl.constexpr = xs_desc.block_type.shape[0]
-    BLOCK_K: gl.constexpr = xs_desc.block_type.shape[1]
-    BLOCK_N: gl.constexpr = w1_desc.block_type.shape[1]
-    nbytes: gl.constexpr = 4 * xs_desc.block_type.nbytes + 2 * w1_desc.block_type.nbytes
-    ksteps = D // BLOCK_K
-    pos = 0
-    for job in range(gl.program_id(0), NUM_JOBS, gl.num_programs(0)):
-        row, t, n = _job(job, F, TILE, 2 * HALF, BLOCK_N)
-        e = gl.load(tile_expert_ptr + t)
-        for k in range(ksteps):
-            stage = _ring_claim(ready, empty, pos, nbytes)
-            bar = ready.index(stage)
-            tma.async_copy_global_to_shared(w1_desc, [e * D + k * BLOCK_K, n * BLOCK_N], bar, w1_bufs.index(stage))
-            tma.async_copy_global_to_shared(xs_desc, [row, k * BLOCK_K], bar, xs_bufs.index(2 * stage))
-            tma.async_copy_global_to_shared(xs_desc, [row + HALF, k * BLOCK_K], bar, xs_bufs.index(2 * stage + 1))
-            tma.async_copy_global_to_shared(w2_desc, [e * F + n * BLOCK_N, k * BLOCK_K], bar, w2_bufs.index(stage))
-            tma.async_copy_global_to_shared(gs_desc, [row, k * BLOCK_K], bar, gs_bufs.index(2 * stage))
-            tma.async_copy_global_to_shared(gs_desc, [row + HALF, k * BLOCK_K], bar, gs_bufs.index(2 * stage + 1))
-            pos += 1
-
-
-@gluon.jit
-def _coop_consume(descs, bufs, bars, ptrs, sizes, which, ACT: gl.constexpr):
-    """Rows [which·64, which·64 + 64) of every job's 128: both dots over the ring, then the epilogue
-    (the ping-pong kernel's _consume, for these rows)."""
-    xs_desc, gs_desc, w1_desc, w2_desc, hw_desc, du_desc = descs
-    xs_bufs, gs_bufs, w1_bufs, w2_bufs, hw_bufs, du_bufs = bufs
-    ready, empty = bars
-    b1_ptr, weight_ptr, gw_ptr, slot_pair_ptr, tile_expert_ptr = ptrs
-    PAIRS, D, F, GW_COLS, NUM_JOBS, has_b1, TILE = sizes
-    HALF: gl.constexpr = xs_desc.block_type.shape[0]
-    BLOCK_K: gl.constexpr = xs_desc.block_type.shape[1]
-    BLOCK_N: gl.constexpr = w1_desc.block_type.shape[1]
-    NBUF: gl.constexpr = w1_bufs.type.shape[0]
-    NB: gl.constexpr = BLOCK_N // _GW_BLOCK  # ∂w partial columns a job
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, BLOCK_N, 16])
-    rows_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
-    cols_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
-    hw_buf = hw_bufs.index(which)
-    du_buf = du_bufs.index(which)
-    ksteps = D // BLOCK_K
-    pos = 0
-    for job in range(gl.program_id(0), NUM_JOBS, gl.num_programs(0)):
-        row, t, n = _job(job, F, TILE, 2 * HALF, BLOCK_N)
-        row = row + which * HALF
-        e = gl.load(tile_expert_ptr + t)
-        offs_n = n * BLOCK_N + gl.arange(0, BLOCK_N, layout=cols_layout)
-        acc_u = gl.zeros([HALF, BLOCK_N], gl.float32, acc_layout)
-        acc_g = gl.zeros([HALF, BLOCK_N], gl.float32, acc_layout)
-        if has_b1 != 0:
-            acc_u = acc_u + gl.load(b1_ptr + e * F + offs_n).to(gl.float32)[None, :]
-        for k in range(ksteps):
-            stage = pos % NBUF
-            mbarrier.wait(ready.index(stage), (pos // NBUF) & 1)
-            acc_u = warpgroup_mma(xs_bufs.index(2 * stage + which), w1_bufs.index(stage), acc_u, is_async=True)
-            acc_g = warpgroup_mma(gs_bufs.index(2 * stage + which), w2_bufs.index(stage).permute((1, 0)), acc_g,
-                                  is_async=True)
-            # This step's wgmmas stay in flight: the step before has read its stage.
-            acc_u, acc_g = warpgroup_mma_wait(num_outstanding=2, deps=(acc_u, acc_g))
-            if k > 0:
-                mbarrier.arrive(empty.index((pos + NBUF - 1) % NBUF), count=1)
-            pos += 1
-        acc_u, acc_g = warpgroup_mma_wait(num_outstanding=0, deps=(acc_u, acc_g))
-        mbarrier.arrive(empty.index((pos + NBUF - 1) % NBUF), count=1)
-
-        offs_s = row + gl.arange(0, HALF, layout=rows_layout)
-        pair = gl.load(slot_pair_ptr + offs_s)
-        valid = pair < PAIRS
-        w = gl.load(weight_ptr + pair, mask=valid, other=0.0)
-        h, dact = _act(acc_u, ACT)
-        hg = h * acc_g
-        for c in gl.static_range(NB):
-            lo = n * BLOCK_N + c * _GW_BLOCK
-            part = gl.where(((offs_n >= lo) & (offs_n < lo + _GW_BLOCK))[None, :], hg, 0.0)
-            gl.store(gw_ptr + offs_s * GW_COLS + n * NB + c, gl.where(valid, gl.sum(part, axis=1), 0.0))
-        keep = valid[:, None]
-        tma.store_wait(0)  # this consumer's last stores have left its staging tiles
-        hw_buf.store(gl.where(keep, w[:, None] * h, 0.0).to(hw_desc.dtype))
-        du_buf.store(gl.where(keep, (w[:, None] * acc_g) * dact, 0.0).to(du_desc.dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(hw_desc, [row, n * BLOCK_N], hw_buf)
-        tma.async_copy_shared_to_global(du_desc, [row, n * BLOCK_N], du_buf)
-    tma.store_wait(0)
-
-
-@gluon.jit
-def _coop_consume_gelu(descs, bufs, bars, ptrs, sizes, which):
-    _coop_consume(descs, bufs, bars, ptrs, sizes, which, 0)
-
-
-@gluon.jit
-def _coop_consume_gelu_tanh(descs, bufs, bars, ptrs, sizes, which):
-    _coop_consume(descs, bufs, bars, ptrs, sizes, which, 1)
-
-
-@gluon.jit
-def _coop_consume_silu(descs, bufs, bars, ptrs, sizes, which):
-    _coop_consume(descs, bufs, bars, ptrs, sizes, which, 2)
-
-
-@gluon.jit
-def _hidden_coop_kernel(xs_desc, gs_desc, w1_desc, w2_desc, hw_desc, du_desc,
-                        b1_ptr, weight_ptr, gw_ptr, slot_pair_ptr, tile_expert_ptr,
-                        PAIRS, D, F, GW_COLS, NUM_JOBS, has_b1, TILE,
-                        ACT: gl.constexpr, NBUF: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                        PRODUCER_REGS: gl.constexpr):
-    dtype: gl.constexpr = xs_desc.dtype
-    xs_bufs = gl.allocate_shared_memory(dtype, [2 * NBUF] + xs_desc.block_type.shape, xs_desc.layout)
-    gs_bufs = gl.allocate_shared_memory(dtype, [2 * NBUF] + gs_desc.block_type.shape, gs_desc.layout)
-    w1_bufs = gl.allocate_shared_memory(dtype, [NBUF] + w1_desc.block_type.shape, w1_desc.layout)
-    w2_bufs = gl.allocate_shared_memory(dtype, [NBUF] + w2_desc.block_type.shape, w2_desc.layout)
-    hw_bufs = gl.allocate_shared_memory(dtype, [2] + hw_desc.block_type.shape, hw_desc.layout)
-    du_bufs = gl.allocate_shared_memory(dtype, [2] + du_desc.block_type.shape, du_desc.layout)
-    ready, empty = _ring_barriers(NBUF)
-    args = ((xs_desc, gs_desc, w1_desc, w2_desc, hw_desc, du_desc),
-            (xs_bufs, gs_bufs, w1_bufs, w2_bufs, hw_bufs, du_bufs), (ready, empty),
-            (b1_ptr, weight_ptr, gw_ptr, slot_pair_ptr, tile_expert_ptr),
-            (PAIRS, D, F, GW_COLS, NUM_JOBS, has_b1, TILE))
-    zero = gl.program_id(0) * 0  # which consumer, as a runtime value (see _hidden_kernel)
-    if ACT == 0:
-        gl.warp_specialize([(_coop_consume, args + (zero, ACT)), (_coop_consume_gelu, args + (zero + 1,)),
-                            (_coop_produce, args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-    elif ACT == 1:
-        gl.warp_specialize([(_coop_consume, args + (zero, ACT)), (_coop_consume_gelu_tanh, args + (zero + 1,)),
-                            (_coop_produce, args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-    else:
-        gl.warp_specialize([(_coop_consume, args + (zero, ACT)), (_coop_consume_silu, args + (zero + 1,)),
-                            (_coop_produce, args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-
-
 @functools.lru_cache(maxsize=None)
 def _layout(block, dtype):
     """The shared-memory layout of a TMA tile: a pure function of its shape and dtype, kept, as
@@ -520,17 +366,6 @@ def kernel_args(xs, gs, w1, w2, b1, weight, gw, hw, du, tile_m, block_n, block_k
             w1 if b1 is None else b1, weight, gw]
 
 
-def coop_kernel_args(xs, gs, w1, w2, b1, weight, gw, hw, du, block_n, block_k):
-    """_hidden_coop_kernel's tensor arguments in order, its operands as TMA descriptors (the slot
-    rows in [64, ·] boxes: a consumer's half of a job)."""
-    E, D, F = w1.shape
-    dtype = _gl_dtype(xs)
-    return [_descriptor(xs, [64, block_k], dtype), _descriptor(gs, [64, block_k], dtype),
-            _descriptor(w1.view(E * D, F), [block_k, block_n], dtype),
-            _descriptor(w2.view(E * F, D), [block_n, block_k], dtype), _descriptor(hw, [64, block_n], dtype),
-            _descriptor(du, [64, block_n], dtype), w1 if b1 is None else b1, weight, gw]
-
-
 def _torch_scratch(size, alignment, stream):
     """Global scratch for a launch (Triton's allocator protocol): torch's caching allocator on the
     current stream and device, whose blocks are 512-byte aligned."""
@@ -558,16 +393,6 @@ def backward_hidden(xs, gs, groups, w1, b1, w2, weight, act, hw, du, gw, w3=None
     config = config or (SWIGLU_CONFIG if act == "swiglu" else CONFIGS[groups.tile])
     tile_m, block_n, block_k, nbuf = (config[key] for key in ("tile_m", "block_n", "block_k", "nbuf"))
     jobs = groups.num_tiles * (groups.tile // tile_m) * (F // block_n)
-    if config.get("coop"):
-        if act == "swiglu" or tile_m != 128 or groups.tile != 128:
-            raise ValueError(f"the cooperative hidden kernel takes jobs of 128 rows of TILE 128 and no swiglu; "
-                             f"got act={act!r}, tile_m={tile_m}, TILE={groups.tile}")
-        _hidden_coop_kernel[(min(num_sms(xs.device), jobs),)](
-            *coop_kernel_args(xs, gs, w1, w2, b1, weight, gw, hw, du, block_n, block_k),
-            groups.slot_pair, groups.tile_expert, groups.pairs, D, F, gw.shape[1], jobs, int(b1 is not None),
-            groups.tile, ACT=ACTS[act], NBUF=nbuf, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
-            num_warps=4)
-        return
     _hidden_kernel[(min(num_sms(xs.device), jobs),)](
         *kernel_args(xs, gs, w1, w2, b1, weight, gw, hw, du, tile_m, block_n, block_k, w3, du3),
         groups.slot_pair, groups.tile_expert, groups.pairs, D, F, gw.shape[1], jobs, int(b1 is not None),

@@ -5,8 +5,6 @@ test_gluon_wgrad_probe.py and test_gluon_slots_probe.py and run against float64 
 test_gluon_moe_cuda.py)."""
 import os
 
-import types
-
 import pytest
 import torch
 
@@ -239,14 +237,3 @@ def test_device_scratch_is_set_for_its_launches_only():
     with pytest.raises(ValueError), gluon_moe.device_scratch():
         raise ValueError("a launch failed")
     assert _allocation._allocator.get() is before
-
-
-@pytest.mark.parametrize("act, tile", [("swiglu", 128), ("gelu", 64)])
-def test_cooperative_config_declines_swiglu_and_small_tiles(act, tile):
-    """The cooperative hidden kernel takes 128-row jobs of TILE 128 without swiglu; asked for
-    anything else it says what it got, before anything is launched."""
-    groups = types.SimpleNamespace(tile=tile, num_tiles=2, slot_pair=None, tile_expert=None, pairs=10)
-    w1 = torch.empty(2, 128, 256)
-    cfg = dict(tile_m=128, block_n=128, block_k=64, nbuf=2, coop=True)
-    with pytest.raises(ValueError, match=f"act={act!r}.*TILE={tile}"):
-        gluon_moe.backward_hidden(None, None, groups, w1, None, None, None, act, None, None, None, config=cfg)

@@ -76,55 +76,6 @@ def test_matches_float64(case, act, dtype, bias):
     assert (hw[padding] == 0).all() and (du[padding] == 0).all() and (gw[padding, :F // 64] == 0).all()
 
 
-COOP_CASES = [  # TILE 128: two column blocks; then D = 192 (3 K steps of 64: the ring of 2 wraps
-    # within a job), three column blocks and two empty experts
-    pytest.param((1600, 2, 128, 256, 3, [0, 1, 2]), id="tile128"),
-    pytest.param((1400, 2, 192, 384, 5, [0, 2, 4]), id="tile128-odd-ksteps-empty-experts"),
-]
-COOP_CONFIGS = [dict(tile_m=128, block_n=128, block_k=64, nbuf=2, coop=True),
-                dict(tile_m=128, block_n=128, block_k=32, nbuf=5, coop=True)]
-
-
-@pytest.mark.parametrize("case", COOP_CASES)
-@pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "silu"])
-@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")])
-@pytest.mark.parametrize("bias", [True, False], ids=["b1", "no-b1"])
-@pytest.mark.parametrize("config", COOP_CONFIGS, ids=["bk64-nbuf2", "bk32-nbuf5"])
-def test_cooperative_kernel_matches_float64(case, act, dtype, bias, config):
-    """The cooperative hidden kernel (two consumers on one job's 128 rows) under each config."""
-    R, k, D, F, E, used = case
-    groups, xs, gs, w1, b1, w2, weight = slot_case(R, k, D, F, E, used, dtype, bias, seed=R + D + len(act))
-    assert groups.tile == 128 and (groups.slot_pair >= groups.pairs).any()
-    hw, du = torch.full((2, groups.slots, F), float("nan"), device="cuda", dtype=dtype)
-    gw = torch.full((groups.slots, moe.gw_columns(D, F, True)), float("nan"), device="cuda")
-    gluon_moe.backward_hidden(xs, gs, groups, w1, b1, w2, weight, act, hw, du, gw, config=config)
-    want = float64_hidden(groups, xs, gs, w1, b1, w2, weight, act)
-    for name, got, ref in zip(("hw", "du", "gw"), (hw, du, gw[:, :F // 64]), want):
-        err = float((got.double() - ref).norm() / ref.norm())
-        assert err < TOL[dtype], f"{name}: rel err {err:.2e}"
-    padding = groups.slot_pair >= groups.pairs
-    assert (hw[padding] == 0).all() and (du[padding] == 0).all() and (gw[padding, :F // 64] == 0).all()
-
-
-def test_cooperative_kernel_one_run_of_tiles():
-    """A run of tiles through the cooperative kernel: its own slot buffers, gw at its offset only."""
-    groups, xs, gs, w1, b1, w2, weight = slot_case(3000, 2, 128, 256, 4, [0, 1, 2, 3], torch.bfloat16, True, 8)
-    t0, t1 = 8, 24
-    part = groups.tiles(t0, t1)
-    rows = slice(t0 * groups.tile, t1 * groups.tile)
-    F = w1.shape[2]
-    gw = torch.full((groups.slots, moe.gw_columns(128, F, True)), -7.0, device="cuda")
-    hw, du = torch.empty(2, part.slots, F, device="cuda", dtype=torch.bfloat16)
-    gluon_moe.backward_hidden(xs[rows].contiguous(), gs[rows].contiguous(), part, w1, b1, w2, weight, "gelu", hw, du,
-                              gw[rows], config=COOP_CONFIGS[0])
-    want = float64_hidden(groups, xs, gs, w1, b1, w2, weight, "gelu")
-    for name, got, ref in zip(("hw", "du", "gw"), (hw, du, gw[rows, :F // 64]), want):
-        assert float((got.double() - ref[rows]).norm() / ref[rows].norm()) < 2e-2, name
-    outside = torch.ones(groups.slots, dtype=torch.bool, device="cuda")
-    outside[rows] = False
-    assert (gw[outside] == -7.0).all()
-
-
 def test_one_run_of_tiles_writes_only_its_rows():
     """A run (Groups.tiles) reads its own slot buffers and writes gw rows at its offset only."""
     groups, xs, gs, w1, b1, w2, weight = slot_case(3000, 2, 128, 256, 4, [0, 1, 2, 3], torch.bfloat16, True, 7)
