@@ -73,11 +73,12 @@ def wanted(graphs, kernels, ctx, tok, w1, top_k, act, mask):
 
 def auto_wanted(ctx, w1, top_k, act):
     """graphs="auto": the sizes where the backward's slot buffers take one run
-    (triton_moe.SLOT_CHUNK_BYTES). Medium and small do (host-bound: 3.75 ms a plain step for
-    1.33 ms of GPU time at medium, bench/results/h200.md); large does not: the pool would hold
-    ~1 GB, and the training peak would pass half the best peer's (issue 4's memory target). Large
-    is host-bound too on a slow host (~9-10 ms of host for 6.6 ms of GPU time on the H200's,
-    bench/PERF_NOTES.md v15): graphs="on" trades the memory for that time."""
+    (triton_moe.SLOT_CHUNK_BYTES). Medium and small do (host-bound: at medium 6.4 ms a step
+    with the graphs off against 0.985 with them, for 0.89 ms of GPU time, bench/results/h200.md);
+    large does not: the pool would hold ~1 GB, and the training peak would pass half the best
+    peer's (issue 4's memory target). A large step issues in 6.3-10 ms of host, depending on the
+    host, for 6.6 ms of GPU time (bench/PERF_NOTES.md v15, v16): on a slow host graphs="on"
+    trades the memory for that time."""
     return slot_buffer_bytes(ctx, w1, top_k, act) <= triton_moe.SLOT_CHUNK_BYTES
 
 
