@@ -28,9 +28,9 @@
 #   [PRESET=large] bash bench/h200_session.sh ncu  # Nsight Compute on one training step's MoE and pool
 #                                      # kernels (bench/ncu_kernels.py; throughput, L2/DRAM traffic, warp stalls,
 #                                      # occupancy; ~4 min): run.log, ncu.txt
-#   [PRESET=large] bash bench/h200_session.sh ncu-gemms  # the same sections but Occupancy, LaunchStats
-#                                      # and SchedulerStats, on GEMM1 and the Gluon hidden kernel only, their
-#                                      # first four launches (~1.5 min): run.log, ncu_gemms.txt
+#   [PRESET=large] bash bench/h200_session.sh ncu-gemms  # throughput, memory, warp stalls and the stalls
+#                                      # by source line (SourceCounters), on GEMM1 and the Gluon hidden kernel
+#                                      # only, their first four launches (~2 min): run.log, ncu_gemms.txt
 #   bash bench/h200_session.sh probe   # each MoE kernel alone under every config (bench/gemm_probe.py), then
 #                                      # CUDA time per kernel of the op (~6 min): gemm_probe.{txt,json}, kernel_times.txt
 #   [PROBE=up,hidden PROBE_PRESETS=large] bash bench/h200_session.sh verify  # pytest -m cuda, then CUDA
@@ -148,8 +148,11 @@ ncu)
 ncu-gemms)
     # the two GEMMs with activation epilogues, GEMM1 (_moe_up_kernel, 2 a large step) and the
     # backward's Gluon hidden kernel (_hidden_kernel, 3), their first four launches (~1.5 min)
-    timeout -s INT 150 ncu --clock-control none --profile-from-start off -k "regex:^(_moe_up_kernel|_hidden_kernel)$" \
+    # SourceCounters: the warp-stall reasons by source line (Triton and Gluon keep line info), the
+    # reading that says whether the consumers wait on their epilogue's ALU work or on the ring
+    timeout -s INT 200 ncu --clock-control none --profile-from-start off -k "regex:^(_moe_up_kernel|_hidden_kernel)$" \
         -c 4 --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+        --section SourceCounters --import-source yes \
         python bench/ncu_kernels.py --preset "${PRESET:-large}" >"$OUT/ncu_gemms.txt" 2>&1
     tail -5 "$OUT/ncu_gemms.txt" >>"$LOG"
     ;;
