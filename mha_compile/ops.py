@@ -111,6 +111,13 @@ def _kernel_call(fn, tensors, inputs, top_k, renorm, act, kernels, graphs):
     """fn(*tensors, top_k, renorm, act), a kernel set's region_forward or region_backward,
     through its CUDA graph where region_graphs.wanted says so; inputs = (ctx, tok, W1, mask)."""
     ctx, tok, w1, mask = inputs
+    if ctx.is_cuda and ctx.device.index != torch.cuda.current_device():
+        # Triton and Gluon launch on the current device, not on their tensors': a block on cuda:1
+        # called while cuda:0 is current would run its kernels on cuda:0 over cuda:1's memory.
+        # (Inductor guards its launches likewise; the common case, the tensors' device current,
+        # costs one check.)
+        with torch.cuda.device(ctx.device):
+            return _kernel_call(fn, tensors, inputs, top_k, renorm, act, kernels, graphs)
     if region_graphs.wanted(graphs, kernels, ctx, tok, w1, top_k, act, mask):
         return region_graphs.call(fn, tensors, (top_k, renorm, act))
     return fn(*tensors, top_k, renorm, act)

@@ -169,3 +169,26 @@ def test_captures_do_not_grow_memory_once_cleared():
     workspace = getattr(torch._C, "_cuda_getCublasWorkspaceSize", lambda: 1 << 20)()
     assert max(later) - first < min(workspace, 1 << 20), (
         f"allocated after the first signature {first}, after later ones {later}")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+@pytest.mark.parametrize("kernels", ["fused", "staged"])
+@pytest.mark.parametrize("graphs", ["off", "on"])
+def test_a_block_off_the_current_device(kernels, graphs):
+    """Tensors on cuda:1 while cuda:0 is current: Triton launches on the current device, so the op
+    must make theirs current. The results equal the same calls made with cuda:1 current."""
+    ctx, tok, params = make_case(*SHAPE, dtype=torch.bfloat16, device="cuda:1", seed=5)
+    params = [None if p is None else p.requires_grad_() for p in params]
+    results = []
+    for current in (1, 0, 0):  # cuda:1 current, then cuda:0 (twice: eager, then captured)
+        with torch.cuda.device(current):
+            c, t = ctx.clone().requires_grad_(), tok.clone().requires_grad_()
+            out = ops.region_call(c, t, *params, None, SHAPE[-1], True, "gelu", kernels, False, graphs=graphs)[0]
+            g = torch.randn(out.shape, generator=torch.Generator("cuda:1").manual_seed(3), device="cuda:1",
+                            dtype=out.dtype)
+            leaves = [x for x in (c, t, *params) if x is not None]
+            results.append([out.detach(), *torch.autograd.grad(out, leaves, g)])
+        assert torch.cuda.current_device() == current
+    for got in results[1:]:
+        for i, (a, b) in enumerate(zip(got, results[0])):
+            assert a.device == torch.device("cuda:1") and torch.equal(a, b), f"result {i}"
