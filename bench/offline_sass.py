@@ -163,7 +163,10 @@ def sass_stats(compiled):
                 wgmma=sum("HGMMA" in line for line in instructions),
                 mma=sum(" HMMA" in line for line in instructions),
                 sass=len(instructions),
-                setmaxnreg=sum("SETMAXREG" in line for line in instructions))
+                setmaxnreg=sum("SETMAXREG" in line for line in instructions),
+                # ptxas's C7515: it runs the kernel's wgmmas one after another (no overlap of the
+                # tensor cores' work) where other instructions write an accumulator mid-pipeline
+                wgmma_serialized="C7515" in log)
 
 
 def _launcher_of(kernel):
@@ -217,7 +220,8 @@ def main():
                     row["fits"] = row["smem"] <= H200_SMEM
                     print(f"{preset:<{width}}{kernel.__name__:<28} regs {row['regs']:>3} spill {row['spill_bytes']:>5} B "
                           f"smem {row['smem']:>6} wgmma {row['wgmma']:>3} mma {row['mma']:>3} sass {row['sass']:>5}  "
-                          f"w{warps} s{stages} {shown}{'' if row['fits'] else '  SHARED MEMORY OVER THE LIMIT'}", flush=True)
+                          f"w{warps} s{stages} {shown}{'' if row['fits'] else '  SHARED MEMORY OVER THE LIMIT'}"
+                          f"{'  WGMMA SERIALIZED' if row['wgmma_serialized'] else ''}", flush=True)
                 except Exception as error:  # a config that does not compile: say so, go on
                     row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
                     print(f"{preset:<{width}}{kernel.__name__:<28} FAILED {row['error']}", flush=True)
