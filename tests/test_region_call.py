@@ -160,3 +160,39 @@ def test_without_grad(mode):
         out = ops.region_call(*args)[0]
         want = ops.region(*args)[0]
     assert not out.requires_grad and torch.equal(out, want)
+
+
+def test_the_kernels_run_with_their_tensors_device_current(monkeypatch):
+    """Triton launches on the current CUDA device, so a call whose tensors are on another device
+    makes theirs current around the kernel set (and only then). CUDA is stood in for: the tensors'
+    device and the current one are what the check reads (a GPU test, two GPUs, runs it for real:
+    test_region_graphs_cuda.py)."""
+    current = [0]
+    entered = []
+
+    class Switch:
+        def __init__(self, device):
+            self.index = torch.device(device).index
+
+        def __enter__(self):
+            entered.append(self.index)
+            self.saved, current[0] = current[0], self.index
+
+        def __exit__(self, *exc):
+            current[0] = self.saved
+
+    class OnCuda:  # what _kernel_call reads of ctx
+        is_cuda = True
+
+        def __init__(self, index):
+            self.device = torch.device("cuda", index)
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    monkeypatch.setattr(torch.cuda, "device", Switch)
+    monkeypatch.setattr(ops.region_graphs, "wanted", lambda *args: False)
+    seen = []
+    kernels = lambda *args: seen.append(current[0]) or "done"  # noqa: E731
+    for index in (1, 0):
+        ctx = OnCuda(index)
+        assert ops._kernel_call(kernels, (ctx,), (ctx, None, None, None), 2, True, "gelu", "fused", "off") == "done"
+    assert seen == [1, 0] and entered == [1] and current == [0]
