@@ -39,6 +39,8 @@
 #   bash bench/h200_session.sh gluon   # the backward's hidden kernel in Gluon (gluon_moe) under each config
 #                                      # against the Triton one, each checked first (bench/gluon_probe.py; ~2 min):
 #                                      # run.log, gluon_probe.txt
+#   bash bench/h200_session.sh verify-gluon  # verify, then gluon at large and medium, in one call (~9 min;
+#                                      # landing staged work on the hidden kernel or GEMM1)
 #   bash bench/h200_session.sh gluon-gemms  # the weight-gradient and slots GEMMs in Gluon against the
 #                                      # Triton ones (bench/gluon_wgrad_probe.py, gluon_slots_probe.py; ~3 min):
 #                                      # run.log, gluon_wgrad_probe.txt, gluon_slots_probe.txt
@@ -55,7 +57,7 @@
 #                                      # benchmark cut at 250 s (rows past it are listed as skipped)
 # Budgets are per step so a slow step cannot starve the others.
 set -u
-part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|ncu-gemms|gluon|gluon-gemms|verify-gemms|host-large|host-timers|short}
+part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|ncu-gemms|gluon|verify-gluon|gluon-gemms|verify-gemms|host-large|host-timers|short}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 # Inductor's compiled graphs kept in the checkout (git ignores it): the device keeps ignored
 # files between calls on a machine it still holds, so `table` can reuse `autotune-cache`'s.
@@ -161,9 +163,15 @@ medium-autotune)
         --passes fwd+bwd --modes inductor,mha-fused,mha-fused-cudagraphs,inductor-max-autotune --spellings dense \
         --commit "$commit" >>"$LOG" 2>&1
     ;;
-gluon)
-    { timeout -s INT 500 python bench/gluon_probe.py --presets medium,large 2>&1; } >"$OUT/gluon_probe.txt"
-    tail -20 "$OUT/gluon_probe.txt" >>"$LOG"
+gluon|verify-gluon)
+    limit=500
+    if [ "$part" = verify-gluon ]; then
+        gpu_tests 230
+        fused_kernel_times 130
+        limit=150
+    fi
+    { timeout -s INT $limit python bench/gluon_probe.py --presets large,medium 2>&1; } >"$OUT/gluon_probe.txt"
+    tail -30 "$OUT/gluon_probe.txt" >>"$LOG"
     ;;
 gluon-gemms|verify-gemms)
     presets=medium,large limit=150
@@ -202,6 +210,6 @@ bench|bench-resume)
         --modes eager,inductor,inductor-max-autotune,mha-staged,mha-fused,mha-fused-cudagraphs \
         --spellings dense,loop,grouped_mm --commit "$commit" 2>&1 | tail -100; } >>"$LOG"
     ;;
-*) echo "unknown part $part: expected check, kernels, probe, verify, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache, medium-autotune, ncu, ncu-gemms, gluon, gluon-gemms, verify-gemms, host-large, host-timers or short" >&2; exit 2 ;;
+*) echo "unknown part $part: expected check, kernels, probe, verify, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache, medium-autotune, ncu, ncu-gemms, gluon, verify-gluon, gluon-gemms, verify-gemms, host-large, host-timers or short" >&2; exit 2 ;;
 esac
 tail -150 "$LOG"
