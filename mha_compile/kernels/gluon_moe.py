@@ -195,8 +195,12 @@ def _consume(descs, bufs, bars, ptrs, sizes, which, ACT: gl.constexpr):
             acc_u = gl.zeros([TILE_M, BLOCK_N], gl.float32, acc_layout)
             acc_g = gl.zeros([TILE_M, BLOCK_N], gl.float32, acc_layout)
             acc_u3 = gl.zeros([TILE_M, BLOCK_N], gl.float32, acc_layout)
-            if has_b1 != 0:  # loaded before this consumer's turn, while the other runs its dots
-                acc_u = acc_u + gl.load(b1_ptr + e * F + offs_n).to(gl.float32)[None, :]
+            # b1 is loaded before this consumer's turn, while the other runs its dots, and added
+            # after them: an accumulator that a non-wgmma instruction writes before the K loop
+            # makes ptxas serialise every wgmma of the kernel (its warning C7515).
+            bias = gl.zeros([BLOCK_N], gl.float32, cols_layout)
+            if has_b1 != 0:
+                bias = gl.load(b1_ptr + e * F + offs_n).to(gl.float32)
             # Consumer 0 goes first: a fresh barrier passes a wait on parity 1.
             mbarrier.wait(turn.index(which), (own & 1) ^ (1 - which))
             pos = i * ksteps
@@ -224,6 +228,7 @@ def _consume(descs, bufs, bars, ptrs, sizes, which, ACT: gl.constexpr):
             mbarrier.arrive(empty.index(prev), count=1)
             mbarrier.arrive(turn.index(1 - which), count=1)  # the other consumer's K loop may start
             own += 1
+            acc_u = acc_u + bias[None, :]
 
             offs_s = row + gl.arange(0, TILE_M, layout=rows_layout)
             pair = gl.load(slot_pair_ptr + offs_s)

@@ -29,6 +29,8 @@ def test_compiles_warp_specialised_for_sm90():
     for r in rows:
         assert r["wgmma"] > 0 and r["setmaxnreg"] > 0, r  # tensor-core dots, and partitions with their registers
         assert r["smem"] <= 232448, r  # what one block may use on the H200
+        # ptxas did not serialise the wgmmas (C7515: a non-wgmma write to an accumulator in flight)
+        assert not r["wgmma_serialized"], r
 
 
 @interpreted

@@ -31,6 +31,8 @@ def test_compiles_warp_specialised_for_sm90():
     for r in rows:
         assert r["wgmma"] > 0 and r["setmaxnreg"] > 0, r
         assert r["smem"] <= 232448, r
+        # ptxas did not serialise the wgmmas (C7515: a non-wgmma write to an accumulator in flight)
+        assert not r["wgmma_serialized"], r
         if r["mode"] == 0 and r["config"] in shipped:
             assert r["spill_bytes"] == 0, r  # the accumulator and epilogue fit the consumers' registers
 

@@ -21,6 +21,8 @@ def test_compiles_warp_specialised_for_sm90():
     for r in rows:
         assert r["wgmma"] > 0 and r["setmaxnreg"] > 0, r
         assert r["smem"] <= 232448, r
+        # ptxas did not serialise the wgmmas (C7515: a non-wgmma write to an accumulator in flight)
+        assert not r["wgmma_serialized"], r
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="triton_moe on the CPU needs TRITON_INTERPRET=1")
