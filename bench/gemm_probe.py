@@ -129,7 +129,7 @@ def probe(preset, act, rows_out, kernels):
                dict(BLOCK_F=128, BLOCK_K=128, num_warps=8, num_stages=3),
                dict(BLOCK_F=128, BLOCK_K=64, num_warps=4, num_stages=3)]
     for cfg in extra(moe._up.configs, *up_more):
-        report("up", "gemm1", cfg, gemm, lambda: moe.triton_experts_up(xs, groups, w1, b1, None, act, h), moe._up)
+        report("up", "gemm1", cfg, gemm, lambda: moe.experts_up(xs, groups, w1, b1, None, act), moe._up)
 
     gemm_more = [dict(BLOCK_N=128, BLOCK_K=128, N_INNER=False, num_warps=8, num_stages=3),
                  dict(BLOCK_N=128, BLOCK_K=64, N_INNER=False, num_warps=8, num_stages=3)]

@@ -1,6 +1,5 @@
-"""The MoE backward's hidden kernel and the forward's GEMM1 in Gluon (mha_compile/kernels/gluon_moe.py,
-warp-specialised ping-pong) against the Triton ones (triton_moe._moe_bwd_hidden_kernel,
-_moe_up_kernel), under each config.
+"""The MoE backward's hidden kernel in Gluon (mha_compile/kernels/gluon_moe.py, warp-specialised
+ping-pong) against the Triton one (triton_moe._moe_bwd_hidden_kernel), under each config.
 
     PYTHONPATH=. python bench/gluon_probe.py [--presets medium,large]   # H200
     PYTHONPATH=. python bench/gluon_probe.py --offline                  # no GPU: compile for sm_90a
@@ -15,9 +14,7 @@ same way, one [TILE, BLOCK_N] accumulator a consumer. On the H200 it lost to the
 in every config (at large 975 us at best against 825: the Triton kernel's 8-warp [128, 256]
 tiles already keep the tensor cores fed, and a consumer's gelu epilogue is short beside its
 dots), so it left the probe; its code is in git (d713d07). The hidden kernel, with two
-accumulators and a long epilogue a job, won: 1687 against 2196 us at large. Session 13 found
-that both kernels' builds had their wgmmas serialised by ptxas (C7515: b1 was the accumulator's
-start); GEMM1 is back in the probe ("up" rows) with b1 added after its dots.
+accumulators and a long epilogue a job, won: 1687 against 2196 us at large.
 """
 import argparse
 import json
@@ -50,12 +47,6 @@ def compile_offline(kernel, args, constexprs, num_warps=4):
     return offline_sass.sass_stats(compiled)
 
 
-# GEMM1's (gluon_moe.experts_up) configs: its two shipped ones (UP_CONFIGS, TILE 128 and 64), then
-# jobs with 128 accumulator registers a thread, which spill the gelu epilogue offline.
-UP_CONFIGS = [gluon_moe.UP_CONFIGS[128], gluon_moe.UP_CONFIGS[64],
-              dict(tile_m=128, block_n=128, block_k=64, nbuf=3), dict(tile_m=64, block_n=256, block_k=64, nbuf=3)]
-
-
 def offline_configs(act):
     """The configs --offline compiles for `act`: every one for gelu, the shipped one for the rest."""
     return CONFIGS if act == "gelu" else [gluon_moe.SWIGLU_CONFIG if act == "swiglu" else CONFIGS[0]]
@@ -78,25 +69,9 @@ def offline(act="gelu", tile_m=64, block_n=128, block_k=64, nbuf=3):
                                               PRODUCER_REGS=gluon_moe.PRODUCER_REGS))
 
 
-def offline_up(act="gelu", tile_m=128, block_n=64, block_k=64, nbuf=4):
-    """compile_offline of gluon_moe's GEMM1 (_up_kernel) for `act` under one config."""
-    E, D, F, S = 2, 2 * block_k, 2 * block_n, 256
-    bf = lambda *shape: torch.empty(*shape, dtype=torch.bfloat16)  # noqa: E731
-    kernel = gluon_moe._up_kernel
-    args = dict(zip(kernel.arg_names, gluon_moe.up_kernel_args(bf(S, D), bf(E, D, F), bf(E, F), bf(S, F),
-                                                               tile_m, block_n, block_k)))
-    index = torch.empty(S, dtype=torch.int32)
-    args.update(slot_pair_ptr=index, tile_expert_ptr=index, PAIRS=1000, D=D, F=F, NUM_JOBS=1000, has_b1=3, TILE=128)
-    return compile_offline(kernel, args, dict(ACT=gluon_moe.UP_ACTS[act], NBUF=nbuf,
-                                              CONSUMER_REGS=gluon_moe.CONSUMER_REGS,
-                                              PRODUCER_REGS=gluon_moe.PRODUCER_REGS))
-
-
-def reference(c, weight, act="gelu"):
+def reference(c, weight):
     """fp32, expert by expert over the slot layout, 0 on padding slots: the hidden kernel's (hw,
-    ∂u, gw[:, :F/64]) with `act` (not swiglu), for the flat top-k weights."""
-    from mha_compile.kernels.reference import act_backward, act_forward
-
+    ∂u, gw[:, :F/64]) with gelu, for the flat top-k weights."""
     groups, E, F = c.groups, c.E, c.F
     bounds = groups.expert_slots.tolist()
     valid = (groups.slot_pair < groups.pairs)[:, None]
@@ -107,9 +82,10 @@ def reference(c, weight, act="gelu"):
         if hi == lo:
             continue
         u = c.xs[lo:hi].float() @ c.w1[e].float() + c.b1[e].float()
-        h[lo:hi] = act_forward(act, u)
+        cdf = 0.5 * (1.0 + torch.erf(u * 0.7071067811865476))
+        h[lo:hi] = u * cdf
         g = c.gs[lo:hi].float() @ c.w2[e].float().t()
-        du[lo:hi] = act_backward(act, g, u)[0]
+        du[lo:hi] = g * (cdf + u * torch.exp(-0.5 * u * u) * 0.3989422804014327)
         gw[lo:hi] = (h[lo:hi] * g).view(hi - lo, F // 64, 64).sum(-1)
     w = weight[groups.slot_pair.clamp(max=groups.pairs - 1).long()][:, None] * valid
     return h * w, du * w, gw * valid
@@ -121,9 +97,9 @@ def _time(name, fn, flops, err, cfg=""):
         error = err(fn())
         torch.cuda.synchronize()
         ms = triton.testing.do_bench_cudagraph(fn, rep=60, return_mode="median")
-        print(f"{name:<22} {ms * 1e3:8.1f} us {flops / ms / 1e9:5.0f} TF/s  rel err {error:.1e}  {cfg}", flush=True)
+        print(f"{name:<14} {ms * 1e3:8.1f} us {flops / ms / 1e9:5.0f} TF/s  rel err {error:.1e}  {cfg}", flush=True)
     except Exception as error:  # a config that does not fit or fails: say so, keep going
-        print(f"{name:<22} FAILED {type(error).__name__}: {str(error).splitlines()[0][:160]}  {cfg}", flush=True)
+        print(f"{name:<14} FAILED {type(error).__name__}: {str(error).splitlines()[0][:160]}  {cfg}", flush=True)
 
 
 def probe_cli(offline_rows, probe_preset, presets="medium,large"):
@@ -146,27 +122,21 @@ def probe_cli(offline_rows, probe_preset, presets="medium,large"):
 
 
 def offline_rows():
-    """The hidden kernel's builds (offline_configs), then GEMM1's: every UP_CONFIGS for gelu, the
-    shipped ones for its other activations."""
     for act in gluon_moe.ACTS:
         for cfg in offline_configs(act):
-            yield dict(kernel="hidden", act=act, config=cfg, **offline(act, **cfg))
-    for act in gluon_moe.UP_ACTS:
-        for cfg in UP_CONFIGS if act == "gelu" else UP_CONFIGS[:2]:
-            yield dict(kernel="up", act=act, config=cfg, **offline_up(act, **cfg))
+            yield dict(act=act, config=cfg, **offline(act, **cfg))
 
 
 def probe_preset(c):
-    """The Triton hidden kernel, then the Gluon one under each config, on the slot case c; the
-    shipped config with the other activations (how much the epilogue's ALU work costs); then
-    GEMM1 the same way."""
+    """The Triton hidden kernel, then the Gluon one under each config, on the slot case c."""
     from mha_compile.kernels import triton_moe as moe
 
     weight = c.weight.reshape(-1)
+    want = reference(c, weight)
     cols = moe.gw_columns(c.D, c.F, True)
     gw = torch.zeros(c.S, cols, device=c.dev, dtype=torch.float32)
+    err = lambda got: max(float((g.float() - w).norm() / w.norm()) for g, w in zip(got, want))  # noqa: E731
     hw, du = torch.empty(c.S, c.F, device=c.dev, dtype=c.dt), torch.empty(c.S, c.F, device=c.dev, dtype=c.dt)
-    flops = 4 * c.S * c.D * c.F
 
     def triton_hidden():
         moe._hidden(moe.tile_grid(c.groups, c.F, "BLOCK_F"), c.xs, c.gs, c.groups.slot_pair,
@@ -175,30 +145,14 @@ def probe_preset(c):
                     PRECISION=moe.dot_precision(c.dt), TILE=c.groups.tile, GW_BLOCK=moe.GW_BLOCK)
         return hw, du, gw[:, :c.F // 64]
 
-    def gluon_hidden(cfg, act="gelu"):
+    def gluon_hidden(cfg):
         gw.zero_()
-        gluon_moe.backward_hidden(c.xs, c.gs, c.groups, c.w1, c.b1, c.w2, weight, act, hw, du, gw, config=cfg)
+        gluon_moe.backward_hidden(c.xs, c.gs, c.groups, c.w1, c.b1, c.w2, weight, "gelu", hw, du, gw, cfg)
         return hw, du, gw[:, :c.F // 64]
 
-    for act in gluon_moe.UP_ACTS:
-        want = reference(c, weight, act)
-        err = lambda got: max(float((g.float() - w).norm() / w.norm()) for g, w in zip(got, want))  # noqa: E731
-        if act == "gelu":
-            _time("hidden triton", triton_hidden, flops, err)
-        for cfg in CONFIGS if act == "gelu" else CONFIGS[:1]:
-            _time(f"hidden gluon {act}", lambda: gluon_hidden(cfg, act), flops, err, cfg)
-
-    # GEMM1: h = act(xs W1[e] + b1[e]), 0 on padding (the reference's h for weights of one)
-    h = torch.empty(c.S, c.F, device=c.dev, dtype=c.dt)
-    for act in gluon_moe.UP_ACTS:
-        want_h = reference(c, torch.ones_like(weight), act)[0]
-        err_h = lambda got: float((got.float() - want_h).norm() / want_h.norm())  # noqa: E731
-        _time(f"up triton {act}", lambda: moe.triton_experts_up(c.xs, c.groups, c.w1, c.b1, None, act, h),
-              flops / 2, err_h)
-        for cfg in UP_CONFIGS if act == "gelu" else UP_CONFIGS[:1]:
-            if cfg["tile_m"] <= c.groups.tile:
-                _time(f"up gluon {act}", lambda: gluon_moe.experts_up(c.xs, c.groups, c.w1, c.b1, act, h, cfg),
-                      flops / 2, err_h, cfg)
+    _time("hidden triton", triton_hidden, 4 * c.S * c.D * c.F, err)
+    for cfg in CONFIGS:
+        _time("hidden gluon", lambda: gluon_hidden(cfg), 4 * c.S * c.D * c.F, err, cfg)
 
 
 if __name__ == "__main__":

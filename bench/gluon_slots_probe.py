@@ -290,14 +290,14 @@ def probe_preset(c):
     out = torch.empty(c.S, D, device=c.dev, dtype=c.dt)
     gemm2 = lambda cfg: gluon_moe.slots_gemm(h, c.w2, c.groups, out, c.b2, scale, **cfg)  # noqa: E731
     # GEMM2: c = w · (h W2[e] + b2[e]);  ∂x = ∂u W1[e]ᵀ (∂u ~ h here: its shape and scale);
-    # GEMM1: h = gelu(xs W1[e] + b1[e]), the Triton one being triton_experts_up's TMA kernel
+    # GEMM1: h = gelu(xs W1[e] + b1[e]), the Triton one being experts_up's TMA kernel
     cases = (("GEMM2", h, c.w2, False, c.b2, scale, False,
               lambda: triton_only(lambda: moe.slots_gemm(h, c.w2, (F * D, D, 1), D, c.groups, bias=c.b2, scale=scale)),
               gemm2),
              ("dx", h, c.w1, True, None, None, False, lambda: moe.slots_gemm(h, c.w1, (D * F, 1, F), D, c.groups),
               lambda cfg: slots_gemm(h, c.w1, c.groups, True, **cfg)),
              ("GEMM1", c.xs, c.w1, False, c.b1, None, True,
-              lambda: moe.triton_experts_up(c.xs, c.groups, c.w1, c.b1, None, "gelu", torch.empty_like(h)),
+              lambda: moe.experts_up(c.xs, c.groups, c.w1, c.b1, None, "gelu"),
               lambda cfg: slots_gemm(c.xs, c.w1, c.groups, False, c.b1, gelu=True, **cfg)))
     for name, a, b, b_t, bias, sc, gelu, shipped, run in cases:
         want = reference(a, b, c.groups, b_t, bias, sc, gelu)

@@ -36,13 +36,11 @@
 #   [PROBE=up,hidden PROBE_PRESETS=large] bash bench/h200_session.sh verify  # pytest -m cuda, then CUDA
 #                                      # time per kernel of the op (~5 min); with PROBE, then gemm_probe.py on
 #                                      # those kernels (90 s at most): run.log, kernel_times.txt, gemm_probe.txt
-#   bash bench/h200_session.sh gluon   # the backward's hidden kernel and the forward's GEMM1 in Gluon (gluon_moe)
-#                                      # under each config and activation against the Triton ones, each checked
-#                                      # first (bench/gluon_probe.py; ~4 min):
+#   bash bench/h200_session.sh gluon   # the backward's hidden kernel in Gluon (gluon_moe) under each config
+#                                      # against the Triton one, each checked first (bench/gluon_probe.py; ~2 min):
 #                                      # run.log, gluon_probe.txt
 #   bash bench/h200_session.sh verify-gluon  # verify, then gluon at large and medium, in one call (~9 min;
-#                                      # landing staged work on the hidden kernel or GEMM1; the probe
-#                                      # times both kernels, so kernel_times is left to `kernels`)
+#                                      # landing staged work on the hidden kernel or GEMM1)
 #   bash bench/h200_session.sh gluon-gemms  # the weight-gradient and slots GEMMs in Gluon against the
 #                                      # Triton ones (bench/gluon_wgrad_probe.py, gluon_slots_probe.py; ~3 min):
 #                                      # run.log, gluon_wgrad_probe.txt, gluon_slots_probe.txt
@@ -150,12 +148,11 @@ ncu)
     tail -5 "$OUT/ncu.txt" >>"$LOG"
     ;;
 ncu-gemms)
-    # the two GEMMs with activation epilogues, GEMM1 (Gluon's _up_kernel or Triton's _moe_up_kernel,
-    # 2 a large step) and the backward's Gluon hidden kernel (_hidden_kernel, 3), their first four
-    # launches (~1.5 min)
+    # the two GEMMs with activation epilogues, GEMM1 (_moe_up_kernel, 2 a large step) and the
+    # backward's Gluon hidden kernel (_hidden_kernel, 3), their first four launches (~1.5 min)
     # SourceCounters: the warp-stall reasons by source line (Triton and Gluon keep line info), the
     # reading that says whether the consumers wait on their epilogue's ALU work or on the ring
-    timeout -s INT 200 ncu --clock-control none --profile-from-start off -k "regex:^(_moe_up_kernel|_up_kernel|_hidden_kernel)$" \
+    timeout -s INT 200 ncu --clock-control none --profile-from-start off -k "regex:^(_moe_up_kernel|_hidden_kernel)$" \
         -c 4 --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
         --section SourceCounters --import-source yes \
         python bench/ncu_kernels.py --preset "${PRESET:-large}" >"$OUT/ncu_gemms.txt" 2>&1
@@ -169,8 +166,9 @@ medium-autotune)
 gluon|verify-gluon)
     limit=500
     if [ "$part" = verify-gluon ]; then
-        gpu_tests 240
-        limit=300
+        gpu_tests 230
+        fused_kernel_times 130
+        limit=150
     fi
     { timeout -s INT $limit python bench/gluon_probe.py --presets large,medium 2>&1; } >"$OUT/gluon_probe.txt"
     tail -30 "$OUT/gluon_probe.txt" >>"$LOG"

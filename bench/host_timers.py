@@ -40,10 +40,10 @@ TIMED = [
     (triton_pool, "pool_directions"), (triton_router, "route"), (triton_router, "router_combine_backward"),
     (triton_router, "router_weight_grad"), (triton_moe, "group"), (triton_moe.Groups, "tiles"),
     (triton_moe, "moe_forward"), (triton_moe, "moe_backward"), (triton_moe, "gather_rows"),
-    (triton_moe, "experts_up"), (triton_moe, "triton_experts_up"), (triton_moe, "slots_gemm"), (triton_moe, "weight_grads"),
+    (triton_moe, "experts_up"), (triton_moe, "slots_gemm"), (triton_moe, "weight_grads"),
     (triton_moe, "_backward_tiles"), (triton_moe, "tile_sums"), (triton_moe, "bias_grads"),
     (triton_moe, "_choose"), (gluon_moe, "backward_hidden"), (gluon_moe, "weight_grads"),
-    (gluon_moe, "slots_gemm"), (gluon_moe, "experts_up"), (triton_util.Launcher, "__call__"), (jit.JITFunction, "run"),
+    (gluon_moe, "slots_gemm"), (triton_util.Launcher, "__call__"), (jit.JITFunction, "run"),
     (nvidia_driver.CudaLauncher, "__call__"), (triton_matmul, "matmul_f32"), (ops, "_no_autocast"),
 ]
 

@@ -114,8 +114,7 @@ def probe(preset, act):
 
     ref_h = None
     for cfg in moe._up.configs if dev == "cuda" else moe._up.configs[:1]:
-        out = torch.empty(groups.slots, F, device=dev, dtype=w1.dtype)
-        run = lambda: shipped(moe._up, cfg, lambda: moe.triton_experts_up(xs, groups, w1, b1, None, act, out))  # noqa: E731
+        run = lambda: shipped(moe._up, cfg, lambda: moe.experts_up(xs, groups, w1, b1, None, act))  # noqa: E731
         ref_h = run().clone()
         timed(f"up shipped (pointer loads) {cfg}", gemm, run)
     h = torch.empty_like(ref_h)

@@ -26,7 +26,6 @@ Forward, per tile t (expert e) and output block:
             y = ctx + inv[b] is formed here and its slot rows are written once (k copies of
             each row, plus zero padding rows), never in token order
     GEMM1   h[s] = act(xs[s] W1[e] + b1[e])     (swiglu: silu(u) ⊙ xs W3[e])
-            (on Hopper, bf16/fp16, without swiglu: gluon_moe's warp-specialised GEMM)
     GEMM2   c[s] = w[s] · (h[s] W2[e] + b2[e])   the routing weight in the epilogue
             (on Hopper, bf16/fp16, TILE 64 or 128: gluon_moe's warp-specialised GEMM)
     combine out[r] = Σ_j c[slot(r, j)]           token order, fixed j order: no atomics
@@ -761,19 +760,10 @@ def gather_rows(x, inv, groups, horizons, dtype, grad_out=None, weight=None, b2=
 
 
 def experts_up(xs, groups, w1, b1, w3, act):
-    """h [S,F] in the weights' dtype (padding slots zero) from the slot rows xs [S,D]: gluon_moe's
-    GEMM1 where up_kernel says so, else the Triton one."""
-    h = torch.empty(groups.slots, w1.shape[2], device=xs.device, dtype=w1.dtype)
-    if up_kernel(xs, w1, b1, h, act, groups.tile) == "gluon" and _gluon_launch(
-            "GEMM1", up_key(xs, act, groups.tile, b1), functools.partial(gluon_moe.experts_up, xs, groups, w1, b1, act, h)):
-        return h
-    return triton_experts_up(xs, groups, w1, b1, w3, act, h)
-
-
-def triton_experts_up(xs, groups, w1, b1, w3, act, h):
-    """experts_up's Triton kernel (_moe_up_kernel), written into h [S,F]; returns h."""
+    """h [S,F] in the weights' dtype (padding slots zero) from the slot rows xs [S,D]."""
     D = xs.shape[1]
     F = w1.shape[2]
+    h = torch.empty(groups.slots, F, device=xs.device, dtype=w1.dtype)
     w3 = w1 if w3 is None else w3
     tma = tma_ok(xs, w1, w3, h)
     jobs = lambda m: groups.num_tiles * triton.cdiv(F, m["BLOCK_F"])  # noqa: E731
@@ -991,18 +981,6 @@ def _gluon_launch(kernel, key, launch):
         return False
     _GLUON_LAUNCHED.add((kernel, key))
     return True
-
-
-def up_key(xs, act, tile, b1):
-    """What the Gluon GEMM1 is compiled for (beside the shapes, which it takes at run time)."""
-    return act, xs.dtype, tile, b1 is not None
-
-
-def up_kernel(xs, w1, b1, h, act, tile):
-    """Which GEMM1 the forward runs on these operands: "gluon" (gluon_moe.experts_up: Hopper,
-    bf16/fp16, gelu, gelu_tanh or silu, sizes its blocks divide; and it has built) or "triton"."""
-    return _choose("GEMM1", up_key(xs, act, tile, b1), xs.device,
-                   lambda: gluon_moe.up_unsupported(xs, w1, h, act, tile))
 
 
 def hidden_key(xs, act, tile, b1):

@@ -1,5 +1,5 @@
-"""bench/gluon_probe.py without a GPU: gluon_moe's hidden kernel and GEMM1 compile for the H200 as
-warp-specialised kernels under every config the probe times and for every activation they take,
+"""bench/gluon_probe.py without a GPU: gluon_moe's hidden kernel compiles for the H200 as a
+warp-specialised kernel under every config the probe times and for every activation it takes,
 and the probe's fp32 yardstick is the Triton hidden kernel's contract (run in the interpreter)."""
 import os
 import sys
@@ -22,17 +22,11 @@ interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 
 def test_compiles_warp_specialised_for_sm90():
     rows = offline_rows(gluon_probe.__file__)
-    want = [("hidden", act, cfg) for act in gluon_moe.ACTS for cfg in gluon_probe.offline_configs(act)]
-    assert ("hidden", "swiglu", gluon_moe.SWIGLU_CONFIG) in want
-    shipped_up = [gluon_moe.UP_CONFIGS[128], gluon_moe.UP_CONFIGS[64]]  # what the forward's GEMM1 runs
-    assert gluon_probe.UP_CONFIGS[:2] == shipped_up
-    want += [("up", act, cfg) for act in gluon_moe.UP_ACTS
-             for cfg in (gluon_probe.UP_CONFIGS if act == "gelu" else shipped_up)]
-    assert [(r["kernel"], r["act"], r["config"]) for r in rows] == want
+    want = [(act, cfg) for act in gluon_moe.ACTS for cfg in gluon_probe.offline_configs(act)]
+    assert ("swiglu", gluon_moe.SWIGLU_CONFIG) in want
+    assert [(r["act"], r["config"]) for r in rows] == want
     assert gluon_probe.CONFIGS[:2] == [gluon_moe.CONFIGS[128], gluon_moe.CONFIGS[64]]  # what the backward runs
     for r in rows:
-        if r["kernel"] == "up" and r["config"] in shipped_up:
-            assert r["spill_bytes"] == 0, r  # GEMM1's accumulator and epilogue fit the consumers' registers
         assert r["wgmma"] > 0 and r["setmaxnreg"] > 0, r  # tensor-core dots, and partitions with their registers
         assert r["smem"] <= 232448, r  # what one block may use on the H200
         # ptxas did not serialise the wgmmas (C7515: a non-wgmma write to an accumulator in flight)
@@ -55,14 +49,3 @@ def test_reference_is_the_hidden_kernel():
     assert (c.groups.slot_pair >= c.groups.pairs).any()
     for got, ref, name in zip((hw, du, gw[:, :c.F // 64]), want, ("hw", "du", "gw")):
         assert float((got - ref).norm() / ref.norm()) < 1e-5, name
-
-
-@interpreted
-@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
-def test_reference_with_weights_of_one_is_gemm1():
-    """The probe's GEMM1 yardstick (its "up" rows): the Triton GEMM1's h."""
-    c = gemm_probe.slot_case("tiny", "gelu")
-    want = gluon_probe.reference(c, torch.ones(c.weight.numel()))[0]
-    got = moe.triton_experts_up(c.xs, c.groups, c.w1, c.b1, None, "gelu", torch.empty(c.S, c.F))
-    assert (c.groups.slot_pair >= c.groups.pairs).any()
-    assert float((got - want).norm() / want.norm()) < 1e-5

@@ -1,5 +1,5 @@
 """Where the MoE runs gluon_moe's kernels (the backward's hidden kernel and weight-gradient GEMM,
-the forward's GEMM1 and GEMM2), decided without a GPU: each condition that sends it to the Triton kernel,
+the forward's GEMM2), decided without a GPU: each condition that sends it to the Triton kernel,
 with the reason it gives (the kernels are compiled in tests/bench/test_gluon_probe.py,
 test_gluon_wgrad_probe.py and test_gluon_slots_probe.py and run against float64 in
 test_gluon_moe_cuda.py)."""
@@ -237,72 +237,3 @@ def test_device_scratch_is_set_for_its_launches_only():
     with pytest.raises(ValueError), gluon_moe.device_scratch():
         raise ValueError("a launch failed")
     assert _allocation._allocator.get() is before
-
-
-def up_operands(D=256, F=512, E=4, S=256, dtype=torch.bfloat16):
-    """GEMM1's xs [S, D], W1 [E, D, F] and h [S, F]."""
-    return torch.randn(S, D).to(dtype), torch.randn(E, D, F).to(dtype), torch.empty(S, F, dtype=dtype)
-
-
-def test_gemm1_takes_hopper_16_bit_rows_with_gelu_and_silu():
-    for dtype in (torch.bfloat16, torch.float16):
-        for act in ("gelu", "gelu_tanh", "silu"):
-            for tile in (64, 128):
-                assert gluon_moe.up_unsupported(*up_operands(dtype=dtype), act, tile, capability=HOPPER) is None
-
-
-@pytest.mark.parametrize("change, words", [
-    (dict(capability=(8, 0)), "sm_80"),
-    (dict(act="swiglu"), "'swiglu'"),
-    (dict(dtype=torch.float32), "torch.float32"),
-    (dict(D=200), "D=200"),
-    (dict(F=320), "F=320"),
-    (dict(tile=32), "TILE=32"),
-])
-def test_gemm1_declines_with_the_reason(change, words):
-    change = dict(change)
-    capability, act, tile = change.pop("capability", HOPPER), change.pop("act", "gelu"), change.pop("tile", 128)
-    why = gluon_moe.up_unsupported(*up_operands(**change), act, tile, capability=capability)
-    assert why is not None and words in why, why
-
-
-def test_gemm1_declines_strided_rows_and_stays_off_the_gpu():
-    xs, w1, h = up_operands()
-    wide = torch.empty(256, 1024, dtype=torch.bfloat16)[:, :512]
-    assert "contiguous" in gluon_moe.up_unsupported(xs, w1, wide, "gelu", 128, capability=HOPPER)
-    assert "dtypes" in gluon_moe.up_unsupported(xs, w1, h.half(), "gelu", 128, capability=HOPPER)
-    assert gluon_moe.up_unsupported(xs, w1, h, "gelu", 128) == "not on a CUDA GPU"
-    assert moe.up_kernel(xs, w1, None, h, "gelu", 128) == "triton"
-
-
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="triton_moe on the CPU needs TRITON_INTERPRET=1")
-def test_gemm1_whose_first_launch_fails_runs_the_triton_kernel(monkeypatch, caplog):
-    """experts_up where the Gluon GEMM1 is chosen but does not build: the Triton kernel's h, the
-    failure logged, and the Triton kernel chosen from then on for that key."""
-    monkeypatch.setattr(moe, "_GLUON_FAILED", {})
-    monkeypatch.setattr(moe, "_GLUON_LAUNCHED", set())
-    monkeypatch.setattr(gluon_moe, "up_unsupported", lambda *args, **kwargs: None)  # as on an H200
-    tried = []
-
-    def broken(*args, **kwargs):
-        tried.append(args[4])
-        raise RuntimeError("no sm_90a here")
-
-    monkeypatch.setattr(gluon_moe, "experts_up", broken)
-    torch.manual_seed(3)
-    index = torch.stack([torch.randint(0, 3, (40,)), torch.randint(3, 5, (40,))], 1).to(torch.int32)
-    groups = moe.group(index, 5)
-    xs = torch.randn(groups.slots, 32) * (groups.slot_pair < groups.pairs)[:, None]
-    w1, b1 = torch.randn(5, 32, 64) / 6, torch.randn(5, 64)
-    with caplog.at_level("WARNING", logger="mha_compile"):
-        got = moe.experts_up(xs, groups, w1, b1, None, "silu")
-    assert tried == ["silu"] and "no sm_90a here" in caplog.text
-    want = moe.triton_experts_up(xs, groups, w1, b1, None, "silu", torch.empty_like(got))
-    assert torch.equal(got, want)
-    e = groups.tile_expert.long().repeat_interleave(groups.tile)
-    ref = torch.nn.functional.silu(torch.einsum("sd,sdf->sf", xs.double(), w1.double()[e]) + b1.double()[e])
-    ref *= (groups.slot_pair < groups.pairs)[:, None]
-    assert float((got.double() - ref).norm() / ref.norm()) < 1e-5
-    assert moe.up_kernel(xs, w1, b1, got, "silu", groups.tile) == "triton"
-    moe.experts_up(xs, groups, w1, b1, None, "silu")
-    assert tried == ["silu"]  # not tried again

@@ -3,8 +3,7 @@ and the ∂w partials against float64 on fresh random operands, for each activat
 setting, with empty experts, padding slots, both tile sizes and one run of tiles. The
 weight-gradient GEMM: ∂W against float64, written and added into fp32 totals run by run. The
 forward's GEMM2: c against float64 at both tile sizes and column blocks, with and without b2,
-whole and for one run of tiles. The forward's GEMM1: h against float64 for each activation it
-takes, dtype and bias setting, at both tile sizes and for one run of tiles. And the backward and the forward run each where it applies (the
+whole and for one run of tiles. And the backward and the forward run each where it applies (the
 whole region's output and gradients through them: test_triton_kernels_cuda.py)."""
 import pytest
 import torch
@@ -109,74 +108,6 @@ def test_backward_runs_it_where_it_applies(monkeypatch):
         b2 = torch.randn(3, D, device="cuda", dtype=torch.bfloat16)
         moe.moe_backward(grad, x, None, weight.view(R, 2), groups, w1, b1, w2, b2, w1.clone() if w3 else None, act, 1)
         assert calls == want
-
-
-def float64_up(groups, xs, w1, b1, act):
-    """h [S,F] = act(xs W1[e] + b1[e]) from SPEC §1, in float64, 0 on padding slots."""
-    valid = groups.slot_pair < groups.pairs
-    e = groups.tile_expert.long().repeat_interleave(groups.tile)
-    u = torch.einsum("sd,sdf->sf", xs.double(), w1.double()[e])
-    if b1 is not None:
-        u = u + b1.double()[e]
-    return reference.act_forward(act, u, None) * valid[:, None]
-
-
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("act", list(gluon_moe.UP_ACTS))
-@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")])
-@pytest.mark.parametrize("bias", [True, False], ids=["b1", "no-b1"])
-def test_gemm1_matches_float64(case, act, dtype, bias):
-    """The forward's GEMM1 (both TILEs: [128, 64] and [64, 128] jobs), padding slots zero."""
-    R, k, D, F, E, used = case
-    groups, xs, gs, w1, b1, w2, weight = slot_case(R, k, D, F, E, used, dtype, bias, seed=R + D + len(act))
-    h = torch.full((groups.slots, F), float("nan"), device="cuda", dtype=dtype)
-    assert moe.up_kernel(xs, w1, b1, h, act, groups.tile) == "gluon"
-    assert gluon_moe.experts_up(xs, groups, w1, b1, act, h) is h
-    want = float64_up(groups, xs, w1, b1, act)
-    err = float((h.double() - want).norm() / want.norm())
-    assert err < TOL[dtype], f"rel err {err:.2e}"
-    assert (h[groups.slot_pair >= groups.pairs] == 0).all()
-
-
-def test_gemm1_one_run_of_tiles():
-    """A run (Groups.tiles) reads its own slot rows and writes its own h."""
-    groups, xs, gs, w1, b1, w2, weight = slot_case(3000, 2, 128, 256, 4, [0, 1, 2, 3], torch.bfloat16, True, 9)
-    t0, t1 = 8, 24
-    rows = slice(t0 * groups.tile, t1 * groups.tile)
-    h = torch.full((groups.tiles(t0, t1).slots, 256), float("nan"), device="cuda", dtype=torch.bfloat16)
-    gluon_moe.experts_up(xs[rows].contiguous(), groups.tiles(t0, t1), w1, b1, "silu", h)
-    want = float64_up(groups, xs, w1, b1, "silu")[rows]
-    assert float((h.double() - want).norm() / want.norm()) < 2e-2
-
-
-def test_forward_runs_gemm1_where_it_applies(monkeypatch):
-    """moe_forward's GEMM1 is the Gluon one for gelu and the Triton one for swiglu, and the
-    forward's output matches float64 either way."""
-    calls = []
-    real = gluon_moe.experts_up
-    monkeypatch.setattr(gluon_moe, "experts_up", lambda *a, **kw: calls.append(a[4]) or real(*a, **kw))
-    R, D, F, E = 1500, 128, 256, 3
-    g = torch.Generator(device="cuda").manual_seed(13)
-    rand = lambda *s, scale=1.0: (torch.randn(*s, device="cuda", generator=g) * scale).to(torch.bfloat16)  # noqa: E731
-    index = torch.rand(R, E, device="cuda", generator=g).argsort(1)[:, :2].to(torch.int32)
-    weight = torch.rand(R, 2, device="cuda", generator=g)
-    x, w1, w3, w2 = rand(R, D), rand(E, D, F, scale=D ** -0.5), rand(E, D, F, scale=D ** -0.5), rand(E, F, D, scale=F ** -0.5)
-    b1, b2 = rand(E, F, scale=0.5), rand(E, D, scale=0.5)
-    for act, want_calls in (("gelu", ["gelu"]), ("swiglu", [])):
-        calls.clear()
-        groups = moe.group(index, E)
-        W3 = w3 if act == "swiglu" else None
-        out = moe.moe_forward(x, None, weight, groups, w1, b1, w2, b2, W3, act, 1, torch.float32)
-        assert calls == want_calls
-        xd = x.double()
-        want = torch.zeros(R, D, device="cuda", dtype=torch.float64)
-        for j in range(2):
-            e = index[:, j].long()
-            u = torch.einsum("rd,rdf->rf", xd, w1.double()[e]) + b1.double()[e]
-            u3 = None if W3 is None else torch.einsum("rd,rdf->rf", xd, w3.double()[e])
-            f = torch.einsum("rf,rfd->rd", reference.act_forward(act, u, u3), w2.double()[e]) + b2.double()[e]
-            want += weight[:, j, None].double() * f
-        assert float((out.double() - want).norm() / want.norm()) < 2e-2, act
 
 
 def float64_wgrad(a, b, groups):
