@@ -14,7 +14,10 @@ same way, one [TILE, BLOCK_N] accumulator a consumer. On the H200 it lost to the
 in every config (at large 975 us at best against 825: the Triton kernel's 8-warp [128, 256]
 tiles already keep the tensor cores fed, and a consumer's gelu epilogue is short beside its
 dots), so it left the probe; its code is in git (d713d07). The hidden kernel, with two
-accumulators and a long epilogue a job, won: 1687 against 2196 us at large.
+accumulators and a long epilogue a job, won: 1687 against 2196 us at large. Session 14 retried
+GEMM1 with b1 added after its dots (both kernels' wgmmas had been serialised by ptxas, C7515):
+it lost again with gelu, 988 against 825 us at large at [128, 64] and [64, 128] jobs (192de8d,
+reverted). The hidden kernel with the same change: 1642 us at large, as before it.
 """
 import argparse
 import json
@@ -69,9 +72,11 @@ def offline(act="gelu", tile_m=64, block_n=128, block_k=64, nbuf=3):
                                               PRODUCER_REGS=gluon_moe.PRODUCER_REGS))
 
 
-def reference(c, weight):
+def reference(c, weight, act="gelu"):
     """fp32, expert by expert over the slot layout, 0 on padding slots: the hidden kernel's (hw,
-    ∂u, gw[:, :F/64]) with gelu, for the flat top-k weights."""
+    ∂u, gw[:, :F/64]) with `act` (not swiglu), for the flat top-k weights."""
+    from mha_compile.kernels.reference import act_backward, act_forward
+
     groups, E, F = c.groups, c.E, c.F
     bounds = groups.expert_slots.tolist()
     valid = (groups.slot_pair < groups.pairs)[:, None]
@@ -82,10 +87,9 @@ def reference(c, weight):
         if hi == lo:
             continue
         u = c.xs[lo:hi].float() @ c.w1[e].float() + c.b1[e].float()
-        cdf = 0.5 * (1.0 + torch.erf(u * 0.7071067811865476))
-        h[lo:hi] = u * cdf
+        h[lo:hi] = act_forward(act, u)
         g = c.gs[lo:hi].float() @ c.w2[e].float().t()
-        du[lo:hi] = g * (cdf + u * torch.exp(-0.5 * u * u) * 0.3989422804014327)
+        du[lo:hi] = act_backward(act, g, u)[0]
         gw[lo:hi] = (h[lo:hi] * g).view(hi - lo, F // 64, 64).sum(-1)
     w = weight[groups.slot_pair.clamp(max=groups.pairs - 1).long()][:, None] * valid
     return h * w, du * w, gw * valid
@@ -97,9 +101,9 @@ def _time(name, fn, flops, err, cfg=""):
         error = err(fn())
         torch.cuda.synchronize()
         ms = triton.testing.do_bench_cudagraph(fn, rep=60, return_mode="median")
-        print(f"{name:<14} {ms * 1e3:8.1f} us {flops / ms / 1e9:5.0f} TF/s  rel err {error:.1e}  {cfg}", flush=True)
+        print(f"{name:<22} {ms * 1e3:8.1f} us {flops / ms / 1e9:5.0f} TF/s  rel err {error:.1e}  {cfg}", flush=True)
     except Exception as error:  # a config that does not fit or fails: say so, keep going
-        print(f"{name:<14} FAILED {type(error).__name__}: {str(error).splitlines()[0][:160]}  {cfg}", flush=True)
+        print(f"{name:<22} FAILED {type(error).__name__}: {str(error).splitlines()[0][:160]}  {cfg}", flush=True)
 
 
 def probe_cli(offline_rows, probe_preset, presets="medium,large"):
@@ -128,15 +132,15 @@ def offline_rows():
 
 
 def probe_preset(c):
-    """The Triton hidden kernel, then the Gluon one under each config, on the slot case c."""
+    """The Triton hidden kernel, then the Gluon one under each config, on the slot case c; then
+    the shipped config with gelu (tanh) and silu: what the epilogue's activation costs."""
     from mha_compile.kernels import triton_moe as moe
 
     weight = c.weight.reshape(-1)
-    want = reference(c, weight)
     cols = moe.gw_columns(c.D, c.F, True)
     gw = torch.zeros(c.S, cols, device=c.dev, dtype=torch.float32)
-    err = lambda got: max(float((g.float() - w).norm() / w.norm()) for g, w in zip(got, want))  # noqa: E731
     hw, du = torch.empty(c.S, c.F, device=c.dev, dtype=c.dt), torch.empty(c.S, c.F, device=c.dev, dtype=c.dt)
+    flops = 4 * c.S * c.D * c.F
 
     def triton_hidden():
         moe._hidden(moe.tile_grid(c.groups, c.F, "BLOCK_F"), c.xs, c.gs, c.groups.slot_pair,
@@ -145,14 +149,18 @@ def probe_preset(c):
                     PRECISION=moe.dot_precision(c.dt), TILE=c.groups.tile, GW_BLOCK=moe.GW_BLOCK)
         return hw, du, gw[:, :c.F // 64]
 
-    def gluon_hidden(cfg):
+    def gluon_hidden(cfg, act):
         gw.zero_()
-        gluon_moe.backward_hidden(c.xs, c.gs, c.groups, c.w1, c.b1, c.w2, weight, "gelu", hw, du, gw, cfg)
+        gluon_moe.backward_hidden(c.xs, c.gs, c.groups, c.w1, c.b1, c.w2, weight, act, hw, du, gw, config=cfg)
         return hw, du, gw[:, :c.F // 64]
 
-    _time("hidden triton", triton_hidden, 4 * c.S * c.D * c.F, err)
-    for cfg in CONFIGS:
-        _time("hidden gluon", lambda: gluon_hidden(cfg), 4 * c.S * c.D * c.F, err, cfg)
+    for act in ("gelu", "gelu_tanh", "silu"):
+        want = reference(c, weight, act)
+        err = lambda got: max(float((g.float() - w).norm() / w.norm()) for g, w in zip(got, want))  # noqa: E731
+        if act == "gelu":
+            _time("hidden triton", triton_hidden, flops, err)
+        for cfg in CONFIGS if act == "gelu" else CONFIGS[:1]:
+            _time(f"hidden gluon {act}", lambda: gluon_hidden(cfg, act), flops, err, cfg)
 
 
 if __name__ == "__main__":
