@@ -195,9 +195,15 @@ def _consume(descs, bufs, bars, ptrs, sizes, which, ACT: gl.constexpr):
             acc_u = gl.zeros([TILE_M, BLOCK_N], gl.float32, acc_layout)
             acc_g = gl.zeros([TILE_M, BLOCK_N], gl.float32, acc_layout)
             acc_u3 = gl.zeros([TILE_M, BLOCK_N], gl.float32, acc_layout)
-            # b1 is loaded before this consumer's turn, while the other runs its dots, and added
-            # after them: an accumulator that a non-wgmma instruction writes before the K loop
-            # makes ptxas serialise every wgmma of the kernel (its warning C7515).
+            # The epilogue's operands are loaded before this consumer's turn, while the other runs
+            # its dots: the rows' pair ids, then their weights through them, two dependent global
+            # loads that would otherwise stall the epilogue; and b1, added after the dots (an
+            # accumulator that a non-wgmma instruction writes before the K loop makes ptxas
+            # serialise every wgmma of the kernel: its warning C7515).
+            offs_s = row + gl.arange(0, TILE_M, layout=rows_layout)
+            pair = gl.load(slot_pair_ptr + offs_s)
+            valid = pair < PAIRS
+            w = gl.load(weight_ptr + pair, mask=valid, other=0.0)
             bias = gl.zeros([BLOCK_N], gl.float32, cols_layout)
             if has_b1 != 0:
                 bias = gl.load(b1_ptr + e * F + offs_n).to(gl.float32)
@@ -230,10 +236,6 @@ def _consume(descs, bufs, bars, ptrs, sizes, which, ACT: gl.constexpr):
             own += 1
             acc_u = acc_u + bias[None, :]
 
-            offs_s = row + gl.arange(0, TILE_M, layout=rows_layout)
-            pair = gl.load(slot_pair_ptr + offs_s)
-            valid = pair < PAIRS
-            w = gl.load(weight_ptr + pair, mask=valid, other=0.0)
             if ACT == 3:  # swiglu: h = silu(u) u3, ∂u = w g u3 silu′(u), ∂u3 = w g silu(u)
                 sig = 1.0 / (1.0 + gl.exp(-acc_u))
                 silu = acc_u * sig
@@ -243,10 +245,13 @@ def _consume(descs, bufs, bars, ptrs, sizes, which, ACT: gl.constexpr):
                 h, dact = _act(acc_u, ACT)
                 silu = h
             hg = h * acc_g
-            for c in gl.static_range(NB):
-                lo = n * BLOCK_N + c * _GW_BLOCK
-                part = gl.where(((offs_n >= lo) & (offs_n < lo + _GW_BLOCK))[None, :], hg, 0.0)
-                gl.store(gw_ptr + offs_s * GW_COLS + n * NB + c, gl.where(valid, gl.sum(part, axis=1), 0.0))
+            if NB == 1:  # the job is one ∂w block: no column mask
+                gl.store(gw_ptr + offs_s * GW_COLS + n, gl.where(valid, gl.sum(hg, axis=1), 0.0))
+            else:
+                for c in gl.static_range(NB):
+                    lo = n * BLOCK_N + c * _GW_BLOCK
+                    part = gl.where(((offs_n >= lo) & (offs_n < lo + _GW_BLOCK))[None, :], hg, 0.0)
+                    gl.store(gw_ptr + offs_s * GW_COLS + n * NB + c, gl.where(valid, gl.sum(part, axis=1), 0.0))
             keep = valid[:, None]
             tma.store_wait(0)  # this consumer's last stores have left its staging tiles
             hw_buf.store(gl.where(keep, w[:, None] * h, 0.0).to(hw_desc.dtype))
