@@ -46,6 +46,9 @@
 #                                      # run.log, gluon_wgrad_probe.txt, gluon_slots_probe.txt
 #   bash bench/h200_session.sh verify-gemms  # verify, then gluon-gemms at large only, in one call (~9 min;
 #                                      # one machine start instead of two when landing staged Gluon work)
+#   bash bench/h200_session.sh router  # the router and combine backward alone under each D block and
+#                                      # warp count (bench/router_probe.py, medium and large; ~2 min):
+#                                      # run.log, router_probe.txt
 #   bash bench/h200_session.sh host-large  # host time per piece at large (bench/host_time.py, 5 calls a
 #                                      # piece: more would fill CUDA's launch queue and time the GPU instead;
 #                                      # ~5 min of compiling): run.log, host_time_large.txt
@@ -57,7 +60,7 @@
 #                                      # benchmark cut at 250 s (rows past it are listed as skipped)
 # Budgets are per step so a slow step cannot starve the others.
 set -u
-part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|ncu-gemms|gluon|verify-gluon|gluon-gemms|verify-gemms|host-large|host-timers|short}
+part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|ncu-gemms|gluon|verify-gluon|gluon-gemms|verify-gemms|router|host-large|host-timers|short}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 # Inductor's compiled graphs kept in the checkout (git ignores it): the device keeps ignored
 # files between calls on a machine it still holds, so `table` can reuse `autotune-cache`'s.
@@ -173,6 +176,10 @@ gluon|verify-gluon)
     { timeout -s INT $limit python bench/gluon_probe.py --presets large,medium 2>&1; } >"$OUT/gluon_probe.txt"
     tail -30 "$OUT/gluon_probe.txt" >>"$LOG"
     ;;
+router)
+    { timeout -s INT 200 python bench/router_probe.py --presets medium,large 2>&1; } >"$OUT/router_probe.txt"
+    tail -40 "$OUT/router_probe.txt" >>"$LOG"
+    ;;
 gluon-gemms|verify-gemms)
     presets=medium,large limit=150
     if [ "$part" = verify-gemms ]; then
@@ -210,6 +217,6 @@ bench|bench-resume)
         --modes eager,inductor,inductor-max-autotune,mha-staged,mha-fused,mha-fused-cudagraphs \
         --spellings dense,loop,grouped_mm --commit "$commit" 2>&1 | tail -100; } >>"$LOG"
     ;;
-*) echo "unknown part $part: expected check, kernels, probe, verify, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache, medium-autotune, ncu, ncu-gemms, gluon, verify-gluon, gluon-gemms, verify-gemms, host-large, host-timers or short" >&2; exit 2 ;;
+*) echo "unknown part $part: expected check, kernels, probe, verify, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache, medium-autotune, ncu, ncu-gemms, gluon, verify-gluon, gluon-gemms, verify-gemms, router, host-large, host-timers or short" >&2; exit 2 ;;
 esac
 tail -150 "$LOG"

@@ -216,8 +216,10 @@ def route(x, inv, wg, top_k, renorm, horizons):
     return weight, index
 
 
-def router_combine_backward(x, inv, wg, weight, index, pair_slot, dx_slot, gw_part, horizons, renorm, dy_dtype):
-    """(∂y [R,D] in dy_dtype, ∂inv [B,D] fp32 or None when inv is None, ∂logits [R,E] fp32)."""
+def router_combine_backward(x, inv, wg, weight, index, pair_slot, dx_slot, gw_part, horizons, renorm, dy_dtype,
+                            block_d=None):
+    """(∂y [R,D] in dy_dtype, ∂inv [B,D] fp32 or None when inv is None, ∂logits [R,E] fp32).
+    block_d: the kernel's D block, worked out below when None (bench/router_probe.py sweeps it)."""
     R, D = x.shape
     E = wg.shape[0]
     top_k = index.shape[1]
@@ -229,7 +231,7 @@ def router_combine_backward(x, inv, wg, weight, index, pair_slot, dx_slot, gw_pa
     # tf32x3 holds hi/lo copies of each [H, BLOCK_D] tile: offline for sm_90a at large, BLOCK_D
     # 128 takes 255 registers and spills, 64 takes 168-181 and none (ieee: 80-156 at 128).
     precision = router_precision(x.dtype)
-    block_d = max(16, min(128, (4096 if precision == "ieee" else 1024) // max(block_h, block_e)))
+    block_d = block_d or max(16, min(128, (4096 if precision == "ieee" else 1024) // max(block_h, block_e)))
     _combine_bwd(lambda m: (B,),
                  x, x if inv is None else inv, wg, weight, index, pair_slot, dx_slot, gw_part,
                  dy, dy if dinv is None else dinv, dlogits, horizons, D, E, gw_part.shape[1],

@@ -1,0 +1,26 @@
+"""bench/router_probe.py without a GPU: its case is what the backward passes the kernel, and the
+D block it sweeps changes the blocking only, not the result (run in the interpreter)."""
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import router_probe  # noqa: E402
+
+from mha_compile.kernels import triton_router  # noqa: E402
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton kernels on the CPU need TRITON_INTERPRET=1")
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+def test_every_d_block_gives_the_shipped_result():
+    inputs, traffic = router_probe.case("tiny", torch.float32, "cpu")
+    x, inv, wg, weight, index, pair_slot, dx_slot, gw_part, H, renorm, dt = inputs
+    assert traffic > x.numel() * 4 and (gw_part != 0).any() and (dx_slot != 0).any()
+    want = triton_router.router_combine_backward(*inputs)
+    for block_d in (16, 32):  # D = 32 at tiny: two blocks, then one
+        got = triton_router.router_combine_backward(*inputs, block_d=block_d)
+        for a, b, name in zip(got, want, ("dy", "dinv", "dlogits")):
+            assert float((a - b).abs().max()) <= 1e-5 * float(b.abs().max()), (block_d, name)
