@@ -1,5 +1,6 @@
-"""The router and combine backward (triton_router._router_combine_bwd_kernel) alone, under each
-D block and warp count: what its time a step is set by.
+"""The router kernels alone: the forward's (triton_router._router_fwd_kernel) under each row block
+and warp count, and the router and combine backward (_router_combine_bwd_kernel) under each D
+block and warp count: what their times a step are set by.
 
     PYTHONPATH=. python bench/router_probe.py [--presets medium,large]   # H200
 
@@ -22,6 +23,7 @@ from mha_compile.kernels import triton_moe, triton_router
 
 CONFIGS = [dict(num_warps=w, num_stages=3) for w in (1, 2, 4, 8)]
 BLOCKS_D = (16, 32, 64, 128)
+ROUTE_CONFIGS = [dict(BLOCK_R=r, num_warps=w, num_stages=3) for r in (16, 32, 64, 128) for w in (1, 2, 4, 8)]
 
 
 def case(preset, dt=torch.bfloat16, dev="cuda"):
@@ -43,6 +45,26 @@ def case(preset, dt=torch.bfloat16, dev="cuda"):
     return (x, inv, wg, weight, index, groups.pair_slot, dx_slot, gw_part, H, True, dt), traffic
 
 
+def route(x, inv, wg, top_k, horizons):
+    """The forward's router under each ROUTE_CONFIGS: time, rate over x's and inv's bytes, and
+    whether the experts chosen and the weights are the shipped config's."""
+    want_w, want_i = triton_router.route(x, inv, wg, top_k, True, horizons)
+    traffic = x.numel() * x.element_size() + 4 * inv.numel() + 8 * want_w.numel()
+    for cfg in ROUTE_CONFIGS:
+        try:
+            got = []
+            ms, compiled = variant(triton_router._route, cfg, lambda: got.append(
+                triton_router.route(x, inv, wg, top_k, True, horizons)))
+            weight, index = got[-1]
+            print(f"route BLOCK_R {cfg['BLOCK_R']:>3} warps {cfg['num_warps']}  {ms * 1e3:7.1f} us "
+                  f"{traffic / ms / 1e9:5.2f} TB/s  regs {compiled.n_regs} spills {compiled.n_spills}  "
+                  f"same experts {bool((index == want_i).all())}, weights max diff "
+                  f"{float((weight - want_w).abs().max()):.1e}", flush=True)
+        except Exception as error:  # a config that does not build or fit: say so, keep going
+            print(f"route BLOCK_R {cfg['BLOCK_R']:>3} warps {cfg['num_warps']}  FAILED {type(error).__name__}: "
+                  f"{str(error).splitlines()[0][:160]}", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--presets", default="medium,large")
@@ -51,6 +73,7 @@ def main():
     launcher = triton_router._combine_bwd
     for preset in args.presets.split(","):
         inputs, traffic = case(preset)
+        route(*inputs[:3], inputs[4].shape[1], inputs[8])
         want = triton_router.router_combine_backward(*inputs)
         for block_d in BLOCKS_D:
             for cfg in CONFIGS:

@@ -190,10 +190,14 @@ _route = Launcher(_router_fwd_kernel, [
     dict(BLOCK_R=64, num_warps=8, num_stages=3),
     dict(BLOCK_R=16, num_warps=4, num_stages=3),
 ], key=["D", "E", "TOP_K", "HAS_INV", "RENORM", "PRECISION"])
+# One warp a program first: bench/router_probe.py on the H200 (85e4d4e, bf16, BLOCK_D 64), 167
+# against 256 us at 2 warps (the autotuner's pick then) at large, 31 against 42 at medium; 4 and 8
+# warps took 1.4-3.6x as long. A program is one batch row's H rows: more warps only split tiles
+# that small, and one warp leaves room for more programs an SM to hide the gathers' latency.
 _combine_bwd = Launcher(_router_combine_bwd_kernel, [
-    dict(num_warps=4, num_stages=3),
-    dict(num_warps=8, num_stages=3),
+    dict(num_warps=1, num_stages=3),
     dict(num_warps=2, num_stages=3),
+    dict(num_warps=4, num_stages=3),
 ], key=["H", "D", "E", "N_FBLK", "TOP_K", "HAS_INV", "RENORM", "PRECISION"])
 
 
