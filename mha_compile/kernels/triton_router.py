@@ -184,11 +184,13 @@ def _router_wgrad_kernel(
 # the backward at large needs 156 registers a thread with 4 warps, 80 with 8; one program per
 # batch row, so registers bound how many rows an SM holds. Its BLOCK_D stays a function of the
 # sizes (it bounds the [H, BLOCK_D] tiles), only the warps are tuned.
+# bench/router_probe.py on the H200 (dd3c430, bf16): 64 rows at 4 warps 45.7 us at large, 9.0 at
+# medium, against 76 and 14 for 32 rows at 4 warps (the autotuner's pick then); 128 rows at 4
+# warps 48.0 and 10.7, 32 rows at 2 warps 55 and 10.4. 8 warps took 1.2-4x as long at each size.
 _route = Launcher(_router_fwd_kernel, [
-    dict(BLOCK_R=32, num_warps=4, num_stages=3),
-    dict(BLOCK_R=32, num_warps=8, num_stages=3),
-    dict(BLOCK_R=64, num_warps=8, num_stages=3),
-    dict(BLOCK_R=16, num_warps=4, num_stages=3),
+    dict(BLOCK_R=64, num_warps=4, num_stages=3),
+    dict(BLOCK_R=128, num_warps=4, num_stages=3),
+    dict(BLOCK_R=32, num_warps=2, num_stages=3),
 ], key=["D", "E", "TOP_K", "HAS_INV", "RENORM", "PRECISION"])
 # One warp a program first: bench/router_probe.py on the H200 (85e4d4e, bf16, BLOCK_D 64), 167
 # against 256 us at 2 warps (the autotuner's pick then) at large, 31 against 42 at medium; 4 and 8
