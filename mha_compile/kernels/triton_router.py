@@ -179,23 +179,21 @@ def _router_wgrad_kernel(
              mask=e_ok[:, None] & d_ok[None, :])
 
 
-# Config lists, autotuned on the GPU (the first, the fixed choice these kernels had before, is
-# the interpreter's and MHA_COMPILE_NO_AUTOTUNE's). Offline for sm_90a (bench/offline_sass.py):
-# the backward at large needs 156 registers a thread with 4 warps, 80 with 8; one program per
-# batch row, so registers bound how many rows an SM holds. Its BLOCK_D stays a function of the
-# sizes (it bounds the [H, BLOCK_D] tiles), only the warps are tuned.
-# bench/router_probe.py on the H200 (dd3c430, bf16): 64 rows at 4 warps 45.7 us at large, 9.0 at
-# medium, against 76 and 14 for 32 rows at 4 warps (the autotuner's pick then); 128 rows at 4
-# warps 48.0 and 10.7, 32 rows at 2 warps 55 and 10.4. 8 warps took 1.2-4x as long at each size.
+# Config lists, autotuned on the GPU (the first is the interpreter's and MHA_COMPILE_NO_AUTOTUNE's:
+# the fastest measured at the medium and large presets). Both kernels are latency-bound, so
+# fewer warps a program, which leave room for more programs an SM, won.
+# The forward, bench/router_probe.py on the H200 (dd3c430, bf16): 64 rows at 4 warps 45.7 us at
+# large, 9.0 at medium, against 76 and 14 for 32 rows at 4 warps (the first config before);
+# 128 rows at 4 warps 48.0 and 10.7, 32 rows at 2 warps 55 and 10.4; 8 warps 1.2-4x as long.
 _route = Launcher(_router_fwd_kernel, [
     dict(BLOCK_R=64, num_warps=4, num_stages=3),
     dict(BLOCK_R=128, num_warps=4, num_stages=3),
     dict(BLOCK_R=32, num_warps=2, num_stages=3),
 ], key=["D", "E", "TOP_K", "HAS_INV", "RENORM", "PRECISION"])
-# One warp a program first: bench/router_probe.py on the H200 (85e4d4e, bf16, BLOCK_D 64), 167
-# against 256 us at 2 warps (the autotuner's pick then) at large, 31 against 42 at medium; 4 and 8
-# warps took 1.4-3.6x as long. A program is one batch row's H rows: more warps only split tiles
-# that small, and one warp leaves room for more programs an SM to hide the gathers' latency.
+# The backward (one program a batch row, its H rows), the same probe (85e4d4e, BLOCK_D 64): one
+# warp 167 against 256 us at 2 warps (the autotuner's pick before) at large, 31 against 42 at
+# medium; 4 and 8 warps 1.4-3.6x as long. Its BLOCK_D stays a function of the sizes (it bounds
+# the [H, BLOCK_D] tiles: 128 spills at every warp count at large), only the warps are tuned.
 _combine_bwd = Launcher(_router_combine_bwd_kernel, [
     dict(num_warps=1, num_stages=3),
     dict(num_warps=2, num_stages=3),
