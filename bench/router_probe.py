@@ -4,12 +4,15 @@ block and warp count: what their times a step are set by.
 
     PYTHONPATH=. python bench/router_probe.py [--presets medium,large]   # H200
 
-One program a batch row (H rows): the router's logits again, ∂w from the hidden kernel's
-partial sums, ∂logits, then ∂y = ∂logits Wg + Σ_j ∂x_slot over D blocks. On the H200 it took
-263 us a large step (bench/results/kernel_times.txt, 6e691d5) for ~360 MB of traffic (~85 us at
-4.3 TB/s), at 2 warps with 195 registers a thread. Each row: the median CUDA-graph time, the
-traffic's rate, registers and spills, and the largest difference from the shipped config's ∂y,
-∂inv and ∂logits (the same sums in another order: ~1e-6 at most).
+The backward: one program a batch row (H rows): the router's logits again, ∂w from the hidden
+kernel's partial sums, ∂logits, then ∂y = ∂logits Wg + Σ_j ∂x_slot over D blocks. On the H200
+(bench/results/router_probe.txt) it took 256 us at large at 2 warps, the autotuner's pick then,
+for ~300 MB of traffic (~70 us at 4.3 TB/s); one warp a program took 167 and is now the first
+config. The forward router: 76 us at 32 rows and 4 warps, 46 at 64 rows (now first).
+Each row: the median CUDA-graph time, the traffic's rate, registers and spills, and how far the
+result is from the shipped config's: the experts chosen must be the same; ∂y (bf16) may differ
+by one rounding where its fp32 sums ran in another order (~2e-3 of the largest at most),
+∂inv and ∂logits by ~1e-7.
 """
 import argparse
 
