@@ -40,9 +40,14 @@ def compile_and_compare(model, args, dtype, dynamic_where=False):
     # With top_k=1 and renorm the weight is exactly 1, so ∂router is zero in exact math: eager
     # leaves rounding noise there and the region exact zeros (like the key bias, SPEC §1).
     router_zero = getattr(model, "k", None) == 1 and getattr(model, "renorm", False)
+    # With one token the pool's softmax is exactly 1 whatever the scores, so the query's and the
+    # keys' gradients are zero in exact math: the same case again (eager's noise there depends on
+    # the CPU's kernels: ~1e-17 on an AVX2 host, where an earlier host gave zeros).
+    scores_zero = args[1].shape[1] == 1
     for (name, p_e), p_c in zip(model.named_parameters(), compiled_model.parameters()):
         assert p_c.grad is not None, f"{name} received no gradient through the compiled path"
-        if name.endswith(ZERO_GRAD) or router_zero and "router" in name:
+        if (name.endswith(ZERO_GRAD) or router_zero and "router" in name
+                or scores_zero and name in ("query", "key.weight")):
             assert torch.count_nonzero(p_c.grad) == 0 and p_e.grad.abs().max() <= 1e-6
             continue
         assert relative_error(p_c.grad, p_e.grad) <= tol, f"∂{name}: {relative_error(p_c.grad, p_e.grad):.3g}"
