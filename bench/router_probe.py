@@ -48,24 +48,42 @@ def case(preset, dt=torch.bfloat16, dev="cuda"):
     return (x, inv, wg, weight, index, groups.pair_slot, dx_slot, gw_part, H, True, dt), traffic
 
 
+def _row(label, launcher, cfg, run, traffic, compare):
+    """One printed row: run() (which returns the kernel's outputs) under launcher's config cfg, timed
+    by gemm_probe.variant, with the traffic's rate and compare(outputs), a phrase; or why it
+    failed (a config that does not build or fit: the probe goes on)."""
+    try:
+        got = []
+        ms, compiled = variant(launcher, cfg, lambda: got.append(run()))
+        print(f"{label}  {ms * 1e3:7.1f} us {traffic / ms / 1e9:5.2f} TB/s  regs {compiled.n_regs} "
+              f"spills {compiled.n_spills}  {compare(got[-1])}", flush=True)
+    except Exception as error:  # noqa: BLE001 - any failure is the row's result
+        print(f"{label}  FAILED {type(error).__name__}: {str(error).splitlines()[0][:160]}", flush=True)
+
+
 def route(x, inv, wg, top_k, horizons):
     """The forward's router under each ROUTE_CONFIGS: time, rate over x's and inv's bytes, and
     whether the experts chosen and the weights are the shipped config's."""
     want_w, want_i = triton_router.route(x, inv, wg, top_k, True, horizons)
     traffic = x.numel() * x.element_size() + 4 * inv.numel() + 8 * want_w.numel()
+    compare = lambda got: (f"same experts {bool((got[1] == want_i).all())}, weights max diff "  # noqa: E731
+                           f"{float((got[0] - want_w).abs().max()):.1e}")
     for cfg in ROUTE_CONFIGS:
-        try:
-            got = []
-            ms, compiled = variant(triton_router._route, cfg, lambda: got.append(
-                triton_router.route(x, inv, wg, top_k, True, horizons)))
-            weight, index = got[-1]
-            print(f"route BLOCK_R {cfg['BLOCK_R']:>3} warps {cfg['num_warps']}  {ms * 1e3:7.1f} us "
-                  f"{traffic / ms / 1e9:5.2f} TB/s  regs {compiled.n_regs} spills {compiled.n_spills}  "
-                  f"same experts {bool((index == want_i).all())}, weights max diff "
-                  f"{float((weight - want_w).abs().max()):.1e}", flush=True)
-        except Exception as error:  # a config that does not build or fit: say so, keep going
-            print(f"route BLOCK_R {cfg['BLOCK_R']:>3} warps {cfg['num_warps']}  FAILED {type(error).__name__}: "
-                  f"{str(error).splitlines()[0][:160]}", flush=True)
+        _row(f"route BLOCK_R {cfg['BLOCK_R']:>3} warps {cfg['num_warps']}", triton_router._route, cfg,
+             lambda: triton_router.route(x, inv, wg, top_k, True, horizons), traffic, compare)
+
+
+def combine_backward(inputs, traffic):
+    """The router and combine backward under each BLOCKS_D and CONFIGS: time, rate over `traffic`
+    bytes, and the largest difference from the shipped config's outputs (relative to their
+    largest value)."""
+    want = triton_router.router_combine_backward(*inputs)
+    compare = lambda got: "max diff {:.1e}".format(max(  # noqa: E731
+        float((a.float() - b.float()).abs().max() / b.float().abs().max()) for a, b in zip(got, want)))
+    for block_d in BLOCKS_D:
+        for cfg in CONFIGS:
+            _row(f"BLOCK_D {block_d:>3} warps {cfg['num_warps']}", triton_router._combine_bwd, cfg,
+                 lambda: triton_router.router_combine_backward(*inputs, block_d=block_d), traffic, compare)
 
 
 def main():
@@ -73,25 +91,11 @@ def main():
     parser.add_argument("--presets", default="medium,large")
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
-    launcher = triton_router._combine_bwd
     for preset in args.presets.split(","):
         inputs, traffic = case(preset)
-        route(*inputs[:3], inputs[4].shape[1], inputs[8])
-        want = triton_router.router_combine_backward(*inputs)
-        for block_d in BLOCKS_D:
-            for cfg in CONFIGS:
-                try:
-                    got = []
-                    ms, compiled = variant(launcher, cfg, lambda: got.append(
-                        triton_router.router_combine_backward(*inputs, block_d=block_d)))
-                    diff = max(float((a.float() - b.float()).abs().max() / b.float().abs().max())
-                               for a, b in zip(got[-1], want))
-                    print(f"BLOCK_D {block_d:>3} warps {cfg['num_warps']}  {ms * 1e3:7.1f} us "
-                          f"{traffic / ms / 1e9:5.2f} TB/s  regs {compiled.n_regs} spills {compiled.n_spills}"
-                          f"  max diff {diff:.1e}", flush=True)
-                except Exception as error:  # a config that does not build or fit: say so, keep going
-                    print(f"BLOCK_D {block_d:>3} warps {cfg['num_warps']}  FAILED {type(error).__name__}: "
-                          f"{str(error).splitlines()[0][:160]}", flush=True)
+        x, inv, wg, weight, index, pair_slot, dx_slot, gw_part, horizons, renorm, dy_dtype = inputs
+        route(x, inv, wg, index.shape[1], horizons)
+        combine_backward(inputs, traffic)
 
 
 if __name__ == "__main__":
