@@ -97,8 +97,13 @@ def unsupported(xs, gs, w1, w2, w3, act, tile, capability=None):
 def _act(u, ACT: gl.constexpr):
     """(act(u), act′(u)) in fp32, as triton_util.act_fwd / act_bwd."""
     if ACT == 0:  # gelu (erf)
-        cdf = 0.5 * (1.0 + gl.erf(u * 0.7071067811865476))
-        return u * cdf, cdf + u * (gl.exp(-0.5 * u * u) * 0.3989422804014327)
+        # Φ(u) by Abramowitz and Stegun 7.1.26 (|error| ≤ 1.5e-7 in erf), sharing the density's
+        # exponential: ~1,800 fewer instructions than libdevice's erf in the hidden kernel.
+        e = gl.exp(-0.5 * u * u)
+        t = 1.0 / (1.0 + 0.23164189550253904 * gl.abs(u))  # 0.3275911 / √2
+        q = t * (0.127414796 + t * (-0.142248368 + t * (0.7107068705 + t * (-0.7265760135 + t * 0.5307027145)))) * e
+        cdf = gl.where(u >= 0, 1.0 - q, q)  # Φ(u) = 1 − ½erfc(u/√2), or ½erfc(−u/√2) below 0
+        return u * cdf, cdf + u * (e * 0.3989422804014327)
     elif ACT == 1:  # gelu (tanh), tanh(z) = 2σ(2z) − 1
         z = 0.7978845608028654 * (u + 0.044715 * u * u * u)
         t = 2.0 / (1.0 + gl.exp(-2.0 * z)) - 1.0
@@ -244,6 +249,13 @@ def _consume(descs, bufs, bars, ptrs, sizes, which, ACT: gl.constexpr):
             else:
                 h, dact = _act(acc_u, ACT)
                 silu = h
+            # ∂u first, so that act′ is dead before the ∂w sums (this order builds without spills
+            # with the cheaper gelu above).
+            keep = valid[:, None]
+            tma.store_wait(0)  # this consumer's last stores have left its staging tiles
+            du_buf.store(gl.where(keep, (w[:, None] * acc_g) * dact, 0.0).to(du_desc.dtype))
+            if ACT == 3:
+                du3_buf.store(gl.where(keep, (w[:, None] * acc_g) * silu, 0.0).to(du3_desc.dtype))
             hg = h * acc_g
             if NB == 1:  # the job is one ∂w block: no column mask
                 gl.store(gw_ptr + offs_s * GW_COLS + n, gl.where(valid, gl.sum(hg, axis=1), 0.0))
@@ -252,12 +264,7 @@ def _consume(descs, bufs, bars, ptrs, sizes, which, ACT: gl.constexpr):
                     lo = n * BLOCK_N + c * _GW_BLOCK
                     part = gl.where(((offs_n >= lo) & (offs_n < lo + _GW_BLOCK))[None, :], hg, 0.0)
                     gl.store(gw_ptr + offs_s * GW_COLS + n * NB + c, gl.where(valid, gl.sum(part, axis=1), 0.0))
-            keep = valid[:, None]
-            tma.store_wait(0)  # this consumer's last stores have left its staging tiles
             hw_buf.store(gl.where(keep, w[:, None] * h, 0.0).to(hw_desc.dtype))
-            du_buf.store(gl.where(keep, (w[:, None] * acc_g) * dact, 0.0).to(du_desc.dtype))
-            if ACT == 3:
-                du3_buf.store(gl.where(keep, (w[:, None] * acc_g) * silu, 0.0).to(du3_desc.dtype))
             fence_async_shared()
             tma.async_copy_shared_to_global(hw_desc, [row, n * BLOCK_N], hw_buf)
             tma.async_copy_shared_to_global(du_desc, [row, n * BLOCK_N], du_buf)
