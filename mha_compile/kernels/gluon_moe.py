@@ -20,11 +20,10 @@ takes CUTLASS's "ping-pong" shape:
     epilogue while the other runs its dots. A job's K steps are ring positions i·KSTEPS ...; a
     turn barrier pair keeps the consumers' K loops in job order (a ring wait goes by the parity
     of a stage's use, and a consumer a whole job ahead would take an older use for its own).
-One program per SM walks the jobs, a row block's F blocks adjacent. A job is a whole tile of
-128 slot rows by 64 columns (two m64n64 wgmmas a K step and accumulator), or with tiles of 64
-rows, 64 by 128 (one m64n128). On the H200, bf16, gelu (bench/gluon_probe.py,
-bench/results/gluon_probe.txt, run 3): 1622 against the Triton kernel's 2162 us a large-preset
-call ([64, 128] jobs: 1681), 177 against 213 at medium ([64, 128]: 174).
+One program per SM walks the jobs, a row block's F blocks adjacent. A job is 64 slot rows by
+128 columns (one m64n128 wgmma a K step and accumulator). On the H200, bf16, gelu
+(bench/gluon_probe.py, bench/results/gluon_probe.txt, run 10): 1480-1544 against the Triton
+kernel's ~2100 us a large-preset call, 146 against 213 at medium.
 """
 import contextlib
 import functools
@@ -47,8 +46,11 @@ ACTS = {name: ACT_CODE[name] for name in ("gelu", "gelu_tanh", "silu", "swiglu")
 DTYPES = (torch.bfloat16, torch.float16)
 # The config by the slot layout's TILE (triton_moe.tile_rows: 128 at the medium and large presets,
 # 64 at small): a job's rows and columns, the K step and the ring's stages (3 of 48 KiB, and the
-# staging tiles: 213 KiB of the H200's 227). bench/gluon_probe.py sweeps these.
-CONFIGS = {128: dict(tile_m=128, block_n=64, block_k=64, nbuf=3), 64: dict(tile_m=64, block_n=128, block_k=64, nbuf=3)}
+# staging tiles: 213 KiB of the H200's 227). bench/gluon_probe.py sweeps these. With libdevice's
+# erf, gelu took 1577-1592 us a large call in jobs of [128, 64] against 1641-1693 in [64, 128]; with
+# the A&S gelu, 1670-1681 against 1480-1544, and the other activations 0-5% less in [64, 128]
+# (gluon_probe.txt, run 10), so every TILE now takes [64, 128].
+CONFIGS = {128: dict(tile_m=64, block_n=128, block_k=64, nbuf=3), 64: dict(tile_m=64, block_n=128, block_k=64, nbuf=3)}
 # swiglu holds three accumulators (u, u3 = xs W3, g): jobs of [64, 64] keep them at 32 registers a
 # thread each; a stage is then 40 KiB (five tiles), 168 KiB with the staging tiles.
 SWIGLU_CONFIG = dict(tile_m=64, block_n=64, block_k=64, nbuf=3)
@@ -112,6 +114,15 @@ def _act(u, ACT: gl.constexpr):
     else:  # silu
         sig = 1.0 / (1.0 + gl.exp(-u))
         return u * sig, sig * (1.0 + u * (1.0 - sig))
+
+
+@gluon.jit
+def _stage_du(du_buf, du3_buf, wg, dact, silu, keep, ACT: gl.constexpr):
+    """∂u = w g act′(u) (and swiglu's ∂u3 = w g silu(u)) into the staging tiles, 0 on padding;
+    wg = w g."""
+    du_buf.store(gl.where(keep, wg * dact, 0.0).to(du_buf.dtype))
+    if ACT == 3:
+        du3_buf.store(gl.where(keep, wg * silu, 0.0).to(du3_buf.dtype))
 
 
 @gluon.jit
@@ -249,13 +260,13 @@ def _consume(descs, bufs, bars, ptrs, sizes, which, ACT: gl.constexpr):
             else:
                 h, dact = _act(acc_u, ACT)
                 silu = h
-            # ∂u first, so that act′ is dead before the ∂w sums (this order builds without spills
-            # with the cheaper gelu above).
+            # gelu stages ∂u before the ∂w sums, so that act′ is dead by then: its A&S form
+            # spills 850-930 bytes a thread otherwise. The other activations stage it after, which
+            # took them 1-5% less at large (bench/results/gluon_probe.txt, run 10).
             keep = valid[:, None]
-            tma.store_wait(0)  # this consumer's last stores have left its staging tiles
-            du_buf.store(gl.where(keep, (w[:, None] * acc_g) * dact, 0.0).to(du_desc.dtype))
-            if ACT == 3:
-                du3_buf.store(gl.where(keep, (w[:, None] * acc_g) * silu, 0.0).to(du3_desc.dtype))
+            if ACT == 0:
+                tma.store_wait(0)  # this consumer's last stores have left its staging tiles
+                _stage_du(du_buf, du3_buf, (w[:, None] * acc_g), dact, silu, keep, ACT)
             hg = h * acc_g
             if NB == 1:  # the job is one ∂w block: no column mask
                 gl.store(gw_ptr + offs_s * GW_COLS + n, gl.where(valid, gl.sum(hg, axis=1), 0.0))
@@ -264,6 +275,9 @@ def _consume(descs, bufs, bars, ptrs, sizes, which, ACT: gl.constexpr):
                     lo = n * BLOCK_N + c * _GW_BLOCK
                     part = gl.where(((offs_n >= lo) & (offs_n < lo + _GW_BLOCK))[None, :], hg, 0.0)
                     gl.store(gw_ptr + offs_s * GW_COLS + n * NB + c, gl.where(valid, gl.sum(part, axis=1), 0.0))
+            if ACT != 0:
+                tma.store_wait(0)
+                _stage_du(du_buf, du3_buf, (w[:, None] * acc_g), dact, silu, keep, ACT)
             hw_buf.store(gl.where(keep, w[:, None] * h, 0.0).to(hw_desc.dtype))
             fence_async_shared()
             tma.async_copy_shared_to_global(hw_desc, [row, n * BLOCK_N], hw_buf)

@@ -25,8 +25,12 @@ def test_compiles_warp_specialised_for_sm90():
     want = [(act, cfg) for act in gluon_moe.ACTS for cfg in gluon_probe.offline_configs(act)]
     assert ("swiglu", gluon_moe.SWIGLU_CONFIG) in want
     assert [(r["act"], r["config"]) for r in rows] == want
-    assert gluon_probe.CONFIGS[:2] == [gluon_moe.CONFIGS[128], gluon_moe.CONFIGS[64]]  # what the backward runs
+    assert gluon_probe.CONFIGS[0] == gluon_moe.CONFIGS[128] == gluon_moe.CONFIGS[64]  # what the backward runs
     for r in rows:
+        if r["config"] == gluon_probe.CONFIGS[0]:
+            # the shipped builds keep their registers: gelu's A&S epilogue, staging ∂u after the
+            # ∂w sums, spilled 852 bytes a thread here (8 now)
+            assert r["spill_bytes"] <= 16, r
         assert r["wgmma"] > 0 and r["setmaxnreg"] > 0, r  # tensor-core dots, and partitions with their registers
         assert r["smem"] <= 232448, r  # what one block may use on the H200
         # ptxas did not serialise the wgmmas (C7515: a non-wgmma write to an accumulator in flight)
