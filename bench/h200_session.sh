@@ -49,6 +49,10 @@
 #   bash bench/h200_session.sh router  # the router and combine backward alone under each D block and
 #                                      # warp count (bench/router_probe.py, medium and large; ~2 min):
 #                                      # run.log, router_probe.txt
+#   bash bench/h200_session.sh small-kernels  # the other small kernels alone under each launch config:
+#                                      # ∂b1's tile sums, the slot-row gathers, the pool's fp32 projections
+#                                      # and its forward (bench/small_kernels_probe.py, medium and large;
+#                                      # ~3 min, estimated): run.log, small_kernels_probe.txt
 #   bash bench/h200_session.sh host-large  # host time per piece at large (bench/host_time.py, 5 calls a
 #                                      # piece: more would fill CUDA's launch queue and time the GPU instead;
 #                                      # ~5 min of compiling): run.log, host_time_large.txt
@@ -60,7 +64,7 @@
 #                                      # benchmark cut at 250 s (rows past it are listed as skipped)
 # Budgets are per step so a slow step cannot starve the others.
 set -u
-part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|ncu-gemms|gluon|verify-gluon|gluon-gemms|verify-gemms|router|host-large|host-timers|short}
+part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|ncu-gemms|gluon|verify-gluon|gluon-gemms|verify-gemms|router|small-kernels|host-large|host-timers|short}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 # Inductor's compiled graphs kept in the checkout (git ignores it): the device keeps ignored
 # files between calls on a machine it still holds, so `table` can reuse `autotune-cache`'s.
@@ -180,6 +184,12 @@ router)
     { timeout -s INT 200 python bench/router_probe.py --presets medium,large 2>&1; } >"$OUT/router_probe.txt"
     tail -40 "$OUT/router_probe.txt" >>"$LOG"
     ;;
+small-kernels)
+    # interrupted at 300 s: the rows printed by then are kept (each is flushed as it is timed)
+    { timeout -s INT 300 python bench/small_kernels_probe.py --presets medium,large 2>&1; } \
+        >"$OUT/small_kernels_probe.txt"
+    tail -40 "$OUT/small_kernels_probe.txt" >>"$LOG"
+    ;;
 gluon-gemms|verify-gemms)
     presets=medium,large limit=150
     if [ "$part" = verify-gemms ]; then
@@ -217,6 +227,6 @@ bench|bench-resume)
         --modes eager,inductor,inductor-max-autotune,mha-staged,mha-fused,mha-fused-cudagraphs \
         --spellings dense,loop,grouped_mm --commit "$commit" 2>&1 | tail -100; } >>"$LOG"
     ;;
-*) echo "unknown part $part: expected check, kernels, probe, verify, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache, medium-autotune, ncu, ncu-gemms, gluon, verify-gluon, gluon-gemms, verify-gemms, router, host-large, host-timers or short" >&2; exit 2 ;;
+*) echo "unknown part $part: expected check, kernels, probe, verify, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache, medium-autotune, ncu, ncu-gemms, gluon, verify-gluon, gluon-gemms, verify-gemms, router, small-kernels, host-large, host-timers or short" >&2; exit 2 ;;
 esac
 tail -150 "$LOG"

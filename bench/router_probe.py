@@ -15,6 +15,7 @@ by one rounding where its fp32 sums ran in another order (~2e-3 of the largest a
 ∂inv and ∂logits by ~1e-7.
 """
 import argparse
+from types import SimpleNamespace
 
 import torch
 import triton
@@ -29,36 +30,52 @@ BLOCKS_D = (16, 32, 64, 128)
 ROUTE_CONFIGS = [dict(BLOCK_R=r, num_warps=w, num_stages=3) for r in (16, 32, 64, 128) for w in (1, 2, 4, 8)]
 
 
-def case(preset, dt=torch.bfloat16, dev="cuda"):
-    """(router_combine_backward's arguments, their traffic in bytes) at a preset: random tokens
-    routed by the router kernel (renorm), grouped; ∂x_slot and the ∂w partial sums random, zero
-    on padding slots."""
+def routing(preset, dt=torch.bfloat16, dev="cuda"):
+    """A preset's routed tokens: random x [R,D], inv [B,D] and Wg routed by the router kernel
+    (renorm) and grouped (triton_moe.group); with the preset's sizes and the seeded `rand` that
+    drew them, for the inputs built after."""
     p = models.PRESETS[preset]
-    B, H, D, F, E, k = p["B"], p["H"], p["D"], p["F"], p["E"], p["k"]
+    B, H, D, E, k = p["B"], p["H"], p["D"], p["E"], p["k"]
     g = torch.Generator(device=dev).manual_seed(0)
     rand = lambda *s: torch.randn(*s, device=dev, generator=g)  # noqa: E731
     x, inv, wg = rand(B * H, D).to(dt), rand(B, D), (rand(E, D) * D ** -0.5).to(dt)
     weight, index = triton_router.route(x, inv, wg, k, True, H)
-    groups = triton_moe.group(index, E)
+    return SimpleNamespace(p=p, rand=rand, x=x, inv=inv, wg=wg, weight=weight, index=index,
+                           groups=triton_moe.group(index, E))
+
+
+def case(preset, dt=torch.bfloat16, dev="cuda"):
+    """(router_combine_backward's arguments, their traffic in bytes) at a preset: the routed
+    tokens of `routing`; ∂x_slot and the ∂w partial sums random, zero on padding slots."""
+    r = routing(preset, dt, dev)
+    B, H, D, F, E, k = (r.p[n] for n in ("B", "H", "D", "F", "E", "k"))
+    x, groups, rand = r.x, r.groups, r.rand
     valid = (groups.slot_pair < groups.pairs)[:, None]
     dx_slot = (rand(groups.slots, D) * valid).to(dt)
     gw_part = rand(groups.slots, triton_moe.gw_columns(D, F, True)) * valid
     traffic = (2 * x.numel() + dx_slot.numel()) * x.element_size() + 4 * (gw_part.numel() + B * D + B * H * E)
     print(f"\n{preset}: R={B * H}, D={D}, E={E}, k={k}, S={groups.slots}; traffic {traffic / 1e6:.0f} MB", flush=True)
-    return (x, inv, wg, weight, index, groups.pair_slot, dx_slot, gw_part, H, True, dt), traffic
+    return (x, r.inv, r.wg, r.weight, r.index, groups.pair_slot, dx_slot, gw_part, H, True, dt), traffic
 
 
-def _row(label, launcher, cfg, run, traffic, compare):
+def row(label, launcher, cfg, run, traffic, compare):
     """One printed row: run() (which returns the kernel's outputs) under launcher's config cfg, timed
     by gemm_probe.variant, with the traffic's rate and compare(outputs), a phrase; or why it
-    failed (a config that does not build or fit: the probe goes on)."""
+    failed (a config that does not build or fit: the probe goes on). Returns the median time in
+    ms: nan where it failed, or off the GPU (the interpreter runs it once, nothing is timed).
+    Only the last call's outputs are kept: the timing's CUDA graph replays thousands of calls."""
     try:
-        got = []
-        ms, compiled = variant(launcher, cfg, lambda: got.append(run()))
-        print(f"{label}  {ms * 1e3:7.1f} us {traffic / ms / 1e9:5.2f} TB/s  regs {compiled.n_regs} "
-              f"spills {compiled.n_spills}  {compare(got[-1])}", flush=True)
+        last = []
+
+        def call():
+            last[:] = [run()]
+        ms, compiled = variant(launcher, cfg, call)
+        print(f"{label}  {ms * 1e3:7.1f} us {traffic / ms / 1e9:5.2f} TB/s  regs {getattr(compiled, 'n_regs', '-')} "
+              f"spills {getattr(compiled, 'n_spills', '-')}  {compare(last[0])}", flush=True)
+        return ms
     except Exception as error:  # noqa: BLE001 - any failure is the row's result
         print(f"{label}  FAILED {type(error).__name__}: {str(error).splitlines()[0][:160]}", flush=True)
+        return float("nan")
 
 
 def route(x, inv, wg, top_k, horizons):
@@ -69,8 +86,8 @@ def route(x, inv, wg, top_k, horizons):
     compare = lambda got: (f"same experts {bool((got[1] == want_i).all())}, weights max diff "  # noqa: E731
                            f"{float((got[0] - want_w).abs().max()):.1e}")
     for cfg in ROUTE_CONFIGS:
-        _row(f"route BLOCK_R {cfg['BLOCK_R']:>3} warps {cfg['num_warps']}", triton_router._route, cfg,
-             lambda: triton_router.route(x, inv, wg, top_k, True, horizons), traffic, compare)
+        row(f"route BLOCK_R {cfg['BLOCK_R']:>3} warps {cfg['num_warps']}", triton_router._route, cfg,
+            lambda: triton_router.route(x, inv, wg, top_k, True, horizons), traffic, compare)
 
 
 def combine_backward(inputs, traffic):
@@ -82,8 +99,8 @@ def combine_backward(inputs, traffic):
         float((a.float() - b.float()).abs().max() / b.float().abs().max()) for a, b in zip(got, want)))
     for block_d in BLOCKS_D:
         for cfg in CONFIGS:
-            _row(f"BLOCK_D {block_d:>3} warps {cfg['num_warps']}", triton_router._combine_bwd, cfg,
-                 lambda: triton_router.router_combine_backward(*inputs, block_d=block_d), traffic, compare)
+            row(f"BLOCK_D {block_d:>3} warps {cfg['num_warps']}", triton_router._combine_bwd, cfg,
+                lambda: triton_router.router_combine_backward(*inputs, block_d=block_d), traffic, compare)
 
 
 def main():

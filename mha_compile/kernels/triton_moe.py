@@ -737,25 +737,38 @@ def gather_blocks_d(D):
     return block_d, triton.cdiv(D, block_d)
 
 
-def gather_rows(x, inv, groups, horizons, dtype, grad_out=None, weight=None, b2=None, gw=None, gb2_col=0):
+def gather_rows(x, inv, groups, horizons, dtype, grad_out=None, weight=None, b2=None, gw=None, gb2_col=0,
+                block_s=GATHER_BLOCK_S, block_d=None, num_warps=None):
     """(xs [S,D] in `dtype`, gs [S,D] in grad_out's dtype or None, db2 partials [S/16, D] fp32
     or None): the slot rows of x (+ inv[r // H]) and of grad_out, zero on padding slots; with b2
     (the backward), ⟨G, b2[e]⟩ into gw's columns from gb2_col on, and ∂b2's partial sums; see
-    _gather_rows_kernel."""
+    _gather_rows_kernel.
+    block_s, block_d, num_warps: the launch (bench/small_kernels_probe.py sweeps them); by default
+    GATHER_BLOCK_S, gather_blocks_d(D) and Triton's default warps (4). block_s divides the slot
+    count, and stays GATHER_BLOCK_S with b2 (bias_grads reads ∂b2's partials as sums of that many
+    slots); gw has one ⟨G, b2⟩ column a D block after gb2_col, and no more (the router's backward
+    adds up every column of a row)."""
     D = x.shape[1]
     xs = torch.empty(groups.slots, D, device=x.device, dtype=dtype)
     gs = None if grad_out is None else torch.empty(groups.slots, D, device=x.device, dtype=grad_out.dtype)
     has_b2 = b2 is not None
+    block_d, n_d = gather_blocks_d(D) if block_d is None else (block_d, triton.cdiv(D, block_d))
+    # plain ifs, not torch._check (~1.5 us of host a check, 5 calls a large step)
+    if groups.slots % block_s or (has_b2 and block_s != GATHER_BLOCK_S):
+        raise ValueError(f"gather_rows: BLOCK_S {block_s} for {groups.slots} slots"
+                         + (f" with b2 (which takes {GATHER_BLOCK_S})" if has_b2 else ""))
+    if has_b2 and gw.shape[1] != gb2_col + n_d:
+        raise ValueError(f"gather_rows: gw has {gw.shape[1]} columns, not {gb2_col} + {n_d} D blocks of {block_d}")
     db2 = (torch.empty(groups.slots // GATHER_BLOCK_S, D, device=x.device, dtype=torch.float32)
            if has_b2 else None)
-    block_d, n_d = gather_blocks_d(D)
-    _gather_rows_kernel[(groups.slots // GATHER_BLOCK_S, n_d)](
+    _gather_rows_kernel[(groups.slots // block_s, n_d)](
         x, x if inv is None else inv, x if gs is None else grad_out, groups.slot_pair, xs,
         xs if gs is None else gs, groups.tile_expert, weight if has_b2 else x, b2 if has_b2 else x,
         gw if has_b2 else x, db2 if has_b2 else x,
         groups.pairs, horizons, D, gw.shape[1] if has_b2 else 0, gb2_col,
         TOP_K=groups.pairs // x.shape[0], HAS_INV=inv is not None, HAS_G=gs is not None, HAS_B2=has_b2,
-        TILE=groups.tile, BLOCK_S=GATHER_BLOCK_S, BLOCK_D=block_d)
+        TILE=groups.tile, BLOCK_S=block_s, BLOCK_D=block_d,
+        **({} if num_warps is None else gpu_options(x, num_warps=num_warps)))
     return xs, gs, db2
 
 

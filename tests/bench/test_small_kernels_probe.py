@@ -1,0 +1,124 @@
+"""bench/small_kernels_probe.py without a GPU (TRITON_INTERPRET=1, tiny preset, fp32): its cases are
+real inputs, gather_rows' launch overrides reach the kernel and give the shipped rows, and every
+config the probe sweeps runs and agrees with the shipped one."""
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+import small_kernels_probe as probe  # noqa: E402
+
+from mha_compile.kernels import triton_matmul, triton_moe, triton_pool, triton_util  # noqa: E402
+
+pytestmark = [pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="the probe's kernels on the CPU need TRITON_INTERPRET=1"),
+              pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")]
+
+
+@pytest.fixture(scope="module")
+def case():
+    return probe.case("tiny", torch.float32, "cpu")
+
+
+def test_the_cases_are_real_inputs(case):
+    g = case.groups
+    valid = g.slot_pair < g.pairs
+    assert valid.sum() == g.pairs and (~valid).any()  # tiny pads its tiles
+    assert (case.du[valid] != 0).all() and (case.du[~valid] == 0).all()
+    for t in (case.x, case.inv, case.G, case.b2, case.weight, case.tok, case.q, case.wk, case.wv, case.wo,
+              case.grad_inv):
+        assert (t != 0).any()
+    bmm, no_autotune = triton_pool._bmm, triton_util.NO_AUTOTUNE
+    sites = probe.matmul_sites(case)
+    assert (triton_pool._bmm, triton_util.NO_AUTOTUNE) == (bmm, no_autotune)
+    # the pool's 7 projections, the forward's t̄ heads again in the backward
+    assert sum(len(s.calls) for s in sites) == 7 and len(sites) == 6
+    assert [len(s.calls) for s in sites if "_heads" in s.calls[0]] == [2]
+    assert all((s.a != 0).any() and (s.b != 0).any() and s.split == 0 for s in sites)
+    # the recorded operands give the products the pool wrote (fp32: torch.bmm), but for ∂t̄, over
+    # which the pool's backward kernel writes its ∂u partials
+    kept = [torch.allclose(s.out, torch.bmm(s.a, s.b), rtol=1e-6, atol=1e-6) for s in sites]
+    assert kept.count(False) == 1 and "out=grad_tbar" in sites[kept.index(False)].line
+
+
+class _Launches:
+    """Stands in for _gather_rows_kernel: records each launch's grid and meta-parameters, then runs
+    the kernel (in the interpreter, which takes no warps)."""
+
+    def __init__(self, kernel):
+        self.kernel, self.seen = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **meta):
+            self.seen.append((grid, meta))
+            return self.kernel[grid](*args, **{k: v for k, v in meta.items() if k not in ("num_warps", "num_stages")})
+        return launch
+
+
+@pytest.mark.parametrize("b2", [False, True])
+def test_gather_overrides_reach_the_kernel_and_give_the_shipped_rows(case, monkeypatch, b2):
+    g, D = case.groups, case.D
+    gb2_col = 2
+    # every launch option reaches the kernel; here, where the interpreter takes no warps too
+    monkeypatch.setattr(triton_moe, "gpu_options", lambda t, **options: options)
+    launches = _Launches(triton_moe._gather_rows_kernel)
+    monkeypatch.setattr(triton_moe, "_gather_rows_kernel", launches)
+
+    def gather(**overrides):
+        n_d = triton_moe.gather_blocks_d(D)[1] if "block_d" not in overrides else -(-D // overrides["block_d"])
+        gw = torch.full((g.slots, gb2_col + n_d), float("nan"))
+        xs, gs, db2 = triton_moe.gather_rows(case.x, case.inv, g, case.H, case.dt, case.G, case.weight,
+                                             case.b2 if b2 else None, gw, gb2_col, **overrides)
+        return (xs, gs) + ((db2, gw[:, gb2_col:]) if b2 else ())
+
+    want = gather()
+    grid, meta = launches.seen[-1]  # the shipped launch: 16 slots by all of D = 32, Triton's default warps
+    assert grid == (g.slots // 16, 1) and (meta["BLOCK_S"], meta["BLOCK_D"]) == (16, 32) and "num_warps" not in meta
+    assert (want[0] != 0).any() and (want[1] != 0).any()
+    # D = 32: block_d 16 takes two D blocks (two ⟨G, b2⟩ columns), 64 one; 96 slots take block_s 32
+    overrides = [dict(block_d=16), dict(block_d=64, num_warps=2), dict(num_warps=1)]
+    overrides += [] if b2 else [dict(block_s=32), dict(block_s=32, block_d=16, num_warps=8)]
+    for override in overrides:
+        got = gather(**override)
+        grid, meta = launches.seen[-1]
+        block_s, block_d = override.get("block_s", 16), override.get("block_d", 32)
+        assert grid == (g.slots // block_s, -(-D // block_d)), override
+        assert (meta["BLOCK_S"], meta["BLOCK_D"], meta.get("num_warps")) == (
+            block_s, block_d, override.get("num_warps")), override
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), override
+        if b2:
+            torch.testing.assert_close(got[2], want[2], rtol=1e-6, atol=1e-6)
+            assert got[3].isfinite().all(), override  # every ⟨G, b2⟩ column written
+            torch.testing.assert_close(got[3].sum(1), want[3].sum(1), rtol=1e-6, atol=1e-6)
+
+
+def test_gather_overrides_that_cannot_be_right_are_refused(case):
+    g, D = case.groups, case.D
+    gw = torch.empty(g.slots, 2 + 1)
+    with pytest.raises(ValueError, match="with b2"):  # ∂b2's partials are sums of 16 slots
+        triton_moe.gather_rows(case.x, case.inv, g, case.H, case.dt, case.G, case.weight, case.b2, gw, 2, block_s=32)
+    with pytest.raises(ValueError, match="columns"):  # two D blocks need two ⟨G, b2⟩ columns
+        triton_moe.gather_rows(case.x, case.inv, g, case.H, case.dt, case.G, case.weight, case.b2, gw, 2, block_d=16)
+    with pytest.raises(ValueError, match="96 slots"):
+        triton_moe.gather_rows(case.x, case.inv, g, case.H, case.dt, block_s=64)
+    assert D == 32 and g.slots == 96  # what the cases above assume
+
+
+def test_every_swept_config_runs_and_agrees_with_the_shipped_one(capsys):
+    launchers = (triton_moe._tile_sums, triton_matmul._matmul, triton_pool._attend)
+    before = [(l.kernel, l.configs, l.tuned) for l in launchers] + [triton_moe._gather_rows_kernel]
+    probe.probe("tiny", probe.KERNELS, torch.float32, "cpu")
+    out = capsys.readouterr().out
+    assert [(l.kernel, l.configs, l.tuned) for l in launchers] + [triton_moe._gather_rows_kernel] == before
+    assert "FAILED" not in out and "MISMATCH" not in out, out
+    rows = [line for line in out.splitlines() if line[:2] in ("* ", "+ ", "  ") and " us " in line]
+    shipped = [line.split()[1:3] for line in rows if line.startswith("* ")]
+    # one sweep each: tile_sums, the gather's three calls, the pool's 6 distinct matmuls, its forward
+    assert [name for name, _ in shipped] == ["tile_sums", "gather", "gather", "gather"] + ["matmul"] * 6 + ["pool"]
+    for launcher, name in zip(launchers, ("tile_sums", "matmul #0", "pool fwd")):
+        listed = [line for line in rows if line[2:].startswith(name)]
+        assert all(any(probe.describe(cfg) in line for line in listed) for cfg in launcher.configs), name
+    # the configs are run, not the shipped one again: other BLOCK_K sum the products in another order
+    assert any("max diff 0.0e+00" not in line for line in rows if "matmul" in line)
