@@ -355,8 +355,9 @@ def _act_kernel(u_ptr, h_ptr, du_ptr, n, ACT: tl.constexpr, BLOCK: tl.constexpr)
 @pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "silu"])
 def test_activations_against_float64(act):
     """act_fwd and act_bwd (∂h = 1) elementwise against float64 autograd of reference.act_forward,
-    over the tails and fresh random values: gelu's Φ is Abramowitz and Stegun 7.1.26 (|error| ≤
-    1.5e-7 in erf, so ≤ 3e-7·max(1, |u|) here; a wrong coefficient gives ≥ 1e-5)."""
+    over the tails and fresh random values, to fp32's rounding (4e-7·max(1, |u|)). Session 15 ran
+    gelu's Φ by Abramowitz and Stegun 7.1.26 here (≤ 3e-7; a wrong coefficient failed this test)
+    and took it out again: the Triton GEMM1 took 5-8% longer with it (gluon_moe keeps it)."""
     u = torch.cat([torch.linspace(-12, 12, 4001), torch.randn(999) * 3]).float()
     h, du = torch.empty_like(u), torch.empty_like(u)
     _act_kernel[(triton.cdiv(u.numel(), 1024),)](u, h, du, u.numel(), ACT=ACT_CODE[act], BLOCK=1024)
