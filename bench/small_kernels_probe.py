@@ -193,7 +193,8 @@ def gather(c):
     for name, run, traffic, copies, compared, block_s in calls:
         swept = [dict(block_s=s, block_d=d, num_warps=w) for s, d, w in tiles(block_s, GATHER_COLUMNS)
                  if g.slots % s == 0]
-        print(f"gather {name}: {traffic / 1e6:.0f} MB (shipped: Triton's default warps, 4)", flush=True)
+        warps = triton_moe.GATHER_B2_WARPS if name == "bwd b2" else "Triton's default, 4"
+        print(f"gather {name}: {traffic / 1e6:.0f} MB (shipped warps: {warps})", flush=True)
         sweep(f"gather {name}", _Plain(triton_moe, "_gather_rows_kernel"), ordered(first, *swept), run, traffic,
               copies=copies, compared=compared)
 

@@ -448,12 +448,15 @@ def _tile_sums_kernel(src_ptr, dst_ptr, N, TILE: tl.constexpr, BLOCK_R: tl.const
     In the hidden kernel's epilogue this column sum of the accumulator cost ~130 us a call at
     large; here a read of ∂u at memory speed costs about the same (155 us, bench/gemm_probe.py
     on the H200), and the epilogue is simpler."""
+    # A block of rows is at most a tile (TILE and BLOCK_R are powers of two): a config's BLOCK_R
+    # may pass the smaller TILEs, whose tiles would otherwise take the next tile's rows.
+    ROWS: tl.constexpr = BLOCK_R if BLOCK_R <= TILE else TILE
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
-    acc = tl.zeros([BLOCK_R, BLOCK], tl.float32)
-    for r0 in range(0, TILE, BLOCK_R):
-        rows = t * TILE + r0 + tl.arange(0, BLOCK_R)
+    acc = tl.zeros([ROWS, BLOCK], tl.float32)
+    for r0 in range(0, TILE, ROWS):
+        rows = t * TILE + r0 + tl.arange(0, ROWS)
         acc += tl.load(src_ptr + rows[:, None] * N + offs[None, :], mask=ok[None, :], other=0.0).to(tl.float32)
     tl.store(dst_ptr + t * N + offs, tl.sum(acc, axis=0), mask=ok)
 
@@ -533,8 +536,11 @@ _wgrad = Launcher(_moe_wgrad_kernel, [
     # Runs of 512 MiB (~6 experts) took the two GEMMs 1.98 -> 1.48 ms a step (7863c64).
     dict(BLOCK_I=64, BLOCK_J=128, BLOCK_S=64, num_warps=4, num_stages=4),
 ], key=["I", "J", "E", "SPLIT", "TILE", "HAS_B2", "ACCUMULATE"], restore=["dw_ptr", "dw2_ptr"])
-# BLOCK_R is at most TILE's least value, 16 (tile_rows).
+# BLOCK_R is clipped to TILE in the kernel. [64, 64] blocks at 4 warps: 145 against 154 us a large
+# whole-layout call (the autotuner's pick before, [64, 16] at 2 warps), 20.5 against 24.9 at
+# medium (bench/small_kernels_probe.py, H200).
 _tile_sums = Launcher(_tile_sums_kernel, [
+    dict(BLOCK=64, BLOCK_R=64, num_warps=4, num_stages=3),
     dict(BLOCK=128, BLOCK_R=16, num_warps=4, num_stages=3),
     dict(BLOCK=256, BLOCK_R=16, num_warps=4, num_stages=3),
     dict(BLOCK=64, BLOCK_R=16, num_warps=2, num_stages=3),
@@ -730,6 +736,10 @@ def _act(act):
 # GATHER_BLOCK_D columns (one ∂w column of ⟨G, b2⟩ each).
 GATHER_BLOCK_S = 16
 GATHER_BLOCK_D = 128
+# With b2 (the backward's second gather: ⟨G, b2⟩ and ∂b2's partial sums beside the copies), 2
+# warps a program: 169 against 228 us a large whole-layout call at Triton's default 4, 22 against
+# 32 at medium (bench/small_kernels_probe.py, H200). The plain copies are fastest at 4.
+GATHER_B2_WARPS = 2
 
 
 def gather_blocks_d(D):
@@ -744,7 +754,7 @@ def gather_rows(x, inv, groups, horizons, dtype, grad_out=None, weight=None, b2=
     (the backward), ⟨G, b2[e]⟩ into gw's columns from gb2_col on, and ∂b2's partial sums; see
     _gather_rows_kernel.
     block_s, block_d, num_warps: the launch (bench/small_kernels_probe.py sweeps them); by default
-    GATHER_BLOCK_S, gather_blocks_d(D) and Triton's default warps (4). block_s divides the slot
+    GATHER_BLOCK_S, gather_blocks_d(D) and Triton's default warps (4), GATHER_B2_WARPS with b2. block_s divides the slot
     count, and stays GATHER_BLOCK_S with b2 (bias_grads reads ∂b2's partials as sums of that many
     slots); gw has one ⟨G, b2⟩ column a D block after gb2_col, and no more (the router's backward
     adds up every column of a row)."""
@@ -753,6 +763,8 @@ def gather_rows(x, inv, groups, horizons, dtype, grad_out=None, weight=None, b2=
     gs = None if grad_out is None else torch.empty(groups.slots, D, device=x.device, dtype=grad_out.dtype)
     has_b2 = b2 is not None
     block_d, n_d = gather_blocks_d(D) if block_d is None else (block_d, triton.cdiv(D, block_d))
+    if num_warps is None and has_b2:
+        num_warps = GATHER_B2_WARPS
     # plain ifs, not torch._check (~1.5 us of host a check, 5 calls a large step)
     if groups.slots % block_s or (has_b2 and block_s != GATHER_BLOCK_S):
         raise ValueError(f"gather_rows: BLOCK_S {block_s} for {groups.slots} slots"

@@ -244,11 +244,13 @@ _POOL_CONFIGS = [
     dict(BLOCK_N=16, num_warps=16, num_stages=2),
     dict(BLOCK_N=32, num_warps=8, num_stages=3),
     dict(BLOCK_N=16, num_warps=4, num_stages=4),
+    # The forward at large: 222 against 239 us with 3 stages (bench/small_kernels_probe.py, H200).
+    dict(BLOCK_N=32, num_warps=4, num_stages=2),
 ]
 # No BLOCK_N 64 here: there both of the forward's dots are wgmma, and Triton 3.6 fails to build
 # that (TritonGPUOptimizeDotOperands) at many shapes (D = 100, 40, 24; D = 16 and 32 at some
 # warps), though it took medium's to 20 us a call; a build failure inside autotuning is not
-# skipped but raised. The six configs above build at every N in (5, 37, 128), D in (8 … 1024)
+# skipped but raised. The seven configs above build at every N in (5, 37, 128), D in (8 … 1024)
 # and P dividing D tried offline (sm_90a).
 _attend = Launcher(_pool_fwd_kernel, _POOL_CONFIGS, key=["N", "D", "P", "HAS_MASK", "SPLIT_DOT"])
 _attend_bwd_scores = Launcher(_pool_bwd_scores_kernel, _POOL_CONFIGS, key=["N", "D", "P", "SPLIT_DOT"])

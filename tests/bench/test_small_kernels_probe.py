@@ -74,8 +74,10 @@ def test_gather_overrides_reach_the_kernel_and_give_the_shipped_rows(case, monke
         return (xs, gs) + ((db2, gw[:, gb2_col:]) if b2 else ())
 
     want = gather()
-    grid, meta = launches.seen[-1]  # the shipped launch: 16 slots by all of D = 32, Triton's default warps
-    assert grid == (g.slots // 16, 1) and (meta["BLOCK_S"], meta["BLOCK_D"]) == (16, 32) and "num_warps" not in meta
+    grid, meta = launches.seen[-1]  # the shipped launch: 16 slots by all of D = 32, Triton's default
+    # warps (GATHER_B2_WARPS with b2)
+    assert grid == (g.slots // 16, 1) and (meta["BLOCK_S"], meta["BLOCK_D"]) == (16, 32)
+    assert meta.get("num_warps") == (triton_moe.GATHER_B2_WARPS if b2 else None)
     assert (want[0] != 0).any() and (want[1] != 0).any()
     # D = 32: block_d 16 takes two D blocks (two ⟨G, b2⟩ columns), 64 one; 96 slots take block_s 32
     overrides = [dict(block_d=16), dict(block_d=64, num_warps=2), dict(num_warps=1)]
@@ -86,7 +88,7 @@ def test_gather_overrides_reach_the_kernel_and_give_the_shipped_rows(case, monke
         block_s, block_d = override.get("block_s", 16), override.get("block_d", 32)
         assert grid == (g.slots // block_s, -(-D // block_d)), override
         assert (meta["BLOCK_S"], meta["BLOCK_D"], meta.get("num_warps")) == (
-            block_s, block_d, override.get("num_warps")), override
+            block_s, block_d, override.get("num_warps", triton_moe.GATHER_B2_WARPS if b2 else None)), override
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), override
         if b2:
             torch.testing.assert_close(got[2], want[2], rtol=1e-6, atol=1e-6)
