@@ -52,7 +52,7 @@
 #   bash bench/h200_session.sh small-kernels  # the other small kernels alone under each launch config:
 #                                      # ∂b1's tile sums, the slot-row gathers, the pool's fp32 projections
 #                                      # and its forward (bench/small_kernels_probe.py, medium and large;
-#                                      # ~3 min, estimated): run.log, small_kernels_probe.txt
+#                                      # ~1-2 min): run.log, small_kernels_probe.txt
 #   bash bench/h200_session.sh host-large  # host time per piece at large (bench/host_time.py, 5 calls a
 #                                      # piece: more would fill CUDA's launch queue and time the GPU instead;
 #                                      # ~5 min of compiling): run.log, host_time_large.txt

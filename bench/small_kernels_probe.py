@@ -4,8 +4,9 @@ warp a program).
 
     PYTHONPATH=. python bench/small_kernels_probe.py [--presets medium,large] [--kernels tile_sums,gather,matmul,pool]
 
-On the H200 (bf16; ~3 min for both presets, estimated, not yet measured), at each preset on the
-router's grouping of random tokens (bench/router_probe.py's `routing`), the whole slot layout:
+On the H200 (bf16; ~1-2 min for both presets; bench/results/small_kernels_probe.txt), at each
+preset on the router's grouping of random tokens (bench/router_probe.py's `routing`), the whole
+slot layout:
   tile_sums  triton_moe._tile_sums_kernel on ∂u [S,F] (∂b1's per-tile sums in the backward):
              BLOCK × BLOCK_R × warps
   gather     triton_moe._gather_rows_kernel as the step calls it (at large in runs of tiles, 2 in

@@ -754,10 +754,10 @@ def gather_rows(x, inv, groups, horizons, dtype, grad_out=None, weight=None, b2=
     (the backward), ⟨G, b2[e]⟩ into gw's columns from gb2_col on, and ∂b2's partial sums; see
     _gather_rows_kernel.
     block_s, block_d, num_warps: the launch (bench/small_kernels_probe.py sweeps them); by default
-    GATHER_BLOCK_S, gather_blocks_d(D) and Triton's default warps (4), GATHER_B2_WARPS with b2. block_s divides the slot
-    count, and stays GATHER_BLOCK_S with b2 (bias_grads reads ∂b2's partials as sums of that many
-    slots); gw has one ⟨G, b2⟩ column a D block after gb2_col, and no more (the router's backward
-    adds up every column of a row)."""
+    GATHER_BLOCK_S, gather_blocks_d(D) and Triton's default warps (4), or GATHER_B2_WARPS with b2.
+    block_s divides the slot count, and stays GATHER_BLOCK_S with b2 (bias_grads reads ∂b2's
+    partials as sums of that many slots); gw has one ⟨G, b2⟩ column a D block after gb2_col, and
+    no more (the router's backward adds up every column of a row)."""
     D = x.shape[1]
     xs = torch.empty(groups.slots, D, device=x.device, dtype=dtype)
     gs = None if grad_out is None else torch.empty(groups.slots, D, device=x.device, dtype=grad_out.dtype)
