@@ -50,7 +50,8 @@ DTYPES = (torch.bfloat16, torch.float16)
 # erf, gelu took 1577-1592 us a large call in jobs of [128, 64] against 1641-1693 in [64, 128]; with
 # the A&S gelu, 1670-1681 against 1480-1544, and the other activations 0-5% less in [64, 128]
 # (gluon_probe.txt, run 10), so every TILE now takes [64, 128].
-CONFIGS = {128: dict(tile_m=64, block_n=128, block_k=64, nbuf=3), 64: dict(tile_m=64, block_n=128, block_k=64, nbuf=3)}
+_CONFIG = dict(tile_m=64, block_n=128, block_k=64, nbuf=3)
+CONFIGS = {128: _CONFIG, 64: _CONFIG}
 # swiglu holds three accumulators (u, u3 = xs W3, g): jobs of [64, 64] keep them at 32 registers a
 # thread each; a stage is then 40 KiB (five tiles), 168 KiB with the staging tiles.
 SWIGLU_CONFIG = dict(tile_m=64, block_n=64, block_k=64, nbuf=3)
