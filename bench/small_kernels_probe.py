@@ -40,7 +40,6 @@ import triton
 from router_probe import routing, row
 from mha_compile.kernels import reference, triton_matmul, triton_moe, triton_pool, triton_util
 
-KERNELS = ("tile_sums", "gather", "matmul", "pool")
 WARPS = (1, 2, 4, 8)
 VALUES = 32  # values a thread in the swept tiles: BLOCK·BLOCK_R (tile_sums), block_s·block_d (gather)
 TOLERANCE = 1e-5  # sums in another order: the largest difference, relative to the largest value
@@ -265,6 +264,7 @@ def pool(c):
 
 
 PROBES = dict(tile_sums=tile_sums, gather=gather, matmul=matmul, pool=pool)
+KERNELS = tuple(PROBES)
 
 
 def probe(preset, kernels, dt, dev):
