@@ -1,5 +1,6 @@
-"""The MoE backward's hidden kernel in Gluon (mha_compile/kernels/gluon_moe.py, warp-specialised
-ping-pong) against the Triton one (triton_moe._moe_bwd_hidden_kernel), under each config.
+"""The MoE backward's hidden kernel in Gluon (mha_compile/kernels/gluon_moe.py, warp-specialised:
+ping-pong, and cooperative at large) against the Triton one (triton_moe._moe_bwd_hidden_kernel),
+under each config.
 
     PYTHONPATH=. python bench/gluon_probe.py [--presets medium,large]   # H200
     PYTHONPATH=. python bench/gluon_probe.py --offline                  # no GPU: compile for sm_90a
@@ -33,6 +34,9 @@ from mha_compile.kernels import gluon_moe
 # Run 3 (gluon_moe, no spills in either): 1622 and 1681.
 CONFIGS = [dict(tile_m=64, block_n=128, block_k=64, nbuf=3), dict(tile_m=128, block_n=64, block_k=64, nbuf=3),
            dict(tile_m=64, block_n=128, block_k=32, nbuf=6), dict(tile_m=64, block_n=128, block_k=32, nbuf=4)]
+# The cooperative kernel's ([128, 128] jobs, two consumers on one stage's W tiles): the first is
+# gluon_moe.COOP_CONFIG (TILE 128 at D ≥ COOP_MIN_D); BK 64 with 2 stages lost by ~25% (run 14).
+COOP_CONFIGS = [gluon_moe.COOP_CONFIG, dict(tile_m=128, block_n=128, block_k=32, nbuf=4, coop=True)]
 
 
 def compile_offline(kernel, args, constexprs, num_warps=4):
@@ -52,20 +56,24 @@ def compile_offline(kernel, args, constexprs, num_warps=4):
 
 
 def offline_configs(act):
-    """The configs --offline compiles for `act`: every one for gelu, the shipped one for the rest."""
-    return CONFIGS if act == "gelu" else [gluon_moe.SWIGLU_CONFIG if act == "swiglu" else CONFIGS[0]]
+    """The configs --offline compiles for `act`: every one for gelu, the shipped ones for the rest."""
+    if act == "swiglu":
+        return [gluon_moe.SWIGLU_CONFIG]
+    return CONFIGS + COOP_CONFIGS if act == "gelu" else [CONFIGS[0], COOP_CONFIGS[0]]
 
 
-def offline(act="gelu", tile_m=64, block_n=128, block_k=64, nbuf=3):
-    """compile_offline of gluon_moe's hidden kernel for `act` under one config."""
+def offline(act="gelu", tile_m=64, block_n=128, block_k=64, nbuf=3, coop=False):
+    """compile_offline of gluon_moe's hidden kernel (the cooperative one with coop) for `act`
+    under one config."""
     E, D, F, S = 2, 2 * block_k, 2 * block_n, 256
     bf = lambda *shape: torch.empty(*shape, dtype=torch.bfloat16)  # noqa: E731
     xs, gs, w1, w2, b1, hw, du = bf(S, D), bf(S, D), bf(E, D, F), bf(E, F, D), bf(E, F), bf(S, F), bf(S, F)
     weight, gw, index = torch.empty(S), torch.empty(S, 8), torch.empty(S, dtype=torch.int32)
     w3, du3 = (bf(E, D, F), bf(S, F)) if act == "swiglu" else (None, None)
-    kernel = gluon_moe._hidden_kernel
-    args = dict(zip(kernel.arg_names, gluon_moe.kernel_args(xs, gs, w1, w2, b1, weight, gw, hw, du,
-                                                            tile_m, block_n, block_k, w3, du3)))
+    kernel = gluon_moe._hidden_coop_kernel if coop else gluon_moe._hidden_kernel
+    tensors = gluon_moe.kernel_args(xs, gs, w1, w2, b1, weight, gw, hw, du, tile_m // 2 if coop else tile_m,
+                                    block_n, block_k, w3, du3)
+    args = dict(zip(kernel.arg_names, tensors[:6] + tensors[8:] if coop else tensors))
     args.update(slot_pair_ptr=index, tile_expert_ptr=index, PAIRS=1000, D=D, F=F, GW_COLS=40, NUM_JOBS=1000,
                 has_b1=3, TILE=128)
     return compile_offline(kernel, args, dict(ACT=gluon_moe.ACTS[act], NBUF=nbuf,
@@ -161,7 +169,7 @@ def probe_preset(c):
         err = lambda got: max(float((g.float() - w).norm() / w.norm()) for g, w in zip(got, want))  # noqa: E731
         if act == "gelu":
             _time("hidden triton", triton_hidden, flops, err)
-        for cfg in CONFIGS if act == "gelu" else CONFIGS[:2]:
+        for cfg in CONFIGS + COOP_CONFIGS if act == "gelu" else CONFIGS[:2] + COOP_CONFIGS[:1]:
             _time(f"hidden gluon {act}", lambda: gluon_hidden(cfg, act), flops, err, cfg)
 
 

@@ -23,7 +23,9 @@ takes CUTLASS's "ping-pong" shape:
 One program per SM walks the jobs, a row block's F blocks adjacent. A job is 64 slot rows by
 128 columns (one m64n128 wgmma a K step and accumulator). On the H200, bf16, gelu
 (bench/gluon_probe.py, bench/results/gluon_probe.txt, run 10): 1480-1544 against the Triton
-kernel's ~2100 us a large-preset call, 146 against 213 at medium.
+kernel's ~2100 us a large-preset call, 146 against 213 at medium. At TILE 128 with D ≥ 512 the
+cooperative form below (_hidden_coop_kernel) runs instead: both consumers on each job's 128 rows,
+so the W tiles are loaded once for 128 rows rather than 64.
 """
 import contextlib
 import functools
@@ -52,6 +54,11 @@ DTYPES = (torch.bfloat16, torch.float16)
 # (gluon_probe.txt, run 10), so every TILE now takes [64, 128].
 _CONFIG = dict(tile_m=64, block_n=128, block_k=64, nbuf=3)
 CONFIGS = {128: _CONFIG, 64: _CONFIG}
+# The cooperative kernel (_hidden_coop_kernel) instead at TILE 128 without swiglu where D ≥
+# COOP_MIN_D: jobs of [128, 128], 5 stages of 32 KiB and 64 KiB of staging tiles (224 KiB). BK 64
+# with 2 stages took 1862-1870 us at large against 1449-1457 (gluon_probe.txt, run 14).
+COOP_CONFIG = dict(tile_m=128, block_n=128, block_k=32, nbuf=5, coop=True)
+COOP_MIN_D = 512
 # swiglu holds three accumulators (u, u3 = xs W3, g): jobs of [64, 64] keep them at 32 registers a
 # thread each; a stage is then 40 KiB (five tiles), 168 KiB with the staging tiles.
 SWIGLU_CONFIG = dict(tile_m=64, block_n=64, block_k=64, nbuf=3)
@@ -90,10 +97,17 @@ def unsupported(xs, gs, w1, w2, w3, act, tile, capability=None):
     if why is not None:
         return why
     D, F = w1.shape[1], w1.shape[2]
-    if tile not in CONFIGS or F % F_MULTIPLE or D % CONFIGS[tile]["block_k"]:
+    if tile not in CONFIGS or F % F_MULTIPLE or D % _CONFIG["block_k"]:
         return (f"D={D}, F={F}, TILE={tile}: needs TILE in {sorted(CONFIGS)}, F a multiple of {F_MULTIPLE}"
-                f" and D of {CONFIGS[max(CONFIGS)]['block_k']}")
+                f" and D of {_CONFIG['block_k']}")
     return None
+
+
+def default_config(act, tile, D):
+    """The hidden kernel's config for these operands (`unsupported` found nothing against them)."""
+    if act == "swiglu":
+        return SWIGLU_CONFIG
+    return COOP_CONFIG if tile == 128 and D >= COOP_MIN_D else CONFIGS[tile]
 
 
 @gluon.jit
@@ -133,6 +147,51 @@ def _job(job, F, TILE, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr):
     r = job // blocks
     row = r * TILE_M
     return row, row // TILE, job - r * blocks
+
+
+@gluon.jit
+def _epilogue(acc_u, acc_g, acc_u3, w, valid, offs_s, offs_n, row, n, bufs, descs, gw_ptr, GW_COLS,
+              ACT: gl.constexpr):
+    """A job's epilogue, from u (b1 added) and g (and swiglu's u3) [rows, BLOCK_N] fp32: the ∂w
+    partials into gw, hw and ∂u (∂u3) through this consumer's staging tiles `bufs` by TMA stores
+    (`descs`: hw, ∂u, ∂u3 or ∂u's again). w, valid, offs_s: the rows' weights, whether each is a
+    pair (not padding) and their slots; offs_n: the job's columns, its n-th F block."""
+    hw_buf, du_buf, du3_buf = bufs
+    hw_desc, du_desc, du3_desc = descs
+    BLOCK_N: gl.constexpr = hw_desc.block_type.shape[1]
+    NB: gl.constexpr = BLOCK_N // _GW_BLOCK  # ∂w partial columns a job
+    if ACT == 3:  # swiglu: h = silu(u) u3, ∂u = w g u3 silu′(u), ∂u3 = w g silu(u)
+        sig = 1.0 / (1.0 + gl.exp(-acc_u))
+        silu = acc_u * sig
+        h = silu * acc_u3
+        dact = acc_u3 * (sig * (1.0 + acc_u * (1.0 - sig)))
+    else:
+        h, dact = _act(acc_u, ACT)
+        silu = h
+    # gelu stages ∂u before the ∂w sums, so that act′ is dead by then: its A&S form
+    # spills 850-930 bytes a thread otherwise. The other activations stage it after, which
+    # took them 1-5% less at large (bench/results/gluon_probe.txt, run 10).
+    keep = valid[:, None]
+    if ACT == 0:
+        tma.store_wait(0)  # this consumer's last stores have left its staging tiles
+        _stage_du(du_buf, du3_buf, (w[:, None] * acc_g), dact, silu, keep, ACT)
+    hg = h * acc_g
+    if NB == 1:  # the job is one ∂w block: no column mask
+        gl.store(gw_ptr + offs_s * GW_COLS + n, gl.where(valid, gl.sum(hg, axis=1), 0.0))
+    else:
+        for c in gl.static_range(NB):
+            lo = n * BLOCK_N + c * _GW_BLOCK
+            part = gl.where(((offs_n >= lo) & (offs_n < lo + _GW_BLOCK))[None, :], hg, 0.0)
+            gl.store(gw_ptr + offs_s * GW_COLS + n * NB + c, gl.where(valid, gl.sum(part, axis=1), 0.0))
+    if ACT != 0:
+        tma.store_wait(0)
+        _stage_du(du_buf, du3_buf, (w[:, None] * acc_g), dact, silu, keep, ACT)
+    hw_buf.store(gl.where(keep, w[:, None] * h, 0.0).to(hw_desc.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(hw_desc, [row, n * BLOCK_N], hw_buf)
+    tma.async_copy_shared_to_global(du_desc, [row, n * BLOCK_N], du_buf)
+    if ACT == 3:
+        tma.async_copy_shared_to_global(du3_desc, [row, n * BLOCK_N], du3_buf)
 
 
 # Every partition takes (descs, bufs, bars, ptrs, sizes) (+ its own): worker partitions take no
@@ -193,7 +252,6 @@ def _consume(descs, bufs, bars, ptrs, sizes, which, ACT: gl.constexpr):
     BLOCK_K: gl.constexpr = xs_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w1_desc.block_type.shape[1]
     NBUF: gl.constexpr = xs_bufs.type.shape[0]
-    NB: gl.constexpr = BLOCK_N // _GW_BLOCK  # ∂w partial columns a job
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
     rows_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
@@ -251,40 +309,8 @@ def _consume(descs, bufs, bars, ptrs, sizes, which, ACT: gl.constexpr):
             mbarrier.arrive(empty.index(prev), count=1)
             mbarrier.arrive(turn.index(1 - which), count=1)  # the other consumer's K loop may start
             own += 1
-            acc_u = acc_u + bias[None, :]
-
-            if ACT == 3:  # swiglu: h = silu(u) u3, ∂u = w g u3 silu′(u), ∂u3 = w g silu(u)
-                sig = 1.0 / (1.0 + gl.exp(-acc_u))
-                silu = acc_u * sig
-                h = silu * acc_u3
-                dact = acc_u3 * (sig * (1.0 + acc_u * (1.0 - sig)))
-            else:
-                h, dact = _act(acc_u, ACT)
-                silu = h
-            # gelu stages ∂u before the ∂w sums, so that act′ is dead by then: its A&S form
-            # spills 850-930 bytes a thread otherwise. The other activations stage it after, which
-            # took them 1-5% less at large (bench/results/gluon_probe.txt, run 10).
-            keep = valid[:, None]
-            if ACT == 0:
-                tma.store_wait(0)  # this consumer's last stores have left its staging tiles
-                _stage_du(du_buf, du3_buf, (w[:, None] * acc_g), dact, silu, keep, ACT)
-            hg = h * acc_g
-            if NB == 1:  # the job is one ∂w block: no column mask
-                gl.store(gw_ptr + offs_s * GW_COLS + n, gl.where(valid, gl.sum(hg, axis=1), 0.0))
-            else:
-                for c in gl.static_range(NB):
-                    lo = n * BLOCK_N + c * _GW_BLOCK
-                    part = gl.where(((offs_n >= lo) & (offs_n < lo + _GW_BLOCK))[None, :], hg, 0.0)
-                    gl.store(gw_ptr + offs_s * GW_COLS + n * NB + c, gl.where(valid, gl.sum(part, axis=1), 0.0))
-            if ACT != 0:
-                tma.store_wait(0)
-                _stage_du(du_buf, du3_buf, (w[:, None] * acc_g), dact, silu, keep, ACT)
-            hw_buf.store(gl.where(keep, w[:, None] * h, 0.0).to(hw_desc.dtype))
-            fence_async_shared()
-            tma.async_copy_shared_to_global(hw_desc, [row, n * BLOCK_N], hw_buf)
-            tma.async_copy_shared_to_global(du_desc, [row, n * BLOCK_N], du_buf)
-            if ACT == 3:
-                tma.async_copy_shared_to_global(du3_desc, [row, n * BLOCK_N], du3_buf)
+            _epilogue(acc_u + bias[None, :], acc_g, acc_u3, w, valid, offs_s, offs_n, row, n,
+                      (hw_buf, du_buf, du3_buf), (hw_desc, du_desc, du3_desc), gw_ptr, GW_COLS, ACT)
         i += 1
     tma.store_wait(0)
 
@@ -368,6 +394,146 @@ def _hidden_kernel(xs_desc, gs_desc, w1_desc, w2_desc, hw_desc, du_desc, w3_desc
                             (_produce_three, args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
+# ---------------------------------------------------------------------------------------------
+# The hidden kernel, cooperative (TILE 128, no swiglu, D ≥ COOP_MIN_D): a job is a tile's 128 rows
+# by BLOCK_N columns; a producer warp fills the ring with xs's and gs's two [64, BK] halves and one
+# W1 and one W2 block a stage, and two consumer warpgroups each own 64 rows of every job, both
+# reading the stage's W blocks (the cooperative ring of the weight-gradient kernel below, "empty"
+# counting both). A [64, 128] unit of work then loads 32 KiB a K step instead of the ping-pong's
+# 48: that kernel is bound by its tile loads at large (its K loop with no wgmmas alone takes 1208
+# of ~1480 us, gluon_probe.txt run 13). The price: both consumers run their epilogues at once,
+# where the ping-pong hides one behind the other's dots, so the short K loops of D = 256 (medium)
+# gain nothing. H200, bf16, BK 32 with 5 stages against the ping-pong (run 14, side by side,
+# twice): large gelu 1449-1457 against 1473-1526 us, silu 1334-1343 against 1426-1485; medium
+# gelu 147-148 against 146, silu 129 against 124-126.
+
+
+@gluon.jit
+def _coop_produce(descs, bufs, bars, ptrs, sizes):
+    xs_desc, gs_desc, w1_desc, w2_desc, hw_desc, du_desc = descs
+    xs_bufs, gs_bufs, w1_bufs, w2_bufs, hw_bufs, du_bufs = bufs
+    ready, empty = bars
+    b1_ptr, weight_ptr, gw_ptr, slot_pair_ptr, tile_expert_ptr = ptrs
+    PAIRS, D, F, GW_COLS, NUM_JOBS, has_b1, TILE = sizes
+    HALF: gl.constexpr = xs_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = xs_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = w1_desc.block_type.shape[1]
+    nbytes: gl.constexpr = 4 * xs_desc.block_type.nbytes + 2 * w1_desc.block_type.nbytes
+    ksteps = D // BLOCK_K
+    pos = 0
+    for job in range(gl.program_id(0), NUM_JOBS, gl.num_programs(0)):
+        row, t, n = _job(job, F, TILE, 2 * HALF, BLOCK_N)
+        e = gl.load(tile_expert_ptr + t)
+        for k in range(ksteps):
+            stage = _ring_claim(ready, empty, pos, nbytes)
+            bar = ready.index(stage)
+            tma.async_copy_global_to_shared(w1_desc, [e * D + k * BLOCK_K, n * BLOCK_N], bar, w1_bufs.index(stage))
+            tma.async_copy_global_to_shared(xs_desc, [row, k * BLOCK_K], bar, xs_bufs.index(2 * stage))
+            tma.async_copy_global_to_shared(xs_desc, [row + HALF, k * BLOCK_K], bar, xs_bufs.index(2 * stage + 1))
+            tma.async_copy_global_to_shared(w2_desc, [e * F + n * BLOCK_N, k * BLOCK_K], bar, w2_bufs.index(stage))
+            tma.async_copy_global_to_shared(gs_desc, [row, k * BLOCK_K], bar, gs_bufs.index(2 * stage))
+            tma.async_copy_global_to_shared(gs_desc, [row + HALF, k * BLOCK_K], bar, gs_bufs.index(2 * stage + 1))
+            pos += 1
+
+
+@gluon.jit
+def _coop_consume(descs, bufs, bars, ptrs, sizes, which, ACT: gl.constexpr):
+    """Rows [which·64, which·64 + 64) of every job's 128: both dots over the ring, then _epilogue."""
+    xs_desc, gs_desc, w1_desc, w2_desc, hw_desc, du_desc = descs
+    xs_bufs, gs_bufs, w1_bufs, w2_bufs, hw_bufs, du_bufs = bufs
+    ready, empty = bars
+    b1_ptr, weight_ptr, gw_ptr, slot_pair_ptr, tile_expert_ptr = ptrs
+    PAIRS, D, F, GW_COLS, NUM_JOBS, has_b1, TILE = sizes
+    HALF: gl.constexpr = xs_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = xs_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = w1_desc.block_type.shape[1]
+    NBUF: gl.constexpr = w1_bufs.type.shape[0]
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+    rows_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    cols_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
+    staging = (hw_bufs.index(which), du_bufs.index(which), du_bufs.index(which))
+    ksteps = D // BLOCK_K
+    pos = 0
+    for job in range(gl.program_id(0), NUM_JOBS, gl.num_programs(0)):
+        row, t, n = _job(job, F, TILE, 2 * HALF, BLOCK_N)
+        row = row + which * HALF
+        e = gl.load(tile_expert_ptr + t)
+        offs_n = n * BLOCK_N + gl.arange(0, BLOCK_N, layout=cols_layout)
+        # The epilogue's operands are loaded before the dots, and b1 added after them (see
+        # _consume: an accumulator written before the K loop serialises every wgmma, C7515).
+        offs_s = row + gl.arange(0, HALF, layout=rows_layout)
+        pair = gl.load(slot_pair_ptr + offs_s)
+        valid = pair < PAIRS
+        w = gl.load(weight_ptr + pair, mask=valid, other=0.0)
+        bias = gl.zeros([BLOCK_N], gl.float32, cols_layout)
+        if has_b1 != 0:
+            bias = gl.load(b1_ptr + e * F + offs_n).to(gl.float32)
+        acc_u = gl.zeros([HALF, BLOCK_N], gl.float32, acc_layout)
+        acc_g = gl.zeros([HALF, BLOCK_N], gl.float32, acc_layout)
+        for k in range(ksteps):
+            stage = pos % NBUF
+            mbarrier.wait(ready.index(stage), (pos // NBUF) & 1)
+            acc_u = warpgroup_mma(xs_bufs.index(2 * stage + which), w1_bufs.index(stage), acc_u, is_async=True)
+            acc_g = warpgroup_mma(gs_bufs.index(2 * stage + which), w2_bufs.index(stage).permute((1, 0)), acc_g,
+                                  is_async=True)
+            # This step's wgmmas stay in flight: the step before has read its stage.
+            acc_u, acc_g = warpgroup_mma_wait(num_outstanding=2, deps=(acc_u, acc_g))
+            if k > 0:
+                mbarrier.arrive(empty.index((pos + NBUF - 1) % NBUF), count=1)
+            pos += 1
+        acc_u, acc_g = warpgroup_mma_wait(num_outstanding=0, deps=(acc_u, acc_g))
+        mbarrier.arrive(empty.index((pos + NBUF - 1) % NBUF), count=1)
+        _epilogue(acc_u + bias[None, :], acc_g, acc_g, w, valid, offs_s, offs_n, row, n, staging,
+                  (hw_desc, du_desc, du_desc), gw_ptr, GW_COLS, ACT)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _coop_consume_gelu(descs, bufs, bars, ptrs, sizes, which):
+    _coop_consume(descs, bufs, bars, ptrs, sizes, which, 0)
+
+
+@gluon.jit
+def _coop_consume_gelu_tanh(descs, bufs, bars, ptrs, sizes, which):
+    _coop_consume(descs, bufs, bars, ptrs, sizes, which, 1)
+
+
+@gluon.jit
+def _coop_consume_silu(descs, bufs, bars, ptrs, sizes, which):
+    _coop_consume(descs, bufs, bars, ptrs, sizes, which, 2)
+
+
+@gluon.jit
+def _hidden_coop_kernel(xs_desc, gs_desc, w1_desc, w2_desc, hw_desc, du_desc,
+                        b1_ptr, weight_ptr, gw_ptr, slot_pair_ptr, tile_expert_ptr,
+                        PAIRS, D, F, GW_COLS, NUM_JOBS, has_b1, TILE,
+                        ACT: gl.constexpr, NBUF: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                        PRODUCER_REGS: gl.constexpr):
+    dtype: gl.constexpr = xs_desc.dtype
+    xs_bufs = gl.allocate_shared_memory(dtype, [2 * NBUF] + xs_desc.block_type.shape, xs_desc.layout)
+    gs_bufs = gl.allocate_shared_memory(dtype, [2 * NBUF] + gs_desc.block_type.shape, gs_desc.layout)
+    w1_bufs = gl.allocate_shared_memory(dtype, [NBUF] + w1_desc.block_type.shape, w1_desc.layout)
+    w2_bufs = gl.allocate_shared_memory(dtype, [NBUF] + w2_desc.block_type.shape, w2_desc.layout)
+    hw_bufs = gl.allocate_shared_memory(dtype, [2] + hw_desc.block_type.shape, hw_desc.layout)
+    du_bufs = gl.allocate_shared_memory(dtype, [2] + du_desc.block_type.shape, du_desc.layout)
+    ready, empty = _ring_barriers(NBUF)
+    args = ((xs_desc, gs_desc, w1_desc, w2_desc, hw_desc, du_desc),
+            (xs_bufs, gs_bufs, w1_bufs, w2_bufs, hw_bufs, du_bufs), (ready, empty),
+            (b1_ptr, weight_ptr, gw_ptr, slot_pair_ptr, tile_expert_ptr),
+            (PAIRS, D, F, GW_COLS, NUM_JOBS, has_b1, TILE))
+    zero = gl.program_id(0) * 0  # which consumer, as a runtime value (see _hidden_kernel)
+    if ACT == 0:
+        gl.warp_specialize([(_coop_consume, args + (zero, ACT)), (_coop_consume_gelu, args + (zero + 1,)),
+                            (_coop_produce, args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    elif ACT == 1:
+        gl.warp_specialize([(_coop_consume, args + (zero, ACT)), (_coop_consume_gelu_tanh, args + (zero + 1,)),
+                            (_coop_produce, args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([(_coop_consume, args + (zero, ACT)), (_coop_consume_silu, args + (zero + 1,)),
+                            (_coop_produce, args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
 @functools.lru_cache(maxsize=None)
 def _layout(block, dtype):
     """The shared-memory layout of a TMA tile: a pure function of its shape and dtype, kept, as
@@ -419,15 +585,24 @@ def device_scratch():
 def backward_hidden(xs, gs, groups, w1, b1, w2, weight, act, hw, du, gw, w3=None, du3=None, config=None):
     """Writes hw, ∂u [S,F] (∂u3 with swiglu, given W3) and gw[:, :F/64] (gw [S, GW_COLS] fp32) for
     the slot rows xs, gs [S,D] of `groups` (triton_moe.Groups, or one run of its tiles); weight:
-    the flat top-k weights. Callers check `unsupported` first. config: SWIGLU_CONFIG or
-    CONFIGS[TILE] when None (bench/gluon_probe.py passes others)."""
+    the flat top-k weights. Callers check `unsupported` first. config: default_config's when None
+    (bench/gluon_probe.py passes others); one with coop=True runs the cooperative kernel."""
     E, D, F = w1.shape
-    config = config or (SWIGLU_CONFIG if act == "swiglu" else CONFIGS[groups.tile])
+    config = config or default_config(act, groups.tile, D)
     tile_m, block_n, block_k, nbuf = (config[key] for key in ("tile_m", "block_n", "block_k", "nbuf"))
     jobs = groups.num_tiles * (groups.tile // tile_m) * (F // block_n)
-    _hidden_kernel[(min(num_sms(xs.device), jobs),)](
-        *kernel_args(xs, gs, w1, w2, b1, weight, gw, hw, du, tile_m, block_n, block_k, w3, du3),
-        groups.slot_pair, groups.tile_expert, groups.pairs, D, F, gw.shape[1], jobs, int(b1 is not None),
+    if config.get("coop"):
+        if act == "swiglu" or tile_m != 128 or groups.tile != 128:
+            raise ValueError(f"the cooperative hidden kernel takes jobs of 128 rows of TILE 128 and no swiglu; "
+                             f"got act={act!r}, tile_m={tile_m}, TILE={groups.tile}")
+        # a consumer's half of a job: the slot rows in [64, ·] boxes; no W3 or ∂u3
+        args = kernel_args(xs, gs, w1, w2, b1, weight, gw, hw, du, tile_m // 2, block_n, block_k)
+        kernel, args = _hidden_coop_kernel, args[:6] + args[8:]
+    else:
+        kernel, args = _hidden_kernel, kernel_args(xs, gs, w1, w2, b1, weight, gw, hw, du, tile_m, block_n,
+                                                   block_k, w3, du3)
+    kernel[(min(num_sms(xs.device), jobs),)](
+        *args, groups.slot_pair, groups.tile_expert, groups.pairs, D, F, gw.shape[1], jobs, int(b1 is not None),
         groups.tile, ACT=ACTS[act], NBUF=nbuf, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
         num_warps=4)
 

@@ -25,9 +25,12 @@ def test_compiles_warp_specialised_for_sm90():
     want = [(act, cfg) for act in gluon_moe.ACTS for cfg in gluon_probe.offline_configs(act)]
     assert ("swiglu", gluon_moe.SWIGLU_CONFIG) in want
     assert [(r["act"], r["config"]) for r in rows] == want
-    assert gluon_probe.CONFIGS[0] == gluon_moe.CONFIGS[128] == gluon_moe.CONFIGS[64]  # what the backward runs
+    # what the backward runs: the ping-pong config, and the cooperative one at TILE 128 and large D
+    assert gluon_probe.CONFIGS[0] == gluon_moe.CONFIGS[128] == gluon_moe.CONFIGS[64]
+    assert gluon_probe.COOP_CONFIGS[0] == gluon_moe.default_config("gelu", 128, gluon_moe.COOP_MIN_D)
+    assert all((act, gluon_probe.COOP_CONFIGS[0]) in want for act in ("gelu", "gelu_tanh", "silu"))
     for r in rows:
-        if r["config"] == gluon_probe.CONFIGS[0]:
+        if r["config"] in (gluon_probe.CONFIGS[0], gluon_probe.COOP_CONFIGS[0]):
             # the shipped builds keep their registers: gelu's A&S epilogue, staging ∂u after the
             # ∂w sums, spilled 852 bytes a thread here (8 now)
             assert r["spill_bytes"] <= 16, r

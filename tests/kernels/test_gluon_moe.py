@@ -4,6 +4,7 @@ with the reason it gives (the kernels are compiled in tests/bench/test_gluon_pro
 test_gluon_wgrad_probe.py and test_gluon_slots_probe.py and run against float64 in
 test_gluon_moe_cuda.py)."""
 import os
+import types
 
 import pytest
 import torch
@@ -237,3 +238,24 @@ def test_device_scratch_is_set_for_its_launches_only():
     with pytest.raises(ValueError), gluon_moe.device_scratch():
         raise ValueError("a launch failed")
     assert _allocation._allocator.get() is before
+
+
+@pytest.mark.parametrize("act, tile", [("swiglu", 128), ("gelu", 64)])
+def test_cooperative_config_declines_swiglu_and_small_tiles(act, tile):
+    """The cooperative hidden kernel takes 128-row jobs of TILE 128 without swiglu; asked for
+    anything else it says what it got, before anything is launched."""
+    groups = types.SimpleNamespace(tile=tile, num_tiles=2, slot_pair=None, tile_expert=None, pairs=10)
+    w1 = torch.empty(2, 128, 256)
+    with pytest.raises(ValueError, match=f"act={act!r}.*TILE={tile}"):
+        gluon_moe.backward_hidden(None, None, groups, w1, None, None, None, act, None, None, None,
+                                  config=gluon_moe.COOP_CONFIG)
+
+
+def test_default_config_is_cooperative_at_tile_128_and_large_d_only():
+    big = gluon_moe.COOP_MIN_D
+    assert gluon_moe.default_config("gelu", 128, big) is gluon_moe.COOP_CONFIG
+    assert gluon_moe.default_config("silu", 128, 2 * big) is gluon_moe.COOP_CONFIG
+    assert gluon_moe.default_config("gelu", 128, big // 2) is gluon_moe.CONFIGS[128]  # medium's D = 256
+    assert gluon_moe.default_config("gelu", 64, big) is gluon_moe.CONFIGS[64]
+    assert gluon_moe.default_config("swiglu", 128, big) is gluon_moe.SWIGLU_CONFIG
+

@@ -76,6 +76,62 @@ def test_matches_float64(case, act, dtype, bias):
     assert (hw[padding] == 0).all() and (du[padding] == 0).all() and (gw[padding, :F // 64] == 0).all()
 
 
+# The cooperative kernel (TILE 128: mean ≥ 1024 pairs an expert): D = 512 (where the backward
+# chooses it); D = 192 (6 K steps of 32 over a ring of 5: it wraps within a job), three column
+# blocks and two empty experts. (Session 13's D = 192 case had 560 pairs an expert, so TILE 64,
+# and failed on its own TILE assertion.)
+COOP_CASES = [
+    pytest.param((1600, 2, 512, 256, 3, [0, 1, 2]), id="tile128-d512"),
+    pytest.param((2700, 2, 192, 384, 5, [0, 2, 4]), id="tile128-odd-ksteps-empty-experts"),
+]
+
+
+@pytest.mark.parametrize("case", COOP_CASES)
+@pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "silu"])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")])
+@pytest.mark.parametrize("bias", [True, False], ids=["b1", "no-b1"])
+def test_cooperative_kernel_matches_float64(case, act, dtype, bias):
+    """The cooperative hidden kernel (two consumers on each job's 128 rows), its shipped config."""
+    R, k, D, F, E, used = case
+    groups, xs, gs, w1, b1, w2, weight = slot_case(R, k, D, F, E, used, dtype, bias, seed=R + D + len(act))
+    assert groups.tile == 128 and (groups.slot_pair >= groups.pairs).any()
+    hw, du = torch.full((2, groups.slots, F), float("nan"), device="cuda", dtype=dtype)
+    gw = torch.full((groups.slots, moe.gw_columns(D, F, True)), float("nan"), device="cuda")
+    gluon_moe.backward_hidden(xs, gs, groups, w1, b1, w2, weight, act, hw, du, gw, config=gluon_moe.COOP_CONFIG)
+    want = float64_hidden(groups, xs, gs, w1, b1, w2, weight, act)
+    for name, got, ref in zip(("hw", "du", "gw"), (hw, du, gw[:, :F // 64]), want):
+        err = float((got.double() - ref).norm() / ref.norm())
+        assert err < TOL[dtype], f"{name}: rel err {err:.2e}"
+    padding = groups.slot_pair >= groups.pairs
+    assert (hw[padding] == 0).all() and (du[padding] == 0).all() and (gw[padding, :F // 64] == 0).all()
+
+
+def test_cooperative_kernel_one_run_of_tiles(monkeypatch):
+    """A run of tiles through the cooperative kernel, chosen by default at D = COOP_MIN_D: its own
+    slot buffers, gw at its offset only."""
+    D = gluon_moe.COOP_MIN_D
+    groups, xs, gs, w1, b1, w2, weight = slot_case(3000, 2, D, 256, 4, [0, 1, 2, 3], torch.bfloat16, True, 8)
+    launched = []
+    real = gluon_moe._hidden_coop_kernel
+    monkeypatch.setattr(gluon_moe, "_hidden_coop_kernel",
+                        type("Spy", (), {"__getitem__": lambda self, grid: launched.append(grid) or real[grid]})())
+    t0, t1 = 8, 24
+    part = groups.tiles(t0, t1)
+    rows = slice(t0 * groups.tile, t1 * groups.tile)
+    F = w1.shape[2]
+    gw = torch.full((groups.slots, moe.gw_columns(D, F, True)), -7.0, device="cuda")
+    hw, du = torch.empty(2, part.slots, F, device="cuda", dtype=torch.bfloat16)
+    gluon_moe.backward_hidden(xs[rows].contiguous(), gs[rows].contiguous(), part, w1, b1, w2, weight, "gelu", hw, du,
+                              gw[rows])
+    assert len(launched) == 1
+    want = float64_hidden(groups, xs, gs, w1, b1, w2, weight, "gelu")
+    for name, got, ref in zip(("hw", "du", "gw"), (hw, du, gw[rows, :F // 64]), want):
+        assert float((got.double() - ref[rows]).norm() / ref[rows].norm()) < 2e-2, name
+    outside = torch.ones(groups.slots, dtype=torch.bool, device="cuda")
+    outside[rows] = False
+    assert (gw[outside] == -7.0).all()
+
+
 def test_one_run_of_tiles_writes_only_its_rows():
     """A run (Groups.tiles) reads its own slot buffers and writes gw rows at its offset only."""
     groups, xs, gs, w1, b1, w2, weight = slot_case(3000, 2, 128, 256, 4, [0, 1, 2, 3], torch.bfloat16, True, 7)
