@@ -2,9 +2,11 @@
 as the router's were (bench/router_probe.py: its backward went 256 -> 167 us at large at one
 warp a program).
 
-    PYTHONPATH=. python bench/small_kernels_probe.py [--presets medium,large] [--kernels tile_sums,gather,matmul,pool]
+    PYTHONPATH=. python bench/small_kernels_probe.py [--presets medium,large]
+                                                     [--kernels tile_sums,gather,matmul,pool,pool_bwd1,pool_bwd2]
 
-On the H200 (bf16; ~1-2 min for both presets; bench/results/small_kernels_probe.txt), at each
+On the H200 (bf16; ~1-2 min for both presets without pool_bwd1 and pool_bwd2, which add some 3-5
+min, not yet measured: ~90 configs to compile and time; bench/results/small_kernels_probe.txt), at each
 preset on the router's grouping of random tokens (bench/router_probe.py's `routing`), the whole
 slot layout:
   tile_sums  triton_moe._tile_sums_kernel on ∂u [S,F] (∂b1's per-tile sums in the backward):
@@ -17,12 +19,16 @@ slot layout:
              in one forward and backward (recorded there, 7 calls a step): BLOCK_M/N/K, warps,
              stages; the fastest config is named for each call
   pool       triton_pool._pool_fwd_kernel: BLOCK_N × warps × stages
+  pool_bwd1  triton_pool._pool_bwd_scores_kernel, the backward's pass 1 (∂s): BLOCK_N × warps × stages
+  pool_bwd2  triton_pool._pool_bwd_kernel, pass 2 (∂tok, t̄, the ∂u partials): BLOCK_N × BLOCK_D ×
+             warps × stages; both on the forward's attn of the preset's tokens and a random ∂t̄
 The tile_sums and gather sweeps take the [rows, columns] tiles holding VALUES values a thread
 (loaded or accumulated) for each warp count, beside the shipped configs.
 Each row: the config, the median CUDA-graph time (gemm_probe.variant), the rate of the bytes the
-call must read and write once, registers, spills, and how far its outputs are from the shipped
-config's: copies (the gathered rows) bit for bit, sums to within TOLERANCE of their largest
-value (fp32 rounding in another order), flagged MISMATCH otherwise. `*` marks the shipped config
+call must read and write once (bwd1_bytes, bwd2_bytes for the pool's backward), registers,
+spills, and how far its outputs are from the shipped config's: copies (the gathered rows) bit for
+bit, fp32 sums to within TOLERANCE of their largest value (rounding in another order), 16-bit
+ones (the pool's ∂tok) to one rounding of it, flagged MISMATCH otherwise. `*` marks the shipped config
 (printed first: the autotuner's pick where the kernel is tuned), `+` the rest of its list.
 A config that fails to build prints FAILED and the probe goes on.
 
@@ -39,6 +45,7 @@ import triton
 
 from router_probe import routing, row
 from mha_compile.kernels import reference, triton_matmul, triton_moe, triton_pool, triton_util
+from mha_compile.kernels.triton_util import pow2
 
 WARPS = (1, 2, 4, 8)
 VALUES = 32  # values a thread in the swept tiles: BLOCK·BLOCK_R (tile_sums), block_s·block_d (gather)
@@ -52,6 +59,27 @@ MATMUL_MORE = [dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=2, num_stages=
 # 32 with other stages.
 POOL_MORE = [dict(BLOCK_N=64, num_warps=4, num_stages=3), dict(BLOCK_N=64, num_warps=8, num_stages=3),
              dict(BLOCK_N=32, num_warps=4, num_stages=2), dict(BLOCK_N=32, num_warps=8, num_stages=4)]
+# The backward's two passes move ~0.7 and ~1.3 GB at large: beside their lists, wider tiles. Every
+# config of the grids below builds for large (bf16, sm_90a, bench/offline_sass.compile_stats); the
+# ones left out spill, overflow shared memory, or are cut to hold a sweep to 24 configs.
+# Pass 1 (one program a batch row, all of D): BLOCK_N 16/32/64 × warps 4/8/16 × stages 2/3/4, 42-80
+# registers and no spills, but BLOCK_N 64 with 4 stages: 274 KiB of shared memory (tok's tiles,
+# [64, 512] bf16 a stage), past the H200's 227.
+BWD1_MORE = [dict(BLOCK_N=n, num_warps=w, num_stages=s)
+             for n in (16, 32, 64) for w in (4, 8, 16) for s in (2, 3, 4) if (n, s) != (64, 4)]
+# Pass 2 (a program a batch row and BLOCK_D columns): (BLOCK_N, BLOCK_D, warps, stages tried). Of
+# the grid BLOCK_D 64/128/256/512 × BLOCK_N 16/32/64 × warps 4/8 × stages 2/3/4 all build at
+# large; left out for spills or ptxas' cap of 255 registers: at BLOCK_D 512, 4 warps (255, up to
+# 1080 B spilled), BLOCK_N 64 (3.9-5.2 KB spilled; with 4 stages 256 KiB of shared memory) and
+# BLOCK_N 32 with 4 stages (255); at 256, BLOCK_N 64 with 4 warps (548-1064 B spilled) or 3-4
+# stages (255, 44 B spilled with 4), and BLOCK_N 32 with 4 warps (244-255). The rest spill
+# nothing (56-248 registers): kept are the widest blocks with 2-4 stages and, of the 36 at
+# BLOCK_D ≤ 128, a few beside the shipped ones, 24 configs in all with the shipped list.
+BWD2_MORE = [dict(BLOCK_N=n, BLOCK_D=d, num_warps=w, num_stages=s) for n, d, w, stages in (
+    (16, 512, 8, (2, 3, 4)), (32, 512, 8, (2, 3)),  # one program a batch row at large: a and ∂s read once
+    (16, 256, 4, (2, 3, 4)), (16, 256, 8, (2, 3, 4)), (32, 256, 8, (2, 4)), (64, 256, 8, (2,)),
+    (16, 128, 4, (3,)), (32, 128, 8, (3,)), (64, 128, 8, (2,)),
+    (32, 64, 4, (3,)), (64, 64, 8, (3,))) for s in stages]
 
 
 def tiles(rows, columns, values=VALUES):
@@ -89,12 +117,14 @@ def describe(cfg):
 
 def agreement(got, want, copies=0):
     """compare's phrase for a row: the first `copies` outputs must be the shipped config's bit for
-    bit, the others within TOLERANCE of their largest value; MISMATCH where not."""
+    bit, the others within TOLERANCE of their largest value, or one rounding of it for 16-bit
+    outputs (their fp32 sums ran in another order before the rounding); MISMATCH where not."""
     exact = all(torch.equal(a, b) for a, b in zip(got[:copies], want[:copies]))
-    diff = max((float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
-                for a, b in zip(got[copies:], want[copies:])), default=0.0)
+    diffs = [(float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)),
+              max(TOLERANCE, torch.finfo(b.dtype).eps)) for a, b in zip(got[copies:], want[copies:])]
+    diff = max((d for d, _ in diffs), default=0.0)
     phrase = (f"copies {'exact' if exact else 'DIFFER'}, " if copies else "") + f"max diff {diff:.1e}"
-    return phrase if exact and diff <= TOLERANCE else phrase + "  MISMATCH"
+    return phrase if exact and all(d <= tol for d, tol in diffs) else phrase + "  MISMATCH"
 
 
 def sweep(name, launcher, configs, run, traffic, listed=(), copies=0, compared=tuple):
@@ -135,7 +165,7 @@ class _Plain:
 def case(preset, dt, dev):
     """The inputs at a preset: the router's grouping of random tokens (routing) with ∂u [S,F] (zero
     on padding slots, as the hidden kernel writes it), G [R,D], b2; the pool's tok [B,N,D],
-    weights (fp32) and ∂inv. Printed as a header."""
+    weights (fp32), ∂inv and ∂t̄ [B,P,D] (fp32). Printed as a header."""
     r = routing(preset, dt, dev)
     p, rand, groups = r.p, r.rand, r.groups
     B, H, N, D, P, F, E = (p[n] for n in ("B", "H", "N", "D", "P", "F", "E"))
@@ -144,7 +174,8 @@ def case(preset, dt, dev):
         dt=dt, B=B, H=H, N=N, D=D, P=P, F=F, E=E, x=r.x, inv=r.inv, weight=r.weight, groups=groups,
         du=(rand(groups.slots, F) * valid).to(dt), G=rand(B * H, D).to(dt), b2=(rand(E, D) * 0.1).to(dt),
         tok=rand(B, N, D).to(dt), q=rand(P, D // P), wk=rand(D, D) * D ** -0.5, wv=rand(D, D) * D ** -0.5,
-        wo=rand(D, D) * D ** -0.5, bv=rand(D) * 0.1, bo=rand(D) * 0.1, grad_inv=rand(B, D))
+        wo=rand(D, D) * D ** -0.5, bv=rand(D) * 0.1, bo=rand(D) * 0.1, grad_inv=rand(B, D),
+        grad_tbar=rand(B, P, D))
     print(f"\n{preset}: R={B * H}, D={D}, F={F}, E={E}, S={groups.slots} slots in {groups.num_tiles} tiles of "
           f"{groups.tile}; pool B={B}, N={N}, P={P}; {dt}", flush=True)
     return c
@@ -263,7 +294,97 @@ def pool(c):
     sweep("pool fwd", launcher, ordered(first, *launcher.configs, *POOL_MORE), run, traffic, launcher.configs)
 
 
-PROBES = dict(tile_sums=tile_sums, gather=gather, matmul=matmul, pool=pool)
+def bwd1_bytes(B, N, D, P, tok_bytes):
+    """The bytes pass 1 moves: tok [B,N,D] (tok_bytes a value), a [B,N,P] and ∂t̄ [B,P,D] (fp32)
+    read once; ∂s [B,N,P] (fp32) written twice and read once between, as the kernel does (∂a
+    parked there until c is final). Its second loop's read of a again is not counted, as the
+    forward's count leaves out its second pass over attn."""
+    return B * N * D * tok_bytes + 4 * (B * N * P + B * P * D + 3 * B * N * P)
+
+
+def bwd2_bytes(B, N, D, P, tok_bytes):
+    """The bytes pass 2 must move: tok [B,N,D] read and ∂tok [B,N,D] written (tok_bytes a value);
+    a and ∂s [B,N,P], ∂t̄ [B,P,D] and u [P,D] read, t̄ and the ∂u partials [B,P,D] written (fp32).
+    Each once: the re-reads of a, ∂s and u by every block of D columns are the config's cost."""
+    return 2 * B * N * D * tok_bytes + 4 * (2 * B * N * P + 3 * B * P * D + P * D)
+
+
+def bwd1_configs(N):
+    """Pass 1's candidates at N tokens: its shipped list, then BWD1_MORE's with BLOCK_N ≤ pow2(N)
+    (a longer block only loads masked rows)."""
+    return ordered(*triton_pool._attend_bwd_scores.configs,
+                   *(cfg for cfg in BWD1_MORE if cfg["BLOCK_N"] <= pow2(N)))
+
+
+def bwd2_configs(N, D):
+    """Pass 2's candidates at N tokens of D: its shipped list, then BWD2_MORE's with BLOCK_N ≤
+    pow2(N) and BLOCK_D ≤ pow2(D)."""
+    return ordered(*triton_pool._attend_bwd.configs,
+                   *(cfg for cfg in BWD2_MORE if cfg["BLOCK_N"] <= pow2(N) and cfg["BLOCK_D"] <= pow2(D)))
+
+
+def backward_inputs(c):
+    """What the pool's backward kernels read at c: tok, u [P,D] (fp32), the forward kernel's attn
+    [B,N,P] of them (normalised weights, not random ones) and ∂t̄ (c.grad_tbar)."""
+    u = reference.pool_directions(c.q, c.wk).float().contiguous()
+    attn, _ = triton_pool.pool_attend(c.tok, u)
+    return SimpleNamespace(tok=c.tok.contiguous(), u=u, attn=attn, dtbar=c.grad_tbar)
+
+
+def bwd_scores(x, ds=None):
+    """Pass 1 launched as pool_backward launches it: ∂s [B,N,P] (fp32; into ds if given) from
+    x.tok, x.attn and x.dtbar."""
+    B, N, D = x.tok.shape
+    P = x.attn.shape[2]
+    split = triton_pool.split_dot(x.tok.dtype)
+    ds = torch.empty_like(x.attn) if ds is None else ds
+    triton_pool._attend_bwd_scores(lambda m: (B,), x.tok, x.attn, x.dtbar, ds, N, D, P, x.tok.stride(0),
+                                   x.tok.stride(1), SPLIT_DOT=split, BLOCK_D=pow2(D),
+                                   BLOCK_P=triton_pool.block_p(P, split))
+    return ds
+
+
+def bwd(x, out=None):
+    """Pass 2 launched as pool_backward launches it, but for the ∂u partials, written to a buffer
+    of their own where pool_backward writes them over ∂t̄: the same bytes move, and x.dtbar stays
+    as it was through the timing's replays, so that the last call's ∂tok can be compared.
+    (∂tok in tok's dtype, t̄, ∂u partials [B,P,D] fp32), into out if given, from x.tok, x.u,
+    x.attn, x.ds (pass 1's) and x.dtbar."""
+    B, N, D = x.tok.shape
+    P = x.attn.shape[2]
+    if out is None:
+        out = (torch.empty_like(x.tok), torch.empty(B, P, D, device=x.tok.device, dtype=torch.float32),
+               torch.empty(B, P, D, device=x.tok.device, dtype=torch.float32))
+    grad_tok, tbar, du = out
+    triton_pool._attend_bwd(lambda m: (B, triton.cdiv(D, m["BLOCK_D"])), x.tok, x.u, x.attn, x.ds, x.dtbar, tbar, du,
+                            grad_tok, N, D, P, x.tok.stride(0), x.tok.stride(1),
+                            SPLIT_DOT=triton_pool.split_dot(x.tok.dtype), BLOCK_Q=pow2(2 * P))
+    return grad_tok, tbar, du
+
+
+def pool_bwd1(c):
+    """The pool backward's pass 1 (∂s) under _POOL_CONFIGS and BWD1_MORE."""
+    launcher, x = triton_pool._attend_bwd_scores, backward_inputs(c)
+    run = lambda cfg: (bwd_scores(x),)  # noqa: E731
+    first = shipped(launcher, lambda: run(None))
+    traffic = bwd1_bytes(c.B, c.N, c.D, c.P, c.tok.element_size())
+    print(f"pool backward pass 1: tok [{c.B}, {c.N}, {c.D}], P={c.P}, {traffic / 1e6:.0f} MB", flush=True)
+    sweep("pool bwd 1", launcher, ordered(first, *bwd1_configs(c.N)), run, traffic, launcher.configs)
+
+
+def pool_bwd2(c):
+    """The pool backward's pass 2 (∂tok, t̄, the ∂u partials) on pass 1's ∂s, under _attend_bwd's
+    list and BWD2_MORE."""
+    launcher, x = triton_pool._attend_bwd, backward_inputs(c)
+    x.ds = bwd_scores(x)
+    run = lambda cfg: bwd(x)  # noqa: E731
+    first = shipped(launcher, lambda: run(None))
+    traffic = bwd2_bytes(c.B, c.N, c.D, c.P, c.tok.element_size())
+    print(f"pool backward pass 2: tok [{c.B}, {c.N}, {c.D}], P={c.P}, {traffic / 1e6:.0f} MB", flush=True)
+    sweep("pool bwd 2", launcher, ordered(first, *bwd2_configs(c.N, c.D)), run, traffic, launcher.configs)
+
+
+PROBES = dict(tile_sums=tile_sums, gather=gather, matmul=matmul, pool=pool, pool_bwd1=pool_bwd1, pool_bwd2=pool_bwd2)
 KERNELS = tuple(PROBES)
 
 

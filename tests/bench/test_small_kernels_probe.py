@@ -1,14 +1,17 @@
 """bench/small_kernels_probe.py without a GPU (TRITON_INTERPRET=1, tiny preset, fp32): its cases are
-real inputs, gather_rows' launch overrides reach the kernel and give the shipped rows, and every
-config the probe sweeps runs and agrees with the shipped one."""
+real inputs, gather_rows' launch overrides reach the kernel and give the shipped rows, the pool
+backward's sweeps launch its passes as pool_backward does, and every config the probe sweeps
+runs and agrees with the shipped one."""
 import os
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 import small_kernels_probe as probe  # noqa: E402
+from gemm_probe import variant  # noqa: E402
 
 from mha_compile.kernels import triton_matmul, triton_moe, triton_pool, triton_util  # noqa: E402
 
@@ -109,7 +112,8 @@ def test_gather_overrides_that_cannot_be_right_are_refused(case):
 
 
 def test_every_swept_config_runs_and_agrees_with_the_shipped_one(capsys):
-    launchers = (triton_moe._tile_sums, triton_matmul._matmul, triton_pool._attend)
+    launchers = (triton_moe._tile_sums, triton_matmul._matmul, triton_pool._attend, triton_pool._attend_bwd_scores,
+                 triton_pool._attend_bwd)
     before = [(l.kernel, l.configs, l.tuned) for l in launchers] + [triton_moe._gather_rows_kernel]
     probe.probe("tiny", probe.KERNELS, torch.float32, "cpu")
     out = capsys.readouterr().out
@@ -117,10 +121,95 @@ def test_every_swept_config_runs_and_agrees_with_the_shipped_one(capsys):
     assert "FAILED" not in out and "MISMATCH" not in out, out
     rows = [line for line in out.splitlines() if line[:2] in ("* ", "+ ", "  ") and " us " in line]
     shipped = [line.split()[1:3] for line in rows if line.startswith("* ")]
-    # one sweep each: tile_sums, the gather's three calls, the pool's 6 distinct matmuls, its forward
-    assert [name for name, _ in shipped] == ["tile_sums", "gather", "gather", "gather"] + ["matmul"] * 6 + ["pool"]
-    for launcher, name in zip(launchers, ("tile_sums", "matmul #0", "pool fwd")):
+    # one sweep each: tile_sums, the gather's three calls, the pool's 6 distinct matmuls, its
+    # forward and its backward's two passes
+    assert [name for name, _ in shipped] == (["tile_sums", "gather", "gather", "gather"] + ["matmul"] * 6
+                                             + ["pool"] * 3)
+    for launcher, name in zip(launchers, ("tile_sums", "matmul #0", "pool fwd", "pool bwd 1", "pool bwd 2")):
         listed = [line for line in rows if line[2:].startswith(name)]
         assert all(any(probe.describe(cfg) in line for line in listed) for cfg in launcher.configs), name
+    # the pool backward's sweeps: their lists at tiny (N = 5, D = 32), each config once
+    for name, configs in (("pool bwd 1", probe.bwd1_configs(5)), ("pool bwd 2", probe.bwd2_configs(5, 32))):
+        listed = [line for line in rows if line[2:].startswith(name)]
+        assert len(listed) == len(configs) and all(
+            sum(f" {probe.describe(cfg)} " in line for line in listed) == 1 for cfg in configs), name
     # the configs are run, not the shipped one again: other BLOCK_K sum the products in another order
     assert any("max diff 0.0e+00" not in line for line in rows if "matmul" in line)
+
+
+class _Recorded:
+    """Stands in for one of triton_pool's Launchers: launches it, keeping clones of its arguments
+    (by name) from before and after the launch."""
+
+    def __init__(self, launcher):
+        self.launcher, self.calls = launcher, []
+
+    def __call__(self, grid, *args, **kwargs):
+        def clones():
+            return {n: a.clone() if isinstance(a, torch.Tensor) else a for n, a in zip(self.launcher.arg_names, args)}
+        before = clones()
+        self.launcher(grid, *args, **kwargs)
+        self.calls.append((before, clones()))
+
+
+def test_the_pool_backward_sweeps_launch_what_pool_backward_does(monkeypatch):
+    """Each config of both pool backward sweeps, at an odd shape, on the inputs pool_backward gave
+    its two kernels: its blocks reach the kernel, and it writes into NaN-filled outputs what
+    pool_backward's launches wrote (∂s; ∂tok, t̄ and the ∂u partials) to fp32 rounding."""
+    B, N, D, P = 2, 37, 300, 4  # pow2(N) = 64, pow2(D) = 512: every BLOCK_N and BLOCK_D of the lists
+    g = torch.Generator().manual_seed(0)
+    rand = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    tok, q, grad_inv = rand(B, N, D), rand(P, D // P), rand(B, D)
+    wk, wv, wo = (rand(D, D) * D ** -0.5 for _ in range(3))
+    bv, bo = rand(D) * 0.1, rand(D) * 0.1
+    _, attn = triton_pool.pool_forward(tok, q, wk, wv, bv, wo, bo)
+    with monkeypatch.context() as patch:
+        scores, pass2 = _Recorded(triton_pool._attend_bwd_scores), _Recorded(triton_pool._attend_bwd)
+        patch.setattr(triton_pool, "_attend_bwd_scores", scores)
+        patch.setattr(triton_pool, "_attend_bwd", pass2)
+        triton_pool.pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn)
+    [(in1, out1)], [(in2, out2)] = scores.calls, pass2.calls
+    x = SimpleNamespace(tok=in1["tok_ptr"], attn=in1["attn_ptr"], dtbar=in1["dtbar_ptr"], u=in2["u_ptr"],
+                        ds=in2["ds_ptr"])
+    # pass 2 read pass 1's ∂s and the same ∂t̄, and wrote its ∂u partials over ∂t̄ (which the
+    # probe's bwd writes to a buffer of their own)
+    assert torch.equal(x.tok, tok) and torch.equal(x.attn, attn) and torch.equal(in2["dtbar_ptr"], x.dtbar)
+    assert torch.equal(x.ds, out1["ds_ptr"]) and torch.equal(out2["du_ptr"], out2["dtbar_ptr"])
+    want = {triton_pool._attend_bwd_scores: (out1["ds_ptr"],),
+            triton_pool._attend_bwd: (out2["dtok_ptr"], out2["tbar_ptr"], out2["du_ptr"])}
+    assert all(t.isfinite().all() and (t != 0).any() for ts in want.values() for t in ts)
+    nans = lambda ts: tuple(torch.full_like(t, float("nan")) for t in ts)  # noqa: E731
+    runs = {triton_pool._attend_bwd_scores: lambda ts: (probe.bwd_scores(x, ds=nans(ts)[0]),),
+            triton_pool._attend_bwd: lambda ts: probe.bwd(x, out=nans(ts))}
+    sweeps = ((triton_pool._attend_bwd_scores, probe.bwd1_configs(N)), (triton_pool._attend_bwd,
+                                                                       probe.bwd2_configs(N, D)))
+    assert {cfg["BLOCK_N"] for cfg in sweeps[0][1]} == {16, 32, 64} and len(sweeps[0][1]) == 24
+    assert {cfg["BLOCK_D"] for cfg in sweeps[1][1]} == {32, 64, 128, 256, 512} and len(sweeps[1][1]) == 24
+    for launcher, configs in sweeps:
+        launches = _Launches(launcher.kernel)
+        monkeypatch.setattr(launcher, "kernel", launches)
+        for cfg in configs:
+            got = []
+            variant(launcher, cfg, lambda: got.append(runs[launcher](want[launcher])))
+            grid, meta = launches.seen[-1]
+            assert all(meta[k] == v for k, v in cfg.items() if k.startswith("BLOCK_")), cfg
+            assert grid == ((B, -(-D // cfg["BLOCK_D"])) if "BLOCK_D" in cfg else (B,)), cfg
+            for a, b in zip(got[-1], want[launcher]):
+                assert a.isfinite().all(), cfg  # every element written
+                assert float((a - b).abs().max()) <= probe.TOLERANCE * float(b.abs().max()), cfg
+        monkeypatch.undo()
+
+
+def test_the_byte_counts_are_the_tensors_the_passes_move():
+    B, N, D, P = 3, 37, 40, 4
+    tok, grad_tok = (torch.empty(B, N, D, dtype=torch.bfloat16) for _ in range(2))
+    attn, ds = (torch.empty(B, N, P) for _ in range(2))
+    dtbar, tbar, du = (torch.empty(B, P, D) for _ in range(3))
+    u = torch.empty(P, D)
+    size = lambda *ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    # pass 1: ∂s written as ∂a, read back, written again
+    assert probe.bwd1_bytes(B, N, D, P, 2) == size(tok, attn, dtbar) + 3 * size(ds)
+    assert probe.bwd2_bytes(B, N, D, P, 2) == size(tok, attn, ds, dtbar, u, grad_tok, tbar, du)
+    # large: ~0.7 and ~1.3 GB, as the probe's comment says
+    assert round(probe.bwd1_bytes(4096, 128, 512, 8, 2) / 1e9, 1) == 0.7
+    assert round(probe.bwd2_bytes(4096, 128, 512, 8, 2) / 1e9, 1) == 1.3
