@@ -31,7 +31,7 @@ from triton.runtime import jit
 # look them up (a name imported into another module is patched there).
 TIMED = [
     (ops, "region_call"), (ops, "_forward"), (ops, "_backward"), (ops, "_region_backward"), (ops, "_traced"),
-    (ops, "_setup_context"), (region_graphs, "wanted"), (region_graphs, "call"),
+    (ops, "_region_gradients"), (ops, "_setup_context"), (region_graphs, "wanted"), (region_graphs, "call"),
     (region_graphs._Graph, "replay"), (region_graphs._Graph, "addresses_hold"), (region_graphs, "_signature"),
     (torch.cuda.CUDAGraph, "replay"), (torch, "_foreach_copy_"), (torch, "empty_like"),
     (triton_region, "why_unsupported"), (fused, "region_forward"), (fused, "region_backward"),

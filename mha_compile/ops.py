@@ -9,7 +9,8 @@ Forward returns (out, inv, attn, weight, index); the last four are what the back
 
 `region_call` is what a graph that runs eagerly calls instead (backend.run_rest swaps it in):
 RegionFunction, a plain autograd.Function over the same kernel-set calls, unless something is
-tracing, in which case the op itself.
+tracing, in which case the op itself. RegionFunction also keeps the forward's expert layout for
+the backward (KEEPS_LAYOUT), which the op, whose outputs are tensors, cannot.
 """
 import contextlib
 import importlib
@@ -31,6 +32,12 @@ _KERNEL_MODULES = {
 REGION_INPUTS = ("ctx", "tok", "q", "wk", "bk", "wv", "bv", "wo", "bo", "wg", "w1", "b1", "w2", "b2", "w3")
 # What reference.pool_backward returns, in its order.
 POOL_GRADS = ("tok", "q", "wk", "wv", "bv", "wo", "bo")
+# The kernel sets whose region_forward and region_backward take `layout` (kernels/triton_region.py):
+# a list in which the forward leaves the expert layout it built from the index it returns, for
+# the backward to take instead of grouping that index again. RegionFunction passes one, kept on
+# its autograd ctx; the op passes none, nor does a call through region_graphs (a replay
+# overwrites a graph's buffers).
+KEEPS_LAYOUT = ("fused", "staged")
 
 
 def kernel_set(name):
@@ -99,17 +106,18 @@ def region(ctx: Tensor, tok: Tensor, q: Tensor, wk: Tensor, bk: Optional[Tensor]
                     graphs)
 
 
-def _forward(tensors, top_k, renorm, act, kernels, graphs):
-    """The kernel set's forward (the op's body, and RegionFunction's)."""
+def _forward(tensors, top_k, renorm, act, kernels, graphs, layout=None):
+    """The kernel set's forward (the op's body, and RegionFunction's); layout: see KEEPS_LAYOUT."""
     ctx, tok, w1, mask = tensors[0], tensors[1], tensors[10], tensors[15]
     with _no_autocast(ctx):
         return _kernel_call(kernel_set(kernels).region_forward, tensors, (ctx, tok, w1, mask), top_k, renorm, act,
-                            kernels, graphs)
+                            kernels, graphs, layout)
 
 
-def _kernel_call(fn, tensors, inputs, top_k, renorm, act, kernels, graphs):
+def _kernel_call(fn, tensors, inputs, top_k, renorm, act, kernels, graphs, layout=None):
     """fn(*tensors, top_k, renorm, act), a kernel set's region_forward or region_backward,
-    through its CUDA graph where region_graphs.wanted says so; inputs = (ctx, tok, W1, mask)."""
+    through its CUDA graph where region_graphs.wanted says so; inputs = (ctx, tok, W1, mask).
+    layout (see KEEPS_LAYOUT) goes to fn as a keyword where given, and never into a graph."""
     ctx, tok, w1, mask = inputs
     if ctx.is_cuda and ctx.device.index != torch.cuda.current_device():
         # Triton and Gluon launch on the current device, not on their tensors': a block on cuda:1
@@ -117,10 +125,12 @@ def _kernel_call(fn, tensors, inputs, top_k, renorm, act, kernels, graphs):
         # (Inductor guards its launches likewise; the common case, the tensors' device current,
         # costs one check.)
         with torch.cuda.device(ctx.device):
-            return _kernel_call(fn, tensors, inputs, top_k, renorm, act, kernels, graphs)
+            return _kernel_call(fn, tensors, inputs, top_k, renorm, act, kernels, graphs, layout)
     if region_graphs.wanted(graphs, kernels, ctx, tok, w1, top_k, act, mask):
         return region_graphs.call(fn, tensors, (top_k, renorm, act))
-    return fn(*tensors, top_k, renorm, act)
+    if layout is None:
+        return fn(*tensors, top_k, renorm, act)
+    return fn(*tensors, top_k, renorm, act, layout=layout)
 
 
 @region.register_fake
@@ -145,10 +155,17 @@ def _region_backward(grad_out: Tensor, ctx: Tensor, tok: Tensor, q: Tensor, wk: 
     whatever the kernel set computed: exact for every set, no kernel has to know about it.
     graphs: as for mha::region.
     """
+    tensors = (grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask, inv, attn, weight, index)
+    return _region_gradients(tensors, top_k, renorm, act, kernels, grad_inv, graphs)
+
+
+def _region_gradients(tensors, top_k, renorm, act, kernels, grad_inv, graphs, layout=None):
+    """_region_backward's body, which RegionFunction's backward calls with its `layout` (see
+    KEEPS_LAYOUT; not an argument the op's schema can hold). tensors: _region_backward's, in order."""
+    grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask, inv, attn, weight, index = tensors
     with _no_autocast(ctx):
-        tensors = (grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask, inv, attn, weight, index)
         grads = list(_kernel_call(kernel_set(kernels).region_backward, tensors, (ctx, tok, w1, mask),
-                                  top_k, renorm, act, kernels, graphs))
+                                  top_k, renorm, act, kernels, graphs, layout))
         if grad_inv is not None:
             acc = accumulation_dtype(ctx.dtype)
             c = lambda t: None if t is None else t.to(acc)
@@ -161,7 +178,7 @@ def _region_backward(grad_out: Tensor, ctx: Tensor, tok: Tensor, q: Tensor, wk: 
 
 
 # The op, for whatever traces the backward (AOTAutograd, compiled autograd: one opaque node);
-# _backward calls _region_backward itself when nothing does.
+# _backward calls _region_gradients itself when nothing does.
 region_backward = torch.library.custom_op("mha::region_backward", mutates_args=())(_region_backward)
 
 
@@ -179,6 +196,7 @@ def _setup_context(ctx, inputs, output):
     ctx.config = inputs[16:20]
     ctx.export_inv = bool(inputs[20]) if len(inputs) > 20 else False
     ctx.graphs = inputs[21] if len(inputs) > 21 else "off"
+    ctx.layout = None  # the op keeps no expert layout (RegionFunction's forward sets its own)
 
 
 def _backward(ctx, grad_out, grad_inv, *unused_aux_grads):
@@ -192,8 +210,10 @@ def _backward(ctx, grad_out, grad_inv, *unused_aux_grads):
     args = (grad_out.contiguous(), *tensors, inv, attn, weight, index)
     # The op's dispatch costs ~0.1 ms of host time a medium step (host_time.py's cProfile on the
     # H200), where the step issues in ~1.4 ms for ~1 ms of GPU time.
-    backward = region_backward if _traced(args) else _region_backward
-    grads = backward(*args, *ctx.config, grad_inv=extra, graphs=ctx.graphs)
+    if _traced(args):
+        grads = region_backward(*args, *ctx.config, grad_inv=extra, graphs=ctx.graphs)
+    else:
+        grads = _region_gradients(args, *ctx.config, extra, ctx.graphs, ctx.layout)
     grads = [None if t is None else g for g, t in zip(grads, tensors)]
     return (*grads, None, None, None, None, None, None, None)
 
@@ -209,15 +229,19 @@ class RegionFunction(torch.autograd.Function):
     between them); what it leaves out is the op's per-call dispatch, argument filling and
     aliasing checks and its generated autograd wrapper: host time that a training step pays
     (bench/PERF_NOTES.md v4: the op's fwd+bwd issues in ~5 ms at medium on the H200, the kernel
-    set's own calls in ~2.5 ms). The backward is _backward, as the op's, and is once
-    differentiable, as the op's is: a second derivative raises instead of treating the
-    gradients as constants.
+    set's own calls in ~2.5 ms). What it adds: the fused and staged sets' forward leaves its expert
+    layout on the autograd ctx, and the backward takes it instead of grouping the same index
+    again (KEEPS_LAYOUT; the gradients are the same bits). The backward is _backward, as the
+    op's, and is once differentiable, as the op's is: a second derivative raises instead of
+    treating the gradients as constants.
     """
 
     @staticmethod
     def forward(ctx, *inputs):
-        output = _forward(inputs[:16], *inputs[16:20], inputs[21] if len(inputs) > 21 else "off")
+        layout = [] if inputs[19] in KEEPS_LAYOUT else None  # inputs[19]: kernels
+        output = _forward(inputs[:16], *inputs[16:20], inputs[21] if len(inputs) > 21 else "off", layout)
         _setup_context(ctx, inputs, output)
+        ctx.layout = layout
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(*output[2:] if ctx.export_inv else output[1:])
         return tuple(output)

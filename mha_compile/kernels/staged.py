@@ -15,12 +15,14 @@ def why_unsupported(ctx, tok, w1, top_k, act, mask):
     return triton_region.why_unsupported(ctx, tok, w1, top_k, act, mask)
 
 
-def region_forward(ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask, top_k, renorm, act):
+def region_forward(ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask, top_k, renorm, act,
+                   layout=None):
+    """layout: see triton_region (the expert layout kept for region_backward)."""
     return triton_region.region_forward("cuda", ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2,
-                                        w3, mask, top_k, renorm, act)
+                                        w3, mask, top_k, renorm, act, layout)
 
 
 def region_backward(grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask,
-                    inv, attn, weight, index, top_k, renorm, act):
+                    inv, attn, weight, index, top_k, renorm, act, layout=None):
     return triton_region.region_backward("cuda", grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1,
-                                         w2, b2, w3, mask, inv, attn, weight, index, top_k, renorm, act)
+                                         w2, b2, w3, mask, inv, attn, weight, index, top_k, renorm, act, layout)

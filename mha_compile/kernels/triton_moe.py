@@ -687,20 +687,40 @@ class Groups:
         self.pair_slot = pair_slot
         self.tile_expert = tile_expert
         self.expert_slots = meta[:2 * experts]  # [2E]: padded start, padded end
+        # What built_from compares; holding `index` keeps its memory from passing to another tensor.
+        self.index, self.index_version = index, index._version
+
+    def built_from(self, index):
+        """Whether this is the layout of `index`: the tensor it was built from (or a view of the
+        same elements), not written to since (its version counter, which views share)."""
+        held = self.index
+        return (held is not None and index.data_ptr() == held.data_ptr() and index.device == held.device
+                and index.dtype == held.dtype and index.shape == held.shape and index.stride() == held.stride()
+                and index._version == self.index_version)
 
     def tiles(self, t0, t1):
         """Tiles [t0, t1) as a layout of their own: a slot buffer made for it starts at slot
         t0·TILE (its row 0). Pair ids stay global, and with them padding and the routing
         weights; each expert's slot range is clipped to these tiles (empty for the experts
-        outside them). No pair_slot: the token-order passes read the whole layout."""
+        outside them) where first read (expert_slots). No pair_slot: the token-order passes
+        read the whole layout."""
         part = object.__new__(Groups)
         s0, s1 = t0 * self.tile, t1 * self.tile
         part.pairs, part.tile, part.num_tiles, part.experts = self.pairs, self.tile, t1 - t0, self.experts
         part.slots, part.pair_slot = s1 - s0, None
         part.slot_pair = self.slot_pair[s0:s1]
         part.tile_expert = self.tile_expert[t0:t1]
-        part.expert_slots = (self.expert_slots - s0).clamp_(0, s1 - s0)
+        part.index = part.index_version = None  # built from no index of its own
+        part._whole_slots, part._s0 = self.expert_slots, s0
         return part
+
+    @functools.cached_property
+    def expert_slots(self):
+        """[2E] int32: each expert's padded start and end slot in this layout. __init__ sets it for
+        a whole layout; a run of tiles (`tiles`) clips the whole layout's here, on first read. Only
+        the backward's weight and bias gradients read it, so the forward's runs skip these two
+        torch ops (two runs at large; a torch call costs ~10-20 us of the H200's host, PERF_NOTES v15)."""
+        return (self._whole_slots - self._s0).clamp_(0, self.slots)
 
 
 def group(index, experts):
@@ -847,13 +867,13 @@ def moe_forward(x, inv, weight, groups, w1, b1, w2, b2, w3, act, horizons, out_d
     E, F, D = w2.shape
     c = torch.empty(groups.slots, D, device=x.device, dtype=w2.dtype)
     runs = tile_runs(groups, (D + F) * w1.element_size())  # xs and h
+    scale = weight.reshape(-1)
     for t0, t1 in runs:
         part = groups if len(runs) == 1 else groups.tiles(t0, t1)
         xs, _, _ = gather_rows(x, inv, part, horizons, w1.dtype)
         h = experts_up(xs, part, w1, b1, w3, act)
         del xs  # each run's buffers go before the next run's come
-        slots_gemm(h, w2, (F * D, D, 1), D, part, bias=b2, scale=weight.reshape(-1),
-                   out=c[t0 * groups.tile:t1 * groups.tile])
+        slots_gemm(h, w2, (F * D, D, 1), D, part, bias=b2, scale=scale, out=c[t0 * groups.tile:t1 * groups.tile])
         del h
     return combine(c, groups, x.shape[0], out_dtype)
 

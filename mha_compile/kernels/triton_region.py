@@ -9,9 +9,17 @@
         ∂inv = Σ_h ∂y is the CUDA merge's backward.
 
 Both: pool (triton_pool) → router (triton_router) → expert grouping and grouped GEMMs
-(triton_moe) → token-order combine; the backward recomputes the grouping and u = x W1 + b1
-rather than keeping them. Saved tensors mean what they mean in reference.py: inv [B,D] and attn
-[B,N,P] fp32, the top-k weights [R,k] fp32 and indices [R,k] int32.
+(triton_moe) → token-order combine; the backward recomputes u = x W1 + b1 rather than keeping
+it, and the grouping too unless its caller kept the forward's (`layout`). Saved tensors mean
+what they mean in reference.py: inv [B,D] and attn [B,N,P] fp32, the top-k weights [R,k] fp32
+and indices [R,k] int32.
+
+`layout` (optional, both directions): a list, empty for the forward, in which region_forward
+leaves the expert layout (triton_moe.Groups) it built from the index it returns, and from which
+region_backward then takes it instead of grouping that index again (3 launches and ~8 torch
+calls: `group` took ~0.2 ms of host a call at large on the H200, bench/PERF_NOTES.md v15).
+ops.RegionFunction keeps one on its autograd ctx; the custom op cannot (its outputs are tensors)
+and region_graphs does not (a replay overwrites a graph's buffers), so both group twice.
 
 Inputs the kernels do not take (see `why_unsupported`) run on reference.py, which is correct
 for all of them; no input is silently approximated.
@@ -96,8 +104,11 @@ def _merged_input(ctx, inv, merge):
     return ctx.reshape(B * H, D).contiguous(), inv.contiguous()
 
 
-def region_forward(merge, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask, top_k, renorm, act):
-    """(out [B,H,D] ctx.dtype, inv [B,D], attn [B,N,P], weight [R,k] fp32, index [R,k] int32)."""
+def region_forward(merge, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask, top_k, renorm, act,
+                   layout=None):
+    """(out [B,H,D] ctx.dtype, inv [B,D], attn [B,N,P], weight [R,k] fp32, index [R,k] int32).
+    layout: an empty list, given the layout of `index` (see the module docstring); it stays empty
+    where the inputs run on the reference."""
     if why_unsupported(ctx, tok, w1, top_k, act, mask) is not None:
         return reference.region_forward(ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3,
                                         mask, top_k, renorm, act)
@@ -108,14 +119,30 @@ def region_forward(merge, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b
     x, x_inv = _merged_input(ctx, inv, merge)
     weight, index = triton_router.route(x, x_inv, wg.contiguous(), top_k, renorm, H)
     groups = triton_moe.group(index, E)
+    if layout is not None:
+        layout.append(groups)
     out = triton_moe.moe_forward(x, x_inv, weight, groups, w1.contiguous(), _c(b1), w2.contiguous(), _c(b2),
                                  _c(w3), act, H, ctx.dtype)
     return out.view(B, H, D), inv, attn, weight, index
 
 
+def _layout_of(index, experts, layout):
+    """The expert layout of `index`: the one region_forward left in `layout`, else built now.
+    One built from another index, or from this one before it was written to, raises: it would
+    send the gradients of some pairs to the wrong expert."""
+    if not layout:
+        return triton_moe.group(index, experts)
+    (groups,) = layout
+    if groups.experts != experts or not groups.built_from(index):
+        raise ValueError("region_backward: the expert layout kept in `layout` was not built from this `index` "
+                         "(or the index was written to since)")
+    return groups
+
+
 def region_backward(merge, grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask,
-                    inv, attn, weight, index, top_k, renorm, act):
-    """Gradients of (ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3), None for absent."""
+                    inv, attn, weight, index, top_k, renorm, act, layout=None):
+    """Gradients of (ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3), None for absent.
+    layout: the list region_forward filled when it returned `index` (see the module docstring)."""
     if why_unsupported(ctx, tok, w1, top_k, act, mask) is not None:
         return reference.region_backward(grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3,
                                          mask, inv, attn, weight, index, top_k, renorm, act)
@@ -128,7 +155,7 @@ def region_backward(merge, grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1
     wg = wg.contiguous()
     weight = weight.float().contiguous()
     index = index.contiguous()
-    groups = triton_moe.group(index, E)
+    groups = _layout_of(index, E, layout)
     grad_rows = grad_out.reshape(B * H, D).contiguous()
     dx_slot, gw_part, dw1, db1, dw2, db2, dw3 = triton_moe.moe_backward(
         grad_rows, x, x_inv, weight, groups, w1.contiguous(), _c(b1), w2.contiguous(), _c(b2), _c(w3), act, H)

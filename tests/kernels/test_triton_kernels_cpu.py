@@ -249,6 +249,106 @@ def test_tile_runs_cover_every_tile_once():
     assert triton_moe.tile_runs(SimpleNamespace(tile=128, num_tiles=272), (2 * 256 + 2 * 1024) * 2) == [(0, 272)]
 
 
+
+class _KeepingLayout:
+    """A kernel set called as ops.RegionFunction calls it: each forward fills a fresh `layout`
+    list, which the next backward takes (check_region calls region_forward, then region_backward)."""
+
+    def __init__(self, module):
+        self.module, self.__name__, self.layout = module, module.__name__, None
+
+    def region_forward(self, *args):
+        self.layout = []
+        return self.module.region_forward(*args, layout=self.layout)
+
+    def region_backward(self, *args):
+        return self.module.region_backward(*args, layout=self.layout)
+
+
+def _counting_groups(monkeypatch):
+    calls = []
+    group = triton_moe.group
+    monkeypatch.setattr(triton_moe, "group", lambda *args: calls.append(args) or group(*args))
+    return calls
+
+
+@pytest.mark.parametrize("module", SETS)
+@pytest.mark.parametrize("runs", [False, True], ids=["whole", "runs"])
+def test_backward_on_the_kept_layout(monkeypatch, module, runs):
+    """The backward on the forward's expert layout (`layout`, as RegionFunction runs it) groups
+    nothing, gives the gradients of the backward that groups the index again, bit for bit, and
+    matches the float64 reference; over the whole layout and over runs of one tile (the large
+    preset's path, whose runs clip the kept layout's expert ranges)."""
+    if runs:
+        monkeypatch.setattr(triton_moe, "SLOT_CHUNK_BYTES", 1)
+    grouped = _counting_groups(monkeypatch)
+    ctx, tok, params = make_case(4, 8, 5, 32, 2, 48, 3, 2, act="swiglu", bias=not runs)
+    keeping = _KeepingLayout(module)
+    check_region(keeping, ctx, tok, params, top_k=2, renorm=True, act="swiglu")
+    assert len(grouped) == 1 and len(keeping.layout) == 1 and keeping.layout[0].built_from(grouped[0][0])
+
+    grouped.clear()
+    layout = []
+    saved = module.region_forward(ctx, tok, *params, None, 2, True, "swiglu", layout=layout)[1:]
+    grad = torch.randn(4, 8, 32)
+    kept = module.region_backward(grad, ctx, tok, *params, None, *saved, 2, True, "swiglu", layout=layout)
+    assert len(grouped) == 1  # the forward's only
+    again = module.region_backward(grad, ctx, tok, *params, None, *saved, 2, True, "swiglu")
+    assert len(grouped) == 2
+    for name, a, b in zip(("ctx", "tok", "q", "wk", "bk", "wv", "bv", "wo", "bo", "wg", "w1", "b1", "w2", "b2",
+                           "w3"), kept, again):
+        assert (a is None and b is None) or torch.equal(a, b), f"∂{name}"
+
+
+def test_a_layout_not_built_from_this_index_is_refused():
+    """The backward refuses the kept layout for another tensor (even one of the same values) and
+    for its own index written to since: a layout of other indices would send some pairs'
+    gradients to the wrong experts."""
+    ctx, tok, params = make_case(2, 3, 5, 32, 2, 64, 4, 2)
+    layout = []
+    inv, attn, weight, index = fused.region_forward(ctx, tok, *params, None, 2, True, "gelu", layout=layout)[1:]
+    grad = torch.randn(2, 3, 32)
+    backward = lambda idx: fused.region_backward(grad, ctx, tok, *params, None, inv, attn, weight, idx,  # noqa: E731
+                                                 2, True, "gelu", layout=layout)
+    assert backward(index.view(6, 2))[10] is not None  # a view of the same elements is the same index
+    with pytest.raises(ValueError, match="not built from this `index`"):
+        backward(index.clone())
+    index.copy_(index.flip(1))  # the same pairs' experts, in the other slot order
+    with pytest.raises(ValueError, match="not built from this `index`"):
+        backward(index)
+
+
+def test_runs_of_tiles_clip_expert_ranges_where_read():
+    """Groups.tiles leaves each run's expert ranges to its first read (the forward reads none):
+    then each expert's [start, end) clipped to the run's slots, as offsets into them."""
+    E, R, k, tile = 5, 97, 2, 16
+    index = torch.stack([torch.randperm(E)[:k] for _ in range(R)]).to(torch.int32)
+    g = triton_moe.Groups(index, E, tile)
+    whole = g.expert_slots.tolist()
+    for t0, t1 in [(0, 1), (1, 4), (3, g.num_tiles), (0, g.num_tiles), (g.num_tiles - 1, g.num_tiles)]:
+        part = g.tiles(t0, t1)
+        assert "expert_slots" not in vars(part)
+        s0, s1 = t0 * tile, t1 * tile
+        want = [min(max(v, s0), s1) - s0 for v in whole]
+        assert part.expert_slots.dtype == torch.int32 and part.expert_slots.tolist() == want, (t0, t1)
+    assert g.expert_slots.tolist() == whole  # the whole layout's are not clipped in place
+
+
+def test_forward_runs_leave_expert_ranges_unread(monkeypatch):
+    """Over runs of tiles, the forward never computes a run's clipped expert ranges (two torch
+    ops a run at large, which only the backward's weight and bias gradients read); the backward's
+    runs do."""
+    monkeypatch.setattr(triton_moe, "SLOT_CHUNK_BYTES", 1)
+    parts = []
+    tiles = triton_moe.Groups.tiles
+    monkeypatch.setattr(triton_moe.Groups, "tiles", lambda self, t0, t1: parts.append(tiles(self, t0, t1)) or parts[-1])
+    ctx, tok, params = make_case(2, 4, 5, 32, 2, 48, 3, 2)
+    saved = fused.region_forward(ctx, tok, *params, None, 2, True, "gelu")[1:]
+    assert len(parts) >= 2 and not any("expert_slots" in vars(part) for part in parts)
+    parts.clear()
+    fused.region_backward(torch.randn(2, 4, 32), ctx, tok, *params, None, *saved, 2, True, "gelu")
+    assert len(parts) >= 2 and all("expert_slots" in vars(part) for part in parts)
+
 def test_pool_split_dots(monkeypatch):
     """The pool's split 16-bit dots (the bf16 GPU path) in fp16, which the interpreter computes
     right, to fp32's bound (SPEC §4): both halves count. Measured 1.3e-7 (inv) and 1.7e-7 (attn);
