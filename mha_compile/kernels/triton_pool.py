@@ -263,6 +263,8 @@ _attend_bwd = Launcher(_pool_bwd_kernel, [
     dict(BLOCK_N=64, BLOCK_D=128, num_warps=8, num_stages=3),
     dict(BLOCK_N=32, BLOCK_D=256, num_warps=8, num_stages=3),
     dict(BLOCK_N=64, BLOCK_D=64, num_warps=4, num_stages=4),
+    # At large: 371 against the [32, 128] blocks' 408 us, 3.5 TB/s (bench/small_kernels_probe.py, H200)
+    dict(BLOCK_N=16, BLOCK_D=256, num_warps=4, num_stages=4),
 ], key=["N", "D", "P", "SPLIT_DOT"], restore=["dtbar_ptr"])
 
 
