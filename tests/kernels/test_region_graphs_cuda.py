@@ -188,7 +188,7 @@ def test_a_block_off_the_current_device(kernels, graphs):
                             dtype=out.dtype)
             leaves = [x for x in (c, t, *params) if x is not None]
             results.append([out.detach(), *torch.autograd.grad(out, leaves, g)])
-        assert torch.cuda.current_device() == current
+            assert torch.cuda.current_device() == current  # the call left the caller's device current
     for got in results[1:]:
         for i, (a, b) in enumerate(zip(got, results[0])):
             assert a.device == torch.device("cuda:1") and torch.equal(a, b), f"result {i}"
