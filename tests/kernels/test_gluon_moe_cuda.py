@@ -49,6 +49,17 @@ def float64_hidden(groups, xs, gs, w1, b1, w2, weight, act, w3=None):
     return (w * h, du * valid[:, None], gw) + (() if w3 is None else (du3 * valid[:, None],))
 
 
+def check_hidden(groups, got, want, dtype):
+    """The kernel's (hw, ∂u, gw (, ∂u3)) against float64_hidden's, and zeros on padding slots."""
+    hw, du, gw = got[:3]
+    F = hw.shape[1]
+    for name, out, ref in zip(("hw", "du", "gw", "du3"), (hw, du, gw[:, :F // 64]) + tuple(got[3:]), want):
+        err = float((out.double() - ref).norm() / ref.norm())
+        assert err < TOL[dtype], f"{name}: rel err {err:.2e}"
+    padding = groups.slot_pair >= groups.pairs
+    assert (hw[padding] == 0).all() and (du[padding] == 0).all() and (gw[padding, :F // 64] == 0).all()
+
+
 CASES = [  # (R, k, D, F, E, experts used): TILE 64 (small's) with three empty experts; TILE 128
     pytest.param((600, 2, 192, 384, 7, [0, 2, 3, 6]), id="tile64-empty-experts"),
     pytest.param((1600, 2, 128, 256, 3, [0, 1, 2]), id="tile128"),
@@ -68,12 +79,7 @@ def test_matches_float64(case, act, dtype, bias):
     hw, du, du3 = torch.full((3, groups.slots, F), float("nan"), device="cuda", dtype=dtype)
     gw = torch.full((groups.slots, moe.gw_columns(D, F, True)), float("nan"), device="cuda")
     gluon_moe.backward_hidden(xs, gs, groups, w1, b1, w2, weight, act, hw, du, gw, w3, None if w3 is None else du3)
-    want = float64_hidden(groups, xs, gs, w1, b1, w2, weight, act, w3)
-    for name, got, ref in zip(("hw", "du", "gw", "du3"), (hw, du, gw[:, :F // 64], du3), want):
-        err = float((got.double() - ref).norm() / ref.norm())
-        assert err < TOL[dtype], f"{name}: rel err {err:.2e}"
-    padding = groups.slot_pair >= groups.pairs
-    assert (hw[padding] == 0).all() and (du[padding] == 0).all() and (gw[padding, :F // 64] == 0).all()
+    check_hidden(groups, (hw, du, gw, du3), float64_hidden(groups, xs, gs, w1, b1, w2, weight, act, w3), dtype)
 
 
 # The cooperative kernel (TILE 128: mean ≥ 1024 pairs an expert): D = 512 (where the backward
@@ -98,19 +104,14 @@ def test_cooperative_kernel_matches_float64(case, act, dtype, bias):
     hw, du = torch.full((2, groups.slots, F), float("nan"), device="cuda", dtype=dtype)
     gw = torch.full((groups.slots, moe.gw_columns(D, F, True)), float("nan"), device="cuda")
     gluon_moe.backward_hidden(xs, gs, groups, w1, b1, w2, weight, act, hw, du, gw, config=gluon_moe.COOP_CONFIG)
-    want = float64_hidden(groups, xs, gs, w1, b1, w2, weight, act)
-    for name, got, ref in zip(("hw", "du", "gw"), (hw, du, gw[:, :F // 64]), want):
-        err = float((got.double() - ref).norm() / ref.norm())
-        assert err < TOL[dtype], f"{name}: rel err {err:.2e}"
-    padding = groups.slot_pair >= groups.pairs
-    assert (hw[padding] == 0).all() and (du[padding] == 0).all() and (gw[padding, :F // 64] == 0).all()
+    check_hidden(groups, (hw, du, gw), float64_hidden(groups, xs, gs, w1, b1, w2, weight, act), dtype)
 
 
-def test_cooperative_kernel_one_run_of_tiles(monkeypatch):
-    """A run of tiles through the cooperative kernel, chosen by default at D = COOP_MIN_D: its own
-    slot buffers, gw at its offset only."""
-    D = gluon_moe.COOP_MIN_D
-    groups, xs, gs, w1, b1, w2, weight = slot_case(3000, 2, D, 256, 4, [0, 1, 2, 3], torch.bfloat16, True, 8)
+@pytest.mark.parametrize("D", [128, gluon_moe.COOP_MIN_D], ids=["pingpong", "cooperative"])
+def test_one_run_of_tiles_writes_only_its_rows(monkeypatch, D):
+    """A run (Groups.tiles) reads its own slot buffers and writes gw rows at its offset only, in
+    the kernel the backward chooses for its D (the cooperative one from COOP_MIN_D)."""
+    groups, xs, gs, w1, b1, w2, weight = slot_case(3000, 2, D, 256, 4, [0, 1, 2, 3], torch.bfloat16, True, 7)
     launched = []
     real = gluon_moe._hidden_coop_kernel
     monkeypatch.setattr(gluon_moe, "_hidden_coop_kernel",
@@ -123,26 +124,7 @@ def test_cooperative_kernel_one_run_of_tiles(monkeypatch):
     hw, du = torch.empty(2, part.slots, F, device="cuda", dtype=torch.bfloat16)
     gluon_moe.backward_hidden(xs[rows].contiguous(), gs[rows].contiguous(), part, w1, b1, w2, weight, "gelu", hw, du,
                               gw[rows])
-    assert len(launched) == 1
-    want = float64_hidden(groups, xs, gs, w1, b1, w2, weight, "gelu")
-    for name, got, ref in zip(("hw", "du", "gw"), (hw, du, gw[rows, :F // 64]), want):
-        assert float((got.double() - ref[rows]).norm() / ref[rows].norm()) < 2e-2, name
-    outside = torch.ones(groups.slots, dtype=torch.bool, device="cuda")
-    outside[rows] = False
-    assert (gw[outside] == -7.0).all()
-
-
-def test_one_run_of_tiles_writes_only_its_rows():
-    """A run (Groups.tiles) reads its own slot buffers and writes gw rows at its offset only."""
-    groups, xs, gs, w1, b1, w2, weight = slot_case(3000, 2, 128, 256, 4, [0, 1, 2, 3], torch.bfloat16, True, 7)
-    t0, t1 = 8, 24
-    part = groups.tiles(t0, t1)
-    rows = slice(t0 * groups.tile, t1 * groups.tile)
-    F = w1.shape[2]
-    gw = torch.full((groups.slots, moe.gw_columns(128, F, True)), -7.0, device="cuda")
-    hw, du = torch.empty(2, part.slots, F, device="cuda", dtype=torch.bfloat16)
-    gluon_moe.backward_hidden(xs[rows].contiguous(), gs[rows].contiguous(), part, w1, b1, w2, weight, "gelu", hw, du,
-                              gw[rows])
+    assert len(launched) == (D >= gluon_moe.COOP_MIN_D)
     want = float64_hidden(groups, xs, gs, w1, b1, w2, weight, "gelu")
     for name, got, ref in zip(("hw", "du", "gw"), (hw, du, gw[rows, :F // 64]), want):
         assert float((got.double() - ref[rows]).norm() / ref[rows].norm()) < 2e-2, name
