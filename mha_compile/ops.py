@@ -9,8 +9,9 @@ Forward returns (out, inv, attn, weight, index); the last four are what the back
 
 `region_call` is what a graph that runs eagerly calls instead (backend.run_rest swaps it in):
 RegionFunction, a plain autograd.Function over the same kernel-set calls, unless something is
-tracing, in which case the op itself. RegionFunction also keeps the forward's expert layout for
-the backward (KEEPS_LAYOUT), which the op, whose outputs are tensors, cannot.
+tracing, in which case the op itself. RegionFunction also keeps what the forward computed for the
+backward (the expert layout, the pool's fp32 weights: KEEPS), which the op, whose outputs are
+tensors, cannot.
 """
 import contextlib
 import importlib
@@ -32,12 +33,12 @@ _KERNEL_MODULES = {
 REGION_INPUTS = ("ctx", "tok", "q", "wk", "bk", "wv", "bv", "wo", "bo", "wg", "w1", "b1", "w2", "b2", "w3")
 # What reference.pool_backward returns, in its order.
 POOL_GRADS = ("tok", "q", "wk", "wv", "bv", "wo", "bo")
-# The kernel sets whose region_forward and region_backward take `layout` (kernels/triton_region.py):
-# a list in which the forward leaves the expert layout it built from the index it returns, for
-# the backward to take instead of grouping that index again. RegionFunction passes one, kept on
-# its autograd ctx; the op passes none, nor does a call through region_graphs (a replay
-# overwrites a graph's buffers).
-KEEPS_LAYOUT = ("fused", "staged")
+# The kernel sets whose region_forward and region_backward take `kept` (kernels/triton_region.py):
+# a dict in which the forward leaves what it computed from its inputs (the expert layout of the
+# index it returns, the pool's weights in fp32), for the backward to take instead of computing it
+# again. RegionFunction passes one, kept on its autograd ctx; the op passes none, nor does a call
+# through region_graphs (a replay overwrites a graph's buffers).
+KEEPS = ("fused", "staged")
 
 
 def kernel_set(name):
@@ -106,18 +107,18 @@ def region(ctx: Tensor, tok: Tensor, q: Tensor, wk: Tensor, bk: Optional[Tensor]
                     graphs)
 
 
-def _forward(tensors, top_k, renorm, act, kernels, graphs, layout=None):
-    """The kernel set's forward (the op's body, and RegionFunction's); layout: see KEEPS_LAYOUT."""
+def _forward(tensors, top_k, renorm, act, kernels, graphs, kept=None):
+    """The kernel set's forward (the op's body, and RegionFunction's); kept: see KEEPS."""
     ctx, tok, w1, mask = tensors[0], tensors[1], tensors[10], tensors[15]
     with _no_autocast(ctx):
         return _kernel_call(kernel_set(kernels).region_forward, tensors, (ctx, tok, w1, mask), top_k, renorm, act,
-                            kernels, graphs, layout)
+                            kernels, graphs, kept)
 
 
-def _kernel_call(fn, tensors, inputs, top_k, renorm, act, kernels, graphs, layout=None):
+def _kernel_call(fn, tensors, inputs, top_k, renorm, act, kernels, graphs, kept=None):
     """fn(*tensors, top_k, renorm, act), a kernel set's region_forward or region_backward,
     through its CUDA graph where region_graphs.wanted says so; inputs = (ctx, tok, W1, mask).
-    layout (see KEEPS_LAYOUT) goes to fn as a keyword where given, and never into a graph."""
+    kept (see KEEPS) goes to fn as a keyword where given, and never into a graph."""
     ctx, tok, w1, mask = inputs
     if ctx.is_cuda and ctx.device.index != torch.cuda.current_device():
         # Triton and Gluon launch on the current device, not on their tensors': a block on cuda:1
@@ -125,12 +126,12 @@ def _kernel_call(fn, tensors, inputs, top_k, renorm, act, kernels, graphs, layou
         # (Inductor guards its launches likewise; the common case, the tensors' device current,
         # costs one check.)
         with torch.cuda.device(ctx.device):
-            return _kernel_call(fn, tensors, inputs, top_k, renorm, act, kernels, graphs, layout)
+            return _kernel_call(fn, tensors, inputs, top_k, renorm, act, kernels, graphs, kept)
     if region_graphs.wanted(graphs, kernels, ctx, tok, w1, top_k, act, mask):
         return region_graphs.call(fn, tensors, (top_k, renorm, act))
-    if layout is None:
+    if kept is None:
         return fn(*tensors, top_k, renorm, act)
-    return fn(*tensors, top_k, renorm, act, layout=layout)
+    return fn(*tensors, top_k, renorm, act, kept=kept)
 
 
 @region.register_fake
@@ -159,13 +160,13 @@ def _region_backward(grad_out: Tensor, ctx: Tensor, tok: Tensor, q: Tensor, wk: 
     return _region_gradients(tensors, top_k, renorm, act, kernels, grad_inv, graphs)
 
 
-def _region_gradients(tensors, top_k, renorm, act, kernels, grad_inv, graphs, layout=None):
-    """_region_backward's body, which RegionFunction's backward calls with its `layout` (see
-    KEEPS_LAYOUT; not an argument the op's schema can hold). tensors: _region_backward's, in order."""
+def _region_gradients(tensors, top_k, renorm, act, kernels, grad_inv, graphs, kept=None):
+    """_region_backward's body, which RegionFunction's backward calls with its `kept` (see KEEPS;
+    not an argument the op's schema can hold). tensors: _region_backward's, in order."""
     grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask, inv, attn, weight, index = tensors
     with _no_autocast(ctx):
         grads = list(_kernel_call(kernel_set(kernels).region_backward, tensors, (ctx, tok, w1, mask),
-                                  top_k, renorm, act, kernels, graphs, layout))
+                                  top_k, renorm, act, kernels, graphs, kept))
         if grad_inv is not None:
             acc = accumulation_dtype(ctx.dtype)
             c = lambda t: None if t is None else t.to(acc)
@@ -196,7 +197,7 @@ def _setup_context(ctx, inputs, output):
     ctx.config = inputs[16:20]
     ctx.export_inv = bool(inputs[20]) if len(inputs) > 20 else False
     ctx.graphs = inputs[21] if len(inputs) > 21 else "off"
-    ctx.layout = None  # the op keeps no expert layout (RegionFunction's forward sets its own)
+    ctx.kept = None  # the op keeps nothing (RegionFunction's forward sets its own)
 
 
 def _backward(ctx, grad_out, grad_inv, *unused_aux_grads):
@@ -213,7 +214,7 @@ def _backward(ctx, grad_out, grad_inv, *unused_aux_grads):
     if _traced(args):
         grads = region_backward(*args, *ctx.config, grad_inv=extra, graphs=ctx.graphs)
     else:
-        grads = _region_gradients(args, *ctx.config, extra, ctx.graphs, ctx.layout)
+        grads = _region_gradients(args, *ctx.config, extra, ctx.graphs, ctx.kept)
     grads = [None if t is None else g for g, t in zip(grads, tensors)]
     return (*grads, None, None, None, None, None, None, None)
 
@@ -230,18 +231,18 @@ class RegionFunction(torch.autograd.Function):
     aliasing checks and its generated autograd wrapper: host time that a training step pays
     (bench/PERF_NOTES.md v4: the op's fwd+bwd issues in ~5 ms at medium on the H200, the kernel
     set's own calls in ~2.5 ms). What it adds: the fused and staged sets' forward leaves its expert
-    layout on the autograd ctx, and the backward takes it instead of grouping the same index
-    again (KEEPS_LAYOUT; the gradients are the same bits). The backward is _backward, as the
+    layout and the pool's fp32 weights on the autograd ctx, and the backward takes them instead of
+    computing them again (KEEPS; the gradients are the same bits). The backward is _backward, as the
     op's, and is once differentiable, as the op's is: a second derivative raises instead of
     treating the gradients as constants.
     """
 
     @staticmethod
     def forward(ctx, *inputs):
-        layout = [] if inputs[19] in KEEPS_LAYOUT else None  # inputs[19]: kernels
-        output = _forward(inputs[:16], *inputs[16:20], inputs[21] if len(inputs) > 21 else "off", layout)
+        kept = {} if inputs[19] in KEEPS else None  # inputs[19]: kernels
+        output = _forward(inputs[:16], *inputs[16:20], inputs[21] if len(inputs) > 21 else "off", kept)
         _setup_context(ctx, inputs, output)
-        ctx.layout = layout
+        ctx.kept = kept
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(*output[2:] if ctx.export_inv else output[1:])
         return tuple(output)

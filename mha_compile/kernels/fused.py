@@ -23,13 +23,13 @@ def why_unsupported(ctx, tok, w1, top_k, act, mask):
 
 
 def region_forward(ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask, top_k, renorm, act,
-                   layout=None):
-    """layout: see triton_region (the expert layout kept for region_backward)."""
+                   kept=None):
+    """kept: see triton_region (what the forward leaves for region_backward)."""
     return triton_region.region_forward("on_load", ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2,
-                                        w3, mask, top_k, renorm, act, layout)
+                                        w3, mask, top_k, renorm, act, kept)
 
 
 def region_backward(grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask,
-                    inv, attn, weight, index, top_k, renorm, act, layout=None):
+                    inv, attn, weight, index, top_k, renorm, act, kept=None):
     return triton_region.region_backward("on_load", grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1,
-                                         w2, b2, w3, mask, inv, attn, weight, index, top_k, renorm, act, layout)
+                                         w2, b2, w3, mask, inv, attn, weight, index, top_k, renorm, act, kept)

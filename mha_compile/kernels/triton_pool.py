@@ -306,16 +306,18 @@ def _heads(tbar, wv, bv, split):
     return pooled if bv is None else pooled + bv
 
 
-def pool_forward(tok, q, wk, wv, bv, wo, bo, mask=None):
-    """inv [B,D] and attn [B,N,P] (fp32), as reference.pool_forward; weights are fp32 here."""
-    attn, tbar = pool_attend(tok, pool_directions(q, wk), mask)
+def pool_forward(tok, q, wk, wv, bv, wo, bo, mask=None, u=None):
+    """inv [B,D] and attn [B,N,P] (fp32), as reference.pool_forward; weights are fp32 here.
+    u: pool_directions(q, wk), where the caller has it."""
+    attn, tbar = pool_attend(tok, pool_directions(q, wk) if u is None else u, mask)
     split = split_dot(tok.dtype)
     inv = _mm(_heads(tbar, wv, bv, split), wo.T, split)
     return (inv if bo is None else inv + bo), attn
 
 
-def pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn):
-    """(∂tok in tok's dtype, ∂q, ∂Wk, ∂Wv, ∂bv, ∂Wo, ∂bo) in fp32; weights given in fp32."""
+def pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn, u=None):
+    """(∂tok in tok's dtype, ∂q, ∂Wk, ∂Wv, ∂bv, ∂Wo, ∂bo) in fp32; weights given in fp32. u:
+    pool_directions(q, wk), where the caller kept the forward's."""
     P, Dh = q.shape
     B, N, D = tok.shape
     split = split_dot(tok.dtype)
@@ -330,7 +332,7 @@ def pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn):
     # with ∂tok (512 MiB) live, and three [B,P,D] fp32 buffers (64 MiB each) became two there
     # and one after (bench/offline_memory.py).
     du_part = grad_tbar
-    u = pool_directions(q, wk).float().contiguous()
+    u = (pool_directions(q, wk) if u is None else u).float().contiguous()
     tok = tok.contiguous()
     attn = attn.contiguous()
     grad_tok = torch.empty_like(tok)

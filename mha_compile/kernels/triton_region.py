@@ -10,16 +10,20 @@
 
 Both: pool (triton_pool) → router (triton_router) → expert grouping and grouped GEMMs
 (triton_moe) → token-order combine; the backward recomputes u = x W1 + b1 rather than keeping
-it, and the grouping too unless its caller kept the forward's (`layout`). Saved tensors mean
-what they mean in reference.py: inv [B,D] and attn [B,N,P] fp32, the top-k weights [R,k] fp32
-and indices [R,k] int32.
+it, and the grouping and the pool's fp32 weights too unless its caller kept the forward's
+(`kept`). Saved tensors mean what they mean in reference.py: inv [B,D] and attn [B,N,P] fp32,
+the top-k weights [R,k] fp32 and indices [R,k] int32.
 
-`layout` (optional, both directions): a list, empty for the forward, in which region_forward
-leaves the expert layout (triton_moe.Groups) it built from the index it returns, and from which
-region_backward then takes it instead of grouping that index again (3 launches and ~8 torch
-calls: `group` took ~0.2 ms of host a call at large on the H200, bench/PERF_NOTES.md v15).
+`kept` (optional, both directions): a dict, empty for the forward, in which region_forward leaves
+what the backward would otherwise compute again from the same inputs, and from which
+region_backward takes it: "groups", the expert layout (triton_moe.Groups) of the index it
+returns (3 launches and ~8 torch calls: `group` took ~0.2 ms of host a call at large on the
+H200, bench/PERF_NOTES.md v15), and "pool", q, Wk, Wv, bv, Wo in fp32 with the pool's
+directions u (one cast of a flat buffer, ~0.15 ms of host a call there, and a bmm, ~0.1 ms:
+bench/results/host_timers_large.txt), stamped with the weights they came from. Each is checked
+against the backward's own inputs (the same memory, not written since) and refused otherwise.
 ops.RegionFunction keeps one on its autograd ctx; the custom op cannot (its outputs are tensors)
-and region_graphs does not (a replay overwrites a graph's buffers), so both group twice.
+and region_graphs does not (a replay overwrites a graph's buffers), so both compute them twice.
 
 Inputs the kernels do not take (see `why_unsupported`) run on reference.py, which is correct
 for all of them; no input is silently approximated.
@@ -105,9 +109,9 @@ def _merged_input(ctx, inv, merge):
 
 
 def region_forward(merge, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask, top_k, renorm, act,
-                   layout=None):
+                   kept=None):
     """(out [B,H,D] ctx.dtype, inv [B,D], attn [B,N,P], weight [R,k] fp32, index [R,k] int32).
-    layout: an empty list, given the layout of `index` (see the module docstring); it stays empty
+    kept: an empty dict, filled for region_backward (see the module docstring); it stays empty
     where the inputs run on the reference."""
     if why_unsupported(ctx, tok, w1, top_k, act, mask) is not None:
         return reference.region_forward(ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3,
@@ -115,34 +119,55 @@ def region_forward(merge, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b
     tok, w1, b1, w2, b2, w3 = _in_compute_dtype(ctx, tok, w1, b1, w2, b2, w3)
     B, H, D = ctx.shape
     E = w1.shape[0]
-    inv, attn = triton_pool.pool_forward(tok, *_f32(q, wk, wv, bv, wo, bo), mask)
+    pool = _f32(q, wk, wv, bv, wo, bo)
+    u = triton_pool.pool_directions(pool[0], pool[1])
+    inv, attn = triton_pool.pool_forward(tok, *pool, mask, u=u)
     x, x_inv = _merged_input(ctx, inv, merge)
     weight, index = triton_router.route(x, x_inv, wg.contiguous(), top_k, renorm, H)
     groups = triton_moe.group(index, E)
-    if layout is not None:
-        layout.append(groups)
+    if kept is not None:
+        kept.update(groups=groups, pool=(_stamp(q, wk, wv, bv, wo), (*pool[:5], u)))
     out = triton_moe.moe_forward(x, x_inv, weight, groups, w1.contiguous(), _c(b1), w2.contiguous(), _c(b2),
                                  _c(w3), act, H, ctx.dtype)
     return out.view(B, H, D), inv, attn, weight, index
 
 
-def _layout_of(index, experts, layout):
-    """The expert layout of `index`: the one region_forward left in `layout`, else built now.
+def _layout_of(index, experts, kept):
+    """The expert layout of `index`: the one region_forward left in `kept`, else built now.
     One built from another index, or from this one before it was written to, raises: it would
     send the gradients of some pairs to the wrong expert."""
-    if not layout:
+    groups = kept.get("groups") if kept else None
+    if groups is None:
         return triton_moe.group(index, experts)
-    (groups,) = layout
     if groups.experts != experts or not groups.built_from(index):
-        raise ValueError("region_backward: the expert layout kept in `layout` was not built from this `index` "
+        raise ValueError("region_backward: the expert layout kept in `kept` was not built from this `index` "
                          "(or the index was written to since)")
     return groups
 
 
+def _stamp(*tensors):
+    """Which tensors these are (memory, shape, strides, dtype) and their version counters: what a
+    kept value computed from them is checked against."""
+    return tuple(None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype, t._version) for t in tensors)
+
+
+def _pool_weights(q, wk, wv, bv, wo, kept):
+    """(q, Wk, Wv, bv, Wo in fp32, u or None) for the pool's backward: region_forward's from `kept`
+    (refused if they came from other weights, or from these before a write), else cast now."""
+    pool = kept.get("pool") if kept else None
+    if pool is None:
+        return (*_f32(q, wk, wv, bv, wo), None)
+    stamp, weights = pool
+    if stamp != _stamp(q, wk, wv, bv, wo):
+        raise ValueError("region_backward: the pool weights kept in `kept` were not made from these q, wk, wv, bv, "
+                         "wo (or they were written to since)")
+    return weights
+
+
 def region_backward(merge, grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask,
-                    inv, attn, weight, index, top_k, renorm, act, layout=None):
+                    inv, attn, weight, index, top_k, renorm, act, kept=None):
     """Gradients of (ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3), None for absent.
-    layout: the list region_forward filled when it returned `index` (see the module docstring)."""
+    kept: the dict region_forward filled when it returned `index` (see the module docstring)."""
     if why_unsupported(ctx, tok, w1, top_k, act, mask) is not None:
         return reference.region_backward(grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3,
                                          mask, inv, attn, weight, index, top_k, renorm, act)
@@ -155,7 +180,7 @@ def region_backward(merge, grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1
     wg = wg.contiguous()
     weight = weight.float().contiguous()
     index = index.contiguous()
-    groups = _layout_of(index, E, layout)
+    groups = _layout_of(index, E, kept)
     grad_rows = grad_out.reshape(B * H, D).contiguous()
     dx_slot, gw_part, dw1, db1, dw2, db2, dw3 = triton_moe.moe_backward(
         grad_rows, x, x_inv, weight, groups, w1.contiguous(), _c(b1), w2.contiguous(), _c(b2), _c(w3), act, H)
@@ -168,8 +193,9 @@ def region_backward(merge, grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1
         dctx, dinv = merge_backward(dy.view(B, H, D), ctx.dtype)
     else:
         dctx = dy.view(B, H, D)
+    *pool, u = _pool_weights(q, wk, wv, bv, wo, kept)
     grad_tok, grad_q, grad_wk, grad_wv, grad_bv, grad_wo, grad_bo = triton_pool.pool_backward(
-        dinv, tok, *_f32(q, wk, wv, bv, wo), attn.float())
+        dinv, tok, *pool, attn.float(), u=u)
     grad_bk = None if bk is None else torch.zeros_like(bk)
     grads = (dctx, grad_tok, grad_q, grad_wk, grad_bk, grad_wv, grad_bv, grad_wo, grad_bo,
              dwg, dw1, db1, dw2, db2, dw3)

@@ -250,53 +250,57 @@ def test_tile_runs_cover_every_tile_once():
 
 
 
-class _KeepingLayout:
-    """A kernel set called as ops.RegionFunction calls it: each forward fills a fresh `layout`
-    list, which the next backward takes (check_region calls region_forward, then region_backward)."""
+class _Keeping:
+    """A kernel set called as ops.RegionFunction calls it: each forward fills a fresh `kept` dict,
+    which the next backward takes (check_region calls region_forward, then region_backward)."""
 
     def __init__(self, module):
-        self.module, self.__name__, self.layout = module, module.__name__, None
+        self.module, self.__name__, self.kept = module, module.__name__, None
 
     def region_forward(self, *args):
-        self.layout = []
-        return self.module.region_forward(*args, layout=self.layout)
+        self.kept = {}
+        return self.module.region_forward(*args, kept=self.kept)
 
     def region_backward(self, *args):
-        return self.module.region_backward(*args, layout=self.layout)
+        return self.module.region_backward(*args, kept=self.kept)
 
 
-def _counting_groups(monkeypatch):
+def _counting(monkeypatch, module, name):
     calls = []
-    group = triton_moe.group
-    monkeypatch.setattr(triton_moe, "group", lambda *args: calls.append(args) or group(*args))
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *args: calls.append(args) or real(*args))
     return calls
 
 
 @pytest.mark.parametrize("module", SETS)
 @pytest.mark.parametrize("runs", [False, True], ids=["whole", "runs"])
-def test_backward_on_the_kept_layout(monkeypatch, module, runs):
-    """The backward on the forward's expert layout (`layout`, as RegionFunction runs it) groups
-    nothing, gives the gradients of the backward that groups the index again, bit for bit, and
-    matches the float64 reference; over the whole layout and over runs of one tile (the large
-    preset's path, whose runs clip the kept layout's expert ranges)."""
+def test_backward_on_what_the_forward_kept(monkeypatch, module, runs):
+    """The backward on the forward's expert layout and pool weights (`kept`, as RegionFunction
+    runs it) groups nothing and computes no pool directions, gives the gradients of the backward
+    that makes both again, bit for bit, and matches the float64 reference; over the whole layout
+    and over runs of one tile (the large preset's path, whose runs clip the kept layout's expert
+    ranges). The weights are bf16, so the kept fp32 ones are casts, not the parameters."""
     if runs:
         monkeypatch.setattr(triton_moe, "SLOT_CHUNK_BYTES", 1)
-    grouped = _counting_groups(monkeypatch)
+    grouped = _counting(monkeypatch, triton_moe, "group")
+    directions = _counting(monkeypatch, triton_pool, "pool_directions")
     ctx, tok, params = make_case(4, 8, 5, 32, 2, 48, 3, 2, act="swiglu", bias=not runs)
-    keeping = _KeepingLayout(module)
+    keeping = _Keeping(module)
     check_region(keeping, ctx, tok, params, top_k=2, renorm=True, act="swiglu")
-    assert len(grouped) == 1 and len(keeping.layout) == 1 and keeping.layout[0].built_from(grouped[0][0])
+    assert len(grouped) == 1 and keeping.kept["groups"].built_from(grouped[0][0])
+    assert len(directions) == 1  # the forward's
 
-    grouped.clear()
-    layout = []
-    saved = module.region_forward(ctx, tok, *params, None, 2, True, "swiglu", layout=layout)[1:]
-    grad = torch.randn(4, 8, 32)
-    kept = module.region_backward(grad, ctx, tok, *params, None, *saved, 2, True, "swiglu", layout=layout)
-    assert len(grouped) == 1  # the forward's only
+    grouped.clear(), directions.clear()
+    ctx, tok, params = ctx.bfloat16(), tok.bfloat16(), [None if p is None else p.bfloat16() for p in params]
+    kept = {}
+    saved = module.region_forward(ctx, tok, *params, None, 2, True, "swiglu", kept=kept)[1:]
+    grad = torch.randn(4, 8, 32).bfloat16()
+    with_kept = module.region_backward(grad, ctx, tok, *params, None, *saved, 2, True, "swiglu", kept=kept)
+    assert len(grouped) == 1 and len(directions) == 1  # the forward's only
     again = module.region_backward(grad, ctx, tok, *params, None, *saved, 2, True, "swiglu")
-    assert len(grouped) == 2
+    assert len(grouped) == 2 and len(directions) == 2
     for name, a, b in zip(("ctx", "tok", "q", "wk", "bk", "wv", "bv", "wo", "bo", "wg", "w1", "b1", "w2", "b2",
-                           "w3"), kept, again):
+                           "w3"), with_kept, again):
         assert (a is None and b is None) or torch.equal(a, b), f"∂{name}"
 
 
@@ -305,17 +309,38 @@ def test_a_layout_not_built_from_this_index_is_refused():
     for its own index written to since: a layout of other indices would send some pairs'
     gradients to the wrong experts."""
     ctx, tok, params = make_case(2, 3, 5, 32, 2, 64, 4, 2)
-    layout = []
-    inv, attn, weight, index = fused.region_forward(ctx, tok, *params, None, 2, True, "gelu", layout=layout)[1:]
+    kept = {}
+    inv, attn, weight, index = fused.region_forward(ctx, tok, *params, None, 2, True, "gelu", kept=kept)[1:]
     grad = torch.randn(2, 3, 32)
     backward = lambda idx: fused.region_backward(grad, ctx, tok, *params, None, inv, attn, weight, idx,  # noqa: E731
-                                                 2, True, "gelu", layout=layout)
+                                                 2, True, "gelu", kept=kept)
     assert backward(index.view(6, 2))[10] is not None  # a view of the same elements is the same index
     with pytest.raises(ValueError, match="not built from this `index`"):
         backward(index.clone())
     index.copy_(index.flip(1))  # the same pairs' experts, in the other slot order
     with pytest.raises(ValueError, match="not built from this `index`"):
         backward(index)
+
+
+def test_pool_weights_not_made_from_these_are_refused():
+    """The backward refuses the kept fp32 pool weights for another tensor of the same values, and
+    for its own weight written to since: it would take the gradients of other weights."""
+    ctx, tok, params = make_case(2, 3, 5, 32, 2, 64, 4, 2)
+    ctx, tok, params = ctx.bfloat16(), tok.bfloat16(), [None if p is None else p.bfloat16() for p in params]
+    kept = {}
+    saved = fused.region_forward(ctx, tok, *params, None, 2, True, "gelu", kept=kept)[1:]
+    grad = torch.randn(2, 3, 32).bfloat16()
+
+    def backward(wk):
+        args = (params[0], wk, *params[2:])
+        return fused.region_backward(grad, ctx, tok, *args, None, *saved, 2, True, "gelu", kept=kept)
+
+    assert backward(params[1])[3] is not None
+    with pytest.raises(ValueError, match="pool weights kept"):
+        backward(params[1].clone())
+    params[1].mul_(1.0)  # the same values, but written to
+    with pytest.raises(ValueError, match="pool weights kept"):
+        backward(params[1])
 
 
 def test_runs_of_tiles_clip_expert_ranges_where_read():
