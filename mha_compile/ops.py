@@ -239,7 +239,8 @@ class RegionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *inputs):
-        kept = {} if inputs[19] in KEEPS else None  # inputs[19]: kernels
+        # inputs[19]: kernels. Under inference_mode nothing runs backward: keep nothing.
+        kept = {} if inputs[19] in KEEPS and not torch.is_inference_mode_enabled() else None
         output = _forward(inputs[:16], *inputs[16:20], inputs[21] if len(inputs) > 21 else "off", kept)
         _setup_context(ctx, inputs, output)
         ctx.kept = kept

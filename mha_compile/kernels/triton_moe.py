@@ -688,15 +688,17 @@ class Groups:
         self.tile_expert = tile_expert
         self.expert_slots = meta[:2 * experts]  # [2E]: padded start, padded end
         # What built_from compares; holding `index` keeps its memory from passing to another tensor.
-        self.index, self.index_version = index, index._version
+        # An inference tensor (made under torch.inference_mode) has no version counter, and no
+        # backward to keep a layout for.
+        self.index, self.index_version = index, _version(index)
 
     def built_from(self, index):
         """Whether this is the layout of `index`: the tensor it was built from (or a view of the
         same elements), not written to since (its version counter, which views share)."""
         held = self.index
-        return (held is not None and index.data_ptr() == held.data_ptr() and index.device == held.device
-                and index.dtype == held.dtype and index.shape == held.shape and index.stride() == held.stride()
-                and index._version == self.index_version)
+        return (held is not None and self.index_version is not None and index.data_ptr() == held.data_ptr()
+                and index.device == held.device and index.dtype == held.dtype and index.shape == held.shape
+                and index.stride() == held.stride() and _version(index) == self.index_version)
 
     def tiles(self, t0, t1):
         """Tiles [t0, t1) as a layout of their own: a slot buffer made for it starts at slot
@@ -721,6 +723,12 @@ class Groups:
         the backward's weight and bias gradients read it, so the forward's runs skip these two
         torch ops (two runs at large; a torch call costs ~10-20 us of the H200's host, PERF_NOTES v15)."""
         return (self._whole_slots - self._s0).clamp_(0, self.slots)
+
+
+def _version(t):
+    """t's version counter (bumped by every in-place write), or None for an inference tensor,
+    which has none."""
+    return None if t.is_inference() else t._version
 
 
 def group(index, experts):

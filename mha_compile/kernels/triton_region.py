@@ -146,9 +146,10 @@ def _layout_of(index, experts, kept):
 
 
 def _stamp(*tensors):
-    """Which tensors these are (memory, shape, strides, dtype) and their version counters: what a
-    kept value computed from them is checked against."""
-    return tuple(None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype, t._version) for t in tensors)
+    """Which tensors these are (memory, shape, strides, dtype) and their version counters (None for
+    an inference tensor, which has none): what a kept value computed from them is checked against."""
+    return tuple(None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype,
+                                         None if t.is_inference() else t._version) for t in tensors)
 
 
 def _pool_weights(q, wk, wv, bv, wo, kept):
