@@ -51,7 +51,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from mha_compile.kernels.triton_util import (ACT_CODE, GW_BLOCK, Launcher, act_bwd, act_fwd, dot_precision,
-                                             gpu_options, load_x, log, num_sms, pow2, tma_ok)
+                                             gpu_options, load_x, log, num_sms, pow2, stamp, tma_ok)
 
 try:  # the Gluon kernels for Hopper, where this Triton has Gluon (3.6 has)
     from mha_compile.kernels import gluon_moe
@@ -688,17 +688,14 @@ class Groups:
         self.tile_expert = tile_expert
         self.expert_slots = meta[:2 * experts]  # [2E]: padded start, padded end
         # What built_from compares; holding `index` keeps its memory from passing to another tensor.
-        # An inference tensor (made under torch.inference_mode) has no version counter, and no
-        # backward to keep a layout for.
-        self.index, self.index_version = index, _version(index)
+        self.index, self.index_stamp = index, stamp(index)
 
     def built_from(self, index):
         """Whether this is the layout of `index`: the tensor it was built from (or a view of the
-        same elements), not written to since (its version counter, which views share)."""
-        held = self.index
-        return (held is not None and self.index_version is not None and index.data_ptr() == held.data_ptr()
-                and index.device == held.device and index.dtype == held.dtype and index.shape == held.shape
-                and index.stride() == held.stride() and _version(index) == self.index_version)
+        same elements), not written to since (its version counter, which views share). Never for
+        an inference tensor's layout (no version counter, and no backward to keep it for)."""
+        held = self.index_stamp
+        return held is not None and held[0][-1] is not None and stamp(index) == held
 
     def tiles(self, t0, t1):
         """Tiles [t0, t1) as a layout of their own: a slot buffer made for it starts at slot
@@ -712,7 +709,7 @@ class Groups:
         part.slots, part.pair_slot = s1 - s0, None
         part.slot_pair = self.slot_pair[s0:s1]
         part.tile_expert = self.tile_expert[t0:t1]
-        part.index = part.index_version = None  # built from no index of its own
+        part.index = part.index_stamp = None  # built from no index of its own
         part._whole_slots, part._s0 = self.expert_slots, s0
         return part
 
@@ -723,12 +720,6 @@ class Groups:
         the backward's weight and bias gradients read it, so the forward's runs skip these two
         torch ops (two runs at large; a torch call costs ~10-20 us of the H200's host, PERF_NOTES v15)."""
         return (self._whole_slots - self._s0).clamp_(0, self.slots)
-
-
-def _version(t):
-    """t's version counter (bumped by every in-place write), or None for an inference tensor,
-    which has none."""
-    return None if t.is_inference() else t._version
 
 
 def group(index, experts):

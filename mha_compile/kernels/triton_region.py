@@ -32,7 +32,7 @@ import torch
 
 from mha_compile.kernels import reference, triton_moe, triton_pool, triton_router
 from mha_compile.kernels.merge_cuda import merge_backward, merge_forward
-from mha_compile.kernels.triton_util import device_reason, dtype_reason
+from mha_compile.kernels.triton_util import device_reason, dtype_reason, stamp
 
 MERGES = ("on_load", "cuda")
 
@@ -126,7 +126,7 @@ def region_forward(merge, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b
     weight, index = triton_router.route(x, x_inv, wg.contiguous(), top_k, renorm, H)
     groups = triton_moe.group(index, E)
     if kept is not None:
-        kept.update(groups=groups, pool=(_stamp(q, wk, wv, bv, wo), (*pool[:5], u)))
+        kept.update(groups=groups, pool=(stamp(q, wk, wv, bv, wo), (*pool[:5], u)))
     out = triton_moe.moe_forward(x, x_inv, weight, groups, w1.contiguous(), _c(b1), w2.contiguous(), _c(b2),
                                  _c(w3), act, H, ctx.dtype)
     return out.view(B, H, D), inv, attn, weight, index
@@ -145,21 +145,14 @@ def _layout_of(index, experts, kept):
     return groups
 
 
-def _stamp(*tensors):
-    """Which tensors these are (memory, shape, strides, dtype) and their version counters (None for
-    an inference tensor, which has none): what a kept value computed from them is checked against."""
-    return tuple(None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype,
-                                         None if t.is_inference() else t._version) for t in tensors)
-
-
 def _pool_weights(q, wk, wv, bv, wo, kept):
     """(q, Wk, Wv, bv, Wo in fp32, u or None) for the pool's backward: region_forward's from `kept`
     (refused if they came from other weights, or from these before a write), else cast now."""
     pool = kept.get("pool") if kept else None
     if pool is None:
         return (*_f32(q, wk, wv, bv, wo), None)
-    stamp, weights = pool
-    if stamp != _stamp(q, wk, wv, bv, wo):
+    made_from, weights = pool
+    if made_from != stamp(q, wk, wv, bv, wo):
         raise ValueError("region_backward: the pool weights kept in `kept` were not made from these q, wk, wv, bv, "
                          "wo (or they were written to since)")
     return weights

@@ -147,6 +147,14 @@ def contiguous(*tensors):
     return tuple(None if t is None else t.contiguous() for t in tensors)
 
 
+def stamp(*tensors):
+    """Which tensors these are (memory, device, dtype, shape, strides) and their version counters,
+    which every in-place write bumps (None for an inference tensor, which has none; None for an
+    absent tensor): what a value kept from a forward for its backward is checked against."""
+    return tuple(None if t is None else (t.data_ptr(), t.device, t.dtype, t.shape, t.stride(),
+                                         None if t.is_inference() else t._version) for t in tensors)
+
+
 class Launcher:
     """One kernel, its bounded config list and its autotune key.
 
