@@ -160,6 +160,32 @@ def test_every_tuned_config_bf16(monkeypatch, module, name, i):
     print(f"{name}[{i}]: {fmt(errors)}")
 
 
+def _up_configs():
+    from mha_compile.kernels import triton_moe
+
+    return range(len(triton_moe._up.configs))
+
+
+@pytest.mark.parametrize("i", _up_configs())
+def test_up_configs_on_tma_bf16(monkeypatch, i):
+    """GEMM1's configs on its TMA path, which the test above (D = 100: rows not 16-byte aligned)
+    does not take: D = 104, F = 200. The SMs are cut to 2, so that each of the 2 persistent
+    programs walks many jobs, as at the large preset."""
+    from mha_compile.kernels import triton_moe
+
+    launcher = triton_moe._up
+    monkeypatch.setattr(launcher, "configs", [launcher.configs[i]])
+    monkeypatch.setattr(launcher, "tuned", None)
+    monkeypatch.setattr(triton_moe, "num_sms", lambda device: 2)
+    taken = []
+    real = triton_moe.tma_ok
+    monkeypatch.setattr(triton_moe, "tma_ok", lambda *t: taken.append(real(*t)) or taken[-1])
+    ctx, tok, params = make_case(300, 7, 37, 104, 4, 200, 4, 2, act="gelu", dtype=torch.bfloat16, device="cuda",
+                                 seed=14)
+    errors = check_region(fused, ctx, tok, params, top_k=2, renorm=True, act="gelu")
+    assert taken and all(taken), f"GEMM1 left its TMA path: {taken}"
+    print(f"_up[{i}] on TMA: {fmt(errors)}")
+
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_router_at_fp32_accuracy(dtype):
