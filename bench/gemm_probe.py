@@ -127,9 +127,7 @@ def probe(preset, act, rows_out, kernels):
 
     up_more = [dict(BLOCK_F=256, BLOCK_K=64, num_warps=8, num_stages=3),
                dict(BLOCK_F=128, BLOCK_K=128, num_warps=8, num_stages=3),
-               dict(BLOCK_F=128, BLOCK_K=64, num_warps=4, num_stages=3),
-               dict(BLOCK_F=64, BLOCK_K=64, num_warps=4, num_stages=3, SM_PROGRAMS=2),
-               dict(BLOCK_F=64, BLOCK_K=32, num_warps=4, num_stages=4, SM_PROGRAMS=3)]
+               dict(BLOCK_F=128, BLOCK_K=64, num_warps=4, num_stages=3)]
     for cfg in extra(moe._up.configs, *up_more):
         report("up", "gemm1", cfg, gemm, lambda: moe.experts_up(xs, groups, w1, b1, None, act), moe._up)
 
