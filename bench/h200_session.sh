@@ -31,6 +31,10 @@
 #   [PRESET=large] bash bench/h200_session.sh ncu-gemms  # throughput, memory, warp stalls and the stalls
 #                                      # by source line (SourceCounters), on GEMM1 and the Gluon hidden kernel
 #                                      # only, their first four launches (~2 min): run.log, ncu_gemms.txt
+#   [PRESET=large] bash bench/h200_session.sh ncu-source  # Nsight Compute's full set on GEMM1 and the
+#                                      # hidden kernel (first three launches), then each one's SASS with its
+#                                      # stall samples summed by part of the kernel (bench/ncu_source.py;
+#                                      # ~3 min): run.log, ncu_source.txt, sass_<kernel>.csv.gz
 #   bash bench/h200_session.sh probe   # each MoE kernel alone under every config (bench/gemm_probe.py), then
 #                                      # CUDA time per kernel of the op (~6 min): gemm_probe.{txt,json}, kernel_times.txt
 #   [PROBE=up,hidden PROBE_PRESETS=large] bash bench/h200_session.sh verify  # pytest -m cuda, then CUDA
@@ -64,7 +68,7 @@
 #                                      # benchmark cut at 250 s (rows past it are listed as skipped)
 # Budgets are per step so a slow step cannot starve the others.
 set -u
-part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|ncu-gemms|gluon|verify-gluon|gluon-gemms|verify-gemms|router|small-kernels|host-large|host-timers|short}
+part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|ncu-gemms|ncu-source|gluon|verify-gluon|gluon-gemms|verify-gemms|router|small-kernels|host-large|host-timers|short}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 # Inductor's compiled graphs kept in the checkout (git ignores it): the device keeps ignored
 # files between calls on a machine it still holds, so `table` can reuse `autotune-cache`'s.
@@ -159,11 +163,25 @@ ncu-gemms)
     # backward's Gluon hidden kernel (_hidden_kernel, 3), their first four launches (~1.5 min)
     # SourceCounters: the warp-stall reasons by source line (Triton and Gluon keep line info), the
     # reading that says whether the consumers wait on their epilogue's ALU work or on the ring
-    timeout -s INT 200 ncu --clock-control none --profile-from-start off -k "regex:^(_moe_up_kernel|_hidden_kernel)$" \
+    timeout -s INT 200 ncu --clock-control none --profile-from-start off -k "regex:^(_moe_up_kernel|_hidden_kernel|_hidden_coop_kernel)$" \
         -c 4 --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
         --section SourceCounters --import-source yes \
         python bench/ncu_kernels.py --preset "${PRESET:-large}" >"$OUT/ncu_gemms.txt" 2>&1
     tail -5 "$OUT/ncu_gemms.txt" >>"$LOG"
+    ;;
+ncu-source)
+    # The kernel names of GEMM1 and of both Gluon hidden kernels (the cooperative one at large).
+    # The report itself (~15 MB) stays on the device; its source pages come back.
+    timeout -s INT 240 ncu --clock-control none --profile-from-start off \
+        -k "regex:^(_moe_up_kernel|_hidden_kernel|_hidden_coop_kernel)$" -c 3 --set full --import-source yes \
+        -o /tmp/gemms python bench/ncu_kernels.py --preset "${PRESET:-large}" >>"$LOG" 2>&1
+    for k in _moe_up_kernel _hidden_kernel _hidden_coop_kernel; do
+        timeout 60 ncu -i /tmp/gemms.ncu-rep -k $k -c 1 --page source --csv --print-source sass >"$OUT/sass_$k.csv" 2>>"$LOG"
+        grep -q "Warp Stall" "$OUT/sass_$k.csv" || rm -f "$OUT/sass_$k.csv"
+    done
+    python bench/ncu_source.py "$OUT"/sass_*.csv >"$OUT/ncu_source.txt" 2>>"$LOG"
+    gzip -f "$OUT"/sass_*.csv
+    tail -20 "$OUT/ncu_source.txt" >>"$LOG"
     ;;
 medium-autotune)
     timeout -s INT -k 15 335 python -m bench --out "$OUT" --name h200_medium_autotune --budget 300 --presets medium \
