@@ -150,6 +150,25 @@ def _job(job, F, TILE, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
+def _job_rows(row, e, offs_n, slot_pair_ptr, weight_ptr, b1_ptr, PAIRS, F, has_b1, ROWS: gl.constexpr,
+              rows_layout: gl.constexpr, cols_layout: gl.constexpr):
+    """(offs_s, valid, w, bias) for _epilogue, of ROWS slot rows from `row` of expert e's job at
+    columns offs_n: the slots, whether each is a pair (not padding), the routing weights, and b1's
+    block (zeros without b1). Loaded before the dots: the pair ids, then the weights through them,
+    are two dependent global loads that would otherwise stall the epilogue. b1 is added after the
+    dots, not into the accumulator (an accumulator that a non-wgmma instruction writes before the K
+    loop makes ptxas serialise every wgmma of the kernel: its warning C7515)."""
+    offs_s = row + gl.arange(0, ROWS, layout=rows_layout)
+    pair = gl.load(slot_pair_ptr + offs_s)
+    valid = pair < PAIRS
+    w = gl.load(weight_ptr + pair, mask=valid, other=0.0)
+    bias = gl.zeros(offs_n.shape, gl.float32, cols_layout)
+    if has_b1 != 0:
+        bias = gl.load(b1_ptr + e * F + offs_n).to(gl.float32)
+    return offs_s, valid, w, bias
+
+
+@gluon.jit
 def _epilogue(acc_u, acc_g, acc_u3, w, valid, offs_s, offs_n, row, n, bufs, descs, gw_ptr, GW_COLS,
               ACT: gl.constexpr):
     """A job's epilogue, from u (b1 added) and g (and swiglu's u3) [rows, BLOCK_N] fp32: the ∂w
@@ -271,17 +290,9 @@ def _consume(descs, bufs, bars, ptrs, sizes, which, ACT: gl.constexpr):
             acc_g = gl.zeros([TILE_M, BLOCK_N], gl.float32, acc_layout)
             acc_u3 = gl.zeros([TILE_M, BLOCK_N], gl.float32, acc_layout)
             # The epilogue's operands are loaded before this consumer's turn, while the other runs
-            # its dots: the rows' pair ids, then their weights through them, two dependent global
-            # loads that would otherwise stall the epilogue; and b1, added after the dots (an
-            # accumulator that a non-wgmma instruction writes before the K loop makes ptxas
-            # serialise every wgmma of the kernel: its warning C7515).
-            offs_s = row + gl.arange(0, TILE_M, layout=rows_layout)
-            pair = gl.load(slot_pair_ptr + offs_s)
-            valid = pair < PAIRS
-            w = gl.load(weight_ptr + pair, mask=valid, other=0.0)
-            bias = gl.zeros([BLOCK_N], gl.float32, cols_layout)
-            if has_b1 != 0:
-                bias = gl.load(b1_ptr + e * F + offs_n).to(gl.float32)
+            # its dots (_job_rows).
+            offs_s, valid, w, bias = _job_rows(row, e, offs_n, slot_pair_ptr, weight_ptr, b1_ptr, PAIRS, F, has_b1,
+                                               TILE_M, rows_layout, cols_layout)
             # Consumer 0 goes first: a fresh barrier passes a wait on parity 1.
             mbarrier.wait(turn.index(which), (own & 1) ^ (1 - which))
             pos = i * ksteps
@@ -460,15 +471,8 @@ def _coop_consume(descs, bufs, bars, ptrs, sizes, which, ACT: gl.constexpr):
         row = row + which * HALF
         e = gl.load(tile_expert_ptr + t)
         offs_n = n * BLOCK_N + gl.arange(0, BLOCK_N, layout=cols_layout)
-        # The epilogue's operands are loaded before the dots, and b1 added after them (see
-        # _consume: an accumulator written before the K loop serialises every wgmma, C7515).
-        offs_s = row + gl.arange(0, HALF, layout=rows_layout)
-        pair = gl.load(slot_pair_ptr + offs_s)
-        valid = pair < PAIRS
-        w = gl.load(weight_ptr + pair, mask=valid, other=0.0)
-        bias = gl.zeros([BLOCK_N], gl.float32, cols_layout)
-        if has_b1 != 0:
-            bias = gl.load(b1_ptr + e * F + offs_n).to(gl.float32)
+        offs_s, valid, w, bias = _job_rows(row, e, offs_n, slot_pair_ptr, weight_ptr, b1_ptr, PAIRS, F, has_b1,
+                                           HALF, rows_layout, cols_layout)
         acc_u = gl.zeros([HALF, BLOCK_N], gl.float32, acc_layout)
         acc_g = gl.zeros([HALF, BLOCK_N], gl.float32, acc_layout)
         for k in range(ksteps):
