@@ -1,4 +1,4 @@
-"""Comparison helpers shared by the backend and lowering tests (SPEC §4)."""
+"""Comparison helpers shared by the backend and lowering tests (SPEC §4), and a call recorder."""
 import torch
 
 # ‖got − ref‖ / ‖ref‖ bounds per dtype for whole-graph comparisons against eager.
@@ -17,3 +17,12 @@ def assert_close_rel(got, ref, dtype, what=""):
 
 def graph_has_region(gm):
     return any(n.target is torch.ops.mha.region.default for n in gm.graph.nodes)
+
+
+def record_calls(monkeypatch, module, name):
+    """module.name wrapped for this test: each call's positional arguments appended to the returned
+    list, then the real function called."""
+    calls = []
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *args: calls.append(args) or real(*args))
+    return calls

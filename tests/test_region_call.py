@@ -13,7 +13,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import mha_compile
 from mha_compile import backend, models, ops
 from mha_compile.kernels import triton_moe
-from numerics import graph_has_region
+from numerics import graph_has_region, record_calls
 
 needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                        reason="kernels='fused' on CPU needs TRITON_INTERPRET=1")
@@ -220,20 +220,13 @@ def test_the_kernels_run_with_their_tensors_device_current(monkeypatch):
     assert seen == [1, 0] and entered == [1] and current == [0]
 
 
-def _counting_groups(monkeypatch):
-    calls = []
-    group = triton_moe.group
-    monkeypatch.setattr(triton_moe, "group", lambda *args: calls.append(args) or group(*args))
-    return calls
-
-
 @needs_interpreter
 @pytest.mark.parametrize("kernels,export_inv", [("fused", False), ("fused", True), ("staged", False)])
 def test_the_backward_takes_the_forwards_expert_layout(monkeypatch, kernels, export_inv):
     """RegionFunction keeps the forward's expert layout for the backward: one grouping a training
     step, where the op (what anything that traces meets) groups in each direction; the outputs
     and every gradient are the op's, bit for bit."""
-    grouped = _counting_groups(monkeypatch)
+    grouped = record_calls(monkeypatch, triton_moe, "group")
     tensors = _inputs(D=16, F=24, E=4, B=3, H=4, dtype=torch.float32)
     (out_fn, inv_fn), grads_fn = _grads(ops.RegionFunction.apply, tensors, export_inv, kernels=kernels)
     assert len(grouped) == 1
@@ -251,7 +244,7 @@ def test_the_backward_takes_the_forwards_expert_layout(monkeypatch, kernels, exp
 def test_a_compiled_training_step_groups_once(monkeypatch):
     """torch.compile(block, backend="mha") with kernels="fused": a training step's forward and
     backward group the routing once, and the gradients are the eager block's (fp32 bounds)."""
-    grouped = _counting_groups(monkeypatch)
+    grouped = record_calls(monkeypatch, triton_moe, "group")
     torch._dynamo.reset()
     torch.manual_seed(0)
     block = models.MHABlock(16, 2, 24, 4, 2)

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from kernel_cases import check_region, make_case, one_expert_router
+from numerics import record_calls
 from mha_compile.kernels import fused, reference, staged, triton_moe, triton_pool, triton_router
 from mha_compile.kernels.merge_cuda import merge_backward, merge_forward
 from mha_compile.kernels.triton_util import ACT_CODE, act_bwd, act_fwd
@@ -249,7 +250,6 @@ def test_tile_runs_cover_every_tile_once():
     assert triton_moe.tile_runs(SimpleNamespace(tile=128, num_tiles=272), (2 * 256 + 2 * 1024) * 2) == [(0, 272)]
 
 
-
 class _Keeping:
     """A kernel set called as ops.RegionFunction calls it: each forward fills a fresh `kept` dict,
     which the next backward takes (check_region calls region_forward, then region_backward)."""
@@ -265,13 +265,6 @@ class _Keeping:
         return self.module.region_backward(*args, kept=self.kept)
 
 
-def _counting(monkeypatch, module, name):
-    calls = []
-    real = getattr(module, name)
-    monkeypatch.setattr(module, name, lambda *args: calls.append(args) or real(*args))
-    return calls
-
-
 @pytest.mark.parametrize("module", SETS)
 @pytest.mark.parametrize("runs", [False, True], ids=["whole", "runs"])
 def test_backward_on_what_the_forward_kept(monkeypatch, module, runs):
@@ -282,8 +275,8 @@ def test_backward_on_what_the_forward_kept(monkeypatch, module, runs):
     ranges). The weights are bf16, so the kept fp32 ones are casts, not the parameters."""
     if runs:
         monkeypatch.setattr(triton_moe, "SLOT_CHUNK_BYTES", 1)
-    grouped = _counting(monkeypatch, triton_moe, "group")
-    directions = _counting(monkeypatch, triton_pool, "pool_directions")
+    grouped = record_calls(monkeypatch, triton_moe, "group")
+    directions = record_calls(monkeypatch, triton_pool, "pool_directions")
     ctx, tok, params = make_case(4, 8, 5, 32, 2, 48, 3, 2, act="swiglu", bias=not runs)
     keeping = _Keeping(module)
     check_region(keeping, ctx, tok, params, top_k=2, renorm=True, act="swiglu")
@@ -373,6 +366,7 @@ def test_forward_runs_leave_expert_ranges_unread(monkeypatch):
     parts.clear()
     fused.region_backward(torch.randn(2, 4, 32), ctx, tok, *params, None, *saved, 2, True, "gelu")
     assert len(parts) >= 2 and all("expert_slots" in vars(part) for part in parts)
+
 
 def test_pool_split_dots(monkeypatch):
     """The pool's split 16-bit dots (the bf16 GPU path) in fp16, which the interpreter computes
