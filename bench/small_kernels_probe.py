@@ -332,33 +332,24 @@ def backward_inputs(c):
 
 
 def bwd_scores(x, ds=None):
-    """Pass 1 launched as pool_backward launches it: ∂s [B,N,P] (fp32; into ds if given) from
-    x.tok, x.attn and x.dtbar."""
-    B, N, D = x.tok.shape
-    P = x.attn.shape[2]
-    split = triton_pool.split_dot(x.tok.dtype)
-    ds = torch.empty_like(x.attn) if ds is None else ds
-    triton_pool._attend_bwd_scores(lambda m: (B,), x.tok, x.attn, x.dtbar, ds, N, D, P, x.tok.stride(0),
-                                   x.tok.stride(1), SPLIT_DOT=split, BLOCK_D=pow2(D),
-                                   BLOCK_P=triton_pool.block_p(P, split))
-    return ds
+    """Pass 1 as pool_backward launches it (triton_pool.attend_bwd_scores): ∂s [B,N,P] (fp32;
+    into ds if given) from x.tok, x.attn and x.dtbar."""
+    return triton_pool.attend_bwd_scores(x.tok, x.attn, x.dtbar, torch.empty_like(x.attn) if ds is None else ds)
 
 
 def bwd(x, out=None):
-    """Pass 2 launched as pool_backward launches it, but for the ∂u partials, written to a buffer
-    of their own where pool_backward writes them over ∂t̄: the same bytes move, and x.dtbar stays
-    as it was through the timing's replays, so that the last call's ∂tok can be compared.
-    (∂tok in tok's dtype, t̄, ∂u partials [B,P,D] fp32), into out if given, from x.tok, x.u,
-    x.attn, x.ds (pass 1's) and x.dtbar."""
+    """Pass 2 as pool_backward launches it (triton_pool.attend_bwd), but for the ∂u partials,
+    written to a buffer of their own where pool_backward writes them over ∂t̄: the same bytes move,
+    and x.dtbar stays as it was through the timing's replays, so that the last call's ∂tok can be
+    compared. (∂tok in tok's dtype, t̄, ∂u partials [B,P,D] fp32), into out if given, from x.tok,
+    x.u, x.attn, x.ds (pass 1's) and x.dtbar."""
     B, N, D = x.tok.shape
     P = x.attn.shape[2]
     if out is None:
         out = (torch.empty_like(x.tok), torch.empty(B, P, D, device=x.tok.device, dtype=torch.float32),
                torch.empty(B, P, D, device=x.tok.device, dtype=torch.float32))
     grad_tok, tbar, du = out
-    triton_pool._attend_bwd(lambda m: (B, triton.cdiv(D, m["BLOCK_D"])), x.tok, x.u, x.attn, x.ds, x.dtbar, tbar, du,
-                            grad_tok, N, D, P, x.tok.stride(0), x.tok.stride(1),
-                            SPLIT_DOT=triton_pool.split_dot(x.tok.dtype), BLOCK_Q=pow2(2 * P))
+    triton_pool.attend_bwd(x.tok, x.u, x.attn, x.ds, x.dtbar, tbar, du, grad_tok)
     return grad_tok, tbar, du
 
 

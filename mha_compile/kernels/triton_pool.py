@@ -315,6 +315,27 @@ def pool_forward(tok, q, wk, wv, bv, wo, bo, mask=None, u=None):
     return (inv if bo is None else inv + bo), attn
 
 
+def attend_bwd_scores(tok, attn, dtbar, ds):
+    """The backward's pass 1 (_pool_bwd_scores_kernel) into ds [B,N,P] fp32, returned: ∂s from tok
+    [B,N,D] (row stride 1), attn [B,N,P] and ∂t̄ [B,P,D] fp32."""
+    B, N, D = tok.shape
+    P = attn.shape[2]
+    split = split_dot(tok.dtype)
+    _attend_bwd_scores(lambda m: (B,), tok, attn, dtbar, ds, N, D, P, tok.stride(0), tok.stride(1),
+                       SPLIT_DOT=split, BLOCK_D=pow2(D), BLOCK_P=block_p(P, split))
+    return ds
+
+
+def attend_bwd(tok, u, attn, ds, dtbar, tbar, du, grad_tok):
+    """The backward's pass 2 (_pool_bwd_kernel): ∂tok into grad_tok (tok's dtype), t̄ and the
+    ∂u partials into tbar and du [B,P,D] fp32, from tok, u [P,D] fp32, attn and pass 1's ds [B,N,P]
+    and ∂t̄ [B,P,D]. du may be dtbar (see the kernel)."""
+    B, N, D = tok.shape
+    P = attn.shape[2]
+    _attend_bwd(lambda m: (B, triton.cdiv(D, m["BLOCK_D"])), tok, u, attn, ds, dtbar, tbar, du, grad_tok,
+                N, D, P, tok.stride(0), tok.stride(1), SPLIT_DOT=split_dot(tok.dtype), BLOCK_Q=pow2(2 * P))
+
+
 def pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn, u=None):
     """(∂tok in tok's dtype, ∂q, ∂Wk, ∂Wv, ∂bv, ∂Wo, ∂bo) in fp32; weights given in fp32. u:
     pool_directions(q, wk), where the caller kept the forward's."""
@@ -337,12 +358,8 @@ def pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn, u=None):
     attn = attn.contiguous()
     grad_tok = torch.empty_like(tok)
     tbar = torch.empty(B, P, D, device=tok.device, dtype=torch.float32)
-    ds = torch.empty_like(attn)
-    strides = tok.stride(0), tok.stride(1)
-    _attend_bwd_scores(lambda m: (B,), tok, attn, grad_tbar, ds, N, D, P, *strides,
-                       SPLIT_DOT=split, BLOCK_D=pow2(D), BLOCK_P=block_p(P, split))
-    _attend_bwd(lambda m: (B, triton.cdiv(D, m["BLOCK_D"])), tok, u, attn, ds, grad_tbar, tbar, du_part, grad_tok,
-                N, D, P, *strides, SPLIT_DOT=split, BLOCK_Q=pow2(2 * P))
+    ds = attend_bwd_scores(tok, attn, grad_tbar, torch.empty_like(attn))
+    attend_bwd(tok, u, attn, ds, grad_tbar, tbar, du_part, grad_tok)
     del ds
     grad_u = du_part.sum(0) * (Dh**-0.5)
     del grad_tbar, du_part
