@@ -1,7 +1,7 @@
 """Registers, spills, shared memory and instruction counts of every Triton kernel the fused
 path launches at a preset, compiled for the H200 (sm_90a) on a machine without a GPU.
 
-    PYTHONPATH=. python bench/offline_sass.py [--presets medium,large] [--act gelu] [--dtype bf16] [--all-configs]
+    PYTHONPATH=. python bench/offline_sass.py [--presets medium,large] [--act gelu] [--dtype bf16] [--all-configs] [--gluon]
                                               [--kernels _moe_bwd_hidden_kernel,...] [--out rows.json]
 
 A preset is a name (SPEC §5) or sizes B×H×N×D×P×F×E×k written with x (300x7x37x100x4x200x4x2).
@@ -34,7 +34,11 @@ from triton.runtime.jit import JITFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from mha_compile import models
-from mha_compile.kernels import triton_matmul, triton_moe, triton_pool, triton_region, triton_router, triton_util
+from mha_compile.kernels import (gluon_moe, triton_matmul, triton_moe, triton_pool, triton_region, triton_router,
+                                  triton_util)
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+from triton.runtime.jit import mangle_type
 
 H200 = GPUTarget("cuda", 90, 32)
 H200_SMS = 132
@@ -48,11 +52,12 @@ LAUNCHERS = [v for module in (triton_matmul, triton_moe, triton_pool, triton_rou
 
 
 @contextlib.contextmanager
-def as_h200(calls=None):
+def as_h200(calls=None, gluon=False):
     """Meta tensors taken for an H200's: every Triton launch is skipped, or appended to `calls`
     as (kernel, {argument name: value}, num_warps, num_stages), which keeps its tensors alive;
     each kernel takes its first config, split grids are sized for 132 SMs, and GEMM1 takes TMA
-    descriptors as on the H200."""
+    descriptors as on the H200. gluon: the MoE's GEMMs take their Gluon kernels where those take
+    the operands' shapes and dtypes, as on the H200 (their device checks skipped)."""
     def run(self, *args, grid, warmup, **kwargs):
         if calls is None:
             return
@@ -65,7 +70,10 @@ def as_h200(calls=None):
             mock.patch.object(triton_util, "NO_AUTOTUNE", True), \
             mock.patch.object(triton_util, "tma_device", lambda device: True), \
             mock.patch.object(triton_util, "num_sms", lambda device: H200_SMS), \
-            mock.patch.object(triton_moe, "num_sms", lambda device: H200_SMS):
+            mock.patch.object(triton_moe, "num_sms", lambda device: H200_SMS), \
+            mock.patch.object(gluon_moe, "num_sms", lambda device: H200_SMS), \
+            mock.patch.object(gluon_moe, "_device_reason",
+                              (lambda *a: None) if gluon else (lambda *a: "offline without --gluon")):
         yield
 
 
@@ -96,10 +104,10 @@ def meta_case(preset, act, dtype=torch.bfloat16):
     return ctx, tok, params, k, block.moe.renorm
 
 
-def record_launches(preset, act, dtype=torch.bfloat16):
+def record_launches(preset, act, dtype=torch.bfloat16, gluon=False):
     """[(kernel, {argument name: value}, num_warps, num_stages)] of one fused forward and backward."""
     calls = []
-    with as_h200(calls):
+    with as_h200(calls, gluon):
         ctx, tok, params, k, renorm = meta_case(preset, act, dtype)
         out, inv, attn, weight, index = triton_region.region_forward(
             "on_load", ctx, tok, *params, None, k, renorm, act)
@@ -116,6 +124,8 @@ def _signature(kernel, named):
         if param.is_constexpr:
             signature[param.name] = "constexpr"
             constexprs[(i,)] = value
+        elif isinstance(value, GluonDescriptor):  # its type names its shared-memory layout too
+            signature[param.name] = mangle_type(value)
         elif isinstance(value, TensorDescriptor):  # as Triton names a host descriptor's type
             signature[param.name] = f"tensordesc<{TYPES[value.base.dtype]}[{', '.join(map(str, value.block_shape))}]>"
         elif isinstance(value, torch.Tensor):
@@ -141,7 +151,8 @@ def _signature(kernel, named):
 def compile_stats(kernel, named, warps, stages):
     """Registers, spill bytes, shared memory, wgmma and SASS instruction counts of one launch."""
     signature, constexprs, attrs = _signature(kernel, named)
-    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
+    source = GluonASTSource if kernel.is_gluon() else ASTSource
+    compiled = triton.compile(source(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
                               target=H200, options=dict(num_warps=warps, num_stages=stages))
     return sass_stats(compiled)
 
@@ -183,6 +194,8 @@ def main():
                         help="the model's dtype (ctx, tok and parameters)")
     parser.add_argument("--all-configs", action="store_true", help="every config of each autotuned kernel")
     parser.add_argument("--kernels", default=None, help="comma list of kernel names (default: all)")
+    parser.add_argument("--gluon", action="store_true",
+                        help="the MoE's Gluon kernels where they take the operands, as on the H200")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     wanted = None if args.kernels is None else set(args.kernels.split(","))
@@ -193,7 +206,7 @@ def main():
     width = max(7, *(len(p) + 1 for p in presets))
     for preset in presets:
         seen = set()
-        for kernel, named, warps, stages in record_launches(preset, args.act, dtype):
+        for kernel, named, warps, stages in record_launches(preset, args.act, dtype, args.gluon):
             if wanted is not None and kernel.__name__ not in wanted:
                 continue
             launcher = _launcher_of(kernel)

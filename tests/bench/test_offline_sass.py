@@ -58,3 +58,16 @@ def test_every_config_builds_at_an_odd_shape(tmp_path, dtype):
     for name, launcher in (("_pool_fwd_kernel", triton_pool._attend), ("_pool_bwd_kernel", triton_pool._attend_bwd)):
         assert len([r for r in rows if r["kernel"] == name]) == len(launcher.configs), name
     assert {r["constexprs"]["D"] for r in rows if r["kernel"] == "_pool_fwd_kernel"} == {100}
+
+
+def test_gluon_kernels_build_with_inline_ptx(tmp_path):
+    """--gluon records the backward's and GEMM2's Gluon kernels, as the H200 takes them at medium,
+    and compiles them for sm_90a: warp-specialised (setmaxnreg), on wgmma, within shared memory.
+    Without it the same run records none (their device checks say no off the GPU)."""
+    kernels = "_hidden_kernel,_hidden_coop_kernel,_wgrad_kernel,_slots_kernel"
+    rows = offline_sass(tmp_path, "--presets", "medium", "--gluon", "--kernels", kernels)
+    assert not [r for r in rows if "error" in r]
+    assert {r["kernel"] for r in rows} == {"_hidden_kernel", "_wgrad_kernel", "_slots_kernel"}  # coop: D ≥ 512
+    for r in rows:
+        assert r["setmaxnreg"] > 0 and r["wgmma"] > 0 and r["fits"], r
+    assert offline_sass(tmp_path, "--presets", "medium", "--kernels", kernels) == []

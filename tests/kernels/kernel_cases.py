@@ -10,9 +10,12 @@ gradients are compared against the reference backward fed with this forward's sa
 import math
 
 import torch
+import triton
+import triton.language as tl
 
 from mha_compile import models
 from mha_compile.kernels import reference
+from mha_compile.kernels.triton_util import ACT_CODE, act_bwd, act_fwd
 
 # Relative-norm tolerance per dtype (fp32 with ieee dots; bf16/fp16 with fp32 accumulation).
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
@@ -164,3 +167,40 @@ def one_expert_router(ctx, wg, strength=6.0):
     wg = (0.05 * wg.double()).clone()
     wg[0] = strength * v.to(wg.device)
     return ctx, wg.to(ctx.dtype)
+
+
+@triton.jit
+def _act_kernel(u_ptr, h_ptr, du_ptr, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    u = tl.load(u_ptr + offs, mask=ok)
+    tl.store(h_ptr + offs, act_fwd(u, u, ACT), mask=ok)
+    tl.store(du_ptr + offs, act_bwd(1.0, u, u, ACT)[0], mask=ok)
+
+
+def activation_inputs(device):
+    """u over both tails (past where exp overflows in a sigmoid) and fresh random values."""
+    return torch.cat([torch.linspace(-100, 100, 201), torch.linspace(-12, 12, 4001), torch.randn(999) * 3]).float().to(
+        device)
+
+
+def check_activation_values(act, u, h, du):
+    """act(u) and act′(u) (h, du) elementwise against float64 autograd of reference.act_forward,
+    to fp32's rounding: 4e-7·max(1, |u|). gelu's Φ by Abramowitz and Stegun 7.1.26 is within 7.5e-8
+    of float64's (a wrong coefficient fails this), and rcp.approx and ex2.approx within 2 ulp."""
+    leaf = u.cpu().double().requires_grad_()
+    want = reference.act_forward(act, leaf)
+    want.sum().backward()
+    bound = 4e-7 * leaf.detach().abs().clamp(min=1)
+    for name, got, ref in (("act", h, want.detach()), ("act'", du, leaf.grad)):
+        err = (got.cpu().double() - ref).abs()
+        assert torch.isfinite(got).all() and (err <= bound).all(), f"{act} {name}: max error {err.max().item():.3g}"
+
+
+def check_activation(act, device):
+    """triton_util's act_fwd and act_bwd (∂h = 1) on `device` (the interpreter on the CPU, where
+    rcp is 1 / x; inline PTX on the GPU): check_activation_values."""
+    u = activation_inputs(device)
+    h, du = torch.empty_like(u), torch.empty_like(u)
+    _act_kernel[(triton.cdiv(u.numel(), 1024),)](u, h, du, u.numel(), ACT=ACT_CODE[act], BLOCK=1024)
+    check_activation_values(act, u, h, du)

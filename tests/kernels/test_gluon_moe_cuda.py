@@ -7,7 +7,11 @@ whole and for one run of tiles. And the backward and the forward run each where 
 whole region's output and gradients through them: test_triton_kernels_cuda.py)."""
 import pytest
 import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
 
+from kernel_cases import activation_inputs, check_activation_values
 from mha_compile.kernels import gluon_moe, reference
 from mha_compile.kernels import triton_moe as moe
 
@@ -64,6 +68,27 @@ CASES = [  # (R, k, D, F, E, experts used): TILE 64 (small's) with three empty e
     pytest.param((600, 2, 192, 384, 7, [0, 2, 3, 6]), id="tile64-empty-experts"),
     pytest.param((1600, 2, 128, 256, 3, [0, 1, 2]), id="tile128"),
 ]
+
+
+@gluon.jit
+def _act_kernel(u_ptr, h_ptr, du_ptr, n, ACT: gl.constexpr, BLOCK: gl.constexpr):
+    layout: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])
+    offs = gl.program_id(0) * BLOCK + gl.arange(0, BLOCK, layout=layout)
+    ok = offs < n
+    u = gl.load(u_ptr + offs, mask=ok, other=0.0)
+    h, du = gluon_moe._act(u, ACT)
+    gl.store(h_ptr + offs, h, mask=ok)
+    gl.store(du_ptr + offs, du, mask=ok)
+
+
+@pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "silu"])
+def test_activation_against_float64(act):
+    """The hidden kernel's act and act′ (gluon_moe._act) elementwise, to fp32's rounding: the kernel
+    tests below compare at 16-bit tolerances, which a wrong polynomial coefficient would pass."""
+    u = activation_inputs("cuda")
+    h, du = torch.empty_like(u), torch.empty_like(u)
+    _act_kernel[(triton.cdiv(u.numel(), 512),)](u, h, du, u.numel(), ACT=gluon_moe.ACTS[act], BLOCK=512)
+    check_activation_values(act, u, h, du)
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -9,14 +9,11 @@ import os
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 
-from kernel_cases import check_region, make_case, one_expert_router
+from kernel_cases import check_activation, check_region, make_case, one_expert_router
 from numerics import record_calls
 from mha_compile.kernels import fused, reference, staged, triton_moe, triton_pool, triton_router
 from mha_compile.kernels.merge_cuda import merge_backward, merge_forward
-from mha_compile.kernels.triton_util import ACT_CODE, act_bwd, act_fwd
 
 pytestmark = [
     pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU Triton kernels need TRITON_INTERPRET=1"),
@@ -462,27 +459,7 @@ def test_router_weight_grad(merged, R, H, D, E):
     assert ((got.double() - want).norm() / want.norm()).item() <= 1e-6
 
 
-@triton.jit
-def _act_kernel(u_ptr, h_ptr, du_ptr, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < n
-    u = tl.load(u_ptr + offs, mask=ok)
-    tl.store(h_ptr + offs, act_fwd(u, u, ACT), mask=ok)
-    tl.store(du_ptr + offs, act_bwd(1.0, u, u, ACT)[0], mask=ok)
-
-
 @pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "silu"])
 def test_activations_against_float64(act):
-    """act_fwd and act_bwd (∂h = 1) elementwise against float64 autograd of reference.act_forward,
-    over the tails and fresh random values, to fp32's rounding (4e-7·max(1, |u|)). Session 15 ran
-    gelu's Φ by Abramowitz and Stegun 7.1.26 here (≤ 3e-7; a wrong coefficient failed this test)
-    and took it out again: the Triton GEMM1 took 5-8% longer with it (gluon_moe keeps it)."""
-    u = torch.cat([torch.linspace(-12, 12, 4001), torch.randn(999) * 3]).float()
-    h, du = torch.empty_like(u), torch.empty_like(u)
-    _act_kernel[(triton.cdiv(u.numel(), 1024),)](u, h, du, u.numel(), ACT=ACT_CODE[act], BLOCK=1024)
-    leaf = u.double().requires_grad_()
-    want = reference.act_forward(act, leaf)
-    want.sum().backward()
-    bound = 4e-7 * u.double().abs().clamp(min=1)
-    assert ((h.double() - want.detach()).abs() <= bound).all(), float((h.double() - want.detach()).abs().max())
-    assert ((du.double() - leaf.grad).abs() <= bound).all(), float((du.double() - leaf.grad).abs().max())
+    """act_fwd and act_bwd, in the interpreter (where rcp is 1 / x): kernel_cases.check_activation."""
+    check_activation(act, "cpu")

@@ -4,7 +4,7 @@ edge cases at sizes above one block, reproducibility, and the CUDA merge against
 import pytest
 import torch
 
-from kernel_cases import check_region, fmt, make_case, one_expert_router, preset_case, rel_err
+from kernel_cases import check_activation, check_region, fmt, make_case, one_expert_router, preset_case, rel_err
 from mha_compile.kernels import fused, reference, staged
 
 pytestmark = [pytest.mark.cuda,
@@ -21,6 +21,12 @@ def test_presets(module, dtype, preset):
     assert module.why_unsupported(ctx, tok, params[10], 2, "gelu", None) is None
     errors = check_region(module, ctx, tok, params, top_k=2, renorm=True, act="gelu")
     print(f"{module.__name__} {preset} {dtype}: {fmt(errors)}")
+
+
+@pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "silu"])
+def test_activations_against_float64_on_gpu(act):
+    """act_fwd and act_bwd as the GPU builds them (rcp.approx and ex2.approx by inline PTX)."""
+    check_activation(act, "cuda")
 
 
 @pytest.mark.parametrize("module", SETS)
