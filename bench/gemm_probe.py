@@ -127,7 +127,11 @@ def probe(preset, act, rows_out, kernels):
 
     up_more = [dict(BLOCK_F=256, BLOCK_K=64, num_warps=8, num_stages=3),
                dict(BLOCK_F=128, BLOCK_K=128, num_warps=8, num_stages=3),
-               dict(BLOCK_F=128, BLOCK_K=64, num_warps=4, num_stages=3)]
+               dict(BLOCK_F=128, BLOCK_K=64, num_warps=4, num_stages=3),
+               # session 18: with the fast activations [128, 256] takes 169 registers, not 254
+               dict(BLOCK_F=256, BLOCK_K=32, num_warps=8, num_stages=4),
+               dict(BLOCK_F=256, BLOCK_K=32, num_warps=8, num_stages=5),
+               dict(BLOCK_F=256, BLOCK_K=64, num_warps=8, num_stages=2)]
     for cfg in extra(moe._up.configs, *up_more):
         report("up", "gemm1", cfg, gemm, lambda: moe.experts_up(xs, groups, w1, b1, None, act), moe._up)
 
