@@ -335,6 +335,7 @@ GELU_TANH_C = math.sqrt(2.0 / math.pi)
 LOG2E = tl.constexpr(1.4426950408889634)
 
 # Inline PTX only where a GPU compiles the kernel: the interpreter runs the kernels in Python.
+# Read at import, as triton.jit itself reads TRITON_INTERPRET when it wraps a kernel.
 _PTX = tl.constexpr(not interpreting())
 
 
