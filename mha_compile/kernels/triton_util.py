@@ -334,9 +334,16 @@ def repeat_pairs(v, SPLIT_DOT: tl.constexpr):
 GELU_TANH_C = math.sqrt(2.0 / math.pi)
 LOG2E = tl.constexpr(1.4426950408889634)
 
-# Inline PTX only where a GPU compiles the kernel: the interpreter runs the kernels in Python.
+
+def inline_ptx():
+    """Whether the kernels may use inline PTX: not under the interpreter (it runs them in Python)
+    nor on ROCm (HIP builds of torch; Triton compiles for AMD GPUs there), where rcp and exp2 take
+    `1 / x` and `tl.exp2`, which the backend lowers to its own fast forms."""
+    return not interpreting() and torch.version.hip is None
+
+
 # Read at import, as triton.jit itself reads TRITON_INTERPRET when it wraps a kernel.
-_PTX = tl.constexpr(not interpreting())
+_PTX = tl.constexpr(inline_ptx())
 
 
 @triton.jit

@@ -12,7 +12,7 @@ import torch
 
 from kernel_cases import check_activation, check_region, make_case, one_expert_router
 from numerics import record_calls
-from mha_compile.kernels import fused, reference, staged, triton_moe, triton_pool, triton_router
+from mha_compile.kernels import fused, reference, staged, triton_moe, triton_pool, triton_router, triton_util
 from mha_compile.kernels.merge_cuda import merge_backward, merge_forward
 
 pytestmark = [
@@ -457,6 +457,17 @@ def test_router_weight_grad(merged, R, H, D, E):
     want = dlogits.double().T @ y
     assert got.dtype == torch.float32
     assert ((got.double() - want).norm() / want.norm()).item() <= 1e-6
+
+
+def test_inline_ptx_only_for_nvidia_builds(monkeypatch):
+    """rcp and exp2 take inline PTX only where Triton compiles for an NVIDIA GPU: not in the
+    interpreter (as here), and not on a ROCm build of torch."""
+    assert triton_util._PTX.value is False
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert triton_util.inline_ptx()
+    monkeypatch.setattr(torch.version, "hip", "6.2.41133")
+    assert not triton_util.inline_ptx()
 
 
 @pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "silu"])
