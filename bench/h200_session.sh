@@ -40,6 +40,13 @@
 #   [PROBE=up,hidden PROBE_PRESETS=large] bash bench/h200_session.sh verify  # pytest -m cuda, then CUDA
 #                                      # time per kernel of the op (~5 min); with PROBE, then gemm_probe.py on
 #                                      # those kernels (90 s at most): run.log, kernel_times.txt, gemm_probe.txt
+#   OLD=out/old.tar [AB_PRESETS=large,medium PROBE=up STEP_AB=1] bash bench/h200_session.sh ab
+#                                      # a change's kernels against the tree before it, in one call: OLD is that
+#                                      # tree (a directory, or a `git archive` tar carried in out/); per preset,
+#                                      # gemm_probe.py --kernels $PROBE and gluon_probe.py in each tree in turn,
+#                                      # then this tree's op replay, and with STEP_AB=1 step_ab.py at large
+#                                      # (~4.5 min at large, ~2.5 at medium, +2-3 with STEP_AB; session 18's
+#                                      # calls 1-2): run.log, ab_gemm.txt, ab_gluon.txt, kernel_times.txt[, step_ab_large.txt]
 #   bash bench/h200_session.sh gluon   # the backward's hidden kernel in Gluon (gluon_moe) under each config
 #                                      # against the Triton one, each checked first (bench/gluon_probe.py; ~2 min):
 #                                      # run.log, gluon_probe.txt
@@ -68,7 +75,7 @@
 #                                      # benchmark cut at 250 s (rows past it are listed as skipped)
 # Budgets are per step so a slow step cannot starve the others.
 set -u
-part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|ncu-gemms|ncu-source|gluon|verify-gluon|gluon-gemms|verify-gemms|router|small-kernels|host-large|host-timers|short}
+part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|ab|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|ncu-gemms|ncu-source|gluon|verify-gluon|gluon-gemms|verify-gemms|router|small-kernels|host-large|host-timers|short}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 # Inductor's compiled graphs kept in the checkout (git ignores it): the device keeps ignored
 # files between calls on a machine it still holds, so `table` can reuse `autotune-cache`'s.
@@ -108,6 +115,28 @@ verify)
     if [ -n "${PROBE:-}" ]; then
         { timeout -s INT 90 python bench/gemm_probe.py --presets "${PROBE_PRESETS:-large}" --kernels "$PROBE" \
             --out "$OUT/gemm_probe.json" 2>&1; } >"$OUT/gemm_probe.txt"
+    fi
+    ;;
+ab)
+    old=${OLD:?OLD: the tree to compare against, a directory or a tar of it}
+    if [ -f "$old" ]; then mkdir -p /tmp/ab_old && tar xf "$old" -C /tmp/ab_old && old=/tmp/ab_old; fi
+    old=$(cd "$old" && pwd)
+    presets=${AB_PRESETS:-large}
+    for preset in ${presets//,/ }; do
+        for tree in "$old" "$PWD"; do
+            echo "== $tree ($([ "$tree" = "$old" ] && echo old || echo "new, $commit")), $preset" | tee -a "$OUT/ab_gemm.txt" >>"$OUT/ab_gluon.txt"
+            # each tree's own probes and package (PYTHONPATH first, before the editable install's)
+            (cd "$tree" && PYTHONPATH="$tree" timeout -s INT 60 python bench/gemm_probe.py --presets "$preset" \
+                --kernels "${PROBE:-up}") >>"$OUT/ab_gemm.txt" 2>&1
+            (cd "$tree" && PYTHONPATH="$tree" timeout -s INT 85 python bench/gluon_probe.py --presets "$preset") \
+                >>"$OUT/ab_gluon.txt" 2>&1
+        done
+    done
+    fused_kernel_times 150
+    if [ "${STEP_AB:-0}" = 1 ]; then
+        timeout -s INT 200 python bench/step_ab.py --trees "$old,$PWD" --preset large --rounds 2 \
+            >"$OUT/step_ab_large.txt" 2>&1
+        tail -3 "$OUT/step_ab_large.txt" >>"$LOG"
     fi
     ;;
 probe)
@@ -245,6 +274,6 @@ bench|bench-resume)
         --modes eager,inductor,inductor-max-autotune,mha-staged,mha-fused,mha-fused-cudagraphs \
         --spellings dense,loop,grouped_mm --commit "$commit" 2>&1 | tail -100; } >>"$LOG"
     ;;
-*) echo "unknown part $part: expected check, kernels, probe, verify, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache, medium-autotune, ncu, ncu-gemms, gluon, verify-gluon, gluon-gemms, verify-gemms, router, small-kernels, host-large, host-timers or short" >&2; exit 2 ;;
+*) echo "unknown part $part: expected check, kernels, probe, verify, ab, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache, medium-autotune, ncu, ncu-gemms, gluon, verify-gluon, gluon-gemms, verify-gemms, router, small-kernels, host-large, host-timers or short" >&2; exit 2 ;;
 esac
 tail -150 "$LOG"
