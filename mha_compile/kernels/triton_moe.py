@@ -105,14 +105,16 @@ def _moe_up_kernel(
     PAIRS, D, F, NUM_TILES,
     HAS_B1: tl.constexpr, ACT: tl.constexpr,
     PRECISION: tl.constexpr, TILE: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
-    TMA: tl.constexpr,
+    TMA: tl.constexpr, SM_PROGRAMS: tl.constexpr = 1,
 ):
     """h [S,F] = act(xs[s] W1[e] + b1[e]) per slot, 0 on padding; xs [S,D] the slot rows
     (_gather_rows_kernel), W1 [E,D,F]. One job per (tile, F block), in _tile_of_job's order.
 
     TMA (Hopper): xs, w1 (w3) and h are tensor descriptors (blocks [TILE, BLOCK_K],
-    [1, BLOCK_K, BLOCK_F], [TILE, BLOCK_F]) and one program per SM walks the jobs, loading its
-    next tile while the activation epilogue of this one runs. Else pointers, a program per job.
+    [1, BLOCK_K, BLOCK_F], [TILE, BLOCK_F]) and SM_PROGRAMS programs per SM walk the jobs, each
+    loading its next tile while the activation epilogue of this one runs. Else pointers, a
+    program per job. SM_PROGRAMS only sizes the grid (experts_up); the shipped configs take 1,
+    bench/gemm_probe.py tries 2.
     """
     for job in tl.range(tl.program_id(0), NUM_TILES * tl.cdiv(F, BLOCK_F), tl.num_programs(0), flatten=TMA):
         t, f_block = _tile_of_job(job, F, BLOCK_F)
@@ -811,7 +813,8 @@ def experts_up(xs, groups, w1, b1, w3, act):
     w3 = w1 if w3 is None else w3
     tma = tma_ok(xs, w1, w3, h)
     jobs = lambda m: groups.num_tiles * triton.cdiv(F, m["BLOCK_F"])  # noqa: E731
-    grid = (lambda m: (min(jobs(m), num_sms(xs.device)),)) if tma else (lambda m: (jobs(m),))
+    grid = ((lambda m: (min(jobs(m), m.get("SM_PROGRAMS", 1) * num_sms(xs.device)),)) if tma
+            else (lambda m: (jobs(m),)))
     # the descriptors' block shapes are set per config (_up's `blocks`)
     xs_, w1_, w3_, h_ = ((TensorDescriptor.from_tensor(t, [1] * t.dim()) for t in (xs, w1, w3, h)) if tma
                          else (xs, w1, w3, h))
