@@ -120,7 +120,7 @@ def _signature(kernel, named):
     """(signature, constexprs, attrs) for ASTSource, specialised as Triton does on the GPU."""
     signature, constexprs, attrs = {}, {}, {}
     for i, param in enumerate(kernel.params):
-        value = named[param.name]
+        value = named[param.name] if param.name in named or not param.has_default else param.default
         if param.is_constexpr:
             signature[param.name] = "constexpr"
             constexprs[(i,)] = value
