@@ -178,16 +178,17 @@ def _act_kernel(u_ptr, h_ptr, du_ptr, n, ACT: tl.constexpr, BLOCK: tl.constexpr)
     tl.store(du_ptr + offs, act_bwd(1.0, u, u, ACT)[0], mask=ok)
 
 
-def activation_inputs(device):
-    """u over both tails (past where exp overflows in a sigmoid) and fresh random values."""
-    return torch.cat([torch.linspace(-100, 100, 201), torch.linspace(-12, 12, 4001), torch.randn(999) * 3]).float().to(
+def check_activation(act, device, kernel=_act_kernel):
+    """act(u) and act′(u) elementwise against float64 autograd of reference.act_forward, to fp32's
+    rounding: 4e-7·max(1, |u|), over both tails (past where exp overflows in a sigmoid) and fresh
+    random values. gelu's Φ by Abramowitz and Stegun 7.1.26 is within 7.5e-8 of float64's (a wrong
+    coefficient fails this), and rcp.approx and ex2.approx within 2 ulp. kernel[grid](u, h, du, n,
+    ACT=, BLOCK=) writes h = act(u) and du = act′(u): triton_util's act_fwd and act_bwd (∂h = 1)
+    by default (the interpreter on the CPU, where rcp is 1 / x; inline PTX on the GPU)."""
+    u = torch.cat([torch.linspace(-100, 100, 201), torch.linspace(-12, 12, 4001), torch.randn(999) * 3]).float().to(
         device)
-
-
-def check_activation_values(act, u, h, du):
-    """act(u) and act′(u) (h, du) elementwise against float64 autograd of reference.act_forward,
-    to fp32's rounding: 4e-7·max(1, |u|). gelu's Φ by Abramowitz and Stegun 7.1.26 is within 7.5e-8
-    of float64's (a wrong coefficient fails this), and rcp.approx and ex2.approx within 2 ulp."""
+    h, du = torch.empty_like(u), torch.empty_like(u)
+    kernel[(triton.cdiv(u.numel(), 1024),)](u, h, du, u.numel(), ACT=ACT_CODE[act], BLOCK=1024)
     leaf = u.cpu().double().requires_grad_()
     want = reference.act_forward(act, leaf)
     want.sum().backward()
@@ -195,12 +196,3 @@ def check_activation_values(act, u, h, du):
     for name, got, ref in (("act", h, want.detach()), ("act'", du, leaf.grad)):
         err = (got.cpu().double() - ref).abs()
         assert torch.isfinite(got).all() and (err <= bound).all(), f"{act} {name}: max error {err.max().item():.3g}"
-
-
-def check_activation(act, device):
-    """triton_util's act_fwd and act_bwd (∂h = 1) on `device` (the interpreter on the CPU, where
-    rcp is 1 / x; inline PTX on the GPU): check_activation_values."""
-    u = activation_inputs(device)
-    h, du = torch.empty_like(u), torch.empty_like(u)
-    _act_kernel[(triton.cdiv(u.numel(), 1024),)](u, h, du, u.numel(), ACT=ACT_CODE[act], BLOCK=1024)
-    check_activation_values(act, u, h, du)

@@ -7,11 +7,10 @@ whole and for one run of tiles. And the backward and the forward run each where 
 whole region's output and gradients through them: test_triton_kernels_cuda.py)."""
 import pytest
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from kernel_cases import activation_inputs, check_activation_values
+from kernel_cases import check_activation
 from mha_compile.kernels import gluon_moe, reference
 from mha_compile.kernels import triton_moe as moe
 
@@ -85,10 +84,7 @@ def _act_kernel(u_ptr, h_ptr, du_ptr, n, ACT: gl.constexpr, BLOCK: gl.constexpr)
 def test_activation_against_float64(act):
     """The hidden kernel's act and act′ (gluon_moe._act) elementwise, to fp32's rounding: the kernel
     tests below compare at 16-bit tolerances, which a wrong polynomial coefficient would pass."""
-    u = activation_inputs("cuda")
-    h, du = torch.empty_like(u), torch.empty_like(u)
-    _act_kernel[(triton.cdiv(u.numel(), 512),)](u, h, du, u.numel(), ACT=gluon_moe.ACTS[act], BLOCK=512)
-    check_activation_values(act, u, h, du)
+    check_activation(act, "cuda", _act_kernel)
 
 
 @pytest.mark.parametrize("case", CASES)
