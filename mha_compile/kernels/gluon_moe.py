@@ -39,7 +39,8 @@ from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime import _allocation
 
-from mha_compile.kernels.triton_util import ACT_CODE, GW_BLOCK, capability as cuda_capability, interpreting, num_sms
+from mha_compile.kernels.triton_util import (ACT_CODE, GW_BLOCK, LOG2E, capability as cuda_capability, interpreting,
+                                             num_sms)
 
 # MHA_COMPILE_GLUON=0 runs the Triton kernels everywhere instead of these (to compare the two, or to
 # step around a fault in one of these).
@@ -127,7 +128,7 @@ def _exp2(x):
 
 @gluon.jit
 def _sigmoid(u):
-    return _rcp(1.0 + _exp2(-1.4426950408889634 * u))
+    return _rcp(1.0 + _exp2(-LOG2E * u))
 
 
 @gluon.jit
@@ -135,7 +136,7 @@ def _act(u, ACT: gl.constexpr):
     """(act(u), act′(u)) in fp32, as triton_util.act_fwd / act_bwd (gelu's Φ by Abramowitz and
     Stegun 7.1.26, as triton_util.gelu_cdf)."""
     if ACT == 0:  # gelu (erf)
-        e = _exp2(-0.7213475204444817 * u * u)  # e^(−u²/2)
+        e = _exp2(-0.5 * LOG2E * u * u)  # e^(−u²/2)
         t = _rcp(1.0 + 0.23164189550253904 * gl.abs(u))  # 0.3275911 / √2
         q = t * (0.127414796 + t * (-0.142248368 + t * (0.7107068705 + t * (-0.7265760135 + t * 0.5307027145)))) * e
         cdf = gl.where(u >= 0, 1.0 - q, q)  # Φ(u) = 1 − ½erfc(u/√2), or ½erfc(−u/√2) below 0
