@@ -30,15 +30,14 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from triton.runtime.jit import JITFunction
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+from triton.runtime.jit import JITFunction, mangle_type
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from mha_compile import models
 from mha_compile.kernels import (gluon_moe, triton_matmul, triton_moe, triton_pool, triton_region, triton_router,
                                   triton_util)
-from triton.experimental.gluon._runtime import GluonASTSource
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
-from triton.runtime.jit import mangle_type
 
 H200 = GPUTarget("cuda", 90, 32)
 H200_SMS = 132
