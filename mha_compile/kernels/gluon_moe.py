@@ -39,8 +39,8 @@ from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime import _allocation
 
-from mha_compile.kernels.triton_util import (ACT_CODE, GW_BLOCK, LOG2E, capability as cuda_capability, interpreting,
-                                             num_sms)
+from mha_compile.kernels.triton_util import (ACT_CODE, GW_BLOCK, capability as cuda_capability, gelu_cdf, interpreting,
+                                             num_sms, sigmoid)
 
 # MHA_COMPILE_GLUON=0 runs the Triton kernels everywhere instead of these (to compare the two, or to
 # step around a fault in one of these).
@@ -112,42 +112,19 @@ def default_config(act, tile, D):
 
 
 @gluon.jit
-def _rcp(x):
-    """1 / x to 1 ulp (rcp.approx.ftz.f32), as triton_util.rcp: `1.0 / x` is div.full, 18
-    instructions an element of gelu in this kernel's epilogue (ncu, session 17)."""
-    return gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True,
-                                     pack=1)
-
-
-@gluon.jit
-def _exp2(x):
-    """2^x (ex2.approx.ftz.f32), as triton_util.exp2: gl.exp costs ~14 instructions an element."""
-    return gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True,
-                                     pack=1)
-
-
-@gluon.jit
-def _sigmoid(u):
-    return _rcp(1.0 + _exp2(-LOG2E * u))
-
-
-@gluon.jit
 def _act(u, ACT: gl.constexpr):
-    """(act(u), act′(u)) in fp32, as triton_util.act_fwd / act_bwd (gelu's Φ by Abramowitz and
-    Stegun 7.1.26, as triton_util.gelu_cdf)."""
+    """(act(u), act′(u)) in fp32, by triton_util's elementwise helpers (rcp.approx and ex2.approx;
+    gelu's Φ by Abramowitz and Stegun 7.1.26), as triton_util.act_fwd / act_bwd."""
     if ACT == 0:  # gelu (erf)
-        e = _exp2(-0.5 * LOG2E * u * u)  # e^(−u²/2)
-        t = _rcp(1.0 + 0.23164189550253904 * gl.abs(u))  # 0.3275911 / √2
-        q = t * (0.127414796 + t * (-0.142248368 + t * (0.7107068705 + t * (-0.7265760135 + t * 0.5307027145)))) * e
-        cdf = gl.where(u >= 0, 1.0 - q, q)  # Φ(u) = 1 − ½erfc(u/√2), or ½erfc(−u/√2) below 0
-        return u * cdf, cdf + u * (e * 0.3989422804014327)
+        cdf, pdf = gelu_cdf(u)
+        return u * cdf, cdf + u * pdf
     elif ACT == 1:  # gelu (tanh), tanh(z) = 2σ(2z) − 1
         z = 0.7978845608028654 * (u + 0.044715 * u * u * u)
-        t = 2.0 * _sigmoid(2.0 * z) - 1.0
+        t = 2.0 * sigmoid(2.0 * z) - 1.0
         d = 0.5 * (1.0 + t) + 0.5 * u * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3 * 0.044715 * u * u)
         return 0.5 * u * (1.0 + t), d
     else:  # silu
-        sig = _sigmoid(u)
+        sig = sigmoid(u)
         return u * sig, sig * (1.0 + u * (1.0 - sig))
 
 
@@ -200,7 +177,7 @@ def _epilogue(acc_u, acc_g, acc_u3, w, valid, offs_s, offs_n, row, n, bufs, desc
     BLOCK_N: gl.constexpr = hw_desc.block_type.shape[1]
     NB: gl.constexpr = BLOCK_N // _GW_BLOCK  # ∂w partial columns a job
     if ACT == 3:  # swiglu: h = silu(u) u3, ∂u = w g u3 silu′(u), ∂u3 = w g silu(u)
-        sig = _sigmoid(acc_u)
+        sig = sigmoid(acc_u)
         silu = acc_u * sig
         h = silu * acc_u3
         dact = acc_u3 * (sig * (1.0 + acc_u * (1.0 - sig)))
