@@ -765,6 +765,19 @@ def _wgrad_produce(descs, bufs, bars, ptrs, sizes):
 
 
 @gluon.jit
+def _add_into(ptrs, values):
+    """*ptrs += values (fp32), by `red.global.add.v2.f32`: fire and forget, the addition done in L2,
+    where a load, add and store held the consumer for the load's round trip while the tensor cores
+    idled (the runs' fp32 totals at large: [128, 256] a job, 128 KiB each way). One job adds each
+    element once a launch, so the totals stay the same sums in the same order (red.add.f32 flushes
+    subnormals). pack=2: the accumulator layout holds columns in adjacent pairs, so a pair's first
+    pointer addresses both (the PTX's second pointer is the first + 4)."""
+    gl.inline_asm_elementwise("red.relaxed.gpu.global.add.v2.f32 [$2], {$4, $5}; mov.b32 $0, 0; mov.b32 $1, 0;",
+                              "=r,=r,l,l,r,r", [ptrs.to(gl.int64, bitcast=True), values], dtype=gl.int32,
+                              is_pure=False, pack=2)
+
+
+@gluon.jit
 def _wgrad_consume(descs, bufs, bars, ptrs, sizes, which):
     """Rows [which·64, which·64 + 64) of every job's 128: the K loop over the ring, then the store."""
     descs = _wgrad_descriptors(descs, bufs, sizes)
@@ -798,7 +811,7 @@ def _wgrad_consume(descs, bufs, bars, ptrs, sizes, which):
         if accumulate == 0:
             gl.store(ptrs_out, acc.to(out_ptr.dtype.element_ty))
         elif hi > lo:  # an expert with no slots in this run is left untouched
-            gl.store(ptrs_out, (gl.load(ptrs_out).to(gl.float32) + acc).to(out_ptr.dtype.element_ty))
+            _add_into(ptrs_out, acc)
 
 
 @gluon.jit
