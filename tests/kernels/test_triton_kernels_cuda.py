@@ -166,25 +166,21 @@ def test_every_tuned_config_bf16(monkeypatch, module, name, i):
     print(f"{name}[{i}]: {fmt(errors)}")
 
 
-# bench/gemm_probe.py's candidate with two persistent programs an SM (SM_PROGRAMS), not shipped
-TWO_AN_SM = dict(BLOCK_F=128, BLOCK_K=32, num_warps=4, num_stages=4, SM_PROGRAMS=2)
-
-
 def _up_configs():
     from mha_compile.kernels import triton_moe
 
-    return [*range(len(triton_moe._up.configs)), "two_an_sm"]
+    return range(len(triton_moe._up.configs))
 
 
 @pytest.mark.parametrize("i", _up_configs())
 def test_up_configs_on_tma_bf16(monkeypatch, i):
     """GEMM1's configs on its TMA path, which the test above (D = 100: rows not 16-byte aligned)
     does not take: D = 104, F = 200. The SMs are cut to 2, so that each of the 2 persistent
-    programs (4 with TWO_AN_SM) walks many jobs, as at the large preset."""
+    programs (4 with SM_PROGRAMS=2) walks many jobs, as at the large preset."""
     from mha_compile.kernels import triton_moe
 
     launcher = triton_moe._up
-    monkeypatch.setattr(launcher, "configs", [TWO_AN_SM if i == "two_an_sm" else launcher.configs[i]])
+    monkeypatch.setattr(launcher, "configs", [launcher.configs[i]])
     monkeypatch.setattr(launcher, "tuned", None)
     monkeypatch.setattr(triton_moe, "num_sms", lambda device: 2)
     taken = []
