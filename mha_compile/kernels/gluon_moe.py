@@ -129,12 +129,12 @@ def _act(u, ACT: gl.constexpr):
 
 
 @gluon.jit
-def _stage_du(du_buf, du3_buf, wg, dact, silu, keep, ACT: gl.constexpr):
-    """∂u = w g act′(u) (and swiglu's ∂u3 = w g silu(u)) into the staging tiles, 0 on padding;
-    wg = w g."""
-    du_buf.store(gl.where(keep, wg * dact, 0.0).to(du_buf.dtype))
+def _stage_du(du_buf, du3_buf, wg, dact, silu, ACT: gl.constexpr):
+    """∂u = w g act′(u) (and swiglu's ∂u3 = w g silu(u)) into the staging tiles; wg = w g, 0 on
+    padding (see _epilogue)."""
+    du_buf.store((wg * dact).to(du_buf.dtype))
     if ACT == 3:
-        du3_buf.store(gl.where(keep, wg * silu, 0.0).to(du3_buf.dtype))
+        du3_buf.store((wg * silu).to(du3_buf.dtype))
 
 
 @gluon.jit
@@ -171,7 +171,10 @@ def _epilogue(acc_u, acc_g, acc_u3, w, valid, offs_s, offs_n, row, n, bufs, desc
     """A job's epilogue, from u (b1 added) and g (and swiglu's u3) [rows, BLOCK_N] fp32: the ∂w
     partials into gw, hw and ∂u (∂u3) through this consumer's staging tiles `bufs` by TMA stores
     (`descs`: hw, ∂u, ∂u3 or ∂u's again). w, valid, offs_s: the rows' weights, whether each is a
-    pair (not padding) and their slots; offs_n: the job's columns, its n-th F block."""
+    pair (not padding) and their slots; offs_n: the job's columns, its n-th F block.
+    hw and ∂u take no select for padding rows: their w is 0 (_job_rows) and xs, gs are 0 there,
+    so u = b1, g = 0 and the products are ±0 for finite b1 (a select after the bf16 conversion
+    took 2 SEL and 2 PRMT a pair of elements a tile, 512 of gelu's coop kernel's 4736 SASS)."""
     hw_buf, du_buf, du3_buf = bufs
     hw_desc, du_desc, du3_desc = descs
     BLOCK_N: gl.constexpr = hw_desc.block_type.shape[1]
@@ -187,10 +190,9 @@ def _epilogue(acc_u, acc_g, acc_u3, w, valid, offs_s, offs_n, row, n, bufs, desc
     # gelu stages ∂u before the ∂w sums, so that act′ is dead by then: its A&S form
     # spills 850-930 bytes a thread otherwise. The other activations stage it after, which
     # took them 1-5% less at large (bench/results/gluon_probe.txt, run 10).
-    keep = valid[:, None]
     if ACT == 0:
         tma.store_wait(0)  # this consumer's last stores have left its staging tiles
-        _stage_du(du_buf, du3_buf, (w[:, None] * acc_g), dact, silu, keep, ACT)
+        _stage_du(du_buf, du3_buf, (w[:, None] * acc_g), dact, silu, ACT)
     hg = h * acc_g
     if NB == 1:  # the job is one ∂w block: no column mask
         gl.store(gw_ptr + offs_s * GW_COLS + n, gl.where(valid, gl.sum(hg, axis=1), 0.0))
@@ -201,8 +203,8 @@ def _epilogue(acc_u, acc_g, acc_u3, w, valid, offs_s, offs_n, row, n, bufs, desc
             gl.store(gw_ptr + offs_s * GW_COLS + n * NB + c, gl.where(valid, gl.sum(part, axis=1), 0.0))
     if ACT != 0:
         tma.store_wait(0)
-        _stage_du(du_buf, du3_buf, (w[:, None] * acc_g), dact, silu, keep, ACT)
-    hw_buf.store(gl.where(keep, w[:, None] * h, 0.0).to(hw_desc.dtype))
+        _stage_du(du_buf, du3_buf, (w[:, None] * acc_g), dact, silu, ACT)
+    hw_buf.store((w[:, None] * h).to(hw_desc.dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(hw_desc, [row, n * BLOCK_N], hw_buf)
     tma.async_copy_shared_to_global(du_desc, [row, n * BLOCK_N], du_buf)
