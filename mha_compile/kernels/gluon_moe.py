@@ -472,9 +472,19 @@ def _coop_consume(descs, bufs, bars, ptrs, sizes, which, ACT: gl.constexpr):
         offs_n = n * BLOCK_N + gl.arange(0, BLOCK_N, layout=cols_layout)
         offs_s, valid, w, bias = _job_rows(row, e, offs_n, slot_pair_ptr, weight_ptr, b1_ptr, PAIRS, F, has_b1,
                                            HALF, rows_layout, cols_layout)
+        # The first K step (D ≥ BLOCK_K) from zero accumulators, out of the loop: in it they
+        # are constants the wgmma leaves out, not 128 registers zeroed (CS2R) every job.
         acc_u = gl.zeros([HALF, BLOCK_N], gl.float32, acc_layout)
         acc_g = gl.zeros([HALF, BLOCK_N], gl.float32, acc_layout)
-        for k in range(ksteps):
+        stage = pos % NBUF
+        mbarrier.wait(ready.index(stage), (pos // NBUF) & 1)
+        acc_u = warpgroup_mma(xs_bufs.index(2 * stage + which), w1_bufs.index(stage), acc_u, use_acc=False,
+                              is_async=True)
+        acc_g = warpgroup_mma(gs_bufs.index(2 * stage + which), w2_bufs.index(stage).permute((1, 0)), acc_g,
+                              use_acc=False, is_async=True)
+        acc_u, acc_g = warpgroup_mma_wait(num_outstanding=2, deps=(acc_u, acc_g))
+        pos += 1
+        for k in range(1, ksteps):
             stage = pos % NBUF
             mbarrier.wait(ready.index(stage), (pos // NBUF) & 1)
             acc_u = warpgroup_mma(xs_bufs.index(2 * stage + which), w1_bufs.index(stage), acc_u, is_async=True)
@@ -482,8 +492,7 @@ def _coop_consume(descs, bufs, bars, ptrs, sizes, which, ACT: gl.constexpr):
                                   is_async=True)
             # This step's wgmmas stay in flight: the step before has read its stage.
             acc_u, acc_g = warpgroup_mma_wait(num_outstanding=2, deps=(acc_u, acc_g))
-            if k > 0:
-                mbarrier.arrive(empty.index((pos + NBUF - 1) % NBUF), count=1)
+            mbarrier.arrive(empty.index((pos + NBUF - 1) % NBUF), count=1)
             pos += 1
         acc_u, acc_g = warpgroup_mma_wait(num_outstanding=0, deps=(acc_u, acc_g))
         mbarrier.arrive(empty.index((pos + NBUF - 1) % NBUF), count=1)
