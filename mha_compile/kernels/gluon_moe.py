@@ -295,8 +295,22 @@ def _consume(descs, bufs, bars, ptrs, sizes, which, ACT: gl.constexpr):
             # Consumer 0 goes first: a fresh barrier passes a wait on parity 1.
             mbarrier.wait(turn.index(which), (own & 1) ^ (1 - which))
             pos = i * ksteps
-            prev = 0
-            for k in range(ksteps):
+            # The first K step (D ≥ BLOCK_K) out of the loop, from zero accumulators that its
+            # wgmmas leave out (use_acc=False) rather than registers zeroed every job (CS2R).
+            stage = pos % NBUF
+            mbarrier.wait(ready.index(stage), (pos // NBUF) & 1)
+            acc_u = warpgroup_mma(xs_bufs.index(stage), w1_bufs.index(stage), acc_u, use_acc=False, is_async=True)
+            acc_g = warpgroup_mma(gs_bufs.index(stage), w2_bufs.index(stage).permute((1, 0)), acc_g, use_acc=False,
+                                  is_async=True)
+            if ACT == 3:
+                acc_u3 = warpgroup_mma(xs_bufs.index(stage), w3_bufs.index(stage), acc_u3, use_acc=False,
+                                       is_async=True)
+                acc_u, acc_g, acc_u3 = warpgroup_mma_wait(num_outstanding=3, deps=(acc_u, acc_g, acc_u3))
+            else:
+                acc_u, acc_g = warpgroup_mma_wait(num_outstanding=2, deps=(acc_u, acc_g))
+            prev = stage
+            pos += 1
+            for k in range(1, ksteps):
                 stage = pos % NBUF
                 mbarrier.wait(ready.index(stage), (pos // NBUF) & 1)
                 acc_u = warpgroup_mma(xs_bufs.index(stage), w1_bufs.index(stage), acc_u, is_async=True)
@@ -308,8 +322,7 @@ def _consume(descs, bufs, bars, ptrs, sizes, which, ACT: gl.constexpr):
                     acc_u, acc_g, acc_u3 = warpgroup_mma_wait(num_outstanding=3, deps=(acc_u, acc_g, acc_u3))
                 else:
                     acc_u, acc_g = warpgroup_mma_wait(num_outstanding=2, deps=(acc_u, acc_g))
-                if k > 0:
-                    mbarrier.arrive(empty.index(prev), count=1)
+                mbarrier.arrive(empty.index(prev), count=1)
                 prev = stage
                 pos += 1
             if ACT == 3:
