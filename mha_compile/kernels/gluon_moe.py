@@ -259,6 +259,24 @@ def _produce(descs, bufs, bars, ptrs, sizes, SWIGLU: gl.constexpr):
 
 
 @gluon.jit
+def _pingpong_step(bufs, ready, stage, phase, acc_u, acc_g, acc_u3, use_acc: gl.constexpr, ACT: gl.constexpr):
+    """One K step of a ping-pong consumer: wait for the stage, issue its wgmmas (use_acc=False: the
+    job's first, from zero), and wait for the step before's, so that this step's stay in flight
+    (the step before has then read its stage)."""
+    xs_bufs, gs_bufs, w1_bufs, w2_bufs, hw_bufs, du_bufs, w3_bufs, du3_bufs = bufs
+    mbarrier.wait(ready.index(stage), phase)
+    acc_u = warpgroup_mma(xs_bufs.index(stage), w1_bufs.index(stage), acc_u, use_acc=use_acc, is_async=True)
+    acc_g = warpgroup_mma(gs_bufs.index(stage), w2_bufs.index(stage).permute((1, 0)), acc_g, use_acc=use_acc,
+                          is_async=True)
+    if ACT == 3:
+        acc_u3 = warpgroup_mma(xs_bufs.index(stage), w3_bufs.index(stage), acc_u3, use_acc=use_acc, is_async=True)
+        acc_u, acc_g, acc_u3 = warpgroup_mma_wait(num_outstanding=3, deps=(acc_u, acc_g, acc_u3))
+    else:
+        acc_u, acc_g = warpgroup_mma_wait(num_outstanding=2, deps=(acc_u, acc_g))
+    return acc_u, acc_g, acc_u3
+
+
+@gluon.jit
 def _consume(descs, bufs, bars, ptrs, sizes, which, ACT: gl.constexpr):
     """This program's jobs i with i % 2 == which: the dots over the ring, then the epilogue."""
     xs_desc, gs_desc, w1_desc, w2_desc, hw_desc, du_desc, w3_desc, du3_desc = descs
@@ -298,30 +316,14 @@ def _consume(descs, bufs, bars, ptrs, sizes, which, ACT: gl.constexpr):
             # The first K step (D ≥ BLOCK_K) out of the loop, from zero accumulators that its
             # wgmmas leave out (use_acc=False) rather than registers zeroed every job (CS2R).
             stage = pos % NBUF
-            mbarrier.wait(ready.index(stage), (pos // NBUF) & 1)
-            acc_u = warpgroup_mma(xs_bufs.index(stage), w1_bufs.index(stage), acc_u, use_acc=False, is_async=True)
-            acc_g = warpgroup_mma(gs_bufs.index(stage), w2_bufs.index(stage).permute((1, 0)), acc_g, use_acc=False,
-                                  is_async=True)
-            if ACT == 3:
-                acc_u3 = warpgroup_mma(xs_bufs.index(stage), w3_bufs.index(stage), acc_u3, use_acc=False,
-                                       is_async=True)
-                acc_u, acc_g, acc_u3 = warpgroup_mma_wait(num_outstanding=3, deps=(acc_u, acc_g, acc_u3))
-            else:
-                acc_u, acc_g = warpgroup_mma_wait(num_outstanding=2, deps=(acc_u, acc_g))
+            acc_u, acc_g, acc_u3 = _pingpong_step(bufs, ready, stage, (pos // NBUF) & 1, acc_u, acc_g, acc_u3,
+                                                  False, ACT)
             prev = stage
             pos += 1
             for k in range(1, ksteps):
                 stage = pos % NBUF
-                mbarrier.wait(ready.index(stage), (pos // NBUF) & 1)
-                acc_u = warpgroup_mma(xs_bufs.index(stage), w1_bufs.index(stage), acc_u, is_async=True)
-                acc_g = warpgroup_mma(gs_bufs.index(stage), w2_bufs.index(stage).permute((1, 0)), acc_g,
-                                      is_async=True)
-                # This step's wgmmas stay in flight: the step before has read its stage.
-                if ACT == 3:
-                    acc_u3 = warpgroup_mma(xs_bufs.index(stage), w3_bufs.index(stage), acc_u3, is_async=True)
-                    acc_u, acc_g, acc_u3 = warpgroup_mma_wait(num_outstanding=3, deps=(acc_u, acc_g, acc_u3))
-                else:
-                    acc_u, acc_g = warpgroup_mma_wait(num_outstanding=2, deps=(acc_u, acc_g))
+                acc_u, acc_g, acc_u3 = _pingpong_step(bufs, ready, stage, (pos // NBUF) & 1, acc_u, acc_g, acc_u3,
+                                                      True, ACT)
                 mbarrier.arrive(empty.index(prev), count=1)
                 prev = stage
                 pos += 1
@@ -460,6 +462,21 @@ def _coop_produce(descs, bufs, bars, ptrs, sizes):
 
 
 @gluon.jit
+def _coop_step(bufs, ready, pos, which, acc_u, acc_g, use_acc: gl.constexpr):
+    """One K step of a cooperative consumer on its half of the ring's pos-th stage (see
+    _pingpong_step)."""
+    xs_bufs, gs_bufs, w1_bufs, w2_bufs, hw_bufs, du_bufs = bufs
+    NBUF: gl.constexpr = w1_bufs.type.shape[0]
+    stage = pos % NBUF
+    mbarrier.wait(ready.index(stage), (pos // NBUF) & 1)
+    acc_u = warpgroup_mma(xs_bufs.index(2 * stage + which), w1_bufs.index(stage), acc_u, use_acc=use_acc,
+                          is_async=True)
+    acc_g = warpgroup_mma(gs_bufs.index(2 * stage + which), w2_bufs.index(stage).permute((1, 0)), acc_g,
+                          use_acc=use_acc, is_async=True)
+    return warpgroup_mma_wait(num_outstanding=2, deps=(acc_u, acc_g))
+
+
+@gluon.jit
 def _coop_consume(descs, bufs, bars, ptrs, sizes, which, ACT: gl.constexpr):
     """Rows [which·64, which·64 + 64) of every job's 128: both dots over the ring, then _epilogue."""
     xs_desc, gs_desc, w1_desc, w2_desc, hw_desc, du_desc = descs
@@ -489,22 +506,10 @@ def _coop_consume(descs, bufs, bars, ptrs, sizes, which, ACT: gl.constexpr):
         # are constants the wgmma leaves out, not 128 registers zeroed (CS2R) every job.
         acc_u = gl.zeros([HALF, BLOCK_N], gl.float32, acc_layout)
         acc_g = gl.zeros([HALF, BLOCK_N], gl.float32, acc_layout)
-        stage = pos % NBUF
-        mbarrier.wait(ready.index(stage), (pos // NBUF) & 1)
-        acc_u = warpgroup_mma(xs_bufs.index(2 * stage + which), w1_bufs.index(stage), acc_u, use_acc=False,
-                              is_async=True)
-        acc_g = warpgroup_mma(gs_bufs.index(2 * stage + which), w2_bufs.index(stage).permute((1, 0)), acc_g,
-                              use_acc=False, is_async=True)
-        acc_u, acc_g = warpgroup_mma_wait(num_outstanding=2, deps=(acc_u, acc_g))
+        acc_u, acc_g = _coop_step(bufs, ready, pos, which, acc_u, acc_g, False)
         pos += 1
         for k in range(1, ksteps):
-            stage = pos % NBUF
-            mbarrier.wait(ready.index(stage), (pos // NBUF) & 1)
-            acc_u = warpgroup_mma(xs_bufs.index(2 * stage + which), w1_bufs.index(stage), acc_u, is_async=True)
-            acc_g = warpgroup_mma(gs_bufs.index(2 * stage + which), w2_bufs.index(stage).permute((1, 0)), acc_g,
-                                  is_async=True)
-            # This step's wgmmas stay in flight: the step before has read its stage.
-            acc_u, acc_g = warpgroup_mma_wait(num_outstanding=2, deps=(acc_u, acc_g))
+            acc_u, acc_g = _coop_step(bufs, ready, pos, which, acc_u, acc_g, True)
             mbarrier.arrive(empty.index((pos + NBUF - 1) % NBUF), count=1)
             pos += 1
         acc_u, acc_g = warpgroup_mma_wait(num_outstanding=0, deps=(acc_u, acc_g))
