@@ -107,14 +107,15 @@ def _moe_up_kernel(
     PRECISION: tl.constexpr, TILE: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
     TMA: tl.constexpr, SM_PROGRAMS: tl.constexpr = 1,
 ):
-    """h [S,F] = act(xs[s] W1[e] + b1[e]) per slot, 0 on padding; xs [S,D] the slot rows
-    (_gather_rows_kernel), W1 [E,D,F]. One job per (tile, F block), in _tile_of_job's order.
+    """h [S,F] = act(xs[s] W1[e] + b1[e]) per slot; xs [S,D] the slot rows (_gather_rows_kernel,
+    0 on padding slots, whose h rows are then act(b1[e]): GEMM2 zeroes its padding rows itself,
+    and a select here cost 296 of the [128, 256] config's 2840 SASS instructions, sm_90a
+    offline), W1 [E,D,F]. One job per (tile, F block), in _tile_of_job's order.
 
     TMA (Hopper): xs, w1 (w3) and h are tensor descriptors (blocks [TILE, BLOCK_K],
     [1, BLOCK_K, BLOCK_F], [TILE, BLOCK_F]) and SM_PROGRAMS programs per SM walk the jobs, each
     loading its next tile while the activation epilogue of this one runs. Else pointers, a
-    program per job. SM_PROGRAMS only sizes the grid (experts_up); the shipped configs take 1,
-    bench/gemm_probe.py tries 2.
+    program per job. SM_PROGRAMS only sizes the grid (experts_up).
     """
     for job in tl.range(tl.program_id(0), NUM_TILES * tl.cdiv(F, BLOCK_F), tl.num_programs(0), flatten=TMA):
         t, f_block = _tile_of_job(job, F, BLOCK_F)
@@ -122,7 +123,6 @@ def _moe_up_kernel(
         offs_f = f0 + tl.arange(0, BLOCK_F)
         f_ok = offs_f < F
         offs_s = t.to(tl.int64) * TILE + tl.arange(0, TILE)
-        valid = tl.load(slot_pair_ptr + offs_s) < PAIRS
         e = tl.load(tile_expert_ptr + t)
         # An all-padding tile (its first slot is padding) skips the K loop.
         k_end = tl.where(tl.load(slot_pair_ptr + t.to(tl.int64) * TILE) < PAIRS, D, 0)
@@ -146,7 +146,7 @@ def _moe_up_kernel(
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
             if ACT == 3:
                 acc3 = tl.dot(a, b3, acc3, input_precision=PRECISION)
-        out = tl.where(valid[:, None], act_fwd(acc, acc3, ACT), 0.0)
+        out = act_fwd(acc, acc3, ACT)
         if TMA:
             h.store([t * TILE, f0], out.to(h.dtype))
         else:
@@ -810,7 +810,8 @@ def gather_rows(x, inv, groups, horizons, dtype, grad_out=None, weight=None, b2=
 
 
 def experts_up(xs, groups, w1, b1, w3, act):
-    """h [S,F] in the weights' dtype (padding slots zero) from the slot rows xs [S,D]."""
+    """h [S,F] in the weights' dtype from the slot rows xs [S,D]. A padding slot's row is act(b1[e])
+    (xs is 0 there), not 0: GEMM2 (slots_gemm) writes 0 on padding slots whatever h holds."""
     D = xs.shape[1]
     F = w1.shape[2]
     h = torch.empty(groups.slots, F, device=xs.device, dtype=w1.dtype)
