@@ -25,8 +25,8 @@ def offline(block_k=64, block_n=256, nbuf=3, out_dtype=torch.bfloat16):
     a, b = torch.empty(S, I, dtype=torch.bfloat16), torch.empty(S, J, dtype=torch.bfloat16)
     out, slots = torch.empty(E, I, J, dtype=out_dtype), torch.empty(2 * E, dtype=torch.int32)
     kernel = gluon_moe._wgrad_kernel
-    args = dict(a_ptr=a, b_ptr=b, out_ptr=out, expert_slots_ptr=slots, S=1000, I=I, J=J, E=E, JOBS=1000,
-                accumulate=3, SPLIT=3, TILE=128)
+    args = dict(a_ptr=a, b_ptr=b, out_ptr=out, expert_slots_ptr=slots, sums_ptr=out, S=1000, I=I, J=J, E=E,
+                JOBS=1000, accumulate=3, SPLIT=3, TILE=128, has_sums=3)
     return compile_offline(kernel, args, dict(BK=block_k, BN=block_n, NBUF=nbuf, CONSUMER_REGS=gluon_moe.CONSUMER_REGS,
                                               PRODUCER_REGS=gluon_moe.PRODUCER_REGS))
 
@@ -73,10 +73,18 @@ def probe_preset(c):
         # added into fp32 totals (the runs of tiles), zeroed first so that the sum is the whole ∂W
         total = torch.zeros(want.shape, device=c.dev)
         into = lambda fn: (total.zero_(), fn())[1]  # noqa: E731
-        _time(f"{name} triton+=", lambda: into(lambda: triton_weight_grads(a, b, c.groups, (total, None))),
+        _time(f"{name} triton+=", lambda: into(lambda: triton_weight_grads(a, b, c.groups, (total, None, None))),
               flops, err)
         _time(f"{name} gluon+=", lambda: into(lambda: gluon_moe.weight_grads(a, b, c.groups, total, True)),
               flops, err, CONFIGS[0])
+        if name == "dW1":  # with ∂b1 = Σ ∂u beside it, as the backward runs it (+Σ), whole and added
+            E = c.groups.experts
+            sums, sums_total = torch.empty(E, c.F, device=c.dev, dtype=c.dt), torch.zeros(E, c.F, device=c.dev)
+            _time(f"{name} gluon+Σ", lambda: gluon_moe.weight_grads(a, b, c.groups, out, False, sums=sums),
+                  flops, err, CONFIGS[0])
+            _time(f"{name} gluon+=Σ", lambda: into(lambda: gluon_moe.weight_grads(a, b, c.groups, total, True,
+                                                                                  sums=sums_total)),
+                  flops, err, CONFIGS[0])
 
 
 if __name__ == "__main__":

@@ -746,8 +746,8 @@ def _wslots(expert_slots_ptr, E, ec, SPLIT, TILE):
 #   descs = (A, B, S), from which each makes its descriptors (_wgrad_descriptors): A as [S, I] in
 #           [BK, 64] blocks, B as [S, J] in [BK, BN] blocks;
 #   bufs  = (A ring [2·NBUF, BK, 64] (stage·2 + half), B ring [NBUF, BK, BN]);
-#   bars  = (ready, empty) a stage;  ptrs = (out [E·SPLIT·I, J], expert_slots [2E]);
-#   sizes = (I, J, E, JOBS, accumulate, SPLIT, TILE).
+#   bars  = (ready, empty) a stage;  ptrs = (out [E·SPLIT·I, J], expert_slots [2E], sums [E·SPLIT, J]);
+#   sizes = (I, J, E, JOBS, accumulate, SPLIT, TILE, has_sums).
 
 
 @gluon.jit
@@ -760,7 +760,7 @@ def _wgrad_descriptors(dptrs, bufs, sizes):
     162 us a large call, session 13); the hidden kernel's did, so its descriptors stay the host's."""
     a_ptr, b_ptr, S = dptrs
     a_bufs, b_bufs = bufs
-    I, J, E, JOBS, accumulate, SPLIT, TILE = sizes
+    I, J, E, JOBS, accumulate, SPLIT, TILE, has_sums = sizes
     BK: gl.constexpr = b_bufs.type.shape[1]
     HALF: gl.constexpr = a_bufs.type.shape[2]
     BN: gl.constexpr = b_bufs.type.shape[2]
@@ -774,8 +774,8 @@ def _wgrad_produce(descs, bufs, bars, ptrs, sizes):
     a_desc, b_desc = descs
     a_bufs, b_bufs = bufs
     ready, empty = bars
-    out_ptr, expert_slots_ptr = ptrs
-    I, J, E, JOBS, accumulate, SPLIT, TILE = sizes
+    out_ptr, expert_slots_ptr, sums_ptr = ptrs
+    I, J, E, JOBS, accumulate, SPLIT, TILE, has_sums = sizes
     BK: gl.constexpr = a_desc.block_type.shape[0]
     HALF: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = b_desc.block_type.shape[1]
@@ -806,6 +806,22 @@ def _add_into(ptrs, values):
                               is_pure=False, pack=2)
 
 
+SUM_ROWS = gl.constexpr(16)  # rows of a stage's B tile summed a load (16 bf16 a thread: 8 registers)
+
+
+@gluon.jit
+def _column_sums(b_buf, layout: gl.constexpr):
+    """Σ over the rows of the shared [BK, BN] tile b_buf, fp32 [BN] in SliceLayout(0, layout): each
+    thread owns two adjacent columns of every row (a warp reads a row's 128 bytes at once), so the
+    rows add up in registers, with no shuffles and no barrier."""
+    BK: gl.constexpr = b_buf.type.shape[0]
+    ROWS: gl.constexpr = layout.size_per_thread[0]
+    total = gl.sum(b_buf.slice(0, ROWS, dim=0).load(layout).to(gl.float32), axis=0)
+    for r in gl.static_range(ROWS, BK, ROWS):
+        total += gl.sum(b_buf.slice(r, ROWS, dim=0).load(layout).to(gl.float32), axis=0)
+    return total
+
+
 @gluon.jit
 def _wgrad_consume(descs, bufs, bars, ptrs, sizes, which):
     """Rows [which·64, which·64 + 64) of every job's 128: the K loop over the ring, then the store."""
@@ -813,8 +829,8 @@ def _wgrad_consume(descs, bufs, bars, ptrs, sizes, which):
     a_desc, b_desc = descs
     a_bufs, b_bufs = bufs
     ready, empty = bars
-    out_ptr, expert_slots_ptr = ptrs
-    I, J, E, JOBS, accumulate, SPLIT, TILE = sizes
+    out_ptr, expert_slots_ptr, sums_ptr = ptrs
+    I, J, E, JOBS, accumulate, SPLIT, TILE, has_sums = sizes
     BK: gl.constexpr = a_desc.block_type.shape[0]
     HALF: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = b_desc.block_type.shape[1]
@@ -823,15 +839,22 @@ def _wgrad_consume(descs, bufs, bars, ptrs, sizes, which):
                                                          instr_shape=[16, BN, 16])
     rows_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
     cols_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
+    sums_layout: gl.constexpr = gl.BlockedLayout([SUM_ROWS, 2], [1, 32], [1, 4], [1, 0])
     pos = 0
     for job in range(gl.program_id(0), JOBS, gl.num_programs(0)):
         ec, i0, j0 = _wjob(job, I, J, SPLIT, 2 * HALF, BN)
         lo, hi = _wslots(expert_slots_ptr, E, ec, SPLIT, TILE)
+        # B's column sums (∂b1 = Σ ∂u beside ∂W1 = Σ xsᵀ ∂u), by the first consumer of a column
+        # block's first row block, from each stage while its wgmma runs
+        summing = (has_sums != 0) & (i0 == 0) & (which == 0)
+        sums = gl.zeros([BN], gl.float32, gl.SliceLayout(0, sums_layout))
         acc = gl.zeros([HALF, BN], gl.float32, acc_layout)
         for s0 in range(lo, hi, BK):
             stage = pos % NBUF
             acc = _ring_dot(a_bufs.index(2 * stage + which).permute((1, 0)), b_bufs.index(stage), acc, ready, empty,
                             pos, s0 > lo)
+            if summing:
+                sums += _column_sums(b_bufs.index(stage), sums_layout)
             pos += 1
         acc = _ring_drain(acc, empty, pos, hi > lo)
         rows = ec * I + i0 + which * HALF + gl.arange(0, HALF, layout=rows_layout)
@@ -841,6 +864,12 @@ def _wgrad_consume(descs, bufs, bars, ptrs, sizes, which):
             gl.store(ptrs_out, acc.to(out_ptr.dtype.element_ty))
         elif hi > lo:  # an expert with no slots in this run is left untouched
             _add_into(ptrs_out, acc)
+        if summing:
+            ptrs_sums = sums_ptr + ec * J + j0 + gl.arange(0, BN, layout=gl.SliceLayout(0, sums_layout))
+            if accumulate == 0:
+                gl.store(ptrs_sums, sums.to(sums_ptr.dtype.element_ty))
+            elif hi > lo:
+                _add_into(ptrs_sums, sums)
 
 
 @gluon.jit
@@ -849,8 +878,8 @@ def _wgrad_consume_second(descs, bufs, bars, ptrs, sizes, which):
 
 
 @gluon.jit
-def _wgrad_kernel(a_ptr, b_ptr, out_ptr, expert_slots_ptr, S, I, J, E, JOBS, accumulate, SPLIT, TILE,
-                  BK: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+def _wgrad_kernel(a_ptr, b_ptr, out_ptr, expert_slots_ptr, sums_ptr, S, I, J, E, JOBS, accumulate, SPLIT, TILE,
+                  has_sums, BK: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                   PRODUCER_REGS: gl.constexpr):
     # TMA descriptors made on the device, by each partition: see _wgrad_descriptors.
     dtype: gl.constexpr = a_ptr.dtype.element_ty
@@ -859,8 +888,8 @@ def _wgrad_kernel(a_ptr, b_ptr, out_ptr, expert_slots_ptr, S, I, J, E, JOBS, acc
     a_bufs = gl.allocate_shared_memory(dtype, [2 * NBUF, BK, 64], a_layout)
     b_bufs = gl.allocate_shared_memory(dtype, [NBUF, BK, BN], b_layout)
     ready, empty = _ring_barriers(NBUF)
-    args = ((a_ptr, b_ptr, S), (a_bufs, b_bufs), (ready, empty), (out_ptr, expert_slots_ptr),
-            (I, J, E, JOBS, accumulate, SPLIT, TILE))
+    args = ((a_ptr, b_ptr, S), (a_bufs, b_bufs), (ready, empty), (out_ptr, expert_slots_ptr, sums_ptr),
+            (I, J, E, JOBS, accumulate, SPLIT, TILE, has_sums))
     zero = gl.program_id(0) * 0
     gl.warp_specialize([(_wgrad_consume, args + (zero, )), (_wgrad_consume_second, args + (zero + 1, )),
                         (_wgrad_produce, args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -868,21 +897,27 @@ def _wgrad_kernel(a_ptr, b_ptr, out_ptr, expert_slots_ptr, S, I, J, E, JOBS, acc
 
 
 
-def weight_grads(a, b, groups, out, accumulate, split=1, block_k=WGRAD_BK, block_n=None, nbuf=WGRAD_NBUF):
+def weight_grads(a, b, groups, out, accumulate, split=1, block_k=WGRAD_BK, block_n=None, nbuf=WGRAD_NBUF,
+                 sums=None):
     """out [E,I,J] = Σ_{s∈e} A[s]ᵀ B[s] (accumulate: added into out, fp32 totals, experts without
     slots here untouched). split > 1 (not with accumulate): out is [E·split, I, J] fp32, row
     e·split + c the sum over split c of e's slots (as triton_moe._moe_wgrad_kernel cuts them),
-    for triton_moe's _sum_splits_kernel to add. Callers check `wgrad_unsupported` first;
-    block_n: 256 where J allows."""
+    for triton_moe's _sum_splits_kernel to add. sums: [E·split, J] to take B's column sums
+    Σ_{s∈e} B[s] the same way (∂b1 beside ∂W1), in out's dtype. Callers check `wgrad_unsupported`
+    first; block_n: 256 where J allows."""
     E, (I, J) = groups.experts, (a.shape[1], b.shape[1])
     if split > 1 and (accumulate or out.dtype != torch.float32 or out.shape[0] != E * split):
         raise ValueError(f"split={split}: takes fp32 partial sums out [E·split = {E * split}, I, J] and no "
                          f"accumulate; got out {tuple(out.shape)} {out.dtype}, accumulate={accumulate}")
+    if sums is not None and (sums.shape != (E * split, J) or sums.dtype != out.dtype or not sums.is_contiguous()):
+        raise ValueError(f"sums: wants a contiguous [E·split, J] = [{E * split}, {J}] {out.dtype} tensor, got "
+                         f"{tuple(sums.shape)} {sums.dtype}")
     block_n = block_n or (256 if J % 256 == 0 else 128)
     jobs = E * split * (I // 128) * (J // block_n)
     with device_scratch():
         _wgrad_kernel[(min(num_sms(a.device), jobs),)](
-            a, b, out, groups.expert_slots, a.shape[0], I, J, E, jobs, int(accumulate), split, groups.tile,
+            a, b, out, groups.expert_slots, out if sums is None else sums, a.shape[0], I, J, E, jobs,
+            int(accumulate), split, groups.tile, int(sums is not None),
             BK=block_k, BN=block_n, NBUF=nbuf, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
             num_warps=4)
     return out

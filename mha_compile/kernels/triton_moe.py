@@ -899,29 +899,33 @@ def wgrad_splits(slots, experts, I, J, device):
     return max(1, min(WGRAD_MAX_SPLIT, want, slots // max(1, experts) // WGRAD_SPLIT_MIN_SLOTS))
 
 
-def weight_grads(a, b, b2, groups, into=None):
-    """(∂W [E,I,J], ∂W' [E,I,J] or None) in a's dtype from slot rows a [S,I], b [S,J] (b2 [S,J]);
-    see _moe_wgrad_kernel. into: fp32 (∂W, ∂W') to add these slots' sums to (one run of
-    tiles), returned."""
+def weight_grads(a, b, b2, groups, into=None, sums=False):
+    """(∂W [E,I,J], ∂W' [E,I,J] or None, Σb [E,J] or None) in a's dtype from slot rows a [S,I], b
+    [S,J] (b2 [S,J]); see _moe_wgrad_kernel. into: fp32 (∂W, ∂W', Σb) to add these slots' sums to
+    (one run of tiles), returned. sums: also Σ_{s∈e} b[s] (∂b1 beside ∂W1 = Σ xsᵀ ∂u), where the
+    Gluon kernel runs (its first consumer sums each B stage while the stage's wgmmas run: one pass
+    over ∂u fewer than tile_sums); Σb is None where it does not, and the caller sums b itself."""
     E = groups.experts
     I, J = a.shape[1], b.shape[1]
     dev, dtype = a.device, a.dtype
     accumulate = into is not None
     split = 1 if accumulate else wgrad_splits(groups.slots, E, I, J, dev)
     if accumulate:
-        dw, dw2 = into
+        dw, dw2, db = into
     else:
         dw = torch.empty(E, I, J, device=dev, dtype=dtype)
         dw2 = torch.empty_like(dw) if b2 is not None else None
+        db = torch.empty(E, J, device=dev, dtype=dtype) if sums else None
     if split > 1:  # fp32 partial sums, row e·SPLIT + c
         outs = [t for t in (dw, dw2) if t is not None]
         parts = [torch.empty(E * split, I, J, device=dev, dtype=torch.float32) for _ in outs]
         p_dw, p_dw2 = parts[0], parts[-1]
+        p_db = torch.empty(E * split, J, device=dev, dtype=torch.float32) if sums else None
     else:
-        p_dw, p_dw2 = dw, dw if dw2 is None else dw2
+        p_dw, p_dw2, p_db = dw, dw if dw2 is None else dw2, db if sums else None
     gluon = b2 is None and wgrad_kernel(a, b, groups.tile, accumulate, split) == "gluon" and _gluon_launch(
-        "weight-gradient GEMM", wgrad_key(a, b, accumulate, split),
-        functools.partial(gluon_moe.weight_grads, a, b, groups, p_dw, accumulate, split))
+        "weight-gradient GEMM", wgrad_key(a, b, accumulate, split, sums),
+        functools.partial(gluon_moe.weight_grads, a, b, groups, p_dw, accumulate, split, sums=p_db))
     if not gluon:
         _wgrad(lambda m: (E * split, triton.cdiv(I, m["BLOCK_I"]), triton.cdiv(J, m["BLOCK_J"])),
                a, b, b if b2 is None else b2, groups.expert_slots, p_dw, p_dw2, I, J, E, split,
@@ -929,7 +933,9 @@ def weight_grads(a, b, b2, groups, into=None):
     if split > 1:
         _sum_splits_kernel[(triton.cdiv(E * I * J, SUM_BLOCK), len(outs))](
             parts[0], outs[0], parts[-1], outs[-1], E, I * J, split, BLOCK=SUM_BLOCK)
-    return dw, dw2
+        if gluon and sums:
+            _sum_splits_kernel[(triton.cdiv(E * J, SUM_BLOCK), 1)](p_db, db, p_db, db, E, J, split, BLOCK=SUM_BLOCK)
+    return dw, dw2, (db if gluon and sums else None)
 
 
 def tile_sums(rows, groups):
@@ -1048,11 +1054,11 @@ def hidden_kernel(xs, gs, w1, w2, w3, b1, act, tile):
                    lambda: gluon_moe.unsupported(xs, gs, w1, w2, w3, act, tile))
 
 
-def wgrad_key(a, b, accumulate, split=1):
+def wgrad_key(a, b, accumulate, split=1, sums=False):
     """What the Gluon weight-gradient GEMM is compiled for: the rows' dtype, written or added into
-    fp32 totals, its column block (256 where J allows), and whether it splits the slots (Triton
-    builds SPLIT = 1 apart: an integer argument equal to 1 is a constant)."""
-    return a.dtype, bool(accumulate), b.shape[1] % 256 == 0, split > 1
+    fp32 totals, its column block (256 where J allows), whether it splits the slots and whether it
+    sums B's columns (Triton builds an integer argument equal to 1 apart, as a constant)."""
+    return a.dtype, bool(accumulate), b.shape[1] % 256 == 0, split > 1, bool(sums)
 
 
 def wgrad_kernel(a, b, tile, accumulate, split=1):
@@ -1099,17 +1105,18 @@ def _backward_tiles(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, h
                 hw, du, du3, gw, groups.pairs, D, F, gw.shape[1],
                 HAS_B1=b1 is not None, ACT=_act(act), PRECISION=dot_precision(wdt), TILE=groups.tile,
                 GW_BLOCK=GW_BLOCK)
-    db1_part = None if b1 is None else tile_sums(du, groups)
-    db1, db2 = bias_grads(db1_part, db2_part, groups, wdt, into=None if total is None else (total[1], total[3]))
     # ∂W2 = Σ (w h)ᵀ G first, so that hw and gs [S,F] + [S,D] are freed before ∂x allocates its
     # [S,D] (large preset, computed: slot buffers alive at once 1.61 -> 1.34 GB; same
-    # kernels, same results). Then ∂W1 = Σ xᵀ ∂u (∂W3 = Σ xᵀ ∂u3).
-    dw2, _ = weight_grads(hw, gs.to(wdt), None, groups, into=None if total is None else (total[2], None))
+    # kernels, same results). Then ∂W1 = Σ xᵀ ∂u (∂W3 = Σ xᵀ ∂u3), with ∂b1 = Σ ∂u beside it
+    # where the Gluon kernel runs; elsewhere ∂u's tile sums give ∂b1.
+    dw2, _, _ = weight_grads(hw, gs.to(wdt), None, groups, into=None if total is None else (total[2], None, None))
     del hw, gs
     if w3 is None:
         dx_slot = slots_gemm(du, w1, (D * F, 1, F), D, groups, out=dx_slot)
     else:
         dx_slot = slots_gemm(du, w1, (D * F, 1, F), D, groups, a2=du3, b2=w3, out=dx_slot)
-    dw1, dw3 = weight_grads(xs, du, du3 if w3 is not None else None, groups,
-                            into=None if total is None else (total[0], total[4]))
-    return dx_slot, (dw1, db1, dw2, db2, dw3)
+    dw1, dw3, db1 = weight_grads(xs, du, du3 if w3 is not None else None, groups,
+                                 into=None if total is None else (total[0], total[4], total[1]), sums=b1 is not None)
+    db1_part = tile_sums(du, groups) if b1 is not None and db1 is None else None
+    db1_summed, db2 = bias_grads(db1_part, db2_part, groups, wdt, into=None if total is None else (total[1], total[3]))
+    return dx_slot, (dw1, db1_summed if db1 is None else db1, dw2, db2, dw3)

@@ -127,6 +127,20 @@ def test_weight_gradient_splits_take_fp32_partial_sums():
             gluon_moe.weight_grads(a, b, groups, out, accumulate, split=3)
 
 
+def test_weight_gradient_sums_take_out_layout():
+    """B's column sums go to [E·split, J] in out's dtype, contiguous: anything else is refused before
+    a launch, naming what it got."""
+    from types import SimpleNamespace
+
+    a, b = torch.randn(256, 128).bfloat16(), torch.randn(256, 256).bfloat16()
+    groups = SimpleNamespace(experts=4, tile=128)
+    out = torch.empty(12, 128, 256)
+    for sums in (torch.empty(4, 256), torch.empty(12, 256).bfloat16(), torch.empty(256, 12).t()):
+        with pytest.raises(ValueError, match=rf"sums: wants a contiguous \[E·split, J\] = \[12, 256\] torch.float32 "
+                                             rf"tensor, got \({sums.shape[0]}, {sums.shape[1]}\) {sums.dtype}"):
+            gluon_moe.weight_grads(a, b, groups, out, False, split=3, sums=sums)
+
+
 def gemm2_operands(S=256, K=512, N=256, E=4, dtype=torch.bfloat16, bias=True):
     """GEMM2's (h [S, K], W2 [E, K, N], c [S, N], b2 [E, N] or None, routing weights [S] fp32)."""
     rand = lambda *shape: torch.randn(*shape).to(dtype)  # noqa: E731

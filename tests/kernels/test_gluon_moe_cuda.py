@@ -189,26 +189,33 @@ WGRAD_CASES = [pytest.param((600, 2, 256, 384, 7, [0, 2, 3, 6]), id="tile64-empt
 def test_weight_grads_match_float64(case, dtype, split):
     """∂W against float64, written whole, or split 3 ways into fp32 partial sums (rows e·3 + c) that
     add up to it, each split c holding the sum over its part of e's slots as the Triton kernel cuts
-    them (the last splits of a small expert empty: zeros)."""
+    them (the last splits of a small expert empty: zeros); and B's column sums (∂b1 beside ∂W1)
+    the same way."""
     R, k, D, F, E, used = case
     groups, xs, gs, w1, b1, w2, weight = slot_case(R, k, D, F, E, used, dtype, True, seed=R + D)
     assert groups.tile == (64 if E == 7 else 128)
     du = torch.randn(groups.slots, F, device="cuda").to(dtype) * (groups.slot_pair < groups.pairs)[:, None]
+    empty = [e for e in range(E) if e not in used]
     for a, b in ((xs, du), (du, gs)):  # ∂W1's shape (I = D, J = F; F = 384 takes BN 128), ∂W2's
         assert moe.wgrad_kernel(a, b, groups.tile, False, split) == "gluon"
         rows = E * split
-        out = torch.full((rows, a.shape[1], b.shape[1]), float("nan"), device="cuda",
-                         dtype=dtype if split == 1 else torch.float32)
-        gluon_moe.weight_grads(a, b, groups, out, accumulate=False, split=split)
+        out_dtype = dtype if split == 1 else torch.float32
+        out = torch.full((rows, a.shape[1], b.shape[1]), float("nan"), device="cuda", dtype=out_dtype)
+        sums = torch.full((rows, b.shape[1]), float("nan"), device="cuda", dtype=out_dtype)
+        gluon_moe.weight_grads(a, b, groups, out, accumulate=False, split=split, sums=sums)
         want = float64_wgrad(a, b, groups)
         got = out.view(E, split, *out.shape[1:])
+        got_sums = sums.view(E, split, -1)
         for e in range(E):
             for c, (lo, hi) in enumerate(split_bounds(groups, e, split)):
                 part = a[lo:hi].double().t() @ b[lo:hi].double()
                 assert float((got[e, c].double() - part).norm()) <= TOL[dtype] * max(float(part.norm()), 1e-30), (e, c)
+                col = b[lo:hi].double().sum(0)
+                assert float((got_sums[e, c].double() - col).norm()) <= TOL[dtype] * max(float(col.norm()), 1e-30), (e, c)
         total = got.double().sum(1)
-        assert (total[[e for e in range(E) if e not in used]] == 0).all()  # experts without slots: zeros
+        assert (total[empty] == 0).all()  # experts without slots: zeros
         assert float((total - want).norm() / want.norm()) < TOL[dtype]
+        assert (got_sums.double().sum(1)[empty] == 0).all()
 
 
 def split_bounds(groups, e, split):
@@ -223,19 +230,23 @@ def test_weight_grads_add_run_by_run():
     """The runs of tiles: each run's sums added into fp32 totals, experts absent from it untouched."""
     groups, xs, gs, w1, b1, w2, weight = slot_case(3000, 2, 128, 256, 4, [0, 1, 2, 3], torch.bfloat16, True, 11)
     want = float64_wgrad(xs, gs, groups)
+    want_sums = torch.stack([gs[lo:hi].double().sum(0) for lo, hi in zip(*groups.expert_slots.view(2, 4).tolist())])
     total = torch.full(want.shape, 0.25, device="cuda")  # a starting sum the kernel must keep
+    sums = torch.full(want_sums.shape, -0.5, device="cuda")
     runs = [(0, 10), (10, 27), (27, groups.num_tiles)]
     for t0, t1 in runs:
         rows = slice(t0 * groups.tile, t1 * groups.tile)
         part = groups.tiles(t0, t1)
-        before = total.clone()
-        gluon_moe.weight_grads(xs[rows].contiguous(), gs[rows].contiguous(), part, total, accumulate=True)
+        before, sums_before = total.clone(), sums.clone()
+        gluon_moe.weight_grads(xs[rows].contiguous(), gs[rows].contiguous(), part, total, accumulate=True, sums=sums)
         bounds = part.expert_slots.tolist()
         for e in range(4):
             if bounds[e] == bounds[4 + e]:
                 assert torch.equal(total[e], before[e]), f"expert {e} has no slots in run {t0}-{t1}"
+                assert torch.equal(sums[e], sums_before[e]), f"expert {e} has no slots in run {t0}-{t1}"
     # exact bf16 products summed in fp32 over ≤ ~1600 slots an expert: ≤ K·2⁻²⁴ ≈ 1e-4
     assert float((total.double() - 0.25 - want).norm() / want.norm()) < 1e-4
+    assert float((sums.double() + 0.5 - want_sums).norm() / want_sums.norm()) < 1e-4
 
 
 def test_weight_grads_dispatch(monkeypatch):
@@ -245,17 +256,21 @@ def test_weight_grads_dispatch(monkeypatch):
     real = gluon_moe.weight_grads
     monkeypatch.setattr(gluon_moe, "weight_grads", lambda *a, **kw: calls.append(a[4:]) or real(*a, **kw))
     groups, xs, gs, w1, b1, w2, weight = slot_case(3000, 2, 128, 256, 4, [0, 1, 2, 3], torch.bfloat16, True, 5)
-    total = torch.zeros(4, 128, 128, device="cuda")
-    moe.weight_grads(xs, gs, None, groups, into=(total, None))
+    total, sums = torch.zeros(4, 128, 128, device="cuda"), torch.zeros(4, 128, device="cuda")
+    assert moe.weight_grads(xs, gs, None, groups, into=(total, None, sums), sums=True)[2] is sums
     assert calls == [(True, 1)]
     assert float((total.double() - float64_wgrad(xs, gs, groups)).norm() / total.double().norm()) < 1e-4
     splits = moe.wgrad_splits(groups.slots, 4, 128, 128, xs.device)
     assert splits > 1
-    split, _ = moe.weight_grads(xs, gs, None, groups)  # split sums, added by _sum_splits_kernel
-    pair = moe.weight_grads(xs, gs, gs, groups)  # two Bs: the Triton kernel
+    split, _, split_sums = moe.weight_grads(xs, gs, None, groups, sums=True)  # split sums, added by _sum_splits_kernel
+    pair = moe.weight_grads(xs, gs, gs, groups, sums=True)  # two Bs: the Triton kernel, which does not sum B
     assert calls == [(True, 1), (False, splits)]
-    for got in (split, *pair):
+    assert pair[2] is None and split_sums.dtype == torch.bfloat16
+    for got in (split, *pair[:2]):
         assert float((got.double() - total.double()).norm() / total.double().norm()) < 2e-2
+    want_sums = torch.stack([gs[lo:hi].double().sum(0) for lo, hi in zip(*groups.expert_slots.view(2, 4).tolist())])
+    for got in (sums, split_sums):
+        assert float((got.double() - want_sums).norm() / want_sums.norm()) < 2e-2
 
 
 def float64_gemm2(groups, h, w2, b2, weight):
