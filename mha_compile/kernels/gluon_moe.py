@@ -812,10 +812,11 @@ SUM_ROWS = gl.constexpr(16)  # rows of a stage's B tile summed a load (16 bf16 a
 @gluon.jit
 def _column_sums(b_buf, layout: gl.constexpr):
     """Σ over the rows of the shared [BK, BN] tile b_buf, fp32 [BN] in SliceLayout(0, layout): each
-    thread owns two adjacent columns of every row (a warp reads a row's 128 bytes at once), so the
-    rows add up in registers, with no shuffles and no barrier."""
+    thread owns two adjacent columns of SUM_ROWS rows (at BN 256 a warp reads a row's 128 bytes at
+    once), so the rows add up in registers, with no barrier (at BN 128 two lanes share a column:
+    one shuffle)."""
     BK: gl.constexpr = b_buf.type.shape[0]
-    ROWS: gl.constexpr = layout.size_per_thread[0]
+    ROWS: gl.constexpr = layout.size_per_thread[0] * layout.threads_per_warp[0]
     total = gl.sum(b_buf.slice(0, ROWS, dim=0).load(layout).to(gl.float32), axis=0)
     for r in gl.static_range(ROWS, BK, ROWS):
         total += gl.sum(b_buf.slice(r, ROWS, dim=0).load(layout).to(gl.float32), axis=0)
@@ -839,7 +840,9 @@ def _wgrad_consume(descs, bufs, bars, ptrs, sizes, which):
                                                          instr_shape=[16, BN, 16])
     rows_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
     cols_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
-    sums_layout: gl.constexpr = gl.BlockedLayout([SUM_ROWS, 2], [1, 32], [1, 4], [1, 0])
+    # two adjacent columns a thread, the 4 warps side by side: exactly [·, BN], no column held twice
+    # (a held-twice column would be added twice by _add_into)
+    sums_layout: gl.constexpr = gl.BlockedLayout([SUM_ROWS, 2], [256 // BN, BN // 8], [1, 4], [1, 0])
     pos = 0
     for job in range(gl.program_id(0), JOBS, gl.num_programs(0)):
         ec, i0, j0 = _wjob(job, I, J, SPLIT, 2 * HALF, BN)
