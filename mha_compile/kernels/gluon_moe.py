@@ -840,8 +840,7 @@ def _wgrad_consume(descs, bufs, bars, ptrs, sizes, which):
                                                          instr_shape=[16, BN, 16])
     rows_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
     cols_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
-    # two adjacent columns a thread, the 4 warps side by side: exactly [·, BN], no column held twice
-    # (a held-twice column would be added twice by _add_into)
+    # two adjacent columns a thread, the 4 warps side by side: [·, BN] exactly, no load twice
     sums_layout: gl.constexpr = gl.BlockedLayout([SUM_ROWS, 2], [256 // BN, BN // 8], [1, 4], [1, 0])
     pos = 0
     for job in range(gl.program_id(0), JOBS, gl.num_programs(0)):
@@ -871,8 +870,8 @@ def _wgrad_consume(descs, bufs, bars, ptrs, sizes, which):
             ptrs_sums = sums_ptr + ec * J + j0 + gl.arange(0, BN, layout=gl.SliceLayout(0, sums_layout))
             if accumulate == 0:
                 gl.store(ptrs_sums, sums.to(sums_ptr.dtype.element_ty))
-            elif hi > lo:
-                _add_into(ptrs_sums, sums)
+            elif hi > lo:  # not by red: at BN 128 two lanes hold each column (one [BN] a job: no stall worth it)
+                gl.store(ptrs_sums, gl.load(ptrs_sums) + sums)
 
 
 @gluon.jit
