@@ -133,8 +133,8 @@ def probe(preset, act, rows_out, kernels):
                dict(BLOCK_F=256, BLOCK_K=32, num_warps=8, num_stages=5),
                dict(BLOCK_F=256, BLOCK_K=64, num_warps=8, num_stages=2),
                # two persistent programs an SM (one's dots beside the other's epilogue): lost at
-               # 254 registers (926-936 against 833 us, 8481635); [128, 128] at 4 warps now takes
-               # 168 registers and 98 KiB at BLOCK_K 32 with 4 stages (offline), so two still fit
+               # 254 registers (926-936 against 833 us, 8481635); at 168 registers (session 19)
+               # BLOCK_K 32 with 4 stages won at medium and joined _up's list
                dict(BLOCK_F=128, BLOCK_K=32, num_warps=4, num_stages=4, SM_PROGRAMS=2),
                dict(BLOCK_F=128, BLOCK_K=64, num_warps=4, num_stages=2, SM_PROGRAMS=2),
                dict(BLOCK_F=64, BLOCK_K=64, num_warps=4, num_stages=4, SM_PROGRAMS=2)]

@@ -446,7 +446,8 @@ def _sum_tiles_kernel(part_ptr, out_ptr, part2_ptr, out2_ptr, expert_slots_ptr, 
 @triton.jit
 def _tile_sums_kernel(src_ptr, dst_ptr, N, TILE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK: tl.constexpr):
     """dst[t, :] = Σ_{r < TILE} src[t·TILE + r, :] in fp32, rows in order: src [T·TILE, N] (slot
-    rows), dst [T, N]. ∂b1's per-tile sums of ∂u, which _sum_tiles_kernel then adds per expert.
+    rows), dst [T, N]. ∂b1's per-tile sums of ∂u, which _sum_tiles_kernel then adds per expert,
+    where the Gluon weight-gradient kernel does not sum ∂u beside ∂W1 (swiglu, off Hopper).
     In the hidden kernel's epilogue this column sum of the accumulator cost ~130 us a call at
     large; here a read of ∂u at memory speed costs about the same (155 us, bench/gemm_probe.py
     on the H200), and the epilogue is simpler."""
