@@ -797,10 +797,12 @@ def _wgrad_produce(descs, bufs, bars, ptrs, sizes):
 def _add_into(ptrs, values):
     """*ptrs += values (fp32), by `red.global.add.v2.f32`: fire and forget, the addition done in L2,
     where a load, add and store held the consumer for the load's round trip while the tensor cores
-    idled (the runs' fp32 totals at large: [128, 256] a job, 128 KiB each way). One job adds each
-    element once a launch, so the totals stay the same sums in the same order (red.add.f32 flushes
-    subnormals). pack=2: the accumulator layout holds columns in adjacent pairs, so a pair's first
-    pointer addresses both (the PTX's second pointer is the first + 4)."""
+    idled (the runs' fp32 totals at large: [128, 256] a job, 128 KiB each way; a large step's call
+    took 166 -> 157 us on the H200, bench/PERF_NOTES.md v22). One job adds each element once a
+    launch, so the totals stay the same sums in the same order (red.add.f32 flushes subnormals).
+    pack=2: the accumulator layout holds columns in adjacent pairs, so a pair's first pointer
+    addresses both (the PTX's second pointer is the first + 4). Each element must be held by one
+    thread only: a replicated layout would add it once a copy."""
     gl.inline_asm_elementwise("red.relaxed.gpu.global.add.v2.f32 [$2], {$4, $5}; mov.b32 $0, 0; mov.b32 $1, 0;",
                               "=r,=r,l,l,r,r", [ptrs.to(gl.int64, bitcast=True), values], dtype=gl.int32,
                               is_pure=False, pack=2)
