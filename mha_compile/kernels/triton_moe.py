@@ -559,6 +559,10 @@ _sum_tiles = Launcher(_sum_tiles_kernel, [
     dict(BLOCK=64, BLOCK_R=32, num_warps=4, num_stages=3),
     dict(BLOCK=128, BLOCK_R=16, num_warps=4, num_stages=3),
     dict(BLOCK=64, BLOCK_R=64, num_warps=4, num_stages=3),
+    # ∂b2 alone (∂b1 summed by the Gluon weight-gradient kernel since session 19): at medium
+    # E·D/64 = 32 programs, and the launch went 11.0 -> 17.8 us a step (kernel_times.txt); twice
+    # the programs here, not yet timed on its own (the autotuner picks)
+    dict(BLOCK=32, BLOCK_R=64, num_warps=2, num_stages=3),
 ], key=["E", "N1", "N2", "ROWS1", "ROWS2", "ACCUMULATE"], restore=["out_ptr", "out2_ptr"])
 
 
