@@ -39,8 +39,8 @@ from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime import _allocation
 
-from mha_compile.kernels.triton_util import (ACT_CODE, GW_BLOCK, capability as cuda_capability, gelu_cdf, interpreting,
-                                             num_sms, sigmoid)
+from mha_compile.kernels.triton_util import (ACT_CODE, GW_BLOCK, act_bwd, act_fwd, capability as cuda_capability,
+                                             interpreting, num_sms, sigmoid)
 
 # MHA_COMPILE_GLUON=0 runs the Triton kernels everywhere instead of these (to compare the two, or to
 # step around a fault in one of these).
@@ -113,19 +113,10 @@ def default_config(act, tile, D):
 
 @gluon.jit
 def _act(u, ACT: gl.constexpr):
-    """(act(u), act′(u)) in fp32, by triton_util's elementwise helpers (rcp.approx and ex2.approx;
-    gelu's Φ by Abramowitz and Stegun 7.1.26), as triton_util.act_fwd / act_bwd."""
-    if ACT == 0:  # gelu (erf)
-        cdf, pdf = gelu_cdf(u)
-        return u * cdf, cdf + u * pdf
-    elif ACT == 1:  # gelu (tanh), tanh(z) = 2σ(2z) − 1
-        z = 0.7978845608028654 * (u + 0.044715 * u * u * u)
-        t = 2.0 * sigmoid(2.0 * z) - 1.0
-        d = 0.5 * (1.0 + t) + 0.5 * u * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3 * 0.044715 * u * u)
-        return 0.5 * u * (1.0 + t), d
-    else:  # silu
-        sig = sigmoid(u)
-        return u * sig, sig * (1.0 + u * (1.0 - sig))
+    """(act(u), act′(u)) in fp32: triton_util's act_fwd and act_bwd (∂h = 1), which a Gluon kernel
+    can call (rcp.approx and ex2.approx; gelu's Φ by Abramowitz and Stegun 7.1.26); the compiler
+    merges what the two share (gelu_cdf's inline PTX is pure)."""
+    return act_fwd(u, u, ACT), act_bwd(1.0, u, u, ACT)[0]
 
 
 @gluon.jit
