@@ -915,6 +915,8 @@ def weight_grads(a, b, b2, groups, into=None, sums=False):
     dev, dtype = a.device, a.dtype
     accumulate = into is not None
     split = 1 if accumulate else wgrad_splits(groups.slots, E, I, J, dev)
+    gluon = b2 is None and wgrad_kernel(a, b, groups.tile, accumulate, split, sums) == "gluon"
+    sums = sums and gluon  # the Triton kernel has no Σb: allocate none for it
     if accumulate:
         dw, dw2, db = into
     else:
@@ -928,19 +930,19 @@ def weight_grads(a, b, b2, groups, into=None, sums=False):
         p_db = torch.empty(E * split, J, device=dev, dtype=torch.float32) if sums else None
     else:
         p_dw, p_dw2, p_db = dw, dw if dw2 is None else dw2, db if sums else None
-    gluon = b2 is None and wgrad_kernel(a, b, groups.tile, accumulate, split) == "gluon" and _gluon_launch(
+    ran = gluon and _gluon_launch(
         "weight-gradient GEMM", wgrad_key(a, b, accumulate, split, sums),
         functools.partial(gluon_moe.weight_grads, a, b, groups, p_dw, accumulate, split, sums=p_db))
-    if not gluon:
+    if not ran:
         _wgrad(lambda m: (E * split, triton.cdiv(I, m["BLOCK_I"]), triton.cdiv(J, m["BLOCK_J"])),
                a, b, b if b2 is None else b2, groups.expert_slots, p_dw, p_dw2, I, J, E, split,
                HAS_B2=b2 is not None, ACCUMULATE=accumulate, TILE=groups.tile, PRECISION=dot_precision(dtype))
     if split > 1:
         _sum_splits_kernel[(triton.cdiv(E * I * J, SUM_BLOCK), len(outs))](
             parts[0], outs[0], parts[-1], outs[-1], E, I * J, split, BLOCK=SUM_BLOCK)
-        if gluon and sums:
+        if ran and sums:  # one pair: grid axis 1 is 1, so the second pair passed is never read
             _sum_splits_kernel[(triton.cdiv(E * J, SUM_BLOCK), 1)](p_db, db, p_db, db, E, J, split, BLOCK=SUM_BLOCK)
-    return dw, dw2, (db if gluon and sums else None)
+    return dw, dw2, (db if ran and sums else None)
 
 
 def tile_sums(rows, groups):
@@ -1066,9 +1068,10 @@ def wgrad_key(a, b, accumulate, split=1, sums=False):
     return a.dtype, bool(accumulate), b.shape[1] % 256 == 0, split > 1, bool(sums)
 
 
-def wgrad_kernel(a, b, tile, accumulate, split=1):
-    """Which weight-gradient kernel weight_grads runs (one B) on these slot rows."""
-    return _choose("weight-gradient GEMM", wgrad_key(a, b, accumulate, split), a.device,
+def wgrad_kernel(a, b, tile, accumulate, split=1, sums=False):
+    """Which weight-gradient kernel weight_grads runs (one B) on these slot rows; by the same key
+    its launch records a failed build under."""
+    return _choose("weight-gradient GEMM", wgrad_key(a, b, accumulate, split, sums), a.device,
                    lambda: gluon_moe.wgrad_unsupported(a, b, tile))
 
 

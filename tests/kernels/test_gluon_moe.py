@@ -273,3 +273,40 @@ def test_default_config_is_cooperative_at_tile_128_and_large_d_only():
     assert gluon_moe.default_config("gelu", 64, big) is gluon_moe.CONFIGS[64]
     assert gluon_moe.default_config("swiglu", 128, big) is gluon_moe.SWIGLU_CONFIG
 
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="triton_moe on the CPU needs TRITON_INTERPRET=1")
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+def test_weight_grads_fall_back_to_triton_without_sums(monkeypatch, caplog):
+    """triton_moe.weight_grads asked for Σb (∂b1 beside ∂W1), with the Gluon kernel taken (as on an
+    H200) but failing to build: the Triton kernel computes ∂W the same call and Σb comes back None
+    (the caller then sums ∂u itself), never a buffer nobody wrote; that key (with Σb) stays on
+    Triton, so a second call does not try the build again."""
+    monkeypatch.setattr(moe, "_GLUON_FAILED", {})
+    monkeypatch.setattr(moe, "_GLUON_LAUNCHED", set())
+    monkeypatch.setattr(gluon_moe, "wgrad_unsupported", lambda *args, **kwargs: None)
+    launches = []
+
+    def broken(*args, **kwargs):
+        launches.append(kwargs["sums"])
+        raise RuntimeError("PTX .version 9.9 does not support .target sm_90a")
+
+    monkeypatch.setattr(gluon_moe, "weight_grads", broken)
+    torch.manual_seed(5)
+    E, I, J = 3, 24, 40
+    index = torch.randint(0, E, (70, 2), dtype=torch.int32)
+    index[:, 1] = (index[:, 0] + 2) % E
+    groups = moe.group(index, E)
+    valid = (groups.slot_pair < groups.pairs)[:, None]
+    a, b = torch.randn(groups.slots, I) * valid, torch.randn(groups.slots, J) * valid  # padding rows hold zeros
+    e = groups.tile_expert.long().repeat_interleave(groups.tile)
+    want = torch.zeros(E, I, J, dtype=torch.float64).index_add_(0, e, a.double()[:, :, None] * b.double()[:, None, :])
+    for call in range(2):
+        with caplog.at_level("WARNING", logger="mha_compile"):
+            dw, dw2, sums = moe.weight_grads(a, b, None, groups, sums=True)
+        assert len(launches) == 1 and launches[0] is not None  # tried once, asked for Σb
+        assert sums is None and dw2 is None
+        assert float((dw.double() - want).norm() / want.norm()) < 1e-5
+    assert "PTX .version 9.9" in caplog.text and "weight-gradient GEMM" in caplog.text
+    assert moe.wgrad_kernel(a, b, groups.tile, False, sums=True) == "triton"
+    assert moe.wgrad_kernel(a, b, groups.tile, False) == "gluon"  # another key: without Σb
