@@ -30,7 +30,8 @@
 #                                      # occupancy; ~4 min): run.log, ncu.txt
 #   [PRESET=large] bash bench/h200_session.sh ncu-gemms  # throughput, memory, warp stalls and the stalls
 #                                      # by source line (SourceCounters), on GEMM1 and the Gluon hidden kernel
-#                                      # only, their first four launches (~2 min): run.log, ncu_gemms.txt
+#                                      # only, their first four launches (~2 min): run.log, ncu_gemms.txt;
+#                                      # NCU_KERNELS=regex NCU_COUNT=n: other kernels (the weight gradients, Next 00)
 #   [PRESET=large] bash bench/h200_session.sh ncu-source  # Nsight Compute's full set on GEMM1 and the
 #                                      # hidden kernel (first three launches), then each one's SASS with its
 #                                      # stall samples summed by part of the kernel (bench/ncu_source.py;
@@ -192,8 +193,12 @@ ncu-gemms)
     # backward's Gluon hidden kernel (_hidden_kernel, 3), their first four launches (~1.5 min)
     # SourceCounters: the warp-stall reasons by source line (Triton and Gluon keep line info), the
     # reading that says whether the consumers wait on their epilogue's ALU work or on the ring
-    timeout -s INT 200 ncu --clock-control none --profile-from-start off -k "regex:^(_moe_up_kernel|_hidden_kernel|_hidden_coop_kernel)$" \
-        -c 4 --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+    # NCU_KERNELS, NCU_COUNT: other kernels, e.g. NCU_KERNELS=_wgrad_kernel NCU_COUNT=6 at large: the
+    # three runs' ∂W2 (no sums) and ∂W1 (∂b1's column sums beside it) in turn (PERF_NOTES Next 00)
+    timeout -s INT 200 ncu --clock-control none --profile-from-start off \
+        -k "regex:^(${NCU_KERNELS:-_moe_up_kernel|_hidden_kernel|_hidden_coop_kernel})$" \
+        -c "${NCU_COUNT:-4}" --section SpeedOfLight --section MemoryWorkloadAnalysis \
+        --section MemoryWorkloadAnalysis_Tables --section WarpStateStats \
         --section SourceCounters --import-source yes \
         python bench/ncu_kernels.py --preset "${PRESET:-large}" >"$OUT/ncu_gemms.txt" 2>&1
     tail -5 "$OUT/ncu_gemms.txt" >>"$LOG"
