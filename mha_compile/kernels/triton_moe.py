@@ -749,12 +749,18 @@ def group(index, experts):
 SLOT_CHUNK_BYTES = 512 << 20
 
 
+def tiles_per_run(tile, bytes_per_slot):
+    """Whole tiles a run takes: as many as fit SLOT_CHUNK_BYTES, a multiple of 8 from 8 on."""
+    per = max(1, SLOT_CHUNK_BYTES // (bytes_per_slot * tile))
+    if per >= 8:
+        per -= per % 8  # tile_expert views at 32-byte boundaries
+    return per
+
+
 def tile_runs(groups, bytes_per_slot):
     """[(t0, t1)]: consecutive runs of whole tiles whose slot buffers fit SLOT_CHUNK_BYTES
     (one run when everything fits)."""
-    per = max(1, SLOT_CHUNK_BYTES // (bytes_per_slot * groups.tile))
-    if per >= 8:
-        per -= per % 8  # tile_expert views at 32-byte boundaries
+    per = tiles_per_run(groups.tile, bytes_per_slot)
     return [(t0, min(t0 + per, groups.num_tiles)) for t0 in range(0, groups.num_tiles, per)]
 
 
@@ -1049,8 +1055,12 @@ def _gluon_launch(kernel, key, launch):
 
 
 def hidden_key(xs, act, tile, b1):
-    """What the Gluon hidden kernel is compiled for (beside the shapes, which it takes at run time)."""
-    return act, xs.dtype, tile, b1 is not None
+    """What the Gluon hidden kernel is compiled for (beside the shapes, which it takes at run time),
+    with which of its two kernels runs (gluon_moe.default_config: the cooperative one from
+    COOP_MIN_D on), so that a failed build of one does not send the other to Triton, nor its first
+    launch go unguarded because the other has launched."""
+    wide = gluon_moe is not None and xs.shape[1] >= gluon_moe.COOP_MIN_D
+    return act, xs.dtype, tile, b1 is not None, wide
 
 
 def hidden_kernel(xs, gs, w1, w2, w3, b1, act, tile):

@@ -11,6 +11,7 @@ import torch
 
 from mha_compile.kernels import gluon_moe
 from mha_compile.kernels import triton_moe as moe
+from mha_compile.kernels.triton_util import GW_BLOCK, dot_precision
 
 HOPPER = (9, 0)
 
@@ -310,3 +311,53 @@ def test_weight_grads_fall_back_to_triton_without_sums(monkeypatch, caplog):
     assert "PTX .version 9.9" in caplog.text and "weight-gradient GEMM" in caplog.text
     assert moe.wgrad_kernel(a, b, groups.tile, False, sums=True) == "triton"
     assert moe.wgrad_kernel(a, b, groups.tile, False) == "gluon"  # another key: without Σb
+
+
+def test_hidden_key_tells_the_two_gluon_hidden_kernels_apart():
+    """backward_hidden builds the cooperative kernel from COOP_MIN_D on (TILE 128, not swiglu) and
+    the ping-pong one below: two builds, two compile keys."""
+    narrow, wide = torch.empty(8, 256), torch.empty(8, gluon_moe.COOP_MIN_D)
+    assert gluon_moe.default_config("gelu", 128, 256) is not gluon_moe.default_config("gelu", 128, wide.shape[1])
+    assert moe.hidden_key(narrow, "gelu", 128, None) != moe.hidden_key(wide, "gelu", 128, None)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="triton_moe on the CPU needs TRITON_INTERPRET=1")
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+def test_a_cooperative_build_that_fails_after_the_ping_pong_ran_falls_back(monkeypatch, caplog):
+    """moe_backward at D = 256 (the ping-pong hidden kernel: built and ran), then at D = 512 (the
+    cooperative one, whose first build fails): the second falls back to the Triton kernel with a
+    warning and its gradients, as any failed first build does. With one key for both kernels it
+    raised out of the backward (the key counted as built)."""
+    monkeypatch.setattr(moe, "_GLUON_FAILED", {})
+    monkeypatch.setattr(moe, "_GLUON_LAUNCHED", set())
+    monkeypatch.setattr(gluon_moe, "unsupported", lambda *args, **kwargs: None)  # as on an H200
+    tried = []
+
+    def backward_hidden(xs, gs, groups, w1, b1, w2, weight, act, hw, du, gw, w3=None, du3=None, config=None):
+        coop = bool(gluon_moe.default_config(act, groups.tile, w1.shape[1]).get("coop"))
+        tried.append(coop)
+        if coop:
+            raise RuntimeError("simulated: the cooperative kernel does not build with this Triton")
+        E, D, F = w1.shape  # the ping-pong kernel "runs": the Triton kernel on the same buffers
+        moe._hidden(moe.tile_grid(groups, F, "BLOCK_F"), xs, gs, groups.slot_pair, groups.tile_expert, weight,
+                    w1, w1 if b1 is None else b1, w1, w2, hw, du, du, gw, groups.pairs, D, F, gw.shape[1],
+                    HAS_B1=b1 is not None, ACT=moe._act(act), PRECISION=dot_precision(w1.dtype), TILE=groups.tile,
+                    GW_BLOCK=GW_BLOCK)
+
+    def backward(D, F=128, E=2, R=8):
+        gen = torch.Generator().manual_seed(D)
+        rand = lambda *shape: torch.randn(*shape, generator=gen) / 4  # noqa: E731
+        index = torch.arange(R, dtype=torch.int32).remainder(E).view(R, 1)
+        weight = torch.rand(R, 1, generator=gen)
+        groups = moe.Groups(index, E, 128)  # TILE 128, as at the medium and large presets
+        return moe.moe_backward(rand(R, D), rand(R, D), None, weight, groups, rand(E, D, F), rand(E, F),
+                                rand(E, F, D), rand(E, D), None, "gelu", 1)
+
+    monkeypatch.setattr(gluon_moe, "backward_hidden", backward_hidden)
+    backward(256)
+    with caplog.at_level("WARNING", logger="mha_compile"):
+        got = backward(512)
+    assert tried == [False, True] and "simulated" in caplog.text
+    monkeypatch.setattr(gluon_moe, "unsupported", lambda *args, **kwargs: "off")  # the Triton kernel alone
+    for g, w in zip(got, backward(512)):
+        assert (g is None and w is None) or torch.equal(g, w)
