@@ -175,7 +175,8 @@ def _region_gradients(tensors, top_k, renorm, act, kernels, grad_inv, graphs, ke
                 position = REGION_INPUTS.index(name)
                 if grads[position] is not None:
                     grads[position] = grads[position] + g.to(grads[position].dtype)
-    return [ctx.new_empty(0) if g is None else g for g in grads]
+    # contiguous, as the fake says: Inductor checks each output's strides against the fake's
+    return [ctx.new_empty(0) if g is None else g.contiguous() for g in grads]
 
 
 # The op, for whatever traces the backward (AOTAutograd, compiled autograd: one opaque node);
@@ -187,7 +188,8 @@ region_backward = torch.library.custom_op("mha::region_backward", mutates_args=(
 def _region_backward_fake(grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask,
                           inv, attn, weight, index, top_k, renorm, act, kernels, grad_inv=None, graphs="off"):
     inputs = (ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3)
-    return [ctx.new_empty(0) if t is None else torch.empty_like(t) for t in inputs]
+    # contiguous whatever the input's strides (a transposed ctx or tok): what _region_gradients returns
+    return [ctx.new_empty(0) if t is None else t.new_empty(t.shape) for t in inputs]
 
 
 def _setup_context(ctx, inputs, output):

@@ -127,6 +127,28 @@ def test_rest_inductor_matches_eager():
     assert_same_parameters(*trained, torch.float32)
 
 
+def test_rest_inductor_trains_with_transposed_ctx_and_tok(tmp_path, monkeypatch):
+    """ctx and tok made by projections over other axes, then transposed (not contiguous): Inductor
+    checks the backward op's gradients against its fake's strides, which said the inputs' (it
+    raised "expected size 3==3, stride 32==1"); both are contiguous now."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # no backward compiled before the fix
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+
+    class Transposed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.horizons, self.tokens = torch.nn.Linear(6, 3), torch.nn.Linear(7, 5)
+            self.block = _block(torch.float32)
+
+        def forward(self, x, z):  # x [B, D, 6] -> ctx [B, 3, D]; z [B, D, 7] -> tok [B, 5, D]
+            return self.block(self.horizons(x).transpose(1, 2), self.tokens(z).transpose(1, 2))
+
+    batch = lambda step: (torch.randn(4, 32, 6), torch.randn(4, 32, 7))  # noqa: E731
+    trained = _train_side_by_side(Transposed(), batch, torch.float32, steps=2, options={"rest": "inductor"})
+    assert_same_parameters(*trained, torch.float32)
+
+
 def test_explain_counts():
     block = _block(torch.float32)
     report = mha_compile.explain(block, torch.randn(4, 3, 32), torch.randn(4, 5, 32))

@@ -54,6 +54,19 @@ def test_opcheck_region_op():
     torch.library.opcheck(ops.region, args)
 
 
+def test_opcheck_region_backward_with_transposed_inputs():
+    """The backward op's fake against its real outputs (strides included) where ctx and tok are
+    transposed views: the gradients are contiguous, whatever the inputs' strides."""
+    block, ctx, tok = _block_and_inputs("gelu", True, True)
+    ctx = ctx.detach().transpose(1, 2).contiguous().transpose(1, 2)  # [B,H,D], H innermost
+    tok = tok.detach().transpose(1, 2).contiguous().transpose(1, 2)
+    params = [None if p is None else p.detach() for p in models.block_parameters(block)]
+    out, *saved = ops.region(ctx, tok, *params, None, 2, True, "gelu", "reference")
+    args = (torch.randn_like(out), ctx, tok, *params, None, *saved, 2, True, "gelu", "reference")
+    torch.library.opcheck(ops.region_backward, args, test_utils=("test_schema", "test_faketensor"))
+    assert all(g.is_contiguous() for g in ops.region_backward(*args))
+
+
 def test_reference_needs_no_host_sync():
     """Under FakeTensorMode any .item()/.nonzero()/bincount-style data-dependent size raises."""
     from torch._subclasses.fake_tensor import FakeTensorMode
