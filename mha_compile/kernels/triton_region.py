@@ -49,6 +49,8 @@ def why_unsupported(ctx, tok, w1, top_k, act, mask):
                 "tok and parameters, as torch.autocast hands them)")
     if tok.device != ctx.device or w1.device != ctx.device:
         return "inputs on several devices run on the reference path"
+    if ctx.numel() == 0:
+        return f"an empty batch (ctx {tuple(ctx.shape)}) runs on the reference path"
     D = ctx.shape[-1]
     if D > triton_pool.MAX_POOL_D:
         return f"D={D} > {triton_pool.MAX_POOL_D}: the pool kernel keeps a [P,D] tile in registers"

@@ -89,6 +89,22 @@ def test_float64_runs_on_reference(module):
         assert torch.equal(g, w)
 
 
+@pytest.mark.parametrize("module", SETS)
+@pytest.mark.parametrize("B,H", [(0, 3), (2, 0)])
+def test_an_empty_batch_runs_on_the_reference_path(module, B, H):
+    """No rows (B or H zero): the kernels would divide by the rows (top-k pairs a row), so the set
+    hands the call to the reference path, forward and backward, and says why."""
+    ctx, tok, params = make_case(max(B, 1), max(H, 1), 5, 32, 2, 64, 4, 2)
+    ctx, tok = ctx[:B, :H], tok[:B]
+    assert "empty batch" in module.why_unsupported(ctx, tok, params[10], 2, "gelu", None)
+    got = module.region_forward(ctx, tok, *params, None, 2, True, "gelu")
+    want = reference.region_forward(ctx, tok, *params, None, 2, True, "gelu")
+    assert [tuple(t.shape) for t in got] == [tuple(t.shape) for t in want] and got[0].shape == (B, H, 32)
+    grads = module.region_backward(torch.randn_like(got[0]), ctx, tok, *params, None, *got[1:], 2, True, "gelu")
+    inputs = (ctx, tok, *params)
+    assert all(g.shape == t.shape and (g == 0).all() for g, t in zip(grads, inputs) if t is not None)
+
+
 def test_why_unsupported_reads_only_metadata():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
