@@ -79,7 +79,12 @@ def auto_wanted(ctx, w1, top_k, act):
     peer's (issue 4's memory target). A large step issues in 6.3-10 ms of host, depending on the
     host, for 6.6 ms of GPU time (bench/PERF_NOTES.md v15, v16): on a slow host graphs="on"
     trades the memory for that time."""
-    return slot_buffer_bytes(ctx, w1, top_k, act) <= triton_moe.SLOT_CHUNK_BYTES
+    B, H, D = ctx.shape
+    E, _, F = w1.shape
+    pairs = B * H * top_k
+    tile = triton_moe.tile_rows(pairs, E)
+    per_slot = triton_moe.backward_slot_bytes(D, F, act == "swiglu", ctx.element_size())
+    return triton_moe.tile_count(pairs, E, tile) <= triton_moe.tiles_per_run(tile, per_slot)  # tile_runs' rule
 
 
 def slot_buffer_bytes(ctx, w1, top_k, act):

@@ -1,5 +1,7 @@
 """region_graphs on the CPU: when a call is graphed (the policy), and the option's checks.
 Capture and replay themselves need a GPU: test_region_graphs_cuda.py."""
+import types
+
 import pytest
 import torch
 
@@ -34,6 +36,25 @@ def test_auto_counts_swiglus_third_buffer():
     big = torch.empty(int(B * scale) - 1, H, D, device="meta", dtype=ctx.dtype)
     assert region_graphs.auto_wanted(big, w1, k, "gelu")
     assert not region_graphs.auto_wanted(big, w1, k, "swiglu")
+
+
+def test_auto_graphs_exactly_the_sizes_the_backward_runs_in_one_run():
+    """auto_wanted's rule is tile_runs': around the bound (large's widths, batch 1530-1600, where
+    a run's tiles round down to a multiple of 8) every batch that graphs takes one run and every
+    other takes more (at B = 1570 the bytes fit 512 MiB but the tiles made two runs)."""
+    ctx, w1, k, act = _meta_case("large")
+    (_, H, D), (E, _, F) = ctx.shape, w1.shape
+    per_slot = triton_moe.backward_slot_bytes(D, F, False, 2)
+    seen = set()
+    for B in range(1530, 1600):
+        pairs = B * H * k
+        tile = triton_moe.tile_rows(pairs, E)
+        layout = types.SimpleNamespace(tile=tile, num_tiles=triton_moe.tile_count(pairs, E, tile))
+        one_run = len(triton_moe.tile_runs(layout, per_slot)) == 1
+        big = torch.empty(B, H, D, device="meta", dtype=ctx.dtype)
+        assert region_graphs.auto_wanted(big, w1, k, act) is one_run, B
+        seen.add(one_run)
+    assert seen == {True, False}
 
 
 def test_slot_count_is_the_layouts():
