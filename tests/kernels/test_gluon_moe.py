@@ -200,27 +200,39 @@ def test_gemm2_off_the_gpu_and_when_switched_off(monkeypatch):
     assert gluon_moe.slots_unsupported(h, w2, c, b2, scale, 128, capability=HOPPER) == "MHA_COMPILE_GLUON=0"
 
 
+def _top2_layout(E, rows, seed):
+    """triton_moe.group of `rows` random rows' two distinct experts of E (torch's generator seeded)."""
+    torch.manual_seed(seed)
+    index = torch.randint(0, E, (rows, 2), dtype=torch.int32)
+    index[:, 1] = (index[:, 0] + 1) % E
+    return moe.group(index, E)
+
+
+def _taken_but_broken(monkeypatch, unsupported, kernel):
+    """gluon_moe.<kernel> taken, as on an H200 (gluon_moe.<unsupported> finds nothing), and failing
+    to build, with no build recorded yet: the list each attempt appends its keyword arguments to."""
+    monkeypatch.setattr(moe, "_GLUON_FAILED", {})
+    monkeypatch.setattr(moe, "_GLUON_LAUNCHED", set())
+    monkeypatch.setattr(gluon_moe, unsupported, lambda *args, **kwargs: None)
+    launches = []
+
+    def broken(*args, **kwargs):
+        launches.append(kwargs)
+        raise RuntimeError("PTX .version 9.9 does not support .target sm_90a")
+
+    monkeypatch.setattr(gluon_moe, kernel, broken)
+    return launches
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="triton_moe on the CPU needs TRITON_INTERPRET=1")
 @pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 def test_gemm2_falls_back_to_triton_when_its_first_launch_fails(monkeypatch, caplog):
     """triton_moe.slots_gemm as moe_forward calls it for GEMM2, with the Gluon kernel taken (as on
     an H200) but failing to build: the Triton kernel computes c the same call, the failure is
     logged, and that compile key stays on Triton. ∂x's call (B transposed) never asks for it."""
-    monkeypatch.setattr(moe, "_GLUON_FAILED", {})
-    monkeypatch.setattr(moe, "_GLUON_LAUNCHED", set())
-    monkeypatch.setattr(gluon_moe, "slots_unsupported", lambda *args, **kwargs: None)
-    launches = []
-
-    def broken(*args):
-        launches.append(args)
-        raise RuntimeError("PTX .version 9.9 does not support .target sm_90a")
-
-    monkeypatch.setattr(gluon_moe, "slots_gemm", broken)
-    torch.manual_seed(3)
+    launches = _taken_but_broken(monkeypatch, "slots_unsupported", "slots_gemm")
     E, K, N = 3, 40, 24
-    index = torch.randint(0, E, (90, 2), dtype=torch.int32)
-    index[:, 1] = (index[:, 0] + 1) % E
-    groups = moe.group(index, E)
+    groups = _top2_layout(E, 90, seed=3)
     h, w2, b2, scale = torch.randn(groups.slots, K), torch.randn(E, K, N), torch.randn(E, N), torch.rand(180)
     moe.slots_gemm(h, w2.transpose(1, 2).contiguous(), (N * K, 1, K), N, groups)  # ∂x's strides
     assert launches == []
@@ -283,21 +295,9 @@ def test_weight_grads_fall_back_to_triton_without_sums(monkeypatch, caplog):
     H200) but failing to build: the Triton kernel computes ∂W the same call and Σb comes back None
     (the caller then sums ∂u itself), never a buffer nobody wrote; that key (with Σb) stays on
     Triton, so a second call does not try the build again."""
-    monkeypatch.setattr(moe, "_GLUON_FAILED", {})
-    monkeypatch.setattr(moe, "_GLUON_LAUNCHED", set())
-    monkeypatch.setattr(gluon_moe, "wgrad_unsupported", lambda *args, **kwargs: None)
-    launches = []
-
-    def broken(*args, **kwargs):
-        launches.append(kwargs["sums"])
-        raise RuntimeError("PTX .version 9.9 does not support .target sm_90a")
-
-    monkeypatch.setattr(gluon_moe, "weight_grads", broken)
-    torch.manual_seed(5)
+    launches = _taken_but_broken(monkeypatch, "wgrad_unsupported", "weight_grads")
     E, I, J = 3, 24, 40
-    index = torch.randint(0, E, (70, 2), dtype=torch.int32)
-    index[:, 1] = (index[:, 0] + 2) % E
-    groups = moe.group(index, E)
+    groups = _top2_layout(E, 70, seed=5)
     valid = (groups.slot_pair < groups.pairs)[:, None]
     a, b = torch.randn(groups.slots, I) * valid, torch.randn(groups.slots, J) * valid  # padding rows hold zeros
     e = groups.tile_expert.long().repeat_interleave(groups.tile)
@@ -305,7 +305,7 @@ def test_weight_grads_fall_back_to_triton_without_sums(monkeypatch, caplog):
     for call in range(2):
         with caplog.at_level("WARNING", logger="mha_compile"):
             dw, dw2, sums = moe.weight_grads(a, b, None, groups, sums=True)
-        assert len(launches) == 1 and launches[0] is not None  # tried once, asked for Σb
+        assert len(launches) == 1 and launches[0]["sums"] is not None  # tried once, asked for Σb
         assert sums is None and dw2 is None
         assert float((dw.double() - want).norm() / want.norm()) < 1e-5
     assert "PTX .version 9.9" in caplog.text and "weight-gradient GEMM" in caplog.text
