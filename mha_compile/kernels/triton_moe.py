@@ -504,7 +504,7 @@ _up = Launcher(_moe_up_kernel, [
     # registers and 98 KiB each): medium 75.6 against 80.3 us for [128, 256] at one an SM, large
     # 758.8 against 734.5 (bench/results/gemm_probe_up.txt, session 19, H200).
     dict(BLOCK_F=128, BLOCK_K=32, num_warps=4, num_stages=4, SM_PROGRAMS=2),
-], key=["D", "F", "TILE", "ACT", "TMA"], blocks=lambda m: dict(
+], key=["D", "F", "TILE", "ACT", "TMA", "HAS_B1"], blocks=lambda m: dict(
     xs=(m["TILE"], m["BLOCK_K"]), w1=(1, m["BLOCK_K"], m["BLOCK_F"]), w3=(1, m["BLOCK_K"], m["BLOCK_F"]),
     h=(m["TILE"], m["BLOCK_F"])))
 # TWO_LOOPS (u's K loop, then g's) won with BLOCK_F 64 at medium (223 against 260 us), one loop
@@ -522,7 +522,7 @@ _hidden = Launcher(_moe_bwd_hidden_kernel, [
     dict(BLOCK_F=64, BLOCK_K=64, TWO_LOOPS=False, N_INNER=True, num_warps=8, num_stages=4),
     dict(BLOCK_F=128, BLOCK_K=64, TWO_LOOPS=False, N_INNER=True, num_warps=8, num_stages=3),
     dict(BLOCK_F=128, BLOCK_K=32, TWO_LOOPS=False, N_INNER=True, num_warps=8, num_stages=4),
-], key=["D", "F", "TILE", "ACT"])
+], key=["D", "F", "TILE", "ACT", "HAS_B1"])
 # The slots GEMM at large (same run): N_INNER with BLOCK_N 256, GEMM2 576 -> 545 us, ∂x 537 ->
 # 514; equal at medium. BLOCK_N 128 with N_INNER (∂x 534) replaces its 2-D twin (654).
 _slots_gemm = Launcher(_moe_slots_gemm_kernel, [
@@ -531,7 +531,7 @@ _slots_gemm = Launcher(_moe_slots_gemm_kernel, [
     dict(BLOCK_N=128, BLOCK_K=64, N_INNER=False, num_warps=4, num_stages=3),
     dict(BLOCK_N=256, BLOCK_K=64, N_INNER=False, num_warps=8, num_stages=3),
     dict(BLOCK_N=256, BLOCK_K=64, N_INNER=True, num_warps=8, num_stages=3),
-], key=["K", "NOUT", "TILE", "HAS_A2"])
+], key=["K", "NOUT", "TILE", "HAS_A2", "HAS_BIAS", "HAS_SCALE"])
 _wgrad = Launcher(_moe_wgrad_kernel, [
     dict(BLOCK_I=64, BLOCK_J=64, BLOCK_S=32, num_warps=4, num_stages=3),
     dict(BLOCK_I=128, BLOCK_J=128, BLOCK_S=64, num_warps=8, num_stages=3),

@@ -198,7 +198,7 @@ _combine_bwd = Launcher(_router_combine_bwd_kernel, [
     dict(num_warps=1, num_stages=3),
     dict(num_warps=2, num_stages=3),
     dict(num_warps=4, num_stages=3),
-], key=["H", "D", "E", "N_FBLK", "TOP_K", "HAS_INV", "RENORM", "PRECISION"])
+], key=["H", "D", "E", "N_FBLK", "TOP_K", "HAS_INV", "RENORM", "PRECISION", "SUM_H"])
 
 
 def router_precision(dtype):

@@ -160,7 +160,10 @@ class Launcher:
 
     `configs` are dicts of meta-parameters (with num_warps/num_stages); the first is the
     default (interpreter, MHA_COMPILE_NO_AUTOTUNE). `key` names the kernel arguments that
-    change the best config; Triton adds the tensors' dtypes to it.
+    change the best config; Triton adds the tensors' dtypes to it. Every compile-time flag of the
+    kernel (HAS_BIAS, ...) belongs in it: each value is another build, and a config chosen (and
+    built, _buildable) for one would otherwise be launched for the other untried
+    (tests/kernels/test_launcher.py checks the lists).
     """
 
     def __init__(self, kernel, configs, key, restore=None, blocks=None):

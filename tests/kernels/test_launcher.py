@@ -194,3 +194,30 @@ def test_device_properties_are_read_once_a_device(monkeypatch):
         assert sorted(asked) == [2, 3]
     finally:
         triton_util._cuda_properties.cache_clear()
+
+
+# Compile-time parameters a kernel's key may leave out, and why: each follows from the key (the
+# sizes and dtypes in it) or is a module constant, so it cannot differ between calls of one key.
+DERIVED = {
+    "PRECISION": "from the operands' dtype, which the key holds",
+    "BLOCK_D": "from D", "BLOCK_P": "from P", "BLOCK_Q": "from P", "BLOCK_E": "from E",
+    "BLOCK_H": "from H", "BLOCK_C": "from N_FBLK", "GW_BLOCK": "a module constant",
+}
+
+
+def test_every_compile_time_flag_is_in_its_kernels_autotune_key():
+    """Each Launcher's constexpr parameters are tuned (in its configs), in its key, or DERIVED:
+    HAS_B1, HAS_BIAS, HAS_SCALE and SUM_H were not, so GEMM2 (bias, scale) and ∂x (neither), or
+    a layer with b1 and one without, shared one chosen config that the other had never built."""
+    from mha_compile.kernels import triton_matmul, triton_moe, triton_pool, triton_router
+    missing = {}
+    for module in (triton_matmul, triton_moe, triton_pool, triton_router):
+        for name, launcher in vars(module).items():
+            if not isinstance(launcher, triton_util.Launcher):
+                continue
+            tuned = set().union(*launcher.configs)
+            flags = [p.name for p in launcher.kernel.params if p.is_constexpr]
+            left = [f for f in flags if f not in tuned and f not in launcher.key and f not in DERIVED]
+            if left:
+                missing[f"{module.__name__}.{name}"] = left
+    assert not missing, f"compile-time parameters in no autotune key: {missing}"
