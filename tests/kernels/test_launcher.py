@@ -216,7 +216,9 @@ def test_every_compile_time_flag_is_in_its_kernels_autotune_key():
             if not isinstance(launcher, triton_util.Launcher):
                 continue
             tuned = set().union(*launcher.configs)
-            flags = [p.name for p in launcher.kernel.params if p.is_constexpr]
+            kernel = launcher.kernel  # under TRITON_INTERPRET=1 an InterpretedFunction: read the source's
+            params = kernel.params if hasattr(kernel, "params") else triton.runtime.jit.JITFunction(kernel.fn).params
+            flags = [p.name for p in params if p.is_constexpr]
             left = [f for f in flags if f not in tuned and f not in launcher.key and f not in DERIVED]
             if left:
                 missing[f"{module.__name__}.{name}"] = left
