@@ -31,12 +31,13 @@ def test_region_matches_reference(module, act):
 
 
 # Odd sizes (97, 47, 1 among them), rows fewer than a block, k = 1 and k = E, no biases,
-# no renormalisation, E = 64.
+# no renormalisation, E = 64, and one expert (π ≡ 1: ∂Wg exactly zero).
 ODD = [
     dict(B=2, H=3, N=3, D=24, P=3, F=40, E=5, k=2),
     dict(B=1, H=1, N=1, D=24, P=2, F=47, E=3, k=1),
     dict(B=3, H=2, N=7, D=40, P=4, F=97, E=3, k=3),
     dict(B=2, H=5, N=4, D=16, P=1, F=16, E=64, k=3),
+    dict(B=2, H=3, N=4, D=24, P=2, F=40, E=1, k=1),
 ]
 
 
