@@ -192,7 +192,7 @@ def check_activation(act, device, kernel=_act_kernel):
     coefficient fails this), and rcp.approx and ex2.approx within 2 ulp. kernel[grid](u, h, du, n,
     ACT=, BLOCK=) writes h = act(u) and du = act′(u): triton_util's act_fwd and act_bwd (∂h = 1)
     by default (the interpreter on the CPU, where rcp is 1 / x; inline PTX on the GPU)."""
-    u = torch.cat([torch.linspace(-100, 100, 201), torch.linspace(-12, 12, 4001), torch.randn(999) * 3]).float().to(
+    u = torch.cat([torch.linspace(-100, 100, 201), torch.linspace(-12, 12, 24001), torch.randn(999) * 3]).float().to(
         device)
     h, du = torch.empty_like(u), torch.empty_like(u)
     kernel[(triton.cdiv(u.numel(), 1024),)](u, h, du, u.numel(), ACT=ACT_CODE[act], BLOCK=1024)
