@@ -236,6 +236,8 @@ def main():
                           f"{'  WGMMA SERIALIZED' if row['wgmma_serialized'] else ''}", flush=True)
                 except Exception as error:  # a config that does not compile: say so, go on
                     row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+                    if os.environ.get("OFFLINE_SASS_TRACE"):
+                        print(error)
                     print(f"{preset:<{width}}{kernel.__name__:<28} FAILED {row['error']}", flush=True)
                 rows.append(row)
     if args.out:

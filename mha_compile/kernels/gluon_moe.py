@@ -733,12 +733,81 @@ def _wslots(expert_slots_ptr, E, ec, SPLIT, TILE):
     return lo, gl.minimum(lo + run, hi)
 
 
+STREAM_EXPERTS = gl.constexpr(32)  # STREAM's experts at most (a vector of them a partition: 128 spilled in the producer's 24 registers)
+
+
+@gluon.jit
+def _add_i32(a, b):
+    return a + b
+
+
+@gluon.jit
+def _stream_experts(expert_slots_ptr, E, tiles, BK: gl.constexpr):
+    """STREAM's run as [E_BLOCK] vectors: each expert's first slot, its K steps n_e = (hi − lo)/BK,
+    and the first and last + 1 of its tiles' K steps (its `tiles` tiles of n_e steps, expert-major)."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    offs = gl.arange(0, STREAM_EXPERTS, layout=layout)
+    ok = offs < E
+    lo = gl.load(expert_slots_ptr + offs, mask=ok, other=0)
+    n = (gl.load(expert_slots_ptr + E + offs, mask=ok, other=0) - lo) // BK
+    ends = gl.associative_scan(n * tiles, 0, _add_i32)
+    return lo, n, ends - n * tiles, ends
+
+
+@gluon.jit
+def _stream_share(experts):
+    """(first, last + 1) of this program's K steps of the run, and the program whose share holds
+    the step before its first (the one it waits for, if it waits)."""
+    total = gl.max(experts[3], 0).to(gl.int64)
+    pid = gl.program_id(0).to(gl.int64)
+    programs = gl.num_programs(0)
+    start = pid * total // programs
+    end = (pid + 1) * total // programs
+    before = (start * programs + total - 1) // gl.maximum(total, 1) - 1  # ⌈start·P/T⌉ − 1
+    return start.to(gl.int32), end.to(gl.int32), before.to(gl.int32)
+
+
+@gluon.jit
+def _stream_piece(experts, it, start, ni, BK: gl.constexpr):
+    """The piece of a program's share [start, it) in the tile of K step it − 1: (e, I block, J block,
+    first slot, slot past the last, whether it waits for the program before (not the tile's
+    first step), whether it raises its flag (not the tile's last), where the walk goes on)."""
+    lo, n, begins, ends = experts
+    offs = gl.arange(0, lo.shape[0], layout=lo.type.layout)
+    e = gl.sum((ends < it).to(gl.int32), 0)
+    pick = offs == e
+    n_e = gl.sum(gl.where(pick, n, 0), 0)
+    base = gl.sum(gl.where(pick, begins, 0), 0)
+    lo_e = gl.sum(gl.where(pick, lo, 0), 0)
+    q = (it - 1 - base) // n_e
+    first = base + q * n_e
+    k0 = gl.maximum(start - first, 0)
+    k1 = it - first
+    return e, q % ni, q // ni, lo_e + k0 * BK, lo_e + k1 * BK, k0 > 0, k1 < n_e, first + k0
+
+
 # Partitions take (descs, bufs, bars, ptrs, sizes) (+ which, a runtime value, as above):
 #   descs = (A, B, S), from which each makes its descriptors (_wgrad_descriptors): A as [S, I] in
 #           [BK, 64] blocks, B as [S, J] in [BK, BN] blocks;
 #   bufs  = (A ring [2·NBUF, BK, 64] (stage·2 + half), B ring [NBUF, BK, BN]);
-#   bars  = (ready, empty) a stage;  ptrs = (out [E·SPLIT·I, J], expert_slots [2E], sums [E·SPLIT, J]);
+#   bars  = (ready, empty) a stage;  ptrs = (out [E·SPLIT·I, J], expert_slots [2E], sums [E·SPLIT, J],
+#           flags [programs · 2 · 128], for STREAM);
 #   sizes = (I, J, E, JOBS, accumulate, SPLIT, TILE, has_sums).
+#
+# STREAM (accumulate only: the runs of tiles): one run holds a few experts' slots, so the (e, I block,
+# J block) jobs with work were 1.3-1.6 waves of 132 programs, and the SMs were active 58-71% of
+# each call's cycles (ncu, large, session 21: ∂W2 186, 192, 103 us, ∂W1 with Σb 246, 253, 133 us
+# for the three runs, against 435 us for ∂W1 in one launch over every slot). Instead each program
+# takes an equal share of the run's K steps ("stream-K"): expert-major, then its tiles (I block
+# fastest, so that Σb's tiles (I block 0) spread over the programs), then the K steps; so a
+# tile's steps can fall to several programs, each adding its part of the sum. Determinism: the
+# parts are added in the order of their K steps. A program walks its share from the end back, so
+# its piece of a tile that goes on into the next program's share is its first, and the next
+# program's piece of that tile its last: before adding that last piece a thread waits for the
+# same thread of the program before to have added its piece and raised its flag (the same thread
+# holds the same elements of ∂W and Σb in every program; a wait that is not already over is
+# rare); the waiter lowers the flag again, so the flags are all down between launches (CUDA
+# graphs too). Waits point only to lower programs, which are scheduled first.
 
 
 @gluon.jit
@@ -760,28 +829,47 @@ def _wgrad_descriptors(dptrs, bufs, sizes):
 
 
 @gluon.jit
-def _wgrad_produce(descs, bufs, bars, ptrs, sizes):
-    descs = _wgrad_descriptors(descs, bufs, sizes)
+def _wgrad_load(descs, bufs, bars, i0, j0, s0, s1, pos):
+    """The producer's TMA loads of slots [s0, s1) of A's rows i0.. and B's columns j0..; the ring
+    position after."""
     a_desc, b_desc = descs
     a_bufs, b_bufs = bufs
     ready, empty = bars
-    out_ptr, expert_slots_ptr, sums_ptr = ptrs
-    I, J, E, JOBS, accumulate, SPLIT, TILE, has_sums = sizes
     BK: gl.constexpr = a_desc.block_type.shape[0]
     HALF: gl.constexpr = a_desc.block_type.shape[1]
-    BN: gl.constexpr = b_desc.block_type.shape[1]
     nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    for k in range(s0, s1, BK):
+        stage = _ring_claim(ready, empty, pos, nbytes)
+        bar = ready.index(stage)
+        tma.async_copy_global_to_shared(a_desc, [k, i0], bar, a_bufs.index(2 * stage))
+        tma.async_copy_global_to_shared(a_desc, [k, i0 + HALF], bar, a_bufs.index(2 * stage + 1))
+        tma.async_copy_global_to_shared(b_desc, [k, j0], bar, b_bufs.index(stage))
+        pos += 1
+    return pos
+
+
+@gluon.jit
+def _wgrad_produce(descs, bufs, bars, ptrs, sizes, STREAM: gl.constexpr):
+    descs = _wgrad_descriptors(descs, bufs, sizes)
+    a_desc, b_desc = descs
+    out_ptr, expert_slots_ptr, sums_ptr, flags_ptr = ptrs
+    I, J, E, JOBS, accumulate, SPLIT, TILE, has_sums = sizes
+    BK: gl.constexpr = a_desc.block_type.shape[0]
+    BM: gl.constexpr = 2 * a_desc.block_type.shape[1]
+    BN: gl.constexpr = b_desc.block_type.shape[1]
     pos = 0
-    for job in range(gl.program_id(0), JOBS, gl.num_programs(0)):
-        ec, i0, j0 = _wjob(job, I, J, SPLIT, 2 * HALF, BN)
-        lo, hi = _wslots(expert_slots_ptr, E, ec, SPLIT, TILE)
-        for s0 in range(lo, hi, BK):
-            stage = _ring_claim(ready, empty, pos, nbytes)
-            bar = ready.index(stage)
-            tma.async_copy_global_to_shared(a_desc, [s0, i0], bar, a_bufs.index(2 * stage))
-            tma.async_copy_global_to_shared(a_desc, [s0, i0 + HALF], bar, a_bufs.index(2 * stage + 1))
-            tma.async_copy_global_to_shared(b_desc, [s0, j0], bar, b_bufs.index(stage))
-            pos += 1
+    if STREAM:
+        ni = I // BM
+        experts = _stream_experts(expert_slots_ptr, E, ni * (J // BN), BK)
+        start, it, before = _stream_share(experts)
+        while it > start:
+            e, i, j, s0, s1, waits, raises, it = _stream_piece(experts, it, start, ni, BK)
+            pos = _wgrad_load(descs, bufs, bars, i * BM, j * BN, s0, s1, pos)
+    else:
+        for job in range(gl.program_id(0), JOBS, gl.num_programs(0)):
+            ec, i0, j0 = _wjob(job, I, J, SPLIT, BM, BN)
+            lo, hi = _wslots(expert_slots_ptr, E, ec, SPLIT, TILE)
+            pos = _wgrad_load(descs, bufs, bars, i0, j0, lo, hi, pos)
 
 
 @gluon.jit
@@ -817,65 +905,135 @@ def _column_sums(b_buf, layout: gl.constexpr):
 
 
 @gluon.jit
-def _wgrad_consume(descs, bufs, bars, ptrs, sizes, which):
+def _flag_wait(ptrs):
+    """STREAM: each thread waits for its flag, read with acquire (so that what the thread that
+    raised it wrote before is seen), and lowers it again."""
+    gl.inline_asm_elementwise("{ .reg .pred wait_p; .reg .b32 wait_v; WAIT_LOOP: ld.acquire.gpu.global.b32 wait_v, [$1]; "
+                              "setp.eq.b32 wait_p, wait_v, 0; @wait_p bra WAIT_LOOP; "
+                              "st.relaxed.gpu.global.b32 [$1], 0; mov.b32 $0, wait_v; }",
+                              "=r,l", [ptrs.to(gl.int64, bitcast=True)], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _flag_raise(ptrs):
+    """STREAM: each thread raises its flag, with release: after everything it wrote before."""
+    gl.inline_asm_elementwise("st.release.gpu.global.b32 [$1], 1; mov.b32 $0, 0;", "=r,l",
+                              [ptrs.to(gl.int64, bitcast=True)], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _wgrad_steps(bufs, bars, s0, s1, pos, summing, which, acc_layout: gl.constexpr, sums_layout: gl.constexpr):
+    """A consumer's K steps over slots [s0, s1) from the ring: (its [64, BN] of Σ Aᵀ B in fp32, and
+    B's column sums when `summing`, from each stage while its wgmma runs; the ring position after)."""
+    a_bufs, b_bufs = bufs
+    ready, empty = bars
+    BK: gl.constexpr = b_bufs.type.shape[1]
+    BN: gl.constexpr = b_bufs.type.shape[2]
+    NBUF: gl.constexpr = b_bufs.type.shape[0]
+    HALF: gl.constexpr = a_bufs.type.shape[2]
+    sums = gl.zeros([BN], gl.float32, gl.SliceLayout(0, sums_layout))
+    acc = gl.zeros([HALF, BN], gl.float32, acc_layout)
+    for k in range(s0, s1, BK):
+        stage = pos % NBUF
+        acc = _ring_dot(a_bufs.index(2 * stage + which).permute((1, 0)), b_bufs.index(stage), acc, ready, empty, pos,
+                        k > s0)
+        if summing:
+            sums += _column_sums(b_bufs.index(stage), sums_layout)
+        pos += 1
+    acc = _ring_drain(acc, empty, pos, s1 > s0)
+    return acc, sums, pos
+
+
+@gluon.jit
+def _wgrad_consume(descs, bufs, bars, ptrs, sizes, which, STREAM: gl.constexpr):
     """Rows [which·64, which·64 + 64) of every job's 128: the K loop over the ring, then the store."""
     descs = _wgrad_descriptors(descs, bufs, sizes)
     a_desc, b_desc = descs
-    a_bufs, b_bufs = bufs
-    ready, empty = bars
-    out_ptr, expert_slots_ptr, sums_ptr = ptrs
+    out_ptr, expert_slots_ptr, sums_ptr, flags_ptr = ptrs
     I, J, E, JOBS, accumulate, SPLIT, TILE, has_sums = sizes
     BK: gl.constexpr = a_desc.block_type.shape[0]
     HALF: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = b_desc.block_type.shape[1]
-    NBUF: gl.constexpr = b_bufs.type.shape[0]
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BN, 16])
     rows_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
     cols_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
     # two adjacent columns a thread, the 4 warps side by side: [·, BN] exactly, no load twice
     sums_layout: gl.constexpr = gl.BlockedLayout([SUM_ROWS, 2], [256 // BN, BN // 8], [1, 4], [1, 0])
+    # B's column sums (∂b1 = Σ ∂u beside ∂W1 = Σ xsᵀ ∂u) by the first consumer of a column block's
+    # first row block
     pos = 0
-    for job in range(gl.program_id(0), JOBS, gl.num_programs(0)):
-        ec, i0, j0 = _wjob(job, I, J, SPLIT, 2 * HALF, BN)
-        lo, hi = _wslots(expert_slots_ptr, E, ec, SPLIT, TILE)
-        # B's column sums (∂b1 = Σ ∂u beside ∂W1 = Σ xsᵀ ∂u), by the first consumer of a column
-        # block's first row block, from each stage while its wgmma runs
-        summing = (has_sums != 0) & (i0 == 0) & (which == 0)
-        sums = gl.zeros([BN], gl.float32, gl.SliceLayout(0, sums_layout))
-        acc = gl.zeros([HALF, BN], gl.float32, acc_layout)
-        for s0 in range(lo, hi, BK):
-            stage = pos % NBUF
-            acc = _ring_dot(a_bufs.index(2 * stage + which).permute((1, 0)), b_bufs.index(stage), acc, ready, empty,
-                            pos, s0 > lo)
+    if STREAM:
+        # one thread a flag, a column of Σb a thread (not the replicated sums_layout: the thread
+        # that adds an element must be the one whose flag says so)
+        own_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        sums_own: gl.constexpr = gl.BlockedLayout([BN // 128], [32], [4], [0])
+        ni = I // (2 * HALF)
+        experts = _stream_experts(expert_slots_ptr, E, ni * (J // BN), BK)
+        start, it, before = _stream_share(experts)
+        thread = gl.arange(0, 128, layout=own_layout)
+        mine = flags_ptr + (gl.program_id(0) * 2 + which) * 128 + thread
+        theirs = flags_ptr + (before * 2 + which) * 128 + thread
+        while it > start:
+            e, i, j, s0, s1, waits, raises, it = _stream_piece(experts, it, start, ni, BK)
+            summing = (has_sums != 0) & (i == 0) & (which == 0)
+            acc, sums, pos = _wgrad_steps(bufs, bars, s0, s1, pos, summing, which, acc_layout, sums_layout)
+            rows = e * I + i * 2 * HALF + which * HALF + gl.arange(0, HALF, layout=rows_layout)
+            cols = j * BN + gl.arange(0, BN, layout=cols_layout)
+            if waits:
+                _flag_wait(theirs)
+            _add_into(out_ptr + rows.to(gl.int64)[:, None] * J + cols[None, :], acc)
             if summing:
-                sums += _column_sums(b_bufs.index(stage), sums_layout)
-            pos += 1
-        acc = _ring_drain(acc, empty, pos, hi > lo)
-        rows = ec * I + i0 + which * HALF + gl.arange(0, HALF, layout=rows_layout)
-        cols = j0 + gl.arange(0, BN, layout=cols_layout)
-        ptrs_out = out_ptr + rows.to(gl.int64)[:, None] * J + cols[None, :]
-        if accumulate == 0:
-            gl.store(ptrs_out, acc.to(out_ptr.dtype.element_ty))
-        elif hi > lo:  # an expert with no slots in this run is left untouched
-            _add_into(ptrs_out, acc)
-        if summing:
-            ptrs_sums = sums_ptr + ec * J + j0 + gl.arange(0, BN, layout=gl.SliceLayout(0, sums_layout))
+                ptrs_sums = sums_ptr + e * J + j * BN + gl.arange(0, BN, layout=sums_own)
+                gl.store(ptrs_sums, gl.load(ptrs_sums) + gl.convert_layout(sums, sums_own))
+            if raises:
+                _flag_raise(mine)
+    else:
+        for job in range(gl.program_id(0), JOBS, gl.num_programs(0)):
+            ec, i0, j0 = _wjob(job, I, J, SPLIT, 2 * HALF, BN)
+            lo, hi = _wslots(expert_slots_ptr, E, ec, SPLIT, TILE)
+            summing = (has_sums != 0) & (i0 == 0) & (which == 0)
+            acc, sums, pos = _wgrad_steps(bufs, bars, lo, hi, pos, summing, which, acc_layout, sums_layout)
+            rows = ec * I + i0 + which * HALF + gl.arange(0, HALF, layout=rows_layout)
+            cols = j0 + gl.arange(0, BN, layout=cols_layout)
+            ptrs_out = out_ptr + rows.to(gl.int64)[:, None] * J + cols[None, :]
             if accumulate == 0:
-                gl.store(ptrs_sums, sums.to(sums_ptr.dtype.element_ty))
-            elif hi > lo:  # not by red: at BN 128 two lanes hold each column (one [BN] a job: no stall worth it)
-                gl.store(ptrs_sums, gl.load(ptrs_sums) + sums)
+                gl.store(ptrs_out, acc.to(out_ptr.dtype.element_ty))
+            elif hi > lo:  # an expert with no slots in this run is left untouched
+                _add_into(ptrs_out, acc)
+            if summing:
+                ptrs_sums = sums_ptr + ec * J + j0 + gl.arange(0, BN, layout=gl.SliceLayout(0, sums_layout))
+                if accumulate == 0:
+                    gl.store(ptrs_sums, sums.to(sums_ptr.dtype.element_ty))
+                elif hi > lo:  # not by red: at BN 128 two lanes hold each column (one [BN] a job: no stall worth it)
+                    gl.store(ptrs_sums, gl.load(ptrs_sums) + sums)
 
 
+# Worker partitions take no constexpr arguments: one function each way.
 @gluon.jit
 def _wgrad_consume_second(descs, bufs, bars, ptrs, sizes, which):
-    _wgrad_consume(descs, bufs, bars, ptrs, sizes, which)
+    _wgrad_consume(descs, bufs, bars, ptrs, sizes, which, False)
 
 
 @gluon.jit
-def _wgrad_kernel(a_ptr, b_ptr, out_ptr, expert_slots_ptr, sums_ptr, S, I, J, E, JOBS, accumulate, SPLIT, TILE,
-                  has_sums, BK: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                  PRODUCER_REGS: gl.constexpr):
+def _wgrad_consume_second_stream(descs, bufs, bars, ptrs, sizes, which):
+    _wgrad_consume(descs, bufs, bars, ptrs, sizes, which, True)
+
+
+@gluon.jit
+def _wgrad_produce_jobs(descs, bufs, bars, ptrs, sizes):
+    _wgrad_produce(descs, bufs, bars, ptrs, sizes, False)
+
+
+@gluon.jit
+def _wgrad_produce_stream(descs, bufs, bars, ptrs, sizes):
+    _wgrad_produce(descs, bufs, bars, ptrs, sizes, True)
+
+
+@gluon.jit
+def _wgrad_kernel(a_ptr, b_ptr, out_ptr, expert_slots_ptr, sums_ptr, flags_ptr, S, I, J, E, JOBS, accumulate, SPLIT,
+                  TILE, has_sums, BK: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, STREAM: gl.constexpr,
+                  CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     # TMA descriptors made on the device, by each partition: see _wgrad_descriptors.
     dtype: gl.constexpr = a_ptr.dtype.element_ty
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK, 64], dtype)
@@ -883,13 +1041,25 @@ def _wgrad_kernel(a_ptr, b_ptr, out_ptr, expert_slots_ptr, sums_ptr, S, I, J, E,
     a_bufs = gl.allocate_shared_memory(dtype, [2 * NBUF, BK, 64], a_layout)
     b_bufs = gl.allocate_shared_memory(dtype, [NBUF, BK, BN], b_layout)
     ready, empty = _ring_barriers(NBUF)
-    args = ((a_ptr, b_ptr, S), (a_bufs, b_bufs), (ready, empty), (out_ptr, expert_slots_ptr, sums_ptr),
+    args = ((a_ptr, b_ptr, S), (a_bufs, b_bufs), (ready, empty), (out_ptr, expert_slots_ptr, sums_ptr, flags_ptr),
             (I, J, E, JOBS, accumulate, SPLIT, TILE, has_sums))
     zero = gl.program_id(0) * 0
-    gl.warp_specialize([(_wgrad_consume, args + (zero, )), (_wgrad_consume_second, args + (zero + 1, )),
-                        (_wgrad_produce, args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    if STREAM:
+        gl.warp_specialize([(_wgrad_consume, args + (zero, STREAM)), (_wgrad_consume_second_stream, args + (zero + 1, )),
+                            (_wgrad_produce_stream, args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([(_wgrad_consume, args + (zero, STREAM)), (_wgrad_consume_second, args + (zero + 1, )),
+                            (_wgrad_produce_jobs, args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
+_stream_flags = {}  # device -> the STREAM flags, int32 [programs · 2 · 128], all down between launches
+
+
+def stream_flags(device):
+    """STREAM's flags for a device's programs (one a consumer thread), made once, zeros."""
+    if device not in _stream_flags:
+        _stream_flags[device] = torch.zeros(num_sms(device) * 2 * 128, device=device, dtype=torch.int32)
+    return _stream_flags[device]
 
 
 def weight_grads(a, b, groups, out, accumulate, split=1, block_k=WGRAD_BK, block_n=None, nbuf=WGRAD_NBUF,
@@ -909,12 +1079,15 @@ def weight_grads(a, b, groups, out, accumulate, split=1, block_k=WGRAD_BK, block
                          f"{tuple(sums.shape)} {sums.dtype}")
     block_n = block_n or (256 if J % 256 == 0 else 128)
     jobs = E * split * (I // 128) * (J // block_n)
+    stream = bool(accumulate) and E <= STREAM_EXPERTS  # split is 1 here (checked above)
+    programs = num_sms(a.device) if stream else min(num_sms(a.device), jobs)
     with device_scratch():
-        _wgrad_kernel[(min(num_sms(a.device), jobs),)](
-            a, b, out, groups.expert_slots, out if sums is None else sums, a.shape[0], I, J, E, jobs,
+        _wgrad_kernel[(programs,)](
+            a, b, out, groups.expert_slots, out if sums is None else sums,
+            stream_flags(a.device) if stream else groups.expert_slots, a.shape[0], I, J, E, jobs,
             int(accumulate), split, groups.tile, int(sums is not None),
-            BK=block_k, BN=block_n, NBUF=nbuf, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
-            num_warps=4)
+            BK=block_k, BN=block_n, NBUF=nbuf, STREAM=stream,
+            CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
     return out
 
 

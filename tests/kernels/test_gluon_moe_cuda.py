@@ -254,6 +254,35 @@ def test_weight_grads_add_run_by_run():
     assert float((sums.double() + 0.5 - want_sums).norm() / want_sums.norm()) < 1e-4
 
 
+@pytest.mark.parametrize("R, k, D, J, E, used", [
+    # I = J = 128: one tile an expert, 24 K steps each over 132 programs: each step its own program
+    pytest.param(3000, 1, 128, 128, 2, [0, 1], id="one-step-a-program"),
+    # BN 256, two row blocks (Σb on the first), empty experts: a tile's steps over ~11 programs
+    pytest.param(6000, 2, 256, 512, 5, [0, 2, 4], id="bn256-empty-experts"),
+])
+def test_weight_grads_stream_adds_in_step_order(R, k, D, J, E, used):
+    """Added into totals (STREAM: each program an equal share of the K steps, a tile's parts added
+    in the order of their steps): against float64, ∂W and Σb; the same bits on every call (parts
+    added out of order would round differently); and every flag raised has been lowered again."""
+    groups, xs, _, _, _, _, _ = slot_case(R, k, D, 128, E, used, torch.bfloat16, True, seed=R + J)
+    b = (torch.randn(groups.slots, J, device="cuda") * (groups.slot_pair < groups.pairs)[:, None]).to(torch.bfloat16)
+    assert moe.wgrad_kernel(xs, b, groups.tile, True, 1, True) == "gluon"
+    want, want_sums = float64_wgrad(xs, b, groups), float64_column_sums(b, groups)
+    start = torch.rand(want.shape, device="cuda"), torch.rand(want_sums.shape, device="cuda")
+    calls = []
+    for _ in range(3):
+        total, sums = (t.clone() for t in start)
+        gluon_moe.weight_grads(xs, b, groups, total, accumulate=True, sums=sums)
+        calls.append((total, sums))
+    assert float((total.double() - start[0] - want).norm() / want.norm()) < 1e-4
+    assert float((sums.double() - start[1] - want_sums).norm() / want_sums.norm()) < 1e-4
+    for e in set(range(E)) - set(used):  # experts without slots: untouched
+        assert torch.equal(total[e], start[0][e]) and torch.equal(sums[e], start[1][e])
+    for total_again, sums_again in calls[:-1]:
+        assert torch.equal(total_again, total) and torch.equal(sums_again, sums)
+    assert not gluon_moe.stream_flags(xs.device).any()
+
+
 def test_weight_grads_dispatch(monkeypatch):
     """weight_grads takes the Gluon GEMM for one B, added into totals (the runs of tiles) or in
     split sums (medium's), and the Triton one for two Bs (swiglu's ∂W1, ∂W3)."""
