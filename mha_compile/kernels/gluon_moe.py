@@ -743,28 +743,57 @@ def _add_i32(a, b):
 
 @gluon.jit
 def _stream_experts(expert_slots_ptr, E, tiles, BK: gl.constexpr):
-    """STREAM's run as [E_BLOCK] vectors: each expert's first slot, its K steps n_e = (hi − lo)/BK,
-    and the first and last + 1 of its tiles' K steps (its `tiles` tiles of n_e steps, expert-major)."""
+    """STREAM's run as [STREAM_EXPERTS] vectors: each expert's first slot, its K steps n_e =
+    (hi − lo)/BK, the first and last + 1 of its tiles' K steps (its `tiles` tiles of n_e steps,
+    expert-major), and the last + 1 of its tiles (none for an expert without slots)."""
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
     offs = gl.arange(0, STREAM_EXPERTS, layout=layout)
     ok = offs < E
     lo = gl.load(expert_slots_ptr + offs, mask=ok, other=0)
     n = (gl.load(expert_slots_ptr + E + offs, mask=ok, other=0) - lo) // BK
     ends = gl.associative_scan(n * tiles, 0, _add_i32)
-    return lo, n, ends - n * tiles, ends
+    tile_ends = gl.associative_scan((n > 0).to(gl.int32) * tiles, 0, _add_i32)
+    return lo, n, ends - n * tiles, ends, tile_ends
 
 
 @gluon.jit
-def _stream_share(experts):
-    """(first, last + 1) of this program's K steps of the run, and the program whose share holds
-    the step before its first (the one it waits for, if it waits)."""
-    total = gl.max(experts[3], 0).to(gl.int64)
-    pid = gl.program_id(0).to(gl.int64)
+def _stream_pick(experts, e):
+    """(first slot, K steps, first K step, last tile + 1) of expert e."""
+    lo, n, begins, ends, tile_ends = experts
+    pick = gl.arange(0, lo.shape[0], layout=lo.type.layout) == e
+    n_e = gl.sum(gl.where(pick, n, 0), 0)
+    return (gl.sum(gl.where(pick, lo, 0), 0), n_e, gl.sum(gl.where(pick, begins, 0), 0),
+            gl.sum(gl.where(pick, tile_ends, 0), 0))
+
+
+@gluon.jit
+def _stream_share(experts, tiles):
+    """This program's work in the run: the tiles done whole (whole waves of them, the same for every
+    program: it takes tiles pid, pid + P, ... below it), then its share [first, last + 1) of the
+    rest's K steps, and the program whose share holds the step before its first (the one it waits
+    for, if it waits)."""
+    lo, n, begins, ends, tile_ends = experts
     programs = gl.num_programs(0)
-    start = pid * total // programs
-    end = (pid + 1) * total // programs
-    before = (start * programs + total - 1) // gl.maximum(total, 1) - 1  # ⌈start·P/T⌉ − 1
-    return start.to(gl.int32), end.to(gl.int32), before.to(gl.int32)
+    count = gl.max(tile_ends, 0)
+    whole = count // programs * programs
+    e = gl.sum((tile_ends <= whole).to(gl.int32), 0)
+    lo_e, n_e, begin_e, end_tile_e = _stream_pick(experts, e)
+    total = gl.max(ends, 0)
+    rest = gl.where(whole < count, begin_e + (whole - (end_tile_e - tiles)) * n_e, total).to(gl.int64)
+    left = total.to(gl.int64) - rest
+    pid = gl.program_id(0).to(gl.int64)
+    start = pid * left // programs
+    before = (start * programs + left - 1) // gl.maximum(left, 1) - 1  # ⌈start·P/T⌉ − 1
+    return whole, (rest + start).to(gl.int32), (rest + (pid + 1) * left // programs).to(gl.int32), before.to(gl.int32)
+
+
+@gluon.jit
+def _stream_tile(experts, t, tiles, ni, BK: gl.constexpr):
+    """Tile t of the run, done whole: (e, I block, J block, first slot, slot past the last)."""
+    e = gl.sum((experts[4] <= t).to(gl.int32), 0)
+    lo_e, n_e, begin_e, end_tile_e = _stream_pick(experts, e)
+    q = t - (end_tile_e - tiles)
+    return e, q % ni, q // ni, lo_e, lo_e + n_e * BK
 
 
 @gluon.jit
@@ -772,13 +801,8 @@ def _stream_piece(experts, it, start, ni, BK: gl.constexpr):
     """The piece of a program's share [start, it) in the tile of K step it − 1: (e, I block, J block,
     first slot, slot past the last, whether it waits for the program before (not the tile's
     first step), whether it raises its flag (not the tile's last), where the walk goes on)."""
-    lo, n, begins, ends = experts
-    offs = gl.arange(0, lo.shape[0], layout=lo.type.layout)
-    e = gl.sum((ends < it).to(gl.int32), 0)
-    pick = offs == e
-    n_e = gl.sum(gl.where(pick, n, 0), 0)
-    base = gl.sum(gl.where(pick, begins, 0), 0)
-    lo_e = gl.sum(gl.where(pick, lo, 0), 0)
+    e = gl.sum((experts[3] < it).to(gl.int32), 0)
+    lo_e, n_e, base, end_tile_e = _stream_pick(experts, e)
     q = (it - 1 - base) // n_e
     first = base + q * n_e
     k0 = gl.maximum(start - first, 0)
@@ -797,17 +821,21 @@ def _stream_piece(experts, it, start, ni, BK: gl.constexpr):
 # STREAM (accumulate only: the runs of tiles): one run holds a few experts' slots, so the (e, I block,
 # J block) jobs with work were 1.3-1.6 waves of 132 programs, and the SMs were active 58-71% of
 # each call's cycles (ncu, large, session 21: ∂W2 186, 192, 103 us, ∂W1 with Σb 246, 253, 133 us
-# for the three runs, against 435 us for ∂W1 in one launch over every slot). Instead each program
-# takes an equal share of the run's K steps ("stream-K"): expert-major, then its tiles (I block
-# fastest, so that Σb's tiles (I block 0) spread over the programs), then the K steps; so a
-# tile's steps can fall to several programs, each adding its part of the sum. Determinism: the
-# parts are added in the order of their K steps. A program walks its share from the end back, so
-# its piece of a tile that goes on into the next program's share is its first, and the next
-# program's piece of that tile its last: before adding that last piece a thread waits for the
-# same thread of the program before to have added its piece and raised its flag (the same thread
-# holds the same elements of ∂W and Σb in every program; a wait that is not already over is
-# rare); the waiter lowers the flag again, so the flags are all down between launches (CUDA
-# graphs too). Waits point only to lower programs, which are scheduled first.
+# for the three runs). Every tile in stream-K (each program an equal share of all the run's K
+# steps) kept the SMs 87-92% active but took as long: with every tile of the run in flight at its
+# own K step, the experts' slot rows stopped being shared in L2 and DRAM went from 36-41% to 64-77%
+# of its peak. So, as CUTLASS's data-parallel + stream-K: the whole waves of tiles are done whole
+# (tile pid, pid + P, ...: the tiles running together are one expert's, at the same K steps), and
+# only the last, partial wave is spread over every program by K steps: expert-major, then its
+# tiles (I block fastest), then the K steps, each program an equal share; so a tile's steps can
+# fall to several programs, each adding its part. Determinism: the parts are added in the order
+# of their K steps. A program walks its share from the end back, so its piece of a tile that goes
+# on into the next program's share is its first, and the next program's piece of that tile its
+# last: before adding that last piece a thread waits for the same thread of the program before
+# to have added its piece and raised its flag (the same thread holds the same elements of ∂W and
+# Σb in every program; a wait that is not already over is rare); the waiter lowers the flag
+# again, so the flags are all down between launches (CUDA graphs too). Waits point only to lower
+# programs, which are scheduled first.
 
 
 @gluon.jit
@@ -860,8 +888,12 @@ def _wgrad_produce(descs, bufs, bars, ptrs, sizes, STREAM: gl.constexpr):
     pos = 0
     if STREAM:
         ni = I // BM
-        experts = _stream_experts(expert_slots_ptr, E, ni * (J // BN), BK)
-        start, it, before = _stream_share(experts)
+        tiles = ni * (J // BN)
+        experts = _stream_experts(expert_slots_ptr, E, tiles, BK)
+        whole, start, it, before = _stream_share(experts, tiles)
+        for t in range(gl.program_id(0), whole, gl.num_programs(0)):
+            e, i, j, s0, s1 = _stream_tile(experts, t, tiles, ni, BK)
+            pos = _wgrad_load(descs, bufs, bars, i * BM, j * BN, s0, s1, pos)
         while it > start:
             e, i, j, s0, s1, waits, raises, it = _stream_piece(experts, it, start, ni, BK)
             pos = _wgrad_load(descs, bufs, bars, i * BM, j * BN, s0, s1, pos)
@@ -945,6 +977,21 @@ def _wgrad_steps(bufs, bars, s0, s1, pos, summing, which, acc_layout: gl.constex
 
 
 @gluon.jit
+def _wgrad_add(acc, sums, out_ptr, sums_ptr, e, i, j, I, J, which, summing, acc_layout: gl.constexpr,
+               sums_layout: gl.constexpr):
+    """STREAM: a consumer's [64, BN] of tile (e, i, j) added into ∂W's fp32 totals (red), and Σb's
+    columns by one thread each (sums_layout) when `summing`."""
+    HALF: gl.constexpr = acc.shape[0]
+    BN: gl.constexpr = acc.shape[1]
+    rows = e * I + i * 2 * HALF + which * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
+    cols = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
+    _add_into(out_ptr + rows.to(gl.int64)[:, None] * J + cols[None, :], acc)
+    if summing:
+        ptrs = sums_ptr + e * J + j * BN + gl.arange(0, BN, layout=sums_layout)
+        gl.store(ptrs, gl.load(ptrs) + gl.convert_layout(sums, sums_layout))
+
+
+@gluon.jit
 def _wgrad_consume(descs, bufs, bars, ptrs, sizes, which, STREAM: gl.constexpr):
     """Rows [which·64, which·64 + 64) of every job's 128: the K loop over the ring, then the store."""
     descs = _wgrad_descriptors(descs, bufs, sizes)
@@ -969,23 +1016,24 @@ def _wgrad_consume(descs, bufs, bars, ptrs, sizes, which, STREAM: gl.constexpr):
         own_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         sums_own: gl.constexpr = gl.BlockedLayout([BN // 128], [32], [4], [0])
         ni = I // (2 * HALF)
-        experts = _stream_experts(expert_slots_ptr, E, ni * (J // BN), BK)
-        start, it, before = _stream_share(experts)
+        tiles = ni * (J // BN)
+        experts = _stream_experts(expert_slots_ptr, E, tiles, BK)
+        whole, start, it, before = _stream_share(experts, tiles)
         thread = gl.arange(0, 128, layout=own_layout)
         mine = flags_ptr + (gl.program_id(0) * 2 + which) * 128 + thread
         theirs = flags_ptr + (before * 2 + which) * 128 + thread
+        for t in range(gl.program_id(0), whole, gl.num_programs(0)):
+            e, i, j, s0, s1 = _stream_tile(experts, t, tiles, ni, BK)
+            summing = (has_sums != 0) & (i == 0) & (which == 0)
+            acc, sums, pos = _wgrad_steps(bufs, bars, s0, s1, pos, summing, which, acc_layout, sums_layout)
+            _wgrad_add(acc, sums, out_ptr, sums_ptr, e, i, j, I, J, which, summing, acc_layout, sums_own)
         while it > start:
             e, i, j, s0, s1, waits, raises, it = _stream_piece(experts, it, start, ni, BK)
             summing = (has_sums != 0) & (i == 0) & (which == 0)
             acc, sums, pos = _wgrad_steps(bufs, bars, s0, s1, pos, summing, which, acc_layout, sums_layout)
-            rows = e * I + i * 2 * HALF + which * HALF + gl.arange(0, HALF, layout=rows_layout)
-            cols = j * BN + gl.arange(0, BN, layout=cols_layout)
             if waits:
                 _flag_wait(theirs)
-            _add_into(out_ptr + rows.to(gl.int64)[:, None] * J + cols[None, :], acc)
-            if summing:
-                ptrs_sums = sums_ptr + e * J + j * BN + gl.arange(0, BN, layout=sums_own)
-                gl.store(ptrs_sums, gl.load(ptrs_sums) + gl.convert_layout(sums, sums_own))
+            _wgrad_add(acc, sums, out_ptr, sums_ptr, e, i, j, I, J, which, summing, acc_layout, sums_own)
             if raises:
                 _flag_raise(mine)
     else:
