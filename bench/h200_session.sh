@@ -71,12 +71,16 @@
 #   bash bench/h200_session.sh host-timers  # inclusive host time per function of a training step
 #                                      # (bench/host_timers.py) at small, medium and large (~3 min):
 #                                      # run.log, host_timers_{small,medium,large}.txt
+#   bash bench/h200_session.sh wgrad-stream  # the weight gradients' STREAM schedule (gluon_moe.WGRAD_STREAM,
+#                                      # off by default) against the jobs: its GPU tests, then the large op's
+#                                      # CUDA time per kernel with it off and on, then ncu on its six ∂W calls
+#                                      # (~6 min): run.log, kernel_times_stream{0,1}.txt, ncu_wgrad_stream.txt
 #   bash bench/h200_session.sh short   # one call when device time is short (~9 min): the fused
 #                                      # kernel tests, the curves without the suite, and the
 #                                      # benchmark cut at 250 s (rows past it are listed as skipped)
 # Budgets are per step so a slow step cannot starve the others.
 set -u
-part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|ab|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|ncu-gemms|ncu-source|gluon|verify-gluon|gluon-gemms|verify-gemms|router|small-kernels|host-large|host-timers|short}
+part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|ab|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|ncu-gemms|ncu-source|gluon|verify-gluon|gluon-gemms|verify-gemms|router|small-kernels|host-large|host-timers|wgrad-stream|short}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 # Inductor's compiled graphs kept in the checkout (git ignores it): the device keeps ignored
 # files between calls on a machine it still holds, so `table` can reuse `autotune-cache`'s.
@@ -117,6 +121,19 @@ verify)
         { timeout -s INT 90 python bench/gemm_probe.py --presets "${PROBE_PRESETS:-large}" --kernels "$PROBE" \
             --out "$OUT/gemm_probe.json" 2>&1; } >"$OUT/gemm_probe.txt"
     fi
+    ;;
+wgrad-stream)
+    { MHA_COMPILE_NO_AUTOTUNE=1 timeout 150 python -m pytest -q -m cuda tests/kernels/test_gluon_moe_cuda.py \
+        -k weight_grads -p no:cacheprovider -rf 2>&1 | tail -8; } >>"$LOG"
+    for stream in 0 1; do
+        { MHA_COMPILE_WGRAD_STREAM=$stream timeout -s INT 110 python bench/kernel_times.py --presets large \
+            --peers fused --graphs fused --profile 2>&1 | tail -200; } >"$OUT/kernel_times_stream$stream.txt"
+        grep -h "done large\|_wgrad_kernel " "$OUT/kernel_times_stream$stream.txt" >>"$LOG"
+    done
+    MHA_COMPILE_WGRAD_STREAM=1 timeout -s INT 100 ncu --clock-control none --profile-from-start off \
+        -k "regex:^_wgrad_kernel$" -c 6 --section SpeedOfLight --section WarpStateStats \
+        python bench/ncu_kernels.py --preset large >"$OUT/ncu_wgrad_stream.txt" 2>&1
+    grep "Duration\|DRAM Throughput\|SM Active" "$OUT/ncu_wgrad_stream.txt" >>"$LOG"
     ;;
 ab)
     old=${OLD:?OLD: the tree to compare against, a directory or a tar of it}

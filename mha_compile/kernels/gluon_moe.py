@@ -45,6 +45,11 @@ from mha_compile.kernels.triton_util import (ACT_CODE, GW_BLOCK, act_bwd, act_fw
 # MHA_COMPILE_GLUON=0 runs the Triton kernels everywhere instead of these (to compare the two, or to
 # step around a fault in one of these).
 ENABLED = os.environ.get("MHA_COMPILE_GLUON", "1") != "0"
+# MHA_COMPILE_WGRAD_STREAM=1: the weight gradients added into totals (the runs of tiles) take the
+# STREAM schedule (see _wgrad_kernel). Off by default until it has been timed on the H200 against
+# the jobs it replaces (bench/h200_session.sh wgrad-stream); written and compiled for sm_90a in
+# session 21, when no GPU was left to run it.
+WGRAD_STREAM = os.environ.get("MHA_COMPILE_WGRAD_STREAM", "0") == "1"
 ACTS = {name: ACT_CODE[name] for name in ("gelu", "gelu_tanh", "silu", "swiglu")}
 DTYPES = (torch.bfloat16, torch.float16)
 # The config by the slot layout's TILE (triton_moe.tile_rows: 128 at the medium and large presets,
@@ -1111,13 +1116,14 @@ def stream_flags(device):
 
 
 def weight_grads(a, b, groups, out, accumulate, split=1, block_k=WGRAD_BK, block_n=None, nbuf=WGRAD_NBUF,
-                 sums=None):
+                 sums=None, stream=None):
     """out [E,I,J] = Σ_{s∈e} A[s]ᵀ B[s] (accumulate: added into out, fp32 totals, experts without
     slots here untouched). split > 1 (not with accumulate): out is [E·split, I, J] fp32, row
     e·split + c the sum over split c of e's slots (as triton_moe._moe_wgrad_kernel cuts them),
     for triton_moe's _sum_splits_kernel to add. sums: [E·split, J] to take B's column sums
     Σ_{s∈e} B[s] the same way (∂b1 beside ∂W1), in out's dtype. Callers check `wgrad_unsupported`
-    first; block_n: 256 where J allows."""
+    first; block_n: 256 where J allows. stream: the STREAM schedule (accumulate only, at most
+    STREAM_EXPERTS experts); None: WGRAD_STREAM where it applies."""
     E, (I, J) = groups.experts, (a.shape[1], b.shape[1])
     if split > 1 and (accumulate or out.dtype != torch.float32 or out.shape[0] != E * split):
         raise ValueError(f"split={split}: takes fp32 partial sums out [E·split = {E * split}, I, J] and no "
@@ -1127,7 +1133,11 @@ def weight_grads(a, b, groups, out, accumulate, split=1, block_k=WGRAD_BK, block
                          f"{tuple(sums.shape)} {sums.dtype}")
     block_n = block_n or (256 if J % 256 == 0 else 128)
     jobs = E * split * (I // 128) * (J // block_n)
-    stream = bool(accumulate) and E <= STREAM_EXPERTS  # split is 1 here (checked above)
+    if stream and (not accumulate or E > STREAM_EXPERTS.value):
+        raise ValueError(f"stream=True adds into totals of at most {STREAM_EXPERTS.value} experts; got "
+                         f"accumulate={accumulate}, E={E}")
+    if stream is None:
+        stream = WGRAD_STREAM and bool(accumulate) and E <= STREAM_EXPERTS.value  # split is 1 here (checked above)
     programs = num_sms(a.device) if stream else min(num_sms(a.device), jobs)
     with device_scratch():
         _wgrad_kernel[(programs,)](

@@ -142,6 +142,22 @@ def test_weight_gradient_sums_take_out_layout():
             gluon_moe.weight_grads(a, b, groups, out, False, split=3, sums=sums)
 
 
+def test_weight_gradient_stream_takes_totals_of_few_experts():
+    """stream=True (each program a share of the K steps, parts added in step order) only adds into
+    fp32 totals, of at most STREAM_EXPERTS experts (one vector of them in each partition): asked
+    for anything else it is refused before a launch, naming what it got. Off by default."""
+    from types import SimpleNamespace
+
+    a, b = torch.randn(256, 128).bfloat16(), torch.randn(256, 256).bfloat16()
+    many = gluon_moe.STREAM_EXPERTS.value + 1
+    for experts, accumulate in ((4, False), (many, True)):
+        out = torch.empty(experts, 128, 256)
+        with pytest.raises(ValueError, match=rf"at most {many - 1} experts; got accumulate={accumulate}, "
+                                             rf"E={experts}"):
+            gluon_moe.weight_grads(a, b, SimpleNamespace(experts=experts, tile=128), out, accumulate, stream=True)
+    assert not gluon_moe.WGRAD_STREAM  # MHA_COMPILE_WGRAD_STREAM unset: the jobs, timed on the H200
+
+
 def gemm2_operands(S=256, K=512, N=256, E=4, dtype=torch.bfloat16, bias=True):
     """GEMM2's (h [S, K], W2 [E, K, N], c [S, N], b2 [E, N] or None, routing weights [S] fp32)."""
     rand = lambda *shape: torch.randn(*shape).to(dtype)  # noqa: E731

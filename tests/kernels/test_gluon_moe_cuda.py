@@ -231,8 +231,10 @@ def split_bounds(groups, e, split):
     return [(min(lo + c * run, hi), min(lo + (c + 1) * run, hi)) for c in range(split)]
 
 
-def test_weight_grads_add_run_by_run():
-    """The runs of tiles: each run's sums added into fp32 totals, experts absent from it untouched."""
+@pytest.mark.parametrize("stream", [False, True], ids=["jobs", "stream"])
+def test_weight_grads_add_run_by_run(stream):
+    """The runs of tiles: each run's sums added into fp32 totals, experts absent from it untouched;
+    by (e, I block, J block) jobs, or by the STREAM schedule."""
     groups, xs, gs, w1, b1, w2, weight = slot_case(3000, 2, 128, 256, 4, [0, 1, 2, 3], torch.bfloat16, True, 11)
     want = float64_wgrad(xs, gs, groups)
     want_sums = float64_column_sums(gs, groups)
@@ -243,7 +245,8 @@ def test_weight_grads_add_run_by_run():
         rows = slice(t0 * groups.tile, t1 * groups.tile)
         part = groups.tiles(t0, t1)
         before, sums_before = total.clone(), sums.clone()
-        gluon_moe.weight_grads(xs[rows].contiguous(), gs[rows].contiguous(), part, total, accumulate=True, sums=sums)
+        gluon_moe.weight_grads(xs[rows].contiguous(), gs[rows].contiguous(), part, total, accumulate=True, sums=sums,
+                               stream=stream)
         bounds = part.expert_slots.tolist()
         for e in range(4):
             if bounds[e] == bounds[4 + e]:
@@ -259,6 +262,8 @@ def test_weight_grads_add_run_by_run():
     pytest.param(3000, 1, 128, 128, 2, [0, 1], id="one-step-a-program"),
     # BN 256, two row blocks (Σb on the first), empty experts: a tile's steps over ~11 programs
     pytest.param(6000, 2, 256, 512, 5, [0, 2, 4], id="bn256-empty-experts"),
+    # 5 experts × 32 tiles: one whole wave of 132 tiles, then the last 28 tiles by K steps
+    pytest.param(1200, 2, 512, 2048, 5, [0, 1, 2, 3, 4], id="whole-wave-then-steps"),
 ])
 def test_weight_grads_stream_adds_in_step_order(R, k, D, J, E, used):
     """Added into totals (STREAM: each program an equal share of the K steps, a tile's parts added
@@ -272,7 +277,7 @@ def test_weight_grads_stream_adds_in_step_order(R, k, D, J, E, used):
     calls = []
     for _ in range(3):
         total, sums = (t.clone() for t in start)
-        gluon_moe.weight_grads(xs, b, groups, total, accumulate=True, sums=sums)
+        gluon_moe.weight_grads(xs, b, groups, total, accumulate=True, sums=sums, stream=True)
         calls.append((total, sums))
     assert float((total.double() - start[0] - want).norm() / want.norm()) < 1e-4
     assert float((sums.double() - start[1] - want_sums).norm() / want_sums.norm()) < 1e-4
