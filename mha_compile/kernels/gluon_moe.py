@@ -823,24 +823,24 @@ def _stream_piece(experts, it, start, ni, BK: gl.constexpr):
 #           flags [programs · 2 · 128], for STREAM);
 #   sizes = (I, J, E, JOBS, accumulate, SPLIT, TILE, has_sums).
 #
-# STREAM (accumulate only: the runs of tiles): one run holds a few experts' slots, so the (e, I block,
-# J block) jobs with work were 1.3-1.6 waves of 132 programs, and the SMs were active 58-71% of
-# each call's cycles (ncu, large, session 21: ∂W2 186, 192, 103 us, ∂W1 with Σb 246, 253, 133 us
-# for the three runs). Every tile in stream-K (each program an equal share of all the run's K
-# steps) kept the SMs 87-92% active but took as long: with every tile of the run in flight at its
-# own K step, the experts' slot rows stopped being shared in L2 and DRAM went from 36-41% to 64-77%
-# of its peak. So, as CUTLASS's data-parallel + stream-K: the whole waves of tiles are done whole
-# (tile pid, pid + P, ...: the tiles running together are one expert's, at the same K steps), and
-# only the last, partial wave is spread over every program by K steps: expert-major, then its
-# tiles (I block fastest), then the K steps, each program an equal share; so a tile's steps can
-# fall to several programs, each adding its part. Determinism: the parts are added in the order
-# of their K steps. A program walks its share from the end back, so its piece of a tile that goes
-# on into the next program's share is its first, and the next program's piece of that tile its
-# last: before adding that last piece a thread waits for the same thread of the program before
-# to have added its piece and raised its flag (the same thread holds the same elements of ∂W and
-# Σb in every program; a wait that is not already over is rare); the waiter lowers the flag
-# again, so the flags are all down between launches (CUDA graphs too). Waits point only to lower
-# programs, which are scheduled first.
+# STREAM (accumulate only: the runs of tiles): one run holds a few experts' slots, so the (e, I
+# block, J block) jobs with work were ~1.5 waves of 132 programs (~0.9 in the last run), and the SMs
+# were active 56-71% of each call's cycles (ncu, large, session 21: ∂W2 186, 192, 103 us, ∂W1 with Σb
+# 246, 253, 133 us for the three runs). Every tile in stream-K (each program an equal share of all
+# the run's K steps) kept the SMs 83-93% active but took as long: with every tile of the run in
+# flight at its own K step, the experts' slot rows stopped being shared in L2 and DRAM went from
+# 30-41% to 64-77% of its peak. So, as CUTLASS's data-parallel + stream-K: the whole waves of tiles
+# are done whole (tile pid, pid + P, ...: the tiles running together are a few experts', at the same K
+# steps), and only the last, partial wave is spread over every program by K steps: expert-major, then
+# its tiles (I block fastest), then the K steps, each program an equal share; so a tile's steps can
+# fall to several programs, each adding its part. Determinism: the parts are added in the order of
+# their K steps. A program walks its share from the end back, so its piece of a tile that goes on
+# into the next program's share is its first, and the next program's piece of that tile its last:
+# before adding that last piece a thread waits for the same thread of the program before to have
+# added its piece and raised its flag (the same thread holds the same elements of ∂W and Σb in every
+# program; a wait that is not already over is rare); the waiter lowers the flag again, so the flags
+# are all down between launches (CUDA graphs too). Waits point only to lower programs, which are
+# scheduled first.
 
 
 @gluon.jit
