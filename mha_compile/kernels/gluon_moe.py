@@ -830,17 +830,17 @@ def _stream_piece(experts, it, start, ni, BK: gl.constexpr):
 # the run's K steps) kept the SMs 83-93% active but took as long: with every tile of the run in
 # flight at its own K step, the experts' slot rows stopped being shared in L2 and DRAM went from
 # 30-41% to 64-77% of its peak. So, as CUTLASS's data-parallel + stream-K: the whole waves of tiles
-# are done whole (tile pid, pid + P, ...: the tiles running together are a few experts', at the same K
-# steps), and only the last, partial wave is spread over every program by K steps: expert-major, then
-# its tiles (I block fastest), then the K steps, each program an equal share; so a tile's steps can
-# fall to several programs, each adding its part. Determinism: the parts are added in the order of
-# their K steps. A program walks its share from the end back, so its piece of a tile that goes on
+# are done whole (tile pid, pid + P, ...: the tiles running together are a few experts', at the same
+# K steps), and only the last, partial wave is spread over every program by K steps: expert-major,
+# then its tiles (I block fastest), then the K steps, each program an equal share; so a tile's steps
+# can fall to several programs, each adding its part. Determinism: the parts are added in the order
+# of their K steps. A program walks its share from the end back, so its piece of a tile that goes on
 # into the next program's share is its first, and the next program's piece of that tile its last:
 # before adding that last piece a thread waits for the same thread of the program before to have
 # added its piece and raised its flag (the same thread holds the same elements of ∂W and Σb in every
-# program; a wait that is not already over is rare); the waiter lowers the flag again, so the flags
-# are all down between launches (CUDA graphs too). Waits point only to lower programs, which are
-# scheduled first.
+# program; a wait that is not already over is rare). Each launch takes fresh flags (zeros: one small
+# memset), so launches on other streams or graph replays cannot take each other's raises. Waits point
+# only to lower programs, which are scheduled first.
 
 
 @gluon.jit
@@ -944,10 +944,10 @@ def _column_sums(b_buf, layout: gl.constexpr):
 @gluon.jit
 def _flag_wait(ptrs):
     """STREAM: each thread waits for its flag, read with acquire (so that what the thread that
-    raised it wrote before is seen), and lowers it again."""
-    gl.inline_asm_elementwise("{ .reg .pred wait_p; .reg .b32 wait_v; WAIT_LOOP: ld.acquire.gpu.global.b32 wait_v, [$1]; "
-                              "setp.eq.b32 wait_p, wait_v, 0; @wait_p bra WAIT_LOOP; "
-                              "st.relaxed.gpu.global.b32 [$1], 0; mov.b32 $0, wait_v; }",
+    raised it wrote before is seen)."""
+    gl.inline_asm_elementwise("{ .reg .pred wait_p; .reg .b32 wait_v; "
+                              "WAIT_LOOP: ld.acquire.gpu.global.b32 wait_v, [$1]; setp.eq.b32 wait_p, wait_v, 0; "
+                              "@wait_p bra WAIT_LOOP; mov.b32 $0, wait_v; }",
                               "=r,l", [ptrs.to(gl.int64, bitcast=True)], dtype=gl.int32, is_pure=False, pack=1)
 
 
@@ -1105,14 +1105,12 @@ def _wgrad_kernel(a_ptr, b_ptr, out_ptr, expert_slots_ptr, sums_ptr, flags_ptr, 
                             (_wgrad_produce_jobs, args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-_stream_flags = {}  # device -> the STREAM flags, int32 [programs · 2 · 128], all down between launches
-
-
 def stream_flags(device):
-    """STREAM's flags for a device's programs (one a consumer thread), made once, zeros."""
-    if device not in _stream_flags:
-        _stream_flags[device] = torch.zeros(num_sms(device) * 2 * 128, device=device, dtype=torch.int32)
-    return _stream_flags[device]
+    """A STREAM launch's flags, one a consumer thread of each program, all down: fresh for each
+    launch (a buffer kept across launches, each waiter lowering its flag, could deadlock: a launch
+    on another stream, or a replay of a graph that captured it, could take a raise meant for this
+    one, and this one's waiter then wait for a raise that has gone)."""
+    return torch.zeros(num_sms(device) * 2 * 128, device=device, dtype=torch.int32)
 
 
 def weight_grads(a, b, groups, out, accumulate, split=1, block_k=WGRAD_BK, block_n=None, nbuf=WGRAD_NBUF,

@@ -10,9 +10,10 @@ import pytest
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
 
-def offline_sass(tmp_path, *args):
-    """The rows bench/offline_sass.py writes for these arguments, run outside the interpreter."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+def offline_sass(tmp_path, *args, env=None):
+    """The rows bench/offline_sass.py writes for these arguments, run outside the interpreter (with
+    `env` added to the environment)."""
+    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, **(env or {})}
     env["PYTHONPATH"] = os.path.abspath(ROOT)
     out = tmp_path / "rows.json"
     run = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "offline_sass.py"), *args, "--out", str(out)],
@@ -71,3 +72,16 @@ def test_gluon_kernels_build_with_inline_ptx(tmp_path):
     for r in rows:
         assert r["setmaxnreg"] > 0 and r["wgmma"] > 0 and r["fits"], r
     assert offline_sass(tmp_path, "--presets", "medium", "--kernels", kernels) == []
+
+
+@pytest.mark.parametrize("stream", ["0", "1"])
+def test_weight_gradients_of_the_runs_build_either_way(tmp_path, stream):
+    """The large backward's runs of tiles add their weight gradients into totals: by jobs, or with
+    MHA_COMPILE_WGRAD_STREAM=1 by the STREAM schedule (its flags' inline PTX, the K-step loops);
+    each builds for sm_90a with no spills and no serialised wgmma (ptxas's C7515)."""
+    rows = offline_sass(tmp_path, "--presets", "large", "--gluon", "--kernels", "_wgrad_kernel",
+                        env={"MHA_COMPILE_WGRAD_STREAM": stream})
+    assert len(rows) == 2 and not [r for r in rows if "error" in r]  # ∂W2's and ∂W1's shapes
+    for r in rows:
+        assert r["constexprs"]["STREAM"] == (stream == "1"), r
+        assert r["spill_bytes"] == 0 and not r["wgmma_serialized"] and r["wgmma"] > 0 and r["fits"], r

@@ -268,7 +268,7 @@ def test_weight_grads_add_run_by_run(stream):
 def test_weight_grads_stream_adds_in_step_order(R, k, D, J, E, used):
     """Added into totals (STREAM: each program an equal share of the K steps, a tile's parts added
     in the order of their steps): against float64, ∂W and Σb; the same bits on every call (parts
-    added out of order would round differently); and every flag raised has been lowered again."""
+    added out of order would round differently)."""
     groups, xs, _, _, _, _, _ = slot_case(R, k, D, 128, E, used, torch.bfloat16, True, seed=R + J)
     b = (torch.randn(groups.slots, J, device="cuda") * (groups.slot_pair < groups.pairs)[:, None]).to(torch.bfloat16)
     assert moe.wgrad_kernel(xs, b, groups.tile, True, 1, True) == "gluon"
@@ -285,7 +285,6 @@ def test_weight_grads_stream_adds_in_step_order(R, k, D, J, E, used):
         assert torch.equal(total[e], start[0][e]) and torch.equal(sums[e], start[1][e])
     for total_again, sums_again in calls[:-1]:
         assert torch.equal(total_again, total) and torch.equal(sums_again, sums)
-    assert not gluon_moe.stream_flags(xs.device).any()
 
 
 def test_weight_grads_dispatch(monkeypatch):
