@@ -1087,8 +1087,9 @@ def wgrad_kernel(a, b, tile, accumulate, split=1, sums=False):
 
 def gemm2_key(a, out, bias, scale, tile):
     """What the Gluon GEMM2 is compiled for: the dtype, TILE (which splits a job's rows, or its
-    columns), its column block (slots_block_n), and whether it adds a bias and scales."""
-    return a.dtype, tile, out.shape[1] % 256 == 0, bias is not None, scale is not None
+    columns), its column block (slots_block_n), whether it adds a bias, and the scale's dtype (None:
+    no scale; the kernel loads the scale in its own dtype)."""
+    return a.dtype, tile, out.shape[1] % 256 == 0, bias is not None, None if scale is None else scale.dtype
 
 
 def gemm2_kernel(a, b, out, bias, scale, tile):

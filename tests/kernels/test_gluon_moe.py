@@ -377,3 +377,11 @@ def test_a_cooperative_build_that_fails_after_the_ping_pong_ran_falls_back(monke
     monkeypatch.setattr(gluon_moe, "unsupported", lambda *args, **kwargs: "off")  # the Triton kernel alone
     for g, w in zip(got, backward(512)):
         assert (g is None and w is None) or torch.equal(g, w)
+
+
+def test_gemm2_key_holds_the_scale_dtype():
+    """GEMM2 loads the routing weights in their own dtype, so a bf16 scale is another build than an
+    fp32 one: a failed build of one must not send the other to Triton (nor go unguarded after it)."""
+    h, w2, out, b2, scale = gemm2_operands()
+    keys = {moe.gemm2_key(h, out, b2, s, 128) for s in (scale, scale.bfloat16(), None)}
+    assert len(keys) == 3
