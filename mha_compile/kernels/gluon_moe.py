@@ -738,7 +738,8 @@ def _wslots(expert_slots_ptr, E, ec, SPLIT, TILE):
     return lo, gl.minimum(lo + run, hi)
 
 
-STREAM_EXPERTS = gl.constexpr(32)  # STREAM's experts at most (a vector of them a partition: 128 spilled in the producer's 24 registers)
+# STREAM's experts at most: a vector of them in each partition (128 spilled in the producer's 24 registers)
+STREAM_EXPERTS = gl.constexpr(32)
 
 
 @gluon.jit
@@ -789,7 +790,8 @@ def _stream_share(experts, tiles):
     pid = gl.program_id(0).to(gl.int64)
     start = pid * left // programs
     before = (start * programs + left - 1) // gl.maximum(left, 1) - 1  # ⌈start·P/T⌉ − 1
-    return whole, (rest + start).to(gl.int32), (rest + (pid + 1) * left // programs).to(gl.int32), before.to(gl.int32)
+    end = rest + (pid + 1) * left // programs
+    return whole, (rest + start).to(gl.int32), end.to(gl.int32), before.to(gl.int32)
 
 
 @gluon.jit
@@ -1098,8 +1100,9 @@ def _wgrad_kernel(a_ptr, b_ptr, out_ptr, expert_slots_ptr, sums_ptr, flags_ptr, 
             (I, J, E, JOBS, accumulate, SPLIT, TILE, has_sums))
     zero = gl.program_id(0) * 0
     if STREAM:
-        gl.warp_specialize([(_wgrad_consume, args + (zero, STREAM)), (_wgrad_consume_second_stream, args + (zero + 1, )),
-                            (_wgrad_produce_stream, args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        gl.warp_specialize([(_wgrad_consume, args + (zero, STREAM)),
+                            (_wgrad_consume_second_stream, args + (zero + 1, )), (_wgrad_produce_stream, args)],
+                           [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([(_wgrad_consume, args + (zero, STREAM)), (_wgrad_consume_second, args + (zero + 1, )),
                             (_wgrad_produce_jobs, args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
