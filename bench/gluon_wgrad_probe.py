@@ -18,16 +18,17 @@ CONFIGS = [dict(block_k=64, block_n=256, nbuf=3), dict(block_k=64, block_n=256, 
            dict(block_k=64, block_n=128, nbuf=4), dict(block_k=32, block_n=256, nbuf=6)]
 
 
-def offline(block_k=64, block_n=256, nbuf=3, out_dtype=torch.bfloat16):
+def offline(block_k=64, block_n=256, nbuf=3, out_dtype=torch.bfloat16, stream=False):
     """compile_offline of gluon_moe's weight-gradient kernel under one config (fp32 out: the runs'
-    totals)."""
+    totals; stream: their STREAM schedule)."""
     S, E, I, J = 256, 2, 128, 2 * block_n
     a, b = torch.empty(S, I, dtype=torch.bfloat16), torch.empty(S, J, dtype=torch.bfloat16)
     out, slots = torch.empty(E, I, J, dtype=out_dtype), torch.empty(2 * E, dtype=torch.int32)
     kernel = gluon_moe._wgrad_kernel
-    args = dict(a_ptr=a, b_ptr=b, out_ptr=out, expert_slots_ptr=slots, sums_ptr=out, S=1000, I=I, J=J, E=E,
-                JOBS=1000, accumulate=3, SPLIT=3, TILE=128, has_sums=3)
-    return compile_offline(kernel, args, dict(BK=block_k, BN=block_n, NBUF=nbuf, CONSUMER_REGS=gluon_moe.CONSUMER_REGS,
+    args = dict(a_ptr=a, b_ptr=b, out_ptr=out, expert_slots_ptr=slots, sums_ptr=out, flags_ptr=slots, S=1000, I=I,
+                J=J, E=E, JOBS=1000, accumulate=3, SPLIT=3, TILE=128, has_sums=3)
+    return compile_offline(kernel, args, dict(BK=block_k, BN=block_n, NBUF=nbuf, STREAM=stream,
+                                              CONSUMER_REGS=gluon_moe.CONSUMER_REGS,
                                               PRODUCER_REGS=gluon_moe.PRODUCER_REGS))
 
 
@@ -57,6 +58,8 @@ def offline_rows():
     for cfg in CONFIGS:
         yield dict(config=cfg, **offline(**cfg))
     yield dict(config=dict(CONFIGS[0], out="fp32"), **offline(**CONFIGS[0], out_dtype=torch.float32))
+    yield dict(config=dict(CONFIGS[0], out="fp32", stream=True),
+               **offline(**CONFIGS[0], out_dtype=torch.float32, stream=True))
 
 
 def probe_preset(c):
@@ -75,16 +78,20 @@ def probe_preset(c):
         into = lambda fn: (total.zero_(), fn())[1]  # noqa: E731
         _time(f"{name} triton+=", lambda: into(lambda: triton_weight_grads(a, b, c.groups, (total, None, None))),
               flops, err)
-        _time(f"{name} gluon+=", lambda: into(lambda: gluon_moe.weight_grads(a, b, c.groups, total, True)),
-              flops, err, CONFIGS[0])
+        for stream in (False, True):  # by jobs, by the STREAM schedule
+            _time(f"{name} gluon+={' stream' if stream else ''}",
+                  lambda: into(lambda: gluon_moe.weight_grads(a, b, c.groups, total, True, stream=stream)),
+                  flops, err, CONFIGS[0])
         if name == "dW1":  # with ∂b1 = Σ ∂u beside it, as the backward runs it (+Σ), whole and added
             E = c.groups.experts
             sums, sums_total = torch.empty(E, c.F, device=c.dev, dtype=c.dt), torch.zeros(E, c.F, device=c.dev)
             _time(f"{name} gluon+Σ", lambda: gluon_moe.weight_grads(a, b, c.groups, out, False, sums=sums),
                   flops, err, CONFIGS[0])
-            _time(f"{name} gluon+=Σ", lambda: into(lambda: gluon_moe.weight_grads(a, b, c.groups, total, True,
-                                                                                  sums=sums_total)),
-                  flops, err, CONFIGS[0])
+            for stream in (False, True):
+                _time(f"{name} gluon+=Σ{' stream' if stream else ''}",
+                      lambda: into(lambda: gluon_moe.weight_grads(a, b, c.groups, total, True, sums=sums_total,
+                                                                  stream=stream)),
+                      flops, err, CONFIGS[0])
 
 
 if __name__ == "__main__":

@@ -17,7 +17,9 @@ from mha_compile.kernels import triton_moe as moe  # noqa: E402
 
 def test_compiles_warp_specialised_for_sm90():
     rows = offline_rows(gluon_wgrad_probe.__file__)
-    assert [r["config"] for r in rows] == gluon_wgrad_probe.CONFIGS + [dict(gluon_wgrad_probe.CONFIGS[0], out="fp32")]
+    first = gluon_wgrad_probe.CONFIGS[0]
+    assert [r["config"] for r in rows] == gluon_wgrad_probe.CONFIGS + [dict(first, out="fp32"),
+                                                                       dict(first, out="fp32", stream=True)]
     for r in rows:
         assert r["wgmma"] > 0 and r["setmaxnreg"] > 0, r
         assert r["smem"] <= 232448, r
