@@ -74,7 +74,8 @@
 #   bash bench/h200_session.sh wgrad-stream  # the weight gradients' STREAM schedule (gluon_moe.WGRAD_STREAM,
 #                                      # off by default) against the jobs: its GPU tests, then the large op's
 #                                      # CUDA time per kernel with it off and on, then ncu on its six ∂W calls
-#                                      # (~6 min): run.log, kernel_times_stream{0,1}.txt, ncu_wgrad_stream.txt
+#                                      # and gluon_wgrad_probe.py at large (~8 min): run.log,
+#                                      # kernel_times_stream{0,1}.txt, ncu_wgrad_stream.txt, gluon_wgrad_probe.txt
 #   bash bench/h200_session.sh short   # one call when device time is short (~9 min): the fused
 #                                      # kernel tests, the curves without the suite, and the
 #                                      # benchmark cut at 250 s (rows past it are listed as skipped)
@@ -134,6 +135,8 @@ wgrad-stream)
         -k "regex:^_wgrad_kernel$" -c 6 --section SpeedOfLight --section WarpStateStats \
         python bench/ncu_kernels.py --preset large >"$OUT/ncu_wgrad_stream.txt" 2>&1
     grep "Duration\|DRAM Throughput\|SM Active" "$OUT/ncu_wgrad_stream.txt" >>"$LOG"
+    # the whole layout's calls too, by jobs and by STREAM (its "+= stream" rows), each checked first
+    { timeout -s INT 90 python bench/gluon_wgrad_probe.py --presets large 2>&1; } >"$OUT/gluon_wgrad_probe.txt"
     ;;
 ab)
     old=${OLD:?OLD: the tree to compare against, a directory or a tar of it}
