@@ -48,6 +48,9 @@
 #                                      # then this tree's op replay, and with STEP_AB=1 step_ab.py at large
 #                                      # (~4.5 min at large, ~2.5 at medium, +2-3 with STEP_AB; session 18's
 #                                      # calls 1-2): run.log, ab_gemm.txt, ab_gluon.txt, kernel_times.txt[, step_ab_large.txt]
+#   OLD=out/old.tar [AB_PRESETS=medium,large] bash bench/h200_session.sh kernel-times-ab  # CUDA time per kernel
+#                                      # and op replay of the tree before a change and of this one, each in
+#                                      # its own process, in one call (~5 min): run.log, kernel_times_{old,new}.txt
 #   bash bench/h200_session.sh gluon   # the backward's hidden kernel in Gluon (gluon_moe) under each config
 #                                      # against the Triton one, each checked first (bench/gluon_probe.py; ~2 min):
 #                                      # run.log, gluon_probe.txt
@@ -81,7 +84,7 @@
 #                                      # benchmark cut at 250 s (rows past it are listed as skipped)
 # Budgets are per step so a slow step cannot starve the others.
 set -u
-part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|ab|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|ncu-gemms|ncu-source|gluon|verify-gluon|gluon-gemms|verify-gemms|router|small-kernels|host-large|host-timers|wgrad-stream|short}
+part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|ab|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|ncu-gemms|ncu-source|gluon|verify-gluon|gluon-gemms|verify-gemms|router|small-kernels|host-large|host-timers|wgrad-stream|kernel-times-ab|short}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 # Inductor's compiled graphs kept in the checkout (git ignores it): the device keeps ignored
 # files between calls on a machine it still holds, so `table` can reuse `autotune-cache`'s.
@@ -104,6 +107,12 @@ gpu_tests() {
 fused_kernel_times() {
     { timeout -s INT "$1" python bench/kernel_times.py --presets medium,large --peers fused --graphs fused --profile \
         2>&1 | tail -400; } >"$OUT/kernel_times.txt"
+}
+# OLD (a directory, or a `git archive` tar carried in out/) as a directory: the tree an A/B compares against
+old_tree() {
+    local old=${OLD:?OLD: the tree to compare against, a directory or a tar of it}
+    if [ -f "$old" ]; then mkdir -p /tmp/ab_old && tar xf "$old" -C /tmp/ab_old && old=/tmp/ab_old; fi
+    (cd "$old" && pwd)
 }
 case "$part" in
 check)
@@ -138,10 +147,19 @@ wgrad-stream)
     # the whole layout's calls too, by jobs and by STREAM (its "+= stream" rows), each checked first
     { timeout -s INT 90 python bench/gluon_wgrad_probe.py --presets large 2>&1; } >"$OUT/gluon_wgrad_probe.txt"
     ;;
+kernel-times-ab)
+    old=$(old_tree)
+    for tree in "$old" "$PWD"; do
+        name=$([ "$tree" = "$old" ] && echo old || echo new)
+        { cd "$tree" && PYTHONPATH="$tree" timeout -s INT 140 python bench/kernel_times.py \
+            --presets "${AB_PRESETS:-medium,large}" --peers fused --graphs fused --profile 2>&1 | tail -400; } \
+            >"$OUT/kernel_times_$name.txt"
+        cd - >/dev/null
+        grep -h "^done" "$OUT/kernel_times_$name.txt" | sed "s/^/$name: /" >>"$LOG"
+    done
+    ;;
 ab)
-    old=${OLD:?OLD: the tree to compare against, a directory or a tar of it}
-    if [ -f "$old" ]; then mkdir -p /tmp/ab_old && tar xf "$old" -C /tmp/ab_old && old=/tmp/ab_old; fi
-    old=$(cd "$old" && pwd)
+    old=$(old_tree)
     presets=${AB_PRESETS:-large}
     for preset in ${presets//,/ }; do
         for tree in "$old" "$PWD"; do

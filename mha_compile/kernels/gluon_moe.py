@@ -1116,6 +1116,11 @@ def stream_flags(device):
     return torch.zeros(num_sms(device) * 2 * 128, device=device, dtype=torch.int32)
 
 
+def wgrad_block_n(J):
+    """weight_grads' column block by default: 256 where J allows, else 128."""
+    return 256 if J % 256 == 0 else 128
+
+
 def weight_grads(a, b, groups, out, accumulate, split=1, block_k=WGRAD_BK, block_n=None, nbuf=WGRAD_NBUF,
                  sums=None, stream=None):
     """out [E,I,J] = Σ_{s∈e} A[s]ᵀ B[s] (accumulate: added into out, fp32 totals, experts without
@@ -1132,7 +1137,7 @@ def weight_grads(a, b, groups, out, accumulate, split=1, block_k=WGRAD_BK, block
     if sums is not None and (sums.shape != (E * split, J) or sums.dtype != out.dtype or not sums.is_contiguous()):
         raise ValueError(f"sums: wants a contiguous [E·split, J] = [{E * split}, {J}] {out.dtype} tensor, got "
                          f"{tuple(sums.shape)} {sums.dtype}")
-    block_n = block_n or (256 if J % 256 == 0 else 128)
+    block_n = block_n or wgrad_block_n(J)
     jobs = E * split * (I // 128) * (J // block_n)
     if stream and (not accumulate or E > STREAM_EXPERTS.value):
         raise ValueError(f"stream=True adds into totals of at most {STREAM_EXPERTS.value} experts; got "

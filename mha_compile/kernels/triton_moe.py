@@ -43,6 +43,7 @@ Backward (recomputing u = x W1 + b1 rather than storing it):
 The router gradient, the per-row sums over j and ∂inv = Σ_h ∂y happen in
 triton_router.router_combine_backward. All accumulation is fp32; row offsets are int64.
 """
+import fractions
 import functools
 
 import torch
@@ -903,11 +904,27 @@ WGRAD_SPLIT_MIN_SLOTS = 512
 WGRAD_MAX_SPLIT = 8
 
 
+def _most_splits(slots, experts):
+    return max(1, min(WGRAD_MAX_SPLIT, slots // max(1, experts) // WGRAD_SPLIT_MIN_SLOTS))
+
+
 def wgrad_splits(slots, experts, I, J, device):
-    """SPLIT for the weight-gradient kernel: enough programs for two waves at 128² tiles."""
+    """SPLIT for the Triton weight-gradient kernel: enough programs for two waves at 128² tiles."""
     tiles = experts * triton.cdiv(I, 128) * triton.cdiv(J, 128)
-    want = triton.cdiv(2 * num_sms(device), tiles)
-    return max(1, min(WGRAD_MAX_SPLIT, want, slots // max(1, experts) // WGRAD_SPLIT_MIN_SLOTS))
+    return min(_most_splits(slots, experts), triton.cdiv(2 * num_sms(device), tiles))
+
+
+def gluon_wgrad_splits(slots, experts, I, J, device):
+    """SPLIT for the Gluon weight-gradient kernel, one program an SM walking jobs of [128,
+    wgrad_block_n(J)]: of the splits allowed, the fewest whose ⌈jobs / SMs⌉ waves, each job 1/SPLIT
+    of an expert's slots, take least time. The Triton kernel's rule (two waves of 128² tiles) gave
+    the medium preset 3: 192 jobs of [128, 256] on 132 SMs, a wave and a half (the second half of
+    the call with a third of the SMs idle), where 2 makes 128 jobs, one wave of jobs 1.5x as long
+    (predicted ~25% off the call, ~23 us a medium step; not yet timed on the H200)."""
+    tiles = experts * triton.cdiv(I, 128) * triton.cdiv(J, gluon_moe.wgrad_block_n(J))
+    sms = num_sms(device)
+    return min(range(1, _most_splits(slots, experts) + 1),
+               key=lambda s: (fractions.Fraction(triton.cdiv(tiles * s, sms), s), s))
 
 
 def weight_grads(a, b, b2, groups, into=None, sums=False):
@@ -920,8 +937,10 @@ def weight_grads(a, b, b2, groups, into=None, sums=False):
     I, J = a.shape[1], b.shape[1]
     dev, dtype = a.device, a.dtype
     accumulate = into is not None
-    split = 1 if accumulate else wgrad_splits(groups.slots, E, I, J, dev)
+    split = 1 if accumulate or gluon_moe is None else gluon_wgrad_splits(groups.slots, E, I, J, dev)
     gluon = b2 is None and wgrad_kernel(a, b, groups.tile, accumulate, split, sums) == "gluon"
+    if not gluon and not accumulate:
+        split = wgrad_splits(groups.slots, E, I, J, dev)
     sums = sums and gluon  # the Triton kernel has no Σb: allocate none for it
     if accumulate:
         dw, dw2, db = into

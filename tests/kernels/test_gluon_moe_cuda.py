@@ -298,7 +298,7 @@ def test_weight_grads_dispatch(monkeypatch):
     assert moe.weight_grads(xs, gs, None, groups, into=(total, None, sums), sums=True)[2] is sums
     assert calls == [(True, 1)]
     assert float((total.double() - float64_wgrad(xs, gs, groups)).norm() / total.double().norm()) < 1e-4
-    splits = moe.wgrad_splits(groups.slots, 4, 128, 128, xs.device)
+    splits = moe.gluon_wgrad_splits(groups.slots, 4, 128, 128, xs.device)
     assert splits > 1
     split, _, split_sums = moe.weight_grads(xs, gs, None, groups, sums=True)  # split sums, added by _sum_splits_kernel
     pair = moe.weight_grads(xs, gs, gs, groups, sums=True)  # two Bs: the Triton kernel, which does not sum B

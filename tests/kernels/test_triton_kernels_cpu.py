@@ -201,6 +201,21 @@ def test_weight_grads_split_over_slots(monkeypatch, act, bias):
     check_region(fused, ctx, tok, params, top_k=2, renorm=True, act=act)
 
 
+def test_gluon_weight_grads_split_to_fill_whole_waves(monkeypatch):
+    """The Gluon weight-gradient kernel's SPLIT (one program an SM, jobs of [128, 256] where J
+    allows): medium's 8 experts × 2 × 4 tiles take 2 splits on 132 SMs (128 jobs: one wave), not
+    the Triton rule's 3 (192 jobs: a wave and a half); a job count that never fills a wave takes
+    the most splits the slots allow; small's 512 slots an expert allow none."""
+    monkeypatch.setattr(triton_moe, "num_sms", lambda device: 132)
+    medium = dict(slots=33792, experts=8, device=None)
+    for I, J in ((256, 1024), (1024, 256)):  # ∂W1's shape, ∂W2's
+        assert triton_moe.gluon_wgrad_splits(I=I, J=J, **medium) == 2
+        assert triton_moe.wgrad_splits(I=I, J=J, **medium) == 3
+    assert triton_moe.gluon_wgrad_splits(20000, 4, 128, 128, None) == triton_moe.WGRAD_MAX_SPLIT  # 4 jobs a split
+    assert triton_moe.gluon_wgrad_splits(20000, 4, 128, 128 * 33, None) == 1  # 132 jobs: one wave already
+    assert triton_moe.gluon_wgrad_splits(4608, 8, 128, 512, None) == 1  # 576 slots an expert: no split
+
+
 @pytest.mark.parametrize("act", ["swiglu", "gelu"])
 def test_up_with_tma_and_with_pointers(monkeypatch, act):
     """GEMM1 takes TMA descriptors where every stride is 16-byte aligned (F = 48 in fp32) and
