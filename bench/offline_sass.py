@@ -5,6 +5,8 @@ path launches at a preset, compiled for the H200 (sm_90a) on a machine without a
                                               [--kernels _moe_bwd_hidden_kernel,...] [--out rows.json]
 
 A preset is a name (SPEC §5) or sizes B×H×N×D×P×F×E×k written with x (300x7x37x100x4x200x4x2).
+A build that fails is listed as FAILED with its error's first line; OFFLINE_SASS_TRACE=1 prints
+the whole error (the source line Triton's front end stopped at) above it.
 
 How: the fused region's forward and backward run on meta tensors (shapes and dtypes, no data,
 no GPU) taken for GPU ones (triton_util.on_gpu), and every Triton launch is recorded instead of
