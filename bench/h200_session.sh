@@ -75,7 +75,7 @@
 #                                      # (bench/host_timers.py) at small, medium and large (~3 min):
 #                                      # run.log, host_timers_{small,medium,large}.txt
 #   bash bench/h200_session.sh wgrad-stream  # the weight gradients' STREAM schedule (gluon_moe.WGRAD_STREAM,
-#                                      # off by default) against the jobs: its GPU tests, then the large op's
+#                                      # on by default since session 22) against the jobs: its GPU tests, then the large op's
 #                                      # CUDA time per kernel with it off and on, then ncu on its six ∂W calls
 #                                      # and gluon_wgrad_probe.py at large (~8 min): run.log,
 #                                      # kernel_times_stream{0,1}.txt, ncu_wgrad_stream.txt, gluon_wgrad_probe.txt

@@ -45,11 +45,12 @@ from mha_compile.kernels.triton_util import (ACT_CODE, GW_BLOCK, act_bwd, act_fw
 # MHA_COMPILE_GLUON=0 runs the Triton kernels everywhere instead of these (to compare the two, or to
 # step around a fault in one of these).
 ENABLED = os.environ.get("MHA_COMPILE_GLUON", "1") != "0"
-# MHA_COMPILE_WGRAD_STREAM=1: the weight gradients added into totals (the runs of tiles) take the
-# STREAM schedule (see _wgrad_kernel). Off by default until it has been timed on the H200 against
-# the jobs it replaces (bench/h200_session.sh wgrad-stream); written and compiled for sm_90a in
-# session 21, when no GPU was left to run it.
-WGRAD_STREAM = os.environ.get("MHA_COMPILE_WGRAD_STREAM", "0") == "1"
+# The weight gradients added into totals (the runs of tiles) take the STREAM schedule (see
+# _wgrad_kernel) where it applies; MHA_COMPILE_WGRAD_STREAM=0 takes the jobs instead. On the H200
+# at large (session 22, bench/flag_ab.py, graph replays of the op's training step in turn, 8
+# rounds): 5.98 against 6.14 ms, −99 us a step (median of the rounds' differences); its kernels
+# 0.998 against 1.083 ms a step under the profiler.
+WGRAD_STREAM = os.environ.get("MHA_COMPILE_WGRAD_STREAM", "1") != "0"
 ACTS = {name: ACT_CODE[name] for name in ("gelu", "gelu_tanh", "silu", "swiglu")}
 DTYPES = (torch.bfloat16, torch.float16)
 # The config by the slot layout's TILE (triton_moe.tile_rows: 128 at the medium and large presets,
@@ -1116,6 +1117,12 @@ def stream_flags(device):
     return torch.zeros(num_sms(device) * 2 * 128, device=device, dtype=torch.int32)
 
 
+def wgrad_stream(accumulate, experts):
+    """Whether weight_grads takes the STREAM schedule by default: adding into totals (one run of
+    tiles) of at most STREAM_EXPERTS experts, unless MHA_COMPILE_WGRAD_STREAM=0."""
+    return WGRAD_STREAM and bool(accumulate) and experts <= STREAM_EXPERTS.value
+
+
 def wgrad_block_n(J):
     """weight_grads' column block by default: 256 where J allows, else 128."""
     return 256 if J % 256 == 0 else 128
@@ -1143,7 +1150,7 @@ def weight_grads(a, b, groups, out, accumulate, split=1, block_k=WGRAD_BK, block
         raise ValueError(f"stream=True adds into totals of at most {STREAM_EXPERTS.value} experts; got "
                          f"accumulate={accumulate}, E={E}")
     if stream is None:
-        stream = WGRAD_STREAM and bool(accumulate) and E <= STREAM_EXPERTS.value  # split is 1 here (checked above)
+        stream = wgrad_stream(accumulate, E)  # split is 1 here (checked above)
     programs = num_sms(a.device) if stream else min(num_sms(a.device), jobs)
     with device_scratch():
         _wgrad_kernel[(programs,)](

@@ -938,7 +938,8 @@ def weight_grads(a, b, b2, groups, into=None, sums=False):
     dev, dtype = a.device, a.dtype
     accumulate = into is not None
     split = 1 if accumulate or gluon_moe is None else gluon_wgrad_splits(groups.slots, E, I, J, dev)
-    gluon = b2 is None and wgrad_kernel(a, b, groups.tile, accumulate, split, sums) == "gluon"
+    stream = gluon_moe is not None and gluon_moe.wgrad_stream(accumulate, E)
+    gluon = b2 is None and wgrad_kernel(a, b, groups.tile, accumulate, split, sums, stream) == "gluon"
     if not gluon and not accumulate:
         split = wgrad_splits(groups.slots, E, I, J, dev)
     sums = sums and gluon  # the Triton kernel has no Σb: allocate none for it
@@ -956,8 +957,8 @@ def weight_grads(a, b, b2, groups, into=None, sums=False):
     else:
         p_dw, p_dw2, p_db = dw, dw if dw2 is None else dw2, db if sums else None
     ran = gluon and _gluon_launch(
-        "weight-gradient GEMM", wgrad_key(a, b, accumulate, split, sums),
-        functools.partial(gluon_moe.weight_grads, a, b, groups, p_dw, accumulate, split, sums=p_db))
+        "weight-gradient GEMM", wgrad_key(a, b, accumulate, split, sums, stream),
+        functools.partial(gluon_moe.weight_grads, a, b, groups, p_dw, accumulate, split, sums=p_db, stream=stream))
     if not ran:
         _wgrad(lambda m: (E * split, triton.cdiv(I, m["BLOCK_I"]), triton.cdiv(J, m["BLOCK_J"])),
                a, b, b if b2 is None else b2, groups.expert_slots, p_dw, p_dw2, I, J, E, split,
@@ -1090,17 +1091,18 @@ def hidden_kernel(xs, gs, w1, w2, w3, b1, act, tile):
                    lambda: gluon_moe.unsupported(xs, gs, w1, w2, w3, act, tile))
 
 
-def wgrad_key(a, b, accumulate, split=1, sums=False):
+def wgrad_key(a, b, accumulate, split=1, sums=False, stream=False):
     """What the Gluon weight-gradient GEMM is compiled for: the rows' dtype, written or added into
-    fp32 totals, its column block (256 where J allows), whether it splits the slots and whether it
-    sums B's columns (Triton builds an integer argument equal to 1 apart, as a constant)."""
-    return a.dtype, bool(accumulate), b.shape[1] % 256 == 0, split > 1, bool(sums)
+    fp32 totals, its column block (256 where J allows), whether it splits the slots, whether it
+    sums B's columns (Triton builds an integer argument equal to 1 apart, as a constant) and its
+    schedule (STREAM or jobs: a failed STREAM build must not send the jobs' launches to Triton)."""
+    return a.dtype, bool(accumulate), b.shape[1] % 256 == 0, split > 1, bool(sums), bool(stream)
 
 
-def wgrad_kernel(a, b, tile, accumulate, split=1, sums=False):
+def wgrad_kernel(a, b, tile, accumulate, split=1, sums=False, stream=False):
     """Which weight-gradient kernel weight_grads runs (one B) on these slot rows; by the same key
     its launch records a failed build under."""
-    return _choose("weight-gradient GEMM", wgrad_key(a, b, accumulate, split, sums), a.device,
+    return _choose("weight-gradient GEMM", wgrad_key(a, b, accumulate, split, sums, stream), a.device,
                    lambda: gluon_moe.wgrad_unsupported(a, b, tile))
 
 

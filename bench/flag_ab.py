@@ -1,0 +1,74 @@
+"""A kernel switch's worth, off against on, in one process: the fused op's training step as CUDA
+graph replays, the two graphs timed in turn.
+
+    PYTHONPATH=. python bench/flag_ab.py --flag mha_compile.kernels.gluon_moe:WGRAD_STREAM \
+        [--preset large] [--rounds 6]
+
+The flag is a module attribute read at launch time (the kernel choice it makes is captured in
+each graph). The same switch timed in two processes differed in sign from its kernels' sum
+(session 22: STREAM's kernels −56 us a large step under the profiler, the replays +18 us apart in
+two processes), so the replays alternate here, each round timing both, and the table gives every
+round's medians and their median difference. Both graphs' gradients are compared first: a switch
+must not change what the step computes beyond summation order.
+"""
+import argparse
+import importlib
+import statistics
+import sys
+
+import torch
+import triton.testing
+
+from mha_compile import models, ops  # noqa: F401  (ops registers torch.ops.mha)
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from kernel_times import graphed  # noqa: E402
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--flag", required=True, help="module:ATTRIBUTE, a bool read at launch time")
+    parser.add_argument("--preset", default="large")
+    parser.add_argument("--rounds", type=int, default=6)
+    args = parser.parse_args()
+    module_name, attr = args.flag.split(":")
+    module = importlib.import_module(module_name)
+    if not isinstance(getattr(module, attr, None), bool):
+        raise SystemExit(f"--flag {args.flag}: {module_name}.{attr} is not a bool attribute")
+    p = models.PRESETS[args.preset]
+    torch.manual_seed(0)
+    block = models.MHABlock.from_preset(args.preset, spelling="dense").to("cuda", torch.bfloat16)
+    params = list(models.block_parameters(block))
+    ctx = torch.randn(p["B"], p["H"], p["D"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    tok = torch.randn(p["B"], p["N"], p["D"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn_like(ctx)
+    leaves = [ctx, tok] + [t for t in params if t is not None]
+    moe = block.moe
+
+    def step():
+        out = torch.ops.mha.region(ctx, tok, *params, None, moe.top_k, moe.renorm, moe.act, "fused")[0]
+        out.backward(grad)
+
+    graphs, grads = {}, {}
+    for value in (False, True):
+        setattr(module, attr, value)
+        graphs[value] = graphed(step, leaves)
+        if not isinstance(graphs[value], torch.cuda.CUDAGraph):
+            raise SystemExit(f"{attr}={value}: capture failed: {graphs[value]}")
+        graphs[value].replay()  # the capture left each .grad on this graph's output
+        grads[value] = [t.grad.float().clone() for t in leaves]
+    worst = max(float((a - b).norm() / b.norm().clamp_min(1e-30)) for a, b in zip(grads[True], grads[False]))
+    print(f"{args.preset}: {attr} on against off, worst relative gradient difference {worst:.1e}", flush=True)
+    times = {False: [], True: []}
+    for r in range(args.rounds):
+        for value in ((False, True) if r % 2 == 0 else (True, False)):
+            times[value].append(triton.testing.do_bench(graphs[value].replay, warmup=25, rep=200,
+                                                        return_mode="median"))
+        print(f"round {r}: off {times[False][-1]:.4f} ms, on {times[True][-1]:.4f} ms", flush=True)
+    diff = statistics.median(b - a for a, b in zip(times[False], times[True]))
+    print(f"{args.preset} {attr}: off {statistics.median(times[False]):.4f} ms, on "
+          f"{statistics.median(times[True]):.4f} ms, median of rounds' on − off {diff * 1e3:+.1f} us")
+
+
+if __name__ == "__main__":
+    main()
