@@ -238,8 +238,8 @@ def matmul_sites(c):
     sites = {}
     real, no_autotune = triton_pool._bmm, triton_util.NO_AUTOTUNE
 
-    def record(a, b, split, out=None):
-        out = real(a, b, split, out)
+    def record(a, b, split, out=None, bias=None):
+        out = real(a, b, split, out, bias)
         frames, frame = [], sys._getframe(1)
         while frame is not None:
             if frame.f_code.co_name != "_mm":
@@ -249,7 +249,8 @@ def matmul_sites(c):
             frame = frame.f_back
         key = tuple((tuple(t.shape), t.stride()) for t in (a, b, out)) + (split,)
         line = linecache.getline(frames[0].f_code.co_filename, frames[0].f_lineno).strip()
-        site = sites.setdefault(key, SimpleNamespace(calls=[], line=line, a=a, b=b, out=out, split=split))
+        key += (None if bias is None else (tuple(bias.shape), bias.stride()),)
+        site = sites.setdefault(key, SimpleNamespace(calls=[], line=line, a=a, b=b, out=out, split=split, bias=bias))
         site.calls.append(" > ".join(f"{f.f_code.co_name}:{f.f_lineno}" for f in reversed(frames)))
         return out
 
@@ -277,7 +278,7 @@ def matmul(c):
         print(f"matmul #{i}: Bt={Bt} M={M} K={K} N={N}, strides a {s.a.stride()} b {s.b.stride()} out "
               f"{s.out.stride()}, K in {split} run(s) of {run_k}, split dots {s.split}; {traffic / 1e6:.2f} MB; "
               f"{len(s.calls)} call(s) a step: {', '.join(s.calls)} `{s.line}`", flush=True)
-        run = lambda cfg, s=s: (triton_matmul.matmul_f32(s.a, s.b, s.out, s.split),)  # noqa: E731
+        run = lambda cfg, s=s: (triton_matmul.matmul_f32(s.a, s.b, s.out, s.split, s.bias),)  # noqa: E731
         first = shipped(launcher, lambda: run(None))
         sweep(f"matmul #{i}", launcher, ordered(first, *launcher.configs, *MATMUL_MORE), run, traffic,
               launcher.configs)

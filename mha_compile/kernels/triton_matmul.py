@@ -7,7 +7,10 @@ one (H200, bench/results/kernel_times.txt). Here each tile's product is triton_u
 the fp32 operands split into 16-bit hi + lo halves, three tensor-core dots (~2⁻¹⁶ relative),
 accumulated in fp32, which is the accuracy the pool kernels already keep.
 
-    matmul_f32(a [Bt,M,K], b [Bt,K,N], out [Bt,M,N], split_dot)    any strides, fp32
+    matmul_f32(a [Bt,M,K], b [Bt,K,N], out [Bt,M,N], split_dot, bias=[N] or [Bt,N])    any strides, fp32
+
+The bias is added in the epilogue: a separate `+ bias` over [B,D] cost 7 us a call at large
+(three a step, H200, session 22's profile), for a read and write of what the product just wrote.
 
 When M×N gives too few tiles to fill the GPU (∂Wo, ∂Wv: a [D,D] output summed over K = B),
 K is cut into SPLIT equal runs whose fp32 partials [SPLIT,Bt,M,N] torch sums in run order
@@ -22,13 +25,15 @@ from mha_compile.kernels.triton_util import Launcher, dot_f32, split_runs
 
 @triton.jit
 def _matmul_f32_kernel(
-    a_ptr, b_ptr, c_ptr,
+    a_ptr, b_ptr, c_ptr, bias_ptr,
     M, N, K, K_RUN,
     stride_ab, stride_am, stride_ak, stride_bb, stride_bk, stride_bn, stride_cs, stride_cb, stride_cm, stride_cn,
-    SPLIT_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    stride_biasb, stride_biasn,
+    HAS_BIAS: tl.constexpr, SPLIT_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """c[s, bt] = a[bt, :, ks] @ b[bt, ks, :] over the s-th run ks of K_RUN columns of K
-    (program axes: (m, n) tile, bt, s)."""
+    (program axes: (m, n) tile, bt, s), + bias[bt] on every row in run 0 with HAS_BIAS."""
     n_tiles = tl.cdiv(N, BLOCK_N)
     pid_m = tl.program_id(0) // n_tiles
     pid_n = tl.program_id(0) % n_tiles
@@ -51,6 +56,9 @@ def _matmul_f32_kernel(
         b = tl.load(b_bt + offs_k[:, None].to(tl.int64) * stride_bk + offs_n[None, :].to(tl.int64) * stride_bn,
                     mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc += dot_f32(a, b, SPLIT_DOT)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + bt * stride_biasb + offs_n.to(tl.int64) * stride_biasn, mask=n_ok & (s == 0),
+                       other=0.0)[None, :]
     c = c_ptr + s.to(tl.int64) * stride_cs + bt * stride_cb
     tl.store(c + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :].to(tl.int64) * stride_cn, acc,
              mask=m_ok[:, None] & n_ok[None, :])
@@ -63,34 +71,47 @@ _matmul = Launcher(_matmul_f32_kernel, [
     dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3),
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=3),
     dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3),
-], key=["M", "N", "K", "K_RUN", "SPLIT_DOT"])
+], key=["M", "N", "K", "K_RUN", "HAS_BIAS", "SPLIT_DOT"])
 
 RUN_ALIGN = 64  # K runs are whole multiples of every config's BLOCK_K
-MIN_RUN = 512  # no run shorter than this: each costs a [Bt,M,N] fp32 partial
+# No run shorter than this: each costs a [Bt,M,N] fp32 partial. At 512, medium's ∂Wo and ∂Wv
+# (K = B = 1024, [256, 256] out) took two runs: 32 programs on 132 SMs, 15.8 and 15.6 us a call
+# (bench/results/small_kernels_probe.txt); at 128 they take eight (partials of 2 MiB).
+MIN_RUN = 128
 SPLIT_TILE = 128  # the tile the split count assumes (the largest config's)
 
 
 def k_runs(batch, M, N, K, device):
-    """(SPLIT, K_RUN): runs of K so that (tiles of SPLIT_TILE²) × runs reach ~2 programs an SM."""
+    """(SPLIT, K_RUN): runs of K so that (tiles of SPLIT_TILE²) × runs reach ~2 programs an SM,
+    where K is the long side (the weight gradients, K = B); the projections (K = D ≤ M = B) have
+    tiles enough, and a split there would only add a partial and its sum."""
+    if K <= max(M, N):
+        return 1, K
     tiles = batch * triton.cdiv(M, SPLIT_TILE) * triton.cdiv(N, SPLIT_TILE)
     return split_runs(K, tiles, MIN_RUN, RUN_ALIGN, device)
 
 
-def matmul_f32(a, b, out, split_dot):
-    """out [Bt,M,N] (fp32, any strides, written) = a [Bt,M,K] @ b [Bt,K,N] (fp32, any strides),
-    with split_dot as in triton_util.dot_f32 (0: ieee fp32). Returns out."""
+def matmul_f32(a, b, out, split_dot, bias=None):
+    """out [Bt,M,N] (fp32, any strides, written) = a [Bt,M,K] @ b [Bt,K,N] (fp32, any strides)
+    + bias ([N], or [Bt,N]: one a batch; fp32, any strides) on every row, with split_dot as in
+    triton_util.dot_f32 (0: ieee fp32). Returns out."""
     Bt, M, K = a.shape
     N = b.shape[2]
     torch._check(b.shape == (Bt, K, N) and out.shape == (Bt, M, N),
                  lambda: f"matmul_f32: a {tuple(a.shape)} @ b {tuple(b.shape)} into out {tuple(out.shape)}")
-    torch._check(a.dtype == b.dtype == out.dtype == torch.float32,
-                 lambda: f"matmul_f32 takes fp32, got {a.dtype}, {b.dtype} into {out.dtype}")
+    torch._check(bias is None or tuple(bias.shape) in ((N,), (Bt, N)),
+                 lambda: f"matmul_f32: bias {tuple(bias.shape)} for out {tuple(out.shape)}: wants [{N}] or [{Bt}, {N}]")
+    torch._check(a.dtype == b.dtype == out.dtype == torch.float32 and (bias is None or bias.dtype == torch.float32),
+                 lambda: f"matmul_f32 takes fp32, got {a.dtype}, {b.dtype} into {out.dtype}"
+                         + ("" if bias is None else f", bias {bias.dtype}"))
+    bias_strides = (0, 0) if bias is None else (0, bias.stride(0)) if bias.dim() == 1 else bias.stride()
     split, run = k_runs(Bt, M, N, K, a.device)
     dest = out if split == 1 else torch.empty(split, Bt, M, N, device=a.device, dtype=torch.float32)
     cs = 0 if split == 1 else dest.stride(0)
     cb, cm, cn = dest.stride()[-3:]
     _matmul(lambda m: (triton.cdiv(M, m["BLOCK_M"]) * triton.cdiv(N, m["BLOCK_N"]), Bt, split),
-            a, b, dest, M, N, K, run, *a.stride(), *b.stride(), cs, cb, cm, cn, SPLIT_DOT=split_dot)
+            a, b, dest, a if bias is None else bias, M, N, K, run, *a.stride(), *b.stride(), cs, cb, cm, cn,
+            *bias_strides, HAS_BIAS=bias is not None, SPLIT_DOT=split_dot)
     if split > 1:  # summed straight into out's strides: one reduction kernel, not a sum and a copy
         torch.sum(dest, 0, out=out)
     return out

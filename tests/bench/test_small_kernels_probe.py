@@ -36,13 +36,16 @@ def test_the_cases_are_real_inputs(case):
     bmm, no_autotune = triton_pool._bmm, triton_util.NO_AUTOTUNE
     sites = probe.matmul_sites(case)
     assert (triton_pool._bmm, triton_util.NO_AUTOTUNE) == (bmm, no_autotune)
-    # the pool's 7 projections, the forward's t̄ heads again in the backward
-    assert sum(len(s.calls) for s in sites) == 7 and len(sites) == 6
+    # the pool's 7 projections and ∂bv = ∂bo Wo, the forward's t̄ heads again in the backward
+    assert sum(len(s.calls) for s in sites) == 8 and len(sites) == 7
     assert [len(s.calls) for s in sites if "_heads" in s.calls[0]] == [2]
     assert all((s.a != 0).any() and (s.b != 0).any() and s.split == 0 for s in sites)
-    # the recorded operands give the products the pool wrote (fp32: torch.bmm), but for ∂t̄, over
-    # which the pool's backward kernel writes its ∂u partials
-    kept = [torch.allclose(s.out, torch.bmm(s.a, s.b), rtol=1e-6, atol=1e-6) for s in sites]
+    # the recorded operands give the products the pool wrote (fp32: torch.bmm, + bv's heads or bo
+    # where the product adds a bias), but for ∂t̄, over which the pool's backward kernel writes its
+    # ∂u partials
+    assert sorted(tuple(s.bias.shape) for s in sites if s.bias is not None) == sorted([(case.D,), (case.P, case.D // case.P)])
+    bias = lambda s: 0 if s.bias is None else s.bias if s.bias.dim() == 1 else s.bias[:, None]  # noqa: E731
+    kept = [torch.allclose(s.out, torch.bmm(s.a, s.b) + bias(s), rtol=1e-6, atol=1e-6) for s in sites]
     assert kept.count(False) == 1 and "out=grad_tbar" in sites[kept.index(False)].line
 
 
@@ -121,9 +124,9 @@ def test_every_swept_config_runs_and_agrees_with_the_shipped_one(capsys):
     assert "FAILED" not in out and "MISMATCH" not in out, out
     rows = [line for line in out.splitlines() if line[:2] in ("* ", "+ ", "  ") and " us " in line]
     shipped = [line.split()[1:3] for line in rows if line.startswith("* ")]
-    # one sweep each: tile_sums, the gather's three calls, the pool's 6 distinct matmuls, its
+    # one sweep each: tile_sums, the gather's three calls, the pool's 7 distinct matmuls, its
     # forward and its backward's two passes
-    assert [name for name, _ in shipped] == (["tile_sums", "gather", "gather", "gather"] + ["matmul"] * 6
+    assert [name for name, _ in shipped] == (["tile_sums", "gather", "gather", "gather"] + ["matmul"] * 7
                                              + ["pool"] * 3)
     for launcher, name in zip(launchers, ("tile_sums", "matmul #0", "pool fwd", "pool bwd 1", "pool bwd 2")):
         listed = [line for line in rows if line[2:].startswith(name)]

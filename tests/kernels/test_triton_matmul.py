@@ -16,9 +16,11 @@ def _case(device, Bt=3, M=37, K=97, N=45, seed=0):
     return a, b
 
 
-def _check(a, b, out, split_dot):
+def _check(a, b, out, split_dot, bias=None):
     ref = a.double() @ b.double()
-    got = triton_matmul.matmul_f32(a, b, out, split_dot)
+    if bias is not None:
+        ref = ref + (bias.double() if bias.dim() == 1 else bias.double()[:, None])
+    got = triton_matmul.matmul_f32(a, b, out, split_dot, bias)
     assert got.data_ptr() == out.data_ptr()
     err = ((got.double() - ref).norm() / ref.norm()).item()
     assert err <= BOUND[split_dot], (split_dot, err)
@@ -27,13 +29,18 @@ def _check(a, b, out, split_dot):
 
 @pytest.mark.parametrize("split_dot", [0, 2])
 @pytest.mark.parametrize("runs", [False, True])
-def test_matmul_f32(monkeypatch, split_dot, runs):
+@pytest.mark.parametrize("bias", [None, "shared", "per batch"])
+def test_matmul_f32(monkeypatch, split_dot, runs, bias):
+    """With a bias ([N] for every batch, or [Bt,N] strided), added once however many runs K takes."""
     if runs:  # runs of K: with 4 SMs off the GPU, K = 97 becomes two runs of 64
         monkeypatch.setattr(triton_matmul, "MIN_RUN", 16)
     a, b = _case("cpu")
     assert triton_matmul.k_runs(3, 37, 45, 97, a.device)[0] == (2 if runs else 1)
     out = torch.empty(45, 3, 37).transpose(0, 2).transpose(0, 1)  # [3,37,45], no unit stride on N
-    _check(a, b, out, split_dot)
+    g = torch.Generator().manual_seed(1)
+    bias = {None: None, "shared": torch.randn(45, generator=g) * 30,
+            "per batch": torch.randn(2 * 45, 3, generator=g).T[:, ::2] * 30}[bias]
+    _check(a, b, out, split_dot, bias)
 
 
 def test_matmul_f32_checks_its_inputs():
@@ -42,6 +49,8 @@ def test_matmul_f32_checks_its_inputs():
         triton_matmul.matmul_f32(a, b.transpose(1, 2), torch.empty(3, 37, 45), 0)
     with pytest.raises(RuntimeError, match="fp32"):
         triton_matmul.matmul_f32(a.half(), b.half(), torch.empty(3, 37, 45), 0)
+    with pytest.raises(RuntimeError, match=r"bias \(3, 44\) for out \(3, 37, 45\): wants \[45\] or \[3, 45\]"):
+        triton_matmul.matmul_f32(a, b, torch.empty(3, 37, 45), 0, torch.zeros(3, 44))
 
 
 @pytest.mark.cuda
@@ -49,8 +58,9 @@ def test_matmul_f32_checks_its_inputs():
 @pytest.mark.parametrize("shape", [(1, 4096, 512, 512), (8, 4096, 512, 64), (1, 512, 4096, 512), (3, 37, 97, 45)])
 def test_matmul_f32_bf16_halves(shape):
     """bf16 halves on the H200 at the large preset's projection shapes ((Bt, M, K, N): Wo,
-    per-head Wv, ∂Wo with K = B cut into runs) and an odd one."""
+    per-head Wv, ∂Wo with K = B cut into runs) and an odd one, with a bias a batch (bv's heads)."""
     Bt, M, K, N = shape
     a, b = _case("cuda", Bt, M, K, N, seed=1)
-    err = _check(a, b, torch.empty(Bt, M, N, device="cuda"), 1)
+    bias = torch.randn(Bt, N, device="cuda") * 10
+    err = _check(a, b, torch.empty(Bt, M, N, device="cuda"), 1, bias)
     print(f"{shape}: {err:.1e}")
