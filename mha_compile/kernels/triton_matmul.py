@@ -15,18 +15,12 @@ The bias is added in the epilogue: a separate `+ bias` over [B,D] cost 7 us a ca
 When M×N gives too few tiles to fill the GPU (∂Wo, ∂Wv: a [D,D] output summed over K = B),
 K is cut into SPLIT equal runs whose fp32 partials [SPLIT,Bt,M,N] torch sums in run order
 (reproducible run to run).
-
-    col_sums(x [R,N], scale)    Σ_r x[r] · scale, fp32: the pool's bias and direction gradients
-
-The column sums over a batch's rows (∂bo over B, ∂u's per-row partials over B) likewise: runs of
-rows, then their partials. torch's own sum over the outer dimension read [4096, 512] at ~0.7 TB/s
-(12 us at large) and ∂u's [4096, 4096] in 34 us (H200, session 22's profile).
 """
 import torch
 import triton
 import triton.language as tl
 
-from mha_compile.kernels.triton_util import Launcher, dot_f32, gpu_options, split_runs
+from mha_compile.kernels.triton_util import Launcher, dot_f32, split_runs
 
 
 @triton.jit
@@ -121,38 +115,3 @@ def matmul_f32(a, b, out, split_dot, bias=None):
     if split > 1:  # summed straight into out's strides: one reduction kernel, not a sum and a copy
         torch.sum(dest, 0, out=out)
     return out
-
-
-@triton.jit
-def _col_sums_kernel(x_ptr, part_ptr, R, N, RUN, scale, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
-    """part[s, j] = scale · Σ_r x[r, j] over the s-th run of RUN rows, in row order; x [R, N] with
-    row stride N (program axes: column block, run)."""
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    s = tl.program_id(1)
-    n_ok = offs_n < N
-    r_hi = tl.minimum((s + 1) * RUN, R)
-    acc = tl.zeros([BLOCK_R, BLOCK_N], tl.float32)
-    for r0 in range(s * RUN, r_hi, BLOCK_R):
-        rows = r0 + tl.arange(0, BLOCK_R)
-        acc += tl.load(x_ptr + rows.to(tl.int64)[:, None] * N + offs_n[None, :],
-                       mask=(rows < r_hi)[:, None] & n_ok[None, :], other=0.0)
-    tl.store(part_ptr + s.to(tl.int64) * N + offs_n, tl.sum(acc, axis=0) * scale, mask=n_ok)
-
-
-COL_BLOCK_R, COL_BLOCK_N = 16, 256  # 16 fp32 values a thread at 4 warps
-COL_MIN_RUN = 64  # rows a run at least: a run's partial is one [N] row
-
-
-def col_sums(x, scale=1.0):
-    """[N] fp32: scale · Σ_r x[r, :] for x [R, N] fp32 (rows contiguous), in a fixed order (runs of
-    rows in row order, then the runs' partials by torch in run order): the same bits every call."""
-    torch._check(x.dim() == 2 and x.dtype == torch.float32 and x.stride(1) == 1 and x.stride(0) == x.shape[1],
-                 lambda: f"col_sums takes a contiguous [R, N] fp32 tensor, got {tuple(x.shape)} {x.dtype} "
-                         f"strides {x.stride()}")
-    R, N = x.shape
-    blocks = triton.cdiv(N, COL_BLOCK_N)
-    runs, run = split_runs(R, blocks, COL_MIN_RUN, COL_BLOCK_R, x.device)
-    part = torch.empty(runs, N, device=x.device, dtype=torch.float32)
-    _col_sums_kernel[(blocks, runs)](x, part, R, N, run, scale, BLOCK_R=COL_BLOCK_R, BLOCK_N=COL_BLOCK_N,
-                                     **gpu_options(x, num_warps=4))
-    return part[0] if runs == 1 else part.sum(0)

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from mha_compile.kernels.reference import pool_directions
-from mha_compile.kernels.triton_matmul import col_sums, matmul_f32
+from mha_compile.kernels.triton_matmul import matmul_f32
 from mha_compile.kernels.triton_util import (Launcher, dot16, dot_f32, dot_pairs, pow2, repeat_pairs, split_pairs,
                                              sum_pairs)
 
@@ -364,9 +364,9 @@ def pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn, u=None):
     ds = attend_bwd_scores(tok, attn, grad_tbar, torch.empty_like(attn))
     attend_bwd(tok, u, attn, ds, grad_tbar, tbar, du_part, grad_tok)
     del ds
-    grad_u = col_sums(du_part.view(B, P * D), Dh**-0.5).view(P, D)
+    grad_u = du_part.sum(0) * (Dh**-0.5)
     del grad_tbar, du_part
-    grad_bo = col_sums(grad_inv.contiguous())
+    grad_bo = grad_inv.sum(0)
     grad_wo = _mm(grad_inv.T, _heads(tbar, wv, bv, split), split)
     # ∂bv = Σ_b ∂pooled[b] = (Σ_b ∂inv[b]) Wo: a [D]·[D,D] product, where torch's sum over the B
     # rows of ∂pooled took 12 us at large and 8 at medium (session 22's profile, H200)

@@ -64,35 +64,3 @@ def test_matmul_f32_bf16_halves(shape):
     bias = torch.randn(Bt, N, device="cuda") * 10
     err = _check(a, b, torch.empty(Bt, M, N, device="cuda"), 1, bias)
     print(f"{shape}: {err:.1e}")
-
-
-@pytest.mark.parametrize("runs", [False, True])
-def test_col_sums(monkeypatch, runs):
-    """Column sums of odd extents (N past one column block, R not a multiple of a run or of its
-    row block), scaled, against float64; in runs of rows whose partials are summed, or one run."""
-    if runs:  # with 4 SMs off the GPU and 2 column blocks: runs of 16 rows
-        monkeypatch.setattr(triton_matmul, "COL_MIN_RUN", 16)
-    x = torch.randn(97, 300, generator=torch.Generator().manual_seed(2)) + 3
-    runs_taken = triton_matmul.split_runs(97, 2, triton_matmul.COL_MIN_RUN, triton_matmul.COL_BLOCK_R, x.device)[0]
-    assert (runs_taken > 1) == runs
-    got = triton_matmul.col_sums(x, 0.125)
-    want = x.double().sum(0) * 0.125
-    assert got.shape == (300,) and got.dtype == torch.float32
-    assert float((got.double() - want).norm() / want.norm()) < 1e-6
-    assert torch.equal(got, triton_matmul.col_sums(x, 0.125))  # the same bits again
-
-
-def test_col_sums_checks_its_input():
-    with pytest.raises(RuntimeError, match=r"col_sums takes a contiguous \[R, N\] fp32 tensor, got \(40, 30\)"):
-        triton_matmul.col_sums(torch.randn(30, 40).T)
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("shape", [(4096, 4096), (4096, 512), (1000, 77)])
-def test_col_sums_on_the_gpu(shape):
-    """∂u's partials and ∂bo at the large preset, and an odd shape, against float64."""
-    x = torch.randn(*shape, device="cuda") + 1
-    want = x.double().sum(0) * 0.5
-    got = triton_matmul.col_sums(x, 0.5)
-    assert float((got.double() - want).norm() / want.norm()) < 1e-6
