@@ -26,7 +26,7 @@ def offline(block_k=64, block_n=256, nbuf=3, out_dtype=torch.bfloat16, stream=Fa
     out, slots = torch.empty(E, I, J, dtype=out_dtype), torch.empty(2 * E, dtype=torch.int32)
     kernel = gluon_moe._wgrad_kernel
     args = dict(a_ptr=a, b_ptr=b, out_ptr=out, expert_slots_ptr=slots, sums_ptr=out, flags_ptr=slots, S=1000, I=I,
-                J=J, E=E, JOBS=1000, accumulate=3, SPLIT=3, TILE=128, has_sums=3)
+                J=J, E=E, JOBS=1000, accumulate=3, SPLIT=3, TILE=128, has_sums=3, sum_rows=3)
     return compile_offline(kernel, args, dict(BK=block_k, BN=block_n, NBUF=nbuf, STREAM=stream,
                                               CONSUMER_REGS=gluon_moe.CONSUMER_REGS,
                                               PRODUCER_REGS=gluon_moe.PRODUCER_REGS))
@@ -87,10 +87,16 @@ def probe_preset(c):
             sums, sums_total = torch.empty(E, c.F, device=c.dev, dtype=c.dt), torch.zeros(E, c.F, device=c.dev)
             _time(f"{name} gluon+Σ", lambda: gluon_moe.weight_grads(a, b, c.groups, out, False, sums=sums),
                   flops, err, CONFIGS[0])
+            rows = a.shape[1] // 128  # Σb spread over the row blocks' jobs (MHA_COMPILE_WGRAD_SUM_SPREAD)
+            spread = torch.zeros(E * rows, c.F, device=c.dev)
             for stream in (False, True):
                 _time(f"{name} gluon+=Σ{' stream' if stream else ''}",
                       lambda: into(lambda: gluon_moe.weight_grads(a, b, c.groups, total, True, sums=sums_total,
                                                                   stream=stream)),
+                      flops, err, CONFIGS[0])
+                _time(f"{name} gluon+=Σ/{rows}{' stream' if stream else ''}",
+                      lambda: into(lambda: gluon_moe.weight_grads(a, b, c.groups, total, True, sums=spread,
+                                                                  stream=stream, sum_rows=rows)),
                       flops, err, CONFIGS[0])
 
 

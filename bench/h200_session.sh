@@ -79,12 +79,17 @@
 #                                      # CUDA time per kernel with it off and on, then ncu on its six ∂W calls
 #                                      # and gluon_wgrad_probe.py at large (~8 min): run.log,
 #                                      # kernel_times_stream{0,1}.txt, ncu_wgrad_stream.txt, gluon_wgrad_probe.txt
+#   bash bench/h200_session.sh sum-spread  # ∂b1's sums spread over the row blocks' jobs
+#                                      # (gluon_moe.WGRAD_SUM_SPREAD, off by default): the weight-gradient GPU
+#                                      # tests, then bench/flag_ab.py off against on at large and medium, then
+#                                      # ncu on the large step's six weight-gradient calls with it on (~6 min):
+#                                      # run.log, flag_ab_spread.txt, ncu_wgrad_spread.txt
 #   bash bench/h200_session.sh short   # one call when device time is short (~9 min): the fused
 #                                      # kernel tests, the curves without the suite, and the
 #                                      # benchmark cut at 250 s (rows past it are listed as skipped)
 # Budgets are per step so a slow step cannot starve the others.
 set -u
-part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|ab|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|ncu-gemms|ncu-source|gluon|verify-gluon|gluon-gemms|verify-gemms|router|small-kernels|host-large|host-timers|wgrad-stream|kernel-times-ab|short}
+part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|ab|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|ncu-gemms|ncu-source|gluon|verify-gluon|gluon-gemms|verify-gemms|router|small-kernels|host-large|host-timers|wgrad-stream|sum-spread|kernel-times-ab|short}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 # Inductor's compiled graphs kept in the checkout (git ignores it): the device keeps ignored
 # files between calls on a machine it still holds, so `table` can reuse `autotune-cache`'s.
@@ -146,6 +151,19 @@ wgrad-stream)
     grep "Duration\|DRAM Throughput\|SM Active" "$OUT/ncu_wgrad_stream.txt" >>"$LOG"
     # the whole layout's calls too, by jobs and by STREAM (its "+= stream" rows), each checked first
     { timeout -s INT 90 python bench/gluon_wgrad_probe.py --presets large 2>&1; } >"$OUT/gluon_wgrad_probe.txt"
+    ;;
+sum-spread)
+    { MHA_COMPILE_NO_AUTOTUNE=1 timeout 150 python -m pytest -q -m cuda tests/kernels/test_gluon_moe_cuda.py \
+        -k weight_grads -p no:cacheprovider -rf 2>&1 | tail -8; } >>"$LOG"
+    for preset in large medium; do
+        timeout -s INT 100 python bench/flag_ab.py --flag mha_compile.kernels.gluon_moe:WGRAD_SUM_SPREAD \
+            --preset $preset --rounds 8 >>"$OUT/flag_ab_spread.txt" 2>&1
+    done
+    tail -4 "$OUT/flag_ab_spread.txt" >>"$LOG"
+    MHA_COMPILE_WGRAD_SUM_SPREAD=1 timeout -s INT 100 ncu --clock-control none --profile-from-start off \
+        -k "regex:^_wgrad_kernel$" -c 6 --section SpeedOfLight --section WarpStateStats \
+        python bench/ncu_kernels.py --preset large >"$OUT/ncu_wgrad_spread.txt" 2>&1
+    grep "Duration\|SM Active" "$OUT/ncu_wgrad_spread.txt" >>"$LOG"
     ;;
 kernel-times-ab)
     old=$(old_tree)
@@ -317,6 +335,6 @@ bench|bench-resume)
         --modes eager,inductor,inductor-max-autotune,mha-staged,mha-fused,mha-fused-cudagraphs \
         --spellings dense,loop,grouped_mm --commit "$commit" 2>&1 | tail -100; } >>"$LOG"
     ;;
-*) echo "unknown part $part: expected check, kernels, probe, verify, ab, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache, medium-autotune, ncu, ncu-gemms, ncu-source, gluon, verify-gluon, gluon-gemms, verify-gemms, router, small-kernels, host-large, host-timers or short" >&2; exit 2 ;;
+*) echo "unknown part $part: expected check, kernels, probe, verify, ab, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache, medium-autotune, ncu, ncu-gemms, ncu-source, gluon, verify-gluon, gluon-gemms, verify-gemms, router, small-kernels, host-large, host-timers, wgrad-stream, sum-spread, kernel-times-ab or short" >&2; exit 2 ;;
 esac
 tail -150 "$LOG"

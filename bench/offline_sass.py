@@ -48,6 +48,9 @@ PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bi
 NVDISASM = os.path.join(os.path.dirname(PTXAS), "nvdisasm")
 TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
          torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8", torch.int8: "i8", torch.bool: "i1"}
+# Integer arguments that choose a kernel's code (Triton builds the value 1 as a constant), shown
+# beside the constexprs.
+CHOOSERS = ("accumulate", "has_sums", "sum_rows")
 LAUNCHERS = [v for module in (triton_matmul, triton_moe, triton_pool, triton_router) for v in vars(module).values()
              if isinstance(v, triton_util.Launcher)]
 
@@ -227,7 +230,8 @@ def main():
                     continue
                 seen.add(key)
                 shown = {name: value for name, value in meta.items()
-                         if name.isupper() and not isinstance(value, torch.Tensor) and name not in ("PAIRS",)}
+                         if (name.isupper() or name in CHOOSERS) and not isinstance(value, torch.Tensor)
+                         and name not in ("PAIRS",)}
                 row = dict(preset=preset, kernel=kernel.__name__, num_warps=warps, num_stages=stages, constexprs=shown)
                 try:
                     row.update(compile_stats(kernel, meta, warps, stages))

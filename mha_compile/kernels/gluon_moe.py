@@ -51,6 +51,11 @@ ENABLED = os.environ.get("MHA_COMPILE_GLUON", "1") != "0"
 # rounds): 5.98 against 6.14 ms, −99 us a step (median of the rounds' differences); its kernels
 # 0.998 against 1.083 ms a step under the profiler.
 WGRAD_STREAM = os.environ.get("MHA_COMPILE_WGRAD_STREAM", "1") != "0"
+# MHA_COMPILE_WGRAD_SUM_SPREAD=1: ∂b1's column sums beside ∂W1 spread over the row blocks' jobs
+# (wgrad_sum_rows), where the jobs of row block 0 do them all by default and the call waits for
+# them (ncu at large, PERF_NOTES v24-v25: ∂W1's calls take ~40 us more than ∂W2's a run). Off until
+# timed on the H200 (bench/flag_ab.py --flag mha_compile.kernels.gluon_moe:WGRAD_SUM_SPREAD).
+WGRAD_SUM_SPREAD = os.environ.get("MHA_COMPILE_WGRAD_SUM_SPREAD", "0") == "1"
 ACTS = {name: ACT_CODE[name] for name in ("gelu", "gelu_tanh", "silu", "swiglu")}
 DTYPES = (torch.bfloat16, torch.float16)
 # The config by the slot layout's TILE (triton_moe.tile_rows: 128 at the medium and large presets,
@@ -824,7 +829,10 @@ def _stream_piece(experts, it, start, ni, BK: gl.constexpr):
 #   bufs  = (A ring [2·NBUF, BK, 64] (stage·2 + half), B ring [NBUF, BK, BN]);
 #   bars  = (ready, empty) a stage;  ptrs = (out [E·SPLIT·I, J], expert_slots [2E], sums [E·SPLIT, J],
 #           flags [programs · 2 · 128], for STREAM);
-#   sizes = (I, J, E, JOBS, accumulate, SPLIT, TILE, has_sums).
+#   sizes = (I, J, E, JOBS, accumulate, SPLIT, TILE, has_sums, sum_rows): Σb in sum_rows rows an
+#           expert, row i summed by the jobs of row block i over 1/sum_rows of the K steps
+#           (_wgrad_summing). Triton builds sum_rows = 1, the default, as a constant: its branches
+#           below then fold to the code as it was before the spread (the same SASS, sm_90a).
 #
 # STREAM (accumulate only: the runs of tiles): one run holds a few experts' slots, so the (e, I
 # block, J block) jobs with work were ~1.5 waves of 132 programs (~0.9 in the last run), and the SMs
@@ -856,7 +864,7 @@ def _wgrad_descriptors(dptrs, bufs, sizes):
     162 us a large call, session 13); the hidden kernel's did, so its descriptors stay the host's."""
     a_ptr, b_ptr, S = dptrs
     a_bufs, b_bufs = bufs
-    I, J, E, JOBS, accumulate, SPLIT, TILE, has_sums = sizes
+    I, J, E, JOBS, accumulate, SPLIT, TILE, has_sums, sum_rows = sizes
     BK: gl.constexpr = b_bufs.type.shape[1]
     HALF: gl.constexpr = a_bufs.type.shape[2]
     BN: gl.constexpr = b_bufs.type.shape[2]
@@ -889,7 +897,7 @@ def _wgrad_produce(descs, bufs, bars, ptrs, sizes, STREAM: gl.constexpr):
     descs = _wgrad_descriptors(descs, bufs, sizes)
     a_desc, b_desc = descs
     out_ptr, expert_slots_ptr, sums_ptr, flags_ptr = ptrs
-    I, J, E, JOBS, accumulate, SPLIT, TILE, has_sums = sizes
+    I, J, E, JOBS, accumulate, SPLIT, TILE, has_sums, sum_rows = sizes
     BK: gl.constexpr = a_desc.block_type.shape[0]
     BM: gl.constexpr = 2 * a_desc.block_type.shape[1]
     BN: gl.constexpr = b_desc.block_type.shape[1]
@@ -962,9 +970,11 @@ def _flag_raise(ptrs):
 
 
 @gluon.jit
-def _wgrad_steps(bufs, bars, s0, s1, pos, summing, which, acc_layout: gl.constexpr, sums_layout: gl.constexpr):
+def _wgrad_steps(bufs, bars, s0, s1, pos, summing, phase, sum_rows, which, acc_layout: gl.constexpr,
+                 sums_layout: gl.constexpr):
     """A consumer's K steps over slots [s0, s1) from the ring: (its [64, BN] of Σ Aᵀ B in fp32, and
-    B's column sums when `summing`, from each stage while its wgmma runs; the ring position after)."""
+    when `summing` B's column sums over the steps k with (k / BK) mod sum_rows = phase, from each
+    such stage while its wgmma runs; the ring position after)."""
     a_bufs, b_bufs = bufs
     ready, empty = bars
     BK: gl.constexpr = b_bufs.type.shape[1]
@@ -977,7 +987,10 @@ def _wgrad_steps(bufs, bars, s0, s1, pos, summing, which, acc_layout: gl.constex
         stage = pos % NBUF
         acc = _ring_dot(a_bufs.index(2 * stage + which).permute((1, 0)), b_bufs.index(stage), acc, ready, empty, pos,
                         k > s0)
-        if summing:
+        sum_here = summing
+        if sum_rows != 1:
+            sum_here = summing & ((k // BK) % sum_rows == phase)
+        if sum_here:
             sums += _column_sums(b_bufs.index(stage), sums_layout)
         pos += 1
     acc = _ring_drain(acc, empty, pos, s1 > s0)
@@ -985,17 +998,30 @@ def _wgrad_steps(bufs, bars, s0, s1, pos, summing, which, acc_layout: gl.constex
 
 
 @gluon.jit
-def _wgrad_add(acc, sums, out_ptr, sums_ptr, e, i, j, I, J, which, summing, acc_layout: gl.constexpr,
+def _wgrad_summing(has_sums, i, sum_rows, which):
+    """Whether the first consumer of a tile in row block i sums B's columns (some of its K steps):
+    row block 0's, or with sum_rows > 1 the first sum_rows row blocks'."""
+    if sum_rows != 1:
+        return (has_sums != 0) & (i < sum_rows) & (which == 0)
+    else:
+        return (has_sums != 0) & (i == 0) & (which == 0)
+
+
+@gluon.jit
+def _wgrad_add(acc, sums, out_ptr, sums_ptr, e, i, j, I, J, which, summing, sum_rows, acc_layout: gl.constexpr,
                sums_layout: gl.constexpr):
     """STREAM: a consumer's [64, BN] of tile (e, i, j) added into ∂W's fp32 totals (red), and Σb's
-    columns by one thread each (sums_layout) when `summing`."""
+    columns by one thread each (sums_layout) into its row e·sum_rows + i when `summing`."""
     HALF: gl.constexpr = acc.shape[0]
     BN: gl.constexpr = acc.shape[1]
     rows = e * I + i * 2 * HALF + which * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
     cols = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
     _add_into(out_ptr + rows.to(gl.int64)[:, None] * J + cols[None, :], acc)
     if summing:
-        ptrs = sums_ptr + e * J + j * BN + gl.arange(0, BN, layout=sums_layout)
+        row = e
+        if sum_rows != 1:
+            row = e * sum_rows + i
+        ptrs = sums_ptr + row * J + j * BN + gl.arange(0, BN, layout=sums_layout)
         gl.store(ptrs, gl.load(ptrs) + gl.convert_layout(sums, sums_layout))
 
 
@@ -1005,7 +1031,7 @@ def _wgrad_consume(descs, bufs, bars, ptrs, sizes, which, STREAM: gl.constexpr):
     descs = _wgrad_descriptors(descs, bufs, sizes)
     a_desc, b_desc = descs
     out_ptr, expert_slots_ptr, sums_ptr, flags_ptr = ptrs
-    I, J, E, JOBS, accumulate, SPLIT, TILE, has_sums = sizes
+    I, J, E, JOBS, accumulate, SPLIT, TILE, has_sums, sum_rows = sizes
     BK: gl.constexpr = a_desc.block_type.shape[0]
     HALF: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = b_desc.block_type.shape[1]
@@ -1016,7 +1042,7 @@ def _wgrad_consume(descs, bufs, bars, ptrs, sizes, which, STREAM: gl.constexpr):
     # two adjacent columns a thread, the 4 warps side by side: [·, BN] exactly, no load twice
     sums_layout: gl.constexpr = gl.BlockedLayout([SUM_ROWS, 2], [256 // BN, BN // 8], [1, 4], [1, 0])
     # B's column sums (∂b1 = Σ ∂u beside ∂W1 = Σ xsᵀ ∂u) by the first consumer of a column block's
-    # first row block
+    # first sum_rows row blocks, each over the K steps of its phase (_wgrad_summing, _wgrad_steps)
     pos = 0
     if STREAM:
         # one thread a flag, a column of Σb a thread (not the replicated sums_layout: the thread
@@ -1032,24 +1058,28 @@ def _wgrad_consume(descs, bufs, bars, ptrs, sizes, which, STREAM: gl.constexpr):
         theirs = flags_ptr + (before * 2 + which) * 128 + thread
         for t in range(gl.program_id(0), whole, gl.num_programs(0)):
             e, i, j, s0, s1 = _stream_tile(experts, t, tiles, ni, BK)
-            summing = (has_sums != 0) & (i == 0) & (which == 0)
-            acc, sums, pos = _wgrad_steps(bufs, bars, s0, s1, pos, summing, which, acc_layout, sums_layout)
-            _wgrad_add(acc, sums, out_ptr, sums_ptr, e, i, j, I, J, which, summing, acc_layout, sums_own)
+            summing = _wgrad_summing(has_sums, i, sum_rows, which)
+            acc, sums, pos = _wgrad_steps(bufs, bars, s0, s1, pos, summing, i, sum_rows, which, acc_layout,
+                                          sums_layout)
+            _wgrad_add(acc, sums, out_ptr, sums_ptr, e, i, j, I, J, which, summing, sum_rows, acc_layout, sums_own)
         while it > start:
             e, i, j, s0, s1, waits, raises, it = _stream_piece(experts, it, start, ni, BK)
-            summing = (has_sums != 0) & (i == 0) & (which == 0)
-            acc, sums, pos = _wgrad_steps(bufs, bars, s0, s1, pos, summing, which, acc_layout, sums_layout)
+            summing = _wgrad_summing(has_sums, i, sum_rows, which)
+            acc, sums, pos = _wgrad_steps(bufs, bars, s0, s1, pos, summing, i, sum_rows, which, acc_layout,
+                                          sums_layout)
             if waits:
                 _flag_wait(theirs)
-            _wgrad_add(acc, sums, out_ptr, sums_ptr, e, i, j, I, J, which, summing, acc_layout, sums_own)
+            _wgrad_add(acc, sums, out_ptr, sums_ptr, e, i, j, I, J, which, summing, sum_rows, acc_layout, sums_own)
             if raises:
                 _flag_raise(mine)
     else:
         for job in range(gl.program_id(0), JOBS, gl.num_programs(0)):
             ec, i0, j0 = _wjob(job, I, J, SPLIT, 2 * HALF, BN)
             lo, hi = _wslots(expert_slots_ptr, E, ec, SPLIT, TILE)
-            summing = (has_sums != 0) & (i0 == 0) & (which == 0)
-            acc, sums, pos = _wgrad_steps(bufs, bars, lo, hi, pos, summing, which, acc_layout, sums_layout)
+            i = i0 // (2 * HALF)
+            summing = _wgrad_summing(has_sums, i, sum_rows, which)
+            acc, sums, pos = _wgrad_steps(bufs, bars, lo, hi, pos, summing, i, sum_rows, which, acc_layout,
+                                          sums_layout)
             rows = ec * I + i0 + which * HALF + gl.arange(0, HALF, layout=rows_layout)
             cols = j0 + gl.arange(0, BN, layout=cols_layout)
             ptrs_out = out_ptr + rows.to(gl.int64)[:, None] * J + cols[None, :]
@@ -1058,7 +1088,10 @@ def _wgrad_consume(descs, bufs, bars, ptrs, sizes, which, STREAM: gl.constexpr):
             elif hi > lo:  # an expert with no slots in this run is left untouched
                 _add_into(ptrs_out, acc)
             if summing:
-                ptrs_sums = sums_ptr + ec * J + j0 + gl.arange(0, BN, layout=gl.SliceLayout(0, sums_layout))
+                row = ec
+                if sum_rows != 1:
+                    row = ec * sum_rows + i
+                ptrs_sums = sums_ptr + row * J + j0 + gl.arange(0, BN, layout=gl.SliceLayout(0, sums_layout))
                 if accumulate == 0:
                     gl.store(ptrs_sums, sums.to(sums_ptr.dtype.element_ty))
                 elif hi > lo:  # not by red: at BN 128 two lanes hold each column (one [BN] a job: no stall worth it)
@@ -1088,7 +1121,7 @@ def _wgrad_produce_stream(descs, bufs, bars, ptrs, sizes):
 
 @gluon.jit
 def _wgrad_kernel(a_ptr, b_ptr, out_ptr, expert_slots_ptr, sums_ptr, flags_ptr, S, I, J, E, JOBS, accumulate, SPLIT,
-                  TILE, has_sums, BK: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, STREAM: gl.constexpr,
+                  TILE, has_sums, sum_rows, BK: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, STREAM: gl.constexpr,
                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     # TMA descriptors made on the device, by each partition: see _wgrad_descriptors.
     dtype: gl.constexpr = a_ptr.dtype.element_ty
@@ -1098,7 +1131,7 @@ def _wgrad_kernel(a_ptr, b_ptr, out_ptr, expert_slots_ptr, sums_ptr, flags_ptr, 
     b_bufs = gl.allocate_shared_memory(dtype, [NBUF, BK, BN], b_layout)
     ready, empty = _ring_barriers(NBUF)
     args = ((a_ptr, b_ptr, S), (a_bufs, b_bufs), (ready, empty), (out_ptr, expert_slots_ptr, sums_ptr, flags_ptr),
-            (I, J, E, JOBS, accumulate, SPLIT, TILE, has_sums))
+            (I, J, E, JOBS, accumulate, SPLIT, TILE, has_sums, sum_rows))
     zero = gl.program_id(0) * 0
     if STREAM:
         gl.warp_specialize([(_wgrad_consume, args + (zero, STREAM)),
@@ -1123,27 +1156,39 @@ def wgrad_stream(accumulate, experts):
     return WGRAD_STREAM and bool(accumulate) and experts <= STREAM_EXPERTS.value
 
 
+def wgrad_sum_rows(I):
+    """Σb's rows an expert by default: 1 (the jobs of row block 0 sum every K step), or with
+    MHA_COMPILE_WGRAD_SUM_SPREAD=1 one a row block of 128 (each row block's jobs sum 1/R of them)."""
+    return max(1, I // 128) if WGRAD_SUM_SPREAD else 1
+
+
 def wgrad_block_n(J):
     """weight_grads' column block by default: 256 where J allows, else 128."""
     return 256 if J % 256 == 0 else 128
 
 
 def weight_grads(a, b, groups, out, accumulate, split=1, block_k=WGRAD_BK, block_n=None, nbuf=WGRAD_NBUF,
-                 sums=None, stream=None):
+                 sums=None, stream=None, sum_rows=1):
     """out [E,I,J] = Σ_{s∈e} A[s]ᵀ B[s] (accumulate: added into out, fp32 totals, experts without
     slots here untouched). split > 1 (not with accumulate): out is [E·split, I, J] fp32, row
     e·split + c the sum over split c of e's slots (as triton_moe._moe_wgrad_kernel cuts them),
     for triton_moe's _sum_splits_kernel to add. sums: [E·split, J] to take B's column sums
-    Σ_{s∈e} B[s] the same way (∂b1 beside ∂W1), in out's dtype. Callers check `wgrad_unsupported`
-    first; block_n: 256 where J allows. stream: the STREAM schedule (accumulate only, at most
-    STREAM_EXPERTS experts); None: WGRAD_STREAM where it applies."""
+    Σ_{s∈e} B[s] the same way (∂b1 beside ∂W1), in out's dtype or fp32; with sum_rows R > 1 (at most I's
+    row blocks, wgrad_sum_rows) sums is [E·split·R, J]: row (e·split + c)·R + i holds the sum over
+    the K steps k with (k / block_k) mod R = i (each summed by the jobs of row block i, not all by
+    block 0's), for the caller to add up. Callers check `wgrad_unsupported` first; block_n: 256 where
+    J allows. stream: the STREAM schedule (accumulate only, at most STREAM_EXPERTS experts); None:
+    WGRAD_STREAM where it applies."""
     E, (I, J) = groups.experts, (a.shape[1], b.shape[1])
     if split > 1 and (accumulate or out.dtype != torch.float32 or out.shape[0] != E * split):
         raise ValueError(f"split={split}: takes fp32 partial sums out [E·split = {E * split}, I, J] and no "
                          f"accumulate; got out {tuple(out.shape)} {out.dtype}, accumulate={accumulate}")
-    if sums is not None and (sums.shape != (E * split, J) or sums.dtype != out.dtype or not sums.is_contiguous()):
-        raise ValueError(f"sums: wants a contiguous [E·split, J] = [{E * split}, {J}] {out.dtype} tensor, got "
-                         f"{tuple(sums.shape)} {sums.dtype}")
+    if not 1 <= sum_rows <= I // 128:
+        raise ValueError(f"sum_rows={sum_rows}: takes 1 to I / 128 = {I // 128} (one a row block of 128)")
+    if sums is not None and (sums.shape != (E * split * sum_rows, J) or sums.dtype not in (out.dtype, torch.float32)
+                             or not sums.is_contiguous()):
+        raise ValueError(f"sums: wants a contiguous [E·split·sum_rows, J] = [{E * split * sum_rows}, {J}] "
+                         f"{out.dtype} or fp32 tensor, got {tuple(sums.shape)} {sums.dtype}")
     block_n = block_n or wgrad_block_n(J)
     jobs = E * split * (I // 128) * (J // block_n)
     if stream and (not accumulate or E > STREAM_EXPERTS.value):
@@ -1156,7 +1201,7 @@ def weight_grads(a, b, groups, out, accumulate, split=1, block_k=WGRAD_BK, block
         _wgrad_kernel[(programs,)](
             a, b, out, groups.expert_slots, out if sums is None else sums,
             stream_flags(a.device) if stream else groups.expert_slots, a.shape[0], I, J, E, jobs,
-            int(accumulate), split, groups.tile, int(sums is not None),
+            int(accumulate), split, groups.tile, int(sums is not None), sum_rows,
             BK=block_k, BN=block_n, NBUF=nbuf, STREAM=stream,
             CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
     return out

@@ -932,14 +932,17 @@ def weight_grads(a, b, b2, groups, into=None, sums=False):
     [S,J] (b2 [S,J]); see _moe_wgrad_kernel. into: fp32 (∂W, ∂W', Σb) to add these slots' sums to
     (one run of tiles), returned. sums: also Σ_{s∈e} b[s] (∂b1 beside ∂W1 = Σ xsᵀ ∂u), where the
     Gluon kernel runs (its first consumer sums each B stage while the stage's wgmmas run: one pass
-    over ∂u fewer than tile_sums); Σb is None where it does not, and the caller sums b itself."""
+    over ∂u fewer than tile_sums); Σb is None where it does not, and the caller sums b itself.
+    With gluon_moe.wgrad_sum_rows R > 1 the kernel leaves Σb in R fp32 rows an expert (each row
+    block's jobs summing 1/R of the K steps), added up here."""
     E = groups.experts
     I, J = a.shape[1], b.shape[1]
     dev, dtype = a.device, a.dtype
     accumulate = into is not None
     split = 1 if accumulate or gluon_moe is None else gluon_wgrad_splits(groups.slots, E, I, J, dev)
     stream = gluon_moe is not None and gluon_moe.wgrad_stream(accumulate, E)
-    gluon = b2 is None and wgrad_kernel(a, b, groups.tile, accumulate, split, sums, stream) == "gluon"
+    rows = gluon_moe.wgrad_sum_rows(I) if gluon_moe is not None and sums else 1
+    gluon = b2 is None and wgrad_kernel(a, b, groups.tile, accumulate, split, sums, stream, rows) == "gluon"
     if not gluon and not accumulate:
         split = wgrad_splits(groups.slots, E, I, J, dev)
     sums = sums and gluon  # the Triton kernel has no Σb: allocate none for it
@@ -953,12 +956,15 @@ def weight_grads(a, b, b2, groups, into=None, sums=False):
         outs = [t for t in (dw, dw2) if t is not None]
         parts = [torch.empty(E * split, I, J, device=dev, dtype=torch.float32) for _ in outs]
         p_dw, p_dw2 = parts[0], parts[-1]
-        p_db = torch.empty(E * split, J, device=dev, dtype=torch.float32) if sums else None
+        p_db = torch.empty(E * split * rows, J, device=dev, dtype=torch.float32) if sums else None
     else:
         p_dw, p_dw2, p_db = dw, dw if dw2 is None else dw2, db if sums else None
+        if sums and rows > 1:  # fp32 rows, each written or added to by one job a launch
+            p_db = (torch.zeros if accumulate else torch.empty)(E * rows, J, device=dev, dtype=torch.float32)
     ran = gluon and _gluon_launch(
-        "weight-gradient GEMM", wgrad_key(a, b, accumulate, split, sums, stream),
-        functools.partial(gluon_moe.weight_grads, a, b, groups, p_dw, accumulate, split, sums=p_db, stream=stream))
+        "weight-gradient GEMM", wgrad_key(a, b, accumulate, split, sums, stream, rows),
+        functools.partial(gluon_moe.weight_grads, a, b, groups, p_dw, accumulate, split, sums=p_db, stream=stream,
+                          sum_rows=rows))
     if not ran:
         _wgrad(lambda m: (E * split, triton.cdiv(I, m["BLOCK_I"]), triton.cdiv(J, m["BLOCK_J"])),
                a, b, b if b2 is None else b2, groups.expert_slots, p_dw, p_dw2, I, J, E, split,
@@ -967,7 +973,13 @@ def weight_grads(a, b, b2, groups, into=None, sums=False):
         _sum_splits_kernel[(triton.cdiv(E * I * J, SUM_BLOCK), len(outs))](
             parts[0], outs[0], parts[-1], outs[-1], E, I * J, split, BLOCK=SUM_BLOCK)
         if ran and sums:  # one pair: grid axis 1 is 1, so the second pair passed is never read
-            _sum_splits_kernel[(triton.cdiv(E * J, SUM_BLOCK), 1)](p_db, db, p_db, db, E, J, split, BLOCK=SUM_BLOCK)
+            _sum_splits_kernel[(triton.cdiv(E * J, SUM_BLOCK), 1)](p_db, db, p_db, db, E, J, split * rows,
+                                                                   BLOCK=SUM_BLOCK)
+    elif ran and sums and rows > 1:
+        if accumulate:
+            db.add_(p_db.view(E, rows, J).sum(1))
+        else:
+            db.copy_(p_db.view(E, rows, J).sum(1))
     return dw, dw2, (db if ran and sums else None)
 
 
@@ -1091,18 +1103,20 @@ def hidden_kernel(xs, gs, w1, w2, w3, b1, act, tile):
                    lambda: gluon_moe.unsupported(xs, gs, w1, w2, w3, act, tile))
 
 
-def wgrad_key(a, b, accumulate, split=1, sums=False, stream=False):
+def wgrad_key(a, b, accumulate, split=1, sums=False, stream=False, sum_rows=1):
     """What the Gluon weight-gradient GEMM is compiled for: the rows' dtype, written or added into
     fp32 totals, its column block (256 where J allows), whether it splits the slots, whether it
-    sums B's columns (Triton builds an integer argument equal to 1 apart, as a constant) and its
-    schedule (STREAM or jobs: a failed STREAM build must not send the jobs' launches to Triton)."""
-    return a.dtype, bool(accumulate), b.shape[1] % 256 == 0, split > 1, bool(sums), bool(stream)
+    sums B's columns and in more than one row an expert (Triton builds an integer argument equal to
+    1 apart, as a constant) and its schedule (STREAM or jobs: a failed STREAM build must not send
+    the jobs' launches to Triton)."""
+    return (a.dtype, bool(accumulate), b.shape[1] % 256 == 0, split > 1, bool(sums), bool(stream),
+            bool(sums) and sum_rows > 1)
 
 
-def wgrad_kernel(a, b, tile, accumulate, split=1, sums=False, stream=False):
+def wgrad_kernel(a, b, tile, accumulate, split=1, sums=False, stream=False, sum_rows=1):
     """Which weight-gradient kernel weight_grads runs (one B) on these slot rows; by the same key
     its launch records a failed build under."""
-    return _choose("weight-gradient GEMM", wgrad_key(a, b, accumulate, split, sums, stream), a.device,
+    return _choose("weight-gradient GEMM", wgrad_key(a, b, accumulate, split, sums, stream, sum_rows), a.device,
                    lambda: gluon_moe.wgrad_unsupported(a, b, tile))
 
 

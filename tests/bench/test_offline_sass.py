@@ -74,14 +74,17 @@ def test_gluon_kernels_build_with_inline_ptx(tmp_path):
     assert offline_sass(tmp_path, "--presets", "medium", "--kernels", kernels) == []
 
 
-@pytest.mark.parametrize("stream", ["0", "1"])
-def test_weight_gradients_of_the_runs_build_either_way(tmp_path, stream):
+@pytest.mark.parametrize("stream, spread", [("0", "0"), ("1", "0"), ("0", "1"), ("1", "1")])
+def test_weight_gradients_of_the_runs_build_either_way(tmp_path, stream, spread):
     """The large backward's runs of tiles add their weight gradients into totals: by jobs, or with
     MHA_COMPILE_WGRAD_STREAM=1 by the STREAM schedule (its flags' inline PTX, the K-step loops);
+    ∂W1's Σb in one row an expert, or with MHA_COMPILE_WGRAD_SUM_SPREAD=1 in one a row block (4);
     each builds for sm_90a with no spills and no serialised wgmma (ptxas's C7515)."""
     rows = offline_sass(tmp_path, "--presets", "large", "--gluon", "--kernels", "_wgrad_kernel",
-                        env={"MHA_COMPILE_WGRAD_STREAM": stream})
+                        env={"MHA_COMPILE_WGRAD_STREAM": stream, "MHA_COMPILE_WGRAD_SUM_SPREAD": spread})
     assert len(rows) == 2 and not [r for r in rows if "error" in r]  # ∂W2's and ∂W1's shapes
+    assert [(r["constexprs"]["has_sums"], r["constexprs"]["sum_rows"]) for r in rows] == [
+        (0, 1), (1, 4 if spread == "1" else 1)]
     for r in rows:
         assert r["constexprs"]["STREAM"] == (stream == "1"), r
         assert r["spill_bytes"] == 0 and not r["wgmma_serialized"] and r["wgmma"] > 0 and r["fits"], r

@@ -129,17 +129,23 @@ def test_weight_gradient_splits_take_fp32_partial_sums():
 
 
 def test_weight_gradient_sums_take_out_layout():
-    """B's column sums go to [E·split, J] in out's dtype, contiguous: anything else is refused before
-    a launch, naming what it got."""
+    """B's column sums go to [E·split·sum_rows, J] in out's dtype or fp32, contiguous, with sum_rows
+    at most I's row blocks of 128: anything else is refused before a launch, naming what it got."""
     from types import SimpleNamespace
 
     a, b = torch.randn(256, 128).bfloat16(), torch.randn(256, 256).bfloat16()
     groups = SimpleNamespace(experts=4, tile=128)
     out = torch.empty(12, 128, 256)
     for sums in (torch.empty(4, 256), torch.empty(12, 256).bfloat16(), torch.empty(256, 12).t()):
-        with pytest.raises(ValueError, match=rf"sums: wants a contiguous \[E·split, J\] = \[12, 256\] torch.float32 "
-                                             rf"tensor, got \({sums.shape[0]}, {sums.shape[1]}\) {sums.dtype}"):
+        with pytest.raises(ValueError, match=rf"sums: wants a contiguous \[E·split·sum_rows, J\] = \[12, 256\] "
+                                             rf"torch.float32 or fp32 tensor, got \({sums.shape[0]}, {sums.shape[1]}\) "
+                                             rf"{sums.dtype}"):
             gluon_moe.weight_grads(a, b, groups, out, False, split=3, sums=sums)
+    wide, out = torch.randn(256, 256).bfloat16(), torch.empty(4, 256, 256).bfloat16()  # I = 256: two row blocks
+    with pytest.raises(ValueError, match=r"sum_rows=3: takes 1 to I / 128 = 2"):
+        gluon_moe.weight_grads(wide, b, groups, out, False, sums=torch.empty(12, 256), sum_rows=3)
+    with pytest.raises(ValueError, match=r"\[E·split·sum_rows, J\] = \[8, 256\] .* got \(4, 256\)"):
+        gluon_moe.weight_grads(wide, b, groups, out, False, sums=torch.empty(4, 256), sum_rows=2)
 
 
 def test_weight_gradient_stream_takes_totals_of_few_experts():
@@ -407,3 +413,65 @@ def test_gemm2_key_holds_the_scale_dtype():
     h, w2, out, b2, scale = gemm2_operands()
     keys = {moe.gemm2_key(h, out, b2, s, 128) for s in (scale, scale.bfloat16(), None)}
     assert len(keys) == 3
+
+
+def _phase_sums(b, groups, split, rows, bk=gluon_moe.WGRAD_BK):
+    """The Σb rows gluon_moe.weight_grads leaves with sum_rows=rows, in float64: [E, split, rows, J],
+    row i of split c of expert e the column sums of b over the K steps k (slots k … k + bk) of that
+    split with (k / bk) mod rows = i."""
+    bounds = groups.expert_slots.tolist()
+    E = groups.experts
+    want = torch.zeros(E, split, rows, b.shape[1], dtype=torch.float64)
+    for e in range(E):
+        lo, hi = bounds[e], bounds[E + e]
+        run = -(-((hi - lo) // groups.tile) // split) * groups.tile
+        for c in range(split):
+            for k in range(min(lo + c * run, hi), min(lo + (c + 1) * run, hi), bk):
+                want[e, c, (k // bk) % rows] += b[k:k + bk].double().sum(0)
+    return want
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="triton_moe on the CPU needs TRITON_INTERPRET=1")
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+@pytest.mark.parametrize("mode", ["whole", "split", "added"])
+def test_weight_grads_add_up_sums_spread_over_row_blocks(monkeypatch, mode):
+    """MHA_COMPILE_WGRAD_SUM_SPREAD=1: the Gluon kernel (here its contract in torch, as on an H200)
+    leaves Σb in I/128 rows an expert, each the sums over 1/R of the K steps; triton_moe.weight_grads
+    adds them up into Σb [E, J] (written, over the splits too; or added into the runs' totals)."""
+    monkeypatch.setattr(moe, "_GLUON_FAILED", {})
+    monkeypatch.setattr(moe, "_GLUON_LAUNCHED", set())
+    monkeypatch.setattr(gluon_moe, "wgrad_unsupported", lambda *args, **kwargs: None)
+    monkeypatch.setattr(gluon_moe, "WGRAD_SUM_SPREAD", True)
+    launches = []
+
+    def contract(a, b, groups, out, accumulate, split=1, sums=None, stream=None, sum_rows=1):
+        launches.append((split, sum_rows, None if sums is None else tuple(sums.shape)))
+        e = groups.tile_expert.long().repeat_interleave(groups.tile)
+        dw = torch.zeros(groups.experts, a.shape[1], b.shape[1], dtype=torch.float64).index_add_(
+            0, e, a.double()[:, :, None] * b.double()[:, None, :])
+        phase = _phase_sums(b, groups, split, sum_rows).view(sums.shape)
+        if accumulate:
+            out += dw.to(out.dtype)
+            sums += phase.to(sums.dtype)
+        else:
+            out.copy_(dw.repeat_interleave(split, 0) / split)  # the splits' parts: any that add up
+            sums.copy_(phase.to(sums.dtype))
+
+    monkeypatch.setattr(gluon_moe, "weight_grads", contract)
+    monkeypatch.setattr(moe, "gluon_wgrad_splits", lambda *args: 2 if mode == "split" else 1)
+    E, I, J = 3, 512, 256
+    groups = _top2_layout(E, 700, seed=9)
+    valid = (groups.slot_pair < groups.pairs)[:, None]
+    a, b = torch.randn(groups.slots, I) * valid, torch.randn(groups.slots, J) * valid
+    want = _phase_sums(b, groups, 1, 1)[:, 0, 0]
+    if mode == "added":
+        start = torch.randn(E, J)
+        totals = (torch.zeros(E, I, J), None, start.clone())
+        got = moe.weight_grads(a, b, None, groups, into=totals, sums=True)[2]
+        assert got is totals[2]
+        want = want + start.double()
+    else:
+        got = moe.weight_grads(a, b, None, groups, sums=True)[2]
+    split, rows, shape = launches[0]
+    assert rows == I // 128 and shape == (E * split * rows, J) and split == (2 if mode == "split" else 1)
+    assert float((got.double() - want).norm() / want.norm()) < 1e-6

@@ -287,6 +287,46 @@ def test_weight_grads_stream_adds_in_step_order(R, k, D, J, E, used):
         assert torch.equal(total_again, total) and torch.equal(sums_again, sums)
 
 
+def float64_phase_sums(b, groups, split, rows, bk=gluon_moe.WGRAD_BK):
+    """Σb in `rows` rows an expert as the kernel leaves it with sum_rows=rows, float64 [E, split,
+    rows, J]: row i of split c of e the column sums over that split's K steps k with (k/bk) mod rows = i."""
+    b, E = b.double().cpu(), groups.experts
+    want = torch.zeros(E, split, rows, b.shape[1], dtype=torch.float64)
+    for e in range(E):
+        for c, (lo, hi) in enumerate(split_bounds(groups, e, split)):
+            for k in range(lo, hi, bk):
+                want[e, c, (k // bk) % rows] += b[k:k + bk].sum(0)
+    return want
+
+
+@pytest.mark.parametrize("mode", ["whole", "split3", "jobs+=", "stream+="])
+def test_weight_grads_sums_spread_over_row_blocks(mode):
+    """sum_rows = I/128 (MHA_COMPILE_WGRAD_SUM_SPREAD=1): B's column sums in that many fp32 rows an
+    expert, row i over the K steps the jobs of row block i take (k/64 mod R = i), against float64,
+    with empty experts; written (whole, or split 3 ways) or added into totals (jobs, STREAM), where
+    experts without slots stay untouched. ∂W itself as without the spread."""
+    R, k, D, F, E, used = 3000, 2, 512, 256, 5, [0, 2, 3, 4]
+    groups, xs, _, _, _, _, _ = slot_case(R, k, D, F, E, used, torch.bfloat16, True, seed=21)
+    du = (torch.randn(groups.slots, F, device="cuda") * (groups.slot_pair < groups.pairs)[:, None]).bfloat16()
+    rows, split = D // 128, 3 if mode == "split3" else 1
+    accumulate = mode.endswith("+=")
+    fill = torch.zeros if accumulate else (lambda *s, **kw: torch.full(s, float("nan"), **kw))
+    out = fill(E * split, D, F, device="cuda", dtype=torch.float32 if accumulate or split > 1 else torch.bfloat16)
+    sums = fill(E * split * rows, F, device="cuda", dtype=torch.float32)
+    gluon_moe.weight_grads(xs, du, groups, out, accumulate, split=split, sums=sums,
+                           stream=(mode == "stream+=") if accumulate else None, sum_rows=rows)
+    want = float64_phase_sums(du, groups, split, rows)
+    got = sums.view(E, split, rows, F).double().cpu()
+    for e in range(E):
+        for c in range(split):
+            for i in range(rows):
+                ref = want[e, c, i]
+                # exact bf16 values summed in fp32: ≤ K·2⁻²⁴ (as the totals' test)
+                assert float((got[e, c, i] - ref).norm()) <= 1e-4 * max(float(ref.norm()), 1e-30), (e, c, i)
+    assert float((out.double().view(E, split, D, F).sum(1) - float64_wgrad(xs, du, groups)).norm()
+                 / float64_wgrad(xs, du, groups).norm()) < 1e-2
+
+
 def test_weight_grads_dispatch(monkeypatch):
     """weight_grads takes the Gluon GEMM for one B, added into totals (the runs of tiles) or in
     split sums (medium's), and the Triton one for two Bs (swiglu's ∂W1, ∂W3)."""
