@@ -79,20 +79,22 @@ def auto_wanted(ctx, w1, top_k, act):
     peer's (issue 4's memory target). A large step issues in 6.3-10 ms of host, depending on the
     host, for 6.6 ms of GPU time (bench/PERF_NOTES.md v15, v16): on a slow host graphs="on"
     trades the memory for that time."""
-    B, H, D = ctx.shape
-    E, _, F = w1.shape
-    pairs = B * H * top_k
-    tile = triton_moe.tile_rows(pairs, E)
-    per_slot = triton_moe.backward_slot_bytes(D, F, act == "swiglu", ctx.element_size())
-    return triton_moe.tile_count(pairs, E, tile) <= triton_moe.tiles_per_run(tile, per_slot)  # tile_runs' rule
+    pairs, experts, per_slot = _slot_sizes(ctx, w1, top_k, act)
+    tile = triton_moe.tile_rows(pairs, experts)
+    return triton_moe.tile_count(pairs, experts, tile) <= triton_moe.tiles_per_run(tile, per_slot)  # tile_runs' rule
 
 
 def slot_buffer_bytes(ctx, w1, top_k, act):
     """Bytes of the backward's slot buffers for ctx [B,H,D] and W1 [E,D,F], in ctx's dtype."""
+    pairs, experts, per_slot = _slot_sizes(ctx, w1, top_k, act)
+    return triton_moe.slot_count(pairs, experts) * per_slot
+
+
+def _slot_sizes(ctx, w1, top_k, act):
+    """(row-expert pairs, experts, the backward's slot buffer bytes a slot) for ctx [B,H,D], W1 [E,D,F]."""
     B, H, D = ctx.shape
     E, _, F = w1.shape
-    slots = triton_moe.slot_count(B * H * top_k, E)
-    return slots * triton_moe.backward_slot_bytes(D, F, act == "swiglu", ctx.element_size())
+    return B * H * top_k, E, triton_moe.backward_slot_bytes(D, F, act == "swiglu", ctx.element_size())
 
 
 def call(fn, args, statics):
