@@ -827,7 +827,7 @@ def _stream_piece(experts, it, start, ni, BK: gl.constexpr):
 #   descs = (A, B, S), from which each makes its descriptors (_wgrad_descriptors): A as [S, I] in
 #           [BK, 64] blocks, B as [S, J] in [BK, BN] blocks;
 #   bufs  = (A ring [2·NBUF, BK, 64] (stage·2 + half), B ring [NBUF, BK, BN]);
-#   bars  = (ready, empty) a stage;  ptrs = (out [E·SPLIT·I, J], expert_slots [2E], sums [E·SPLIT, J],
+#   bars  = (ready, empty) a stage;  ptrs = (out [E·SPLIT·I, J], expert_slots [2E], sums [E·SPLIT·sum_rows, J],
 #           flags [programs · 2 · 128], for STREAM);
 #   sizes = (I, J, E, JOBS, accumulate, SPLIT, TILE, has_sums, sum_rows): Σb in sum_rows rows an
 #           expert, row i summed by the jobs of row block i over 1/sum_rows of the K steps
@@ -1008,6 +1008,16 @@ def _wgrad_summing(has_sums, i, sum_rows, which):
 
 
 @gluon.jit
+def _wgrad_sums_row(ec, i, sum_rows):
+    """The Σb row a summing tile of expert (or expert split) ec in row block i adds to: ec, or with
+    sum_rows > 1 its row block's, ec·sum_rows + i."""
+    if sum_rows != 1:
+        return ec * sum_rows + i
+    else:
+        return ec
+
+
+@gluon.jit
 def _wgrad_add(acc, sums, out_ptr, sums_ptr, e, i, j, I, J, which, summing, sum_rows, acc_layout: gl.constexpr,
                sums_layout: gl.constexpr):
     """STREAM: a consumer's [64, BN] of tile (e, i, j) added into ∂W's fp32 totals (red), and Σb's
@@ -1018,10 +1028,7 @@ def _wgrad_add(acc, sums, out_ptr, sums_ptr, e, i, j, I, J, which, summing, sum_
     cols = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
     _add_into(out_ptr + rows.to(gl.int64)[:, None] * J + cols[None, :], acc)
     if summing:
-        row = e
-        if sum_rows != 1:
-            row = e * sum_rows + i
-        ptrs = sums_ptr + row * J + j * BN + gl.arange(0, BN, layout=sums_layout)
+        ptrs = sums_ptr + _wgrad_sums_row(e, i, sum_rows) * J + j * BN + gl.arange(0, BN, layout=sums_layout)
         gl.store(ptrs, gl.load(ptrs) + gl.convert_layout(sums, sums_layout))
 
 
@@ -1088,10 +1095,8 @@ def _wgrad_consume(descs, bufs, bars, ptrs, sizes, which, STREAM: gl.constexpr):
             elif hi > lo:  # an expert with no slots in this run is left untouched
                 _add_into(ptrs_out, acc)
             if summing:
-                row = ec
-                if sum_rows != 1:
-                    row = ec * sum_rows + i
-                ptrs_sums = sums_ptr + row * J + j0 + gl.arange(0, BN, layout=gl.SliceLayout(0, sums_layout))
+                ptrs_sums = (sums_ptr + _wgrad_sums_row(ec, i, sum_rows) * J + j0
+                             + gl.arange(0, BN, layout=gl.SliceLayout(0, sums_layout)))
                 if accumulate == 0:
                     gl.store(ptrs_sums, sums.to(sums_ptr.dtype.element_ty))
                 elif hi > lo:  # not by red: at BN 128 two lanes hold each column (one [BN] a job: no stall worth it)
