@@ -14,15 +14,12 @@ must not change what the step computes beyond summation order.
 import argparse
 import importlib
 import statistics
-import sys
 
 import torch
 import triton.testing
 
+from kernel_times import graphed
 from mha_compile import models, ops  # noqa: F401  (ops registers torch.ops.mha)
-
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from kernel_times import graphed  # noqa: E402
 
 
 def main():

@@ -203,3 +203,19 @@ def check_activation(act, device, kernel=_act_kernel):
     for name, got, ref in (("act", h, want.detach()), ("act'", du, leaf.grad)):
         err = (got.cpu().double() - ref).abs()
         assert torch.isfinite(got).all() and (err <= bound).all(), f"{act} {name}: max error {err.max().item():.3g}"
+
+
+def phase_column_sums(b, groups, split, rows, bk):
+    """B's column sums as gluon_moe.weight_grads leaves them with sum_rows=rows, in float64 on the
+    CPU: [E, split, rows, J], row i of split c of expert e the sums over that split's K steps k
+    (slots k … k + bk) with (k / bk) mod rows = i; splits are runs of whole tiles, as
+    triton_moe._moe_wgrad_kernel cuts an expert's slots."""
+    b, bounds, E = b.double().cpu(), groups.expert_slots.tolist(), groups.experts
+    want = torch.zeros(E, split, rows, b.shape[1], dtype=torch.float64)
+    for e in range(E):
+        lo, hi = bounds[e], bounds[E + e]
+        run = -(-((hi - lo) // groups.tile) // split) * groups.tile
+        for c in range(split):
+            for k in range(min(lo + c * run, hi), min(lo + (c + 1) * run, hi), bk):
+                want[e, c, (k // bk) % rows] += b[k:k + bk].sum(0)
+    return want

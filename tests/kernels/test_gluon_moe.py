@@ -9,6 +9,7 @@ import types
 import pytest
 import torch
 
+from kernel_cases import phase_column_sums
 from mha_compile.kernels import gluon_moe
 from mha_compile.kernels import triton_moe as moe
 from mha_compile.kernels.triton_util import GW_BLOCK, dot_precision
@@ -415,22 +416,6 @@ def test_gemm2_key_holds_the_scale_dtype():
     assert len(keys) == 3
 
 
-def _phase_sums(b, groups, split, rows, bk=gluon_moe.WGRAD_BK):
-    """The Σb rows gluon_moe.weight_grads leaves with sum_rows=rows, in float64: [E, split, rows, J],
-    row i of split c of expert e the column sums of b over the K steps k (slots k … k + bk) of that
-    split with (k / bk) mod rows = i."""
-    bounds = groups.expert_slots.tolist()
-    E = groups.experts
-    want = torch.zeros(E, split, rows, b.shape[1], dtype=torch.float64)
-    for e in range(E):
-        lo, hi = bounds[e], bounds[E + e]
-        run = -(-((hi - lo) // groups.tile) // split) * groups.tile
-        for c in range(split):
-            for k in range(min(lo + c * run, hi), min(lo + (c + 1) * run, hi), bk):
-                want[e, c, (k // bk) % rows] += b[k:k + bk].double().sum(0)
-    return want
-
-
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="triton_moe on the CPU needs TRITON_INTERPRET=1")
 @pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 @pytest.mark.parametrize("mode", ["whole", "split", "added"])
@@ -449,7 +434,7 @@ def test_weight_grads_add_up_sums_spread_over_row_blocks(monkeypatch, mode):
         e = groups.tile_expert.long().repeat_interleave(groups.tile)
         dw = torch.zeros(groups.experts, a.shape[1], b.shape[1], dtype=torch.float64).index_add_(
             0, e, a.double()[:, :, None] * b.double()[:, None, :])
-        phase = _phase_sums(b, groups, split, sum_rows).view(sums.shape)
+        phase = phase_column_sums(b, groups, split, sum_rows, gluon_moe.WGRAD_BK).view(sums.shape)
         if accumulate:
             out += dw.to(out.dtype)
             sums += phase.to(sums.dtype)
@@ -463,7 +448,7 @@ def test_weight_grads_add_up_sums_spread_over_row_blocks(monkeypatch, mode):
     groups = _top2_layout(E, 700, seed=9)
     valid = (groups.slot_pair < groups.pairs)[:, None]
     a, b = torch.randn(groups.slots, I) * valid, torch.randn(groups.slots, J) * valid
-    want = _phase_sums(b, groups, 1, 1)[:, 0, 0]
+    want = phase_column_sums(b, groups, 1, 1, gluon_moe.WGRAD_BK)[:, 0, 0]
     if mode == "added":
         start = torch.randn(E, J)
         totals = (torch.zeros(E, I, J), None, start.clone())

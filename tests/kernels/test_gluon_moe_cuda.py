@@ -10,7 +10,7 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from kernel_cases import check_activation
+from kernel_cases import check_activation, phase_column_sums
 from mha_compile.kernels import gluon_moe, reference
 from mha_compile.kernels import triton_moe as moe
 
@@ -287,18 +287,6 @@ def test_weight_grads_stream_adds_in_step_order(R, k, D, J, E, used):
         assert torch.equal(total_again, total) and torch.equal(sums_again, sums)
 
 
-def float64_phase_sums(b, groups, split, rows, bk=gluon_moe.WGRAD_BK):
-    """Σb in `rows` rows an expert as the kernel leaves it with sum_rows=rows, float64 [E, split,
-    rows, J]: row i of split c of e the column sums over that split's K steps k with (k/bk) mod rows = i."""
-    b, E = b.double().cpu(), groups.experts
-    want = torch.zeros(E, split, rows, b.shape[1], dtype=torch.float64)
-    for e in range(E):
-        for c, (lo, hi) in enumerate(split_bounds(groups, e, split)):
-            for k in range(lo, hi, bk):
-                want[e, c, (k // bk) % rows] += b[k:k + bk].sum(0)
-    return want
-
-
 @pytest.mark.parametrize("mode", ["whole", "split3", "jobs+=", "stream+="])
 def test_weight_grads_sums_spread_over_row_blocks(mode):
     """sum_rows = I/128 (MHA_COMPILE_WGRAD_SUM_SPREAD=1): B's column sums in that many fp32 rows an
@@ -315,7 +303,7 @@ def test_weight_grads_sums_spread_over_row_blocks(mode):
     sums = fill(E * split * rows, F, device="cuda", dtype=torch.float32)
     gluon_moe.weight_grads(xs, du, groups, out, accumulate, split=split, sums=sums,
                            stream=(mode == "stream+=") if accumulate else None, sum_rows=rows)
-    want = float64_phase_sums(du, groups, split, rows)
+    want = phase_column_sums(du, groups, split, rows, gluon_moe.WGRAD_BK)
     got = sums.view(E, split, rows, F).double().cpu()
     for e in range(E):
         for c in range(split):
