@@ -231,12 +231,18 @@ def _top2_layout(E, rows, seed):
     return moe.group(index, E)
 
 
-def _taken_but_broken(monkeypatch, unsupported, kernel):
-    """gluon_moe.<kernel> taken, as on an H200 (gluon_moe.<unsupported> finds nothing), and failing
-    to build, with no build recorded yet: the list each attempt appends its keyword arguments to."""
+def _taken(monkeypatch, unsupported):
+    """gluon_moe's kernels taken where gluon_moe.<unsupported> decides, as on an H200 (it finds
+    nothing), with no build recorded yet."""
     monkeypatch.setattr(moe, "_GLUON_FAILED", {})
     monkeypatch.setattr(moe, "_GLUON_LAUNCHED", set())
     monkeypatch.setattr(gluon_moe, unsupported, lambda *args, **kwargs: None)
+
+
+def _taken_but_broken(monkeypatch, unsupported, kernel):
+    """gluon_moe.<kernel> taken (_taken) and failing to build: the list each attempt appends its
+    keyword arguments to."""
+    _taken(monkeypatch, unsupported)
     launches = []
 
     def broken(*args, **kwargs):
@@ -423,9 +429,7 @@ def test_weight_grads_add_up_sums_spread_over_row_blocks(monkeypatch, mode):
     """MHA_COMPILE_WGRAD_SUM_SPREAD=1: the Gluon kernel (here its contract in torch, as on an H200)
     leaves Σb in I/128 rows an expert, each the sums over 1/R of the K steps; triton_moe.weight_grads
     adds them up into Σb [E, J] (written, over the splits too; or added into the runs' totals)."""
-    monkeypatch.setattr(moe, "_GLUON_FAILED", {})
-    monkeypatch.setattr(moe, "_GLUON_LAUNCHED", set())
-    monkeypatch.setattr(gluon_moe, "wgrad_unsupported", lambda *args, **kwargs: None)
+    _taken(monkeypatch, "wgrad_unsupported")
     monkeypatch.setattr(gluon_moe, "WGRAD_SUM_SPREAD", True)
     launches = []
 
