@@ -51,11 +51,12 @@ ENABLED = os.environ.get("MHA_COMPILE_GLUON", "1") != "0"
 # rounds): 5.98 against 6.14 ms, −99 us a step (median of the rounds' differences); its kernels
 # 0.998 against 1.083 ms a step under the profiler.
 WGRAD_STREAM = os.environ.get("MHA_COMPILE_WGRAD_STREAM", "1") != "0"
-# MHA_COMPILE_WGRAD_SUM_SPREAD=1: ∂b1's column sums beside ∂W1 spread over the row blocks' jobs
-# (wgrad_sum_rows), where the jobs of row block 0 do them all by default and the call waits for
-# them (ncu at large, PERF_NOTES v24-v25: ∂W1's calls take ~40 us more than ∂W2's a run). Off until
-# timed on the H200 (bench/flag_ab.py --flag mha_compile.kernels.gluon_moe:WGRAD_SUM_SPREAD).
-WGRAD_SUM_SPREAD = os.environ.get("MHA_COMPILE_WGRAD_SUM_SPREAD", "0") == "1"
+# ∂b1's column sums beside ∂W1 are spread over the row blocks' jobs (wgrad_sum_rows), where the
+# jobs of row block 0 did them all and the call waited for them (ncu at large, PERF_NOTES v24-v25:
+# ∂W1's calls took ~40 us more than ∂W2's a run); MHA_COMPILE_WGRAD_SUM_SPREAD=0 gives that back.
+# On the H200 (session 23, bench/flag_ab.py, the op's training step replayed in turn, 8 rounds):
+# large 5.857 against 6.012 ms, −125 us a step (median of the rounds' differences); medium −1.6 us.
+WGRAD_SUM_SPREAD = os.environ.get("MHA_COMPILE_WGRAD_SUM_SPREAD", "1") != "0"
 ACTS = {name: ACT_CODE[name] for name in ("gelu", "gelu_tanh", "silu", "swiglu")}
 DTYPES = (torch.bfloat16, torch.float16)
 # The config by the slot layout's TILE (triton_moe.tile_rows: 128 at the medium and large presets,
@@ -1162,8 +1163,8 @@ def wgrad_stream(accumulate, experts):
 
 
 def wgrad_sum_rows(I):
-    """Σb's rows an expert by default: 1 (the jobs of row block 0 sum every K step), or with
-    MHA_COMPILE_WGRAD_SUM_SPREAD=1 one a row block of 128 (each row block's jobs sum 1/R of them)."""
+    """Σb's rows an expert: one a row block of 128 (each row block's jobs sum 1/R of the K steps),
+    or with MHA_COMPILE_WGRAD_SUM_SPREAD=0 one (the jobs of row block 0 sum every K step)."""
     return max(1, I // 128) if WGRAD_SUM_SPREAD else 1
 
 

@@ -426,9 +426,10 @@ def test_gemm2_key_holds_the_scale_dtype():
 @pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 @pytest.mark.parametrize("mode", ["whole", "split", "added"])
 def test_weight_grads_add_up_sums_spread_over_row_blocks(monkeypatch, mode):
-    """MHA_COMPILE_WGRAD_SUM_SPREAD=1: the Gluon kernel (here its contract in torch, as on an H200)
+    """Σb spread over the row blocks (the default): the Gluon kernel (here its contract in torch, as on an H200)
     leaves Σb in I/128 rows an expert, each the sums over 1/R of the K steps; triton_moe.weight_grads
     adds them up into Σb [E, J] (written, over the splits too; or added into the runs' totals)."""
+    assert gluon_moe.WGRAD_SUM_SPREAD  # MHA_COMPILE_WGRAD_SUM_SPREAD unset: spread, −125 us a large step on the H200
     _taken(monkeypatch, "wgrad_unsupported")
     monkeypatch.setattr(gluon_moe, "WGRAD_SUM_SPREAD", True)
     launches = []

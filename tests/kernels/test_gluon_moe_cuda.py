@@ -289,8 +289,8 @@ def test_weight_grads_stream_adds_in_step_order(R, k, D, J, E, used):
 
 @pytest.mark.parametrize("mode", ["whole", "split3", "jobs+=", "stream+="])
 def test_weight_grads_sums_spread_over_row_blocks(mode):
-    """sum_rows = I/128 (MHA_COMPILE_WGRAD_SUM_SPREAD=1): B's column sums in that many fp32 rows an
-    expert, row i over the K steps the jobs of row block i take (k/64 mod R = i), against float64,
+    """sum_rows = I/128 (the default; MHA_COMPILE_WGRAD_SUM_SPREAD=0: 1): B's column sums in that
+    many fp32 rows an expert, row i over the K steps the jobs of row block i take (k/64 mod R = i), against float64,
     with empty experts; written (whole, or split 3 ways) or added into totals (jobs, STREAM), where
     experts without slots stay untouched. ∂W itself as without the spread."""
     R, k, D, F, E, used = 3000, 2, 512, 256, 5, [0, 2, 3, 4]
