@@ -59,7 +59,7 @@ MATMUL_MORE = [dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=2, num_stages=
 # 32 with other stages.
 POOL_MORE = [dict(BLOCK_N=64, num_warps=4, num_stages=3), dict(BLOCK_N=64, num_warps=8, num_stages=3),
              dict(BLOCK_N=32, num_warps=4, num_stages=2), dict(BLOCK_N=32, num_warps=8, num_stages=4)]
-# The backward's two passes move ~0.7 and ~1.2 GB at large: beside their lists, wider tiles. Every
+# The backward's two passes move ~0.7 and ~1.3 GB at large: beside their lists, wider tiles. Every
 # config of the grids below builds for large (bf16, sm_90a, bench/offline_sass.compile_stats); the
 # ones left out spill, overflow shared memory, or are cut to hold a sweep to 24 configs.
 # Pass 1 (one program a batch row, all of D): BLOCK_N 16/32/64 × warps 4/8/16 × stages 2/3/4, 42-80
@@ -305,11 +305,9 @@ def bwd1_bytes(B, N, D, P, tok_bytes):
 
 def bwd2_bytes(B, N, D, P, tok_bytes):
     """The bytes pass 2 must move: tok [B,N,D] read and ∂tok [B,N,D] written (tok_bytes a value);
-    a and ∂s [B,N,P], ∂t̄ [B,P,D] and u [P,D] read, t̄ [B,P,D] and the ∂u partials, one [P,D] a run
-    of batch rows, written (fp32). Each once: the re-reads of a, ∂s and u by every block of D
-    columns are the config's cost."""
-    runs = triton.cdiv(B, triton_pool.batch_run(B))
-    return 2 * B * N * D * tok_bytes + 4 * (2 * B * N * P + 2 * B * P * D + runs * P * D + P * D)
+    a and ∂s [B,N,P], ∂t̄ [B,P,D] and u [P,D] read, t̄ and the ∂u partials [B,P,D] written (fp32).
+    Each once: the re-reads of a, ∂s and u by every block of D columns are the config's cost."""
+    return 2 * B * N * D * tok_bytes + 4 * (2 * B * N * P + 3 * B * P * D + P * D)
 
 
 def bwd1_configs(N):
@@ -341,15 +339,16 @@ def bwd_scores(x, ds=None):
 
 
 def bwd(x, out=None):
-    """Pass 2 as pool_backward launches it (triton_pool.attend_bwd): (∂tok in tok's dtype, t̄
-    [B,P,D] fp32, the ∂u partials [⌈B/run⌉,P,D] fp32, one a run of batch_run(B) rows), into out
-    if given, from x.tok, x.u, x.attn, x.ds (pass 1's) and x.dtbar."""
+    """Pass 2 as pool_backward launches it (triton_pool.attend_bwd), but for the ∂u partials,
+    written to a buffer of their own where pool_backward writes them over ∂t̄: the same bytes move,
+    and x.dtbar stays as it was through the timing's replays, so that the last call's ∂tok can be
+    compared. (∂tok in tok's dtype, t̄, ∂u partials [B,P,D] fp32), into out if given, from x.tok,
+    x.u, x.attn, x.ds (pass 1's) and x.dtbar."""
     B, N, D = x.tok.shape
     P = x.attn.shape[2]
     if out is None:
-        runs = triton.cdiv(B, triton_pool.batch_run(B))
         out = (torch.empty_like(x.tok), torch.empty(B, P, D, device=x.tok.device, dtype=torch.float32),
-               torch.empty(runs, P, D, device=x.tok.device, dtype=torch.float32))
+               torch.empty(B, P, D, device=x.tok.device, dtype=torch.float32))
     grad_tok, tbar, du = out
     triton_pool.attend_bwd(x.tok, x.u, x.attn, x.ds, x.dtbar, tbar, du, grad_tok)
     return grad_tok, tbar, du

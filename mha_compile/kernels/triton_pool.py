@@ -169,61 +169,51 @@ def _ads_rows(attn_b, ds_b, n0, N, P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK
 @triton.jit
 def _pool_bwd_kernel(
     tok_ptr, u_ptr, attn_ptr, ds_ptr, dtbar_ptr, tbar_ptr, du_ptr, dtok_ptr,
-    B, N, D, P: tl.constexpr, RUN: tl.constexpr,
+    N, D, P: tl.constexpr,
     stride_tb, stride_tn,
     SPLIT_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
 ):
-    """Pass 2, per run of RUN batch rows and block of D columns, one read of tok and one write of
-    ∂tok. With ads = [a | ∂s] ([N,2P], ∂s from pass 1) and the stacked directions R = [∂t̄_b ; u]
-    ([2P, D]), for each batch row b of the run:
+    """Pass 2, per batch row b and block of D columns, one read of tok and one write of ∂tok.
+    With ads = [a | ∂s] ([N,2P], ∂s from pass 1) and the stacked directions R = [∂t̄_b ; u] ([2P, D]):
         ∂tok[b,n] = ads[n] R = Σ_p a ∂t̄_p + Σ_p ∂s u_p
-        adsᵀ tok[b] = [t̄_b ; Σ_n ∂s tok[b,n]] → t̄ [B,P,D], and the second half summed over the
-        run's rows into its ∂u partial [B/RUN,P,D]
-    (2P is padded to BLOCK_Q ≥ 16 columns, one dot each way). P is a compile-time constant here:
-    a and ∂s are read as [BLOCK_N, P] rows of P contiguous values, which the compiler can then
-    load as vectors.
+        adsᵀ tok[b] = [t̄_b ; Σ_n ∂s tok[b,n]] → t̄ [B,P,D] and the ∂u-partials [B,P,D]
+    (2P is padded to BLOCK_Q ≥ 16 columns, one dot each way). du_ptr may be dtbar_ptr: a
+    program reads its block of ∂t̄[b] before its loop and writes the same block after it, and
+    no other program touches that block. P is a compile-time constant here: a and ∂s are read
+    as [BLOCK_N, P] rows of P contiguous values, which the compiler can then load as vectors.
     """
-    run = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(0).to(tl.int64)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     offs_q = tl.arange(0, BLOCK_Q)
     d_ok = offs_d < D
     q_a = offs_q < P
     q_s = (offs_q >= P) & (offs_q < 2 * P)
-    # The ∂u rows of acc add up over the run's batch rows; its t̄ rows are zeroed after each row's
-    # store. The rows are unrolled (RUN ≤ MAX_BATCH_RUN), each under its `if`: as a loop, or
-    # unrolled without the `if`, the shipped config at large took 248 and 255 registers, where one
-    # batch row a program took 168 and this takes 184 (sm_90a, bench/offline_sass.py).
+    rows = dtbar_ptr + b * P * D + offs_q[:, None] * D + offs_d[None, :]
+    dirs = (tl.load(rows, mask=q_a[:, None] & d_ok[None, :], other=0.0)
+            + tl.load(u_ptr + (offs_q - P)[:, None] * D + offs_d[None, :], mask=q_s[:, None] & d_ok[None, :],
+                      other=0.0))
+    tok_b = tok_ptr + b * stride_tb
+    attn_b = attn_ptr + b * N * P
+    ds_b = ds_ptr + b * N * P
     acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
-    for i in tl.static_range(RUN):
-        b = run * RUN + i
-        if b < B:
-            dirs = (tl.load(dtbar_ptr + b * P * D + offs_q[:, None] * D + offs_d[None, :],
-                            mask=q_a[:, None] & d_ok[None, :], other=0.0)
-                    + tl.load(u_ptr + (offs_q - P)[:, None] * D + offs_d[None, :], mask=q_s[:, None] & d_ok[None, :],
-                              other=0.0))
-            tok_b = tok_ptr + b * stride_tb
-            attn_b = attn_ptr + b * N * P
-            ds_b = ds_ptr + b * N * P
-            # The rows of [a | ∂s] are loaded one block ahead, by hand: the compiler pipelines only the
-            # loads that feed a dot as they are (tok's), and these waited on memory every block (ncu at
-            # large: pass 2 stalled on L1TEX scoreboards, 5 of its 10 cycles between instructions).
-            ads_next = _ads_rows(attn_b, ds_b, 0, N, P, BLOCK_N, BLOCK_Q)
-            for n0 in range(0, N, BLOCK_N):
-                ads = ads_next
-                ads_next = _ads_rows(attn_b, ds_b, n0 + BLOCK_N, N, P, BLOCK_N, BLOCK_Q)
-                offs_n = n0 + tl.arange(0, BLOCK_N)
-                n_ok = offs_n < N
-                nd_off = offs_n[:, None].to(tl.int64) * stride_tn + offs_d[None, :]
-                nd_ok = n_ok[:, None] & d_ok[None, :]
-                t = tl.load(tok_b + nd_off, mask=nd_ok, other=0.0)
-                dtok = dot_f32(ads, dirs, SPLIT_DOT)  # [BLOCK_N, BLOCK_D]
-                tl.store(dtok_ptr + b * stride_tb + nd_off, dtok.to(dtok_ptr.dtype.element_ty), mask=nd_ok)
-                acc += dot_f32(tl.trans(ads), t, SPLIT_DOT)  # [BLOCK_Q, BLOCK_D]
-            tl.store(tbar_ptr + b * P * D + offs_q[:, None] * D + offs_d[None, :], acc,
-                     mask=q_a[:, None] & d_ok[None, :])
-            acc = tl.where(q_a[:, None], 0.0, acc)
-    tl.store(du_ptr + run * P * D + (offs_q - P)[:, None] * D + offs_d[None, :], acc,
-             mask=q_s[:, None] & d_ok[None, :])
+    # The rows of [a | ∂s] are loaded one block ahead, by hand: the compiler pipelines only the
+    # loads that feed a dot as they are (tok's), and these waited on memory every block (ncu at
+    # large: pass 2 stalled on L1TEX scoreboards, 5 of its 10 cycles between instructions).
+    ads_next = _ads_rows(attn_b, ds_b, 0, N, P, BLOCK_N, BLOCK_Q)
+    for n0 in range(0, N, BLOCK_N):
+        ads = ads_next
+        ads_next = _ads_rows(attn_b, ds_b, n0 + BLOCK_N, N, P, BLOCK_N, BLOCK_Q)
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        nd_off = offs_n[:, None].to(tl.int64) * stride_tn + offs_d[None, :]
+        nd_ok = n_ok[:, None] & d_ok[None, :]
+        t = tl.load(tok_b + nd_off, mask=nd_ok, other=0.0)
+        dtok = dot_f32(ads, dirs, SPLIT_DOT)  # [BLOCK_N, BLOCK_D]
+        tl.store(dtok_ptr + b * stride_tb + nd_off, dtok.to(dtok_ptr.dtype.element_ty), mask=nd_ok)
+        acc += dot_f32(tl.trans(ads), t, SPLIT_DOT)  # [BLOCK_Q, BLOCK_D]
+    out_off = b * P * D + offs_q[:, None] * D + offs_d[None, :]
+    tl.store(tbar_ptr + out_off, acc, mask=q_a[:, None] & d_ok[None, :])
+    tl.store(du_ptr + out_off - P * D, acc, mask=q_s[:, None] & d_ok[None, :])
 
 
 # Token dtypes whose pool dots run as split 16-bit tensor-core products (see triton_util.dot_f32). fp16
@@ -265,7 +255,8 @@ _POOL_CONFIGS = [
 _attend = Launcher(_pool_fwd_kernel, _POOL_CONFIGS, key=["N", "D", "P", "HAS_MASK", "SPLIT_DOT"])
 _attend_bwd_scores = Launcher(_pool_bwd_scores_kernel, _POOL_CONFIGS, key=["N", "D", "P", "SPLIT_DOT"])
 # Pass 2 by blocks of D: the first config (32 columns) gives the interpreter's tests more than
-# one block at their D of 33-40.
+# one block at their D of 33-40. pool_backward passes ∂t̄ as du_ptr too: autotuning's trial
+# runs must each see it restored.
 _attend_bwd = Launcher(_pool_bwd_kernel, [
     dict(BLOCK_N=16, BLOCK_D=32, num_warps=4, num_stages=3),
     dict(BLOCK_N=32, BLOCK_D=128, num_warps=4, num_stages=3),
@@ -274,18 +265,7 @@ _attend_bwd = Launcher(_pool_bwd_kernel, [
     dict(BLOCK_N=64, BLOCK_D=64, num_warps=4, num_stages=4),
     # At large: 371 against the [32, 128] blocks' 408 us, 3.5 TB/s (bench/small_kernels_probe.py, H200)
     dict(BLOCK_N=16, BLOCK_D=256, num_warps=4, num_stages=4),
-], key=["N", "D", "P", "RUN", "SPLIT_DOT"])
-# Pass 2's runs of batch rows: at least this many runs (a wave of the H200's 132 SMs four times
-# over at one block of D), each summing its rows' ∂u partials in registers, where one partial a
-# batch row (64 MiB at large) was written and then summed over B by torch (34 us, session 22).
-BATCH_RUNS = 512
-MAX_BATCH_RUN = 8
-
-
-def batch_run(B):
-    """Batch rows a run of pass 2 (_pool_bwd_kernel): as many as leave BATCH_RUNS runs, at most
-    MAX_BATCH_RUN (the kernel unrolls them)."""
-    return min(MAX_BATCH_RUN, max(1, B // BATCH_RUNS))
+], key=["N", "D", "P", "SPLIT_DOT"], restore=["dtbar_ptr"])
 
 
 def pool_attend(tok, u, mask=None):
@@ -349,20 +329,14 @@ def attend_bwd_scores(tok, attn, dtbar, ds):
     return ds
 
 
-def attend_bwd(tok, u, attn, ds, dtbar, tbar, du, grad_tok, run=None):
-    """The backward's pass 2 (_pool_bwd_kernel): ∂tok into grad_tok (tok's dtype), t̄ into tbar
-    [B,P,D] fp32 and the ∂u partials, summed over runs of `run` batch rows (batch_run(B) if None),
-    into du [⌈B/run⌉,P,D] fp32, from tok, u [P,D] fp32, attn and pass 1's ds [B,N,P] and ∂t̄
-    [B,P,D]."""
+def attend_bwd(tok, u, attn, ds, dtbar, tbar, du, grad_tok):
+    """The backward's pass 2 (_pool_bwd_kernel): ∂tok into grad_tok (tok's dtype), t̄ and the
+    ∂u partials into tbar and du [B,P,D] fp32, from tok, u [P,D] fp32, attn and pass 1's ds [B,N,P]
+    and ∂t̄ [B,P,D]. du may be dtbar (see the kernel)."""
     B, N, D = tok.shape
     P = attn.shape[2]
-    run = batch_run(B) if run is None else run
-    runs = triton.cdiv(B, run)
-    torch._check(du.shape == (runs, P, D),
-                 lambda: f"du: wants [⌈B/run⌉, P, D] = {[runs, P, D]}, got {list(du.shape)}")
-    _attend_bwd(lambda m: (runs, triton.cdiv(D, m["BLOCK_D"])), tok, u, attn, ds, dtbar, tbar, du, grad_tok,
-                B, N, D, P, run, tok.stride(0), tok.stride(1), SPLIT_DOT=split_dot(tok.dtype), BLOCK_Q=pow2(2 * P))
-    return du
+    _attend_bwd(lambda m: (B, triton.cdiv(D, m["BLOCK_D"])), tok, u, attn, ds, dtbar, tbar, du, grad_tok,
+                N, D, P, tok.stride(0), tok.stride(1), SPLIT_DOT=split_dot(tok.dtype), BLOCK_Q=pow2(2 * P))
 
 
 def pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn, u=None):
@@ -377,19 +351,21 @@ def pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn, u=None):
     grad_heads = grad_pooled.view(B, P, Dh).transpose(0, 1)
     grad_tbar = torch.empty(B, P, D, device=tok.device, dtype=torch.float32)
     _bmm(grad_heads, wv.view(P, Dh, D), split, out=grad_tbar.transpose(0, 1))  # "bpj,pjd->bpd"
+    # The kernel writes the ∂u-partials over ∂t̄ (see _pool_bwd_kernel), and they are summed
+    # and dropped before t̄'s projections: at the large preset this is where training peaks,
+    # with ∂tok (512 MiB) live, and three [B,P,D] fp32 buffers (64 MiB each) became two there
+    # and one after (bench/offline_memory.py).
+    du_part = grad_tbar
     u = (pool_directions(q, wk) if u is None else u).float().contiguous()
     tok = tok.contiguous()
     attn = attn.contiguous()
     grad_tok = torch.empty_like(tok)
     tbar = torch.empty(B, P, D, device=tok.device, dtype=torch.float32)
     ds = attend_bwd_scores(tok, attn, grad_tbar, torch.empty_like(attn))
-    # The ∂u partials, one a run of batch rows (8 MiB at large): where training peaks, with ∂tok
-    # (512 MiB) live beside ∂t̄ and t̄ (64 MiB each; bench/offline_memory.py).
-    du_part = torch.empty(triton.cdiv(B, batch_run(B)), P, D, device=tok.device, dtype=torch.float32)
     attend_bwd(tok, u, attn, ds, grad_tbar, tbar, du_part, grad_tok)
-    del ds, grad_tbar
+    del ds
     grad_u = du_part.sum(0) * (Dh**-0.5)
-    del du_part
+    del grad_tbar, du_part
     grad_bo = grad_inv.sum(0)
     grad_wo = _mm(grad_inv.T, _heads(tbar, wv, bv, split), split)
     # ∂bv = Σ_b ∂pooled[b] = (Σ_b ∂inv[b]) Wo: a [D]·[D,D] product, where torch's sum over the B

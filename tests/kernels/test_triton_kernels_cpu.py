@@ -428,36 +428,11 @@ def test_pool_backward_split_dots(monkeypatch):
         assert err < (2e-3 if name == "tok" else 1e-5), (name, err)
 
 
-def test_pool_backward_sums_du_over_runs_of_batch_rows(monkeypatch):
-    """Pass 2 takes runs of batch rows (runs of 3 at B = 7: the last one short), writes t̄ for each
-    row and one ∂u partial a run: every gradient against float64 autograd of the reference pool,
-    so a run that kept one row's t̄ in the next's, or left its ∂u out, fails. A du of the wrong
-    shape is refused, naming the shape wanted."""
-    monkeypatch.setattr(triton_pool, "BATCH_RUNS", 2)
-    B, N, D, P = 7, 5, 40, 4  # D = 40: two blocks of D columns under the interpreter's config
-    assert triton_pool.batch_run(B) == 3
-    tok = torch.randn(B, N, D)
-    q, bv, bo = torch.randn(P, D // P), torch.randn(D) * 0.1, torch.randn(D) * 0.1
-    wk, wv, wo = (torch.randn(D, D) * D ** -0.5 for _ in range(3))
-    grad_inv = torch.randn(B, D)
-    _, attn = triton_pool.pool_forward(tok, q, wk, wv, bv, wo, bo)
-    got = triton_pool.pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn)
-    leaves = [t.double().requires_grad_() for t in (tok, q, wk, wv, bv, wo, bo)]
-    reference.pool_forward(*leaves)[0].backward(grad_inv.double())
-    for name, g, leaf in zip(("tok", "q", "wk", "wv", "bv", "wo", "bo"), got, leaves):
-        err = float((g.double() - leaf.grad).norm() / leaf.grad.norm())
-        assert err < 1e-5, (name, err)
-    u, tbar = torch.randn(P, D), torch.empty(B, P, D)
-    with pytest.raises(RuntimeError, match=r"du: wants \[⌈B/run⌉, P, D\] = \[3, 4, 40\], got \[7, 4, 40\]"):
-        triton_pool.attend_bwd(tok, u, attn, torch.randn_like(attn), tbar, tbar, torch.empty(B, P, D),
-                               torch.empty_like(tok))
-
-
 @pytest.mark.parametrize("name", ["_attend_bwd", "_wgrad", "_sum_tiles"])
 def test_kernels_survive_autotune_trials(monkeypatch, name):
     """Autotuning on the GPU runs a kernel several times on the same arguments, restoring only
-    its Launcher's `restore` list in between. The runs of tiles add into fp32 totals, and the
-    pool backward must not read what it writes: every gradient must come out as after one run."""
+    its Launcher's `restore` list in between. The pool backward writes its ∂u-partials over ∂t̄,
+    and the runs of tiles add into fp32 totals: every gradient must come out as after one run."""
     from mha_compile.kernels import triton_util
 
     module = triton_pool if name == "_attend_bwd" else triton_moe
