@@ -80,7 +80,7 @@
 #                                      # and gluon_wgrad_probe.py at large (~8 min): run.log,
 #                                      # kernel_times_stream{0,1}.txt, ncu_wgrad_stream.txt, gluon_wgrad_probe.txt
 #   bash bench/h200_session.sh sum-spread  # ∂b1's sums spread over the row blocks' jobs
-#                                      # (gluon_moe.WGRAD_SUM_SPREAD, off by default): the weight-gradient GPU
+#                                      # (gluon_moe.WGRAD_SUM_SPREAD, on by default since session 23): the weight-gradient GPU
 #                                      # tests, then bench/flag_ab.py off against on at large and medium, then
 #                                      # ncu on the large step's six weight-gradient calls with it on (~6 min):
 #                                      # run.log, flag_ab_spread.txt, ncu_wgrad_spread.txt
