@@ -8,7 +8,9 @@ The backward: one program a batch row (H rows): the router's logits again, ∂w 
 kernel's partial sums, ∂logits, then ∂y = ∂logits Wg + Σ_j ∂x_slot over D blocks. On the H200
 (bench/results/router_probe.txt) it took 256 us at large at 2 warps, the autotuner's pick then,
 for ~300 MB of traffic (~70 us at 4.3 TB/s); one warp a program took 167 and is now the first
-config. The forward router: 76 us at 32 rows and 4 warps, 46 at 64 rows (now first).
+config. The forward router: 76 us at 32 rows and 4 warps, 46 at 64 rows (now first). Then the
+two-pass backward (MHA_COMPILE_ROUTER_TWO_PASS; ∂logits by blocks of rows, then ∂y by batch row
+and D block) under each config of either kernel, against the one-pass kernel's outputs.
 Each row: the median CUDA-graph time, the traffic's rate, registers and spills, and how far the
 result is from the shipped config's: the experts chosen must be the same; ∂y (bf16) may differ
 by one rounding where its fp32 sums ran in another order (~2e-3 of the largest at most),
@@ -90,17 +92,36 @@ def route(x, inv, wg, top_k, horizons):
             lambda: triton_router.route(x, inv, wg, top_k, True, horizons), traffic, compare)
 
 
+def _max_diff(want):
+    """compare() for row: the largest difference of the outputs from want's (relative to their
+    largest value)."""
+    return lambda got: "max diff {:.1e}".format(max(
+        float((a.float() - b.float()).abs().max() / b.float().abs().max()) for a, b in zip(got, want)))
+
+
 def combine_backward(inputs, traffic):
     """The router and combine backward under each BLOCKS_D and CONFIGS: time, rate over `traffic`
-    bytes, and the largest difference from the shipped config's outputs (relative to their
-    largest value)."""
-    want = triton_router.router_combine_backward(*inputs)
-    compare = lambda got: "max diff {:.1e}".format(max(  # noqa: E731
-        float((a.float() - b.float()).abs().max() / b.float().abs().max()) for a, b in zip(got, want)))
+    bytes, and the largest difference from the shipped config's outputs."""
+    want = triton_router.router_combine_backward(*inputs, two_pass=False)
+    compare = _max_diff(want)
     for block_d in BLOCKS_D:
         for cfg in CONFIGS:
             row(f"BLOCK_D {block_d:>3} warps {cfg['num_warps']}", triton_router._combine_bwd, cfg,
-                lambda: triton_router.router_combine_backward(*inputs, block_d=block_d), traffic, compare)
+                lambda: triton_router.router_combine_backward(*inputs, block_d=block_d, two_pass=False), traffic,
+                compare)
+
+
+def two_pass(inputs, traffic):
+    """The two-pass backward (MHA_COMPILE_ROUTER_TWO_PASS) under each config of its ∂logits kernel,
+    then of its ∂y kernel, the other at the autotuner's pick: the whole call's time, its rate
+    over `traffic` bytes (the one-pass kernel's; the two passes add ∂logits' write and read, and
+    x's read moves to pass 1), and the largest difference from the one-pass kernel's outputs."""
+    compare = _max_diff(triton_router.router_combine_backward(*inputs, two_pass=False))
+    for name, launcher in (("dlogits", triton_router._dlogits), ("dy", triton_router._combine_dy)):
+        for cfg in launcher.configs:
+            label = " ".join(f"{k}={v}" for k, v in cfg.items() if k != "num_stages")
+            row(f"two-pass {name:<7} {label:<28}", launcher, cfg,
+                lambda: triton_router.router_combine_backward(*inputs, two_pass=True), traffic, compare)
 
 
 def main():
@@ -113,6 +134,7 @@ def main():
         x, inv, wg, weight, index, pair_slot, dx_slot, gw_part, horizons, renorm, dy_dtype = inputs
         route(x, inv, wg, index.shape[1], horizons)
         combine_backward(inputs, traffic)
+        two_pass(inputs, traffic)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ token order and without atomics, so it is bitwise reproducible:
     ∂logits = π ⊙ (∂π − ⟨∂π, π⟩)
     ∂y[r] = Σ_j ∂x_slot[slot(r,j)] + ∂logits Wg
     ∂inv[b] = Σ_h ∂y[b,h]     (the seed's fix; only when SUM_H, i.e. kernels="fused")
+With MHA_COMPILE_ROUTER_TWO_PASS=1 the same in two kernels: ∂logits by blocks of rows, then ∂y
+and ∂inv by (batch row, block of D columns), the same sums in the same order.
 ∂Wg = ∂logitsᵀ x (`router_weight_grad`): per (run of rows, D block) partial sums [SPLIT, E, D]
 of x merged on load, added over the runs in order. As a cuBLAS fp32 GEMM on x.float() it took
 0.17 ms at the large preset, plus the cast (K = R = 65536, M = E = 16).
@@ -23,6 +25,8 @@ at the large preset the forward took 0.34 ms and the backward 0.57 ms for 64 MiB
 splits, ~2⁻²¹ relative: fp32 to within a few ulps); fp32 models keep ieee fp32 dots, which
 their 1e-5 bound is checked at.
 """
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -86,6 +90,69 @@ def _router_fwd_kernel(
 
 
 @triton.jit
+def _router_dlogits(probs, rows, r_ok, weight_ptr, index_ptr, pair_slot_ptr, gw_part_ptr, E, N_FBLK,
+                    TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
+                    BLOCK_C: tl.constexpr):
+    """∂logits [BLOCK_R, BLOCK_E] fp32 (0 on rows past R and padding experts) of the given rows,
+    from their π and the experts' ∂w partials (module docstring)."""
+    offs_e = tl.arange(0, BLOCK_E)
+    offs_c = tl.arange(0, BLOCK_C)
+    dwv = tl.zeros([BLOCK_R, BLOCK_E], tl.float32)  # ∂w_j at the chosen experts, 0 elsewhere
+    wv = tl.zeros([BLOCK_R, BLOCK_E], tl.float32)
+    chosen = tl.zeros([BLOCK_R, BLOCK_E], tl.int1)
+    for j in tl.static_range(TOP_K):
+        pair = rows * TOP_K + j
+        slot = tl.load(pair_slot_ptr + pair, mask=r_ok, other=0).to(tl.int64)
+        part = tl.load(gw_part_ptr + slot[:, None] * N_FBLK + offs_c[None, :],
+                       mask=r_ok[:, None] & (offs_c < N_FBLK)[None, :], other=0.0)
+        hit = offs_e[None, :] == tl.load(index_ptr + pair, mask=r_ok, other=-1)[:, None]
+        dwv = tl.where(hit, tl.sum(part, axis=1)[:, None], dwv)  # fixed order over the F blocks
+        wv = tl.where(hit, tl.load(weight_ptr + pair, mask=r_ok, other=0.0)[:, None], wv)
+        chosen = chosen | hit
+    # Differences like ∂w_j − Σ_i ∂w_i w_i and ∂π_j − ⟨∂π, π⟩ cancel when one expert dominates;
+    # they are evaluated as sums over the *other* experts (1 − π_j = Σ_{i≠j} π_i), which keeps
+    # fp32 at ~1e-7 of the float64 reference instead of 1e-7 / (1 − π_j).
+    dpi = dwv
+    if RENORM:
+        probs_c = tl.where(chosen, probs, 0.0)
+        total = tl.where(r_ok, tl.sum(probs_c, axis=1), 1.0)
+        for j in tl.static_range(TOP_K):
+            hit = offs_e[None, :] == tl.load(index_ptr + rows * TOP_K + j, mask=r_ok, other=-1)[:, None]
+            other_p = tl.sum(tl.where(hit, 0.0, probs_c), axis=1)
+            other_dw = tl.sum(tl.where(hit, 0.0, dwv * wv), axis=1)
+            dw_j = tl.sum(tl.where(hit, dwv, 0.0), axis=1)
+            dpi = tl.where(hit, ((dw_j * other_p / total - other_dw) / total)[:, None], dpi)
+        dpi = tl.where(chosen, dpi, 0.0)
+    inner = -tl.sum(dpi * probs, axis=1)[:, None] + tl.zeros([BLOCK_R, BLOCK_E], tl.float32)
+    for j in tl.static_range(TOP_K):
+        hit = offs_e[None, :] == tl.load(index_ptr + rows * TOP_K + j, mask=r_ok, other=-1)[:, None]
+        other_all = tl.sum(tl.where(hit, 0.0, probs), axis=1)
+        other_c = tl.sum(tl.where(hit, 0.0, dpi * probs), axis=1)
+        dpi_j = tl.sum(tl.where(hit, dpi, 0.0), axis=1)
+        inner = tl.where(hit, (dpi_j * other_all - other_c)[:, None], inner)
+    return tl.where(r_ok[:, None], probs * inner, 0.0)
+
+
+@triton.jit
+def _router_dy(dlogits, wg_ptr, pair_slot_ptr, dx_slot_ptr, dy_ptr, dinv_ptr, b, rows, h_ok, offs_d, D, E,
+               TOP_K: tl.constexpr, SUM_H: tl.constexpr, PRECISION: tl.constexpr, BLOCK_E: tl.constexpr):
+    """One block of D columns of batch row b's H rows: ∂y = ∂logits Wg + Σ_j ∂x_slot[slot(r,j)]
+    stored, and with SUM_H ∂inv[b] = Σ_h ∂y."""
+    offs_e = tl.arange(0, BLOCK_E)
+    d_ok = offs_d < D
+    hd_ok = h_ok[:, None] & d_ok[None, :]
+    wg = tl.load(wg_ptr + offs_e[:, None] * D + offs_d[None, :], mask=(offs_e < E)[:, None] & d_ok[None, :],
+                 other=0.0).to(tl.float32)
+    dy = tl.dot(dlogits, wg, input_precision=PRECISION)
+    for j in tl.static_range(TOP_K):
+        slot = tl.load(pair_slot_ptr + rows * TOP_K + j, mask=h_ok, other=0).to(tl.int64)
+        dy += tl.load(dx_slot_ptr + slot[:, None] * D + offs_d[None, :], mask=hd_ok, other=0.0).to(tl.float32)
+    tl.store(dy_ptr + rows[:, None] * D + offs_d[None, :], dy.to(dy_ptr.dtype.element_ty), mask=hd_ok)
+    if SUM_H:
+        tl.store(dinv_ptr + b * D + offs_d, tl.sum(tl.where(hd_ok, dy, 0.0), axis=0), mask=d_ok)
+
+
+@triton.jit
 def _router_combine_bwd_kernel(
     x_ptr, inv_ptr, wg_ptr, weight_ptr, index_ptr, pair_slot_ptr, dx_slot_ptr, gw_part_ptr,
     dy_ptr, dinv_ptr, dlogits_ptr,
@@ -99,58 +166,51 @@ def _router_combine_bwd_kernel(
     h_ok = offs_h < H
     rows = b * H + offs_h
     probs = _logits_probs(x_ptr, inv_ptr, wg_ptr, rows, h_ok, H, D, E, HAS_INV, PRECISION, BLOCK_D, BLOCK_E, BLOCK_H)
+    dlogits = _router_dlogits(probs, rows, h_ok, weight_ptr, index_ptr, pair_slot_ptr, gw_part_ptr, E, N_FBLK,
+                              TOP_K, RENORM, BLOCK_H, BLOCK_E, BLOCK_C)
     offs_e = tl.arange(0, BLOCK_E)
-    offs_c = tl.arange(0, BLOCK_C)
-    dwv = tl.zeros([BLOCK_H, BLOCK_E], tl.float32)  # ∂w_j at the chosen experts, 0 elsewhere
-    wv = tl.zeros([BLOCK_H, BLOCK_E], tl.float32)
-    chosen = tl.zeros([BLOCK_H, BLOCK_E], tl.int1)
-    for j in tl.static_range(TOP_K):
-        pair = rows * TOP_K + j
-        slot = tl.load(pair_slot_ptr + pair, mask=h_ok, other=0).to(tl.int64)
-        part = tl.load(gw_part_ptr + slot[:, None] * N_FBLK + offs_c[None, :],
-                       mask=h_ok[:, None] & (offs_c < N_FBLK)[None, :], other=0.0)
-        hit = offs_e[None, :] == tl.load(index_ptr + pair, mask=h_ok, other=-1)[:, None]
-        dwv = tl.where(hit, tl.sum(part, axis=1)[:, None], dwv)  # fixed order over the F blocks
-        wv = tl.where(hit, tl.load(weight_ptr + pair, mask=h_ok, other=0.0)[:, None], wv)
-        chosen = chosen | hit
-    # Differences like ∂w_j − Σ_i ∂w_i w_i and ∂π_j − ⟨∂π, π⟩ cancel when one expert dominates;
-    # they are evaluated as sums over the *other* experts (1 − π_j = Σ_{i≠j} π_i), which keeps
-    # fp32 at ~1e-7 of the float64 reference instead of 1e-7 / (1 − π_j).
-    dpi = dwv
-    if RENORM:
-        probs_c = tl.where(chosen, probs, 0.0)
-        total = tl.where(h_ok, tl.sum(probs_c, axis=1), 1.0)
-        for j in tl.static_range(TOP_K):
-            hit = offs_e[None, :] == tl.load(index_ptr + rows * TOP_K + j, mask=h_ok, other=-1)[:, None]
-            other_p = tl.sum(tl.where(hit, 0.0, probs_c), axis=1)
-            other_dw = tl.sum(tl.where(hit, 0.0, dwv * wv), axis=1)
-            dw_j = tl.sum(tl.where(hit, dwv, 0.0), axis=1)
-            dpi = tl.where(hit, ((dw_j * other_p / total - other_dw) / total)[:, None], dpi)
-        dpi = tl.where(chosen, dpi, 0.0)
-    inner = -tl.sum(dpi * probs, axis=1)[:, None] + tl.zeros([BLOCK_H, BLOCK_E], tl.float32)
-    for j in tl.static_range(TOP_K):
-        hit = offs_e[None, :] == tl.load(index_ptr + rows * TOP_K + j, mask=h_ok, other=-1)[:, None]
-        other_all = tl.sum(tl.where(hit, 0.0, probs), axis=1)
-        other_c = tl.sum(tl.where(hit, 0.0, dpi * probs), axis=1)
-        dpi_j = tl.sum(tl.where(hit, dpi, 0.0), axis=1)
-        inner = tl.where(hit, (dpi_j * other_all - other_c)[:, None], inner)
-    dlogits = probs * inner
-    dlogits = tl.where(h_ok[:, None], dlogits, 0.0)
     tl.store(dlogits_ptr + rows[:, None] * E + offs_e[None, :], dlogits,
              mask=h_ok[:, None] & (offs_e < E)[None, :])
     for d0 in range(0, D, BLOCK_D):
-        offs_d = d0 + tl.arange(0, BLOCK_D)
-        d_ok = offs_d < D
-        hd_ok = h_ok[:, None] & d_ok[None, :]
-        wg = tl.load(wg_ptr + offs_e[:, None] * D + offs_d[None, :], mask=(offs_e < E)[:, None] & d_ok[None, :],
-                     other=0.0).to(tl.float32)
-        dy = tl.dot(dlogits, wg, input_precision=PRECISION)
-        for j in tl.static_range(TOP_K):
-            slot = tl.load(pair_slot_ptr + rows * TOP_K + j, mask=h_ok, other=0).to(tl.int64)
-            dy += tl.load(dx_slot_ptr + slot[:, None] * D + offs_d[None, :], mask=hd_ok, other=0.0).to(tl.float32)
-        tl.store(dy_ptr + rows[:, None] * D + offs_d[None, :], dy.to(dy_ptr.dtype.element_ty), mask=hd_ok)
-        if SUM_H:
-            tl.store(dinv_ptr + b * D + offs_d, tl.sum(tl.where(hd_ok, dy, 0.0), axis=0), mask=d_ok)
+        _router_dy(dlogits, wg_ptr, pair_slot_ptr, dx_slot_ptr, dy_ptr, dinv_ptr, b, rows, h_ok,
+                   d0 + tl.arange(0, BLOCK_D), D, E, TOP_K, SUM_H, PRECISION, BLOCK_E)
+
+
+@triton.jit
+def _router_dlogits_kernel(
+    x_ptr, inv_ptr, wg_ptr, weight_ptr, index_ptr, pair_slot_ptr, gw_part_ptr, dlogits_ptr,
+    R, H, D, E, N_FBLK,
+    TOP_K: tl.constexpr, HAS_INV: tl.constexpr, RENORM: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Two-pass backward, pass 1, BLOCK_R rows a program (as the forward): ∂logits [R,E] fp32."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = rows < R
+    probs = _logits_probs(x_ptr, inv_ptr, wg_ptr, rows, r_ok, H, D, E, HAS_INV, PRECISION, BLOCK_D, BLOCK_E, BLOCK_R)
+    dlogits = _router_dlogits(probs, rows, r_ok, weight_ptr, index_ptr, pair_slot_ptr, gw_part_ptr, E, N_FBLK,
+                              TOP_K, RENORM, BLOCK_R, BLOCK_E, BLOCK_C)
+    offs_e = tl.arange(0, BLOCK_E)
+    tl.store(dlogits_ptr + rows[:, None] * E + offs_e[None, :], dlogits, mask=r_ok[:, None] & (offs_e < E)[None, :])
+
+
+@triton.jit
+def _router_dy_kernel(
+    wg_ptr, pair_slot_ptr, dx_slot_ptr, dlogits_ptr, dy_ptr, dinv_ptr,
+    H, D, E,
+    TOP_K: tl.constexpr, SUM_H: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    """Two-pass backward, pass 2, per batch row b and block of D columns: ∂y [B,H,D] (dy_ptr's
+    dtype) and ∂inv [B,D] fp32 if SUM_H, from pass 1's ∂logits."""
+    b = tl.program_id(0).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    h_ok = offs_h < H
+    rows = b * H + offs_h
+    offs_e = tl.arange(0, BLOCK_E)
+    dlogits = tl.load(dlogits_ptr + rows[:, None] * E + offs_e[None, :], mask=h_ok[:, None] & (offs_e < E)[None, :],
+                      other=0.0)
+    _router_dy(dlogits, wg_ptr, pair_slot_ptr, dx_slot_ptr, dy_ptr, dinv_ptr, b, rows, h_ok,
+               tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D), D, E, TOP_K, SUM_H, PRECISION, BLOCK_E)
 
 
 @triton.jit
@@ -201,6 +261,29 @@ _combine_bwd = Launcher(_router_combine_bwd_kernel, [
 ], key=["H", "D", "E", "N_FBLK", "TOP_K", "HAS_INV", "RENORM", "PRECISION", "SUM_H"])
 
 
+# MHA_COMPILE_ROUTER_TWO_PASS=1 (opt-in, not yet run on a GPU): the backward in two kernels, ∂logits
+# by blocks of rows as the forward reads x (its 64 rows at 4 warps: 46 us at large), then ∂y and
+# ∂inv by (batch row, block of D columns), where one program a batch row does both and takes
+# ~170 us at large at one warp (bench/results/kernel_times.txt, session 23) for ~270 MB of traffic.
+TWO_PASS = os.environ.get("MHA_COMPILE_ROUTER_TWO_PASS", "0") == "1"
+# Pass 1 as the forward's configs, but 128 rows: that spills here (255 registers, sm_90a offline).
+_dlogits = Launcher(_router_dlogits_kernel, [
+    dict(BLOCK_R=64, num_warps=4, num_stages=3),
+    dict(BLOCK_R=32, num_warps=2, num_stages=3),
+    dict(BLOCK_R=32, num_warps=1, num_stages=3),
+], key=["D", "E", "N_FBLK", "TOP_K", "HAS_INV", "RENORM", "PRECISION"])
+# Pass 2 streams ∂x_slot's rows in and ∂y out (55-96 registers, offline); the first config (32
+# columns) gives the interpreter's tests more than one block of D.
+_combine_dy = Launcher(_router_dy_kernel, [
+    dict(BLOCK_D=32, num_warps=1, num_stages=3),
+    dict(BLOCK_D=64, num_warps=2, num_stages=3),
+    dict(BLOCK_D=128, num_warps=4, num_stages=3),
+    dict(BLOCK_D=64, num_warps=1, num_stages=3),
+    dict(BLOCK_D=128, num_warps=2, num_stages=3),
+    dict(BLOCK_D=256, num_warps=4, num_stages=3),
+], key=["H", "D", "E", "TOP_K", "SUM_H", "PRECISION"])
+
+
 def router_precision(dtype):
     """The router dots' input_precision for inputs x of `dtype` (see the module docstring)."""
     return "ieee" if dtype == torch.float32 else "tf32x3"
@@ -221,9 +304,10 @@ def route(x, inv, wg, top_k, renorm, horizons):
 
 
 def router_combine_backward(x, inv, wg, weight, index, pair_slot, dx_slot, gw_part, horizons, renorm, dy_dtype,
-                            block_d=None):
+                            block_d=None, two_pass=None):
     """(∂y [R,D] in dy_dtype, ∂inv [B,D] fp32 or None when inv is None, ∂logits [R,E] fp32).
-    block_d: the kernel's D block, worked out below when None (bench/router_probe.py sweeps it)."""
+    block_d: the one-pass kernel's D block, worked out below when None (bench/router_probe.py
+    sweeps it). two_pass: the two kernels instead (TWO_PASS when None)."""
     R, D = x.shape
     E = wg.shape[0]
     top_k = index.shape[1]
@@ -235,6 +319,16 @@ def router_combine_backward(x, inv, wg, weight, index, pair_slot, dx_slot, gw_pa
     # tf32x3 holds hi/lo copies of each [H, BLOCK_D] tile: offline for sm_90a at large, BLOCK_D
     # 128 takes 255 registers and spills, 64 takes 168-181 and none (ieee: 80-156 at 128).
     precision = router_precision(x.dtype)
+    if TWO_PASS if two_pass is None else two_pass:
+        n_fblk = gw_part.shape[1]
+        _dlogits(lambda m: (triton.cdiv(R, m["BLOCK_R"]),),
+                 x, x if inv is None else inv, wg, weight, index, pair_slot, gw_part, dlogits, R, horizons, D, E,
+                 n_fblk, TOP_K=top_k, HAS_INV=inv is not None, RENORM=renorm, PRECISION=precision,
+                 BLOCK_D=64 if block_e <= 32 else 32, BLOCK_E=block_e, BLOCK_C=pow2(n_fblk, 2))
+        _combine_dy(lambda m: (B, triton.cdiv(D, m["BLOCK_D"])),
+                    wg, pair_slot, dx_slot, dlogits, dy, dy if dinv is None else dinv, horizons, D, E,
+                    TOP_K=top_k, SUM_H=inv is not None, PRECISION=precision, BLOCK_H=block_h, BLOCK_E=block_e)
+        return dy, dinv, dlogits
     block_d = block_d or max(16, min(128, (4096 if precision == "ieee" else 1024) // max(block_h, block_e)))
     _combine_bwd(lambda m: (B,),
                  x, x if inv is None else inv, wg, weight, index, pair_slot, dx_slot, gw_part,

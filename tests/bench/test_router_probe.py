@@ -24,3 +24,17 @@ def test_every_d_block_gives_the_shipped_result():
         got = triton_router.router_combine_backward(*inputs, block_d=block_d)
         for a, b, name in zip(got, want, ("dy", "dinv", "dlogits")):
             assert float((a - b).abs().max()) <= 1e-5 * float(b.abs().max()), (block_d, name)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton kernels on the CPU need TRITON_INTERPRET=1")
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+def test_two_pass_rows_run_every_config_against_the_one_pass_kernel(capsys):
+    """The probe's two-pass rows: one a config of either kernel, none failed, each within fp32
+    rounding of the one-pass kernel (bf16's ∂y may differ by one rounding on the GPU; the
+    interpreter's case is fp32)."""
+    inputs, traffic = router_probe.case("tiny", torch.float32, "cpu")
+    router_probe.two_pass(inputs, traffic)
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("two-pass")]
+    assert len(rows) == len(triton_router._dlogits.configs) + len(triton_router._combine_dy.configs)
+    assert not [line for line in rows if "FAILED" in line]
+    assert all(float(line.rsplit("max diff ", 1)[1]) <= 1e-6 for line in rows), rows
