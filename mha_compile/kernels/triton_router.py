@@ -14,7 +14,8 @@ token order and without atomics, so it is bitwise reproducible:
     ∂y[r] = Σ_j ∂x_slot[slot(r,j)] + ∂logits Wg
     ∂inv[b] = Σ_h ∂y[b,h]     (the seed's fix; only when SUM_H, i.e. kernels="fused")
 With MHA_COMPILE_ROUTER_TWO_PASS=1 the same in two kernels: ∂logits by blocks of rows, then ∂y
-and ∂inv by (batch row, block of D columns), the same sums in the same order.
+and ∂inv by (batch row, block of D columns); the sums run in the same order, but the logits' dots
+take other row blocks (a tensor-core product's rounding may differ in the last bit).
 ∂Wg = ∂logitsᵀ x (`router_weight_grad`): per (run of rows, D block) partial sums [SPLIT, E, D]
 of x merged on load, added over the runs in order. As a cuBLAS fp32 GEMM on x.float() it took
 0.17 ms at the large preset, plus the cast (K = R = 65536, M = E = 16).
@@ -284,6 +285,11 @@ _combine_dy = Launcher(_router_dy_kernel, [
 ], key=["H", "D", "E", "TOP_K", "SUM_H", "PRECISION"])
 
 
+def _logits_block_d(block_e):
+    """The D block of the logits' dot x Wgᵀ, by blocks of rows (the forward, the two-pass backward)."""
+    return 64 if block_e <= 32 else 32
+
+
 def router_precision(dtype):
     """The router dots' input_precision for inputs x of `dtype` (see the module docstring)."""
     return "ieee" if dtype == torch.float32 else "tf32x3"
@@ -299,7 +305,7 @@ def route(x, inv, wg, top_k, renorm, horizons):
     _route(lambda m: (triton.cdiv(R, m["BLOCK_R"]),),
            x, x if inv is None else inv, wg, weight, index, R, horizons, D, E,
            TOP_K=top_k, HAS_INV=inv is not None, RENORM=renorm, PRECISION=router_precision(x.dtype),
-           BLOCK_D=64 if block_e <= 32 else 32, BLOCK_E=block_e)
+           BLOCK_D=_logits_block_d(block_e), BLOCK_E=block_e)
     return weight, index
 
 
@@ -324,7 +330,7 @@ def router_combine_backward(x, inv, wg, weight, index, pair_slot, dx_slot, gw_pa
         _dlogits(lambda m: (triton.cdiv(R, m["BLOCK_R"]),),
                  x, x if inv is None else inv, wg, weight, index, pair_slot, gw_part, dlogits, R, horizons, D, E,
                  n_fblk, TOP_K=top_k, HAS_INV=inv is not None, RENORM=renorm, PRECISION=precision,
-                 BLOCK_D=64 if block_e <= 32 else 32, BLOCK_E=block_e, BLOCK_C=pow2(n_fblk, 2))
+                 BLOCK_D=_logits_block_d(block_e), BLOCK_E=block_e, BLOCK_C=pow2(n_fblk, 2))
         _combine_dy(lambda m: (B, triton.cdiv(D, m["BLOCK_D"])),
                     wg, pair_slot, dx_slot, dlogits, dy, dy if dinv is None else dinv, horizons, D, E,
                     TOP_K=top_k, SUM_H=inv is not None, PRECISION=precision, BLOCK_H=block_h, BLOCK_E=block_e)
