@@ -431,7 +431,6 @@ def test_weight_grads_add_up_sums_spread_over_row_blocks(monkeypatch, mode):
     adds them up into Σb [E, J] (written, over the splits too; or added into the runs' totals)."""
     assert gluon_moe.WGRAD_SUM_SPREAD  # MHA_COMPILE_WGRAD_SUM_SPREAD unset: spread, −125 us a large step on the H200
     _taken(monkeypatch, "wgrad_unsupported")
-    monkeypatch.setattr(gluon_moe, "WGRAD_SUM_SPREAD", True)
     launches = []
 
     def contract(a, b, groups, out, accumulate, split=1, sums=None, stream=None, sum_rows=1):
