@@ -61,14 +61,9 @@
 #                                      # run.log, gluon_wgrad_probe.txt, gluon_slots_probe.txt
 #   bash bench/h200_session.sh verify-gemms  # verify, then gluon-gemms at large only, in one call (~9 min;
 #                                      # one machine start instead of two when landing staged Gluon work)
-#   bash bench/h200_session.sh router  # the router and combine backward alone under each D block and
-#                                      # warp count (bench/router_probe.py, medium and large; ~2 min):
+#   bash bench/h200_session.sh router  # the router's forward and its backward's two passes alone under
+#                                      # each config (bench/router_probe.py, medium and large; ~2 min):
 #                                      # run.log, router_probe.txt
-#   bash bench/h200_session.sh router-two-pass  # the router backward in two kernels
-#                                      # (triton_router.TWO_PASS, off by default): its GPU tests, then
-#                                      # bench/flag_ab.py off against on at large and medium, then
-#                                      # router_probe.py with its two-pass rows (~8 min): run.log,
-#                                      # flag_ab_router.txt, router_probe.txt
 #   bash bench/h200_session.sh small-kernels  # the other small kernels alone under each launch config:
 #                                      # ∂b1's tile sums, the slot-row gathers, the pool's fp32 projections
 #                                      # and its forward (bench/small_kernels_probe.py, medium and large;
@@ -94,7 +89,7 @@
 #                                      # benchmark cut at 250 s (rows past it are listed as skipped)
 # Budgets are per step so a slow step cannot starve the others.
 set -u
-part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|ab|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|ncu-gemms|ncu-source|gluon|verify-gluon|gluon-gemms|verify-gemms|router|small-kernels|host-large|host-timers|wgrad-stream|sum-spread|router-two-pass|kernel-times-ab|short}
+part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|ab|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|ncu-gemms|ncu-source|gluon|verify-gluon|gluon-gemms|verify-gemms|router|small-kernels|host-large|host-timers|wgrad-stream|sum-spread|kernel-times-ab|short}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 # Inductor's compiled graphs kept in the checkout (git ignores it): the device keeps ignored
 # files between calls on a machine it still holds, so `table` can reuse `autotune-cache`'s.
@@ -297,17 +292,6 @@ router)
     { timeout -s INT 200 python bench/router_probe.py --presets medium,large 2>&1; } >"$OUT/router_probe.txt"
     tail -40 "$OUT/router_probe.txt" >>"$LOG"
     ;;
-router-two-pass)
-    { MHA_COMPILE_NO_AUTOTUNE=1 timeout 150 python -m pytest -q -m cuda tests/kernels/test_triton_kernels_cuda.py \
-        -k "router or dlogits or combine_dy" -p no:cacheprovider -rf 2>&1 | tail -8; } >>"$LOG"
-    for preset in large medium; do
-        timeout -s INT 100 python bench/flag_ab.py --flag mha_compile.kernels.triton_router:TWO_PASS \
-            --preset $preset --rounds 8 >>"$OUT/flag_ab_router.txt" 2>&1
-    done
-    tail -4 "$OUT/flag_ab_router.txt" >>"$LOG"
-    { timeout -s INT 150 python bench/router_probe.py --presets medium,large 2>&1; } >"$OUT/router_probe.txt"
-    grep "two-pass\|^BLOCK_D  64 warps 1" "$OUT/router_probe.txt" >>"$LOG"
-    ;;
 small-kernels)
     # interrupted at 300 s: the rows printed by then are kept (each is flushed as it is timed)
     { timeout -s INT 300 python bench/small_kernels_probe.py --presets medium,large 2>&1; } \
@@ -351,6 +335,6 @@ bench|bench-resume)
         --modes eager,inductor,inductor-max-autotune,mha-staged,mha-fused,mha-fused-cudagraphs \
         --spellings dense,loop,grouped_mm --commit "$commit" 2>&1 | tail -100; } >>"$LOG"
     ;;
-*) echo "unknown part $part: expected check, kernels, probe, verify, ab, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache, medium-autotune, ncu, ncu-gemms, ncu-source, gluon, verify-gluon, gluon-gemms, verify-gemms, router, small-kernels, host-large, host-timers, wgrad-stream, sum-spread, router-two-pass, kernel-times-ab or short" >&2; exit 2 ;;
+*) echo "unknown part $part: expected check, kernels, probe, verify, ab, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache, medium-autotune, ncu, ncu-gemms, ncu-source, gluon, verify-gluon, gluon-gemms, verify-gemms, router, small-kernels, host-large, host-timers, wgrad-stream, sum-spread, kernel-times-ab or short" >&2; exit 2 ;;
 esac
 tail -150 "$LOG"

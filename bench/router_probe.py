@@ -1,16 +1,12 @@
 """The router kernels alone: the forward's (triton_router._router_fwd_kernel) under each row block
-and warp count, and the router and combine backward (_router_combine_bwd_kernel) under each D
-block and warp count: what their times a step are set by.
+and warp count, and the backward's two passes (∂logits by blocks of rows, then ∂y by batch row and
+D block) under each config of either kernel: what their times a step are set by.
 
     PYTHONPATH=. python bench/router_probe.py [--presets medium,large]   # H200
 
-The backward: one program a batch row (H rows): the router's logits again, ∂w from the hidden
-kernel's partial sums, ∂logits, then ∂y = ∂logits Wg + Σ_j ∂x_slot over D blocks. On the H200
-(bench/results/router_probe.txt) it took 256 us at large at 2 warps, the autotuner's pick then,
-for ~300 MB of traffic (~70 us at 4.3 TB/s); one warp a program took 167 and is now the first
-config. The forward router: 76 us at 32 rows and 4 warps, 46 at 64 rows (now first). Then the
-two-pass backward (MHA_COMPILE_ROUTER_TWO_PASS; ∂logits by blocks of rows, then ∂y by batch row
-and D block) under each config of either kernel, against the one-pass kernel's outputs.
+The forward router: 76 us at 32 rows and 4 warps, 46 at 64 rows (now first). The backward was one
+program a batch row (H rows) until session 24: 167.8 us at large at its best (one warp), against
+145 for the two passes (bench/results/router_probe.txt).
 Each row: the median CUDA-graph time, the traffic's rate, registers and spills, and how far the
 result is from the shipped config's: the experts chosen must be the same; ∂y (bf16) may differ
 by one rounding where its fp32 sums ran in another order (~2e-3 of the largest at most),
@@ -27,8 +23,6 @@ from gemm_probe import variant
 from mha_compile import models
 from mha_compile.kernels import triton_moe, triton_router
 
-CONFIGS = [dict(num_warps=w, num_stages=3) for w in (1, 2, 4, 8)]
-BLOCKS_D = (16, 32, 64, 128)
 ROUTE_CONFIGS = [dict(BLOCK_R=r, num_warps=w, num_stages=3) for r in (16, 32, 64, 128) for w in (1, 2, 4, 8)]
 
 
@@ -99,29 +93,18 @@ def _max_diff(want):
         float((a.float() - b.float()).abs().max() / b.float().abs().max()) for a, b in zip(got, want)))
 
 
-def combine_backward(inputs, traffic):
-    """The router and combine backward under each BLOCKS_D and CONFIGS: time, rate over `traffic`
-    bytes, and the largest difference from the shipped config's outputs."""
-    want = triton_router.router_combine_backward(*inputs, two_pass=False)
+def backward(inputs, traffic):
+    """The backward's two passes under each config of its ∂logits kernel, then of its ∂y kernel, the
+    other at the autotuner's pick: the whole call's time, its rate over `traffic` bytes (x, ∂x_slot
+    and ∂y once, the ∂w partials, ∂inv and ∂logits; the passes also write and read ∂logits), and
+    the largest difference from the outputs at the first configs (the interpreter's)."""
+    want = triton_router.router_combine_backward(*inputs)
     compare = _max_diff(want)
-    for block_d in BLOCKS_D:
-        for cfg in CONFIGS:
-            row(f"BLOCK_D {block_d:>3} warps {cfg['num_warps']}", triton_router._combine_bwd, cfg,
-                lambda: triton_router.router_combine_backward(*inputs, block_d=block_d, two_pass=False), traffic,
-                compare)
-
-
-def two_pass(inputs, traffic):
-    """The two-pass backward (MHA_COMPILE_ROUTER_TWO_PASS) under each config of its ∂logits kernel,
-    then of its ∂y kernel, the other at the autotuner's pick: the whole call's time, its rate
-    over `traffic` bytes (the one-pass kernel's; the two passes add ∂logits' write and read, and
-    x's read moves to pass 1), and the largest difference from the one-pass kernel's outputs."""
-    compare = _max_diff(triton_router.router_combine_backward(*inputs, two_pass=False))
     for name, launcher in (("dlogits", triton_router._dlogits), ("dy", triton_router._combine_dy)):
         for cfg in launcher.configs:
             label = " ".join(f"{k}={v}" for k, v in cfg.items() if k != "num_stages")
-            row(f"two-pass {name:<7} {label:<28}", launcher, cfg,
-                lambda: triton_router.router_combine_backward(*inputs, two_pass=True), traffic, compare)
+            row(f"backward {name:<7} {label:<28}", launcher, cfg,
+                lambda: triton_router.router_combine_backward(*inputs), traffic, compare)
 
 
 def main():
@@ -133,8 +116,7 @@ def main():
         inputs, traffic = case(preset)
         x, inv, wg, weight, index, pair_slot, dx_slot, gw_part, horizons, renorm, dy_dtype = inputs
         route(x, inv, wg, index.shape[1], horizons)
-        combine_backward(inputs, traffic)
-        two_pass(inputs, traffic)
+        backward(inputs, traffic)
 
 
 if __name__ == "__main__":

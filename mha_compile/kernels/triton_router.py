@@ -6,16 +6,18 @@ Forward, BLOCK_R rows a program:
     w ← w / Σw if renorm.
 The top-k is k rounds of "take the largest, mask it": E ≤ 64 fits one [BLOCK_R, BLOCK_E] tile.
 
-Backward (`router_combine_backward`), one program per batch row b over its H horizons, in
-token order and without atomics, so it is bitwise reproducible:
+Backward (`router_combine_backward`), in two kernels, in token order and without atomics, so it
+is bitwise reproducible:
+  pass 1, BLOCK_R rows a program (as the forward reads x; the logits again, as the forward's):
     ∂w_j = Σ_c gw_part[slot(r,j), c]     (per-F-block partials from the experts' backward)
     ∂π   = (∂w − Σ_i ∂w_i w_i) / Σ_i π_i on the chosen j (renorm), else ∂w; 0 elsewhere
     ∂logits = π ⊙ (∂π − ⟨∂π, π⟩)
+  pass 2, one (batch row b, block of D columns) a program, its H rows:
     ∂y[r] = Σ_j ∂x_slot[slot(r,j)] + ∂logits Wg
     ∂inv[b] = Σ_h ∂y[b,h]     (the seed's fix; only when SUM_H, i.e. kernels="fused")
-With MHA_COMPILE_ROUTER_TWO_PASS=1 the same in two kernels: ∂logits by blocks of rows, then ∂y
-and ∂inv by (batch row, block of D columns); the sums run in the same order, but the logits' dots
-take other row blocks (a tensor-core product's rounding may differ in the last bit).
+One program a batch row doing both (one warp, the logits' D blocks then ∂y's) took 167.8 us at
+the large preset against 145 for the two passes (bench/results/router_probe.txt, session 24), and
+a large training step replayed 82 us faster with the two (flag_ab, 8 rounds), medium 7 us.
 ∂Wg = ∂logitsᵀ x (`router_weight_grad`): per (run of rows, D block) partial sums [SPLIT, E, D]
 of x merged on load, added over the runs in order. As a cuBLAS fp32 GEMM on x.float() it took
 0.17 ms at the large preset, plus the cast (K = R = 65536, M = E = 16).
@@ -26,8 +28,6 @@ at the large preset the forward took 0.34 ms and the backward 0.57 ms for 64 MiB
 splits, ~2⁻²¹ relative: fp32 to within a few ulps); fp32 models keep ieee fp32 dots, which
 their 1e-5 bound is checked at.
 """
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -91,11 +91,17 @@ def _router_fwd_kernel(
 
 
 @triton.jit
-def _router_dlogits(probs, rows, r_ok, weight_ptr, index_ptr, pair_slot_ptr, gw_part_ptr, E, N_FBLK,
-                    TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
-                    BLOCK_C: tl.constexpr):
-    """∂logits [BLOCK_R, BLOCK_E] fp32 (0 on rows past R and padding experts) of the given rows,
-    from their π and the experts' ∂w partials (module docstring)."""
+def _router_dlogits_kernel(
+    x_ptr, inv_ptr, wg_ptr, weight_ptr, index_ptr, pair_slot_ptr, gw_part_ptr, dlogits_ptr,
+    R, H, D, E, N_FBLK,
+    TOP_K: tl.constexpr, HAS_INV: tl.constexpr, RENORM: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Pass 1, BLOCK_R rows a program (as the forward): ∂logits [R,E] fp32 from the rows' π and the
+    experts' ∂w partials (module docstring)."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = rows < R
+    probs = _logits_probs(x_ptr, inv_ptr, wg_ptr, rows, r_ok, H, D, E, HAS_INV, PRECISION, BLOCK_D, BLOCK_E, BLOCK_R)
     offs_e = tl.arange(0, BLOCK_E)
     offs_c = tl.arange(0, BLOCK_C)
     dwv = tl.zeros([BLOCK_R, BLOCK_E], tl.float32)  # ∂w_j at the chosen experts, 0 elsewhere
@@ -131,66 +137,7 @@ def _router_dlogits(probs, rows, r_ok, weight_ptr, index_ptr, pair_slot_ptr, gw_
         other_c = tl.sum(tl.where(hit, 0.0, dpi * probs), axis=1)
         dpi_j = tl.sum(tl.where(hit, dpi, 0.0), axis=1)
         inner = tl.where(hit, (dpi_j * other_all - other_c)[:, None], inner)
-    return tl.where(r_ok[:, None], probs * inner, 0.0)
-
-
-@triton.jit
-def _router_dy(dlogits, wg_ptr, pair_slot_ptr, dx_slot_ptr, dy_ptr, dinv_ptr, b, rows, h_ok, offs_d, D, E,
-               TOP_K: tl.constexpr, SUM_H: tl.constexpr, PRECISION: tl.constexpr, BLOCK_E: tl.constexpr):
-    """One block of D columns of batch row b's H rows: ∂y = ∂logits Wg + Σ_j ∂x_slot[slot(r,j)]
-    stored, and with SUM_H ∂inv[b] = Σ_h ∂y."""
-    offs_e = tl.arange(0, BLOCK_E)
-    d_ok = offs_d < D
-    hd_ok = h_ok[:, None] & d_ok[None, :]
-    wg = tl.load(wg_ptr + offs_e[:, None] * D + offs_d[None, :], mask=(offs_e < E)[:, None] & d_ok[None, :],
-                 other=0.0).to(tl.float32)
-    dy = tl.dot(dlogits, wg, input_precision=PRECISION)
-    for j in tl.static_range(TOP_K):
-        slot = tl.load(pair_slot_ptr + rows * TOP_K + j, mask=h_ok, other=0).to(tl.int64)
-        dy += tl.load(dx_slot_ptr + slot[:, None] * D + offs_d[None, :], mask=hd_ok, other=0.0).to(tl.float32)
-    tl.store(dy_ptr + rows[:, None] * D + offs_d[None, :], dy.to(dy_ptr.dtype.element_ty), mask=hd_ok)
-    if SUM_H:
-        tl.store(dinv_ptr + b * D + offs_d, tl.sum(tl.where(hd_ok, dy, 0.0), axis=0), mask=d_ok)
-
-
-@triton.jit
-def _router_combine_bwd_kernel(
-    x_ptr, inv_ptr, wg_ptr, weight_ptr, index_ptr, pair_slot_ptr, dx_slot_ptr, gw_part_ptr,
-    dy_ptr, dinv_ptr, dlogits_ptr,
-    H, D, E, N_FBLK,
-    TOP_K: tl.constexpr, HAS_INV: tl.constexpr, SUM_H: tl.constexpr, RENORM: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
-):
-    """Per batch row b: ∂y [B,H,D] (dy_ptr's dtype), ∂inv [B,D] fp32 if SUM_H, ∂logits [R,E] fp32."""
-    b = tl.program_id(0).to(tl.int64)
-    offs_h = tl.arange(0, BLOCK_H)
-    h_ok = offs_h < H
-    rows = b * H + offs_h
-    probs = _logits_probs(x_ptr, inv_ptr, wg_ptr, rows, h_ok, H, D, E, HAS_INV, PRECISION, BLOCK_D, BLOCK_E, BLOCK_H)
-    dlogits = _router_dlogits(probs, rows, h_ok, weight_ptr, index_ptr, pair_slot_ptr, gw_part_ptr, E, N_FBLK,
-                              TOP_K, RENORM, BLOCK_H, BLOCK_E, BLOCK_C)
-    offs_e = tl.arange(0, BLOCK_E)
-    tl.store(dlogits_ptr + rows[:, None] * E + offs_e[None, :], dlogits,
-             mask=h_ok[:, None] & (offs_e < E)[None, :])
-    for d0 in range(0, D, BLOCK_D):
-        _router_dy(dlogits, wg_ptr, pair_slot_ptr, dx_slot_ptr, dy_ptr, dinv_ptr, b, rows, h_ok,
-                   d0 + tl.arange(0, BLOCK_D), D, E, TOP_K, SUM_H, PRECISION, BLOCK_E)
-
-
-@triton.jit
-def _router_dlogits_kernel(
-    x_ptr, inv_ptr, wg_ptr, weight_ptr, index_ptr, pair_slot_ptr, gw_part_ptr, dlogits_ptr,
-    R, H, D, E, N_FBLK,
-    TOP_K: tl.constexpr, HAS_INV: tl.constexpr, RENORM: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
-):
-    """Two-pass backward, pass 1, BLOCK_R rows a program (as the forward): ∂logits [R,E] fp32."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    r_ok = rows < R
-    probs = _logits_probs(x_ptr, inv_ptr, wg_ptr, rows, r_ok, H, D, E, HAS_INV, PRECISION, BLOCK_D, BLOCK_E, BLOCK_R)
-    dlogits = _router_dlogits(probs, rows, r_ok, weight_ptr, index_ptr, pair_slot_ptr, gw_part_ptr, E, N_FBLK,
-                              TOP_K, RENORM, BLOCK_R, BLOCK_E, BLOCK_C)
-    offs_e = tl.arange(0, BLOCK_E)
+    dlogits = tl.where(r_ok[:, None], probs * inner, 0.0)
     tl.store(dlogits_ptr + rows[:, None] * E + offs_e[None, :], dlogits, mask=r_ok[:, None] & (offs_e < E)[None, :])
 
 
@@ -201,17 +148,28 @@ def _router_dy_kernel(
     TOP_K: tl.constexpr, SUM_H: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
-    """Two-pass backward, pass 2, per batch row b and block of D columns: ∂y [B,H,D] (dy_ptr's
-    dtype) and ∂inv [B,D] fp32 if SUM_H, from pass 1's ∂logits."""
+    """Pass 2, per batch row b and block of D columns, its H rows: ∂y = ∂logits Wg + Σ_j
+    ∂x_slot[slot(r,j)] [B,H,D] (dy_ptr's dtype) and with SUM_H ∂inv[b] = Σ_h ∂y [B,D] fp32, from
+    pass 1's ∂logits."""
     b = tl.program_id(0).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
     h_ok = offs_h < H
     rows = b * H + offs_h
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     offs_e = tl.arange(0, BLOCK_E)
+    d_ok = offs_d < D
+    hd_ok = h_ok[:, None] & d_ok[None, :]
     dlogits = tl.load(dlogits_ptr + rows[:, None] * E + offs_e[None, :], mask=h_ok[:, None] & (offs_e < E)[None, :],
                       other=0.0)
-    _router_dy(dlogits, wg_ptr, pair_slot_ptr, dx_slot_ptr, dy_ptr, dinv_ptr, b, rows, h_ok,
-               tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D), D, E, TOP_K, SUM_H, PRECISION, BLOCK_E)
+    wg = tl.load(wg_ptr + offs_e[:, None] * D + offs_d[None, :], mask=(offs_e < E)[:, None] & d_ok[None, :],
+                 other=0.0).to(tl.float32)
+    dy = tl.dot(dlogits, wg, input_precision=PRECISION)
+    for j in tl.static_range(TOP_K):
+        slot = tl.load(pair_slot_ptr + rows * TOP_K + j, mask=h_ok, other=0).to(tl.int64)
+        dy += tl.load(dx_slot_ptr + slot[:, None] * D + offs_d[None, :], mask=hd_ok, other=0.0).to(tl.float32)
+    tl.store(dy_ptr + rows[:, None] * D + offs_d[None, :], dy.to(dy_ptr.dtype.element_ty), mask=hd_ok)
+    if SUM_H:
+        tl.store(dinv_ptr + b * D + offs_d, tl.sum(tl.where(hd_ok, dy, 0.0), axis=0), mask=d_ok)
 
 
 @triton.jit
@@ -251,30 +209,17 @@ _route = Launcher(_router_fwd_kernel, [
     dict(BLOCK_R=128, num_warps=4, num_stages=3),
     dict(BLOCK_R=32, num_warps=2, num_stages=3),
 ], key=["D", "E", "TOP_K", "HAS_INV", "RENORM", "PRECISION"])
-# The backward (one program a batch row, its H rows), the same probe (85e4d4e, BLOCK_D 64): one
-# warp 167 against 256 us at 2 warps (the autotuner's pick before) at large, 31 against 42 at
-# medium; 4 and 8 warps 1.4-3.6x as long. Its BLOCK_D stays a function of the sizes (it bounds
-# the [H, BLOCK_D] tiles: 128 spills at every warp count at large), only the warps are tuned.
-_combine_bwd = Launcher(_router_combine_bwd_kernel, [
-    dict(num_warps=1, num_stages=3),
-    dict(num_warps=2, num_stages=3),
-    dict(num_warps=4, num_stages=3),
-], key=["H", "D", "E", "N_FBLK", "TOP_K", "HAS_INV", "RENORM", "PRECISION", "SUM_H"])
-
-
-# MHA_COMPILE_ROUTER_TWO_PASS=1 (opt-in, not yet run on a GPU): the backward in two kernels, ∂logits
-# by blocks of rows as the forward reads x (its 64 rows at 4 warps: 46 us at large), then ∂y and
-# ∂inv by (batch row, block of D columns), where one program a batch row does both and takes
-# ~170 us at large at one warp (bench/results/kernel_times.txt, session 23) for ~270 MB of traffic.
-TWO_PASS = os.environ.get("MHA_COMPILE_ROUTER_TWO_PASS", "0") == "1"
-# Pass 1 as the forward's configs, but 128 rows: that spills here (255 registers, sm_90a offline).
+# The backward's two passes, bench/router_probe.py on the H200 (session 24, large, bf16, the whole
+# call with the other pass at the autotuner's pick): pass 1 at 64 rows and 4 warps 145.3 us, 32 rows
+# at 2 warps 144.8, at 1 warp 165.6 (251 registers); 128 rows spill (255 registers, sm_90a offline).
 _dlogits = Launcher(_router_dlogits_kernel, [
     dict(BLOCK_R=64, num_warps=4, num_stages=3),
     dict(BLOCK_R=32, num_warps=2, num_stages=3),
     dict(BLOCK_R=32, num_warps=1, num_stages=3),
 ], key=["D", "E", "N_FBLK", "TOP_K", "HAS_INV", "RENORM", "PRECISION"])
-# Pass 2 streams ∂x_slot's rows in and ∂y out (55-96 registers, offline); the first config (32
-# columns) gives the interpreter's tests more than one block of D.
+# Pass 2 streams ∂x_slot's rows in and ∂y out (55-96 registers, offline): 64 columns at 1 warp
+# 145.0 us, 32 at 1 warp 165.1, 128 at 2 warps 163.9, 4 warps 211-214 (the same probe). The first
+# config (32 columns) gives the interpreter's tests more than one block of D.
 _combine_dy = Launcher(_router_dy_kernel, [
     dict(BLOCK_D=32, num_warps=1, num_stages=3),
     dict(BLOCK_D=64, num_warps=2, num_stages=3),
@@ -286,7 +231,7 @@ _combine_dy = Launcher(_router_dy_kernel, [
 
 
 def _logits_block_d(block_e):
-    """The D block of the logits' dot x Wgᵀ, by blocks of rows (the forward, the two-pass backward)."""
+    """The D block of the logits' dot x Wgᵀ, by blocks of rows (the forward, the backward's pass 1)."""
     return 64 if block_e <= 32 else 32
 
 
@@ -309,11 +254,8 @@ def route(x, inv, wg, top_k, renorm, horizons):
     return weight, index
 
 
-def router_combine_backward(x, inv, wg, weight, index, pair_slot, dx_slot, gw_part, horizons, renorm, dy_dtype,
-                            block_d=None, two_pass=None):
-    """(∂y [R,D] in dy_dtype, ∂inv [B,D] fp32 or None when inv is None, ∂logits [R,E] fp32).
-    block_d: the one-pass kernel's D block, worked out below when None (bench/router_probe.py
-    sweeps it). two_pass: the two kernels instead (TWO_PASS when None)."""
+def router_combine_backward(x, inv, wg, weight, index, pair_slot, dx_slot, gw_part, horizons, renorm, dy_dtype):
+    """(∂y [R,D] in dy_dtype, ∂inv [B,D] fp32 or None when inv is None, ∂logits [R,E] fp32)."""
     R, D = x.shape
     E = wg.shape[0]
     top_k = index.shape[1]
@@ -321,27 +263,16 @@ def router_combine_backward(x, inv, wg, weight, index, pair_slot, dx_slot, gw_pa
     dy = torch.empty(R, D, device=x.device, dtype=dy_dtype)
     dinv = torch.empty(B, D, device=x.device, dtype=torch.float32) if inv is not None else None
     dlogits = torch.empty(R, E, device=x.device, dtype=torch.float32)
-    block_h, block_e = pow2(horizons), pow2(E)
-    # tf32x3 holds hi/lo copies of each [H, BLOCK_D] tile: offline for sm_90a at large, BLOCK_D
-    # 128 takes 255 registers and spills, 64 takes 168-181 and none (ieee: 80-156 at 128).
+    block_e = pow2(E)
     precision = router_precision(x.dtype)
-    if TWO_PASS if two_pass is None else two_pass:
-        n_fblk = gw_part.shape[1]
-        _dlogits(lambda m: (triton.cdiv(R, m["BLOCK_R"]),),
-                 x, x if inv is None else inv, wg, weight, index, pair_slot, gw_part, dlogits, R, horizons, D, E,
-                 n_fblk, TOP_K=top_k, HAS_INV=inv is not None, RENORM=renorm, PRECISION=precision,
-                 BLOCK_D=_logits_block_d(block_e), BLOCK_E=block_e, BLOCK_C=pow2(n_fblk, 2))
-        _combine_dy(lambda m: (B, triton.cdiv(D, m["BLOCK_D"])),
-                    wg, pair_slot, dx_slot, dlogits, dy, dy if dinv is None else dinv, horizons, D, E,
-                    TOP_K=top_k, SUM_H=inv is not None, PRECISION=precision, BLOCK_H=block_h, BLOCK_E=block_e)
-        return dy, dinv, dlogits
-    block_d = block_d or max(16, min(128, (4096 if precision == "ieee" else 1024) // max(block_h, block_e)))
-    _combine_bwd(lambda m: (B,),
-                 x, x if inv is None else inv, wg, weight, index, pair_slot, dx_slot, gw_part,
-                 dy, dy if dinv is None else dinv, dlogits, horizons, D, E, gw_part.shape[1],
-                 TOP_K=top_k, HAS_INV=inv is not None, SUM_H=inv is not None, RENORM=renorm,
-                 PRECISION=precision, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_E=block_e,
-                 BLOCK_C=pow2(gw_part.shape[1], 2))
+    n_fblk = gw_part.shape[1]
+    _dlogits(lambda m: (triton.cdiv(R, m["BLOCK_R"]),),
+             x, x if inv is None else inv, wg, weight, index, pair_slot, gw_part, dlogits, R, horizons, D, E,
+             n_fblk, TOP_K=top_k, HAS_INV=inv is not None, RENORM=renorm, PRECISION=precision,
+             BLOCK_D=_logits_block_d(block_e), BLOCK_E=block_e, BLOCK_C=pow2(n_fblk, 2))
+    _combine_dy(lambda m: (B, triton.cdiv(D, m["BLOCK_D"])),
+                wg, pair_slot, dx_slot, dlogits, dy, dy if dinv is None else dinv, horizons, D, E,
+                TOP_K=top_k, SUM_H=inv is not None, PRECISION=precision, BLOCK_H=pow2(horizons), BLOCK_E=block_e)
     return dy, dinv, dlogits
 
 

@@ -61,14 +61,13 @@ def test_every_config_builds_at_an_odd_shape(tmp_path, dtype):
     assert {r["constexprs"]["D"] for r in rows if r["kernel"] == "_pool_fwd_kernel"} == {100}
 
 
-def test_router_backward_in_two_passes_builds(tmp_path):
-    """MHA_COMPILE_ROUTER_TWO_PASS=1: every config of its two kernels builds for sm_90a, at large
+def test_router_backward_builds(tmp_path):
+    """The router's backward: every config of its two kernels builds for sm_90a, at large
     and at the odd shape of the test above (D = 100, H = 7, E = 4), and without spills at large.
     (At E = 4 the ∂logits kernel spills 160-664 bytes, as the forward's router kernel, which
     computes the same logits, spills 16-1108 there.)"""
     kernels = "_router_dlogits_kernel,_router_dy_kernel"
-    rows = offline_sass(tmp_path, "--presets", "large,300x7x37x100x4x200x4x2", "--kernels", kernels, "--all-configs",
-                        env={"MHA_COMPILE_ROUTER_TWO_PASS": "1"})
+    rows = offline_sass(tmp_path, "--presets", "large,300x7x37x100x4x200x4x2", "--kernels", kernels, "--all-configs")
     assert not [r for r in rows if "error" in r]
     from mha_compile.kernels import triton_router
     for name, launcher in (("_router_dlogits_kernel", triton_router._dlogits),

@@ -148,7 +148,7 @@ def _tuned_configs():
 
     tuned = [(triton_moe, name) for name in ("_up", "_hidden", "_slots_gemm", "_wgrad", "_sum_tiles", "_tile_sums")]
     tuned += [(triton_pool, name) for name in ("_attend", "_attend_bwd_scores", "_attend_bwd")]
-    tuned += [(triton_router, name) for name in ("_route", "_combine_bwd", "_dlogits", "_combine_dy")]
+    tuned += [(triton_router, name) for name in ("_route", "_dlogits", "_combine_dy")]
     return [pytest.param(module, name, i, id=f"{name}{i}") for module, name in tuned
             for i in range(len(getattr(module, name).configs))]
 
@@ -157,12 +157,9 @@ def _tuned_configs():
 def test_every_tuned_config_bf16(monkeypatch, module, name, i):
     """Every config the autotuner may pick, on the GPU in bf16 (the interpreter checks them in
     fp32 only): tiles of 128 slots (4200 pairs over 4 experts), odd D, F and N."""
-    from mha_compile.kernels import triton_router
-
     launcher = getattr(module, name)
     monkeypatch.setattr(launcher, "configs", [launcher.configs[i]])
     monkeypatch.setattr(launcher, "tuned", None)
-    monkeypatch.setattr(triton_router, "TWO_PASS", name in ("_dlogits", "_combine_dy"))  # their launches
     ctx, tok, params = make_case(300, 7, 37, 100, 4, 200, 4, 2, act="gelu", dtype=torch.bfloat16, device="cuda",
                                  seed=13)
     errors = check_region(fused, ctx, tok, params, top_k=2, renorm=True, act="gelu")
@@ -196,14 +193,12 @@ def test_up_configs_on_tma_bf16(monkeypatch, i):
     print(f"_up[{i}] on TMA: {fmt(errors)}")
 
 
-@pytest.mark.parametrize("two_pass", [False, True], ids=["one-pass", "two-pass"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_router_at_fp32_accuracy(dtype, two_pass):
+def test_router_at_fp32_accuracy(dtype):
     """The router kernels alone against float64 at the medium preset's sizes. bf16 inputs run
     their dots as tf32x3 (triton_router.router_precision), fp32 ones as ieee: both must keep
     the fp32 bound, 1e-5, on the weights, ∂y and ∂Wg, with at most 1e-3 of the rows choosing
-    other experts (near-ties), which are left out of the comparison. The backward in one kernel,
-    and in two (MHA_COMPILE_ROUTER_TWO_PASS)."""
+    other experts (near-ties), which are left out of the comparison."""
     from mha_compile.kernels import triton_moe, triton_router
 
     B, H, D, E, k = 1024, 16, 256, 8, 2
@@ -223,7 +218,7 @@ def test_router_at_fp32_accuracy(dtype, two_pass):
     gw_part = torch.randn(groups.slots, 3, device="cuda", generator=gen)
     dx_slot = torch.randn(groups.slots, D, device="cuda", generator=gen).to(dtype)
     dy, dinv, dlogits = triton_router.router_combine_backward(
-        ctx, inv, wg, weight, index, groups.pair_slot, dx_slot, gw_part, H, True, torch.float32, two_pass=two_pass)
+        ctx, inv, wg, weight, index, groups.pair_slot, dx_slot, gw_part, H, True, torch.float32)
     slots = groups.pair_slot.long().view(R, k)
     grad_weight = gw_part.double().sum(1)[slots]
     ref_dx, ref_dwg = reference.route_backward(grad_weight[same], x64[same], wg.double(), probs[same],
