@@ -9,6 +9,10 @@ accumulated in fp32, which is the accuracy the pool kernels already keep.
 
     matmul_f32(a [Bt,M,K], b [Bt,K,N], out [Bt,M,N], split_dot, bias=[N] or [Bt,N])    any strides, fp32
 
+An operand may come in the split's 16-bit dtype instead (the pool's Wv and Wo of a bf16 model): it
+is its own high half, its low half is zero, so its tiles go to the tensor cores as they are, two
+dots in place of three, the same sums in the same order, and half its bytes read.
+
 The bias is added in the epilogue: a separate `+ bias` over [B,D] cost 7 us a call at large
 (three a step, H200, session 22's profile), for a read and write of what the product just wrote.
 
@@ -92,18 +96,20 @@ def k_runs(batch, M, N, K, device):
 
 
 def matmul_f32(a, b, out, split_dot, bias=None):
-    """out [Bt,M,N] (fp32, any strides, written) = a [Bt,M,K] @ b [Bt,K,N] (fp32, any strides)
-    + bias ([N], or [Bt,N]: one a batch; fp32, any strides) on every row, with split_dot as in
-    triton_util.dot_f32 (0: ieee fp32). Returns out."""
+    """out [Bt,M,N] (fp32, any strides, written) = a [Bt,M,K] @ b [Bt,K,N] (fp32, or the 16-bit
+    dtype of split_dot; any strides) + bias ([N], or [Bt,N]: one a batch; fp32, any strides) on
+    every row, with split_dot as in triton_util.dot_f32 (0: ieee fp32). Returns out."""
     Bt, M, K = a.shape
     N = b.shape[2]
     torch._check(b.shape == (Bt, K, N) and out.shape == (Bt, M, N),
                  lambda: f"matmul_f32: a {tuple(a.shape)} @ b {tuple(b.shape)} into out {tuple(out.shape)}")
     torch._check(bias is None or tuple(bias.shape) in ((N,), (Bt, N)),
                  lambda: f"matmul_f32: bias {tuple(bias.shape)} for out {tuple(out.shape)}: wants [{N}] or [{Bt}, {N}]")
-    torch._check(a.dtype == b.dtype == out.dtype == torch.float32 and (bias is None or bias.dtype == torch.float32),
-                 lambda: f"matmul_f32 takes fp32, got {a.dtype}, {b.dtype} into {out.dtype}"
-                         + ("" if bias is None else f", bias {bias.dtype}"))
+    half = {1: torch.bfloat16, 2: torch.float16}.get(split_dot)
+    torch._check(all(t.dtype in (torch.float32, half) for t in (a, b)) and out.dtype == torch.float32
+                  and (bias is None or bias.dtype == torch.float32),
+                  lambda: f"matmul_f32 takes fp32 (a or b also {half} with split_dot={split_dot}), got {a.dtype}, "
+                          f"{b.dtype} into {out.dtype}" + ("" if bias is None else f", bias {bias.dtype}"))
     bias_strides = (0, 0) if bias is None else (0, bias.stride(0)) if bias.dim() == 1 else bias.stride()
     split, run = k_runs(Bt, M, N, K, a.device)
     dest = out if split == 1 else torch.empty(split, Bt, M, N, device=a.device, dtype=torch.float32)

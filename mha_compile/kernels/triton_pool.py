@@ -311,7 +311,8 @@ def _heads(tbar, wv, bv, split):
 
 
 def pool_forward(tok, q, wk, wv, bv, wo, bo, mask=None, u=None):
-    """inv [B,D] and attn [B,N,P] (fp32), as reference.pool_forward; weights are fp32 here.
+    """inv [B,D] and attn [B,N,P] (fp32), as reference.pool_forward; weights are fp32 here, but Wv
+    and Wo may come in tok's dtype where it is split_dot's (triton_matmul takes them as they are).
     u: pool_directions(q, wk), where the caller has it."""
     attn, tbar = pool_attend(tok, pool_directions(q, wk) if u is None else u, mask)
     split = split_dot(tok.dtype)
@@ -340,7 +341,8 @@ def attend_bwd(tok, u, attn, ds, dtbar, tbar, du, grad_tok):
 
 
 def pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn, u=None):
-    """(∂tok in tok's dtype, ∂q, ∂Wk, ∂Wv, ∂bv, ∂Wo, ∂bo) in fp32; weights given in fp32. u:
+    """(∂tok in tok's dtype, ∂q, ∂Wk, ∂Wv, ∂bv, ∂Wo, ∂bo) in fp32; weights given in fp32 (Wv and Wo
+    also in tok's dtype, as pool_forward's). u:
     pool_directions(q, wk), where the caller kept the forward's."""
     P, Dh = q.shape
     B, N, D = tok.shape

@@ -97,6 +97,17 @@ def _f32(*tensors):
     return [t if t is None or t.dtype == torch.float32 else next(pieces).view(t.shape) for t in tensors]
 
 
+def _pool_f32(tok, q, wk, wv, bv, wo, bo):
+    """(q, Wk, Wv, bv, Wo, bo) as the pool's kernels take them: fp32 (_f32), but Wv and Wo as they
+    are where they share the tokens' dtype and its products run on split dots (bf16,
+    triton_pool.split_dot): triton_matmul then reads them as their own high halves, with the same
+    sums (−1 dot of 3 in each product they enter, 4 of a training step's 8 [B,D]×[D,D] ones)."""
+    if not (triton_pool.split_dot(tok.dtype) and wv.dtype == wo.dtype == tok.dtype):
+        return _f32(q, wk, wv, bv, wo, bo)
+    q, wk, bv, bo = _f32(q, wk, bv, bo)
+    return q, wk, wv.contiguous(), bv, wo.contiguous(), bo
+
+
 def _c(t):
     return None if t is None else t.contiguous()
 
@@ -121,7 +132,7 @@ def region_forward(merge, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b
     tok, w1, b1, w2, b2, w3 = _in_compute_dtype(ctx, tok, w1, b1, w2, b2, w3)
     B, H, D = ctx.shape
     E = w1.shape[0]
-    pool = _f32(q, wk, wv, bv, wo, bo)
+    pool = _pool_f32(tok, q, wk, wv, bv, wo, bo)
     u = triton_pool.pool_directions(pool[0], pool[1])
     inv, attn = triton_pool.pool_forward(tok, *pool, mask, u=u)
     x, x_inv = _merged_input(ctx, inv, merge)
@@ -147,12 +158,13 @@ def _layout_of(index, experts, kept):
     return groups
 
 
-def _pool_weights(q, wk, wv, bv, wo, kept):
-    """(q, Wk, Wv, bv, Wo in fp32, u or None) for the pool's backward: region_forward's from `kept`
-    (refused if they came from other weights, or from these before a write), else cast now."""
+def _pool_weights(tok, q, wk, wv, bv, wo, kept):
+    """(q, Wk, Wv, bv, Wo as _pool_f32 gives them, u or None) for the pool's backward:
+    region_forward's from `kept` (refused if they came from other weights, or from these before a
+    write), else cast now."""
     pool = kept.get("pool") if kept else None
     if pool is None:
-        return (*_f32(q, wk, wv, bv, wo), None)
+        return (*_pool_f32(tok, q, wk, wv, bv, wo, None)[:5], None)
     made_from, weights = pool
     if made_from != stamp(q, wk, wv, bv, wo):
         raise ValueError("region_backward: the pool weights kept in `kept` were not made from these q, wk, wv, bv, "
@@ -189,7 +201,7 @@ def region_backward(merge, grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1
         dctx, dinv = merge_backward(dy.view(B, H, D), ctx.dtype)
     else:
         dctx = dy.view(B, H, D)
-    *pool, u = _pool_weights(q, wk, wv, bv, wo, kept)
+    *pool, u = _pool_weights(tok, q, wk, wv, bv, wo, kept)
     grad_tok, grad_q, grad_wk, grad_wv, grad_bv, grad_wo, grad_bo = triton_pool.pool_backward(
         dinv, tok, *pool, attn.float(), u=u)
     grad_bk = None if bk is None else torch.zeros_like(bk)

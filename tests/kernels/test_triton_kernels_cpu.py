@@ -318,7 +318,8 @@ def test_backward_on_what_the_forward_kept(monkeypatch, module, runs):
     runs it) groups nothing and computes no pool directions, gives the gradients of the backward
     that makes both again, bit for bit, and matches the float64 reference; over the whole layout
     and over runs of one tile (the large preset's path, whose runs clip the kept layout's expert
-    ranges). The weights are bf16, so the kept fp32 ones are casts, not the parameters."""
+    ranges). The weights are bf16, so the kept fp32 ones are casts, not the parameters (but Wv
+    and Wo, which stay bf16: triton_region._pool_f32)."""
     if runs:
         monkeypatch.setattr(triton_moe, "SLOT_CHUNK_BYTES", 1)
     grouped = record_calls(monkeypatch, triton_moe, "group")
@@ -359,6 +360,28 @@ def test_a_layout_not_built_from_this_index_is_refused():
     index.copy_(index.flip(1))  # the same pairs' experts, in the other slot order
     with pytest.raises(ValueError, match="not built from this `index`"):
         backward(index)
+
+
+@pytest.mark.parametrize("dtype,weights,kept16", [
+    (torch.bfloat16, torch.bfloat16, True), (torch.float32, torch.float32, False),
+    (torch.bfloat16, torch.float32, False), (torch.float16, torch.float16, False)],
+    ids=["bf16", "fp32", "autocast-bf16", "fp16"])
+def test_pool_weights_as_the_kernels_take_them(dtype, weights, kept16):
+    """q, Wk, bv and bo in fp32 for the pool's kernels; Wv and Wo stay the parameters themselves
+    where they are bf16 as the tokens are (the projections' split dots take a bf16 operand as its
+    own high half), and are fp32 casts otherwise: fp32 and fp16 tokens (ieee dots), and fp32
+    parameters beside bf16 tokens (autocast)."""
+    from mha_compile.kernels import triton_region
+
+    tok = torch.randn(2, 5, 32).to(dtype)
+    q, wk, wv, bv, wo, bo = (torch.randn(*shape).to(weights) for shape in ((2, 16), (32, 32), (32, 32), (32,),
+                                                                             (32, 32), (32,)))
+    got = triton_region._pool_f32(tok, q, wk, wv, bv, wo, bo)
+    for name, g, w in zip(("q", "wk", "wv", "bv", "wo", "bo"), got, (q, wk, wv, bv, wo, bo)):
+        if kept16 and name in ("wv", "wo"):
+            assert g.dtype == torch.bfloat16 and g.data_ptr() == w.data_ptr(), name
+        else:
+            assert g.dtype == torch.float32 and torch.equal(g, w.float()), name
 
 
 def test_pool_weights_not_made_from_these_are_refused():

@@ -43,12 +43,31 @@ def test_matmul_f32(monkeypatch, split_dot, runs, bias):
     _check(a, b, out, split_dot, bias)
 
 
+@pytest.mark.parametrize("half_operand", ["a", "b"])
+def test_matmul_f32_takes_an_operand_in_the_split_dtype(half_operand):
+    """An operand in split_dot's 16-bit dtype (fp16 here: the interpreter's bf16
+    halves are not exact, numpy has no bf16) is taken
+    as it is: within the split's bound of float64 on the rounded operands, and the same result as
+    its fp32 copy gives (its low half is zero, the dot dropped is a sum of zeros)."""
+    a, b = _case("cpu")
+    if half_operand == "a":
+        a = a.half()
+    else:
+        b = b.half()
+    got = torch.empty(3, 37, 45)
+    _check(a, b, got, 2)  # writes got
+    want = triton_matmul.matmul_f32(a.float(), b.float(), torch.empty(3, 37, 45), 2)
+    assert torch.equal(got, want), (half_operand, float((got - want).abs().max()))
+
+
 def test_matmul_f32_checks_its_inputs():
     a, b = _case("cpu")
     with pytest.raises(RuntimeError, match="matmul_f32"):
         triton_matmul.matmul_f32(a, b.transpose(1, 2), torch.empty(3, 37, 45), 0)
     with pytest.raises(RuntimeError, match="fp32"):
         triton_matmul.matmul_f32(a.half(), b.half(), torch.empty(3, 37, 45), 0)
+    with pytest.raises(RuntimeError, match=r"a or b also torch.float16 with split_dot=2\), got torch.bfloat16"):
+        triton_matmul.matmul_f32(a.bfloat16(), b, torch.empty(3, 37, 45), 2)
     with pytest.raises(RuntimeError, match=r"bias \(3, 44\) for out \(3, 37, 45\): wants \[45\] or \[3, 45\]"):
         triton_matmul.matmul_f32(a, b, torch.empty(3, 37, 45), 0, torch.zeros(3, 44))
 
@@ -64,3 +83,22 @@ def test_matmul_f32_bf16_halves(shape):
     bias = torch.randn(Bt, N, device="cuda") * 10
     err = _check(a, b, torch.empty(Bt, M, N, device="cuda"), 1, bias)
     print(f"{shape}: {err:.1e}")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("shape", [(1, 4096, 512, 512), (8, 4096, 512, 64), (3, 37, 97, 45)])
+def test_matmul_f32_bf16_operand_gives_the_fp32_copys_sums(monkeypatch, shape):
+    """A bf16 b (the pool's Wv and Wo of a bf16 model) on the H200 at the large preset's projection
+    shapes and an odd one: bitwise the result of its fp32 copy at each config (two tensor-core
+    dots in place of three: the third's products are all zero), and within bf16 halves' bound."""
+    Bt, M, K, N = shape
+    a, b = _case("cuda", Bt, M, K, N, seed=2)
+    b = b.bfloat16()
+    for config in triton_matmul._matmul.configs:
+        monkeypatch.setattr(triton_matmul._matmul, "configs", [config])
+        monkeypatch.setattr(triton_matmul._matmul, "tuned", None)
+        got = torch.empty(Bt, M, N, device="cuda")
+        _check(a, b, got, 1)  # writes got
+        want = triton_matmul.matmul_f32(a, b.float(), torch.empty(Bt, M, N, device="cuda"), 1)
+        assert torch.equal(got, want), (config, float((got - want).abs().max()))
