@@ -3,7 +3,8 @@ as the router's were (bench/router_probe.py: its backward went 256 -> 167 us at 
 warp a program).
 
     PYTHONPATH=. python bench/small_kernels_probe.py [--presets medium,large]
-                                                     [--kernels tile_sums,gather,matmul,pool,pool_bwd1,pool_bwd2]
+                                                     [--kernels tile_sums,gather,matmul,pool,pool_bwd1,pool_bwd2,
+                                                                bias_sums,router_wgrad]
 
 On the H200 (bf16; ~1-2 min for both presets without pool_bwd1 and pool_bwd2, which add some 3-5
 min, not yet measured: ~90 configs to compile and time; bench/results/small_kernels_probe.txt), at each
@@ -22,6 +23,10 @@ slot layout:
   pool_bwd1  triton_pool._pool_bwd_scores_kernel, the backward's pass 1 (∂s): BLOCK_N × warps × stages
   pool_bwd2  triton_pool._pool_bwd_kernel, pass 2 (∂tok, t̄, the ∂u partials): BLOCK_N × BLOCK_D ×
              warps × stages; both on the forward's attn of the preset's tokens and a random ∂t̄
+  bias_sums  triton_moe._sum_tiles_kernel, ∂b2's per-expert sums of the gather's partials, as the
+             backward calls it (at large on one run of tiles, added into totals): BLOCK × BLOCK_R × warps
+  router_wgrad triton_router._router_wgrad_kernel, ∂Wg, with the partials' sum: block_d × BLOCK_R ×
+             warps × runs of rows
 The tile_sums and gather sweeps take the [rows, columns] tiles holding VALUES values a thread
 (loaded or accumulated) for each warp count, beside the shipped configs.
 Each row: the config, the median CUDA-graph time (gemm_probe.variant), the rate of the bytes the
@@ -44,7 +49,7 @@ import torch
 import triton
 
 from router_probe import routing, row
-from mha_compile.kernels import reference, triton_matmul, triton_moe, triton_pool, triton_util
+from mha_compile.kernels import reference, triton_matmul, triton_moe, triton_pool, triton_router, triton_util
 from mha_compile.kernels.triton_util import pow2
 
 WARPS = (1, 2, 4, 8)
@@ -230,6 +235,46 @@ def gather(c):
               copies=copies, compared=compared)
 
 
+def bias_sums(c):
+    """∂b2's sums per expert (bias_grads' _sum_tiles_kernel) from the gather's partials [S/16, D]
+    fp32 as the backward calls it: on the whole layout where the backward takes one run of tiles
+    (small, medium), else on the first of its runs (large: three, each added into fp32 totals,
+    made here zero each call): BLOCK × BLOCK_R × warps with VALUES accumulators a thread, beside
+    _sum_tiles' list (its first is the shipped one at MHA_COMPILE_NO_AUTOTUNE, the autotuner
+    picks on the GPU)."""
+    launcher = triton_moe._sum_tiles
+    runs = triton_moe.tile_runs(c.groups, triton_moe.backward_slot_bytes(c.D, c.F, False, c.x.element_size()))
+    t0, t1 = runs[0]
+    g = c.groups if len(runs) == 1 else c.groups.tiles(t0, t1)
+    rows = (t1 - t0) * c.groups.tile // triton_moe.GATHER_BLOCK_S
+    part = torch.randn(rows, c.D, device=c.x.device, generator=torch.Generator(c.x.device).manual_seed(3))
+    total = (lambda: None) if len(runs) == 1 else (lambda: (None, torch.zeros(c.E, c.D, device=c.x.device)))
+    run = lambda cfg: (triton_moe.bias_grads(None, part, g, torch.float32, into=total())[1],)  # noqa: E731
+    first = shipped(launcher, lambda: run(None))
+    configs = [dict(BLOCK=b, BLOCK_R=r, num_warps=w, num_stages=3)
+               for r, b, w in tiles(TILE_SUMS_ROWS + (256,), (16,) + TILE_SUMS_COLUMNS)]
+    traffic = part.numel() * 4 + 4 * c.E * c.D * (2 if len(runs) > 1 else 1)
+    print(f"bias_sums: ∂b2's partials [{rows}, {c.D}] of {'the whole layout' if len(runs) == 1 else f'run 1 of {len(runs)}'}"
+          f", {traffic / 1e6:.1f} MB", flush=True)
+    sweep("bias_sums", launcher, ordered(first, *launcher.configs, *configs), run, traffic, launcher.configs)
+
+
+def router_wgrad(c):
+    """∂Wg = ∂logitsᵀ x (triton_router.router_weight_grad) as the backward calls it, x [R,D] merged
+    with inv on load and ∂logits [R,E] fp32: block_d × BLOCK_R × warps × runs (router_runs' and 2,
+    and 4 times as many), the partials' torch sum included."""
+    R, D = c.x.shape
+    dlogits = torch.randn(R, c.E, device=c.x.device, generator=torch.Generator(c.x.device).manual_seed(4))
+    base, _ = triton_router.router_runs(R, D, c.x.device)
+    run = lambda cfg: (triton_router.router_weight_grad(dlogits, c.x, c.inv, c.H, **cfg),)  # noqa: E731
+    first = dict(block_d=None, block_r=triton_router.WGRAD_BLOCK_R, runs=None, num_warps=4)
+    configs = [dict(block_d=d, block_r=r, runs=base * k, num_warps=w) for d in (32, 64, 128) for r in (32, 64, 128)
+               for k in (1, 2, 4) for w in (2, 4) if d <= pow2(D)]
+    traffic = c.x.numel() * c.x.element_size() + 4 * (c.inv.numel() + dlogits.numel() + c.E * D)
+    print(f"router_wgrad: R={R}, D={D}, E={c.E}, router_runs' runs {base}, {traffic / 1e6:.0f} MB", flush=True)
+    sweep("router_wgrad", _Plain(triton_router, "_router_wgrad_kernel"), ordered(first, *configs), run, traffic)
+
+
 def matmul_sites(c):
     """Each distinct matmul_f32 call of one pool forward and backward (the projections, through
     triton_pool._bmm): [SimpleNamespace(calls, line, a, b, out, split)], calls = where each came
@@ -376,7 +421,8 @@ def pool_bwd2(c):
     sweep("pool bwd 2", launcher, ordered(first, *bwd2_configs(c.N, c.D)), run, traffic, launcher.configs)
 
 
-PROBES = dict(tile_sums=tile_sums, gather=gather, matmul=matmul, pool=pool, pool_bwd1=pool_bwd1, pool_bwd2=pool_bwd2)
+PROBES = dict(tile_sums=tile_sums, gather=gather, matmul=matmul, pool=pool, pool_bwd1=pool_bwd1, pool_bwd2=pool_bwd2,
+              bias_sums=bias_sums, router_wgrad=router_wgrad)
 KERNELS = tuple(PROBES)
 
 

@@ -291,16 +291,22 @@ def router_runs(R, D, device):
     return split_runs(R, triton.cdiv(D, _wgrad_block_d(D)), WGRAD_MIN_ROWS, WGRAD_BLOCK_R, device)
 
 
-def router_weight_grad(dlogits, x, inv, horizons):
-    """∂Wg [E,D] fp32 = Σ_r ∂logits[r]ᵀ (x[r] + inv[r // H]), in a fixed order."""
+def router_weight_grad(dlogits, x, inv, horizons, block_d=None, block_r=WGRAD_BLOCK_R, runs=None, num_warps=4):
+    """∂Wg [E,D] fp32 = Σ_r ∂logits[r]ᵀ (x[r] + inv[r // H]), in a fixed order. block_d, block_r,
+    runs, num_warps: the launch (bench/small_kernels_probe.py sweeps them; by default
+    _wgrad_block_d(D), and router_runs' runs)."""
     R, D = x.shape
     E = dlogits.shape[1]
-    block_d = _wgrad_block_d(D)
+    block_d = block_d or _wgrad_block_d(D)
     n_d = triton.cdiv(D, block_d)
-    runs, rows = router_runs(R, D, x.device)
+    if runs is None:
+        runs, rows = router_runs(R, D, x.device)
+    else:
+        rows = triton.cdiv(triton.cdiv(R, runs), block_r) * block_r
+        runs = triton.cdiv(R, rows)
     part = torch.empty(runs, E, D, device=x.device, dtype=torch.float32)
     _router_wgrad_kernel[(runs, n_d)](
         dlogits, x, x if inv is None else inv, part, R, horizons, D, E, rows,
         HAS_INV=inv is not None, PRECISION=router_precision(x.dtype),
-        BLOCK_R=WGRAD_BLOCK_R, BLOCK_D=block_d, BLOCK_E=pow2(E), **gpu_options(x, num_warps=4, num_stages=3))
+        BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_E=pow2(E), **gpu_options(x, num_warps=num_warps, num_stages=3))
     return part.sum(0)

@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 import small_kernels_probe as probe  # noqa: E402
 from gemm_probe import variant  # noqa: E402
 
-from mha_compile.kernels import triton_matmul, triton_moe, triton_pool, triton_util  # noqa: E402
+from mha_compile.kernels import triton_matmul, triton_moe, triton_pool, triton_router, triton_util  # noqa: E402
 
 pytestmark = [pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                  reason="the probe's kernels on the CPU need TRITON_INTERPRET=1"),
@@ -116,19 +116,21 @@ def test_gather_overrides_that_cannot_be_right_are_refused(case):
 
 def test_every_swept_config_runs_and_agrees_with_the_shipped_one(capsys):
     launchers = (triton_moe._tile_sums, triton_matmul._matmul, triton_pool._attend, triton_pool._attend_bwd_scores,
-                 triton_pool._attend_bwd)
-    before = [(l.kernel, l.configs, l.tuned) for l in launchers] + [triton_moe._gather_rows_kernel]
+                 triton_pool._attend_bwd, triton_moe._sum_tiles)
+    plain = lambda: [triton_moe._gather_rows_kernel, triton_router._router_wgrad_kernel]  # noqa: E731
+    before = [(l.kernel, l.configs, l.tuned) for l in launchers] + plain()
     probe.probe("tiny", probe.KERNELS, torch.float32, "cpu")
     out = capsys.readouterr().out
-    assert [(l.kernel, l.configs, l.tuned) for l in launchers] + [triton_moe._gather_rows_kernel] == before
+    assert [(l.kernel, l.configs, l.tuned) for l in launchers] + plain() == before
     assert "FAILED" not in out and "MISMATCH" not in out, out
     rows = [line for line in out.splitlines() if line[:2] in ("* ", "+ ", "  ") and " us " in line]
     shipped = [line.split()[1:3] for line in rows if line.startswith("* ")]
     # one sweep each: tile_sums, the gather's three calls, the pool's 7 distinct matmuls, its
-    # forward and its backward's two passes
+    # forward and its backward's two passes, ∂b2's sums and ∂Wg
     assert [name for name, _ in shipped] == (["tile_sums", "gather", "gather", "gather"] + ["matmul"] * 7
-                                             + ["pool"] * 3)
-    for launcher, name in zip(launchers, ("tile_sums", "matmul #0", "pool fwd", "pool bwd 1", "pool bwd 2")):
+                                             + ["pool"] * 3 + ["bias_sums", "router_wgrad"])
+    for launcher, name in zip(launchers, ("tile_sums", "matmul #0", "pool fwd", "pool bwd 1", "pool bwd 2",
+                                          "bias_sums")):
         listed = [line for line in rows if line[2:].startswith(name)]
         assert all(any(probe.describe(cfg) in line for line in listed) for cfg in launcher.configs), name
     # the pool backward's sweeps: their lists at tiny (N = 5, D = 32), each config once
@@ -138,6 +140,27 @@ def test_every_swept_config_runs_and_agrees_with_the_shipped_one(capsys):
             sum(f" {probe.describe(cfg)} " in line for line in listed) == 1 for cfg in configs), name
     # the configs are run, not the shipped one again: other BLOCK_K sum the products in another order
     assert any("max diff 0.0e+00" not in line for line in rows if "matmul" in line)
+
+
+def test_bias_sums_on_one_run_of_tiles_as_the_large_backward(case, monkeypatch, capsys):
+    """Where the backward takes runs of tiles (the large preset's path, here forced at tiny), the
+    bias_sums sweep sums the first run's partials into fp32 totals, each config as the shipped
+    one; and those totals are the expert sums of that run's rows."""
+    per_tile = case.groups.tile * triton_moe.backward_slot_bytes(case.D, case.F, False, 4)
+    monkeypatch.setattr(triton_moe, "SLOT_CHUNK_BYTES", 3 * per_tile)  # runs of 3 tiles: 2 at tiny
+    probe.bias_sums(case)
+    out = capsys.readouterr().out
+    assert "of run 1 of 2" in out and "FAILED" not in out and "MISMATCH" not in out, out
+    g = case.groups.tiles(0, 3)
+    part = torch.randn(3 * case.groups.tile // triton_moe.GATHER_BLOCK_S, case.D)
+    total = torch.randn(case.E, case.D)
+    want = total.double().clone()
+    triton_moe.bias_grads(None, part, g, torch.float32, into=(None, total))
+    bounds = (g.expert_slots.long() // triton_moe.GATHER_BLOCK_S).tolist()
+    for e in range(case.E):  # experts outside the run (an empty range) keep their totals
+        want[e] += part[bounds[e]:bounds[case.E + e]].double().sum(0)
+    assert sum(b > a for a, b in zip(bounds[:case.E], bounds[case.E:])) >= 2
+    assert torch.allclose(total.double(), want, atol=1e-5)
 
 
 class _Recorded:
