@@ -553,17 +553,14 @@ _tile_sums = Launcher(_tile_sums_kernel, [
     dict(BLOCK=256, BLOCK_R=16, num_warps=4, num_stages=3),
     dict(BLOCK=64, BLOCK_R=16, num_warps=2, num_stages=3),
 ], key=["N", "TILE"])
-# Narrow column blocks give many programs for the same loads: BLOCK 64 took 11 us a medium
-# step where BLOCK 256 (40 programs) took 33, which the autotuner still picked once (e166b7f,
-# kernel_times.txt), so 256 is out of the list.
+# One config, not autotuned: the autotuner's picks among four moved a large step's three calls
+# from 17.9 (session 23, [64, 32]) to 32.6 us each (session 24, [128, 16]; kernel_times.txt).
+# Narrow column blocks and long row blocks give many programs and few dependent loads each; of
+# 18 configs (bench/small_kernels_probe.py's bias_sums, H200, session 24) [16, 256] at 4 warps was
+# the fastest at both presets: 2.6 us at medium against 6.8 for the autotuner's pick there ([32,
+# 64] at 2 warps), 4.3 at large (one run of tiles) against 7.8 ([64, 64]) and 16.1 ([128, 16]).
 _sum_tiles = Launcher(_sum_tiles_kernel, [
-    dict(BLOCK=64, BLOCK_R=32, num_warps=4, num_stages=3),
-    dict(BLOCK=128, BLOCK_R=16, num_warps=4, num_stages=3),
-    dict(BLOCK=64, BLOCK_R=64, num_warps=4, num_stages=3),
-    # ∂b2 alone (∂b1 summed by the Gluon weight-gradient kernel since session 19): at medium
-    # E·D/64 = 32 programs, and the launch went 11.0 -> 17.8 us a step (kernel_times.txt); twice
-    # the programs here, not yet timed on its own (the autotuner picks)
-    dict(BLOCK=32, BLOCK_R=64, num_warps=2, num_stages=3),
+    dict(BLOCK=16, BLOCK_R=256, num_warps=4, num_stages=3),
 ], key=["E", "N1", "N2", "ROWS1", "ROWS2", "ACCUMULATE"], restore=["out_ptr", "out2_ptr"])
 
 
