@@ -1,0 +1,99 @@
+"""Where a compiled training step's time goes: the host's issue time against the GPU's kernels.
+
+    PYTHONPATH=. python bench/step_profile.py [--preset small] [--runs mha-fused-cudagraphs:loop,...]
+
+Each run is mode:spelling, a bench mode (bench/modes.py) or inductor-reduce-overhead (Inductor
+with mode="reduce-overhead", the peer that replays CUDA graphs as our cudagraphs mode does) on
+the dense or loop spelling, bf16 on CUDA. For each: the bench's step (bench/measure.py's: the
+step's start marked, .grad cleared, forward and backward) timed as the bench times it
+(do_bench's median), the host's time to issue one step (50 steps under perf_counter with no
+sync between them, and with the drain after), the GPU's kernel time a step (the profiler's
+total of its kernels' own CUDA time over 10 steps), then the top host ops by their own CPU time.
+Session 24 found small's reduce-overhead row host-bound: 0.64 ms of issue a step against ~0.2
+of kernels (bench/results/step_profile_small.txt).
+"""
+import argparse
+import time
+
+import torch
+import triton.testing
+
+from bench import cases, modes
+
+EXTRA_MODES = ("inductor-reduce-overhead",)
+RUNS = "mha-fused-cudagraphs:loop,mha-fused-cudagraphs:dense,inductor-reduce-overhead:loop,mha-fused:loop"
+
+
+def parse_runs(text):
+    """[(mode, spelling)] from "mode:spelling,..."; a clear error for any other value."""
+    runs = []
+    for item in text.split(","):
+        mode, _, spelling = item.partition(":")
+        if mode not in modes.MODES + EXTRA_MODES:
+            raise ValueError(f"--runs {item!r}: mode {mode!r} is not one of {modes.MODES + EXTRA_MODES}")
+        if spelling not in ("dense", "loop"):
+            raise ValueError(f"--runs {item!r}: spelling {spelling!r} is not 'dense' or 'loop'")
+        runs.append((mode, spelling))
+    return runs
+
+
+def profile(preset, mode, spelling):
+    torch._dynamo.reset()
+    model = cases.make_model(preset, spelling, "bf16", "cuda")
+    ctx, tok, grad_out = cases.make_inputs(preset, "bf16", "cuda")
+    ctx.requires_grad_(True)
+    tok.requires_grad_(True)
+    leaves = [ctx, tok, *model.parameters()]
+    if mode == "inductor-reduce-overhead":
+        fn = torch.compile(model, mode="reduce-overhead", dynamic=False)
+    else:
+        fn = modes.build(mode, model)
+
+    def step():
+        torch.compiler.cudagraph_mark_step_begin()
+        for t in leaves:
+            t.grad = None
+        out = fn(ctx, tok)
+        out.backward(grad_out)
+
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    bench = triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median")
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(50):
+        step()
+    issued = (time.perf_counter() - start) / 50 * 1e3
+    torch.cuda.synchronize()
+    drained = (time.perf_counter() - start) / 50 * 1e3
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            step()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    # kernels only: a replayed graph's kernels are also counted to the op that launched it
+    kernels = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    print(f"== {preset} {spelling} {mode}: do_bench {bench:.3f} ms; host issue {issued:.3f} ms a step, "
+          f"{drained:.3f} with the drain; GPU kernels {kernels / 10 / 1e3:.3f} ms a step", flush=True)
+    print(events.table(sort_by="self_cpu_time_total", row_limit=22, max_name_column_width=70), flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--runs", default=RUNS, help="mode:spelling,...")
+    args = parser.parse_args()
+    runs = parse_runs(args.runs)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/step_profile.py times CUDA graphs and CUDA kernels: it needs a CUDA GPU")
+    for mode, spelling in runs:
+        try:
+            profile(args.preset, mode, spelling)
+        except Exception as error:  # noqa: BLE001 - one run's failure must not lose the others
+            print(f"== {mode} {spelling}: {type(error).__name__}: {error}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
