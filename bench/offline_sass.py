@@ -152,12 +152,14 @@ def _signature(kernel, named):
     return signature, constexprs, attrs
 
 
-def compile_stats(kernel, named, warps, stages):
-    """Registers, spill bytes, shared memory, wgmma and SASS instruction counts of one launch."""
+def compile_stats(kernel, named, warps, stages, maxnreg=None):
+    """Registers, spill bytes, shared memory, wgmma and SASS instruction counts of one launch
+    (maxnreg: a config's cap on a thread's registers)."""
     signature, constexprs, attrs = _signature(kernel, named)
     source = GluonASTSource if kernel.is_gluon() else ASTSource
+    options = dict(num_warps=warps, num_stages=stages, **({} if maxnreg is None else dict(maxnreg=maxnreg)))
     compiled = triton.compile(source(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
-                              target=H200, options=dict(num_warps=warps, num_stages=stages))
+                              target=H200, options=options)
     return sass_stats(compiled)
 
 
@@ -216,29 +218,32 @@ def main():
             launcher = _launcher_of(kernel)
             configs = launcher.configs if (launcher is not None and args.all_configs) else [None]
             for config in configs:
-                meta = dict(named)
+                meta, maxnreg = dict(named), None
                 if config is not None:
-                    meta.update({key: value for key, value in config.items() if key not in ("num_warps", "num_stages")})
-                    warps, stages = config.get("num_warps", 4), config.get("num_stages", 3)
+                    meta.update({key: value for key, value in config.items() if key not in triton_util.LAUNCH_OPTIONS})
+                    warps, stages, maxnreg = config.get("num_warps", 4), config.get("num_stages", 3), config.get("maxnreg")
                     if launcher.blocks is not None:  # descriptors' block shapes follow the config
                         meta.update({name: dataclasses.replace(meta[name], block_shape=list(shape))
                                      for name, shape in launcher.blocks(meta).items()
                                      if isinstance(meta[name], TensorDescriptor)})
                 signature, constexprs, _ = _signature(kernel, meta)
-                key = (kernel.__name__, warps, stages, repr(sorted(signature.items())), repr(sorted(constexprs.items())))
+                key = (kernel.__name__, warps, stages, maxnreg, repr(sorted(signature.items())),
+                       repr(sorted(constexprs.items())))
                 if key in seen:
                     continue
                 seen.add(key)
                 shown = {name: value for name, value in meta.items()
                          if (name.isupper() or name in CHOOSERS) and not isinstance(value, torch.Tensor)
                          and name not in ("PAIRS",)}
-                row = dict(preset=preset, kernel=kernel.__name__, num_warps=warps, num_stages=stages, constexprs=shown)
+                row = dict(preset=preset, kernel=kernel.__name__, num_warps=warps, num_stages=stages, maxnreg=maxnreg,
+                           constexprs=shown)
                 try:
-                    row.update(compile_stats(kernel, meta, warps, stages))
+                    row.update(compile_stats(kernel, meta, warps, stages, maxnreg))
                     row["fits"] = row["smem"] <= H200_SMEM
                     print(f"{preset:<{width}}{kernel.__name__:<28} regs {row['regs']:>3} spill {row['spill_bytes']:>5} B "
                           f"smem {row['smem']:>6} wgmma {row['wgmma']:>3} mma {row['mma']:>3} sass {row['sass']:>5}  "
-                          f"w{warps} s{stages} {shown}{'' if row['fits'] else '  SHARED MEMORY OVER THE LIMIT'}"
+                          f"w{warps} s{stages}{'' if maxnreg is None else f' maxnreg {maxnreg}'} {shown}"
+                          f"{'' if row['fits'] else '  SHARED MEMORY OVER THE LIMIT'}"
                           f"{'  WGMMA SERIALIZED' if row['wgmma_serialized'] else ''}", flush=True)
                 except Exception as error:  # a config that does not compile: say so, go on
                     row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"

@@ -62,8 +62,12 @@ MATMUL_MORE = [dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=2, num_stages=
                dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=2, num_stages=4)]
 # Beside _attend's list, BLOCK_N 64 (out of it: it fails to build at many D on Triton 3.6) and
 # 32 with other stages.
+# And the shipped [32] at 4 warps and 2 stages capped at 128 registers: uncapped it takes 155 and
+# 3 programs an SM (ncu, session 24: 18% occupancy, L1/TEX at 77%); at 128 a fourth fits (its
+# 50 KB of shared memory too), for 72 bytes spilled (offline, sm_90a, large).
 POOL_MORE = [dict(BLOCK_N=64, num_warps=4, num_stages=3), dict(BLOCK_N=64, num_warps=8, num_stages=3),
-             dict(BLOCK_N=32, num_warps=4, num_stages=2), dict(BLOCK_N=32, num_warps=8, num_stages=4)]
+             dict(BLOCK_N=32, num_warps=4, num_stages=2), dict(BLOCK_N=32, num_warps=8, num_stages=4),
+             dict(BLOCK_N=32, num_warps=4, num_stages=2, maxnreg=128)]
 # The backward's two passes move ~0.7 and ~1.3 GB at large: beside their lists, wider tiles. Every
 # config of the grids below builds for large (bf16, sm_90a, bench/offline_sass.compile_stats); the
 # ones left out spill, overflow shared memory, or are cut to hold a sweep to 24 configs.
@@ -79,12 +83,17 @@ BWD1_MORE = [dict(BLOCK_N=n, num_warps=w, num_stages=s)
 # BLOCK_N 32 with 4 stages (255); at 256, BLOCK_N 64 with 4 warps (548-1064 B spilled) or 3-4
 # stages (255, 44 B spilled with 4), and BLOCK_N 32 with 4 warps (244-255). The rest spill
 # nothing (56-248 registers): kept are the widest blocks with 2-4 stages and, of the 36 at
-# BLOCK_D ≤ 128, a few beside the shipped ones, 24 configs in all with the shipped list.
+# BLOCK_D ≤ 128, a few beside the shipped ones, 24 configs in all with the shipped list; and
+# one capped at 128 registers (below).
 BWD2_MORE = [dict(BLOCK_N=n, BLOCK_D=d, num_warps=w, num_stages=s) for n, d, w, stages in (
     (16, 512, 8, (2, 3, 4)), (32, 512, 8, (2, 3)),  # one program a batch row at large: a and ∂s read once
     (16, 256, 4, (2, 3, 4)), (16, 256, 8, (2, 3, 4)), (32, 256, 8, (2, 4)), (64, 256, 8, (2,)),
     (16, 128, 4, (3,)), (32, 128, 8, (3,)), (64, 128, 8, (2,)),
-    (32, 64, 4, (3,)), (64, 64, 8, (3,))) for s in stages]
+    (32, 64, 4, (3,)), (64, 64, 8, (3,))) for s in stages] + [
+    # the shipped [16, 256] at 4 warps and 4 stages (168 registers, 3 programs an SM) capped at 128
+    # for a fourth program: 60 bytes spilled (offline, sm_90a, large); pass 2 lives on its
+    # occupancy (PERF_NOTES v26)
+    dict(BLOCK_N=16, BLOCK_D=256, num_warps=4, num_stages=4, maxnreg=128)]
 
 
 def tiles(rows, columns, values=VALUES):

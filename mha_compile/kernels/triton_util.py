@@ -155,10 +155,15 @@ def stamp(*tensors):
                                          None if t.is_inference() else t._version) for t in tensors)
 
 
+# A config's options for the GPU's compiler, not meta-parameters of the kernel (the interpreter takes none).
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg")
+
+
 class Launcher:
     """One kernel, its bounded config list and its autotune key.
 
-    `configs` are dicts of meta-parameters (with num_warps/num_stages); the first is the
+    `configs` are dicts of meta-parameters (with num_warps/num_stages, and maxnreg: a cap on the
+    registers a thread, where a kernel's occupancy is held by them); the first is the
     default (interpreter, MHA_COMPILE_NO_AUTOTUNE). `key` names the kernel arguments that
     change the best config; Triton adds the tensors' dtypes to it. Every compile-time flag of the
     kernel (HAS_BIAS, ...) belongs in it: each value is another build, and a config chosen (and
@@ -179,9 +184,9 @@ class Launcher:
         self.restore = list(restore or [])
         self.blocks = blocks
         hook = None if blocks is None else self._set_blocks
-        tl_configs = [triton.Config({k: v for k, v in c.items() if k not in ("num_warps", "num_stages")},
+        tl_configs = [triton.Config({k: v for k, v in c.items() if k not in LAUNCH_OPTIONS},
                                     num_warps=c.get("num_warps", 4), num_stages=c.get("num_stages", 2),
-                                    pre_hook=hook)
+                                    maxnreg=c.get("maxnreg"), pre_hook=hook)
                       for c in configs]
         self.tuned = (triton.autotune(configs=tl_configs, key=key, restore_value=self.restore or None,
                                       prune_configs_by={"early_config_prune": self._buildable})(kernel)
@@ -230,7 +235,8 @@ class Launcher:
         if self.tuned is None or not on_cuda or NO_AUTOTUNE:
             meta = dict(self.configs[0])
             if not on_cuda:  # the interpreter ignores warps and stages
-                meta.pop("num_warps", None), meta.pop("num_stages", None)
+                for option in LAUNCH_OPTIONS:
+                    meta.pop(option, None)
             self._launch(grid, args, kwargs, meta)
             return
         bound = dict(zip(self.arg_names, args), **kwargs)
@@ -245,7 +251,8 @@ class Launcher:
         self.tuned[lambda meta: grid({**meta, **kwargs})](*args, **kwargs)
         self.best[key] = self.tuned.best_config.all_kwargs()
         log.info("mha_compile: %s chose %s", self.kernel.__name__,
-                 {k: v for k, v in self.best[key].items() if k in self.configs[0] or k in ("num_warps", "num_stages")})
+                 {k: v for k, v in self.best[key].items()
+                  if (k in self.configs[0] or k in LAUNCH_OPTIONS) and v is not None})
 
 
 # ---------------------------------------------------------------------------------------------

@@ -210,7 +210,8 @@ def test_the_pool_backward_sweeps_launch_what_pool_backward_does(monkeypatch):
     sweeps = ((triton_pool._attend_bwd_scores, probe.bwd1_configs(N)), (triton_pool._attend_bwd,
                                                                        probe.bwd2_configs(N, D)))
     assert {cfg["BLOCK_N"] for cfg in sweeps[0][1]} == {16, 32, 64} and len(sweeps[0][1]) == 24
-    assert {cfg["BLOCK_D"] for cfg in sweeps[1][1]} == {32, 64, 128, 256, 512} and len(sweeps[1][1]) == 24
+    assert {cfg["BLOCK_D"] for cfg in sweeps[1][1]} == {32, 64, 128, 256, 512} and len(sweeps[1][1]) == 25
+    assert [cfg for cfg in sweeps[1][1] if "maxnreg" in cfg] == [probe.BWD2_MORE[-1]]  # the capped shipped config
     for launcher, configs in sweeps:
         launches = _Launches(launcher.kernel)
         monkeypatch.setattr(launcher, "kernel", launches)

@@ -80,6 +80,24 @@ def test_first_config_without_autotuning(monkeypatch):
     assert kernel.launches[1][2] == dict(BLOCK=32)
 
 
+def test_a_register_cap_is_a_compiler_option_not_a_meta_parameter(monkeypatch):
+    """A config's maxnreg goes to Triton's config and to a GPU launch as the compiler's option, never
+    to the kernel as a meta-parameter, and the interpreter gets none of it."""
+    launcher = triton_util.Launcher(_noop, [dict(BLOCK=32, num_warps=4, maxnreg=128), dict(BLOCK=64, num_warps=8)],
+                                    key=["N"])
+    capped, plain = launcher.tuned.configs
+    assert capped.maxnreg == 128 and capped.kwargs == {"BLOCK": 32} and plain.maxnreg is None
+    monkeypatch.setattr(triton_util, "NO_AUTOTUNE", True)
+    monkeypatch.setattr(triton_util, "on_gpu", lambda t: True)
+    kernel = _Kernel()
+    launcher.kernel = kernel
+    launcher(lambda meta: (meta["BLOCK"],), torch.zeros(4), 100)
+    assert kernel.launches[0][2] == dict(BLOCK=32, num_warps=4, maxnreg=128)
+    monkeypatch.setattr(triton_util, "on_gpu", lambda t: False)
+    launcher(lambda meta: (meta["BLOCK"],), torch.zeros(4), 100)
+    assert kernel.launches[1][2] == dict(BLOCK=32)
+
+
 def test_descriptor_block_shapes_follow_the_config(monkeypatch):
     """A descriptor argument's block shape is set from each config: before a plain launch of
     the chosen config, and by every autotune trial's pre_hook; pointer arguments are left alone."""
