@@ -101,7 +101,8 @@ def _pool_f32(tok, q, wk, wv, bv, wo, bo):
     """(q, Wk, Wv, bv, Wo, bo) as the pool's kernels take them: fp32 (_f32), but Wv and Wo as they
     are where they share the tokens' dtype and its products run on split dots (bf16,
     triton_pool.split_dot): triton_matmul then reads them as their own high halves, with the same
-    sums (−1 dot of 3 in each product they enter, 4 of a training step's 8 [B,D]×[D,D] ones)."""
+    sums (two tensor-core dots of three in each product they enter: 6 of a training step's 8,
+    5 of its 7 [B,D]×[D,D]-sized ones)."""
     if not (triton_pool.split_dot(tok.dtype) and wv.dtype == wo.dtype == tok.dtype):
         return _f32(q, wk, wv, bv, wo, bo)
     q, wk, bv, bo = _f32(q, wk, bv, bo)
