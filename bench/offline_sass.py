@@ -2,7 +2,7 @@
 path launches at a preset, compiled for the H200 (sm_90a) on a machine without a GPU.
 
     PYTHONPATH=. python bench/offline_sass.py [--presets medium,large] [--act gelu] [--dtype bf16] [--all-configs] [--gluon]
-                                              [--kernels _moe_bwd_hidden_kernel,...] [--out rows.json]
+                                              [--kernels _moe_bwd_hidden_kernel,...] [--maxnreg 128] [--out rows.json]
 
 A preset is a name (SPEC §5) or sizes B×H×N×D×P×F×E×k written with x (300x7x37x100x4x200x4x2).
 A build that fails is listed as FAILED with its error's first line; OFFLINE_SASS_TRACE=1 prints
@@ -202,6 +202,8 @@ def main():
     parser.add_argument("--kernels", default=None, help="comma list of kernel names (default: all)")
     parser.add_argument("--gluon", action="store_true",
                         help="the MoE's Gluon kernels where they take the operands, as on the H200")
+    parser.add_argument("--maxnreg", type=int, default=None,
+                        help="cap every build at this many registers a thread (a config's maxnreg): what it spills")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     wanted = None if args.kernels is None else set(args.kernels.split(","))
@@ -218,7 +220,8 @@ def main():
             launcher = _launcher_of(kernel)
             configs = launcher.configs if (launcher is not None and args.all_configs) else [None]
             for config in configs:
-                meta, maxnreg = dict(named), None
+                meta = dict(named)
+                maxnreg = meta.pop("maxnreg", None)  # a recorded launch's, where its config has one
                 if config is not None:
                     meta.update({key: value for key, value in config.items() if key not in triton_util.LAUNCH_OPTIONS})
                     warps, stages, maxnreg = config.get("num_warps", 4), config.get("num_stages", 3), config.get("maxnreg")
@@ -226,6 +229,7 @@ def main():
                         meta.update({name: dataclasses.replace(meta[name], block_shape=list(shape))
                                      for name, shape in launcher.blocks(meta).items()
                                      if isinstance(meta[name], TensorDescriptor)})
+                maxnreg = args.maxnreg or maxnreg
                 signature, constexprs, _ = _signature(kernel, meta)
                 key = (kernel.__name__, warps, stages, maxnreg, repr(sorted(signature.items())),
                        repr(sorted(constexprs.items())))

@@ -77,6 +77,21 @@ def test_router_backward_builds(tmp_path):
         assert r["fits"] and (r["spill_bytes"] == 0 or r["preset"] != "large"), r
 
 
+def test_a_register_cap_reaches_the_build(tmp_path):
+    """--maxnreg caps every build, as a config's maxnreg does on the GPU: the pool forward at large
+    under the config the H200's autotuner takes ([32] at 4 warps, 2 stages) needs more than 128
+    registers uncapped, and every config builds within 128 capped."""
+    args = ("--presets", "large", "--kernels", "_pool_fwd_kernel", "--all-configs")
+    shipped = lambda r: (r["constexprs"]["BLOCK_N"], r["num_warps"], r["num_stages"]) == (32, 4, 2)  # noqa: E731
+    [plain] = [r for r in offline_sass(tmp_path, *args) if shipped(r)]
+    capped = offline_sass(tmp_path, *args, "--maxnreg", "128")
+    assert plain["maxnreg"] is None and plain["regs"] > 128, plain
+    from mha_compile.kernels import triton_pool
+    assert len(capped) == len(triton_pool._attend.configs) and any(shipped(r) for r in capped)
+    for r in capped:
+        assert r["maxnreg"] == 128 and r["regs"] <= 128 and r["fits"], r
+
+
 def test_gluon_kernels_build_with_inline_ptx(tmp_path):
     """--gluon records the backward's and GEMM2's Gluon kernels, as the H200 takes them at medium,
     and compiles them for sm_90a: warp-specialised (setmaxnreg), on wgmma, within shared memory.
