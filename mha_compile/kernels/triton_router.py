@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mha_compile.kernels.triton_util import Launcher, gpu_options, load_x, pow2, split_runs
+from mha_compile.kernels.triton_util import Launcher, cut_runs, gpu_options, load_x, pow2, split_runs
 
 MAX_EXPERTS = 64
 
@@ -302,8 +302,7 @@ def router_weight_grad(dlogits, x, inv, horizons, block_d=None, block_r=WGRAD_BL
     if runs is None:
         runs, rows = router_runs(R, D, x.device)
     else:
-        rows = triton.cdiv(triton.cdiv(R, runs), block_r) * block_r
-        runs = triton.cdiv(R, rows)
+        runs, rows = cut_runs(R, runs, block_r)
     part = torch.empty(runs, E, D, device=x.device, dtype=torch.float32)
     _router_wgrad_kernel[(runs, n_d)](
         dlogits, x, x if inv is None else inv, part, R, horizons, D, E, rows,

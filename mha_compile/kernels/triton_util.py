@@ -100,7 +100,12 @@ def split_runs(length, programs, min_run, align, device):
     """(runs, run): a reduction of `length` cut into runs of `run` (a multiple of `align`, the
     last one shorter), enough of them that `programs` × runs reach two waves of the device's
     SMs, and none shorter than `min_run` unless the whole is."""
-    runs = max(1, min(triton.cdiv(2 * num_sms(device), programs), length // min_run))
+    return cut_runs(length, max(1, min(triton.cdiv(2 * num_sms(device), programs), length // min_run)), align)
+
+
+def cut_runs(length, runs, align):
+    """(runs, run): `length` cut into about `runs` runs of `run`, a multiple of `align` (the last
+    one shorter; fewer runs where rounding up to `align` leaves the last ones empty)."""
     run = triton.cdiv(triton.cdiv(length, runs), align) * align
     return triton.cdiv(length, run), run
 
