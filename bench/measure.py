@@ -83,21 +83,7 @@ def _measure(job, cache, quick):
     torch._dynamo.reset()  # each compiled row starts from a clean cache: no reuse, no recompiles
     fn = modes.build(job["mode"], model)
 
-    def step():
-        # CUDA-graph trees reuse output memory between replays; marking each step's start is how
-        # a training loop tells them the previous step's outputs are dead (else: "overwritten").
-        torch.compiler.cudagraph_mark_step_begin()
-        if training:
-            # A training step starts from no gradients (zero_grad(set_to_none=True)). do_bench
-            # clears them only in its timed loop: in its warmup the backward accumulated into
-            # last step's .grad, which under CUDA graphs is a replay output since overwritten.
-            for t in leaves:
-                t.grad = None
-            out = fn(ctx, tok)
-            out.backward(grad_out)
-            return out
-        with torch.no_grad():
-            return fn(ctx, tok)
+    step = timed_step(fn, ctx, tok, grad_out, leaves, training)
 
     result = {}
     _, result["first_call_s"] = timing.timed_call(step, device)
@@ -117,6 +103,27 @@ def _measure(job, cache, quick):
             cache[key] = lowering_summary(job["mode"], model, ctx.detach(), tok.detach())
         result.update(cache[key])
     return result
+
+
+def timed_step(fn, ctx, tok, grad_out, leaves, training):
+    """The step a row times: fn(ctx, tok), and with `training` its backward of grad_out into the
+    leaves, which start from no gradients; else under no_grad."""
+    def step():
+        # CUDA-graph trees reuse output memory between replays; marking each step's start is how
+        # a training loop tells them the previous step's outputs are dead (else: "overwritten").
+        torch.compiler.cudagraph_mark_step_begin()
+        if training:
+            # A training step starts from no gradients (zero_grad(set_to_none=True)). do_bench
+            # clears them only in its timed loop: in its warmup the backward accumulated into
+            # last step's .grad, which under CUDA graphs is a replay output since overwritten.
+            for t in leaves:
+                t.grad = None
+            out = fn(ctx, tok)
+            out.backward(grad_out)
+            return out
+        with torch.no_grad():
+            return fn(ctx, tok)
+    return step
 
 
 def lowering_summary(mode, model, ctx, tok):

@@ -4,9 +4,8 @@
 
 Each run is mode:spelling, a bench mode (bench/modes.py) or inductor-reduce-overhead (Inductor
 with mode="reduce-overhead", the peer that replays CUDA graphs as our cudagraphs mode does) on
-the dense or loop spelling, bf16 on CUDA. For each: the bench's step (bench/measure.py's: the
-step's start marked, .grad cleared, forward and backward) timed as the bench times it
-(do_bench's median), the host's time to issue one step (50 steps under perf_counter with no
+the dense or loop spelling, bf16 on CUDA. For each: the bench's training step
+(bench/measure.timed_step) timed as the bench times it (do_bench's median), the host's time to issue one step (50 steps under perf_counter with no
 sync between them, and with the drain after), the GPU's kernel time a step (the profiler's
 total of its kernels' own CUDA time over 10 steps), then the top host ops by their own CPU time.
 Session 24 found small's reduce-overhead row host-bound: 0.64 ms of issue a step against ~0.2
@@ -18,7 +17,7 @@ import time
 import torch
 import triton.testing
 
-from bench import cases, modes
+from bench import cases, measure, modes
 
 EXTRA_MODES = ("inductor-reduce-overhead",)
 RUNS = "mha-fused-cudagraphs:loop,mha-fused-cudagraphs:dense,inductor-reduce-overhead:loop,mha-fused:loop"
@@ -49,13 +48,7 @@ def profile(preset, mode, spelling):
     else:
         fn = modes.build(mode, model)
 
-    def step():
-        torch.compiler.cudagraph_mark_step_begin()
-        for t in leaves:
-            t.grad = None
-        out = fn(ctx, tok)
-        out.backward(grad_out)
-
+    step = measure.timed_step(fn, ctx, tok, grad_out, leaves, True)
     for _ in range(5):
         step()
     torch.cuda.synchronize()
