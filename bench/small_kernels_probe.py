@@ -249,8 +249,7 @@ def bias_sums(c):
     fp32 as the backward calls it: on the whole layout where the backward takes one run of tiles
     (small, medium), else on the first of its runs (large: three, each added into fp32 totals,
     made here zero each call): BLOCK × BLOCK_R × warps with VALUES accumulators a thread, beside
-    _sum_tiles' list (its first is the shipped one at MHA_COMPILE_NO_AUTOTUNE, the autotuner
-    picks on the GPU)."""
+    _sum_tiles' one config (not autotuned since session 24)."""
     launcher = triton_moe._sum_tiles
     runs = triton_moe.tile_runs(c.groups, triton_moe.backward_slot_bytes(c.D, c.F, False, c.x.element_size()))
     t0, t1 = runs[0]
@@ -263,8 +262,8 @@ def bias_sums(c):
     configs = [dict(BLOCK=b, BLOCK_R=r, num_warps=w, num_stages=3)
                for r, b, w in tiles(TILE_SUMS_ROWS + (256,), (16,) + TILE_SUMS_COLUMNS)]
     traffic = part.numel() * 4 + 4 * c.E * c.D * (2 if len(runs) > 1 else 1)
-    print(f"bias_sums: ∂b2's partials [{rows}, {c.D}] of {'the whole layout' if len(runs) == 1 else f'run 1 of {len(runs)}'}"
-          f", {traffic / 1e6:.1f} MB", flush=True)
+    which = "the whole layout" if len(runs) == 1 else f"run 1 of {len(runs)}"
+    print(f"bias_sums: ∂b2's partials [{rows}, {c.D}] of {which}, {traffic / 1e6:.1f} MB", flush=True)
     sweep("bias_sums", launcher, ordered(first, *launcher.configs, *configs), run, traffic, launcher.configs)
 
 
