@@ -113,10 +113,9 @@ def record_launches(preset, act, dtype=torch.bfloat16, gluon=False):
     calls = []
     with as_h200(calls, gluon):
         ctx, tok, params, k, renorm = meta_case(preset, act, dtype)
-        out, inv, attn, weight, index = triton_region.region_forward(
-            "on_load", ctx, tok, *params, None, k, renorm, act)
-        triton_region.region_backward("on_load", torch.empty_like(out), ctx, tok, *params, None, inv, attn,
-                                      weight, index, k, renorm, act)
+        out, *saved = triton_region.region_forward("on_load", ctx, tok, *params, None, k, renorm, act)
+        triton_region.region_backward("on_load", torch.empty_like(out), ctx, tok, *params, None, *saved,
+                                      k, renorm, act)
     return calls
 
 

@@ -35,8 +35,8 @@ def routing(preset, dt=torch.bfloat16, dev="cuda"):
     g = torch.Generator(device=dev).manual_seed(0)
     rand = lambda *s: torch.randn(*s, device=dev, generator=g)  # noqa: E731
     x, inv, wg = rand(B * H, D).to(dt), rand(B, D), (rand(E, D) * D ** -0.5).to(dt)
-    weight, index = triton_router.route(x, inv, wg, k, True, H)
-    return SimpleNamespace(p=p, rand=rand, x=x, inv=inv, wg=wg, weight=weight, index=index,
+    weight, index, probs = triton_router.route(x, inv, wg, k, True, H)
+    return SimpleNamespace(p=p, rand=rand, x=x, inv=inv, wg=wg, weight=weight, index=index, probs=probs,
                            groups=triton_moe.group(index, E))
 
 
@@ -49,9 +49,12 @@ def case(preset, dt=torch.bfloat16, dev="cuda"):
     valid = (groups.slot_pair < groups.pairs)[:, None]
     dx_slot = (rand(groups.slots, D) * valid).to(dt)
     gw_part = rand(groups.slots, triton_moe.gw_columns(D, F, True)) * valid
-    traffic = (2 * x.numel() + dx_slot.numel()) * x.element_size() + 4 * (gw_part.numel() + B * D + B * H * E)
+    # ∂x_slot in, ∂y out; π and ∂logits, the ∂w partials, ∂inv
+    traffic = (x.numel() + dx_slot.numel()) * x.element_size() + 4 * (gw_part.numel() + B * D + 2 * B * H * E)
     print(f"\n{preset}: R={B * H}, D={D}, E={E}, k={k}, S={groups.slots}; traffic {traffic / 1e6:.0f} MB", flush=True)
-    return (x, r.inv, r.wg, r.weight, r.index, groups.pair_slot, dx_slot, gw_part, H, True, dt), traffic
+    inputs = (r.probs, r.wg, r.weight, r.index, groups.pair_slot, dx_slot, gw_part, H, True, dt,
+              triton_router.router_precision(dt), True)
+    return SimpleNamespace(x=x, inv=r.inv, wg=r.wg, index=r.index, horizons=H), inputs, traffic
 
 
 def row(label, launcher, cfg, run, traffic, compare):
@@ -77,8 +80,8 @@ def row(label, launcher, cfg, run, traffic, compare):
 def route(x, inv, wg, top_k, horizons):
     """The forward's router under each ROUTE_CONFIGS: time, rate over x's and inv's bytes, and
     whether the experts chosen and the weights are the shipped config's."""
-    want_w, want_i = triton_router.route(x, inv, wg, top_k, True, horizons)
-    traffic = x.numel() * x.element_size() + 4 * inv.numel() + 8 * want_w.numel()
+    want_w, want_i, probs = triton_router.route(x, inv, wg, top_k, True, horizons)
+    traffic = x.numel() * x.element_size() + 4 * (inv.numel() + 2 * want_w.numel() + probs.numel())
     compare = lambda got: (f"same experts {bool((got[1] == want_i).all())}, weights max diff "  # noqa: E731
                            f"{float((got[0] - want_w).abs().max()):.1e}")
     for cfg in ROUTE_CONFIGS:
@@ -95,8 +98,8 @@ def _max_diff(want):
 
 def backward(inputs, traffic):
     """The backward's two passes under each config of its ∂logits kernel, then of its ∂y kernel, the
-    other at the autotuner's pick: the whole call's time, its rate over `traffic` bytes (x, ∂x_slot
-    and ∂y once, the ∂w partials, ∂inv and ∂logits; the passes also write and read ∂logits), and
+    other at the autotuner's pick: the whole call's time, its rate over `traffic` bytes (∂x_slot
+    and ∂y once, π, the ∂w partials, ∂inv and ∂logits; the passes also write and read ∂logits), and
     the largest difference from the outputs at the first configs (the interpreter's)."""
     want = triton_router.router_combine_backward(*inputs)
     compare = _max_diff(want)
@@ -113,9 +116,8 @@ def main():
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     for preset in args.presets.split(","):
-        inputs, traffic = case(preset)
-        x, inv, wg, weight, index, pair_slot, dx_slot, gw_part, horizons, renorm, dy_dtype = inputs
-        route(x, inv, wg, index.shape[1], horizons)
+        c, inputs, traffic = case(preset)
+        route(c.x, c.inv, c.wg, c.index.shape[1], c.horizons)
         backward(inputs, traffic)
 
 

@@ -19,8 +19,8 @@ What each mode does (`region_flops`): eager and Inductor (default or max-autotun
 dense and loop spellings compute the pool un-reassociated (K and V projections, 4·B·N·D²)
 and every expert on every row (4·R·E·D·F); the grouped-GEMM spelling computes the pool the
 same way but only the chosen experts; the mha backend reassociates the pool and, like
-`kernels/reference.py`, recomputes the pool's pooled value, the router logits and the
-experts' forward in the backward. The reference pads expert tiles (see `reference_pairs`);
+`kernels/reference.py`, recomputes the pool's pooled value and the experts' forward in the
+backward (the router's softmax π is kept from the forward). The reference pads expert tiles (see `reference_pairs`);
 `region_flops` leaves padding out (≈3% at medium).
 """
 import sympy
@@ -128,8 +128,8 @@ def region_flops(family, act="gelu", pass_="fwd", spelling="dense", pairs=None):
         total = region_flops(MINIMUM, act, pass_, pairs=pairs)
         if pass_ == "fwd+bwd":
             total += (4 if act == "swiglu" else 2) * pairs * D * F  # every set recomputes u = x W1 (and u3)
-            if family == REGION_KERNELS:  # the reference also recomputes u_p, t̄, pooled and the logits
-                total += 2 * D * D + 2 * B * N * D * P + 2 * B * D * D + 2 * R * D * E
+            if family == REGION_KERNELS:  # the reference also recomputes u_p, t̄ and pooled
+                total += 2 * D * D + 2 * B * N * D * P + 2 * B * D * D
         return sympy.expand(total)
     raise ValueError(f"family={family!r}: expected one of {FAMILIES}")
 

@@ -4,8 +4,9 @@ One op covers pool → merge → MoE so that autograd, AOTAutograd and Inductor 
 node. The op's `kernels` argument picks the implementation ("reference", "fused", "staged");
 the lowering resolves "auto" before it builds the call, so the op never guesses.
 
-Forward returns (out, inv, attn, weight, index); the last four are what the backward keeps
-(SPEC §1): the pool output [B,D], the attention [B,N,P], the top-k weights and indices [R,k].
+Forward returns (out, inv, attn, weight, index, probs); the last five are what the backward keeps
+(SPEC §1): the pool output [B,D], the attention [B,N,P], the top-k weights and indices [R,k], and
+the router's softmax π [R,E] (its backward's pass 1 reads π rather than computing it again from x).
 
 `region_call` is what a graph that runs eagerly calls instead (backend.run_rest swaps it in):
 RegionFunction, a plain autograd.Function over the same kernel-set calls, unless something is
@@ -95,7 +96,7 @@ def region(ctx: Tensor, tok: Tensor, q: Tensor, wk: Tensor, bk: Optional[Tensor]
            bv: Optional[Tensor], wo: Tensor, bo: Optional[Tensor], wg: Tensor, w1: Tensor,
            b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor], w3: Optional[Tensor],
            mask: Optional[Tensor], top_k: int, renorm: bool, act: str, kernels: str, export_inv: bool = False,
-           graphs: str = "off") -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+           graphs: str = "off") -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """out = MoE(ctx + pool(tok)[:, None]); see SPEC §1.
 
     export_inv: the graph also reads `inv` (output 1), e.g. to rebuild y = ctx + inv for a
@@ -140,14 +141,15 @@ def _region_fake(ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, ma
     B, H, D, N, P = _check_shapes(ctx, tok, q, wk, wv, wo, wg, w1, b1, w2, b2, w3, top_k, act)
     acc = accumulation_dtype(ctx.dtype)
     return (ctx.new_empty(B, H, D), ctx.new_empty(B, D, dtype=acc), ctx.new_empty(B, N, P, dtype=acc),
-            ctx.new_empty(B * H, top_k, dtype=acc), ctx.new_empty(B * H, top_k, dtype=torch.int32))
+            ctx.new_empty(B * H, top_k, dtype=acc), ctx.new_empty(B * H, top_k, dtype=torch.int32),
+            ctx.new_empty(B * H, wg.shape[0], dtype=acc))
 
 
 def _region_backward(grad_out: Tensor, ctx: Tensor, tok: Tensor, q: Tensor, wk: Tensor, bk: Optional[Tensor],
                      wv: Tensor, bv: Optional[Tensor], wo: Tensor, bo: Optional[Tensor], wg: Tensor, w1: Tensor,
                      b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor], w3: Optional[Tensor],
                      mask: Optional[Tensor], inv: Tensor, attn: Tensor, weight: Tensor, index: Tensor,
-                     top_k: int, renorm: bool, act: str, kernels: str,
+                     probs: Tensor, top_k: int, renorm: bool, act: str, kernels: str,
                      grad_inv: Optional[Tensor] = None, graphs: str = "off") -> list[Tensor]:
     """Gradients of REGION_INPUTS, in order; an absent optional input gets an empty tensor.
 
@@ -156,14 +158,15 @@ def _region_backward(grad_out: Tensor, ctx: Tensor, tok: Tensor, q: Tensor, wk: 
     whatever the kernel set computed: exact for every set, no kernel has to know about it.
     graphs: as for mha::region.
     """
-    tensors = (grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask, inv, attn, weight, index)
+    tensors = (grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask, inv, attn, weight, index,
+               probs)
     return _region_gradients(tensors, top_k, renorm, act, kernels, grad_inv, graphs)
 
 
 def _region_gradients(tensors, top_k, renorm, act, kernels, grad_inv, graphs, kept=None):
     """_region_backward's body, which RegionFunction's backward calls with its `kept` (see KEEPS;
     not an argument the op's schema can hold). tensors: _region_backward's, in order."""
-    grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask, inv, attn, weight, index = tensors
+    grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask, inv, attn, *_ = tensors
     with _no_autocast(ctx):
         grads = list(_kernel_call(kernel_set(kernels).region_backward, tensors, (ctx, tok, w1, mask),
                                   top_k, renorm, act, kernels, graphs, kept))
@@ -186,7 +189,7 @@ region_backward = torch.library.custom_op("mha::region_backward", mutates_args=(
 
 @region_backward.register_fake
 def _region_backward_fake(grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask,
-                          inv, attn, weight, index, top_k, renorm, act, kernels, grad_inv=None, graphs="off"):
+                          inv, attn, weight, index, probs, top_k, renorm, act, kernels, grad_inv=None, graphs="off"):
     inputs = (ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3)
     # contiguous whatever the input's strides (a transposed ctx or tok): what _region_gradients returns
     return [ctx.new_empty(0) if t is None else t.new_empty(t.shape) for t in inputs]
@@ -203,14 +206,13 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_out, grad_inv, *unused_aux_grads):
-    """attn, weight and index are saved for the backward, never read by the graph: their
+    """attn, weight, index and probs are saved for the backward, never read by the graph: their
     gradients are ignored. inv's is used only when the graph reads inv (export_inv): autograd
     hands a zero tensor for an unread output, and a pool backward of zeros would cost a pass."""
     saved = list(ctx.saved_tensors)
     tensors = [None if absent else saved.pop(0) for absent in ctx.absent]
-    inv, attn, weight, index = saved
     extra = grad_inv.contiguous() if ctx.export_inv and grad_inv is not None else None
-    args = (grad_out.contiguous(), *tensors, inv, attn, weight, index)
+    args = (grad_out.contiguous(), *tensors, *saved)  # saved: inv, attn, weight, index, probs
     # The op's dispatch costs ~0.1 ms of host time a medium step (host_time.py's cProfile on the
     # H200), where the step issues in ~1.4 ms for ~1 ms of GPU time.
     if _traced(args):

@@ -119,10 +119,10 @@ def test_reference_kernels_against_torch_flop_counter():
     params = block_parameters(block)
     args = (ctx, tok, *params, None, 2, True, "gelu")
     with torch.no_grad():
-        out, inv, attn, weight, index = reference.region_forward(*args)
+        out, *saved = reference.region_forward(*args)
         forward = _counted(lambda: reference.region_forward(*args))
         backward = _counted(lambda: reference.region_backward(
-            torch.randn_like(out), *args[:16], inv, attn, weight, index, 2, True, "gelu"))
+            torch.randn_like(out), *args[:16], *saved, 2, True, "gelu"))
     pairs, experts = 12 * 2, 4
     slots = cost.reference_pairs(pairs, experts, reference.tile_rows(pairs, experts))
     assert forward == cost.evaluate(cost.region_flops(cost.REGION_KERNELS, "gelu", "fwd", pairs=slots), TINY)

@@ -30,6 +30,6 @@ def region_forward(ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, 
 
 
 def region_backward(grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask,
-                    inv, attn, weight, index, top_k, renorm, act, kept=None):
+                    inv, attn, weight, index, probs, top_k, renorm, act, kept=None):
     return triton_region.region_backward("on_load", grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1,
-                                         w2, b2, w3, mask, inv, attn, weight, index, top_k, renorm, act, kept)
+                                         w2, b2, w3, mask, inv, attn, weight, index, probs, top_k, renorm, act, kept)

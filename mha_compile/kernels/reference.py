@@ -283,7 +283,8 @@ def moe_backward(grad_out, x, weight, index, w1, b1, w2, b2, w3, act):
 
 
 def region_forward(ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask, top_k, renorm, act):
-    """out [B,H,D] and what the backward keeps: inv [B,D], attn [B,N,P], topk weight and index.
+    """out [B,H,D] and what the backward keeps: inv [B,D], attn [B,N,P], topk weight and index,
+    and the router's softmax π [R,E].
 
     Computes in fp32 (fp64 for fp64 inputs) and returns `out` in the input dtype.
     """
@@ -292,13 +293,13 @@ def region_forward(ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, 
     c = lambda t: None if t is None else t.to(acc)
     inv, attn = pool_forward(c(tok), c(q), c(wk), c(wv), c(bv), c(wo), c(bo), mask)
     x = (c(ctx) + inv[:, None, :]).reshape(B * H, D)
-    _, weight, index = route(x, c(wg), top_k, renorm)
+    probs, weight, index = route(x, c(wg), top_k, renorm)
     out = moe_forward(x, weight, index, c(w1), c(b1), c(w2), c(b2), c(w3), act)
-    return out.view(B, H, D).to(ctx.dtype), inv, attn, weight, index.to(torch.int32)
+    return out.view(B, H, D).to(ctx.dtype), inv, attn, weight, index.to(torch.int32), probs
 
 
 def region_backward(grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask,
-                    inv, attn, weight, index, top_k, renorm, act):
+                    inv, attn, weight, index, probs, top_k, renorm, act):
     """Gradients of every input of region_forward, in its order (None for absent optionals)."""
     acc = accumulation_dtype(ctx.dtype)
     B, H, D = ctx.shape
@@ -306,7 +307,7 @@ def region_backward(grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w
     index = index.long()
     x = (c(ctx) + inv[:, None, :]).reshape(B * H, D)
     wg_acc = c(wg)
-    probs = torch.softmax(x @ wg_acc.T, dim=-1)
+    probs = c(probs)
     grad_x, grad_weight, *grad_experts = moe_backward(
         c(grad_out).reshape(B * H, D), x, weight, index, c(w1), c(b1), c(w2), c(b2), c(w3), act)
     grad_x_router, grad_wg = route_backward(grad_weight, x, wg_acc, probs, weight, index, renorm)

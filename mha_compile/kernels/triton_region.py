@@ -12,7 +12,7 @@ Both: pool (triton_pool) → router (triton_router) → expert grouping and grou
 (triton_moe) → token-order combine; the backward recomputes u = x W1 + b1 rather than keeping
 it, and the grouping and the pool's fp32 weights too unless its caller kept the forward's
 (`kept`). Saved tensors mean what they mean in reference.py: inv [B,D] and attn [B,N,P] fp32,
-the top-k weights [R,k] fp32 and indices [R,k] int32.
+the top-k weights [R,k] fp32 and indices [R,k] int32, and the router's softmax π [R,E] fp32.
 
 `kept` (optional, both directions): a dict, empty for the forward, in which region_forward leaves
 what the backward would otherwise compute again from the same inputs, and from which
@@ -124,7 +124,7 @@ def _merged_input(ctx, inv, merge):
 
 def region_forward(merge, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask, top_k, renorm, act,
                    kept=None):
-    """(out [B,H,D] ctx.dtype, inv [B,D], attn [B,N,P], weight [R,k] fp32, index [R,k] int32).
+    """(out [B,H,D] ctx.dtype, inv [B,D], attn [B,N,P], weight [R,k] fp32, index [R,k] int32, π [R,E] fp32).
     kept: an empty dict, filled for region_backward (see the module docstring); it stays empty
     where the inputs run on the reference."""
     if why_unsupported(ctx, tok, w1, top_k, act, mask) is not None:
@@ -137,13 +137,13 @@ def region_forward(merge, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b
     u = triton_pool.pool_directions(pool[0], pool[1])
     inv, attn = triton_pool.pool_forward(tok, *pool, mask, u=u)
     x, x_inv = _merged_input(ctx, inv, merge)
-    weight, index = triton_router.route(x, x_inv, wg.contiguous(), top_k, renorm, H)
+    weight, index, probs = triton_router.route(x, x_inv, wg.contiguous(), top_k, renorm, H)
     groups = triton_moe.group(index, E)
     if kept is not None:
         kept.update(groups=groups, pool=(stamp(q, wk, wv, bv, wo), (*pool[:5], u)))
     out = triton_moe.moe_forward(x, x_inv, weight, groups, w1.contiguous(), _c(b1), w2.contiguous(), _c(b2),
                                  _c(w3), act, H, ctx.dtype)
-    return out.view(B, H, D), inv, attn, weight, index
+    return out.view(B, H, D), inv, attn, weight, index, probs
 
 
 def _layout_of(index, experts, kept):
@@ -174,12 +174,12 @@ def _pool_weights(tok, q, wk, wv, bv, wo, kept):
 
 
 def region_backward(merge, grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask,
-                    inv, attn, weight, index, top_k, renorm, act, kept=None):
+                    inv, attn, weight, index, probs, top_k, renorm, act, kept=None):
     """Gradients of (ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3), None for absent.
     kept: the dict region_forward filled when it returned `index` (see the module docstring)."""
     if why_unsupported(ctx, tok, w1, top_k, act, mask) is not None:
         return reference.region_backward(grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3,
-                                         mask, inv, attn, weight, index, top_k, renorm, act)
+                                         mask, inv, attn, weight, index, probs, top_k, renorm, act)
     inputs = (ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3)
     tok, w1, b1, w2, b2, w3 = _in_compute_dtype(ctx, tok, w1, b1, w2, b2, w3)
     B, H, D = ctx.shape
@@ -194,8 +194,8 @@ def region_backward(merge, grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1
     dx_slot, gw_part, dw1, db1, dw2, db2, dw3 = triton_moe.moe_backward(
         grad_rows, x, x_inv, weight, groups, w1.contiguous(), _c(b1), w2.contiguous(), _c(b2), _c(w3), act, H)
     dy, dinv, dlogits = triton_router.router_combine_backward(
-        x, x_inv, wg, weight, index, groups.pair_slot, dx_slot, gw_part, H, renorm,
-        torch.float32 if merge == "cuda" else ctx.dtype)
+        probs.float().contiguous(), wg, weight, index, groups.pair_slot, dx_slot, gw_part, H, renorm,
+        torch.float32 if merge == "cuda" else ctx.dtype, triton_router.router_precision(x.dtype), x_inv is not None)
     del dx_slot, gw_part  # [S,D] (128 MiB at large in bf16): freed before the pool's ∂tok is allocated
     dwg = triton_router.router_weight_grad(dlogits, x, x_inv, H)
     if merge == "cuda":

@@ -8,7 +8,8 @@ The top-k is k rounds of "take the largest, mask it": E ≤ 64 fits one [BLOCK_R
 
 Backward (`router_combine_backward`), in two kernels, in token order and without atomics, so it
 is bitwise reproducible:
-  pass 1, BLOCK_R rows a program (as the forward reads x; the logits again, as the forward's):
+  pass 1, BLOCK_R rows a program, from the forward's π (route returns it, [R,E] fp32: 4 MiB at the
+  large preset, where recomputing it from x read 64 MiB and took 77.5 us of a step, session 24):
     ∂w_j = Σ_c gw_part[slot(r,j), c]     (per-F-block partials from the experts' backward)
     ∂π   = (∂w − Σ_i ∂w_i w_i) / Σ_i π_i on the chosen j (renorm), else ∂w; 0 elsewhere
     ∂logits = π ⊙ (∂π − ⟨∂π, π⟩)
@@ -22,9 +23,9 @@ a large training step replayed 82 us faster with the two (flag_ab, 8 rounds), me
 of x merged on load, added over the runs in order. As a cuBLAS fp32 GEMM on x.float() it took
 0.17 ms at the large preset, plus the cast (K = R = 65536, M = E = 16).
 
-The two thin dots (x Wgᵀ and ∂logits Wg, N or K = E) set these kernels' time on the FMA units:
-at the large preset the forward took 0.34 ms and the backward 0.57 ms for 64 MiB of x each
-(~200 GB/s). For 16-bit models they run as tf32x3 (three TF32 tensor-core products of hi/lo
+The thin dots (x Wgᵀ in the forward, ∂logits Wg in pass 2, N or K = E) set those kernels' time
+on the FMA units: at the large preset the forward took 0.34 ms and the backward 0.57 ms for 64 MiB
+of x each (~200 GB/s) before they ran on tensor cores. For 16-bit models they run as tf32x3 (three TF32 tensor-core products of hi/lo
 splits, ~2⁻²¹ relative: fp32 to within a few ulps); fp32 models keep ieee fp32 dots, which
 their 1e-5 bound is checked at.
 """
@@ -58,16 +59,18 @@ def _logits_probs(x_ptr, inv_ptr, wg_ptr, rows, r_ok, H, D, E, HAS_INV: tl.const
 
 @triton.jit
 def _router_fwd_kernel(
-    x_ptr, inv_ptr, wg_ptr, weight_ptr, index_ptr,
+    x_ptr, inv_ptr, wg_ptr, weight_ptr, index_ptr, probs_ptr,
     R, H, D, E,
     TOP_K: tl.constexpr, HAS_INV: tl.constexpr, RENORM: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
-    """x [R,D] (+ inv [R/H,D]), Wg [E,D] → weight [R,k] fp32, index [R,k] int32."""
+    """x [R,D] (+ inv [R/H,D]), Wg [E,D] → weight [R,k] fp32, index [R,k] int32, π [R,E] fp32."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = rows < R
     probs = _logits_probs(x_ptr, inv_ptr, wg_ptr, rows, r_ok, H, D, E, HAS_INV, PRECISION, BLOCK_D, BLOCK_E, BLOCK_R)
     offs_e = tl.arange(0, BLOCK_E)
+    tl.store(probs_ptr + rows.to(tl.int64)[:, None] * E + offs_e[None, :], probs,
+             mask=r_ok[:, None] & (offs_e < E)[None, :])
     # Padding experts get -1 so they are never chosen (real probabilities are ≥ 0).
     probs = tl.where((offs_e < E)[None, :], probs, -1.0)
     total = tl.full([BLOCK_R], 1.0, tl.float32)
@@ -92,28 +95,33 @@ def _router_fwd_kernel(
 
 @triton.jit
 def _router_dlogits_kernel(
-    x_ptr, inv_ptr, wg_ptr, weight_ptr, index_ptr, pair_slot_ptr, gw_part_ptr, dlogits_ptr,
-    R, H, D, E, N_FBLK,
-    TOP_K: tl.constexpr, HAS_INV: tl.constexpr, RENORM: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
+    probs_ptr, weight_ptr, index_ptr, pair_slot_ptr, gw_part_ptr, dlogits_ptr,
+    R, E, N_FBLK,
+    TOP_K: tl.constexpr, RENORM: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
-    """Pass 1, BLOCK_R rows a program (as the forward): ∂logits [R,E] fp32 from the rows' π and the
+    """Pass 1, BLOCK_R rows a program: ∂logits [R,E] fp32 from the forward's π [R,E] and the
     experts' ∂w partials (module docstring)."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = rows < R
-    probs = _logits_probs(x_ptr, inv_ptr, wg_ptr, rows, r_ok, H, D, E, HAS_INV, PRECISION, BLOCK_D, BLOCK_E, BLOCK_R)
     offs_e = tl.arange(0, BLOCK_E)
-    offs_c = tl.arange(0, BLOCK_C)
+    probs = tl.load(probs_ptr + rows[:, None] * E + offs_e[None, :], mask=r_ok[:, None] & (offs_e < E)[None, :],
+                    other=0.0)  # padding experts and rows 0, as the forward's softmax gives them
     dwv = tl.zeros([BLOCK_R, BLOCK_E], tl.float32)  # ∂w_j at the chosen experts, 0 elsewhere
     wv = tl.zeros([BLOCK_R, BLOCK_E], tl.float32)
     chosen = tl.zeros([BLOCK_R, BLOCK_E], tl.int1)
     for j in tl.static_range(TOP_K):
         pair = rows * TOP_K + j
         slot = tl.load(pair_slot_ptr + pair, mask=r_ok, other=0).to(tl.int64)
-        part = tl.load(gw_part_ptr + slot[:, None] * N_FBLK + offs_c[None, :],
-                       mask=r_ok[:, None] & (offs_c < N_FBLK)[None, :], other=0.0)
+        # The F blocks' partials in chunks as wide as the expert tile, so that every [BLOCK_R, ·]
+        # tile shares one layout: one [BLOCK_R, pow2(N_FBLK)] load took 255 registers and spilled
+        # 1440 bytes at large, against 64 and none (sm_90a, offline).
+        part = tl.zeros([BLOCK_R, BLOCK_E], tl.float32)
+        for c0 in range(0, N_FBLK, BLOCK_E):
+            part += tl.load(gw_part_ptr + slot[:, None] * N_FBLK + c0 + offs_e[None, :],
+                            mask=r_ok[:, None] & (c0 + offs_e < N_FBLK)[None, :], other=0.0)
         hit = offs_e[None, :] == tl.load(index_ptr + pair, mask=r_ok, other=-1)[:, None]
-        dwv = tl.where(hit, tl.sum(part, axis=1)[:, None], dwv)  # fixed order over the F blocks
+        dwv = tl.where(hit, tl.sum(part, axis=1)[:, None], dwv)  # a fixed order over the F blocks
         wv = tl.where(hit, tl.load(weight_ptr + pair, mask=r_ok, other=0.0)[:, None], wv)
         chosen = chosen | hit
     # Differences like ∂w_j − Σ_i ∂w_i w_i and ∂π_j − ⟨∂π, π⟩ cancel when one expert dominates;
@@ -209,14 +217,16 @@ _route = Launcher(_router_fwd_kernel, [
     dict(BLOCK_R=128, num_warps=4, num_stages=3),
     dict(BLOCK_R=32, num_warps=2, num_stages=3),
 ], key=["D", "E", "TOP_K", "HAS_INV", "RENORM", "PRECISION"])
-# The backward's two passes, bench/router_probe.py on the H200 (session 24, large, bf16, the whole
-# call with the other pass at the autotuner's pick): pass 1 at 64 rows and 4 warps 145.3 us, 32 rows
-# at 2 warps 144.8, at 1 warp 165.6 (251 registers); 128 rows spill (255 registers, sm_90a offline).
+# The backward's pass 1 reads π, the ∂w partials and the routing (~29 MB at large) and writes
+# ∂logits: no dot, so wider row blocks than the forward's fit (not yet timed on the H200; when it
+# recomputed π from x, bench/router_probe.py, session 24: 64 rows at 4 warps 145.3 us for the whole
+# call, 32 rows at 2 warps 144.8).
 _dlogits = Launcher(_router_dlogits_kernel, [
     dict(BLOCK_R=64, num_warps=4, num_stages=3),
+    dict(BLOCK_R=128, num_warps=4, num_stages=3),
+    dict(BLOCK_R=256, num_warps=8, num_stages=3),
     dict(BLOCK_R=32, num_warps=2, num_stages=3),
-    dict(BLOCK_R=32, num_warps=1, num_stages=3),
-], key=["D", "E", "N_FBLK", "TOP_K", "HAS_INV", "RENORM", "PRECISION"])
+], key=["E", "N_FBLK", "TOP_K", "RENORM"])
 # Pass 2 streams ∂x_slot's rows in and ∂y out (55-96 registers, offline): 64 columns at 1 warp
 # 145.0 us, 32 at 1 warp 165.1, 128 at 2 warps 163.9, 4 warps 211-214 (the same probe). The first
 # config (32 columns) gives the interpreter's tests more than one block of D.
@@ -241,38 +251,40 @@ def router_precision(dtype):
 
 
 def route(x, inv, wg, top_k, renorm, horizons):
-    """weight [R,k] fp32 and index [R,k] int32 for x [R,D] (+ inv [R/H,D] when given)."""
+    """weight [R,k] fp32, index [R,k] int32 and π [R,E] fp32 (the softmax, kept for the
+    backward's pass 1) for x [R,D] (+ inv [R/H,D] when given)."""
     R, D = x.shape
     E = wg.shape[0]
     weight = torch.empty(R, top_k, device=x.device, dtype=torch.float32)
     index = torch.empty(R, top_k, device=x.device, dtype=torch.int32)
+    probs = torch.empty(R, E, device=x.device, dtype=torch.float32)
     block_e = pow2(E)
     _route(lambda m: (triton.cdiv(R, m["BLOCK_R"]),),
-           x, x if inv is None else inv, wg, weight, index, R, horizons, D, E,
+           x, x if inv is None else inv, wg, weight, index, probs, R, horizons, D, E,
            TOP_K=top_k, HAS_INV=inv is not None, RENORM=renorm, PRECISION=router_precision(x.dtype),
            BLOCK_D=_logits_block_d(block_e), BLOCK_E=block_e)
-    return weight, index
+    return weight, index, probs
 
 
-def router_combine_backward(x, inv, wg, weight, index, pair_slot, dx_slot, gw_part, horizons, renorm, dy_dtype):
-    """(∂y [R,D] in dy_dtype, ∂inv [B,D] fp32 or None when inv is None, ∂logits [R,E] fp32)."""
-    R, D = x.shape
-    E = wg.shape[0]
+def router_combine_backward(probs, wg, weight, index, pair_slot, dx_slot, gw_part, horizons, renorm, dy_dtype,
+                            precision, sum_h):
+    """(∂y [R,D] in dy_dtype, ∂inv [B,D] fp32 when sum_h else None, ∂logits [R,E] fp32) from the
+    forward's π [R,E] fp32, weight and index; precision: router_precision of x's dtype."""
+    R, E = probs.shape
+    D = wg.shape[1]
     top_k = index.shape[1]
     B = R // horizons
-    dy = torch.empty(R, D, device=x.device, dtype=dy_dtype)
-    dinv = torch.empty(B, D, device=x.device, dtype=torch.float32) if inv is not None else None
-    dlogits = torch.empty(R, E, device=x.device, dtype=torch.float32)
+    dy = torch.empty(R, D, device=probs.device, dtype=dy_dtype)
+    dinv = torch.empty(B, D, device=probs.device, dtype=torch.float32) if sum_h else None
+    dlogits = torch.empty(R, E, device=probs.device, dtype=torch.float32)
     block_e = pow2(E)
-    precision = router_precision(x.dtype)
     n_fblk = gw_part.shape[1]
     _dlogits(lambda m: (triton.cdiv(R, m["BLOCK_R"]),),
-             x, x if inv is None else inv, wg, weight, index, pair_slot, gw_part, dlogits, R, horizons, D, E,
-             n_fblk, TOP_K=top_k, HAS_INV=inv is not None, RENORM=renorm, PRECISION=precision,
-             BLOCK_D=_logits_block_d(block_e), BLOCK_E=block_e, BLOCK_C=pow2(n_fblk, 2))
+             probs, weight, index, pair_slot, gw_part, dlogits, R, E, n_fblk,
+             TOP_K=top_k, RENORM=renorm, BLOCK_E=block_e)
     _combine_dy(lambda m: (B, triton.cdiv(D, m["BLOCK_D"])),
                 wg, pair_slot, dx_slot, dlogits, dy, dy if dinv is None else dinv, horizons, D, E,
-                TOP_K=top_k, SUM_H=inv is not None, PRECISION=precision, BLOCK_H=pow2(horizons), BLOCK_E=block_e)
+                TOP_K=top_k, SUM_H=sum_h, PRECISION=precision, BLOCK_H=pow2(horizons), BLOCK_E=block_e)
     return dy, dinv, dlogits
 
 

@@ -20,9 +20,10 @@ def test_backward_rows_run_every_config_to_the_same_result(capsys):
     all zero), and its rows: one a config of either pass, none failed, each within fp32 rounding
     of the first configs' outputs (bf16's ∂y may differ by one rounding on the GPU; the
     interpreter's case is fp32)."""
-    inputs, traffic = router_probe.case("tiny", torch.float32, "cpu")
-    x, inv, wg, weight, index, pair_slot, dx_slot, gw_part, H, renorm, dt = inputs
-    assert traffic > x.numel() * 4 and (gw_part != 0).any() and (dx_slot != 0).any()
+    c, inputs, traffic = router_probe.case("tiny", torch.float32, "cpu")
+    probs, wg, weight, index, pair_slot, dx_slot, gw_part, H, renorm, dt, precision, sum_h = inputs
+    assert traffic > c.x.numel() * 4 and (gw_part != 0).any() and (dx_slot != 0).any()
+    assert probs.shape == (c.x.shape[0], wg.shape[0]) and sum_h
     router_probe.backward(inputs, traffic)
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("backward")]
     assert len(rows) == len(triton_router._dlogits.configs) + len(triton_router._combine_dy.configs)

@@ -350,10 +350,10 @@ def test_a_layout_not_built_from_this_index_is_refused():
     gradients to the wrong experts."""
     ctx, tok, params = make_case(2, 3, 5, 32, 2, 64, 4, 2)
     kept = {}
-    inv, attn, weight, index = fused.region_forward(ctx, tok, *params, None, 2, True, "gelu", kept=kept)[1:]
+    inv, attn, weight, index, probs = fused.region_forward(ctx, tok, *params, None, 2, True, "gelu", kept=kept)[1:]
     grad = torch.randn(2, 3, 32)
     backward = lambda idx: fused.region_backward(grad, ctx, tok, *params, None, inv, attn, weight, idx,  # noqa: E731
-                                                 2, True, "gelu", kept=kept)
+                                                 probs, 2, True, "gelu", kept=kept)
     assert backward(index.view(6, 2))[10] is not None  # a view of the same elements is the same index
     with pytest.raises(ValueError, match="not built from this `index`"):
         backward(index.clone())

@@ -207,21 +207,23 @@ def test_router_at_fp32_accuracy(dtype):
     ctx = torch.randn(R, D, device="cuda", generator=gen).to(dtype)
     inv = torch.randn(B, D, device="cuda", generator=gen)
     wg = (torch.randn(E, D, device="cuda", generator=gen) * D**-0.5).to(dtype)
-    weight, index = triton_router.route(ctx, inv, wg, k, True, H)
+    weight, index, probs = triton_router.route(ctx, inv, wg, k, True, H)
     x64 = ctx.double() + inv.double().repeat_interleave(H, 0)
-    probs, ref_weight, ref_index = reference.route(x64, wg.double(), k, True)
+    ref_probs, ref_weight, ref_index = reference.route(x64, wg.double(), k, True)
     same = (index.long() == ref_index).all(1)
     assert same.float().mean() >= 1 - 1e-3, f"{int((~same).sum())} of {R} rows chose other experts"
     assert rel_err(weight[same], ref_weight[same]) <= 1e-5
+    assert rel_err(probs, ref_probs) <= 1e-5
 
     groups = triton_moe.group(index, E)
     gw_part = torch.randn(groups.slots, 3, device="cuda", generator=gen)
     dx_slot = torch.randn(groups.slots, D, device="cuda", generator=gen).to(dtype)
     dy, dinv, dlogits = triton_router.router_combine_backward(
-        ctx, inv, wg, weight, index, groups.pair_slot, dx_slot, gw_part, H, True, torch.float32)
+        probs, wg, weight, index, groups.pair_slot, dx_slot, gw_part, H, True, torch.float32,
+        triton_router.router_precision(dtype), True)
     slots = groups.pair_slot.long().view(R, k)
     grad_weight = gw_part.double().sum(1)[slots]
-    ref_dx, ref_dwg = reference.route_backward(grad_weight[same], x64[same], wg.double(), probs[same],
+    ref_dx, ref_dwg = reference.route_backward(grad_weight[same], x64[same], wg.double(), ref_probs[same],
                                                ref_weight[same], ref_index[same], True)
     ref_dy = ref_dx + dx_slot.double()[slots[same]].sum(1)
     assert rel_err(dy[same], ref_dy) <= 1e-5
