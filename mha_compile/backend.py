@@ -133,14 +133,26 @@ def run_rest(gm, example_inputs, opts, mode, whole):
     if opts.rest == "inductor":
         from torch._inductor.compile_fx import compile_fx
         graphs = "off" if whole else opts.graphs
-        return compile_fx(_region_calls(gm, torch.ops.mha.region.default, graphs), example_inputs,
-                          config_patches=_inductor_patches(mode))
+        with cache_key_tagged():
+            return compile_fx(_region_calls(gm, torch.ops.mha.region.default, graphs), example_inputs,
+                              config_patches=_inductor_patches(mode))
     if whole:
         from torch._dynamo.backends.cudagraphs import cudagraphs
-        return cudagraphs(gm, example_inputs)
+        with cache_key_tagged():
+            return cudagraphs(gm, example_inputs)
     if mode == "reduce-overhead":
         log.info("mha_compile: mode='reduce-overhead' without CUDA inputs: running without CUDA graphs")
     return _region_calls(gm, ops.region_call, opts.graphs).forward
+
+
+def cache_key_tagged():
+    """torch.compiler.config.cache_key_tag with the ops' schema digest appended, for one compile:
+    torch's compile caches do not key a custom op by its schema (ops.schema_digest), so a graph
+    compiled by a build of mha_compile whose ops took other arguments must not be served to this
+    one. The user's own tag is kept in front of ours."""
+    tag = torch.compiler.config.cache_key_tag
+    return torch.compiler.config.patch(cache_key_tag=f"{tag}|mha-{ops.schema_digest()}" if tag
+                                       else f"mha-{ops.schema_digest()}")
 
 
 def _region_calls(gm, target, graphs):

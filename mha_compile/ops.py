@@ -15,6 +15,7 @@ backward (the expert layout, the pool's fp32 weights: KEEPS), which the op, whos
 tensors, cannot.
 """
 import contextlib
+import hashlib
 import importlib
 from typing import Optional
 
@@ -260,6 +261,17 @@ class RegionFunction(torch.autograd.Function):
         if grad_out is None:  # only inv was read by something that needs a gradient
             grad_out = torch.zeros_like(ctx.saved_tensors[0])
         return _backward(ctx, grad_out, grad_inv)
+
+
+def schema_digest():
+    """A short hash of mha::region's and mha::region_backward's schemas, for torch's compile caches'
+    keys (backend.cache_key_tagged). Those caches take a custom op for the same op whatever its
+    schema: once the forward's outputs grew by π, an AOTAutograd entry saved by the earlier build,
+    keyed by Dynamo's graph alone, was served, and its backward passed the op four saved tensors
+    where five were due (it failed on an int where a Tensor was; a change of meaning at the same
+    arity would not fail at all)."""
+    text = f"{torch.ops.mha.region.default._schema}|{torch.ops.mha.region_backward.default._schema}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _traced(args):

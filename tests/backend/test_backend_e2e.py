@@ -320,3 +320,39 @@ def test_autocast_hand_off_chooses_the_fused_kernels():
     (match,) = report.matches
     assert match["kernels"] == "fused", match["kernels_reason"]
     assert "as autocast does" in match["kernels_reason"]
+
+
+def test_compile_caches_are_keyed_by_the_ops_schemas(tmp_path, monkeypatch):
+    """torch's AOTAutograd cache keys a custom op by its name only: an entry compiled when the ops'
+    schemas were other (an earlier build) must not be served. The backend puts ops.schema_digest()
+    in the caches' key (behind the user's own tag): the same digest hits the entry, another misses."""
+    from torch._dynamo.utils import counters
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    model = models.Forecaster(window=12, variates=5, horizons=3)
+    x = torch.randn(4, 12, 5)
+    tags = []
+    real = backend.cache_key_tagged
+
+    def recorded():
+        patch = real()
+        tags.append(patch.changes["cache_key_tag"])
+        return patch
+
+    def compile_and_step(digest):
+        monkeypatch.setattr(backend.ops, "schema_digest", lambda: digest)
+        torch._dynamo.reset()
+        counters.clear()
+        torch.compile(model, backend="mha", options={"rest": "inductor"})(x).sum().backward()
+        return counters["aot_autograd"]["autograd_cache_hit"], counters["aot_autograd"]["autograd_cache_miss"]
+
+    monkeypatch.setattr(backend, "cache_key_tagged", recorded)
+    with torch._functorch.config.patch(enable_autograd_cache=True), torch._inductor.config.patch(fx_graph_cache=True), \
+            torch.compiler.config.patch(cache_key_tag="user-tag"):
+        first = compile_and_step("0123456789abcdef")
+        again = compile_and_step("0123456789abcdef")
+        other = compile_and_step("fedcba9876543210")
+    assert first[0] == 0 and first[1] >= 1, first
+    assert again[0] >= 1 and again[1] == 0, again
+    assert other[0] == 0 and other[1] >= 1, other
+    assert tags[0] == "user-tag|mha-0123456789abcdef" and tags[-1] == "user-tag|mha-fedcba9876543210", tags
+
