@@ -23,11 +23,11 @@ a large training step replayed 82 us faster with the two (flag_ab, 8 rounds), me
 of x merged on load, added over the runs in order. As a cuBLAS fp32 GEMM on x.float() it took
 0.17 ms at the large preset, plus the cast (K = R = 65536, M = E = 16).
 
-The thin dots (x Wgᵀ in the forward, ∂logits Wg in pass 2, N or K = E) set those kernels' time
-on the FMA units: at the large preset the forward took 0.34 ms and the backward 0.57 ms for 64 MiB
-of x each (~200 GB/s) before they ran on tensor cores. For 16-bit models they run as tf32x3 (three TF32 tensor-core products of hi/lo
-splits, ~2⁻²¹ relative: fp32 to within a few ulps); fp32 models keep ieee fp32 dots, which
-their 1e-5 bound is checked at.
+The thin dots (x Wgᵀ in the forward, ∂logits Wg in pass 2, N or K = E) set those kernels' time:
+on the FMA units the forward took 0.34 ms at the large preset and the backward 0.57 ms, for
+64 MiB of x each (~200 GB/s). For 16-bit models they run as tf32x3 (three TF32 tensor-core
+products of hi/lo splits, ~2⁻²¹ relative: fp32 to within a few ulps); fp32 models keep ieee
+fp32 dots, which their 1e-5 bound is checked at.
 """
 import torch
 import triton

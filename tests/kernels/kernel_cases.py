@@ -91,7 +91,8 @@ def check_region(module, ctx, tok, params, top_k, renorm, act, mask=None, grad_s
     same = (index.long().sort(1).values == r_index.sort(1).values).all(1)  # [R]
     flips = int((~same).sum())
     # π is kept for the router's backward: every row's, flipped or not (it is continuous in x)
-    errors = {"flips": flips, "inv": rel_err(inv, r_inv), "attn": rel_err(attn, r_attn), "probs": rel_err(probs, r_probs)}
+    errors = {"flips": flips, "inv": rel_err(inv, r_inv), "attn": rel_err(attn, r_attn),
+              "probs": rel_err(probs, r_probs)}
     keep = same.view(B, H)
     errors["out"] = rel_err(out[keep], r_out[keep])
     errors["weight"] = rel_err(weight[same], r_weight[same])
