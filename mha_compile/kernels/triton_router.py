@@ -9,7 +9,7 @@ The top-k is k rounds of "take the largest, mask it": E ≤ 64 fits one [BLOCK_R
 Backward (`router_combine_backward`), in two kernels, in token order and without atomics, so it
 is bitwise reproducible:
   pass 1, BLOCK_R rows a program, from the forward's π (route returns it, [R,E] fp32: 4 MiB at the
-  large preset, where recomputing it from x read 64 MiB and took 77.5 us of a step, session 24):
+  large preset; recomputing it from x read 64 MiB, and pass 1 took 78.7 us of a step against 16.4):
     ∂w_j = Σ_c gw_part[slot(r,j), c]     (per-F-block partials from the experts' backward)
     ∂π   = (∂w − Σ_i ∂w_i w_i) / Σ_i π_i on the chosen j (renorm), else ∂w; 0 elsewhere
     ∂logits = π ⊙ (∂π − ⟨∂π, π⟩)
@@ -217,15 +217,14 @@ _route = Launcher(_router_fwd_kernel, [
     dict(BLOCK_R=128, num_warps=4, num_stages=3),
     dict(BLOCK_R=32, num_warps=2, num_stages=3),
 ], key=["D", "E", "TOP_K", "HAS_INV", "RENORM", "PRECISION"])
-# The backward's pass 1 reads π, the ∂w partials and the routing (~29 MB at large) and writes
-# ∂logits: no dot, so wider row blocks than the forward's fit (not yet timed on the H200; when it
-# recomputed π from x, bench/router_probe.py, session 24: 64 rows at 4 warps 145.3 us for the whole
-# call, 32 rows at 2 warps 144.8).
+# The backward's pass 1 reads π, the ∂w partials and the routing and writes ∂logits, no dot.
+# bench/router_probe.py on the H200 (session 25, bf16, the whole backward with pass 2 at its pick):
+# 32 rows at 2 warps 86.1 us at large and 17.6 at medium, 64 at 4 warps 86.4 and 19.3; 128 at 4
+# and 256 at 8 no faster (87.5-87.9, 21.1-22.7). Recomputing π from x, the whole call took 145 us
+# at large (session 24); in a step pass 1 went 78.7 → 16.4 us at large, 18.3 → 7.2 at medium.
 _dlogits = Launcher(_router_dlogits_kernel, [
-    dict(BLOCK_R=64, num_warps=4, num_stages=3),
-    dict(BLOCK_R=128, num_warps=4, num_stages=3),
-    dict(BLOCK_R=256, num_warps=8, num_stages=3),
     dict(BLOCK_R=32, num_warps=2, num_stages=3),
+    dict(BLOCK_R=64, num_warps=4, num_stages=3),
 ], key=["E", "N_FBLK", "TOP_K", "RENORM"])
 # Pass 2 streams ∂x_slot's rows in and ∂y out (55-96 registers, offline): 64 columns at 1 warp
 # 145.0 us, 32 at 1 warp 165.1, 128 at 2 warps 163.9, 4 warps 211-214 (the same probe). The first
