@@ -51,6 +51,11 @@
 #   OLD=out/old.tar [AB_PRESETS=medium,large] bash bench/h200_session.sh kernel-times-ab  # CUDA time per kernel
 #                                      # and op replay of the tree before a change and of this one, each in
 #                                      # its own process, in one call (~5 min): run.log, kernel_times_{old,new}.txt
+#   OLD=out/old.tar [ROWS_PRESETS=small,medium ROWS_MODES=mha-fused-cudagraphs] bash bench/h200_session.sh rows-ab
+#                                      # benchmark rows (fwd+bwd, loop and dense) of the tree before a change and
+#                                      # of this one, old, new, old, each in its own process (~7 min): host-bound
+#                                      # rows move with the machine's host, so only a same-machine pair says
+#                                      # whether a change moved them: run.log, rows_{old,new,old2}.md
 #   bash bench/h200_session.sh gluon   # the backward's hidden kernel in Gluon (gluon_moe) under each config
 #                                      # against the Triton one, each checked first (bench/gluon_probe.py; ~2 min):
 #                                      # run.log, gluon_probe.txt
@@ -89,7 +94,7 @@
 #                                      # benchmark cut at 250 s (rows past it are listed as skipped)
 # Budgets are per step so a slow step cannot starve the others.
 set -u
-part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|ab|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|ncu-gemms|ncu-source|gluon|verify-gluon|gluon-gemms|verify-gemms|router|small-kernels|host-large|host-timers|wgrad-stream|sum-spread|kernel-times-ab|short}
+part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|ab|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|ncu-gemms|ncu-source|gluon|verify-gluon|gluon-gemms|verify-gemms|router|small-kernels|host-large|host-timers|wgrad-stream|sum-spread|kernel-times-ab|rows-ab|short}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 # Inductor's compiled graphs kept in the checkout (git ignores it): the device keeps ignored
 # files between calls on a machine it still holds, so `table` can reuse `autotune-cache`'s.
@@ -164,6 +169,21 @@ sum-spread)
         -k "regex:^_wgrad_kernel$" -c 6 --section SpeedOfLight --section WarpStateStats \
         python bench/ncu_kernels.py --preset large >"$OUT/ncu_wgrad_spread.txt" 2>&1
     grep "Duration\|SM Active" "$OUT/ncu_wgrad_spread.txt" >>"$LOG"
+    ;;
+rows-ab)
+    old=$(old_tree)
+    for run in old new old2; do
+        tree=$([ "$run" = new ] && echo "$PWD" || echo "$old")
+        # --budget: no row starts after 60 s, so the table prints before the limit (a row killed
+        # mid-way prints none: session 25's first try lost its old rows so)
+        { cd "$tree" && PYTHONPATH="$tree" timeout -s INT -k 10 140 python -m bench --out "/tmp/rows_$run" \
+            --name "rows_$run" --presets "${ROWS_PRESETS:-small,medium}" --passes fwd+bwd \
+            --modes "${ROWS_MODES:-mha-fused-cudagraphs}" --spellings loop,dense --budget 60 --commit "$run" \
+            2>&1 | tail -3; } >>"$LOG"
+        cd - >/dev/null
+        cp "/tmp/rows_$run/rows_$run.md" "$OUT/" 2>/dev/null
+        grep -h "^| .*| fwd+bwd |" "/tmp/rows_$run/rows_$run.md" 2>/dev/null | sed "s/^/$run: /" | cut -c1-120 >>"$LOG"
+    done
     ;;
 kernel-times-ab)
     old=$(old_tree)
@@ -335,6 +355,6 @@ bench|bench-resume)
         --modes eager,inductor,inductor-max-autotune,mha-staged,mha-fused,mha-fused-cudagraphs \
         --spellings dense,loop,grouped_mm --commit "$commit" 2>&1 | tail -100; } >>"$LOG"
     ;;
-*) echo "unknown part $part: expected check, kernels, probe, verify, ab, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache, medium-autotune, ncu, ncu-gemms, ncu-source, gluon, verify-gluon, gluon-gemms, verify-gemms, router, small-kernels, host-large, host-timers, wgrad-stream, sum-spread, kernel-times-ab or short" >&2; exit 2 ;;
+*) echo "unknown part $part: expected check, kernels, probe, verify, ab, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache, medium-autotune, ncu, ncu-gemms, ncu-source, gluon, verify-gluon, gluon-gemms, verify-gemms, router, small-kernels, host-large, host-timers, wgrad-stream, sum-spread, kernel-times-ab, rows-ab or short" >&2; exit 2 ;;
 esac
 tail -150 "$LOG"
