@@ -20,8 +20,8 @@ dense and loop spellings compute the pool un-reassociated (K and V projections, 
 and every expert on every row (4·R·E·D·F); the grouped-GEMM spelling computes the pool the
 same way but only the chosen experts; the mha backend reassociates the pool and, like
 `kernels/reference.py`, recomputes the pool's pooled value and the experts' forward in the
-backward (the router's softmax π is kept from the forward). The reference pads expert tiles (see `reference_pairs`);
-`region_flops` leaves padding out (≈3% at medium).
+backward (the router's softmax π is kept from the forward). The reference pads expert tiles
+(see `reference_pairs`); `region_flops` leaves padding out (≈3% at medium).
 """
 import sympy
 

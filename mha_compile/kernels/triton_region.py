@@ -124,8 +124,8 @@ def _merged_input(ctx, inv, merge):
 
 def region_forward(merge, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask, top_k, renorm, act,
                    kept=None):
-    """(out [B,H,D] ctx.dtype, inv [B,D], attn [B,N,P], weight [R,k] fp32, index [R,k] int32, π [R,E] fp32).
-    kept: an empty dict, filled for region_backward (see the module docstring); it stays empty
+    """(out [B,H,D] ctx.dtype, inv [B,D], attn [B,N,P], weight [R,k] fp32, index [R,k] int32,
+    π [R,E] fp32). kept: an empty dict, filled for region_backward (see the module docstring); it stays empty
     where the inputs run on the reference."""
     if why_unsupported(ctx, tok, w1, top_k, act, mask) is not None:
         return reference.region_forward(ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3,
@@ -195,7 +195,8 @@ def region_backward(merge, grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1
         grad_rows, x, x_inv, weight, groups, w1.contiguous(), _c(b1), w2.contiguous(), _c(b2), _c(w3), act, H)
     dy, dinv, dlogits = triton_router.router_combine_backward(
         probs.float().contiguous(), wg, weight, index, groups.pair_slot, dx_slot, gw_part, H, renorm,
-        torch.float32 if merge == "cuda" else ctx.dtype, triton_router.router_precision(x.dtype), x_inv is not None)
+        torch.float32 if merge == "cuda" else ctx.dtype, triton_router.router_precision(x.dtype),
+        sum_h=x_inv is not None)
     del dx_slot, gw_part  # [S,D] (128 MiB at large in bf16): freed before the pool's ∂tok is allocated
     dwg = triton_router.router_weight_grad(dlogits, x, x_inv, H)
     if merge == "cuda":
