@@ -29,6 +29,8 @@ on the FMA units the forward took 0.34 ms at the large preset and the backward 0
 products of hi/lo splits, ~2⁻²¹ relative: fp32 to within a few ulps); fp32 models keep ieee
 fp32 dots, which their 1e-5 bound is checked at.
 """
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -36,39 +38,74 @@ import triton.language as tl
 from mha_compile.kernels.triton_util import Launcher, cut_runs, gpu_options, load_x, pow2, split_runs
 
 MAX_EXPERTS = 64
+# The forward's logits as ctx Wgᵀ (one 16-bit dot of exact products) + inv[b] Wgᵀ (once a batch row)
+# where ctx and Wg share a 16-bit dtype and inv is merged on load, instead of tf32x3 dots on
+# x = ctx + inv[b] merged in fp32 (hi/lo splits of x and Wg every K step). Opt-in, written in
+# session 25 and not yet timed on the H200 (bench/flag_ab.py --flag
+# mha_compile.kernels.triton_router:SPLIT_CTX; router_probe.py with the variable set; PERF_NOTES
+# Next 0000a). Offline (sm_90a, large, 64 rows at 4 warps): 40 registers and 4 wgmmas a program
+# where the merged form takes 152 and 24, and 30 KiB of shared memory where it takes 60.
+SPLIT_CTX = os.environ.get("MHA_COMPILE_ROUTER_SPLIT_CTX", "0") == "1"
 
 
 @triton.jit
-def _logits_probs(x_ptr, inv_ptr, wg_ptr, rows, r_ok, H, D, E, HAS_INV: tl.constexpr, PRECISION: tl.constexpr,
-                  BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr):
-    """π [BLOCK_R, BLOCK_E] (padding experts 0) for the given rows; Wg [E,D] in fp32."""
+def _logits(x_ptr, inv_ptr, wg_ptr, inv_logits_ptr, rows, r_ok, H, D, E, HAS_INV: tl.constexpr,
+            SPLIT_CTX: tl.constexpr, PRECISION: tl.constexpr,
+            BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr):
+    """x Wgᵀ [BLOCK_R, BLOCK_E] fp32 for the given rows (padding experts 0). SPLIT_CTX: x = ctx +
+    inv[b] taken apart, ctx Wgᵀ as one dot of ctx and Wg in their 16-bit dtype (exact products,
+    fp32 sums) plus inv_logits[b] = inv[b] Wgᵀ (_inv_logits_kernel, once a batch row); else x
+    merged on load in fp32, dots at PRECISION."""
     offs_e = tl.arange(0, BLOCK_E)
     e_ok = offs_e < E
+    rows64 = rows.to(tl.int64)
     logits = tl.zeros([BLOCK_R, BLOCK_E], tl.float32)
     for d0 in range(0, D, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
         d_ok = offs_d < D
-        x = load_x(x_ptr, inv_ptr, rows, r_ok, offs_d, d_ok, H, D, HAS_INV)
-        wg = tl.load(wg_ptr + offs_e[:, None] * D + offs_d[None, :], mask=e_ok[:, None] & d_ok[None, :],
-                     other=0.0).to(tl.float32)
-        logits = tl.dot(x, tl.trans(wg), logits, input_precision=PRECISION)
-    logits = tl.where(e_ok[None, :], logits, float("-inf"))
-    z = tl.exp(logits - tl.max(logits, axis=1)[:, None])
-    return z / tl.sum(z, axis=1)[:, None]
+        wg = tl.load(wg_ptr + offs_e[:, None] * D + offs_d[None, :], mask=e_ok[:, None] & d_ok[None, :], other=0.0)
+        if SPLIT_CTX:
+            ctx = tl.load(x_ptr + rows64[:, None] * D + offs_d[None, :], mask=r_ok[:, None] & d_ok[None, :], other=0.0)
+            logits = tl.dot(ctx, tl.trans(wg), logits)
+        else:
+            x = load_x(x_ptr, inv_ptr, rows, r_ok, offs_d, d_ok, H, D, HAS_INV)
+            logits = tl.dot(x, tl.trans(wg.to(tl.float32)), logits, input_precision=PRECISION)
+    if SPLIT_CTX:
+        logits += tl.load(inv_logits_ptr + (rows64 // H)[:, None] * E + offs_e[None, :],
+                          mask=r_ok[:, None] & e_ok[None, :], other=0.0)
+    return logits
+
+
+@triton.jit
+def _inv_logits_kernel(inv_ptr, wg_ptr, out_ptr, B, D, E, PRECISION: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr):
+    """inv_logits [B,E] fp32 = inv [B,D] fp32 · Wg [E,D]ᵀ, the forward's SPLIT_CTX term."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = rows < B
+    logits = _logits(inv_ptr, inv_ptr, wg_ptr, out_ptr, rows, r_ok, 1, D, E, False, False, PRECISION,
+                     BLOCK_D, BLOCK_E, BLOCK_R)
+    offs_e = tl.arange(0, BLOCK_E)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * E + offs_e[None, :], logits,
+             mask=r_ok[:, None] & (offs_e < E)[None, :])
 
 
 @triton.jit
 def _router_fwd_kernel(
-    x_ptr, inv_ptr, wg_ptr, weight_ptr, index_ptr, probs_ptr,
+    x_ptr, inv_ptr, wg_ptr, inv_logits_ptr, weight_ptr, index_ptr, probs_ptr,
     R, H, D, E,
-    TOP_K: tl.constexpr, HAS_INV: tl.constexpr, RENORM: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
+    TOP_K: tl.constexpr, HAS_INV: tl.constexpr, SPLIT_CTX: tl.constexpr, RENORM: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
-    """x [R,D] (+ inv [R/H,D]), Wg [E,D] → weight [R,k] fp32, index [R,k] int32, π [R,E] fp32."""
+    """x [R,D] (+ inv [R/H,D], or with SPLIT_CTX inv_logits [R/H,E]), Wg [E,D] → weight [R,k] fp32,
+    index [R,k] int32, π [R,E] fp32."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = rows < R
-    probs = _logits_probs(x_ptr, inv_ptr, wg_ptr, rows, r_ok, H, D, E, HAS_INV, PRECISION, BLOCK_D, BLOCK_E, BLOCK_R)
     offs_e = tl.arange(0, BLOCK_E)
+    logits = _logits(x_ptr, inv_ptr, wg_ptr, inv_logits_ptr, rows, r_ok, H, D, E, HAS_INV, SPLIT_CTX, PRECISION,
+                     BLOCK_D, BLOCK_E, BLOCK_R)
+    logits = tl.where((offs_e < E)[None, :], logits, float("-inf"))
+    z = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+    probs = z / tl.sum(z, axis=1)[:, None]
     tl.store(probs_ptr + rows.to(tl.int64)[:, None] * E + offs_e[None, :], probs,
              mask=r_ok[:, None] & (offs_e < E)[None, :])
     # Padding experts get -1 so they are never chosen (real probabilities are ≥ 0).
@@ -216,7 +253,7 @@ _route = Launcher(_router_fwd_kernel, [
     dict(BLOCK_R=64, num_warps=4, num_stages=3),
     dict(BLOCK_R=128, num_warps=4, num_stages=3),
     dict(BLOCK_R=32, num_warps=2, num_stages=3),
-], key=["D", "E", "TOP_K", "HAS_INV", "RENORM", "PRECISION"])
+], key=["D", "E", "TOP_K", "HAS_INV", "SPLIT_CTX", "RENORM", "PRECISION"])
 # The backward's pass 1 reads π, the ∂w partials and the routing and writes ∂logits, no dot.
 # bench/router_probe.py on the H200 (session 25, bf16, the whole backward with pass 2 at its pick):
 # 32 rows at 2 warps 86.1 us at large and 17.6 at medium, 64 at 4 warps 86.4 and 19.3; 128 at 4
@@ -249,6 +286,27 @@ def router_precision(dtype):
     return "ieee" if dtype == torch.float32 else "tf32x3"
 
 
+INV_LOGITS_BLOCK_R = 64
+
+
+def split_ctx(x, inv, wg):
+    """Whether route takes x = ctx + inv[b] apart (SPLIT_CTX): inv merged on load, and ctx and Wg
+    in one 16-bit dtype, whose products a 16-bit dot takes exactly."""
+    return SPLIT_CTX and inv is not None and x.dtype in (torch.bfloat16, torch.float16) and wg.dtype == x.dtype
+
+
+def inv_logits(inv, wg):
+    """inv [B,D] fp32 · Wgᵀ → [B,E] fp32, at the router's fp32 accuracy (tf32x3 dots)."""
+    B, D = inv.shape
+    E = wg.shape[0]
+    out = torch.empty(B, E, device=inv.device, dtype=torch.float32)
+    block_e = pow2(E)
+    _inv_logits_kernel[(triton.cdiv(B, INV_LOGITS_BLOCK_R),)](
+        inv, wg, out, B, D, E, PRECISION=router_precision(wg.dtype), BLOCK_R=INV_LOGITS_BLOCK_R,
+        BLOCK_D=_logits_block_d(block_e), BLOCK_E=block_e, **gpu_options(inv, num_warps=4, num_stages=3))
+    return out
+
+
 def route(x, inv, wg, top_k, renorm, horizons):
     """weight [R,k] fp32, index [R,k] int32 and π [R,E] fp32 (the softmax, kept for the
     backward's pass 1) for x [R,D] (+ inv [R/H,D] when given)."""
@@ -258,10 +316,11 @@ def route(x, inv, wg, top_k, renorm, horizons):
     index = torch.empty(R, top_k, device=x.device, dtype=torch.int32)
     probs = torch.empty(R, E, device=x.device, dtype=torch.float32)
     block_e = pow2(E)
+    split = split_ctx(x, inv, wg)
     _route(lambda m: (triton.cdiv(R, m["BLOCK_R"]),),
-           x, x if inv is None else inv, wg, weight, index, probs, R, horizons, D, E,
-           TOP_K=top_k, HAS_INV=inv is not None, RENORM=renorm, PRECISION=router_precision(x.dtype),
-           BLOCK_D=_logits_block_d(block_e), BLOCK_E=block_e)
+           x, x if inv is None else inv, wg, inv_logits(inv, wg) if split else x, weight, index, probs,
+           R, horizons, D, E, TOP_K=top_k, HAS_INV=inv is not None, SPLIT_CTX=split, RENORM=renorm,
+           PRECISION=router_precision(x.dtype), BLOCK_D=_logits_block_d(block_e), BLOCK_E=block_e)
     return weight, index, probs
 
 
