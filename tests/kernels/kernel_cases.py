@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from mha_compile import models
-from mha_compile.kernels import reference
+from mha_compile.kernels import reference, triton_router
 from mha_compile.kernels.triton_util import ACT_CODE, act_bwd, act_fwd
 
 # Relative-norm tolerance per dtype (fp32 with ieee dots; bf16/fp16 with fp32 accumulation).
@@ -70,6 +70,24 @@ def rel_err(got, ref):
 
 def _f64(t):
     return None if t is None else t.double()
+
+
+def check_route_split_ctx(B, H, D, E, k, dtype, device, max_flips):
+    """triton_router.route with SPLIT_CTX (the caller sets it) on fresh ctx [B·H,D] in `dtype`, inv
+    [B,D] fp32 and Wg [E,D] in `dtype`, against float64: the split taken, π and the weights within
+    the fp32 bound, at most max_flips of the rows choosing other experts (near-ties, left out)."""
+    gen = torch.Generator(device=device).manual_seed(25)
+    ctx = torch.randn(B * H, D, device=device, generator=gen).to(dtype)
+    inv = torch.randn(B, D, device=device, generator=gen)
+    wg = (torch.randn(E, D, device=device, generator=gen) * D**-0.5).to(dtype)
+    assert triton_router.split_ctx(ctx, inv, wg)
+    weight, index, probs = triton_router.route(ctx, inv, wg, k, True, H)
+    x64 = ctx.double() + inv.double().repeat_interleave(H, 0)
+    ref_probs, ref_weight, ref_index = reference.route(x64, wg.double(), k, True)
+    same = (index.long() == ref_index).all(1)
+    assert int((~same).sum()) <= max_flips * B * H, f"{int((~same).sum())} of {B * H} rows chose other experts"
+    assert rel_err(weight[same], ref_weight[same]) <= 1e-5 and rel_err(probs, ref_probs) <= 1e-5
+    return ctx, inv, wg
 
 
 def check_region(module, ctx, tok, params, top_k, renorm, act, mask=None, grad_seed=1, check_grads=True):

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from kernel_cases import check_activation, check_region, make_case, one_expert_router, rel_err
+from kernel_cases import check_activation, check_region, check_route_split_ctx, make_case, one_expert_router
 from numerics import record_calls
 from mha_compile.kernels import fused, reference, staged, triton_moe, triton_pool, triton_router, triton_util
 from mha_compile.kernels.merge_cuda import merge_backward, merge_forward
@@ -273,21 +273,10 @@ def test_router_split_ctx_against_float64(monkeypatch):
     partial blocks of rows and columns; E = 6: padding experts.) fp16 here: Triton 3.6's interpreter
     multiplies bf16 tiles wrongly (off by ~1e10 on a plain 16x16 dot); bf16 runs on the GPU
     (test_router_split_ctx_at_fp32_accuracy)."""
-    dtype = torch.float16
-    B, H, D, E, k = 5, 3, 40, 6, 2
-    gen = torch.Generator().manual_seed(25)
-    ctx = torch.randn(B * H, D, generator=gen).to(dtype)
-    inv = torch.randn(B, D, generator=gen)
-    wg = (torch.randn(E, D, generator=gen) * D**-0.5).to(dtype)
     monkeypatch.setattr(triton_router, "SPLIT_CTX", True)
-    assert triton_router.split_ctx(ctx, inv, wg)
+    ctx, inv, wg = check_route_split_ctx(5, 3, 40, 6, 2, torch.float16, "cpu", max_flips=0)
     assert not triton_router.split_ctx(ctx, inv, wg.float()) and not triton_router.split_ctx(ctx.float(), inv, wg.float())
     assert not triton_router.split_ctx(ctx, None, wg)
-    weight, index, probs = triton_router.route(ctx, inv, wg, k, True, H)
-    x64 = ctx.double() + inv.double().repeat_interleave(H, 0)
-    ref_probs, ref_weight, ref_index = reference.route(x64, wg.double(), k, True)
-    assert (index.long() == ref_index).all()
-    assert rel_err(probs, ref_probs) <= 1e-5 and rel_err(weight, ref_weight) <= 1e-5
 
 
 @pytest.mark.parametrize("module", SETS)

@@ -4,7 +4,8 @@ edge cases at sizes above one block, reproducibility, and the CUDA merge against
 import pytest
 import torch
 
-from kernel_cases import check_activation, check_region, fmt, make_case, one_expert_router, preset_case, rel_err
+from kernel_cases import (check_activation, check_region, check_route_split_ctx, fmt, make_case, one_expert_router,
+                          preset_case, rel_err)
 from mha_compile.kernels import fused, reference, staged
 
 pytestmark = [pytest.mark.cuda,
@@ -200,19 +201,8 @@ def test_router_split_ctx_at_fp32_accuracy(monkeypatch, dtype):
     at most 1e-3 of the rows choosing other experts (near-ties, left out)."""
     from mha_compile.kernels import triton_router
 
-    B, H, D, E, k = 1024, 16, 256, 8, 2
-    gen = torch.Generator(device="cuda").manual_seed(25)
-    ctx = torch.randn(B * H, D, device="cuda", generator=gen).to(dtype)
-    inv = torch.randn(B, D, device="cuda", generator=gen)
-    wg = (torch.randn(E, D, device="cuda", generator=gen) * D**-0.5).to(dtype)
     monkeypatch.setattr(triton_router, "SPLIT_CTX", True)
-    assert triton_router.split_ctx(ctx, inv, wg)
-    weight, index, probs = triton_router.route(ctx, inv, wg, k, True, H)
-    x64 = ctx.double() + inv.double().repeat_interleave(H, 0)
-    ref_probs, ref_weight, ref_index = reference.route(x64, wg.double(), k, True)
-    same = (index.long() == ref_index).all(1)
-    assert same.float().mean() >= 1 - 1e-3, f"{int((~same).sum())} of {B * H} rows chose other experts"
-    assert rel_err(weight[same], ref_weight[same]) <= 1e-5 and rel_err(probs, ref_probs) <= 1e-5
+    check_route_split_ctx(1024, 16, 256, 8, 2, dtype, "cuda", max_flips=1e-3)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
