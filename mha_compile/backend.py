@@ -150,9 +150,8 @@ def cache_key_tagged():
     torch's compile caches do not key a custom op by its schema (ops.schema_digest), so a graph
     compiled by a build of mha_compile whose ops took other arguments must not be served to this
     one. The user's own tag is kept in front of ours."""
-    tag = torch.compiler.config.cache_key_tag
-    return torch.compiler.config.patch(cache_key_tag=f"{tag}|mha-{ops.schema_digest()}" if tag
-                                       else f"mha-{ops.schema_digest()}")
+    ours, tag = f"mha-{ops.schema_digest()}", torch.compiler.config.cache_key_tag
+    return torch.compiler.config.patch(cache_key_tag=f"{tag}|{ours}" if tag else ours)
 
 
 def _region_calls(gm, target, graphs):

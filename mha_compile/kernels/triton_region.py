@@ -125,8 +125,8 @@ def _merged_input(ctx, inv, merge):
 def region_forward(merge, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask, top_k, renorm, act,
                    kept=None):
     """(out [B,H,D] ctx.dtype, inv [B,D], attn [B,N,P], weight [R,k] fp32, index [R,k] int32,
-    π [R,E] fp32). kept: an empty dict, filled for region_backward (see the module docstring); it stays empty
-    where the inputs run on the reference."""
+    π [R,E] fp32). kept: an empty dict, filled for region_backward (see the module docstring); it
+    stays empty where the inputs run on the reference."""
     if why_unsupported(ctx, tok, w1, top_k, act, mask) is not None:
         return reference.region_forward(ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3,
                                         mask, top_k, renorm, act)

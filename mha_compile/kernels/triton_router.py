@@ -277,7 +277,7 @@ _combine_dy = Launcher(_router_dy_kernel, [
 
 
 def _logits_block_d(block_e):
-    """The D block of the logits' dot x Wgᵀ, by blocks of rows (the forward, the backward's pass 1)."""
+    """The D block of the logits' dot x Wgᵀ, by blocks of rows (the forward, _inv_logits_kernel)."""
     return 64 if block_e <= 32 else 32
 
 
