@@ -7,7 +7,8 @@ with mode="reduce-overhead", the peer that replays CUDA graphs as our cudagraphs
 the dense or loop spelling, bf16 on CUDA. For each: the bench's training step
 (bench/measure.timed_step) timed as the bench times it (do_bench's median), the host's time to issue one step (50 steps under perf_counter with no
 sync between them, and with the drain after), the GPU's kernel time a step (the profiler's
-total of its kernels' own CUDA time over 10 steps), then the top host ops by their own CPU time.
+total of its kernels' own CUDA time over 10 steps), then the top host ops by their own CPU time
+and the top ops by their own GPU time.
 Session 24 found small's reduce-overhead row host-bound: 0.64 ms of issue a step against ~0.2
 of kernels (bench/results/step_profile_small.txt).
 """
@@ -71,6 +72,8 @@ def profile(preset, mode, spelling):
     print(f"== {preset} {spelling} {mode}: do_bench {bench:.3f} ms; host issue {issued:.3f} ms a step, "
           f"{drained:.3f} with the drain; GPU kernels {kernels / 10 / 1e3:.3f} ms a step", flush=True)
     print(events.table(sort_by="self_cpu_time_total", row_limit=22, max_name_column_width=70), flush=True)
+    # the GPU's side: a replay's input copies (cudagraph trees copy every non-static input) show here
+    print(events.table(sort_by="self_device_time_total", row_limit=22, max_name_column_width=70), flush=True)
 
 
 def main():
