@@ -1,7 +1,8 @@
 """The router in fp32: logits, softmax, top-k (forward), and its gradient (backward).
 
 Forward, BLOCK_R rows a program:
-    logits = x Wgᵀ          x = ctx + inv[b] (merge on load) or the staged y; fp32 dots
+    logits = x Wgᵀ          x = ctx + inv[b] (merge on load) or the staged y; fp32 dots;
+                            or, in a 16-bit model, ctx Wgᵀ + inv[b] Wgᵀ (SPLIT_CTX, below)
     π = softmax(logits);   (w, idx) = top-k of π (k rounds of argmax, lowest index first);
     w ← w / Σw if renorm.
 The top-k is k rounds of "take the largest, mask it": E ≤ 64 fits one [BLOCK_R, BLOCK_E] tile.
@@ -40,12 +41,17 @@ from mha_compile.kernels.triton_util import Launcher, cut_runs, gpu_options, loa
 MAX_EXPERTS = 64
 # The forward's logits as ctx Wgᵀ (one 16-bit dot of exact products) + inv[b] Wgᵀ (once a batch row)
 # where ctx and Wg share a 16-bit dtype and inv is merged on load, instead of tf32x3 dots on
-# x = ctx + inv[b] merged in fp32 (hi/lo splits of x and Wg every K step). Opt-in, written in
-# session 25 and not yet timed on the H200 (bench/flag_ab.py --flag
-# mha_compile.kernels.triton_router:SPLIT_CTX; router_probe.py with the variable set; PERF_NOTES
-# Next 0000a). Offline (sm_90a, large, 64 rows at 4 warps): 40 registers and 4 wgmmas a program
-# where the merged form takes 152 and 24, and 30 KiB of shared memory where it takes 60.
-SPLIT_CTX = os.environ.get("MHA_COMPILE_ROUTER_SPLIT_CTX", "0") == "1"
+# x = ctx + inv[b] merged in fp32 (hi/lo splits of x and Wg every K step). Offline (sm_90a, large,
+# 64 rows at 4 warps): 40 registers and 4 wgmmas a program where the merged form takes 152 and 24.
+# On the H200 (session 26, bench/flag_ab.py --flag mha_compile.kernels.triton_router:SPLIT_CTX,
+# 8 rounds, bf16): a large training step (D·E = 8192) −95.6 us as the median of the rounds'
+# differences (noisy: −5 to −431), the route itself (router_probe.py) 31 us against 46 (session 25's
+# probe, another machine); a medium one (D·E = 2048) +2.1 us, where the merged kernel is latency-bound
+# (9 us for 8 MiB) and the extra launch costs more than the dots save. So the split is taken from
+# SPLIT_CTX_MIN_WORK = D·E up (between the two measured shapes; nothing between them was timed).
+# MHA_COMPILE_ROUTER_SPLIT_CTX=0 turns it off.
+SPLIT_CTX = os.environ.get("MHA_COMPILE_ROUTER_SPLIT_CTX", "1") != "0"
+SPLIT_CTX_MIN_WORK = 4096
 
 
 @triton.jit
@@ -290,9 +296,11 @@ INV_LOGITS_BLOCK_R = 64
 
 
 def split_ctx(x, inv, wg):
-    """Whether route takes x = ctx + inv[b] apart (SPLIT_CTX): inv merged on load, and ctx and Wg
-    in one 16-bit dtype, whose products a 16-bit dot takes exactly."""
-    return SPLIT_CTX and inv is not None and x.dtype in (torch.bfloat16, torch.float16) and wg.dtype == x.dtype
+    """Whether route takes x = ctx + inv[b] apart (SPLIT_CTX): inv merged on load, ctx and Wg in
+    one 16-bit dtype, whose products a 16-bit dot takes exactly, and D·E at least
+    SPLIT_CTX_MIN_WORK (below it the extra launch costs more than the dots save)."""
+    return (SPLIT_CTX and inv is not None and x.dtype in (torch.bfloat16, torch.float16) and wg.dtype == x.dtype
+            and x.shape[1] * wg.shape[0] >= SPLIT_CTX_MIN_WORK)
 
 
 def inv_logits(inv, wg):

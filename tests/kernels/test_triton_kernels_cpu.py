@@ -267,16 +267,28 @@ def test_router_backward_in_two_passes(monkeypatch, module, renorm):
 
 
 def test_router_split_ctx_against_float64(monkeypatch):
-    """SPLIT_CTX (opt-in): the forward's logits as ctx Wgᵀ, one 16-bit dot, plus inv[b] Wgᵀ once a
-    batch row. π and the weights against float64 at the fp32 bound, the same experts chosen; the
-    split only where ctx and Wg share a 16-bit dtype and inv is merged on load. (R = 15 and D = 40:
-    partial blocks of rows and columns; E = 6: padding experts.) fp16 here: Triton 3.6's interpreter
-    multiplies bf16 tiles wrongly (off by ~1e10 on a plain 16x16 dot); bf16 runs on the GPU
-    (test_router_split_ctx_at_fp32_accuracy)."""
-    monkeypatch.setattr(triton_router, "SPLIT_CTX", True)
+    """SPLIT_CTX: the forward's logits as ctx Wgᵀ, one 16-bit dot, plus inv[b] Wgᵀ once a batch
+    row. π and the weights against float64 at the fp32 bound, the same experts chosen; the split
+    only where ctx and Wg share a 16-bit dtype and inv is merged on load. (R = 15 and D = 40:
+    partial blocks of rows and columns; E = 6: padding experts; SPLIT_CTX_MIN_WORK lowered to take
+    the split at these sizes.) fp16 here: Triton 3.6's interpreter multiplies bf16 tiles wrongly
+    (off by ~1e10 on a plain 16x16 dot); bf16 runs on the GPU (test_router_split_ctx_at_fp32_accuracy)."""
+    monkeypatch.setattr(triton_router, "SPLIT_CTX_MIN_WORK", 1)
     ctx, inv, wg = check_route_split_ctx(5, 3, 40, 6, 2, torch.float16, "cpu", max_flips=0)
     assert not triton_router.split_ctx(ctx, inv, wg.float()) and not triton_router.split_ctx(ctx.float(), inv, wg.float())
     assert not triton_router.split_ctx(ctx, None, wg)
+
+
+def test_router_split_ctx_by_size(monkeypatch):
+    """The split is the default from D·E = SPLIT_CTX_MIN_WORK up (the large preset's 512·16 took it
+    on the H200, medium's 256·8 lost), and off with SPLIT_CTX off (MHA_COMPILE_ROUTER_SPLIT_CTX=0)."""
+    def taken(D, E, R=4, B=2):
+        return triton_router.split_ctx(torch.empty(R, D, dtype=torch.bfloat16), torch.empty(B, D),
+                                       torch.empty(E, D, dtype=torch.bfloat16))
+    assert triton_router.SPLIT_CTX and taken(512, 16) and not taken(256, 8)
+    assert taken(triton_router.SPLIT_CTX_MIN_WORK // 8, 8) and not taken(triton_router.SPLIT_CTX_MIN_WORK // 8 - 1, 8)
+    monkeypatch.setattr(triton_router, "SPLIT_CTX", False)
+    assert not taken(512, 16)
 
 
 @pytest.mark.parametrize("module", SETS)
