@@ -22,7 +22,8 @@ the large preset against 145 for the two passes (bench/results/router_probe.txt,
 a large training step replayed 82 us faster with the two (flag_ab, 8 rounds), medium 7 us.
 ∂Wg = ∂logitsᵀ x (`router_weight_grad`): per (run of rows, D block) partial sums [SPLIT, E, D]
 of x merged on load, added over the runs in order. As a cuBLAS fp32 GEMM on x.float() it took
-0.17 ms at the large preset, plus the cast (K = R = 65536, M = E = 16).
+0.17 ms at the large preset, plus the cast (K = R = 65536, M = E = 16). With SPLIT_WGRAD (opt-in)
+x is taken apart as the forward's SPLIT_CTX does: ∂logitsᵀ ctx on the bf16 ctx + (Σ_h ∂logits)ᵀ inv.
 
 The thin dots (x Wgᵀ in the forward, ∂logits Wg in pass 2, N or K = E) set those kernels' time:
 on the FMA units the forward took 0.34 ms at the large preset and the backward 0.57 ms, for
@@ -52,6 +53,11 @@ MAX_EXPERTS = 64
 # MHA_COMPILE_ROUTER_SPLIT_CTX=0 turns it off.
 SPLIT_CTX = os.environ.get("MHA_COMPILE_ROUTER_SPLIT_CTX", "1") != "0"
 SPLIT_CTX_MIN_WORK = 4096
+# ∂Wg the same way, where the forward splits and ctx is bf16: ∂logitsᵀ ctx as three bf16 dots of
+# ∂logits' hi/mid/lo parts against the exact ctx, plus (Σ_h ∂logits[b,h])ᵀ inv[b] over B rows,
+# instead of tf32x3 dots on x merged in fp32 (57 us at large, 216 registers a program). Not fp16:
+# ∂logits' parts would fall below fp16's range. Opt-in until timed (session 26, not yet on a GPU).
+SPLIT_WGRAD = os.environ.get("MHA_COMPILE_ROUTER_SPLIT_WGRAD", "0") == "1"
 
 
 @triton.jit
@@ -194,14 +200,14 @@ def _router_dlogits_kernel(
 
 @triton.jit
 def _router_dy_kernel(
-    wg_ptr, pair_slot_ptr, dx_slot_ptr, dlogits_ptr, dy_ptr, dinv_ptr,
+    wg_ptr, pair_slot_ptr, dx_slot_ptr, dlogits_ptr, dy_ptr, dinv_ptr, dlsum_ptr,
     H, D, E,
-    TOP_K: tl.constexpr, SUM_H: tl.constexpr, PRECISION: tl.constexpr,
+    TOP_K: tl.constexpr, SUM_H: tl.constexpr, SUM_DL: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     """Pass 2, per batch row b and block of D columns, its H rows: ∂y = ∂logits Wg + Σ_j
-    ∂x_slot[slot(r,j)] [B,H,D] (dy_ptr's dtype) and with SUM_H ∂inv[b] = Σ_h ∂y [B,D] fp32, from
-    pass 1's ∂logits."""
+    ∂x_slot[slot(r,j)] [B,H,D] (dy_ptr's dtype), with SUM_H ∂inv[b] = Σ_h ∂y [B,D] fp32, and with
+    SUM_DL Σ_h ∂logits[b,h] [B,E] fp32 (∂Wg's inv term, router_weight_grad), from pass 1's ∂logits."""
     b = tl.program_id(0).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
     h_ok = offs_h < H
@@ -214,6 +220,9 @@ def _router_dy_kernel(
                       other=0.0)
     wg = tl.load(wg_ptr + offs_e[:, None] * D + offs_d[None, :], mask=(offs_e < E)[:, None] & d_ok[None, :],
                  other=0.0).to(tl.float32)
+    if SUM_DL:
+        if tl.program_id(1) == 0:
+            tl.store(dlsum_ptr + b * E + offs_e, tl.sum(dlogits, axis=0), mask=offs_e < E)
     dy = tl.dot(dlogits, wg, input_precision=PRECISION)
     for j in tl.static_range(TOP_K):
         slot = tl.load(pair_slot_ptr + rows * TOP_K + j, mask=h_ok, other=0).to(tl.int64)
@@ -227,10 +236,13 @@ def _router_dy_kernel(
 def _router_wgrad_kernel(
     dlogits_ptr, x_ptr, inv_ptr, part_ptr,
     R, H, D, E, ROWS,
-    HAS_INV: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_INV: tl.constexpr, SPLIT16: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
-    """part[c] [E,D] fp32 = Σ_{r in run c} ∂logits[r]ᵀ x[r], runs of ROWS rows (a multiple of BLOCK_R)."""
+    """part[c] [E,D] fp32 = Σ_{r in run c} ∂logits[r]ᵀ x[r], runs of ROWS rows (a multiple of BLOCK_R).
+    SPLIT16: x is 16-bit and read as it is; ∂logits is cut into three parts of x's dtype (hi, mid,
+    lo: 24 bits or more of its mantissa, exact to fp32's rounding), each a 16-bit dot of exact
+    products against x with fp32 sums."""
     c = tl.program_id(0)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
@@ -243,8 +255,20 @@ def _router_wgrad_kernel(
         r_ok = rows < r_end
         dl = tl.load(dlogits_ptr + rows.to(tl.int64)[:, None] * E + offs_e[None, :],
                      mask=r_ok[:, None] & e_ok[None, :], other=0.0)
-        x = load_x(x_ptr, inv_ptr, rows, r_ok, offs_d, d_ok, H, D, HAS_INV)
-        acc = tl.dot(tl.trans(dl), x, acc, input_precision=PRECISION)
+        if SPLIT16:
+            x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * D + offs_d[None, :],
+                        mask=r_ok[:, None] & d_ok[None, :], other=0.0)
+            dlt = tl.trans(dl)
+            hi = dlt.to(x.dtype)
+            rest = dlt - hi.to(tl.float32)
+            mid = rest.to(x.dtype)
+            lo = (rest - mid.to(tl.float32)).to(x.dtype)
+            acc = tl.dot(lo, x, acc)
+            acc = tl.dot(mid, x, acc)
+            acc = tl.dot(hi, x, acc)
+        else:
+            x = load_x(x_ptr, inv_ptr, rows, r_ok, offs_d, d_ok, H, D, HAS_INV)
+            acc = tl.dot(tl.trans(dl), x, acc, input_precision=PRECISION)
     tl.store(part_ptr + (c * E + offs_e[:, None]).to(tl.int64) * D + offs_d[None, :], acc,
              mask=e_ok[:, None] & d_ok[None, :])
 
@@ -303,6 +327,12 @@ def split_ctx(x, inv, wg):
             and x.shape[1] * wg.shape[0] >= SPLIT_CTX_MIN_WORK)
 
 
+def split_wgrad(x, inv, wg):
+    """Whether ∂Wg takes x = ctx + inv[b] apart (SPLIT_WGRAD): where the forward does (split_ctx)
+    and ctx is bf16."""
+    return SPLIT_WGRAD and split_ctx(x, inv, wg) and x.dtype == torch.bfloat16
+
+
 def inv_logits(inv, wg):
     """inv [B,D] fp32 · Wgᵀ → [B,E] fp32, at the router's fp32 accuracy (tf32x3 dots)."""
     B, D = inv.shape
@@ -333,9 +363,10 @@ def route(x, inv, wg, top_k, renorm, horizons):
 
 
 def router_combine_backward(probs, wg, weight, index, pair_slot, dx_slot, gw_part, horizons, renorm, dy_dtype,
-                            precision, sum_h):
+                            precision, sum_h, dl_sum=None):
     """(∂y [R,D] in dy_dtype, ∂inv [B,D] fp32 when sum_h else None, ∂logits [R,E] fp32) from the
-    forward's π [R,E] fp32, weight and index; precision: router_precision of x's dtype."""
+    forward's π [R,E] fp32, weight and index; precision: router_precision of x's dtype. dl_sum:
+    [B,E] fp32 to fill with Σ_h ∂logits[b,h] (router_weight_grad's split), or None."""
     R, E = probs.shape
     D = wg.shape[1]
     top_k = index.shape[1]
@@ -349,8 +380,9 @@ def router_combine_backward(probs, wg, weight, index, pair_slot, dx_slot, gw_par
              probs, weight, index, pair_slot, gw_part, dlogits, R, E, n_fblk,
              TOP_K=top_k, RENORM=renorm, BLOCK_E=block_e)
     _combine_dy(lambda m: (B, triton.cdiv(D, m["BLOCK_D"])),
-                wg, pair_slot, dx_slot, dlogits, dy, dy if dinv is None else dinv, horizons, D, E,
-                TOP_K=top_k, SUM_H=sum_h, PRECISION=precision, BLOCK_H=pow2(horizons), BLOCK_E=block_e)
+                wg, pair_slot, dx_slot, dlogits, dy, dy if dinv is None else dinv, dlogits if dl_sum is None else dl_sum,
+                horizons, D, E, TOP_K=top_k, SUM_H=sum_h, SUM_DL=dl_sum is not None, PRECISION=precision,
+                BLOCK_H=pow2(horizons), BLOCK_E=block_e)
     return dy, dinv, dlogits
 
 
@@ -369,9 +401,12 @@ def router_runs(R, D, device):
     return split_runs(R, triton.cdiv(D, _wgrad_block_d(D)), WGRAD_MIN_ROWS, WGRAD_BLOCK_R, device)
 
 
-def router_weight_grad(dlogits, x, inv, horizons, block_d=None, block_r=WGRAD_BLOCK_R, runs=None, num_warps=4):
-    """∂Wg [E,D] fp32 = Σ_r ∂logits[r]ᵀ (x[r] + inv[r // H]), in a fixed order. block_d, block_r,
-    runs, num_warps: the launch (bench/small_kernels_probe.py sweeps them; by default
+def router_weight_grad(dlogits, x, inv, horizons, block_d=None, block_r=WGRAD_BLOCK_R, runs=None, num_warps=4,
+                       dl_sum=None):
+    """∂Wg [E,D] fp32 = Σ_r ∂logits[r]ᵀ (x[r] + inv[r // H]), in a fixed order. With dl_sum
+    (Σ_h ∂logits[b,h] [B,E] fp32, from router_combine_backward; split_wgrad's case) as
+    Σ_r ∂logits[r]ᵀ x[r] on the 16-bit x read as it is (SPLIT16) + Σ_b dl_sum[b]ᵀ inv[b]. block_d,
+    block_r, runs, num_warps: the launch (bench/small_kernels_probe.py sweeps them; by default
     _wgrad_block_d(D), and router_runs' runs)."""
     R, D = x.shape
     E = dlogits.shape[1]
@@ -381,9 +416,17 @@ def router_weight_grad(dlogits, x, inv, horizons, block_d=None, block_r=WGRAD_BL
         runs, rows = router_runs(R, D, x.device)
     else:
         runs, rows = cut_runs(R, runs, block_r)
-    part = torch.empty(runs, E, D, device=x.device, dtype=torch.float32)
+    split = dl_sum is not None
+    inv_runs, inv_rows = router_runs(inv.shape[0], D, x.device) if split else (0, 0)
+    part = torch.empty(runs + inv_runs, E, D, device=x.device, dtype=torch.float32)
+    options = gpu_options(x, num_warps=num_warps, num_stages=3)
+    precision = router_precision(x.dtype)
     _router_wgrad_kernel[(runs, n_d)](
         dlogits, x, x if inv is None else inv, part, R, horizons, D, E, rows,
-        HAS_INV=inv is not None, PRECISION=router_precision(x.dtype),
-        BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_E=pow2(E), **gpu_options(x, num_warps=num_warps, num_stages=3))
+        HAS_INV=inv is not None and not split, SPLIT16=split, PRECISION=precision,
+        BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_E=pow2(E), **options)
+    if split:
+        _router_wgrad_kernel[(inv_runs, n_d)](
+            dl_sum, inv, inv, part[runs:], inv.shape[0], 1, D, E, inv_rows, HAS_INV=False, SPLIT16=False,
+            PRECISION=precision, BLOCK_R=WGRAD_BLOCK_R, BLOCK_D=block_d, BLOCK_E=pow2(E), **options)
     return part.sum(0)

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from mha_compile import models
-from mha_compile.kernels import reference, triton_router
+from mha_compile.kernels import reference, triton_moe, triton_router
 from mha_compile.kernels.triton_util import ACT_CODE, act_bwd, act_fwd
 
 # Relative-norm tolerance per dtype (fp32 with ieee dots; bf16/fp16 with fp32 accumulation).
@@ -88,6 +88,30 @@ def check_route_split_ctx(B, H, D, E, k, dtype, device, max_flips):
     assert int((~same).sum()) <= max_flips * B * H, f"{int((~same).sum())} of {B * H} rows chose other experts"
     assert rel_err(weight[same], ref_weight[same]) <= 1e-5 and rel_err(probs, ref_probs) <= 1e-5
     return ctx, inv, wg
+
+
+def check_router_weight_grad_split(B, H, D, E, k, dtype, device):
+    """∂Wg split (SPLIT_WGRAD) on fresh ctx [B·H,D] in `dtype`, inv [B,D] fp32 and Wg: pass 2's
+    Σ_h ∂logits[b,h] (SUM_DL), then Σ_r ∂logits[r]ᵀ ctx[r] on the 16-bit ctx (∂logits in hi/mid/lo
+    parts) + Σ_b dl_sum[b]ᵀ inv[b], each against float64 at 1e-6 (fp32's accuracy, which the
+    merged form's tf32x3 dots keep too), under the default launch and the probe's overrides."""
+    gen = torch.Generator(device=device).manual_seed(26)
+    ctx = torch.randn(B * H, D, device=device, generator=gen).to(dtype)
+    inv = torch.randn(B, D, device=device, generator=gen)
+    wg = (torch.randn(E, D, device=device, generator=gen) * D**-0.5).to(dtype)
+    weight, index, probs = triton_router.route(ctx, inv, wg, k, True, H)
+    groups = triton_moe.group(index, E)
+    gw_part = torch.randn(groups.slots, 3, device=device, generator=gen)
+    dx_slot = torch.randn(groups.slots, D, device=device, generator=gen).to(dtype)
+    dl_sum = torch.full((B, E), float("nan"), device=device)
+    _, _, dlogits = triton_router.router_combine_backward(
+        probs, wg, weight, index, groups.pair_slot, dx_slot, gw_part, H, True, dtype,
+        triton_router.router_precision(dtype), True, dl_sum=dl_sum)
+    assert rel_err(dl_sum, dlogits.double().view(B, H, E).sum(1)) <= 1e-6
+    want = dlogits.double().T @ (ctx.double() + inv.double().repeat_interleave(H, 0))
+    for launch in (dict(), dict(block_d=16, block_r=32, runs=3, num_warps=2)):
+        got = triton_router.router_weight_grad(dlogits, ctx, inv, H, dl_sum=dl_sum, **launch)
+        assert rel_err(got, want) <= 1e-6, (launch, rel_err(got, want))
 
 
 def check_region(module, ctx, tok, params, top_k, renorm, act, mask=None, grad_seed=1, check_grads=True):

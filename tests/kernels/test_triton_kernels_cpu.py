@@ -10,7 +10,8 @@ import os
 import pytest
 import torch
 
-from kernel_cases import check_activation, check_region, check_route_split_ctx, make_case, one_expert_router
+from kernel_cases import (check_activation, check_region, check_route_split_ctx, check_router_weight_grad_split, make_case,
+                          one_expert_router)
 from numerics import record_calls
 from mha_compile.kernels import fused, reference, staged, triton_moe, triton_pool, triton_router, triton_util
 from mha_compile.kernels.merge_cuda import merge_backward, merge_forward
@@ -557,6 +558,27 @@ def test_router_weight_grad(merged, R, H, D, E):
         got = triton_router.router_weight_grad(dlogits, x, inv, H, **launch)
         assert got.dtype == torch.float32
         assert ((got.double() - want).norm() / want.norm()).item() <= 1e-6, launch
+
+
+def test_router_weight_grad_split():
+    """SPLIT_WGRAD's ∂Wg against float64 at 1e-6 (kernel_cases.check_router_weight_grad_split).
+    B = 13, H = 7, D = 40, E = 5: ragged rows, columns and experts. fp16 here (the interpreter's
+    bf16 dots are wrong, Triton 3.6); the region takes the split for bf16 only (split_wgrad),
+    which the GPU test checks."""
+    check_router_weight_grad_split(13, 7, 40, 5, 2, torch.float16, "cpu")
+
+
+def test_region_takes_the_router_weight_grad_split(monkeypatch):
+    """The region's backward with the ∂Wg split taken (split_wgrad widened to fp16 for the
+    interpreter) against float64, every gradient: check_region."""
+    monkeypatch.setattr(triton_router, "split_wgrad", lambda x, inv, wg: inv is not None and x.dtype == torch.float16)
+    calls = []
+    real = triton_router.router_weight_grad
+    monkeypatch.setattr(triton_router, "router_weight_grad",
+                        lambda *a, **kw: calls.append(kw.get("dl_sum") is not None) or real(*a, **kw))
+    ctx, tok, params = make_case(3, 5, 7, 72, 2, 48, 5, 2, act="gelu", dtype=torch.float16)
+    check_region(fused, ctx, tok, params, top_k=2, renorm=True, act="gelu")
+    assert calls == [True]
 
 
 def test_inline_ptx_only_for_nvidia_builds(monkeypatch):

@@ -4,8 +4,8 @@ edge cases at sizes above one block, reproducibility, and the CUDA merge against
 import pytest
 import torch
 
-from kernel_cases import (check_activation, check_region, check_route_split_ctx, fmt, make_case, one_expert_router,
-                          preset_case, rel_err)
+from kernel_cases import (check_activation, check_region, check_route_split_ctx, check_router_weight_grad_split, fmt,
+                          make_case, one_expert_router, preset_case, rel_err)
 from mha_compile.kernels import fused, reference, staged
 
 pytestmark = [pytest.mark.cuda,
@@ -200,6 +200,12 @@ def test_router_split_ctx_at_fp32_accuracy(dtype):
     inv[b] Wgᵀ once a batch row, against float64: π and the weights within 1e-5, at most 1e-3 of
     the rows choosing other experts (near-ties, left out)."""
     check_route_split_ctx(4096, 16, 512, 16, 2, dtype, "cuda", max_flips=1e-3)
+
+
+def test_router_weight_grad_split_at_fp32_accuracy():
+    """SPLIT_WGRAD's ∂Wg in bf16 at the large preset's D and E (split_ctx's size rule holds):
+    kernel_cases.check_router_weight_grad_split, at 1e-6 against float64."""
+    check_router_weight_grad_split(1024, 16, 512, 16, 2, torch.bfloat16, "cuda")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
