@@ -303,7 +303,7 @@ _combine_dy = Launcher(_router_dy_kernel, [
     dict(BLOCK_D=64, num_warps=1, num_stages=3),
     dict(BLOCK_D=128, num_warps=2, num_stages=3),
     dict(BLOCK_D=256, num_warps=4, num_stages=3),
-], key=["H", "D", "E", "TOP_K", "SUM_H", "PRECISION"])
+], key=["H", "D", "E", "TOP_K", "SUM_H", "SUM_DL", "PRECISION"])
 
 
 def _logits_block_d(block_e):
