@@ -22,7 +22,7 @@ the large preset against 145 for the two passes (bench/results/router_probe.txt,
 a large training step replayed 82 us faster with the two (flag_ab, 8 rounds), medium 7 us.
 ∂Wg = ∂logitsᵀ x (`router_weight_grad`): per (run of rows, D block) partial sums [SPLIT, E, D]
 of x merged on load, added over the runs in order. As a cuBLAS fp32 GEMM on x.float() it took
-0.17 ms at the large preset, plus the cast (K = R = 65536, M = E = 16). With SPLIT_WGRAD (opt-in)
+0.17 ms at the large preset, plus the cast (K = R = 65536, M = E = 16). With SPLIT_WGRAD (the default)
 x is taken apart as the forward's SPLIT_CTX does: ∂logitsᵀ ctx on the bf16 ctx + (Σ_h ∂logits)ᵀ inv.
 
 The thin dots (x Wgᵀ in the forward, ∂logits Wg in pass 2, N or K = E) set those kernels' time:
@@ -55,9 +55,13 @@ SPLIT_CTX = os.environ.get("MHA_COMPILE_ROUTER_SPLIT_CTX", "1") != "0"
 SPLIT_CTX_MIN_WORK = 4096
 # ∂Wg the same way, where the forward splits and ctx is bf16: ∂logitsᵀ ctx as three bf16 dots of
 # ∂logits' hi/mid/lo parts against the exact ctx, plus (Σ_h ∂logits[b,h])ᵀ inv[b] over B rows,
-# instead of tf32x3 dots on x merged in fp32 (57 us at large, 216 registers a program). Not fp16:
-# ∂logits' parts would fall below fp16's range. Opt-in until timed (session 26, not yet on a GPU).
-SPLIT_WGRAD = os.environ.get("MHA_COMPILE_ROUTER_SPLIT_WGRAD", "0") == "1"
+# instead of tf32x3 dots on x merged in fp32. Offline (sm_90a, large): 128 registers and 40 KiB of
+# shared memory a program against 216 and 104. On the H200 (session 26, large, bf16): 17.6 us a
+# call, two calls a step (ctx's, then inv's B rows), against 57.8 us for the merged one;
+# bench/flag_ab.py --flag mha_compile.kernels.triton_router:SPLIT_WGRAD, 8 rounds: −65.8 us as the
+# median of the rounds' differences (noisy, +87 to −547). Not fp16: ∂logits' parts would fall below
+# fp16's range. MHA_COMPILE_ROUTER_SPLIT_WGRAD=0 turns it off.
+SPLIT_WGRAD = os.environ.get("MHA_COMPILE_ROUTER_SPLIT_WGRAD", "1") != "0"
 
 
 @triton.jit

@@ -93,8 +93,10 @@ def check_route_split_ctx(B, H, D, E, k, dtype, device, max_flips):
 def check_router_weight_grad_split(B, H, D, E, k, dtype, device):
     """∂Wg split (SPLIT_WGRAD) on fresh ctx [B·H,D] in `dtype`, inv [B,D] fp32 and Wg: pass 2's
     Σ_h ∂logits[b,h] (SUM_DL), then Σ_r ∂logits[r]ᵀ ctx[r] on the 16-bit ctx (∂logits in hi/mid/lo
-    parts) + Σ_b dl_sum[b]ᵀ inv[b], each against float64 at 1e-6 (fp32's accuracy, which the
-    merged form's tf32x3 dots keep too), under the default launch and the probe's overrides."""
+    parts) + Σ_b dl_sum[b]ᵀ inv[b], against float64: at 1e-6 under the default launch (runs of a
+    few hundred rows), and at the fp32 bound, 1e-5, under the probe's overrides, whose 3 runs sum
+    thousands of rows each in fp32 (5.2e-6 at 1024 x 16 rows on the H200: the sums' own rounding
+    over so many terms)."""
     gen = torch.Generator(device=device).manual_seed(26)
     ctx = torch.randn(B * H, D, device=device, generator=gen).to(dtype)
     inv = torch.randn(B, D, device=device, generator=gen)
@@ -109,9 +111,9 @@ def check_router_weight_grad_split(B, H, D, E, k, dtype, device):
         triton_router.router_precision(dtype), True, dl_sum=dl_sum)
     assert rel_err(dl_sum, dlogits.double().view(B, H, E).sum(1)) <= 1e-6
     want = dlogits.double().T @ (ctx.double() + inv.double().repeat_interleave(H, 0))
-    for launch in (dict(), dict(block_d=16, block_r=32, runs=3, num_warps=2)):
+    for launch, bound in ((dict(), 1e-6), (dict(block_d=16, block_r=32, runs=3, num_warps=2), 1e-5)):
         got = triton_router.router_weight_grad(dlogits, ctx, inv, H, dl_sum=dl_sum, **launch)
-        assert rel_err(got, want) <= 1e-6, (launch, rel_err(got, want))
+        assert rel_err(got, want) <= bound, (launch, rel_err(got, want))
 
 
 def check_region(module, ctx, tok, params, top_k, renorm, act, mask=None, grad_seed=1, check_grads=True):

@@ -280,16 +280,23 @@ def test_router_split_ctx_against_float64(monkeypatch):
     assert not triton_router.split_ctx(ctx, None, wg)
 
 
-def test_router_split_ctx_by_size(monkeypatch):
-    """The split is the default from D·E = SPLIT_CTX_MIN_WORK up (the large preset's 512·16 took it
-    on the H200, medium's 256·8 lost), and off with SPLIT_CTX off (MHA_COMPILE_ROUTER_SPLIT_CTX=0)."""
-    def taken(D, E, R=4, B=2):
-        return triton_router.split_ctx(torch.empty(R, D, dtype=torch.bfloat16), torch.empty(B, D),
-                                       torch.empty(E, D, dtype=torch.bfloat16))
+def test_router_splits_by_size_and_dtype(monkeypatch):
+    """The forward's split is the default from D·E = SPLIT_CTX_MIN_WORK up (the large preset's 512·16
+    took it on the H200, medium's 256·8 lost), and off with SPLIT_CTX off
+    (MHA_COMPILE_ROUTER_SPLIT_CTX=0); ∂Wg's where the forward's is taken and ctx is bf16, and off
+    with SPLIT_WGRAD off (MHA_COMPILE_ROUTER_SPLIT_WGRAD=0)."""
+    def taken(D, E, R=4, B=2, dtype=torch.bfloat16, which=triton_router.split_ctx):
+        return which(torch.empty(R, D, dtype=dtype), torch.empty(B, D), torch.empty(E, D, dtype=dtype))
     assert triton_router.SPLIT_CTX and taken(512, 16) and not taken(256, 8)
     assert taken(triton_router.SPLIT_CTX_MIN_WORK // 8, 8) and not taken(triton_router.SPLIT_CTX_MIN_WORK // 8 - 1, 8)
+    wgrad = triton_router.split_wgrad
+    assert triton_router.SPLIT_WGRAD and taken(512, 16, which=wgrad) and not taken(256, 8, which=wgrad)
+    assert taken(512, 16, dtype=torch.float16) and not taken(512, 16, dtype=torch.float16, which=wgrad)
+    monkeypatch.setattr(triton_router, "SPLIT_WGRAD", False)
+    assert taken(512, 16) and not taken(512, 16, which=wgrad)
     monkeypatch.setattr(triton_router, "SPLIT_CTX", False)
-    assert not taken(512, 16)
+    monkeypatch.setattr(triton_router, "SPLIT_WGRAD", True)
+    assert not taken(512, 16) and not taken(512, 16, which=wgrad)
 
 
 @pytest.mark.parametrize("module", SETS)
