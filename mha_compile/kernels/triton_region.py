@@ -193,14 +193,12 @@ def region_backward(merge, grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1
     grad_rows = grad_out.reshape(B * H, D).contiguous()
     dx_slot, gw_part, dw1, db1, dw2, db2, dw3 = triton_moe.moe_backward(
         grad_rows, x, x_inv, weight, groups, w1.contiguous(), _c(b1), w2.contiguous(), _c(b2), _c(w3), act, H)
-    dl_sum = (torch.empty(B, E, device=x.device, dtype=torch.float32)
-              if triton_router.split_wgrad(x, x_inv, wg) else None)
     dy, dinv, dlogits = triton_router.router_combine_backward(
         probs.float().contiguous(), wg, weight, index, groups.pair_slot, dx_slot, gw_part, H, renorm,
         torch.float32 if merge == "cuda" else ctx.dtype, triton_router.router_precision(x.dtype),
-        sum_h=x_inv is not None, dl_sum=dl_sum)
+        sum_h=x_inv is not None)
     del dx_slot, gw_part  # [S,D] (128 MiB at large in bf16): freed before the pool's ∂tok is allocated
-    dwg = triton_router.router_weight_grad(dlogits, x, x_inv, H, dl_sum=dl_sum)
+    dwg = triton_router.router_weight_grad(dlogits, x, x_inv, H, split=triton_router.split_wgrad(x, x_inv, wg))
     if merge == "cuda":
         dctx, dinv = merge_backward(dy.view(B, H, D), ctx.dtype)
     else:

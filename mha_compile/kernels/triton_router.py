@@ -204,14 +204,14 @@ def _router_dlogits_kernel(
 
 @triton.jit
 def _router_dy_kernel(
-    wg_ptr, pair_slot_ptr, dx_slot_ptr, dlogits_ptr, dy_ptr, dinv_ptr, dlsum_ptr,
+    wg_ptr, pair_slot_ptr, dx_slot_ptr, dlogits_ptr, dy_ptr, dinv_ptr,
     H, D, E,
-    TOP_K: tl.constexpr, SUM_H: tl.constexpr, SUM_DL: tl.constexpr, PRECISION: tl.constexpr,
+    TOP_K: tl.constexpr, SUM_H: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     """Pass 2, per batch row b and block of D columns, its H rows: ∂y = ∂logits Wg + Σ_j
-    ∂x_slot[slot(r,j)] [B,H,D] (dy_ptr's dtype), with SUM_H ∂inv[b] = Σ_h ∂y [B,D] fp32, and with
-    SUM_DL Σ_h ∂logits[b,h] [B,E] fp32 (∂Wg's inv term, router_weight_grad), from pass 1's ∂logits."""
+    ∂x_slot[slot(r,j)] [B,H,D] (dy_ptr's dtype) and with SUM_H ∂inv[b] = Σ_h ∂y [B,D] fp32, from
+    pass 1's ∂logits."""
     b = tl.program_id(0).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
     h_ok = offs_h < H
@@ -224,9 +224,6 @@ def _router_dy_kernel(
                       other=0.0)
     wg = tl.load(wg_ptr + offs_e[:, None] * D + offs_d[None, :], mask=(offs_e < E)[:, None] & d_ok[None, :],
                  other=0.0).to(tl.float32)
-    if SUM_DL:
-        if tl.program_id(1) == 0:
-            tl.store(dlsum_ptr + b * E + offs_e, tl.sum(dlogits, axis=0), mask=offs_e < E)
     dy = tl.dot(dlogits, wg, input_precision=PRECISION)
     for j in tl.static_range(TOP_K):
         slot = tl.load(pair_slot_ptr + rows * TOP_K + j, mask=h_ok, other=0).to(tl.int64)
@@ -240,13 +237,14 @@ def _router_dy_kernel(
 def _router_wgrad_kernel(
     dlogits_ptr, x_ptr, inv_ptr, part_ptr,
     R, H, D, E, ROWS,
-    HAS_INV: tl.constexpr, SPLIT16: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_INV: tl.constexpr, SPLIT16: tl.constexpr, SUM_H: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     """part[c] [E,D] fp32 = Σ_{r in run c} ∂logits[r]ᵀ x[r], runs of ROWS rows (a multiple of BLOCK_R).
     SPLIT16: x is 16-bit and read as it is; ∂logits is cut into three parts of x's dtype (hi, mid,
     lo: 24 bits or more of its mantissa, exact to fp32's rounding), each a 16-bit dot of exact
-    products against x with fp32 sums."""
+    products against x with fp32 sums. SUM_H: x is inv [B,D] and row b's ∂logits is
+    Σ_h ∂logits[b·H + h] (the split's inv term)."""
     c = tl.program_id(0)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
@@ -257,8 +255,14 @@ def _router_wgrad_kernel(
     for r0 in range(c * ROWS, r_end, BLOCK_R):
         rows = r0 + tl.arange(0, BLOCK_R)
         r_ok = rows < r_end
-        dl = tl.load(dlogits_ptr + rows.to(tl.int64)[:, None] * E + offs_e[None, :],
-                     mask=r_ok[:, None] & e_ok[None, :], other=0.0)
+        if SUM_H:
+            dl = tl.zeros([BLOCK_R, BLOCK_E], tl.float32)
+            for h in range(H):
+                dl += tl.load(dlogits_ptr + (rows.to(tl.int64) * H + h)[:, None] * E + offs_e[None, :],
+                              mask=r_ok[:, None] & e_ok[None, :], other=0.0)
+        else:
+            dl = tl.load(dlogits_ptr + rows.to(tl.int64)[:, None] * E + offs_e[None, :],
+                         mask=r_ok[:, None] & e_ok[None, :], other=0.0)
         if SPLIT16:
             x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * D + offs_d[None, :],
                         mask=r_ok[:, None] & d_ok[None, :], other=0.0)
@@ -307,7 +311,7 @@ _combine_dy = Launcher(_router_dy_kernel, [
     dict(BLOCK_D=64, num_warps=1, num_stages=3),
     dict(BLOCK_D=128, num_warps=2, num_stages=3),
     dict(BLOCK_D=256, num_warps=4, num_stages=3),
-], key=["H", "D", "E", "TOP_K", "SUM_H", "SUM_DL", "PRECISION"])
+], key=["H", "D", "E", "TOP_K", "SUM_H", "PRECISION"])
 
 
 def _logits_block_d(block_e):
@@ -367,10 +371,9 @@ def route(x, inv, wg, top_k, renorm, horizons):
 
 
 def router_combine_backward(probs, wg, weight, index, pair_slot, dx_slot, gw_part, horizons, renorm, dy_dtype,
-                            precision, sum_h, dl_sum=None):
+                            precision, sum_h):
     """(∂y [R,D] in dy_dtype, ∂inv [B,D] fp32 when sum_h else None, ∂logits [R,E] fp32) from the
-    forward's π [R,E] fp32, weight and index; precision: router_precision of x's dtype. dl_sum:
-    [B,E] fp32 to fill with Σ_h ∂logits[b,h] (router_weight_grad's split), or None."""
+    forward's π [R,E] fp32, weight and index; precision: router_precision of x's dtype."""
     R, E = probs.shape
     D = wg.shape[1]
     top_k = index.shape[1]
@@ -384,9 +387,8 @@ def router_combine_backward(probs, wg, weight, index, pair_slot, dx_slot, gw_par
              probs, weight, index, pair_slot, gw_part, dlogits, R, E, n_fblk,
              TOP_K=top_k, RENORM=renorm, BLOCK_E=block_e)
     _combine_dy(lambda m: (B, triton.cdiv(D, m["BLOCK_D"])),
-                wg, pair_slot, dx_slot, dlogits, dy, dy if dinv is None else dinv, dlogits if dl_sum is None else dl_sum,
-                horizons, D, E, TOP_K=top_k, SUM_H=sum_h, SUM_DL=dl_sum is not None, PRECISION=precision,
-                BLOCK_H=pow2(horizons), BLOCK_E=block_e)
+                wg, pair_slot, dx_slot, dlogits, dy, dy if dinv is None else dinv, horizons, D, E,
+                TOP_K=top_k, SUM_H=sum_h, PRECISION=precision, BLOCK_H=pow2(horizons), BLOCK_E=block_e)
     return dy, dinv, dlogits
 
 
@@ -406,12 +408,11 @@ def router_runs(R, D, device):
 
 
 def router_weight_grad(dlogits, x, inv, horizons, block_d=None, block_r=WGRAD_BLOCK_R, runs=None, num_warps=4,
-                       dl_sum=None):
-    """∂Wg [E,D] fp32 = Σ_r ∂logits[r]ᵀ (x[r] + inv[r // H]), in a fixed order. With dl_sum
-    (Σ_h ∂logits[b,h] [B,E] fp32, from router_combine_backward; split_wgrad's case) as
-    Σ_r ∂logits[r]ᵀ x[r] on the 16-bit x read as it is (SPLIT16) + Σ_b dl_sum[b]ᵀ inv[b]. block_d,
-    block_r, runs, num_warps: the launch (bench/small_kernels_probe.py sweeps them; by default
-    _wgrad_block_d(D), and router_runs' runs)."""
+                       split=False):
+    """∂Wg [E,D] fp32 = Σ_r ∂logits[r]ᵀ (x[r] + inv[r // H]), in a fixed order. split (split_wgrad's
+    case: x 16-bit, inv given): as Σ_r ∂logits[r]ᵀ x[r] on x read as it is (SPLIT16) +
+    Σ_b (Σ_h ∂logits[b·H + h])ᵀ inv[b] (SUM_H). block_d, block_r, runs, num_warps: the launch
+    (bench/small_kernels_probe.py sweeps them; by default _wgrad_block_d(D), and router_runs' runs)."""
     R, D = x.shape
     E = dlogits.shape[1]
     block_d = block_d or _wgrad_block_d(D)
@@ -420,17 +421,16 @@ def router_weight_grad(dlogits, x, inv, horizons, block_d=None, block_r=WGRAD_BL
         runs, rows = router_runs(R, D, x.device)
     else:
         runs, rows = cut_runs(R, runs, block_r)
-    split = dl_sum is not None
     inv_runs, inv_rows = router_runs(inv.shape[0], D, x.device) if split else (0, 0)
     part = torch.empty(runs + inv_runs, E, D, device=x.device, dtype=torch.float32)
     options = gpu_options(x, num_warps=num_warps, num_stages=3)
     precision = router_precision(x.dtype)
     _router_wgrad_kernel[(runs, n_d)](
         dlogits, x, x if inv is None else inv, part, R, horizons, D, E, rows,
-        HAS_INV=inv is not None and not split, SPLIT16=split, PRECISION=precision,
+        HAS_INV=inv is not None and not split, SPLIT16=split, SUM_H=False, PRECISION=precision,
         BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_E=pow2(E), **options)
     if split:
         _router_wgrad_kernel[(inv_runs, n_d)](
-            dl_sum, inv, inv, part[runs:], inv.shape[0], 1, D, E, inv_rows, HAS_INV=False, SPLIT16=False,
-            PRECISION=precision, BLOCK_R=WGRAD_BLOCK_R, BLOCK_D=block_d, BLOCK_E=pow2(E), **options)
+            dlogits, inv, inv, part[runs:], inv.shape[0], horizons, D, E, inv_rows, HAS_INV=False, SPLIT16=False,
+            SUM_H=True, PRECISION=precision, BLOCK_R=WGRAD_BLOCK_R, BLOCK_D=block_d, BLOCK_E=pow2(E), **options)
     return part.sum(0)

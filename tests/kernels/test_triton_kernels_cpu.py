@@ -572,7 +572,7 @@ def test_router_weight_grad_split():
     B = 13, H = 7, D = 40, E = 5: ragged rows, columns and experts. fp16 here (the interpreter's
     bf16 dots are wrong, Triton 3.6); the region takes the split for bf16 only (split_wgrad),
     which the GPU test checks."""
-    check_router_weight_grad_split(13, 7, 40, 5, 2, torch.float16, "cpu")
+    check_router_weight_grad_split(13, 7, 40, 5, torch.float16, "cpu")
 
 
 def test_region_takes_the_router_weight_grad_split(monkeypatch):
@@ -582,7 +582,7 @@ def test_region_takes_the_router_weight_grad_split(monkeypatch):
     calls = []
     real = triton_router.router_weight_grad
     monkeypatch.setattr(triton_router, "router_weight_grad",
-                        lambda *a, **kw: calls.append(kw.get("dl_sum") is not None) or real(*a, **kw))
+                        lambda *a, **kw: calls.append(kw.get("split")) or real(*a, **kw))
     ctx, tok, params = make_case(3, 5, 7, 72, 2, 48, 5, 2, act="gelu", dtype=torch.float16)
     check_region(fused, ctx, tok, params, top_k=2, renorm=True, act="gelu")
     assert calls == [True]
