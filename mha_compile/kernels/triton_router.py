@@ -45,9 +45,10 @@ MAX_EXPERTS = 64
 # x = ctx + inv[b] merged in fp32 (hi/lo splits of x and Wg every K step). Offline (sm_90a, large,
 # 64 rows at 4 warps): 40 registers and 4 wgmmas a program where the merged form takes 152 and 24.
 # On the H200 (session 26, bench/flag_ab.py --flag mha_compile.kernels.triton_router:SPLIT_CTX,
-# 8 rounds, bf16): a large training step (D·E = 8192) −95.6 us as the median of the rounds'
-# differences (noisy: −5 to −431), the route itself (router_probe.py) 31 us against 46 (session 25's
-# probe, another machine); a medium one (D·E = 2048) +2.1 us, where the merged kernel is latency-bound
+# 8 rounds, bf16): a large training step (D·E = 8192) −67.8 us as the median of the rounds that
+# timed the merged graph first (−195.6 in the others, where the graph timed second ran slow: see
+# flag_ab.summary), the route and _inv_logits_kernel 25.3 + 7.3 us against 48.3 in a step's
+# profile; a medium one (D·E = 2048) +2.1 us, where the merged kernel is latency-bound
 # (9 us for 8 MiB) and the extra launch costs more than the dots save. So the split is taken from
 # SPLIT_CTX_MIN_WORK = D·E up (between the two measured shapes; nothing between them was timed).
 # MHA_COMPILE_ROUTER_SPLIT_CTX=0 turns it off.
@@ -56,11 +57,12 @@ SPLIT_CTX_MIN_WORK = 4096
 # ∂Wg the same way, where the forward splits and ctx is bf16: ∂logitsᵀ ctx as three bf16 dots of
 # ∂logits' hi/mid/lo parts against the exact ctx, plus (Σ_h ∂logits[b,h])ᵀ inv[b] over B rows,
 # instead of tf32x3 dots on x merged in fp32. Offline (sm_90a, large): 128 registers and 40 KiB of
-# shared memory a program against 216 and 104. On the H200 (session 26, large, bf16): 17.6 us a
-# call, two calls a step (ctx's, then inv's B rows), against 57.8 us for the merged one;
-# bench/flag_ab.py --flag mha_compile.kernels.triton_router:SPLIT_WGRAD, 8 rounds: −65.8 us as the
-# median of the rounds' differences (noisy, +87 to −547). Not fp16: ∂logits' parts would fall below
-# fp16's range. MHA_COMPILE_ROUTER_SPLIT_WGRAD=0 turns it off.
+# shared memory a program against 216 and 104. On the H200 (session 26, large, bf16): 22.6 us a
+# call, two calls a step (ctx's rows; inv's B rows with Σ_h ∂logits summed in the kernel), against
+# 57.8 us for the merged one; bench/flag_ab.py --flag mha_compile.kernels.triton_router:SPLIT_WGRAD,
+# 8 rounds, with an earlier form (Σ_h ∂logits stored by pass 2): −29.1 us a step as the median of
+# the rounds that timed the merged graph first (−170.9 in the others). Not fp16: ∂logits' parts
+# would fall below fp16's range. MHA_COMPILE_ROUTER_SPLIT_WGRAD=0 turns it off.
 SPLIT_WGRAD = os.environ.get("MHA_COMPILE_ROUTER_SPLIT_WGRAD", "1") != "0"
 
 

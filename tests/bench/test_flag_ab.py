@@ -22,3 +22,15 @@ def test_a_flag_that_is_not_a_bool_is_refused(monkeypatch, flag):
 def test_the_stream_schedule_is_a_flag_it_takes():
     from mha_compile.kernels import gluon_moe
     assert isinstance(gluon_moe.WGRAD_STREAM, bool)  # what its docstring's command flips
+
+
+def test_the_summary_gives_each_order_and_says_when_they_disagree():
+    """Rounds alternate which graph is timed first; session 26's had one graph slower whenever it
+    ran second. The line gives both orders' medians and, when they disagree, the smaller."""
+    off = [5.83, 6.25, 5.88, 6.12, 5.90, 6.02, 5.95, 5.93]
+    on = [5.81, 5.82, 5.83, 5.83, 5.80, 5.92, 5.83, 5.93]
+    line = flag_ab.summary(off, on)
+    assert "on − off -100.0 us (off timed first -75.0, on first -195.0)" in line
+    assert line.endswith("the orders disagree: read -75.0 us")
+    steady = flag_ab.summary([1.0, 1.0, 1.0, 1.0], [0.99, 0.99, 0.99, 0.99])
+    assert "-10.0 us (off timed first -10.0, on first -10.0)" in steady and "disagree" not in steady
