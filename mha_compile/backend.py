@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from mha_compile import ops
+from mha_compile import ops, whole_graph
 from mha_compile.debug.dump import publish
 from mha_compile.debug.report import GraphReport
 from mha_compile.lowering.match import find_regions
@@ -137,9 +137,8 @@ def run_rest(gm, example_inputs, opts, mode, whole):
             return compile_fx(_region_calls(gm, torch.ops.mha.region.default, graphs), example_inputs,
                               config_patches=_inductor_patches(mode))
     if whole:
-        from torch._dynamo.backends.cudagraphs import cudagraphs
         with cache_key_tagged():
-            return cudagraphs(gm, example_inputs)
+            return whole_graph.capture(gm, example_inputs)
     if mode == "reduce-overhead":
         log.info("mha_compile: mode='reduce-overhead' without CUDA inputs: running without CUDA graphs")
     return _region_calls(gm, ops.region_call, opts.graphs).forward

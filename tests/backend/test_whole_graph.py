@@ -1,0 +1,67 @@
+"""whole_graph.capture on the CPU: which inputs of the compiled forward and backward the CUDA-graph
+trees would copy before each replay. CUDA graphs need a GPU, so Dynamo's CPU check is stepped
+around and cudagraphify_impl stands in by recording its arguments and running the graph as is."""
+from unittest import mock
+
+import pytest
+import torch
+
+from mha_compile import models, whole_graph
+
+
+def _capture_calls(monkeypatch, static_params):
+    """(is_backward, the inputs, the static indices) of each cudagraphify_impl call of a tiny
+    block's training step compiled through whole_graph.capture, and the block."""
+    from torch._dynamo.backends import cudagraphs as dynamo_cudagraphs
+    from torch._inductor import cudagraph_trees
+
+    calls = []
+
+    def record(model, inputs, static_input_idxs, *args, **kwargs):
+        calls.append((kwargs.get("is_backward"), list(inputs), sorted(static_input_idxs)))
+        return model
+
+    monkeypatch.setattr(whole_graph, "STATIC_PARAMS", static_params)
+    monkeypatch.setattr(cudagraph_trees, "cudagraphify_impl", record)
+    monkeypatch.setattr(dynamo_cudagraphs, "check_for_skip", lambda *args: None)
+    monkeypatch.setattr(dynamo_cudagraphs, "get_device_index", lambda *args: 0)
+    torch._dynamo.reset()
+    block = models.MHABlock.from_preset("tiny")
+    ctx = torch.randn(4, 3, 32, requires_grad=True)
+    tok = torch.randn(4, 5, 32, requires_grad=True)
+    with mock.patch.object(torch._inductor.config, "fx_graph_cache", False):
+        out = torch.compile(block, backend=whole_graph.capture)(ctx, tok)
+        out.square().sum().backward()
+    torch._dynamo.reset()
+    return calls, block, (ctx, tok)
+
+
+@pytest.mark.parametrize("static_params", [False, True])
+def test_the_forward_keeps_the_parameters_static(monkeypatch, static_params):
+    """With STATIC_PARAMS the forward's static inputs are exactly the block's parameters (read in
+    place), and ctx and tok are copied; without it Dynamo's backend copies every input, the
+    parameters too (what STATIC_PARAMS is for: if this stops holding, torch has fixed it). The
+    backward's static inputs (all but its incoming gradient) are the same either way."""
+    calls, block, (ctx, tok) = _capture_calls(monkeypatch, static_params)
+    assert [backward for backward, _, _ in calls] == [False, True]
+    _, inputs, static = calls[0]  # fake tensors at compile time: told apart by shape
+    users = [i for i, t in enumerate(inputs) if t.shape in (ctx.shape, tok.shape)]
+    assert len(users) == 2 and len(inputs) == 2 + 12
+    assert sorted(tuple(inputs[i].shape) for i in range(len(inputs)) if i not in users) == \
+        sorted(tuple(p.shape) for p in block.parameters())
+    assert static == ([i for i in range(len(inputs)) if i not in users] if static_params else [])
+    _, b_inputs, b_static = calls[1]
+    assert b_static == list(range(len(b_inputs) - 1))
+
+
+def test_static_params_keeps_the_gradients(monkeypatch):
+    """The compiled step's gradients through the recorder (the graph run as is) match eager's: the
+    wrapper changes which inputs are copied, not what the graphs compute."""
+    _, block, (ctx, tok) = _capture_calls(monkeypatch, True)
+    compiled = [p.grad.clone() for p in block.parameters()] + [ctx.grad.clone(), tok.grad.clone()]
+    for t in [*block.parameters(), ctx, tok]:
+        t.grad = None
+    block(ctx, tok).square().sum().backward()
+    eager = [p.grad for p in block.parameters()] + [ctx.grad, tok.grad]
+    for got, want in zip(compiled, eager):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
