@@ -56,6 +56,10 @@
 #                                      # of this one, old, new, old, each in its own process (~7 min): host-bound
 #                                      # rows move with the machine's host, so only a same-machine pair says
 #                                      # whether a change moved them: run.log, rows_{old,new,old2}.md
+#   [STATIC_PRESETS=medium,large] bash bench/h200_session.sh static-params  # reduce-overhead with the
+#                                      # forward's parameters read in place (whole_graph.STATIC_PARAMS): the
+#                                      # backend's and training GPU tests with it, then step_profile off and on
+#                                      # per preset, each its own process (~7 min): run.log, static_params_<preset>.txt
 #   bash bench/h200_session.sh gluon   # the backward's hidden kernel in Gluon (gluon_moe) under each config
 #                                      # against the Triton one, each checked first (bench/gluon_probe.py; ~2 min):
 #                                      # run.log, gluon_probe.txt
@@ -94,7 +98,7 @@
 #                                      # benchmark cut at 250 s (rows past it are listed as skipped)
 # Budgets are per step so a slow step cannot starve the others.
 set -u
-part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|ab|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|ncu-gemms|ncu-source|gluon|verify-gluon|gluon-gemms|verify-gemms|router|small-kernels|host-large|host-timers|wgrad-stream|sum-spread|kernel-times-ab|rows-ab|short}
+part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|ab|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|ncu-gemms|ncu-source|gluon|verify-gluon|gluon-gemms|verify-gemms|router|small-kernels|host-large|host-timers|wgrad-stream|sum-spread|kernel-times-ab|rows-ab|static-params|short}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 # Inductor's compiled graphs kept in the checkout (git ignores it): the device keeps ignored
 # files between calls on a machine it still holds, so `table` can reuse `autotune-cache`'s.
@@ -169,6 +173,23 @@ sum-spread)
         -k "regex:^_wgrad_kernel$" -c 6 --section SpeedOfLight --section WarpStateStats \
         python bench/ncu_kernels.py --preset large >"$OUT/ncu_wgrad_spread.txt" 2>&1
     grep "Duration\|SM Active" "$OUT/ncu_wgrad_spread.txt" >>"$LOG"
+    ;;
+static-params)
+    # whole_graph.STATIC_PARAMS (the forward's parameters read in place under reduce-overhead):
+    # the GPU tests of the backend with it on, then step_profile off and on at each preset, each in
+    # its own process; read each step's GPU kernel time and aten::_foreach_copy_ (the host-bound
+    # do_bench moves by up to 0.4 ms between processes, session 26)
+    { MHA_COMPILE_CUDAGRAPH_STATIC_PARAMS=1 MHA_COMPILE_NO_AUTOTUNE=1 timeout 150 python -m pytest -q -m cuda tests/backend \
+        tests/training -n 8 -p no:cacheprovider 2>&1 | tail -4; } >>"$LOG"
+    presets=${STATIC_PRESETS:-medium,large}
+    for preset in ${presets//,/ }; do
+        for value in 0 1; do
+            { MHA_COMPILE_CUDAGRAPH_STATIC_PARAMS=$value timeout -s INT 100 python bench/step_profile.py --preset "$preset" \
+                --runs mha-fused-cudagraphs:loop 2>&1; } >>"$OUT/static_params_$preset.txt"
+            grep "^==" "$OUT/static_params_$preset.txt" | tail -1 | sed "s/^/static=$value: /" >>"$LOG"
+            grep "_foreach_copy_" "$OUT/static_params_$preset.txt" | tail -1 | cut -c1-160 | sed "s/^/static=$value: /" >>"$LOG"
+        done
+    done
     ;;
 rows-ab)
     old=$(old_tree)
@@ -355,6 +376,6 @@ bench|bench-resume)
         --modes eager,inductor,inductor-max-autotune,mha-staged,mha-fused,mha-fused-cudagraphs \
         --spellings dense,loop,grouped_mm --commit "$commit" 2>&1 | tail -100; } >>"$LOG"
     ;;
-*) echo "unknown part $part: expected check, kernels, probe, verify, ab, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache, medium-autotune, ncu, ncu-gemms, ncu-source, gluon, verify-gluon, gluon-gemms, verify-gemms, router, small-kernels, host-large, host-timers, wgrad-stream, sum-spread, kernel-times-ab, rows-ab or short" >&2; exit 2 ;;
+*) echo "unknown part $part: expected check, kernels, probe, verify, ab, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache, medium-autotune, ncu, ncu-gemms, ncu-source, gluon, verify-gluon, gluon-gemms, verify-gemms, router, small-kernels, host-large, host-timers, wgrad-stream, sum-spread, kernel-times-ab, rows-ab, static-params or short" >&2; exit 2 ;;
 esac
 tail -150 "$LOG"
