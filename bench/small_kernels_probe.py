@@ -185,7 +185,7 @@ def case(preset, dt, dev):
     B, H, N, D, P, F, E = (p[n] for n in ("B", "H", "N", "D", "P", "F", "E"))
     valid = (groups.slot_pair < groups.pairs)[:, None]
     c = SimpleNamespace(
-        dt=dt, B=B, H=H, N=N, D=D, P=P, F=F, E=E, x=r.x, inv=r.inv, weight=r.weight, groups=groups,
+        dt=dt, B=B, H=H, N=N, D=D, P=P, F=F, E=E, x=r.x, inv=r.inv, wg=r.wg, weight=r.weight, groups=groups,
         du=(rand(groups.slots, F) * valid).to(dt), G=rand(B * H, D).to(dt), b2=(rand(E, D) * 0.1).to(dt),
         tok=rand(B, N, D).to(dt), q=rand(P, D // P), wk=rand(D, D) * D ** -0.5, wv=rand(D, D) * D ** -0.5,
         wo=rand(D, D) * D ** -0.5, bv=rand(D) * 0.1, bo=rand(D) * 0.1, grad_inv=rand(B, D),
@@ -268,18 +268,21 @@ def bias_sums(c):
 
 
 def router_wgrad(c):
-    """∂Wg = ∂logitsᵀ x (triton_router.router_weight_grad) as the backward calls it, x [R,D] merged
-    with inv on load and ∂logits [R,E] fp32: block_d × BLOCK_R × warps × runs (router_runs' and 2,
-    and 4 times as many), the partials' torch sum included."""
+    """∂Wg = ∂logitsᵀ x (triton_router.router_weight_grad) as the backward calls it, on x [R,D] and
+    inv (merged on load, or taken apart where triton_router.split_wgrad takes them: then the
+    launch's overrides are the ctx call's) and ∂logits [R,E] fp32: block_d × BLOCK_R × warps × runs
+    (router_runs' and 2, and 4 times as many), the partials' torch sum included."""
     R, D = c.x.shape
     dlogits = torch.randn(R, c.E, device=c.x.device, generator=torch.Generator(c.x.device).manual_seed(4))
     base, _ = triton_router.router_runs(R, D, c.x.device)
-    run = lambda cfg: (triton_router.router_weight_grad(dlogits, c.x, c.inv, c.H, **cfg),)  # noqa: E731
+    split = triton_router.split_wgrad(c.x, c.inv, c.wg)
+    run = lambda cfg: (triton_router.router_weight_grad(dlogits, c.x, c.inv, c.H, split=split, **cfg),)  # noqa: E731
     first = dict(block_d=None, block_r=triton_router.WGRAD_BLOCK_R, runs=None, num_warps=4)
     configs = [dict(block_d=d, block_r=r, runs=base * k, num_warps=w) for d in (32, 64, 128) for r in (32, 64, 128)
                for k in (1, 2, 4) for w in (2, 4) if d <= pow2(D)]
     traffic = c.x.numel() * c.x.element_size() + 4 * (c.inv.numel() + dlogits.numel() + c.E * D)
-    print(f"router_wgrad: R={R}, D={D}, E={c.E}, router_runs' runs {base}, {traffic / 1e6:.0f} MB", flush=True)
+    print(f"router_wgrad: R={R}, D={D}, E={c.E}, router_runs' runs {base}, {'split' if split else 'merged'}, "
+          f"{traffic / 1e6:.0f} MB", flush=True)
     sweep("router_wgrad", _Plain(triton_router, "_router_wgrad_kernel"), ordered(first, *configs), run, traffic)
 
 

@@ -421,6 +421,9 @@ def router_weight_grad(dlogits, x, inv, horizons, block_d=None, block_r=WGRAD_BL
     (bench/small_kernels_probe.py sweeps them; by default _wgrad_block_d(D), and router_runs' runs)."""
     R, D = x.shape
     E = dlogits.shape[1]
+    if split and (inv is None or x.dtype not in (torch.bfloat16, torch.float16)):
+        raise ValueError(f"router_weight_grad: split=True takes a 16-bit x and an inv; got x {x.dtype}, "
+                         f"inv {None if inv is None else tuple(inv.shape)}")
     block_d = block_d or _wgrad_block_d(D)
     n_d = triton.cdiv(D, block_d)
     if runs is None:

@@ -573,6 +573,10 @@ def test_router_weight_grad_split():
     bf16 dots are wrong, Triton 3.6); the region takes the split for bf16 only (split_wgrad),
     which the GPU test checks."""
     check_router_weight_grad_split(13, 7, 40, 5, torch.float16, "cpu")
+    dlogits, x = torch.randn(14, 3), torch.randn(14, 8)
+    for x_, inv in ((x, torch.randn(2, 8)), (x.half(), None)):
+        with pytest.raises(ValueError, match="split=True takes a 16-bit x and an inv"):
+            triton_router.router_weight_grad(dlogits, x_, inv, 7, split=True)
 
 
 def test_region_takes_the_router_weight_grad_split(monkeypatch):
