@@ -203,7 +203,7 @@ def test_router_split_ctx_at_fp32_accuracy(dtype):
 
 
 def test_router_weight_grad_split_at_fp32_accuracy():
-    """SPLIT_WGRAD's ∂Wg in bf16 at the large preset's D and E (split_ctx's size rule holds):
+    """SPLIT_WGRAD's ∂Wg in bf16 at the large preset's D and E and 1024 x 16 rows:
     kernel_cases.check_router_weight_grad_split, at 1e-6 against float64."""
     check_router_weight_grad_split(1024, 16, 512, 16, torch.bfloat16, "cuda")
 
