@@ -28,8 +28,11 @@ x is taken apart as the forward's SPLIT_CTX does: ∂logitsᵀ ctx on the bf16 c
 The thin dots (x Wgᵀ in the forward, ∂logits Wg in pass 2, N or K = E) set those kernels' time:
 on the FMA units the forward took 0.34 ms at the large preset and the backward 0.57 ms, for
 64 MiB of x each (~200 GB/s). For 16-bit models they run as tf32x3 (three TF32 tensor-core
-products of hi/lo splits, ~2⁻²¹ relative: fp32 to within a few ulps); fp32 models keep ieee
-fp32 dots, which their 1e-5 bound is checked at.
+products of hi/lo splits, ~2⁻²¹ relative: fp32 to within a few ulps), or, where ctx is taken
+apart from inv (SPLIT_CTX, SPLIT_WGRAD), as 16-bit dots whose products are exact; fp32 models
+keep ieee fp32 dots, which their 1e-5 bound is checked at. The tensor cores' fp32 accumulation
+drifts over long chains (the ∂Wg split, chained over thousands of rows: 1.29e-5 off float64), so
+that kernel sums each row block's dots apart and adds the blocks in fp32.
 """
 import os
 
