@@ -579,17 +579,20 @@ def test_router_weight_grad_split():
             triton_router.router_weight_grad(dlogits, x_, inv, 7, split=True)
 
 
-def test_region_takes_the_router_weight_grad_split(monkeypatch):
-    """The region's backward with the ∂Wg split taken (split_wgrad widened to fp16 for the
-    interpreter) against float64, every gradient: check_region."""
-    monkeypatch.setattr(triton_router, "split_wgrad", lambda x, inv, wg: inv is not None and x.dtype == torch.float16)
+def test_region_takes_the_router_splits(monkeypatch):
+    """The region with both router splits taken (SPLIT_CTX_MIN_WORK lowered to this size, and
+    split_wgrad widened to fp16 for the interpreter) against float64, forward and every gradient
+    (check_region): the forward's inv[b] Wgᵀ computed once, ∂Wg split."""
+    monkeypatch.setattr(triton_router, "SPLIT_CTX_MIN_WORK", 1)
+    monkeypatch.setattr(triton_router, "split_wgrad", lambda x, inv, wg: triton_router.split_ctx(x, inv, wg))
     calls = []
-    real = triton_router.router_weight_grad
-    monkeypatch.setattr(triton_router, "router_weight_grad",
-                        lambda *a, **kw: calls.append(kw.get("split")) or real(*a, **kw))
+    for name in ("inv_logits", "router_weight_grad"):
+        real = getattr(triton_router, name)
+        monkeypatch.setattr(triton_router, name, lambda *a, _real=real, _name=name, **kw: (
+            calls.append((_name, kw.get("split"))), _real(*a, **kw))[1])
     ctx, tok, params = make_case(3, 5, 7, 72, 2, 48, 5, 2, act="gelu", dtype=torch.float16)
     check_region(fused, ctx, tok, params, top_k=2, renorm=True, act="gelu")
-    assert calls == [True]
+    assert calls == [("inv_logits", None), ("router_weight_grad", True)]
 
 
 def test_inline_ptx_only_for_nvidia_builds(monkeypatch):
