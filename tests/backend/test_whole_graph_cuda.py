@@ -6,35 +6,24 @@ where it now is)."""
 import pytest
 import torch
 
-from mha_compile import models, whole_graph
+from cuda_training import block, train
+from mha_compile import whole_graph
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-def _train(mode, steps=5, move_at=3):
-    """Losses and final parameters of `steps` SGD steps of a bf16 block compiled with backend="mha"
-    under `mode`; before step `move_at` W1's storage is replaced by a scaled copy."""
-    torch._dynamo.reset()
-    torch.manual_seed(5)
-    model = models.MHABlock(128, 4, 256, 8, 2, act="gelu", renorm=True).cuda().to(torch.bfloat16)
-    compiled = torch.compile(model, backend="mha", mode=mode)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
-    for step in range(steps):
-        if step == move_at:
+def _train(mode):
+    """cuda_training.train for 5 steps under `mode`, W1's storage replaced by a scaled copy before
+    step 3; parameters in fp32."""
+    def move_w1(step, model):
+        if step == 3:
             with torch.no_grad():
                 model.moe.w1.data = model.moe.w1.data * 0.5  # new storage, same Parameter
-        torch.compiler.cudagraph_mark_step_begin()
-        gen = torch.Generator("cuda").manual_seed(100 + step)
-        ctx = torch.randn(64, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
-        tok = torch.randn(64, 24, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
-        loss = compiled(ctx, tok).float().square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses, [p.detach().float().clone() for p in model.parameters()]
+
+    torch._dynamo.reset()
+    losses, params = train(block(), mode=mode, steps=5, before_step=move_w1)
+    return losses, [p.float() for p in params]
 
 
 @pytest.mark.parametrize("static_params", [False, True])

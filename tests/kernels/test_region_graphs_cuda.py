@@ -8,8 +8,9 @@ a silent fallback to the eager path cannot pass for the graphed one.
 import pytest
 import torch
 
+from cuda_training import block, train
 from kernel_cases import make_case
-from mha_compile import models, ops
+from mha_compile import ops
 from mha_compile.kernels import region_graphs
 
 pytestmark = [pytest.mark.cuda,
@@ -102,35 +103,13 @@ def test_replay_on_another_stream():
         assert torch.equal(a, b), f"result {i}"
 
 
-def _train(model, options, mode=None, steps=4):
-    torch.manual_seed(0)
-    compiled = torch.compile(model, backend="mha", options=options, mode=mode)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
-    for step in range(steps):
-        gen = torch.Generator("cuda").manual_seed(100 + step)
-        ctx = torch.randn(64, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
-        tok = torch.randn(64, 24, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
-        loss = compiled(ctx, tok).float().square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses, [p.detach().clone() for p in model.parameters()]
-
-
-def _block():
-    torch.manual_seed(5)
-    return models.MHABlock(128, 4, 256, 8, 2, act="gelu", renorm=True).cuda().to(torch.bfloat16)
-
-
 @pytest.mark.parametrize("rest", ["eager", "inductor"])
 def test_backend_trains_with_graphs_as_without(rest):
     torch._dynamo.reset()
-    losses_off, params_off = _train(_block(), {"graphs": "off", "rest": rest})
+    losses_off, params_off = train(block(), {"graphs": "off", "rest": rest})
     assert region_graphs.graphs_held() == 0
     torch._dynamo.reset()
-    losses_on, params_on = _train(_block(), {"graphs": "auto", "rest": rest})
+    losses_on, params_on = train(block(), {"graphs": "auto", "rest": rest})
     assert region_graphs.graphs_held() == 2, "graphs='auto' at this size should replay both directions"
     assert losses_on == losses_off
     for a, b in zip(params_on, params_off):
@@ -141,7 +120,7 @@ def test_no_region_graphs_inside_reduce_overhead():
     """The whole graph is one CUDA graph there (torch.compile takes mode or options, not both:
     the options are the defaults, graphs="auto", which would graph this size)."""
     torch._dynamo.reset()
-    _train(_block(), None, mode="reduce-overhead")
+    train(block(), None, mode="reduce-overhead")
     assert region_graphs.graphs_held() == 0
 
 
