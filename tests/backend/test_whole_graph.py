@@ -1,8 +1,6 @@
 """whole_graph.capture on the CPU: which inputs of the compiled forward and backward the CUDA-graph
 trees would copy before each replay. CUDA graphs need a GPU, so Dynamo's CPU check is stepped
 around and cudagraphify_impl stands in by recording its arguments and running the graph as is."""
-from unittest import mock
-
 import pytest
 import torch
 
@@ -29,9 +27,8 @@ def _capture_calls(monkeypatch, static_params):
     block = models.MHABlock.from_preset("tiny")
     ctx = torch.randn(4, 3, 32, requires_grad=True)
     tok = torch.randn(4, 5, 32, requires_grad=True)
-    with mock.patch.object(torch._inductor.config, "fx_graph_cache", False):
-        out = torch.compile(block, backend=whole_graph.capture)(ctx, tok)
-        out.square().sum().backward()
+    out = torch.compile(block, backend=whole_graph.capture)(ctx, tok)
+    out.square().sum().backward()
     torch._dynamo.reset()
     return calls, block, (ctx, tok)
 

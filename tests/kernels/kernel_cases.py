@@ -73,9 +73,10 @@ def _f64(t):
 
 
 def check_route_split_ctx(B, H, D, E, k, dtype, device, max_flips):
-    """triton_router.route with SPLIT_CTX (the caller sets it) on fresh ctx [B·H,D] in `dtype`, inv
-    [B,D] fp32 and Wg [E,D] in `dtype`, against float64: the split taken, π and the weights within
-    the fp32 bound, at most max_flips of the rows choosing other experts (near-ties, left out)."""
+    """triton_router.route with SPLIT_CTX on fresh ctx [B·H,D] in `dtype`, inv [B,D] fp32 and Wg
+    [E,D] in `dtype` (a caller below SPLIT_CTX_MIN_WORK lowers it), against float64: the split
+    taken, π and the weights within the fp32 bound, at most max_flips of the rows choosing other
+    experts (near-ties, left out)."""
     gen = torch.Generator(device=device).manual_seed(25)
     ctx = torch.randn(B * H, D, device=device, generator=gen).to(dtype)
     inv = torch.randn(B, D, device=device, generator=gen)
