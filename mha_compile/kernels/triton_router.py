@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mha_compile.kernels.triton_util import Launcher, cut_runs, gpu_options, load_x, pow2, split_runs
+from mha_compile.kernels.triton_util import Launcher, cut_runs, gpu_options, load_rows, load_x, pow2, split_runs
 
 MAX_EXPERTS = 64
 # The forward's logits as ctx Wgᵀ (one 16-bit dot of exact products) + inv[b] Wgᵀ (once a batch row)
@@ -86,8 +86,7 @@ def _logits(x_ptr, inv_ptr, wg_ptr, inv_logits_ptr, rows, r_ok, H, D, E, HAS_INV
         d_ok = offs_d < D
         wg = tl.load(wg_ptr + offs_e[:, None] * D + offs_d[None, :], mask=e_ok[:, None] & d_ok[None, :], other=0.0)
         if SPLIT_CTX:
-            ctx = tl.load(x_ptr + rows64[:, None] * D + offs_d[None, :], mask=r_ok[:, None] & d_ok[None, :], other=0.0)
-            logits = tl.dot(ctx, tl.trans(wg), logits)
+            logits = tl.dot(load_rows(x_ptr, rows, r_ok, offs_d, d_ok, D), tl.trans(wg), logits)
         else:
             x = load_x(x_ptr, inv_ptr, rows, r_ok, offs_d, d_ok, H, D, HAS_INV)
             logits = tl.dot(x, tl.trans(wg.to(tl.float32)), logits, input_precision=PRECISION)
@@ -269,8 +268,7 @@ def _router_wgrad_kernel(
             dl = tl.load(dlogits_ptr + rows.to(tl.int64)[:, None] * E + offs_e[None, :],
                          mask=r_ok[:, None] & e_ok[None, :], other=0.0)
         if SPLIT16:
-            x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * D + offs_d[None, :],
-                        mask=r_ok[:, None] & d_ok[None, :], other=0.0)
+            x = load_rows(x_ptr, rows, r_ok, offs_d, d_ok, D)
             dlt = tl.trans(dl)
             hi = dlt.to(x.dtype)
             rest = dlt - hi.to(tl.float32)

@@ -450,11 +450,16 @@ def act_bwd(dh, u, u3, ACT: tl.constexpr):
 
 
 @triton.jit
+def load_rows(x_ptr, rows, r_ok, offs_d, d_ok, D):
+    """x[rows, offs_d] in x's dtype (0 where masked): x_ptr [R,D] row-major."""
+    return tl.load(x_ptr + rows.to(tl.int64)[:, None] * D + offs_d[None, :], mask=r_ok[:, None] & d_ok[None, :],
+                   other=0.0)
+
+
+@triton.jit
 def load_x(x_ptr, inv_ptr, rows, r_ok, offs_d, d_ok, H, D, HAS_INV: tl.constexpr):
     """x[rows, offs_d] in fp32: x_ptr [R,D] row-major, plus inv [R/H, D] when HAS_INV."""
-    rows64 = rows.to(tl.int64)
-    ok = r_ok[:, None] & d_ok[None, :]
-    x = tl.load(x_ptr + rows64[:, None] * D + offs_d[None, :], mask=ok, other=0.0).to(tl.float32)
+    x = load_rows(x_ptr, rows, r_ok, offs_d, d_ok, D).to(tl.float32)
     if HAS_INV:
-        x += tl.load(inv_ptr + (rows64 // H)[:, None] * D + offs_d[None, :], mask=ok, other=0.0)
+        x += load_rows(inv_ptr, rows // H, r_ok, offs_d, d_ok, D)
     return x
