@@ -4,7 +4,7 @@ warp a program).
 
     PYTHONPATH=. python bench/small_kernels_probe.py [--presets medium,large]
                                                      [--kernels tile_sums,gather,matmul,pool,pool_bwd1,pool_bwd2,
-                                                                bias_sums,router_wgrad]
+                                                                bias_sums,router_wgrad,inv_logits]
 
 On the H200 (bf16; ~1-2 min for both presets without pool_bwd1 and pool_bwd2, which add some 3-5
 min, not yet measured: ~90 configs to compile and time; bench/results/small_kernels_probe.txt), at each
@@ -27,6 +27,7 @@ slot layout:
              backward calls it (at large on one run of tiles, added into totals): BLOCK × BLOCK_R × warps
   router_wgrad triton_router._router_wgrad_kernel, ∂Wg, with the partials' sum: block_d × BLOCK_R ×
              warps × runs of rows
+  inv_logits triton_router._inv_logits_kernel, the forward split's inv Wgᵀ: BLOCK_R × warps
 The tile_sums and gather sweeps take the [rows, columns] tiles holding VALUES values a thread
 (loaded or accumulated) for each warp count, beside the shipped configs.
 Each row: the config, the median CUDA-graph time (gemm_probe.variant), the rate of the bytes the
@@ -286,6 +287,17 @@ def router_wgrad(c):
     sweep("router_wgrad", _Plain(triton_router, "_router_wgrad_kernel"), ordered(first, *configs), run, traffic)
 
 
+def inv_logits(c):
+    """inv Wgᵀ (triton_router.inv_logits, the forward split's term a batch row) on inv [B,D] fp32 and
+    Wg: BLOCK_R × warps."""
+    run = lambda cfg: (triton_router.inv_logits(c.inv, c.wg, **cfg),)  # noqa: E731
+    first = dict(block_r=triton_router.INV_LOGITS_BLOCK_R, num_warps=4)
+    configs = [dict(block_r=r, num_warps=w) for r in (16, 32, 64) for w in (1, 2, 4)]
+    traffic = 4 * (c.inv.numel() + c.inv.shape[0] * c.E) + c.wg.numel() * c.wg.element_size()
+    print(f"inv_logits: B={c.inv.shape[0]}, D={c.D}, E={c.E}, {traffic / 1e6:.1f} MB", flush=True)
+    sweep("inv_logits", _Plain(triton_router, "_inv_logits_kernel"), ordered(first, *configs), run, traffic)
+
+
 def matmul_sites(c):
     """Each distinct matmul_f32 call of one pool forward and backward (the projections, through
     triton_pool._bmm): [SimpleNamespace(calls, line, a, b, out, split)], calls = where each came
@@ -433,7 +445,7 @@ def pool_bwd2(c):
 
 
 PROBES = dict(tile_sums=tile_sums, gather=gather, matmul=matmul, pool=pool, pool_bwd1=pool_bwd1, pool_bwd2=pool_bwd2,
-              bias_sums=bias_sums, router_wgrad=router_wgrad)
+              bias_sums=bias_sums, router_wgrad=router_wgrad, inv_logits=inv_logits)
 KERNELS = tuple(PROBES)
 
 

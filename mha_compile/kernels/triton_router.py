@@ -348,15 +348,16 @@ def split_wgrad(x, inv, wg):
     return SPLIT_WGRAD and split_ctx(x, inv, wg) and x.dtype == torch.bfloat16
 
 
-def inv_logits(inv, wg):
-    """inv [B,D] fp32 · Wgᵀ → [B,E] fp32, at the router's fp32 accuracy (tf32x3 dots)."""
+def inv_logits(inv, wg, block_r=INV_LOGITS_BLOCK_R, num_warps=4):
+    """inv [B,D] fp32 · Wgᵀ → [B,E] fp32, at the router's fp32 accuracy (tf32x3 dots). block_r,
+    num_warps: the launch (bench/small_kernels_probe.py sweeps them)."""
     B, D = inv.shape
     E = wg.shape[0]
     out = torch.empty(B, E, device=inv.device, dtype=torch.float32)
     block_e = pow2(E)
-    _inv_logits_kernel[(triton.cdiv(B, INV_LOGITS_BLOCK_R),)](
-        inv, wg, out, B, D, E, PRECISION=router_precision(wg.dtype), BLOCK_R=INV_LOGITS_BLOCK_R,
-        BLOCK_D=_logits_block_d(block_e), BLOCK_E=block_e, **gpu_options(inv, num_warps=4, num_stages=3))
+    _inv_logits_kernel[(triton.cdiv(B, block_r),)](
+        inv, wg, out, B, D, E, PRECISION=router_precision(wg.dtype), BLOCK_R=block_r,
+        BLOCK_D=_logits_block_d(block_e), BLOCK_E=block_e, **gpu_options(inv, num_warps=num_warps, num_stages=3))
     return out
 
 

@@ -117,7 +117,8 @@ def test_gather_overrides_that_cannot_be_right_are_refused(case):
 def test_every_swept_config_runs_and_agrees_with_the_shipped_one(capsys):
     launchers = (triton_moe._tile_sums, triton_matmul._matmul, triton_pool._attend, triton_pool._attend_bwd_scores,
                  triton_pool._attend_bwd, triton_moe._sum_tiles)
-    plain = lambda: [triton_moe._gather_rows_kernel, triton_router._router_wgrad_kernel]  # noqa: E731
+    plain = lambda: [triton_moe._gather_rows_kernel, triton_router._router_wgrad_kernel,  # noqa: E731
+                     triton_router._inv_logits_kernel]
     before = [(l.kernel, l.configs, l.tuned) for l in launchers] + plain()
     probe.probe("tiny", probe.KERNELS, torch.float32, "cpu")
     out = capsys.readouterr().out
@@ -126,9 +127,9 @@ def test_every_swept_config_runs_and_agrees_with_the_shipped_one(capsys):
     rows = [line for line in out.splitlines() if line[:2] in ("* ", "+ ", "  ") and " us " in line]
     shipped = [line.split()[1:3] for line in rows if line.startswith("* ")]
     # one sweep each: tile_sums, the gather's three calls, the pool's 7 distinct matmuls, its
-    # forward and its backward's two passes, ∂b2's sums and ∂Wg
+    # forward and its backward's two passes, ∂b2's sums, ∂Wg and the forward split's inv Wgᵀ
     assert [name for name, _ in shipped] == (["tile_sums", "gather", "gather", "gather"] + ["matmul"] * 7
-                                             + ["pool"] * 3 + ["bias_sums", "router_wgrad"])
+                                             + ["pool"] * 3 + ["bias_sums", "router_wgrad", "inv_logits"])
     for launcher, name in zip(launchers, ("tile_sums", "matmul #0", "pool fwd", "pool bwd 1", "pool bwd 2",
                                           "bias_sums")):
         listed = [line for line in rows if line[2:].startswith(name)]
