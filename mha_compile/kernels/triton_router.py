@@ -31,8 +31,9 @@ on the FMA units the forward took 0.34 ms at the large preset and the backward 0
 products of hi/lo splits, ~2⁻²¹ relative: fp32 to within a few ulps), or, where ctx is taken
 apart from inv (SPLIT_CTX, SPLIT_WGRAD), as 16-bit dots whose products are exact; fp32 models
 keep ieee fp32 dots, which their 1e-5 bound is checked at. The tensor cores' fp32 accumulation
-drifts over long chains (the ∂Wg split, chained over thousands of rows: 1.29e-5 off float64), so
-that kernel sums each row block's dots apart and adds the blocks in fp32.
+drifts over long chains (the ∂Wg split, chained over thousands of rows: 1.29e-5 off float64; the
+forward split over D = 8192, 6.4e-6), so both splits sum short runs of dots apart and add the runs
+in fp32.
 """
 import os
 
@@ -79,20 +80,31 @@ def _logits(x_ptr, inv_ptr, wg_ptr, inv_logits_ptr, rows, r_ok, H, D, E, HAS_INV
     merged on load in fp32, dots at PRECISION."""
     offs_e = tl.arange(0, BLOCK_E)
     e_ok = offs_e < E
-    rows64 = rows.to(tl.int64)
     logits = tl.zeros([BLOCK_R, BLOCK_E], tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        offs_d = d0 + tl.arange(0, BLOCK_D)
-        d_ok = offs_d < D
-        wg = tl.load(wg_ptr + offs_e[:, None] * D + offs_d[None, :], mask=e_ok[:, None] & d_ok[None, :], other=0.0)
-        if SPLIT_CTX:
-            logits = tl.dot(load_rows(x_ptr, rows, r_ok, offs_d, d_ok, D), tl.trans(wg), logits)
-        else:
-            x = load_x(x_ptr, inv_ptr, rows, r_ok, offs_d, d_ok, H, D, HAS_INV)
-            logits = tl.dot(x, tl.trans(wg.to(tl.float32)), logits, input_precision=PRECISION)
     if SPLIT_CTX:
-        logits += tl.load(inv_logits_ptr + (rows64 // H)[:, None] * E + offs_e[None, :],
+        # Each D block's dots (two halves) start from zero and the blocks are added in fp32: chained
+        # over all of D into one accumulator, π drifted off float64 with D on the H200 (bf16,
+        # 4096 x 16 rows: 3.6e-7 at D = 512, 3.2e-6 at 4096, 6.4e-6 at 8192, against 3.4e-7 for
+        # the merged form at 8192; session 27, out/split_ctx_drift.py), as the ∂Wg split did. The
+        # block's second dot takes the first's sum as its accumulator, which keeps Triton's
+        # combine pass from folding `logits + dot(a, b, 0)` into dot(a, b, logits).
+        for d0 in range(0, D, BLOCK_D):
+            pair = tl.zeros([BLOCK_R, BLOCK_E], tl.float32)
+            for half in tl.static_range(2):
+                offs_d = d0 + half * (BLOCK_D // 2) + tl.arange(0, BLOCK_D // 2)
+                d_ok = offs_d < D
+                pair = tl.dot(load_rows(x_ptr, rows, r_ok, offs_d, d_ok, D),
+                              tl.trans(load_rows(wg_ptr, offs_e, e_ok, offs_d, d_ok, D)), pair)
+            logits += pair
+        logits += tl.load(inv_logits_ptr + (rows.to(tl.int64) // H)[:, None] * E + offs_e[None, :],
                           mask=r_ok[:, None] & e_ok[None, :], other=0.0)
+    else:
+        for d0 in range(0, D, BLOCK_D):
+            offs_d = d0 + tl.arange(0, BLOCK_D)
+            d_ok = offs_d < D
+            x = load_x(x_ptr, inv_ptr, rows, r_ok, offs_d, d_ok, H, D, HAS_INV)
+            wg = load_rows(wg_ptr, offs_e, e_ok, offs_d, d_ok, D).to(tl.float32)
+            logits = tl.dot(x, tl.trans(wg), logits, input_precision=PRECISION)
     return logits
 
 

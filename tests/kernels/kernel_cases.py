@@ -72,11 +72,11 @@ def _f64(t):
     return None if t is None else t.double()
 
 
-def check_route_split_ctx(B, H, D, E, k, dtype, device, max_flips):
+def check_route_split_ctx(B, H, D, E, k, dtype, device, max_flips, bound=1e-5):
     """triton_router.route with SPLIT_CTX on fresh ctx [B·H,D] in `dtype`, inv [B,D] fp32 and Wg
     [E,D] in `dtype` (a caller below SPLIT_CTX_MIN_WORK lowers it), against float64: the split
-    taken, π and the weights within the fp32 bound, at most max_flips of the rows choosing other
-    experts (near-ties, left out)."""
+    taken, π and the weights within `bound` (the fp32 bound by default), at most max_flips of the
+    rows choosing other experts (near-ties, left out)."""
     gen = torch.Generator(device=device).manual_seed(25)
     ctx = torch.randn(B * H, D, device=device, generator=gen).to(dtype)
     inv = torch.randn(B, D, device=device, generator=gen)
@@ -87,7 +87,8 @@ def check_route_split_ctx(B, H, D, E, k, dtype, device, max_flips):
     ref_probs, ref_weight, ref_index = reference.route(x64, wg.double(), k, True)
     same = (index.long() == ref_index).all(1)
     assert int((~same).sum()) <= max_flips * B * H, f"{int((~same).sum())} of {B * H} rows chose other experts"
-    assert rel_err(weight[same], ref_weight[same]) <= 1e-5 and rel_err(probs, ref_probs) <= 1e-5
+    errors = rel_err(weight[same], ref_weight[same]), rel_err(probs, ref_probs)
+    assert max(errors) <= bound, f"weights, π off float64 by {errors}, over {bound}"
     return ctx, inv, wg
 
 
