@@ -32,8 +32,8 @@ products of hi/lo splits, ~2⁻²¹ relative: fp32 to within a few ulps), or, wh
 apart from inv (SPLIT_CTX, SPLIT_WGRAD), as 16-bit dots whose products are exact; fp32 models
 keep ieee fp32 dots, which their 1e-5 bound is checked at. The tensor cores' fp32 accumulation
 drifts over long chains (the ∂Wg split, chained over thousands of rows: 1.29e-5 off float64; the
-forward split over D = 8192, 6.4e-6), so both splits sum short runs of dots apart and add the runs
-in fp32.
+forward split over D = 8192, 6.4e-6), so the ∂Wg split sums each row block's dots apart and adds
+the blocks in fp32, and the forward split does so for each D block past D = 1024.
 """
 import os
 
@@ -58,6 +58,14 @@ MAX_EXPERTS = 64
 # MHA_COMPILE_ROUTER_SPLIT_CTX=0 turns it off.
 SPLIT_CTX = os.environ.get("MHA_COMPILE_ROUTER_SPLIT_CTX", "1") != "0"
 SPLIT_CTX_MIN_WORK = 4096
+# Its dots chained over all of D into one accumulator drift off float64 with D, as if the tensor
+# cores' fp32 accumulation truncated (H200, bf16, 4096 x 16 rows, out/split_ctx_drift.py, session
+# 27): π 3.6e-7 at D = 512, 1.5e-6 at 2048, 3.2e-6 at 4096, 6.4e-6 at 8192, against 1.8e-7 to
+# 3.4e-7 for the merged form. Summing each D block's dots apart (two dots of half a block) and
+# adding the blocks in fp32 held it at 1.6e-7 to 3.0e-7 at every D, but took the route at large
+# from 30.7-32.7 us to 34.3-38.2 (bench/router_probe.py, each config, one machine). So the chain
+# is kept up to D = 1024 (~7e-7 by the measured trend) and the block sums taken above.
+SPLIT_CTX_CHAIN_MAX_D = 1024
 # ∂Wg the same way, where the forward splits and ctx is bf16: ∂logitsᵀ ctx as three bf16 dots of
 # ∂logits' hi/mid/lo parts against the exact ctx, plus (Σ_h ∂logits[b,h])ᵀ inv[b] over B rows,
 # instead of tf32x3 dots on x merged in fp32. Offline (sm_90a, large): 128 registers and 40 KiB of
@@ -71,39 +79,48 @@ SPLIT_WGRAD = os.environ.get("MHA_COMPILE_ROUTER_SPLIT_WGRAD", "1") != "0"
 
 
 @triton.jit
+def _wg_tile(wg_ptr, offs_e, e_ok, offs_d, d_ok, D):
+    """Wg[offs_e, offs_d] in Wg's dtype (0 where masked); int32 offsets (E·D is small), which
+    load_rows' int64 ones would cost 8 SASS instructions more in the route (sm_90a, large)."""
+    return tl.load(wg_ptr + offs_e[:, None] * D + offs_d[None, :], mask=e_ok[:, None] & d_ok[None, :], other=0.0)
+
+
+@triton.jit
 def _logits(x_ptr, inv_ptr, wg_ptr, inv_logits_ptr, rows, r_ok, H, D, E, HAS_INV: tl.constexpr,
-            SPLIT_CTX: tl.constexpr, PRECISION: tl.constexpr,
+            SPLIT_CTX: tl.constexpr, SUM_BLOCKS: tl.constexpr, PRECISION: tl.constexpr,
             BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr):
     """x Wgᵀ [BLOCK_R, BLOCK_E] fp32 for the given rows (padding experts 0). SPLIT_CTX: x = ctx +
-    inv[b] taken apart, ctx Wgᵀ as one dot of ctx and Wg in their 16-bit dtype (exact products,
-    fp32 sums) plus inv_logits[b] = inv[b] Wgᵀ (_inv_logits_kernel, once a batch row); else x
-    merged on load in fp32, dots at PRECISION."""
+    inv[b] taken apart, ctx Wgᵀ as 16-bit dots of ctx and Wg (exact products, fp32 sums; with
+    SUM_BLOCKS each D block's apart, see split_ctx_sums_blocks) plus inv_logits[b] = inv[b] Wgᵀ
+    (_inv_logits_kernel, once a batch row); else x merged on load in fp32, dots at PRECISION."""
     offs_e = tl.arange(0, BLOCK_E)
     e_ok = offs_e < E
     logits = tl.zeros([BLOCK_R, BLOCK_E], tl.float32)
     if SPLIT_CTX:
-        # Each D block's dots (two halves) start from zero and the blocks are added in fp32: chained
-        # over all of D into one accumulator, π drifted off float64 with D on the H200 (bf16,
-        # 4096 x 16 rows: 3.6e-7 at D = 512, 3.2e-6 at 4096, 6.4e-6 at 8192, against 3.4e-7 for
-        # the merged form at 8192; session 27, out/split_ctx_drift.py), as the ∂Wg split did. The
-        # block's second dot takes the first's sum as its accumulator, which keeps Triton's
-        # combine pass from folding `logits + dot(a, b, 0)` into dot(a, b, logits).
         for d0 in range(0, D, BLOCK_D):
-            pair = tl.zeros([BLOCK_R, BLOCK_E], tl.float32)
-            for half in tl.static_range(2):
-                offs_d = d0 + half * (BLOCK_D // 2) + tl.arange(0, BLOCK_D // 2)
+            if SUM_BLOCKS:
+                # The block's second dot takes the first's sum as its accumulator, which keeps
+                # Triton's combine pass from folding `logits + dot(a, b, 0)` into dot(a, b, logits).
+                block = tl.zeros([BLOCK_R, BLOCK_E], tl.float32)
+                for half in tl.static_range(2):
+                    offs_d = d0 + half * (BLOCK_D // 2) + tl.arange(0, BLOCK_D // 2)
+                    d_ok = offs_d < D
+                    block = tl.dot(load_rows(x_ptr, rows, r_ok, offs_d, d_ok, D),
+                                   tl.trans(_wg_tile(wg_ptr, offs_e, e_ok, offs_d, d_ok, D)), block)
+                logits += block
+            else:
+                offs_d = d0 + tl.arange(0, BLOCK_D)
                 d_ok = offs_d < D
-                pair = tl.dot(load_rows(x_ptr, rows, r_ok, offs_d, d_ok, D),
-                              tl.trans(load_rows(wg_ptr, offs_e, e_ok, offs_d, d_ok, D)), pair)
-            logits += pair
+                logits = tl.dot(load_rows(x_ptr, rows, r_ok, offs_d, d_ok, D),
+                                tl.trans(_wg_tile(wg_ptr, offs_e, e_ok, offs_d, d_ok, D)), logits)
         logits += tl.load(inv_logits_ptr + (rows.to(tl.int64) // H)[:, None] * E + offs_e[None, :],
                           mask=r_ok[:, None] & e_ok[None, :], other=0.0)
     else:
         for d0 in range(0, D, BLOCK_D):
             offs_d = d0 + tl.arange(0, BLOCK_D)
             d_ok = offs_d < D
+            wg = _wg_tile(wg_ptr, offs_e, e_ok, offs_d, d_ok, D).to(tl.float32)
             x = load_x(x_ptr, inv_ptr, rows, r_ok, offs_d, d_ok, H, D, HAS_INV)
-            wg = load_rows(wg_ptr, offs_e, e_ok, offs_d, d_ok, D).to(tl.float32)
             logits = tl.dot(x, tl.trans(wg), logits, input_precision=PRECISION)
     return logits
 
@@ -114,7 +131,7 @@ def _inv_logits_kernel(inv_ptr, wg_ptr, out_ptr, B, D, E, PRECISION: tl.constexp
     """inv_logits [B,E] fp32 = inv [B,D] fp32 · Wg [E,D]ᵀ, the forward's SPLIT_CTX term."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = rows < B
-    logits = _logits(inv_ptr, inv_ptr, wg_ptr, out_ptr, rows, r_ok, 1, D, E, False, False, PRECISION,
+    logits = _logits(inv_ptr, inv_ptr, wg_ptr, out_ptr, rows, r_ok, 1, D, E, False, False, False, PRECISION,
                      BLOCK_D, BLOCK_E, BLOCK_R)
     offs_e = tl.arange(0, BLOCK_E)
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * E + offs_e[None, :], logits,
@@ -125,7 +142,8 @@ def _inv_logits_kernel(inv_ptr, wg_ptr, out_ptr, B, D, E, PRECISION: tl.constexp
 def _router_fwd_kernel(
     x_ptr, inv_ptr, wg_ptr, inv_logits_ptr, weight_ptr, index_ptr, probs_ptr,
     R, H, D, E,
-    TOP_K: tl.constexpr, HAS_INV: tl.constexpr, SPLIT_CTX: tl.constexpr, RENORM: tl.constexpr,
+    TOP_K: tl.constexpr, HAS_INV: tl.constexpr, SPLIT_CTX: tl.constexpr, SUM_BLOCKS: tl.constexpr,
+    RENORM: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     """x [R,D] (+ inv [R/H,D], or with SPLIT_CTX inv_logits [R/H,E]), Wg [E,D] → weight [R,k] fp32,
@@ -133,7 +151,7 @@ def _router_fwd_kernel(
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = rows < R
     offs_e = tl.arange(0, BLOCK_E)
-    logits = _logits(x_ptr, inv_ptr, wg_ptr, inv_logits_ptr, rows, r_ok, H, D, E, HAS_INV, SPLIT_CTX, PRECISION,
+    logits = _logits(x_ptr, inv_ptr, wg_ptr, inv_logits_ptr, rows, r_ok, H, D, E, HAS_INV, SPLIT_CTX, SUM_BLOCKS, PRECISION,
                      BLOCK_D, BLOCK_E, BLOCK_R)
     logits = tl.where((offs_e < E)[None, :], logits, float("-inf"))
     z = tl.exp(logits - tl.max(logits, axis=1)[:, None])
@@ -310,7 +328,7 @@ _route = Launcher(_router_fwd_kernel, [
     dict(BLOCK_R=64, num_warps=4, num_stages=3),
     dict(BLOCK_R=128, num_warps=4, num_stages=3),
     dict(BLOCK_R=32, num_warps=2, num_stages=3),
-], key=["D", "E", "TOP_K", "HAS_INV", "SPLIT_CTX", "RENORM", "PRECISION"])
+], key=["D", "E", "TOP_K", "HAS_INV", "SPLIT_CTX", "SUM_BLOCKS", "RENORM", "PRECISION"])
 # The backward's pass 1 reads π, the ∂w partials and the routing and writes ∂logits, no dot.
 # bench/router_probe.py on the H200 (session 25, bf16, the whole backward with pass 2 at its pick):
 # 32 rows at 2 warps 86.1 us at large and 17.6 at medium, 64 at 4 warps 86.4 and 19.3; 128 at 4
@@ -354,6 +372,12 @@ def split_ctx(x, inv, wg):
             and x.shape[1] * wg.shape[0] >= SPLIT_CTX_MIN_WORK)
 
 
+def split_ctx_sums_blocks(D):
+    """Whether the split forward sums each D block's dots apart and adds the blocks in fp32
+    (SUM_BLOCKS), past SPLIT_CTX_CHAIN_MAX_D."""
+    return D > SPLIT_CTX_CHAIN_MAX_D
+
+
 def split_wgrad(x, inv, wg):
     """Whether ∂Wg takes x = ctx + inv[b] apart (SPLIT_WGRAD): where the forward does (split_ctx)
     and ctx is bf16."""
@@ -385,7 +409,8 @@ def route(x, inv, wg, top_k, renorm, horizons):
     split = split_ctx(x, inv, wg)
     _route(lambda m: (triton.cdiv(R, m["BLOCK_R"]),),
            x, x if inv is None else inv, wg, inv_logits(inv, wg) if split else x, weight, index, probs,
-           R, horizons, D, E, TOP_K=top_k, HAS_INV=inv is not None, SPLIT_CTX=split, RENORM=renorm,
+           R, horizons, D, E, TOP_K=top_k, HAS_INV=inv is not None, SPLIT_CTX=split,
+           SUM_BLOCKS=split and split_ctx_sums_blocks(D), RENORM=renorm,
            PRECISION=router_precision(x.dtype), BLOCK_D=_logits_block_d(block_e), BLOCK_E=block_e)
     return weight, index, probs
 

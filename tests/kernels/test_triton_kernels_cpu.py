@@ -267,14 +267,19 @@ def test_router_backward_in_two_passes(monkeypatch, module, renorm):
     assert errors["flips"] == 0
 
 
-def test_router_split_ctx_against_float64(monkeypatch):
-    """SPLIT_CTX: the forward's logits as ctx Wgᵀ, one 16-bit dot, plus inv[b] Wgᵀ once a batch
-    row. π and the weights against float64 at the fp32 bound, the same experts chosen; the split
-    only where ctx and Wg share a 16-bit dtype and inv is merged on load. (R = 15 and D = 40:
-    partial blocks of rows and columns; E = 6: padding experts; SPLIT_CTX_MIN_WORK lowered to take
-    the split at these sizes.) fp16 here: Triton 3.6's interpreter multiplies bf16 tiles wrongly
-    (off by ~1e10 on a plain 16x16 dot); bf16 runs on the GPU (test_router_split_ctx_at_fp32_accuracy)."""
+@pytest.mark.parametrize("sum_blocks", [False, True])
+def test_router_split_ctx_against_float64(monkeypatch, sum_blocks):
+    """SPLIT_CTX: the forward's logits as ctx Wgᵀ, 16-bit dots chained over D or (sum_blocks) each
+    D block's summed apart, plus inv[b] Wgᵀ once a batch row. π and the weights against float64 at
+    the fp32 bound, the same experts chosen; the split only where ctx and Wg share a 16-bit dtype
+    and inv is merged on load. (R = 15 and D = 40: partial blocks of rows and columns, the second
+    half block partly masked; E = 6: padding experts; SPLIT_CTX_MIN_WORK and SPLIT_CTX_CHAIN_MAX_D
+    moved to take each path at these sizes.) fp16 here: Triton 3.6's interpreter multiplies bf16
+    tiles wrongly (off by ~1e10 on a plain 16x16 dot); bf16 runs on the GPU
+    (test_router_split_ctx_at_fp32_accuracy, test_router_split_ctx_keeps_its_accuracy_over_long_d)."""
     monkeypatch.setattr(triton_router, "SPLIT_CTX_MIN_WORK", 1)
+    monkeypatch.setattr(triton_router, "SPLIT_CTX_CHAIN_MAX_D", 16 if sum_blocks else 64)
+    assert triton_router.split_ctx_sums_blocks(40) == sum_blocks
     ctx, inv, wg = check_route_split_ctx(5, 3, 40, 6, 2, torch.float16, "cpu", max_flips=0)
     assert not triton_router.split_ctx(ctx, inv, wg.float()) and not triton_router.split_ctx(ctx.float(), inv, wg.float())
     assert not triton_router.split_ctx(ctx, None, wg)
@@ -289,6 +294,8 @@ def test_router_splits_by_size_and_dtype(monkeypatch):
         return which(torch.empty(R, D, dtype=dtype), torch.empty(B, D), torch.empty(E, D, dtype=dtype))
     assert triton_router.SPLIT_CTX and taken(512, 16) and not taken(256, 8)
     assert taken(triton_router.SPLIT_CTX_MIN_WORK // 8, 8) and not taken(triton_router.SPLIT_CTX_MIN_WORK // 8 - 1, 8)
+    # the split's dots chained over D up to 1024 (the presets' 512), each D block's summed apart above
+    assert not triton_router.split_ctx_sums_blocks(1024) and triton_router.split_ctx_sums_blocks(1025)
     wgrad = triton_router.split_wgrad
     assert triton_router.SPLIT_WGRAD and taken(512, 16, which=wgrad) and not taken(256, 8, which=wgrad)
     assert taken(512, 16, dtype=torch.float16) and not taken(512, 16, dtype=torch.float16, which=wgrad)

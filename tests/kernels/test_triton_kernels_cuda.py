@@ -202,11 +202,13 @@ def test_router_split_ctx_at_fp32_accuracy(dtype):
     check_route_split_ctx(4096, 16, 512, 16, 2, dtype, "cuda", max_flips=1e-3)
 
 
-def test_router_split_ctx_keeps_its_accuracy_over_long_d():
-    """SPLIT_CTX at D = 8192 (512 16-wide k-steps): π and the weights within 1e-6 of float64, as
-    the merged form keeps them (3.4e-7 on the H200). Its dots chained over all of D into one
-    accumulator were 6.4e-6 off there (session 27), so each D block's dots are summed apart."""
-    check_route_split_ctx(256, 16, 8192, 16, 2, torch.bfloat16, "cuda", max_flips=1e-3, bound=1e-6)
+@pytest.mark.parametrize("D", [1024, 8192])
+def test_router_split_ctx_keeps_its_accuracy_over_long_d(D):
+    """SPLIT_CTX at D = 1024, the longest chain of dots (64 16-wide k-steps), and at 8192, where
+    each D block's dots are summed apart: π and the weights within 1e-6 of float64, as the merged
+    form keeps them (3.4e-7 at 8192 on the H200). Chained over all of 8192 they were 6.4e-6 off
+    (session 27)."""
+    check_route_split_ctx(256, 16, D, 16, 2, torch.bfloat16, "cuda", max_flips=1e-3, bound=1e-6)
 
 
 def test_router_weight_grad_split_at_fp32_accuracy():
