@@ -108,11 +108,23 @@ def _copy_attribute(root, path, copies):
 
 
 def _copy(gm):
-    graph = torch.fx.Graph()
-    out = graph.graph_copy(gm.graph, {})
+    """gm's graph in a new GraphModule, with what Dynamo hands AOTAutograd beside the graph:
+    gm.meta (its dynamo_compile_id), _param_name_to_source and each placeholder's _dynamo_source.
+    Without them AOTAutograd takes the graph for one Dynamo did not capture and marks no input
+    static (fw_metadata.static_input_indices empty), so CUDA graphs copied every parameter
+    before each replay (H200, torch 2.11, session 27)."""
+    graph, nodes = torch.fx.Graph(), {}
+    out = graph.graph_copy(gm.graph, nodes)
     graph.output(out)
     graph._codegen = copy.deepcopy(gm.graph._codegen)
-    return torch.fx.GraphModule(gm, graph)
+    new = torch.fx.GraphModule(gm, graph)
+    new.meta.update(gm.meta)
+    if hasattr(gm, "_param_name_to_source"):
+        new._param_name_to_source = gm._param_name_to_source
+    for node, copied in nodes.items():
+        if hasattr(node, "_dynamo_source"):
+            copied._dynamo_source = node._dynamo_source
+    return new
 
 
 def _inductor_patches(mode):

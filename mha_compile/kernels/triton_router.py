@@ -59,12 +59,13 @@ MAX_EXPERTS = 64
 SPLIT_CTX = os.environ.get("MHA_COMPILE_ROUTER_SPLIT_CTX", "1") != "0"
 SPLIT_CTX_MIN_WORK = 4096
 # Its dots chained over all of D into one accumulator drift off float64 with D, as if the tensor
-# cores' fp32 accumulation truncated (H200, bf16, 4096 x 16 rows, out/split_ctx_drift.py, session
-# 27): π 3.6e-7 at D = 512, 1.5e-6 at 2048, 3.2e-6 at 4096, 6.4e-6 at 8192, against 1.8e-7 to
-# 3.4e-7 for the merged form. Summing each D block's dots apart (two dots of half a block) and
-# adding the blocks in fp32 held it at 1.6e-7 to 3.0e-7 at every D, but took the route at large
-# from 30.7-32.7 us to 34.3-38.2 (bench/router_probe.py, each config, one machine). So the chain
-# is kept up to D = 1024 (~7e-7 by the measured trend) and the block sums taken above.
+# cores' fp32 accumulation truncated (H200, bf16, 4096 x 16 rows, session 27,
+# bench/results/router_split_drift.txt): π 3.6e-7 at D = 512, 1.5e-6 at 2048, 3.2e-6 at 4096,
+# 6.4e-6 at 8192, against 1.8e-7 to 3.4e-7 for the merged form. Summing each D block's dots apart
+# (two dots of half a block) and adding the blocks in fp32 held it at 1.6e-7 to 3.0e-7 at every
+# D, but took the route at large from 30.7-32.7 us to 34.3-38.2 (bench/router_probe.py, each
+# config, one machine: router_probe_split_sums_ab.txt). So the chain is kept up to D = 1024
+# (~7e-7 by the measured trend) and the block sums taken above.
 SPLIT_CTX_CHAIN_MAX_D = 1024
 # ∂Wg the same way, where the forward splits and ctx is bf16: ∂logitsᵀ ctx as three bf16 dots of
 # ∂logits' hi/mid/lo parts against the exact ctx, plus (Σ_h ∂logits[b,h])ᵀ inv[b] over B rows,

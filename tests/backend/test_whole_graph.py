@@ -4,12 +4,14 @@ around and cudagraphify_impl stands in by recording its arguments and running th
 import pytest
 import torch
 
-from mha_compile import models, whole_graph
+from mha_compile import backend, models, whole_graph
 
 
-def _capture_calls(monkeypatch, static_params):
+def _capture_calls(monkeypatch, static_params, through_mha=False):
     """(is_backward, the inputs, the static indices) of each cudagraphify_impl call of a tiny
-    block's training step compiled through whole_graph.capture, and the block."""
+    block's training step compiled through whole_graph.capture, and the block. through_mha:
+    compiled with backend="mha" as under mode="reduce-overhead" on the GPU (the region rewritten
+    on a copy of Dynamo's graph, then whole_graph.capture), else with capture as the backend."""
     from torch._dynamo.backends import cudagraphs as dynamo_cudagraphs
     from torch._inductor import cudagraph_trees
 
@@ -27,19 +29,28 @@ def _capture_calls(monkeypatch, static_params):
     block = models.MHABlock.from_preset("tiny")
     ctx = torch.randn(4, 3, 32, requires_grad=True)
     tok = torch.randn(4, 5, 32, requires_grad=True)
-    out = torch.compile(block, backend=whole_graph.capture)(ctx, tok)
+    if through_mha:
+        monkeypatch.setattr(backend, "_whole_graph_captured", lambda *args: True)
+        monkeypatch.setattr(backend, "observers", [lambda report, *_: reports.append(report)])
+    reports = []
+    out = torch.compile(block, backend="mha" if through_mha else whole_graph.capture)(ctx, tok)
+    assert not through_mha or [len(r.matches) for r in reports] == [1]
     out.square().sum().backward()
     torch._dynamo.reset()
     return calls, block, (ctx, tok)
 
 
+@pytest.mark.parametrize("through_mha", [False, True], ids=["capture", "mha"])
 @pytest.mark.parametrize("static_params", [False, True])
-def test_the_forward_keeps_the_parameters_static(monkeypatch, static_params):
+def test_the_forward_keeps_the_parameters_static(monkeypatch, static_params, through_mha):
     """With STATIC_PARAMS the forward's static inputs are exactly the block's parameters (read in
     place), and ctx and tok are copied; without it Dynamo's backend copies every input, the
     parameters too (what STATIC_PARAMS is for: if this stops holding, torch has fixed it). The
-    backward's static inputs (all but its incoming gradient) are the same either way."""
-    calls, block, (ctx, tok) = _capture_calls(monkeypatch, static_params)
+    backward's static inputs (all but its incoming gradient) are the same either way. Through
+    backend="mha" too: its rewrite works on a copy of Dynamo's graph, which must keep what
+    AOTAutograd reads the static inputs from (backend._copy; on the H200 the copy without it
+    left none static)."""
+    calls, block, (ctx, tok) = _capture_calls(monkeypatch, static_params, through_mha)
     assert [backward for backward, _, _ in calls] == [False, True]
     _, inputs, static = calls[0]  # fake tensors at compile time: told apart by shape
     users = [i for i, t in enumerate(inputs) if t.shape in (ctx.shape, tok.shape)]
