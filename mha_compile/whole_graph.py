@@ -11,9 +11,13 @@ STATIC_PARAMS, `capture` hands Dynamo's backend the same indices for the forward
 input whose address changes makes the CUDA-graph trees record again (as under Inductor); one the
 graph mutates still makes Dynamo's backend skip CUDA graphs (its check is unchanged).
 
-Opt-in (MHA_COMPILE_CUDAGRAPH_STATIC_PARAMS=1), written in session 26 without device time left
-to run it: the copies it removes are ~66 MiB of parameters a large step (bf16) and 12 tensors a
-step's host copy at every size; bench/PERF_NOTES.md Next says how to time it.
+On by default since session 27; MHA_COMPILE_CUDAGRAPH_STATIC_PARAMS=0 turns it off. On the H200
+(torch 2.11, bench/step_profile.py, mha-fused-cudagraphs on the loop spelling, off then on, each
+its own process; bench/results/static_params_{medium,large}.txt): the replays' input copies
+(aten::_foreach_copy_) took 16 us less GPU a medium step and 50 us less a large one, a medium
+step's GPU time 0.673 → 0.657 ms and its host issue 0.829 → 0.650 ms, a large step's GPU time
+6.049 → 5.980 ms. It needs the graph to carry Dynamo's metadata (backend._copy keeps it): without
+it AOTAutograd marks no input static and this keeps nothing static (session 27's first run).
 """
 import contextlib
 import functools
@@ -22,7 +26,7 @@ from unittest import mock
 
 import torch
 
-STATIC_PARAMS = os.environ.get("MHA_COMPILE_CUDAGRAPH_STATIC_PARAMS", "0") == "1"
+STATIC_PARAMS = os.environ.get("MHA_COMPILE_CUDAGRAPH_STATIC_PARAMS", "1") != "0"
 
 
 def capture(gm, example_inputs):

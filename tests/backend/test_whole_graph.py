@@ -1,6 +1,10 @@
 """whole_graph.capture on the CPU: which inputs of the compiled forward and backward the CUDA-graph
 trees would copy before each replay. CUDA graphs need a GPU, so Dynamo's CPU check is stepped
 around and cudagraphify_impl stands in by recording its arguments and running the graph as is."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -73,3 +77,15 @@ def test_static_params_keeps_the_gradients(monkeypatch):
     eager = [p.grad for p in block.parameters()] + [ctx.grad, tok.grad]
     for got, want in zip(compiled, eager):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("value, expected", [(None, True), ("0", False), ("1", True)])
+def test_static_params_is_on_unless_turned_off(value, expected):
+    """STATIC_PARAMS is the default (session 27: the copies went down on the H200 and the GPU tests
+    passed with it); MHA_COMPILE_CUDAGRAPH_STATIC_PARAMS=0 turns it off, read at import."""
+    env = {k: v for k, v in os.environ.items() if k != "MHA_COMPILE_CUDAGRAPH_STATIC_PARAMS"}
+    if value is not None:
+        env["MHA_COMPILE_CUDAGRAPH_STATIC_PARAMS"] = value
+    out = subprocess.run([sys.executable, "-c", "from mha_compile import whole_graph; print(whole_graph.STATIC_PARAMS)"],
+                         env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == str(expected)
