@@ -89,3 +89,24 @@ def test_static_params_is_on_unless_turned_off(value, expected):
     out = subprocess.run([sys.executable, "-c", "from mha_compile import whole_graph; print(whole_graph.STATIC_PARAMS)"],
                          env=env, capture_output=True, text=True, check=True).stdout
     assert out.strip() == str(expected)
+
+
+def test_inductor_reads_the_parameters_as_static_through_the_rewrite(monkeypatch):
+    """rest="inductor": Inductor's reduce-overhead takes its static inputs from AOTAutograd
+    (compile_fx.get_static_input_idxs), which finds them only in a graph that carries Dynamo's
+    metadata. Through backend="mha" the region is rewritten on a copy of Dynamo's graph
+    (backend._copy): the forward's static inputs must still be the block's 12 parameters, not
+    none (what the copy without the metadata gave)."""
+    from torch._inductor import compile_fx
+
+    found = []
+    original = compile_fx.get_static_input_idxs
+    monkeypatch.setattr(compile_fx, "get_static_input_idxs",
+                        lambda num_fixed: found.append(list(original(num_fixed))) or found[-1])
+    torch._dynamo.reset()
+    block = models.MHABlock.from_preset("tiny")
+    ctx = torch.randn(4, 3, 32, requires_grad=True)
+    tok = torch.randn(4, 5, 32, requires_grad=True)
+    torch.compile(block, backend="mha", options={"rest": "inductor"})(ctx, tok).sum().backward()
+    torch._dynamo.reset()
+    assert len(found) == 1 and len(found[0]) == len(list(block.parameters())) == 12
