@@ -33,10 +33,10 @@ def _capture_calls(monkeypatch, static_params, through_mha=False):
     block = models.MHABlock.from_preset("tiny")
     ctx = torch.randn(4, 3, 32, requires_grad=True)
     tok = torch.randn(4, 5, 32, requires_grad=True)
+    reports = []
     if through_mha:
         monkeypatch.setattr(backend, "_whole_graph_captured", lambda *args: True)
         monkeypatch.setattr(backend, "observers", [lambda report, *_: reports.append(report)])
-    reports = []
     out = torch.compile(block, backend="mha" if through_mha else whole_graph.capture)(ctx, tok)
     assert not through_mha or [len(r.matches) for r in reports] == [1]
     out.square().sum().backward()
