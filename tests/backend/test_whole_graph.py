@@ -103,6 +103,9 @@ def test_inductor_reads_the_parameters_as_static_through_the_rewrite(monkeypatch
     original = compile_fx.get_static_input_idxs
     monkeypatch.setattr(compile_fx, "get_static_input_idxs",
                         lambda num_fixed: found.append(list(original(num_fixed))) or found[-1])
+    # compiled here, not served from torch's caches (on disk, across runs), which skip the compile
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
     torch._dynamo.reset()
     block = models.MHABlock.from_preset("tiny")
     ctx = torch.randn(4, 3, 32, requires_grad=True)
