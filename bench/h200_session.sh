@@ -13,7 +13,7 @@
 #   bash bench/h200_session.sh graphs  # the region's CUDA graphs (options graphs=): pytest -m cuda, then
 #                                      # fwd+bwd rows with and without them, and host time (~7 min):
 #                                      # run.log, graphs.{md,json,png}, host_time.txt
-#   [TESTS=0] bash bench/h200_session.sh table   # pytest -m cuda (TESTS=0: not), then the forward+backward rows of every mode,
+#   [TESTS=0 MODES=..] bash bench/h200_session.sh table   # pytest -m cuda (TESTS=0: not), then the forward+backward rows of every mode (or MODES),
 #                                      # max-autotune on the dense spelling at medium (~9 min):
 #                                      # run.log, h200.{md,json,png,errors.log}
 #   bash bench/h200_session.sh table-fwd  # the forward rows likewise (~6 min): h200_fwd.*
@@ -265,8 +265,10 @@ table|table-fwd)
         if [ "${TESTS:-1}" = 1 ]; then gpu_tests 170; limit=410 budget=345; else limit=560 budget=490; fi
     fi
     # Without a compiled cache, max-autotune's first graph (dense; ~3 min) fits only the larger budget.
+    # MODES=...: a comma list for --modes (session 27 left out inductor-max-autotune to fit after
+    # other work in the call: eager,inductor,mha-staged,mha-fused,mha-fused-nographs,mha-fused-cudagraphs).
     { timeout -s INT -k 15 $limit python -m bench --out "$OUT" --name $name --budget $budget --presets medium,large,small \
-        --passes $pass --spellings dense,loop,grouped_mm --commit "$commit" 2>&1 | tail -70; } >>"$LOG"
+        --passes $pass --spellings dense,loop,grouped_mm ${MODES:+--modes "$MODES"} --commit "$commit" 2>&1 | tail -70; } >>"$LOG"
     ;;
 autotune-cache)
     # SPELLINGS=loop,grouped_mm (say) when a table call has already compiled the dense one.
