@@ -103,13 +103,13 @@ def test_inductor_reads_the_parameters_as_static_through_the_rewrite(monkeypatch
     original = compile_fx.get_static_input_idxs
     monkeypatch.setattr(compile_fx, "get_static_input_idxs",
                         lambda num_fixed: found.append(list(original(num_fixed))) or found[-1])
-    # compiled here, not served from torch's caches (on disk, across runs), which skip the compile
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
     torch._dynamo.reset()
     block = models.MHABlock.from_preset("tiny")
     ctx = torch.randn(4, 3, 32, requires_grad=True)
     tok = torch.randn(4, 5, 32, requires_grad=True)
-    torch.compile(block, backend="mha", options={"rest": "inductor"})(ctx, tok).sum().backward()
+    # compiled here, not served from torch's caches (on disk, across runs), which skip the compile;
+    # through the configs' own patch: monkeypatch's undo deletes a torch config entry for good
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        torch.compile(block, backend="mha", options={"rest": "inductor"})(ctx, tok).sum().backward()
     torch._dynamo.reset()
     assert len(found) == 1 and len(found[0]) == len(list(block.parameters())) == 12
