@@ -31,9 +31,7 @@ def run_row(job, cache, quick=False):
         row.update(_measure(job, cache, quick))
         row["status"] = "ok"
     except Exception as error:  # noqa: BLE001 - every failure is a result here
-        message = f"{type(error).__name__}: {error}".strip().splitlines()
-        row.update(status="error", error=message[0][:400] if message else type(error).__name__,
-                   traceback=traceback.format_exc())
+        row.update(status="error", error=error_line(error), traceback=traceback.format_exc())
     finally:
         _cleanup(job["device_type"])
     if row.get("time_ms"):
@@ -63,6 +61,15 @@ def cost_fields(job):
         bytes_min=cost.evaluate(cost.region_bytes(ACT, pass_, True, cost.DTYPE_BYTES[job["dtype"]]), dims),
         floor_s=floor,
     )
+
+
+def error_line(error):
+    """A row's error: the exception's type and first line, and the next where the first only
+    introduces it (Dynamo's "BackendCompilerFailed: backend='inductor' raised:" says what failed
+    on the line after), at most 400 characters."""
+    lines = [line.strip() for line in f"{type(error).__name__}: {error}".splitlines() if line.strip()]
+    line = " ".join(lines[:2]) if len(lines) > 1 and lines[0].endswith(":") else lines[0]
+    return line[:400]
 
 
 def _measure(job, cache, quick):

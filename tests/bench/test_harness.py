@@ -41,6 +41,19 @@ def test_rows_have_documented_fields(tmp_path, capsys):
     assert "× best peer" in out and "CPU: reduced set" in out
 
 
+def test_an_error_row_says_what_failed_inside_a_wrapper():
+    """A row's error line: the exception's first line, and the next where the first only
+    introduces it (Dynamo's BackendCompilerFailed; session 27's CI showed only "backend='inductor'
+    raised:" and the AttributeError behind it was in the errors log alone); 400 characters at most."""
+    from bench import measure
+    wrapped = RuntimeError("backend='inductor' raised:\nAttributeError: config.x does not exist\n\nSet TORCHDYNAMO_VERBOSE=1")
+    assert measure.error_line(wrapped) == (
+        "RuntimeError: backend='inductor' raised: AttributeError: config.x does not exist")
+    assert measure.error_line(ValueError("bad value\nmore detail")) == "ValueError: bad value"
+    assert measure.error_line(KeyError()) == "KeyError:"
+    assert len(measure.error_line(ValueError("x" * 1000))) == 400
+
+
 def test_a_failing_mode_is_an_error_row(tmp_path, monkeypatch):
     real_build = modes.build
 
