@@ -4,7 +4,7 @@ warp a program).
 
     PYTHONPATH=. python bench/small_kernels_probe.py [--presets medium,large]
                                                      [--kernels tile_sums,gather,matmul,pool,pool_bwd1,pool_bwd2,
-                                                                bias_sums,router_wgrad,inv_logits]
+                                                                pool_bwd_one,bias_sums,router_wgrad,inv_logits]
 
 On the H200 (bf16; ~1-2 min for both presets without pool_bwd1 and pool_bwd2, which add some 3-5
 min, not yet measured: ~90 configs to compile and time; bench/results/small_kernels_probe.txt), at each
@@ -23,6 +23,8 @@ slot layout:
   pool_bwd1  triton_pool._pool_bwd_scores_kernel, the backward's pass 1 (∂s): BLOCK_N × warps × stages
   pool_bwd2  triton_pool._pool_bwd_kernel, pass 2 (∂tok, t̄, the ∂u partials): BLOCK_N × BLOCK_D ×
              warps × stages; both on the forward's attn of the preset's tokens and a random ∂t̄
+  pool_bwd_one triton_pool._pool_bwd_one_kernel, both passes in one kernel (BWD_ONE_KERNEL): BLOCK_N ×
+             BLOCK_N2 × BLOCK_D2 × warps × stages, after the two kernels' time as shipped
   bias_sums  triton_moe._sum_tiles_kernel, ∂b2's per-expert sums of the gather's partials, as the
              backward calls it (at large on one run of tiles, added into totals): BLOCK × BLOCK_R × warps
   router_wgrad triton_router._router_wgrad_kernel, ∂Wg, with the partials' sum: block_d × BLOCK_R ×
@@ -95,6 +97,13 @@ BWD2_MORE = [dict(BLOCK_N=n, BLOCK_D=d, num_warps=w, num_stages=s) for n, d, w, 
     # for a fourth program: 60 bytes spilled (offline, sm_90a, large); pass 2 lives on its
     # occupancy (PERF_NOTES v26)
     dict(BLOCK_N=16, BLOCK_D=256, num_warps=4, num_stages=4, maxnreg=128)]
+
+# Both passes in one kernel: beside _attend_bwd_one's list, configs of pass 2's blocks with more
+# registers or fewer warps (all build at large without spills, offline sm_90a: 96-200 registers).
+BWD_ONE_MORE = [dict(BLOCK_N=n, BLOCK_N2=n2, BLOCK_D2=d2, num_warps=w, num_stages=s) for n, n2, d2, w, s in (
+    (16, 16, 64, 4, 3), (32, 16, 64, 8, 3), (16, 32, 64, 8, 2), (16, 32, 128, 8, 2), (32, 32, 128, 8, 2),
+    (16, 16, 256, 8, 2), (32, 16, 256, 8, 3), (16, 32, 128, 4, 2), (16, 32, 256, 8, 2), (16, 16, 256, 4, 3),
+    (16, 32, 128, 4, 3))]
 
 
 def tiles(rows, columns, values=VALUES):
@@ -406,20 +415,38 @@ def bwd_scores(x, ds=None):
     return triton_pool.attend_bwd_scores(x.tok, x.attn, x.dtbar, torch.empty_like(x.attn) if ds is None else ds)
 
 
+def bwd_outputs(x):
+    """Empty (∂tok in tok's dtype, t̄, ∂u partials [B,P,D] fp32) for x."""
+    B, N, D = x.tok.shape
+    P = x.attn.shape[2]
+    return (torch.empty_like(x.tok),) + tuple(
+        torch.empty(B, P, D, device=x.tok.device, dtype=torch.float32) for _ in range(2))
+
+
 def bwd(x, out=None):
     """Pass 2 as pool_backward launches it (triton_pool.attend_bwd), but for the ∂u partials,
     written to a buffer of their own where pool_backward writes them over ∂t̄: the same bytes move,
     and x.dtbar stays as it was through the timing's replays, so that the last call's ∂tok can be
     compared. (∂tok in tok's dtype, t̄, ∂u partials [B,P,D] fp32), into out if given, from x.tok,
     x.u, x.attn, x.ds (pass 1's) and x.dtbar."""
-    B, N, D = x.tok.shape
-    P = x.attn.shape[2]
-    if out is None:
-        out = (torch.empty_like(x.tok), torch.empty(B, P, D, device=x.tok.device, dtype=torch.float32),
-               torch.empty(B, P, D, device=x.tok.device, dtype=torch.float32))
-    grad_tok, tbar, du = out
+    grad_tok, tbar, du = out = bwd_outputs(x) if out is None else out
     triton_pool.attend_bwd(x.tok, x.u, x.attn, x.ds, x.dtbar, tbar, du, grad_tok)
-    return grad_tok, tbar, du
+    return out
+
+
+def bwd_one(x, out=None):
+    """Both passes in one kernel (triton_pool.attend_bwd_one), with bwd's outputs (the ∂u partials
+    likewise in a buffer of their own), into out if given; x.ds is its scratch for ∂s."""
+    grad_tok, tbar, du = out = bwd_outputs(x) if out is None else out
+    triton_pool.attend_bwd_one(x.tok, x.u, x.attn, x.ds, x.dtbar, tbar, du, grad_tok)
+    return out
+
+
+def bwd_one_configs(N, D):
+    """The one kernel's candidates at N tokens of D: its shipped list, then BWD_ONE_MORE's with
+    BLOCK_N ≤ pow2(N) and BLOCK_D2 ≤ pow2(D)."""
+    return ordered(*triton_pool._attend_bwd_one.configs,
+                   *(cfg for cfg in BWD_ONE_MORE if cfg["BLOCK_N"] <= pow2(N) and cfg["BLOCK_D2"] <= pow2(D)))
 
 
 def pool_bwd1(c):
@@ -444,8 +471,32 @@ def pool_bwd2(c):
     sweep("pool bwd 2", launcher, ordered(first, *bwd2_configs(c.N, c.D)), run, traffic, launcher.configs)
 
 
+def pool_bwd_one(c):
+    """Both passes of the pool backward as one kernel (triton_pool.attend_bwd_one: a program a batch
+    row, pass 2 reading tok[b] again right after pass 1) under _attend_bwd_one's list and
+    BWD_ONE_MORE, after a row for the two kernels as pool_backward launches them (each its
+    autotuner's pick), timed the same way. The rate is over bwd2_bytes, the bytes of one read of
+    tok (the two kernels read it twice)."""
+    launcher, x = triton_pool._attend_bwd_one, backward_inputs(c)
+    x.ds = bwd_scores(x)
+    traffic = bwd2_bytes(c.B, c.N, c.D, c.P, c.tok.element_size())
+    print(f"pool backward in one kernel: tok [{c.B}, {c.N}, {c.D}], P={c.P}, {traffic / 1e6:.0f} MB", flush=True)
+    two = lambda: (bwd_scores(x, x.ds), bwd(x))[1]  # noqa: E731
+    want = [t.clone() for t in two()]
+    if torch.cuda.is_available():
+        ms = triton.testing.do_bench_cudagraph(two, rep=60, return_mode="median")
+        print(f"  {'two kernels, as shipped':<66}  {ms * 1e3:7.1f} us {traffic / ms / 1e9:5.2f} TB/s", flush=True)
+    run = lambda cfg: bwd_one(x)  # noqa: E731
+    first = shipped(launcher, lambda: run(None))
+    configs = ordered(first, *bwd_one_configs(c.N, c.D))
+    for i, cfg in enumerate(configs):
+        mark = "*" if i == 0 else "+" if cfg in launcher.configs else " "
+        row(f"{mark} {'pool bwd one':<13} {describe(cfg):<52}", launcher, cfg, lambda: run(cfg), traffic,
+            lambda got: agreement(got, want))
+
+
 PROBES = dict(tile_sums=tile_sums, gather=gather, matmul=matmul, pool=pool, pool_bwd1=pool_bwd1, pool_bwd2=pool_bwd2,
-              bias_sums=bias_sums, router_wgrad=router_wgrad, inv_logits=inv_logits)
+              pool_bwd_one=pool_bwd_one, bias_sums=bias_sums, router_wgrad=router_wgrad, inv_logits=inv_logits)
 KERNELS = tuple(PROBES)
 
 

@@ -30,6 +30,8 @@ pass 1 put an fp32 operand's hi and lo halves side by side (triton_util.split_pa
 thread, sm_90a offline). On the H200 at large (bench/PERF_NOTES.md v14) the three kernels take
 0.25, 0.17 and 0.41 ms a step (1.12 before split pairs, t̄ᵀ and the loads one block ahead).
 """
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -41,6 +43,9 @@ from mha_compile.kernels.triton_util import (Launcher, dot16, dot_f32, dot_pairs
 
 # A [D, 2P] fp32 accumulator (2P padded to 16) lives in registers: D beyond this spills badly.
 MAX_POOL_D = 1024
+# The backward's two passes as one kernel, each program pass 1 then pass 2 for its batch row
+# (_pool_bwd_one_kernel), read at launch time (bench/flag_ab.py flips it).
+BWD_ONE_KERNEL = os.environ.get("MHA_COMPILE_POOL_BWD_ONE_KERNEL", "0") != "0"
 
 
 @triton.jit
@@ -117,10 +122,21 @@ def _pool_bwd_scores_kernel(
     SPLIT_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     """Pass 1 of the backward, per batch row b (one program, all of D): tok [B,N,D], attn
-    [B,N,P], ∂t̄ [B,P,D] → ∂s [B,N,P] fp32, the scores' gradient ∂s = a ⊙ (∂a − c) with
-    ∂a[n,p] = ⟨tok[b,n], ∂t̄_p⟩ and c_p = Σ_n a ∂a. ∂a is parked in ∂s until c is final (a
+    [B,N,P], ∂t̄ [B,P,D] → ∂s [B,N,P] fp32 (_scores_grad)."""
+    _scores_grad(tl.program_id(0).to(tl.int64), tok_ptr, attn_ptr, dtbar_ptr, ds_ptr, N, D, P, stride_tb, stride_tn,
+                 SPLIT_DOT, BLOCK_N, BLOCK_D, BLOCK_P)
+
+
+@triton.jit
+def _scores_grad(
+    b, tok_ptr, attn_ptr, dtbar_ptr, ds_ptr,
+    N, D, P,
+    stride_tb, stride_tn,
+    SPLIT_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    """Batch row b's ∂s [N,P] fp32 from all of D at once: the scores' gradient ∂s = a ⊙ (∂a − c)
+    with ∂a[n,p] = ⟨tok[b,n], ∂t̄_p⟩ and c_p = Σ_n a ∂a. ∂a is parked in ∂s until c is final (a
     second, tiny pass over [N,P], as the forward's)."""
-    b = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     offs_p = tl.arange(0, BLOCK_P)
     d_ok = offs_d < D
@@ -173,17 +189,29 @@ def _pool_bwd_kernel(
     stride_tb, stride_tn,
     SPLIT_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
 ):
-    """Pass 2, per batch row b and block of D columns, one read of tok and one write of ∂tok.
-    With ads = [a | ∂s] ([N,2P], ∂s from pass 1) and the stacked directions R = [∂t̄_b ; u] ([2P, D]):
+    """Pass 2, per batch row b and block of D columns (_grad_columns): one read of tok and one
+    write of ∂tok."""
+    _grad_columns(tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D), tok_ptr, u_ptr,
+                  attn_ptr, ds_ptr, dtbar_ptr, tbar_ptr, du_ptr, dtok_ptr, N, D, P, stride_tb, stride_tn, SPLIT_DOT,
+                  BLOCK_N, BLOCK_D, BLOCK_Q)
+
+
+@triton.jit
+def _grad_columns(
+    b, offs_d, tok_ptr, u_ptr, attn_ptr, ds_ptr, dtbar_ptr, tbar_ptr, du_ptr, dtok_ptr,
+    N, D, P: tl.constexpr,
+    stride_tb, stride_tn,
+    SPLIT_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
+):
+    """Batch row b's columns offs_d (BLOCK_D of them) of ∂tok, t̄ and the ∂u partials, from ∂s. With ads = [a | ∂s]
+    ([N,2P]) and the stacked directions R = [∂t̄_b ; u] ([2P, D]):
         ∂tok[b,n] = ads[n] R = Σ_p a ∂t̄_p + Σ_p ∂s u_p
-        adsᵀ tok[b] = [t̄_b ; Σ_n ∂s tok[b,n]] → t̄ [B,P,D] and the ∂u-partials [B,P,D]
-    (2P is padded to BLOCK_Q ≥ 16 columns, one dot each way). du_ptr may be dtbar_ptr: a
-    program reads its block of ∂t̄[b] before its loop and writes the same block after it, and
-    no other program touches that block. P is a compile-time constant here: a and ∂s are read
-    as [BLOCK_N, P] rows of P contiguous values, which the compiler can then load as vectors.
+        adsᵀ tok[b] = [t̄_b ; Σ_n ∂s tok[b,n]] → t̄ [B,P,D] and the ∂u partials [B,P,D]
+    (2P is padded to BLOCK_Q ≥ 16 columns, one dot each way). du_ptr may be dtbar_ptr: these
+    columns' ∂t̄[b] are read before the loop and their ∂u partials written after it, and no
+    other program or call touches them. P is a compile-time constant here: a and ∂s are read as
+    [BLOCK_N, P] rows of P contiguous values, which the compiler can then load as vectors.
     """
-    b = tl.program_id(0).to(tl.int64)
-    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     offs_q = tl.arange(0, BLOCK_Q)
     d_ok = offs_d < D
     q_a = offs_q < P
@@ -214,6 +242,28 @@ def _pool_bwd_kernel(
     out_off = b * P * D + offs_q[:, None] * D + offs_d[None, :]
     tl.store(tbar_ptr + out_off, acc, mask=q_a[:, None] & d_ok[None, :])
     tl.store(du_ptr + out_off - P * D, acc, mask=q_s[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _pool_bwd_one_kernel(
+    tok_ptr, u_ptr, attn_ptr, ds_ptr, dtbar_ptr, tbar_ptr, du_ptr, dtok_ptr,
+    N, D, P: tl.constexpr,
+    stride_tb, stride_tn,
+    SPLIT_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_N2: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_Q: tl.constexpr,
+):
+    """Both passes for one batch row b, one program: pass 1's ∂s (all of D, BLOCK_N tokens a
+    step), then pass 2 over D in blocks of BLOCK_D2 columns (BLOCK_N2 tokens a step). Pass 2's
+    read of tok[b] follows pass 1's within the program, while tok[b] (128 KiB at large) may still
+    be in L2, where the two kernels read all of tok twice from memory (0.54 GB each at large)."""
+    b = tl.program_id(0).to(tl.int64)
+    _scores_grad(b, tok_ptr, attn_ptr, dtbar_ptr, ds_ptr, N, D, P, stride_tb, stride_tn, SPLIT_DOT, BLOCK_N, BLOCK_D,
+                 BLOCK_P)
+    # Pass 2 reads the ∂s this program's threads wrote; the barrier orders them.
+    tl.debug_barrier()
+    for d0 in range(0, D, BLOCK_D2):
+        _grad_columns(b, d0 + tl.arange(0, BLOCK_D2), tok_ptr, u_ptr, attn_ptr, ds_ptr, dtbar_ptr, tbar_ptr, du_ptr,
+                      dtok_ptr, N, D, P, stride_tb, stride_tn, SPLIT_DOT, BLOCK_N2, BLOCK_D2, BLOCK_Q)
 
 
 # Token dtypes whose pool dots run as split 16-bit tensor-core products (see triton_util.dot_f32). fp16
@@ -265,6 +315,22 @@ _attend_bwd = Launcher(_pool_bwd_kernel, [
     dict(BLOCK_N=64, BLOCK_D=64, num_warps=4, num_stages=4),
     # At large: 371 against the [32, 128] blocks' 408 us, 3.5 TB/s (bench/small_kernels_probe.py, H200)
     dict(BLOCK_N=16, BLOCK_D=256, num_warps=4, num_stages=4),
+], key=["N", "D", "P", "SPLIT_DOT"], restore=["dtbar_ptr"])
+# Both passes in one kernel (BWD_ONE_KERNEL): pass 1's BLOCK_N, pass 2's BLOCK_N2 × BLOCK_D2, warps and
+# stages shared. The first config gives the interpreter's tests more than one block of D, as _attend_bwd's.
+# The rest hold 64-182 registers without spills at large (offline, sm_90a), 2-4 programs an SM: the
+# two phases' registers and shared memory are not added, but two [16, 256] blocks at 4 warps take
+# 228-240 registers where pass 2 alone takes 168.
+_attend_bwd_one = Launcher(_pool_bwd_one_kernel, [
+    dict(BLOCK_N=16, BLOCK_N2=16, BLOCK_D2=32, num_warps=4, num_stages=3),
+    dict(BLOCK_N=16, BLOCK_N2=16, BLOCK_D2=128, num_warps=4, num_stages=3),
+    dict(BLOCK_N=32, BLOCK_N2=16, BLOCK_D2=128, num_warps=4, num_stages=2),
+    dict(BLOCK_N=32, BLOCK_N2=16, BLOCK_D2=64, num_warps=4, num_stages=2),
+    dict(BLOCK_N=16, BLOCK_N2=16, BLOCK_D2=256, num_warps=8, num_stages=3),
+    dict(BLOCK_N=16, BLOCK_N2=16, BLOCK_D2=128, num_warps=8, num_stages=3),
+    dict(BLOCK_N=32, BLOCK_N2=16, BLOCK_D2=128, num_warps=8, num_stages=2),
+    dict(BLOCK_N=16, BLOCK_N2=16, BLOCK_D2=64, num_warps=8, num_stages=2),
+    dict(BLOCK_N=16, BLOCK_N2=16, BLOCK_D2=256, num_warps=4, num_stages=2),
 ], key=["N", "D", "P", "SPLIT_DOT"], restore=["dtbar_ptr"])
 
 
@@ -340,6 +406,16 @@ def attend_bwd(tok, u, attn, ds, dtbar, tbar, du, grad_tok):
                 N, D, P, tok.stride(0), tok.stride(1), SPLIT_DOT=split_dot(tok.dtype), BLOCK_Q=pow2(2 * P))
 
 
+def attend_bwd_one(tok, u, attn, ds, dtbar, tbar, du, grad_tok):
+    """Both passes of the backward in one kernel (_pool_bwd_one_kernel), with attend_bwd_scores' and
+    attend_bwd's arguments: ds [B,N,P] fp32 is its scratch for ∂s."""
+    B, N, D = tok.shape
+    P = attn.shape[2]
+    split = split_dot(tok.dtype)
+    _attend_bwd_one(lambda m: (B,), tok, u, attn, ds, dtbar, tbar, du, grad_tok, N, D, P, tok.stride(0),
+                    tok.stride(1), SPLIT_DOT=split, BLOCK_D=pow2(D), BLOCK_P=block_p(P, split), BLOCK_Q=pow2(2 * P))
+
+
 def pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn, u=None):
     """(∂tok in tok's dtype, ∂q, ∂Wk, ∂Wv, ∂bv, ∂Wo, ∂bo) in fp32; weights given in fp32 (Wv and Wo
     also in tok's dtype, as pool_forward's). u:
@@ -363,8 +439,11 @@ def pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn, u=None):
     attn = attn.contiguous()
     grad_tok = torch.empty_like(tok)
     tbar = torch.empty(B, P, D, device=tok.device, dtype=torch.float32)
-    ds = attend_bwd_scores(tok, attn, grad_tbar, torch.empty_like(attn))
-    attend_bwd(tok, u, attn, ds, grad_tbar, tbar, du_part, grad_tok)
+    ds = torch.empty_like(attn)
+    if BWD_ONE_KERNEL:
+        attend_bwd_one(tok, u, attn, ds, grad_tbar, tbar, du_part, grad_tok)
+    else:
+        attend_bwd(tok, u, attn, attend_bwd_scores(tok, attn, grad_tbar, ds), grad_tbar, tbar, du_part, grad_tok)
     del ds
     grad_u = du_part.sum(0) * (Dh**-0.5)
     del grad_tbar, du_part

@@ -116,7 +116,7 @@ def test_gather_overrides_that_cannot_be_right_are_refused(case):
 
 def test_every_swept_config_runs_and_agrees_with_the_shipped_one(capsys):
     launchers = (triton_moe._tile_sums, triton_matmul._matmul, triton_pool._attend, triton_pool._attend_bwd_scores,
-                 triton_pool._attend_bwd, triton_moe._sum_tiles)
+                 triton_pool._attend_bwd, triton_pool._attend_bwd_one, triton_moe._sum_tiles)
     plain = lambda: [triton_moe._gather_rows_kernel, triton_router._router_wgrad_kernel,  # noqa: E731
                      triton_router._inv_logits_kernel]
     before = [(l.kernel, l.configs, l.tuned) for l in launchers] + plain()
@@ -127,15 +127,17 @@ def test_every_swept_config_runs_and_agrees_with_the_shipped_one(capsys):
     rows = [line for line in out.splitlines() if line[:2] in ("* ", "+ ", "  ") and " us " in line]
     shipped = [line.split()[1:3] for line in rows if line.startswith("* ")]
     # one sweep each: tile_sums, the gather's three calls, the pool's 7 distinct matmuls, its
-    # forward and its backward's two passes, ∂b2's sums, ∂Wg and the forward split's inv Wgᵀ
+    # forward, its backward's two passes and both in one kernel, ∂b2's sums, ∂Wg and the forward
+    # split's inv Wgᵀ
     assert [name for name, _ in shipped] == (["tile_sums", "gather", "gather", "gather"] + ["matmul"] * 7
-                                             + ["pool"] * 3 + ["bias_sums", "router_wgrad", "inv_logits"])
+                                             + ["pool"] * 4 + ["bias_sums", "router_wgrad", "inv_logits"])
     for launcher, name in zip(launchers, ("tile_sums", "matmul #0", "pool fwd", "pool bwd 1", "pool bwd 2",
-                                          "bias_sums")):
+                                          "pool bwd one", "bias_sums")):
         listed = [line for line in rows if line[2:].startswith(name)]
         assert all(any(probe.describe(cfg) in line for line in listed) for cfg in launcher.configs), name
     # the pool backward's sweeps: their lists at tiny (N = 5, D = 32), each config once
-    for name, configs in (("pool bwd 1", probe.bwd1_configs(5)), ("pool bwd 2", probe.bwd2_configs(5, 32))):
+    for name, configs in (("pool bwd 1", probe.bwd1_configs(5)), ("pool bwd 2", probe.bwd2_configs(5, 32)),
+                          ("pool bwd one", probe.bwd_one_configs(5, 32))):
         listed = [line for line in rows if line[2:].startswith(name)]
         assert len(listed) == len(configs) and all(
             sum(f" {probe.describe(cfg)} " in line for line in listed) == 1 for cfg in configs), name
@@ -180,9 +182,10 @@ class _Recorded:
 
 
 def test_the_pool_backward_sweeps_launch_what_pool_backward_does(monkeypatch):
-    """Each config of both pool backward sweeps, at an odd shape, on the inputs pool_backward gave
-    its two kernels: its blocks reach the kernel, and it writes into NaN-filled outputs what
-    pool_backward's launches wrote (∂s; ∂tok, t̄ and the ∂u partials) to fp32 rounding."""
+    """Each config of the three pool backward sweeps (pass 1, pass 2, both in one kernel), at an
+    odd shape, on the inputs pool_backward gave its two kernels: its blocks reach the kernel, and
+    it writes into NaN-filled outputs what pool_backward's launches wrote (∂s; ∂tok, t̄ and the ∂u
+    partials, for pass 2 and the one kernel) to fp32 rounding."""
     B, N, D, P = 2, 37, 300, 4  # pow2(N) = 64, pow2(D) = 512: every BLOCK_N and BLOCK_D of the lists
     g = torch.Generator().manual_seed(0)
     rand = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
@@ -204,15 +207,20 @@ def test_the_pool_backward_sweeps_launch_what_pool_backward_does(monkeypatch):
     assert torch.equal(x.ds, out1["ds_ptr"]) and torch.equal(out2["du_ptr"], out2["dtbar_ptr"])
     want = {triton_pool._attend_bwd_scores: (out1["ds_ptr"],),
             triton_pool._attend_bwd: (out2["dtok_ptr"], out2["tbar_ptr"], out2["du_ptr"])}
+    want[triton_pool._attend_bwd_one] = want[triton_pool._attend_bwd]
     assert all(t.isfinite().all() and (t != 0).any() for ts in want.values() for t in ts)
     nans = lambda ts: tuple(torch.full_like(t, float("nan")) for t in ts)  # noqa: E731
     runs = {triton_pool._attend_bwd_scores: lambda ts: (probe.bwd_scores(x, ds=nans(ts)[0]),),
-            triton_pool._attend_bwd: lambda ts: probe.bwd(x, out=nans(ts))}
+            triton_pool._attend_bwd: lambda ts: probe.bwd(x, out=nans(ts)),
+            triton_pool._attend_bwd_one: lambda ts: probe.bwd_one(
+                SimpleNamespace(**{**vars(x), "ds": torch.full_like(x.ds, float("nan"))}), out=nans(ts))}
     sweeps = ((triton_pool._attend_bwd_scores, probe.bwd1_configs(N)), (triton_pool._attend_bwd,
-                                                                       probe.bwd2_configs(N, D)))
+                                                                       probe.bwd2_configs(N, D)),
+              (triton_pool._attend_bwd_one, probe.bwd_one_configs(N, D)))
     assert {cfg["BLOCK_N"] for cfg in sweeps[0][1]} == {16, 32, 64} and len(sweeps[0][1]) == 24
     assert {cfg["BLOCK_D"] for cfg in sweeps[1][1]} == {32, 64, 128, 256, 512} and len(sweeps[1][1]) == 25
     assert [cfg for cfg in sweeps[1][1] if "maxnreg" in cfg] == [probe.BWD2_MORE[-1]]  # the capped shipped config
+    assert {cfg["BLOCK_D2"] for cfg in sweeps[2][1]} == {32, 64, 128, 256} and len(sweeps[2][1]) == 20
     for launcher, configs in sweeps:
         launches = _Launches(launcher.kernel)
         monkeypatch.setattr(launcher, "kernel", launches)

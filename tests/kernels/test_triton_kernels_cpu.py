@@ -232,7 +232,7 @@ def test_up_with_tma_and_with_pointers(monkeypatch, act):
 
 
 TUNED = [(triton_moe, name) for name in ("_up", "_hidden", "_slots_gemm", "_wgrad", "_sum_tiles", "_tile_sums")] + [
-    (triton_pool, name) for name in ("_attend", "_attend_bwd_scores", "_attend_bwd")] + [
+    (triton_pool, name) for name in ("_attend", "_attend_bwd_scores", "_attend_bwd", "_attend_bwd_one")] + [
     (triton_router, name) for name in ("_route", "_dlogits", "_combine_dy")]
 TUNED_CONFIGS = [pytest.param(module, name, i, id=f"{name}{i}") for module, name in TUNED
                  for i in range(len(getattr(module, name).configs))]
@@ -246,6 +246,7 @@ def test_every_tuned_config(monkeypatch, module, name, i):
     blocks of tokens past N = 37, and router blocks of rows past R = 12."""
     launcher = getattr(module, name)
     monkeypatch.setattr(launcher, "configs", [launcher.configs[i]])
+    monkeypatch.setattr(triton_pool, "BWD_ONE_KERNEL", name == "_attend_bwd_one")  # the pool backward's launchers
     ctx, tok, params = make_case(3, 4, 37, 40, 2, 160, 3, 2, act="gelu")
     check_region(fused, ctx, tok, params, top_k=2, renorm=True, act="gelu")
 
@@ -489,12 +490,16 @@ def test_pool_split_dots(monkeypatch):
     assert errors["attn"] < 1e-5 and errors["inv"] < 1e-5, errors
 
 
-def test_pool_backward_split_dots(monkeypatch):
-    """The pool backward's split dots (pass 1's ∂a against ∂t̄'s halves, pass 2) in fp16 against
-    float64 autograd of the reference pool: the fp32 gradients to fp32's bound, ∂tok to its fp16
-    rounding. N = 37 leaves a partial block of tokens."""
+@pytest.mark.parametrize("one_kernel", [False, True])
+def test_pool_backward_split_dots(monkeypatch, one_kernel):
+    """The pool backward's split dots (pass 1's ∂a against ∂t̄'s halves, pass 2), as two kernels
+    and as one, in fp16 against float64 autograd of the reference pool: the fp32 gradients to
+    fp32's bound, ∂tok to its fp16 rounding. N = 37 leaves a partial block of tokens, D = 40 a
+    partial block of the interpreter's 32 columns."""
     monkeypatch.setattr(triton_pool, "SPLIT_DOT_DTYPES", {torch.float16: 2})
-    B, N, D, P = 3, 37, 32, 2
+    monkeypatch.setattr(triton_pool, "BWD_ONE_KERNEL", one_kernel)
+    launched = record_calls(monkeypatch, triton_pool, "attend_bwd_one")
+    B, N, D, P = 3, 37, 40, 2
     tok = torch.randn(B, N, D).half()
     q, bv, bo = torch.randn(P, D // P), torch.randn(D) * 0.1, torch.randn(D) * 0.1
     wk, wv, wo = (torch.randn(D, D) * D ** -0.5 for _ in range(3))
@@ -506,16 +511,18 @@ def test_pool_backward_split_dots(monkeypatch):
     for name, g, leaf in zip(("tok", "q", "wk", "wv", "bv", "wo", "bo"), got, leaves):
         err = float((g.double() - leaf.grad).norm() / leaf.grad.norm())
         assert err < (2e-3 if name == "tok" else 1e-5), (name, err)
+    assert len(launched) == one_kernel
 
 
-@pytest.mark.parametrize("name", ["_attend_bwd", "_wgrad", "_sum_tiles"])
+@pytest.mark.parametrize("name", ["_attend_bwd", "_attend_bwd_one", "_wgrad", "_sum_tiles"])
 def test_kernels_survive_autotune_trials(monkeypatch, name):
     """Autotuning on the GPU runs a kernel several times on the same arguments, restoring only
     its Launcher's `restore` list in between. The pool backward writes its ∂u-partials over ∂t̄,
     and the runs of tiles add into fp32 totals: every gradient must come out as after one run."""
     from mha_compile.kernels import triton_util
 
-    module = triton_pool if name == "_attend_bwd" else triton_moe
+    module = triton_pool if name.startswith("_attend") else triton_moe
+    monkeypatch.setattr(triton_pool, "BWD_ONE_KERNEL", name == "_attend_bwd_one")
     launcher = getattr(module, name)
     real = triton_util.Launcher.__call__
 

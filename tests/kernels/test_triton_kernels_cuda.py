@@ -148,7 +148,7 @@ def _tuned_configs():
     from mha_compile.kernels import triton_moe, triton_pool, triton_router
 
     tuned = [(triton_moe, name) for name in ("_up", "_hidden", "_slots_gemm", "_wgrad", "_sum_tiles", "_tile_sums")]
-    tuned += [(triton_pool, name) for name in ("_attend", "_attend_bwd_scores", "_attend_bwd")]
+    tuned += [(triton_pool, name) for name in ("_attend", "_attend_bwd_scores", "_attend_bwd", "_attend_bwd_one")]
     tuned += [(triton_router, name) for name in ("_route", "_dlogits", "_combine_dy")]
     return [pytest.param(module, name, i, id=f"{name}{i}") for module, name in tuned
             for i in range(len(getattr(module, name).configs))]
@@ -158,9 +158,12 @@ def _tuned_configs():
 def test_every_tuned_config_bf16(monkeypatch, module, name, i):
     """Every config the autotuner may pick, on the GPU in bf16 (the interpreter checks them in
     fp32 only): tiles of 128 slots (4200 pairs over 4 experts), odd D, F and N."""
+    from mha_compile.kernels import triton_pool
+
     launcher = getattr(module, name)
     monkeypatch.setattr(launcher, "configs", [launcher.configs[i]])
     monkeypatch.setattr(launcher, "tuned", None)
+    monkeypatch.setattr(triton_pool, "BWD_ONE_KERNEL", name == "_attend_bwd_one")  # the pool backward's launchers
     ctx, tok, params = make_case(300, 7, 37, 100, 4, 200, 4, 2, act="gelu", dtype=torch.bfloat16, device="cuda",
                                  seed=13)
     errors = check_region(fused, ctx, tok, params, top_k=2, renorm=True, act="gelu")
