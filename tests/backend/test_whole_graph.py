@@ -11,11 +11,13 @@ import torch
 from mha_compile import backend, models, whole_graph
 
 
-def _capture_calls(monkeypatch, static_params, through_mha=False):
+def _capture_calls(monkeypatch, static_params, through_mha=False, tok_static=False):
     """(is_backward, the inputs, the static indices) of each cudagraphify_impl call of a tiny
     block's training step compiled through whole_graph.capture, and the block. through_mha:
     compiled with backend="mha" as under mode="reduce-overhead" on the GPU (the region rewritten
-    on a copy of Dynamo's graph, then whole_graph.capture), else with capture as the backend."""
+    on a copy of Dynamo's graph, then whole_graph.capture), else with capture as the backend.
+    tok_static: tok marked with torch._dynamo.mark_static_address, as a caller who refills one
+    input buffer each step would (README)."""
     from torch._dynamo.backends import cudagraphs as dynamo_cudagraphs
     from torch._inductor import cudagraph_trees
 
@@ -33,6 +35,8 @@ def _capture_calls(monkeypatch, static_params, through_mha=False):
     block = models.MHABlock.from_preset("tiny")
     ctx = torch.randn(4, 3, 32, requires_grad=True)
     tok = torch.randn(4, 5, 32, requires_grad=True)
+    if tok_static:
+        torch._dynamo.mark_static_address(tok)
     reports = []
     if through_mha:
         monkeypatch.setattr(backend, "_whole_graph_captured", lambda *args: True)
@@ -64,6 +68,18 @@ def test_the_forward_keeps_the_parameters_static(monkeypatch, static_params, thr
     assert static == ([i for i in range(len(inputs)) if i not in users] if static_params else [])
     _, b_inputs, b_static = calls[1]
     assert b_static == list(range(len(b_inputs) - 1))
+
+
+@pytest.mark.parametrize("through_mha", [False, True], ids=["capture", "mha"])
+def test_an_input_marked_static_is_read_in_place(monkeypatch, through_mha):
+    """An input buffer marked with torch._dynamo.mark_static_address (tok here) joins the
+    parameters among the forward's static inputs, through backend="mha" too: under
+    reduce-overhead its replays read it where it is instead of copying it (at large, tok is
+    512 MiB a step to copy; README, "Speed")."""
+    calls, block, (ctx, tok) = _capture_calls(monkeypatch, True, through_mha, tok_static=True)
+    _, inputs, static = calls[0]
+    assert len(inputs) == 2 + 12 and len(static) == 13
+    assert [tuple(inputs[i].shape) for i in range(len(inputs)) if i not in static] == [tuple(ctx.shape)]
 
 
 def test_static_params_keeps_the_gradients(monkeypatch):
