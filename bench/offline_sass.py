@@ -43,6 +43,7 @@ from mha_compile.kernels import (gluon_moe, triton_matmul, triton_moe, triton_po
 
 H200 = GPUTarget("cuda", 90, 32)
 H200_SMS = 132
+H200_L2 = 62914560  # bytes of L2 (torch.cuda.get_device_properties, session 28)
 H200_SMEM = 232448  # bytes of shared memory one block may use (a config past it fails to launch)
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 NVDISASM = os.path.join(os.path.dirname(PTXAS), "nvdisasm")
@@ -74,6 +75,7 @@ def as_h200(calls=None, gluon=False):
             mock.patch.object(triton_util, "NO_AUTOTUNE", True), \
             mock.patch.object(triton_util, "tma_device", lambda device: True), \
             mock.patch.object(triton_util, "num_sms", lambda device: H200_SMS), \
+            mock.patch.object(triton_pool, "l2_bytes", lambda device: H200_L2), \
             mock.patch.object(triton_moe, "num_sms", lambda device: H200_SMS), \
             mock.patch.object(gluon_moe, "num_sms", lambda device: H200_SMS), \
             mock.patch.object(gluon_moe, "_device_reason",

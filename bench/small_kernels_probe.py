@@ -99,7 +99,9 @@ BWD2_MORE = [dict(BLOCK_N=n, BLOCK_D=d, num_warps=w, num_stages=s) for n, d, w, 
     dict(BLOCK_N=16, BLOCK_D=256, num_warps=4, num_stages=4, maxnreg=128)]
 
 # Both passes in one kernel: beside _attend_bwd_one's list, configs of pass 2's blocks with more
-# registers or fewer warps (all build at large without spills, offline sm_90a: 96-200 registers).
+# registers or fewer warps (all build at large without spills, offline sm_90a: 96-200 registers);
+# none was within 5 us of the list's best at medium, nor within 40 of the two kernels at large
+# (session 28, bench/results/pool_bwd_one_probe.txt).
 BWD_ONE_MORE = [dict(BLOCK_N=n, BLOCK_N2=n2, BLOCK_D2=d2, num_warps=w, num_stages=s) for n, n2, d2, w, s in (
     (16, 16, 64, 4, 3), (32, 16, 64, 8, 3), (16, 32, 64, 8, 2), (16, 32, 128, 8, 2), (32, 32, 128, 8, 2),
     (16, 16, 256, 8, 2), (32, 16, 256, 8, 3), (16, 32, 128, 4, 2), (16, 32, 256, 8, 2), (16, 16, 256, 4, 3),

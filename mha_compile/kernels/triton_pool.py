@@ -19,8 +19,10 @@ Pass 1, one program per batch row (∂a needs all of D), reads tok and writes �
 Pass 2, per batch row and block of D columns, reads tok again and writes ∂tok: the last two
 lines are each one dot against [a | ∂s] or the stacked [∂t̄_b ; u]. One program per batch row
 for both passes, with [P,D] fp32 accumulators, held 255 registers and one program an SM, and
-ran at ~4x the memory floor (1.07 ms at large, H200). The per-b ∂u-partials [B,P,D] are summed
-by torch (a fixed-order reduction: bitwise reproducible).
+ran at ~4x the memory floor (1.07 ms at large, H200). Where tok fits in the GPU's L2 (medium
+and small), one kernel runs both passes, a program a batch row (bwd_one_kernel): one launch and
+tail fewer. The per-b ∂u-partials [B,P,D] are summed by torch (a fixed-order reduction: bitwise
+reproducible).
 
 All pool arithmetic accumulates in fp32 to about fp32 accuracy: ieee fp32 dots for fp32 and
 fp16 tokens; for bf16 tokens the same products as split bf16 tensor-core dots (triton_util.dot_f32), since
@@ -38,14 +40,15 @@ import triton.language as tl
 
 from mha_compile.kernels.reference import pool_directions
 from mha_compile.kernels.triton_matmul import matmul_f32
-from mha_compile.kernels.triton_util import (Launcher, dot16, dot_f32, dot_pairs, pow2, repeat_pairs, split_pairs,
-                                             sum_pairs)
+from mha_compile.kernels.triton_util import (Launcher, dot16, dot_f32, dot_pairs, l2_bytes, pow2, repeat_pairs,
+                                             split_pairs, sum_pairs)
 
 # A [D, 2P] fp32 accumulator (2P padded to 16) lives in registers: D beyond this spills badly.
 MAX_POOL_D = 1024
 # The backward's two passes as one kernel, each program pass 1 then pass 2 for its batch row
-# (_pool_bwd_one_kernel), read at launch time (bench/flag_ab.py flips it).
-BWD_ONE_KERNEL = os.environ.get("MHA_COMPILE_POOL_BWD_ONE_KERNEL", "0") != "0"
+# (_pool_bwd_one_kernel), where tok fits in the GPU's L2 (bwd_one_kernel); read at launch time
+# (bench/flag_ab.py flips it).
+BWD_ONE_KERNEL = os.environ.get("MHA_COMPILE_POOL_BWD_ONE_KERNEL", "1") != "0"
 
 
 @triton.jit
@@ -316,21 +319,18 @@ _attend_bwd = Launcher(_pool_bwd_kernel, [
     # At large: 371 against the [32, 128] blocks' 408 us, 3.5 TB/s (bench/small_kernels_probe.py, H200)
     dict(BLOCK_N=16, BLOCK_D=256, num_warps=4, num_stages=4),
 ], key=["N", "D", "P", "SPLIT_DOT"], restore=["dtbar_ptr"])
-# Both passes in one kernel (BWD_ONE_KERNEL): pass 1's BLOCK_N, pass 2's BLOCK_N2 × BLOCK_D2, warps and
-# stages shared. The first config gives the interpreter's tests more than one block of D, as _attend_bwd's.
-# The rest hold 64-182 registers without spills at large (offline, sm_90a), 2-4 programs an SM: the
-# two phases' registers and shared memory are not added, but two [16, 256] blocks at 4 warps take
-# 228-240 registers where pass 2 alone takes 168.
+# Both passes in one kernel (bwd_one_kernel): pass 1's BLOCK_N, pass 2's BLOCK_N2 × BLOCK_D2, warps and
+# stages shared. The first config gives the interpreter's tests more than one block of D, as _attend_bwd's;
+# the rest are the fastest five of 20 at medium on the H200 (41.9-49.7 us; pool_bwd_one_probe.txt), 92-230
+# registers without spills (offline, sm_90a): the two phases' registers and shared memory are not added,
+# but pass 2's [16, 256] blocks at 4 warps take 230 where pass 2 alone takes 168.
 _attend_bwd_one = Launcher(_pool_bwd_one_kernel, [
     dict(BLOCK_N=16, BLOCK_N2=16, BLOCK_D2=32, num_warps=4, num_stages=3),
-    dict(BLOCK_N=16, BLOCK_N2=16, BLOCK_D2=128, num_warps=4, num_stages=3),
     dict(BLOCK_N=32, BLOCK_N2=16, BLOCK_D2=128, num_warps=4, num_stages=2),
+    dict(BLOCK_N=16, BLOCK_N2=16, BLOCK_D2=128, num_warps=4, num_stages=3),
+    dict(BLOCK_N=16, BLOCK_N2=16, BLOCK_D2=256, num_warps=4, num_stages=3),
+    dict(BLOCK_N=32, BLOCK_N2=16, BLOCK_D2=256, num_warps=8, num_stages=3),
     dict(BLOCK_N=32, BLOCK_N2=16, BLOCK_D2=64, num_warps=4, num_stages=2),
-    dict(BLOCK_N=16, BLOCK_N2=16, BLOCK_D2=256, num_warps=8, num_stages=3),
-    dict(BLOCK_N=16, BLOCK_N2=16, BLOCK_D2=128, num_warps=8, num_stages=3),
-    dict(BLOCK_N=32, BLOCK_N2=16, BLOCK_D2=128, num_warps=8, num_stages=2),
-    dict(BLOCK_N=16, BLOCK_N2=16, BLOCK_D2=64, num_warps=8, num_stages=2),
-    dict(BLOCK_N=16, BLOCK_N2=16, BLOCK_D2=256, num_warps=4, num_stages=2),
 ], key=["N", "D", "P", "SPLIT_DOT"], restore=["dtbar_ptr"])
 
 
@@ -406,6 +406,18 @@ def attend_bwd(tok, u, attn, ds, dtbar, tbar, du, grad_tok):
                 N, D, P, tok.stride(0), tok.stride(1), SPLIT_DOT=split_dot(tok.dtype), BLOCK_Q=pow2(2 * P))
 
 
+def bwd_one_kernel(tok):
+    """Whether pool_backward runs its two passes as one kernel: BWD_ONE_KERNEL, where tok's bytes
+    fit in the GPU's L2 (always off the GPU). On the H200 (60 MiB of L2; session 28,
+    bench/results/pool_bwd_one_probe.txt, flag_ab_pool_bwd_one.txt) at medium (tok 32 MiB) the one
+    kernel took 41.9 us against the two kernels' 46.7 and the training step 4.8 us less in 6 of 6
+    rounds; at large (tok 512 MiB) 576 us at its best config against 534: pass 2's second read of
+    tok[b] follows pass 1's within a program, but ~500 programs at once hold more of tok than L2,
+    and the two kernels read it from memory faster (4.2 and 3.5 TB/s)."""
+    l2 = l2_bytes(tok.device)
+    return BWD_ONE_KERNEL and (l2 is None or tok.numel() * tok.element_size() <= l2)
+
+
 def attend_bwd_one(tok, u, attn, ds, dtbar, tbar, du, grad_tok):
     """Both passes of the backward in one kernel (_pool_bwd_one_kernel), with attend_bwd_scores' and
     attend_bwd's arguments: ds [B,N,P] fp32 is its scratch for ∂s."""
@@ -440,7 +452,7 @@ def pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn, u=None):
     grad_tok = torch.empty_like(tok)
     tbar = torch.empty(B, P, D, device=tok.device, dtype=torch.float32)
     ds = torch.empty_like(attn)
-    if BWD_ONE_KERNEL:
+    if bwd_one_kernel(tok):
         attend_bwd_one(tok, u, attn, ds, grad_tbar, tbar, du_part, grad_tok)
     else:
         attend_bwd(tok, u, attn, attend_bwd_scores(tok, attn, grad_tbar, ds), grad_tbar, tbar, du_part, grad_tok)

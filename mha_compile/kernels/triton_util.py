@@ -61,6 +61,14 @@ def num_sms(device):
     return 4
 
 
+def l2_bytes(device):
+    """A CUDA device's L2 cache in bytes, read once per device; None off the GPU.
+    bench/offline_sass.py patches it to the H200's where it is imported."""
+    if device.type == "cuda":
+        return _cuda_properties(_index(device)).L2_cache_size
+    return None
+
+
 def capability(device):
     """A CUDA device's (major, minor), read once per device: the Gluon choosers, TMA checks and
     split grids ask on every launch (the choosers went 30 -> 23 us a call on the H200's host,

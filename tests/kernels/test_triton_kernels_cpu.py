@@ -514,6 +514,17 @@ def test_pool_backward_split_dots(monkeypatch, one_kernel):
     assert len(launched) == one_kernel
 
 
+@pytest.mark.parametrize("flag,l2,nbytes,expected", [
+    (True, None, 10 ** 9, True),  # off the GPU: always
+    (True, 6000, 6000, True), (True, 6000, 6002, False), (False, 6000, 10, False), (False, None, 10, False)])
+def test_the_pool_backward_takes_one_kernel_where_tok_fits_in_l2(monkeypatch, flag, l2, nbytes, expected):
+    """bwd_one_kernel: BWD_ONE_KERNEL, and tok's bytes no more than the GPU's L2 (on the H200 the
+    one kernel won at medium, tok 32 MiB, and lost at large, 512 MiB, with 60 MiB of L2)."""
+    monkeypatch.setattr(triton_pool, "BWD_ONE_KERNEL", flag)
+    monkeypatch.setattr(triton_pool, "l2_bytes", lambda device: l2)
+    assert triton_pool.bwd_one_kernel(torch.empty(nbytes // 2, dtype=torch.float16)) is expected
+
+
 @pytest.mark.parametrize("name", ["_attend_bwd", "_attend_bwd_one", "_wgrad", "_sum_tiles"])
 def test_kernels_survive_autotune_trials(monkeypatch, name):
     """Autotuning on the GPU runs a kernel several times on the same arguments, restoring only
