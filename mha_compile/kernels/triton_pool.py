@@ -206,8 +206,8 @@ def _grad_columns(
     stride_tb, stride_tn,
     SPLIT_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
 ):
-    """Batch row b's columns offs_d (BLOCK_D of them) of ∂tok, t̄ and the ∂u partials, from ∂s. With ads = [a | ∂s]
-    ([N,2P]) and the stacked directions R = [∂t̄_b ; u] ([2P, D]):
+    """Batch row b's columns offs_d (BLOCK_D of them) of ∂tok, t̄ and the ∂u partials, from ∂s.
+    With ads = [a | ∂s] ([N,2P]) and the stacked directions R = [∂t̄_b ; u] ([2P, D]):
         ∂tok[b,n] = ads[n] R = Σ_p a ∂t̄_p + Σ_p ∂s u_p
         adsᵀ tok[b] = [t̄_b ; Σ_n ∂s tok[b,n]] → t̄ [B,P,D] and the ∂u partials [B,P,D]
     (2P is padded to BLOCK_Q ≥ 16 columns, one dot each way). du_ptr may be dtbar_ptr: these
@@ -256,9 +256,9 @@ def _pool_bwd_one_kernel(
     BLOCK_N2: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_Q: tl.constexpr,
 ):
     """Both passes for one batch row b, one program: pass 1's ∂s (all of D, BLOCK_N tokens a
-    step), then pass 2 over D in blocks of BLOCK_D2 columns (BLOCK_N2 tokens a step). Pass 2's
-    read of tok[b] follows pass 1's within the program, while tok[b] (128 KiB at large) may still
-    be in L2, where the two kernels read all of tok twice from memory (0.54 GB each at large)."""
+    step), then pass 2 over D in blocks of BLOCK_D2 columns (BLOCK_N2 tokens a step): one launch
+    where the two kernels take two. It runs where all of tok fits in L2 (bwd_one_kernel), so pass
+    2's read of tok[b] right after pass 1's finds it there."""
     b = tl.program_id(0).to(tl.int64)
     _scores_grad(b, tok_ptr, attn_ptr, dtbar_ptr, ds_ptr, N, D, P, stride_tb, stride_tn, SPLIT_DOT, BLOCK_N, BLOCK_D,
                  BLOCK_P)
