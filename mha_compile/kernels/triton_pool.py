@@ -38,7 +38,6 @@ import torch
 import triton
 import triton.language as tl
 
-from mha_compile.kernels.reference import pool_directions
 from mha_compile.kernels.triton_matmul import matmul_f32
 from mha_compile.kernels.triton_util import (Launcher, dot16, dot_f32, dot_pairs, l2_bytes, pow2, repeat_pairs,
                                              split_pairs, sum_pairs)
@@ -334,6 +333,23 @@ _attend_bwd_one = Launcher(_pool_bwd_one_kernel, [
 ], key=["N", "D", "P", "SPLIT_DOT"], restore=["dtbar_ptr"])
 
 
+# The pool's two products of q and Wk, u and ∂q ([P,D] and [P,Dh], D² multiply-adds each), are
+# elementwise products summed by torch, not torch.bmm: they were the fused path's only cuBLAS calls
+# for 16-bit models, and a thread's first cuBLAS call on a stream allocates a workspace that stays
+# allocated (32 MiB on the H200; a training step's forward and its autograd thread: 64 MiB, where
+# the small preset's model and inputs take 5; session 28, bench/results/mem_diag.txt).
+def pool_directions(q, wk):
+    """u [P,D] = reference.pool_directions(q, wk): u_p = Wk_pᵀ q_p / √Dh, without cuBLAS."""
+    P, Dh = q.shape
+    return (q[:, :, None] * wk.view(P, Dh, -1)).sum(1) * (Dh**-0.5)
+
+
+def _grad_q(wk, grad_u):
+    """∂q [P,Dh] = Wk_p ∂u_p ("pd,pjd->pj"), without cuBLAS (see pool_directions)."""
+    P, D = grad_u.shape
+    return (wk.view(P, D // P, D) * grad_u[:, None, :]).sum(2)
+
+
 def pool_attend(tok, u, mask=None):
     """attn [B,N,P] and t̄ [B,P,D] (fp32) from tok [B,N,D] and the directions u [P,D]."""
     B, N, D = tok.shape
@@ -465,6 +481,6 @@ def pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn, u=None):
     # rows of ∂pooled took 12 us at large and 8 at medium (session 22's profile, H200)
     grad_bv = _mm(grad_bo[None], wo, split)[0]
     grad_wv = _bmm(grad_heads.transpose(1, 2), tbar.transpose(0, 1), split).reshape(D, D)  # "bpj,bpd->pjd"
-    grad_q = torch.bmm(wk.view(P, Dh, D), grad_u.unsqueeze(2)).squeeze(2)  # "pd,pjd->pj"
+    grad_q = _grad_q(wk, grad_u)
     grad_wk = (q[:, :, None] * grad_u[:, None, :]).reshape(D, D)  # "pj,pd->pjd"
     return grad_tok, grad_q, grad_wk, grad_wv, grad_bv, grad_wo, grad_bo

@@ -514,6 +514,32 @@ def test_pool_backward_split_dots(monkeypatch, one_kernel):
     assert len(launched) == one_kernel
 
 
+def test_the_16_bit_path_calls_no_torch_matmul(monkeypatch):
+    """With split 16-bit dots (the bf16 GPU path; fp16 in the interpreter) the fused region's
+    forward and backward run no matmul of torch's: a thread's first cuBLAS call on a stream
+    allocates a workspace that stays allocated (32 MiB on the H200). The pool's u and ∂q were the
+    only such calls, 64 MiB of the small preset's training memory (session 28, mem_diag.txt)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    aten = torch.ops.aten
+    matmuls = (aten.mm, aten.bmm, aten.addmm, aten.baddbmm, aten.matmul, aten.addbmm)
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func.overloadpacket)
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(triton_pool, "SPLIT_DOT_DTYPES", {torch.float16: 2})
+    ctx, tok, params = make_case(2, 3, 5, 32, 2, 64, 4, 2, dtype=torch.float16)
+    with Record():
+        out, inv, attn, weight, index, probs = fused.region_forward(ctx, tok, *params, None, 2, True, "gelu")
+        grads = fused.region_backward(torch.randn_like(out), ctx, tok, *params, None, inv, attn, weight, index,
+                                      probs, 2, True, "gelu")
+    assert len(grads) == 15 and aten.sum in seen  # the mode saw the path's torch calls
+    assert not [f for f in seen if f in matmuls], sorted({str(f) for f in seen if f in matmuls})
+
+
 @pytest.mark.parametrize("flag,l2,nbytes,expected", [
     (True, None, 10 ** 9, True),  # off the GPU: always
     (True, 6000, 6000, True), (True, 6000, 6002, False), (False, 6000, 10, False), (False, None, 10, False)])
