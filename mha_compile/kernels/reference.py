@@ -66,13 +66,9 @@ def act_backward(act, grad_h, u, u3=None):
 def pool_directions(q, wk):
     """u [P,D]: u_p = Wk_pᵀ q_p / √Dh. The key bias adds a constant per head and cancels."""
     P, Dh = q.shape
-    # einsum("pj,pjd->pd") as an elementwise product summed over j (D² multiply-adds). Not einsum:
-    # its parsing costs host time on every training step (~40 µs a call on the H200's host,
-    # bench/results/kernel_times_medium.txt). Not torch.bmm either: the fused path calls this too,
-    # and for 16-bit models it was its only cuBLAS call in the forward; a thread's first cuBLAS
-    # call on a stream allocates a workspace that stays allocated (32 MiB on the H200; session 28,
-    # bench/results/mem_diag.txt).
-    return (q[:, :, None] * wk.view(P, Dh, -1)).sum(1) * (Dh**-0.5)
+    # einsum("pj,pjd->pd"), spelled as the bmm it becomes: einsum's parsing costs host time
+    # on every training step (~40 µs a call on the H200's host, bench/results/kernel_times_medium.txt).
+    return torch.bmm(q.unsqueeze(1), wk.view(P, Dh, -1)).squeeze(1) * (Dh**-0.5)
 
 
 def pool_forward(tok, q, wk, wv, bv, wo, bo, mask=None):

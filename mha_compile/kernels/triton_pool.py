@@ -38,7 +38,6 @@ import torch
 import triton
 import triton.language as tl
 
-from mha_compile.kernels.reference import pool_directions
 from mha_compile.kernels.triton_matmul import matmul_f32
 from mha_compile.kernels.triton_util import (Launcher, dot16, dot_f32, dot_pairs, l2_bytes, pow2, repeat_pairs,
                                              split_pairs, sum_pairs)
@@ -334,12 +333,19 @@ _attend_bwd_one = Launcher(_pool_bwd_one_kernel, [
 ], key=["N", "D", "P", "SPLIT_DOT"], restore=["dtbar_ptr"])
 
 
+# The pool's two products of q and Wk, u and ∂q ([P,D] and [P,Dh], D² multiply-adds each), are
+# elementwise products summed by torch, not torch.bmm: they were the fused path's only cuBLAS calls
+# for 16-bit models, and a thread's first cuBLAS call on a stream allocates a workspace that stays
+# allocated (32 MiB on the H200; a training step's forward and its autograd thread: 64 MiB, where
+# the small preset's model and inputs take 5; session 28, bench/results/mem_diag.txt).
+def pool_directions(q, wk):
+    """u [P,D] = reference.pool_directions(q, wk): u_p = Wk_pᵀ q_p / √Dh, without cuBLAS."""
+    P, Dh = q.shape
+    return (q[:, :, None] * wk.view(P, Dh, -1)).sum(1) * (Dh**-0.5)
+
+
 def _grad_q(wk, grad_u):
-    """∂q [P,Dh] = Wk_p ∂u_p ("pd,pjd->pj") as an elementwise product summed, not torch.bmm: with
-    u (reference.pool_directions) it was the fused path's only cuBLAS call for 16-bit models, and
-    the autograd thread's first cuBLAS call allocates a workspace that stays allocated (32 MiB on
-    the H200; with the forward's, 64 MiB of the small preset's training peak, where its model and
-    inputs take 5; session 28, bench/results/mem_diag.txt)."""
+    """∂q [P,Dh] = Wk_p ∂u_p ("pd,pjd->pj"), without cuBLAS (see pool_directions)."""
     P, D = grad_u.shape
     return (wk.view(P, D // P, D) * grad_u[:, None, :]).sum(2)
 
