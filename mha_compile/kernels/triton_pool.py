@@ -339,7 +339,9 @@ _attend_bwd_one = Launcher(_pool_bwd_one_kernel, [
 # allocated (32 MiB on the H200; a training step's forward and its autograd thread: 64 MiB, where
 # the small preset's model and inputs take 5; session 28, bench/results/mem_diag.txt).
 def pool_directions(q, wk):
-    """u [P,D] = reference.pool_directions(q, wk): u_p = Wk_pᵀ q_p / √Dh, without cuBLAS."""
+    """u [P,D] = reference.pool_directions(q, wk): u_p = Wk_pᵀ q_p / √Dh, without cuBLAS. The
+    reference keeps its bmm: tests/test_cost.py holds its forward to the modelled FLOPs through
+    torch's FlopCounter, which counts a bmm and not an elementwise product."""
     P, Dh = q.shape
     return (q[:, :, None] * wk.view(P, Dh, -1)).sum(1) * (Dh**-0.5)
 
