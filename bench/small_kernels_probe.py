@@ -102,21 +102,10 @@ BWD2_MORE = [dict(BLOCK_N=n, BLOCK_D=d, num_warps=w, num_stages=s) for n, d, w, 
 # registers or fewer warps (all build at large without spills, offline sm_90a: 96-200 registers);
 # none was within 5 us of the list's best at medium, nor within 40 of the two kernels at large
 # (session 28, bench/results/pool_bwd_one_probe.txt).
-BWD_ONE_MORE = [dict(BLOCK_N=n, BLOCK_N2=n2, BLOCK_D2=d2, num_warps=w, num_stages=s, ROWS_PER_SM=0, HOLD_TOK=False)
-                for n, n2, d2, w, s in (
+BWD_ONE_MORE = [dict(BLOCK_N=n, BLOCK_N2=n2, BLOCK_D2=d2, num_warps=w, num_stages=s) for n, n2, d2, w, s in (
     (16, 16, 64, 4, 3), (32, 16, 64, 8, 3), (16, 32, 64, 8, 2), (16, 32, 128, 8, 2), (32, 32, 128, 8, 2),
     (16, 16, 256, 8, 2), (32, 16, 256, 8, 3), (16, 32, 128, 4, 2), (16, 32, 256, 8, 2), (16, 16, 256, 4, 3),
-    (16, 32, 128, 4, 3))] + [
-    # A grid of ROWS_PER_SM programs an SM, each over every num_programs-th batch row, with tok held in
-    # L2 between the passes (HOLD_TOK) or not: what the programs hold of tok between their two reads
-    # is then bounded by the grid (1 an SM at large: 132 × 128 KiB of tok and as much of ∂tok).
-    dict(BLOCK_N=n, BLOCK_N2=n2, BLOCK_D2=d2, num_warps=w, num_stages=s, ROWS_PER_SM=r, HOLD_TOK=h)
-    for n, n2, d2, w, s, r, h in (
-        (16, 16, 256, 8, 3, 1, True), (16, 16, 256, 8, 3, 1, False), (32, 32, 256, 8, 3, 1, True),
-        (16, 16, 512, 8, 3, 1, True), (32, 16, 256, 16, 3, 1, True), (32, 32, 512, 16, 2, 1, True),
-        (16, 16, 256, 8, 4, 1, True), (16, 16, 256, 4, 3, 2, True), (16, 16, 256, 4, 3, 2, False),
-        (32, 16, 256, 8, 3, 2, True), (16, 16, 128, 4, 3, 3, True), (16, 16, 256, 4, 4, 3, True),
-        (32, 32, 128, 8, 3, 1, True), (16, 16, 128, 4, 3, 4, True))]
+    (16, 32, 128, 4, 3))]
 
 
 def tiles(rows, columns, values=VALUES):

@@ -39,8 +39,8 @@ import triton
 import triton.language as tl
 
 from mha_compile.kernels.triton_matmul import matmul_f32
-from mha_compile.kernels.triton_util import (Launcher, dot16, dot_f32, dot_pairs, l2_bytes, num_sms, pow2,
-                                             repeat_pairs, split_pairs, sum_pairs)
+from mha_compile.kernels.triton_util import (Launcher, dot16, dot_f32, dot_pairs, l2_bytes, pow2, repeat_pairs,
+                                             split_pairs, sum_pairs)
 
 # A [D, 2P] fp32 accumulator (2P padded to 16) lives in registers: D beyond this spills badly.
 MAX_POOL_D = 1024
@@ -126,7 +126,7 @@ def _pool_bwd_scores_kernel(
     """Pass 1 of the backward, per batch row b (one program, all of D): tok [B,N,D], attn
     [B,N,P], ∂t̄ [B,P,D] → ∂s [B,N,P] fp32 (_scores_grad)."""
     _scores_grad(tl.program_id(0).to(tl.int64), tok_ptr, attn_ptr, dtbar_ptr, ds_ptr, N, D, P, stride_tb, stride_tn,
-                 SPLIT_DOT, BLOCK_N, BLOCK_D, BLOCK_P, "")
+                 SPLIT_DOT, BLOCK_N, BLOCK_D, BLOCK_P)
 
 
 @triton.jit
@@ -135,12 +135,10 @@ def _scores_grad(
     N, D, P,
     stride_tb, stride_tn,
     SPLIT_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
-    TOK_EVICT: tl.constexpr,
 ):
     """Batch row b's ∂s [N,P] fp32 from all of D at once: the scores' gradient ∂s = a ⊙ (∂a − c)
     with ∂a[n,p] = ⟨tok[b,n], ∂t̄_p⟩ and c_p = Σ_n a ∂a. ∂a is parked in ∂s until c is final (a
-    second, tiny pass over [N,P], as the forward's). TOK_EVICT: tok's loads' L2 eviction policy
-    ("" the default)."""
+    second, tiny pass over [N,P], as the forward's)."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_p = tl.arange(0, BLOCK_P)
     d_ok = offs_d < D
@@ -161,7 +159,7 @@ def _scores_grad(
         a = a_next
         a_next = _attn_rows(attn_b, n0 + BLOCK_N, N, P, BLOCK_N, BLOCK_P)
         t = tl.load(tok_b + offs_n[:, None].to(tl.int64) * stride_tn + offs_d[None, :],
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0, eviction_policy=TOK_EVICT)
+                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         da = dot_pairs(t, dtbar2, SPLIT_DOT)  # [BLOCK_N, BLOCK_P]
         tl.store(ds_b + offs_n[:, None] * P + offs_p[None, :], da, mask=np_ok)
         c += tl.sum(a * da, axis=0)
@@ -197,7 +195,7 @@ def _pool_bwd_kernel(
     write of ∂tok."""
     _grad_columns(tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D), tok_ptr, u_ptr,
                   attn_ptr, ds_ptr, dtbar_ptr, tbar_ptr, du_ptr, dtok_ptr, N, D, P, stride_tb, stride_tn, SPLIT_DOT,
-                  BLOCK_N, BLOCK_D, BLOCK_Q, "")
+                  BLOCK_N, BLOCK_D, BLOCK_Q)
 
 
 @triton.jit
@@ -206,7 +204,6 @@ def _grad_columns(
     N, D, P: tl.constexpr,
     stride_tb, stride_tn,
     SPLIT_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
-    STREAM_EVICT: tl.constexpr,
 ):
     """Batch row b's columns offs_d (BLOCK_D of them) of ∂tok, t̄ and the ∂u partials, from ∂s.
     With ads = [a | ∂s] ([N,2P]) and the stacked directions R = [∂t̄_b ; u] ([2P, D]):
@@ -216,7 +213,6 @@ def _grad_columns(
     columns' ∂t̄[b] are read before the loop and their ∂u partials written after it, and no
     other program or call touches them. P is a compile-time constant here: a and ∂s are read as
     [BLOCK_N, P] rows of P contiguous values, which the compiler can then load as vectors.
-    STREAM_EVICT: the L2 eviction policy of tok's loads and ∂tok's stores ("" the default).
     """
     offs_q = tl.arange(0, BLOCK_Q)
     d_ok = offs_d < D
@@ -241,10 +237,9 @@ def _grad_columns(
         n_ok = offs_n < N
         nd_off = offs_n[:, None].to(tl.int64) * stride_tn + offs_d[None, :]
         nd_ok = n_ok[:, None] & d_ok[None, :]
-        t = tl.load(tok_b + nd_off, mask=nd_ok, other=0.0, eviction_policy=STREAM_EVICT)
+        t = tl.load(tok_b + nd_off, mask=nd_ok, other=0.0)
         dtok = dot_f32(ads, dirs, SPLIT_DOT)  # [BLOCK_N, BLOCK_D]
-        tl.store(dtok_ptr + b * stride_tb + nd_off, dtok.to(dtok_ptr.dtype.element_ty), mask=nd_ok,
-                 eviction_policy=STREAM_EVICT)
+        tl.store(dtok_ptr + b * stride_tb + nd_off, dtok.to(dtok_ptr.dtype.element_ty), mask=nd_ok)
         acc += dot_f32(tl.trans(ads), t, SPLIT_DOT)  # [BLOCK_Q, BLOCK_D]
     out_off = b * P * D + offs_q[:, None] * D + offs_d[None, :]
     tl.store(tbar_ptr + out_off, acc, mask=q_a[:, None] & d_ok[None, :])
@@ -254,50 +249,23 @@ def _grad_columns(
 @triton.jit
 def _pool_bwd_one_kernel(
     tok_ptr, u_ptr, attn_ptr, ds_ptr, dtbar_ptr, tbar_ptr, du_ptr, dtok_ptr,
-    B, N, D, P: tl.constexpr,
-    stride_tb, stride_tn,
-    SPLIT_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_N2: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_Q: tl.constexpr,
-    ROWS_PER_SM: tl.constexpr, HOLD_TOK: tl.constexpr,
-):
-    """Both passes for batch rows b, one program each in turn: pass 1's ∂s (all of D, BLOCK_N
-    tokens a step), then pass 2 over D in blocks of BLOCK_D2 columns (BLOCK_N2 tokens a step): one
-    launch where the two kernels take two, and pass 2's read of tok[b] right after pass 1's may
-    find it in L2. The grid (attend_bwd_one) is a program a batch row with ROWS_PER_SM 0, else
-    ROWS_PER_SM programs an SM, each taking every num_programs-th row: then what the programs
-    hold of tok between their two reads is bounded by the grid, not by the occupancy. HOLD_TOK:
-    pass 1 loads tok to stay in L2 (evict_last) and pass 2 reads it and writes ∂tok to leave it
-    (evict_first)."""
-    if ROWS_PER_SM == 0:
-        _both_passes(tl.program_id(0).to(tl.int64), tok_ptr, u_ptr, attn_ptr, ds_ptr, dtbar_ptr, tbar_ptr, du_ptr,
-                     dtok_ptr, N, D, P, stride_tb, stride_tn, SPLIT_DOT, BLOCK_N, BLOCK_D, BLOCK_P, BLOCK_N2, BLOCK_D2,
-                     BLOCK_Q, HOLD_TOK)
-    else:
-        # Kept apart from the line above: the loop around both passes took the program-a-row configs
-        # at medium from 128 registers to 199-210 (offline, sm_90a).
-        for row in range(tl.program_id(0), B, tl.num_programs(0)):
-            _both_passes(tl.cast(row, tl.int64), tok_ptr, u_ptr, attn_ptr, ds_ptr, dtbar_ptr, tbar_ptr, du_ptr,
-                         dtok_ptr, N, D, P, stride_tb, stride_tn, SPLIT_DOT, BLOCK_N, BLOCK_D, BLOCK_P, BLOCK_N2,
-                         BLOCK_D2, BLOCK_Q, HOLD_TOK)  # tl.cast: row is a Python int under the interpreter
-
-
-@triton.jit
-def _both_passes(
-    b, tok_ptr, u_ptr, attn_ptr, ds_ptr, dtbar_ptr, tbar_ptr, du_ptr, dtok_ptr,
     N, D, P: tl.constexpr,
     stride_tb, stride_tn,
     SPLIT_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_N2: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_Q: tl.constexpr, HOLD_TOK: tl.constexpr,
+    BLOCK_N2: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_Q: tl.constexpr,
 ):
-    """_pool_bwd_one_kernel's work for batch row b."""
+    """Both passes for one batch row b, one program: pass 1's ∂s (all of D, BLOCK_N tokens a
+    step), then pass 2 over D in blocks of BLOCK_D2 columns (BLOCK_N2 tokens a step): one launch
+    where the two kernels take two. It runs where all of tok fits in L2 (bwd_one_kernel), so pass
+    2's read of tok[b] right after pass 1's finds it there."""
+    b = tl.program_id(0).to(tl.int64)
     _scores_grad(b, tok_ptr, attn_ptr, dtbar_ptr, ds_ptr, N, D, P, stride_tb, stride_tn, SPLIT_DOT, BLOCK_N, BLOCK_D,
-                 BLOCK_P, "evict_last" if HOLD_TOK else "")
+                 BLOCK_P)
     # Pass 2 reads the ∂s this program's threads wrote; the barrier orders them.
     tl.debug_barrier()
     for d0 in range(0, D, BLOCK_D2):
         _grad_columns(b, d0 + tl.arange(0, BLOCK_D2), tok_ptr, u_ptr, attn_ptr, ds_ptr, dtbar_ptr, tbar_ptr, du_ptr,
-                      dtok_ptr, N, D, P, stride_tb, stride_tn, SPLIT_DOT, BLOCK_N2, BLOCK_D2, BLOCK_Q,
-                      "evict_first" if HOLD_TOK else "")
+                      dtok_ptr, N, D, P, stride_tb, stride_tn, SPLIT_DOT, BLOCK_N2, BLOCK_D2, BLOCK_Q)
 
 
 # Token dtypes whose pool dots run as split 16-bit tensor-core products (see triton_util.dot_f32). fp16
@@ -355,15 +323,13 @@ _attend_bwd = Launcher(_pool_bwd_kernel, [
 # the rest are the fastest five of 20 at medium on the H200 (41.9-49.7 us; pool_bwd_one_probe.txt), 92-230
 # registers without spills (offline, sm_90a): the two phases' registers and shared memory are not added,
 # but pass 2's [16, 256] blocks at 4 warps take 230 where pass 2 alone takes 168.
-_attend_bwd_one = Launcher(_pool_bwd_one_kernel, [dict(cfg, ROWS_PER_SM=0, HOLD_TOK=False) for cfg in (
+_attend_bwd_one = Launcher(_pool_bwd_one_kernel, [
     dict(BLOCK_N=16, BLOCK_N2=16, BLOCK_D2=32, num_warps=4, num_stages=3),
     dict(BLOCK_N=32, BLOCK_N2=16, BLOCK_D2=128, num_warps=4, num_stages=2),
     dict(BLOCK_N=16, BLOCK_N2=16, BLOCK_D2=128, num_warps=4, num_stages=3),
     dict(BLOCK_N=16, BLOCK_N2=16, BLOCK_D2=256, num_warps=4, num_stages=3),
     dict(BLOCK_N=32, BLOCK_N2=16, BLOCK_D2=256, num_warps=8, num_stages=3),
     dict(BLOCK_N=32, BLOCK_N2=16, BLOCK_D2=64, num_warps=4, num_stages=2),
-)] + [
-    dict(BLOCK_N=16, BLOCK_N2=16, BLOCK_D2=32, num_warps=4, num_stages=3, ROWS_PER_SM=1, HOLD_TOK=True),
 ], key=["N", "D", "P", "SPLIT_DOT"], restore=["dtbar_ptr"])
 
 
@@ -476,9 +442,8 @@ def attend_bwd_one(tok, u, attn, ds, dtbar, tbar, du, grad_tok):
     B, N, D = tok.shape
     P = attn.shape[2]
     split = split_dot(tok.dtype)
-    _attend_bwd_one(lambda m: (min(B, m["ROWS_PER_SM"] * num_sms(tok.device)) if m["ROWS_PER_SM"] else B,), tok, u,
-                    attn, ds, dtbar, tbar, du, grad_tok, B, N, D, P, tok.stride(0), tok.stride(1), SPLIT_DOT=split,
-                    BLOCK_D=pow2(D), BLOCK_P=block_p(P, split), BLOCK_Q=pow2(2 * P))
+    _attend_bwd_one(lambda m: (B,), tok, u, attn, ds, dtbar, tbar, du, grad_tok, N, D, P, tok.stride(0),
+                    tok.stride(1), SPLIT_DOT=split, BLOCK_D=pow2(D), BLOCK_P=block_p(P, split), BLOCK_Q=pow2(2 * P))
 
 
 def pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn, u=None):
