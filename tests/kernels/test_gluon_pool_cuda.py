@@ -40,8 +40,8 @@ def backward(monkeypatch, gluon, tok, weights, grad_inv):
                                         (1000, 64, 320, 5), (7, 64, 192, 3), (3, 256, 256, 8)])
 def test_gradients_against_float64_and_the_triton_kernels(monkeypatch, B, N, D, P):
     """Every fp32 gradient within SPEC §4's fp32 bound (1e-5) of float64, as the Triton kernels' split
-    dots are; ∂tok (bf16) within one bf16 rounding of the Triton kernels' everywhere, and of float64
-    (rounded) at the norm. B = 4096 and 300 at N·D = 128·512 take one program an SM, so each takes
+    dots are; ∂tok (bf16) within one bf16 rounding of the largest value of the Triton kernels', and
+    within 4e-3 of float64 at the norm. B = 4096 and 300 at N·D = 128·512 take one program an SM, so each takes
     2 to 32 rows in turn; B = 1024 at 64·256 three an SM, B = 1000 at 64·320 two."""
     tok, weights, grad_inv = pool_case(B, N, D, P, seed=B + N + D + P)
     got, ran = backward(monkeypatch, True, tok, weights, grad_inv)
@@ -57,9 +57,11 @@ def test_gradients_against_float64_and_the_triton_kernels(monkeypatch, B, N, D, 
     print({name: f"gluon {a:.1e}, triton {b:.1e}" for name, (a, b) in report.items()})
     for name, (err, _) in report.items():
         assert err <= (4e-3 if name == "tok" else 1e-5), (name, report[name])
+    # one bf16 rounding of the largest value, as bench/small_kernels_probe.agreement: an element's own
+    # rounding is no bound where its terms cancel (on the H200 such elements differed by up to 255 of
+    # their own ulps, both kernels within 1.7e-3 of float64 at the norm)
     g, w = got[0].float(), want[0].float()
-    ulp = torch.maximum(g.abs(), w.abs()) * 2.0 ** -7 + 1e-30
-    assert ((g - w).abs() <= ulp).all(), float(((g - w).abs() / ulp).max())
+    assert float((g - w).abs().max() / w.abs().max()) <= 2.0 ** -7
 
 
 def test_a_shape_it_cannot_take_runs_the_triton_kernels_and_says_why(monkeypatch, caplog):
