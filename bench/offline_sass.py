@@ -38,8 +38,8 @@ from triton.runtime.jit import JITFunction, mangle_type
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from mha_compile import models
-from mha_compile.kernels import (gluon_moe, gluon_pool, triton_matmul, triton_moe, triton_pool, triton_region,
-                                  triton_router, triton_util)
+from mha_compile.kernels import (gluon_moe, triton_matmul, triton_moe, triton_pool, triton_region, triton_router,
+                                  triton_util)
 
 H200 = GPUTarget("cuda", 90, 32)
 H200_SMS = 132
@@ -62,9 +62,7 @@ def as_h200(calls=None, gluon=False):
     as (kernel, {argument name: value}, num_warps, num_stages), which keeps its tensors alive;
     each kernel takes its first config, split grids are sized for 132 SMs, and GEMM1 takes TMA
     descriptors as on the H200. gluon: the MoE's GEMMs take their Gluon kernels where those take
-    the operands' shapes and dtypes, as on the H200 (their device checks skipped), and so does the
-    pool backward where MHA_COMPILE_POOL_GLUON=1 asks for its Gluon kernel (gluon_pool)."""
-    pool_unsupported = gluon_pool.unsupported
+    the operands' shapes and dtypes, as on the H200 (their device checks skipped)."""
     def run(self, *args, grid, warmup, **kwargs):
         if calls is None:
             return
@@ -81,10 +79,7 @@ def as_h200(calls=None, gluon=False):
             mock.patch.object(triton_moe, "num_sms", lambda device: H200_SMS), \
             mock.patch.object(gluon_moe, "num_sms", lambda device: H200_SMS), \
             mock.patch.object(gluon_moe, "_device_reason",
-                              (lambda *a: None) if gluon else (lambda *a: "offline without --gluon")), \
-            mock.patch.object(gluon_pool, "num_sms", lambda device: H200_SMS), \
-            mock.patch.object(gluon_pool, "unsupported", (lambda tok, P: pool_unsupported(tok, P, (9, 0))) if gluon
-                              else (lambda *a: "offline without --gluon")):
+                              (lambda *a: None) if gluon else (lambda *a: "offline without --gluon")):
         yield
 
 

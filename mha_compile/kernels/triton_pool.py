@@ -38,9 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mha_compile.kernels import gluon_pool
 from mha_compile.kernels.triton_matmul import matmul_f32
-from mha_compile.kernels.triton_util import (Launcher, dot16, dot_f32, dot_pairs, l2_bytes, log, pow2, repeat_pairs,
+from mha_compile.kernels.triton_util import (Launcher, dot16, dot_f32, dot_pairs, l2_bytes, pow2, repeat_pairs,
                                              split_pairs, sum_pairs)
 
 # A [D, 2P] fp32 accumulator (2P padded to 16) lives in registers: D beyond this spills badly.
@@ -447,23 +446,6 @@ def attend_bwd_one(tok, u, attn, ds, dtbar, tbar, du, grad_tok):
                     tok.stride(1), SPLIT_DOT=split, BLOCK_D=pow2(D), BLOCK_P=block_p(P, split), BLOCK_Q=pow2(2 * P))
 
 
-def gluon_backward(tok, u, attn, dtbar, tbar, du, grad_tok):
-    """Both passes in gluon_pool's kernel (tok read once) where it takes this call, with
-    attend_bwd's arguments; True when it ran. Where MHA_COMPILE_POOL_GLUON=1 asks for it on a CUDA
-    GPU that it cannot take, the reason is logged once."""
-    why = gluon_pool.unsupported(tok, attn.shape[2])
-    if why is None:
-        gluon_pool.attend_bwd(tok, u, attn, dtbar, tbar, du, grad_tok)
-        return True
-    if gluon_pool.ENABLED and tok.is_cuda and why not in _GLUON_DECLINED:
-        _GLUON_DECLINED.add(why)
-        log.info("mha_compile: the pool backward runs in Triton, not Gluon: %s", why)
-    return False
-
-
-_GLUON_DECLINED = set()
-
-
 def pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn, u=None):
     """(∂tok in tok's dtype, ∂q, ∂Wk, ∂Wv, ∂bv, ∂Wo, ∂bo) in fp32; weights given in fp32 (Wv and Wo
     also in tok's dtype, as pool_forward's). u:
@@ -487,14 +469,12 @@ def pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn, u=None):
     attn = attn.contiguous()
     grad_tok = torch.empty_like(tok)
     tbar = torch.empty(B, P, D, device=tok.device, dtype=torch.float32)
-    if not gluon_backward(tok, u, attn, grad_tbar, tbar, du_part, grad_tok):
-        ds = torch.empty_like(attn)
-        if bwd_one_kernel(tok):
-            attend_bwd_one(tok, u, attn, ds, grad_tbar, tbar, du_part, grad_tok)
-        else:
-            attend_bwd(tok, u, attn, attend_bwd_scores(tok, attn, grad_tbar, ds), grad_tbar, tbar, du_part,
-                       grad_tok)
-        del ds
+    ds = torch.empty_like(attn)
+    if bwd_one_kernel(tok):
+        attend_bwd_one(tok, u, attn, ds, grad_tbar, tbar, du_part, grad_tok)
+    else:
+        attend_bwd(tok, u, attn, attend_bwd_scores(tok, attn, grad_tbar, ds), grad_tbar, tbar, du_part, grad_tok)
+    del ds
     grad_u = du_part.sum(0) * (Dh**-0.5)
     del grad_tbar, du_part
     grad_bo = grad_inv.sum(0)

@@ -128,17 +128,3 @@ def test_weight_gradients_of_the_runs_build_either_way(tmp_path, stream, spread)
     for r in rows:
         assert r["constexprs"]["STREAM"] == (stream == "1"), r
         assert r["spill_bytes"] == 0 and not r["wgmma_serialized"] and r["wgmma"] > 0 and r["fits"], r
-
-
-def test_the_pool_backward_in_gluon_builds_where_asked_for(tmp_path):
-    """With MHA_COMPILE_POOL_GLUON=1, --gluon records the pool backward's Gluon kernel (gluon_pool) as
-    the H200 takes it at large, medium and an odd shape (N = 64, D = 192, P = 3), and it builds for
-    sm_90a on wgmma without spills, within shared memory; without the variable it is not taken."""
-    presets = "large,medium,300x7x64x192x3x200x4x2"
-    rows = offline_sass(tmp_path, "--presets", presets, "--gluon", "--kernels", "_pool_bwd_gluon_kernel",
-                        env={"MHA_COMPILE_POOL_GLUON": "1"})
-    assert [(r["constexprs"]["N"], r["constexprs"]["D"]) for r in rows] == [(128, 512), (64, 256), (64, 192)]
-    for r in rows:
-        assert "error" not in r and r["spill_bytes"] == 0 and r["wgmma"] > 0 and r["fits"], r
-    assert offline_sass(tmp_path, "--presets", presets, "--gluon", "--kernels", "_pool_bwd_gluon_kernel",
-                        env={"MHA_COMPILE_POOL_GLUON": "0"}) == []
