@@ -466,8 +466,10 @@ def load_rows(x_ptr, rows, r_ok, offs_d, d_ok, D):
 
 @triton.jit
 def load_x(x_ptr, inv_ptr, rows, r_ok, offs_d, d_ok, H, D, HAS_INV: tl.constexpr):
-    """x[rows, offs_d] in fp32: x_ptr [R,D] row-major, plus inv [R/H, D] when HAS_INV."""
+    """x[rows, offs_d] in fp32: x_ptr [R,D] row-major, plus inv [R/H, D] when HAS_INV. rows are
+    int32 (R < 2³¹), and so is their division by H: in int64 it took the medium router's forward
+    1568 → 1392 SASS instructions and its merged ∂Wg 2312 → 1864 (offline, sm_90a)."""
     x = load_rows(x_ptr, rows, r_ok, offs_d, d_ok, D).to(tl.float32)
     if HAS_INV:
-        x += load_rows(inv_ptr, rows.to(tl.int64) // H, r_ok, offs_d, d_ok, D)
+        x += load_rows(inv_ptr, rows // H, r_ok, offs_d, d_ok, D)
     return x
