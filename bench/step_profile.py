@@ -2,9 +2,10 @@
 
     PYTHONPATH=. python bench/step_profile.py [--preset small] [--runs mha-fused-cudagraphs:loop,...]
 
-Each run is mode:spelling, a bench mode (bench/modes.py) or inductor-reduce-overhead (Inductor
-with mode="reduce-overhead", the peer that replays CUDA graphs as our cudagraphs mode does) on
-the dense or loop spelling, bf16 on CUDA. For each: the bench's training step
+Each run is mode:spelling, a bench mode (bench/modes.py), inductor-reduce-overhead (Inductor
+with mode="reduce-overhead", the peer that replays CUDA graphs as our cudagraphs mode does) or
+mha-inductor-reduce-overhead (backend="mha" with rest="inductor" under reduce-overhead, the mode
+given in the options) on the dense or loop spelling, bf16 on CUDA. For each: the bench's training step
 (bench/measure.timed_step) timed as the bench times it (do_bench's median), the host's time to issue one step (50 steps under perf_counter with no
 sync between them, and with the drain after), the GPU's kernel time a step (the profiler's
 total of its kernels' own CUDA time over 10 steps), then the top host ops by their own CPU time
@@ -20,7 +21,7 @@ import triton.testing
 
 from bench import cases, measure, modes
 
-EXTRA_MODES = ("inductor-reduce-overhead",)
+EXTRA_MODES = ("inductor-reduce-overhead", "mha-inductor-reduce-overhead")
 RUNS = "mha-fused-cudagraphs:loop,mha-fused-cudagraphs:dense,inductor-reduce-overhead:loop,mha-fused:loop"
 
 
@@ -46,6 +47,8 @@ def profile(preset, mode, spelling):
     leaves = [ctx, tok, *model.parameters()]
     if mode == "inductor-reduce-overhead":
         fn = torch.compile(model, mode="reduce-overhead", dynamic=False)
+    elif mode == "mha-inductor-reduce-overhead":
+        fn = torch.compile(model, backend="mha", options={"rest": "inductor", "mode": "reduce-overhead"}, dynamic=False)
     else:
         fn = modes.build(mode, model)
 

@@ -18,11 +18,10 @@ from mha_compile.debug.report import GraphReport
 from mha_compile.lowering.match import find_regions
 from mha_compile.lowering.rewrite import rewrite
 from mha_compile.lowering.select import choose_kernels, describe_graphs
-from mha_compile.options import Options
+from mha_compile.options import MODES, Options
 
 log = logging.getLogger("mha_compile")
 
-MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 VERIFY_RTOL = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 _graph_counter = itertools.count()
 # Callables that receive each GraphReport (explain and the dumps listen here).
@@ -32,8 +31,7 @@ observers = []
 def mha_backend(gm, example_inputs, options=None, mode=None):
     """Dynamo backend: rewrite MHA regions of gm, then run everything with `rest`."""
     opts = Options.parse(options)
-    if mode not in MODES:
-        raise ValueError(f"mha backend: mode={mode!r} is not supported; expected one of {MODES}")
+    mode = _mode(mode, opts.mode)
     report = GraphReport(next(_graph_counter), options={k: str(v) for k, v in vars(opts).items()})
     report.code_before = gm.code
     whole = _whole_graph_captured(opts, mode, example_inputs)
@@ -125,6 +123,16 @@ def _copy(gm):
         if hasattr(node, "_dynamo_source"):
             copied._dynamo_source = node._dynamo_source
     return new
+
+
+def _mode(given, in_options):
+    """The mode to honour: torch.compile's, or options["mode"] (torch.compile passes one or the
+    other); both given and different is an error, not a silent pick."""
+    if given not in MODES:
+        raise ValueError(f"mha backend: mode={given!r} is not supported; expected one of {MODES}")
+    if given not in (None, "default") and in_options not in (None, "default") and given != in_options:
+        raise ValueError(f"mha backend: mode={given!r} and options['mode']={in_options!r} disagree; give one of them")
+    return in_options if given in (None, "default") else given
 
 
 def _inductor_patches(mode):

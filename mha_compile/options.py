@@ -5,6 +5,8 @@ import os
 KERNELS = ("auto", "fused", "staged", "reference")
 REST = ("eager", "inductor")
 GRAPHS = ("auto", "on", "off")
+# torch.compile's modes the backend honours (None and "default": no CUDA graphs, no autotuning)
+MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 DEFAULT_KERNELS = "auto"
 DEFAULT_REST = "eager"
 DEFAULT_GRAPHS = "auto"
@@ -26,6 +28,9 @@ class Options:
             at every size; "off": never). The graphs hold memory that the plain path frees
             after each call. Under mode="reduce-overhead" (or an Inductor mode with CUDA
             graphs) the whole graph is captured instead and this is ignored.
+        mode: torch.compile's `mode`, given here because torch.compile refuses `mode` and
+            `options` together: options={"rest": "inductor", "mode": "reduce-overhead"} is
+            mode="reduce-overhead" with these options. None: torch.compile's own `mode`.
     """
 
     kernels: str = DEFAULT_KERNELS
@@ -34,11 +39,13 @@ class Options:
     verify: bool = False
     strict: bool = False
     graphs: str = DEFAULT_GRAPHS
+    mode: str | None = None
 
     def __post_init__(self):
         _check_choice("kernels", self.kernels, KERNELS)
         _check_choice("rest", self.rest, REST)
         _check_choice("graphs", self.graphs, GRAPHS)
+        _check_choice("mode", self.mode, MODES)
         for name in ("verify", "strict"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"mha options: {name}={getattr(self, name)!r} must be True or False")

@@ -179,6 +179,7 @@ def test_explain_counts():
     ({"rest": "tvm"}, "rest='tvm'"),
     ({"verify": "yes"}, "verify='yes'"),
     ({"graphs": True}, "graphs=True"),
+    ({"mode": "fast"}, "mode='fast'"),
 ])
 def test_bad_options_raise_clear_errors(options, needle):
     with pytest.raises(Exception) as info:
@@ -188,6 +189,53 @@ def test_bad_options_raise_clear_errors(options, needle):
     with pytest.raises(Exception, match="mha"):
         torch.compile(_block(torch.float32), backend="mha", options=options)(torch.randn(2, 3, 32), torch.randn(2, 5, 32))
 
+
+
+def _captured(block):
+    """Dynamo's graph of `block` on fresh (ctx, tok), its example inputs as a backend receives them
+    (the parameters among them), and (ctx, tok)."""
+    captured = []
+    torch._dynamo.reset()
+    inputs = (torch.randn(4, 3, 32), torch.randn(4, 5, 32))
+    torch.compile(block, backend=lambda gm, example: captured.append((gm, example)) or gm.forward)(*inputs)
+    return (*captured[0], inputs)
+
+
+@pytest.mark.parametrize("mode, given", [("reduce-overhead", None), ("max-autotune-no-cudagraphs", "default"),
+                                         (None, None)])
+def test_mode_in_the_options_reaches_inductor(monkeypatch, mode, given):
+    """torch.compile refuses mode= and options= together, so options["mode"] is how rest="inductor"
+    gets a mode: Inductor must receive that mode's config patches (none without a mode)."""
+    from torch._inductor import compile_fx
+    patches = []
+    monkeypatch.setattr(compile_fx, "compile_fx", lambda gm, inputs, config_patches: patches.append(config_patches)
+                        or gm.forward)
+    gm, example, _ = _captured(_block(torch.float32))
+    backend.mha_backend(gm, example, options={"rest": "inductor", "mode": mode}, mode=given)
+    assert patches == [torch._inductor.list_mode_options(mode) if mode else {}]
+    if mode == "reduce-overhead":
+        assert patches[0]["triton.cudagraphs"] is True
+
+
+def test_mode_given_twice_must_agree():
+    block = _block(torch.float32)
+    gm, example, inputs = _captured(block)
+    with pytest.raises(ValueError, match="mode='reduce-overhead' and options\\['mode'\\]='max-autotune' disagree"):
+        backend.mha_backend(gm, example, options={"mode": "max-autotune"}, mode="reduce-overhead")
+    with pytest.raises(ValueError, match="mode='fastest' is not supported"):
+        backend.mha_backend(gm, example, mode="fastest")
+    # the same mode both ways is no conflict
+    out = backend.mha_backend(gm, example, options={"mode": "reduce-overhead"}, mode="reduce-overhead")(*example)
+    assert_close_rel(out[0] if isinstance(out, (tuple, list)) else out, block(*inputs), torch.float32,
+                     "same mode twice")
+
+
+def test_rest_inductor_under_a_mode_in_the_options_matches_eager():
+    """On the CPU reduce-overhead's CUDA graphs do not apply; the step must still train as eager."""
+    torch._dynamo.reset()
+    trained = _train_side_by_side(_block(torch.float32), lambda step: (torch.randn(4, 3, 32), torch.randn(4, 5, 32)),
+                                  torch.float32, steps=2, options={"rest": "inductor", "mode": "reduce-overhead"})
+    assert_same_parameters(*trained, torch.float32)
 
 def test_failure_falls_back_with_a_warning_and_strict_raises(monkeypatch, caplog):
     def broken(gm, matches):

@@ -36,3 +36,23 @@ def test_reduce_overhead_trains_as_the_plain_step(monkeypatch, static_params):
     torch.testing.assert_close(torch.tensor(graphed_losses), torch.tensor(plain_losses), rtol=1e-4, atol=0)
     for got, want in zip(graphed_params, plain_params):
         torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("rest", ["eager", "inductor"])
+def test_mode_in_the_options_replays_cuda_graphs_and_trains_as_the_plain_step(monkeypatch, rest):
+    """options={"mode": "reduce-overhead", "rest": ...} (torch.compile refuses mode= beside options=):
+    the step must be captured as CUDA graphs (none in the plain step, the region's own graphs
+    off), and train as the plain step does."""
+    captures = []
+    begin = torch.cuda.CUDAGraph.capture_begin
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin",
+                        lambda self, *args, **kwargs: captures.append(1) or begin(self, *args, **kwargs))
+    torch._dynamo.reset()
+    plain_losses, plain_params = train(block(), options={"rest": rest, "graphs": "off"}, steps=4)
+    assert not captures
+    torch._dynamo.reset()
+    graphed_losses, graphed_params = train(block(), options={"rest": rest, "mode": "reduce-overhead"}, steps=4)
+    assert captures, "options['mode'] = 'reduce-overhead' captured no CUDA graph"
+    torch.testing.assert_close(torch.tensor(graphed_losses), torch.tensor(plain_losses), rtol=1e-4, atol=0)
+    for got, want in zip(graphed_params, plain_params):
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-3, atol=1e-5)
