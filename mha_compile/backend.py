@@ -161,6 +161,9 @@ def run_rest(gm, example_inputs, opts, mode, whole):
             return whole_graph.capture(gm, example_inputs)
     if mode == "reduce-overhead":
         log.info("mha_compile: mode='reduce-overhead' without CUDA inputs: running without CUDA graphs")
+    elif mode not in (None, "default"):
+        log.info("mha_compile: mode=%r with rest='eager': everything outside the region runs eagerly, without "
+                 "the mode's autotuning or CUDA graphs (rest='inductor' takes them)", mode)
     return _region_calls(gm, ops.region_call, opts.graphs).forward
 
 

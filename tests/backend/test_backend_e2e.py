@@ -230,6 +230,17 @@ def test_mode_given_twice_must_agree():
                      "same mode twice")
 
 
+
+@pytest.mark.parametrize("mode, says", [("reduce-overhead", "without CUDA inputs: running without CUDA graphs"),
+                                        ("max-autotune", "runs eagerly, without the mode's autotuning or CUDA graphs")])
+def test_a_mode_rest_eager_cannot_honour_is_said(caplog, mode, says):
+    """rest="eager" on CPU inputs: neither mode's CUDA graphs nor max-autotune's tuning apply; the
+    logger says so rather than taking the mode silently."""
+    gm, example, inputs = _captured(_block(torch.float32))
+    with caplog.at_level(logging.INFO, logger="mha_compile"):
+        backend.mha_backend(gm, example, options={"mode": mode})
+    assert says in caplog.text
+
 def test_rest_inductor_under_a_mode_in_the_options_matches_eager():
     """On the CPU reduce-overhead's CUDA graphs do not apply; the step must still train as eager."""
     torch._dynamo.reset()
