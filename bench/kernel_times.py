@@ -20,6 +20,7 @@ import logging
 import torch
 import triton
 import triton.testing
+from torch.autograd.profiler_util import EventList
 
 from mha_compile import models, ops  # noqa: F401  (ops registers torch.ops.mha)
 
@@ -133,12 +134,23 @@ def host_profile(step, what, calls=10):
     ~4.8 ms a fwd+bwd step through torch.compile against ~1.3 ms as a graph replay)."""
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=activities) as prof:
+    with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
         for _ in range(calls):
             step()
         torch.cuda.synchronize()
     print(f"\n{what}: host time of {calls} fwd+bwd calls, by self CPU time (torch.profiler)")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+    print(f"\n{what}: torch's own kernels in {calls} fwd+bwd calls, by aten op and input shapes")
+    print(aten_by_shape(prof).table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=30,
+                                    max_shapes_column_width=90))
+
+
+def aten_by_shape(prof):
+    """The aten ops with GPU time of their own (torch's kernels, not ours), grouped by their input
+    shapes: the shapes name the call site (session 30: ~228 us a large step, PERF_NOTES v33, where
+    the profiler's Python stacks came back empty on the H200)."""
+    return EventList([e for e in prof.key_averages(group_by_input_shape=True)
+                      if e.key.startswith("aten::") and e.self_device_time_total > 0])
 
 
 def fmt_ms(v):
