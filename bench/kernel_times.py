@@ -20,7 +20,6 @@ import logging
 import torch
 import triton
 import triton.testing
-from torch.autograd.profiler_util import EventList
 
 from mha_compile import models, ops  # noqa: F401  (ops registers torch.ops.mha)
 
@@ -141,16 +140,19 @@ def host_profile(step, what, calls=10):
     print(f"\n{what}: host time of {calls} fwd+bwd calls, by self CPU time (torch.profiler)")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
     print(f"\n{what}: torch's own kernels in {calls} fwd+bwd calls, by aten op and input shapes")
-    print(aten_by_shape(prof).table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=30,
-                                    max_shapes_column_width=90))
+    for e in aten_by_shape(prof)[:25]:
+        print(f"{e.key:<22} {e.count / calls:5.1f} a call {e.self_device_time_total / calls:9.1f} us a call  "
+              f"{e.input_shapes}")
 
 
 def aten_by_shape(prof):
     """The aten ops with GPU time of their own (torch's kernels, not ours), grouped by their input
-    shapes: the shapes name the call site (session 30: ~228 us a large step, PERF_NOTES v33, where
-    the profiler's Python stacks came back empty on the H200)."""
-    return EventList([e for e in prof.key_averages(group_by_input_shape=True)
-                      if e.key.startswith("aten::") and e.self_device_time_total > 0])
+    shapes, the most first: the shapes name the call site (session 30: ~228 us a large step,
+    PERF_NOTES v33, where the profiler's Python stacks came back empty on the H200). Printed by
+    hand: torch's table asserted on a list filtered so (a device-time total of 0 against rows)."""
+    kept = [e for e in prof.key_averages(group_by_input_shape=True)
+            if e.key.startswith("aten::") and e.self_device_time_total > 0]
+    return sorted(kept, key=lambda e: -e.self_device_time_total)
 
 
 def fmt_ms(v):
