@@ -190,7 +190,6 @@ def test_bad_options_raise_clear_errors(options, needle):
         torch.compile(_block(torch.float32), backend="mha", options=options)(torch.randn(2, 3, 32), torch.randn(2, 5, 32))
 
 
-
 def _captured(block):
     """Dynamo's graph of `block` on fresh (ctx, tok), its example inputs as a backend receives them
     (the parameters among them), and (ctx, tok)."""
@@ -230,7 +229,6 @@ def test_mode_given_twice_must_agree():
                      "same mode twice")
 
 
-
 @pytest.mark.parametrize("mode, says", [("reduce-overhead", "without CUDA inputs: running without CUDA graphs"),
                                         ("max-autotune", "runs eagerly, without the mode's autotuning or CUDA graphs")])
 def test_a_mode_rest_eager_cannot_honour_is_said(caplog, mode, says):
@@ -241,12 +239,14 @@ def test_a_mode_rest_eager_cannot_honour_is_said(caplog, mode, says):
         backend.mha_backend(gm, example, options={"mode": mode})
     assert says in caplog.text
 
+
 def test_rest_inductor_under_a_mode_in_the_options_matches_eager():
     """On the CPU reduce-overhead's CUDA graphs do not apply; the step must still train as eager."""
     torch._dynamo.reset()
     trained = _train_side_by_side(_block(torch.float32), lambda step: (torch.randn(4, 3, 32), torch.randn(4, 5, 32)),
                                   torch.float32, steps=2, options={"rest": "inductor", "mode": "reduce-overhead"})
     assert_same_parameters(*trained, torch.float32)
+
 
 def test_failure_falls_back_with_a_warning_and_strict_raises(monkeypatch, caplog):
     def broken(gm, matches):
