@@ -25,8 +25,10 @@ def offline(block_k=64, block_n=256, nbuf=3, out_dtype=torch.bfloat16, stream=Fa
     a, b = torch.empty(S, I, dtype=torch.bfloat16), torch.empty(S, J, dtype=torch.bfloat16)
     out, slots = torch.empty(E, I, J, dtype=out_dtype), torch.empty(2 * E, dtype=torch.int32)
     kernel = gluon_moe._wgrad_kernel
-    args = dict(a_ptr=a, b_ptr=b, out_ptr=out, expert_slots_ptr=slots, sums_ptr=out, flags_ptr=slots, S=1000, I=I,
-                J=J, E=E, JOBS=1000, accumulate=3, SPLIT=3, TILE=128, has_sums=3, sum_rows=3)
+    final = torch.empty(E, I, J, dtype=torch.bfloat16)
+    args = dict(a_ptr=a, b_ptr=b, out_ptr=out, expert_slots_ptr=slots, sums_ptr=out, flags_ptr=slots, final_ptr=final,
+                span_ptr=slots, pending_ptr=slots, S=1000, S0=1000, I=I, J=J, E=E, JOBS=1000, accumulate=3, SPLIT=3,
+                TILE=128, has_sums=3, sum_rows=3, finish=3)
     return compile_offline(kernel, args, dict(BK=block_k, BN=block_n, NBUF=nbuf, STREAM=stream,
                                               CONSUMER_REGS=gluon_moe.CONSUMER_REGS,
                                               PRODUCER_REGS=gluon_moe.PRODUCER_REGS))

@@ -51,7 +51,7 @@ TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", t
          torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8", torch.int8: "i8", torch.bool: "i1"}
 # Integer arguments that choose a kernel's code (Triton builds the value 1 as a constant), shown
 # beside the constexprs.
-CHOOSERS = ("accumulate", "has_sums", "sum_rows")
+CHOOSERS = ("accumulate", "has_sums", "sum_rows", "finish")
 LAUNCHERS = [v for module in (triton_matmul, triton_moe, triton_pool, triton_router) for v in vars(module).values()
              if isinstance(v, triton_util.Launcher)]
 

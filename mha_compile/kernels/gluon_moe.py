@@ -829,7 +829,8 @@ def _stream_piece(experts, it, start, ni, BK: gl.constexpr):
 #           [BK, 64] blocks, B as [S, J] in [BK, BN] blocks;
 #   bufs  = (A ring [2·NBUF, BK, 64] (stage·2 + half), B ring [NBUF, BK, BN]);
 #   bars  = (ready, empty) a stage;  ptrs = (out [E·SPLIT·I, J], expert_slots [2E], sums [E·SPLIT·sum_rows, J],
-#           flags [programs · 2 · 128], for STREAM);
+#           flags [programs · 2 · 128], for STREAM; closing, for `finish`: (final [E·I, J], the whole
+#           layout's expert_slots [2E], pending [E], this run's first slot S0 in it, its slots S, finish));
 #   sizes = (I, J, E, JOBS, accumulate, SPLIT, TILE, has_sums, sum_rows): Σb in sum_rows rows an
 #           expert, row i summed by the jobs of row block i over 1/sum_rows of the K steps
 #           (_wgrad_summing). Triton builds sum_rows = 1, the default, as a constant: its branches
@@ -897,7 +898,7 @@ def _wgrad_load(descs, bufs, bars, i0, j0, s0, s1, pos):
 def _wgrad_produce(descs, bufs, bars, ptrs, sizes, STREAM: gl.constexpr):
     descs = _wgrad_descriptors(descs, bufs, sizes)
     a_desc, b_desc = descs
-    out_ptr, expert_slots_ptr, sums_ptr, flags_ptr = ptrs
+    out_ptr, expert_slots_ptr, sums_ptr, flags_ptr, closing = ptrs
     I, J, E, JOBS, accumulate, SPLIT, TILE, has_sums, sum_rows = sizes
     BK: gl.constexpr = a_desc.block_type.shape[0]
     BM: gl.constexpr = 2 * a_desc.block_type.shape[1]
@@ -1019,15 +1020,50 @@ def _wgrad_sums_row(ec, i, sum_rows):
 
 
 @gluon.jit
-def _wgrad_add(acc, sums, out_ptr, sums_ptr, e, i, j, I, J, which, summing, sum_rows, acc_layout: gl.constexpr,
-               sums_layout: gl.constexpr):
-    """STREAM: a consumer's [64, BN] of tile (e, i, j) added into ∂W's fp32 totals (red), and Σb's
-    columns by one thread each (sums_layout) into its row e·sum_rows + i when `summing`."""
+def _wgrad_ends(closing, e, E):
+    """With `finish` (closing): whether this run opens expert e's sums (the whole layout's first slot
+    of e is in it) and whether it closes them (e's last slot is); without: neither."""
+    final_ptr, span_ptr, pending_ptr, S0, S, finish = closing
+    return ((finish != 0) & (gl.load(span_ptr + e) >= S0),
+            (finish != 0) & (gl.load(span_ptr + E + e) <= S0 + S))
+
+
+@gluon.jit
+def _wgrad_put(acc, total_ptrs, final_ptrs, closing, e, ends, first, last):
+    """A consumer's [64, BN] part of a tile of expert e added into ∂W's fp32 totals (red) at
+    total_ptrs; final_ptrs: the same elements of the final output. (The callers make both pointer
+    tensors before any branch: made inside one, the red's packed operands failed to lower, an LLVM
+    assertion in ConvertTritonGPUToLLVM for the jobs schedule, sm_90a.) With `finish` (closing; ends = _wgrad_ends), where this run opens e's sums and the
+    part is the tile's first (first: no part of it before in this launch) it is stored there
+    instead; where the run opens and closes them and the part is the whole tile (first and last),
+    it is stored in the final output's dtype and the totals are not touched. Where the run closes
+    e's sums but this part did not store them final, e is marked pending: moe_backward's
+    close_totals converts e's totals after the last run."""
+    final_ptr, span_ptr, pending_ptr, S0, S, finish = closing
+    opens, closes = ends
+    if opens & closes & first & last:
+        gl.store(final_ptrs, acc.to(final_ptr.dtype.element_ty))
+    else:
+        if opens & first:
+            gl.store(total_ptrs, acc)
+        else:
+            _add_into(total_ptrs, acc)
+        if closes:
+            gl.store(pending_ptr + e, 1)
+
+
+@gluon.jit
+def _wgrad_add(acc, sums, out_ptr, sums_ptr, closing, e, i, j, I, J, E, which, summing, sum_rows, first, last,
+               acc_layout: gl.constexpr, sums_layout: gl.constexpr):
+    """STREAM: a consumer's [64, BN] of tile (e, i, j) added into ∂W's fp32 totals (_wgrad_put: the
+    part's place in its tile, first and last), and Σb's columns by one thread each (sums_layout)
+    into its row e·sum_rows + i when `summing`."""
     HALF: gl.constexpr = acc.shape[0]
     BN: gl.constexpr = acc.shape[1]
     rows = e * I + i * 2 * HALF + which * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
     cols = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
-    _add_into(out_ptr + rows.to(gl.int64)[:, None] * J + cols[None, :], acc)
+    offsets = rows.to(gl.int64)[:, None] * J + cols[None, :]
+    _wgrad_put(acc, out_ptr + offsets, closing[0] + offsets, closing, e, _wgrad_ends(closing, e, E), first, last)
     if summing:
         ptrs = sums_ptr + _wgrad_sums_row(e, i, sum_rows) * J + j * BN + gl.arange(0, BN, layout=sums_layout)
         gl.store(ptrs, gl.load(ptrs) + gl.convert_layout(sums, sums_layout))
@@ -1038,7 +1074,7 @@ def _wgrad_consume(descs, bufs, bars, ptrs, sizes, which, STREAM: gl.constexpr):
     """Rows [which·64, which·64 + 64) of every job's 128: the K loop over the ring, then the store."""
     descs = _wgrad_descriptors(descs, bufs, sizes)
     a_desc, b_desc = descs
-    out_ptr, expert_slots_ptr, sums_ptr, flags_ptr = ptrs
+    out_ptr, expert_slots_ptr, sums_ptr, flags_ptr, closing = ptrs
     I, J, E, JOBS, accumulate, SPLIT, TILE, has_sums, sum_rows = sizes
     BK: gl.constexpr = a_desc.block_type.shape[0]
     HALF: gl.constexpr = a_desc.block_type.shape[1]
@@ -1069,7 +1105,8 @@ def _wgrad_consume(descs, bufs, bars, ptrs, sizes, which, STREAM: gl.constexpr):
             summing = _wgrad_summing(has_sums, i, sum_rows, which)
             acc, sums, pos = _wgrad_steps(bufs, bars, s0, s1, pos, summing, i, sum_rows, which, acc_layout,
                                           sums_layout)
-            _wgrad_add(acc, sums, out_ptr, sums_ptr, e, i, j, I, J, which, summing, sum_rows, acc_layout, sums_own)
+            _wgrad_add(acc, sums, out_ptr, sums_ptr, closing, e, i, j, I, J, E, which, summing, sum_rows, True, True,
+                       acc_layout, sums_own)
         while it > start:
             e, i, j, s0, s1, waits, raises, it = _stream_piece(experts, it, start, ni, BK)
             summing = _wgrad_summing(has_sums, i, sum_rows, which)
@@ -1077,7 +1114,8 @@ def _wgrad_consume(descs, bufs, bars, ptrs, sizes, which, STREAM: gl.constexpr):
                                           sums_layout)
             if waits:
                 _flag_wait(theirs)
-            _wgrad_add(acc, sums, out_ptr, sums_ptr, e, i, j, I, J, which, summing, sum_rows, acc_layout, sums_own)
+            _wgrad_add(acc, sums, out_ptr, sums_ptr, closing, e, i, j, I, J, E, which, summing, sum_rows, ~waits,
+                       ~raises, acc_layout, sums_own)
             if raises:
                 _flag_raise(mine)
     else:
@@ -1090,11 +1128,13 @@ def _wgrad_consume(descs, bufs, bars, ptrs, sizes, which, STREAM: gl.constexpr):
                                           sums_layout)
             rows = ec * I + i0 + which * HALF + gl.arange(0, HALF, layout=rows_layout)
             cols = j0 + gl.arange(0, BN, layout=cols_layout)
-            ptrs_out = out_ptr + rows.to(gl.int64)[:, None] * J + cols[None, :]
+            offsets = rows.to(gl.int64)[:, None] * J + cols[None, :]
+            ptrs_out = out_ptr + offsets
+            ptrs_final = closing[0] + offsets
             if accumulate == 0:
                 gl.store(ptrs_out, acc.to(out_ptr.dtype.element_ty))
-            elif hi > lo:  # an expert with no slots in this run is left untouched
-                _add_into(ptrs_out, acc)
+            elif hi > lo:  # an expert with no slots in this run is left untouched (SPLIT is 1: ec is e)
+                _wgrad_put(acc, ptrs_out, ptrs_final, closing, ec, _wgrad_ends(closing, ec, E), True, True)
             if summing:
                 ptrs_sums = (sums_ptr + _wgrad_sums_row(ec, i, sum_rows) * J + j0
                              + gl.arange(0, BN, layout=gl.SliceLayout(0, sums_layout)))
@@ -1126,9 +1166,9 @@ def _wgrad_produce_stream(descs, bufs, bars, ptrs, sizes):
 
 
 @gluon.jit
-def _wgrad_kernel(a_ptr, b_ptr, out_ptr, expert_slots_ptr, sums_ptr, flags_ptr, S, I, J, E, JOBS, accumulate, SPLIT,
-                  TILE, has_sums, sum_rows, BK: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, STREAM: gl.constexpr,
-                  CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+def _wgrad_kernel(a_ptr, b_ptr, out_ptr, expert_slots_ptr, sums_ptr, flags_ptr, final_ptr, span_ptr, pending_ptr,
+                  S, S0, I, J, E, JOBS, accumulate, SPLIT, TILE, has_sums, sum_rows, finish, BK: gl.constexpr,
+                  BN: gl.constexpr, NBUF: gl.constexpr, STREAM: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     # TMA descriptors made on the device, by each partition: see _wgrad_descriptors.
     dtype: gl.constexpr = a_ptr.dtype.element_ty
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK, 64], dtype)
@@ -1136,7 +1176,8 @@ def _wgrad_kernel(a_ptr, b_ptr, out_ptr, expert_slots_ptr, sums_ptr, flags_ptr, 
     a_bufs = gl.allocate_shared_memory(dtype, [2 * NBUF, BK, 64], a_layout)
     b_bufs = gl.allocate_shared_memory(dtype, [NBUF, BK, BN], b_layout)
     ready, empty = _ring_barriers(NBUF)
-    args = ((a_ptr, b_ptr, S), (a_bufs, b_bufs), (ready, empty), (out_ptr, expert_slots_ptr, sums_ptr, flags_ptr),
+    args = ((a_ptr, b_ptr, S), (a_bufs, b_bufs), (ready, empty), (out_ptr, expert_slots_ptr, sums_ptr, flags_ptr,
+                                                       (final_ptr, span_ptr, pending_ptr, S0, S, finish)),
             (I, J, E, JOBS, accumulate, SPLIT, TILE, has_sums, sum_rows))
     zero = gl.program_id(0) * 0
     if STREAM:
@@ -1174,9 +1215,15 @@ def wgrad_block_n(J):
 
 
 def weight_grads(a, b, groups, out, accumulate, split=1, block_k=WGRAD_BK, block_n=None, nbuf=WGRAD_NBUF,
-                 sums=None, stream=None, sum_rows=1):
+                 sums=None, stream=None, sum_rows=1, final=None, pending=None):
     """out [E,I,J] = Σ_{s∈e} A[s]ᵀ B[s] (accumulate: added into out, fp32 totals, experts without
-    slots here untouched). split > 1 (not with accumulate): out is [E·split, I, J] fp32, row
+    slots here untouched). final (accumulate only): [E,I,J] in the weights' dtype, and pending [E]
+    int32: groups is one run of tiles of a whole layout (groups.whole_slots, groups.first_slot), and
+    the sums of an expert whose first slot is in this run are written into out, not added (out
+    holds anything before); where its last slot is in this run too and a tile's sum is made whole
+    here, it goes to final instead, and where its last slot is in this run but a tile's sum stays in
+    out (added up across runs or programs), pending[e] is set to 1 (the caller converts those
+    experts' totals; triton_moe.close_totals). split > 1 (not with accumulate): out is [E·split, I, J] fp32, row
     e·split + c the sum over split c of e's slots (as triton_moe._moe_wgrad_kernel cuts them),
     for triton_moe's _sum_splits_kernel to add. sums: [E·split, J] to take B's column sums
     Σ_{s∈e} B[s] the same way (∂b1 beside ∂W1), in out's dtype or fp32; with sum_rows R > 1 (at most I's
@@ -1200,14 +1247,22 @@ def weight_grads(a, b, groups, out, accumulate, split=1, block_k=WGRAD_BK, block
     if stream and (not accumulate or E > STREAM_EXPERTS.value):
         raise ValueError(f"stream=True adds into totals of at most {STREAM_EXPERTS.value} experts; got "
                          f"accumulate={accumulate}, E={E}")
+    if final is not None and (not accumulate or final.shape != out.shape or pending is None
+                              or pending.shape != (E,) or pending.dtype != torch.int32):
+        raise ValueError(f"final: takes accumulate, final of out's shape {tuple(out.shape)} and pending, [E = {E}] "
+                         f"int32; got accumulate={accumulate}, final {None if final is None else tuple(final.shape)}, "
+                         f"pending {None if pending is None else (tuple(pending.shape), pending.dtype)}")
     if stream is None:
         stream = wgrad_stream(accumulate, E)  # split is 1 here (checked above)
     programs = num_sms(a.device) if stream else min(num_sms(a.device), jobs)
+    finish = final is not None
     with device_scratch():
         _wgrad_kernel[(programs,)](
             a, b, out, groups.expert_slots, out if sums is None else sums,
-            stream_flags(a.device) if stream else groups.expert_slots, a.shape[0], I, J, E, jobs,
-            int(accumulate), split, groups.tile, int(sums is not None), sum_rows,
+            stream_flags(a.device) if stream else groups.expert_slots, final if finish else out,
+            groups.whole_slots if finish else groups.expert_slots, pending if finish else groups.expert_slots,
+            a.shape[0], groups.first_slot if finish else 0, I, J, E, jobs,
+            int(accumulate), split, groups.tile, int(sums is not None), sum_rows, int(finish),
             BK=block_k, BN=block_n, NBUF=nbuf, STREAM=stream,
             CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
     return out

@@ -349,9 +349,9 @@ def _moe_bwd_hidden_kernel(
 
 @triton.jit
 def _moe_wgrad_kernel(
-    a_ptr, b_ptr, b2_ptr, expert_slots_ptr, dw_ptr, dw2_ptr,
-    I, J, E, SPLIT,
-    HAS_B2: tl.constexpr, ACCUMULATE: tl.constexpr,
+    a_ptr, b_ptr, b2_ptr, expert_slots_ptr, dw_ptr, dw2_ptr, final_ptr, final2_ptr, whole_slots_ptr,
+    I, J, E, SPLIT, S0, S,
+    HAS_B2: tl.constexpr, ACCUMULATE: tl.constexpr, FINISH: tl.constexpr,
     TILE: tl.constexpr, PRECISION: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
@@ -367,6 +367,10 @@ def _moe_wgrad_kernel(
     ACCUMULATE (SPLIT = 1, fp32 outputs): add into dw (dw2) instead of writing, and leave an
     expert with no slots here untouched: the runs of tiles (moe_backward) sum their weight
     gradients in place, in run order, and each run holds only a few experts.
+    FINISH (with ACCUMULATE): this is the run of slots [S0, S0 + S) of a whole layout whose expert
+    ranges are whole_slots [2E]: an expert whose first slot is in it starts from zeros, not from
+    dw (which holds anything before), and one whose last slot is in it is stored in final
+    (final2), in their dtype, not in dw (gluon_moe.weight_grads' `final`; here never pending).
     """
     e = tl.program_id(0) // SPLIT
     c = tl.program_id(0) % SPLIT
@@ -388,7 +392,12 @@ def _moe_wgrad_kernel(
                                 (BLOCK_I, BLOCK_J), (1, 0)) for p in (dw_ptr, dw2_ptr)]
     acc = tl.zeros([BLOCK_I, BLOCK_J], tl.float32)
     acc2 = tl.zeros([BLOCK_I, BLOCK_J], tl.float32)
-    if ACCUMULATE and hi > lo:  # the sums so far start the accumulators
+    opens = False
+    closes = False
+    if FINISH:
+        opens = tl.load(whole_slots_ptr + e) >= S0
+        closes = tl.load(whole_slots_ptr + E + e) <= S0 + S
+    if ACCUMULATE and hi > lo and not opens:  # the sums so far start the accumulators
         acc = tl.load(blocks[0], boundary_check=(0, 1), padding_option="zero")
         if HAS_B2:
             acc2 = tl.load(blocks[1], boundary_check=(0, 1), padding_option="zero")
@@ -403,7 +412,13 @@ def _moe_wgrad_kernel(
         if HAS_B2:
             b2 = tl.load(b2_ptr + offs_s[:, None] * J + offs_j[None, :], mask=sj_ok, other=0.0)
             acc2 = tl.dot(at, b2, acc2, input_precision=PRECISION)
-    if hi > lo or not ACCUMULATE:  # an expert with no slots in this run is left untouched
+    if closes and hi > lo:
+        finals = [tl.make_block_ptr(p + row, (I, J), (J, 1), (tl.program_id(1) * BLOCK_I, tl.program_id(2) * BLOCK_J),
+                                    (BLOCK_I, BLOCK_J), (1, 0)) for p in (final_ptr, final2_ptr)]
+        tl.store(finals[0], acc.to(final_ptr.dtype.element_ty), boundary_check=(0, 1))
+        if HAS_B2:
+            tl.store(finals[1], acc2.to(final2_ptr.dtype.element_ty), boundary_check=(0, 1))
+    elif hi > lo or not ACCUMULATE:  # an expert with no slots in this run is left untouched
         tl.store(blocks[0], acc.to(dw_ptr.dtype.element_ty), boundary_check=(0, 1))
         if HAS_B2:
             tl.store(blocks[1], acc2.to(dw2_ptr.dtype.element_ty), boundary_check=(0, 1))
@@ -483,6 +498,32 @@ def _sum_splits_kernel(part_ptr, out_ptr, part2_ptr, out2_ptr, E, N, SPLIT, BLOC
     tl.store(dst + offs, acc.to(dst.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _close_totals_kernel(total_ptr, final_ptr, total2_ptr, final2_ptr, total3_ptr, final3_ptr, expert_slots_ptr,
+                         pending_ptr, E, N, STEPS: tl.constexpr, BLOCK: tl.constexpr):
+    """The weight gradients summed over runs of tiles, closed (close_totals): final[e] = total[e]
+    ([E, N] each, final in its dtype) for an expert left pending (pending[w, e]: its sums are still
+    in the fp32 totals), zeros for an expert with no slots (no run wrote it); every other expert's
+    final is written already. Program axis 2 picks the pair w; axis 1 a part of STEPS·BLOCK elements."""
+    w = tl.program_id(2)
+    if w == 0:
+        src, dst = total_ptr, final_ptr
+    elif w == 1:
+        src, dst = total2_ptr, final2_ptr
+    else:
+        src, dst = total3_ptr, final3_ptr
+    e = tl.program_id(0)
+    pending = tl.load(pending_ptr + w * E + e) != 0
+    empty = tl.load(expert_slots_ptr + e) == tl.load(expert_slots_ptr + E + e)
+    if pending or empty:
+        for step in range(STEPS):
+            offs = (tl.program_id(1) * STEPS + step) * BLOCK + tl.arange(0, BLOCK)
+            ok = offs < N
+            at = e.to(tl.int64) * N + offs
+            value = tl.load(src + at, mask=ok & pending, other=0.0)
+            tl.store(dst + at, value.to(dst.dtype.element_ty), mask=ok)
+
+
 # ---------------------------------------------------------------------------------------------
 # Config lists. The first entry is the default (interpreter, MHA_COMPILE_NO_AUTOTUNE=1).
 # Keys: the GEMM's K and N extents, TILE and the flags that change the work per program;
@@ -543,7 +584,7 @@ _wgrad = Launcher(_moe_wgrad_kernel, [
     # a GEMM against 0.60 over the whole layout, gemm_probe.txt); the autotuner kept 128x256.
     # Runs of 512 MiB (~6 experts) took the two GEMMs 1.98 -> 1.48 ms a step (7863c64).
     dict(BLOCK_I=64, BLOCK_J=128, BLOCK_S=64, num_warps=4, num_stages=4),
-], key=["I", "J", "E", "SPLIT", "TILE", "HAS_B2", "ACCUMULATE"], restore=["dw_ptr", "dw2_ptr"])
+], key=["I", "J", "E", "SPLIT", "TILE", "HAS_B2", "ACCUMULATE", "FINISH"], restore=["dw_ptr", "dw2_ptr"])
 # BLOCK_R is clipped to TILE in the kernel. [64, 64] blocks at 4 warps: 145 against 154 us a large
 # whole-layout call (the autotuner's pick before, [64, 16] at 2 warps), 20.5 against 24.9 at
 # medium (bench/small_kernels_probe.py, H200).
@@ -696,6 +737,8 @@ class Groups:
         self.pair_slot = pair_slot
         self.tile_expert = tile_expert
         self.expert_slots = meta[:2 * experts]  # [2E]: padded start, padded end
+        # A whole layout is its own one run (see tiles)
+        self.whole_slots, self.first_slot = self.expert_slots, 0
         # What built_from compares; holding `index` keeps its memory from passing to another tensor.
         self.index, self.index_stamp = index, stamp(index)
 
@@ -719,7 +762,9 @@ class Groups:
         part.slot_pair = self.slot_pair[s0:s1]
         part.tile_expert = self.tile_expert[t0:t1]
         part.index = part.index_stamp = None  # built from no index of its own
-        part._whole_slots, part._s0 = self.expert_slots, s0
+        # the whole layout's expert ranges and where this run starts in it: the weight gradients
+        # summed over runs tell from them which run holds an expert's first and last slot
+        part.whole_slots, part.first_slot = self.expert_slots, s0
         return part
 
     @functools.cached_property
@@ -728,7 +773,7 @@ class Groups:
         a whole layout; a run of tiles (`tiles`) clips the whole layout's here, on first read. Only
         the backward's weight and bias gradients read it, so the forward's runs skip these two
         torch ops (two runs at large; a torch call costs ~10-20 us of the H200's host, PERF_NOTES v15)."""
-        return (self._whole_slots - self._s0).clamp_(0, self.slots)
+        return (self.whole_slots - self.first_slot).clamp_(0, self.slots)
 
 
 def group(index, experts):
@@ -744,6 +789,8 @@ def group(index, experts):
 # runs of 256 MiB, ~3: 0.99 ms a GEMM against 0.60 over the whole layout, gemm_probe.txt).
 # bench/offline_memory.py puts the MoE backward's peak at 1592 MiB with it (1327 with 256),
 # still under the pool backward's 1603, which sets the step's peak; 768 would set it at 1846.
+# (Session 31: the weight gradients' final outputs, +64 MiB through the runs, and runs of equal
+# size, −70 at the largest run: the step's peak stays the pool backward's, 1605 offline.)
 SLOT_CHUNK_BYTES = 512 << 20
 
 
@@ -756,9 +803,15 @@ def tiles_per_run(tile, bytes_per_slot):
 
 
 def tile_runs(groups, bytes_per_slot):
-    """[(t0, t1)]: consecutive runs of whole tiles whose slot buffers fit SLOT_CHUNK_BYTES
-    (one run when everything fits)."""
+    """[(t0, t1)]: consecutive runs of whole tiles whose slot buffers fit SLOT_CHUNK_BYTES (one run
+    when everything fits): as few runs as fit, of about equal size (a multiple of 8 tiles but the
+    last), so that the largest run's buffers, which set the MoE's peak, are as small as that many
+    runs allow. Large's backward: 352, 352 and 336 tiles, not 408, 408 and 224 (−70 MiB at the peak,
+    where the runs' weight gradients' final outputs (moe_backward) added 64)."""
     per = tiles_per_run(groups.tile, bytes_per_slot)
+    count = triton.cdiv(groups.num_tiles, per)
+    if count > 1 and per >= 8:  # ⌈T / count⌉ rounded up to 8 is still at most per (a multiple of 8)
+        per = triton.cdiv(triton.cdiv(groups.num_tiles, count), 8) * 8
     return [(t0, min(t0 + per, groups.num_tiles)) for t0 in range(0, groups.num_tiles, per)]
 
 
@@ -924,10 +977,13 @@ def gluon_wgrad_splits(slots, experts, I, J, device):
                key=lambda s: (fractions.Fraction(triton.cdiv(tiles * s, sms), s), s))
 
 
-def weight_grads(a, b, b2, groups, into=None, sums=False):
+def weight_grads(a, b, b2, groups, into=None, sums=False, final=None, pending=None):
     """(∂W [E,I,J], ∂W' [E,I,J] or None, Σb [E,J] or None) in a's dtype from slot rows a [S,I], b
     [S,J] (b2 [S,J]); see _moe_wgrad_kernel. into: fp32 (∂W, ∂W', Σb) to add these slots' sums to
-    (one run of tiles), returned. sums: also Σ_{s∈e} b[s] (∂b1 beside ∂W1 = Σ xsᵀ ∂u), where the
+    (one run of tiles), returned. final: with `into`, (∂W, ∂W' or None) in the weights' dtype and
+    pending [E] int32: ∂W and ∂W' are then summed over the runs as gluon_moe.weight_grads' `final`
+    says (an expert's first run writes its totals, its last stores them final where it can, else
+    marks it pending), for close_totals to finish after the last run; Σb is added into as without. sums: also Σ_{s∈e} b[s] (∂b1 beside ∂W1 = Σ xsᵀ ∂u), where the
     Gluon kernel runs (its first consumer sums each B stage while the stage's wgmmas run: one pass
     over ∂u fewer than tile_sums); Σb is None where it does not, and the caller sums b itself.
     With gluon_moe.wgrad_sum_rows R > 1 the kernel leaves Σb in R fp32 rows an expert (each row
@@ -939,7 +995,8 @@ def weight_grads(a, b, b2, groups, into=None, sums=False):
     split = 1 if accumulate or gluon_moe is None else gluon_wgrad_splits(groups.slots, E, I, J, dev)
     stream = gluon_moe is not None and gluon_moe.wgrad_stream(accumulate, E)
     rows = gluon_moe.wgrad_sum_rows(I) if gluon_moe is not None and sums else 1
-    gluon = b2 is None and wgrad_kernel(a, b, groups.tile, accumulate, split, sums, stream, rows) == "gluon"
+    gluon = b2 is None and wgrad_kernel(a, b, groups.tile, accumulate, split, sums, stream, rows,
+                                        final is not None) == "gluon"
     if not gluon and not accumulate:
         split = wgrad_splits(groups.slots, E, I, J, dev)
     sums = sums and gluon  # the Triton kernel has no Σb: allocate none for it
@@ -958,14 +1015,17 @@ def weight_grads(a, b, b2, groups, into=None, sums=False):
         p_dw, p_dw2, p_db = dw, dw if dw2 is None else dw2, db if sums else None
         if sums and rows > 1:  # fp32 rows, each written or added to by one job a launch
             p_db = (torch.zeros if accumulate else torch.empty)(E * rows, J, device=dev, dtype=torch.float32)
+    fw, fw2 = (None, None) if final is None else final
     ran = gluon and _gluon_launch(
-        "weight-gradient GEMM", wgrad_key(a, b, accumulate, split, sums, stream, rows),
+        "weight-gradient GEMM", wgrad_key(a, b, accumulate, split, sums, stream, rows, fw is not None),
         functools.partial(gluon_moe.weight_grads, a, b, groups, p_dw, accumulate, split, sums=p_db, stream=stream,
-                          sum_rows=rows))
+                          sum_rows=rows, final=fw, pending=pending))
     if not ran:
         _wgrad(lambda m: (E * split, triton.cdiv(I, m["BLOCK_I"]), triton.cdiv(J, m["BLOCK_J"])),
-               a, b, b if b2 is None else b2, groups.expert_slots, p_dw, p_dw2, I, J, E, split,
-               HAS_B2=b2 is not None, ACCUMULATE=accumulate, TILE=groups.tile, PRECISION=dot_precision(dtype))
+               a, b, b if b2 is None else b2, groups.expert_slots, p_dw, p_dw2, p_dw if fw is None else fw,
+               p_dw2 if fw2 is None else fw2, groups.whole_slots, I, J, E, split, groups.first_slot, groups.slots,
+               HAS_B2=b2 is not None, ACCUMULATE=accumulate, FINISH=fw is not None, TILE=groups.tile,
+               PRECISION=dot_precision(dtype))
     if split > 1:
         _sum_splits_kernel[(triton.cdiv(E * I * J, SUM_BLOCK), len(outs))](
             parts[0], outs[0], parts[-1], outs[-1], E, I * J, split, BLOCK=SUM_BLOCK)
@@ -1023,14 +1083,37 @@ def moe_backward(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, hori
                                          gw, None, None)
         return (dx_slot, gw, *grads)
     dx_slot = torch.empty(groups.slots, D, device=dev, dtype=wdt)
-    # fp32 sums over the runs, added to in place by the weight-gradient and tile-sum kernels
-    zeros = lambda t, *shape: None if t is None else torch.zeros(*shape, device=dev, dtype=torch.float32)
-    total = (zeros(w1, E, D, F), zeros(b1, E, F), zeros(w2, E, F, D), zeros(b2, E, D), zeros(w3, E, D, F))
+    # fp32 sums over the runs: the bias gradients' from zeros, added to in place by the weight-gradient
+    # and tile-sum kernels; the weight gradients' written by each expert's first run, then added to,
+    # and stored final in the weights' dtype by its last where it can (weight_grads' `final`), the
+    # rest by close_totals. No zero fills nor copies of the [E, D, F] totals: at large, 2 · (15 +
+    # 24) us a step of torch's fill_ and copy_ (bench/PERF_NOTES.md v33).
+    fp32 = lambda t, *shape, fill=torch.empty: None if t is None else fill(*shape, device=dev, dtype=torch.float32)
+    total = (fp32(w1, E, D, F), fp32(b1, E, F, fill=torch.zeros), fp32(w2, E, F, D), fp32(b2, E, D, fill=torch.zeros),
+             fp32(w3, E, D, F))
+    final = [None if w is None else torch.empty_like(w, memory_format=torch.contiguous_format) for w in (w1, w2, w3)]
+    pending = torch.zeros(3, E, device=dev, dtype=torch.int32)  # [∂W1, ∂W2, ∂W3] a row
     for t0, t1 in runs:
         rows = slice(t0 * groups.tile, t1 * groups.tile)
         _backward_tiles(grad_out, x, inv, weight, groups.tiles(t0, t1), w1, b1, w2, b2, w3, act,
-                        horizons, gw[rows], dx_slot[rows], total)
-    return (dx_slot, gw, *[None if t is None else t.to(wdt) for t in total])
+                        horizons, gw[rows], dx_slot[rows], total, (final, pending))
+    close_totals([(total[i], final[w]) for w, i in enumerate((0, 2, 4)) if final[w] is not None], groups, pending)
+    return (dx_slot, gw, final[0], None if b1 is None else total[1].to(wdt), final[1],
+            None if b2 is None else total[3].to(wdt), final[2])
+
+
+def close_totals(pairs, groups, pending):
+    """Each (fp32 totals [E, ...], final [E, ...]) pair of the weight gradients summed over runs
+    (weight_grads' `final`), closed: the experts left pending (their row of pending [3, E] set, in
+    the pairs' order) converted into final, the experts with no slots in the whole layout (which no
+    run wrote) zeroed; one launch whose programs for the other experts return at once."""
+    E, n = groups.experts, pairs[0][0][0].numel()
+    padded = pairs + pairs[-1:] * (3 - len(pairs))  # grid axis 2 reads only the first len(pairs)
+    _close_totals_kernel[(E, triton.cdiv(n, CLOSE_BLOCK * CLOSE_STEPS), len(pairs))](
+        *padded[0], *padded[1], *padded[2], groups.expert_slots, pending, E, n, STEPS=CLOSE_STEPS, BLOCK=CLOSE_BLOCK)
+
+
+CLOSE_BLOCK, CLOSE_STEPS = 2048, 4
 
 
 def gw_columns(D, F, has_b2):
@@ -1100,21 +1183,21 @@ def hidden_kernel(xs, gs, w1, w2, w3, b1, act, tile):
                    lambda: gluon_moe.unsupported(xs, gs, w1, w2, w3, act, tile))
 
 
-def wgrad_key(a, b, accumulate, split=1, sums=False, stream=False, sum_rows=1):
+def wgrad_key(a, b, accumulate, split=1, sums=False, stream=False, sum_rows=1, finish=False):
     """What the Gluon weight-gradient GEMM is compiled for: the rows' dtype, written or added into
     fp32 totals, its column block (256 where J allows), whether it splits the slots, whether it
     sums B's columns and in more than one row an expert (Triton builds an integer argument equal to
-    1 apart, as a constant) and its schedule (STREAM or jobs: a failed STREAM build must not send
-    the jobs' launches to Triton)."""
+    1 apart, as a constant), its schedule (STREAM or jobs: a failed STREAM build must not send
+    the jobs' launches to Triton) and whether it finishes the runs' sums (`final`)."""
     return (a.dtype, bool(accumulate), b.shape[1] % 256 == 0, split > 1, bool(sums), bool(stream),
-            bool(sums) and sum_rows > 1)
+            bool(sums) and sum_rows > 1, bool(finish))
 
 
-def wgrad_kernel(a, b, tile, accumulate, split=1, sums=False, stream=False, sum_rows=1):
+def wgrad_kernel(a, b, tile, accumulate, split=1, sums=False, stream=False, sum_rows=1, finish=False):
     """Which weight-gradient kernel weight_grads runs (one B) on these slot rows; by the same key
     its launch records a failed build under."""
-    return _choose("weight-gradient GEMM", wgrad_key(a, b, accumulate, split, sums, stream, sum_rows), a.device,
-                   lambda: gluon_moe.wgrad_unsupported(a, b, tile))
+    return _choose("weight-gradient GEMM", wgrad_key(a, b, accumulate, split, sums, stream, sum_rows, finish),
+                   a.device, lambda: gluon_moe.wgrad_unsupported(a, b, tile))
 
 
 def gemm2_key(a, out, bias, scale, tile):
@@ -1132,11 +1215,13 @@ def gemm2_kernel(a, b, out, bias, scale, tile):
                    lambda: gluon_moe.slots_unsupported(a, b, out, bias, scale, tile))
 
 
-def _backward_tiles(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, horizons, gw, dx_slot, total):
+def _backward_tiles(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, horizons, gw, dx_slot, total,
+                    closing=None):
     """The backward over `groups`' slots (the whole layout, or one run of tiles): writes their rows
     of gw and ∂x_slot (None: allocated here) and returns (∂x_slot, (∂W1, ∂b1, ∂W2, ∂b2, ∂W3)), the
     weight gradients summed over these slots, in the weights' dtype; or, given `total` (fp32 sums
-    in that order), adds them there."""
+    in that order), adds them there, the weight gradients' as weight_grads' `final` says with
+    closing = ([∂W1, ∂W2, ∂W3] finals, pending [3, E])."""
     E, D, F = w1.shape
     dev, wdt = x.device, w1.dtype
     # The slot rows of x (merged, in the weights' dtype, as in the forward) and of G, once:
@@ -1160,14 +1245,17 @@ def _backward_tiles(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, h
     # [S,D] (large preset, computed: slot buffers alive at once 1.61 -> 1.34 GB; same
     # kernels, same results). Then ∂W1 = Σ xᵀ ∂u (∂W3 = Σ xᵀ ∂u3), with ∂b1 = Σ ∂u beside it
     # where the Gluon kernel runs; elsewhere ∂u's tile sums give ∂b1.
-    dw2, _, _ = weight_grads(hw, gs.to(wdt), None, groups, into=None if total is None else (total[2], None, None))
+    final, pending = ([None] * 3, [None] * 3) if closing is None else closing
+    dw2, _, _ = weight_grads(hw, gs.to(wdt), None, groups, into=None if total is None else (total[2], None, None),
+                             final=None if closing is None else (final[1], None), pending=pending[1])
     del hw, gs
     if w3 is None:
         dx_slot = slots_gemm(du, w1, (D * F, 1, F), D, groups, out=dx_slot)
     else:
         dx_slot = slots_gemm(du, w1, (D * F, 1, F), D, groups, a2=du3, b2=w3, out=dx_slot)
     dw1, dw3, db1 = weight_grads(xs, du, du3 if w3 is not None else None, groups,
-                                 into=None if total is None else (total[0], total[4], total[1]), sums=b1 is not None)
+                                 into=None if total is None else (total[0], total[4], total[1]), sums=b1 is not None,
+                                 final=None if closing is None else (final[0], final[2]), pending=pending[0])
     db1_part = tile_sums(du, groups) if b1 is not None and db1 is None else None
     db1_summed, db2 = bias_grads(db1_part, db2_part, groups, wdt, into=None if total is None else (total[1], total[3]))
     return dx_slot, (dw1, db1_summed if db1 is None else db1, dw2, db2, dw3)

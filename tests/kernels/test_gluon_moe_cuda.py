@@ -257,6 +257,52 @@ def test_weight_grads_add_run_by_run(stream):
     assert float((sums.double() + 0.5 - want_sums).norm() / want_sums.norm()) < 1e-4
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["jobs", "stream"])
+def test_weight_grads_finish_run_by_run(monkeypatch, stream):
+    """moe_backward's sums over runs of tiles (the large preset's path): triton_moe.weight_grads
+    with `final` run by run, then close_totals. Totals and finals hold NaN before (torch.empty's);
+    experts over two runs, experts whole in one, empty experts. ∂W in bf16 against float64 (fp32
+    sums, one rounding); an expert over several runs is left pending (its last run adds into the
+    totals) and an empty one is not; Σb added into its totals as without `final`; the same bits on
+    a second pass. STREAM's middle run holds more tiles than programs: whole tiles and tiles in
+    pieces both."""
+    monkeypatch.setattr(gluon_moe, "WGRAD_STREAM", stream)
+    E, used, D, J = 7, [0, 1, 2, 4, 5, 6], 512, 2048
+    groups, xs, _, _, _, _, _ = slot_case(3000, 2, D, 128, E, used, torch.bfloat16, True, seed=17)
+    b = (torch.randn(groups.slots, J, device="cuda") * (groups.slot_pair < groups.pairs)[:, None]).bfloat16()
+    tile, bounds = groups.tile, groups.expert_slots.tolist()
+    runs = [(0, 4), (4, 44), (44, groups.num_tiles)]
+    spans = [sum(bounds[e] < t1 * tile and bounds[E + e] > t0 * tile for t0, t1 in runs) for e in range(E)]
+    assert 2 in spans and 1 in spans and spans[3] == 0
+    tiles_a_run = [sum(bounds[e] < t1 * tile and bounds[E + e] > t0 * tile for e in range(E)) * (D // 128) * (J // 256)
+                   for t0, t1 in runs]
+    assert tiles_a_run[1] > moe.num_sms(xs.device)
+    want, want_sums = float64_wgrad(xs, b, groups), float64_column_sums(b, groups)
+    passes = []
+    for _ in range(2):
+        total = torch.full((E, D, J), float("nan"), device="cuda")
+        final = torch.full((E, D, J), float("nan"), device="cuda", dtype=torch.bfloat16)
+        sums = torch.zeros(E, J, device="cuda")
+        pending = torch.zeros(3, E, device="cuda", dtype=torch.int32)
+        for t0, t1 in runs:
+            rows = slice(t0 * tile, t1 * tile)
+            part = groups.tiles(t0, t1)
+            assert moe.wgrad_kernel(xs, b, tile, True, 1, True, stream, gluon_moe.wgrad_sum_rows(D), True) == "gluon"
+            moe.weight_grads(xs[rows].contiguous(), b[rows].contiguous(), None, part, into=(total, None, sums),
+                             sums=True, final=(final, None), pending=pending[0])
+        moe.close_totals([(total, final)], groups, pending)
+        passes.append((final, sums, pending))
+    assert float((final.double() - want).norm() / want.norm()) < 3e-3
+    for e in range(E):
+        if e in used:
+            assert float((final[e].double() - want[e]).norm() / want[e].norm()) < 3e-3, e
+        else:
+            assert (final[e] == 0).all(), e
+    assert float((sums.double() - want_sums).norm() / want_sums.norm()) < 1e-4
+    assert all(pending[0, e] == 1 for e in range(E) if spans[e] > 1)
+    assert all(pending[0, e] == 0 for e in range(E) if spans[e] == 0) and not pending[1:].any()
+    assert all(torch.equal(a, b) for a, b in zip(*passes))
+
 @pytest.mark.parametrize("R, k, D, J, E, used", [
     # I = J = 128: one tile an expert, 24 K steps each over 132 programs: each step its own program
     pytest.param(3000, 1, 128, 128, 2, [0, 1], id="one-step-a-program"),

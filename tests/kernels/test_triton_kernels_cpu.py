@@ -337,6 +337,77 @@ def test_tile_runs_cover_every_tile_once():
     assert triton_moe.tile_runs(SimpleNamespace(tile=128, num_tiles=272), (2 * 256 + 2 * 1024) * 2) == [(0, 272)]
 
 
+def _routed_slots(R, k, E, used, tile, I, J, dtype, seed):
+    """A layout of random routing over `used` (the other experts empty, k distinct a row) and slot
+    rows A [S, I], B, B' [S, J] of fresh random values, zero on padding slots."""
+    g = torch.Generator().manual_seed(seed)
+    pick = torch.rand(R, len(used), generator=g).argsort(1)[:, :k]
+    groups = triton_moe.Groups(torch.tensor(used)[pick].to(torch.int32), E, tile)
+    valid = (groups.slot_pair < groups.pairs)[:, None]
+    rows = [(torch.randn(groups.slots, n, generator=g) * valid).to(dtype) for n in (I, J, J)]
+    return groups, rows
+
+
+def _float64_wgrad(a, b, groups):
+    bounds, E = groups.expert_slots.tolist(), groups.experts
+    return torch.stack([a[bounds[e]:bounds[E + e]].double().t() @ b[bounds[e]:bounds[E + e]].double()
+                        for e in range(E)])
+
+
+@pytest.mark.parametrize("two", [False, True], ids=["one-b", "two-bs"])
+def test_weight_grads_finish_over_runs(two):
+    """The weight gradients summed over runs of tiles as moe_backward sums them: weight_grads'
+    `final` run by run, then close_totals. Each expert's first run writes its fp32 totals (NaN
+    before: torch.empty's), its last stores them final in the weights' dtype, an expert with no
+    slots comes out zero; against float64, with experts over up to three runs; ∂W' (two Bs, the
+    swiglu pair) the same way. The Triton kernel makes every sum whole in its last run: none
+    pending."""
+    E, used, tile, I, J = 5, [0, 1, 3, 4], 16, 24, 40
+    groups, (a, b, b2) = _routed_slots(60, 2, E, used, tile, I, J, torch.float16, seed=3)
+    runs = [(0, 1), (1, 2), (2, 5), (5, 7), (7, groups.num_tiles)]
+    bounds = groups.expert_slots.tolist()
+    spans = [sum(bounds[e] < t1 * tile and bounds[E + e] > t0 * tile for t0, t1 in runs) for e in range(E)]
+    # expert 0 over three runs, the others in one each (1 sharing the run where 0 ends), 2 with no slots
+    assert spans == [3, 1, 0, 1, 1]
+    totals = [torch.full((E, I, J), float("nan")) for _ in range(2)]
+    finals = [torch.full((E, I, J), float("nan"), dtype=torch.float16) for _ in range(2)]
+    pending = torch.zeros(3, E, dtype=torch.int32)
+    for t0, t1 in runs:
+        rows = slice(t0 * tile, t1 * tile)
+        part = groups.tiles(t0, t1)
+        triton_moe.weight_grads(a[rows], b[rows], b2[rows] if two else None, part, into=(totals[0], totals[1], None),
+                                final=(finals[0], finals[1] if two else None), pending=pending[0])
+    pairs = list(zip(totals, finals))[:1 + two]
+    triton_moe.close_totals(pairs, groups, pending)
+    assert not pending.any()
+    for (total, final), bb in zip(pairs, (b, b2)):
+        want = _float64_wgrad(a, bb, groups)
+        assert (final[2] == 0).all()
+        # fp32 sums of exact fp16 products, then one fp16 rounding (2⁻¹¹ relative)
+        assert float((final.double() - want).norm() / want.norm()) < 1e-3
+
+
+def test_close_totals_converts_pending_and_zeroes_empty_experts():
+    """close_totals alone: a pending expert's fp32 totals converted into final (exactly the
+    dtype's rounding), an expert with no slots zeroed, every other final untouched; three pairs
+    (∂W1, ∂W2, ∂W3), each with its own row of pending."""
+    E, tile = 4, 16
+    groups, _ = _routed_slots(20, 1, E, [0, 2, 3], tile, 8, 8, torch.float32, seed=5)
+    shape = (E, 24, 40)  # not a multiple of the kernel's blocks
+    totals = [torch.randn(shape) for _ in range(3)]
+    finals = [torch.full(shape, float("nan"), dtype=torch.float16) for _ in range(3)]
+    pending = torch.tensor([[1, 0, 0, 0], [0, 0, 1, 0], [1, 0, 0, 1]], dtype=torch.int32)
+    triton_moe.close_totals(list(zip(totals, finals)), groups, pending)
+    for w, (total, final) in enumerate(zip(totals, finals)):
+        for e in range(E):
+            if e == 1:
+                assert (final[e] == 0).all(), (w, e)
+            elif pending[w, e]:
+                assert torch.equal(final[e], total[e].half()), (w, e)
+            else:
+                assert final[e].isnan().all(), (w, e)
+
+
 class _Keeping:
     """A kernel set called as ops.RegionFunction calls it: each forward fills a fresh `kept` dict,
     which the next backward takes (check_region calls region_forward, then region_backward)."""
