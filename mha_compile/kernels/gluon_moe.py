@@ -1029,19 +1029,22 @@ def _wgrad_ends(closing, e, E):
 
 
 @gluon.jit
-def _wgrad_put(acc, total_ptrs, final_ptrs, closing, e, ends, first, last):
+def _wgrad_put(acc, total_ptrs, final_ptrs, closing, e, ends, first, whole):
     """A consumer's [64, BN] part of a tile of expert e added into ∂W's fp32 totals (red) at
-    total_ptrs; final_ptrs: the same elements of the final output. (The callers make both pointer
-    tensors before any branch: made inside one, the red's packed operands failed to lower, an LLVM
-    assertion in ConvertTritonGPUToLLVM for the jobs schedule, sm_90a.) With `finish` (closing; ends = _wgrad_ends), where this run opens e's sums and the
-    part is the tile's first (first: no part of it before in this launch) it is stored there
-    instead; where the run opens and closes them and the part is the whole tile (first and last),
-    it is stored in the final output's dtype and the totals are not touched. Where the run closes
-    e's sums but this part did not store them final, e is marked pending: moe_backward's
-    close_totals converts e's totals after the last run."""
+    total_ptrs; final_ptrs: the same elements of the final output. With `finish` (closing; ends =
+    _wgrad_ends): where this run opens e's sums and the part is the tile's first (first: no part
+    of it before in this launch), it is stored there instead. Where the run opens and closes them
+    and `whole` says that every tile of e is made whole by one part in this launch (this one among
+    them), it is stored in the final output's dtype and the totals are not touched. Where the run
+    closes e's sums otherwise, e is marked pending, and moe_backward's close_totals converts all of
+    e's totals after the last run: so no tile of a pending expert may go to final alone (session
+    31's first build sent STREAM's whole-wave tiles there while the same expert's last-wave tiles
+    went to the totals; close_totals then wrote the unwritten totals over them). The callers make
+    both pointer tensors before any branch: made inside one, the red's packed operands failed to
+    lower (an LLVM assertion in ConvertTritonGPUToLLVM, jobs schedule, sm_90a)."""
     final_ptr, span_ptr, pending_ptr, S0, S, finish = closing
     opens, closes = ends
-    if opens & closes & first & last:
+    if opens & closes & whole:
         gl.store(final_ptrs, acc.to(final_ptr.dtype.element_ty))
     else:
         if opens & first:
@@ -1053,17 +1056,17 @@ def _wgrad_put(acc, total_ptrs, final_ptrs, closing, e, ends, first, last):
 
 
 @gluon.jit
-def _wgrad_add(acc, sums, out_ptr, sums_ptr, closing, e, i, j, I, J, E, which, summing, sum_rows, first, last,
+def _wgrad_add(acc, sums, out_ptr, sums_ptr, closing, e, i, j, I, J, E, which, summing, sum_rows, first, whole,
                acc_layout: gl.constexpr, sums_layout: gl.constexpr):
-    """STREAM: a consumer's [64, BN] of tile (e, i, j) added into ∂W's fp32 totals (_wgrad_put: the
-    part's place in its tile, first and last), and Σb's columns by one thread each (sums_layout)
-    into its row e·sum_rows + i when `summing`."""
+    """STREAM: a consumer's [64, BN] of tile (e, i, j) added into ∂W's fp32 totals (_wgrad_put:
+    first and whole), and Σb's columns by one thread each (sums_layout) into its row
+    e·sum_rows + i when `summing`."""
     HALF: gl.constexpr = acc.shape[0]
     BN: gl.constexpr = acc.shape[1]
     rows = e * I + i * 2 * HALF + which * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
     cols = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
     offsets = rows.to(gl.int64)[:, None] * J + cols[None, :]
-    _wgrad_put(acc, out_ptr + offsets, closing[0] + offsets, closing, e, _wgrad_ends(closing, e, E), first, last)
+    _wgrad_put(acc, out_ptr + offsets, closing[0] + offsets, closing, e, _wgrad_ends(closing, e, E), first, whole)
     if summing:
         ptrs = sums_ptr + _wgrad_sums_row(e, i, sum_rows) * J + j * BN + gl.arange(0, BN, layout=sums_layout)
         gl.store(ptrs, gl.load(ptrs) + gl.convert_layout(sums, sums_layout))
@@ -1105,7 +1108,9 @@ def _wgrad_consume(descs, bufs, bars, ptrs, sizes, which, STREAM: gl.constexpr):
             summing = _wgrad_summing(has_sums, i, sum_rows, which)
             acc, sums, pos = _wgrad_steps(bufs, bars, s0, s1, pos, summing, i, sum_rows, which, acc_layout,
                                           sums_layout)
-            _wgrad_add(acc, sums, out_ptr, sums_ptr, closing, e, i, j, I, J, E, which, summing, sum_rows, True, True,
+            # whole: all of e's tiles in the whole waves, none in the last wave's pieces
+            whole_e = _stream_pick(experts, e)[3] <= whole
+            _wgrad_add(acc, sums, out_ptr, sums_ptr, closing, e, i, j, I, J, E, which, summing, sum_rows, True, whole_e,
                        acc_layout, sums_own)
         while it > start:
             e, i, j, s0, s1, waits, raises, it = _stream_piece(experts, it, start, ni, BK)
@@ -1115,7 +1120,7 @@ def _wgrad_consume(descs, bufs, bars, ptrs, sizes, which, STREAM: gl.constexpr):
             if waits:
                 _flag_wait(theirs)
             _wgrad_add(acc, sums, out_ptr, sums_ptr, closing, e, i, j, I, J, E, which, summing, sum_rows, ~waits,
-                       ~raises, acc_layout, sums_own)
+                       False, acc_layout, sums_own)
             if raises:
                 _flag_raise(mine)
     else:

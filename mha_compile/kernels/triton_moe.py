@@ -413,8 +413,10 @@ def _moe_wgrad_kernel(
             b2 = tl.load(b2_ptr + offs_s[:, None] * J + offs_j[None, :], mask=sj_ok, other=0.0)
             acc2 = tl.dot(at, b2, acc2, input_precision=PRECISION)
     if closes and hi > lo:
-        finals = [tl.make_block_ptr(p + row, (I, J), (J, 1), (tl.program_id(1) * BLOCK_I, tl.program_id(2) * BLOCK_J),
-                                    (BLOCK_I, BLOCK_J), (1, 0)) for p in (final_ptr, final2_ptr)]
+        # (not `p` again: Triton's front end takes a comprehension's name as the kernel's variable,
+        # and a pointer of another dtype under the same name does not build)
+        finals = [tl.make_block_ptr(f + row, (I, J), (J, 1), (tl.program_id(1) * BLOCK_I, tl.program_id(2) * BLOCK_J),
+                                    (BLOCK_I, BLOCK_J), (1, 0)) for f in (final_ptr, final2_ptr)]
         tl.store(finals[0], acc.to(final_ptr.dtype.element_ty), boundary_check=(0, 1))
         if HAS_B2:
             tl.store(finals[1], acc2.to(final2_ptr.dtype.element_ty), boundary_check=(0, 1))

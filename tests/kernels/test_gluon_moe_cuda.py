@@ -272,10 +272,10 @@ def test_weight_grads_finish_run_by_run(monkeypatch, stream):
     b = (torch.randn(groups.slots, J, device="cuda") * (groups.slot_pair < groups.pairs)[:, None]).bfloat16()
     tile, bounds = groups.tile, groups.expert_slots.tolist()
     runs = [(0, 4), (4, 44), (44, groups.num_tiles)]
-    spans = [sum(bounds[e] < t1 * tile and bounds[E + e] > t0 * tile for t0, t1 in runs) for e in range(E)]
+    spans = [sum(max(bounds[e], t0 * tile) < min(bounds[E + e], t1 * tile) for t0, t1 in runs) for e in range(E)]
     assert 2 in spans and 1 in spans and spans[3] == 0
-    tiles_a_run = [sum(bounds[e] < t1 * tile and bounds[E + e] > t0 * tile for e in range(E)) * (D // 128) * (J // 256)
-                   for t0, t1 in runs]
+    tiles_a_run = [sum(max(bounds[e], t0 * tile) < min(bounds[E + e], t1 * tile) for e in range(E))
+                   * (D // 128) * (J // 256) for t0, t1 in runs]
     assert tiles_a_run[1] > moe.num_sms(xs.device)
     want, want_sums = float64_wgrad(xs, b, groups), float64_column_sums(b, groups)
     passes = []

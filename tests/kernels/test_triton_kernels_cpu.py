@@ -366,7 +366,7 @@ def test_weight_grads_finish_over_runs(two):
     groups, (a, b, b2) = _routed_slots(60, 2, E, used, tile, I, J, torch.float16, seed=3)
     runs = [(0, 1), (1, 2), (2, 5), (5, 7), (7, groups.num_tiles)]
     bounds = groups.expert_slots.tolist()
-    spans = [sum(bounds[e] < t1 * tile and bounds[E + e] > t0 * tile for t0, t1 in runs) for e in range(E)]
+    spans = [sum(max(bounds[e], t0 * tile) < min(bounds[E + e], t1 * tile) for t0, t1 in runs) for e in range(E)]
     # expert 0 over three runs, the others in one each (1 sharing the run where 0 ends), 2 with no slots
     assert spans == [3, 1, 0, 1, 1]
     totals = [torch.full((E, I, J), float("nan")) for _ in range(2)]
