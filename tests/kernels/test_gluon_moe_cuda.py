@@ -271,9 +271,10 @@ def test_weight_grads_finish_run_by_run(monkeypatch, stream):
     groups, xs, _, _, _, _, _ = slot_case(3000, 2, D, 128, E, used, torch.bfloat16, True, seed=17)
     b = (torch.randn(groups.slots, J, device="cuda") * (groups.slot_pair < groups.pairs)[:, None]).bfloat16()
     tile, bounds = groups.tile, groups.expert_slots.tolist()
-    runs = [(0, 4), (4, 44), (44, groups.num_tiles)]
+    middle = lambda e: (bounds[e] + bounds[E + e]) // 2 // tile  # noqa: E731 - a tile boundary inside e's slots
+    runs = [(0, middle(0)), (middle(0), middle(5)), (middle(5), groups.num_tiles)]
     spans = [sum(max(bounds[e], t0 * tile) < min(bounds[E + e], t1 * tile) for t0, t1 in runs) for e in range(E)]
-    assert 2 in spans and 1 in spans and spans[3] == 0
+    assert spans == [2, 1, 1, 0, 1, 2, 1]  # 0 and 5 over two runs, 3 with no slots
     tiles_a_run = [sum(max(bounds[e], t0 * tile) < min(bounds[E + e], t1 * tile) for e in range(E))
                    * (D // 128) * (J // 256) for t0, t1 in runs]
     assert tiles_a_run[1] > moe.num_sms(xs.device)
