@@ -15,7 +15,9 @@ and store through TMA descriptors on Hopper, one program per SM (experts_up).
 
 Past SLOT_CHUNK_BYTES of slot buffers (the large preset) both directions walk runs of whole
 tiles (Groups.tiles), each run with buffers of its own; the rows that the token-order
-passes read (c, ∂x_slot) stay whole, and the weight gradients are summed over runs in fp32.
+passes read (c, ∂x_slot) stay whole, and the weight gradients are summed over runs in fp32:
+an expert's first run writes its sums, its last stores them in the weights' dtype where they are
+whole (moe_backward, weight_grads' `final`), and close_totals converts the rest.
 
 c and ∂x_slot, each one GEMM's fp32 accumulator per slot, are stored in the weights' dtype (as
 a grouped GEMM such as torch._grouped_mm stores them) and summed over j in fp32: in bf16 at the

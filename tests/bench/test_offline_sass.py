@@ -128,3 +128,16 @@ def test_weight_gradients_of_the_runs_build_either_way(tmp_path, stream, spread)
     for r in rows:
         assert r["constexprs"]["STREAM"] == (stream == "1"), r
         assert r["spill_bytes"] == 0 and not r["wgmma_serialized"] and r["wgmma"] > 0 and r["fits"], r
+
+
+def test_triton_weight_gradients_of_the_runs_build(tmp_path):
+    """Where the Gluon weight-gradient GEMM does not run (swiglu's ∂W1 and ∂W3 together, a GPU
+    without Gluon), the runs of tiles take the Triton kernel with FINISH (an expert's first run
+    writes its totals, its last stores them final) and close_totals: both build for sm_90a under
+    every config. The interpreter runs code that Triton's compiler refuses (session 31: a
+    comprehension's name reused for a pointer of another dtype), so the CPU tests alone miss it."""
+    rows = offline_sass(tmp_path, "--presets", "large", "--act", "swiglu", "--all-configs", "--kernels",
+                        "_moe_wgrad_kernel,_close_totals_kernel")
+    assert {r["kernel"] for r in rows} == {"_moe_wgrad_kernel", "_close_totals_kernel"}
+    assert all(r["constexprs"]["FINISH"] for r in rows if r["kernel"] == "_moe_wgrad_kernel")
+    assert not [r for r in rows if "error" in r]
