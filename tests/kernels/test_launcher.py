@@ -67,6 +67,29 @@ def test_tunes_once_per_key_logs_the_choice_then_launches_it(monkeypatch, caplog
     assert len(launcher.tuned.tunes) == 2
 
 
+def test_no_autotuning_inside_a_cuda_graph_capture(monkeypatch, caplog):
+    """A key first met while a CUDA graph is being captured launches the first config untuned
+    (timing trials synchronise, which fails the capture), says so once, and is tuned at its first
+    call outside a capture."""
+    monkeypatch.setattr(triton_util, "on_gpu", lambda t: True)
+    monkeypatch.setattr(triton_util, "NO_AUTOTUNE", False)
+    monkeypatch.setattr(triton_util, "capturing", lambda: True)
+    kernel = _Kernel()
+    launcher = _launcher(kernel, [dict(BLOCK=32, num_warps=4), dict(BLOCK=64, num_warps=8)])
+    launcher.tuned = _Autotuner(dict(BLOCK=64, num_warps=8, num_stages=3, maxnreg=None))
+    x = torch.zeros(4)
+    grid = lambda meta: (meta["BLOCK"],)
+    with caplog.at_level(logging.WARNING, logger="mha_compile"):
+        launcher(grid, x, 300)
+        launcher(grid, x, 300)
+    assert not launcher.tuned.tunes
+    assert kernel.launches == [((32,), (x, 300), dict(BLOCK=32, num_warps=4))] * 2
+    assert caplog.text.count("first inside a CUDA graph capture") == 1
+    monkeypatch.setattr(triton_util, "capturing", lambda: False)
+    launcher(grid, x, 300)
+    assert len(launcher.tuned.tunes) == 1
+
+
 def test_first_config_without_autotuning(monkeypatch):
     """MHA_COMPILE_NO_AUTOTUNE (the GPU tests) and the interpreter launch the first config."""
     monkeypatch.setattr(triton_util, "NO_AUTOTUNE", True)
