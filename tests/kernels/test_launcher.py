@@ -48,14 +48,24 @@ class _Autotuner:
         return lambda *args, **kwargs: self.tunes.append((grid({"BLOCK": 64}), args, kwargs))
 
 
-def test_tunes_once_per_key_logs_the_choice_then_launches_it(monkeypatch, caplog):
+def _tuned_launcher(monkeypatch):
+    """(kernel, launcher) on the tuned GPU path: two configs, the stand-in autotuner choosing the
+    second."""
     monkeypatch.setattr(triton_util, "on_gpu", lambda t: True)
     monkeypatch.setattr(triton_util, "NO_AUTOTUNE", False)
     kernel = _Kernel()
     launcher = _launcher(kernel, [dict(BLOCK=32, num_warps=4), dict(BLOCK=64, num_warps=8)])
     launcher.tuned = _Autotuner(dict(BLOCK=64, num_warps=8, num_stages=3, maxnreg=None))
-    x = torch.zeros(4)
-    grid = lambda meta: (meta["BLOCK"],)
+    return kernel, launcher
+
+
+def _grid(meta):
+    return (meta["BLOCK"],)
+
+
+def test_tunes_once_per_key_logs_the_choice_then_launches_it(monkeypatch, caplog):
+    kernel, launcher = _tuned_launcher(monkeypatch)
+    x, grid = torch.zeros(4), _grid
     with caplog.at_level(logging.INFO, logger="mha_compile"):
         launcher(grid, x, 100)
     assert len(launcher.tuned.tunes) == 1 and not kernel.launches
@@ -71,14 +81,9 @@ def test_no_autotuning_inside_a_cuda_graph_capture(monkeypatch, caplog):
     """A key first met while a CUDA graph is being captured launches the first config untuned
     (timing trials synchronise, which fails the capture), says so once, and is tuned at its first
     call outside a capture."""
-    monkeypatch.setattr(triton_util, "on_gpu", lambda t: True)
-    monkeypatch.setattr(triton_util, "NO_AUTOTUNE", False)
+    kernel, launcher = _tuned_launcher(monkeypatch)
     monkeypatch.setattr(triton_util, "capturing", lambda: True)
-    kernel = _Kernel()
-    launcher = _launcher(kernel, [dict(BLOCK=32, num_warps=4), dict(BLOCK=64, num_warps=8)])
-    launcher.tuned = _Autotuner(dict(BLOCK=64, num_warps=8, num_stages=3, maxnreg=None))
-    x = torch.zeros(4)
-    grid = lambda meta: (meta["BLOCK"],)
+    x, grid = torch.zeros(4), _grid
     with caplog.at_level(logging.WARNING, logger="mha_compile"):
         launcher(grid, x, 300)
         launcher(grid, x, 300)
