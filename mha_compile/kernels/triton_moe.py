@@ -1095,7 +1095,9 @@ def moe_backward(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, hori
     fp32 = lambda t, *shape, fill=torch.empty: None if t is None else fill(*shape, device=dev, dtype=torch.float32)
     total = (fp32(w1, E, D, F), fp32(b1, E, F, fill=torch.zeros), fp32(w2, E, F, D), fp32(b2, E, D, fill=torch.zeros),
              fp32(w3, E, D, F))
-    final = [None if w is None else torch.empty_like(w, memory_format=torch.contiguous_format) for w in (w1, w2, w3)]
+    # fp32 weights: the totals are the final outputs (one buffer, as `.to` of an fp32 total was)
+    final = [total[i] if wdt == torch.float32 or w is None else torch.empty_like(w, memory_format=torch.contiguous_format)
+             for w, i in ((w1, 0), (w2, 2), (w3, 4))]
     pending = torch.zeros(3, E, device=dev, dtype=torch.int32)  # [∂W1, ∂W2, ∂W3] a row
     for t0, t1 in runs:
         rows = slice(t0 * groups.tile, t1 * groups.tile)

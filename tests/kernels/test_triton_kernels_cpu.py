@@ -387,6 +387,24 @@ def test_weight_grads_finish_over_runs(two):
         assert float((final.double() - want).norm() / want.norm()) < 1e-3
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_runs_finish_in_the_weights_dtype(monkeypatch, dtype):
+    """moe_backward over runs: the weight gradients come back in the weights' dtype; with fp32
+    weights the fp32 totals are themselves the final outputs (no second [E, D, F] buffer each, as
+    `.to` of an fp32 total returned the total), with 16-bit ones they are buffers of their own."""
+    monkeypatch.setattr(triton_moe, "SLOT_CHUNK_BYTES", 1)
+    closed = []
+    real = triton_moe.close_totals
+    monkeypatch.setattr(triton_moe, "close_totals", lambda pairs, *a: closed.append(pairs) or real(pairs, *a))
+    ctx, tok, params = make_case(2, 4, 5, 32, 2, 48, 3, 2, dtype=dtype)
+    saved = fused.region_forward(ctx, tok, *params, None, 2, True, "gelu")[1:]
+    grads = fused.region_backward(torch.randn_like(ctx), ctx, tok, *params, None, *saved, 2, True, "gelu")
+    [pairs] = closed
+    assert len(pairs) == 2 and all(t.dtype == torch.float32 and f.dtype == dtype for t, f in pairs)
+    assert all((t is f) == (dtype == torch.float32) for t, f in pairs)
+    assert all(g.dtype == dtype for g in grads if g is not None)
+
+
 def test_close_totals_converts_pending_and_zeroes_empty_experts():
     """close_totals alone: a pending expert's fp32 totals converted into final (exactly the
     dtype's rounding), an expert with no slots zeroed, every other final untouched; three pairs
