@@ -1173,7 +1173,8 @@ def _wgrad_produce_stream(descs, bufs, bars, ptrs, sizes):
 @gluon.jit
 def _wgrad_kernel(a_ptr, b_ptr, out_ptr, expert_slots_ptr, sums_ptr, flags_ptr, final_ptr, span_ptr, pending_ptr,
                   S, S0, I, J, E, JOBS, accumulate, SPLIT, TILE, has_sums, sum_rows, finish, BK: gl.constexpr,
-                  BN: gl.constexpr, NBUF: gl.constexpr, STREAM: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                  BN: gl.constexpr, NBUF: gl.constexpr, STREAM: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                  PRODUCER_REGS: gl.constexpr):
     # TMA descriptors made on the device, by each partition: see _wgrad_descriptors.
     dtype: gl.constexpr = a_ptr.dtype.element_ty
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK, 64], dtype)
@@ -1181,8 +1182,9 @@ def _wgrad_kernel(a_ptr, b_ptr, out_ptr, expert_slots_ptr, sums_ptr, flags_ptr, 
     a_bufs = gl.allocate_shared_memory(dtype, [2 * NBUF, BK, 64], a_layout)
     b_bufs = gl.allocate_shared_memory(dtype, [NBUF, BK, BN], b_layout)
     ready, empty = _ring_barriers(NBUF)
-    args = ((a_ptr, b_ptr, S), (a_bufs, b_bufs), (ready, empty), (out_ptr, expert_slots_ptr, sums_ptr, flags_ptr,
-                                                       (final_ptr, span_ptr, pending_ptr, S0, S, finish)),
+    closing = (final_ptr, span_ptr, pending_ptr, S0, S, finish)
+    ptrs = (out_ptr, expert_slots_ptr, sums_ptr, flags_ptr, closing)
+    args = ((a_ptr, b_ptr, S), (a_bufs, b_bufs), (ready, empty), ptrs,
             (I, J, E, JOBS, accumulate, SPLIT, TILE, has_sums, sum_rows))
     zero = gl.program_id(0) * 0
     if STREAM:
@@ -1228,13 +1230,14 @@ def weight_grads(a, b, groups, out, accumulate, split=1, block_k=WGRAD_BK, block
     holds anything before); where its last slot is in this run too and a tile's sum is made whole
     here, it goes to final instead, and where its last slot is in this run but a tile's sum stays in
     out (added up across runs or programs), pending[e] is set to 1 (the caller converts those
-    experts' totals; triton_moe.close_totals). split > 1 (not with accumulate): out is [E·split, I, J] fp32, row
-    e·split + c the sum over split c of e's slots (as triton_moe._moe_wgrad_kernel cuts them),
-    for triton_moe's _sum_splits_kernel to add. sums: [E·split, J] to take B's column sums
-    Σ_{s∈e} B[s] the same way (∂b1 beside ∂W1), in out's dtype or fp32; with sum_rows R > 1 (at most I's
-    row blocks, wgrad_sum_rows) sums is [E·split·R, J]: row (e·split + c)·R + i holds the sum over
-    the K steps k with (k / block_k) mod R = i (each summed by the jobs of row block i, not all by
-    block 0's), for the caller to add up. Callers check `wgrad_unsupported` first; block_n: 256 where
+    experts' totals; triton_moe.close_totals). split > 1 (not with accumulate): out is
+    [E·split, I, J] fp32, row e·split + c the sum over split c of e's slots (as
+    triton_moe._moe_wgrad_kernel cuts them), for triton_moe's _sum_splits_kernel to add. sums:
+    [E·split, J] to take B's column sums Σ_{s∈e} B[s] the same way (∂b1 beside ∂W1), in out's
+    dtype or fp32; with sum_rows R > 1 (at most I's row blocks, wgrad_sum_rows) sums is
+    [E·split·R, J]: row (e·split + c)·R + i holds the sum over the K steps k with
+    (k / block_k) mod R = i (each summed by the jobs of row block i, not all by block 0's), for
+    the caller to add up. Callers check `wgrad_unsupported` first; block_n: 256 where
     J allows. stream: the STREAM schedule (accumulate only, at most STREAM_EXPERTS experts); None:
     WGRAD_STREAM where it applies."""
     E, (I, J) = groups.experts, (a.shape[1], b.shape[1])

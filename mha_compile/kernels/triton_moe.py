@@ -987,9 +987,10 @@ def weight_grads(a, b, b2, groups, into=None, sums=False, final=None, pending=No
     (one run of tiles), returned. final: with `into`, (∂W, ∂W' or None) in the weights' dtype and
     pending [E] int32: ∂W and ∂W' are then summed over the runs as gluon_moe.weight_grads' `final`
     says (an expert's first run writes its totals, its last stores them final where it can, else
-    marks it pending), for close_totals to finish after the last run; Σb is added into as without. sums: also Σ_{s∈e} b[s] (∂b1 beside ∂W1 = Σ xsᵀ ∂u), where the
-    Gluon kernel runs (its first consumer sums each B stage while the stage's wgmmas run: one pass
-    over ∂u fewer than tile_sums); Σb is None where it does not, and the caller sums b itself.
+    marks it pending), for close_totals to finish after the last run; Σb is added into as without.
+    sums: also Σ_{s∈e} b[s] (∂b1 beside ∂W1 = Σ xsᵀ ∂u), where the Gluon kernel runs (its first
+    consumer sums each B stage while the stage's wgmmas run: one pass over ∂u fewer than
+    tile_sums); Σb is None where it does not, and the caller sums b itself.
     With gluon_moe.wgrad_sum_rows R > 1 the kernel leaves Σb in R fp32 rows an expert (each row
     block's jobs summing 1/R of the K steps), added up here."""
     E = groups.experts
@@ -1096,8 +1097,8 @@ def moe_backward(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, hori
     total = (fp32(w1, E, D, F), fp32(b1, E, F, fill=torch.zeros), fp32(w2, E, F, D), fp32(b2, E, D, fill=torch.zeros),
              fp32(w3, E, D, F))
     # fp32 weights: the totals are the final outputs (one buffer, as `.to` of an fp32 total was)
-    final = [total[i] if wdt == torch.float32 or w is None else torch.empty_like(w, memory_format=torch.contiguous_format)
-             for w, i in ((w1, 0), (w2, 2), (w3, 4))]
+    final = [total[i] if wdt == torch.float32 or w is None
+             else torch.empty_like(w, memory_format=torch.contiguous_format) for w, i in ((w1, 0), (w2, 2), (w3, 4))]
     pending = torch.zeros(3, E, device=dev, dtype=torch.int32)  # [∂W1, ∂W2, ∂W3] a row
     for t0, t1 in runs:
         rows = slice(t0 * groups.tile, t1 * groups.tile)
