@@ -165,6 +165,25 @@ def test_weight_gradient_stream_takes_totals_of_few_experts():
     assert gluon_moe.WGRAD_STREAM  # MHA_COMPILE_WGRAD_STREAM unset: STREAM, −99 us a large step on the H200
 
 
+def test_weight_gradient_final_takes_totals_and_pending():
+    """`final` (the runs' outputs in the weights' dtype) goes with adding into fp32 totals, a final
+    of the totals' shape and an [E] int32 pending: anything else is refused before a launch,
+    naming what it got."""
+    from types import SimpleNamespace
+
+    a, b = torch.randn(256, 128).bfloat16(), torch.randn(256, 256).bfloat16()
+    groups = SimpleNamespace(experts=4, tile=128)
+    out, final = torch.empty(4, 128, 256), torch.empty(4, 128, 256).bfloat16()
+    pending = torch.zeros(4, dtype=torch.int32)
+    cases = [(False, final, pending, r"accumulate=False, final \(4, 128, 256\)"),
+             (True, final[:3], pending, r"final \(3, 128, 256\)"),
+             (True, final, None, r"pending None"),
+             (True, final, pending.long(), r"pending \(\(4,\), torch.int64\)")]
+    for accumulate, fin, pend, got in cases:
+        with pytest.raises(ValueError, match=r"final: takes accumulate, final of out's shape \(4, 128, 256\) .*" + got):
+            gluon_moe.weight_grads(a, b, groups, out, accumulate, final=fin, pending=pend)
+
+
 def gemm2_operands(S=256, K=512, N=256, E=4, dtype=torch.bfloat16, bias=True):
     """GEMM2's (h [S, K], W2 [E, K, N], c [S, N], b2 [E, N] or None, routing weights [S] fp32)."""
     rand = lambda *shape: torch.randn(*shape).to(dtype)  # noqa: E731
@@ -433,7 +452,8 @@ def test_weight_grads_add_up_sums_spread_over_row_blocks(monkeypatch, mode):
     _taken(monkeypatch, "wgrad_unsupported")
     launches = []
 
-    def contract(a, b, groups, out, accumulate, split=1, sums=None, stream=None, sum_rows=1):
+    def contract(a, b, groups, out, accumulate, split=1, sums=None, stream=None, sum_rows=1, final=None, pending=None):
+        assert final is None and pending is None  # no runs' final outputs here
         launches.append((split, sum_rows, None if sums is None else tuple(sums.shape)))
         e = groups.tile_expert.long().repeat_interleave(groups.tile)
         dw = torch.zeros(groups.experts, a.shape[1], b.shape[1], dtype=torch.float64).index_add_(
