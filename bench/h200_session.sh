@@ -93,12 +93,16 @@
 #                                      # tests, then bench/flag_ab.py off against on at large and medium, then
 #                                      # ncu on the large step's six weight-gradient calls with it on (~6 min):
 #                                      # run.log, flag_ab_spread.txt, ncu_wgrad_spread.txt
+#   bash bench/h200_session.sh column-sums  # the pool backward's sums over batch rows by our column
+#                                      # sum (triton_pool.COLUMN_SUMS, opt-in since session 31): its GPU
+#                                      # tests, then bench/flag_ab.py off against on at large and medium
+#                                      # (~4 min): run.log, flag_ab_column_sums.txt
 #   bash bench/h200_session.sh short   # one call when device time is short (~9 min): the fused
 #                                      # kernel tests, the curves without the suite, and the
 #                                      # benchmark cut at 250 s (rows past it are listed as skipped)
 # Budgets are per step so a slow step cannot starve the others.
 set -u
-part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|ab|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|ncu-gemms|ncu-source|gluon|verify-gluon|gluon-gemms|verify-gemms|router|small-kernels|host-large|host-timers|wgrad-stream|sum-spread|kernel-times-ab|rows-ab|static-params|short}
+part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|ab|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|ncu-gemms|ncu-source|gluon|verify-gluon|gluon-gemms|verify-gemms|router|small-kernels|host-large|host-timers|wgrad-stream|sum-spread|column-sums|kernel-times-ab|rows-ab|static-params|short}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 # Inductor's compiled graphs kept in the checkout (git ignores it): the device keeps ignored
 # files between calls on a machine it still holds, so `table` can reuse `autotune-cache`'s.
@@ -173,6 +177,15 @@ sum-spread)
         -k "regex:^_wgrad_kernel$" -c 6 --section SpeedOfLight --section WarpStateStats \
         python bench/ncu_kernels.py --preset large >"$OUT/ncu_wgrad_spread.txt" 2>&1
     grep "Duration\|SM Active" "$OUT/ncu_wgrad_spread.txt" >>"$LOG"
+    ;;
+column-sums)
+    { MHA_COMPILE_NO_AUTOTUNE=1 timeout 150 python -m pytest -q -m cuda tests/kernels/test_triton_kernels_cuda.py \
+        -k column_sums -p no:cacheprovider -rf 2>&1 | tail -6; } >>"$LOG"
+    for preset in large medium; do
+        timeout -s INT 100 python bench/flag_ab.py --flag mha_compile.kernels.triton_pool:COLUMN_SUMS \
+            --preset $preset --rounds 3 >>"$OUT/flag_ab_column_sums.txt" 2>&1
+    done
+    tail -8 "$OUT/flag_ab_column_sums.txt" >>"$LOG"
     ;;
 static-params)
     # whole_graph.STATIC_PARAMS (the forward's parameters read in place under reduce-overhead):
@@ -378,6 +391,6 @@ bench|bench-resume)
         --modes eager,inductor,inductor-max-autotune,mha-staged,mha-fused,mha-fused-cudagraphs \
         --spellings dense,loop,grouped_mm --commit "$commit" 2>&1 | tail -100; } >>"$LOG"
     ;;
-*) echo "unknown part $part: expected check, kernels, probe, verify, ab, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache, medium-autotune, ncu, ncu-gemms, ncu-source, gluon, verify-gluon, gluon-gemms, verify-gemms, router, small-kernels, host-large, host-timers, wgrad-stream, sum-spread, kernel-times-ab, rows-ab, static-params or short" >&2; exit 2 ;;
+*) echo "unknown part $part: expected check, kernels, probe, verify, ab, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache, medium-autotune, ncu, ncu-gemms, ncu-source, gluon, verify-gluon, gluon-gemms, verify-gemms, router, small-kernels, host-large, host-timers, wgrad-stream, sum-spread, column-sums, kernel-times-ab, rows-ab, static-params or short" >&2; exit 2 ;;
 esac
 tail -150 "$LOG"

@@ -48,6 +48,12 @@ MAX_POOL_D = 1024
 # (_pool_bwd_one_kernel), where tok fits in the GPU's L2 (bwd_one_kernel); read at launch time
 # (bench/flag_ab.py flips it).
 BWD_ONE_KERNEL = os.environ.get("MHA_COMPILE_POOL_BWD_ONE_KERNEL", "1") != "0"
+# The backward's sums over the batch rows (∂u's partials [B, P·D], ∂inv [B, D]) by column_sums
+# rather than torch's sum, with MHA_COMPILE_POOL_COLUMN_SUMS=1: opt-in until timed on the H200
+# (torch's took 33 and 12 us a large step, twice and six times their bytes' time, bench/PERF_NOTES.md
+# v33; session 22's column sum, 256 programs of one load each, lost, v25). Read at call time
+# (bench/flag_ab.py flips it).
+COLUMN_SUMS = os.environ.get("MHA_COMPILE_POOL_COLUMN_SUMS", "0") == "1"
 
 
 @triton.jit
@@ -270,6 +276,23 @@ def _pool_bwd_one_kernel(
 
 # Token dtypes whose pool dots run as split 16-bit tensor-core products (see triton_util.dot_f32). fp16
 # is left on the ieee path: the lo half of an fp32 value can fall below fp16's normal range.
+@triton.jit
+def _column_sums_kernel(x_ptr, out_ptr, R, C, ROWS, scale, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """out[p, c] = scale · Σ x[r, c] over the rows r of part p, [p·ROWS, (p+1)·ROWS) within R, in a
+    fixed order: x [R, C] contiguous (any float dtype, summed in fp32), out [⌈R / ROWS⌉, C] fp32.
+    Program axis 0 takes a block of BLOCK_C columns, axis 1 a part."""
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = cols < C
+    r0 = tl.program_id(1) * ROWS
+    r1 = tl.minimum(r0 + ROWS, R)
+    acc = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
+    for r in range(r0, r1, BLOCK_R):
+        rows = r + tl.arange(0, BLOCK_R)
+        acc += tl.load(x_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :],
+                       mask=(rows < r1)[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
+    tl.store(out_ptr + tl.program_id(1).to(tl.int64) * C + cols, tl.sum(acc, axis=0) * scale, mask=c_ok)
+
+
 SPLIT_DOT_DTYPES = {torch.bfloat16: 1}
 
 
@@ -344,6 +367,28 @@ def pool_directions(q, wk):
     torch's FlopCounter, which counts a bmm and not an elementwise product."""
     P, Dh = q.shape
     return (q[:, :, None] * wk.view(P, Dh, -1)).sum(1) * (Dh**-0.5)
+
+
+# column_sums' blocks, and the programs its first pass aims at (~4 an SM of the H200's 132, each
+# with a few loads of [16, 256] fp32 in flight: session 22's one load a program kept too few
+# bytes in flight for DRAM)
+COLUMN_BLOCK_R, COLUMN_BLOCK_C, COLUMN_PROGRAMS = 16, 256, 512
+
+
+def column_sums(x, scale=1.0):
+    """scale · x.sum(0) in fp32 for x [R, C] (contiguous): parts of rows summed by ~COLUMN_PROGRAMS
+    programs into [parts, C], then the parts by a second launch of the same kernel; each sum in a
+    fixed order (bitwise reproducible)."""
+    R, C = x.shape
+    blocks = triton.cdiv(C, COLUMN_BLOCK_C)
+    rows = min(256, pow2(R * blocks // COLUMN_PROGRAMS, lo=COLUMN_BLOCK_R))
+    parts = triton.cdiv(R, rows)
+    part = torch.empty(parts, C, device=x.device, dtype=torch.float32)
+    _column_sums_kernel[(blocks, parts)](x, part, R, C, rows, 1.0, BLOCK_R=COLUMN_BLOCK_R, BLOCK_C=COLUMN_BLOCK_C)
+    out = torch.empty(C, device=x.device, dtype=torch.float32)
+    _column_sums_kernel[(blocks, 1)](part, out, parts, C, parts, scale, BLOCK_R=COLUMN_BLOCK_R,
+                                     BLOCK_C=COLUMN_BLOCK_C)
+    return out
 
 
 def _grad_q(wk, grad_u):
@@ -475,9 +520,12 @@ def pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn, u=None):
     else:
         attend_bwd(tok, u, attn, attend_bwd_scores(tok, attn, grad_tbar, ds), grad_tbar, tbar, du_part, grad_tok)
     del ds
-    grad_u = du_part.sum(0) * (Dh**-0.5)
+    if COLUMN_SUMS:
+        grad_u = column_sums(du_part.view(B, P * D), Dh**-0.5).view(P, D)
+    else:
+        grad_u = du_part.sum(0) * (Dh**-0.5)
     del grad_tbar, du_part
-    grad_bo = grad_inv.sum(0)
+    grad_bo = column_sums(grad_inv.contiguous()).to(grad_inv.dtype) if COLUMN_SUMS else grad_inv.sum(0)
     grad_wo = _mm(grad_inv.T, _heads(tbar, wv, bv, split), split)
     # ∂bv = Σ_b ∂pooled[b] = (Σ_b ∂inv[b]) Wo: a [D]·[D,D] product, where torch's sum over the B
     # rows of ∂pooled took 12 us at large and 8 at medium (session 22's profile, H200)

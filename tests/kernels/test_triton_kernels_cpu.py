@@ -387,6 +387,32 @@ def test_weight_grads_finish_over_runs(two):
         assert float((final.double() - want).norm() / want.norm()) < 1e-3
 
 
+@pytest.mark.parametrize("R, C", [(1, 1), (97, 300), (2000, 40)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_column_sums(R, C, dtype):
+    """triton_pool.column_sums (the pool backward's sums over batch rows, opt-in): scale · Σ_r x[r]
+    against float64 at odd sizes (one part, several parts of rows, a column block's tail), summed in
+    fp32 from 16-bit rows too; the same bits on a second call."""
+    g = torch.Generator().manual_seed(R + C)
+    x = torch.randn(R, C, generator=g).to(dtype)
+    got = triton_pool.column_sums(x, 0.125)
+    want = x.double().sum(0) * 0.125
+    assert got.dtype == torch.float32 and got.shape == (C,)
+    assert float((got.double() - want).norm() / want.norm()) < 1e-6
+    assert torch.equal(triton_pool.column_sums(x, 0.125), got)
+
+
+@pytest.mark.parametrize("module", SETS)
+def test_pool_backward_with_column_sums(monkeypatch, module):
+    """MHA_COMPILE_POOL_COLUMN_SUMS=1: ∂u's and ∂bo's sums over the batch rows by column_sums;
+    the whole region against float64 (∂q, ∂Wk and ∂bo come from them)."""
+    monkeypatch.setattr(triton_pool, "COLUMN_SUMS", True)
+    calls = record_calls(monkeypatch, triton_pool, "column_sums")
+    ctx, tok, params = make_case(3, 4, 6, 32, 2, 48, 3, 2)
+    check_region(module, ctx, tok, params, top_k=2, renorm=True, act="gelu")
+    assert len(calls) == 2
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_runs_finish_in_the_weights_dtype(monkeypatch, dtype):
     """moe_backward over runs: the weight gradients come back in the weights' dtype; with fp32

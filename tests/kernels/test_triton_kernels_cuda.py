@@ -80,6 +80,23 @@ def test_key_padding_mask(module):
     check_region(module, ctx, tok, params, top_k=2, renorm=True, act="gelu", mask=mask)
 
 
+@pytest.mark.parametrize("preset", ["medium", "large"])
+def test_pool_backward_with_column_sums(monkeypatch, preset):
+    """MHA_COMPILE_POOL_COLUMN_SUMS=1 (opt-in until timed): the pool backward's sums over the batch
+    rows by triton_pool.column_sums; the whole region against float64 in bf16, and the same bits
+    twice."""
+    from mha_compile.kernels import triton_pool
+
+    monkeypatch.setattr(triton_pool, "COLUMN_SUMS", True)
+    ctx, tok, params = preset_case(preset, dtype=torch.bfloat16, device="cuda", seed=13)
+    errors = check_region(fused, ctx, tok, params, top_k=2, renorm=True, act="gelu")
+    print(f"column sums {preset}: {fmt(errors)}")
+    x = torch.randn(4096, 4096, device="cuda")
+    assert torch.equal(triton_pool.column_sums(x, 0.5), triton_pool.column_sums(x, 0.5))
+    assert float((triton_pool.column_sums(x, 0.5).double() - x.double().sum(0) * 0.5).norm()
+                 / (x.double().sum(0) * 0.5).norm()) < 1e-6
+
+
 @pytest.mark.parametrize("module", SETS)
 @pytest.mark.parametrize("preset", ["medium", "large"])
 def test_bitwise_reproducible(module, preset):
