@@ -126,6 +126,16 @@ fused_kernel_times() {
     { timeout -s INT "$1" python bench/kernel_times.py --presets medium,large --peers fused --graphs fused --profile \
         2>&1 | tail -400; } >"$OUT/kernel_times.txt"
 }
+# a flag's GPU tests (file $1, -k $2), then bench/flag_ab.py off against on for flag $3 (module:ATTR)
+# at large and medium, $4 rounds each, into $OUT/$5
+tests_then_flag_ab() {
+    { MHA_COMPILE_NO_AUTOTUNE=1 timeout 150 python -m pytest -q -m cuda "$1" -k "$2" -p no:cacheprovider -rf \
+        2>&1 | tail -8; } >>"$LOG"
+    for preset in large medium; do
+        timeout -s INT 100 python bench/flag_ab.py --flag "$3" --preset $preset --rounds "$4" >>"$OUT/$5" 2>&1
+    done
+    tail -8 "$OUT/$5" >>"$LOG"
+}
 # OLD (a directory, or a `git archive` tar carried in out/) as a directory: the tree an A/B compares against
 old_tree() {
     local old=${OLD:?OLD: the tree to compare against, a directory or a tar of it}
@@ -166,26 +176,16 @@ wgrad-stream)
     { timeout -s INT 90 python bench/gluon_wgrad_probe.py --presets large 2>&1; } >"$OUT/gluon_wgrad_probe.txt"
     ;;
 sum-spread)
-    { MHA_COMPILE_NO_AUTOTUNE=1 timeout 150 python -m pytest -q -m cuda tests/kernels/test_gluon_moe_cuda.py \
-        -k weight_grads -p no:cacheprovider -rf 2>&1 | tail -8; } >>"$LOG"
-    for preset in large medium; do
-        timeout -s INT 100 python bench/flag_ab.py --flag mha_compile.kernels.gluon_moe:WGRAD_SUM_SPREAD \
-            --preset $preset --rounds 8 >>"$OUT/flag_ab_spread.txt" 2>&1
-    done
-    tail -4 "$OUT/flag_ab_spread.txt" >>"$LOG"
+    tests_then_flag_ab tests/kernels/test_gluon_moe_cuda.py weight_grads \
+        mha_compile.kernels.gluon_moe:WGRAD_SUM_SPREAD 8 flag_ab_spread.txt
     MHA_COMPILE_WGRAD_SUM_SPREAD=1 timeout -s INT 100 ncu --clock-control none --profile-from-start off \
         -k "regex:^_wgrad_kernel$" -c 6 --section SpeedOfLight --section WarpStateStats \
         python bench/ncu_kernels.py --preset large >"$OUT/ncu_wgrad_spread.txt" 2>&1
     grep "Duration\|SM Active" "$OUT/ncu_wgrad_spread.txt" >>"$LOG"
     ;;
 column-sums)
-    { MHA_COMPILE_NO_AUTOTUNE=1 timeout 150 python -m pytest -q -m cuda tests/kernels/test_triton_kernels_cuda.py \
-        -k column_sums -p no:cacheprovider -rf 2>&1 | tail -6; } >>"$LOG"
-    for preset in large medium; do
-        timeout -s INT 100 python bench/flag_ab.py --flag mha_compile.kernels.triton_pool:COLUMN_SUMS \
-            --preset $preset --rounds 3 >>"$OUT/flag_ab_column_sums.txt" 2>&1
-    done
-    tail -8 "$OUT/flag_ab_column_sums.txt" >>"$LOG"
+    tests_then_flag_ab tests/kernels/test_triton_kernels_cuda.py column_sums \
+        mha_compile.kernels.triton_pool:COLUMN_SUMS 3 flag_ab_column_sums.txt
     ;;
 static-params)
     # whole_graph.STATIC_PARAMS (the forward's parameters read in place under reduce-overhead):
