@@ -985,7 +985,7 @@ def weight_grads(a, b, b2, groups, into=None, sums=False, final=None, pending=No
     """(∂W [E,I,J], ∂W' [E,I,J] or None, Σb [E,J] or None) in a's dtype from slot rows a [S,I], b
     [S,J] (b2 [S,J]); see _moe_wgrad_kernel. into: fp32 (∂W, ∂W', Σb) to add these slots' sums to
     (one run of tiles), returned. final: with `into`, (∂W, ∂W' or None) in the weights' dtype and
-    pending [E] int32: ∂W and ∂W' are then summed over the runs as gluon_moe.weight_grads' `final`
+    pending [E] int32 (None, or ∂W's None: no finishing): ∂W and ∂W' are then summed over the runs as gluon_moe.weight_grads' `final`
     says (an expert's first run writes its totals, its last stores them final where it can, else
     marks it pending), for close_totals to finish after the last run; Σb is added into as without.
     sums: also Σ_{s∈e} b[s] (∂b1 beside ∂W1 = Σ xsᵀ ∂u), where the Gluon kernel runs (its first
@@ -1000,8 +1000,9 @@ def weight_grads(a, b, b2, groups, into=None, sums=False, final=None, pending=No
     split = 1 if accumulate or gluon_moe is None else gluon_wgrad_splits(groups.slots, E, I, J, dev)
     stream = gluon_moe is not None and gluon_moe.wgrad_stream(accumulate, E)
     rows = gluon_moe.wgrad_sum_rows(I) if gluon_moe is not None and sums else 1
+    fw, fw2 = final or (None, None)
     gluon = b2 is None and wgrad_kernel(a, b, groups.tile, accumulate, split, sums, stream, rows,
-                                        final is not None) == "gluon"
+                                        fw is not None) == "gluon"
     if not gluon and not accumulate:
         split = wgrad_splits(groups.slots, E, I, J, dev)
     sums = sums and gluon  # the Triton kernel has no Σb: allocate none for it
@@ -1020,7 +1021,6 @@ def weight_grads(a, b, b2, groups, into=None, sums=False, final=None, pending=No
         p_dw, p_dw2, p_db = dw, dw if dw2 is None else dw2, db if sums else None
         if sums and rows > 1:  # fp32 rows, each written or added to by one job a launch
             p_db = (torch.zeros if accumulate else torch.empty)(E * rows, J, device=dev, dtype=torch.float32)
-    fw, fw2 = (None, None) if final is None else final
     ran = gluon and _gluon_launch(
         "weight-gradient GEMM", wgrad_key(a, b, accumulate, split, sums, stream, rows, fw is not None),
         functools.partial(gluon_moe.weight_grads, a, b, groups, p_dw, accumulate, split, sums=p_db, stream=stream,
@@ -1252,9 +1252,9 @@ def _backward_tiles(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, h
     # [S,D] (large preset, computed: slot buffers alive at once 1.61 -> 1.34 GB; same
     # kernels, same results). Then ∂W1 = Σ xᵀ ∂u (∂W3 = Σ xᵀ ∂u3), with ∂b1 = Σ ∂u beside it
     # where the Gluon kernel runs; elsewhere ∂u's tile sums give ∂b1.
-    final, pending = ([None] * 3, [None] * 3) if closing is None else closing
+    final, pending = closing or ([None] * 3, [None] * 3)
     dw2, _, _ = weight_grads(hw, gs.to(wdt), None, groups, into=None if total is None else (total[2], None, None),
-                             final=None if closing is None else (final[1], None), pending=pending[1])
+                             final=(final[1], None), pending=pending[1])
     del hw, gs
     if w3 is None:
         dx_slot = slots_gemm(du, w1, (D * F, 1, F), D, groups, out=dx_slot)
@@ -1262,7 +1262,7 @@ def _backward_tiles(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, h
         dx_slot = slots_gemm(du, w1, (D * F, 1, F), D, groups, a2=du3, b2=w3, out=dx_slot)
     dw1, dw3, db1 = weight_grads(xs, du, du3 if w3 is not None else None, groups,
                                  into=None if total is None else (total[0], total[4], total[1]), sums=b1 is not None,
-                                 final=None if closing is None else (final[0], final[2]), pending=pending[0])
+                                 final=(final[0], final[2]), pending=pending[0])
     db1_part = tile_sums(du, groups) if b1 is not None and db1 is None else None
     db1_summed, db2 = bias_grads(db1_part, db2_part, groups, wdt, into=None if total is None else (total[1], total[3]))
     return dx_slot, (dw1, db1_summed if db1 is None else db1, dw2, db2, dw3)

@@ -274,8 +274,6 @@ def _pool_bwd_one_kernel(
                       dtok_ptr, N, D, P, stride_tb, stride_tn, SPLIT_DOT, BLOCK_N2, BLOCK_D2, BLOCK_Q)
 
 
-# Token dtypes whose pool dots run as split 16-bit tensor-core products (see triton_util.dot_f32). fp16
-# is left on the ieee path: the lo half of an fp32 value can fall below fp16's normal range.
 @triton.jit
 def _column_sums_kernel(x_ptr, out_ptr, R, C, ROWS, scale, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """out[p, c] = scale · Σ x[r, c] over the rows r of part p, [p·ROWS, (p+1)·ROWS) within R, in a
@@ -293,6 +291,8 @@ def _column_sums_kernel(x_ptr, out_ptr, R, C, ROWS, scale, BLOCK_R: tl.constexpr
     tl.store(out_ptr + tl.program_id(1).to(tl.int64) * C + cols, tl.sum(acc, axis=0) * scale, mask=c_ok)
 
 
+# Token dtypes whose pool dots run as split 16-bit tensor-core products (see triton_util.dot_f32). fp16
+# is left on the ieee path: the lo half of an fp32 value can fall below fp16's normal range.
 SPLIT_DOT_DTYPES = {torch.bfloat16: 1}
 
 
