@@ -94,7 +94,7 @@
 #                                      # ncu on the large step's six weight-gradient calls with it on (~6 min):
 #                                      # run.log, flag_ab_spread.txt, ncu_wgrad_spread.txt
 #   bash bench/h200_session.sh column-sums  # the pool backward's sums over batch rows by our column
-#                                      # sum (triton_pool.COLUMN_SUMS, opt-in since session 31): its GPU
+#                                      # sum (triton_pool.COLUMN_SUMS, the default since session 32): its GPU
 #                                      # tests, then bench/flag_ab.py off against on at large and medium
 #                                      # (~4 min): run.log, flag_ab_column_sums.txt
 #   bash bench/h200_session.sh short   # one call when device time is short (~9 min): the fused

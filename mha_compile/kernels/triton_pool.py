@@ -49,11 +49,11 @@ MAX_POOL_D = 1024
 # (bench/flag_ab.py flips it).
 BWD_ONE_KERNEL = os.environ.get("MHA_COMPILE_POOL_BWD_ONE_KERNEL", "1") != "0"
 # The backward's sums over the batch rows (∂u's partials [B, P·D], ∂inv [B, D]) by column_sums
-# rather than torch's sum, with MHA_COMPILE_POOL_COLUMN_SUMS=1: opt-in until timed on the H200
-# (torch's took 33 and 12 us a large step, twice and six times their bytes' time, bench/PERF_NOTES.md
-# v33; session 22's column sum, 256 programs of one load each, lost, v25). Read at call time
-# (bench/flag_ab.py flips it).
-COLUMN_SUMS = os.environ.get("MHA_COMPILE_POOL_COLUMN_SUMS", "0") == "1"
+# rather than torch's sum (torch's took 33 and 12 us a large step, twice and six times their bytes'
+# time, bench/PERF_NOTES.md v33). On the H200 (session 32, flag_ab): 8.3 us less a medium training
+# step in each of three rounds, within the noise at large (-3 and -25 us by order);
+# MHA_COMPILE_POOL_COLUMN_SUMS=0 keeps torch's sum. Read at call time (bench/flag_ab.py flips it).
+COLUMN_SUMS = os.environ.get("MHA_COMPILE_POOL_COLUMN_SUMS", "1") != "0"
 
 
 @triton.jit

@@ -6,6 +6,8 @@ bf16 is left to the GPU tests: triton 3.6's interpreter computes bf16 tl.dot wro
 (a 16×16 bf16 product comes back off by ~1e10), so fp32 and fp16 cover the interpreter.
 """
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -402,15 +404,27 @@ def test_column_sums(R, C, dtype):
     assert torch.equal(triton_pool.column_sums(x, 0.125), got)
 
 
+@pytest.mark.parametrize("column_sums", [True, False])
 @pytest.mark.parametrize("module", SETS)
-def test_pool_backward_with_column_sums(monkeypatch, module):
-    """MHA_COMPILE_POOL_COLUMN_SUMS=1: ∂u's and ∂bo's sums over the batch rows by column_sums;
-    the whole region against float64 (∂q, ∂Wk and ∂bo come from them)."""
-    monkeypatch.setattr(triton_pool, "COLUMN_SUMS", True)
+def test_pool_backward_with_column_sums(monkeypatch, module, column_sums):
+    """triton_pool.COLUMN_SUMS (the default; MHA_COMPILE_POOL_COLUMN_SUMS=0 turns it off): ∂u's
+    and ∂bo's sums over the batch rows by column_sums, or by torch's sum; the whole region against
+    float64 either way (∂q, ∂Wk and ∂bo come from them)."""
+    monkeypatch.setattr(triton_pool, "COLUMN_SUMS", column_sums)
     calls = record_calls(monkeypatch, triton_pool, "column_sums")
     ctx, tok, params = make_case(3, 4, 6, 32, 2, 48, 3, 2)
     check_region(module, ctx, tok, params, top_k=2, renorm=True, act="gelu")
-    assert len(calls) == 2
+    assert len(calls) == (2 if column_sums else 0)
+
+
+def test_pool_column_sums_by_default():
+    """The column sums are on unless MHA_COMPILE_POOL_COLUMN_SUMS=0 (read at import)."""
+    env = {**os.environ, "MHA_COMPILE_POOL_COLUMN_SUMS": "0"}
+    code = "from mha_compile.kernels import triton_pool; print(triton_pool.COLUMN_SUMS)"
+    off = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    env.pop("MHA_COMPILE_POOL_COLUMN_SUMS")
+    on = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert (off.stdout.strip(), on.stdout.strip()) == ("False", "True")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -82,9 +82,9 @@ def test_key_padding_mask(module):
 
 @pytest.mark.parametrize("preset", ["medium", "large"])
 def test_pool_backward_with_column_sums(monkeypatch, preset):
-    """MHA_COMPILE_POOL_COLUMN_SUMS=1 (opt-in until timed): the pool backward's sums over the batch
-    rows by triton_pool.column_sums; the whole region against float64 in bf16, and the same bits
-    twice."""
+    """triton_pool.COLUMN_SUMS (the default since session 32): the pool backward's sums over the
+    batch rows by triton_pool.column_sums; the whole region against float64 in bf16, and the same
+    bits twice."""
     from mha_compile.kernels import triton_pool
 
     monkeypatch.setattr(triton_pool, "COLUMN_SUMS", True)
