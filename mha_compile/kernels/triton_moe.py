@@ -485,9 +485,11 @@ def _tile_sums_kernel(src_ptr, dst_ptr, N, TILE: tl.constexpr, BLOCK_R: tl.const
 
 
 @triton.jit
-def _sum_splits_kernel(part_ptr, out_ptr, part2_ptr, out2_ptr, E, N, SPLIT, BLOCK: tl.constexpr):
-    """out[e, :] = Σ_{c < SPLIT} part[e·SPLIT + c, :] in c order, N per-expert elements; program
-    axis 1 picks the pair: 0 (part, out), 1 (part2, out2)."""
+def _sum_splits_kernel(part_ptr, out_ptr, part2_ptr, out2_ptr, base_ptr, E, N, SPLIT, HAS_BASE: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """out[e, :] = Σ_{c < SPLIT} part[e·SPLIT + c, :] in c order, N per-expert elements, after
+    base[e, :] with HAS_BASE (one pair only); program axis 1 picks the pair: 0 (part, out), 1
+    (part2, out2)."""
     if tl.program_id(1) == 0:
         src, dst = part_ptr, out_ptr
     else:
@@ -497,6 +499,8 @@ def _sum_splits_kernel(part_ptr, out_ptr, part2_ptr, out2_ptr, E, N, SPLIT, BLOC
     e = offs // N
     within = offs - e * N
     acc = tl.zeros([BLOCK], tl.float32)
+    if HAS_BASE:
+        acc += tl.load(base_ptr + offs, mask=ok, other=0.0)
     for c in range(0, SPLIT):
         acc += tl.load(src + (e * SPLIT + c) * N + within, mask=ok, other=0.0)
     tl.store(dst + offs, acc.to(dst.dtype.element_ty), mask=ok)
@@ -981,10 +985,29 @@ def gluon_wgrad_splits(slots, experts, I, J, device):
                key=lambda s: (fractions.Fraction(triton.cdiv(tiles * s, sms), s), s))
 
 
+SUM_BLOCK = 1024
+
+
+def sum_rows(I):
+    """Σb's fp32 rows an expert that the Gluon weight-gradient kernel leaves for an I-row ∂W
+    (gluon_moe.wgrad_sum_rows; 1 where gluon_moe cannot be imported)."""
+    return 1 if gluon_moe is None else gluon_moe.wgrad_sum_rows(I)
+
+
+def sum_splits(parts, out, split, base=None):
+    """out [E, N] = Σ_{c < split} parts[e·split + c] ([E·split, N] fp32) in c order, after base
+    [E, N] fp32 where given, in out's dtype; out returned."""
+    E, N = out.shape
+    _sum_splits_kernel[(triton.cdiv(E * N, SUM_BLOCK), 1)](parts, out, parts, out, parts if base is None else base,
+                                                         E, N, split, HAS_BASE=base is not None, BLOCK=SUM_BLOCK)
+    return out
+
+
 def weight_grads(a, b, b2, groups, into=None, sums=False, final=None, pending=None):
     """(∂W [E,I,J], ∂W' [E,I,J] or None, Σb [E,J] or None) in a's dtype from slot rows a [S,I], b
-    [S,J] (b2 [S,J]); see _moe_wgrad_kernel. into: fp32 (∂W, ∂W', Σb) to add these slots' sums to
-    (one run of tiles), returned. final: with `into`, (∂W, ∂W' or None) in the weights' dtype and
+    [S,J] (b2 [S,J]); see _moe_wgrad_kernel. into: fp32 (∂W, ∂W', Σb's rows [E·R, J], R =
+    sum_rows(I)) to add these slots' sums to (one run of tiles), returned; Σb's R rows an expert are
+    left for the caller to add up once after the last run (sum_splits). final: with `into`, (∂W, ∂W' or None) in the weights' dtype and
     pending [E] int32 (None, or ∂W's None: no finishing): ∂W and ∂W' are then summed over the runs as gluon_moe.weight_grads' `final`
     says (an expert's first run writes its totals, its last stores them final where it can, else
     marks it pending), for close_totals to finish after the last run; Σb is added into as without.
@@ -992,14 +1015,14 @@ def weight_grads(a, b, b2, groups, into=None, sums=False, final=None, pending=No
     consumer sums each B stage while the stage's wgmmas run: one pass over ∂u fewer than
     tile_sums); Σb is None where it does not, and the caller sums b itself.
     With gluon_moe.wgrad_sum_rows R > 1 the kernel leaves Σb in R fp32 rows an expert (each row
-    block's jobs summing 1/R of the K steps), added up here."""
+    block's jobs summing 1/R of the K steps), added up here where not `into`."""
     E = groups.experts
     I, J = a.shape[1], b.shape[1]
     dev, dtype = a.device, a.dtype
     accumulate = into is not None
     split = 1 if accumulate or gluon_moe is None else gluon_wgrad_splits(groups.slots, E, I, J, dev)
     stream = gluon_moe is not None and gluon_moe.wgrad_stream(accumulate, E)
-    rows = gluon_moe.wgrad_sum_rows(I) if gluon_moe is not None and sums else 1
+    rows = sum_rows(I) if sums else 1
     fw, fw2 = final or (None, None)
     gluon = b2 is None and wgrad_kernel(a, b, groups.tile, accumulate, split, sums, stream, rows,
                                         fw is not None) == "gluon"
@@ -1008,6 +1031,9 @@ def weight_grads(a, b, b2, groups, into=None, sums=False, final=None, pending=No
     sums = sums and gluon  # the Triton kernel has no Σb: allocate none for it
     if accumulate:
         dw, dw2, db = into
+        torch._check(not sums or (db.dtype == torch.float32 and db.shape == (E * rows, J)),
+                     lambda: f"weight_grads: into's Σb wants fp32 rows [E·R, J] = [{E * rows}, {J}], "
+                             f"got {db.dtype} {tuple(db.shape)}")
     else:
         dw = torch.empty(E, I, J, device=dev, dtype=dtype)
         dw2 = torch.empty_like(dw) if b2 is not None else None
@@ -1019,8 +1045,8 @@ def weight_grads(a, b, b2, groups, into=None, sums=False, final=None, pending=No
         p_db = torch.empty(E * split * rows, J, device=dev, dtype=torch.float32) if sums else None
     else:
         p_dw, p_dw2, p_db = dw, dw if dw2 is None else dw2, db if sums else None
-        if sums and rows > 1:  # fp32 rows, each written or added to by one job a launch
-            p_db = (torch.zeros if accumulate else torch.empty)(E * rows, J, device=dev, dtype=torch.float32)
+        if sums and rows > 1 and not accumulate:  # fp32 rows, each written by one job
+            p_db = torch.empty(E * rows, J, device=dev, dtype=torch.float32)
     ran = gluon and _gluon_launch(
         "weight-gradient GEMM", wgrad_key(a, b, accumulate, split, sums, stream, rows, fw is not None),
         functools.partial(gluon_moe.weight_grads, a, b, groups, p_dw, accumulate, split, sums=p_db, stream=stream,
@@ -1033,15 +1059,11 @@ def weight_grads(a, b, b2, groups, into=None, sums=False, final=None, pending=No
                PRECISION=dot_precision(dtype))
     if split > 1:
         _sum_splits_kernel[(triton.cdiv(E * I * J, SUM_BLOCK), len(outs))](
-            parts[0], outs[0], parts[-1], outs[-1], E, I * J, split, BLOCK=SUM_BLOCK)
-        if ran and sums:  # one pair: grid axis 1 is 1, so the second pair passed is never read
-            _sum_splits_kernel[(triton.cdiv(E * J, SUM_BLOCK), 1)](p_db, db, p_db, db, E, J, split * rows,
-                                                                   BLOCK=SUM_BLOCK)
-    elif ran and sums and rows > 1:
-        if accumulate:
-            db.add_(p_db.view(E, rows, J).sum(1))
-        else:
-            db.copy_(p_db.view(E, rows, J).sum(1))
+            parts[0], outs[0], parts[-1], outs[-1], parts[0], E, I * J, split, HAS_BASE=False, BLOCK=SUM_BLOCK)
+        if ran and sums:
+            sum_splits(p_db, db, split * rows)
+    elif ran and sums and rows > 1 and not accumulate:
+        sum_splits(p_db, db, rows)
     return dw, dw2, (db if ran and sums else None)
 
 
@@ -1073,9 +1095,6 @@ def bias_grads(db1_part, db2_part, groups, dtype, into=None):
     return tuple(outs)
 
 
-SUM_BLOCK = 1024
-
-
 def moe_backward(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, horizons):
     """(∂x_slot [S,D], gw_part [S, F blocks] fp32, ∂W1, ∂b1, ∂W2, ∂b2, ∂W3) — weights' dtypes."""
     E, D, F = w1.shape
@@ -1093,9 +1112,13 @@ def moe_backward(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, hori
     # and stored final in the weights' dtype by its last where it can (weight_grads' `final`), the
     # rest by close_totals. No zero fills nor copies of the [E, D, F] totals: at large, 2 · (15 +
     # 24) us a step of torch's fill_ and copy_ (bench/PERF_NOTES.md v33).
+    # ∂b1 where the Gluon kernel sums ∂u beside ∂W1 is in R rows an expert (sum_rows), added into
+    # across the runs and added up once, with the tile sums' total (swiglu's, off Hopper), after
+    # the last: each run's own rows zeroed, summed and added took 9 of torch's kernels, ~60 us a
+    # large step (bench/PERF_NOTES.md v33's shapes).
     fp32 = lambda t, *shape, fill=torch.empty: None if t is None else fill(*shape, device=dev, dtype=torch.float32)
     total = (fp32(w1, E, D, F), fp32(b1, E, F, fill=torch.zeros), fp32(w2, E, F, D), fp32(b2, E, D, fill=torch.zeros),
-             fp32(w3, E, D, F))
+             fp32(w3, E, D, F), fp32(b1, E * sum_rows(D), F, fill=torch.zeros))
     # fp32 weights: the totals are the final outputs (one buffer, as `.to` of an fp32 total was)
     final = [total[i] if wdt == torch.float32 or w is None
              else torch.empty_like(w, memory_format=torch.contiguous_format) for w, i in ((w1, 0), (w2, 2), (w3, 4))]
@@ -1105,8 +1128,8 @@ def moe_backward(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, hori
         _backward_tiles(grad_out, x, inv, weight, groups.tiles(t0, t1), w1, b1, w2, b2, w3, act,
                         horizons, gw[rows], dx_slot[rows], total, (final, pending))
     close_totals([(total[i], final[w]) for w, i in enumerate((0, 2, 4)) if final[w] is not None], groups, pending)
-    return (dx_slot, gw, final[0], None if b1 is None else total[1].to(wdt), final[1],
-            None if b2 is None else total[3].to(wdt), final[2])
+    db1 = None if b1 is None else sum_splits(total[5], torch.empty(E, F, device=dev, dtype=wdt), sum_rows(D), total[1])
+    return dx_slot, gw, final[0], db1, final[1], None if b2 is None else total[3].to(wdt), final[2]
 
 
 def close_totals(pairs, groups, pending):
@@ -1227,8 +1250,8 @@ def _backward_tiles(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, h
     """The backward over `groups`' slots (the whole layout, or one run of tiles): writes their rows
     of gw and ∂x_slot (None: allocated here) and returns (∂x_slot, (∂W1, ∂b1, ∂W2, ∂b2, ∂W3)), the
     weight gradients summed over these slots, in the weights' dtype; or, given `total` (fp32 sums
-    in that order), adds them there, the weight gradients' as weight_grads' `final` says with
-    closing = ([∂W1, ∂W2, ∂W3] finals, pending [3, E])."""
+    in that order, then ∂b1's rows as weight_grads' into takes them), adds them there, the weight
+    gradients' as weight_grads' `final` says with closing = ([∂W1, ∂W2, ∂W3] finals, pending [3, E])."""
     E, D, F = w1.shape
     dev, wdt = x.device, w1.dtype
     # The slot rows of x (merged, in the weights' dtype, as in the forward) and of G, once:
@@ -1261,7 +1284,7 @@ def _backward_tiles(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, h
     else:
         dx_slot = slots_gemm(du, w1, (D * F, 1, F), D, groups, a2=du3, b2=w3, out=dx_slot)
     dw1, dw3, db1 = weight_grads(xs, du, du3 if w3 is not None else None, groups,
-                                 into=None if total is None else (total[0], total[4], total[1]), sums=b1 is not None,
+                                 into=None if total is None else (total[0], total[4], total[5]), sums=b1 is not None,
                                  final=(final[0], final[2]), pending=pending[0])
     db1_part = tile_sums(du, groups) if b1 is not None and db1 is None else None
     db1_summed, db2 = bias_grads(db1_part, db2_part, groups, wdt, into=None if total is None else (total[1], total[3]))

@@ -447,7 +447,8 @@ def test_gemm2_key_holds_the_scale_dtype():
 def test_weight_grads_add_up_sums_spread_over_row_blocks(monkeypatch, mode):
     """Σb spread over the row blocks (the default): the Gluon kernel (here its contract in torch, as on an H200)
     leaves Σb in I/128 rows an expert, each the sums over 1/R of the K steps; triton_moe.weight_grads
-    adds them up into Σb [E, J] (written, over the splits too; or added into the runs' totals)."""
+    adds them up into Σb [E, J] (written, over the splits too), or adds them into the runs' rows
+    [E·R, J] as they are (the caller adds those up after its last run)."""
     assert gluon_moe.WGRAD_SUM_SPREAD  # MHA_COMPILE_WGRAD_SUM_SPREAD unset: spread, −125 us a large step on the H200
     _taken(monkeypatch, "wgrad_unsupported")
     launches = []
@@ -474,13 +475,66 @@ def test_weight_grads_add_up_sums_spread_over_row_blocks(monkeypatch, mode):
     a, b = torch.randn(groups.slots, I) * valid, torch.randn(groups.slots, J) * valid
     want = phase_column_sums(b, groups, 1, 1, gluon_moe.WGRAD_BK)[:, 0, 0]
     if mode == "added":
-        start = torch.randn(E, J)
+        start = torch.randn(E * I // 128, J)
         totals = (torch.zeros(E, I, J), None, start.clone())
         got = moe.weight_grads(a, b, None, groups, into=totals, sums=True)[2]
         assert got is totals[2]
-        want = want + start.double()
+        phases = phase_column_sums(b, groups, 1, I // 128, gluon_moe.WGRAD_BK).view(E * I // 128, J)
+        assert float((got.double() - start.double() - phases).norm() / phases.norm()) < 1e-6
+        got, want = got.view(E, I // 128, J).sum(1), want + start.view(E, I // 128, J).double().sum(1)
+        with pytest.raises(RuntimeError, match=r"into's Σb wants fp32 rows \[E·R, J\] = \[12, 256\], got "
+                                               r"torch.float32 \(3, 256\)"):
+            moe.weight_grads(a, b, None, groups, into=(totals[0], None, torch.zeros(E, J)), sums=True)
     else:
         got = moe.weight_grads(a, b, None, groups, sums=True)[2]
     split, rows, shape = launches[0]
     assert rows == I // 128 and shape == (E * split * rows, J) and split == (2 if mode == "split" else 1)
     assert float((got.double() - want).norm() / want.norm()) < 1e-6
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="triton_moe on the CPU needs TRITON_INTERPRET=1")
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+@pytest.mark.parametrize("act", ["gelu", "swiglu"])
+def test_runs_add_sums_rows_up_once(monkeypatch, act):
+    """The backward over runs of tiles with the Gluon weight-gradient kernel taken (its contract
+    in torch, as on an H200, Σb in 3 rows an expert): every run adds into one [E·3, F] buffer of
+    ∂b1's rows, which is added up once after the last run with the tile sums' total (swiglu's ∂W1
+    and ∂W3 take the Triton kernel and the tile sums); the whole region against float64."""
+    from kernel_cases import check_region, make_case
+    from mha_compile.kernels import fused
+
+    _taken(monkeypatch, "wgrad_unsupported")
+    monkeypatch.setattr(moe, "SLOT_CHUNK_BYTES", 1)  # a run a tile
+    monkeypatch.setattr(gluon_moe, "wgrad_sum_rows", lambda I: 3)
+    launches, added_up = [], []
+
+    def contract(a, b, groups, out, accumulate, split=1, sums=None, stream=None, sum_rows=1, final=None, pending=None):
+        """Over runs (accumulate): an expert opened in this run written, else added to, and every
+        expert of the run left pending for close_totals; Σb's rows added to."""
+        assert accumulate and split == 1 and sum_rows == (1 if sums is None else 3)
+        launches.append(None if sums is None else sums.data_ptr())
+        E, e = groups.experts, groups.tile_expert.long().repeat_interleave(groups.tile)
+        dw = torch.zeros(E, a.shape[1], b.shape[1], dtype=torch.float64).index_add_(
+            0, e, a.double()[:, :, None] * b.double()[:, None, :])
+        lo, hi = groups.expert_slots[:E].tolist(), groups.expert_slots[E:].tolist()
+        for x in range(E):
+            if hi[x] > lo[x]:
+                opens = int(groups.whole_slots[x]) >= groups.first_slot
+                out[x] = dw[x].to(out.dtype) if opens else out[x] + dw[x].to(out.dtype)
+                if pending is not None:
+                    pending[x] = 1
+        if sums is not None:
+            sums += phase_column_sums(b, groups, 1, 3, gluon_moe.WGRAD_BK).view(sums.shape).to(sums.dtype)
+
+    real = moe.sum_splits
+    monkeypatch.setattr(gluon_moe, "weight_grads", contract)
+    monkeypatch.setattr(moe, "sum_splits", lambda parts, out, split, base=None: added_up.append(
+        (parts.shape, split, base is not None)) or real(parts, out, split, base))
+    ctx, tok, params = make_case(3, 4, 5, 32, 2, 48, 3, 2, act=act)
+    check_region(fused, ctx, tok, params, top_k=2, renorm=True, act=act)
+    assert not moe._GLUON_FAILED  # the stand-in ran every launch: no fallback to Triton
+    runs = len(launches) // (2 if act == "gelu" else 1)  # gelu: ∂W2's launch and ∂W1's a run
+    assert runs > 1
+    if act == "gelu":  # ∂W1's launches with sums, all into one buffer
+        assert len({ptr for ptr in launches if ptr is not None}) == 1 and launches.count(None) == runs
+    assert added_up == [((3 * 3, 48), 3, True)]

@@ -263,8 +263,8 @@ def test_weight_grads_finish_run_by_run(monkeypatch, stream):
     with `final` run by run, then close_totals. Totals and finals hold NaN before (torch.empty's);
     experts over two runs, experts whole in one, empty experts. ∂W in bf16 against float64 (fp32
     sums, one rounding); an expert over several runs is left pending (its last run adds into the
-    totals) and an empty one is not; Σb added into its totals as without `final`; the same bits on
-    a second pass. STREAM's middle run holds more tiles than programs: whole tiles and tiles in
+    totals) and an empty one is not; Σb added into its rows (moe.sum_rows an expert) as without
+    `final`, added up after the last run; the same bits on a second pass. STREAM's middle run holds more tiles than programs: whole tiles and tiles in
     pieces both."""
     monkeypatch.setattr(gluon_moe, "WGRAD_STREAM", stream)
     E, used, D, J = 7, [0, 1, 2, 4, 5, 6], 512, 2048
@@ -283,7 +283,7 @@ def test_weight_grads_finish_run_by_run(monkeypatch, stream):
     for _ in range(2):
         total = torch.full((E, D, J), float("nan"), device="cuda")
         final = torch.full((E, D, J), float("nan"), device="cuda", dtype=torch.bfloat16)
-        sums = torch.zeros(E, J, device="cuda")
+        sums = torch.zeros(E * moe.sum_rows(D), J, device="cuda")
         pending = torch.zeros(3, E, device="cuda", dtype=torch.int32)
         for t0, t1 in runs:
             rows = slice(t0 * tile, t1 * tile)
@@ -292,6 +292,7 @@ def test_weight_grads_finish_run_by_run(monkeypatch, stream):
             moe.weight_grads(xs[rows].contiguous(), b[rows].contiguous(), None, part, into=(total, None, sums),
                              sums=True, final=(final, None), pending=pending[0])
         moe.close_totals([(total, final)], groups, pending)
+        sums = moe.sum_splits(sums, torch.empty(E, J, device="cuda"), moe.sum_rows(D))
         passes.append((final, sums, pending))
     assert float((final.double() - want).norm() / want.norm()) < 3e-3
     for e in range(E):
