@@ -852,7 +852,8 @@ def _stream_piece(experts, it, start, ni, BK: gl.constexpr):
 # before adding that last piece a thread waits for the same thread of the program before to have
 # added its piece and raised its flag (the same thread holds the same elements of ∂W and Σb in every
 # program; a wait that is not already over is rare). Each launch takes fresh flags (zeros: one small
-# memset), so launches on other streams or graph replays cannot take each other's raises. Waits point
+# memset, or its own row of a step's zeroed rows, stream_flags), so launches on other streams or
+# graph replays cannot take each other's raises. Waits point
 # only to lower programs, which are scheduled first.
 
 
@@ -1196,12 +1197,20 @@ def _wgrad_kernel(a_ptr, b_ptr, out_ptr, expert_slots_ptr, sums_ptr, flags_ptr, 
                             (_wgrad_produce_jobs, args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def stream_flags(device):
+def stream_flags(device, launches=None):
     """A STREAM launch's flags, one a consumer thread of each program, all down: fresh for each
     launch (a buffer kept across launches, each waiter lowering its flag, could deadlock: a launch
     on another stream, or a replay of a graph that captured it, could take a raise meant for this
-    one, and this one's waiter then wait for a raise that has gone)."""
-    return torch.zeros(num_sms(device) * 2 * 128, device=device, dtype=torch.int32)
+    one, and this one's waiter then wait for a raise that has gone). launches: [launches, ...]
+    rows of them zeroed at once, one row a launch (a large training step's six weight-gradient
+    launches: one memset and torch call, not six)."""
+    shape = (_flags_a_launch(device),) if launches is None else (launches, _flags_a_launch(device))
+    return torch.zeros(shape, device=device, dtype=torch.int32)
+
+
+def _flags_a_launch(device):
+    """STREAM's flags a launch: one a consumer thread (2 · 128) of each program (one an SM)."""
+    return num_sms(device) * 2 * 128
 
 
 def wgrad_stream(accumulate, experts):
@@ -1222,7 +1231,7 @@ def wgrad_block_n(J):
 
 
 def weight_grads(a, b, groups, out, accumulate, split=1, block_k=WGRAD_BK, block_n=None, nbuf=WGRAD_NBUF,
-                 sums=None, stream=None, sum_rows=1, final=None, pending=None):
+                 sums=None, stream=None, sum_rows=1, final=None, pending=None, flags=None):
     """out [E,I,J] = Σ_{s∈e} A[s]ᵀ B[s] (accumulate: added into out, fp32 totals, experts without
     slots here untouched). final (accumulate only): [E,I,J] in the weights' dtype, and pending [E]
     int32: groups is one run of tiles of a whole layout (groups.whole_slots, groups.first_slot), and
@@ -1239,7 +1248,8 @@ def weight_grads(a, b, groups, out, accumulate, split=1, block_k=WGRAD_BK, block
     (k / block_k) mod R = i (each summed by the jobs of row block i, not all by block 0's), for
     the caller to add up. Callers check `wgrad_unsupported` first; block_n: 256 where
     J allows. stream: the STREAM schedule (accumulate only, at most STREAM_EXPERTS experts); None:
-    WGRAD_STREAM where it applies."""
+    WGRAD_STREAM where it applies. flags: STREAM's flags for this launch, zeros that no other launch
+    takes (a row of stream_flags(device, launches)); None: fresh ones."""
     E, (I, J) = groups.experts, (a.shape[1], b.shape[1])
     if split > 1 and (accumulate or out.dtype != torch.float32 or out.shape[0] != E * split):
         raise ValueError(f"split={split}: takes fp32 partial sums out [E·split = {E * split}, I, J] and no "
@@ -1262,12 +1272,18 @@ def weight_grads(a, b, groups, out, accumulate, split=1, block_k=WGRAD_BK, block
                          f"pending {None if pending is None else (tuple(pending.shape), pending.dtype)}")
     if stream is None:
         stream = wgrad_stream(accumulate, E)  # split is 1 here (checked above)
+    n_flags = _flags_a_launch(a.device)
+    if stream and flags is not None and (flags.shape != (n_flags,) or flags.dtype != torch.int32
+                                         or not flags.is_contiguous()):
+        raise ValueError(f"flags: wants a contiguous [{n_flags}] int32 row of stream_flags, got "
+                         f"{tuple(flags.shape)} {flags.dtype}")
     programs = num_sms(a.device) if stream else min(num_sms(a.device), jobs)
     finish = final is not None
     with device_scratch():
         _wgrad_kernel[(programs,)](
             a, b, out, groups.expert_slots, out if sums is None else sums,
-            stream_flags(a.device) if stream else groups.expert_slots, final if finish else out,
+            (stream_flags(a.device) if flags is None else flags) if stream else groups.expert_slots,
+            final if finish else out,
             groups.whole_slots if finish else groups.expert_slots, pending if finish else groups.expert_slots,
             a.shape[0], groups.first_slot if finish else 0, I, J, E, jobs,
             int(accumulate), split, groups.tile, int(sums is not None), sum_rows, int(finish),

@@ -1003,7 +1003,7 @@ def sum_splits(parts, out, split, base=None):
     return out
 
 
-def weight_grads(a, b, b2, groups, into=None, sums=False, final=None, pending=None):
+def weight_grads(a, b, b2, groups, into=None, sums=False, final=None, pending=None, flags=None):
     """(∂W [E,I,J], ∂W' [E,I,J] or None, Σb [E,J] or None) in a's dtype from slot rows a [S,I], b
     [S,J] (b2 [S,J]); see _moe_wgrad_kernel. into: fp32 (∂W, ∂W', Σb's rows [E·R, J], R =
     sum_rows(I)) to add these slots' sums to (one run of tiles), returned; Σb's R rows an expert are
@@ -1015,7 +1015,9 @@ def weight_grads(a, b, b2, groups, into=None, sums=False, final=None, pending=No
     consumer sums each B stage while the stage's wgmmas run: one pass over ∂u fewer than
     tile_sums); Σb is None where it does not, and the caller sums b itself.
     With gluon_moe.wgrad_sum_rows R > 1 the kernel leaves Σb in R fp32 rows an expert (each row
-    block's jobs summing 1/R of the K steps), added up here where not `into`."""
+    block's jobs summing 1/R of the K steps), added up here where not `into`. flags: where the
+    Gluon kernel takes STREAM, its flags for this launch (a row of gluon_moe.stream_flags, zeros no
+    other launch takes); None: fresh ones."""
     E = groups.experts
     I, J = a.shape[1], b.shape[1]
     dev, dtype = a.device, a.dtype
@@ -1050,7 +1052,7 @@ def weight_grads(a, b, b2, groups, into=None, sums=False, final=None, pending=No
     ran = gluon and _gluon_launch(
         "weight-gradient GEMM", wgrad_key(a, b, accumulate, split, sums, stream, rows, fw is not None),
         functools.partial(gluon_moe.weight_grads, a, b, groups, p_dw, accumulate, split, sums=p_db, stream=stream,
-                          sum_rows=rows, final=fw, pending=pending))
+                          sum_rows=rows, final=fw, pending=pending, flags=flags))
     if not ran:
         _wgrad(lambda m: (E * split, triton.cdiv(I, m["BLOCK_I"]), triton.cdiv(J, m["BLOCK_J"])),
                a, b, b if b2 is None else b2, groups.expert_slots, p_dw, p_dw2, p_dw if fw is None else fw,
@@ -1123,10 +1125,13 @@ def moe_backward(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, hori
     final = [total[i] if wdt == torch.float32 or w is None
              else torch.empty_like(w, memory_format=torch.contiguous_format) for w, i in ((w1, 0), (w2, 2), (w3, 4))]
     pending = torch.zeros(3, E, device=dev, dtype=torch.int32)  # [∂W1, ∂W2, ∂W3] a row
-    for t0, t1 in runs:
+    # STREAM's flags for every run's two weight-gradient launches, zeroed at once (a row a launch)
+    flags = (gluon_moe.stream_flags(dev, 2 * len(runs)).unbind(0)
+             if gluon_moe is not None and gluon_moe.wgrad_stream(True, E) else [None] * (2 * len(runs)))
+    for i, (t0, t1) in enumerate(runs):
         rows = slice(t0 * groups.tile, t1 * groups.tile)
         _backward_tiles(grad_out, x, inv, weight, groups.tiles(t0, t1), w1, b1, w2, b2, w3, act,
-                        horizons, gw[rows], dx_slot[rows], total, (final, pending))
+                        horizons, gw[rows], dx_slot[rows], total, (final, pending), flags[2 * i:2 * i + 2])
     close_totals([(total[i], final[w]) for w, i in enumerate((0, 2, 4)) if final[w] is not None], groups, pending)
     db1 = None if b1 is None else sum_splits(total[5], torch.empty(E, F, device=dev, dtype=wdt), sum_rows(D), total[1])
     return dx_slot, gw, final[0], db1, final[1], None if b2 is None else total[3].to(wdt), final[2]
@@ -1246,12 +1251,13 @@ def gemm2_kernel(a, b, out, bias, scale, tile):
 
 
 def _backward_tiles(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, horizons, gw, dx_slot, total,
-                    closing=None):
+                    closing=None, flags=(None, None)):
     """The backward over `groups`' slots (the whole layout, or one run of tiles): writes their rows
     of gw and ∂x_slot (None: allocated here) and returns (∂x_slot, (∂W1, ∂b1, ∂W2, ∂b2, ∂W3)), the
     weight gradients summed over these slots, in the weights' dtype; or, given `total` (fp32 sums
     in that order, then ∂b1's rows as weight_grads' into takes them), adds them there, the weight
-    gradients' as weight_grads' `final` says with closing = ([∂W1, ∂W2, ∂W3] finals, pending [3, E])."""
+    gradients' as weight_grads' `final` says with closing = ([∂W1, ∂W2, ∂W3] finals, pending [3, E]);
+    flags: STREAM's flags for ∂W2's and ∂W1's launches (weight_grads' `flags`)."""
     E, D, F = w1.shape
     dev, wdt = x.device, w1.dtype
     # The slot rows of x (merged, in the weights' dtype, as in the forward) and of G, once:
@@ -1277,7 +1283,7 @@ def _backward_tiles(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, h
     # where the Gluon kernel runs; elsewhere ∂u's tile sums give ∂b1.
     final, pending = closing or ([None] * 3, [None] * 3)
     dw2, _, _ = weight_grads(hw, gs.to(wdt), None, groups, into=None if total is None else (total[2], None, None),
-                             final=(final[1], None), pending=pending[1])
+                             final=(final[1], None), pending=pending[1], flags=flags[0])
     del hw, gs
     if w3 is None:
         dx_slot = slots_gemm(du, w1, (D * F, 1, F), D, groups, out=dx_slot)
@@ -1285,7 +1291,7 @@ def _backward_tiles(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, h
         dx_slot = slots_gemm(du, w1, (D * F, 1, F), D, groups, a2=du3, b2=w3, out=dx_slot)
     dw1, dw3, db1 = weight_grads(xs, du, du3 if w3 is not None else None, groups,
                                  into=None if total is None else (total[0], total[4], total[5]), sums=b1 is not None,
-                                 final=(final[0], final[2]), pending=pending[0])
+                                 final=(final[0], final[2]), pending=pending[0], flags=flags[1])
     db1_part = tile_sums(du, groups) if b1 is not None and db1 is None else None
     db1_summed, db2 = bias_grads(db1_part, db2_part, groups, wdt, into=None if total is None else (total[1], total[3]))
     return dx_slot, (dw1, db1_summed if db1 is None else db1, dw2, db2, dw3)

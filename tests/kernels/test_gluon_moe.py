@@ -4,6 +4,7 @@ with the reason it gives (the kernels are compiled in tests/bench/test_gluon_pro
 test_gluon_wgrad_probe.py and test_gluon_slots_probe.py and run against float64 in
 test_gluon_moe_cuda.py)."""
 import os
+import re
 import types
 
 import pytest
@@ -163,6 +164,13 @@ def test_weight_gradient_stream_takes_totals_of_few_experts():
                                              rf"E={experts}"):
             gluon_moe.weight_grads(a, b, SimpleNamespace(experts=experts, tile=128), out, accumulate, stream=True)
     assert gluon_moe.WGRAD_STREAM  # MHA_COMPILE_WGRAD_STREAM unset: STREAM, −99 us a large step on the H200
+    n = gluon_moe._flags_a_launch(a.device)
+    assert gluon_moe.stream_flags(a.device, 3).shape == (3, n) and not gluon_moe.stream_flags(a.device).any()
+    for flags in (torch.zeros(n + 1, dtype=torch.int32), torch.zeros(n), gluon_moe.stream_flags(a.device, 2)):
+        with pytest.raises(ValueError, match=re.escape(f"flags: wants a contiguous [{n}] int32 row of stream_flags, "
+                                                       f"got {tuple(flags.shape)} {flags.dtype}")):
+            gluon_moe.weight_grads(a, b, SimpleNamespace(experts=4, tile=128), torch.empty(4, 128, 256), True,
+                                   stream=True, flags=flags)
 
 
 def test_weight_gradient_final_takes_totals_and_pending():
@@ -453,7 +461,8 @@ def test_weight_grads_add_up_sums_spread_over_row_blocks(monkeypatch, mode):
     _taken(monkeypatch, "wgrad_unsupported")
     launches = []
 
-    def contract(a, b, groups, out, accumulate, split=1, sums=None, stream=None, sum_rows=1, final=None, pending=None):
+    def contract(a, b, groups, out, accumulate, split=1, sums=None, stream=None, sum_rows=1, final=None, pending=None,
+                 flags=None):
         assert final is None and pending is None  # no runs' final outputs here
         launches.append((split, sum_rows, None if sums is None else tuple(sums.shape)))
         e = groups.tile_expert.long().repeat_interleave(groups.tile)
@@ -506,13 +515,16 @@ def test_runs_add_sums_rows_up_once(monkeypatch, act):
     _taken(monkeypatch, "wgrad_unsupported")
     monkeypatch.setattr(moe, "SLOT_CHUNK_BYTES", 1)  # a run a tile
     monkeypatch.setattr(gluon_moe, "wgrad_sum_rows", lambda I: 3)
-    launches, added_up = [], []
+    launches, added_up, rows_seen = [], [], []
 
-    def contract(a, b, groups, out, accumulate, split=1, sums=None, stream=None, sum_rows=1, final=None, pending=None):
+    def contract(a, b, groups, out, accumulate, split=1, sums=None, stream=None, sum_rows=1, final=None, pending=None,
+                 flags=None):
         """Over runs (accumulate): an expert opened in this run written, else added to, and every
         expert of the run left pending for close_totals; Σb's rows added to."""
         assert accumulate and split == 1 and sum_rows == (1 if sums is None else 3)
+        assert flags.shape == (gluon_moe._flags_a_launch(a.device),) and not flags.any()  # a fresh row
         launches.append(None if sums is None else sums.data_ptr())
+        rows_seen.append((flags.untyped_storage().data_ptr(), flags.data_ptr()))
         E, e = groups.experts, groups.tile_expert.long().repeat_interleave(groups.tile)
         dw = torch.zeros(E, a.shape[1], b.shape[1], dtype=torch.float64).index_add_(
             0, e, a.double()[:, :, None] * b.double()[:, None, :])
@@ -538,3 +550,5 @@ def test_runs_add_sums_rows_up_once(monkeypatch, act):
     if act == "gelu":  # ∂W1's launches with sums, all into one buffer
         assert len({ptr for ptr in launches if ptr is not None}) == 1 and launches.count(None) == runs
     assert added_up == [((3 * 3, 48), 3, True)]
+    # STREAM's flags: each launch its own row of one buffer zeroed once for the step
+    assert len({storage for storage, _ in rows_seen}) == 1 and len({row for _, row in rows_seen}) == len(rows_seen)
