@@ -73,10 +73,11 @@
 #   bash bench/h200_session.sh router  # the router's forward and its backward's two passes alone under
 #                                      # each config (bench/router_probe.py, medium and large; ~2 min):
 #                                      # run.log, router_probe.txt
-#   bash bench/h200_session.sh small-kernels  # the other small kernels alone under each launch config:
-#                                      # ∂b1's tile sums, the slot-row gathers, the pool's fp32 projections
-#                                      # and its forward (bench/small_kernels_probe.py, medium and large;
-#                                      # ~1-2 min): run.log, small_kernels_probe.txt
+#   [SMALL_KERNELS=column_sums] bash bench/h200_session.sh small-kernels  # the other small kernels alone
+#                                      # under each launch config: ∂b1's tile sums, the slot-row gathers, the
+#                                      # pool's fp32 projections, its forward and backward, the column sums...
+#                                      # (bench/small_kernels_probe.py, medium and large; SMALL_KERNELS: its
+#                                      # --kernels; cut at 300 s): run.log, small_kernels_probe.txt
 #   bash bench/h200_session.sh host-large  # host time per piece at large (bench/host_time.py, 5 calls a
 #                                      # piece: more would fill CUDA's launch queue and time the GPU instead;
 #                                      # ~5 min of compiling): run.log, host_time_large.txt
@@ -352,7 +353,7 @@ router)
     ;;
 small-kernels)
     # interrupted at 300 s: the rows printed by then are kept (each is flushed as it is timed)
-    { timeout -s INT 300 python bench/small_kernels_probe.py --presets medium,large 2>&1; } \
+    { timeout -s INT 300 python bench/small_kernels_probe.py --presets medium,large ${SMALL_KERNELS:+--kernels "$SMALL_KERNELS"} 2>&1; } \
         >"$OUT/small_kernels_probe.txt"
     tail -40 "$OUT/small_kernels_probe.txt" >>"$LOG"
     ;;

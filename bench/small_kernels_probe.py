@@ -4,7 +4,8 @@ warp a program).
 
     PYTHONPATH=. python bench/small_kernels_probe.py [--presets medium,large]
                                                      [--kernels tile_sums,gather,matmul,pool,pool_bwd1,pool_bwd2,
-                                                                pool_bwd_one,bias_sums,router_wgrad,inv_logits]
+                                                                pool_bwd_one,bias_sums,router_wgrad,inv_logits,
+                                                                column_sums]
 
 On the H200 (bf16; ~1-2 min for both presets without pool_bwd1 and pool_bwd2, which add some 3-5
 min, not yet measured: ~90 configs to compile and time; bench/results/small_kernels_probe.txt), at each
@@ -30,6 +31,10 @@ slot layout:
   router_wgrad triton_router._router_wgrad_kernel, ∂Wg, with the partials' sum: block_d × BLOCK_R ×
              warps × runs of rows
   inv_logits triton_router._inv_logits_kernel, the forward split's inv Wgᵀ: BLOCK_R × warps
+  column_sums triton_pool.column_sums, the pool backward's sums over the batch rows (its two
+             launches of _column_sums_kernel) of the ∂u partials [B, P·D] and of ∂inv [B, D], fp32:
+             block_r × block_c × warps with VALUES or 2·VALUES loaded values a thread × programs
+             of its first pass (40 us a large step for ~72 MB on the H200, session 32)
 The tile_sums and gather sweeps take the [rows, columns] tiles holding VALUES values a thread
 (loaded or accumulated) for each warp count, beside the shipped configs.
 Each row: the config, the median CUDA-graph time (gemm_probe.variant), the rate of the bytes the
@@ -60,6 +65,8 @@ VALUES = 32  # values a thread in the swept tiles: BLOCK·BLOCK_R (tile_sums), b
 TOLERANCE = 1e-5  # sums in another order: the largest difference, relative to the largest value
 TILE_SUMS_ROWS, TILE_SUMS_COLUMNS = (16, 32, 64, 128), (32, 64, 128, 256)  # BLOCK_R (≤ TILE), BLOCK
 GATHER_ROWS, GATHER_COLUMNS = (16, 32, 64), (64, 128, 256)  # block_s (GATHER_BLOCK_S with b2), block_d
+# column_sums' block_r, block_c, and its first pass's programs (2, 4 and 8 an SM of the H200's 132)
+COLUMN_ROWS, COLUMN_COLUMNS, COLUMN_PROGRAM_COUNTS = (8, 16, 32), (128, 256, 512), (264, 528, 1056)
 # Beside _matmul's list, fewer warps (latency-bound, as the router's kernels were).
 MATMUL_MORE = [dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=2, num_stages=3),
                dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=2, num_stages=4)]
@@ -497,8 +504,26 @@ def pool_bwd_one(c):
             lambda got: agreement(got, want))
 
 
+def column_sums(c):
+    """The pool backward's column sums of the ∂u partials [B, P·D] and ∂inv [B, D] (fp32), each
+    as shipped, then block_r × block_c × warps (VALUES or 2·VALUES values a thread) × the
+    programs its first pass aims at."""
+    shipped_cfg = dict(block_r=triton_pool.COLUMN_BLOCK_R, block_c=triton_pool.COLUMN_BLOCK_C,
+                       programs=triton_pool.COLUMN_PROGRAMS, num_warps=4)
+    swept = [dict(block_r=r, block_c=col, programs=n, num_warps=w)
+             for values in (VALUES, 2 * VALUES) for r, col, w in tiles(COLUMN_ROWS, COLUMN_COLUMNS, values)
+             for n in COLUMN_PROGRAM_COUNTS]
+    for name, x in (("du", c.grad_tbar.reshape(c.B, c.P * c.D)), ("dinv", c.grad_inv)):
+        R, C = x.shape
+        traffic = 4 * (R * C + C)  # x once and the sums; the parts between the passes are extra
+        print(f"column_sums {name}: [{R}, {C}] fp32, {traffic / 1e6:.0f} MB", flush=True)
+        sweep(f"column_sums {name}", _Plain(triton_pool, "_column_sums_kernel"), ordered(shipped_cfg, *swept),
+              lambda cfg: (triton_pool.column_sums(x, 0.5, **cfg),), traffic)
+
+
 PROBES = dict(tile_sums=tile_sums, gather=gather, matmul=matmul, pool=pool, pool_bwd1=pool_bwd1, pool_bwd2=pool_bwd2,
-              pool_bwd_one=pool_bwd_one, bias_sums=bias_sums, router_wgrad=router_wgrad, inv_logits=inv_logits)
+              pool_bwd_one=pool_bwd_one, bias_sums=bias_sums, router_wgrad=router_wgrad, inv_logits=inv_logits,
+              column_sums=column_sums)
 KERNELS = tuple(PROBES)
 
 

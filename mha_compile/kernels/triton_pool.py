@@ -39,8 +39,8 @@ import triton
 import triton.language as tl
 
 from mha_compile.kernels.triton_matmul import matmul_f32
-from mha_compile.kernels.triton_util import (Launcher, dot16, dot_f32, dot_pairs, l2_bytes, pow2, repeat_pairs,
-                                             split_pairs, sum_pairs)
+from mha_compile.kernels.triton_util import (Launcher, dot16, dot_f32, dot_pairs, gpu_options, l2_bytes, pow2,
+                                             repeat_pairs, split_pairs, sum_pairs)
 
 # A [D, 2P] fp32 accumulator (2P padded to 16) lives in registers: D beyond this spills badly.
 MAX_POOL_D = 1024
@@ -375,19 +375,21 @@ def pool_directions(q, wk):
 COLUMN_BLOCK_R, COLUMN_BLOCK_C, COLUMN_PROGRAMS = 16, 256, 512
 
 
-def column_sums(x, scale=1.0):
-    """scale · x.sum(0) in fp32 for x [R, C] (contiguous): parts of rows summed by ~COLUMN_PROGRAMS
-    programs into [parts, C], then the parts by a second launch of the same kernel; each sum in a
-    fixed order (bitwise reproducible)."""
+def column_sums(x, scale=1.0, block_r=COLUMN_BLOCK_R, block_c=COLUMN_BLOCK_C, programs=COLUMN_PROGRAMS, num_warps=4):
+    """scale · x.sum(0) in fp32 for x [R, C] (contiguous): parts of rows summed by ~`programs`
+    programs of [block_r, block_c] loads into [parts, C], then the parts by a second launch of the
+    same kernel; each sum in a fixed order (bitwise reproducible). The launch options are for
+    bench/small_kernels_probe.py's sweep."""
     R, C = x.shape
-    blocks = triton.cdiv(C, COLUMN_BLOCK_C)
-    rows = min(256, pow2(R * blocks // COLUMN_PROGRAMS, lo=COLUMN_BLOCK_R))
+    blocks = triton.cdiv(C, block_c)
+    rows = min(256, pow2(R * blocks // programs, lo=block_r))
     parts = triton.cdiv(R, rows)
     part = torch.empty(parts, C, device=x.device, dtype=torch.float32)
-    _column_sums_kernel[(blocks, parts)](x, part, R, C, rows, 1.0, BLOCK_R=COLUMN_BLOCK_R, BLOCK_C=COLUMN_BLOCK_C)
+    _column_sums_kernel[(blocks, parts)](x, part, R, C, rows, 1.0, BLOCK_R=block_r, BLOCK_C=block_c,
+                                         **gpu_options(x, num_warps=num_warps))
     out = torch.empty(C, device=x.device, dtype=torch.float32)
-    _column_sums_kernel[(blocks, 1)](part, out, parts, C, parts, scale, BLOCK_R=COLUMN_BLOCK_R,
-                                     BLOCK_C=COLUMN_BLOCK_C)
+    _column_sums_kernel[(blocks, 1)](part, out, parts, C, parts, scale, BLOCK_R=block_r, BLOCK_C=block_c,
+                                     **gpu_options(x, num_warps=num_warps))
     return out
 
 

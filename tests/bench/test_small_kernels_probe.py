@@ -114,11 +114,34 @@ def test_gather_overrides_that_cannot_be_right_are_refused(case):
     assert D == 32 and g.slots == 96  # what the cases above assume
 
 
+def test_column_sums_overrides_reach_the_kernel(monkeypatch):
+    """triton_pool.column_sums' launch options (the column_sums sweep's): blocks, the first pass's
+    parts from its programs, and warps reach both launches; the sums stay the float64 ones."""
+    monkeypatch.setattr(triton_pool, "gpu_options", lambda t, **options: options)
+    launches = _Launches(triton_pool._column_sums_kernel)
+    monkeypatch.setattr(triton_pool, "_column_sums_kernel", launches)
+    R, C = 300, 700
+    x = torch.randn(R, C)
+    want = x.double().sum(0) * 0.5
+    shipped = dict(block_r=triton_pool.COLUMN_BLOCK_R, block_c=triton_pool.COLUMN_BLOCK_C,
+                   programs=triton_pool.COLUMN_PROGRAMS, num_warps=4)
+    for cfg in ({}, dict(block_r=8, block_c=128, programs=264, num_warps=1),
+                dict(block_r=32, block_c=512, programs=1056, num_warps=8)):
+        got = triton_pool.column_sums(x, 0.5, **cfg)
+        o = {**shipped, **cfg}
+        blocks = -(-C // o["block_c"])
+        rows = min(256, triton_util.pow2(R * blocks // o["programs"], lo=o["block_r"]))
+        (first, meta1), (second, meta2) = launches.seen[-2:]
+        assert first == (blocks, -(-R // rows)) and second == (blocks, 1), cfg
+        assert meta1 == meta2 == dict(BLOCK_R=o["block_r"], BLOCK_C=o["block_c"], num_warps=o["num_warps"]), cfg
+        assert float((got.double() - want).norm() / want.norm()) < 1e-6, cfg
+
+
 def test_every_swept_config_runs_and_agrees_with_the_shipped_one(capsys):
     launchers = (triton_moe._tile_sums, triton_matmul._matmul, triton_pool._attend, triton_pool._attend_bwd_scores,
                  triton_pool._attend_bwd, triton_pool._attend_bwd_one, triton_moe._sum_tiles)
     plain = lambda: [triton_moe._gather_rows_kernel, triton_router._router_wgrad_kernel,  # noqa: E731
-                     triton_router._inv_logits_kernel]
+                     triton_router._inv_logits_kernel, triton_pool._column_sums_kernel]
     before = [(l.kernel, l.configs, l.tuned) for l in launchers] + plain()
     probe.probe("tiny", probe.KERNELS, torch.float32, "cpu")
     out = capsys.readouterr().out
@@ -128,9 +151,10 @@ def test_every_swept_config_runs_and_agrees_with_the_shipped_one(capsys):
     shipped = [line.split()[1:3] for line in rows if line.startswith("* ")]
     # one sweep each: tile_sums, the gather's three calls, the pool's 7 distinct matmuls, its
     # forward, its backward's two passes and both in one kernel, ∂b2's sums, ∂Wg and the forward
-    # split's inv Wgᵀ
+    # split's inv Wgᵀ, the pool backward's column sums of ∂u's partials and of ∂inv
     assert [name for name, _ in shipped] == (["tile_sums", "gather", "gather", "gather"] + ["matmul"] * 7
-                                             + ["pool"] * 4 + ["bias_sums", "router_wgrad", "inv_logits"])
+                                             + ["pool"] * 4 + ["bias_sums", "router_wgrad", "inv_logits"]
+                                             + ["column_sums"] * 2)
     for launcher, name in zip(launchers, ("tile_sums", "matmul #0", "pool fwd", "pool bwd 1", "pool bwd 2",
                                           "pool bwd one", "bias_sums")):
         listed = [line for line in rows if line[2:].startswith(name)]
