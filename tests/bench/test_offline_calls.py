@@ -2,15 +2,11 @@
 a GPU (the large preset in a subprocess: the tool records GPU launches, so it runs without
 TRITON_INTERPRET)."""
 import json
-import os
-import subprocess
-import sys
 
 import torch
+from offline_rows import run_offline
 
 from bench.offline_calls import CallCount, is_view
-
-ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
 
 def test_views_are_told_from_calls():
@@ -33,12 +29,8 @@ def test_large_step_zeroes_stream_flags_once_and_sums_rows_once(tmp_path):
     """At large (three runs of tiles, the Gluon weight gradients with STREAM): one zeroed buffer of
     STREAM's flags for the step's six weight-gradient launches, and ∂b1's rows added up by one
     launch after the last run, with no torch sum of them (session 32)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.path.abspath(ROOT)
     out = tmp_path / "calls.json"
-    run = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "offline_calls.py"), "--presets", "large",
-                          "--out", str(out)], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-2000:]
+    run = run_offline("bench/offline_calls.py", "--presets", "large", "--out", str(out))
     assert "large backward:" in run.stdout and "launch _wgrad_kernel" in run.stdout
     backward = json.loads(out.read_text())["large"]["backward"]
     calls, launches = backward["calls"], backward["launches"]

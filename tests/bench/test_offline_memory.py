@@ -2,16 +2,12 @@
 step's peak at the large preset read from shapes alone (a subprocess: the tool records GPU
 launches, so it runs without TRITON_INTERPRET)."""
 import json
-import os
-import subprocess
-import sys
 
 import torch
+from offline_rows import run_offline
 
 from bench.offline_memory import LiveBytes
 from mha_compile import models
-
-ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
 
 def test_live_bytes_counts_new_memory_until_freed():
@@ -32,12 +28,8 @@ def test_live_bytes_counts_new_memory_until_freed():
 
 
 def test_large_training_peak_holds_two_pool_buffers(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.path.abspath(ROOT)
     out = tmp_path / "peaks.json"
-    run = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "offline_memory.py"), "--presets", "large",
-                          "--out", str(out)], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-2000:]
+    run_offline("bench/offline_memory.py", "--presets", "large", "--out", str(out))
     found = json.loads(out.read_text())["large"]
     p = models.PRESETS["large"]
     tok_bytes = p["B"] * p["N"] * p["D"] * 2
