@@ -20,7 +20,7 @@ import torch
 from tabulate import tabulate
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bench.offline_memory import _site
+from bench.offline_memory import call_site
 from bench.offline_sass import as_h200, meta_case
 from mha_compile.kernels import triton_region, triton_util
 
@@ -40,7 +40,7 @@ class CallCount(TorchDispatchMode):
         self.calls = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls.append((func.__name__, _site(func), is_view(func)))
+        self.calls.append((func.__name__, call_site(func), is_view(func)))
         return func(*args, **(kwargs or {}))
 
 

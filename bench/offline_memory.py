@@ -29,7 +29,7 @@ PACKAGE = os.path.join("mha_compile", "")
 MIB = 2**20
 
 
-def _site(func):
+def call_site(func):
     """'op at file:line (function)' of the innermost mha_compile frame, else 'op (step)'."""
     frames = [f for f in traceback.extract_stack()[:-3] if PACKAGE in f.filename]
     if not frames:
@@ -56,7 +56,7 @@ class LiveBytes(TorchDispatchMode):
         outs = out if isinstance(out, (tuple, list)) else (out,)
         for ret, t in zip(func._schema.returns, outs):
             if isinstance(t, torch.Tensor) and ret.alias_info is None:
-                site = _site(func)
+                site = call_site(func)
                 self._next += 1
                 self.live[self._next] = (t.untyped_storage().nbytes(), site)
                 self.now += self.live[self._next][0]

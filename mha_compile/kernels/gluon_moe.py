@@ -1272,10 +1272,9 @@ def weight_grads(a, b, groups, out, accumulate, split=1, block_k=WGRAD_BK, block
                          f"pending {None if pending is None else (tuple(pending.shape), pending.dtype)}")
     if stream is None:
         stream = wgrad_stream(accumulate, E)  # split is 1 here (checked above)
-    n_flags = _flags_a_launch(a.device)
-    if stream and flags is not None and (flags.shape != (n_flags,) or flags.dtype != torch.int32
+    if stream and flags is not None and (flags.shape != (_flags_a_launch(a.device),) or flags.dtype != torch.int32
                                          or not flags.is_contiguous()):
-        raise ValueError(f"flags: wants a contiguous [{n_flags}] int32 row of stream_flags, got "
+        raise ValueError(f"flags: wants a contiguous [{_flags_a_launch(a.device)}] int32 row of stream_flags, got "
                          f"{tuple(flags.shape)} {flags.dtype}")
     programs = num_sms(a.device) if stream else min(num_sms(a.device), jobs)
     finish = final is not None

@@ -1007,10 +1007,11 @@ def weight_grads(a, b, b2, groups, into=None, sums=False, final=None, pending=No
     """(∂W [E,I,J], ∂W' [E,I,J] or None, Σb [E,J] or None) in a's dtype from slot rows a [S,I], b
     [S,J] (b2 [S,J]); see _moe_wgrad_kernel. into: fp32 (∂W, ∂W', Σb's rows [E·R, J], R =
     sum_rows(I)) to add these slots' sums to (one run of tiles), returned; Σb's R rows an expert are
-    left for the caller to add up once after the last run (sum_splits). final: with `into`, (∂W, ∂W' or None) in the weights' dtype and
-    pending [E] int32 (None, or ∂W's None: no finishing): ∂W and ∂W' are then summed over the runs as gluon_moe.weight_grads' `final`
-    says (an expert's first run writes its totals, its last stores them final where it can, else
-    marks it pending), for close_totals to finish after the last run; Σb is added into as without.
+    left for the caller to add up once after the last run (sum_splits). final: with `into`, (∂W,
+    ∂W' or None) in the weights' dtype and pending [E] int32 (None, or ∂W's None: no finishing):
+    ∂W and ∂W' are then summed over the runs as gluon_moe.weight_grads' `final` says (an expert's
+    first run writes its totals, its last stores them final where it can, else marks it pending),
+    for close_totals to finish after the last run; Σb is added into as without.
     sums: also Σ_{s∈e} b[s] (∂b1 beside ∂W1 = Σ xsᵀ ∂u), where the Gluon kernel runs (its first
     consumer sums each B stage while the stage's wgmmas run: one pass over ∂u fewer than
     tile_sums); Σb is None where it does not, and the caller sums b itself.
@@ -1119,8 +1120,9 @@ def moe_backward(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, hori
     # the last: each run's own rows zeroed, summed and added took 9 of torch's kernels, ~60 us a
     # large step (bench/PERF_NOTES.md v33's shapes).
     fp32 = lambda t, *shape, fill=torch.empty: None if t is None else fill(*shape, device=dev, dtype=torch.float32)
+    rows_b1 = sum_rows(D)
     total = (fp32(w1, E, D, F), fp32(b1, E, F, fill=torch.zeros), fp32(w2, E, F, D), fp32(b2, E, D, fill=torch.zeros),
-             fp32(w3, E, D, F), fp32(b1, E * sum_rows(D), F, fill=torch.zeros))
+             fp32(w3, E, D, F), fp32(b1, E * rows_b1, F, fill=torch.zeros))
     # fp32 weights: the totals are the final outputs (one buffer, as `.to` of an fp32 total was)
     final = [total[i] if wdt == torch.float32 or w is None
              else torch.empty_like(w, memory_format=torch.contiguous_format) for w, i in ((w1, 0), (w2, 2), (w3, 4))]
@@ -1133,7 +1135,7 @@ def moe_backward(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, hori
         _backward_tiles(grad_out, x, inv, weight, groups.tiles(t0, t1), w1, b1, w2, b2, w3, act,
                         horizons, gw[rows], dx_slot[rows], total, (final, pending), flags[2 * i:2 * i + 2])
     close_totals([(total[i], final[w]) for w, i in enumerate((0, 2, 4)) if final[w] is not None], groups, pending)
-    db1 = None if b1 is None else sum_splits(total[5], torch.empty(E, F, device=dev, dtype=wdt), sum_rows(D), total[1])
+    db1 = None if b1 is None else sum_splits(total[5], torch.empty(E, F, device=dev, dtype=wdt), rows_b1, total[1])
     return dx_slot, gw, final[0], db1, final[1], None if b2 is None else total[3].to(wdt), final[2]
 
 
