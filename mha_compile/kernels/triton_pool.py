@@ -370,9 +370,11 @@ def pool_directions(q, wk):
 
 
 # column_sums' blocks, and the programs its first pass aims at (~4 an SM of the H200's 132, each
-# with a few loads of [16, 256] fp32 in flight: session 22's one load a program kept too few
-# bytes in flight for DRAM)
-COLUMN_BLOCK_R, COLUMN_BLOCK_C, COLUMN_PROGRAMS = 16, 256, 512
+# with a few loads in flight: session 22's one load a program kept too few bytes in flight for
+# DRAM). [32, 256] blocks, not [16, 256]: the pool backward's ∂inv sum 12.6 → 8.1 us at large and
+# 5.0 → 4.3 at medium, its ∂u sum 20.7 → 20.8 and 6.4 → 5.2 (session 33's sweep, H200,
+# bench/results/small_kernels_probe.txt); the fastest of each call's sweep was within 1.6 us of it.
+COLUMN_BLOCK_R, COLUMN_BLOCK_C, COLUMN_PROGRAMS = 32, 256, 512
 
 
 def column_sums(x, scale=1.0, block_r=COLUMN_BLOCK_R, block_c=COLUMN_BLOCK_C, programs=COLUMN_PROGRAMS, num_warps=4):
