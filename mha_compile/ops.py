@@ -4,15 +4,18 @@ One op covers pool → merge → MoE so that autograd, AOTAutograd and Inductor 
 node. The op's `kernels` argument picks the implementation ("reference", "fused", "staged");
 the lowering resolves "auto" before it builds the call, so the op never guesses.
 
-Forward returns (out, inv, attn, weight, index, probs); the last five are what the backward keeps
-(SPEC §1): the pool output [B,D], the attention [B,N,P], the top-k weights and indices [R,k], and
-the router's softmax π [R,E] (its backward's pass 1 reads π rather than computing it again from x).
+Forward returns (out, inv, attn, weight, index, probs, reuse); the last six are what the backward
+keeps (SPEC §1): the pool output [B,D], the attention [B,N,P], the top-k weights and indices [R,k],
+the router's softmax π [R,E] (its backward's pass 1 reads π rather than computing it again from x),
+and `reuse`, an int32 buffer of what the kernel set's backward would otherwise compute again from
+the same inputs (the expert layout, the pool's directions; kernels/triton_region.py), empty for
+the reference.
 
 `region_call` is what a graph that runs eagerly calls instead (backend.run_rest swaps it in):
 RegionFunction, a plain autograd.Function over the same kernel-set calls, unless something is
 tracing, in which case the op itself. RegionFunction also keeps what the forward computed for the
-backward (the expert layout, the pool's fp32 weights: KEEPS), which the op, whose outputs are
-tensors, cannot.
+backward (the expert layout, the pool's fp32 weights: KEEPS); the op carries the part of that
+which fits in its tensor outputs (`reuse`: the layout and the pool's directions).
 """
 import contextlib
 import hashlib
@@ -39,12 +42,12 @@ POOL_GRADS = ("tok", "q", "wk", "wv", "bv", "wo", "bo")
 # a dict in which the forward leaves what it computed from its inputs (the expert layout of the
 # index it returns, the pool's weights in fp32), for the backward to take instead of computing it
 # again. RegionFunction passes one, kept on its autograd ctx; the op passes none, nor does a call
-# through region_graphs (a replay overwrites a graph's buffers).
+# through region_graphs (a replay overwrites a graph's buffers): both have the forward's `reuse`.
 KEEPS = ("fused", "staged")
 
 
 def kernel_set(name):
-    """The module implementing `name`: it has region_forward and region_backward."""
+    """The module implementing `name`: it has region_forward, region_backward and reuse_size."""
     if name not in _KERNEL_MODULES:
         raise ValueError(f"kernels={name!r}: expected one of {KERNEL_SETS}")
     try:
@@ -97,7 +100,7 @@ def region(ctx: Tensor, tok: Tensor, q: Tensor, wk: Tensor, bk: Optional[Tensor]
            bv: Optional[Tensor], wo: Tensor, bo: Optional[Tensor], wg: Tensor, w1: Tensor,
            b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor], w3: Optional[Tensor],
            mask: Optional[Tensor], top_k: int, renorm: bool, act: str, kernels: str, export_inv: bool = False,
-           graphs: str = "off") -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+           graphs: str = "off") -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """out = MoE(ctx + pool(tok)[:, None]); see SPEC §1.
 
     export_inv: the graph also reads `inv` (output 1), e.g. to rebuild y = ctx + inv for a
@@ -141,16 +144,17 @@ def _region_fake(ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, ma
                  export_inv=False, graphs="off"):
     B, H, D, N, P = _check_shapes(ctx, tok, q, wk, wv, wo, wg, w1, b1, w2, b2, w3, top_k, act)
     acc = accumulation_dtype(ctx.dtype)
+    reuse = kernel_set(kernels).reuse_size(ctx, tok, q, w1, top_k, act, mask)
     return (ctx.new_empty(B, H, D), ctx.new_empty(B, D, dtype=acc), ctx.new_empty(B, N, P, dtype=acc),
             ctx.new_empty(B * H, top_k, dtype=acc), ctx.new_empty(B * H, top_k, dtype=torch.int32),
-            ctx.new_empty(B * H, wg.shape[0], dtype=acc))
+            ctx.new_empty(B * H, wg.shape[0], dtype=acc), ctx.new_empty(reuse, dtype=torch.int32))
 
 
 def _region_backward(grad_out: Tensor, ctx: Tensor, tok: Tensor, q: Tensor, wk: Tensor, bk: Optional[Tensor],
                      wv: Tensor, bv: Optional[Tensor], wo: Tensor, bo: Optional[Tensor], wg: Tensor, w1: Tensor,
                      b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor], w3: Optional[Tensor],
                      mask: Optional[Tensor], inv: Tensor, attn: Tensor, weight: Tensor, index: Tensor,
-                     probs: Tensor, top_k: int, renorm: bool, act: str, kernels: str,
+                     probs: Tensor, reuse: Tensor, top_k: int, renorm: bool, act: str, kernels: str,
                      grad_inv: Optional[Tensor] = None, graphs: str = "off") -> list[Tensor]:
     """Gradients of REGION_INPUTS, in order; an absent optional input gets an empty tensor.
 
@@ -160,7 +164,7 @@ def _region_backward(grad_out: Tensor, ctx: Tensor, tok: Tensor, q: Tensor, wk: 
     graphs: as for mha::region.
     """
     tensors = (grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask, inv, attn, weight, index,
-               probs)
+               probs, reuse)
     return _region_gradients(tensors, top_k, renorm, act, kernels, grad_inv, graphs)
 
 
@@ -190,7 +194,8 @@ region_backward = torch.library.custom_op("mha::region_backward", mutates_args=(
 
 @region_backward.register_fake
 def _region_backward_fake(grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask,
-                          inv, attn, weight, index, probs, top_k, renorm, act, kernels, grad_inv=None, graphs="off"):
+                          inv, attn, weight, index, probs, reuse, top_k, renorm, act, kernels, grad_inv=None,
+                          graphs="off"):
     inputs = (ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3)
     # contiguous whatever the input's strides (a transposed ctx or tok): what _region_gradients returns
     return [ctx.new_empty(0) if t is None else t.new_empty(t.shape) for t in inputs]
@@ -207,13 +212,13 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_out, grad_inv, *unused_aux_grads):
-    """attn, weight, index and probs are saved for the backward, never read by the graph: their
-    gradients are ignored. inv's is used only when the graph reads inv (export_inv): autograd
+    """attn, weight, index, probs and reuse are saved for the backward, never read by the graph:
+    their gradients are ignored. inv's is used only when the graph reads inv (export_inv): autograd
     hands a zero tensor for an unread output, and a pool backward of zeros would cost a pass."""
     saved = list(ctx.saved_tensors)
     tensors = [None if absent else saved.pop(0) for absent in ctx.absent]
     extra = grad_inv.contiguous() if ctx.export_inv and grad_inv is not None else None
-    args = (grad_out.contiguous(), *tensors, *saved)  # saved: inv, attn, weight, index, probs
+    args = (grad_out.contiguous(), *tensors, *saved)  # saved: inv, attn, weight, index, probs, reuse
     # The op's dispatch costs ~0.1 ms of host time a medium step (host_time.py's cProfile on the
     # H200), where the step issues in ~1.4 ms for ~1 ms of GPU time.
     if _traced(args):

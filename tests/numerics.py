@@ -21,8 +21,8 @@ def graph_has_region(gm):
 
 def record_calls(monkeypatch, module, name):
     """module.name wrapped for this test: each call's positional arguments appended to the returned
-    list, then the real function called."""
+    list, then the real function called (with its keyword arguments too)."""
     calls = []
     real = getattr(module, name)
-    monkeypatch.setattr(module, name, lambda *args: calls.append(args) or real(*args))
+    monkeypatch.setattr(module, name, lambda *args, **kwargs: calls.append(args) or real(*args, **kwargs))
     return calls

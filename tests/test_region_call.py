@@ -223,22 +223,34 @@ def test_the_kernels_run_with_their_tensors_device_current(monkeypatch):
 @needs_interpreter
 @pytest.mark.parametrize("kernels,export_inv", [("fused", False), ("fused", True), ("staged", False)])
 def test_the_backward_takes_the_forwards_expert_layout(monkeypatch, kernels, export_inv):
-    """RegionFunction keeps the forward's expert layout for the backward: one grouping a training
-    step, where the op (what anything that traces meets) groups in each direction; the outputs
-    and every gradient are the op's, bit for bit."""
+    """RegionFunction keeps the forward's expert layout for the backward (`kept`), and the op (what
+    anything that traces meets) carries it in its `reuse` output: one grouping a training step
+    either way; the outputs and every gradient are the same, bit for bit."""
     grouped = record_calls(monkeypatch, triton_moe, "group")
     tensors = _inputs(D=16, F=24, E=4, B=3, H=4, dtype=torch.float32)
     (out_fn, inv_fn), grads_fn = _grads(ops.RegionFunction.apply, tensors, export_inv, kernels=kernels)
     assert len(grouped) == 1
     grouped.clear()
     (out_op, inv_op), grads_op = _grads(ops.region, tensors, export_inv, kernels=kernels)
-    assert len(grouped) == 2
+    assert len(grouped) == 1
     assert torch.equal(out_fn, out_op) and torch.equal(inv_fn, inv_op)
     names = [n for n, t in zip(ops.REGION_INPUTS, tensors) if t is not None]
     for name, g_fn, g_op in zip(names, grads_fn, grads_op):
         assert torch.equal(g_fn, g_op), f"∂{name}"
         assert name == "bk" or g_fn.abs().max() > 0, f"∂{name} is zero: the comparison would be vacuous"
 
+
+
+@needs_interpreter
+@pytest.mark.parametrize("kernels", ["fused", "reference"])
+def test_opcheck_region_op_with_its_reuse(kernels):
+    """The op's fake promises its `reuse` output's size (the expert layout and u for the fused
+    set, none for the reference), checked against the real output under fake, static and dynamic
+    shapes (opcheck's aot_dispatch_dynamic: symbolic B), beside the schema and autograd checks."""
+    tensors = [None if t is None else t.detach() for t in _inputs(D=16, F=24, E=4, B=3, H=4, N=5, dtype=torch.float32)]
+    out = ops.region(*tensors, None, 2, True, "gelu", kernels)
+    assert out[6].dtype == torch.int32 and (out[6].numel() > 0) == (kernels == "fused")
+    torch.library.opcheck(ops.region, (*tensors, None, 2, True, "gelu", kernels))
 
 @needs_interpreter
 def test_a_compiled_training_step_groups_once(monkeypatch):

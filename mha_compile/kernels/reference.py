@@ -282,9 +282,16 @@ def moe_backward(grad_out, x, weight, index, w1, b1, w2, b2, w3, act):
 # The whole region.
 
 
+def reuse_size(ctx, tok, q, w1, top_k, act, mask):
+    """Elements of the `reuse` region_forward returns: none (see region_forward)."""
+    return 0
+
+
 def region_forward(ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask, top_k, renorm, act):
     """out [B,H,D] and what the backward keeps: inv [B,D], attn [B,N,P], topk weight and index,
-    and the router's softmax π [R,E].
+    the router's softmax π [R,E], and `reuse`, empty here (int32, no elements): the kernel sets'
+    buffer of what their backward takes from the forward (triton_region); this one computes it all
+    again.
 
     Computes in fp32 (fp64 for fp64 inputs) and returns `out` in the input dtype.
     """
@@ -295,12 +302,14 @@ def region_forward(ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, 
     x = (c(ctx) + inv[:, None, :]).reshape(B * H, D)
     probs, weight, index = route(x, c(wg), top_k, renorm)
     out = moe_forward(x, weight, index, c(w1), c(b1), c(w2), c(b2), c(w3), act)
-    return out.view(B, H, D).to(ctx.dtype), inv, attn, weight, index.to(torch.int32), probs
+    index = index.to(torch.int32)
+    return out.view(B, H, D).to(ctx.dtype), inv, attn, weight, index, probs, index.new_empty(0)
 
 
 def region_backward(grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask,
-                    inv, attn, weight, index, probs, top_k, renorm, act):
-    """Gradients of every input of region_forward, in its order (None for absent optionals)."""
+                    inv, attn, weight, index, probs, reuse, top_k, renorm, act):
+    """Gradients of every input of region_forward, in its order (None for absent optionals);
+    `reuse` is not read (see region_forward)."""
     acc = accumulation_dtype(ctx.dtype)
     B, H, D = ctx.shape
     c = lambda t: None if t is None else t.to(acc)

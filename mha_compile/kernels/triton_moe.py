@@ -719,36 +719,56 @@ def _group_scatter_kernel(index_ptr, base_ptr, meta_ptr, slot_pair_ptr, pair_slo
 class Groups:
     """The expert-sorted slot layout of one index [R,k] (see the module docstring)."""
 
-    def __init__(self, index, experts, tile):
+    def __init__(self, index, experts, tile, into=None):
+        """into: an int32 buffer of layout_size(index.numel(), experts, tile) elements that the
+        layout is written into (from_buffer reads it back), else buffers of its own."""
         pairs = index.numel()
         device = index.device
         flat = index.reshape(-1).to(torch.int32).contiguous()
-        num_tiles = tile_count(pairs, experts, tile)
         chunks = triton.cdiv(pairs, GROUP_CHUNK)
         block_e = pow2(experts)
         counts = torch.empty(chunks, block_e, dtype=torch.int32, device=device)
         base = torch.empty_like(counts)
-        meta = torch.empty(3 * experts, dtype=torch.int32, device=device)
-        slot_pair = torch.empty(num_tiles * tile, dtype=torch.int32, device=device)
-        pair_slot = torch.empty(pairs, dtype=torch.int32, device=device)
-        tile_expert = torch.empty(num_tiles, dtype=torch.int32, device=device)
+        if into is None:
+            into = torch.empty(layout_size(pairs, experts, tile), dtype=torch.int32, device=device)
+        meta = self._views(into, pairs, experts, tile)
         warps = gpu_options(index, num_warps=8)
         _group_count_kernel[(chunks,)](flat, counts, pairs, BLOCK=GROUP_CHUNK, BLOCK_E=block_e, **warps)
         _group_scan_kernel[(1,)](counts, base, meta, chunks, experts, TILE=tile, BLOCK_C=64, BLOCK_E=block_e,
                                  **warps)
-        _group_scatter_kernel[(chunks + num_tiles,)](flat, base, meta, slot_pair, pair_slot, tile_expert,
-                                                     pairs, chunks, experts, TILE=tile, BLOCK=GROUP_CHUNK,
-                                                     BLOCK_E=block_e, **warps)
-        self.pairs, self.tile, self.num_tiles, self.experts = pairs, tile, num_tiles, experts
-        self.slots = num_tiles * tile
-        self.slot_pair = slot_pair
-        self.pair_slot = pair_slot
-        self.tile_expert = tile_expert
+        _group_scatter_kernel[(chunks + self.num_tiles,)](flat, base, meta, self.slot_pair, self.pair_slot,
+                                                          self.tile_expert, pairs, chunks, experts, TILE=tile,
+                                                          BLOCK=GROUP_CHUNK, BLOCK_E=block_e, **warps)
+        # What built_from compares; holding `index` keeps its memory from passing to another tensor.
+        self.index, self.index_stamp = index, stamp(index)
+
+    @classmethod
+    def from_buffer(cls, buffer, index, experts):
+        """The layout of `index` that Groups(index, experts, tile_rows(...), into=buffer) wrote
+        into `buffer`, read back with no launch (the op's backward: region_forward's `reuse`)."""
+        pairs = index.numel()
+        tile = tile_rows(pairs, experts)
+        torch._check(buffer.dtype == torch.int32 and buffer.numel() == layout_size(pairs, experts, tile),
+                     lambda: f"Groups.from_buffer: {buffer.numel()} {buffer.dtype} elements for the layout of "
+                             f"{pairs} pairs over {experts} experts, which takes "
+                             f"{layout_size(pairs, experts, tile)} int32")
+        groups = object.__new__(cls)
+        groups._views(buffer, pairs, experts, tile)
+        groups.index, groups.index_stamp = index, stamp(index)
+        return groups
+
+    def _views(self, buffer, pairs, experts, tile):
+        """Sets the sizes and the layout's tensors as views of `buffer` (layout_size's order);
+        returns meta [3E]: the padded starts, padded ends and counts the kernels write."""
+        self.pairs, self.tile, self.experts = pairs, tile, experts
+        self.num_tiles = tile_count(pairs, experts, tile)
+        self.slots = self.num_tiles * tile
+        self.slot_pair, self.pair_slot, self.tile_expert, meta = (
+            buffer.narrow(0, start, size) for start, size in _layout_parts(pairs, experts, tile))
         self.expert_slots = meta[:2 * experts]  # [2E]: padded start, padded end
         # A whole layout is its own one run (see tiles)
         self.whole_slots, self.first_slot = self.expert_slots, 0
-        # What built_from compares; holding `index` keeps its memory from passing to another tensor.
-        self.index, self.index_stamp = index, stamp(index)
+        return meta
 
     def built_from(self, index):
         """Whether this is the layout of `index`: the tensor it was built from (or a view of the
@@ -784,8 +804,28 @@ class Groups:
         return (self.whole_slots - self.first_slot).clamp_(0, self.slots)
 
 
-def group(index, experts):
-    return Groups(index, experts, tile_rows(index.numel(), experts))
+def _layout_parts(pairs, experts, tile):
+    """[(start, size)] of slot_pair [S], pair_slot [pairs], tile_expert [tiles] and meta [3E] in a
+    layout's buffer: end to end, so that the kernels write every element (an op's output holds no
+    uninitialised bits), in this order so that at the presets each piece starts 16-byte aligned
+    as its own allocation would (S is whole tiles of ≥ 16 slots; pairs and tiles are multiples of
+    4 there; a misaligned piece elsewhere only takes Triton's unaligned build)."""
+    tiles = tile_count(pairs, experts, tile)
+    parts, start = [], 0
+    for size in (tiles * tile, pairs, tiles, 3 * experts):
+        parts.append((start, size))
+        start += size
+    return parts
+
+
+def layout_size(pairs, experts, tile):
+    """int32 elements of a layout's buffer (Groups' `into`, from_buffer)."""
+    start, size = _layout_parts(pairs, experts, tile)[-1]
+    return start + size
+
+
+def group(index, experts, into=None):
+    return Groups(index, experts, tile_rows(index.numel(), experts), into)
 
 
 # The slot buffers (xs, gs [S,D]; h, hw, ∂u [S,F]) are S ≈ R·k rows each: at the large preset

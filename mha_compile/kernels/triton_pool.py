@@ -361,12 +361,15 @@ _attend_bwd_one = Launcher(_pool_bwd_one_kernel, [
 # for 16-bit models, and a thread's first cuBLAS call on a stream allocates a workspace that stays
 # allocated (32 MiB on the H200; a training step's forward and its autograd thread: 64 MiB, where
 # the small preset's model and inputs take 5; session 28, bench/results/mem_diag.txt).
-def pool_directions(q, wk):
-    """u [P,D] = reference.pool_directions(q, wk): u_p = Wk_pᵀ q_p / √Dh, without cuBLAS. The
-    reference keeps its bmm: tests/test_cost.py holds its forward to the modelled FLOPs through
-    torch's FlopCounter, which counts a bmm and not an elementwise product."""
+def pool_directions(q, wk, out=None):
+    """u [P,D] = reference.pool_directions(q, wk): u_p = Wk_pᵀ q_p / √Dh, without cuBLAS, into
+    out where given. The reference keeps its bmm: tests/test_cost.py holds its forward to the
+    modelled FLOPs through torch's FlopCounter, which counts a bmm and not an elementwise product."""
     P, Dh = q.shape
-    return (q[:, :, None] * wk.view(P, Dh, -1)).sum(1) * (Dh**-0.5)
+    products = q[:, :, None] * wk.view(P, Dh, -1)
+    if out is None:
+        return products.sum(1) * (Dh**-0.5)
+    return torch.sum(products, 1, out=out).mul_(Dh**-0.5)
 
 
 # column_sums' blocks, and the programs its first pass aims at (~4 an SM of the H200's 132, each

@@ -23,7 +23,14 @@ directions u (one cast of a flat buffer, ~0.15 ms of host a call there, and a bm
 bench/results/host_timers_large.txt), stamped with the weights they came from. Each is checked
 against the backward's own inputs (the same memory, not written since) and refused otherwise.
 ops.RegionFunction keeps one on its autograd ctx; the custom op cannot (its outputs are tensors)
-and region_graphs does not (a replay overwrites a graph's buffers), so both compute them twice.
+and region_graphs does not (a replay overwrites a graph's buffers).
+
+`reuse` (the forward's seventh output, the backward's argument after π): the part of that which
+fits in tensors, for the op and region_graphs: one int32 buffer holding the expert layout
+(triton_moe.layout_size) and then the pool's directions u [P,D] (fp32 bits), reuse_size elements;
+empty where the reference ran. The backward reads it where `kept` holds nothing. Under
+mode="reduce-overhead" (the op, traced) this spares the backward the grouping's 3 launches and
+the directions' 3 kernels (~15 us of a ~0.64 ms medium step on the H200, ~25 at large).
 
 Inputs the kernels do not take (see `why_unsupported`) run on reference.py, which is correct
 for all of them; no input is silently approximated.
@@ -122,36 +129,73 @@ def _merged_input(ctx, inv, merge):
     return ctx.reshape(B * H, D).contiguous(), inv.contiguous()
 
 
+def reuse_size(ctx, tok, q, w1, top_k, act, mask):
+    """Elements of region_forward's `reuse` (see the module docstring): 0 where the reference
+    runs. Reads only shapes, dtypes and devices, so the op's fake computes it too."""
+    if why_unsupported(ctx, tok, w1, top_k, act, mask) is not None:
+        return 0
+    return _reuse_elements(ctx, q, w1, top_k)
+
+
+def _reuse_elements(ctx, q, w1, top_k):
+    B, H, D = ctx.shape
+    pairs, experts = B * H * top_k, w1.shape[0]
+    return triton_moe.layout_size(pairs, experts, triton_moe.tile_rows(pairs, experts)) + q.shape[0] * D
+
+
+def _reuse_parts(reuse, P, D):
+    """(the layout's buffer, u [P,D] fp32): views of `reuse`."""
+    layout, u = reuse.split([reuse.numel() - P * D, P * D])
+    return layout, u.view(torch.float32).view(P, D)
+
+
 def region_forward(merge, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask, top_k, renorm, act,
                    kept=None):
     """(out [B,H,D] ctx.dtype, inv [B,D], attn [B,N,P], weight [R,k] fp32, index [R,k] int32,
-    π [R,E] fp32). kept: an empty dict, filled for region_backward (see the module docstring); it
-    stays empty where the inputs run on the reference."""
+    π [R,E] fp32, reuse int32). kept: an empty dict, filled for region_backward; reuse: what it
+    takes where no dict is kept (both: see the module docstring). Where the inputs run on the
+    reference, kept stays empty and reuse has no elements."""
     if why_unsupported(ctx, tok, w1, top_k, act, mask) is not None:
         return reference.region_forward(ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3,
                                         mask, top_k, renorm, act)
+    reuse = torch.empty(_reuse_elements(ctx, q, w1, top_k), device=ctx.device, dtype=torch.int32)
     tok, w1, b1, w2, b2, w3 = _in_compute_dtype(ctx, tok, w1, b1, w2, b2, w3)
     B, H, D = ctx.shape
     E = w1.shape[0]
+    layout, u = _reuse_parts(reuse, q.shape[0], D)
     pool = _pool_f32(tok, q, wk, wv, bv, wo, bo)
-    u = triton_pool.pool_directions(pool[0], pool[1])
+    u = triton_pool.pool_directions(pool[0], pool[1], out=u)
     inv, attn = triton_pool.pool_forward(tok, *pool, mask, u=u)
     x, x_inv = _merged_input(ctx, inv, merge)
     weight, index, probs = triton_router.route(x, x_inv, wg.contiguous(), top_k, renorm, H)
-    groups = triton_moe.group(index, E)
+    groups = triton_moe.group(index, E, into=layout)
     if kept is not None:
         kept.update(groups=groups, pool=(stamp(q, wk, wv, bv, wo), (*pool[:5], u)))
     out = triton_moe.moe_forward(x, x_inv, weight, groups, w1.contiguous(), _c(b1), w2.contiguous(), _c(b2),
                                  _c(w3), act, H, ctx.dtype)
-    return out.view(B, H, D), inv, attn, weight, index, probs
+    return out.view(B, H, D), inv, attn, weight, index, probs, reuse
 
 
-def _layout_of(index, experts, kept):
-    """The expert layout of `index`: the one region_forward left in `kept`, else built now.
-    One built from another index, or from this one before it was written to, raises: it would
-    send the gradients of some pairs to the wrong expert."""
+def _reused(reuse, ctx, q, w1, top_k):
+    """_reuse_parts of `reuse` where it holds what region_forward left (None where it is empty,
+    as the reference's is); one of another size raises: it was made for other inputs."""
+    if reuse is None or reuse.numel() == 0:
+        return None
+    want = _reuse_elements(ctx, q, w1, top_k)
+    if reuse.dtype != torch.int32 or reuse.numel() != want:
+        raise ValueError(f"region_backward: reuse holds {reuse.numel()} {reuse.dtype} elements, where the "
+                         f"forward of these inputs leaves {want} int32 (or none)")
+    return _reuse_parts(reuse, q.shape[0], ctx.shape[-1])
+
+
+def _layout_of(index, experts, kept, reused):
+    """The expert layout of `index`: the one region_forward left in `kept` or in `reuse`, else
+    built now. One built from another index, or from this one before it was written to, raises:
+    it would send the gradients of some pairs to the wrong expert."""
     groups = kept.get("groups") if kept else None
     if groups is None:
+        if reused is not None:  # the op's own saved outputs: index and reuse come from one forward
+            return triton_moe.Groups.from_buffer(reused[0], index, experts)
         return triton_moe.group(index, experts)
     if groups.experts != experts or not groups.built_from(index):
         raise ValueError("region_backward: the expert layout kept in `kept` was not built from this `index` "
@@ -159,13 +203,13 @@ def _layout_of(index, experts, kept):
     return groups
 
 
-def _pool_weights(tok, q, wk, wv, bv, wo, kept):
+def _pool_weights(tok, q, wk, wv, bv, wo, kept, reused):
     """(q, Wk, Wv, bv, Wo as _pool_f32 gives them, u or None) for the pool's backward:
     region_forward's from `kept` (refused if they came from other weights, or from these before a
-    write), else cast now."""
+    write), else cast now, with u from `reuse` where it holds it."""
     pool = kept.get("pool") if kept else None
     if pool is None:
-        return (*_pool_f32(tok, q, wk, wv, bv, wo, None)[:5], None)
+        return (*_pool_f32(tok, q, wk, wv, bv, wo, None)[:5], None if reused is None else reused[1])
     made_from, weights = pool
     if made_from != stamp(q, wk, wv, bv, wo):
         raise ValueError("region_backward: the pool weights kept in `kept` were not made from these q, wk, wv, bv, "
@@ -174,12 +218,13 @@ def _pool_weights(tok, q, wk, wv, bv, wo, kept):
 
 
 def region_backward(merge, grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask,
-                    inv, attn, weight, index, probs, top_k, renorm, act, kept=None):
+                    inv, attn, weight, index, probs, reuse, top_k, renorm, act, kept=None):
     """Gradients of (ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3), None for absent.
-    kept: the dict region_forward filled when it returned `index` (see the module docstring)."""
+    reuse and kept: what region_forward returned and filled with `index` (see the module docstring)."""
     if why_unsupported(ctx, tok, w1, top_k, act, mask) is not None:
         return reference.region_backward(grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3,
-                                         mask, inv, attn, weight, index, probs, top_k, renorm, act)
+                                         mask, inv, attn, weight, index, probs, reuse, top_k, renorm, act)
+    reused = _reused(reuse, ctx, q, w1, top_k)
     inputs = (ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3)
     tok, w1, b1, w2, b2, w3 = _in_compute_dtype(ctx, tok, w1, b1, w2, b2, w3)
     B, H, D = ctx.shape
@@ -189,7 +234,7 @@ def region_backward(merge, grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1
     wg = wg.contiguous()
     weight = weight.float().contiguous()
     index = index.contiguous()
-    groups = _layout_of(index, E, kept)
+    groups = _layout_of(index, E, kept, reused)
     grad_rows = grad_out.reshape(B * H, D).contiguous()
     dx_slot, gw_part, dw1, db1, dw2, db2, dw3 = triton_moe.moe_backward(
         grad_rows, x, x_inv, weight, groups, w1.contiguous(), _c(b1), w2.contiguous(), _c(b2), _c(w3), act, H)
@@ -203,7 +248,7 @@ def region_backward(merge, grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1
         dctx, dinv = merge_backward(dy.view(B, H, D), ctx.dtype)
     else:
         dctx = dy.view(B, H, D)
-    *pool, u = _pool_weights(tok, q, wk, wv, bv, wo, kept)
+    *pool, u = _pool_weights(tok, q, wk, wv, bv, wo, kept, reused)
     grad_tok, grad_q, grad_wk, grad_wv, grad_bv, grad_wo, grad_bo = triton_pool.pool_backward(
         dinv, tok, *pool, attn.float(), u=u)
     grad_bk = None if bk is None else torch.zeros_like(bk)

@@ -115,10 +115,14 @@ def check_region(module, ctx, tok, params, top_k, renorm, act, mask=None, grad_s
     """
     dtype = ctx.dtype
     tol = TOLERANCE[dtype]
-    out, inv, attn, weight, index, probs = module.region_forward(ctx, tok, *params, mask, top_k, renorm, act)
+    out, inv, attn, weight, index, probs, reuse = module.region_forward(ctx, tok, *params, mask, top_k, renorm, act)
     ref = reference.region_forward(_f64(ctx), _f64(tok), *[_f64(p) for p in params], mask, top_k, renorm, act)
-    r_out, r_inv, r_attn, r_weight, r_index, r_probs = ref
+    r_out, r_inv, r_attn, r_weight, r_index, r_probs, r_reuse = ref
     B, H, D = ctx.shape
+    # what the op's fake promises (its backward reads the layout and u from it; empty on the reference)
+    assert reuse.dtype == torch.int32 and reuse.numel() == module.reuse_size(ctx, tok, params[0], params[8], top_k,
+                                                                             act, mask)
+    assert r_reuse.numel() == 0
     assert out.shape == (B, H, D) and out.dtype == dtype
     assert inv.dtype == attn.dtype == weight.dtype == probs.dtype == reference.accumulation_dtype(dtype)
     assert probs.shape == r_probs.shape
@@ -139,13 +143,13 @@ def check_region(module, ctx, tok, params, top_k, renorm, act, mask=None, grad_s
     if check_grads:
         grad_out = _cotangent(out.shape, grad_seed, ref, ctx, params, act).to(device=ctx.device, dtype=dtype)
         grads = module.region_backward(grad_out, ctx, tok, *params, mask, inv, attn, weight, index, probs,
-                                       top_k, renorm, act)
+                                       reuse, top_k, renorm, act)
         # The reference backward, fed this forward's saved tensors (in float64) but its own π: the
         # reference forms 1 − π_j, which from an fp32 π loses up to 2⁻²⁴ / (1 − π_j) relative (∂Wg
         # off by 1e-5 to 1e-2 at π_j near 1; the kernels sum the other experts' π instead).
         r_grads = reference.region_backward(
             _f64(grad_out), _f64(ctx), _f64(tok), *[_f64(p) for p in params], mask,
-            _f64(inv), _f64(attn), _f64(weight), index, r_probs, top_k, renorm, act)
+            _f64(inv), _f64(attn), _f64(weight), index, r_probs, r_reuse, top_k, renorm, act)
         inputs = (ctx, tok, *params)
         assert len(grads) == 15
         for name, g, r, t in zip(GRAD_NAMES, grads, r_grads, inputs):

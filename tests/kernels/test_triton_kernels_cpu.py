@@ -165,6 +165,30 @@ def test_grouping_layout(R, k, E):
     assert torch.equal(hi - lo, (torch.bincount(flat, minlength=E) + 15) // 16 * 16)
 
 
+
+def test_layout_read_back_from_its_buffer():
+    """Groups(into=buffer) writes the layout into one buffer, every element of it (an op's output
+    must hold no uninitialised bits); from_buffer reads the same layout back with no launch (the
+    op's backward, region_forward's `reuse`), and refuses a buffer of another size."""
+    R, k, E = 37, 3, 5
+    index = torch.stack([torch.randperm(E)[:k] for _ in range(R)]).to(torch.int32)
+    tile = triton_moe.tile_rows(R * k, E)
+    buffer = torch.full((triton_moe.layout_size(R * k, E, tile),), -7, dtype=torch.int32)
+    built = triton_moe.group(index, E, into=buffer)
+    alone = triton_moe.group(index, E)
+    for name in ("slot_pair", "pair_slot", "tile_expert", "expert_slots"):
+        piece = getattr(built, name)
+        assert piece.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr(), name
+        assert torch.equal(piece, getattr(alone, name)), name
+    assert not (buffer == -7).any()  # no element left unwritten (the layout holds no -7)
+    read = triton_moe.Groups.from_buffer(buffer, index, E)
+    assert (read.slots, read.num_tiles, read.tile) == (alone.slots, alone.num_tiles, alone.tile)
+    for name in ("slot_pair", "pair_slot", "tile_expert", "expert_slots", "whole_slots"):
+        assert torch.equal(getattr(read, name), getattr(alone, name)), name
+    assert read.built_from(index) and not read.built_from(index.clone())
+    with pytest.raises(RuntimeError, match="Groups.from_buffer: .* which takes"):
+        triton_moe.Groups.from_buffer(buffer[:-1], index, E)
+
 def test_merge_twin():
     ctx = torch.randn(3, 5, 24, dtype=torch.float16)
     inv = torch.randn(3, 24)
@@ -480,6 +504,9 @@ class _Keeping:
     def region_backward(self, *args):
         return self.module.region_backward(*args, kept=self.kept)
 
+    def reuse_size(self, *args):
+        return self.module.reuse_size(*args)
+
 
 @pytest.mark.parametrize("module", SETS)
 @pytest.mark.parametrize("runs", [False, True], ids=["whole", "runs"])
@@ -507,11 +534,14 @@ def test_backward_on_what_the_forward_kept(monkeypatch, module, runs):
     grad = torch.randn(4, 8, 32).bfloat16()
     with_kept = module.region_backward(grad, ctx, tok, *params, None, *saved, 2, True, "swiglu", kept=kept)
     assert len(grouped) == 1 and len(directions) == 1  # the forward's only
-    again = module.region_backward(grad, ctx, tok, *params, None, *saved, 2, True, "swiglu")
+    reused = module.region_backward(grad, ctx, tok, *params, None, *saved, 2, True, "swiglu")
+    assert len(grouped) == 1 and len(directions) == 1  # no dict (the op's path): from the forward's `reuse`
+    again = module.region_backward(grad, ctx, tok, *params, None, *saved[:-1], saved[-1].new_empty(0), 2, True,
+                                   "swiglu")
     assert len(grouped) == 2 and len(directions) == 2
-    for name, a, b in zip(("ctx", "tok", "q", "wk", "bk", "wv", "bv", "wo", "bo", "wg", "w1", "b1", "w2", "b2",
-                           "w3"), with_kept, again):
-        assert (a is None and b is None) or torch.equal(a, b), f"∂{name}"
+    for name, a, b, c in zip(("ctx", "tok", "q", "wk", "bk", "wv", "bv", "wo", "bo", "wg", "w1", "b1", "w2", "b2",
+                              "w3"), with_kept, reused, again):
+        assert (a is None and b is None and c is None) or (torch.equal(a, b) and torch.equal(a, c)), f"∂{name}"
 
 
 def test_a_layout_not_built_from_this_index_is_refused():
@@ -520,16 +550,31 @@ def test_a_layout_not_built_from_this_index_is_refused():
     gradients to the wrong experts."""
     ctx, tok, params = make_case(2, 3, 5, 32, 2, 64, 4, 2)
     kept = {}
-    inv, attn, weight, index, probs = fused.region_forward(ctx, tok, *params, None, 2, True, "gelu", kept=kept)[1:]
+    inv, attn, weight, index, probs, reuse = fused.region_forward(ctx, tok, *params, None, 2, True, "gelu",
+                                                                  kept=kept)[1:]
     grad = torch.randn(2, 3, 32)
     backward = lambda idx: fused.region_backward(grad, ctx, tok, *params, None, inv, attn, weight, idx,  # noqa: E731
-                                                 probs, 2, True, "gelu", kept=kept)
+                                                 probs, reuse, 2, True, "gelu", kept=kept)
     assert backward(index.view(6, 2))[10] is not None  # a view of the same elements is the same index
     with pytest.raises(ValueError, match="not built from this `index`"):
         backward(index.clone())
     index.copy_(index.flip(1))  # the same pairs' experts, in the other slot order
     with pytest.raises(ValueError, match="not built from this `index`"):
         backward(index)
+
+
+def test_backward_refuses_a_reuse_of_other_inputs():
+    """`reuse` (what the op's backward reads for the layout and u) made for other sizes is refused
+    with both sizes named; an empty one (the reference's) means compute everything again."""
+    ctx, tok, params = make_case(2, 3, 5, 32, 2, 64, 4, 2)
+    out, inv, attn, weight, index, probs, reuse = fused.region_forward(ctx, tok, *params, None, 2, True, "gelu")
+    grad = torch.randn_like(out)
+    backward = lambda r: fused.region_backward(grad, ctx, tok, *params, None, inv, attn, weight, index,  # noqa: E731
+                                               probs, r, 2, True, "gelu")
+    with pytest.raises(ValueError, match=f"reuse holds {reuse.numel() - 1} .* leaves {reuse.numel()} int32"):
+        backward(reuse[:-1])
+    for got, want in zip(backward(reuse.new_empty(0)), backward(reuse)):
+        assert (got is None and want is None) or torch.equal(got, want)
 
 
 @pytest.mark.parametrize("dtype,weights,kept16", [
@@ -662,9 +707,8 @@ def test_the_16_bit_path_calls_no_torch_matmul(monkeypatch):
     monkeypatch.setattr(triton_pool, "SPLIT_DOT_DTYPES", {torch.float16: 2})
     ctx, tok, params = make_case(2, 3, 5, 32, 2, 64, 4, 2, dtype=torch.float16)
     with Record():
-        out, inv, attn, weight, index, probs = fused.region_forward(ctx, tok, *params, None, 2, True, "gelu")
-        grads = fused.region_backward(torch.randn_like(out), ctx, tok, *params, None, inv, attn, weight, index,
-                                      probs, 2, True, "gelu")
+        out, *saved = fused.region_forward(ctx, tok, *params, None, 2, True, "gelu")
+        grads = fused.region_backward(torch.randn_like(out), ctx, tok, *params, None, *saved, 2, True, "gelu")
     assert len(grads) == 15 and aten.sum in seen  # the mode saw the path's torch calls
     assert not [f for f in seen if f in matmuls], sorted({str(f) for f in seen if f in matmuls})
 
