@@ -124,6 +124,8 @@ def test_plan_defaults_and_order():
         in_pass = [j for j in jobs if j["pass"] == pass_]
         tuned = [j for j in in_pass if j["mode"] == "inductor-max-autotune"]
         assert tuned and in_pass[-len(tuned):] == tuned
+        # quickest to compile first, the loop spelling (over 263 s at medium) last
+        assert [j["spelling"] for j in tuned] == ["dense", "grouped_mm", "loop"]
     assert [j["pass"] for j in jobs] == sorted((j["pass"] for j in jobs), reverse=True)  # fwd+bwd first
     tuned = [j for j in jobs if j["mode"] == "inductor-max-autotune"]
     assert {j["preset"] for j in tuned} == {"medium"} and any("max-autotune" in n for n in notes)
