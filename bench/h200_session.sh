@@ -17,8 +17,9 @@
 #                                      # max-autotune on the dense spelling at medium (~9 min):
 #                                      # run.log, h200.{md,json,png,errors.log}
 #   bash bench/h200_session.sh table-fwd  # the forward rows likewise (~6 min): h200_fwd.*
-#   [SPELLINGS=.. LIMIT=s] bash bench/h200_session.sh autotune-cache  # Inductor max-autotune's fwd+bwd rows at medium on every
-#                                      # spelling (~3 min of compiling each, ~9 min): autotune.{md,json},
+#   [SPELLINGS=.. LIMIT=s MODES=..] bash bench/h200_session.sh autotune-cache  # Inductor max-autotune's fwd+bwd rows at medium on every
+#                                      # spelling (~3 min of compiling each, ~9 min), after ours under
+#                                      # reduce-overhead (a same-run ratio): autotune.{md,json},
 #                                      # and its compiled graphs left in .inductor_cache/, which a `table`
 #                                      # call chained right after on the same machine reuses (its max-autotune
 #                                      # rows then fit; its notes say their first calls were cached compiles)
@@ -291,9 +292,10 @@ autotune-cache)
     # Straight into the log, and killed 20 s after the interrupt: at 812f6c9 an interrupt during
     # max-autotune's compile went unanswered until the device call's own limit, and `| tail`
     # then returned nothing at all.
+    # Our reduce-overhead rows (~10 s) run first, so the file holds a same-run ratio to the peer.
     timeout -s INT -k 20 "${LIMIT:-560}" python -m bench --out "$OUT" --name autotune --presets medium \
-        --passes fwd+bwd --modes inductor-max-autotune --spellings "${SPELLINGS:-dense,loop,grouped_mm}" \
-        --commit "$commit" >>"$LOG" 2>&1
+        --passes fwd+bwd --modes "${MODES:-mha-fused-cudagraphs,inductor-max-autotune}" \
+        --spellings "${SPELLINGS:-dense,loop,grouped_mm}" --commit "$commit" >>"$LOG" 2>&1
     ;;
 ncu)
     # --clock-control none: the device notes (METHOD.md) say to leave the clocks alone

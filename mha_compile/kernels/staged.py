@@ -15,7 +15,6 @@ def why_unsupported(ctx, tok, w1, top_k, act, mask):
     return triton_region.why_unsupported(ctx, tok, w1, top_k, act, mask)
 
 
-
 def reuse_size(ctx, tok, q, w1, top_k, act, mask):
     """Elements of the `reuse` region_forward returns (triton_region.reuse_size)."""
     return triton_region.reuse_size(ctx, tok, q, w1, top_k, act, mask)

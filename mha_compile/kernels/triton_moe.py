@@ -746,20 +746,18 @@ class Groups:
     def from_buffer(cls, buffer, index, experts):
         """The layout of `index` that Groups(index, experts, tile_rows(...), into=buffer) wrote
         into `buffer`, read back with no launch (the op's backward: region_forward's `reuse`)."""
-        pairs = index.numel()
-        tile = tile_rows(pairs, experts)
-        torch._check(buffer.dtype == torch.int32 and buffer.numel() == layout_size(pairs, experts, tile),
-                     lambda: f"Groups.from_buffer: {buffer.numel()} {buffer.dtype} elements for the layout of "
-                             f"{pairs} pairs over {experts} experts, which takes "
-                             f"{layout_size(pairs, experts, tile)} int32")
         groups = object.__new__(cls)
-        groups._views(buffer, pairs, experts, tile)
+        groups._views(buffer, index.numel(), experts, tile_rows(index.numel(), experts))
         groups.index, groups.index_stamp = index, stamp(index)
         return groups
 
     def _views(self, buffer, pairs, experts, tile):
         """Sets the sizes and the layout's tensors as views of `buffer` (layout_size's order);
         returns meta [3E]: the padded starts, padded ends and counts the kernels write."""
+        size = layout_size(pairs, experts, tile)
+        torch._check(buffer.dtype == torch.int32 and buffer.dim() == 1 and buffer.numel() == size,
+                     lambda: f"Groups: a layout buffer of {tuple(buffer.shape)} {buffer.dtype} for {pairs} pairs "
+                             f"over {experts} experts in tiles of {tile}, which take [{size}] int32")
         self.pairs, self.tile, self.experts = pairs, tile, experts
         self.num_tiles = tile_count(pairs, experts, tile)
         self.slots = self.num_tiles * tile

@@ -186,8 +186,10 @@ def test_layout_read_back_from_its_buffer():
     for name in ("slot_pair", "pair_slot", "tile_expert", "expert_slots", "whole_slots"):
         assert torch.equal(getattr(read, name), getattr(alone, name)), name
     assert read.built_from(index) and not read.built_from(index.clone())
-    with pytest.raises(RuntimeError, match="Groups.from_buffer: .* which takes"):
+    with pytest.raises(RuntimeError, match=r"Groups: a layout buffer of \(\d+,\) torch.int32 .* which take"):
         triton_moe.Groups.from_buffer(buffer[:-1], index, E)
+    with pytest.raises(RuntimeError, match="a layout buffer of"):
+        triton_moe.group(index, E, into=buffer.float())
 
 def test_merge_twin():
     ctx = torch.randn(3, 5, 24, dtype=torch.float16)
