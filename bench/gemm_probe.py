@@ -140,6 +140,8 @@ def probe(preset, act, rows_out, kernels):
                dict(BLOCK_F=64, BLOCK_K=64, num_warps=4, num_stages=4, SM_PROGRAMS=2)]
     for cfg in extra(moe._up.configs, *up_more):
         report("up", "gemm1", cfg, gemm, lambda: moe.experts_up(xs, groups, w1, b1, None, act), moe._up)
+    if "up_gluon" in kernels:
+        gluon_up(preset, c, act, h, rows_out)
 
     gemm_more = [dict(BLOCK_N=128, BLOCK_K=128, N_INNER=False, num_warps=8, num_stages=3),
                  dict(BLOCK_N=128, BLOCK_K=64, N_INNER=False, num_warps=8, num_stages=3)]
@@ -183,16 +185,64 @@ def probe(preset, act, rows_out, kernels):
         print(f"{'cublas':<10}{what:<14}{ms * 1e3:>8.1f} us {gemm / ms / 1e9:>6.0f} TF/s", flush=True)
 
 
+# gluon_moe's staged GEMM1 (GLUON_UP): [128, 128] jobs take 128 accumulator registers a thread and
+# spill 266 bytes with gelu's erf (none with silu or gelu_tanh), [64, 256] 304; [128, 64] and [64,
+# 128] none (offline, sm_90a, session 33). The first is UP_CONFIGS[128].
+GLUON_UP_CONFIGS = [dict(tile_m=128, block_n=128, block_k=64, nbuf=4), dict(tile_m=64, block_n=256, block_k=64, nbuf=3),
+                    dict(tile_m=128, block_n=64, block_k=64, nbuf=4), dict(tile_m=64, block_n=128, block_k=64, nbuf=4),
+                    dict(tile_m=128, block_n=128, block_k=32, nbuf=6)]
+
+
+def gluon_up(preset, c, act, h_triton, rows_out):
+    """gluon_moe.experts_up under each GLUON_UP_CONFIGS entry (TILE 128's row split where tile_m is
+    64), checked against the Triton GEMM1's h (same inputs; both fp32-accumulated, bf16 out) before
+    it is timed; the Triton kernel's autotuned call is timed beside it."""
+    if c.dev != "cuda":
+        print("up_gluon: needs the H200 (Gluon has no interpreter)", flush=True)
+        return
+    why = gluon_moe.up_unsupported(c.xs, c.w1, h_triton, act, c.groups.tile)
+    if why is not None:
+        print(f"up_gluon: {why}", flush=True)
+        return
+    gemm = 2 * c.S * c.D * c.F
+    want = h_triton.float()
+    ms = triton.testing.do_bench_cudagraph(lambda: moe.experts_up(c.xs, c.groups, c.w1, c.b1, None, act), rep=60,
+                                           return_mode="median")
+    print(f"{'up':<10}{'triton':<14}{ms * 1e3:>8.1f} us {gemm / ms / 1e9:>6.0f} TF/s  (autotuned)", flush=True)
+    rows_out.append(dict(preset=preset, kernel="up_gluon", variant="triton", ms=ms, tflops=gemm / ms / 1e9))
+    for cfg in GLUON_UP_CONFIGS:
+        row = dict(preset=preset, kernel="up_gluon", variant="gluon", config=cfg)
+        try:
+            h = torch.empty_like(h_triton)
+            run = lambda: gluon_moe.experts_up(c.xs, c.groups, c.w1, c.b1, act, h, cfg)  # noqa: E731
+            run()
+            torch.cuda.synchronize()
+            err = float((h.float() - want).norm() / want.norm())
+            row.update(err=err)
+            if not err < 2e-2:
+                raise AssertionError(f"h differs from the Triton GEMM1's: relative error {err:.2e}")
+            ms = triton.testing.do_bench_cudagraph(run, rep=60, return_mode="median")
+            row.update(ms=ms, tflops=gemm / ms / 1e9)
+            print(f"{'up':<10}{'gluon':<14}{ms * 1e3:>8.1f} us {gemm / ms / 1e9:>6.0f} TF/s  err {err:.1e}  {cfg}",
+                  flush=True)
+        except Exception as error:  # a config that does not fit or is wrong: say so, keep going
+            row.update(error=f"{type(error).__name__}: {str(error).splitlines()[0][:160]}")
+            print(f"{'up':<10}{'gluon':<14} FAILED {row['error']}  {cfg}", flush=True)
+        rows_out.append(row)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--presets", default="medium,large")
     parser.add_argument("--act", default="gelu")
-    parser.add_argument("--kernels", default="up,slots,hidden,wgrad", help="comma list of the kernels to probe")
+    parser.add_argument("--kernels", default="up,slots,hidden,wgrad",
+                        help="comma list of the kernels to probe (and up_gluon: gluon_moe's staged GEMM1)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (TRITON_INTERPRET=1, no times)"
     print(f"{name}, torch {torch.__version__}, triton {triton.__version__}")
     rows = []
+    gluon_moe.GLUON_UP = False  # experts_up is the Triton GEMM1 here: the yardstick up_gluon compares with
     for preset in args.presets.split(","):
         probe(preset, args.act, rows, args.kernels.split(","))
     if args.out:

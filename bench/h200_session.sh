@@ -99,12 +99,16 @@
 #                                      # sum (triton_pool.COLUMN_SUMS, the default since session 32): its GPU
 #                                      # tests, then bench/flag_ab.py off against on at large and medium
 #                                      # (~4 min): run.log, flag_ab_column_sums.txt
+#   bash bench/h200_session.sh gluon-up  # gluon_moe's staged GEMM1 (GLUON_UP, off by default): its GPU
+#                                      # tests, then bench/gemm_probe.py's up_gluon rows (each config
+#                                      # checked against the Triton GEMM1, then timed beside it) at medium
+#                                      # and large, gelu and silu (~4 min): run.log, gemm_probe_up_gluon.txt
 #   bash bench/h200_session.sh short   # one call when device time is short (~9 min): the fused
 #                                      # kernel tests, the curves without the suite, and the
 #                                      # benchmark cut at 250 s (rows past it are listed as skipped)
 # Budgets are per step so a slow step cannot starve the others.
 set -u
-part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|ab|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|ncu-gemms|ncu-source|gluon|verify-gluon|gluon-gemms|verify-gemms|router|small-kernels|host-large|host-timers|wgrad-stream|sum-spread|column-sums|kernel-times-ab|rows-ab|static-params|short}
+part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|ab|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|ncu-gemms|ncu-source|gluon|verify-gluon|gluon-gemms|verify-gemms|router|small-kernels|host-large|host-timers|wgrad-stream|sum-spread|column-sums|kernel-times-ab|rows-ab|static-params|gluon-up|short}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 # Inductor's compiled graphs kept in the checkout (git ignores it): the device keeps ignored
 # files between calls on a machine it still holds, so `table` can reuse `autotune-cache`'s.
@@ -287,6 +291,15 @@ table|table-fwd)
     { timeout -s INT -k 15 $limit python -m bench --out "$OUT" --name $name --budget $budget --presets medium,large,small \
         --passes $pass --spellings dense,loop,grouped_mm ${MODES:+--modes "$MODES"} --commit "$commit" 2>&1 | tail -70; } >>"$LOG"
     ;;
+gluon-up)
+    { MHA_COMPILE_NO_AUTOTUNE=1 timeout 150 python -m pytest -q -m cuda tests/kernels/test_gluon_moe_cuda.py -k gemm1 \
+        -p no:cacheprovider -rf 2>&1 | tail -8; } >>"$LOG"
+    for act in gelu silu; do
+        { timeout -s INT 120 python bench/gemm_probe.py --presets medium,large --act $act --kernels up_gluon 2>&1; } \
+            >>"$OUT/gemm_probe_up_gluon.txt"
+    done
+    grep -E "^up|^medium|^large" "$OUT/gemm_probe_up_gluon.txt" | cut -c1-150 >>"$LOG"
+    ;;
 autotune-cache)
     # SPELLINGS=loop,grouped_mm (say) when a table call has already compiled the dense one.
     # Straight into the log, and killed 20 s after the interrupt: at 812f6c9 an interrupt during
@@ -396,6 +409,6 @@ bench|bench-resume)
         --modes eager,inductor,inductor-max-autotune,mha-staged,mha-fused,mha-fused-cudagraphs \
         --spellings dense,loop,grouped_mm --commit "$commit" 2>&1 | tail -100; } >>"$LOG"
     ;;
-*) echo "unknown part $part: expected check, kernels, probe, verify, ab, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache, medium-autotune, ncu, ncu-gemms, ncu-source, gluon, verify-gluon, gluon-gemms, verify-gemms, router, small-kernels, host-large, host-timers, wgrad-stream, sum-spread, column-sums, kernel-times-ab, rows-ab, static-params or short" >&2; exit 2 ;;
+*) echo "unknown part $part: expected check, kernels, probe, verify, ab, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache, medium-autotune, ncu, ncu-gemms, ncu-source, gluon, verify-gluon, gluon-gemms, verify-gemms, router, small-kernels, host-large, host-timers, wgrad-stream, sum-spread, column-sums, kernel-times-ab, rows-ab, static-params, gluon-up or short" >&2; exit 2 ;;
 esac
 tail -150 "$LOG"

@@ -1,5 +1,6 @@
 """The MoE's warp-specialised Gluon kernels for Hopper (sm_90): the backward's hidden kernel (below),
-its weight-gradient GEMM and the forward's GEMM2 (each described at its section further down).
+its weight-gradient GEMM and the forward's GEMM2 (each described at its section further down), and
+a staged GEMM1 that runs only where MHA_COMPILE_GLUON_UP=1 asks (GLUON_UP; not yet timed).
 
 The hidden kernel has triton_moe._moe_bwd_hidden_kernel's contract (read its docstring for the
 math): per slot s of expert e and F block, u = xs[s] W1[e] + b1[e] and g = gs[s] W2[e]ᵀ, then
@@ -638,6 +639,189 @@ def backward_hidden(xs, gs, groups, w1, b1, w2, weight, act, hw, du, gw, w3=None
         *args, groups.slot_pair, groups.tile_expert, groups.pairs, D, F, gw.shape[1], jobs, int(b1 is not None),
         groups.tile, ACT=ACTS[act], NBUF=nbuf, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
         num_warps=4)
+
+
+# ---------------------------------------------------------------------------------------------
+# The forward's GEMM1, staged (GLUON_UP, off by default; session 33 took back 192de8d's, which lost
+# to the Triton GEMM1 before the fast activations): h [S,F] = act(xs[s] W1[e] + b1[e]) over the tile
+# rows s of expert e (triton_moe._moe_up_kernel's contract without swiglu's W3: a padding slot's
+# row is act(b1[e]), as xs is 0 there). The hidden kernel's ping-pong with one accumulator a
+# consumer: a producer warp loads xs [TILE_M, BLOCK_K] and W1 [BLOCK_K, BLOCK_N] tiles into the
+# ring; two consumer warpgroups take this program's jobs in turn, one running its activation and
+# its TMA store of h while the other runs its dots. Why: at medium (K = D = 256, four k-steps of
+# 64) the Triton GEMM1's gelu epilogue, in line with its dots, is as long as they are (73 us a
+# step for 22 us of FLOPs at 790 TFLOP/s, bench/results/step_profile_medium_reuse_new.txt).
+GLUON_UP = os.environ.get("MHA_COMPILE_GLUON_UP", "0") == "1"
+UP_ACTS = {name: ACT_CODE[name] for name in ("gelu", "gelu_tanh", "silu")}
+# By TILE: an accumulator of 128 fp32 registers a thread; a [128, 128] stage is 32 KiB, four of
+# them and the two staging tiles 192 KiB.
+UP_CONFIGS = {128: dict(tile_m=128, block_n=128, block_k=64, nbuf=4), 64: dict(tile_m=64, block_n=256, block_k=64, nbuf=3)}
+
+
+def up_unsupported(xs, w1, h, act, tile, capability=None):
+    """Why GEMM1's Gluon kernel cannot take these operands (xs [S, D], W1 [E, D, F], h [S, F]), or None."""
+    if act not in UP_ACTS:
+        return f"act {act!r}: takes {', '.join(UP_ACTS)} (swiglu's GEMM1 runs in Triton)"
+    why = _device_reason((xs, w1, h), "xs, W1, h", capability)
+    if why is not None:
+        return why
+    D, F = w1.shape[1], w1.shape[2]
+    config = UP_CONFIGS.get(tile)
+    if config is None or F % config["block_n"] or D % config["block_k"]:
+        return (f"D={D}, F={F}, TILE={tile}: needs TILE in {sorted(UP_CONFIGS)}, F a multiple of its block_n "
+                f"({', '.join(str(c['block_n']) for c in UP_CONFIGS.values())}) and D of 64")
+    return None
+
+
+# GEMM1's partitions take (descs, bufs, bars, ptrs, sizes) (+ which), as the hidden kernel's:
+#   descs = (xs, W1 as [E·D, F], h) TMA descriptors;  bufs = (xs, W1 rings; h staging tiles, one a
+#   consumer);  bars = (ready, empty, turn);  ptrs = (b1, tile_expert);  sizes = (D, F, NUM_JOBS,
+#   has_b1, TILE).
+
+
+@gluon.jit
+def _up_produce(descs, bufs, bars, ptrs, sizes):
+    xs_desc, w1_desc, h_desc = descs
+    xs_bufs, w1_bufs, h_bufs = bufs
+    ready, empty, turn = bars
+    b1_ptr, tile_expert_ptr = ptrs
+    D, F, NUM_JOBS, has_b1, TILE = sizes
+    TILE_M: gl.constexpr = xs_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = xs_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = w1_desc.block_type.shape[1]
+    NBUF: gl.constexpr = xs_bufs.type.shape[0]
+    nbytes: gl.constexpr = xs_desc.block_type.nbytes + w1_desc.block_type.nbytes
+    pos = 0
+    for job in range(gl.program_id(0), NUM_JOBS, gl.num_programs(0)):
+        row, t, n = _job(job, F, TILE, TILE_M, BLOCK_N)
+        e = gl.load(tile_expert_ptr + t)
+        for k in range(D // BLOCK_K):
+            stage = pos % NBUF
+            mbarrier.wait(empty.index(stage), ((pos // NBUF) & 1) ^ 1)  # fresh barriers pass the first NBUF
+            bar = ready.index(stage)
+            mbarrier.expect(bar, nbytes)
+            tma.async_copy_global_to_shared(xs_desc, [row, k * BLOCK_K], bar, xs_bufs.index(stage))
+            tma.async_copy_global_to_shared(w1_desc, [e * D + k * BLOCK_K, n * BLOCK_N], bar, w1_bufs.index(stage))
+            pos += 1
+
+
+@gluon.jit
+def _up_consume(descs, bufs, bars, ptrs, sizes, which, ACT: gl.constexpr):
+    """This program's jobs i with i % 2 == which: the dots over the ring, then the epilogue."""
+    xs_desc, w1_desc, h_desc = descs
+    xs_bufs, w1_bufs, h_bufs = bufs
+    ready, empty, turn = bars
+    b1_ptr, tile_expert_ptr = ptrs
+    D, F, NUM_JOBS, has_b1, TILE = sizes
+    TILE_M: gl.constexpr = xs_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = xs_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = w1_desc.block_type.shape[1]
+    NBUF: gl.constexpr = xs_bufs.type.shape[0]
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+    cols_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
+    h_buf = h_bufs.index(which)
+    ksteps = D // BLOCK_K
+    i = 0  # this program's jobs
+    own = 0  # this consumer's
+    for job in range(gl.program_id(0), NUM_JOBS, gl.num_programs(0)):
+        if i % 2 == which:
+            row, t, n = _job(job, F, TILE, TILE_M, BLOCK_N)
+            e = gl.load(tile_expert_ptr + t)
+            # b1 loaded before this consumer's turn and added after its dots (C7515: see _job_rows)
+            bias = gl.zeros([BLOCK_N], gl.float32, cols_layout)
+            if has_b1 != 0:
+                bias = gl.load(b1_ptr + e * F + n * BLOCK_N + gl.arange(0, BLOCK_N, layout=cols_layout)).to(gl.float32)
+            acc = gl.zeros([TILE_M, BLOCK_N], gl.float32, acc_layout)
+            mbarrier.wait(turn.index(which), (own & 1) ^ (1 - which))  # consumer 0 first, as in _consume
+            pos = i * ksteps
+            # the first K step from a zero accumulator its wgmma leaves out (use_acc=False), as _consume's
+            stage = pos % NBUF
+            mbarrier.wait(ready.index(stage), (pos // NBUF) & 1)
+            acc = warpgroup_mma(xs_bufs.index(stage), w1_bufs.index(stage), acc, use_acc=False, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            prev = stage
+            pos += 1
+            for k in range(1, ksteps):
+                stage = pos % NBUF
+                mbarrier.wait(ready.index(stage), (pos // NBUF) & 1)
+                acc = warpgroup_mma(xs_bufs.index(stage), w1_bufs.index(stage), acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))  # the step before has read its stage
+                mbarrier.arrive(empty.index(prev), count=1)
+                prev = stage
+                pos += 1
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            mbarrier.arrive(empty.index(prev), count=1)
+            mbarrier.arrive(turn.index(1 - which), count=1)  # the other consumer's K loop may start
+            own += 1
+            u = acc + bias[None, :]
+            h = act_fwd(u, u, ACT)
+            tma.store_wait(0)  # this consumer's last store has left its staging tile
+            h_buf.store(h.to(h_desc.dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(h_desc, [row, n * BLOCK_N], h_buf)
+        i += 1
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _up_consume_gelu(descs, bufs, bars, ptrs, sizes, which):
+    _up_consume(descs, bufs, bars, ptrs, sizes, which, 0)
+
+
+@gluon.jit
+def _up_consume_gelu_tanh(descs, bufs, bars, ptrs, sizes, which):
+    _up_consume(descs, bufs, bars, ptrs, sizes, which, 1)
+
+
+@gluon.jit
+def _up_consume_silu(descs, bufs, bars, ptrs, sizes, which):
+    _up_consume(descs, bufs, bars, ptrs, sizes, which, 2)
+
+
+@gluon.jit
+def _up_kernel(xs_desc, w1_desc, h_desc, b1_ptr, tile_expert_ptr, D, F, NUM_JOBS, has_b1, TILE,
+               ACT: gl.constexpr, NBUF: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    dtype: gl.constexpr = xs_desc.dtype
+    xs_bufs = gl.allocate_shared_memory(dtype, [NBUF] + xs_desc.block_type.shape, xs_desc.layout)
+    w1_bufs = gl.allocate_shared_memory(dtype, [NBUF] + w1_desc.block_type.shape, w1_desc.layout)
+    h_bufs = gl.allocate_shared_memory(dtype, [2] + h_desc.block_type.shape, h_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NBUF):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    for c in gl.static_range(2):
+        mbarrier.init(turn.index(c), count=1)
+    args = ((xs_desc, w1_desc, h_desc), (xs_bufs, w1_bufs, h_bufs), (ready, empty, turn), (b1_ptr, tile_expert_ptr),
+            (D, F, NUM_JOBS, has_b1, TILE))
+    zero = gl.program_id(0) * 0  # which consumer, as a runtime value (see the hidden kernel)
+    if ACT == 0:
+        gl.warp_specialize([(_up_consume, args + (zero, ACT)), (_up_consume_gelu, args + (zero + 1,)),
+                            (_up_produce, args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    elif ACT == 1:
+        gl.warp_specialize([(_up_consume, args + (zero, ACT)), (_up_consume_gelu_tanh, args + (zero + 1,)),
+                            (_up_produce, args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([(_up_consume, args + (zero, ACT)), (_up_consume_silu, args + (zero + 1,)),
+                            (_up_produce, args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def experts_up(xs, groups, w1, b1, act, h, config=None):
+    """Writes h [S,F] = act(xs W1[e] + b1[e]) for the slot rows xs [S,D] of `groups`; returns h.
+    Callers check `up_unsupported` first. config: UP_CONFIGS[TILE] when None (probes pass others)."""
+    E, D, F = w1.shape
+    config = config or UP_CONFIGS[groups.tile]
+    tile_m, block_n, block_k, nbuf = (config[key] for key in ("tile_m", "block_n", "block_k", "nbuf"))
+    jobs = groups.num_tiles * (groups.tile // tile_m) * (F // block_n)
+    dtype = _gl_dtype(xs)
+    _up_kernel[(min(num_sms(xs.device), jobs),)](
+        _descriptor(xs, [tile_m, block_k], dtype), _descriptor(w1.view(E * D, F), [block_k, block_n], dtype),
+        _descriptor(h, [tile_m, block_n], dtype), w1 if b1 is None else b1, groups.tile_expert,
+        D, F, jobs, int(b1 is not None), groups.tile,
+        ACT=UP_ACTS[act], NBUF=nbuf, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
+    return h
 
 
 # ---------------------------------------------------------------------------------------------

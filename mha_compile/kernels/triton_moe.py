@@ -919,10 +919,15 @@ def gather_rows(x, inv, groups, horizons, dtype, grad_out=None, weight=None, b2=
 
 def experts_up(xs, groups, w1, b1, w3, act):
     """h [S,F] in the weights' dtype from the slot rows xs [S,D]. A padding slot's row is act(b1[e])
-    (xs is 0 there), not 0: GEMM2 (slots_gemm) writes 0 on padding slots whatever h holds."""
+    (xs is 0 there), not 0: GEMM2 (slots_gemm) writes 0 on padding slots whatever h holds. With
+    gluon_moe.GLUON_UP (staged, off by default), gluon_moe's GEMM1 where up_kernel says so."""
     D = xs.shape[1]
     F = w1.shape[2]
     h = torch.empty(groups.slots, F, device=xs.device, dtype=w1.dtype)
+    if gluon_moe is not None and gluon_moe.GLUON_UP and w3 is None and up_kernel(xs, w1, b1, h, act, groups.tile) \
+            == "gluon" and _gluon_launch("GEMM1", up_key(xs, act, groups.tile, b1),
+                                         functools.partial(gluon_moe.experts_up, xs, groups, w1, b1, act, h)):
+        return h
     w3 = w1 if w3 is None else w3
     tma = tma_ok(xs, w1, w3, h)
     jobs = lambda m: groups.num_tiles * triton.cdiv(F, m["BLOCK_F"])  # noqa: E731
@@ -1239,6 +1244,18 @@ def _gluon_launch(kernel, key, launch):
         return False
     _GLUON_LAUNCHED.add((kernel, key))
     return True
+
+
+def up_key(xs, act, tile, b1):
+    """What the Gluon GEMM1 is compiled for (beside the shapes, which it takes at run time)."""
+    return act, xs.dtype, tile, b1 is not None
+
+
+def up_kernel(xs, w1, b1, h, act, tile):
+    """Which GEMM1 the forward runs on these operands with gluon_moe.GLUON_UP: "gluon"
+    (gluon_moe.experts_up: Hopper, bf16/fp16, gelu, gelu_tanh or silu, sizes its blocks divide;
+    and it has built) or "triton"."""
+    return _choose("GEMM1", up_key(xs, act, tile, b1), xs.device, lambda: gluon_moe.up_unsupported(xs, w1, h, act, tile))
 
 
 def hidden_key(xs, act, tile, b1):

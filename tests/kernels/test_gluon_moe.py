@@ -552,3 +552,20 @@ def test_runs_add_sums_rows_up_once(monkeypatch, act):
     assert added_up == [((3 * 3, 48), 3, True)]
     # STREAM's flags: each launch its own row of one buffer zeroed once for the step
     assert len({storage for storage, _ in rows_seen}) == 1 and len({row for _, row in rows_seen}) == len(rows_seen)
+
+
+def test_staged_gemm1_is_off_by_default_and_says_what_it_takes():
+    """gluon_moe's staged GEMM1 (GLUON_UP) runs only where MHA_COMPILE_GLUON_UP=1 asks; it takes
+    Hopper 16-bit operands with gelu, gelu_tanh or silu at TILE 64 or 128, and says why not
+    otherwise."""
+    assert gluon_moe.GLUON_UP is False
+    xs, _, w1, _ = operands(D=256, F=512)
+    h = torch.empty(xs.shape[0], 512, dtype=xs.dtype)
+    for act in gluon_moe.UP_ACTS:
+        for tile in (64, 128):
+            assert gluon_moe.up_unsupported(xs, w1, h, act, tile, capability=HOPPER) is None, (act, tile)
+    assert "swiglu" in gluon_moe.up_unsupported(xs, w1, h, "swiglu", 128, capability=HOPPER)
+    assert "TILE=32" in gluon_moe.up_unsupported(xs, w1, h, "gelu", 32, capability=HOPPER)
+    _, _, w1_odd, _ = operands(D=256, F=384)  # F not in whole 256-column jobs at TILE 64
+    assert "F=384" in gluon_moe.up_unsupported(xs, w1_odd, h[:, :384].contiguous(), "gelu", 64, capability=HOPPER)
+    assert gluon_moe.up_unsupported(xs, w1, h, "gelu", 128) == "not on a CUDA GPU"

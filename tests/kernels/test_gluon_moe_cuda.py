@@ -558,3 +558,28 @@ def test_gemm2_back_to_back_on_new_buffers():
     for (groups, h, w2, b2, weight), c in zip(cases, outs):
         want = float64_gemm2(groups, h, w2, b2, weight)
         assert float((c.double() - want).norm() / want.norm()) < TOL[torch.bfloat16]
+
+
+
+@pytest.mark.parametrize("tile", sorted(gluon_moe.UP_CONFIGS))
+@pytest.mark.parametrize("act,dtype,bias", [("gelu", torch.bfloat16, True), ("gelu_tanh", torch.float16, False),
+                                            ("silu", torch.bfloat16, False)])
+def test_staged_gluon_gemm1_against_float64(tile, act, dtype, bias):
+    """gluon_moe's staged GEMM1 (GLUON_UP, off by default: bench/gemm_probe.py's up_gluon times it
+    before anything takes it) at each TILE's config: h = act(xs W1[e] + b1[e]) on every slot row,
+    padding rows included (act(b1), xs being 0 there), against float64, with an empty expert and R
+    not a multiple of the tile."""
+    R, k, D, F, E = 293, 2, 128, 512, 5
+    groups, _, _, w1, b1, _, _ = slot_case(R, k, D, F, E, [0, 1, 3, 4], dtype, bias, seed=7)
+    groups = moe.Groups(groups.index, E, tile)
+    xs, _, _ = moe.gather_rows(torch.randn(R, D, device="cuda", dtype=dtype), None, groups, 1, dtype)
+    h = torch.empty(groups.slots, F, device="cuda", dtype=dtype)
+    assert gluon_moe.up_unsupported(xs, w1, h, act, tile) is None
+    gluon_moe.experts_up(xs, groups, w1, b1, act, h)
+    e = groups.tile_expert.long().repeat_interleave(tile)
+    u = torch.einsum("sd,sdf->sf", xs.double(), w1.double()[e])
+    if b1 is not None:
+        u = u + b1.double()[e]
+    want = reference.act_forward(act, u, None)
+    err = float((h.double() - want).norm() / want.norm())
+    assert err <= TOL[dtype], f"{act} TILE {tile}: relative error {err:.2e}"
