@@ -375,6 +375,20 @@ def _produce_three(descs, bufs, bars, ptrs, sizes):
 
 
 @gluon.jit
+def _pingpong_barriers(NBUF: gl.constexpr):
+    """(ready, empty) a ring stage, each of count 1, and turn, one a consumer (the ping-pong kernels)."""
+    ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NBUF):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    for c in gl.static_range(2):
+        mbarrier.init(turn.index(c), count=1)
+    return ready, empty, turn
+
+
+@gluon.jit
 def _hidden_kernel(xs_desc, gs_desc, w1_desc, w2_desc, hw_desc, du_desc, w3_desc, du3_desc,
                    b1_ptr, weight_ptr, gw_ptr, slot_pair_ptr, tile_expert_ptr,
                    PAIRS, D, F, GW_COLS, NUM_JOBS, has_b1, TILE,
@@ -394,14 +408,7 @@ def _hidden_kernel(xs_desc, gs_desc, w1_desc, w2_desc, hw_desc, du_desc, w3_desc
     if ACT == 3:
         w3_bufs = gl.allocate_shared_memory(dtype, [NBUF] + w3_desc.block_type.shape, w3_desc.layout)
         du3_bufs = gl.allocate_shared_memory(dtype, [2] + du3_desc.block_type.shape, du3_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(NBUF):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
-    for c in gl.static_range(2):
-        mbarrier.init(turn.index(c), count=1)
+    ready, empty, turn = _pingpong_barriers(NBUF)
     args = ((xs_desc, gs_desc, w1_desc, w2_desc, hw_desc, du_desc, w3_desc, du3_desc),
             (xs_bufs, gs_bufs, w1_bufs, w2_bufs, hw_bufs, du_bufs, w3_bufs, du3_bufs), (ready, empty, turn),
             (b1_ptr, weight_ptr, gw_ptr, slot_pair_ptr, tile_expert_ptr),
@@ -786,14 +793,7 @@ def _up_kernel(xs_desc, w1_desc, h_desc, b1_ptr, tile_expert_ptr, D, F, NUM_JOBS
     xs_bufs = gl.allocate_shared_memory(dtype, [NBUF] + xs_desc.block_type.shape, xs_desc.layout)
     w1_bufs = gl.allocate_shared_memory(dtype, [NBUF] + w1_desc.block_type.shape, w1_desc.layout)
     h_bufs = gl.allocate_shared_memory(dtype, [2] + h_desc.block_type.shape, h_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(NBUF):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
-    for c in gl.static_range(2):
-        mbarrier.init(turn.index(c), count=1)
+    ready, empty, turn = _pingpong_barriers(NBUF)
     args = ((xs_desc, w1_desc, h_desc), (xs_bufs, w1_bufs, h_bufs), (ready, empty, turn), (b1_ptr, tile_expert_ptr),
             (D, F, NUM_JOBS, has_b1, TILE))
     zero = gl.program_id(0) * 0  # which consumer, as a runtime value (see the hidden kernel)
