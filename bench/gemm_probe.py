@@ -185,9 +185,9 @@ def probe(preset, act, rows_out, kernels):
         print(f"{'cublas':<10}{what:<14}{ms * 1e3:>8.1f} us {gemm / ms / 1e9:>6.0f} TF/s", flush=True)
 
 
-# gluon_moe's staged GEMM1 (GLUON_UP): [128, 128] jobs take 128 accumulator registers a thread and
-# spill 266 bytes with gelu's erf (none with silu or gelu_tanh), [64, 256] 304; [128, 64] and [64,
-# 128] none (offline, sm_90a, session 33). The first is UP_CONFIGS[128].
+# gluon_moe's staged GEMM1 (GLUON_UP), its jobs' columns in two halves: [128, 128] jobs take 128
+# accumulator registers a thread and spill none, [64, 256] 16 bytes with gelu (offline, sm_90a,
+# session 33). The first is UP_CONFIGS[128], the second UP_CONFIGS[64].
 GLUON_UP_CONFIGS = [dict(tile_m=128, block_n=128, block_k=64, nbuf=4), dict(tile_m=64, block_n=256, block_k=64, nbuf=3),
                     dict(tile_m=128, block_n=64, block_k=64, nbuf=4), dict(tile_m=64, block_n=128, block_k=64, nbuf=4),
                     dict(tile_m=128, block_n=128, block_k=32, nbuf=6)]

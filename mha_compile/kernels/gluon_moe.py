@@ -655,13 +655,15 @@ def backward_hidden(xs, gs, groups, w1, b1, w2, weight, act, hw, du, gw, w3=None
 # row is act(b1[e]), as xs is 0 there). The hidden kernel's ping-pong with one accumulator a
 # consumer: a producer warp loads xs [TILE_M, BLOCK_K] and W1 [BLOCK_K, BLOCK_N] tiles into the
 # ring; two consumer warpgroups take this program's jobs in turn, one running its activation and
-# its TMA store of h while the other runs its dots. Why: at medium (K = D = 256, four k-steps of
+# its TMA store of h while the other runs its dots (each job's columns in two halves, UP_CONFIGS). Why: at medium (K = D = 256, four k-steps of
 # 64) the Triton GEMM1's gelu epilogue, in line with its dots, is as long as they are (73 us a
 # step for 22 us of FLOPs at 790 TFLOP/s, bench/results/step_profile_medium_reuse_new.txt).
 GLUON_UP = os.environ.get("MHA_COMPILE_GLUON_UP", "0") == "1"
 UP_ACTS = {name: ACT_CODE[name] for name in ("gelu", "gelu_tanh", "silu")}
-# By TILE: an accumulator of 128 fp32 registers a thread; a [128, 128] stage is 32 KiB, four of
-# them and the two staging tiles 192 KiB.
+# By TILE: 128 fp32 accumulator registers a thread, in two column halves (two wgmmas a K step,
+# each on half the W1 tile), whose activations run one after the other: with one [128, 128]
+# accumulator gelu's erf spilled 266 bytes, in halves none (offline, sm_90a, session 33; [64,
+# 256] in halves 16). A [128, 128] stage is 32 KiB, four of them and the two staging tiles 192.
 UP_CONFIGS = {128: dict(tile_m=128, block_n=128, block_k=64, nbuf=4), 64: dict(tile_m=64, block_n=256, block_k=64, nbuf=3)}
 
 
@@ -714,7 +716,8 @@ def _up_produce(descs, bufs, bars, ptrs, sizes):
 
 @gluon.jit
 def _up_consume(descs, bufs, bars, ptrs, sizes, which, ACT: gl.constexpr):
-    """This program's jobs i with i % 2 == which: the dots over the ring, then the epilogue."""
+    """This program's jobs i with i % 2 == which: the dots over the ring, then the epilogue, each in
+    two halves of the job's columns."""
     xs_desc, w1_desc, h_desc = descs
     xs_bufs, w1_bufs, h_bufs = bufs
     ready, empty, turn = bars
@@ -723,48 +726,56 @@ def _up_consume(descs, bufs, bars, ptrs, sizes, which, ACT: gl.constexpr):
     TILE_M: gl.constexpr = xs_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = xs_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w1_desc.block_type.shape[1]
+    HALF: gl.constexpr = BLOCK_N // 2
     NBUF: gl.constexpr = xs_bufs.type.shape[0]
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, BLOCK_N, 16])
+                                                         instr_shape=[16, HALF, 16])
     cols_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
     h_buf = h_bufs.index(which)
     ksteps = D // BLOCK_K
-    i = 0  # this program's jobs
-    own = 0  # this consumer's
+    i = 0
+    own = 0
     for job in range(gl.program_id(0), NUM_JOBS, gl.num_programs(0)):
         if i % 2 == which:
             row, t, n = _job(job, F, TILE, TILE_M, BLOCK_N)
             e = gl.load(tile_expert_ptr + t)
-            # b1 loaded before this consumer's turn and added after its dots (C7515: see _job_rows)
-            bias = gl.zeros([BLOCK_N], gl.float32, cols_layout)
+            bias_a = gl.zeros([HALF], gl.float32, cols_layout)
+            bias_b = gl.zeros([HALF], gl.float32, cols_layout)
             if has_b1 != 0:
-                bias = gl.load(b1_ptr + e * F + n * BLOCK_N + gl.arange(0, BLOCK_N, layout=cols_layout)).to(gl.float32)
-            acc = gl.zeros([TILE_M, BLOCK_N], gl.float32, acc_layout)
-            mbarrier.wait(turn.index(which), (own & 1) ^ (1 - which))  # consumer 0 first, as in _consume
+                cols = e * F + n * BLOCK_N + gl.arange(0, HALF, layout=cols_layout)
+                bias_a = gl.load(b1_ptr + cols).to(gl.float32)
+                bias_b = gl.load(b1_ptr + cols + HALF).to(gl.float32)
+            acc_a = gl.zeros([TILE_M, HALF], gl.float32, acc_layout)
+            acc_b = gl.zeros([TILE_M, HALF], gl.float32, acc_layout)
+            mbarrier.wait(turn.index(which), (own & 1) ^ (1 - which))
             pos = i * ksteps
-            # the first K step from a zero accumulator its wgmma leaves out (use_acc=False), as _consume's
             stage = pos % NBUF
             mbarrier.wait(ready.index(stage), (pos // NBUF) & 1)
-            acc = warpgroup_mma(xs_bufs.index(stage), w1_bufs.index(stage), acc, use_acc=False, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            w = w1_bufs.index(stage)
+            acc_a = warpgroup_mma(xs_bufs.index(stage), w.slice(0, HALF, 1), acc_a, use_acc=False, is_async=True)
+            acc_b = warpgroup_mma(xs_bufs.index(stage), w.slice(HALF, HALF, 1), acc_b, use_acc=False, is_async=True)
+            acc_a, acc_b = warpgroup_mma_wait(num_outstanding=2, deps=(acc_a, acc_b))
             prev = stage
             pos += 1
             for k in range(1, ksteps):
                 stage = pos % NBUF
                 mbarrier.wait(ready.index(stage), (pos // NBUF) & 1)
-                acc = warpgroup_mma(xs_bufs.index(stage), w1_bufs.index(stage), acc, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))  # the step before has read its stage
+                w = w1_bufs.index(stage)
+                acc_a = warpgroup_mma(xs_bufs.index(stage), w.slice(0, HALF, 1), acc_a, is_async=True)
+                acc_b = warpgroup_mma(xs_bufs.index(stage), w.slice(HALF, HALF, 1), acc_b, is_async=True)
+                acc_a, acc_b = warpgroup_mma_wait(num_outstanding=2, deps=(acc_a, acc_b))
                 mbarrier.arrive(empty.index(prev), count=1)
                 prev = stage
                 pos += 1
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            acc_a, acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a, acc_b))
             mbarrier.arrive(empty.index(prev), count=1)
-            mbarrier.arrive(turn.index(1 - which), count=1)  # the other consumer's K loop may start
+            mbarrier.arrive(turn.index(1 - which), count=1)
             own += 1
-            u = acc + bias[None, :]
-            h = act_fwd(u, u, ACT)
-            tma.store_wait(0)  # this consumer's last store has left its staging tile
-            h_buf.store(h.to(h_desc.dtype))
+            tma.store_wait(0)
+            u = acc_a + bias_a[None, :]
+            h_buf.slice(0, HALF, 1).store(act_fwd(u, u, ACT).to(h_desc.dtype))
+            u = acc_b + bias_b[None, :]
+            h_buf.slice(HALF, HALF, 1).store(act_fwd(u, u, ACT).to(h_desc.dtype))
             fence_async_shared()
             tma.async_copy_shared_to_global(h_desc, [row, n * BLOCK_N], h_buf)
         i += 1

@@ -114,17 +114,17 @@ def test_gluon_kernels_build_with_inline_ptx(tmp_path):
     assert offline_sass(tmp_path, "--presets", "medium", "--kernels", kernels) == []
 
 
-@pytest.mark.parametrize("act, spills", [("gelu", True), ("silu", False)])
-def test_staged_gluon_gemm1_builds(tmp_path, act, spills):
+@pytest.mark.parametrize("act", ["gelu", "silu"])
+def test_staged_gluon_gemm1_builds(tmp_path, act):
     """MHA_COMPILE_GLUON_UP=1 takes the forward's GEMM1 to gluon_moe's staged kernel (off by
     default: without it the Triton GEMM1 runs): it builds for sm_90a, warp-specialised, on wgmma,
-    within shared memory. Its [128, 128] jobs spill with gelu's erf and not with silu (the reason
-    bench/gemm_probe.py's up_gluon times smaller jobs too)."""
+    within shared memory, and its [128, 128] jobs, in two column halves, do not spill (with one
+    accumulator gelu's erf spilled 266 bytes)."""
     rows = offline_sass(tmp_path, "--presets", "medium", "--act", act, "--gluon", "--kernels",
                         "_up_kernel,_moe_up_kernel", env={"MHA_COMPILE_GLUON_UP": "1"})
     assert [r["kernel"] for r in rows] == ["_up_kernel"] and not [r for r in rows if "error" in r]
     row = rows[0]
-    assert row["setmaxnreg"] > 0 and row["wgmma"] > 0 and row["fits"] and (row["spill_bytes"] > 0) == spills, row
+    assert row["setmaxnreg"] > 0 and row["wgmma"] > 0 and row["fits"] and row["spill_bytes"] == 0, row
     off = offline_sass(tmp_path, "--presets", "medium", "--act", act, "--gluon", "--kernels", "_up_kernel,_moe_up_kernel")
     assert [r["kernel"] for r in off] == ["_moe_up_kernel"]
 
