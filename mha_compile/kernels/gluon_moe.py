@@ -652,19 +652,20 @@ def backward_hidden(xs, gs, groups, w1, b1, w2, weight, act, hw, du, gw, w3=None
 # The forward's GEMM1, staged (GLUON_UP, off by default; session 33 took back 192de8d's, which lost
 # to the Triton GEMM1 before the fast activations): h [S,F] = act(xs[s] W1[e] + b1[e]) over the tile
 # rows s of expert e (triton_moe._moe_up_kernel's contract without swiglu's W3: a padding slot's
-# row is act(b1[e]), as xs is 0 there). The hidden kernel's ping-pong with one accumulator a
-# consumer: a producer warp loads xs [TILE_M, BLOCK_K] and W1 [BLOCK_K, BLOCK_N] tiles into the
-# ring; two consumer warpgroups take this program's jobs in turn, one running its activation and
-# its TMA store of h while the other runs its dots (each job's columns in two halves, UP_CONFIGS). Why: at medium (K = D = 256, four k-steps of
-# 64) the Triton GEMM1's gelu epilogue, in line with its dots, is as long as they are (73 us a
-# step for 22 us of FLOPs at 790 TFLOP/s, bench/results/step_profile_medium_reuse_new.txt).
+# row is act(b1[e]), as xs is 0 there). The hidden kernel's ping-pong: a producer warp loads xs
+# [TILE_M, BLOCK_K] and W1 [BLOCK_K, BLOCK_N] tiles into the ring; two consumer warpgroups take
+# this program's jobs in turn, one running its activation and its TMA store of h while the other
+# runs its dots, a job's columns in two halves (UP_CONFIGS). Why: at medium (K = D = 256, four
+# k-steps of 64) the Triton GEMM1's gelu epilogue, in line with its dots, is as long as they are
+# (73 us a step for 22 us of FLOPs at 790 TFLOP/s, bench/results/step_profile_medium_reuse_new.txt).
 GLUON_UP = os.environ.get("MHA_COMPILE_GLUON_UP", "0") == "1"
 UP_ACTS = {name: ACT_CODE[name] for name in ("gelu", "gelu_tanh", "silu")}
 # By TILE: 128 fp32 accumulator registers a thread, in two column halves (two wgmmas a K step,
 # each on half the W1 tile), whose activations run one after the other: with one [128, 128]
 # accumulator gelu's erf spilled 266 bytes, in halves none (offline, sm_90a, session 33; [64,
 # 256] in halves 16). A [128, 128] stage is 32 KiB, four of them and the two staging tiles 192.
-UP_CONFIGS = {128: dict(tile_m=128, block_n=128, block_k=64, nbuf=4), 64: dict(tile_m=64, block_n=256, block_k=64, nbuf=3)}
+UP_CONFIGS = {128: dict(tile_m=128, block_n=128, block_k=64, nbuf=4),
+              64: dict(tile_m=64, block_n=256, block_k=64, nbuf=3)}
 
 
 def up_unsupported(xs, w1, h, act, tile, capability=None):
@@ -677,8 +678,9 @@ def up_unsupported(xs, w1, h, act, tile, capability=None):
     D, F = w1.shape[1], w1.shape[2]
     config = UP_CONFIGS.get(tile)
     if config is None or F % config["block_n"] or D % config["block_k"]:
-        return (f"D={D}, F={F}, TILE={tile}: needs TILE in {sorted(UP_CONFIGS)}, F a multiple of its block_n "
-                f"({', '.join(str(c['block_n']) for c in UP_CONFIGS.values())}) and D of 64")
+        blocks = ", ".join(f"TILE {t}: {c['block_n']} and {c['block_k']}" for t, c in UP_CONFIGS.items())
+        return (f"D={D}, F={F}, TILE={tile}: needs TILE in {sorted(UP_CONFIGS)}, F and D multiples of its "
+                f"config's block_n and block_k ({blocks})")
     return None
 
 
@@ -715,6 +717,18 @@ def _up_produce(descs, bufs, bars, ptrs, sizes):
 
 
 @gluon.jit
+def _up_step(xs_bufs, w1_bufs, ready, stage, phase, acc_a, acc_b, use_acc: gl.constexpr):
+    """One K step of a GEMM1 consumer, as _pingpong_step's: wait for the stage, issue the wgmmas of
+    both column halves, and wait for the step before's."""
+    HALF: gl.constexpr = w1_bufs.type.shape[2] // 2
+    mbarrier.wait(ready.index(stage), phase)
+    xs, w = xs_bufs.index(stage), w1_bufs.index(stage)
+    acc_a = warpgroup_mma(xs, w.slice(0, HALF, 1), acc_a, use_acc=use_acc, is_async=True)
+    acc_b = warpgroup_mma(xs, w.slice(HALF, HALF, 1), acc_b, use_acc=use_acc, is_async=True)
+    return warpgroup_mma_wait(num_outstanding=2, deps=(acc_a, acc_b))
+
+
+@gluon.jit
 def _up_consume(descs, bufs, bars, ptrs, sizes, which, ACT: gl.constexpr):
     """This program's jobs i with i % 2 == which: the dots over the ring, then the epilogue, each in
     two halves of the job's columns."""
@@ -747,23 +761,16 @@ def _up_consume(descs, bufs, bars, ptrs, sizes, which, ACT: gl.constexpr):
                 bias_b = gl.load(b1_ptr + cols + HALF).to(gl.float32)
             acc_a = gl.zeros([TILE_M, HALF], gl.float32, acc_layout)
             acc_b = gl.zeros([TILE_M, HALF], gl.float32, acc_layout)
-            mbarrier.wait(turn.index(which), (own & 1) ^ (1 - which))
+            mbarrier.wait(turn.index(which), (own & 1) ^ (1 - which))  # consumer 0 first, as in _consume
             pos = i * ksteps
+            # the first K step from zero accumulators its wgmmas leave out (use_acc=False), as _consume's
             stage = pos % NBUF
-            mbarrier.wait(ready.index(stage), (pos // NBUF) & 1)
-            w = w1_bufs.index(stage)
-            acc_a = warpgroup_mma(xs_bufs.index(stage), w.slice(0, HALF, 1), acc_a, use_acc=False, is_async=True)
-            acc_b = warpgroup_mma(xs_bufs.index(stage), w.slice(HALF, HALF, 1), acc_b, use_acc=False, is_async=True)
-            acc_a, acc_b = warpgroup_mma_wait(num_outstanding=2, deps=(acc_a, acc_b))
+            acc_a, acc_b = _up_step(xs_bufs, w1_bufs, ready, stage, (pos // NBUF) & 1, acc_a, acc_b, False)
             prev = stage
             pos += 1
             for k in range(1, ksteps):
                 stage = pos % NBUF
-                mbarrier.wait(ready.index(stage), (pos // NBUF) & 1)
-                w = w1_bufs.index(stage)
-                acc_a = warpgroup_mma(xs_bufs.index(stage), w.slice(0, HALF, 1), acc_a, is_async=True)
-                acc_b = warpgroup_mma(xs_bufs.index(stage), w.slice(HALF, HALF, 1), acc_b, is_async=True)
-                acc_a, acc_b = warpgroup_mma_wait(num_outstanding=2, deps=(acc_a, acc_b))
+                acc_a, acc_b = _up_step(xs_bufs, w1_bufs, ready, stage, (pos // NBUF) & 1, acc_a, acc_b, True)
                 mbarrier.arrive(empty.index(prev), count=1)
                 prev = stage
                 pos += 1

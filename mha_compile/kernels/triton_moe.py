@@ -924,9 +924,10 @@ def experts_up(xs, groups, w1, b1, w3, act):
     D = xs.shape[1]
     F = w1.shape[2]
     h = torch.empty(groups.slots, F, device=xs.device, dtype=w1.dtype)
-    if gluon_moe is not None and gluon_moe.GLUON_UP and w3 is None and up_kernel(xs, w1, b1, h, act, groups.tile) \
-            == "gluon" and _gluon_launch("GEMM1", up_key(xs, act, groups.tile, b1),
-                                         functools.partial(gluon_moe.experts_up, xs, groups, w1, b1, act, h)):
+    staged = gluon_moe is not None and gluon_moe.GLUON_UP and w3 is None
+    if staged and up_kernel(xs, w1, b1, h, act, groups.tile) == "gluon" and _gluon_launch(
+            "GEMM1", up_key(xs, act, groups.tile, b1),
+            functools.partial(gluon_moe.experts_up, xs, groups, w1, b1, act, h)):
         return h
     w3 = w1 if w3 is None else w3
     tma = tma_ok(xs, w1, w3, h)
@@ -1255,7 +1256,8 @@ def up_kernel(xs, w1, b1, h, act, tile):
     """Which GEMM1 the forward runs on these operands with gluon_moe.GLUON_UP: "gluon"
     (gluon_moe.experts_up: Hopper, bf16/fp16, gelu, gelu_tanh or silu, sizes its blocks divide;
     and it has built) or "triton"."""
-    return _choose("GEMM1", up_key(xs, act, tile, b1), xs.device, lambda: gluon_moe.up_unsupported(xs, w1, h, act, tile))
+    return _choose("GEMM1", up_key(xs, act, tile, b1), xs.device,
+                   lambda: gluon_moe.up_unsupported(xs, w1, h, act, tile))
 
 
 def hidden_key(xs, act, tile, b1):

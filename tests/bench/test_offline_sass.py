@@ -125,7 +125,8 @@ def test_staged_gluon_gemm1_builds(tmp_path, act):
     assert [r["kernel"] for r in rows] == ["_up_kernel"] and not [r for r in rows if "error" in r]
     row = rows[0]
     assert row["setmaxnreg"] > 0 and row["wgmma"] > 0 and row["fits"] and row["spill_bytes"] == 0, row
-    off = offline_sass(tmp_path, "--presets", "medium", "--act", act, "--gluon", "--kernels", "_up_kernel,_moe_up_kernel")
+    off = offline_sass(tmp_path, "--presets", "medium", "--act", act, "--gluon", "--kernels",
+                       "_up_kernel,_moe_up_kernel")
     assert [r["kernel"] for r in off] == ["_moe_up_kernel"]
 
 @pytest.mark.parametrize("stream, spread", [("0", "0"), ("1", "0"), ("0", "1"), ("1", "1")])

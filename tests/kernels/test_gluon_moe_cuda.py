@@ -560,7 +560,6 @@ def test_gemm2_back_to_back_on_new_buffers():
         assert float((c.double() - want).norm() / want.norm()) < TOL[torch.bfloat16]
 
 
-
 @pytest.mark.parametrize("tile", sorted(gluon_moe.UP_CONFIGS))
 @pytest.mark.parametrize("act,dtype,bias", [("gelu", torch.bfloat16, True), ("gelu_tanh", torch.float16, False),
                                             ("silu", torch.bfloat16, False)])
