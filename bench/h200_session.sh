@@ -99,7 +99,7 @@
 #                                      # sum (triton_pool.COLUMN_SUMS, the default since session 32): its GPU
 #                                      # tests, then bench/flag_ab.py off against on at large and medium
 #                                      # (~4 min): run.log, flag_ab_column_sums.txt
-#   bash bench/h200_session.sh gluon-up  # gluon_moe's staged GEMM1 (GLUON_UP, off by default): its GPU
+#   bash bench/h200_session.sh gluon-up  # gluon_moe's GEMM1 (GLUON_UP, the default since session 34): its GPU
 #                                      # tests, then bench/gemm_probe.py's up_gluon rows (each config
 #                                      # checked against the Triton GEMM1, then timed beside it) at medium
 #                                      # and large, gelu and silu (~4 min): run.log, gemm_probe_up_gluon.txt

@@ -1,6 +1,7 @@
 """The MoE's warp-specialised Gluon kernels for Hopper (sm_90): the backward's hidden kernel (below),
 its weight-gradient GEMM and the forward's GEMM2 (each described at its section further down), and
-a staged GEMM1 that runs only where MHA_COMPILE_GLUON_UP=1 asks (GLUON_UP; not yet timed).
+and the forward's GEMM1 (GLUON_UP, on by default since session 34; MHA_COMPILE_GLUON_UP=0 keeps the
+Triton one).
 
 The hidden kernel has triton_moe._moe_bwd_hidden_kernel's contract (read its docstring for the
 math): per slot s of expert e and F block, u = xs[s] W1[e] + b1[e] and g = gs[s] W2[e]ᵀ, then
@@ -649,8 +650,8 @@ def backward_hidden(xs, gs, groups, w1, b1, w2, weight, act, hw, du, gw, w3=None
 
 
 # ---------------------------------------------------------------------------------------------
-# The forward's GEMM1, staged (GLUON_UP, off by default; session 33 took back 192de8d's, which lost
-# to the Triton GEMM1 before the fast activations): h [S,F] = act(xs[s] W1[e] + b1[e]) over the tile
+# The forward's GEMM1 (GLUON_UP; session 33 took back 192de8d's, which lost to the Triton GEMM1
+# before the fast activations): h [S,F] = act(xs[s] W1[e] + b1[e]) over the tile
 # rows s of expert e (triton_moe._moe_up_kernel's contract without swiglu's W3: a padding slot's
 # row is act(b1[e]), as xs is 0 there). The hidden kernel's ping-pong: a producer warp loads xs
 # [TILE_M, BLOCK_K] and W1 [BLOCK_K, BLOCK_N] tiles into the ring; two consumer warpgroups take
@@ -658,7 +659,11 @@ def backward_hidden(xs, gs, groups, w1, b1, w2, weight, act, hw, du, gw, w3=None
 # runs its dots, a job's columns in two halves (UP_CONFIGS). Why: at medium (K = D = 256, four
 # k-steps of 64) the Triton GEMM1's gelu epilogue, in line with its dots, is as long as they are
 # (73 us a step for 22 us of FLOPs at 790 TFLOP/s, bench/results/step_profile_medium_reuse_new.txt).
-GLUON_UP = os.environ.get("MHA_COMPILE_GLUON_UP", "0") == "1"
+# On the H200 (bench/gemm_probe.py --kernels up_gluon, session 34, bench/results/gemm_probe_up_gluon.txt),
+# [128, 128] jobs against the autotuned Triton GEMM1 a call: medium 64.2 against 73.1 us with gelu,
+# 45.9 against 58.8 with silu; large 657.7 against 720.2 and 573.4 against 669.8. On by default
+# since; MHA_COMPILE_GLUON_UP=0 keeps the Triton GEMM1 (read at launch time: bench/flag_ab.py flips it).
+GLUON_UP = os.environ.get("MHA_COMPILE_GLUON_UP", "1") != "0"
 UP_ACTS = {name: ACT_CODE[name] for name in ("gelu", "gelu_tanh", "silu")}
 # By TILE: 128 fp32 accumulator registers a thread, in two column halves (two wgmmas a K step,
 # each on half the W1 tile), whose activations run one after the other: with one [128, 128]

@@ -920,7 +920,7 @@ def gather_rows(x, inv, groups, horizons, dtype, grad_out=None, weight=None, b2=
 def experts_up(xs, groups, w1, b1, w3, act):
     """h [S,F] in the weights' dtype from the slot rows xs [S,D]. A padding slot's row is act(b1[e])
     (xs is 0 there), not 0: GEMM2 (slots_gemm) writes 0 on padding slots whatever h holds. With
-    gluon_moe.GLUON_UP (staged, off by default), gluon_moe's GEMM1 where up_kernel says so."""
+    gluon_moe.GLUON_UP (the default), gluon_moe's GEMM1 where up_kernel says so."""
     D = xs.shape[1]
     F = w1.shape[2]
     h = torch.empty(groups.slots, F, device=xs.device, dtype=w1.dtype)

@@ -115,18 +115,18 @@ def test_gluon_kernels_build_with_inline_ptx(tmp_path):
 
 
 @pytest.mark.parametrize("act", ["gelu", "silu"])
-def test_staged_gluon_gemm1_builds(tmp_path, act):
-    """MHA_COMPILE_GLUON_UP=1 takes the forward's GEMM1 to gluon_moe's staged kernel (off by
-    default: without it the Triton GEMM1 runs): it builds for sm_90a, warp-specialised, on wgmma,
+def test_gluon_gemm1_builds(tmp_path, act):
+    """The forward's GEMM1 runs on gluon_moe's kernel by default (MHA_COMPILE_GLUON_UP=0: the
+    Triton GEMM1): it builds for sm_90a, warp-specialised, on wgmma,
     within shared memory, and its [128, 128] jobs, in two column halves, do not spill (with one
     accumulator gelu's erf spilled 266 bytes)."""
     rows = offline_sass(tmp_path, "--presets", "medium", "--act", act, "--gluon", "--kernels",
-                        "_up_kernel,_moe_up_kernel", env={"MHA_COMPILE_GLUON_UP": "1"})
+                        "_up_kernel,_moe_up_kernel")
     assert [r["kernel"] for r in rows] == ["_up_kernel"] and not [r for r in rows if "error" in r]
     row = rows[0]
     assert row["setmaxnreg"] > 0 and row["wgmma"] > 0 and row["fits"] and row["spill_bytes"] == 0, row
     off = offline_sass(tmp_path, "--presets", "medium", "--act", act, "--gluon", "--kernels",
-                       "_up_kernel,_moe_up_kernel")
+                       "_up_kernel,_moe_up_kernel", env={"MHA_COMPILE_GLUON_UP": "0"})
     assert [r["kernel"] for r in off] == ["_moe_up_kernel"]
 
 @pytest.mark.parametrize("stream, spread", [("0", "0"), ("1", "0"), ("0", "1"), ("1", "1")])

@@ -554,11 +554,11 @@ def test_runs_add_sums_rows_up_once(monkeypatch, act):
     assert len({storage for storage, _ in rows_seen}) == 1 and len({row for _, row in rows_seen}) == len(rows_seen)
 
 
-def test_staged_gemm1_is_off_by_default_and_says_what_it_takes():
-    """gluon_moe's staged GEMM1 (GLUON_UP) runs only where MHA_COMPILE_GLUON_UP=1 asks; it takes
+def test_gluon_gemm1_is_on_by_default_and_says_what_it_takes():
+    """gluon_moe's GEMM1 (GLUON_UP) runs unless MHA_COMPILE_GLUON_UP=0 asks otherwise; it takes
     Hopper 16-bit operands with gelu, gelu_tanh or silu at TILE 64 or 128, and says why not
     otherwise."""
-    assert gluon_moe.GLUON_UP is False
+    assert gluon_moe.GLUON_UP is True
     xs, _, w1, _ = operands(D=256, F=512)
     h = torch.empty(xs.shape[0], 512, dtype=xs.dtype)
     for act in gluon_moe.UP_ACTS:
