@@ -665,12 +665,15 @@ def backward_hidden(xs, gs, groups, w1, b1, w2, weight, act, hw, du, gw, w3=None
 # since; MHA_COMPILE_GLUON_UP=0 keeps the Triton GEMM1 (read at launch time: bench/flag_ab.py flips it).
 GLUON_UP = os.environ.get("MHA_COMPILE_GLUON_UP", "1") != "0"
 UP_ACTS = {name: ACT_CODE[name] for name in ("gelu", "gelu_tanh", "silu")}
-# By TILE: 128 fp32 accumulator registers a thread, in two column halves (two wgmmas a K step,
-# each on half the W1 tile), whose activations run one after the other: with one [128, 128]
-# accumulator gelu's erf spilled 266 bytes, in halves none (offline, sm_90a, session 33; [64,
-# 256] in halves 16). A [128, 128] stage is 32 KiB, four of them and the two staging tiles 192.
+# By TILE, each the fastest of bench/gemm_probe.py's up_gluon configs on the H200 (session 34):
+# TILE 128 (medium, large) [128, 128] jobs, 128 fp32 accumulator registers a thread, in two column
+# halves (two wgmmas a K step, each on half the W1 tile), whose activations run one after the
+# other: with one [128, 128] accumulator gelu's erf spilled 266 bytes, in halves none (offline,
+# sm_90a, session 33). A [128, 128] stage is 32 KiB, four of them and the two staging tiles 192.
+# TILE 64 (small) [64, 128] jobs: 7.5 us a call with gelu, 6.7 with silu, against the Triton
+# GEMM1's 8.8 and 7.0 and [64, 256] jobs' 9.8 and 7.0.
 UP_CONFIGS = {128: dict(tile_m=128, block_n=128, block_k=64, nbuf=4),
-              64: dict(tile_m=64, block_n=256, block_k=64, nbuf=3)}
+              64: dict(tile_m=64, block_n=128, block_k=64, nbuf=4)}
 
 
 def up_unsupported(xs, w1, h, act, tile, capability=None):
@@ -837,6 +840,9 @@ def experts_up(xs, groups, w1, b1, act, h, config=None):
     E, D, F = w1.shape
     config = config or UP_CONFIGS[groups.tile]
     tile_m, block_n, block_k, nbuf = (config[key] for key in ("tile_m", "block_n", "block_k", "nbuf"))
+    if groups.tile % tile_m or F % block_n or D % block_k:
+        raise ValueError(f"experts_up: config {config} on TILE {groups.tile}, D={D}, F={F}: tile_m must divide "
+                         f"TILE, block_n F and block_k D")
     jobs = groups.num_tiles * (groups.tile // tile_m) * (F // block_n)
     dtype = _gl_dtype(xs)
     _up_kernel[(min(num_sms(xs.device), jobs),)](

@@ -566,6 +566,21 @@ def test_gluon_gemm1_is_on_by_default_and_says_what_it_takes():
             assert gluon_moe.up_unsupported(xs, w1, h, act, tile, capability=HOPPER) is None, (act, tile)
     assert "swiglu" in gluon_moe.up_unsupported(xs, w1, h, "swiglu", 128, capability=HOPPER)
     assert "TILE=32" in gluon_moe.up_unsupported(xs, w1, h, "gelu", 32, capability=HOPPER)
-    _, _, w1_odd, _ = operands(D=256, F=384)  # F not in whole 256-column jobs at TILE 64
-    assert "F=384" in gluon_moe.up_unsupported(xs, w1_odd, h[:, :384].contiguous(), "gelu", 64, capability=HOPPER)
+    _, _, w1_odd, _ = operands(D=256, F=320)  # F not in whole 128-column jobs
+    for tile in (64, 128):
+        assert "F=320" in gluon_moe.up_unsupported(xs, w1_odd, h[:, :320].contiguous(), "gelu", tile, capability=HOPPER)
     assert gluon_moe.up_unsupported(xs, w1, h, "gelu", 128) == "not on a CUDA GPU"
+
+
+def test_gluon_gemm1_refuses_a_config_that_does_not_tile_the_layout():
+    """experts_up with a config (bench/gemm_probe.py passes them) whose row block exceeds the
+    layout's TILE, or whose blocks do not divide F or D, raises before it launches, naming them:
+    a [128, ·] job on TILE 64 rows once wrote h wrong (relative error 1.0 in the probe)."""
+    xs, _, w1, _ = operands(D=256, F=512)
+    h = torch.empty(xs.shape[0], 512, dtype=xs.dtype)
+    bad = [(64, dict(tile_m=128, block_n=128, block_k=64, nbuf=4), "TILE 64"),
+           (128, dict(tile_m=128, block_n=384, block_k=64, nbuf=4), "F=512"),
+           (128, dict(tile_m=128, block_n=128, block_k=96, nbuf=4), "D=256")]
+    for tile, config, named in bad:
+        with pytest.raises(ValueError, match=named):
+            gluon_moe.experts_up(xs, types.SimpleNamespace(tile=tile, num_tiles=4), w1, None, "gelu", h, config)
