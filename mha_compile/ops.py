@@ -8,14 +8,14 @@ Forward returns (out, inv, attn, weight, index, probs, reuse); the last six are 
 keeps (SPEC §1): the pool output [B,D], the attention [B,N,P], the top-k weights and indices [R,k],
 the router's softmax π [R,E] (its backward's pass 1 reads π rather than computing it again from x),
 and `reuse`, an int32 buffer of what the kernel set's backward would otherwise compute again from
-the same inputs (the expert layout, the pool's directions; kernels/triton_region.py), empty for
+the same inputs (the expert layout, the pool's directions and heads; kernels/triton_region.py), empty for
 the reference.
 
 `region_call` is what a graph that runs eagerly calls instead (backend.run_rest swaps it in):
 RegionFunction, a plain autograd.Function over the same kernel-set calls, unless something is
 tracing, in which case the op itself. RegionFunction also keeps what the forward computed for the
 backward (the expert layout, the pool's fp32 weights: KEEPS); the op carries the part of that
-which fits in its tensor outputs (`reuse`: the layout and the pool's directions).
+which fits in its tensor outputs (`reuse`: the layout, the pool's directions and heads).
 """
 import contextlib
 import hashlib

@@ -436,23 +436,26 @@ def _mm(a, b, split, bias=None):
     return _bmm(a[None], b[None], split, bias=bias)[0]
 
 
-def _heads(tbar, wv, bv, split):
+def _heads(tbar, wv, bv, split, out=None):
     """pooled [B,D] from t̄ [B,P,D]: pooled_p = Wv_p t̄_p + bv_p (reference.pool_heads), one
-    batched product over the heads written straight into [B,P,Dh], bv in its epilogue."""
+    batched product over the heads written straight into [B,P,Dh] (of `out`, a contiguous [B,D]
+    fp32, where given), bv in its epilogue."""
     B, P, D = tbar.shape
-    pooled = torch.empty(B, P, D // P, device=tbar.device, dtype=torch.float32)
-    _bmm(tbar.transpose(0, 1), wv.view(P, D // P, D).transpose(1, 2), split, out=pooled.transpose(0, 1),
-         bias=None if bv is None else bv.view(P, D // P))
-    return pooled.view(B, D)
+    pooled = torch.empty(B, D, device=tbar.device, dtype=torch.float32) if out is None else out
+    _bmm(tbar.transpose(0, 1), wv.view(P, D // P, D).transpose(1, 2), split,
+         out=pooled.view(B, P, D // P).transpose(0, 1), bias=None if bv is None else bv.view(P, D // P))
+    return pooled
 
 
-def pool_forward(tok, q, wk, wv, bv, wo, bo, mask=None, u=None):
+def pool_forward(tok, q, wk, wv, bv, wo, bo, mask=None, u=None, pooled=None):
     """inv [B,D] and attn [B,N,P] (fp32), as reference.pool_forward; weights are fp32 here, but Wv
     and Wo may come in tok's dtype where it is split_dot's (triton_matmul takes them as they are).
-    u: pool_directions(q, wk), where the caller has it."""
+    u: pool_directions(q, wk), where the caller has it; pooled: a contiguous [B,D] fp32 buffer
+    the heads' output (Wv t̄ + bv, which pool_backward's ∂Wo reads) is written into, where the
+    caller keeps it for the backward."""
     attn, tbar = pool_attend(tok, pool_directions(q, wk) if u is None else u, mask)
     split = split_dot(tok.dtype)
-    return _mm(_heads(tbar, wv, bv, split), wo.T, split, bias=bo), attn
+    return _mm(_heads(tbar, wv, bv, split, out=pooled), wo.T, split, bias=bo), attn
 
 
 def attend_bwd_scores(tok, attn, dtbar, ds):
@@ -498,10 +501,10 @@ def attend_bwd_one(tok, u, attn, ds, dtbar, tbar, du, grad_tok):
                     tok.stride(1), SPLIT_DOT=split, BLOCK_D=pow2(D), BLOCK_P=block_p(P, split), BLOCK_Q=pow2(2 * P))
 
 
-def pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn, u=None):
+def pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn, u=None, pooled=None):
     """(∂tok in tok's dtype, ∂q, ∂Wk, ∂Wv, ∂bv, ∂Wo, ∂bo) in fp32; weights given in fp32 (Wv and Wo
-    also in tok's dtype, as pool_forward's). u:
-    pool_directions(q, wk), where the caller kept the forward's."""
+    also in tok's dtype, as pool_forward's). u: pool_directions(q, wk), and pooled [B,D] fp32:
+    the forward's heads (pool_forward's), where the caller kept them; else computed again."""
     P, Dh = q.shape
     B, N, D = tok.shape
     split = split_dot(tok.dtype)
@@ -533,7 +536,7 @@ def pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn, u=None):
         grad_u = du_part.sum(0) * (Dh**-0.5)
     del grad_tbar, du_part
     grad_bo = column_sums(grad_inv.contiguous()).to(grad_inv.dtype) if COLUMN_SUMS else grad_inv.sum(0)
-    grad_wo = _mm(grad_inv.T, _heads(tbar, wv, bv, split), split)
+    grad_wo = _mm(grad_inv.T, _heads(tbar, wv, bv, split) if pooled is None else pooled, split)
     # ∂bv = Σ_b ∂pooled[b] = (Σ_b ∂inv[b]) Wo: a [D]·[D,D] product, where torch's sum over the B
     # rows of ∂pooled took 12 us at large and 8 at medium (session 22's profile, H200)
     grad_bv = _mm(grad_bo[None], wo, split)[0]

@@ -27,11 +27,13 @@ and region_graphs does not (a replay overwrites a graph's buffers).
 
 `reuse` (the forward's seventh output, the backward's argument after π): the part of that which
 fits in tensors, for the op and region_graphs: one int32 buffer holding the expert layout
-(triton_moe.layout_size) and then the pool's directions u [P,D] (fp32 bits), reuse_size elements;
-empty where the reference ran. The backward reads it where `kept` holds nothing. Under
-mode="reduce-overhead" (the op, traced) this spares the backward the grouping's 3 launches and
-the directions' 3 kernels: a medium step's kernels 0.654 → 0.646 ms on the H200, with session 33's
-column sums (bench/results/step_profile_medium_reuse_{old,new}.txt).
+(triton_moe.layout_size), then the pool's directions u [P,D] and its heads' output pooled [B,D]
+(both fp32 bits), reuse_size elements; empty where the reference ran. The backward reads the
+layout and u where `kept` holds nothing, and pooled (for ∂Wo) always: every path saves reuse.
+Under mode="reduce-overhead" (the op, traced) the layout and u spare the backward the grouping's
+3 launches and the directions' 3 kernels: a medium step's kernels 0.654 → 0.646 ms on the H200,
+with session 33's column sums (bench/results/step_profile_medium_reuse_{old,new}.txt); pooled
+spares it one of the pool's [B,D]×[D,D]-sized products (~6 us at medium), for 4·B·D bytes kept.
 
 Inputs the kernels do not take (see `why_unsupported`) run on reference.py, which is correct
 for all of them; no input is silently approximated.
@@ -141,13 +143,13 @@ def reuse_size(ctx, tok, q, w1, top_k, act, mask):
 def _reuse_elements(ctx, q, w1, top_k):
     B, H, D = ctx.shape
     pairs, experts = B * H * top_k, w1.shape[0]
-    return triton_moe.layout_size(pairs, experts, triton_moe.tile_rows(pairs, experts)) + q.shape[0] * D
+    return triton_moe.layout_size(pairs, experts, triton_moe.tile_rows(pairs, experts)) + (q.shape[0] + B) * D
 
 
-def _reuse_parts(reuse, P, D):
-    """(the layout's buffer, u [P,D] fp32): views of `reuse`."""
-    layout, u = reuse.split([reuse.numel() - P * D, P * D])
-    return layout, u.view(torch.float32).view(P, D)
+def _reuse_parts(reuse, P, B, D):
+    """(the layout's buffer, u [P,D] fp32, pooled [B,D] fp32): views of `reuse`."""
+    layout, u, pooled = reuse.split([reuse.numel() - (P + B) * D, P * D, B * D])
+    return layout, u.view(torch.float32).view(P, D), pooled.view(torch.float32).view(B, D)
 
 
 def region_forward(merge, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask, top_k, renorm, act,
@@ -163,10 +165,10 @@ def region_forward(merge, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b
     tok, w1, b1, w2, b2, w3 = _in_compute_dtype(ctx, tok, w1, b1, w2, b2, w3)
     B, H, D = ctx.shape
     E = w1.shape[0]
-    layout, u = _reuse_parts(reuse, q.shape[0], D)
+    layout, u, pooled = _reuse_parts(reuse, q.shape[0], B, D)
     pool = _pool_f32(tok, q, wk, wv, bv, wo, bo)
     u = triton_pool.pool_directions(pool[0], pool[1], out=u)
-    inv, attn = triton_pool.pool_forward(tok, *pool, mask, u=u)
+    inv, attn = triton_pool.pool_forward(tok, *pool, mask, u=u, pooled=pooled)
     x, x_inv = _merged_input(ctx, inv, merge)
     weight, index, probs = triton_router.route(x, x_inv, wg.contiguous(), top_k, renorm, H)
     groups = triton_moe.group(index, E, into=layout)
@@ -186,7 +188,7 @@ def _reused(reuse, ctx, q, w1, top_k):
     if reuse.dtype != torch.int32 or reuse.numel() != want:
         raise ValueError(f"region_backward: reuse holds {reuse.numel()} {reuse.dtype} elements, where the "
                          f"forward of these inputs leaves {want} int32 (or none)")
-    return _reuse_parts(reuse, q.shape[0], ctx.shape[-1])
+    return _reuse_parts(reuse, q.shape[0], ctx.shape[0], ctx.shape[-1])
 
 
 def _layout_of(index, experts, kept, reused):
@@ -251,7 +253,7 @@ def region_backward(merge, grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1
         dctx = dy.view(B, H, D)
     *pool, u = _pool_weights(tok, q, wk, wv, bv, wo, kept, reused)
     grad_tok, grad_q, grad_wk, grad_wv, grad_bv, grad_wo, grad_bo = triton_pool.pool_backward(
-        dinv, tok, *pool, attn.float(), u=u)
+        dinv, tok, *pool, attn.float(), u=u, pooled=None if reused is None else reused[2])
     grad_bk = None if bk is None else torch.zeros_like(bk)
     grads = (dctx, grad_tok, grad_q, grad_wk, grad_bk, grad_wv, grad_bv, grad_wo, grad_bo,
              dwg, dw1, db1, dw2, db2, dw3)
