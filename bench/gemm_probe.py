@@ -240,7 +240,7 @@ def main():
     parser.add_argument("--presets", default="medium,large")
     parser.add_argument("--act", default="gelu")
     parser.add_argument("--kernels", default="up,slots,hidden,wgrad",
-                        help="comma list of the kernels to probe (and up_gluon: gluon_moe's staged GEMM1)")
+                        help="comma list of the kernels to probe (and up_gluon: gluon_moe's GEMM1 under each of its configs)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (TRITON_INTERPRET=1, no times)"

@@ -1,7 +1,6 @@
 """The MoE's warp-specialised Gluon kernels for Hopper (sm_90): the backward's hidden kernel (below),
-its weight-gradient GEMM and the forward's GEMM2 (each described at its section further down), and
-and the forward's GEMM1 (GLUON_UP, on by default since session 34; MHA_COMPILE_GLUON_UP=0 keeps the
-Triton one).
+its weight-gradient GEMM, and the forward's GEMM2 and GEMM1 (each described at its section further
+down; GEMM1's is the default since session 34, MHA_COMPILE_GLUON_UP=0 keeps the Triton one).
 
 The hidden kernel has triton_moe._moe_bwd_hidden_kernel's contract (read its docstring for the
 math): per slot s of expert e and F block, u = xs[s] W1[e] + b1[e] and g = gs[s] W2[e]ᵀ, then

@@ -563,7 +563,7 @@ def test_gemm2_back_to_back_on_new_buffers():
 @pytest.mark.parametrize("tile", sorted(gluon_moe.UP_CONFIGS))
 @pytest.mark.parametrize("act,dtype,bias", [("gelu", torch.bfloat16, True), ("gelu_tanh", torch.float16, False),
                                             ("silu", torch.bfloat16, False)])
-def test_staged_gluon_gemm1_against_float64(tile, act, dtype, bias):
+def test_gluon_gemm1_against_float64(tile, act, dtype, bias):
     """gluon_moe's GEMM1 (GLUON_UP; bench/gemm_probe.py's up_gluon times it against the Triton
     one) at each TILE's config: h = act(xs W1[e] + b1[e]) on every slot row,
     padding rows included (act(b1), xs being 0 there), against float64, with an empty expert and R
