@@ -312,21 +312,22 @@ autotune-cache)
     ;;
 ncu)
     # --clock-control none: the device notes (METHOD.md) say to leave the clocks alone
-    timeout -s INT 420 ncu --clock-control none --profile-from-start off -k "regex:_moe_|_pool_" \
+    timeout -s INT 420 ncu --clock-control none --profile-from-start off -k "regex:_moe_|_pool_|^_up_kernel$" \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
         --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats \
         python bench/ncu_kernels.py --preset "${PRESET:-large}" >"$OUT/ncu.txt" 2>&1
     tail -5 "$OUT/ncu.txt" >>"$LOG"
     ;;
 ncu-gemms)
-    # the two GEMMs with activation epilogues, GEMM1 (_moe_up_kernel, 2 a large step) and the
-    # backward's Gluon hidden kernel (_hidden_kernel, 3), their first four launches (~1.5 min)
+    # the two GEMMs with activation epilogues, GEMM1 (Gluon's _up_kernel since session 34, the
+    # Triton _moe_up_kernel with MHA_COMPILE_GLUON_UP=0; 2 a large step) and the backward's Gluon
+    # hidden kernel (_hidden_kernel, 3), their first four launches (~1.5 min)
     # SourceCounters: the warp-stall reasons by source line (Triton and Gluon keep line info), the
     # reading that says whether the consumers wait on their epilogue's ALU work or on the ring
     # NCU_KERNELS, NCU_COUNT: other kernels, e.g. NCU_KERNELS=_wgrad_kernel NCU_COUNT=6 at large: the
     # three runs' ∂W2 (no sums) and ∂W1 (∂b1's column sums beside it) in turn (PERF_NOTES Next 00)
     timeout -s INT 200 ncu --clock-control none --profile-from-start off \
-        -k "regex:^(${NCU_KERNELS:-_moe_up_kernel|_hidden_kernel|_hidden_coop_kernel})$" \
+        -k "regex:^(${NCU_KERNELS:-_up_kernel|_moe_up_kernel|_hidden_kernel|_hidden_coop_kernel})$" \
         -c "${NCU_COUNT:-4}" --section SpeedOfLight --section MemoryWorkloadAnalysis \
         --section MemoryWorkloadAnalysis_Tables --section WarpStateStats \
         --section SourceCounters --import-source yes \
@@ -334,12 +335,13 @@ ncu-gemms)
     tail -5 "$OUT/ncu_gemms.txt" >>"$LOG"
     ;;
 ncu-source)
-    # The kernel names of GEMM1 and of both Gluon hidden kernels (the cooperative one at large).
+    # The kernel names of GEMM1 (Gluon's, or Triton's with MHA_COMPILE_GLUON_UP=0) and of both Gluon
+    # hidden kernels (the cooperative one at large).
     # The report itself (~15 MB) stays on the device; its source pages come back.
     timeout -s INT 240 ncu --clock-control none --profile-from-start off \
-        -k "regex:^(_moe_up_kernel|_hidden_kernel|_hidden_coop_kernel)$" -c 3 --set full --import-source yes \
+        -k "regex:^(_up_kernel|_moe_up_kernel|_hidden_kernel|_hidden_coop_kernel)$" -c 3 --set full --import-source yes \
         -o /tmp/gemms python bench/ncu_kernels.py --preset "${PRESET:-large}" >>"$LOG" 2>&1
-    for k in _moe_up_kernel _hidden_kernel _hidden_coop_kernel; do
+    for k in _up_kernel _moe_up_kernel _hidden_kernel _hidden_coop_kernel; do
         timeout 60 ncu -i /tmp/gemms.ncu-rep -k $k -c 1 --page source --csv --print-source sass >"$OUT/sass_$k.csv" 2>>"$LOG"
         grep -q "Warp Stall" "$OUT/sass_$k.csv" || rm -f "$OUT/sass_$k.csv"
     done
