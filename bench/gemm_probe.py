@@ -187,8 +187,8 @@ def probe(preset, act, rows_out, kernels):
 
 # gluon_moe's GEMM1 (GLUON_UP), its jobs' columns in two halves: [128, 128] jobs take 128
 # accumulator registers a thread and spill none, [64, 256] 16 bytes with gelu (offline, sm_90a,
-# session 33). The first is UP_CONFIGS[128], the fourth UP_CONFIGS[64]; a config whose tile_m
-# exceeds the layout's TILE is skipped.
+# session 33). The first is UP_CONFIGS[128], the fourth UP_CONFIGS[64]; a config that does not
+# tile the layout (gluon_moe.up_config_fits: tile_m over TILE, say) is skipped.
 GLUON_UP_CONFIGS = [dict(tile_m=128, block_n=128, block_k=64, nbuf=4), dict(tile_m=64, block_n=256, block_k=64, nbuf=3),
                     dict(tile_m=128, block_n=64, block_k=64, nbuf=4), dict(tile_m=64, block_n=128, block_k=64, nbuf=4),
                     dict(tile_m=128, block_n=128, block_k=32, nbuf=6)]
@@ -212,8 +212,9 @@ def gluon_up(preset, c, act, h_triton, rows_out):
     print(f"{'up':<10}{'triton':<14}{ms * 1e3:>8.1f} us {gemm / ms / 1e9:>6.0f} TF/s  (autotuned)", flush=True)
     rows_out.append(dict(preset=preset, kernel="up_gluon", variant="triton", ms=ms, tflops=gemm / ms / 1e9))
     for cfg in GLUON_UP_CONFIGS:
-        if cfg["tile_m"] > c.groups.tile:
-            print(f"{'up':<10}{'gluon':<14} skipped: tile_m {cfg['tile_m']} > TILE {c.groups.tile}  {cfg}", flush=True)
+        if not gluon_moe.up_config_fits(cfg, c.groups.tile, c.D, c.F):
+            print(f"{'up':<10}{'gluon':<14} skipped: does not tile TILE {c.groups.tile}, D={c.D}, F={c.F}  {cfg}",
+                  flush=True)
             continue
         row = dict(preset=preset, kernel="up_gluon", variant="gluon", config=cfg)
         try:

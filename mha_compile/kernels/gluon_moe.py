@@ -675,6 +675,12 @@ UP_CONFIGS = {128: dict(tile_m=128, block_n=128, block_k=64, nbuf=4),
               64: dict(tile_m=64, block_n=128, block_k=64, nbuf=4)}
 
 
+def up_config_fits(config, tile, D, F):
+    """Whether a GEMM1 config's blocks tile a layout of TILE-row tiles and W1 [E, D, F]: its
+    tile_m divides TILE (a job of more rows would span tiles of two experts), block_n F, block_k D."""
+    return tile % config["tile_m"] == 0 and F % config["block_n"] == 0 and D % config["block_k"] == 0
+
+
 def up_unsupported(xs, w1, h, act, tile, capability=None):
     """Why GEMM1's Gluon kernel cannot take these operands (xs [S, D], W1 [E, D, F], h [S, F]), or None."""
     if act not in UP_ACTS:
@@ -684,7 +690,7 @@ def up_unsupported(xs, w1, h, act, tile, capability=None):
         return why
     D, F = w1.shape[1], w1.shape[2]
     config = UP_CONFIGS.get(tile)
-    if config is None or F % config["block_n"] or D % config["block_k"]:
+    if config is None or not up_config_fits(config, tile, D, F):
         blocks = ", ".join(f"TILE {t}: {c['block_n']} and {c['block_k']}" for t, c in UP_CONFIGS.items())
         return (f"D={D}, F={F}, TILE={tile}: needs TILE in {sorted(UP_CONFIGS)}, F and D multiples of its "
                 f"config's block_n and block_k ({blocks})")
@@ -839,7 +845,7 @@ def experts_up(xs, groups, w1, b1, act, h, config=None):
     E, D, F = w1.shape
     config = config or UP_CONFIGS[groups.tile]
     tile_m, block_n, block_k, nbuf = (config[key] for key in ("tile_m", "block_n", "block_k", "nbuf"))
-    if groups.tile % tile_m or F % block_n or D % block_k:
+    if not up_config_fits(config, groups.tile, D, F):
         raise ValueError(f"experts_up: config {config} on TILE {groups.tile}, D={D}, F={F}: tile_m must divide "
                          f"TILE, block_n F and block_k D")
     jobs = groups.num_tiles * (groups.tile // tile_m) * (F // block_n)
