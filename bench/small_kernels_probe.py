@@ -324,8 +324,8 @@ def matmul_sites(c):
     sites = {}
     real, no_autotune = triton_pool._bmm, triton_util.NO_AUTOTUNE
 
-    def record(a, b, split, out=None, bias=None):
-        out = real(a, b, split, out, bias)
+    def record(a, b, split, out=None, bias=None, dtype=torch.float32):
+        out = real(a, b, split, out, bias, dtype)
         frames, frame = [], sys._getframe(1)
         while frame is not None:
             if frame.f_code.co_name != "_mm":
@@ -333,7 +333,7 @@ def matmul_sites(c):
             if frame.f_code.co_name in ("pool_forward", "pool_backward"):
                 break
             frame = frame.f_back
-        key = tuple((tuple(t.shape), t.stride()) for t in (a, b, out)) + (split,)
+        key = tuple((tuple(t.shape), t.stride(), t.dtype) for t in (a, b, out)) + (split,)
         line = linecache.getline(frames[0].f_code.co_filename, frames[0].f_lineno).strip()
         key += (None if bias is None else (tuple(bias.shape), bias.stride()),)
         site = sites.setdefault(key, SimpleNamespace(calls=[], line=line, a=a, b=b, out=out, split=split, bias=bias))
@@ -360,7 +360,7 @@ def matmul(c):
     for i, s in enumerate(sites):
         (Bt, M, K), N = s.a.shape, s.b.shape[2]
         split, run_k = triton_matmul.k_runs(Bt, M, N, K, s.a.device)
-        traffic = 4 * (s.a.numel() + s.b.numel() + s.out.numel())
+        traffic = sum(t.numel() * t.element_size() for t in (s.a, s.b, s.out))
         print(f"matmul #{i}: Bt={Bt} M={M} K={K} N={N}, strides a {s.a.stride()} b {s.b.stride()} out "
               f"{s.out.stride()}, K in {split} run(s) of {run_k}, split dots {s.split}; {traffic / 1e6:.2f} MB; "
               f"{len(s.calls)} call(s) a step: {', '.join(s.calls)} `{s.line}`", flush=True)

@@ -11,20 +11,23 @@ accumulated in fp32, which is the accuracy the pool kernels already keep.
 
 An operand may come in the split's 16-bit dtype instead (the pool's Wv and Wo of a bf16 model): it
 is its own high half, its low half is zero, so its tiles go to the tensor cores as they are, two
-dots in place of three, the same sums in the same order, and half its bytes read.
+dots in place of three, the same sums in the same order, and half its bytes read. The bias may
+come in that dtype too (read exactly into the fp32 sums), and out too (the pool's weight
+gradients, returned in the weights' dtype): the fp32 sums are rounded to it once, as they are
+stored, where a cast after the product was a kernel of its own (3 us a [256, 256] at medium).
 
 The bias is added in the epilogue: a separate `+ bias` over [B,D] cost 7 us a call at large
 (three a step, H200, session 22's profile), for a read and write of what the product just wrote.
 
 When M×N gives too few tiles to fill the GPU (∂Wo, ∂Wv: a [D,D] output summed over K = B),
-K is cut into SPLIT equal runs whose fp32 partials [SPLIT,Bt,M,N] torch sums in run order
-(reproducible run to run).
+K is cut into SPLIT equal runs whose fp32 partials [SPLIT,Bt,M,N] triton_util.sum_runs adds up
+in run order (reproducible run to run), rounding once to out's dtype.
 """
 import torch
 import triton
 import triton.language as tl
 
-from mha_compile.kernels.triton_util import Launcher, dot_f32, split_runs
+from mha_compile.kernels.triton_util import Launcher, dot_f32, split_runs, sum_runs
 
 
 @triton.jit
@@ -62,10 +65,10 @@ def _matmul_f32_kernel(
         acc += dot_f32(a, b, SPLIT_DOT)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + bt * stride_biasb + offs_n.to(tl.int64) * stride_biasn, mask=n_ok & (s == 0),
-                       other=0.0)[None, :]
+                       other=0.0).to(tl.float32)[None, :]
     c = c_ptr + s.to(tl.int64) * stride_cs + bt * stride_cb
-    tl.store(c + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :].to(tl.int64) * stride_cn, acc,
-             mask=m_ok[:, None] & n_ok[None, :])
+    tl.store(c + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :].to(tl.int64) * stride_cn,
+             acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 # The first config is the interpreter's (and MHA_COMPILE_NO_AUTOTUNE's). BLOCK_K ≤ RUN_ALIGN.
@@ -96,9 +99,10 @@ def k_runs(batch, M, N, K, device):
 
 
 def matmul_f32(a, b, out, split_dot, bias=None):
-    """out [Bt,M,N] (fp32, any strides, written) = a [Bt,M,K] @ b [Bt,K,N] (fp32, or the 16-bit
-    dtype of split_dot; any strides) + bias ([N], or [Bt,N]: one a batch; fp32, any strides) on
-    every row, with split_dot as in triton_util.dot_f32 (0: ieee fp32). Returns out."""
+    """out [Bt,M,N] (any strides, written) = a [Bt,M,K] @ b [Bt,K,N] (any strides) + bias ([N],
+    or [Bt,N]: one a batch; any strides) on every row, with split_dot as in triton_util.dot_f32 (0:
+    ieee fp32). Each of a, b, bias and out is fp32 or split_dot's 16-bit dtype; the sums are fp32.
+    Returns out."""
     Bt, M, K = a.shape
     N = b.shape[2]
     torch._check(b.shape == (Bt, K, N) and out.shape == (Bt, M, N),
@@ -106,10 +110,9 @@ def matmul_f32(a, b, out, split_dot, bias=None):
     torch._check(bias is None or tuple(bias.shape) in ((N,), (Bt, N)),
                  lambda: f"matmul_f32: bias {tuple(bias.shape)} for out {tuple(out.shape)}: wants [{N}] or [{Bt}, {N}]")
     half = {1: torch.bfloat16, 2: torch.float16}.get(split_dot)
-    torch._check(all(t.dtype in (torch.float32, half) for t in (a, b)) and out.dtype == torch.float32
-                  and (bias is None or bias.dtype == torch.float32),
-                  lambda: f"matmul_f32 takes fp32 (a or b also {half} with split_dot={split_dot}), got {a.dtype}, "
-                          f"{b.dtype} into {out.dtype}" + ("" if bias is None else f", bias {bias.dtype}"))
+    torch._check(all(t is None or t.dtype in (torch.float32, half) for t in (a, b, bias, out)),
+                 lambda: f"matmul_f32 takes fp32 (or {half} with split_dot={split_dot}), got a {a.dtype}, "
+                         f"b {b.dtype}, out {out.dtype}" + ("" if bias is None else f", bias {bias.dtype}"))
     bias_strides = (0, 0) if bias is None else (0, bias.stride(0)) if bias.dim() == 1 else bias.stride()
     split, run = k_runs(Bt, M, N, K, a.device)
     dest = out if split == 1 else torch.empty(split, Bt, M, N, device=a.device, dtype=torch.float32)
@@ -118,6 +121,9 @@ def matmul_f32(a, b, out, split_dot, bias=None):
     _matmul(lambda m: (triton.cdiv(M, m["BLOCK_M"]) * triton.cdiv(N, m["BLOCK_N"]), Bt, split),
             a, b, dest, a if bias is None else bias, M, N, K, run, *a.stride(), *b.stride(), cs, cb, cm, cn,
             *bias_strides, HAS_BIAS=bias is not None, SPLIT_DOT=split_dot)
-    if split > 1:  # summed straight into out's strides: one reduction kernel, not a sum and a copy
-        torch.sum(dest, 0, out=out)
+    if split > 1:  # one kernel, rounding once to out's dtype
+        if out.is_contiguous():
+            sum_runs(dest, out)
+        else:
+            out.copy_(sum_runs(dest, torch.empty(out.shape, device=out.device, dtype=torch.float32)))
     return out

@@ -53,8 +53,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from mha_compile.kernels.triton_util import (ACT_CODE, GW_BLOCK, Launcher, act_bwd, act_fwd, dot_precision,
-                                             gpu_options, load_x, log, num_sms, pow2, stamp, tma_ok)
+from mha_compile.kernels.triton_util import (ACT_CODE, GW_BLOCK, SUM_BLOCK, Launcher, _sum_splits_kernel, act_bwd,
+                                             act_fwd, dot_precision, gpu_options, load_x, log, num_sms, pow2,
+                                             stamp, sum_splits, tma_ok)
 
 try:  # the Gluon kernels for Hopper, where this Triton has Gluon (3.6 has)
     from mha_compile.kernels import gluon_moe
@@ -482,28 +483,6 @@ def _tile_sums_kernel(src_ptr, dst_ptr, N, TILE: tl.constexpr, BLOCK_R: tl.const
         rows = t * TILE + r0 + tl.arange(0, ROWS)
         acc += tl.load(src_ptr + rows[:, None] * N + offs[None, :], mask=ok[None, :], other=0.0).to(tl.float32)
     tl.store(dst_ptr + t * N + offs, tl.sum(acc, axis=0), mask=ok)
-
-
-@triton.jit
-def _sum_splits_kernel(part_ptr, out_ptr, part2_ptr, out2_ptr, base_ptr, E, N, SPLIT, HAS_BASE: tl.constexpr,
-                       BLOCK: tl.constexpr):
-    """out[e, :] = Σ_{c < SPLIT} part[e·SPLIT + c, :] in c order, N per-expert elements, after
-    base[e, :] with HAS_BASE (one pair only); program axis 1 picks the pair: 0 (part, out), 1
-    (part2, out2)."""
-    if tl.program_id(1) == 0:
-        src, dst = part_ptr, out_ptr
-    else:
-        src, dst = part2_ptr, out2_ptr
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < E * N
-    e = offs // N
-    within = offs - e * N
-    acc = tl.zeros([BLOCK], tl.float32)
-    if HAS_BASE:
-        acc += tl.load(base_ptr + offs, mask=ok, other=0.0)
-    for c in range(0, SPLIT):
-        acc += tl.load(src + (e * SPLIT + c) * N + within, mask=ok, other=0.0)
-    tl.store(dst + offs, acc.to(dst.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -1029,22 +1008,10 @@ def gluon_wgrad_splits(slots, experts, I, J, device):
                key=lambda s: (fractions.Fraction(triton.cdiv(tiles * s, sms), s), s))
 
 
-SUM_BLOCK = 1024
-
-
 def sum_rows(I):
     """Σb's fp32 rows an expert that the Gluon weight-gradient kernel leaves for an I-row ∂W
     (gluon_moe.wgrad_sum_rows; 1 where gluon_moe cannot be imported)."""
     return 1 if gluon_moe is None else gluon_moe.wgrad_sum_rows(I)
-
-
-def sum_splits(parts, out, split, base=None):
-    """out [E, N] = Σ_{c < split} parts[e·split + c] ([E·split, N] fp32) in c order, after base
-    [E, N] fp32 where given, in out's dtype; out returned."""
-    E, N = out.shape
-    _sum_splits_kernel[(triton.cdiv(E * N, SUM_BLOCK), 1)](parts, out, parts, out, parts if base is None else base,
-                                                         E, N, split, HAS_BASE=base is not None, BLOCK=SUM_BLOCK)
-    return out
 
 
 def weight_grads(a, b, b2, groups, into=None, sums=False, final=None, pending=None, flags=None):

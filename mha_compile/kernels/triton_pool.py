@@ -362,11 +362,13 @@ _attend_bwd_one = Launcher(_pool_bwd_one_kernel, [
 # allocated (32 MiB on the H200; a training step's forward and its autograd thread: 64 MiB, where
 # the small preset's model and inputs take 5; session 28, bench/results/mem_diag.txt).
 def pool_directions(q, wk, out=None):
-    """u [P,D] = reference.pool_directions(q, wk): u_p = Wk_pᵀ q_p / √Dh, without cuBLAS, into
-    out where given. The reference keeps its bmm: tests/test_cost.py holds its forward to the
-    modelled FLOPs through torch's FlopCounter, which counts a bmm and not an elementwise product."""
+    """u [P,D] fp32 = reference.pool_directions(q, wk): u_p = Wk_pᵀ q_p / √Dh, without cuBLAS,
+    into out where given; q and Wk in any float dtype (the products are taken in fp32: q is cast,
+    Wk's elements are read exactly). The reference keeps its bmm: tests/test_cost.py holds its
+    forward to the modelled FLOPs through torch's FlopCounter, which counts a bmm and not an
+    elementwise product."""
     P, Dh = q.shape
-    products = q[:, :, None] * wk.view(P, Dh, -1)
+    products = q.float()[:, :, None] * wk.view(P, Dh, -1)
     if out is None:
         return products.sum(1) * (Dh**-0.5)
     return torch.sum(products, 1, out=out).mul_(Dh**-0.5)
@@ -420,20 +422,22 @@ def pool_attend(tok, u, mask=None):
     return attn, tbar
 
 
-def _bmm(a, b, split, out=None, bias=None):
-    """a @ b (+ bias: [N] or [Bt,N], on every row) in fp32, batched, into out if given (any
-    strides): the split tensor-core dots of triton_matmul for 16-bit models, with the bias in their
-    epilogue; cuBLAS's fp32 otherwise."""
+def _bmm(a, b, split, out=None, bias=None, dtype=torch.float32):
+    """a @ b (+ bias: [N] or [Bt,N], on every row) with fp32 sums, batched, into out if given (any
+    strides), else a new tensor of `dtype`: the split tensor-core dots of triton_matmul for 16-bit
+    models, with the bias in their epilogue and the rounding to out's dtype in their store;
+    cuBLAS's fp32 otherwise."""
     if out is None:
-        out = torch.empty(a.shape[0], a.shape[1], b.shape[2], device=a.device, dtype=torch.float32)
+        out = torch.empty(a.shape[0], a.shape[1], b.shape[2], device=a.device, dtype=dtype)
     if split:
         return matmul_f32(a, b, out, split, bias)
+    torch._check(out.dtype == torch.float32, lambda: f"_bmm: fp32 operands (split 0) into {out.dtype}")
     torch.bmm(a, b, out=out)
     return out if bias is None else out.add_(bias if bias.dim() == 1 else bias[:, None])
 
 
-def _mm(a, b, split, bias=None):
-    return _bmm(a[None], b[None], split, bias=bias)[0]
+def _mm(a, b, split, bias=None, dtype=torch.float32):
+    return _bmm(a[None], b[None], split, bias=bias, dtype=dtype)[0]
 
 
 def _heads(tbar, wv, bv, split, out=None):
@@ -448,8 +452,8 @@ def _heads(tbar, wv, bv, split, out=None):
 
 
 def pool_forward(tok, q, wk, wv, bv, wo, bo, mask=None, u=None, pooled=None):
-    """inv [B,D] and attn [B,N,P] (fp32), as reference.pool_forward; weights are fp32 here, but Wv
-    and Wo may come in tok's dtype where it is split_dot's (triton_matmul takes them as they are).
+    """inv [B,D] and attn [B,N,P] (fp32), as reference.pool_forward; weights are fp32 here, or in
+    tok's dtype where it is split_dot's (triton_matmul takes them as they are, pool_directions too).
     u: pool_directions(q, wk), where the caller has it; pooled: a contiguous [B,D] fp32 buffer
     the heads' output (Wv t̄ + bv, which pool_backward's ∂Wo reads) is written into, where the
     caller keeps it for the backward."""
@@ -502,9 +506,12 @@ def attend_bwd_one(tok, u, attn, ds, dtbar, tbar, du, grad_tok):
 
 
 def pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn, u=None, pooled=None):
-    """(∂tok in tok's dtype, ∂q, ∂Wk, ∂Wv, ∂bv, ∂Wo, ∂bo) in fp32; weights given in fp32 (Wv and Wo
-    also in tok's dtype, as pool_forward's). u: pool_directions(q, wk), and pooled [B,D] fp32:
-    the forward's heads (pool_forward's), where the caller kept them; else computed again."""
+    """(∂tok in tok's dtype, ∂q, ∂Wk, ∂Wv, ∂bv, ∂Wo in their weights' dtypes (∂bv fp32 where bv is
+    None), ∂bo fp32), each from fp32 sums rounded once; weights as pool_forward takes them. u:
+    pool_directions(q, wk), and pooled [B,D] fp32: the forward's heads (pool_forward's), where the
+    caller kept them; else computed again. The returned gradients are written in their dtypes by
+    the kernels that sum them (triton_matmul's store, torch's mul), where a cast after each was a
+    launch (five a step, ~11 us at medium on the H200, bench/results/kernel_times_gluon_up.txt)."""
     P, Dh = q.shape
     B, N, D = tok.shape
     split = split_dot(tok.dtype)
@@ -536,11 +543,13 @@ def pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn, u=None, pooled=None):
         grad_u = du_part.sum(0) * (Dh**-0.5)
     del grad_tbar, du_part
     grad_bo = column_sums(grad_inv.contiguous()).to(grad_inv.dtype) if COLUMN_SUMS else grad_inv.sum(0)
-    grad_wo = _mm(grad_inv.T, _heads(tbar, wv, bv, split) if pooled is None else pooled, split)
+    grad_wo = _mm(grad_inv.T, _heads(tbar, wv, bv, split) if pooled is None else pooled, split, dtype=wo.dtype)
     # ∂bv = Σ_b ∂pooled[b] = (Σ_b ∂inv[b]) Wo: a [D]·[D,D] product, where torch's sum over the B
     # rows of ∂pooled took 12 us at large and 8 at medium (session 22's profile, H200)
-    grad_bv = _mm(grad_bo[None], wo, split)[0]
-    grad_wv = _bmm(grad_heads.transpose(1, 2), tbar.transpose(0, 1), split).reshape(D, D)  # "bpj,bpd->pjd"
-    grad_q = _grad_q(wk, grad_u)
-    grad_wk = (q[:, :, None] * grad_u[:, None, :]).reshape(D, D)  # "pj,pd->pjd"
+    grad_bv = _mm(grad_bo[None], wo, split, dtype=torch.float32 if bv is None else bv.dtype)[0]
+    grad_wv = _bmm(grad_heads.transpose(1, 2), tbar.transpose(0, 1), split,  # "bpj,bpd->pjd"
+                   dtype=wv.dtype).reshape(D, D)
+    grad_q = _grad_q(wk, grad_u).to(q.dtype)
+    # "pj,pd->pjd": torch's mul takes the fp32 product of a 16-bit q and rounds it as it stores
+    grad_wk = torch.mul(q[:, :, None], grad_u[:, None, :], out=wk.new_empty(P, Dh, D)).view(D, D)
     return grad_tok, grad_q, grad_wk, grad_wv, grad_bv, grad_wo, grad_bo

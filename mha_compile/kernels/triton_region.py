@@ -10,16 +10,17 @@
 
 Both: pool (triton_pool) → router (triton_router) → expert grouping and grouped GEMMs
 (triton_moe) → token-order combine; the backward recomputes u = x W1 + b1 rather than keeping
-it, and the grouping and the pool's fp32 weights too unless its caller kept the forward's
-(`kept`). Saved tensors mean what they mean in reference.py: inv [B,D] and attn [B,N,P] fp32,
+it, and the grouping and the pool's weights as its kernels take them (_pool_f32) too unless its
+caller kept the forward's (`kept`). Saved tensors mean what they mean in reference.py: inv [B,D] and attn [B,N,P] fp32,
 the top-k weights [R,k] fp32 and indices [R,k] int32, and the router's softmax π [R,E] fp32.
 
 `kept` (optional, both directions): a dict, empty for the forward, in which region_forward leaves
 what the backward would otherwise compute again from the same inputs, and from which
 region_backward takes it: "groups", the expert layout (triton_moe.Groups) of the index it
 returns (3 launches and ~8 torch calls: `group` took ~0.2 ms of host a call at large on the
-H200, bench/PERF_NOTES.md v15), and "pool", q, Wk, Wv, bv, Wo in fp32 with the pool's
-directions u (one cast of a flat buffer, ~0.15 ms of host a call there, and a bmm, ~0.1 ms:
+H200, bench/PERF_NOTES.md v15), and "pool", q, Wk, Wv, bv, Wo as _pool_f32 gives them (fp32
+casts for fp32 and fp16 tokens' kernels; a bf16 model's weights as they are) with the pool's
+directions u (a cast of a flat buffer, ~0.15 ms of host a call there, and a bmm, ~0.1 ms:
 bench/results/host_timers_large.txt), stamped with the weights they came from. Each is checked
 against the backward's own inputs (the same memory, not written since) and refused otherwise.
 ops.RegionFunction keeps one on its autograd ctx; the custom op cannot (its outputs are tensors)
@@ -38,6 +39,8 @@ spares it one of the pool's [B,D]×[D,D]-sized products (~6 us at medium), for 4
 Inputs the kernels do not take (see `why_unsupported`) run on reference.py, which is correct
 for all of them; no input is silently approximated.
 """
+import collections
+
 import torch
 
 from mha_compile.kernels import reference, triton_moe, triton_pool, triton_router
@@ -108,15 +111,19 @@ def _f32(*tensors):
 
 
 def _pool_f32(tok, q, wk, wv, bv, wo, bo):
-    """(q, Wk, Wv, bv, Wo, bo) as the pool's kernels take them: fp32 (_f32), but Wv and Wo as they
-    are where they share the tokens' dtype and its products run on split dots (bf16,
-    triton_pool.split_dot): triton_matmul then reads them as their own high halves, with the same
-    sums (two tensor-core dots of three in each product they enter: 6 of a training step's 8,
-    5 of its 7 [B,D]×[D,D]-sized ones)."""
-    if not (triton_pool.split_dot(tok.dtype) and wv.dtype == wo.dtype == tok.dtype):
-        return _f32(q, wk, wv, bv, wo, bo)
-    q, wk, bv, bo = _f32(q, wk, bv, bo)
-    return q, wk, wv.contiguous(), bv, wo.contiguous(), bo
+    """(q, Wk, Wv, bv, Wo, bo) as the pool's kernels take them: fp32 (_f32), but each as it is
+    where it shares the tokens' dtype and the pool's products run on split dots (bf16,
+    triton_pool.split_dot). Every product then reads it exactly: triton_matmul takes Wv and Wo
+    as their own high halves (two tensor-core dots of three in each product they enter) and the
+    biases as they are; pool_directions and the backward's products with q and Wk take them in
+    fp32 (torch's mul promotes). No cast then remains: a bf16 model's forward and backward
+    each made one of q, Wk, bv and bo (a cat and a copy, ~6 us at medium on the H200, ~4 host
+    calls), and its weight gradients come back in the weights' dtype."""
+    half = tok.dtype if triton_pool.split_dot(tok.dtype) else None
+    weights = (q, wk, wv, bv, wo, bo)
+    as_is = [w is not None and w.dtype in (torch.float32, half) for w in weights]
+    cast = iter(_f32(*(w for w, keep in zip(weights, as_is) if not keep)))
+    return [w.contiguous() if keep else next(cast) for w, keep in zip(weights, as_is)]
 
 
 def _c(t):
@@ -146,10 +153,13 @@ def _reuse_elements(ctx, q, w1, top_k):
     return triton_moe.layout_size(pairs, experts, triton_moe.tile_rows(pairs, experts)) + (q.shape[0] + B) * D
 
 
+Reused = collections.namedtuple("Reused", "layout u pooled")
+
+
 def _reuse_parts(reuse, P, B, D):
-    """(the layout's buffer, u [P,D] fp32, pooled [B,D] fp32): views of `reuse`."""
+    """Reused(the layout's buffer, u [P,D] fp32, pooled [B,D] fp32): views of `reuse`."""
     layout, u, pooled = reuse.split([reuse.numel() - (P + B) * D, P * D, B * D])
-    return layout, u.view(torch.float32).view(P, D), pooled.view(torch.float32).view(B, D)
+    return Reused(layout, u.view(torch.float32).view(P, D), pooled.view(torch.float32).view(B, D))
 
 
 def region_forward(merge, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask, top_k, renorm, act,
@@ -198,7 +208,7 @@ def _layout_of(index, experts, kept, reused):
     groups = kept.get("groups") if kept else None
     if groups is None:
         if reused is not None:  # the op's own saved outputs: index and reuse come from one forward
-            return triton_moe.Groups.from_buffer(reused[0], index, experts)
+            return triton_moe.Groups.from_buffer(reused.layout, index, experts)
         return triton_moe.group(index, experts)
     if groups.experts != experts or not groups.built_from(index):
         raise ValueError("region_backward: the expert layout kept in `kept` was not built from this `index` "
@@ -209,10 +219,10 @@ def _layout_of(index, experts, kept, reused):
 def _pool_weights(tok, q, wk, wv, bv, wo, kept, reused):
     """(q, Wk, Wv, bv, Wo as _pool_f32 gives them, u or None) for the pool's backward:
     region_forward's from `kept` (refused if they came from other weights, or from these before a
-    write), else cast now, with u from `reuse` where it holds it."""
+    write), else _pool_f32's now, with u from `reuse` where it holds it."""
     pool = kept.get("pool") if kept else None
     if pool is None:
-        return (*_pool_f32(tok, q, wk, wv, bv, wo, None)[:5], None if reused is None else reused[1])
+        return (*_pool_f32(tok, q, wk, wv, bv, wo, None)[:5], None if reused is None else reused.u)
     made_from, weights = pool
     if made_from != stamp(q, wk, wv, bv, wo):
         raise ValueError("region_backward: the pool weights kept in `kept` were not made from these q, wk, wv, bv, "
@@ -253,7 +263,7 @@ def region_backward(merge, grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1
         dctx = dy.view(B, H, D)
     *pool, u = _pool_weights(tok, q, wk, wv, bv, wo, kept, reused)
     grad_tok, grad_q, grad_wk, grad_wv, grad_bv, grad_wo, grad_bo = triton_pool.pool_backward(
-        dinv, tok, *pool, attn.float(), u=u, pooled=None if reused is None else reused[2])
+        dinv, tok, *pool, attn.float(), u=u, pooled=None if reused is None else reused.pooled)
     grad_bk = None if bk is None else torch.zeros_like(bk)
     grads = (dctx, grad_tok, grad_q, grad_wk, grad_bk, grad_wv, grad_bv, grad_wo, grad_bo,
              dwg, dw1, db1, dw2, db2, dw3)

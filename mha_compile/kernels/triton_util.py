@@ -124,6 +124,58 @@ def cut_runs(length, runs, align):
     return triton.cdiv(length, run), run
 
 
+@triton.jit
+def _sum_splits_kernel(part_ptr, out_ptr, part2_ptr, out2_ptr, base_ptr, E, N, SPLIT, HAS_BASE: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """out[e, :] = Σ_{c < SPLIT} part[e·SPLIT + c, :] in c order, N per-expert elements, after
+    base[e, :] with HAS_BASE (one pair only); program axis 1 picks the pair: 0 (part, out), 1
+    (part2, out2)."""
+    if tl.program_id(1) == 0:
+        src, dst = part_ptr, out_ptr
+    else:
+        src, dst = part2_ptr, out2_ptr
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < E * N
+    e = offs // N
+    within = offs - e * N
+    acc = tl.zeros([BLOCK], tl.float32)
+    if HAS_BASE:
+        acc += tl.load(base_ptr + offs, mask=ok, other=0.0)
+    for c in range(0, SPLIT):
+        acc += tl.load(src + (e * SPLIT + c) * N + within, mask=ok, other=0.0)
+    tl.store(dst + offs, acc.to(dst.dtype.element_ty), mask=ok)
+
+
+SUM_BLOCK = 1024
+
+
+def sum_splits(parts, out, split, base=None):
+    """out [E, N] = Σ_{c < split} parts[e·split + c] ([E·split, N] fp32) in c order, after base
+    [E, N] fp32 where given, in out's dtype; out returned."""
+    E, N = out.shape
+    _sum_splits_kernel[(triton.cdiv(E * N, SUM_BLOCK), 1)](parts, out, parts, out, parts if base is None else base,
+                                                         E, N, split, HAS_BASE=base is not None, BLOCK=SUM_BLOCK)
+    return out
+
+
+# sum_runs' block: a [256, 256] sum (matmul_f32's ∂Wo at medium, 8 runs) then takes 256
+# programs, not the 64 of SUM_BLOCK, each of whose runs' loads waits on the one before.
+RUNS_BLOCK = 256
+
+
+def sum_runs(parts, out):
+    """out = Σ_c parts[c] for parts [runs, *out.shape] (fp32, contiguous) in run order, into out
+    (contiguous) in its dtype: fp32 sums, rounded once to out's dtype; out returned. (torch.sum(parts,
+    0, out=out) would cast fp32 parts to a 16-bit out before it summed them.)"""
+    runs = parts.shape[0]
+    torch._check(parts.shape[1:] == out.shape and parts.is_contiguous() and out.is_contiguous(),
+                 lambda: f"sum_runs: parts {tuple(parts.shape)} into out {tuple(out.shape)}, both contiguous")
+    n = out.numel()
+    _sum_splits_kernel[(triton.cdiv(n, RUNS_BLOCK), 1)](parts, out, parts, out, parts, 1, n, runs, HAS_BASE=False,
+                                                       BLOCK=RUNS_BLOCK)
+    return out
+
+
 def gpu_options(t, **options):
     """Launch options (num_warps, num_stages) when `t` is on a GPU, none for the interpreter."""
     return options if on_gpu(t) else {}

@@ -517,8 +517,7 @@ def test_backward_on_what_the_forward_kept(monkeypatch, module, runs):
     runs it) groups nothing and computes no pool directions, gives the gradients of the backward
     that makes both again, bit for bit, and matches the float64 reference; over the whole layout
     and over runs of one tile (the large preset's path, whose runs clip the kept layout's expert
-    ranges). The weights are bf16, so the kept fp32 ones are casts, not the parameters (but Wv
-    and Wo, which stay bf16: triton_region._pool_f32)."""
+    ranges). The weights are bf16, and kept as they are (triton_region._pool_f32)."""
     if runs:
         monkeypatch.setattr(triton_moe, "SLOT_CHUNK_BYTES", 1)
     grouped = record_calls(monkeypatch, triton_moe, "group")
@@ -597,15 +596,16 @@ def test_backward_refuses_a_reuse_of_other_inputs():
     _same_but_wo(backward(reuse), backward(reuse.new_empty(0)))
 
 
-@pytest.mark.parametrize("dtype,weights,kept16", [
-    (torch.bfloat16, torch.bfloat16, True), (torch.float32, torch.float32, False),
-    (torch.bfloat16, torch.float32, False), (torch.float16, torch.float16, False)],
-    ids=["bf16", "fp32", "autocast-bf16", "fp16"])
-def test_pool_weights_as_the_kernels_take_them(dtype, weights, kept16):
-    """q, Wk, bv and bo in fp32 for the pool's kernels; Wv and Wo stay the parameters themselves
-    where they are bf16 as the tokens are (the projections' split dots take a bf16 operand as its
-    own high half), and are fp32 casts otherwise: fp32 and fp16 tokens (ieee dots), and fp32
-    parameters beside bf16 tokens (autocast)."""
+@pytest.mark.parametrize("dtype,weights,as_is", [
+    (torch.bfloat16, torch.bfloat16, True), (torch.float32, torch.float32, True),
+    (torch.bfloat16, torch.float32, True), (torch.float16, torch.float16, False),
+    (torch.bfloat16, torch.float16, False)],
+    ids=["bf16", "fp32", "autocast-bf16", "fp16", "fp16-weights-bf16-tokens"])
+def test_pool_weights_as_the_kernels_take_them(dtype, weights, as_is):
+    """The pool's weights are the parameters themselves where every product reads them exactly:
+    fp32 ones, and bf16 ones beside bf16 tokens (split dots take a bf16 operand as its own high
+    half and a bf16 bias as it is; q and Wk enter fp32 products). fp32 casts otherwise: fp16
+    tokens' ieee dots, and fp16 weights beside bf16 tokens."""
     from mha_compile.kernels import triton_region
 
     tok = torch.randn(2, 5, 32).to(dtype)
@@ -613,8 +613,8 @@ def test_pool_weights_as_the_kernels_take_them(dtype, weights, kept16):
                                                                              (32, 32), (32,)))
     got = triton_region._pool_f32(tok, q, wk, wv, bv, wo, bo)
     for name, g, w in zip(("q", "wk", "wv", "bv", "wo", "bo"), got, (q, wk, wv, bv, wo, bo)):
-        if kept16 and name in ("wv", "wo"):
-            assert g.dtype == torch.bfloat16 and g.data_ptr() == w.data_ptr(), name
+        if as_is:
+            assert g.dtype == w.dtype and g.data_ptr() == w.data_ptr(), name
         else:
             assert g.dtype == torch.float32 and torch.equal(g, w.float()), name
 
@@ -708,20 +708,37 @@ def test_pool_backward_split_dots(monkeypatch, one_kernel):
     assert len(launched) == one_kernel
 
 
-def test_the_16_bit_path_calls_no_torch_matmul(monkeypatch):
-    """With split 16-bit dots (the bf16 GPU path; fp16 in the interpreter) the fused region's
-    forward and backward run no matmul of torch's: a thread's first cuBLAS call on a stream
-    allocates a workspace that stays allocated (32 MiB on the H200). The pool's u and ∂q were the
-    only such calls, 64 MiB of the small preset's training memory (session 28, mem_diag.txt)."""
+def test_pool_weight_gradients_in_the_weights_dtype(monkeypatch):
+    """16-bit pool weights (fp16 split dots here; bf16 on the GPU): pool_backward returns ∂q, ∂Wk,
+    ∂Wv, ∂bv and ∂Wo in the weights' dtype, each bitwise the gradient their fp32 copies give,
+    rounded once (the same fp32 sums: a 16-bit weight's low half is zero); ∂bo stays fp32 and
+    ∂tok in tok's dtype, the same both ways. Odd sizes: N = 37, D = 40."""
+    monkeypatch.setattr(triton_pool, "SPLIT_DOT_DTYPES", {torch.float16: 2})
+    B, N, D, P = 3, 37, 40, 2
+    tok = torch.randn(B, N, D).half()
+    weights = [t.half() for t in (torch.randn(P, D // P), torch.randn(D, D) * D ** -0.5,
+                                  torch.randn(D, D) * D ** -0.5, torch.randn(D) * 0.1, torch.randn(D, D) * D ** -0.5)]
+    bo = (torch.randn(D) * 0.1).half()
+    grad_inv = torch.randn(B, D)
+    _, attn = triton_pool.pool_forward(tok, *weights, bo)
+    got = triton_pool.pool_backward(grad_inv, tok, *weights, attn)
+    want = triton_pool.pool_backward(grad_inv, tok, *[w.float() for w in weights], attn)
+    dtypes = (torch.float16, *[w.dtype for w in weights], torch.float32)
+    for name, g, w, dtype in zip(("tok", "q", "wk", "wv", "bv", "wo", "bo"), got, want, dtypes):
+        assert g.dtype == dtype and torch.equal(g, w.to(dtype)), name
+
+
+def _torch_calls_of_a_16_bit_step(monkeypatch):
+    """[(aten op, its first argument's shape)] of the fused region's forward and backward on an
+    fp16 model with split dots (the bf16 GPU path's, in the interpreter), and the gradients."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    aten = torch.ops.aten
-    matmuls = (aten.mm, aten.bmm, aten.addmm, aten.baddbmm, aten.matmul, aten.addbmm)
     seen = []
 
     class Record(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            seen.append(func.overloadpacket)
+            first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            seen.append((func.overloadpacket, None if first is None else tuple(first.shape)))
             return func(*args, **(kwargs or {}))
 
     monkeypatch.setattr(triton_pool, "SPLIT_DOT_DTYPES", {torch.float16: 2})
@@ -729,8 +746,33 @@ def test_the_16_bit_path_calls_no_torch_matmul(monkeypatch):
     with Record():
         out, *saved = fused.region_forward(ctx, tok, *params, None, 2, True, "gelu")
         grads = fused.region_backward(torch.randn_like(out), ctx, tok, *params, None, *saved, 2, True, "gelu")
-    assert len(grads) == 15 and aten.sum in seen  # the mode saw the path's torch calls
-    assert not [f for f in seen if f in matmuls], sorted({str(f) for f in seen if f in matmuls})
+    assert len(grads) == 15 and torch.ops.aten.sum in [f for f, _ in seen]  # the mode saw the path's calls
+    return seen, grads, params
+
+
+def test_the_16_bit_path_calls_no_torch_matmul(monkeypatch):
+    """With split 16-bit dots (the bf16 GPU path; fp16 in the interpreter) the fused region's
+    forward and backward run no matmul of torch's: a thread's first cuBLAS call on a stream
+    allocates a workspace that stays allocated (32 MiB on the H200). The pool's u and ∂q were the
+    only such calls, 64 MiB of the small preset's training memory (session 28, mem_diag.txt)."""
+    aten = torch.ops.aten
+    matmuls = (aten.mm, aten.bmm, aten.addmm, aten.baddbmm, aten.matmul, aten.addbmm)
+    seen, _, _ = _torch_calls_of_a_16_bit_step(monkeypatch)
+    assert not [f for f, _ in seen if f in matmuls], sorted({str(f) for f, _ in seen if f in matmuls})
+
+
+def test_the_16_bit_path_casts_no_pool_weight(monkeypatch):
+    """A 16-bit model's pool weights go to its kernels as they are: neither the forward nor the
+    backward copies them to fp32 (the flat cast of triton_region._f32 was a cat and a copy in
+    each), and the [D,D] gradients (∂Wk, ∂Wv, ∂Wo) are written in the weights' dtype, not cast
+    after their sums; every pool gradient comes back in its parameter's dtype."""
+    aten = torch.ops.aten
+    seen, grads, params = _torch_calls_of_a_16_bit_step(monkeypatch)
+    assert not [f for f, _ in seen if f is aten.cat]
+    D = params[1].shape[0]
+    assert not [shape for f, shape in seen if f is aten._to_copy and shape in ((D, D), (2, D // 2, D))]
+    for name, g, p in zip(GRAD_NAMES[2:9], grads[2:9], params[:7]):
+        assert (g is None and p is None) or g.dtype == p.dtype == torch.float16, name
 
 
 @pytest.mark.parametrize("flag,l2,nbytes,expected", [

@@ -3,7 +3,7 @@ odd extents, strided operands and outputs, and K cut into runs whose partials ar
 import pytest
 import torch
 
-from mha_compile.kernels import triton_matmul
+from mha_compile.kernels import triton_matmul, triton_util
 
 BOUND = {0: 1e-5, 1: 1e-4, 2: 1e-5}  # ieee fp32; split bf16 halves ~2⁻¹⁶; split fp16 ~2⁻²²
 
@@ -60,14 +60,50 @@ def test_matmul_f32_takes_an_operand_in_the_split_dtype(half_operand):
     assert torch.equal(got, want), (half_operand, float((got - want).abs().max()))
 
 
+@pytest.mark.parametrize("runs", [False, True])
+@pytest.mark.parametrize("strided", [False, True])
+def test_matmul_f32_into_a_16_bit_out(monkeypatch, runs, strided):
+    """out and the bias in split_dot's 16-bit dtype (the pool's weight gradients of a 16-bit model;
+    fp16 here, see above): the fp32 sums rounded once, as they are stored, bitwise the fp32 out's
+    result cast, over one run of K and over two (added by triton_util.sum_runs), into a contiguous
+    out and a strided one; within fp16's rounding of float64."""
+    if runs:
+        monkeypatch.setattr(triton_matmul, "MIN_RUN", 16)
+    a, b = _case("cpu")
+    assert triton_matmul.k_runs(3, 37, 45, 97, a.device)[0] == (2 if runs else 1)
+    bias = (torch.randn(45, generator=torch.Generator().manual_seed(3)) * 30).half()
+    want = triton_matmul.matmul_f32(a, b, torch.empty(3, 37, 45), 2, bias)
+    out = torch.empty(45, 3, 37, dtype=torch.float16).permute(1, 2, 0) if strided else torch.empty(
+        3, 37, 45, dtype=torch.float16)
+    got = triton_matmul.matmul_f32(a, b, out, 2, bias)
+    assert got.dtype == torch.float16 and got.data_ptr() == out.data_ptr()
+    assert torch.equal(got, want.half())
+    ref = a.double() @ b.double() + bias.double()
+    assert float((got.double() - ref).norm() / ref.norm()) <= 2.0 ** -11 + BOUND[2]
+
+
+def test_sum_runs_rounds_once_and_checks_its_shapes():
+    """triton_util.sum_runs (matmul_f32's runs of K): fp32 sums in run order against float64, and
+    into a 16-bit out the same sums rounded once; parts that do not stack into out are refused."""
+    parts = torch.randn(5, 7, 33, generator=torch.Generator().manual_seed(4))
+    want = triton_util.sum_runs(parts, torch.empty(7, 33))
+    assert float((want.double() - parts.double().sum(0)).abs().max()) <= 1e-5
+    got = triton_util.sum_runs(parts, torch.empty(7, 33, dtype=torch.float16))
+    assert torch.equal(got, want.half())
+    with pytest.raises(RuntimeError, match=r"sum_runs: parts \(5, 7, 33\) into out \(7, 32\), both contiguous"):
+        triton_util.sum_runs(parts, torch.empty(7, 32))
+
+
 def test_matmul_f32_checks_its_inputs():
     a, b = _case("cpu")
     with pytest.raises(RuntimeError, match="matmul_f32"):
         triton_matmul.matmul_f32(a, b.transpose(1, 2), torch.empty(3, 37, 45), 0)
     with pytest.raises(RuntimeError, match="fp32"):
         triton_matmul.matmul_f32(a.half(), b.half(), torch.empty(3, 37, 45), 0)
-    with pytest.raises(RuntimeError, match=r"a or b also torch.float16 with split_dot=2\), got torch.bfloat16"):
+    with pytest.raises(RuntimeError, match=r"fp32 \(or torch.float16 with split_dot=2\), got a torch.bfloat16"):
         triton_matmul.matmul_f32(a.bfloat16(), b, torch.empty(3, 37, 45), 2)
+    with pytest.raises(RuntimeError, match=r"out torch.bfloat16"):
+        triton_matmul.matmul_f32(a, b, torch.empty(3, 37, 45, dtype=torch.bfloat16), 2)
     with pytest.raises(RuntimeError, match=r"bias \(3, 44\) for out \(3, 37, 45\): wants \[45\] or \[3, 45\]"):
         triton_matmul.matmul_f32(a, b, torch.empty(3, 37, 45), 0, torch.zeros(3, 44))
 
