@@ -104,6 +104,10 @@ def probe(preset, act, rows_out, kernels):
     dev, dt, D, F, S, weight, w1, w2, b1, b2, groups, xs, gs, code = (
         c.dev, c.dt, c.D, c.F, c.S, c.weight, c.w1, c.w2, c.b1, c.b2, c.groups, c.xs, c.gs, c.code)
     h = moe.experts_up(xs, groups, w1, b1, None, act)
+    # u = xs W1 + b1 as the forward keeps it (moe.KEEP_HIDDEN), for the hidden kernel's variant
+    # that reads it: written by the Triton GEMM1, which also writes h
+    kept_u = torch.empty_like(h)
+    moe.experts_up(xs, groups, w1, b1, None, act, kept_u)
     hw = torch.randn_like(h)
     du = torch.randn_like(h)
     gw = torch.empty(S, moe.gw_columns(D, F, True), device=dev, dtype=torch.float32)
@@ -140,8 +144,9 @@ def probe(preset, act, rows_out, kernels):
                dict(BLOCK_F=64, BLOCK_K=64, num_warps=4, num_stages=4, SM_PROGRAMS=2)]
     for cfg in extra(moe._up.configs, *up_more):
         report("up", "gemm1", cfg, gemm, lambda: moe.experts_up(xs, groups, w1, b1, None, act), moe._up)
+        report("up", "gemm1 +u", cfg, gemm, lambda: moe.experts_up(xs, groups, w1, b1, None, act, kept_u), moe._up)
     if "up_gluon" in kernels:
-        gluon_up(preset, c, act, h, rows_out)
+        gluon_up(preset, c, act, h, rows_out, kept_u)
 
     gemm_more = [dict(BLOCK_N=128, BLOCK_K=128, N_INNER=False, num_warps=8, num_stages=3),
                  dict(BLOCK_N=128, BLOCK_K=64, N_INNER=False, num_warps=8, num_stages=3)]
@@ -151,11 +156,11 @@ def probe(preset, act, rows_out, kernels):
                moe._slots_gemm)
         report("slots", "dx", cfg, gemm, lambda: moe.slots_gemm(du, w1, (D * F, 1, F), D, groups), moe._slots_gemm)
 
-    def hidden(has_b1):
+    def hidden(has_b1, kept=False):
         return lambda: moe._hidden(
             moe.tile_grid(groups, F, "BLOCK_F"), xs, gs, groups.slot_pair,
-            groups.tile_expert, weight, w1, b1, w1, w2, hw, du, du, gw,
-            groups.pairs, D, F, gw.shape[1], HAS_B1=has_b1, ACT=code,
+            groups.tile_expert, weight, w1, b1, w1, w2, kept_u if kept else hw, hw, du, du, gw,
+            groups.pairs, D, F, gw.shape[1], HAS_B1=has_b1, KEEP_U=kept, ACT=code,
             PRECISION=moe.dot_precision(dt), TILE=groups.tile, GW_BLOCK=moe.GW_BLOCK)
     # the 2-D order (N_INNER False), out of the shipped list, kept here as the yardstick
     hidden_more = [dict(BLOCK_F=128, BLOCK_K=64, TWO_LOOPS=False, N_INNER=False, num_warps=8, num_stages=3),
@@ -163,6 +168,7 @@ def probe(preset, act, rows_out, kernels):
     for cfg in extra(moe._hidden.configs, *hidden_more):
         report("hidden", "b1", cfg, 2 * gemm, hidden(True), moe._hidden)
         report("hidden", "no-b1", cfg, 2 * gemm, hidden(False), moe._hidden)
+        report("hidden", "kept u", cfg, gemm, hidden(True, True), moe._hidden)
     # ∂b1's per-tile sums of ∂u, which the hidden kernel's epilogue no longer takes (b1 above
     # is u's bias alone): a memory-bound read of ∂u.
     for cfg in moe._tile_sums.configs:
@@ -194,10 +200,12 @@ GLUON_UP_CONFIGS = [dict(tile_m=128, block_n=128, block_k=64, nbuf=4), dict(tile
                     dict(tile_m=128, block_n=128, block_k=32, nbuf=6)]
 
 
-def gluon_up(preset, c, act, h_triton, rows_out):
+def gluon_up(preset, c, act, h_triton, rows_out, u_triton):
     """gluon_moe.experts_up under each GLUON_UP_CONFIGS entry (TILE 128's row split where tile_m is
     64), checked against the Triton GEMM1's h (same inputs; both fp32-accumulated, bf16 out) before
-    it is timed; the Triton kernel's autotuned call is timed beside it."""
+    it is timed; the Triton kernel's autotuned call is timed beside it. Then the shipped config with
+    KEEP_U (u = xs W1 + b1 written too, moe.KEEP_HIDDEN), h and u checked against the Triton
+    GEMM1's (u_triton)."""
     if c.dev != "cuda":
         print("up_gluon: needs the H200 (Gluon has no interpreter)", flush=True)
         return
@@ -234,6 +242,25 @@ def gluon_up(preset, c, act, h_triton, rows_out):
             row.update(error=f"{type(error).__name__}: {str(error).splitlines()[0][:160]}")
             print(f"{'up':<10}{'gluon':<14} FAILED {row['error']}  {cfg}", flush=True)
         rows_out.append(row)
+    cfg = gluon_moe.UP_CONFIGS[c.groups.tile]
+    row = dict(preset=preset, kernel="up_gluon", variant="gluon +u", config=cfg)
+    try:
+        h, u = torch.empty_like(h_triton), torch.empty_like(h_triton)
+        run = lambda: gluon_moe.experts_up(c.xs, c.groups, c.w1, c.b1, act, h, cfg, hidden=u)  # noqa: E731
+        run()
+        torch.cuda.synchronize()
+        err = max(float((got.float() - w.float()).norm() / w.float().norm()) for got, w in ((h, h_triton), (u, u_triton)))
+        row.update(err=err)
+        if not err < 2e-2:
+            raise AssertionError(f"h or u differs from the Triton GEMM1's: relative error {err:.2e}")
+        ms = triton.testing.do_bench_cudagraph(run, rep=60, return_mode="median")
+        row.update(ms=ms, tflops=gemm / ms / 1e9)
+        print(f"{'up':<10}{'gluon +u':<14}{ms * 1e3:>8.1f} us {gemm / ms / 1e9:>6.0f} TF/s  err {err:.1e}  {cfg}",
+              flush=True)
+    except Exception as error:  # noqa: BLE001 - staged: say so, keep going
+        row.update(error=f"{type(error).__name__}: {str(error).splitlines()[0][:160]}")
+        print(f"{'up':<10}{'gluon +u':<14} FAILED {row['error']}  {cfg}", flush=True)
+    rows_out.append(row)
 
 
 def main():

@@ -62,9 +62,9 @@ def offline_configs(act):
     return CONFIGS + COOP_CONFIGS if act == "gelu" else [CONFIGS[0], COOP_CONFIGS[0]]
 
 
-def offline(act="gelu", tile_m=64, block_n=128, block_k=64, nbuf=3, coop=False):
+def offline(act="gelu", tile_m=64, block_n=128, block_k=64, nbuf=3, coop=False, kept=False):
     """compile_offline of gluon_moe's hidden kernel (the cooperative one with coop) for `act`
-    under one config."""
+    under one config; kept: its KEEP_U variant (u read, not computed)."""
     E, D, F, S = 2, 2 * block_k, 2 * block_n, 256
     bf = lambda *shape: torch.empty(*shape, dtype=torch.bfloat16)  # noqa: E731
     xs, gs, w1, w2, b1, hw, du = bf(S, D), bf(S, D), bf(E, D, F), bf(E, F, D), bf(E, F), bf(S, F), bf(S, F)
@@ -72,13 +72,13 @@ def offline(act="gelu", tile_m=64, block_n=128, block_k=64, nbuf=3, coop=False):
     w3, du3 = (bf(E, D, F), bf(S, F)) if act == "swiglu" else (None, None)
     kernel = gluon_moe._hidden_coop_kernel if coop else gluon_moe._hidden_kernel
     tensors = gluon_moe.kernel_args(xs, gs, w1, w2, b1, weight, gw, hw, du, tile_m // 2 if coop else tile_m,
-                                    block_n, block_k, w3, du3)
+                                    block_n, block_k, w3, du3, u=bf(S, F) if kept else None)
     args = dict(zip(kernel.arg_names, tensors[:6] + tensors[8:] if coop else tensors))
     args.update(slot_pair_ptr=index, tile_expert_ptr=index, PAIRS=1000, D=D, F=F, GW_COLS=40, NUM_JOBS=1000,
                 has_b1=3, TILE=128)
     return compile_offline(kernel, args, dict(ACT=gluon_moe.ACTS[act], NBUF=nbuf,
                                               CONSUMER_REGS=gluon_moe.CONSUMER_REGS,
-                                              PRODUCER_REGS=gluon_moe.PRODUCER_REGS))
+                                              PRODUCER_REGS=gluon_moe.PRODUCER_REGS, KEEP_U=kept))
 
 
 def reference(c, weight, act="gelu"):
@@ -135,9 +135,14 @@ def probe_cli(offline_rows, probe_preset, presets="medium,large"):
 
 
 def offline_rows():
+    """The builds under every config the probe times, then the KEEP_U builds (u read, not computed)
+    of the shipped ping-pong and cooperative configs, each act but swiglu (rows with kept=True)."""
     for act in gluon_moe.ACTS:
         for cfg in offline_configs(act):
-            yield dict(act=act, config=cfg, **offline(act, **cfg))
+            yield dict(act=act, config=cfg, kept=False, **offline(act, **cfg))
+    for act in ("gelu", "gelu_tanh", "silu"):
+        for cfg in (CONFIGS[0], COOP_CONFIGS[0]):
+            yield dict(act=act, config=cfg, kept=True, **offline(act, **cfg, kept=True))
 
 
 def probe_preset(c):
@@ -154,14 +159,15 @@ def probe_preset(c):
 
     def triton_hidden():
         moe._hidden(moe.tile_grid(c.groups, c.F, "BLOCK_F"), c.xs, c.gs, c.groups.slot_pair,
-                    c.groups.tile_expert, weight, c.w1, c.b1, c.w1, c.w2, hw, du, du, gw,
-                    c.groups.pairs, c.D, c.F, cols, HAS_B1=True, ACT=moe.ACT_CODE["gelu"],
+                    c.groups.tile_expert, weight, c.w1, c.b1, c.w1, c.w2, hw, hw, du, du, gw,
+                    c.groups.pairs, c.D, c.F, cols, HAS_B1=True, KEEP_U=False, ACT=moe.ACT_CODE["gelu"],
                     PRECISION=moe.dot_precision(c.dt), TILE=c.groups.tile, GW_BLOCK=moe.GW_BLOCK)
         return hw, du, gw[:, :c.F // 64]
 
-    def gluon_hidden(cfg, act):
+    def gluon_hidden(cfg, act, hidden=None):
         gw.zero_()
-        gluon_moe.backward_hidden(c.xs, c.gs, c.groups, c.w1, c.b1, c.w2, weight, act, hw, du, gw, config=cfg)
+        gluon_moe.backward_hidden(c.xs, c.gs, c.groups, c.w1, c.b1, c.w2, weight, act, hw, du, gw, config=cfg,
+                                  hidden=hidden)
         return hw, du, gw[:, :c.F // 64]
 
     for act in ("gelu", "gelu_tanh", "silu"):
@@ -171,6 +177,12 @@ def probe_preset(c):
             _time("hidden triton", triton_hidden, flops, err)
         for cfg in CONFIGS + COOP_CONFIGS if act == "gelu" else CONFIGS[:2] + COOP_CONFIGS[:1]:
             _time(f"hidden gluon {act}", lambda: gluon_hidden(cfg, act), flops, err, cfg)
+        # KEEP_U: u = xs W1 + b1 from the forward's GEMM1 (in bf16) read, not computed: half the
+        # FLOPs, the error against the fp32 reference from u's rounding
+        kept_u = torch.empty_like(hw)
+        moe.experts_up(c.xs, c.groups, c.w1, c.b1, None, act, kept_u)
+        for cfg in CONFIGS[:1] + COOP_CONFIGS[:1]:
+            _time(f"hidden gluon {act} +u", lambda: gluon_hidden(cfg, act, kept_u), flops // 2, err, cfg)
 
 
 if __name__ == "__main__":

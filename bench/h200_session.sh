@@ -99,6 +99,11 @@
 #                                      # sum (triton_pool.COLUMN_SUMS, the default since session 32): its GPU
 #                                      # tests, then bench/flag_ab.py off against on at large and medium
 #                                      # (~4 min): run.log, flag_ab_column_sums.txt
+#   bash bench/h200_session.sh keep-hidden  # triton_moe.KEEP_HIDDEN (staged, session 35): the KEEP_U
+#                                      # variants' GPU tests (Gluon GEMM1 and hidden kernels, then the
+#                                      # presets through the region), bench/flag_ab.py off against on at
+#                                      # large and medium, then bench/gluon_probe.py (its "+u" rows; ~8 min):
+#                                      # run.log, flag_ab_keep_hidden.txt, gluon_probe_kept.txt
 #   bash bench/h200_session.sh gluon-up  # gluon_moe's GEMM1 (GLUON_UP, the default since session 34): its GPU
 #                                      # tests, then bench/gemm_probe.py's up_gluon rows (each config
 #                                      # checked against the Triton GEMM1, then timed beside it) at medium
@@ -108,7 +113,7 @@
 #                                      # benchmark cut at 250 s (rows past it are listed as skipped)
 # Budgets are per step so a slow step cannot starve the others.
 set -u
-part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|ab|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|ncu-gemms|ncu-source|gluon|verify-gluon|gluon-gemms|verify-gemms|router|small-kernels|host-large|host-timers|wgrad-stream|sum-spread|column-sums|kernel-times-ab|rows-ab|static-params|gluon-up|short}
+part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|ab|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|ncu-gemms|ncu-source|gluon|verify-gluon|gluon-gemms|verify-gemms|router|small-kernels|host-large|host-timers|wgrad-stream|sum-spread|column-sums|keep-hidden|kernel-times-ab|rows-ab|static-params|gluon-up|short}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 # Inductor's compiled graphs kept in the checkout (git ignores it): the device keeps ignored
 # files between calls on a machine it still holds, so `table` can reuse `autotune-cache`'s.
@@ -194,6 +199,16 @@ sum-spread)
 column-sums)
     tests_then_flag_ab tests/kernels/test_triton_kernels_cuda.py column_sums \
         mha_compile.kernels.triton_pool:COLUMN_SUMS 3 flag_ab_column_sums.txt
+    ;;
+keep-hidden)
+    # the Gluon GEMM1's and hidden kernels' KEEP_U variants against float64 first (staged offline in
+    # session 35, never run: a hang or a wrong tile shows here, within the tests' limit)
+    { MHA_COMPILE_NO_AUTOTUNE=1 timeout 150 python -m pytest -q -m cuda tests/kernels/test_gluon_moe_cuda.py \
+        -k "kept or gemm1" -p no:cacheprovider -rf 2>&1 | tail -8; } >>"$LOG"
+    tests_then_flag_ab tests/kernels/test_triton_kernels_cuda.py kept_hidden \
+        mha_compile.kernels.triton_moe:KEEP_HIDDEN 3 flag_ab_keep_hidden.txt
+    { timeout -s INT 120 python bench/gluon_probe.py --presets medium,large 2>&1; } >"$OUT/gluon_probe_kept.txt"
+    grep -E "^(medium|large)|gluon gelu " "$OUT/gluon_probe_kept.txt" | cut -c1-150 >>"$LOG"
     ;;
 static-params)
     # whole_graph.STATIC_PARAMS (the forward's parameters read in place under reduce-overhead):

@@ -27,6 +27,13 @@ One program per SM walks the jobs, a row block's F blocks adjacent. A job is 64 
 kernel's ~2100 us a large-preset call, 146 against 213 at medium. At TILE 128 with D ≥ 512 the
 cooperative form below (_hidden_coop_kernel) runs instead: both consumers on each job's 128 rows,
 so the W tiles are loaded once for 128 rows rather than 64.
+
+KEEP_U (triton_moe.KEEP_HIDDEN, staged in session 35: built for sm_90a offline, no spills, wgmmas
+not serialised; not yet run on a GPU): GEMM1 also stores u = xs W1 + b1, through the same staging
+tile as h, and both hidden kernels read it (each consumer loads its job's u tile while waiting for
+its turn) instead of computing it: their stages then hold gs and W2 only, half the dots and of the
+bytes a K step. Each partition gets the variant by a function of its own (the *_kept trampolines),
+as the activation: worker partitions take no constants.
 """
 import contextlib
 import functools
@@ -225,22 +232,26 @@ def _epilogue(acc_u, acc_g, acc_u3, w, valid, offs_s, offs_n, row, n, bufs, desc
 #   bufs  = (xs, gs, W1, W2 rings of NBUF stages; hw, ∂u staging tiles, one a consumer; the W3
 #           ring and ∂u3 staging tiles, or W1's and ∂u's again);
 #   bars  = (ready, empty) a ring stage, and turn, one a consumer;
-#   ptrs  = (b1, weight (the flat top-k weights), gw, slot_pair, tile_expert);
+#   ptrs  = (b1, weight (the flat top-k weights), gw, u (the forward's, with KEEP_U; else hw's
+#           pointer again, never read), slot_pair, tile_expert);
 #   sizes = (PAIRS, D, F, GW_COLS, NUM_JOBS, has_b1, TILE).
 
 
 @gluon.jit
-def _produce(descs, bufs, bars, ptrs, sizes, SWIGLU: gl.constexpr):
+def _produce(descs, bufs, bars, ptrs, sizes, SWIGLU: gl.constexpr, KEEP_U: gl.constexpr = False):
     xs_desc, gs_desc, w1_desc, w2_desc, hw_desc, du_desc, w3_desc, du3_desc = descs
     xs_bufs, gs_bufs, w1_bufs, w2_bufs, hw_bufs, du_bufs, w3_bufs, du3_bufs = bufs
     ready, empty, turn = bars
-    b1_ptr, weight_ptr, gw_ptr, slot_pair_ptr, tile_expert_ptr = ptrs
+    b1_ptr, weight_ptr, gw_ptr, u_ptr, slot_pair_ptr, tile_expert_ptr = ptrs
     PAIRS, D, F, GW_COLS, NUM_JOBS, has_b1, TILE = sizes
     TILE_M: gl.constexpr = xs_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = xs_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w1_desc.block_type.shape[1]
     NBUF: gl.constexpr = xs_bufs.type.shape[0]
-    nbytes: gl.constexpr = (2 + SWIGLU) * w1_desc.block_type.nbytes + 2 * xs_desc.block_type.nbytes
+    if KEEP_U:  # u is read, not computed: the stages hold gs and W2 only
+        nbytes: gl.constexpr = gs_desc.block_type.nbytes + w2_desc.block_type.nbytes
+    else:
+        nbytes: gl.constexpr = (2 + SWIGLU) * w1_desc.block_type.nbytes + 2 * xs_desc.block_type.nbytes
     ksteps = D // BLOCK_K
     pos = 0
     for job in range(gl.program_id(0), NUM_JOBS, gl.num_programs(0)):
@@ -252,8 +263,10 @@ def _produce(descs, bufs, bars, ptrs, sizes, SWIGLU: gl.constexpr):
             mbarrier.wait(empty.index(stage), ((pos // NBUF) & 1) ^ 1)
             bar = ready.index(stage)
             mbarrier.expect(bar, nbytes)
-            tma.async_copy_global_to_shared(xs_desc, [row, k * BLOCK_K], bar, xs_bufs.index(stage))
-            tma.async_copy_global_to_shared(w1_desc, [e * D + k * BLOCK_K, n * BLOCK_N], bar, w1_bufs.index(stage))
+            if not KEEP_U:
+                tma.async_copy_global_to_shared(xs_desc, [row, k * BLOCK_K], bar, xs_bufs.index(stage))
+                tma.async_copy_global_to_shared(w1_desc, [e * D + k * BLOCK_K, n * BLOCK_N], bar,
+                                                w1_bufs.index(stage))
             tma.async_copy_global_to_shared(gs_desc, [row, k * BLOCK_K], bar, gs_bufs.index(stage))
             tma.async_copy_global_to_shared(w2_desc, [e * F + n * BLOCK_N, k * BLOCK_K], bar, w2_bufs.index(stage))
             if SWIGLU:
@@ -263,30 +276,39 @@ def _produce(descs, bufs, bars, ptrs, sizes, SWIGLU: gl.constexpr):
 
 
 @gluon.jit
-def _pingpong_step(bufs, ready, stage, phase, acc_u, acc_g, acc_u3, use_acc: gl.constexpr, ACT: gl.constexpr):
+def _pingpong_step(bufs, ready, stage, phase, acc_u, acc_g, acc_u3, use_acc: gl.constexpr, ACT: gl.constexpr,
+                   KEEP_U: gl.constexpr = False):
     """One K step of a ping-pong consumer: wait for the stage, issue its wgmmas (use_acc=False: the
     job's first, from zero), and wait for the step before's, so that this step's stay in flight
-    (the step before has then read its stage)."""
+    (the step before has then read its stage). KEEP_U: g's wgmma only (u is read)."""
     xs_bufs, gs_bufs, w1_bufs, w2_bufs, hw_bufs, du_bufs, w3_bufs, du3_bufs = bufs
     mbarrier.wait(ready.index(stage), phase)
-    acc_u = warpgroup_mma(xs_bufs.index(stage), w1_bufs.index(stage), acc_u, use_acc=use_acc, is_async=True)
-    acc_g = warpgroup_mma(gs_bufs.index(stage), w2_bufs.index(stage).permute((1, 0)), acc_g, use_acc=use_acc,
-                          is_async=True)
-    if ACT == 3:
-        acc_u3 = warpgroup_mma(xs_bufs.index(stage), w3_bufs.index(stage), acc_u3, use_acc=use_acc, is_async=True)
-        acc_u, acc_g, acc_u3 = warpgroup_mma_wait(num_outstanding=3, deps=(acc_u, acc_g, acc_u3))
+    if KEEP_U:
+        acc_g = warpgroup_mma(gs_bufs.index(stage), w2_bufs.index(stage).permute((1, 0)), acc_g,
+                              use_acc=use_acc, is_async=True)
+        acc_g = warpgroup_mma_wait(num_outstanding=1, deps=(acc_g,))
     else:
-        acc_u, acc_g = warpgroup_mma_wait(num_outstanding=2, deps=(acc_u, acc_g))
+        acc_u = warpgroup_mma(xs_bufs.index(stage), w1_bufs.index(stage), acc_u, use_acc=use_acc, is_async=True)
+        acc_g = warpgroup_mma(gs_bufs.index(stage), w2_bufs.index(stage).permute((1, 0)), acc_g, use_acc=use_acc,
+                              is_async=True)
+        if ACT == 3:
+            acc_u3 = warpgroup_mma(xs_bufs.index(stage), w3_bufs.index(stage), acc_u3, use_acc=use_acc,
+                                   is_async=True)
+            acc_u, acc_g, acc_u3 = warpgroup_mma_wait(num_outstanding=3, deps=(acc_u, acc_g, acc_u3))
+        else:
+            acc_u, acc_g = warpgroup_mma_wait(num_outstanding=2, deps=(acc_u, acc_g))
     return acc_u, acc_g, acc_u3
 
 
 @gluon.jit
-def _consume(descs, bufs, bars, ptrs, sizes, which, ACT: gl.constexpr):
-    """This program's jobs i with i % 2 == which: the dots over the ring, then the epilogue."""
+def _consume(descs, bufs, bars, ptrs, sizes, which, ACT: gl.constexpr, KEEP_U: gl.constexpr = False):
+    """This program's jobs i with i % 2 == which: the dots over the ring, then the epilogue.
+    KEEP_U: the job's u tile (b1 in it) is loaded from u_ptr before this consumer's turn, and
+    only g's dots run."""
     xs_desc, gs_desc, w1_desc, w2_desc, hw_desc, du_desc, w3_desc, du3_desc = descs
     xs_bufs, gs_bufs, w1_bufs, w2_bufs, hw_bufs, du_bufs, w3_bufs, du3_bufs = bufs
     ready, empty, turn = bars
-    b1_ptr, weight_ptr, gw_ptr, slot_pair_ptr, tile_expert_ptr = ptrs
+    b1_ptr, weight_ptr, gw_ptr, u_ptr, slot_pair_ptr, tile_expert_ptr = ptrs
     PAIRS, D, F, GW_COLS, NUM_JOBS, has_b1, TILE = sizes
     TILE_M: gl.constexpr = xs_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = xs_desc.block_type.shape[1]
@@ -314,6 +336,8 @@ def _consume(descs, bufs, bars, ptrs, sizes, which, ACT: gl.constexpr):
             # its dots (_job_rows).
             offs_s, valid, w, bias = _job_rows(row, e, offs_n, slot_pair_ptr, weight_ptr, b1_ptr, PAIRS, F, has_b1,
                                                TILE_M, rows_layout, cols_layout)
+            if KEEP_U:
+                u = gl.load(u_ptr + offs_s.to(gl.int64)[:, None] * F + offs_n[None, :])  # int64: S·F may pass 2³¹
             # Consumer 0 goes first: a fresh barrier passes a wait on parity 1.
             mbarrier.wait(turn.index(which), (own & 1) ^ (1 - which))
             pos = i * ksteps
@@ -321,24 +345,30 @@ def _consume(descs, bufs, bars, ptrs, sizes, which, ACT: gl.constexpr):
             # wgmmas leave out (use_acc=False) rather than registers zeroed every job (CS2R).
             stage = pos % NBUF
             acc_u, acc_g, acc_u3 = _pingpong_step(bufs, ready, stage, (pos // NBUF) & 1, acc_u, acc_g, acc_u3,
-                                                  False, ACT)
+                                                  False, ACT, KEEP_U)
             prev = stage
             pos += 1
             for k in range(1, ksteps):
                 stage = pos % NBUF
                 acc_u, acc_g, acc_u3 = _pingpong_step(bufs, ready, stage, (pos // NBUF) & 1, acc_u, acc_g, acc_u3,
-                                                      True, ACT)
+                                                      True, ACT, KEEP_U)
                 mbarrier.arrive(empty.index(prev), count=1)
                 prev = stage
                 pos += 1
-            if ACT == 3:
+            if KEEP_U:
+                acc_g = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g,))
+            elif ACT == 3:
                 acc_u, acc_g, acc_u3 = warpgroup_mma_wait(num_outstanding=0, deps=(acc_u, acc_g, acc_u3))
             else:
                 acc_u, acc_g = warpgroup_mma_wait(num_outstanding=0, deps=(acc_u, acc_g))
             mbarrier.arrive(empty.index(prev), count=1)
             mbarrier.arrive(turn.index(1 - which), count=1)  # the other consumer's K loop may start
             own += 1
-            _epilogue(acc_u + bias[None, :], acc_g, acc_u3, w, valid, offs_s, offs_n, row, n,
+            if KEEP_U:
+                acc_u = u.to(gl.float32)
+            else:
+                acc_u = acc_u + bias[None, :]
+            _epilogue(acc_u, acc_g, acc_u3, w, valid, offs_s, offs_n, row, n,
                       (hw_buf, du_buf, du3_buf), (hw_desc, du_desc, du3_desc), gw_ptr, GW_COLS, ACT)
         i += 1
     tma.store_wait(0)
@@ -365,6 +395,21 @@ def _consume_swiglu(descs, bufs, bars, ptrs, sizes, which):
 
 
 @gluon.jit
+def _consume_gelu_kept(descs, bufs, bars, ptrs, sizes, which):
+    _consume(descs, bufs, bars, ptrs, sizes, which, 0, True)
+
+
+@gluon.jit
+def _consume_gelu_tanh_kept(descs, bufs, bars, ptrs, sizes, which):
+    _consume(descs, bufs, bars, ptrs, sizes, which, 1, True)
+
+
+@gluon.jit
+def _consume_silu_kept(descs, bufs, bars, ptrs, sizes, which):
+    _consume(descs, bufs, bars, ptrs, sizes, which, 2, True)
+
+
+@gluon.jit
 def _produce_two(descs, bufs, bars, ptrs, sizes):
     _produce(descs, bufs, bars, ptrs, sizes, False)
 
@@ -372,6 +417,11 @@ def _produce_two(descs, bufs, bars, ptrs, sizes):
 @gluon.jit
 def _produce_three(descs, bufs, bars, ptrs, sizes):
     _produce(descs, bufs, bars, ptrs, sizes, True)
+
+
+@gluon.jit
+def _produce_kept(descs, bufs, bars, ptrs, sizes):
+    _produce(descs, bufs, bars, ptrs, sizes, False, True)
 
 
 @gluon.jit
@@ -390,10 +440,10 @@ def _pingpong_barriers(NBUF: gl.constexpr):
 
 @gluon.jit
 def _hidden_kernel(xs_desc, gs_desc, w1_desc, w2_desc, hw_desc, du_desc, w3_desc, du3_desc,
-                   b1_ptr, weight_ptr, gw_ptr, slot_pair_ptr, tile_expert_ptr,
+                   b1_ptr, weight_ptr, gw_ptr, u_ptr, slot_pair_ptr, tile_expert_ptr,
                    PAIRS, D, F, GW_COLS, NUM_JOBS, has_b1, TILE,
                    ACT: gl.constexpr, NBUF: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                   PRODUCER_REGS: gl.constexpr):
+                   PRODUCER_REGS: gl.constexpr, KEEP_U: gl.constexpr = False):
     # Host descriptors, unlike the other two Gluon kernels: made on the device (tma.make_tensor_descriptor,
     # each partition its own) this kernel took 579 against 500 us a large-preset call on the H200
     # (session 13, bench/results/kernel_times.txt), for ~140 us less host time a launch.
@@ -411,12 +461,21 @@ def _hidden_kernel(xs_desc, gs_desc, w1_desc, w2_desc, hw_desc, du_desc, w3_desc
     ready, empty, turn = _pingpong_barriers(NBUF)
     args = ((xs_desc, gs_desc, w1_desc, w2_desc, hw_desc, du_desc, w3_desc, du3_desc),
             (xs_bufs, gs_bufs, w1_bufs, w2_bufs, hw_bufs, du_bufs, w3_bufs, du3_bufs), (ready, empty, turn),
-            (b1_ptr, weight_ptr, gw_ptr, slot_pair_ptr, tile_expert_ptr),
+            (b1_ptr, weight_ptr, gw_ptr, u_ptr, slot_pair_ptr, tile_expert_ptr),
             (PAIRS, D, F, GW_COLS, NUM_JOBS, has_b1, TILE))
     zero = gl.program_id(0) * 0  # which consumer, as a runtime value (see above)
     # The default partition (this kernel's 4 warps) is consumer 0; the workers are consumer 1 (a
     # warpgroup) and the producer (one warp, the fewest registers a warp can have).
-    if ACT == 0:
+    if KEEP_U and ACT == 0:
+        gl.warp_specialize([(_consume, args + (zero, ACT, KEEP_U)), (_consume_gelu_kept, args + (zero + 1,)),
+                            (_produce_kept, args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    elif KEEP_U and ACT == 1:
+        gl.warp_specialize([(_consume, args + (zero, ACT, KEEP_U)), (_consume_gelu_tanh_kept, args + (zero + 1,)),
+                            (_produce_kept, args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    elif KEEP_U:
+        gl.warp_specialize([(_consume, args + (zero, ACT, KEEP_U)), (_consume_silu_kept, args + (zero + 1,)),
+                            (_produce_kept, args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    elif ACT == 0:
         gl.warp_specialize([(_consume, args + (zero, ACT)), (_consume_gelu, args + (zero + 1,)), (_produce_two, args)],
                            [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     elif ACT == 1:
@@ -445,16 +504,19 @@ def _hidden_kernel(xs_desc, gs_desc, w1_desc, w2_desc, hw_desc, du_desc, w3_desc
 
 
 @gluon.jit
-def _coop_produce(descs, bufs, bars, ptrs, sizes):
+def _coop_produce(descs, bufs, bars, ptrs, sizes, KEEP_U: gl.constexpr = False):
     xs_desc, gs_desc, w1_desc, w2_desc, hw_desc, du_desc = descs
     xs_bufs, gs_bufs, w1_bufs, w2_bufs, hw_bufs, du_bufs = bufs
     ready, empty = bars
-    b1_ptr, weight_ptr, gw_ptr, slot_pair_ptr, tile_expert_ptr = ptrs
+    b1_ptr, weight_ptr, gw_ptr, u_ptr, slot_pair_ptr, tile_expert_ptr = ptrs
     PAIRS, D, F, GW_COLS, NUM_JOBS, has_b1, TILE = sizes
     HALF: gl.constexpr = xs_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = xs_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w1_desc.block_type.shape[1]
-    nbytes: gl.constexpr = 4 * xs_desc.block_type.nbytes + 2 * w1_desc.block_type.nbytes
+    if KEEP_U:  # u is read, not computed: the stages hold gs and W2 only
+        nbytes: gl.constexpr = 2 * gs_desc.block_type.nbytes + w2_desc.block_type.nbytes
+    else:
+        nbytes: gl.constexpr = 4 * xs_desc.block_type.nbytes + 2 * w1_desc.block_type.nbytes
     ksteps = D // BLOCK_K
     pos = 0
     for job in range(gl.program_id(0), NUM_JOBS, gl.num_programs(0)):
@@ -463,9 +525,12 @@ def _coop_produce(descs, bufs, bars, ptrs, sizes):
         for k in range(ksteps):
             stage = _ring_claim(ready, empty, pos, nbytes)
             bar = ready.index(stage)
-            tma.async_copy_global_to_shared(w1_desc, [e * D + k * BLOCK_K, n * BLOCK_N], bar, w1_bufs.index(stage))
-            tma.async_copy_global_to_shared(xs_desc, [row, k * BLOCK_K], bar, xs_bufs.index(2 * stage))
-            tma.async_copy_global_to_shared(xs_desc, [row + HALF, k * BLOCK_K], bar, xs_bufs.index(2 * stage + 1))
+            if not KEEP_U:
+                tma.async_copy_global_to_shared(w1_desc, [e * D + k * BLOCK_K, n * BLOCK_N], bar,
+                                                w1_bufs.index(stage))
+                tma.async_copy_global_to_shared(xs_desc, [row, k * BLOCK_K], bar, xs_bufs.index(2 * stage))
+                tma.async_copy_global_to_shared(xs_desc, [row + HALF, k * BLOCK_K], bar,
+                                                xs_bufs.index(2 * stage + 1))
             tma.async_copy_global_to_shared(w2_desc, [e * F + n * BLOCK_N, k * BLOCK_K], bar, w2_bufs.index(stage))
             tma.async_copy_global_to_shared(gs_desc, [row, k * BLOCK_K], bar, gs_bufs.index(2 * stage))
             tma.async_copy_global_to_shared(gs_desc, [row + HALF, k * BLOCK_K], bar, gs_bufs.index(2 * stage + 1))
@@ -473,27 +538,34 @@ def _coop_produce(descs, bufs, bars, ptrs, sizes):
 
 
 @gluon.jit
-def _coop_step(bufs, ready, pos, which, acc_u, acc_g, use_acc: gl.constexpr):
+def _coop_step(bufs, ready, pos, which, acc_u, acc_g, use_acc: gl.constexpr, KEEP_U: gl.constexpr = False):
     """One K step of a cooperative consumer on its half of the ring's pos-th stage (see
-    _pingpong_step)."""
+    _pingpong_step; KEEP_U: g's wgmma only)."""
     xs_bufs, gs_bufs, w1_bufs, w2_bufs, hw_bufs, du_bufs = bufs
     NBUF: gl.constexpr = w1_bufs.type.shape[0]
     stage = pos % NBUF
     mbarrier.wait(ready.index(stage), (pos // NBUF) & 1)
-    acc_u = warpgroup_mma(xs_bufs.index(2 * stage + which), w1_bufs.index(stage), acc_u, use_acc=use_acc,
-                          is_async=True)
-    acc_g = warpgroup_mma(gs_bufs.index(2 * stage + which), w2_bufs.index(stage).permute((1, 0)), acc_g,
-                          use_acc=use_acc, is_async=True)
-    return warpgroup_mma_wait(num_outstanding=2, deps=(acc_u, acc_g))
+    if KEEP_U:
+        acc_g = warpgroup_mma(gs_bufs.index(2 * stage + which), w2_bufs.index(stage).permute((1, 0)), acc_g,
+                              use_acc=use_acc, is_async=True)
+        acc_g = warpgroup_mma_wait(num_outstanding=1, deps=(acc_g,))
+    else:
+        acc_u = warpgroup_mma(xs_bufs.index(2 * stage + which), w1_bufs.index(stage), acc_u, use_acc=use_acc,
+                              is_async=True)
+        acc_g = warpgroup_mma(gs_bufs.index(2 * stage + which), w2_bufs.index(stage).permute((1, 0)), acc_g,
+                              use_acc=use_acc, is_async=True)
+        acc_u, acc_g = warpgroup_mma_wait(num_outstanding=2, deps=(acc_u, acc_g))
+    return acc_u, acc_g
 
 
 @gluon.jit
-def _coop_consume(descs, bufs, bars, ptrs, sizes, which, ACT: gl.constexpr):
-    """Rows [which·64, which·64 + 64) of every job's 128: both dots over the ring, then _epilogue."""
+def _coop_consume(descs, bufs, bars, ptrs, sizes, which, ACT: gl.constexpr, KEEP_U: gl.constexpr = False):
+    """Rows [which·64, which·64 + 64) of every job's 128: both dots over the ring, then _epilogue
+    (KEEP_U: the rows' u tile, b1 in it, loaded from u_ptr before the K loop, and g's dots only)."""
     xs_desc, gs_desc, w1_desc, w2_desc, hw_desc, du_desc = descs
     xs_bufs, gs_bufs, w1_bufs, w2_bufs, hw_bufs, du_bufs = bufs
     ready, empty = bars
-    b1_ptr, weight_ptr, gw_ptr, slot_pair_ptr, tile_expert_ptr = ptrs
+    b1_ptr, weight_ptr, gw_ptr, u_ptr, slot_pair_ptr, tile_expert_ptr = ptrs
     PAIRS, D, F, GW_COLS, NUM_JOBS, has_b1, TILE = sizes
     HALF: gl.constexpr = xs_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = xs_desc.block_type.shape[1]
@@ -513,19 +585,26 @@ def _coop_consume(descs, bufs, bars, ptrs, sizes, which, ACT: gl.constexpr):
         offs_n = n * BLOCK_N + gl.arange(0, BLOCK_N, layout=cols_layout)
         offs_s, valid, w, bias = _job_rows(row, e, offs_n, slot_pair_ptr, weight_ptr, b1_ptr, PAIRS, F, has_b1,
                                            HALF, rows_layout, cols_layout)
+        if KEEP_U:
+            u = gl.load(u_ptr + offs_s.to(gl.int64)[:, None] * F + offs_n[None, :])
         # The first K step (D ≥ BLOCK_K) from zero accumulators, out of the loop: in it they
         # are constants the wgmma leaves out, not 128 registers zeroed (CS2R) every job.
         acc_u = gl.zeros([HALF, BLOCK_N], gl.float32, acc_layout)
         acc_g = gl.zeros([HALF, BLOCK_N], gl.float32, acc_layout)
-        acc_u, acc_g = _coop_step(bufs, ready, pos, which, acc_u, acc_g, False)
+        acc_u, acc_g = _coop_step(bufs, ready, pos, which, acc_u, acc_g, False, KEEP_U)
         pos += 1
         for k in range(1, ksteps):
-            acc_u, acc_g = _coop_step(bufs, ready, pos, which, acc_u, acc_g, True)
+            acc_u, acc_g = _coop_step(bufs, ready, pos, which, acc_u, acc_g, True, KEEP_U)
             mbarrier.arrive(empty.index((pos + NBUF - 1) % NBUF), count=1)
             pos += 1
-        acc_u, acc_g = warpgroup_mma_wait(num_outstanding=0, deps=(acc_u, acc_g))
+        if KEEP_U:
+            acc_g = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g,))
+            acc_u = u.to(gl.float32)
+        else:
+            acc_u, acc_g = warpgroup_mma_wait(num_outstanding=0, deps=(acc_u, acc_g))
+            acc_u = acc_u + bias[None, :]
         mbarrier.arrive(empty.index((pos + NBUF - 1) % NBUF), count=1)
-        _epilogue(acc_u + bias[None, :], acc_g, acc_g, w, valid, offs_s, offs_n, row, n, staging,
+        _epilogue(acc_u, acc_g, acc_g, w, valid, offs_s, offs_n, row, n, staging,
                   (hw_desc, du_desc, du_desc), gw_ptr, GW_COLS, ACT)
     tma.store_wait(0)
 
@@ -546,11 +625,31 @@ def _coop_consume_silu(descs, bufs, bars, ptrs, sizes, which):
 
 
 @gluon.jit
+def _coop_consume_gelu_kept(descs, bufs, bars, ptrs, sizes, which):
+    _coop_consume(descs, bufs, bars, ptrs, sizes, which, 0, True)
+
+
+@gluon.jit
+def _coop_consume_gelu_tanh_kept(descs, bufs, bars, ptrs, sizes, which):
+    _coop_consume(descs, bufs, bars, ptrs, sizes, which, 1, True)
+
+
+@gluon.jit
+def _coop_consume_silu_kept(descs, bufs, bars, ptrs, sizes, which):
+    _coop_consume(descs, bufs, bars, ptrs, sizes, which, 2, True)
+
+
+@gluon.jit
+def _coop_produce_kept(descs, bufs, bars, ptrs, sizes):
+    _coop_produce(descs, bufs, bars, ptrs, sizes, True)
+
+
+@gluon.jit
 def _hidden_coop_kernel(xs_desc, gs_desc, w1_desc, w2_desc, hw_desc, du_desc,
-                        b1_ptr, weight_ptr, gw_ptr, slot_pair_ptr, tile_expert_ptr,
+                        b1_ptr, weight_ptr, gw_ptr, u_ptr, slot_pair_ptr, tile_expert_ptr,
                         PAIRS, D, F, GW_COLS, NUM_JOBS, has_b1, TILE,
                         ACT: gl.constexpr, NBUF: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                        PRODUCER_REGS: gl.constexpr):
+                        PRODUCER_REGS: gl.constexpr, KEEP_U: gl.constexpr = False):
     dtype: gl.constexpr = xs_desc.dtype
     xs_bufs = gl.allocate_shared_memory(dtype, [2 * NBUF] + xs_desc.block_type.shape, xs_desc.layout)
     gs_bufs = gl.allocate_shared_memory(dtype, [2 * NBUF] + gs_desc.block_type.shape, gs_desc.layout)
@@ -561,10 +660,20 @@ def _hidden_coop_kernel(xs_desc, gs_desc, w1_desc, w2_desc, hw_desc, du_desc,
     ready, empty = _ring_barriers(NBUF)
     args = ((xs_desc, gs_desc, w1_desc, w2_desc, hw_desc, du_desc),
             (xs_bufs, gs_bufs, w1_bufs, w2_bufs, hw_bufs, du_bufs), (ready, empty),
-            (b1_ptr, weight_ptr, gw_ptr, slot_pair_ptr, tile_expert_ptr),
+            (b1_ptr, weight_ptr, gw_ptr, u_ptr, slot_pair_ptr, tile_expert_ptr),
             (PAIRS, D, F, GW_COLS, NUM_JOBS, has_b1, TILE))
     zero = gl.program_id(0) * 0  # which consumer, as a runtime value (see _hidden_kernel)
-    if ACT == 0:
+    if KEEP_U and ACT == 0:
+        gl.warp_specialize([(_coop_consume, args + (zero, ACT, KEEP_U)), (_coop_consume_gelu_kept, args + (zero + 1,)),
+                            (_coop_produce_kept, args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    elif KEEP_U and ACT == 1:
+        gl.warp_specialize([(_coop_consume, args + (zero, ACT, KEEP_U)),
+                            (_coop_consume_gelu_tanh_kept, args + (zero + 1,)), (_coop_produce_kept, args)],
+                           [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    elif KEEP_U:
+        gl.warp_specialize([(_coop_consume, args + (zero, ACT, KEEP_U)), (_coop_consume_silu_kept, args + (zero + 1,)),
+                            (_coop_produce_kept, args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    elif ACT == 0:
         gl.warp_specialize([(_coop_consume, args + (zero, ACT)), (_coop_consume_gelu, args + (zero + 1,)),
                             (_coop_produce, args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     elif ACT == 1:
@@ -591,9 +700,9 @@ def _gl_dtype(t):
     return gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
 
 
-def kernel_args(xs, gs, w1, w2, b1, weight, gw, hw, du, tile_m, block_n, block_k, w3=None, du3=None):
+def kernel_args(xs, gs, w1, w2, b1, weight, gw, hw, du, tile_m, block_n, block_k, w3=None, du3=None, u=None):
     """_hidden_kernel's tensor arguments in order, its operands as TMA descriptors (W3 and ∂u3 with
-    swiglu, else W1's and ∂u's again)."""
+    swiglu, else W1's and ∂u's again; u, the forward's pre-activations with KEEP_U, else hw again)."""
     E, D, F = w1.shape
     dtype = _gl_dtype(xs)
     w1_desc = _descriptor(w1.view(E * D, F), [block_k, block_n], dtype)
@@ -602,7 +711,7 @@ def kernel_args(xs, gs, w1, w2, b1, weight, gw, hw, du, tile_m, block_n, block_k
             _descriptor(w2.view(E * F, D), [block_n, block_k], dtype), _descriptor(hw, [tile_m, block_n], dtype),
             du_desc, w1_desc if w3 is None else _descriptor(w3.view(E * D, F), [block_k, block_n], dtype),
             du_desc if du3 is None else _descriptor(du3, [tile_m, block_n], dtype),
-            w1 if b1 is None else b1, weight, gw]
+            w1 if b1 is None else b1, weight, gw, hw if u is None else u]
 
 
 def _torch_scratch(size, alignment, stream):
@@ -623,11 +732,14 @@ def device_scratch():
         _allocation._allocator.reset(token)
 
 
-def backward_hidden(xs, gs, groups, w1, b1, w2, weight, act, hw, du, gw, w3=None, du3=None, config=None):
+def backward_hidden(xs, gs, groups, w1, b1, w2, weight, act, hw, du, gw, w3=None, du3=None, config=None,
+                    hidden=None):
     """Writes hw, ∂u [S,F] (∂u3 with swiglu, given W3) and gw[:, :F/64] (gw [S, GW_COLS] fp32) for
     the slot rows xs, gs [S,D] of `groups` (triton_moe.Groups, or one run of its tiles); weight:
     the flat top-k weights. Callers check `unsupported` first. config: default_config's when None
-    (bench/gluon_probe.py passes others); one with coop=True runs the cooperative kernel."""
+    (bench/gluon_probe.py passes others); one with coop=True runs the cooperative kernel. hidden:
+    the forward's u = xs W1 + b1 [S,F] (contiguous, h's dtype; not swiglu), read instead of
+    computed (KEEP_U: the stages then hold gs and W2 only; xs and W1 are not read)."""
     E, D, F = w1.shape
     config = config or default_config(act, groups.tile, D)
     tile_m, block_n, block_k, nbuf = (config[key] for key in ("tile_m", "block_n", "block_k", "nbuf"))
@@ -637,15 +749,19 @@ def backward_hidden(xs, gs, groups, w1, b1, w2, weight, act, hw, du, gw, w3=None
             raise ValueError(f"the cooperative hidden kernel takes jobs of 128 rows of TILE 128 and no swiglu; "
                              f"got act={act!r}, tile_m={tile_m}, TILE={groups.tile}")
         # a consumer's half of a job: the slot rows in [64, ·] boxes; no W3 or ∂u3
-        args = kernel_args(xs, gs, w1, w2, b1, weight, gw, hw, du, tile_m // 2, block_n, block_k)
+        args = kernel_args(xs, gs, w1, w2, b1, weight, gw, hw, du, tile_m // 2, block_n, block_k, u=hidden)
         kernel, args = _hidden_coop_kernel, args[:6] + args[8:]
     else:
         kernel, args = _hidden_kernel, kernel_args(xs, gs, w1, w2, b1, weight, gw, hw, du, tile_m, block_n,
-                                                   block_k, w3, du3)
+                                                   block_k, w3, du3, u=hidden)
+    if hidden is not None and (act == "swiglu" or not hidden.is_contiguous() or hidden.shape != hw.shape
+                               or hidden.dtype != hw.dtype):
+        raise ValueError(f"backward_hidden: hidden {tuple(hidden.shape)} {hidden.dtype} with act={act!r}: takes a "
+                         f"contiguous u of hw's shape {tuple(hw.shape)} and dtype {hw.dtype}, and no swiglu")
     kernel[(min(num_sms(xs.device), jobs),)](
         *args, groups.slot_pair, groups.tile_expert, groups.pairs, D, F, gw.shape[1], jobs, int(b1 is not None),
         groups.tile, ACT=ACTS[act], NBUF=nbuf, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
-        num_warps=4)
+        KEEP_U=hidden is not None, num_warps=4)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -698,14 +814,15 @@ def up_unsupported(xs, w1, h, act, tile, capability=None):
 
 
 # GEMM1's partitions take (descs, bufs, bars, ptrs, sizes) (+ which), as the hidden kernel's:
-#   descs = (xs, W1 as [E·D, F], h) TMA descriptors;  bufs = (xs, W1 rings; h staging tiles, one a
+#   descs = (xs, W1 as [E·D, F], h, u (KEEP_U: the pre-activations' output; else h's again)) TMA
+#   descriptors;  bufs = (xs, W1 rings; h staging tiles, one a
 #   consumer);  bars = (ready, empty, turn);  ptrs = (b1, tile_expert);  sizes = (D, F, NUM_JOBS,
 #   has_b1, TILE).
 
 
 @gluon.jit
 def _up_produce(descs, bufs, bars, ptrs, sizes):
-    xs_desc, w1_desc, h_desc = descs
+    xs_desc, w1_desc, h_desc, u_desc = descs
     xs_bufs, w1_bufs, h_bufs = bufs
     ready, empty, turn = bars
     b1_ptr, tile_expert_ptr = ptrs
@@ -742,10 +859,11 @@ def _up_step(xs_bufs, w1_bufs, ready, stage, phase, acc_a, acc_b, use_acc: gl.co
 
 
 @gluon.jit
-def _up_consume(descs, bufs, bars, ptrs, sizes, which, ACT: gl.constexpr):
+def _up_consume(descs, bufs, bars, ptrs, sizes, which, ACT: gl.constexpr, KEEP_U: gl.constexpr = False):
     """This program's jobs i with i % 2 == which: the dots over the ring, then the epilogue, each in
-    two halves of the job's columns."""
-    xs_desc, w1_desc, h_desc = descs
+    two halves of the job's columns. KEEP_U: u = xs W1 + b1 is stored first, through the same
+    staging tile (whose store must then leave it before h goes in)."""
+    xs_desc, w1_desc, h_desc, u_desc = descs
     xs_bufs, w1_bufs, h_bufs = bufs
     ready, empty, turn = bars
     b1_ptr, tile_expert_ptr = ptrs
@@ -792,6 +910,12 @@ def _up_consume(descs, bufs, bars, ptrs, sizes, which, ACT: gl.constexpr):
             mbarrier.arrive(turn.index(1 - which), count=1)
             own += 1
             tma.store_wait(0)
+            if KEEP_U:
+                h_buf.slice(0, HALF, 1).store((acc_a + bias_a[None, :]).to(u_desc.dtype))
+                h_buf.slice(HALF, HALF, 1).store((acc_b + bias_b[None, :]).to(u_desc.dtype))
+                fence_async_shared()
+                tma.async_copy_shared_to_global(u_desc, [row, n * BLOCK_N], h_buf)
+                tma.store_wait(0)
             u = acc_a + bias_a[None, :]
             h_buf.slice(0, HALF, 1).store(act_fwd(u, u, ACT).to(h_desc.dtype))
             u = acc_b + bias_b[None, :]
@@ -818,17 +942,43 @@ def _up_consume_silu(descs, bufs, bars, ptrs, sizes, which):
 
 
 @gluon.jit
-def _up_kernel(xs_desc, w1_desc, h_desc, b1_ptr, tile_expert_ptr, D, F, NUM_JOBS, has_b1, TILE,
-               ACT: gl.constexpr, NBUF: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+def _up_consume_gelu_kept(descs, bufs, bars, ptrs, sizes, which):
+    _up_consume(descs, bufs, bars, ptrs, sizes, which, 0, True)
+
+
+@gluon.jit
+def _up_consume_gelu_tanh_kept(descs, bufs, bars, ptrs, sizes, which):
+    _up_consume(descs, bufs, bars, ptrs, sizes, which, 1, True)
+
+
+@gluon.jit
+def _up_consume_silu_kept(descs, bufs, bars, ptrs, sizes, which):
+    _up_consume(descs, bufs, bars, ptrs, sizes, which, 2, True)
+
+
+@gluon.jit
+def _up_kernel(xs_desc, w1_desc, h_desc, u_desc, b1_ptr, tile_expert_ptr, D, F, NUM_JOBS, has_b1, TILE,
+               ACT: gl.constexpr, NBUF: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+               KEEP_U: gl.constexpr = False):
     dtype: gl.constexpr = xs_desc.dtype
     xs_bufs = gl.allocate_shared_memory(dtype, [NBUF] + xs_desc.block_type.shape, xs_desc.layout)
     w1_bufs = gl.allocate_shared_memory(dtype, [NBUF] + w1_desc.block_type.shape, w1_desc.layout)
     h_bufs = gl.allocate_shared_memory(dtype, [2] + h_desc.block_type.shape, h_desc.layout)
     ready, empty, turn = _pingpong_barriers(NBUF)
-    args = ((xs_desc, w1_desc, h_desc), (xs_bufs, w1_bufs, h_bufs), (ready, empty, turn), (b1_ptr, tile_expert_ptr),
-            (D, F, NUM_JOBS, has_b1, TILE))
+    args = ((xs_desc, w1_desc, h_desc, u_desc), (xs_bufs, w1_bufs, h_bufs), (ready, empty, turn),
+            (b1_ptr, tile_expert_ptr), (D, F, NUM_JOBS, has_b1, TILE))
     zero = gl.program_id(0) * 0  # which consumer, as a runtime value (see the hidden kernel)
-    if ACT == 0:
+    if KEEP_U and ACT == 0:
+        gl.warp_specialize([(_up_consume, args + (zero, ACT, KEEP_U)), (_up_consume_gelu_kept, args + (zero + 1,)),
+                            (_up_produce, args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    elif KEEP_U and ACT == 1:
+        gl.warp_specialize([(_up_consume, args + (zero, ACT, KEEP_U)),
+                            (_up_consume_gelu_tanh_kept, args + (zero + 1,)), (_up_produce, args)],
+                           [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    elif KEEP_U:
+        gl.warp_specialize([(_up_consume, args + (zero, ACT, KEEP_U)), (_up_consume_silu_kept, args + (zero + 1,)),
+                            (_up_produce, args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    elif ACT == 0:
         gl.warp_specialize([(_up_consume, args + (zero, ACT)), (_up_consume_gelu, args + (zero + 1,)),
                             (_up_produce, args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     elif ACT == 1:
@@ -839,22 +989,29 @@ def _up_kernel(xs_desc, w1_desc, h_desc, b1_ptr, tile_expert_ptr, D, F, NUM_JOBS
                             (_up_produce, args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def experts_up(xs, groups, w1, b1, act, h, config=None):
+def experts_up(xs, groups, w1, b1, act, h, config=None, hidden=None):
     """Writes h [S,F] = act(xs W1[e] + b1[e]) for the slot rows xs [S,D] of `groups`; returns h.
-    Callers check `up_unsupported` first. config: UP_CONFIGS[TILE] when None (probes pass others)."""
+    Callers check `up_unsupported` first. config: UP_CONFIGS[TILE] when None (probes pass others).
+    hidden: an [S,F] buffer (h's dtype, contiguous) that u = xs W1[e] + b1[e] is also written into
+    (KEEP_U)."""
     E, D, F = w1.shape
     config = config or UP_CONFIGS[groups.tile]
     tile_m, block_n, block_k, nbuf = (config[key] for key in ("tile_m", "block_n", "block_k", "nbuf"))
     if not up_config_fits(config, groups.tile, D, F):
         raise ValueError(f"experts_up: config {config} on TILE {groups.tile}, D={D}, F={F}: tile_m must divide "
                          f"TILE, block_n F and block_k D")
+    if hidden is not None and (hidden.shape != h.shape or hidden.dtype != h.dtype or not hidden.is_contiguous()):
+        raise ValueError(f"experts_up: hidden {tuple(hidden.shape)} {hidden.dtype}: takes a contiguous buffer of h's "
+                         f"shape {tuple(h.shape)} and dtype {h.dtype}")
     jobs = groups.num_tiles * (groups.tile // tile_m) * (F // block_n)
     dtype = _gl_dtype(xs)
+    h_desc = _descriptor(h, [tile_m, block_n], dtype)
     _up_kernel[(min(num_sms(xs.device), jobs),)](
         _descriptor(xs, [tile_m, block_k], dtype), _descriptor(w1.view(E * D, F), [block_k, block_n], dtype),
-        _descriptor(h, [tile_m, block_n], dtype), w1 if b1 is None else b1, groups.tile_expert,
-        D, F, jobs, int(b1 is not None), groups.tile,
-        ACT=UP_ACTS[act], NBUF=nbuf, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
+        h_desc, h_desc if hidden is None else _descriptor(hidden, [tile_m, block_n], dtype),
+        w1 if b1 is None else b1, groups.tile_expert, D, F, jobs, int(b1 is not None), groups.tile,
+        ACT=UP_ACTS[act], NBUF=nbuf, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
+        KEEP_U=hidden is not None, num_warps=4)
     return h
 
 

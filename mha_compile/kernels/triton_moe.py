@@ -31,7 +31,8 @@ Forward, per tile t (expert e) and output block:
     GEMM2   c[s] = w[s] · (h[s] W2[e] + b2[e])   the routing weight in the epilogue
             (on Hopper, bf16/fp16, TILE 64 or 128: gluon_moe's warp-specialised GEMM)
     combine out[r] = Σ_j c[slot(r, j)]           token order, fixed j order: no atomics
-Backward (recomputing u = x W1 + b1 rather than storing it):
+Backward (recomputing u = x W1 + b1 rather than storing it; with KEEP_HIDDEN, staged, reading
+the forward's):
     gather  xs[s] as in the forward, and gs[s] = G[row(s)]
     hidden  per (tile, F block), one K loop over D for both u = xs W1[e] and g = gs W2[e]ᵀ:
             hw = w · act(u); ∂u = (w · g) ⊙ act′(u); per-F-block partial ∂w = Σ_f h g (+ ⟨G, b2[e]⟩)
@@ -47,6 +48,7 @@ triton_router.router_combine_backward. All accumulation is fp32; row offsets are
 """
 import fractions
 import functools
+import os
 
 import torch
 import triton
@@ -105,9 +107,9 @@ def _bias_rows(bias_ptr, offset, offs_n, n_ok, ROWS: tl.constexpr, HAS_BIAS: tl.
 
 @triton.jit
 def _moe_up_kernel(
-    xs, slot_pair_ptr, tile_expert_ptr, w1, b1_ptr, w3, h,
+    xs, slot_pair_ptr, tile_expert_ptr, w1, b1_ptr, w3, h, u,
     PAIRS, D, F, NUM_TILES,
-    HAS_B1: tl.constexpr, ACT: tl.constexpr,
+    HAS_B1: tl.constexpr, ACT: tl.constexpr, KEEP_U: tl.constexpr,
     PRECISION: tl.constexpr, TILE: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
     TMA: tl.constexpr, SM_PROGRAMS: tl.constexpr = 1,
 ):
@@ -120,6 +122,9 @@ def _moe_up_kernel(
     [1, BLOCK_K, BLOCK_F], [TILE, BLOCK_F]) and SM_PROGRAMS programs per SM walk the jobs, each
     loading its next tile while the activation epilogue of this one runs. Else pointers, a
     program per job. SM_PROGRAMS only sizes the grid (experts_up).
+
+    KEEP_U (not swiglu): also u [S,F] = xs[s] W1[e] + b1[e], in h's dtype, for the backward
+    (KEEP_HIDDEN); a descriptor like h's with TMA.
     """
     for job in tl.range(tl.program_id(0), NUM_TILES * tl.cdiv(F, BLOCK_F), tl.num_programs(0), flatten=TMA):
         t, f_block = _tile_of_job(job, F, BLOCK_F)
@@ -153,8 +158,12 @@ def _moe_up_kernel(
         out = act_fwd(acc, acc3, ACT)
         if TMA:
             h.store([t * TILE, f0], out.to(h.dtype))
+            if KEEP_U:
+                u.store([t * TILE, f0], acc.to(u.dtype))
         else:
             tl.store(h + offs_s[:, None] * F + offs_f[None, :], out.to(h.dtype.element_ty), mask=f_ok[None, :])
+            if KEEP_U:
+                tl.store(u + offs_s[:, None] * F + offs_f[None, :], acc.to(u.dtype.element_ty), mask=f_ok[None, :])
 
 
 @triton.jit
@@ -287,10 +296,10 @@ def _down_t_step(gs_ptr, w2_ptr, acc_g, row_off, offs_k, offs_f, f_ok, e, D, F, 
 @triton.jit
 def _moe_bwd_hidden_kernel(
     xs_ptr, gs_ptr, slot_pair_ptr, tile_expert_ptr, weight_ptr,
-    w1_ptr, b1_ptr, w3_ptr, w2_ptr,
+    w1_ptr, b1_ptr, w3_ptr, w2_ptr, u_ptr,
     hw_ptr, du_ptr, du3_ptr, gw_ptr,
     PAIRS, D, F, GW_COLS,
-    HAS_B1: tl.constexpr,
+    HAS_B1: tl.constexpr, KEEP_U: tl.constexpr,
     ACT: tl.constexpr, PRECISION: tl.constexpr, TILE: tl.constexpr, GW_BLOCK: tl.constexpr,
     BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, TWO_LOOPS: tl.constexpr, N_INNER: tl.constexpr,
 ):
@@ -304,6 +313,7 @@ def _moe_bwd_hidden_kernel(
     in this epilogue cost ~130 us of a ~2.2 ms call at large, what the re-read costs.
     Reductions of the dots' operands inside the K loop, or a branch after it, cost 10-15% here
     and 2-3x in the weight-gradient kernel (bench/gemm_probe.py on the H200).
+    KEEP_U (not swiglu): u is read from u_ptr [S,F] (GEMM1's, b1 in it) and only g's dots run.
     """
     t, pid_f = _tile_and_block(F, BLOCK_F, N_INNER)
     offs_f = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
@@ -314,10 +324,16 @@ def _moe_bwd_hidden_kernel(
     w = tl.load(weight_ptr + pair, mask=valid, other=0.0)
     e = tl.load(tile_expert_ptr + t).to(tl.int64)
     k_end = tl.where(tl.load(slot_pair_ptr + t.to(tl.int64) * TILE) < PAIRS, D, 0)
-    acc_u = _bias_rows(b1_ptr, e * F, offs_f, f_ok, TILE, HAS_B1)
     acc_u3 = tl.zeros([TILE, BLOCK_F], tl.float32)
     acc_g = tl.zeros([TILE, BLOCK_F], tl.float32)
-    if TWO_LOOPS:
+    if KEEP_U:
+        acc_u = tl.load(u_ptr + offs_s[:, None] * F + offs_f[None, :], mask=f_ok[None, :], other=0.0).to(tl.float32)
+        for k0 in range(0, k_end, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            acc_g = _down_t_step(gs_ptr, w2_ptr, acc_g, offs_s[:, None] * D + offs_k[None, :], offs_k, offs_f, f_ok,
+                                 e, D, F, PRECISION)
+    elif TWO_LOOPS:
+        acc_u = _bias_rows(b1_ptr, e * F, offs_f, f_ok, TILE, HAS_B1)
         for k0 in range(0, k_end, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             acc_u, acc_u3 = _up_step(xs_ptr, w1_ptr, w3_ptr, acc_u, acc_u3, offs_s[:, None] * D + offs_k[None, :],
@@ -327,6 +343,7 @@ def _moe_bwd_hidden_kernel(
             acc_g = _down_t_step(gs_ptr, w2_ptr, acc_g, offs_s[:, None] * D + offs_k[None, :], offs_k, offs_f, f_ok,
                                  e, D, F, PRECISION)
     else:
+        acc_u = _bias_rows(b1_ptr, e * F, offs_f, f_ok, TILE, HAS_B1)
         for k0 in range(0, k_end, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             row_off = offs_s[:, None] * D + offs_k[None, :]
@@ -533,9 +550,9 @@ _up = Launcher(_moe_up_kernel, [
     # registers and 98 KiB each): medium 75.6 against 80.3 us for [128, 256] at one an SM, large
     # 758.8 against 734.5 (bench/results/gemm_probe_up.txt, session 19, H200).
     dict(BLOCK_F=128, BLOCK_K=32, num_warps=4, num_stages=4, SM_PROGRAMS=2),
-], key=["D", "F", "TILE", "ACT", "TMA", "HAS_B1"], blocks=lambda m: dict(
+], key=["D", "F", "TILE", "ACT", "TMA", "HAS_B1", "KEEP_U"], blocks=lambda m: dict(
     xs=(m["TILE"], m["BLOCK_K"]), w1=(1, m["BLOCK_K"], m["BLOCK_F"]), w3=(1, m["BLOCK_K"], m["BLOCK_F"]),
-    h=(m["TILE"], m["BLOCK_F"])))
+    h=(m["TILE"], m["BLOCK_F"]), u=(m["TILE"], m["BLOCK_F"])))
 # TWO_LOOPS (u's K loop, then g's) won with BLOCK_F 64 at medium (223 against 260 us), one loop
 # with both dots with BLOCK_F 128 at large (2.51 against 2.99 ms): bench/gemm_probe.py, H200.
 # N_INNER (_tile_and_block): the programs' order, not their work. In the 2-D order the ~132
@@ -551,7 +568,7 @@ _hidden = Launcher(_moe_bwd_hidden_kernel, [
     dict(BLOCK_F=64, BLOCK_K=64, TWO_LOOPS=False, N_INNER=True, num_warps=8, num_stages=4),
     dict(BLOCK_F=128, BLOCK_K=64, TWO_LOOPS=False, N_INNER=True, num_warps=8, num_stages=3),
     dict(BLOCK_F=128, BLOCK_K=32, TWO_LOOPS=False, N_INNER=True, num_warps=8, num_stages=4),
-], key=["D", "F", "TILE", "ACT", "HAS_B1"])
+], key=["D", "F", "TILE", "ACT", "HAS_B1", "KEEP_U"])
 # The slots GEMM at large (same run): N_INNER with BLOCK_N 256, GEMM2 576 -> 545 us, ∂x 537 ->
 # 514; equal at medium. BLOCK_N 128 with N_INNER (∂x 534) replaces its 2-D twin (654).
 _slots_gemm = Launcher(_moe_slots_gemm_kernel, [
@@ -819,6 +836,23 @@ def group(index, experts, into=None):
 SLOT_CHUNK_BYTES = 512 << 20
 
 
+# KEEP_HIDDEN (staged, off by default; MHA_COMPILE_KEEP_HIDDEN=1): the forward's GEMM1 also writes
+# u = xs W1[e] + b1[e] [S,F] in the weights' dtype, the region keeps it (triton_region's `reuse`),
+# and the backward's hidden kernel reads it instead of computing it again: half the hidden
+# kernel's dots (~0.35 ms of FLOPs a large step at 790 TFLOP/s), for S·F more bytes kept from the
+# forward to the backward (520 MiB at large in bf16, 66 at medium). Not swiglu (its u3 would be
+# kept too). Both GEMM1s and both hidden kernels take it (gluon_moe's: KEEP_U variants, built
+# offline for sm_90a, not yet run on a GPU: bench/PERF_NOTES.md, Next). Read when the region's
+# forward runs; its backward finds what the forward kept in `reuse` (a flip in between is refused
+# there).
+KEEP_HIDDEN = os.environ.get("MHA_COMPILE_KEEP_HIDDEN", "0") == "1"
+
+
+def keeps_hidden(act):
+    """Whether the forward keeps u for the backward (KEEP_HIDDEN, not swiglu)."""
+    return KEEP_HIDDEN and act != "swiglu"
+
+
 def tiles_per_run(tile, bytes_per_slot):
     """Whole tiles a run takes: as many as fit SLOT_CHUNK_BYTES, a multiple of 8 from 8 on."""
     per = max(1, SLOT_CHUNK_BYTES // (bytes_per_slot * tile))
@@ -896,29 +930,34 @@ def gather_rows(x, inv, groups, horizons, dtype, grad_out=None, weight=None, b2=
     return xs, gs, db2
 
 
-def experts_up(xs, groups, w1, b1, w3, act):
+def experts_up(xs, groups, w1, b1, w3, act, hidden=None):
     """h [S,F] in the weights' dtype from the slot rows xs [S,D]. A padding slot's row is act(b1[e])
     (xs is 0 there), not 0: GEMM2 (slots_gemm) writes 0 on padding slots whatever h holds. With
-    gluon_moe.GLUON_UP (the default), gluon_moe's GEMM1 where up_kernel says so."""
+    gluon_moe.GLUON_UP (the default), gluon_moe's GEMM1 where up_kernel says so. hidden: an [S,F]
+    buffer in h's dtype (not swiglu) that u = xs W1[e] + b1[e] is also written into (KEEP_HIDDEN)."""
     D = xs.shape[1]
     F = w1.shape[2]
     h = torch.empty(groups.slots, F, device=xs.device, dtype=w1.dtype)
     staged = gluon_moe is not None and gluon_moe.GLUON_UP and w3 is None
-    if staged and up_kernel(xs, w1, b1, h, act, groups.tile) == "gluon" and _gluon_launch(
-            "GEMM1", up_key(xs, act, groups.tile, b1),
-            functools.partial(gluon_moe.experts_up, xs, groups, w1, b1, act, h)):
+    if staged and up_kernel(xs, w1, b1, h, act, groups.tile, hidden) == "gluon" and _gluon_launch(
+            "GEMM1", up_key(xs, act, groups.tile, b1, hidden),
+            functools.partial(gluon_moe.experts_up, xs, groups, w1, b1, act, h, hidden=hidden)):
         return h
     w3 = w1 if w3 is None else w3
     tma = tma_ok(xs, w1, w3, h)
     jobs = lambda m: groups.num_tiles * triton.cdiv(F, m["BLOCK_F"])  # noqa: E731
     grid = ((lambda m: (min(jobs(m), m.get("SM_PROGRAMS", 1) * num_sms(xs.device)),)) if tma
             else (lambda m: (jobs(m),)))
+    keep = hidden is not None
+    tma = tma and (not keep or tma_ok(hidden))
     # the descriptors' block shapes are set per config (_up's `blocks`)
-    xs_, w1_, w3_, h_ = ((TensorDescriptor.from_tensor(t, [1] * t.dim()) for t in (xs, w1, w3, h)) if tma
-                         else (xs, w1, w3, h))
-    _up(grid, xs_, groups.slot_pair, groups.tile_expert, w1_, w1 if b1 is None else b1, w3_, h_,
+    xs_, w1_, w3_, h_, u_ = ((TensorDescriptor.from_tensor(t, [1] * t.dim()) for t in
+                              (xs, w1, w3, h, hidden if keep else h)) if tma
+                             else (xs, w1, w3, h, hidden if keep else h))
+    _up(grid, xs_, groups.slot_pair, groups.tile_expert, w1_, w1 if b1 is None else b1, w3_, h_, u_,
         groups.pairs, D, F, groups.num_tiles,
-        HAS_B1=b1 is not None, ACT=_act(act), PRECISION=dot_precision(w1.dtype), TILE=groups.tile, TMA=tma)
+        HAS_B1=b1 is not None, ACT=_act(act), KEEP_U=keep, PRECISION=dot_precision(w1.dtype), TILE=groups.tile,
+        TMA=tma)
     return h
 
 
@@ -962,8 +1001,10 @@ def combine(c, groups, rows, out_dtype):
     return out
 
 
-def moe_forward(x, inv, weight, groups, w1, b1, w2, b2, w3, act, horizons, out_dtype):
-    """out [R,D] = Σ_j w_j f_{idx_j}(x), x = x (+ inv[r // H], merged by the slot-row gather)."""
+def moe_forward(x, inv, weight, groups, w1, b1, w2, b2, w3, act, horizons, out_dtype, hidden=None):
+    """out [R,D] = Σ_j w_j f_{idx_j}(x), x = x (+ inv[r // H], merged by the slot-row gather).
+    hidden: an [S,F] buffer (groups.slots rows, the weights' dtype; not swiglu) that GEMM1 also
+    writes u = xs W1[e] + b1[e] into, for moe_backward's `hidden` (KEEP_HIDDEN)."""
     E, F, D = w2.shape
     c = torch.empty(groups.slots, D, device=x.device, dtype=w2.dtype)
     runs = tile_runs(groups, (D + F) * w1.element_size())  # xs and h
@@ -971,7 +1012,7 @@ def moe_forward(x, inv, weight, groups, w1, b1, w2, b2, w3, act, horizons, out_d
     for t0, t1 in runs:
         part = groups if len(runs) == 1 else groups.tiles(t0, t1)
         xs, _, _ = gather_rows(x, inv, part, horizons, w1.dtype)
-        h = experts_up(xs, part, w1, b1, w3, act)
+        h = experts_up(xs, part, w1, b1, w3, act, None if hidden is None else hidden[t0 * groups.tile:t1 * groups.tile])
         del xs  # each run's buffers go before the next run's come
         slots_gemm(h, w2, (F * D, D, 1), D, part, bias=b2, scale=scale, out=c[t0 * groups.tile:t1 * groups.tile])
         del h
@@ -1109,8 +1150,10 @@ def bias_grads(db1_part, db2_part, groups, dtype, into=None):
     return tuple(outs)
 
 
-def moe_backward(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, horizons):
-    """(∂x_slot [S,D], gw_part [S, F blocks] fp32, ∂W1, ∂b1, ∂W2, ∂b2, ∂W3) — weights' dtypes."""
+def moe_backward(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, horizons, hidden=None):
+    """(∂x_slot [S,D], gw_part [S, F blocks] fp32, ∂W1, ∂b1, ∂W2, ∂b2, ∂W3) — weights' dtypes.
+    hidden: moe_forward's u [S,F] (KEEP_HIDDEN), which the hidden kernel then reads rather than
+    computing again."""
     E, D, F = w1.shape
     dev, wdt = x.device, w1.dtype
     # ∂w's partial sums: the hidden kernel's F columns, then the gather kernel's ⟨G, b2⟩ columns
@@ -1118,7 +1161,7 @@ def moe_backward(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, hori
     runs = tile_runs(groups, backward_slot_bytes(D, F, w3 is not None, w1.element_size()))
     if len(runs) == 1:
         dx_slot, grads = _backward_tiles(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, horizons,
-                                         gw, None, None)
+                                         gw, None, None, hidden=hidden)
         return (dx_slot, gw, *grads)
     dx_slot = torch.empty(groups.slots, D, device=dev, dtype=wdt)
     # fp32 sums over the runs: the bias gradients' from zeros, added to in place by the weight-gradient
@@ -1144,7 +1187,8 @@ def moe_backward(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, hori
     for i, (t0, t1) in enumerate(runs):
         rows = slice(t0 * groups.tile, t1 * groups.tile)
         _backward_tiles(grad_out, x, inv, weight, groups.tiles(t0, t1), w1, b1, w2, b2, w3, act,
-                        horizons, gw[rows], dx_slot[rows], total, (final, pending), flags[2 * i:2 * i + 2])
+                        horizons, gw[rows], dx_slot[rows], total, (final, pending), flags[2 * i:2 * i + 2],
+                        None if hidden is None else hidden[rows])
     close_totals([(total[i], final[w]) for w, i in enumerate((0, 2, 4)) if final[w] is not None], groups, pending)
     db1 = None if b1 is None else sum_splits(total[5], torch.empty(E, F, device=dev, dtype=wdt), rows_b1, total[1])
     return dx_slot, gw, final[0], db1, final[1], None if b2 is None else total[3].to(wdt), final[2]
@@ -1214,33 +1258,34 @@ def _gluon_launch(kernel, key, launch):
     return True
 
 
-def up_key(xs, act, tile, b1):
-    """What the Gluon GEMM1 is compiled for (beside the shapes, which it takes at run time)."""
-    return act, xs.dtype, tile, b1 is not None
+def up_key(xs, act, tile, b1, hidden=None):
+    """What the Gluon GEMM1 is compiled for (beside the shapes, which it takes at run time): with
+    KEEP_HIDDEN's u output or not, so that a failed build of one leaves the other."""
+    return act, xs.dtype, tile, b1 is not None, hidden is not None
 
 
-def up_kernel(xs, w1, b1, h, act, tile):
+def up_kernel(xs, w1, b1, h, act, tile, hidden=None):
     """Which GEMM1 the forward runs on these operands with gluon_moe.GLUON_UP: "gluon"
     (gluon_moe.experts_up: Hopper, bf16/fp16, gelu, gelu_tanh or silu, sizes its blocks divide;
     and it has built) or "triton"."""
-    return _choose("GEMM1", up_key(xs, act, tile, b1), xs.device,
+    return _choose("GEMM1", up_key(xs, act, tile, b1, hidden), xs.device,
                    lambda: gluon_moe.up_unsupported(xs, w1, h, act, tile))
 
 
-def hidden_key(xs, act, tile, b1):
+def hidden_key(xs, act, tile, b1, hidden=None):
     """What the Gluon hidden kernel is compiled for (beside the shapes, which it takes at run time),
     with which of its two kernels runs (gluon_moe.default_config: the cooperative one from
-    COOP_MIN_D on), so that a failed build of one does not send the other to Triton, nor its first
-    launch go unguarded because the other has launched."""
+    COOP_MIN_D on) and whether it reads KEEP_HIDDEN's u, so that a failed build of one does not send
+    another to Triton, nor its first launch go unguarded because another has launched."""
     wide = gluon_moe is not None and xs.shape[1] >= gluon_moe.COOP_MIN_D
-    return act, xs.dtype, tile, b1 is not None, wide
+    return act, xs.dtype, tile, b1 is not None, wide, hidden is not None
 
 
-def hidden_kernel(xs, gs, w1, w2, w3, b1, act, tile):
+def hidden_kernel(xs, gs, w1, w2, w3, b1, act, tile, hidden=None):
     """Which hidden kernel the backward runs on these operands: "gluon" (gluon_moe's warp-specialised
     kernel: Hopper, bf16/fp16, gelu, silu or swiglu, sizes its blocks divide; and it has built) or
     "triton"."""
-    return _choose("hidden kernel", hidden_key(xs, act, tile, b1), xs.device,
+    return _choose("hidden kernel", hidden_key(xs, act, tile, b1, hidden), xs.device,
                    lambda: gluon_moe.unsupported(xs, gs, w1, w2, w3, act, tile))
 
 
@@ -1277,13 +1322,14 @@ def gemm2_kernel(a, b, out, bias, scale, tile):
 
 
 def _backward_tiles(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, horizons, gw, dx_slot, total,
-                    closing=None, flags=(None, None)):
+                    closing=None, flags=(None, None), hidden=None):
     """The backward over `groups`' slots (the whole layout, or one run of tiles): writes their rows
     of gw and ∂x_slot (None: allocated here) and returns (∂x_slot, (∂W1, ∂b1, ∂W2, ∂b2, ∂W3)), the
     weight gradients summed over these slots, in the weights' dtype; or, given `total` (fp32 sums
     in that order, then ∂b1's rows as weight_grads' into takes them), adds them there, the weight
     gradients' as weight_grads' `final` says with closing = ([∂W1, ∂W2, ∂W3] finals, pending [3, E]);
-    flags: STREAM's flags for ∂W2's and ∂W1's launches (weight_grads' `flags`)."""
+    flags: STREAM's flags for ∂W2's and ∂W1's launches (weight_grads' `flags`); hidden: these
+    slots' rows of moe_forward's u (KEEP_HIDDEN: the Triton hidden kernel reads it)."""
     E, D, F = w1.shape
     dev, wdt = x.device, w1.dtype
     # The slot rows of x (merged, in the weights' dtype, as in the forward) and of G, once:
@@ -1293,16 +1339,16 @@ def _backward_tiles(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, h
     hw = torch.empty(groups.slots, F, device=dev, dtype=wdt)
     du = torch.empty_like(hw)
     du3 = torch.empty_like(hw) if w3 is not None else du
-    if not (hidden_kernel(xs, gs, w1, w2, w3, b1, act, groups.tile) == "gluon" and _gluon_launch(
-            "hidden kernel", hidden_key(xs, act, groups.tile, b1),
+    if not (hidden_kernel(xs, gs, w1, w2, w3, b1, act, groups.tile, hidden) == "gluon" and _gluon_launch(
+            "hidden kernel", hidden_key(xs, act, groups.tile, b1, hidden),
             functools.partial(gluon_moe.backward_hidden, xs, gs, groups, w1, b1, w2, weight, act, hw, du, gw,
-                              w3, None if w3 is None else du3))):
+                              w3, None if w3 is None else du3, hidden=hidden))):
         _hidden(tile_grid(groups, F, "BLOCK_F"),
                 xs, gs, groups.slot_pair, groups.tile_expert, weight,
-                w1, w1 if b1 is None else b1, w1 if w3 is None else w3, w2,
+                w1, w1 if b1 is None else b1, w1 if w3 is None else w3, w2, hw if hidden is None else hidden,
                 hw, du, du3, gw, groups.pairs, D, F, gw.shape[1],
-                HAS_B1=b1 is not None, ACT=_act(act), PRECISION=dot_precision(wdt), TILE=groups.tile,
-                GW_BLOCK=GW_BLOCK)
+                HAS_B1=b1 is not None, KEEP_U=hidden is not None, ACT=_act(act), PRECISION=dot_precision(wdt),
+                TILE=groups.tile, GW_BLOCK=GW_BLOCK)
     # ∂W2 = Σ (w h)ᵀ G first, so that hw and gs [S,F] + [S,D] are freed before ∂x allocates its
     # [S,D] (large preset, computed: slot buffers alive at once 1.61 -> 1.34 GB; same
     # kernels, same results). Then ∂W1 = Σ xᵀ ∂u (∂W3 = Σ xᵀ ∂u3), with ∂b1 = Σ ∂u beside it

@@ -29,7 +29,9 @@ and region_graphs does not (a replay overwrites a graph's buffers).
 `reuse` (the forward's seventh output, the backward's argument after π): the part of that which
 fits in tensors, for the op and region_graphs: one int32 buffer holding the expert layout
 (triton_moe.layout_size), then the pool's directions u [P,D] and its heads' output pooled [B,D]
-(both fp32 bits), reuse_size elements; empty where the reference ran. The backward reads the
+(both fp32 bits), then with triton_moe.KEEP_HIDDEN (staged, off by default) the MoE's
+pre-activations u = xs W1 + b1 [S,F] in the compute dtype's bits, reuse_size elements; empty where
+the reference ran. The backward reads the
 layout and u where `kept` holds nothing, and pooled (for ∂Wo) always: every path saves reuse.
 Under mode="reduce-overhead" (the op, traced) the layout and u spare the backward the grouping's
 3 launches and the directions' 3 kernels: a medium step's kernels 0.654 → 0.646 ms on the H200,
@@ -144,22 +146,39 @@ def reuse_size(ctx, tok, q, w1, top_k, act, mask):
     runs. Reads only shapes, dtypes and devices, so the op's fake computes it too."""
     if why_unsupported(ctx, tok, w1, top_k, act, mask) is not None:
         return 0
-    return _reuse_elements(ctx, q, w1, top_k)
+    return _reuse_elements(ctx, q, w1, top_k, act)
 
 
-def _reuse_elements(ctx, q, w1, top_k):
+def _hidden_kept(ctx, w1, top_k, act):
+    """((S, F), dtype) of the MoE's pre-activations u that `reuse` keeps last
+    (triton_moe.keeps_hidden: S slots, in the compute dtype, ctx's), or None."""
+    if not triton_moe.keeps_hidden(act):
+        return None
+    pairs, experts = ctx.shape[0] * ctx.shape[1] * top_k, w1.shape[0]
+    return (triton_moe.slot_count(pairs, experts), w1.shape[2]), ctx.dtype
+
+
+def _int32s(kept):
+    return 0 if kept is None else kept[0][0] * kept[0][1] * kept[1].itemsize // 4
+
+
+def _reuse_elements(ctx, q, w1, top_k, act):
     B, H, D = ctx.shape
     pairs, experts = B * H * top_k, w1.shape[0]
-    return triton_moe.layout_size(pairs, experts, triton_moe.tile_rows(pairs, experts)) + (q.shape[0] + B) * D
+    return (triton_moe.layout_size(pairs, experts, triton_moe.tile_rows(pairs, experts)) + (q.shape[0] + B) * D
+            + _int32s(_hidden_kept(ctx, w1, top_k, act)))
 
 
-Reused = collections.namedtuple("Reused", "layout u pooled")
+Reused = collections.namedtuple("Reused", "layout u pooled hidden")
 
 
-def _reuse_parts(reuse, P, B, D):
-    """Reused(the layout's buffer, u [P,D] fp32, pooled [B,D] fp32): views of `reuse`."""
-    layout, u, pooled = reuse.split([reuse.numel() - (P + B) * D, P * D, B * D])
-    return Reused(layout, u.view(torch.float32).view(P, D), pooled.view(torch.float32).view(B, D))
+def _reuse_parts(reuse, P, B, D, kept):
+    """Reused(the layout's buffer, u [P,D] fp32, pooled [B,D] fp32, the MoE's u [S,F] or None):
+    views of `reuse`; kept: _hidden_kept's."""
+    n = _int32s(kept)
+    layout, u, pooled, hidden = reuse.split([reuse.numel() - (P + B) * D - n, P * D, B * D, n])
+    return Reused(layout, u.view(torch.float32).view(P, D), pooled.view(torch.float32).view(B, D),
+                  None if kept is None else hidden.view(kept[1]).view(kept[0]))
 
 
 def region_forward(merge, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask, top_k, renorm, act,
@@ -171,11 +190,11 @@ def region_forward(merge, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b
     if why_unsupported(ctx, tok, w1, top_k, act, mask) is not None:
         return reference.region_forward(ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3,
                                         mask, top_k, renorm, act)
-    reuse = torch.empty(_reuse_elements(ctx, q, w1, top_k), device=ctx.device, dtype=torch.int32)
+    reuse = torch.empty(_reuse_elements(ctx, q, w1, top_k, act), device=ctx.device, dtype=torch.int32)
     tok, w1, b1, w2, b2, w3 = _in_compute_dtype(ctx, tok, w1, b1, w2, b2, w3)
     B, H, D = ctx.shape
     E = w1.shape[0]
-    layout, u, pooled = _reuse_parts(reuse, q.shape[0], B, D)
+    layout, u, pooled, hidden = _reuse_parts(reuse, q.shape[0], B, D, _hidden_kept(ctx, w1, top_k, act))
     pool = _pool_f32(tok, q, wk, wv, bv, wo, bo)
     u = triton_pool.pool_directions(pool[0], pool[1], out=u)
     inv, attn = triton_pool.pool_forward(tok, *pool, mask, u=u, pooled=pooled)
@@ -185,20 +204,21 @@ def region_forward(merge, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b
     if kept is not None:
         kept.update(groups=groups, pool=(stamp(q, wk, wv, bv, wo), (*pool[:5], u)))
     out = triton_moe.moe_forward(x, x_inv, weight, groups, w1.contiguous(), _c(b1), w2.contiguous(), _c(b2),
-                                 _c(w3), act, H, ctx.dtype)
+                                 _c(w3), act, H, ctx.dtype, hidden=hidden)
     return out.view(B, H, D), inv, attn, weight, index, probs, reuse
 
 
-def _reused(reuse, ctx, q, w1, top_k):
+def _reused(reuse, ctx, q, w1, top_k, act):
     """_reuse_parts of `reuse` where it holds what region_forward left (None where it is empty,
     as the reference's is); one of another size raises: it was made for other inputs."""
     if reuse is None or reuse.numel() == 0:
         return None
-    want = _reuse_elements(ctx, q, w1, top_k)
+    want = _reuse_elements(ctx, q, w1, top_k, act)
     if reuse.dtype != torch.int32 or reuse.numel() != want:
         raise ValueError(f"region_backward: reuse holds {reuse.numel()} {reuse.dtype} elements, where the "
-                         f"forward of these inputs leaves {want} int32 (or none)")
-    return _reuse_parts(reuse, q.shape[0], ctx.shape[0], ctx.shape[-1])
+                         f"forward of these inputs leaves {want} int32 (or none) with triton_moe.KEEP_HIDDEN "
+                         f"{'on' if triton_moe.KEEP_HIDDEN else 'off'}, as it is now")
+    return _reuse_parts(reuse, q.shape[0], ctx.shape[0], ctx.shape[-1], _hidden_kept(ctx, w1, top_k, act))
 
 
 def _layout_of(index, experts, kept, reused):
@@ -237,7 +257,7 @@ def region_backward(merge, grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1
     if why_unsupported(ctx, tok, w1, top_k, act, mask) is not None:
         return reference.region_backward(grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3,
                                          mask, inv, attn, weight, index, probs, reuse, top_k, renorm, act)
-    reused = _reused(reuse, ctx, q, w1, top_k)
+    reused = _reused(reuse, ctx, q, w1, top_k, act)
     inputs = (ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3)
     tok, w1, b1, w2, b2, w3 = _in_compute_dtype(ctx, tok, w1, b1, w2, b2, w3)
     B, H, D = ctx.shape
@@ -250,7 +270,8 @@ def region_backward(merge, grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1
     groups = _layout_of(index, E, kept, reused)
     grad_rows = grad_out.reshape(B * H, D).contiguous()
     dx_slot, gw_part, dw1, db1, dw2, db2, dw3 = triton_moe.moe_backward(
-        grad_rows, x, x_inv, weight, groups, w1.contiguous(), _c(b1), w2.contiguous(), _c(b2), _c(w3), act, H)
+        grad_rows, x, x_inv, weight, groups, w1.contiguous(), _c(b1), w2.contiguous(), _c(b2), _c(w3), act, H,
+        hidden=None if reused is None else reused.hidden)
     dy, dinv, dlogits = triton_router.router_combine_backward(
         probs.float().contiguous(), wg, weight, index, groups.pair_slot, dx_slot, gw_part, H, renorm,
         torch.float32 if merge == "cuda" else ctx.dtype, triton_router.router_precision(x.dtype),

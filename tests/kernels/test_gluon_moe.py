@@ -411,15 +411,16 @@ def test_a_cooperative_build_that_fails_after_the_ping_pong_ran_falls_back(monke
     monkeypatch.setattr(gluon_moe, "unsupported", lambda *args, **kwargs: None)  # as on an H200
     tried = []
 
-    def backward_hidden(xs, gs, groups, w1, b1, w2, weight, act, hw, du, gw, w3=None, du3=None, config=None):
+    def backward_hidden(xs, gs, groups, w1, b1, w2, weight, act, hw, du, gw, w3=None, du3=None, config=None,
+                        hidden=None):
         coop = bool(gluon_moe.default_config(act, groups.tile, w1.shape[1]).get("coop"))
         tried.append(coop)
         if coop:
             raise RuntimeError("simulated: the cooperative kernel does not build with this Triton")
         E, D, F = w1.shape  # the ping-pong kernel "runs": the Triton kernel on the same buffers
         moe._hidden(moe.tile_grid(groups, F, "BLOCK_F"), xs, gs, groups.slot_pair, groups.tile_expert, weight,
-                    w1, w1 if b1 is None else b1, w1, w2, hw, du, du, gw, groups.pairs, D, F, gw.shape[1],
-                    HAS_B1=b1 is not None, ACT=moe._act(act), PRECISION=dot_precision(w1.dtype), TILE=groups.tile,
+                    w1, w1 if b1 is None else b1, w1, w2, hw, hw, du, du, gw, groups.pairs, D, F, gw.shape[1],
+                    HAS_B1=b1 is not None, KEEP_U=False, ACT=moe._act(act), PRECISION=dot_precision(w1.dtype), TILE=groups.tile,
                     GW_BLOCK=GW_BLOCK)
 
     def backward(D, F=128, E=2, R=8):

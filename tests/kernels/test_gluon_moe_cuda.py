@@ -103,6 +103,44 @@ def test_matches_float64(case, act, dtype, bias):
     check_hidden(groups, (hw, du, gw, du3), float64_hidden(groups, xs, gs, w1, b1, w2, weight, act, w3), dtype)
 
 
+def kept_u(groups, xs, w1, b1, dtype):
+    """u = xs W1[e] + b1[e] on every slot row, rounded to `dtype` (what KEEP_HIDDEN keeps)."""
+    e = groups.tile_expert.long().repeat_interleave(groups.tile)
+    u = torch.einsum("sd,sdf->sf", xs.double(), w1.double()[e])
+    return (u if b1 is None else u + b1.double()[e]).to(dtype)
+
+
+KEPT_CASES = [*CASES, pytest.param((1600, 2, 512, 256, 3, [0, 1, 2]), id="tile128-d512-coop")]
+
+
+@pytest.mark.parametrize("case", KEPT_CASES)
+@pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "silu"])
+@pytest.mark.parametrize("bias", [True, False], ids=["b1", "no-b1"])
+def test_kept_u_matches_float64(case, act, bias):
+    """The hidden kernels' KEEP_U variants (triton_moe.KEEP_HIDDEN, staged): u read from the
+    forward's [S,F] (bf16) instead of computed, the ping-pong kernel at TILE 64 and 128 and the
+    cooperative one at D = 512, against float64 from the same rounded u; the stages then hold
+    gs and W2 only."""
+    R, k, D, F, E, used = case
+    dtype = torch.bfloat16
+    groups, xs, gs, w1, b1, w2, weight = slot_case(R, k, D, F, E, used, dtype, bias, seed=R + F + len(act) + 1)
+    u = kept_u(groups, xs, w1, b1, dtype)
+    hw, du = torch.full((2, groups.slots, F), float("nan"), device="cuda", dtype=dtype)
+    gw = torch.full((groups.slots, moe.gw_columns(D, F, True)), float("nan"), device="cuda")
+    xs_nan = torch.full_like(xs, float("nan"))  # xs and W1 are not read: NaN there would show
+    config = gluon_moe.COOP_CONFIG if D >= gluon_moe.COOP_MIN_D else None
+    gluon_moe.backward_hidden(xs_nan, gs, groups, w1, b1, w2, weight, act, hw, du, gw, config=config, hidden=u)
+    # float64_hidden's math from the kept (rounded) u rather than from xs and W1
+    valid = groups.slot_pair < groups.pairs
+    e = groups.tile_expert.long().repeat_interleave(groups.tile)
+    w = torch.where(valid, weight.double()[groups.slot_pair.clamp(max=groups.pairs - 1).long()], 0.0)[:, None]
+    g = torch.einsum("sd,sfd->sf", gs.double(), w2.double()[e])
+    h = reference.act_forward(act, u.double(), None)
+    du_want, _ = reference.act_backward(act, w * g, u.double(), None)
+    want = (w * h, du_want * valid[:, None], (h * g).view(len(h), -1, 64).sum(-1) * valid[:, None])
+    check_hidden(groups, (hw, du, gw), want, dtype)
+
+
 # The cooperative kernel (TILE 128: mean ≥ 1024 pairs an expert): D = 512 (where the backward
 # chooses it); D = 192 (6 K steps of 32 over a ring of 5: it wraps within a job), three column
 # blocks and two empty experts. (Session 13's D = 192 case had 560 pairs an expert, so TILE 64,
@@ -582,3 +620,9 @@ def test_gluon_gemm1_against_float64(tile, act, dtype, bias):
     want = reference.act_forward(act, u, None)
     err = float((h.double() - want).norm() / want.norm())
     assert err <= TOL[dtype], f"{act} TILE {tile}: relative error {err:.2e}"
+    # KEEP_U (triton_moe.KEEP_HIDDEN, staged): u written too, through the same staging tile, and h
+    # still the same
+    kept, h2 = torch.full_like(h, float("nan")), torch.full_like(h, float("nan"))
+    gluon_moe.experts_up(xs, groups, w1, b1, act, h2, hidden=kept)
+    err_u = float((kept.double() - u).norm() / u.norm())
+    assert err_u <= TOL[dtype] and torch.equal(h2, h), f"{act} TILE {tile}: u relative error {err_u:.2e}"

@@ -563,6 +563,71 @@ def _same_but_wo(grads, again):
     assert float((a - c).norm() / a.norm()) <= bound, f"∂wo: {float((a - c).norm() / a.norm()):.2e}"
 
 
+@pytest.mark.parametrize("module", SETS)
+@pytest.mark.parametrize("act", ["gelu", "silu", "swiglu"])
+@pytest.mark.parametrize("runs", [False, True], ids=["whole", "runs"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_the_kept_hidden_against_float64(monkeypatch, module, act, runs, dtype):
+    """triton_moe.KEEP_HIDDEN (staged): the forward's GEMM1 also writes u = xs W1 + b1 into
+    `reuse`, and the backward's hidden kernel reads it (KEEP_U) instead of its K loop over W1:
+    every output and gradient against float64, over the whole layout and over runs of one tile
+    (the large preset's path), fp32 and fp16 (u kept in fp16: its rounding is within fp16's
+    bound); `reuse` holds S·F more values of the dtype. Swiglu keeps nothing (its u3 would be
+    kept too) and runs as before."""
+    monkeypatch.setattr(triton_moe, "KEEP_HIDDEN", True)
+    if runs:
+        monkeypatch.setattr(triton_moe, "SLOT_CHUNK_BYTES", 1)
+    ups, hiddens = [], []
+    for name, seen in (("_up", ups), ("_hidden", hiddens)):
+        real = getattr(triton_moe, name)
+        monkeypatch.setattr(triton_moe, name, lambda *a, real=real, seen=seen, **kw: seen.append(kw["KEEP_U"])
+                            or real(*a, **kw))
+    ctx, tok, params = make_case(4, 8, 5, 32, 2, 48, 3, 2, act=act, dtype=dtype)
+    check_region(module, ctx, tok, params, top_k=2, renorm=True, act=act)
+    kept = act != "swiglu"
+    assert ups and hiddens and set(ups) == set(hiddens) == {kept}
+    assert len(hiddens) > 1 if runs else len(hiddens) == 1
+    size = module.reuse_size(ctx, tok, params[0], params[8], 2, act, None)
+    monkeypatch.setattr(triton_moe, "KEEP_HIDDEN", False)
+    slots = triton_moe.slot_count(4 * 8 * 2, 3)
+    per_int32 = 4 // dtype.itemsize
+    assert size - module.reuse_size(ctx, tok, params[0], params[8], 2, act, None) == (
+        slots * 48 // per_int32 if kept else 0)
+
+
+def test_the_kept_hidden_is_u_and_the_backward_reads_it(monkeypatch):
+    """What KEEP_HIDDEN keeps is each slot's u = (ctx + inv) W1[e] + b1[e] (float64 on the same
+    inputs, padding slots aside), and the backward reads it: the same `reuse` with its u doubled
+    gives other gradients (so a backward that ignored it, computing u again, would fail here),
+    and a backward with the flag off by then refuses the longer `reuse`, naming the flag."""
+    from mha_compile.kernels import triton_region
+
+    monkeypatch.setattr(triton_moe, "KEEP_HIDDEN", True)
+    B, H, D, P, F, E, k = 3, 4, 32, 2, 48, 3, 2
+    ctx, tok, params = make_case(B, H, 5, D, P, F, E, k, act="gelu")
+    out, inv, attn, weight, index, probs, reuse = fused.region_forward(ctx, tok, *params, None, k, True, "gelu")
+    parts = triton_region._reuse_parts(reuse, P, B, D, triton_region._hidden_kept(ctx, params[8], k, "gelu"))
+    groups = triton_moe.Groups.from_buffer(parts.layout, index, E)
+    pair = groups.slot_pair.long()
+    valid = pair < B * H * k
+    rows, experts = pair[valid] // k, index.reshape(-1).long()[pair[valid]]
+    y = (ctx + inv[:, None]).reshape(B * H, D).double()
+    w1, b1 = params[8].double(), params[9].double()
+    want = torch.einsum("sd,sdf->sf", y[rows], w1[experts]) + b1[experts]
+    got = parts.hidden[valid].double()
+    assert float((got - want).norm() / want.norm()) < 1e-5
+    grad = torch.randn_like(out)
+    backward = lambda r: fused.region_backward(grad, ctx, tok, *params, None, inv, attn, weight, index,  # noqa: E731
+                                               probs, r, k, True, "gelu")
+    first = backward(reuse)
+    parts.hidden.mul_(2.0)
+    doubled = backward(reuse)
+    assert not torch.equal(first[10], doubled[10]) and not torch.equal(first[12], doubled[12])  # ∂W1, ∂W2
+    monkeypatch.setattr(triton_moe, "KEEP_HIDDEN", False)
+    with pytest.raises(ValueError, match="KEEP_HIDDEN off, as it is now"):
+        backward(reuse)
+
+
 def test_a_layout_not_built_from_this_index_is_refused():
     """The backward refuses the kept layout for another tensor (even one of the same values) and
     for its own index written to since: a layout of other indices would send some pairs'

@@ -10,7 +10,7 @@ import torch
 
 from kernel_cases import (check_activation, check_region, check_route_split_ctx, check_router_weight_grad_split, fmt,
                           make_case, one_expert_router, preset_case, rel_err)
-from mha_compile.kernels import fused, reference, staged
+from mha_compile.kernels import fused, reference, staged, triton_moe
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -26,6 +26,18 @@ def test_presets(module, dtype, preset):
     assert module.why_unsupported(ctx, tok, params[10], 2, "gelu", None) is None
     errors = check_region(module, ctx, tok, params, top_k=2, renorm=True, act="gelu")
     print(f"{module.__name__} {preset} {dtype}: {fmt(errors)}")
+
+
+@pytest.mark.parametrize("act", ["gelu", "silu"])
+@pytest.mark.parametrize("preset", ["small", "medium", "large"])
+def test_presets_with_the_kept_hidden(monkeypatch, act, preset):
+    """triton_moe.KEEP_HIDDEN (staged) on the GPU in bf16: u kept from the forward's GEMM1 in bf16
+    and read by the backward's hidden kernel (the Triton ones both), against float64; large takes
+    the runs of tiles."""
+    monkeypatch.setattr(triton_moe, "KEEP_HIDDEN", True)
+    ctx, tok, params = preset_case(preset, act=act, dtype=torch.bfloat16, device="cuda", seed=11)
+    errors = check_region(fused, ctx, tok, params, top_k=2, renorm=True, act=act)
+    print(f"kept hidden {preset} {act}: {fmt(errors)}")
 
 
 @pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "silu"])
