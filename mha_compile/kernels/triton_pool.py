@@ -356,22 +356,35 @@ _attend_bwd_one = Launcher(_pool_bwd_one_kernel, [
 ], key=["N", "D", "P", "SPLIT_DOT"], restore=["dtbar_ptr"])
 
 
-# The pool's two products of q and Wk, u and ∂q ([P,D] and [P,Dh], D² multiply-adds each), are
-# elementwise products summed by torch, not torch.bmm: they were the fused path's only cuBLAS calls
-# for 16-bit models, and a thread's first cuBLAS call on a stream allocates a workspace that stays
-# allocated (32 MiB on the H200; a training step's forward and its autograd thread: 64 MiB, where
-# the small preset's model and inputs take 5; session 28, bench/results/mem_diag.txt).
-def pool_directions(q, wk, out=None):
+# The pool's two products of q and Wk, u and ∂q ([P,D] and [P,Dh], D² multiply-adds each), run on
+# triton_matmul, not torch.bmm: they were the fused path's only cuBLAS calls for 16-bit models,
+# and a thread's first cuBLAS call on a stream allocates a workspace that stays allocated (32 MiB
+# on the H200; a training step's forward and its autograd thread: 64 MiB, where the small
+# preset's model and inputs take 5; session 28, bench/results/mem_diag.txt). Elementwise products
+# summed by torch did that until session 35; with a bf16 model's q and Wk no longer cast to fp32,
+# their mixed-dtype products took 3.4 and 5.1 us at medium (H200,
+# bench/results/kernel_times_pool_dtype.txt), and each took a sum and a cast more.
+def _operands(tensors, split):
+    """(tensors, split) as matmul_f32 takes them with `split` (None: split_dot of their one 16-bit
+    dtype, else 0): a 16-bit tensor as it is where it is split's dtype (its own high half), the
+    rest in fp32."""
+    if split is None:
+        half = {t.dtype for t in tensors} - {torch.float32}
+        split = split_dot(half.pop()) if len(half) == 1 else 0
+    keep = {1: torch.bfloat16, 2: torch.float16}.get(split)
+    return [t if t.dtype in (torch.float32, keep) else t.float() for t in tensors], split
+
+
+def pool_directions(q, wk, out=None, split=None):
     """u [P,D] fp32 = reference.pool_directions(q, wk): u_p = Wk_pᵀ q_p / √Dh, without cuBLAS,
-    into out where given; q and Wk in any float dtype (the products are taken in fp32: q is cast,
-    Wk's elements are read exactly). The reference keeps its bmm: tests/test_cost.py holds its
-    forward to the modelled FLOPs through torch's FlopCounter, which counts a bmm and not an
-    elementwise product."""
+    into out (contiguous) where given, with the pool's split dots (split_dot of the tokens' dtype;
+    None: of the weights'). The reference keeps its bmm: tests/test_cost.py holds its forward to
+    the modelled FLOPs through torch's FlopCounter, which counts a bmm and not a Triton kernel."""
     P, Dh = q.shape
-    products = q.float()[:, :, None] * wk.view(P, Dh, -1)
-    if out is None:
-        return products.sum(1) * (Dh**-0.5)
-    return torch.sum(products, 1, out=out).mul_(Dh**-0.5)
+    (q, wk), split = _operands((q, wk), split)
+    u = torch.empty(P, wk.shape[1], device=q.device, dtype=torch.float32) if out is None else out
+    matmul_f32(q.view(P, 1, Dh), wk.view(P, Dh, -1), u.view(P, 1, -1), split)
+    return u.mul_(Dh**-0.5)
 
 
 # column_sums' blocks, and the programs its first pass aims at (~4 an SM of the H200's 132, each
@@ -400,10 +413,14 @@ def column_sums(x, scale=1.0, block_r=COLUMN_BLOCK_R, block_c=COLUMN_BLOCK_C, pr
     return out
 
 
-def _grad_q(wk, grad_u):
-    """∂q [P,Dh] = Wk_p ∂u_p ("pd,pjd->pj"), without cuBLAS (see pool_directions)."""
+def _grad_q(wk, grad_u, dtype, split):
+    """∂q [P,Dh] in `dtype` = Wk_p ∂u_p ("pd,pjd->pj"), without cuBLAS (see pool_directions),
+    rounded once where matmul_f32 stores `dtype`."""
     P, D = grad_u.shape
-    return (wk.view(P, D // P, D) * grad_u[:, None, :]).sum(2)
+    (wk, grad_u), split = _operands((wk, grad_u), split)
+    stores = (torch.float32, {1: torch.bfloat16, 2: torch.float16}.get(split))
+    out = torch.empty(P, D // P, 1, device=grad_u.device, dtype=dtype if dtype in stores else torch.float32)
+    return matmul_f32(wk.view(P, D // P, D), grad_u.view(P, D, 1), out, split).view(P, D // P).to(dtype)
 
 
 def pool_attend(tok, u, mask=None):
@@ -457,8 +474,8 @@ def pool_forward(tok, q, wk, wv, bv, wo, bo, mask=None, u=None, pooled=None):
     u: pool_directions(q, wk), where the caller has it; pooled: a contiguous [B,D] fp32 buffer
     the heads' output (Wv t̄ + bv, which pool_backward's ∂Wo reads) is written into, where the
     caller keeps it for the backward."""
-    attn, tbar = pool_attend(tok, pool_directions(q, wk) if u is None else u, mask)
     split = split_dot(tok.dtype)
+    attn, tbar = pool_attend(tok, pool_directions(q, wk, split=split) if u is None else u, mask)
     return _mm(_heads(tbar, wv, bv, split, out=pooled), wo.T, split, bias=bo), attn
 
 
@@ -526,7 +543,7 @@ def pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn, u=None, pooled=None):
     # with ∂tok (512 MiB) live, and three [B,P,D] fp32 buffers (64 MiB each) became two there
     # and one after (bench/offline_memory.py).
     du_part = grad_tbar
-    u = (pool_directions(q, wk) if u is None else u).float().contiguous()
+    u = (pool_directions(q, wk, split=split) if u is None else u).float().contiguous()
     tok = tok.contiguous()
     attn = attn.contiguous()
     grad_tok = torch.empty_like(tok)
@@ -549,7 +566,7 @@ def pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn, u=None, pooled=None):
     grad_bv = _mm(grad_bo[None], wo, split, dtype=torch.float32 if bv is None else bv.dtype)[0]
     grad_wv = _bmm(grad_heads.transpose(1, 2), tbar.transpose(0, 1), split,  # "bpj,bpd->pjd"
                    dtype=wv.dtype).reshape(D, D)
-    grad_q = _grad_q(wk, grad_u).to(q.dtype)
+    grad_q = _grad_q(wk, grad_u, q.dtype, split)
     # "pj,pd->pjd": torch's mul takes the fp32 product of a 16-bit q and rounds it as it stores
     grad_wk = torch.mul(q[:, :, None], grad_u[:, None, :], out=wk.new_empty(P, Dh, D)).view(D, D)
     return grad_tok, grad_q, grad_wk, grad_wv, grad_bv, grad_wo, grad_bo

@@ -196,7 +196,7 @@ def region_forward(merge, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b
     E = w1.shape[0]
     layout, u, pooled, hidden = _reuse_parts(reuse, q.shape[0], B, D, _hidden_kept(ctx, w1, top_k, act))
     pool = _pool_f32(tok, q, wk, wv, bv, wo, bo)
-    u = triton_pool.pool_directions(pool[0], pool[1], out=u)
+    u = triton_pool.pool_directions(pool[0], pool[1], out=u, split=triton_pool.split_dot(tok.dtype))
     inv, attn = triton_pool.pool_forward(tok, *pool, mask, u=u, pooled=pooled)
     x, x_inv = _merged_input(ctx, inv, merge)
     weight, index, probs = triton_router.route(x, x_inv, wg.contiguous(), top_k, renorm, H)
