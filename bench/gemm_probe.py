@@ -214,53 +214,41 @@ def gluon_up(preset, c, act, h_triton, rows_out, u_triton):
         print(f"up_gluon: {why}", flush=True)
         return
     gemm = 2 * c.S * c.D * c.F
-    want = h_triton.float()
     ms = triton.testing.do_bench_cudagraph(lambda: moe.experts_up(c.xs, c.groups, c.w1, c.b1, None, act), rep=60,
                                            return_mode="median")
     print(f"{'up':<10}{'triton':<14}{ms * 1e3:>8.1f} us {gemm / ms / 1e9:>6.0f} TF/s  (autotuned)", flush=True)
     rows_out.append(dict(preset=preset, kernel="up_gluon", variant="triton", ms=ms, tflops=gemm / ms / 1e9))
+
+    def timed(variant, cfg, hidden=None):
+        """One Gluon GEMM1 row: run once, check h (and u with hidden) against the Triton GEMM1's,
+        then time it; a config that does not fit or is wrong is said so, and the probe goes on."""
+        row = dict(preset=preset, kernel="up_gluon", variant=variant, config=cfg)
+        try:
+            h = torch.empty_like(h_triton)
+            run = lambda: gluon_moe.experts_up(c.xs, c.groups, c.w1, c.b1, act, h, cfg, hidden=hidden)  # noqa: E731
+            run()
+            torch.cuda.synchronize()
+            pairs = ((h, h_triton),) if hidden is None else ((h, h_triton), (hidden, u_triton))
+            err = max(float((got.float() - w.float()).norm() / w.float().norm()) for got, w in pairs)
+            row.update(err=err)
+            if not err < 2e-2:
+                raise AssertionError(f"differs from the Triton GEMM1's: relative error {err:.2e}")
+            ms = triton.testing.do_bench_cudagraph(run, rep=60, return_mode="median")
+            row.update(ms=ms, tflops=gemm / ms / 1e9)
+            print(f"{'up':<10}{variant:<14}{ms * 1e3:>8.1f} us {gemm / ms / 1e9:>6.0f} TF/s  err {err:.1e}  {cfg}",
+                  flush=True)
+        except Exception as error:  # noqa: BLE001 - a config that does not fit or is wrong: say so, keep going
+            row.update(error=f"{type(error).__name__}: {str(error).splitlines()[0][:160]}")
+            print(f"{'up':<10}{variant:<14} FAILED {row['error']}  {cfg}", flush=True)
+        rows_out.append(row)
+
     for cfg in GLUON_UP_CONFIGS:
         if not gluon_moe.up_config_fits(cfg, c.groups.tile, c.D, c.F):
             print(f"{'up':<10}{'gluon':<14} skipped: does not tile TILE {c.groups.tile}, D={c.D}, F={c.F}  {cfg}",
                   flush=True)
             continue
-        row = dict(preset=preset, kernel="up_gluon", variant="gluon", config=cfg)
-        try:
-            h = torch.empty_like(h_triton)
-            run = lambda: gluon_moe.experts_up(c.xs, c.groups, c.w1, c.b1, act, h, cfg)  # noqa: E731
-            run()
-            torch.cuda.synchronize()
-            err = float((h.float() - want).norm() / want.norm())
-            row.update(err=err)
-            if not err < 2e-2:
-                raise AssertionError(f"h differs from the Triton GEMM1's: relative error {err:.2e}")
-            ms = triton.testing.do_bench_cudagraph(run, rep=60, return_mode="median")
-            row.update(ms=ms, tflops=gemm / ms / 1e9)
-            print(f"{'up':<10}{'gluon':<14}{ms * 1e3:>8.1f} us {gemm / ms / 1e9:>6.0f} TF/s  err {err:.1e}  {cfg}",
-                  flush=True)
-        except Exception as error:  # a config that does not fit or is wrong: say so, keep going
-            row.update(error=f"{type(error).__name__}: {str(error).splitlines()[0][:160]}")
-            print(f"{'up':<10}{'gluon':<14} FAILED {row['error']}  {cfg}", flush=True)
-        rows_out.append(row)
-    cfg = gluon_moe.UP_CONFIGS[c.groups.tile]
-    row = dict(preset=preset, kernel="up_gluon", variant="gluon +u", config=cfg)
-    try:
-        h, u = torch.empty_like(h_triton), torch.empty_like(h_triton)
-        run = lambda: gluon_moe.experts_up(c.xs, c.groups, c.w1, c.b1, act, h, cfg, hidden=u)  # noqa: E731
-        run()
-        torch.cuda.synchronize()
-        err = max(float((got.float() - w.float()).norm() / w.float().norm()) for got, w in ((h, h_triton), (u, u_triton)))
-        row.update(err=err)
-        if not err < 2e-2:
-            raise AssertionError(f"h or u differs from the Triton GEMM1's: relative error {err:.2e}")
-        ms = triton.testing.do_bench_cudagraph(run, rep=60, return_mode="median")
-        row.update(ms=ms, tflops=gemm / ms / 1e9)
-        print(f"{'up':<10}{'gluon +u':<14}{ms * 1e3:>8.1f} us {gemm / ms / 1e9:>6.0f} TF/s  err {err:.1e}  {cfg}",
-              flush=True)
-    except Exception as error:  # noqa: BLE001 - staged: say so, keep going
-        row.update(error=f"{type(error).__name__}: {str(error).splitlines()[0][:160]}")
-        print(f"{'up':<10}{'gluon +u':<14} FAILED {row['error']}  {cfg}", flush=True)
-    rows_out.append(row)
+        timed("gluon", cfg)
+    timed("gluon +u", gluon_moe.UP_CONFIGS[c.groups.tile], torch.empty_like(h_triton))
 
 
 def main():
