@@ -194,10 +194,15 @@ def probe(preset, act, rows_out, kernels):
 # gluon_moe's GEMM1 (GLUON_UP), its jobs' columns in two halves: [128, 128] jobs take 128
 # accumulator registers a thread and spill none, [64, 256] 16 bytes with gelu (offline, sm_90a,
 # session 33). The first is UP_CONFIGS[128], the fourth UP_CONFIGS[64]; a config that does not
-# tile the layout (gluon_moe.up_config_fits: tile_m over TILE, say) is skipped.
+# tile the layout (gluon_moe.up_config_fits: tile_m over TILE, say) is skipped. stage_tiles=2: two
+# staging tiles a consumer, a job's h written while the job before's store is in flight (Nsight
+# Compute at medium, session 35: a third of the kernel's stalls at CTA barriers, its epilogue's),
+# for one stage of the ring (224 KiB of shared memory); staged in session 35, not yet timed.
 GLUON_UP_CONFIGS = [dict(tile_m=128, block_n=128, block_k=64, nbuf=4), dict(tile_m=64, block_n=256, block_k=64, nbuf=3),
                     dict(tile_m=128, block_n=64, block_k=64, nbuf=4), dict(tile_m=64, block_n=128, block_k=64, nbuf=4),
-                    dict(tile_m=128, block_n=128, block_k=32, nbuf=6)]
+                    dict(tile_m=128, block_n=128, block_k=32, nbuf=6),
+                    dict(tile_m=128, block_n=128, block_k=64, nbuf=3, stage_tiles=2),
+                    dict(tile_m=64, block_n=128, block_k=64, nbuf=4, stage_tiles=2)]
 
 
 def gluon_up(preset, c, act, h_triton, rows_out, u_triton):

@@ -787,6 +787,8 @@ UP_ACTS = {name: ACT_CODE[name] for name in ("gelu", "gelu_tanh", "silu")}
 # sm_90a, session 33). A [128, 128] stage is 32 KiB, four of them and the two staging tiles 192.
 # TILE 64 (small) [64, 128] jobs: 7.5 us a call with gelu, 6.7 with silu, against the Triton
 # GEMM1's 8.8 and 7.0 and [64, 256] jobs' 9.8 and 7.0.
+# A config may also say stage_tiles=2 (two staging tiles a consumer, 1 by default: staged in session
+# 35 for bench/gemm_probe.py, built offline, not yet timed).
 UP_CONFIGS = {128: dict(tile_m=128, block_n=128, block_k=64, nbuf=4),
               64: dict(tile_m=64, block_n=128, block_k=64, nbuf=4)}
 
@@ -876,7 +878,7 @@ def _up_consume(descs, bufs, bars, ptrs, sizes, which, ACT: gl.constexpr, KEEP_U
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, HALF, 16])
     cols_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
-    h_buf = h_bufs.index(which)
+    TILES: gl.constexpr = h_bufs.type.shape[0] // 2  # staging tiles a consumer
     ksteps = D // BLOCK_K
     i = 0
     own = 0
@@ -908,8 +910,14 @@ def _up_consume(descs, bufs, bars, ptrs, sizes, which, ACT: gl.constexpr, KEEP_U
             acc_a, acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a, acc_b))
             mbarrier.arrive(empty.index(prev), count=1)
             mbarrier.arrive(turn.index(1 - which), count=1)
+            # with two staging tiles a consumer, the job before's store may still be reading the
+            # other one: only the store before that, from this one, must have left
+            if TILES == 1:
+                h_buf = h_bufs.index(which)
+            else:
+                h_buf = h_bufs.index(which * TILES + own % TILES)
             own += 1
-            tma.store_wait(0)
+            tma.store_wait(TILES - 1)
             if KEEP_U:
                 h_buf.slice(0, HALF, 1).store((acc_a + bias_a[None, :]).to(u_desc.dtype))
                 h_buf.slice(HALF, HALF, 1).store((acc_b + bias_b[None, :]).to(u_desc.dtype))
@@ -959,11 +967,11 @@ def _up_consume_silu_kept(descs, bufs, bars, ptrs, sizes, which):
 @gluon.jit
 def _up_kernel(xs_desc, w1_desc, h_desc, u_desc, b1_ptr, tile_expert_ptr, D, F, NUM_JOBS, has_b1, TILE,
                ACT: gl.constexpr, NBUF: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-               KEEP_U: gl.constexpr = False):
+               KEEP_U: gl.constexpr = False, STAGE_TILES: gl.constexpr = 1):
     dtype: gl.constexpr = xs_desc.dtype
     xs_bufs = gl.allocate_shared_memory(dtype, [NBUF] + xs_desc.block_type.shape, xs_desc.layout)
     w1_bufs = gl.allocate_shared_memory(dtype, [NBUF] + w1_desc.block_type.shape, w1_desc.layout)
-    h_bufs = gl.allocate_shared_memory(dtype, [2] + h_desc.block_type.shape, h_desc.layout)
+    h_bufs = gl.allocate_shared_memory(dtype, [2 * STAGE_TILES] + h_desc.block_type.shape, h_desc.layout)
     ready, empty, turn = _pingpong_barriers(NBUF)
     args = ((xs_desc, w1_desc, h_desc, u_desc), (xs_bufs, w1_bufs, h_bufs), (ready, empty, turn),
             (b1_ptr, tile_expert_ptr), (D, F, NUM_JOBS, has_b1, TILE))
@@ -1011,7 +1019,7 @@ def experts_up(xs, groups, w1, b1, act, h, config=None, hidden=None):
         h_desc, h_desc if hidden is None else _descriptor(hidden, [tile_m, block_n], dtype),
         w1 if b1 is None else b1, groups.tile_expert, D, F, jobs, int(b1 is not None), groups.tile,
         ACT=UP_ACTS[act], NBUF=nbuf, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
-        KEEP_U=hidden is not None, num_warps=4)
+        KEEP_U=hidden is not None, STAGE_TILES=config.get("stage_tiles", 1), num_warps=4)
     return h
 
 

@@ -626,3 +626,8 @@ def test_gluon_gemm1_against_float64(tile, act, dtype, bias):
     gluon_moe.experts_up(xs, groups, w1, b1, act, h2, hidden=kept)
     err_u = float((kept.double() - u).norm() / u.norm())
     assert err_u <= TOL[dtype] and torch.equal(h2, h), f"{act} TILE {tile}: u relative error {err_u:.2e}"
+    # two staging tiles a consumer (bench/gemm_probe.py's stage_tiles=2 configs, staged): the same h
+    config = dict(gluon_moe.UP_CONFIGS[tile], stage_tiles=2, nbuf=3 if tile == 128 else 4)
+    h3 = torch.full_like(h, float("nan"))
+    gluon_moe.experts_up(xs, groups, w1, b1, act, h3, config)
+    assert torch.equal(h3, h), f"{act} TILE {tile}: stage_tiles=2 differs"
