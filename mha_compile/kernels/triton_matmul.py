@@ -81,6 +81,7 @@ _matmul = Launcher(_matmul_f32_kernel, [
 ], key=["M", "N", "K", "K_RUN", "HAS_BIAS", "SPLIT_DOT"])
 
 RUN_ALIGN = 64  # K runs are whole multiples of every config's BLOCK_K
+SPLIT_HALVES = {1: torch.bfloat16, 2: torch.float16}  # split_dot's 16-bit dtype (triton_util.dot_f32)
 # No run shorter than this: each costs a [Bt,M,N] fp32 partial. At 512, medium's ∂Wo and ∂Wv
 # (K = B = 1024, [256, 256] out) took two runs: 32 programs on 132 SMs, 15.8 and 15.6 us a call
 # (bench/results/small_kernels_probe.txt); at 128 they take eight (partials of 2 MiB).
@@ -109,7 +110,7 @@ def matmul_f32(a, b, out, split_dot, bias=None):
                  lambda: f"matmul_f32: a {tuple(a.shape)} @ b {tuple(b.shape)} into out {tuple(out.shape)}")
     torch._check(bias is None or tuple(bias.shape) in ((N,), (Bt, N)),
                  lambda: f"matmul_f32: bias {tuple(bias.shape)} for out {tuple(out.shape)}: wants [{N}] or [{Bt}, {N}]")
-    half = {1: torch.bfloat16, 2: torch.float16}.get(split_dot)
+    half = SPLIT_HALVES.get(split_dot)
     torch._check(all(t is None or t.dtype in (torch.float32, half) for t in (a, b, bias, out)),
                  lambda: f"matmul_f32 takes fp32 (or {half} with split_dot={split_dot}), got a {a.dtype}, "
                          f"b {b.dtype}, out {out.dtype}" + ("" if bias is None else f", bias {bias.dtype}"))

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mha_compile.kernels.triton_matmul import matmul_f32
+from mha_compile.kernels.triton_matmul import SPLIT_HALVES, matmul_f32
 from mha_compile.kernels.triton_util import (Launcher, dot16, dot_f32, dot_pairs, gpu_options, l2_bytes, pow2,
                                              repeat_pairs, split_pairs, sum_pairs)
 
@@ -371,7 +371,7 @@ def _operands(tensors, split):
     if split is None:
         half = {t.dtype for t in tensors} - {torch.float32}
         split = split_dot(half.pop()) if len(half) == 1 else 0
-    keep = {1: torch.bfloat16, 2: torch.float16}.get(split)
+    keep = SPLIT_HALVES.get(split)
     return [t if t.dtype in (torch.float32, keep) else t.float() for t in tensors], split
 
 
@@ -418,7 +418,7 @@ def _grad_q(wk, grad_u, dtype, split):
     rounded once where matmul_f32 stores `dtype`."""
     P, D = grad_u.shape
     (wk, grad_u), split = _operands((wk, grad_u), split)
-    stores = (torch.float32, {1: torch.bfloat16, 2: torch.float16}.get(split))
+    stores = (torch.float32, SPLIT_HALVES.get(split))
     out = torch.empty(P, D // P, 1, device=grad_u.device, dtype=dtype if dtype in stores else torch.float32)
     return matmul_f32(wk.view(P, D // P, D), grad_u.view(P, D, 1), out, split).view(P, D // P).to(dtype)
 

@@ -10,18 +10,19 @@
 
 Both: pool (triton_pool) → router (triton_router) → expert grouping and grouped GEMMs
 (triton_moe) → token-order combine; the backward recomputes u = x W1 + b1 rather than keeping
-it, and the grouping and the pool's weights as its kernels take them (_pool_f32) too unless its
-caller kept the forward's (`kept`). Saved tensors mean what they mean in reference.py: inv [B,D] and attn [B,N,P] fp32,
-the top-k weights [R,k] fp32 and indices [R,k] int32, and the router's softmax π [R,E] fp32.
+it (but with triton_moe.KEEP_HIDDEN), and the grouping and the pool's weights as its kernels take
+them (_pool_f32) too unless its caller kept the forward's (`kept`). Saved tensors mean what they
+mean in reference.py: inv [B,D] and attn [B,N,P] fp32, the top-k weights [R,k] fp32 and indices
+[R,k] int32, and the router's softmax π [R,E] fp32.
 
 `kept` (optional, both directions): a dict, empty for the forward, in which region_forward leaves
 what the backward would otherwise compute again from the same inputs, and from which
 region_backward takes it: "groups", the expert layout (triton_moe.Groups) of the index it
 returns (3 launches and ~8 torch calls: `group` took ~0.2 ms of host a call at large on the
-H200, bench/PERF_NOTES.md v15), and "pool", q, Wk, Wv, bv, Wo as _pool_f32 gives them (fp32
-casts for fp32 and fp16 tokens' kernels; a bf16 model's weights as they are) with the pool's
-directions u (a cast of a flat buffer, ~0.15 ms of host a call there, and a bmm, ~0.1 ms:
-bench/results/host_timers_large.txt), stamped with the weights they came from. Each is checked
+H200, bench/PERF_NOTES.md v15), and "pool", q, Wk, Wv, bv, Wo as _pool_f32 gives them (a bf16
+model's weights as they are) with the pool's directions u (their casts and product took ~0.25 ms
+of host a call there before session 35, bench/results/host_timers_large.txt), stamped with the
+weights they came from. Each is checked
 against the backward's own inputs (the same memory, not written since) and refused otherwise.
 ops.RegionFunction keeps one on its autograd ctx; the custom op cannot (its outputs are tensors)
 and region_graphs does not (a replay overwrites a graph's buffers).
@@ -115,12 +116,12 @@ def _f32(*tensors):
 def _pool_f32(tok, q, wk, wv, bv, wo, bo):
     """(q, Wk, Wv, bv, Wo, bo) as the pool's kernels take them: fp32 (_f32), but each as it is
     where it shares the tokens' dtype and the pool's products run on split dots (bf16,
-    triton_pool.split_dot). Every product then reads it exactly: triton_matmul takes Wv and Wo
-    as their own high halves (two tensor-core dots of three in each product they enter) and the
-    biases as they are; pool_directions and the backward's products with q and Wk take them in
-    fp32 (torch's mul promotes). No cast then remains: a bf16 model's forward and backward
-    each made one of q, Wk, bv and bo (a cat and a copy, ~6 us at medium on the H200, ~4 host
-    calls), and its weight gradients come back in the weights' dtype."""
+    triton_pool.split_dot). Every product then reads it exactly: triton_matmul takes a 16-bit
+    weight as its own high half (two tensor-core dots of three in each product it enters: the
+    projections, the directions and ∂q) and a 16-bit bias as it is, and ∂Wk's mul promotes q.
+    No cast then remains: a bf16 model's forward and backward each made one of q, Wk, bv and bo
+    (a cat and a copy, ~6 us at medium on the H200, ~4 host calls), and its weight gradients
+    come back in the weights' dtype."""
     half = tok.dtype if triton_pool.split_dot(tok.dtype) else None
     weights = (q, wk, wv, bv, wo, bo)
     as_is = [w is not None and w.dtype in (torch.float32, half) for w in weights]
