@@ -37,6 +37,10 @@ CONFIGS = [dict(tile_m=64, block_n=128, block_k=64, nbuf=3), dict(tile_m=128, bl
 # The cooperative kernel's ([128, 128] jobs, two consumers on one stage's W tiles): the first is
 # gluon_moe.COOP_CONFIG (TILE 128 at D ≥ COOP_MIN_D); BK 64 with 2 stages lost by ~25% (run 14).
 COOP_CONFIGS = [gluon_moe.COOP_CONFIG, dict(tile_m=128, block_n=128, block_k=32, nbuf=4, coop=True)]
+# KEEP_U's (triton_moe.KEEP_HIDDEN, staged in session 35): the shipped configs, then more stages in
+# the shared memory the stages' xs and W1 tiles left (a ping-pong stage is 24 KiB with them gone,
+# a cooperative one 16: nbuf 6 and 10 take 208 and 224 KiB with the staging tiles).
+KEPT_CONFIGS = [CONFIGS[0], COOP_CONFIGS[0], dict(CONFIGS[0], nbuf=6), dict(COOP_CONFIGS[0], nbuf=10)]
 
 
 def compile_offline(kernel, args, constexprs, num_warps=4):
@@ -136,12 +140,12 @@ def probe_cli(offline_rows, probe_preset, presets="medium,large"):
 
 def offline_rows():
     """The builds under every config the probe times, then the KEEP_U builds (u read, not computed)
-    of the shipped ping-pong and cooperative configs, each act but swiglu (rows with kept=True)."""
+    under KEPT_CONFIGS, each act but swiglu (rows with kept=True)."""
     for act in gluon_moe.ACTS:
         for cfg in offline_configs(act):
             yield dict(act=act, config=cfg, kept=False, **offline(act, **cfg))
     for act in ("gelu", "gelu_tanh", "silu"):
-        for cfg in (CONFIGS[0], COOP_CONFIGS[0]):
+        for cfg in KEPT_CONFIGS if act == "gelu" else KEPT_CONFIGS[:2]:
             yield dict(act=act, config=cfg, kept=True, **offline(act, **cfg, kept=True))
 
 
@@ -181,7 +185,7 @@ def probe_preset(c):
         # FLOPs, the error against the fp32 reference from u's rounding
         kept_u = torch.empty_like(hw)
         moe.experts_up(c.xs, c.groups, c.w1, c.b1, None, act, kept_u)
-        for cfg in CONFIGS[:1] + COOP_CONFIGS[:1]:
+        for cfg in KEPT_CONFIGS if act == "gelu" else KEPT_CONFIGS[:2]:
             _time(f"hidden gluon {act} +u", lambda: gluon_hidden(cfg, act, kept_u), flops // 2, err, cfg)
 
 

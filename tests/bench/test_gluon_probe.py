@@ -27,7 +27,9 @@ def test_compiles_warp_specialised_for_sm90():
     assert [(r["act"], r["config"]) for r in rows if not r["kept"]] == want
     # KEEP_U (triton_moe.KEEP_HIDDEN, staged): the shipped configs, u read rather than computed
     assert [(r["act"], r["config"]) for r in rows if r["kept"]] == [
-        (act, cfg) for act in ("gelu", "gelu_tanh", "silu") for cfg in (gluon_probe.CONFIGS[0], gluon_probe.COOP_CONFIGS[0])]
+        (act, cfg) for act in ("gelu", "gelu_tanh", "silu")
+        for cfg in (gluon_probe.KEPT_CONFIGS if act == "gelu" else gluon_probe.KEPT_CONFIGS[:2])]
+    assert gluon_probe.KEPT_CONFIGS[:2] == [gluon_probe.CONFIGS[0], gluon_probe.COOP_CONFIGS[0]]
     # what the backward runs: the ping-pong config, and the cooperative one at TILE 128 and large D
     assert gluon_probe.CONFIGS[0] == gluon_moe.CONFIGS[128] == gluon_moe.CONFIGS[64]
     assert gluon_probe.COOP_CONFIGS[0] == gluon_moe.default_config("gelu", 128, gluon_moe.COOP_MIN_D)
