@@ -102,7 +102,7 @@
 #   bash bench/h200_session.sh keep-hidden  # triton_moe.KEEP_HIDDEN (staged, session 35): the KEEP_U
 #                                      # variants' GPU tests (Gluon GEMM1 and hidden kernels, then the
 #                                      # presets through the region), bench/flag_ab.py off against on at
-#                                      # large and medium, then bench/gluon_probe.py (its "+u" rows; ~8 min):
+#                                      # large and medium, then bench/gluon_probe.py (its "+u" rows; ~9 min):
 #                                      # run.log, flag_ab_keep_hidden.txt, gluon_probe_kept.txt
 #   bash bench/h200_session.sh gluon-up  # gluon_moe's GEMM1 (GLUON_UP, the default since session 34): its GPU
 #                                      # tests, then bench/gemm_probe.py's up_gluon rows (each config
@@ -207,7 +207,7 @@ keep-hidden)
         -k "kept or gemm1" -p no:cacheprovider -rf 2>&1 | tail -8; } >>"$LOG"
     tests_then_flag_ab tests/kernels/test_triton_kernels_cuda.py kept_hidden \
         mha_compile.kernels.triton_moe:KEEP_HIDDEN 3 flag_ab_keep_hidden.txt
-    { timeout -s INT 120 python bench/gluon_probe.py --presets medium,large 2>&1; } >"$OUT/gluon_probe_kept.txt"
+    { timeout -s INT 170 python bench/gluon_probe.py --presets medium,large 2>&1; } >"$OUT/gluon_probe_kept.txt"
     grep -E "^(medium|large)|gluon gelu " "$OUT/gluon_probe_kept.txt" | cut -c1-150 >>"$LOG"
     ;;
 static-params)
