@@ -732,6 +732,14 @@ def device_scratch():
         _allocation._allocator.reset(token)
 
 
+def _check_hidden(caller, hidden, like, act):
+    """KEEP_U's u: a contiguous buffer of `like`'s shape and dtype (h's, hw's), and no swiglu."""
+    if hidden is not None and (act == "swiglu" or hidden.shape != like.shape or hidden.dtype != like.dtype
+                               or not hidden.is_contiguous()):
+        raise ValueError(f"{caller}: hidden {tuple(hidden.shape)} {hidden.dtype} with act={act!r}: takes a contiguous "
+                         f"u of shape {tuple(like.shape)} and dtype {like.dtype}, and no swiglu")
+
+
 def backward_hidden(xs, gs, groups, w1, b1, w2, weight, act, hw, du, gw, w3=None, du3=None, config=None,
                     hidden=None):
     """Writes hw, ∂u [S,F] (∂u3 with swiglu, given W3) and gw[:, :F/64] (gw [S, GW_COLS] fp32) for
@@ -741,6 +749,7 @@ def backward_hidden(xs, gs, groups, w1, b1, w2, weight, act, hw, du, gw, w3=None
     the forward's u = xs W1 + b1 [S,F] (contiguous, h's dtype; not swiglu), read instead of
     computed (KEEP_U: the stages then hold gs and W2 only; xs and W1 are not read)."""
     E, D, F = w1.shape
+    _check_hidden("backward_hidden", hidden, hw, act)
     config = config or default_config(act, groups.tile, D)
     tile_m, block_n, block_k, nbuf = (config[key] for key in ("tile_m", "block_n", "block_k", "nbuf"))
     jobs = groups.num_tiles * (groups.tile // tile_m) * (F // block_n)
@@ -754,10 +763,6 @@ def backward_hidden(xs, gs, groups, w1, b1, w2, weight, act, hw, du, gw, w3=None
     else:
         kernel, args = _hidden_kernel, kernel_args(xs, gs, w1, w2, b1, weight, gw, hw, du, tile_m, block_n,
                                                    block_k, w3, du3, u=hidden)
-    if hidden is not None and (act == "swiglu" or not hidden.is_contiguous() or hidden.shape != hw.shape
-                               or hidden.dtype != hw.dtype):
-        raise ValueError(f"backward_hidden: hidden {tuple(hidden.shape)} {hidden.dtype} with act={act!r}: takes a "
-                         f"contiguous u of hw's shape {tuple(hw.shape)} and dtype {hw.dtype}, and no swiglu")
     kernel[(min(num_sms(xs.device), jobs),)](
         *args, groups.slot_pair, groups.tile_expert, groups.pairs, D, F, gw.shape[1], jobs, int(b1 is not None),
         groups.tile, ACT=ACTS[act], NBUF=nbuf, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
@@ -912,10 +917,7 @@ def _up_consume(descs, bufs, bars, ptrs, sizes, which, ACT: gl.constexpr, KEEP_U
             mbarrier.arrive(turn.index(1 - which), count=1)
             # with two staging tiles a consumer, the job before's store may still be reading the
             # other one: only the store before that, from this one, must have left
-            if TILES == 1:
-                h_buf = h_bufs.index(which)
-            else:
-                h_buf = h_bufs.index(which * TILES + own % TILES)
+            h_buf = h_bufs.index(which * TILES + own % TILES)
             own += 1
             tma.store_wait(TILES - 1)
             if KEEP_U:
@@ -1008,9 +1010,7 @@ def experts_up(xs, groups, w1, b1, act, h, config=None, hidden=None):
     if not up_config_fits(config, groups.tile, D, F):
         raise ValueError(f"experts_up: config {config} on TILE {groups.tile}, D={D}, F={F}: tile_m must divide "
                          f"TILE, block_n F and block_k D")
-    if hidden is not None and (hidden.shape != h.shape or hidden.dtype != h.dtype or not hidden.is_contiguous()):
-        raise ValueError(f"experts_up: hidden {tuple(hidden.shape)} {hidden.dtype}: takes a contiguous buffer of h's "
-                         f"shape {tuple(h.shape)} and dtype {h.dtype}")
+    _check_hidden("experts_up", hidden, h, act)
     jobs = groups.num_tiles * (groups.tile // tile_m) * (F // block_n)
     dtype = _gl_dtype(xs)
     h_desc = _descriptor(h, [tile_m, block_n], dtype)

@@ -944,20 +944,18 @@ def experts_up(xs, groups, w1, b1, w3, act, hidden=None):
             functools.partial(gluon_moe.experts_up, xs, groups, w1, b1, act, h, hidden=hidden)):
         return h
     w3 = w1 if w3 is None else w3
-    tma = tma_ok(xs, w1, w3, h)
+    u = h if hidden is None else hidden  # KEEP_U's output (h's again, never written, without it)
+    tma = tma_ok(xs, w1, w3, h, u)
     jobs = lambda m: groups.num_tiles * triton.cdiv(F, m["BLOCK_F"])  # noqa: E731
     grid = ((lambda m: (min(jobs(m), m.get("SM_PROGRAMS", 1) * num_sms(xs.device)),)) if tma
             else (lambda m: (jobs(m),)))
-    keep = hidden is not None
-    tma = tma and (not keep or tma_ok(hidden))
     # the descriptors' block shapes are set per config (_up's `blocks`)
-    xs_, w1_, w3_, h_, u_ = ((TensorDescriptor.from_tensor(t, [1] * t.dim()) for t in
-                              (xs, w1, w3, h, hidden if keep else h)) if tma
-                             else (xs, w1, w3, h, hidden if keep else h))
+    xs_, w1_, w3_, h_, u_ = ((TensorDescriptor.from_tensor(t, [1] * t.dim()) for t in (xs, w1, w3, h, u)) if tma
+                             else (xs, w1, w3, h, u))
     _up(grid, xs_, groups.slot_pair, groups.tile_expert, w1_, w1 if b1 is None else b1, w3_, h_, u_,
         groups.pairs, D, F, groups.num_tiles,
-        HAS_B1=b1 is not None, ACT=_act(act), KEEP_U=keep, PRECISION=dot_precision(w1.dtype), TILE=groups.tile,
-        TMA=tma)
+        HAS_B1=b1 is not None, ACT=_act(act), KEEP_U=hidden is not None, PRECISION=dot_precision(w1.dtype),
+        TILE=groups.tile, TMA=tma)
     return h
 
 
@@ -1011,10 +1009,11 @@ def moe_forward(x, inv, weight, groups, w1, b1, w2, b2, w3, act, horizons, out_d
     scale = weight.reshape(-1)
     for t0, t1 in runs:
         part = groups if len(runs) == 1 else groups.tiles(t0, t1)
+        rows = slice(t0 * groups.tile, t1 * groups.tile)
         xs, _, _ = gather_rows(x, inv, part, horizons, w1.dtype)
-        h = experts_up(xs, part, w1, b1, w3, act, None if hidden is None else hidden[t0 * groups.tile:t1 * groups.tile])
+        h = experts_up(xs, part, w1, b1, w3, act, None if hidden is None else hidden[rows])
         del xs  # each run's buffers go before the next run's come
-        slots_gemm(h, w2, (F * D, D, 1), D, part, bias=b2, scale=scale, out=c[t0 * groups.tile:t1 * groups.tile])
+        slots_gemm(h, w2, (F * D, D, 1), D, part, bias=b2, scale=scale, out=c[rows])
         del h
     return combine(c, groups, x.shape[0], out_dtype)
 

@@ -149,12 +149,12 @@ def _sum_splits_kernel(part_ptr, out_ptr, part2_ptr, out2_ptr, base_ptr, E, N, S
 SUM_BLOCK = 1024
 
 
-def sum_splits(parts, out, split, base=None):
+def sum_splits(parts, out, split, base=None, block=SUM_BLOCK):
     """out [E, N] = Σ_{c < split} parts[e·split + c] ([E·split, N] fp32) in c order, after base
-    [E, N] fp32 where given, in out's dtype; out returned."""
+    [E, N] fp32 where given, in out's dtype, by programs of `block` elements; out returned."""
     E, N = out.shape
-    _sum_splits_kernel[(triton.cdiv(E * N, SUM_BLOCK), 1)](parts, out, parts, out, parts if base is None else base,
-                                                         E, N, split, HAS_BASE=base is not None, BLOCK=SUM_BLOCK)
+    _sum_splits_kernel[(triton.cdiv(E * N, block), 1)](parts, out, parts, out, parts if base is None else base,
+                                                     E, N, split, HAS_BASE=base is not None, BLOCK=block)
     return out
 
 
@@ -170,9 +170,7 @@ def sum_runs(parts, out):
     runs = parts.shape[0]
     torch._check(parts.shape[1:] == out.shape and parts.is_contiguous() and out.is_contiguous(),
                  lambda: f"sum_runs: parts {tuple(parts.shape)} into out {tuple(out.shape)}, both contiguous")
-    n = out.numel()
-    _sum_splits_kernel[(triton.cdiv(n, RUNS_BLOCK), 1)](parts, out, parts, out, parts, 1, n, runs, HAS_BASE=False,
-                                                       BLOCK=RUNS_BLOCK)
+    sum_splits(parts.view(runs, -1), out.view(1, -1), runs, block=RUNS_BLOCK)
     return out
 
 

@@ -334,6 +334,20 @@ def test_cooperative_config_declines_swiglu_and_small_tiles(act, tile):
                                   config=gluon_moe.COOP_CONFIG)
 
 
+@pytest.mark.parametrize("act, shape, dtype", [("gelu", (64, 96), torch.float16), ("silu", (64, 128), torch.float32),
+                                               ("swiglu", (64, 128), torch.float16)], ids=["shape", "dtype", "swiglu"])
+def test_kept_u_of_another_shape_dtype_or_swiglu_is_refused(act, shape, dtype):
+    """KEEP_U's u for the hidden kernels and GEMM1: hw's (h's) shape and dtype, contiguous, no
+    swiglu; anything else is refused with what it got, before anything is launched."""
+    groups = types.SimpleNamespace(tile=128, num_tiles=1, slot_pair=None, tile_expert=None, pairs=10)
+    w1, hw = torch.empty(2, 64, 128, dtype=torch.float16), torch.empty(64, 128, dtype=torch.float16)
+    hidden = torch.empty(*shape, dtype=dtype)
+    with pytest.raises(ValueError, match=rf"backward_hidden: hidden \({shape[0]}, {shape[1]}\) .*act='{act}'"):
+        gluon_moe.backward_hidden(None, None, groups, w1, None, None, None, act, hw, None, None, hidden=hidden)
+    with pytest.raises(ValueError, match=rf"experts_up: hidden \({shape[0]}, {shape[1]}\) .*shape \(64, 128\)"):
+        gluon_moe.experts_up(None, groups, w1, None, act, hw, hidden=hidden)
+
+
 def test_default_config_is_cooperative_at_tile_128_and_large_d_only():
     big = gluon_moe.COOP_MIN_D
     assert gluon_moe.default_config("gelu", 128, big) is gluon_moe.COOP_CONFIG
