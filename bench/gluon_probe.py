@@ -37,10 +37,11 @@ CONFIGS = [dict(tile_m=64, block_n=128, block_k=64, nbuf=3), dict(tile_m=128, bl
 # The cooperative kernel's ([128, 128] jobs, two consumers on one stage's W tiles): the first is
 # gluon_moe.COOP_CONFIG (TILE 128 at D ≥ COOP_MIN_D); BK 64 with 2 stages lost by ~25% (run 14).
 COOP_CONFIGS = [gluon_moe.COOP_CONFIG, dict(tile_m=128, block_n=128, block_k=32, nbuf=4, coop=True)]
-# KEEP_U's (triton_moe.KEEP_HIDDEN, staged in session 35): the shipped configs, then more stages in
+# KEEP_U's (triton_moe.KEEP_HIDDEN, staged in session 35): the computing kernels' configs, then more stages in
 # the shared memory the stages' xs and W1 tiles left (a ping-pong stage is 24 KiB with them gone,
-# a cooperative one 16: nbuf 6 and 10 take 208 and 224 KiB with the staging tiles).
-KEPT_CONFIGS = [CONFIGS[0], COOP_CONFIGS[0], dict(CONFIGS[0], nbuf=6), dict(COOP_CONFIGS[0], nbuf=10)]
+# a cooperative one 16: nbuf 6 and 10 take 208 and 224 KiB with the staging tiles); the third is
+# gluon_moe.KEPT_CONFIG, what the kept hidden kernel runs since session 36.
+KEPT_CONFIGS = [CONFIGS[0], COOP_CONFIGS[0], gluon_moe.KEPT_CONFIG, dict(COOP_CONFIGS[0], nbuf=10)]
 
 
 def compile_offline(kernel, args, constexprs, num_warps=4):

@@ -83,6 +83,12 @@ COOP_MIN_D = 512
 # swiglu holds three accumulators (u, u3 = xs W3, g): jobs of [64, 64] keep them at 32 registers a
 # thread each; a stage is then 40 KiB (five tiles), 168 KiB with the staging tiles.
 SWIGLU_CONFIG = dict(tile_m=64, block_n=64, block_k=64, nbuf=3)
+# KEEP_U (u read, not computed): the stages hold gs and W2 only (24 KiB a ping-pong stage), so six
+# fit. On the H200 (session 36, bench/gluon_probe.py, gelu, bench/results/gluon_probe_kept.txt):
+# large 1032.7 us against 1234.7 for COOP_CONFIG read likewise and 1392.2 for the default kernel
+# that computes u; the cooperative kernel at 10 stages 1041.0; medium 97.0 against 117.3 (the
+# ping-pong at 3 stages 101.7).
+KEPT_CONFIG = dict(_CONFIG, nbuf=6)
 # The registers a thread of each partition (consumers: the two accumulators and the epilogue;
 # producer: one warp that only issues loads).
 CONSUMER_REGS, PRODUCER_REGS = 232, 24
@@ -124,10 +130,13 @@ def unsupported(xs, gs, w1, w2, w3, act, tile, capability=None):
     return None
 
 
-def default_config(act, tile, D):
-    """The hidden kernel's config for these operands (`unsupported` found nothing against them)."""
+def default_config(act, tile, D, kept=False):
+    """The hidden kernel's config for these operands (`unsupported` found nothing against them);
+    kept: it reads the forward's u (KEEP_U, never with swiglu)."""
     if act == "swiglu":
         return SWIGLU_CONFIG
+    if kept:
+        return KEPT_CONFIG
     return COOP_CONFIG if tile == 128 and D >= COOP_MIN_D else CONFIGS[tile]
 
 
@@ -750,7 +759,7 @@ def backward_hidden(xs, gs, groups, w1, b1, w2, weight, act, hw, du, gw, w3=None
     computed (KEEP_U: the stages then hold gs and W2 only; xs and W1 are not read)."""
     E, D, F = w1.shape
     _check_hidden("backward_hidden", hidden, hw, act)
-    config = config or default_config(act, groups.tile, D)
+    config = config or default_config(act, groups.tile, D, kept=hidden is not None)
     tile_m, block_n, block_k, nbuf = (config[key] for key in ("tile_m", "block_n", "block_k", "nbuf"))
     jobs = groups.num_tiles * (groups.tile // tile_m) * (F // block_n)
     if config.get("coop"):

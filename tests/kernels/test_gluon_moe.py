@@ -357,6 +357,15 @@ def test_default_config_is_cooperative_at_tile_128_and_large_d_only():
     assert gluon_moe.default_config("swiglu", 128, big) is gluon_moe.SWIGLU_CONFIG
 
 
+@pytest.mark.parametrize("tile, D", [(128, 512), (128, 256), (64, 128)])
+def test_the_kept_variant_runs_the_ping_pong_at_six_stages(tile, D):
+    """KEEP_U's hidden kernel: the ping-pong with six stages of gs and W2 at every TILE and D
+    (faster than the cooperative kernel at large, bench/results/gluon_probe_kept.txt)."""
+    config = gluon_moe.default_config("gelu", tile, D, kept=True)
+    assert config is gluon_moe.KEPT_CONFIG and not config.get("coop") and config["nbuf"] == 6
+    assert gluon_moe.default_config("gelu", tile, D) is not config
+
+
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="triton_moe on the CPU needs TRITON_INTERPRET=1")
 @pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
