@@ -9,8 +9,11 @@ import torch
 # Peers are what a user has without us: eager and Inductor, on any spelling.
 PEER_MODES = ("eager", "inductor", "inductor-max-autotune")
 # mha-fused: the defaults (graphs="auto": the region replays its own CUDA graphs at small and
-# medium); mha-fused-nographs: the same kernels issued from Python every call (graphs="off").
-MHA_MODES = ("mha-reference", "mha-staged", "mha-fused", "mha-fused-nographs", "mha-fused-cudagraphs")
+# medium); mha-fused-nographs: the same kernels issued from Python every call (graphs="off");
+# mha-fused-keep: mha-fused-cudagraphs with options keep_hidden=True (the experts' u kept from the
+# forward for the backward: less time, more memory).
+MHA_MODES = ("mha-reference", "mha-staged", "mha-fused", "mha-fused-nographs", "mha-fused-cudagraphs",
+             "mha-fused-keep")
 MODES = PEER_MODES + MHA_MODES
 SPELLINGS = ("dense", "loop", "grouped_mm")
 # The grouped-GEMM spelling is a peer of its own: the mha backend is not asked to match it.
@@ -39,4 +42,6 @@ def mha_options(mode):
         return None
     if mode == "mha-fused-nographs":
         return {"kernels": "fused", "graphs": "off"}
+    if mode == "mha-fused-keep":
+        return {"mode": "reduce-overhead", "keep_hidden": True}
     return {"kernels": mode.split("-", 1)[1]}

@@ -17,7 +17,7 @@ from mha_compile.debug.dump import publish
 from mha_compile.debug.report import GraphReport
 from mha_compile.lowering.match import find_regions
 from mha_compile.lowering.rewrite import rewrite
-from mha_compile.lowering.select import choose_kernels, describe_graphs
+from mha_compile.lowering.select import choose_kernels, describe_graphs, describe_keep_hidden
 from mha_compile.options import MODES, Options
 
 log = logging.getLogger("mha_compile")
@@ -77,6 +77,8 @@ def lower(gm, opts, report, whole_graph_captured=False):
         for match in matches:
             match.kernels, match.kernels_reason = choose_kernels(match, opts.kernels)
             match.graphs = describe_graphs(match, opts.graphs, whole_graph_captured)
+            match.keep_hidden = opts.keep_hidden
+            match.keeps = describe_keep_hidden(match, opts.keep_hidden)
         report.matches += [dict(m.summary(), graph=path or "<top>") for m in matches]
         if matches:
             rewrite(sub, matches)

@@ -100,30 +100,33 @@ def region(ctx: Tensor, tok: Tensor, q: Tensor, wk: Tensor, bk: Optional[Tensor]
            bv: Optional[Tensor], wo: Tensor, bo: Optional[Tensor], wg: Tensor, w1: Tensor,
            b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor], w3: Optional[Tensor],
            mask: Optional[Tensor], top_k: int, renorm: bool, act: str, kernels: str, export_inv: bool = False,
-           graphs: str = "off") -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+           graphs: str = "off", keep_hidden: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                                    Tensor]:
     """out = MoE(ctx + pool(tok)[:, None]); see SPEC §1.
 
     export_inv: the graph also reads `inv` (output 1), e.g. to rebuild y = ctx + inv for a
     residual; then its gradient flows back through the pool too (see _backward).
     graphs: "auto" | "on" | "off", whether the kernels replay as a CUDA graph per call signature
     (kernels/region_graphs.py); the backward follows the forward's setting.
+    keep_hidden: the fused and staged kernels keep the experts' pre-activations u = x W1 + b1 from
+    the forward for the backward, at the end of `reuse` (options["keep_hidden"]; not swiglu).
     """
     return _forward((ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask), top_k, renorm, act, kernels,
-                    graphs)
+                    graphs, keep_hidden)
 
 
-def _forward(tensors, top_k, renorm, act, kernels, graphs, kept=None):
+def _forward(tensors, top_k, renorm, act, kernels, graphs, keep_hidden, kept=None):
     """The kernel set's forward (the op's body, and RegionFunction's); kept: see KEEPS."""
     ctx, tok, w1, mask = tensors[0], tensors[1], tensors[10], tensors[15]
     with _no_autocast(ctx):
         return _kernel_call(kernel_set(kernels).region_forward, tensors, (ctx, tok, w1, mask), top_k, renorm, act,
-                            kernels, graphs, kept)
+                            keep_hidden, kernels, graphs, kept)
 
 
-def _kernel_call(fn, tensors, inputs, top_k, renorm, act, kernels, graphs, kept=None):
-    """fn(*tensors, top_k, renorm, act), a kernel set's region_forward or region_backward,
-    through its CUDA graph where region_graphs.wanted says so; inputs = (ctx, tok, W1, mask).
-    kept (see KEEPS) goes to fn as a keyword where given, and never into a graph."""
+def _kernel_call(fn, tensors, inputs, top_k, renorm, act, keep_hidden, kernels, graphs, kept=None):
+    """fn(*tensors, top_k, renorm, act, keep_hidden), a kernel set's region_forward or
+    region_backward, through its CUDA graph where region_graphs.wanted says so; inputs = (ctx, tok,
+    W1, mask). kept (see KEEPS) goes to fn as a keyword where given, and never into a graph."""
     ctx, tok, w1, mask = inputs
     if ctx.is_cuda and ctx.device.index != torch.cuda.current_device():
         # Triton and Gluon launch on the current device, not on their tensors': a block on cuda:1
@@ -131,20 +134,20 @@ def _kernel_call(fn, tensors, inputs, top_k, renorm, act, kernels, graphs, kept=
         # (Inductor guards its launches likewise; the common case, the tensors' device current,
         # costs one check.)
         with torch.cuda.device(ctx.device):
-            return _kernel_call(fn, tensors, inputs, top_k, renorm, act, kernels, graphs, kept)
+            return _kernel_call(fn, tensors, inputs, top_k, renorm, act, keep_hidden, kernels, graphs, kept)
     if region_graphs.wanted(graphs, kernels, ctx, tok, w1, top_k, act, mask):
-        return region_graphs.call(fn, tensors, (top_k, renorm, act))
+        return region_graphs.call(fn, tensors, (top_k, renorm, act, keep_hidden))
     if kept is None:
-        return fn(*tensors, top_k, renorm, act)
-    return fn(*tensors, top_k, renorm, act, kept=kept)
+        return fn(*tensors, top_k, renorm, act, keep_hidden)
+    return fn(*tensors, top_k, renorm, act, keep_hidden, kept=kept)
 
 
 @region.register_fake
 def _region_fake(ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask, top_k, renorm, act, kernels,
-                 export_inv=False, graphs="off"):
+                 export_inv=False, graphs="off", keep_hidden=False):
     B, H, D, N, P = _check_shapes(ctx, tok, q, wk, wv, wo, wg, w1, b1, w2, b2, w3, top_k, act)
     acc = accumulation_dtype(ctx.dtype)
-    reuse = kernel_set(kernels).reuse_size(ctx, tok, q, w1, top_k, act, mask)
+    reuse = kernel_set(kernels).reuse_size(ctx, tok, q, w1, top_k, act, mask, keep_hidden)
     return (ctx.new_empty(B, H, D), ctx.new_empty(B, D, dtype=acc), ctx.new_empty(B, N, P, dtype=acc),
             ctx.new_empty(B * H, top_k, dtype=acc), ctx.new_empty(B * H, top_k, dtype=torch.int32),
             ctx.new_empty(B * H, wg.shape[0], dtype=acc), ctx.new_empty(reuse, dtype=torch.int32))
@@ -155,26 +158,27 @@ def _region_backward(grad_out: Tensor, ctx: Tensor, tok: Tensor, q: Tensor, wk: 
                      b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor], w3: Optional[Tensor],
                      mask: Optional[Tensor], inv: Tensor, attn: Tensor, weight: Tensor, index: Tensor,
                      probs: Tensor, reuse: Tensor, top_k: int, renorm: bool, act: str, kernels: str,
-                     grad_inv: Optional[Tensor] = None, graphs: str = "off") -> list[Tensor]:
+                     grad_inv: Optional[Tensor] = None, graphs: str = "off", keep_hidden: bool = False
+                     ) -> list[Tensor]:
     """Gradients of REGION_INPUTS, in order; an absent optional input gets an empty tensor.
 
     grad_inv: the gradient of the exported `inv` from outside the region, or None. The pool's
     backward is linear in ∂inv, so this part is the reference pool backward of grad_inv added to
     whatever the kernel set computed: exact for every set, no kernel has to know about it.
-    graphs: as for mha::region.
+    graphs, keep_hidden: as for mha::region (the forward's).
     """
     tensors = (grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask, inv, attn, weight, index,
                probs, reuse)
-    return _region_gradients(tensors, top_k, renorm, act, kernels, grad_inv, graphs)
+    return _region_gradients(tensors, top_k, renorm, act, kernels, grad_inv, graphs, keep_hidden)
 
 
-def _region_gradients(tensors, top_k, renorm, act, kernels, grad_inv, graphs, kept=None):
+def _region_gradients(tensors, top_k, renorm, act, kernels, grad_inv, graphs, keep_hidden, kept=None):
     """_region_backward's body, which RegionFunction's backward calls with its `kept` (see KEEPS;
     not an argument the op's schema can hold). tensors: _region_backward's, in order."""
     grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask, inv, attn, *_ = tensors
     with _no_autocast(ctx):
         grads = list(_kernel_call(kernel_set(kernels).region_backward, tensors, (ctx, tok, w1, mask),
-                                  top_k, renorm, act, kernels, graphs, kept))
+                                  top_k, renorm, act, keep_hidden, kernels, graphs, kept))
         if grad_inv is not None:
             acc = accumulation_dtype(ctx.dtype)
             c = lambda t: None if t is None else t.to(acc)
@@ -195,7 +199,7 @@ region_backward = torch.library.custom_op("mha::region_backward", mutates_args=(
 @region_backward.register_fake
 def _region_backward_fake(grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask,
                           inv, attn, weight, index, probs, reuse, top_k, renorm, act, kernels, grad_inv=None,
-                          graphs="off"):
+                          graphs="off", keep_hidden=False):
     inputs = (ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3)
     # contiguous whatever the input's strides (a transposed ctx or tok): what _region_gradients returns
     return [ctx.new_empty(0) if t is None else t.new_empty(t.shape) for t in inputs]
@@ -208,6 +212,7 @@ def _setup_context(ctx, inputs, output):
     ctx.config = inputs[16:20]
     ctx.export_inv = bool(inputs[20]) if len(inputs) > 20 else False
     ctx.graphs = inputs[21] if len(inputs) > 21 else "off"
+    ctx.keep_hidden = bool(inputs[22]) if len(inputs) > 22 else False
     ctx.kept = None  # the op keeps nothing (RegionFunction's forward sets its own)
 
 
@@ -222,11 +227,11 @@ def _backward(ctx, grad_out, grad_inv, *unused_aux_grads):
     # The op's dispatch costs ~0.1 ms of host time a medium step (host_time.py's cProfile on the
     # H200), where the step issues in ~1.4 ms for ~1 ms of GPU time.
     if _traced(args):
-        grads = region_backward(*args, *ctx.config, grad_inv=extra, graphs=ctx.graphs)
+        grads = region_backward(*args, *ctx.config, grad_inv=extra, graphs=ctx.graphs, keep_hidden=ctx.keep_hidden)
     else:
-        grads = _region_gradients(args, *ctx.config, extra, ctx.graphs, ctx.kept)
+        grads = _region_gradients(args, *ctx.config, extra, ctx.graphs, ctx.keep_hidden, ctx.kept)
     grads = [None if t is None else g for g, t in zip(grads, tensors)]
-    return (*grads, None, None, None, None, None, None, None)
+    return (*grads, None, None, None, None, None, None, None, None)
 
 
 region.register_autograd(_backward, setup_context=_setup_context)
@@ -251,7 +256,8 @@ class RegionFunction(torch.autograd.Function):
     def forward(ctx, *inputs):
         # inputs[19]: kernels. Under inference_mode nothing runs backward: keep nothing.
         kept = {} if inputs[19] in KEEPS and not torch.is_inference_mode_enabled() else None
-        output = _forward(inputs[:16], *inputs[16:20], inputs[21] if len(inputs) > 21 else "off", kept)
+        output = _forward(inputs[:16], *inputs[16:20], inputs[21] if len(inputs) > 21 else "off",
+                          bool(inputs[22]) if len(inputs) > 22 else False, kept)
         _setup_context(ctx, inputs, output)
         ctx.kept = kept
         ctx.set_materialize_grads(False)
@@ -288,12 +294,12 @@ def _traced(args):
             or any(type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter for t in tensors))
 
 
-def region_call(*args, graphs="off"):
+def region_call(*args, graphs="off", keep_hidden=False):
     """The region for a graph that runs eagerly: RegionFunction, or the op itself whenever
     something could be tracing or transforming the call (_traced: Dynamo, a dispatch mode such
     as FakeTensor or make_fx, functorch, a tensor subclass), since those must see `mha::region`.
-    args: the op's, up to export_inv; graphs: as for the op."""
+    args: the op's, up to export_inv; graphs, keep_hidden: as for the op."""
     if _traced(args):
-        return torch.ops.mha.region.default(*args, graphs=graphs)
+        return torch.ops.mha.region.default(*args, graphs=graphs, keep_hidden=keep_hidden)
     export_inv = args[20] if len(args) > 20 else False
-    return RegionFunction.apply(*args[:20], export_inv, graphs)
+    return RegionFunction.apply(*args[:20], export_inv, graphs, keep_hidden)

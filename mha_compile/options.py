@@ -28,6 +28,11 @@ class Options:
             at every size; "off": never). The graphs hold memory that the plain path frees
             after each call. Under mode="reduce-overhead" (or an Inductor mode with CUDA
             graphs) the whole graph is captured instead and this is ignored.
+        keep_hidden: the fused and staged kernels keep the experts' pre-activations u = x W1 + b1
+            ([R·k, F] in the weights' dtype: 66 MiB at the medium preset, 520 MiB at large in
+            bf16) from the forward for the backward, which then reads them instead of computing
+            them again: on the H200 −0.29 ms a large training step, +3 us at medium
+            (bench/PERF_NOTES.md v39). Not with swiglu. False: computed again (the least memory).
         mode: torch.compile's `mode`, given here because torch.compile refuses `mode` and
             `options` together: options={"rest": "inductor", "mode": "reduce-overhead"} is
             mode="reduce-overhead" with these options. None: torch.compile's own `mode`.
@@ -39,6 +44,7 @@ class Options:
     verify: bool = False
     strict: bool = False
     graphs: str = DEFAULT_GRAPHS
+    keep_hidden: bool = False
     mode: str | None = None
 
     def __post_init__(self):
@@ -46,7 +52,7 @@ class Options:
         _check_choice("rest", self.rest, REST)
         _check_choice("graphs", self.graphs, GRAPHS)
         _check_choice("mode", self.mode, MODES)
-        for name in ("verify", "strict"):
+        for name in ("verify", "strict", "keep_hidden"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"mha options: {name}={getattr(self, name)!r} must be True or False")
         if self.dump is not None and not isinstance(self.dump, (str, os.PathLike)):

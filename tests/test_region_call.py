@@ -216,7 +216,7 @@ def test_the_kernels_run_with_their_tensors_device_current(monkeypatch):
     kernels = lambda *args: seen.append(current[0]) or "done"  # noqa: E731
     for index in (1, 0):
         ctx = OnCuda(index)
-        assert ops._kernel_call(kernels, (ctx,), (ctx, None, None, None), 2, True, "gelu", "fused", "off") == "done"
+        assert ops._kernel_call(kernels, (ctx,), (ctx, None, None, None), 2, True, "gelu", False, "fused", "off") == "done"
     assert seen == [1, 0] and entered == [1] and current == [0]
 
 

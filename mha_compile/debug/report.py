@@ -24,6 +24,7 @@ class GraphReport:
                          f"top_k={cfg['top_k']} renorm={cfg['renorm']} dtype={m['dtype']}")
             lines.append(f"    kernels: {m['kernels']} ({m['kernels_reason']})")
             lines.append(f"    CUDA graphs: {m['graphs']}")
+            lines.append(f"    keeps u: {m['keep_hidden']}")
             lines.append(f"    covers {len(m['nodes'])} nodes: {', '.join(m['nodes'])}")
         for miss in self.near_misses:
             lines.append(f"  near-miss at {miss['node']} (top-k {miss['anchor']}): {miss['reason']}")

@@ -28,11 +28,11 @@ kernel's ~2100 us a large-preset call, 146 against 213 at medium. At TILE 128 wi
 cooperative form below (_hidden_coop_kernel) runs instead: both consumers on each job's 128 rows,
 so the W tiles are loaded once for 128 rows rather than 64.
 
-KEEP_U (triton_moe.KEEP_HIDDEN, staged in session 35: built for sm_90a offline, no spills, wgmmas
-not serialised; not yet run on a GPU): GEMM1 also stores u = xs W1 + b1, through the same staging
-tile as h, and both hidden kernels read it (each consumer loads its job's u tile while waiting for
-its turn) instead of computing it: their stages then hold gs and W2 only, half the dots and of the
-bytes a K step. Each partition gets the variant by a function of its own (the *_kept trampolines),
+KEEP_U (options["keep_hidden"], triton_moe.KEEP_HIDDEN; on the H200 since session 36, its GPU tests
+passing, −287 us a large training step, bench/PERF_NOTES.md v39): GEMM1 also stores u = xs W1 +
+b1, through the same staging tile as h, and both hidden kernels read it (each consumer loads its
+job's u tile while waiting for its turn) instead of computing it: their stages then hold gs and W2
+only, half the dots and of the bytes a K step; KEPT_CONFIG runs the ping-pong at six stages. Each partition gets the variant by a function of its own (the *_kept trampolines),
 as the activation: worker partitions take no constants.
 """
 import contextlib

@@ -282,16 +282,17 @@ def moe_backward(grad_out, x, weight, index, w1, b1, w2, b2, w3, act):
 # The whole region.
 
 
-def reuse_size(ctx, tok, q, w1, top_k, act, mask):
+def reuse_size(ctx, tok, q, w1, top_k, act, mask, keep_hidden=False):
     """Elements of the `reuse` region_forward returns: none (see region_forward)."""
     return 0
 
 
-def region_forward(ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask, top_k, renorm, act):
+def region_forward(ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask, top_k, renorm, act,
+                   keep_hidden=False):
     """out [B,H,D] and what the backward keeps: inv [B,D], attn [B,N,P], topk weight and index,
     the router's softmax π [R,E], and `reuse`, empty here (int32, no elements): the kernel sets'
     buffer of what their backward takes from the forward (triton_region); this one computes it all
-    again.
+    again, keep_hidden or not (the kernel sets' setting, which keeps the experts' u).
 
     Computes in fp32 (fp64 for fp64 inputs) and returns `out` in the input dtype.
     """
@@ -307,9 +308,9 @@ def region_forward(ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, 
 
 
 def region_backward(grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask,
-                    inv, attn, weight, index, probs, reuse, top_k, renorm, act):
+                    inv, attn, weight, index, probs, reuse, top_k, renorm, act, keep_hidden=False):
     """Gradients of every input of region_forward, in its order (None for absent optionals);
-    `reuse` is not read (see region_forward)."""
+    `reuse` and keep_hidden are not read (see region_forward)."""
     acc = accumulation_dtype(ctx.dtype)
     B, H, D = ctx.shape
     c = lambda t: None if t is None else t.to(acc)

@@ -15,20 +15,21 @@ def why_unsupported(ctx, tok, w1, top_k, act, mask):
     return triton_region.why_unsupported(ctx, tok, w1, top_k, act, mask)
 
 
-def reuse_size(ctx, tok, q, w1, top_k, act, mask):
+def reuse_size(ctx, tok, q, w1, top_k, act, mask, keep_hidden=False):
     """Elements of the `reuse` region_forward returns (triton_region.reuse_size)."""
-    return triton_region.reuse_size(ctx, tok, q, w1, top_k, act, mask)
+    return triton_region.reuse_size(ctx, tok, q, w1, top_k, act, mask, keep_hidden)
 
 
 def region_forward(ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask, top_k, renorm, act,
-                   kept=None):
-    """kept: see triton_region (what the forward leaves for region_backward, beside the `reuse` it returns)."""
+                   keep_hidden=False, kept=None):
+    """keep_hidden, kept: see triton_region (what the forward leaves for region_backward, beside the
+    `reuse` it returns)."""
     return triton_region.region_forward("cuda", ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2,
-                                        w3, mask, top_k, renorm, act, kept)
+                                        w3, mask, top_k, renorm, act, keep_hidden, kept)
 
 
 def region_backward(grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask,
-                    inv, attn, weight, index, probs, reuse, top_k, renorm, act, kept=None):
+                    inv, attn, weight, index, probs, reuse, top_k, renorm, act, keep_hidden=False, kept=None):
     return triton_region.region_backward("cuda", grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1,
                                          w2, b2, w3, mask, inv, attn, weight, index, probs, reuse, top_k, renorm, act,
-                                         kept)
+                                         keep_hidden, kept)

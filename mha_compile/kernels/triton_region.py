@@ -10,7 +10,7 @@
 
 Both: pool (triton_pool) → router (triton_router) → expert grouping and grouped GEMMs
 (triton_moe) → token-order combine; the backward recomputes u = x W1 + b1 rather than keeping
-it (but with triton_moe.KEEP_HIDDEN), and the grouping and the pool's weights as its kernels take
+it (but with keep_hidden, the op's argument, or triton_moe.KEEP_HIDDEN), and the grouping and the pool's weights as its kernels take
 them (_pool_f32) too unless its caller kept the forward's (`kept`). Saved tensors mean what they
 mean in reference.py: inv [B,D] and attn [B,N,P] fp32, the top-k weights [R,k] fp32 and indices
 [R,k] int32, and the router's softmax π [R,E] fp32.
@@ -30,7 +30,7 @@ and region_graphs does not (a replay overwrites a graph's buffers).
 `reuse` (the forward's seventh output, the backward's argument after π): the part of that which
 fits in tensors, for the op and region_graphs: one int32 buffer holding the expert layout
 (triton_moe.layout_size), then the pool's directions u [P,D] and its heads' output pooled [B,D]
-(both fp32 bits), then with triton_moe.KEEP_HIDDEN (staged, off by default) the MoE's
+(both fp32 bits), then with keep_hidden (options["keep_hidden"]; off by default) the MoE's
 pre-activations u = xs W1 + b1 [S,F] in the compute dtype's bits, reuse_size elements; empty where
 the reference ran. The backward reads the
 layout and u where `kept` holds nothing, and pooled (for ∂Wo) always: every path saves reuse.
@@ -142,18 +142,18 @@ def _merged_input(ctx, inv, merge):
     return ctx.reshape(B * H, D).contiguous(), inv.contiguous()
 
 
-def reuse_size(ctx, tok, q, w1, top_k, act, mask):
+def reuse_size(ctx, tok, q, w1, top_k, act, mask, keep_hidden=False):
     """Elements of region_forward's `reuse` (see the module docstring): 0 where the reference
     runs. Reads only shapes, dtypes and devices, so the op's fake computes it too."""
     if why_unsupported(ctx, tok, w1, top_k, act, mask) is not None:
         return 0
-    return _reuse_elements(ctx, q, w1, top_k, act)
+    return _reuse_elements(ctx, q, w1, top_k, act, keep_hidden)
 
 
-def _hidden_kept(ctx, w1, top_k, act):
+def _hidden_kept(ctx, w1, top_k, act, keep_hidden):
     """((S, F), dtype) of the MoE's pre-activations u that `reuse` keeps last
     (triton_moe.keeps_hidden: S slots, in the compute dtype, ctx's), or None."""
-    if not triton_moe.keeps_hidden(act):
+    if not triton_moe.keeps_hidden(act, keep_hidden):
         return None
     pairs, experts = ctx.shape[0] * ctx.shape[1] * top_k, w1.shape[0]
     return (triton_moe.slot_count(pairs, experts), w1.shape[2]), ctx.dtype
@@ -163,11 +163,11 @@ def _int32s(kept):
     return 0 if kept is None else kept[0][0] * kept[0][1] * kept[1].itemsize // 4
 
 
-def _reuse_elements(ctx, q, w1, top_k, act):
+def _reuse_elements(ctx, q, w1, top_k, act, keep_hidden):
     B, H, D = ctx.shape
     pairs, experts = B * H * top_k, w1.shape[0]
     return (triton_moe.layout_size(pairs, experts, triton_moe.tile_rows(pairs, experts)) + (q.shape[0] + B) * D
-            + _int32s(_hidden_kept(ctx, w1, top_k, act)))
+            + _int32s(_hidden_kept(ctx, w1, top_k, act, keep_hidden)))
 
 
 Reused = collections.namedtuple("Reused", "layout u pooled hidden")
@@ -183,19 +183,22 @@ def _reuse_parts(reuse, P, B, D, kept):
 
 
 def region_forward(merge, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask, top_k, renorm, act,
-                   kept=None):
+                   keep_hidden=False, kept=None):
     """(out [B,H,D] ctx.dtype, inv [B,D], attn [B,N,P], weight [R,k] fp32, index [R,k] int32,
     π [R,E] fp32, reuse int32). kept: an empty dict, filled for region_backward; reuse: what it
-    takes where no dict is kept (both: see the module docstring). Where the inputs run on the
+    takes where no dict is kept (both: see the module docstring), with the MoE's u at its end where
+    keep_hidden (or triton_moe.KEEP_HIDDEN) asks, but for swiglu. Where the inputs run on the
     reference, kept stays empty and reuse has no elements."""
     if why_unsupported(ctx, tok, w1, top_k, act, mask) is not None:
         return reference.region_forward(ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3,
                                         mask, top_k, renorm, act)
-    reuse = torch.empty(_reuse_elements(ctx, q, w1, top_k, act), device=ctx.device, dtype=torch.int32)
+    reuse = torch.empty(_reuse_elements(ctx, q, w1, top_k, act, keep_hidden), device=ctx.device,
+                        dtype=torch.int32)
     tok, w1, b1, w2, b2, w3 = _in_compute_dtype(ctx, tok, w1, b1, w2, b2, w3)
     B, H, D = ctx.shape
     E = w1.shape[0]
-    layout, u, pooled, hidden = _reuse_parts(reuse, q.shape[0], B, D, _hidden_kept(ctx, w1, top_k, act))
+    kept_hidden = _hidden_kept(ctx, w1, top_k, act, keep_hidden)
+    layout, u, pooled, hidden = _reuse_parts(reuse, q.shape[0], B, D, kept_hidden)
     pool = _pool_f32(tok, q, wk, wv, bv, wo, bo)
     u = triton_pool.pool_directions(pool[0], pool[1], out=u, split=triton_pool.split_dot(tok.dtype))
     inv, attn = triton_pool.pool_forward(tok, *pool, mask, u=u, pooled=pooled)
@@ -209,17 +212,18 @@ def region_forward(merge, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b
     return out.view(B, H, D), inv, attn, weight, index, probs, reuse
 
 
-def _reused(reuse, ctx, q, w1, top_k, act):
+def _reused(reuse, ctx, q, w1, top_k, act, keep_hidden):
     """_reuse_parts of `reuse` where it holds what region_forward left (None where it is empty,
     as the reference's is); one of another size raises: it was made for other inputs."""
     if reuse is None or reuse.numel() == 0:
         return None
-    want = _reuse_elements(ctx, q, w1, top_k, act)
+    want = _reuse_elements(ctx, q, w1, top_k, act, keep_hidden)
     if reuse.dtype != torch.int32 or reuse.numel() != want:
         raise ValueError(f"region_backward: reuse holds {reuse.numel()} {reuse.dtype} elements, where the "
-                         f"forward of these inputs leaves {want} int32 (or none) with triton_moe.KEEP_HIDDEN "
-                         f"{'on' if triton_moe.KEEP_HIDDEN else 'off'}, as it is now")
-    return _reuse_parts(reuse, q.shape[0], ctx.shape[0], ctx.shape[-1], _hidden_kept(ctx, w1, top_k, act))
+                         f"forward of these inputs leaves {want} int32 (or none) with keep_hidden={keep_hidden} "
+                         f"and triton_moe.KEEP_HIDDEN {'on' if triton_moe.KEEP_HIDDEN else 'off'}, as it is now")
+    kept = _hidden_kept(ctx, w1, top_k, act, keep_hidden)
+    return _reuse_parts(reuse, q.shape[0], ctx.shape[0], ctx.shape[-1], kept)
 
 
 def _layout_of(index, experts, kept, reused):
@@ -252,13 +256,14 @@ def _pool_weights(tok, q, wk, wv, bv, wo, kept, reused):
 
 
 def region_backward(merge, grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask,
-                    inv, attn, weight, index, probs, reuse, top_k, renorm, act, kept=None):
+                    inv, attn, weight, index, probs, reuse, top_k, renorm, act, keep_hidden=False, kept=None):
     """Gradients of (ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3), None for absent.
-    reuse and kept: what region_forward returned and filled with `index` (see the module docstring)."""
+    reuse and kept: what region_forward returned and filled with `index` (see the module docstring);
+    keep_hidden: region_forward's."""
     if why_unsupported(ctx, tok, w1, top_k, act, mask) is not None:
         return reference.region_backward(grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3,
                                          mask, inv, attn, weight, index, probs, reuse, top_k, renorm, act)
-    reused = _reused(reuse, ctx, q, w1, top_k, act)
+    reused = _reused(reuse, ctx, q, w1, top_k, act, keep_hidden)
     inputs = (ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3)
     tok, w1, b1, w2, b2, w3 = _in_compute_dtype(ctx, tok, w1, b1, w2, b2, w3)
     B, H, D = ctx.shape

@@ -60,7 +60,7 @@ def replace_region(gm, match):
         cfg = match.config
         call = graph.call_function(torch.ops.mha.region.default, (
             match.ctx, match.tok, *params, _param(graph, match.params.get("mask")), cfg["top_k"], cfg["renorm"],
-            cfg["act"], match.kernels, bool(match.exports)))
+            cfg["act"], match.kernels, bool(match.exports)), {"keep_hidden": True} if match.keep_hidden else {})
         rebuilt = _rebuild_exports(graph, call, match)
         out = graph.call_function(operator.getitem, (call, 0))
         if len(shape(match.output)) == 2:  # the user's MoE ran on [B·H, D] rows

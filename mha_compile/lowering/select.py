@@ -73,3 +73,22 @@ def describe_graphs(match, graphs, whole_graph_captured):
     return (f"{'yes' if fits else 'no'} (graphs='auto'): the backward's slot buffers, {slot_bytes / 2**20:.0f} MiB, "
             f"{'fit' if fits else 'do not fit'} one run of whole tiles within {triton_moe.SLOT_CHUNK_BYTES >> 20} MiB"
             + (": captured on a call signature's second call, replayed after" if fits else ""))
+
+
+def describe_keep_hidden(match, keep_hidden):
+    """Whether the region keeps the experts' pre-activations u from its forward for its backward
+    (options keep_hidden=), and what that holds, for the report."""
+    if not keep_hidden and not triton_moe.KEEP_HIDDEN:
+        return "no: keep_hidden=False (the backward computes u = x W1 + b1 again)"
+    if match.kernels == "reference":
+        return "no: the reference path computes u again"
+    if match.config["act"] == "swiglu":
+        return "no: not with swiglu (its u3 would have to be kept too)"
+    why = "keep_hidden=True" if keep_hidden else "MHA_COMPILE_KEEP_HIDDEN=1"
+    ctx, w1 = _example(match.ctx), _expert_weights(match.params["w1"])
+    (B, H, _), (E, _, F) = ctx.shape, w1.shape
+    if not all(isinstance(d, int) for d in (B, H, E, F)):
+        return f"yes ({why}): u [R·k slots, F] kept from the forward for the backward"
+    slots = triton_moe.slot_count(B * H * match.config["top_k"], E)
+    held = slots * F * ctx.dtype.itemsize / 2**20
+    return f"yes ({why}): u [{slots}, {F}] kept from the forward for the backward, {held:.0f} MiB"

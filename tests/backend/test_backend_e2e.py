@@ -179,6 +179,7 @@ def test_explain_counts():
     ({"rest": "tvm"}, "rest='tvm'"),
     ({"verify": "yes"}, "verify='yes'"),
     ({"graphs": True}, "graphs=True"),
+    ({"keep_hidden": "yes"}, "keep_hidden='yes'"),
     ({"mode": "fast"}, "mode='fast'"),
 ])
 def test_bad_options_raise_clear_errors(options, needle):

@@ -193,3 +193,14 @@ def test_inductor_cache_note(tmp_path, monkeypatch):
     (tmp_path / "fxgraph" / "entry").write_text("x")
     note = bench_main.inductor_cache_note()
     assert note is not None and str(tmp_path) in note and "1 files" in note
+
+
+def test_every_mha_mode_compiles_with_valid_options():
+    """Each mha-* mode's options are ones the backend accepts (a typo would make every row of the
+    mode an error), and mha-fused-keep is reduce-overhead with keep_hidden on, the only one."""
+    import mha_compile
+
+    parsed = {mode: mha_compile.Options.parse(modes.mha_options(mode)) for mode in modes.MHA_MODES}
+    assert [m for m, o in parsed.items() if o.keep_hidden] == ["mha-fused-keep"]
+    assert parsed["mha-fused-keep"].mode == "reduce-overhead"
+    assert "mha-fused-keep" in bench_main.CUDA_MODES

@@ -606,7 +606,7 @@ def test_the_kept_hidden_is_u_and_the_backward_reads_it(monkeypatch):
     B, H, D, P, F, E, k = 3, 4, 32, 2, 48, 3, 2
     ctx, tok, params = make_case(B, H, 5, D, P, F, E, k, act="gelu")
     out, inv, attn, weight, index, probs, reuse = fused.region_forward(ctx, tok, *params, None, k, True, "gelu")
-    parts = triton_region._reuse_parts(reuse, P, B, D, triton_region._hidden_kept(ctx, params[8], k, "gelu"))
+    parts = triton_region._reuse_parts(reuse, P, B, D, triton_region._hidden_kept(ctx, params[8], k, "gelu", False))
     groups = triton_moe.Groups.from_buffer(parts.layout, index, E)
     pair = groups.slot_pair.long()
     valid = pair < B * H * k
