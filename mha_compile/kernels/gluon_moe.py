@@ -801,8 +801,9 @@ UP_ACTS = {name: ACT_CODE[name] for name in ("gelu", "gelu_tanh", "silu")}
 # sm_90a, session 33). A [128, 128] stage is 32 KiB, four of them and the two staging tiles 192.
 # TILE 64 (small) [64, 128] jobs: 7.5 us a call with gelu, 6.7 with silu, against the Triton
 # GEMM1's 8.8 and 7.0 and [64, 256] jobs' 9.8 and 7.0.
-# A config may also say stage_tiles=2 (two staging tiles a consumer, 1 by default: staged in session
-# 35 for bench/gemm_probe.py, built offline, not yet timed).
+# A config may also say stage_tiles=2 (two staging tiles a consumer, 1 by default), for
+# bench/gemm_probe.py: it lost on the H200 (session 36: [128, 128] at nbuf 3 66.5 us at medium and
+# 687.0 at large against these configs' 65.1 and 668.3; bench/results/gemm_probe_up_gluon_stage_tiles.txt).
 UP_CONFIGS = {128: dict(tile_m=128, block_n=128, block_k=64, nbuf=4),
               64: dict(tile_m=64, block_n=128, block_k=64, nbuf=4)}
 
