@@ -100,8 +100,8 @@ def region(ctx: Tensor, tok: Tensor, q: Tensor, wk: Tensor, bk: Optional[Tensor]
            bv: Optional[Tensor], wo: Tensor, bo: Optional[Tensor], wg: Tensor, w1: Tensor,
            b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor], w3: Optional[Tensor],
            mask: Optional[Tensor], top_k: int, renorm: bool, act: str, kernels: str, export_inv: bool = False,
-           graphs: str = "off", keep_hidden: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
-                                                                    Tensor]:
+           graphs: str = "off", keep_hidden: bool = False
+           ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """out = MoE(ctx + pool(tok)[:, None]); see SPEC §1.
 
     export_inv: the graph also reads `inv` (output 1), e.g. to rebuild y = ctx + inv for a
