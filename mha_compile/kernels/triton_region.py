@@ -147,7 +147,7 @@ def reuse_size(ctx, tok, q, w1, top_k, act, mask, keep_hidden=False):
     runs. Reads only shapes, dtypes and devices, so the op's fake computes it too."""
     if why_unsupported(ctx, tok, w1, top_k, act, mask) is not None:
         return 0
-    return _reuse_elements(ctx, q, w1, top_k, act, keep_hidden)
+    return _reuse_elements(ctx, q, w1, top_k, _hidden_kept(ctx, w1, top_k, act, keep_hidden))
 
 
 def _hidden_kept(ctx, w1, top_k, act, keep_hidden):
@@ -163,11 +163,12 @@ def _int32s(kept):
     return 0 if kept is None else kept[0][0] * kept[0][1] * kept[1].itemsize // 4
 
 
-def _reuse_elements(ctx, q, w1, top_k, act, keep_hidden):
+def _reuse_elements(ctx, q, w1, top_k, kept):
+    """int32 elements of `reuse`; kept: _hidden_kept's."""
     B, H, D = ctx.shape
     pairs, experts = B * H * top_k, w1.shape[0]
     return (triton_moe.layout_size(pairs, experts, triton_moe.tile_rows(pairs, experts)) + (q.shape[0] + B) * D
-            + _int32s(_hidden_kept(ctx, w1, top_k, act, keep_hidden)))
+            + _int32s(kept))
 
 
 Reused = collections.namedtuple("Reused", "layout u pooled hidden")
@@ -192,12 +193,11 @@ def region_forward(merge, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b
     if why_unsupported(ctx, tok, w1, top_k, act, mask) is not None:
         return reference.region_forward(ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3,
                                         mask, top_k, renorm, act)
-    reuse = torch.empty(_reuse_elements(ctx, q, w1, top_k, act, keep_hidden), device=ctx.device,
-                        dtype=torch.int32)
+    kept_hidden = _hidden_kept(ctx, w1, top_k, act, keep_hidden)
+    reuse = torch.empty(_reuse_elements(ctx, q, w1, top_k, kept_hidden), device=ctx.device, dtype=torch.int32)
     tok, w1, b1, w2, b2, w3 = _in_compute_dtype(ctx, tok, w1, b1, w2, b2, w3)
     B, H, D = ctx.shape
     E = w1.shape[0]
-    kept_hidden = _hidden_kept(ctx, w1, top_k, act, keep_hidden)
     layout, u, pooled, hidden = _reuse_parts(reuse, q.shape[0], B, D, kept_hidden)
     pool = _pool_f32(tok, q, wk, wv, bv, wo, bo)
     u = triton_pool.pool_directions(pool[0], pool[1], out=u, split=triton_pool.split_dot(tok.dtype))
@@ -217,12 +217,12 @@ def _reused(reuse, ctx, q, w1, top_k, act, keep_hidden):
     as the reference's is); one of another size raises: it was made for other inputs."""
     if reuse is None or reuse.numel() == 0:
         return None
-    want = _reuse_elements(ctx, q, w1, top_k, act, keep_hidden)
+    kept = _hidden_kept(ctx, w1, top_k, act, keep_hidden)
+    want = _reuse_elements(ctx, q, w1, top_k, kept)
     if reuse.dtype != torch.int32 or reuse.numel() != want:
         raise ValueError(f"region_backward: reuse holds {reuse.numel()} {reuse.dtype} elements, where the "
                          f"forward of these inputs leaves {want} int32 (or none) with keep_hidden={keep_hidden} "
                          f"and triton_moe.KEEP_HIDDEN {'on' if triton_moe.KEEP_HIDDEN else 'off'}, as it is now")
-    kept = _hidden_kept(ctx, w1, top_k, act, keep_hidden)
     return _reuse_parts(reuse, q.shape[0], ctx.shape[0], ctx.shape[-1], kept)
 
 

@@ -82,7 +82,7 @@ def describe_keep_hidden(match, keep_hidden):
         return "no: keep_hidden=False (the backward computes u = x W1 + b1 again)"
     if match.kernels == "reference":
         return "no: the reference path computes u again"
-    if match.config["act"] == "swiglu":
+    if not triton_moe.keeps_hidden(match.config["act"], keep_hidden):  # asked for: swiglu is refused
         return "no: not with swiglu (its u3 would have to be kept too)"
     why = "keep_hidden=True" if keep_hidden else "MHA_COMPILE_KEEP_HIDDEN=1"
     ctx, w1 = _example(match.ctx), _expert_weights(match.params["w1"])

@@ -79,10 +79,16 @@ def test_keep_hidden_reaches_the_kernels_and_changes_no_result(monkeypatch, call
 
 @needs_interpreter
 def test_swiglu_keeps_nothing():
-    """swiglu would have to keep u3 too: keep_hidden leaves its `reuse` as it was."""
+    """swiglu would have to keep u3 too: keep_hidden leaves its `reuse` as it was, and the report
+    says why."""
     tensors = _tensors(act="swiglu")
     kept, plain = _op(tensors, "swiglu", True), _op(tensors, "swiglu", False)
     assert kept[6].numel() == plain[6].numel() and torch.equal(kept[0], plain[0])
+    block = models.MHABlock(16, 2, 24, 3, 2, act="swiglu")
+    report = mha_compile.explain(block, torch.randn(2, 3, 16), torch.randn(2, 5, 16),
+                                 options={"kernels": "fused", "keep_hidden": True})
+    assert report.matches[0]["kernels"] == "fused"
+    assert report.matches[0]["keep_hidden"] == "no: not with swiglu (its u3 would have to be kept too)"
 
 
 @needs_interpreter
