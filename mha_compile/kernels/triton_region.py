@@ -28,11 +28,13 @@ ops.RegionFunction keeps one on its autograd ctx; the custom op cannot (its outp
 and region_graphs does not (a replay overwrites a graph's buffers).
 
 `reuse` (the forward's seventh output, the backward's argument after π): the part of that which
-fits in tensors, for the op and region_graphs: one int32 buffer holding the expert layout
-(triton_moe.layout_size), then the pool's directions u [P,D] and its heads' output pooled [B,D]
-(both fp32 bits), then with keep_hidden (options["keep_hidden"]; off by default) the MoE's
-pre-activations u = xs W1 + b1 [S,F] in the compute dtype's bits, reuse_size elements; empty where
-the reference ran. The backward reads the
+fits in tensors, for the op and region_graphs: one int32 buffer holding, with keep_hidden
+(options["keep_hidden"]; off by default), the MoE's pre-activations u = xs W1 + b1 [S,F] in the
+compute dtype's bits first, where the buffer's own alignment makes them an operand TMA takes (after
+the layout their start was 16-byte aligned only where the sizes happened to make it: at D = 104 the
+Triton GEMM1 left its TMA path, and the Gluon kernels' descriptors refuse such a start); then the
+expert layout (triton_moe.layout_size), the pool's directions u [P,D] and its heads' output pooled
+[B,D] (both fp32 bits): reuse_size elements; empty where the reference ran. The backward reads the
 layout and u where `kept` holds nothing, and pooled (for ∂Wo) always: every path saves reuse.
 Under mode="reduce-overhead" (the op, traced) the layout and u spare the backward the grouping's
 3 launches and the directions' 3 kernels: a medium step's kernels 0.654 → 0.646 ms on the H200,
@@ -151,7 +153,7 @@ def reuse_size(ctx, tok, q, w1, top_k, act, mask, keep_hidden=False):
 
 
 def _hidden_kept(ctx, w1, top_k, act, keep_hidden):
-    """((S, F), dtype) of the MoE's pre-activations u that `reuse` keeps last
+    """((S, F), dtype) of the MoE's pre-activations u that `reuse` keeps first
     (triton_moe.keeps_hidden: S slots, in the compute dtype, ctx's), or None."""
     if not triton_moe.keeps_hidden(act, keep_hidden):
         return None
@@ -178,7 +180,7 @@ def _reuse_parts(reuse, P, B, D, kept):
     """Reused(the layout's buffer, u [P,D] fp32, pooled [B,D] fp32, the MoE's u [S,F] or None):
     views of `reuse`; kept: _hidden_kept's."""
     n = _int32s(kept)
-    layout, u, pooled, hidden = reuse.split([reuse.numel() - (P + B) * D - n, P * D, B * D, n])
+    hidden, layout, u, pooled = reuse.split([n, reuse.numel() - n - (P + B) * D, P * D, B * D])
     return Reused(layout, u.view(torch.float32).view(P, D), pooled.view(torch.float32).view(B, D),
                   None if kept is None else hidden.view(kept[1]).view(kept[0]))
 
@@ -187,7 +189,7 @@ def region_forward(merge, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b
                    keep_hidden=False, kept=None):
     """(out [B,H,D] ctx.dtype, inv [B,D], attn [B,N,P], weight [R,k] fp32, index [R,k] int32,
     π [R,E] fp32, reuse int32). kept: an empty dict, filled for region_backward; reuse: what it
-    takes where no dict is kept (both: see the module docstring), with the MoE's u at its end where
+    takes where no dict is kept (both: see the module docstring), with the MoE's u at its start where
     keep_hidden (or triton_moe.KEEP_HIDDEN) asks, but for swiglu. Where the inputs run on the
     reference, kept stays empty and reuse has no elements."""
     if why_unsupported(ctx, tok, w1, top_k, act, mask) is not None:

@@ -595,6 +595,25 @@ def test_the_kept_hidden_against_float64(monkeypatch, module, act, runs, dtype):
         slots * 48 // per_int32 if kept else 0)
 
 
+@pytest.mark.parametrize("B, H, D, P, F, E", [(300, 7, 104, 4, 200, 4), (33, 7, 100, 4, 96, 5), (4, 3, 32, 2, 64, 4)])
+def test_the_kept_hidden_starts_where_tma_takes_it(B, H, D, P, F, E):
+    """The kept u [S,F] sits in `reuse` at an offset of whole 128-byte lines, whatever the layout's
+    and the pool's sizes (at the first shape they sum to 40601 int32s: after them u's start was not
+    16-byte aligned, and GEMM1 left its TMA path), and its views leave the other parts their sizes."""
+    from mha_compile.kernels import triton_region
+
+    k = 2
+    ctx, w1, q = torch.empty(B, H, D, dtype=torch.bfloat16), torch.empty(E, D, F, dtype=torch.bfloat16), torch.empty(P, D // P)
+    kept = triton_region._hidden_kept(ctx, w1, k, "gelu", True)
+    reuse = torch.empty(triton_region._reuse_elements(ctx, q, w1, k, kept), dtype=torch.int32)
+    parts = triton_region._reuse_parts(reuse, P, B, D, kept)
+    assert (parts.hidden.data_ptr() - reuse.data_ptr()) % 128 == 0
+    assert parts.hidden.shape == (triton_moe.slot_count(B * H * k, E), F) and parts.hidden.dtype == torch.bfloat16
+    pairs = B * H * k
+    assert parts.layout.numel() == triton_moe.layout_size(pairs, E, triton_moe.tile_rows(pairs, E))
+    assert parts.u.shape == (P, D) and parts.pooled.shape == (B, D)
+
+
 def test_the_kept_hidden_is_u_and_the_backward_reads_it(monkeypatch):
     """What KEEP_HIDDEN keeps is each slot's u = (ctx + inv) W1[e] + b1[e] (float64 on the same
     inputs, padding slots aside), and the backward reads it: the same `reuse` with its u doubled

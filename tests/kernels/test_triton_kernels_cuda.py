@@ -209,13 +209,17 @@ def _up_configs():
     return range(len(triton_moe._up.configs))
 
 
+@pytest.mark.parametrize("keep", [False, True], ids=["", "kept"])
 @pytest.mark.parametrize("i", _up_configs())
-def test_up_configs_on_tma_bf16(monkeypatch, i):
+def test_up_configs_on_tma_bf16(monkeypatch, i, keep):
     """GEMM1's configs on its TMA path, which the test above (D = 100: rows not 16-byte aligned)
     does not take: D = 104, F = 200. The SMs are cut to 2, so that each of the 2 persistent
-    programs (4 with SM_PROGRAMS=2) walks many jobs, as at the large preset."""
+    programs (4 with SM_PROGRAMS=2) walks many jobs, as at the large preset. Kept: with
+    KEEP_HIDDEN, GEMM1 also stores u into `reuse`, and stays on TMA (at c8a1fae u's start there
+    was not 16-byte aligned at these sizes, and it left)."""
     from mha_compile.kernels import triton_moe
 
+    monkeypatch.setattr(triton_moe, "KEEP_HIDDEN", keep)
     launcher = triton_moe._up
     monkeypatch.setattr(launcher, "configs", [launcher.configs[i]])
     monkeypatch.setattr(launcher, "tuned", None)
