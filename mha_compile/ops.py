@@ -214,13 +214,23 @@ def _setup_context(ctx, inputs, output):
     ctx.graphs = inputs[21] if len(inputs) > 21 else "off"
     ctx.keep_hidden = bool(inputs[22]) if len(inputs) > 22 else False
     ctx.kept = None  # the op keeps nothing (RegionFunction's forward sets its own)
+    # attn, weight, index, probs and reuse (and inv, unless the graph reads it) take no gradient:
+    # marked so, and no zeros made for an output's unused gradient. Without this the op's own
+    # autograd (torch.library's) filled a zero tensor of every output's size each backward: 7.5 us
+    # of a medium step, 16 more with keep_hidden's u in `reuse` (H200, session 37's kernel_times:
+    # aten::fill_ [17632544]), and ~0.5 GB at large with it.
+    ctx.set_materialize_grads(False)
+    ctx.mark_non_differentiable(*output[2:] if ctx.export_inv else output[1:])
 
 
 def _backward(ctx, grad_out, grad_inv, *unused_aux_grads):
     """attn, weight, index, probs and reuse are saved for the backward, never read by the graph:
-    their gradients are ignored. inv's is used only when the graph reads inv (export_inv): autograd
-    hands a zero tensor for an unread output, and a pool backward of zeros would cost a pass."""
+    they take no gradient. inv's is used only when the graph reads inv (export_inv), and comes as
+    None when nothing read it (no materialised zeros: a pool backward of zeros would cost a pass);
+    likewise out's, when only inv was read."""
     saved = list(ctx.saved_tensors)
+    if grad_out is None:
+        grad_out = torch.zeros_like(saved[0])  # out is ctx's shape and dtype
     tensors = [None if absent else saved.pop(0) for absent in ctx.absent]
     extra = grad_inv.contiguous() if ctx.export_inv and grad_inv is not None else None
     args = (grad_out.contiguous(), *tensors, *saved)  # saved: inv, attn, weight, index, probs, reuse
@@ -260,8 +270,6 @@ class RegionFunction(torch.autograd.Function):
                           bool(inputs[22]) if len(inputs) > 22 else False, kept)
         _setup_context(ctx, inputs, output)
         ctx.kept = kept
-        ctx.set_materialize_grads(False)
-        ctx.mark_non_differentiable(*output[2:] if ctx.export_inv else output[1:])
         return tuple(output)
 
     @staticmethod
@@ -269,8 +277,6 @@ class RegionFunction(torch.autograd.Function):
     def backward(ctx, grad_out, grad_inv, *unused_aux_grads):
         """_backward, as the op's own autograd: a backward that is traced (compiled autograd)
         meets the mha::region_backward op, not the kernel set's Python."""
-        if grad_out is None:  # only inv was read by something that needs a gradient
-            grad_out = torch.zeros_like(ctx.saved_tensors[0])
         return _backward(ctx, grad_out, grad_inv)
 
 
