@@ -170,11 +170,11 @@ def run_rest(gm, example_inputs, opts, mode, whole):
 
 
 def cache_key_tagged():
-    """torch.compiler.config.cache_key_tag with the ops' schema digest appended, for one compile:
-    torch's compile caches do not key a custom op by its schema (ops.schema_digest), so a graph
-    compiled by a build of mha_compile whose ops took other arguments must not be served to this
-    one. The user's own tag is kept in front of ours."""
-    ours, tag = f"mha-{ops.schema_digest()}", torch.compiler.config.cache_key_tag
+    """torch.compiler.config.cache_key_tag with ops.cache_digest() appended, for one compile:
+    torch's compile caches key a custom op by its name alone, so a graph compiled by another build
+    of mha_compile (other schemas, fakes or autograd), or under another MHA_COMPILE_KEEP_HIDDEN,
+    must not be served to this one. The user's own tag is kept in front of ours."""
+    ours, tag = f"mha-{ops.cache_digest()}", torch.compiler.config.cache_key_tag
     return torch.compiler.config.patch(cache_key_tag=f"{tag}|{ours}" if tag else ours)
 
 

@@ -18,14 +18,16 @@ backward (the expert layout, the pool's fp32 weights: KEEPS); the op carries the
 which fits in its tensor outputs (`reuse`: the layout, the pool's directions and heads).
 """
 import contextlib
+import functools
 import hashlib
 import importlib
+import pathlib
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from mha_compile.kernels import region_graphs
+from mha_compile.kernels import region_graphs, triton_moe
 from mha_compile.kernels.reference import ACTIVATIONS, accumulation_dtype, pool_backward
 
 KERNEL_SETS = ("reference", "fused", "staged")
@@ -280,15 +282,30 @@ class RegionFunction(torch.autograd.Function):
         return _backward(ctx, grad_out, grad_inv)
 
 
-def schema_digest():
-    """A short hash of mha::region's and mha::region_backward's schemas, for torch's compile caches'
-    keys (backend.cache_key_tagged). Those caches take a custom op for the same op whatever its
-    schema: once the forward's outputs grew by π, an AOTAutograd entry saved by the earlier build,
-    keyed by Dynamo's graph alone, was served, and its backward passed the op four saved tensors
-    where five were due (it failed on an int where a Tensor was; a change of meaning at the same
-    arity would not fail at all)."""
-    text = f"{torch.ops.mha.region.default._schema}|{torch.ops.mha.region_backward.default._schema}"
+def cache_digest():
+    """A short hash of what a trace takes from mha_compile, for torch's compile caches' keys
+    (backend.cache_key_tagged), which key a custom op by its name alone:
+    - mha::region's and mha::region_backward's schemas: once the forward's outputs grew by π, an
+      AOTAutograd entry saved by the earlier build was served, and its backward passed the op four
+      saved tensors where five were due;
+    - triton_moe.KEEP_HIDDEN (MHA_COMPILE_KEEP_HIDDEN), which sizes the fake's `reuse`: an entry
+      compiled without it was served to a process with it, and the compiled graph refused the op's
+      longer reuse (H200, session 37: size 207920, expected 11312);
+    - the package's source, since the fakes' sizes and the ops' autograd (which outputs take a
+      gradient) are its code: a change of meaning at the same schema would not fail at all."""
+    text = (f"{torch.ops.mha.region.default._schema}|{torch.ops.mha.region_backward.default._schema}|"
+            f"keep_hidden={triton_moe.KEEP_HIDDEN}|{_source_digest()}")
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=None)
+def _source_digest():
+    """sha256 of every .py file of the package, read once a process (~0.6 MB)."""
+    digest = hashlib.sha256()
+    for path in sorted(pathlib.Path(__file__).parent.rglob("*.py")):
+        digest.update(path.relative_to(pathlib.Path(__file__).parent).as_posix().encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
 
 
 def _traced(args):

@@ -382,9 +382,24 @@ def test_autocast_hand_off_chooses_the_fused_kernels():
     assert "as autocast does" in match["kernels_reason"]
 
 
+def test_the_cache_digest_follows_what_sizes_the_fakes(monkeypatch):
+    """ops.cache_digest changes with MHA_COMPILE_KEEP_HIDDEN (triton_moe.KEEP_HIDDEN sizes the
+    fake's `reuse`: on the H200 an entry compiled without it was served to a process with it, and
+    its graph refused the op's longer reuse) and with the package's source, and is stable otherwise."""
+    from mha_compile.kernels import triton_moe
+    monkeypatch.setattr(triton_moe, "KEEP_HIDDEN", False)
+    off = backend.ops.cache_digest()
+    assert backend.ops.cache_digest() == off
+    monkeypatch.setattr(triton_moe, "KEEP_HIDDEN", True)
+    assert backend.ops.cache_digest() != off
+    monkeypatch.setattr(triton_moe, "KEEP_HIDDEN", False)
+    monkeypatch.setattr(backend.ops, "_source_digest", lambda: "another build")
+    assert backend.ops.cache_digest() != off
+
+
 def test_compile_caches_are_keyed_by_the_ops_schemas(tmp_path, monkeypatch):
     """torch's AOTAutograd cache keys a custom op by its name only: an entry compiled when the ops'
-    schemas were other (an earlier build) must not be served. The backend puts ops.schema_digest()
+    schemas were other (an earlier build) must not be served. The backend puts ops.cache_digest()
     in the caches' key (behind the user's own tag): the same digest hits the entry, another misses."""
     from torch._dynamo.utils import counters
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
@@ -399,7 +414,7 @@ def test_compile_caches_are_keyed_by_the_ops_schemas(tmp_path, monkeypatch):
         return patch
 
     def compile_and_step(digest):
-        monkeypatch.setattr(backend.ops, "schema_digest", lambda: digest)
+        monkeypatch.setattr(backend.ops, "cache_digest", lambda: digest)
         torch._dynamo.reset()
         counters.clear()
         torch.compile(model, backend="mha", options={"rest": "inductor"})(x).sum().backward()
