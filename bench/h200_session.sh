@@ -108,12 +108,20 @@
 #                                      # tests, then bench/gemm_probe.py's up_gluon rows (each config
 #                                      # checked against the Triton GEMM1, then timed beside it) at medium
 #                                      # and large, gelu and silu (~4 min): run.log, gemm_probe_up_gluon.txt
+#   bash bench/h200_session.sh keep-rows  # options keep_hidden under reduce-overhead (mha-fused-keep): the
+#                                      # backend's GPU tests without then with MHA_COMPILE_KEEP_HIDDEN=1 on one
+#                                      # Inductor cache (session 37: a stale entry was served across that switch),
+#                                      # then fwd+bwd rows at large and medium: Inductor, mha-fused,
+#                                      # mha-fused-cudagraphs, mha-fused-keep (~5 min): run.log, h200_s37_keep.{md,json,png}
+#   [PRESET=medium] bash bench/h200_session.sh keep-step  # reduce-overhead's step with and without keep_hidden
+#                                      # (bench/step_profile.py: do_bench, host issue, GPU kernels a step, top ops;
+#                                      # ~2.5 min): run.log, step_profile_keep_<preset>.txt
 #   bash bench/h200_session.sh short   # one call when device time is short (~9 min): the fused
 #                                      # kernel tests, the curves without the suite, and the
 #                                      # benchmark cut at 250 s (rows past it are listed as skipped)
 # Budgets are per step so a slow step cannot starve the others.
 set -u
-part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|ab|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|ncu-gemms|ncu-source|gluon|verify-gluon|gluon-gemms|verify-gemms|router|small-kernels|host-large|host-timers|wgrad-stream|sum-spread|column-sums|keep-hidden|kernel-times-ab|rows-ab|static-params|gluon-up|short}
+part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|ab|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|ncu-gemms|ncu-source|gluon|verify-gluon|gluon-gemms|verify-gemms|router|small-kernels|host-large|host-timers|wgrad-stream|sum-spread|column-sums|keep-hidden|keep-rows|keep-step|kernel-times-ab|rows-ab|static-params|gluon-up|short}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 # Inductor's compiled graphs kept in the checkout (git ignores it): the device keeps ignored
 # files between calls on a machine it still holds, so `table` can reuse `autotune-cache`'s.
@@ -410,6 +418,22 @@ host-timers)
             >"$OUT/host_timers_$preset.txt"
     done
     ;;
+keep-rows)
+    for keep in 0 1; do
+        { MHA_COMPILE_KEEP_HIDDEN=$keep MHA_COMPILE_NO_AUTOTUNE=1 timeout 100 python -m pytest -q -m cuda tests/backend \
+            -n 8 -p no:cacheprovider -rf --tb=short 2>&1 | tail -30; } >"$OUT/backend_tests_keep$keep.txt"
+        tail -3 "$OUT/backend_tests_keep$keep.txt" | sed "s/^/MHA_COMPILE_KEEP_HIDDEN=$keep: /" >>"$LOG"
+    done
+    { timeout -s INT -k 15 400 python -m bench --out "$OUT" --name h200_s37_keep --budget 340 --presets large,medium \
+        --passes fwd+bwd --spellings loop,dense,grouped_mm --modes inductor,mha-fused,mha-fused-cudagraphs,mha-fused-keep \
+        --commit "$commit" 2>&1 | tail -40; } >>"$LOG"
+    ;;
+keep-step)
+    preset=${PRESET:-medium}
+    { timeout -s INT -k 10 160 python bench/step_profile.py --preset "$preset" \
+        --runs mha-fused-cudagraphs:dense,mha-fused-keep:dense 2>&1; } >"$OUT/step_profile_keep_$preset.txt"
+    grep "^==" "$OUT/step_profile_keep_$preset.txt" >>"$LOG"
+    ;;
 short)
     { MHA_COMPILE_NO_AUTOTUNE=1 timeout 120 python -m pytest -q -m cuda tests/kernels -k "not staged" -n 8 \
         -p no:cacheprovider 2>&1 | tail -8; } >>"$LOG"
@@ -426,6 +450,6 @@ bench|bench-resume)
         --modes eager,inductor,inductor-max-autotune,mha-staged,mha-fused,mha-fused-cudagraphs \
         --spellings dense,loop,grouped_mm --commit "$commit" 2>&1 | tail -100; } >>"$LOG"
     ;;
-*) echo "unknown part $part: expected check, kernels, probe, verify, ab, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache, medium-autotune, ncu, ncu-gemms, ncu-source, gluon, verify-gluon, gluon-gemms, verify-gemms, router, small-kernels, host-large, host-timers, wgrad-stream, sum-spread, column-sums, kernel-times-ab, rows-ab, static-params, gluon-up or short" >&2; exit 2 ;;
+*) echo "unknown part $part: expected check, kernels, probe, verify, ab, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache, medium-autotune, ncu, ncu-gemms, ncu-source, gluon, verify-gluon, gluon-gemms, verify-gemms, router, small-kernels, host-large, host-timers, wgrad-stream, sum-spread, column-sums, keep-hidden, keep-rows, keep-step, kernel-times-ab, rows-ab, static-params, gluon-up or short" >&2; exit 2 ;;
 esac
 tail -150 "$LOG"
