@@ -603,7 +603,8 @@ def test_the_kept_hidden_starts_where_tma_takes_it(B, H, D, P, F, E):
     from mha_compile.kernels import triton_region
 
     k = 2
-    ctx, w1, q = torch.empty(B, H, D, dtype=torch.bfloat16), torch.empty(E, D, F, dtype=torch.bfloat16), torch.empty(P, D // P)
+    ctx, w1 = torch.empty(B, H, D, dtype=torch.bfloat16), torch.empty(E, D, F, dtype=torch.bfloat16)
+    q = torch.empty(P, D // P)
     kept = triton_region._hidden_kept(ctx, w1, k, "gelu", True)
     reuse = torch.empty(triton_region._reuse_elements(ctx, q, w1, k, kept), dtype=torch.int32)
     parts = triton_region._reuse_parts(reuse, P, B, D, kept)
