@@ -111,7 +111,7 @@ def region(ctx: Tensor, tok: Tensor, q: Tensor, wk: Tensor, bk: Optional[Tensor]
     graphs: "auto" | "on" | "off", whether the kernels replay as a CUDA graph per call signature
     (kernels/region_graphs.py); the backward follows the forward's setting.
     keep_hidden: the fused and staged kernels keep the experts' pre-activations u = x W1 + b1 from
-    the forward for the backward, at the end of `reuse` (options["keep_hidden"]; not swiglu).
+    the forward for the backward, at the start of `reuse` (options["keep_hidden"]; not swiglu).
     """
     return _forward((ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask), top_k, renorm, act, kernels,
                     graphs, keep_hidden)

@@ -31,8 +31,9 @@ class Options:
         keep_hidden: the fused and staged kernels keep the experts' pre-activations u = x W1 + b1
             ([R·k, F] in the weights' dtype: 66 MiB at the medium preset, 520 MiB at large in
             bf16) from the forward for the backward, which then reads them instead of computing
-            them again: on the H200 −0.29 ms a large training step, +3 us at medium
-            (bench/PERF_NOTES.md v39). Not with swiglu. False: computed again (the least memory).
+            them again: on the H200 a large training step's GPU time 5.42 → 4.99 ms; at medium no
+            gain, and its reduce-overhead row was slower with it (bench/PERF_NOTES.md v40). Not
+            with swiglu. False: computed again (the least memory).
         mode: torch.compile's `mode`, given here because torch.compile refuses `mode` and
             `options` together: options={"rest": "inductor", "mode": "reduce-overhead"} is
             mode="reduce-overhead" with these options. None: torch.compile's own `mode`.

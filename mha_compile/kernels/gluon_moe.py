@@ -32,8 +32,9 @@ KEEP_U (options["keep_hidden"], triton_moe.KEEP_HIDDEN; on the H200 since sessio
 passing, −287 us a large training step, bench/PERF_NOTES.md v39): GEMM1 also stores u = xs W1 +
 b1, through the same staging tile as h, and both hidden kernels read it (each consumer loads its
 job's u tile while waiting for its turn) instead of computing it: their stages then hold gs and W2
-only, half the dots and of the bytes a K step; KEPT_CONFIG runs the ping-pong at six stages. Each partition gets the variant by a function of its own (the *_kept trampolines),
-as the activation: worker partitions take no constants.
+only, half the dots and of the bytes a K step; KEPT_CONFIG runs the ping-pong at six stages.
+Each partition gets the variant by a function of its own (the *_kept trampolines), as the
+activation: worker partitions take no constants.
 """
 import contextlib
 import functools

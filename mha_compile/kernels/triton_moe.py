@@ -836,15 +836,16 @@ def group(index, experts, into=None):
 SLOT_CHUNK_BYTES = 512 << 20
 
 
-# KEEP_HIDDEN (off by default: options["keep_hidden"], or MHA_COMPILE_KEEP_HIDDEN=1 for every region): the forward's GEMM1 also writes
-# u = xs W1[e] + b1[e] [S,F] in the weights' dtype, the region keeps it (triton_region's `reuse`),
-# and the backward's hidden kernel reads it instead of computing it again: half the hidden
-# kernel's dots (~0.35 ms of FLOPs a large step at 790 TFLOP/s), for S·F more bytes kept from the
-# forward to the backward (520 MiB at large in bf16, 66 at medium). Not swiglu (its u3 would be
-# kept too). Both GEMM1s and both hidden kernels take it (gluon_moe's: KEEP_U variants; on the
-# H200, bench/PERF_NOTES.md v39: GEMM1 +84 us a large step, the hidden kernel −359, the step −287). Read when the
-# region's forward runs; its backward finds what the forward kept in `reuse` (a flip in between is
-# refused there).
+# KEEP_HIDDEN (off by default: options["keep_hidden"], or MHA_COMPILE_KEEP_HIDDEN=1 for every
+# region): the forward's GEMM1 also writes u = xs W1[e] + b1[e] [S,F] in the weights' dtype, the
+# region keeps it (triton_region's `reuse`), and the backward's hidden kernel reads it instead of
+# computing it again: half the hidden kernel's dots (~0.35 ms of FLOPs a large step at 790
+# TFLOP/s), for S·F more bytes kept from the forward to the backward (520 MiB at large in bf16, 66
+# at medium). Not swiglu (its u3 would be kept too). Both GEMM1s and both hidden kernels take it
+# (gluon_moe's: KEEP_U variants; on the H200, bench/PERF_NOTES.md v39-v40: GEMM1 +84 us a large
+# step, the hidden kernel −359; the step's GPU time 5.419 → 4.992 ms at large). Read when the
+# region's forward runs; its backward finds what the forward kept in `reuse` (a flip in between
+# is refused there).
 KEEP_HIDDEN = os.environ.get("MHA_COMPILE_KEEP_HIDDEN", "0") == "1"
 
 

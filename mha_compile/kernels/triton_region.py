@@ -10,10 +10,10 @@
 
 Both: pool (triton_pool) → router (triton_router) → expert grouping and grouped GEMMs
 (triton_moe) → token-order combine; the backward recomputes u = x W1 + b1 rather than keeping
-it (but with keep_hidden, the op's argument, or triton_moe.KEEP_HIDDEN), and the grouping and the pool's weights as its kernels take
-them (_pool_f32) too unless its caller kept the forward's (`kept`). Saved tensors mean what they
-mean in reference.py: inv [B,D] and attn [B,N,P] fp32, the top-k weights [R,k] fp32 and indices
-[R,k] int32, and the router's softmax π [R,E] fp32.
+it (but with keep_hidden, the op's argument, or triton_moe.KEEP_HIDDEN), and the grouping and
+the pool's weights as its kernels take them (_pool_f32) too unless its caller kept the forward's
+(`kept`). Saved tensors mean what they mean in reference.py: inv [B,D] and attn [B,N,P] fp32, the
+top-k weights [R,k] fp32 and indices [R,k] int32, and the router's softmax π [R,E] fp32.
 
 `kept` (optional, both directions): a dict, empty for the forward, in which region_forward leaves
 what the backward would otherwise compute again from the same inputs, and from which
