@@ -39,8 +39,8 @@ import triton
 import triton.language as tl
 
 from mha_compile.kernels.triton_matmul import SPLIT_HALVES, matmul_f32
-from mha_compile.kernels.triton_util import (Launcher, dot16, dot_f32, dot_pairs, gpu_options, l2_bytes, pow2,
-                                             repeat_pairs, split_pairs, sum_pairs)
+from mha_compile.kernels.triton_util import (Launcher, dot16, dot_f32, dot_pairs, gpu_options, l2_bytes, launch,
+                                             pow2, repeat_pairs, split_pairs, sum_pairs)
 
 # A [D, 2P] fp32 accumulator (2P padded to 16) lives in registers: D beyond this spills badly.
 MAX_POOL_D = 1024
@@ -291,6 +291,31 @@ def _column_sums_kernel(x_ptr, out_ptr, R, C, ROWS, scale, BLOCK_R: tl.constexpr
     tl.store(out_ptr + tl.program_id(1).to(tl.int64) * C + cols, tl.sum(acc, axis=0) * scale, mask=c_ok)
 
 
+@triton.jit
+def _direction_grads_kernel(wk_ptr, q_ptr, du_ptr, dq_ptr, dwk_ptr, Dh, D, BLOCK_J: tl.constexpr,
+                            BLOCK_D: tl.constexpr):
+    """The gradients through u_p = Wk_pᵀ q_p / √Dh, given ∂u [P,D] fp32 (its 1/√Dh applied), for
+    head p (axis 0) and the rows j of one BLOCK_J block of Dh (axis 1):
+        ∂q[p,j]        = Σ_d Wk[p·Dh+j, d] ∂u[p,d]   fp32 FMA sums in a fixed order
+        ∂Wk[p·Dh+j, d] = q[p,j] ∂u[p,d]              an fp32 product
+    each rounded once to its output's dtype as it is stored. Wk [D,D], q [P,Dh] (any float dtype)
+    and the outputs contiguous."""
+    p = tl.program_id(0)
+    js = tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J)
+    j_ok = js < Dh
+    rows = (p * Dh + js).to(tl.int64)
+    qj = tl.load(q_ptr + p * Dh + js, mask=j_ok, other=0.0).to(tl.float32)
+    acc = tl.zeros([BLOCK_J, BLOCK_D], tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        ok = j_ok[:, None] & (cols < D)[None, :]
+        du = tl.load(du_ptr + p * D + cols, mask=cols < D, other=0.0)
+        acc += tl.load(wk_ptr + rows[:, None] * D + cols[None, :], mask=ok, other=0.0).to(tl.float32) * du[None, :]
+        tl.store(dwk_ptr + rows[:, None] * D + cols[None, :], (qj[:, None] * du[None, :]).to(dwk_ptr.dtype.element_ty),
+                 mask=ok)
+    tl.store(dq_ptr + p * Dh + js, tl.sum(acc, axis=1).to(dq_ptr.dtype.element_ty), mask=j_ok)
+
+
 # Token dtypes whose pool dots run as split 16-bit tensor-core products (see triton_util.dot_f32). fp16
 # is left on the ieee path: the lo half of an fp32 value can fall below fp16's normal range.
 SPLIT_DOT_DTYPES = {torch.bfloat16: 1}
@@ -405,22 +430,32 @@ def column_sums(x, scale=1.0, block_r=COLUMN_BLOCK_R, block_c=COLUMN_BLOCK_C, pr
     rows = min(256, pow2(R * blocks // programs, lo=block_r))
     parts = triton.cdiv(R, rows)
     part = torch.empty(parts, C, device=x.device, dtype=torch.float32)
-    _column_sums_kernel[(blocks, parts)](x, part, R, C, rows, 1.0, BLOCK_R=block_r, BLOCK_C=block_c,
+    launch(_column_sums_kernel, (blocks, parts), x, part, R, C, rows, 1.0, BLOCK_R=block_r, BLOCK_C=block_c,
                                          **gpu_options(x, num_warps=num_warps))
     out = torch.empty(C, device=x.device, dtype=torch.float32)
-    _column_sums_kernel[(blocks, 1)](part, out, parts, C, parts, scale, BLOCK_R=block_r, BLOCK_C=block_c,
+    launch(_column_sums_kernel, (blocks, 1), part, out, parts, C, parts, scale, BLOCK_R=block_r, BLOCK_C=block_c,
                                      **gpu_options(x, num_warps=num_warps))
     return out
 
 
-def _grad_q(wk, grad_u, dtype, split):
-    """∂q [P,Dh] in `dtype` = Wk_p ∂u_p ("pd,pjd->pj"), without cuBLAS (see pool_directions),
-    rounded once where matmul_f32 stores `dtype`."""
-    P, D = grad_u.shape
-    (wk, grad_u), split = _operands((wk, grad_u), split)
-    stores = (torch.float32, SPLIT_HALVES.get(split))
-    out = torch.empty(P, D // P, 1, device=grad_u.device, dtype=dtype if dtype in stores else torch.float32)
-    return matmul_f32(wk.view(P, D // P, D), grad_u.view(P, D, 1), out, split).view(P, D // P).to(dtype)
+# direction_grads' blocks: [16, 256] fp32 products a program (32 registers a thread at 4 warps);
+# P × ⌈Dh / 16⌉ programs (32 at large and medium).
+DIRECTION_BLOCK_J, DIRECTION_BLOCK_D = 16, 256
+
+
+def direction_grads(q, wk, grad_u):
+    """(∂q [P,Dh] in q's dtype, ∂Wk [D,D] in Wk's dtype) from ∂u [P,D] fp32 (_direction_grads_kernel):
+    one launch, where ∂q's product (matmul_f32) and ∂Wk's outer product (torch's mixed-dtype mul)
+    took two, 4.2 us for the mul alone at medium on the H200 (bench/results/kernel_times_s37.txt)."""
+    P, Dh = q.shape
+    D = wk.shape[1]
+    q, wk, grad_u = q.contiguous(), wk.contiguous(), grad_u.float().contiguous()
+    grad_q = torch.empty_like(q)
+    grad_wk = torch.empty_like(wk)
+    launch(_direction_grads_kernel, (P, triton.cdiv(Dh, DIRECTION_BLOCK_J)),
+        wk, q, grad_u, grad_q, grad_wk, Dh, D, BLOCK_J=DIRECTION_BLOCK_J,
+        BLOCK_D=min(DIRECTION_BLOCK_D, pow2(D)), **gpu_options(q, num_warps=4))
+    return grad_q, grad_wk
 
 
 def pool_attend(tok, u, mask=None):
@@ -527,7 +562,7 @@ def pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn, u=None, pooled=None):
     None), ∂bo fp32), each from fp32 sums rounded once; weights as pool_forward takes them. u:
     pool_directions(q, wk), and pooled [B,D] fp32: the forward's heads (pool_forward's), where the
     caller kept them; else computed again. The returned gradients are written in their dtypes by
-    the kernels that sum them (triton_matmul's store, torch's mul), where a cast after each was a
+    the kernels that sum them (triton_matmul's store, direction_grads'), where a cast after each was a
     launch (five a step, ~11 us at medium on the H200, bench/results/kernel_times_gluon_up.txt)."""
     P, Dh = q.shape
     B, N, D = tok.shape
@@ -566,7 +601,5 @@ def pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn, u=None, pooled=None):
     grad_bv = _mm(grad_bo[None], wo, split, dtype=torch.float32 if bv is None else bv.dtype)[0]
     grad_wv = _bmm(grad_heads.transpose(1, 2), tbar.transpose(0, 1), split,  # "bpj,bpd->pjd"
                    dtype=wv.dtype).reshape(D, D)
-    grad_q = _grad_q(wk, grad_u, q.dtype, split)
-    # "pj,pd->pjd": torch's mul takes the fp32 product of a 16-bit q and rounds it as it stores
-    grad_wk = torch.mul(q[:, :, None], grad_u[:, None, :], out=wk.new_empty(P, Dh, D)).view(D, D)
+    grad_q, grad_wk = direction_grads(q, wk, grad_u)
     return grad_tok, grad_q, grad_wk, grad_wv, grad_bv, grad_wo, grad_bo

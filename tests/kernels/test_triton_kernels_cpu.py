@@ -813,6 +813,23 @@ def test_pool_weight_gradients_in_the_weights_dtype(monkeypatch):
         assert g.dtype == dtype and torch.equal(g, w.to(dtype)), name
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("P,Dh", [(3, 20), (2, 150), (1, 1)])
+def test_direction_grads(dtype, P, Dh):
+    """triton_pool.direction_grads: ∂q = Wk_p ∂u_p against float64 (fp32 sums), and ∂Wk = q_p ⊗ ∂u_p
+    bitwise the fp32 product rounded once to Wk's dtype; each in its weight's dtype. Dh = 20 leaves a
+    partial block of rows, D = 300 a second, partial block of 256 columns, Dh = 1 a single row."""
+    D = P * Dh
+    q, wk = torch.randn(P, Dh).to(dtype), (torch.randn(D, D) * D ** -0.5).to(dtype)
+    grad_u = torch.randn(P, D)
+    grad_q, grad_wk = triton_pool.direction_grads(q, wk, grad_u)
+    assert grad_q.dtype == grad_wk.dtype == dtype and grad_q.shape == (P, Dh) and grad_wk.shape == (D, D)
+    want_q = torch.einsum("pjd,pd->pj", wk.double().view(P, Dh, D), grad_u.double())
+    err = float((grad_q.double() - want_q).norm() / want_q.norm())
+    assert err < (1e-6 if dtype == torch.float32 else 2 ** -10), err
+    assert torch.equal(grad_wk, (q.float()[:, :, None] * grad_u[:, None, :]).reshape(D, D).to(dtype))
+
+
 def _torch_calls_of_a_16_bit_step(monkeypatch):
     """[(aten op, its first argument's shape)] of the fused region's forward and backward on an
     fp16 model with split dots (the bf16 GPU path's, in the interpreter), and the gradients."""

@@ -92,6 +92,22 @@ def test_key_padding_mask(module):
     check_region(module, ctx, tok, params, top_k=2, renorm=True, act="gelu", mask=mask)
 
 
+@pytest.mark.parametrize("P,Dh", [(8, 64), (8, 32), (3, 37)])
+def test_direction_grads_bf16(P, Dh):
+    """triton_pool.direction_grads on the GPU with a bf16 q and Wk (large's and medium's heads, and
+    odd ones): ∂q against float64 to bf16's rounding, ∂Wk bitwise the fp32 product rounded once."""
+    from mha_compile.kernels import triton_pool
+
+    D = P * Dh
+    q = torch.randn(P, Dh, device="cuda").bfloat16()
+    wk = (torch.randn(D, D, device="cuda") * D ** -0.5).bfloat16()
+    grad_u = torch.randn(P, D, device="cuda")
+    grad_q, grad_wk = triton_pool.direction_grads(q, wk, grad_u)
+    want_q = torch.einsum("pjd,pd->pj", wk.double().view(P, Dh, D), grad_u.double())
+    assert rel_err(grad_q, want_q) < 2 ** -8 and grad_q.dtype == grad_wk.dtype == torch.bfloat16
+    assert torch.equal(grad_wk, (q.float()[:, :, None] * grad_u[:, None, :]).reshape(D, D).bfloat16())
+
+
 @pytest.mark.parametrize("preset", ["medium", "large"])
 def test_pool_backward_with_column_sums(monkeypatch, preset):
     """triton_pool.COLUMN_SUMS (the default since session 32): the pool backward's sums over the
