@@ -60,9 +60,10 @@ LAUNCHERS = [v for module in (triton_matmul, triton_moe, triton_pool, triton_rou
 def as_h200(calls=None, gluon=False):
     """Meta tensors taken for an H200's: every Triton launch is skipped, or appended to `calls`
     as (kernel, {argument name: value}, num_warps, num_stages), which keeps its tensors alive;
-    each kernel takes its first config, split grids are sized for 132 SMs, and GEMM1 takes TMA
-    descriptors as on the H200. gluon: the MoE's GEMMs take their Gluon kernels where those take
-    the operands' shapes and dtypes, as on the H200 (their device checks skipped)."""
+    each kernel takes its first config (through JITFunction.run: no fast launches), split grids
+    are sized for 132 SMs, and GEMM1 takes TMA descriptors as on the H200. gluon: the MoE's GEMMs
+    take their Gluon kernels where those take the operands' shapes and dtypes, as on the H200
+    (their device checks skipped)."""
     def run(self, *args, grid, warmup, **kwargs):
         if calls is None:
             return
@@ -73,6 +74,7 @@ def as_h200(calls=None, gluon=False):
     with mock.patch.object(JITFunction, "run", run), \
             mock.patch.object(triton_util, "on_gpu", lambda t: True), \
             mock.patch.object(triton_util, "NO_AUTOTUNE", True), \
+            mock.patch.object(triton_util, "FAST_LAUNCH", False), \
             mock.patch.object(triton_util, "tma_device", lambda device: True), \
             mock.patch.object(triton_util, "num_sms", lambda device: H200_SMS), \
             mock.patch.object(triton_pool, "l2_bytes", lambda device: H200_L2), \

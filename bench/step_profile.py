@@ -5,9 +5,11 @@
 Each run is mode:spelling, a bench mode (bench/modes.py), inductor-reduce-overhead (Inductor
 with mode="reduce-overhead", the peer that replays CUDA graphs as our cudagraphs mode does) or
 mha-inductor-reduce-overhead (backend="mha" with rest="inductor" under reduce-overhead, the mode
-given in the options) on the dense or loop spelling, bf16 on CUDA. For each: the bench's training step
-(bench/measure.timed_step) timed as the bench times it (do_bench's median), the host's time to issue one step (50 steps under perf_counter with no
-sync between them, and with the drain after), the GPU's kernel time a step (the profiler's
+given in the options) or mha-options-reduce-overhead (mha-fused-cudagraphs with the mode given in
+the options, as mha-fused-keep gives it) on the dense or loop spelling, bf16 on CUDA. For each:
+the bench's training step (bench/measure.timed_step) timed as the bench times it (do_bench's
+median), the host's time to issue one step (50 steps under perf_counter with no sync between
+them, and with the drain after), the GPU's kernel time a step (the profiler's
 total of its kernels' own CUDA time over 10 steps), then the top host ops by their own CPU time
 and the top ops by their own GPU time.
 Session 24 found small's reduce-overhead row host-bound: 0.64 ms of issue a step against ~0.2
@@ -21,7 +23,7 @@ import triton.testing
 
 from bench import cases, measure, modes
 
-EXTRA_MODES = ("inductor-reduce-overhead", "mha-inductor-reduce-overhead")
+EXTRA_MODES = ("inductor-reduce-overhead", "mha-inductor-reduce-overhead", "mha-options-reduce-overhead")
 RUNS = "mha-fused-cudagraphs:loop,mha-fused-cudagraphs:dense,inductor-reduce-overhead:loop,mha-fused:loop"
 
 
@@ -49,6 +51,8 @@ def profile(preset, mode, spelling):
         fn = torch.compile(model, mode="reduce-overhead", dynamic=False)
     elif mode == "mha-inductor-reduce-overhead":
         fn = torch.compile(model, backend="mha", options={"rest": "inductor", "mode": "reduce-overhead"}, dynamic=False)
+    elif mode == "mha-options-reduce-overhead":
+        fn = torch.compile(model, backend="mha", options={"mode": "reduce-overhead"}, dynamic=False)
     else:
         fn = modes.build(mode, model)
 

@@ -49,7 +49,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime import _allocation
 
 from mha_compile.kernels.triton_util import (ACT_CODE, GW_BLOCK, act_bwd, act_fwd, capability as cuda_capability,
-                                             interpreting, num_sms, sigmoid)
+                                             interpreting, launch, num_sms, sigmoid)
 
 # MHA_COMPILE_GLUON=0 runs the Triton kernels everywhere instead of these (to compare the two, or to
 # step around a fault in one of these).
@@ -773,7 +773,7 @@ def backward_hidden(xs, gs, groups, w1, b1, w2, weight, act, hw, du, gw, w3=None
     else:
         kernel, args = _hidden_kernel, kernel_args(xs, gs, w1, w2, b1, weight, gw, hw, du, tile_m, block_n,
                                                    block_k, w3, du3, u=hidden)
-    kernel[(min(num_sms(xs.device), jobs),)](
+    launch(kernel, (min(num_sms(xs.device), jobs),),
         *args, groups.slot_pair, groups.tile_expert, groups.pairs, D, F, gw.shape[1], jobs, int(b1 is not None),
         groups.tile, ACT=ACTS[act], NBUF=nbuf, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
         KEEP_U=hidden is not None, num_warps=4)
@@ -1025,7 +1025,7 @@ def experts_up(xs, groups, w1, b1, act, h, config=None, hidden=None):
     jobs = groups.num_tiles * (groups.tile // tile_m) * (F // block_n)
     dtype = _gl_dtype(xs)
     h_desc = _descriptor(h, [tile_m, block_n], dtype)
-    _up_kernel[(min(num_sms(xs.device), jobs),)](
+    launch(_up_kernel, (min(num_sms(xs.device), jobs),),
         _descriptor(xs, [tile_m, block_k], dtype), _descriptor(w1.view(E * D, F), [block_k, block_n], dtype),
         h_desc, h_desc if hidden is None else _descriptor(hidden, [tile_m, block_n], dtype),
         w1 if b1 is None else b1, groups.tile_expert, D, F, jobs, int(b1 is not None), groups.tile,
@@ -1673,7 +1673,7 @@ def weight_grads(a, b, groups, out, accumulate, split=1, block_k=WGRAD_BK, block
     programs = num_sms(a.device) if stream else min(num_sms(a.device), jobs)
     finish = final is not None
     with device_scratch():
-        _wgrad_kernel[(programs,)](
+        launch(_wgrad_kernel, (programs,),
             a, b, out, groups.expert_slots, out if sums is None else sums,
             (stream_flags(a.device) if flags is None else flags) if stream else groups.expert_slots,
             final if finish else out,
@@ -1891,7 +1891,7 @@ def slots_gemm(a, b, groups, out, bias=None, scale=None, block_k=SLOTS_BK, block
     split_rows = groups.tile == 128
     jobs = groups.num_tiles * (N // (block_n * (1 if split_rows else 2)))
     with device_scratch():
-        _slots_kernel[(min(num_sms(a.device), jobs),)](
+        launch(_slots_kernel, (min(num_sms(a.device), jobs),),
             *slots_kernel_args(a, b, out, bias, scale), groups.slot_pair, groups.tile_expert, a.shape[0], b.shape[0],
             groups.pairs, K, N, jobs, int(bias is not None), int(scale is not None), BK=block_k, BN=block_n,
             SPLIT_ROWS=split_rows, NBUF=nbuf, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,

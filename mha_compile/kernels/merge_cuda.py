@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mha_compile.kernels.triton_util import launch
+
 log = logging.getLogger("mha_compile")
 
 _CPP_DECLS = """
@@ -171,7 +173,7 @@ def merge_forward(ctx, inv):
     B, H, D = ctx.shape
     y = torch.empty(B, H, D, device=ctx.device, dtype=torch.float32)
     block = min(1024, triton.next_power_of_2(D))
-    _merge_fwd_kernel[(B * H, triton.cdiv(D, block))](ctx, inv, y, H, D, BLOCK_D=block)
+    launch(_merge_fwd_kernel, (B * H, triton.cdiv(D, block)), ctx, inv, y, H, D, BLOCK_D=block)
     return y
 
 
@@ -185,5 +187,5 @@ def merge_backward(dy, ctx_dtype):
     dctx = torch.empty(B, H, D, device=dy.device, dtype=ctx_dtype)
     dinv = torch.empty(B, D, device=dy.device, dtype=torch.float32)
     block = min(1024, triton.next_power_of_2(D))
-    _merge_bwd_kernel[(B, triton.cdiv(D, block))](dy, dctx, dinv, H, D, BLOCK_D=block)
+    launch(_merge_bwd_kernel, (B, triton.cdiv(D, block)), dy, dctx, dinv, H, D, BLOCK_D=block)
     return dctx, dinv

@@ -56,7 +56,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from mha_compile.kernels.triton_util import (ACT_CODE, GW_BLOCK, SUM_BLOCK, Launcher, _sum_splits_kernel, act_bwd,
-                                             act_fwd, dot_precision, gpu_options, load_x, log, num_sms, pow2,
+                                             act_fwd, dot_precision, gpu_options, launch, load_x, log, num_sms, pow2,
                                              stamp, sum_splits, tma_ok)
 
 try:  # the Gluon kernels for Hopper, where this Triton has Gluon (3.6 has)
@@ -729,10 +729,10 @@ class Groups:
             into = torch.empty(layout_size(pairs, experts, tile), dtype=torch.int32, device=device)
         meta = self._views(into, pairs, experts, tile)
         warps = gpu_options(index, num_warps=8)
-        _group_count_kernel[(chunks,)](flat, counts, pairs, BLOCK=GROUP_CHUNK, BLOCK_E=block_e, **warps)
-        _group_scan_kernel[(1,)](counts, base, meta, chunks, experts, TILE=tile, BLOCK_C=64, BLOCK_E=block_e,
+        launch(_group_count_kernel, (chunks,), flat, counts, pairs, BLOCK=GROUP_CHUNK, BLOCK_E=block_e, **warps)
+        launch(_group_scan_kernel, (1,), counts, base, meta, chunks, experts, TILE=tile, BLOCK_C=64, BLOCK_E=block_e,
                                  **warps)
-        _group_scatter_kernel[(chunks + self.num_tiles,)](flat, base, meta, self.slot_pair, self.pair_slot,
+        launch(_group_scatter_kernel, (chunks + self.num_tiles,), flat, base, meta, self.slot_pair, self.pair_slot,
                                                           self.tile_expert, pairs, chunks, experts, TILE=tile,
                                                           BLOCK=GROUP_CHUNK, BLOCK_E=block_e, **warps)
         # What built_from compares; holding `index` keeps its memory from passing to another tensor.
@@ -921,7 +921,7 @@ def gather_rows(x, inv, groups, horizons, dtype, grad_out=None, weight=None, b2=
         raise ValueError(f"gather_rows: gw has {gw.shape[1]} columns, not {gb2_col} + {n_d} D blocks of {block_d}")
     db2 = (torch.empty(groups.slots // GATHER_BLOCK_S, D, device=x.device, dtype=torch.float32)
            if has_b2 else None)
-    _gather_rows_kernel[(groups.slots // block_s, n_d)](
+    launch(_gather_rows_kernel, (groups.slots // block_s, n_d),
         x, x if inv is None else inv, x if gs is None else grad_out, groups.slot_pair, xs,
         xs if gs is None else gs, groups.tile_expert, weight if has_b2 else x, b2 if has_b2 else x,
         gw if has_b2 else x, db2 if has_b2 else x,
@@ -996,7 +996,7 @@ def combine(c, groups, rows, out_dtype):
     D = c.shape[1]
     out = torch.empty(rows, D, device=c.device, dtype=out_dtype)
     block_d = min(128, pow2(D))
-    _combine_fwd_kernel[(triton.cdiv(rows, 16), triton.cdiv(D, block_d))](
+    launch(_combine_fwd_kernel, (triton.cdiv(rows, 16), triton.cdiv(D, block_d)),
         c, groups.pair_slot, out, rows, D, TOP_K=groups.pairs // rows, BLOCK_R=16, BLOCK_D=block_d)
     return out
 
@@ -1114,7 +1114,7 @@ def weight_grads(a, b, b2, groups, into=None, sums=False, final=None, pending=No
                HAS_B2=b2 is not None, ACCUMULATE=accumulate, FINISH=fw is not None, TILE=groups.tile,
                PRECISION=dot_precision(dtype))
     if split > 1:
-        _sum_splits_kernel[(triton.cdiv(E * I * J, SUM_BLOCK), len(outs))](
+        launch(_sum_splits_kernel, (triton.cdiv(E * I * J, SUM_BLOCK), len(outs)),
             parts[0], outs[0], parts[-1], outs[-1], parts[0], E, I * J, split, HAS_BASE=False, BLOCK=SUM_BLOCK)
         if ran and sums:
             sum_splits(p_db, db, split * rows)
@@ -1202,7 +1202,7 @@ def close_totals(pairs, groups, pending):
     run wrote) zeroed; one launch whose programs for the other experts return at once."""
     E, n = groups.experts, pairs[0][0][0].numel()
     padded = pairs + pairs[-1:] * (3 - len(pairs))  # grid axis 2 reads only the first len(pairs)
-    _close_totals_kernel[(E, triton.cdiv(n, CLOSE_BLOCK * CLOSE_STEPS), len(pairs))](
+    launch(_close_totals_kernel, (E, triton.cdiv(n, CLOSE_BLOCK * CLOSE_STEPS), len(pairs)),
         *padded[0], *padded[1], *padded[2], groups.expert_slots, pending, E, n, STEPS=CLOSE_STEPS, BLOCK=CLOSE_BLOCK)
 
 

@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mha_compile.kernels.triton_util import Launcher, cut_runs, gpu_options, load_rows, load_x, pow2, split_runs
+from mha_compile.kernels.triton_util import Launcher, cut_runs, gpu_options, launch, load_rows, load_x, pow2, split_runs
 
 MAX_EXPERTS = 64
 # The forward's logits as ctx Wgᵀ (one 16-bit dot of exact products) + inv[b] Wgᵀ (once a batch row)
@@ -392,7 +392,7 @@ def inv_logits(inv, wg, block_r=INV_LOGITS_BLOCK_R, num_warps=4):
     E = wg.shape[0]
     out = torch.empty(B, E, device=inv.device, dtype=torch.float32)
     block_e = pow2(E)
-    _inv_logits_kernel[(triton.cdiv(B, block_r),)](
+    launch(_inv_logits_kernel, (triton.cdiv(B, block_r),),
         inv, wg, out, B, D, E, PRECISION=router_precision(wg.dtype), BLOCK_R=block_r,
         BLOCK_D=_logits_block_d(block_e), BLOCK_E=block_e, **gpu_options(inv, num_warps=num_warps, num_stages=3))
     return out
@@ -474,12 +474,12 @@ def router_weight_grad(dlogits, x, inv, horizons, block_d=None, block_r=WGRAD_BL
     part = torch.empty(runs + inv_runs, E, D, device=x.device, dtype=torch.float32)
     options = gpu_options(x, num_warps=num_warps, num_stages=3)
     precision = router_precision(x.dtype)
-    _router_wgrad_kernel[(runs, n_d)](
+    launch(_router_wgrad_kernel, (runs, n_d),
         dlogits, x, x if inv is None else inv, part, R, horizons, D, E, rows,
         HAS_INV=inv is not None and not split, SPLIT16=split, SUM_H=False, PRECISION=precision,
         BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_E=pow2(E), **options)
     if split:
-        _router_wgrad_kernel[(inv_runs, n_d)](
+        launch(_router_wgrad_kernel, (inv_runs, n_d),
             dlogits, inv, inv, part[runs:], inv.shape[0], horizons, D, E, inv_rows, HAS_INV=False, SPLIT16=False,
             SUM_H=True, PRECISION=precision, BLOCK_R=WGRAD_BLOCK_R, BLOCK_D=block_d, BLOCK_E=pow2(E), **options)
     return part.sum(0)

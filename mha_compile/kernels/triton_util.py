@@ -20,6 +20,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from mha_compile.kernels.reference import ACTIVATIONS
@@ -57,6 +58,81 @@ def capturing():
     """Whether the current CUDA stream is capturing a CUDA graph (False where there is no CUDA: the
     tests' stand-ins for GPU launches, on_gpu, run on CPU builds)."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+# launch(): a call signature's compiled kernel kept, so that its later launches skip Triton's
+# per-call work in JITFunction.run. Read at launch time; MHA_COMPILE_FAST_LAUNCH=0 sends every
+# launch through JITFunction.run.
+FAST_LAUNCH = os.environ.get("MHA_COMPILE_FAST_LAUNCH", "1") != "0"
+# The TMA descriptors kernels take on the host: Triton's, and Gluon's (with a shared-memory layout).
+DESCRIPTORS = (TensorDescriptor, GluonTensorDescriptor)
+MAX_LAUNCHES = 4096  # call signatures kept (all of them dropped past this: dynamic shapes)
+_launches = {}  # launch_key -> (the compiled kernel, its parameters past the positional ones with defaults)
+
+
+def launch_key(kernel, args, kwargs):
+    """What selects `kernel`'s compiled binary for this call, at least as finely as Triton does,
+    or None where this cannot say (a tensor off the GPU, an argument of another kind). Triton
+    specialises a tensor on its dtype and on whether its address is a multiple of 16, an int on
+    its value's range, on being 1 and on divisibility by 16, a TMA descriptor on its dtype, block
+    shape and layout, and compiles a binary per value of each constexpr and launch option. Here:
+    a tensor's dtype and 16-byte alignment, an int's or a bool's type and exact value (finer than
+    Triton's: a new value only costs one slow launch), a float's type (Triton does not specialise
+    floats), every field of a descriptor but its base's address (whose alignment it asserts),
+    every keyword's exact value, and the current device."""
+    key = [id(kernel)]
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if not on_gpu(a):
+                return None
+            key.append((a.dtype, a.data_ptr() % 16 == 0))
+        elif a is None or isinstance(a, int):  # bool is an int: its type keeps True apart from 1
+            key.append((type(a), a))
+        elif isinstance(a, float):
+            key.append(float)
+        elif isinstance(a, DESCRIPTORS):
+            if not on_gpu(a.base):
+                return None
+            key.append((type(a), a.base.dtype, a.base.data_ptr() % 16 == 0, tuple(a.shape), tuple(a.strides),
+                        tuple(a.block_shape), getattr(a, "layout", None), a.padding))
+        else:
+            return None
+    for name, value in kwargs.items():
+        key.append((name, type(value), value))
+    key.append(torch.cuda.current_device())  # Triton keeps a cache per device
+    key = tuple(key)
+    try:
+        hash(key)
+    except TypeError:  # an unhashable keyword value
+        return None
+    return key
+
+
+def launch(kernel, grid, *args, **kwargs):
+    """kernel[grid](*args, **kwargs) for a grid tuple, with the compiled kernel of this call's
+    launch_key kept from its first launch, which goes through JITFunction.run (compiling where
+    needed) as every launch did before: later launches with the same key hand the arguments to
+    the compiled kernel directly (CompiledKernel[grid], Triton's own launcher). JITFunction.run
+    spends its host time binding the arguments, working out their specialisation and cache key,
+    and checking the kernel's globals (~33 us a launch on the H200's host in session 37's timers
+    of a large step, 55 launches, bench/results/host_timers_large_s37.txt); this builds a key
+    and looks it up; Triton's launch hooks run as they do there. The globals check is skipped: the
+    kernels' globals are constants. Launches in the interpreter, or with an argument launch_key
+    cannot key, go through JITFunction.run every time."""
+    key = None
+    if FAST_LAUNCH and not interpreting():
+        key = launch_key(kernel, args, kwargs)
+    kept = _launches.get(key) if key is not None else None
+    if kept is None:
+        compiled = kernel[grid](*args, **kwargs)
+        if key is not None and compiled is not None and not hasattr(compiled, "result"):  # not a future
+            if len(_launches) >= MAX_LAUNCHES:
+                _launches.clear()
+            _launches[key] = (compiled, [(p.name, p.default) for p in kernel.params[len(args):]])
+        return
+    compiled, rest = kept
+    values = [kwargs[name] if name in kwargs else default for name, default in rest]
+    compiled[(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)](*args, *values)
 
 
 def num_sms(device):
@@ -153,7 +229,7 @@ def sum_splits(parts, out, split, base=None, block=SUM_BLOCK):
     """out [E, N] = Σ_{c < split} parts[e·split + c] ([E·split, N] fp32) in c order, after base
     [E, N] fp32 where given, in out's dtype, by programs of `block` elements; out returned."""
     E, N = out.shape
-    _sum_splits_kernel[(triton.cdiv(E * N, block), 1)](parts, out, parts, out, parts if base is None else base,
+    launch(_sum_splits_kernel, (triton.cdiv(E * N, block), 1), parts, out, parts, out, parts if base is None else base,
                                                      E, N, split, HAS_BASE=base is not None, BLOCK=block)
     return out
 
@@ -296,7 +372,7 @@ class Launcher:
     def _launch(self, grid, args, kwargs, meta):
         if self.blocks is not None:
             self._set_blocks({**dict(zip(self.arg_names, args)), **kwargs, **meta})
-        self.kernel[grid({**meta, **kwargs})](*args, **kwargs, **meta)
+        launch(self.kernel, grid({**meta, **kwargs}), *args, **kwargs, **meta)
 
     def __call__(self, grid, *args, **kwargs):
         """grid: a function of the chosen meta-parameters (a dict) returning the launch grid."""

@@ -2,6 +2,9 @@
 triton.autotune (the tuned path only runs on CUDA): tune once per key, log the choice, then
 launch the chosen config directly; leave out of autotuning the configs that do not build."""
 import logging
+import os
+import subprocess
+import sys
 import types
 
 import pytest
@@ -269,3 +272,174 @@ def test_every_compile_time_flag_is_in_its_kernels_autotune_key():
             if left:
                 missing[f"{module.__name__}.{name}"] = left
     assert not missing, f"compile-time parameters in no autotune key: {missing}"
+
+
+class _Compiled:
+    """A CompiledKernel's launch surface: compiled[grid](*every parameter's value, in order)."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args: self.launches.append((grid, args))
+
+
+class _JitKernel:
+    """A @triton.jit kernel's surface for triton_util.launch: its parameters (name, default) and
+    kernel[grid](*args, **kwargs), which launches and returns the compiled kernel, as
+    JITFunction.run does."""
+    params = [types.SimpleNamespace(name=name, default=default)
+              for name, default in (("x_ptr", None), ("N", None), ("scale", 0.5), ("BLOCK", None))]
+
+    def __init__(self):
+        self.runs, self.compiled = [], []
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.runs.append((grid, args, kwargs))
+            self.compiled.append(_Compiled())
+            return self.compiled[-1]
+        return run
+
+
+def _on_the_gpu(monkeypatch):
+    """launch's GPU path with CPU tensors standing in for CUDA ones."""
+    monkeypatch.setattr(triton_util, "interpreting", lambda: False)
+    monkeypatch.setattr(triton_util, "on_gpu", lambda t: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(triton_util, "_launches", {})
+
+
+def test_a_launch_signature_compiled_once_then_launches_its_compiled_kernel(monkeypatch):
+    """triton_util.launch: the first launch of a signature goes through kernel[grid] (JITFunction.run);
+    the next ones with the same signature go to the compiled kernel it returned, with every
+    parameter's value in order (the keyword, else the default) and the grid padded to three."""
+    _on_the_gpu(monkeypatch)
+    kernel, x = _JitKernel(), torch.zeros(8)
+    triton_util.launch(kernel, (3,), x, 100, BLOCK=32, num_warps=4)
+    assert kernel.runs == [((3,), (x, 100), dict(BLOCK=32, num_warps=4))]
+    triton_util.launch(kernel, (5, 2), x, 100, BLOCK=32, num_warps=4)
+    assert len(kernel.runs) == 1 and kernel.compiled[0].launches == [((5, 2, 1), (x, 100, 0.5, 32))]
+    for _ in range(2):  # another signature: the default given as a keyword
+        triton_util.launch(kernel, (7,), x, 100, scale=0.25, BLOCK=32, num_warps=4)
+    assert len(kernel.runs) == 2 and kernel.compiled[1].launches == [((7, 1, 1), (x, 100, 0.25, 32))]
+
+
+@pytest.mark.parametrize("change", ["int", "bool for 1", "dtype", "alignment", "constexpr", "option", "device"])
+def test_a_launch_that_triton_could_compile_apart_goes_through_jit_run(monkeypatch, change):
+    """Every change Triton may specialise on takes a launch of its own through kernel[grid]: an
+    int's value (1 and multiples of 16 are specialised), True against 1, a tensor's dtype, its
+    address no longer a multiple of 16, a constexpr, a launch option, the device."""
+    _on_the_gpu(monkeypatch)
+    kernel, x = _JitKernel(), torch.zeros(8)
+    args, kwargs = [x, 1], dict(BLOCK=32, num_warps=4)
+    triton_util.launch(kernel, (1,), *args, **kwargs)
+    if change == "int":
+        args[1] = 16
+    elif change == "bool for 1":
+        args[1] = True
+    elif change == "dtype":
+        args[0] = x.half()
+    elif change == "alignment":
+        args[0] = x[1:]
+    elif change == "constexpr":
+        kwargs["BLOCK"] = 64
+    elif change == "option":
+        kwargs["num_warps"] = 8
+    else:
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    triton_util.launch(kernel, (1,), *args, **kwargs)
+    assert len(kernel.runs) == 2 and not kernel.compiled[0].launches
+
+
+@pytest.mark.parametrize("why", ["flag off", "interpreter", "tensor off the GPU", "another kind"])
+def test_launches_that_cannot_be_keyed_always_go_through_jit_run(monkeypatch, why):
+    """MHA_COMPILE_FAST_LAUNCH=0, the interpreter, a tensor off the GPU and an argument of a kind
+    launch_key does not know send every launch through kernel[grid]."""
+    _on_the_gpu(monkeypatch)
+    kernel, arg = _JitKernel(), torch.zeros(8)
+    if why == "flag off":
+        monkeypatch.setattr(triton_util, "FAST_LAUNCH", False)
+    elif why == "interpreter":
+        monkeypatch.setattr(triton_util, "interpreting", lambda: True)
+    elif why == "tensor off the GPU":
+        monkeypatch.setattr(triton_util, "on_gpu", lambda t: False)
+    else:
+        arg = object()
+    for _ in range(3):
+        triton_util.launch(kernel, (1,), arg, 100, BLOCK=32)
+    assert len(kernel.runs) == 3 and not any(c.launches for c in kernel.compiled)
+
+
+def test_the_fast_launches_are_on_by_default():
+    """MHA_COMPILE_FAST_LAUNCH=0 turns them off (read at import)."""
+    env = {**os.environ, "MHA_COMPILE_FAST_LAUNCH": "0"}
+    code = "from mha_compile.kernels import triton_util; print(triton_util.FAST_LAUNCH)"
+    off = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    env.pop("MHA_COMPILE_FAST_LAUNCH")
+    on = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert (off.stdout.strip(), on.stdout.strip()) == ("False", "True")
+
+
+@triton.jit
+def _scale(x_ptr, y_ptr, N, scale, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < N) * scale, mask=offs < N)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fast_launches_compute_what_jit_run_does_cuda(monkeypatch):
+    """On the GPU: triton_util.launch goes through JITFunction.run once a signature (the same
+    one again, a misaligned x, another N) and gets each call right, a float argument's new value
+    read as given."""
+    from triton.runtime.jit import JITFunction
+
+    monkeypatch.setattr(triton_util, "FAST_LAUNCH", True)
+    monkeypatch.setattr(triton_util, "_launches", {})
+    runs = []
+    real = JITFunction.run
+    monkeypatch.setattr(JITFunction, "run", lambda self, *a, **k: runs.append(1) or real(self, *a, **k))
+    x = torch.randn(1001, device="cuda")
+    for view, scale, expected_runs in ((x[:1000], 2.0, 1), (x[:1000], 3.0, 1), (x[1:], 0.5, 2), (x[:999], 4.0, 3),
+                                       (x[:1000], -1.0, 3)):
+        y = torch.empty_like(view)
+        triton_util.launch(_scale, (triton.cdiv(view.numel(), 128),), view, y, view.numel(), scale, BLOCK=128)
+        assert torch.equal(y, view * scale) and len(runs) == expected_runs
+    assert len(triton_util._launches) == 3
+
+
+@pytest.mark.parametrize("gluon,change", [(gluon, change) for gluon in (False, True)
+                                          for change in (None, "block shape", "shape", "strides", "dtype")]
+                         + [(True, "layout")])
+def test_a_descriptor_is_keyed_by_every_field_but_its_address(monkeypatch, gluon, change):
+    """A TMA descriptor argument (Triton's, or Gluon's with its shared-memory layout): the same
+    fields on another buffer launch the compiled kernel; a change of any field Triton may compile
+    for, or that the launcher builds the descriptor from, goes through kernel[grid] again."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    _on_the_gpu(monkeypatch)
+
+    def descriptor(t, block, dtype=gl.float32):
+        if gluon:
+            return GluonTensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, dtype))
+        return TensorDescriptor.from_tensor(t, block)
+
+    kernel = _JitKernel()
+    triton_util.launch(kernel, (1,), descriptor(torch.zeros(64, 64), [16, 32]), 100, BLOCK=32)
+    t, block, dtype = torch.zeros(64, 64), [16, 32], gl.float32
+    if change == "block shape":
+        block = [32, 32]
+    elif change == "shape":
+        t = torch.zeros(128, 64)
+    elif change == "strides":
+        t = torch.zeros(64, 128)[:, :64]
+    elif change == "dtype":
+        t, dtype = t.half(), gl.float16
+    elif change == "layout":  # Gluon's: another swizzle for the same block
+        dtype = gl.float16
+    triton_util.launch(kernel, (1,), descriptor(t, block, dtype), 100, BLOCK=32)
+    assert len(kernel.runs) == (1 if change is None else 2)
+    assert len(kernel.compiled[0].launches) == (1 if change is None else 0)
