@@ -29,12 +29,14 @@ def test_large_step_zeroes_stream_flags_once_and_sums_rows_once(tmp_path):
     """At large (three runs of tiles, the Gluon weight gradients with STREAM): one zeroed buffer of
     STREAM's flags for the step's six weight-gradient launches, and ∂b1's rows added up by one
     launch after the last run, with no torch sum of them (session 32). The same kernel adds up the
-    runs of K of the pool's ∂Wo, ∂Wv and ∂q (triton_util.sum_runs, session 35): four launches."""
+    runs of K of the pool's ∂Wo and ∂Wv (triton_util.sum_runs, session 35): three launches; ∂q's
+    product, which took a fourth, is one launch with ∂Wk's since session 38 (direction_grads)."""
     out = tmp_path / "calls.json"
     run = run_offline("bench/offline_calls.py", "--presets", "large", "--out", str(out))
     assert "large backward:" in run.stdout and "launch _wgrad_kernel" in run.stdout
     backward = json.loads(out.read_text())["large"]["backward"]
     calls, launches = backward["calls"], backward["launches"]
-    assert launches.count("_wgrad_kernel") == 6 and launches.count("_sum_splits_kernel") == 4
+    assert launches.count("_wgrad_kernel") == 6 and launches.count("_sum_splits_kernel") == 3
+    assert launches.count("_direction_grads_kernel") == 1
     assert len([site for op, site, _ in calls if op == "zeros.default" and "stream_flags" in site]) == 1
     assert not [site for op, site, _ in calls if op.startswith("sum") and "weight_grads" in site]
