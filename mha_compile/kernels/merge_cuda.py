@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mha_compile.kernels.triton_util import launch
+from mha_compile.kernels.triton_util import cdiv, launch, pow2
 
 log = logging.getLogger("mha_compile")
 
@@ -172,8 +172,8 @@ def merge_forward(ctx, inv):
         return _extension().merge_forward(ctx, inv)
     B, H, D = ctx.shape
     y = torch.empty(B, H, D, device=ctx.device, dtype=torch.float32)
-    block = min(1024, triton.next_power_of_2(D))
-    launch(_merge_fwd_kernel, (B * H, triton.cdiv(D, block)), ctx, inv, y, H, D, BLOCK_D=block)
+    block = min(1024, pow2(D, lo=1))
+    launch(_merge_fwd_kernel, (B * H, cdiv(D, block)), ctx, inv, y, H, D, BLOCK_D=block)
     return y
 
 
@@ -186,6 +186,6 @@ def merge_backward(dy, ctx_dtype):
     B, H, D = dy.shape
     dctx = torch.empty(B, H, D, device=dy.device, dtype=ctx_dtype)
     dinv = torch.empty(B, D, device=dy.device, dtype=torch.float32)
-    block = min(1024, triton.next_power_of_2(D))
-    launch(_merge_bwd_kernel, (B, triton.cdiv(D, block)), dy, dctx, dinv, H, D, BLOCK_D=block)
+    block = min(1024, pow2(D, lo=1))
+    launch(_merge_bwd_kernel, (B, cdiv(D, block)), dy, dctx, dinv, H, D, BLOCK_D=block)
     return dctx, dinv

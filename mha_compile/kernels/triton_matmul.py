@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mha_compile.kernels.triton_util import Launcher, dot_f32, split_runs, sum_runs
+from mha_compile.kernels.triton_util import Launcher, cdiv, dot_f32, split_runs, sum_runs
 
 
 @triton.jit
@@ -95,7 +95,7 @@ def k_runs(batch, M, N, K, device):
     tiles enough, and a split there would only add a partial and its sum."""
     if K <= max(M, N):
         return 1, K
-    tiles = batch * triton.cdiv(M, SPLIT_TILE) * triton.cdiv(N, SPLIT_TILE)
+    tiles = batch * cdiv(M, SPLIT_TILE) * cdiv(N, SPLIT_TILE)
     return split_runs(K, tiles, MIN_RUN, RUN_ALIGN, device)
 
 
@@ -119,7 +119,7 @@ def matmul_f32(a, b, out, split_dot, bias=None):
     dest = out if split == 1 else torch.empty(split, Bt, M, N, device=a.device, dtype=torch.float32)
     cs = 0 if split == 1 else dest.stride(0)
     cb, cm, cn = dest.stride()[-3:]
-    _matmul(lambda m: (triton.cdiv(M, m["BLOCK_M"]) * triton.cdiv(N, m["BLOCK_N"]), Bt, split),
+    _matmul(lambda m: (cdiv(M, m["BLOCK_M"]) * cdiv(N, m["BLOCK_N"]), Bt, split),
             a, b, dest, a if bias is None else bias, M, N, K, run, *a.stride(), *b.stride(), cs, cb, cm, cn,
             *bias_strides, HAS_BIAS=bias is not None, SPLIT_DOT=split_dot)
     if split > 1:  # one kernel, rounding once to out's dtype

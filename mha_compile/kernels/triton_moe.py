@@ -55,7 +55,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from mha_compile.kernels.triton_util import (ACT_CODE, GW_BLOCK, SUM_BLOCK, Launcher, _sum_splits_kernel, act_bwd,
+from mha_compile.kernels.triton_util import (ACT_CODE, GW_BLOCK, SUM_BLOCK, Launcher, _sum_splits_kernel, act_bwd, cdiv,
                                              act_fwd, dot_precision, gpu_options, launch, load_x, log, num_sms, pow2,
                                              stamp, sum_splits, tma_ok)
 
@@ -721,7 +721,7 @@ class Groups:
         pairs = index.numel()
         device = index.device
         flat = index.reshape(-1).to(torch.int32).contiguous()
-        chunks = triton.cdiv(pairs, GROUP_CHUNK)
+        chunks = cdiv(pairs, GROUP_CHUNK)
         block_e = pow2(experts)
         counts = torch.empty(chunks, block_e, dtype=torch.int32, device=device)
         base = torch.empty_like(counts)
@@ -870,9 +870,9 @@ def tile_runs(groups, bytes_per_slot):
     runs allow. Large's backward: 352, 352 and 336 tiles, not 408, 408 and 224 (−70 MiB at the peak,
     where the runs' weight gradients' final outputs (moe_backward) added 64)."""
     per = tiles_per_run(groups.tile, bytes_per_slot)
-    count = triton.cdiv(groups.num_tiles, per)
+    count = cdiv(groups.num_tiles, per)
     if count > 1 and per >= 8:  # ⌈T / count⌉ rounded up to 8 is still at most per (a multiple of 8)
-        per = triton.cdiv(triton.cdiv(groups.num_tiles, count), 8) * 8
+        per = cdiv(cdiv(groups.num_tiles, count), 8) * 8
     return [(t0, min(t0 + per, groups.num_tiles)) for t0 in range(0, groups.num_tiles, per)]
 
 
@@ -892,7 +892,7 @@ GATHER_B2_WARPS = 2
 
 def gather_blocks_d(D):
     block_d = min(GATHER_BLOCK_D, pow2(D))
-    return block_d, triton.cdiv(D, block_d)
+    return block_d, cdiv(D, block_d)
 
 
 def gather_rows(x, inv, groups, horizons, dtype, grad_out=None, weight=None, b2=None, gw=None, gb2_col=0,
@@ -910,7 +910,7 @@ def gather_rows(x, inv, groups, horizons, dtype, grad_out=None, weight=None, b2=
     xs = torch.empty(groups.slots, D, device=x.device, dtype=dtype)
     gs = None if grad_out is None else torch.empty(groups.slots, D, device=x.device, dtype=grad_out.dtype)
     has_b2 = b2 is not None
-    block_d, n_d = gather_blocks_d(D) if block_d is None else (block_d, triton.cdiv(D, block_d))
+    block_d, n_d = gather_blocks_d(D) if block_d is None else (block_d, cdiv(D, block_d))
     if num_warps is None and has_b2:
         num_warps = GATHER_B2_WARPS
     # plain ifs, not torch._check (~1.5 us of host a check, 5 calls a large step)
@@ -948,7 +948,7 @@ def experts_up(xs, groups, w1, b1, w3, act, hidden=None):
     w3 = w1 if w3 is None else w3
     u = h if hidden is None else hidden  # KEEP_U's output (h's again, never written, without it)
     tma = tma_ok(xs, w1, w3, h, u)
-    jobs = lambda m: groups.num_tiles * triton.cdiv(F, m["BLOCK_F"])  # noqa: E731
+    jobs = lambda m: groups.num_tiles * cdiv(F, m["BLOCK_F"])  # noqa: E731
     grid = ((lambda m: (min(jobs(m), m.get("SM_PROGRAMS", 1) * num_sms(xs.device)),)) if tma
             else (lambda m: (jobs(m),)))
     # the descriptors' block shapes are set per config (_up's `blocks`)
@@ -965,7 +965,7 @@ def tile_grid(groups, n, block):
     """The launch grid, given a config, of a kernel with a program per (tile, `block` of n
     columns), in the config's order (_tile_and_block)."""
     def grid(meta):
-        blocks = triton.cdiv(n, meta[block])
+        blocks = cdiv(n, meta[block])
         return (groups.num_tiles * blocks,) if meta["N_INNER"] else (groups.num_tiles, blocks)
     return grid
 
@@ -996,7 +996,7 @@ def combine(c, groups, rows, out_dtype):
     D = c.shape[1]
     out = torch.empty(rows, D, device=c.device, dtype=out_dtype)
     block_d = min(128, pow2(D))
-    launch(_combine_fwd_kernel, (triton.cdiv(rows, 16), triton.cdiv(D, block_d)),
+    launch(_combine_fwd_kernel, (cdiv(rows, 16), cdiv(D, block_d)),
         c, groups.pair_slot, out, rows, D, TOP_K=groups.pairs // rows, BLOCK_R=16, BLOCK_D=block_d)
     return out
 
@@ -1033,8 +1033,8 @@ def _most_splits(slots, experts):
 
 def wgrad_splits(slots, experts, I, J, device):
     """SPLIT for the Triton weight-gradient kernel: enough programs for two waves at 128² tiles."""
-    tiles = experts * triton.cdiv(I, 128) * triton.cdiv(J, 128)
-    return min(_most_splits(slots, experts), triton.cdiv(2 * num_sms(device), tiles))
+    tiles = experts * cdiv(I, 128) * cdiv(J, 128)
+    return min(_most_splits(slots, experts), cdiv(2 * num_sms(device), tiles))
 
 
 def gluon_wgrad_splits(slots, experts, I, J, device):
@@ -1044,10 +1044,10 @@ def gluon_wgrad_splits(slots, experts, I, J, device):
     the medium preset 3: 192 jobs of [128, 256] on 132 SMs, a wave and a half (the second half of
     the call with a third of the SMs idle), where 2 makes 128 jobs, one wave of jobs 1.5x as long:
     47.3 -> 37.8 us a call on the H200 (session 22, op replay 0.727 -> 0.698 ms a medium step)."""
-    tiles = experts * triton.cdiv(I, 128) * triton.cdiv(J, gluon_moe.wgrad_block_n(J))
+    tiles = experts * cdiv(I, 128) * cdiv(J, gluon_moe.wgrad_block_n(J))
     sms = num_sms(device)
     return min(range(1, _most_splits(slots, experts) + 1),
-               key=lambda s: (fractions.Fraction(triton.cdiv(tiles * s, sms), s), s))
+               key=lambda s: (fractions.Fraction(cdiv(tiles * s, sms), s), s))
 
 
 def sum_rows(I):
@@ -1108,13 +1108,13 @@ def weight_grads(a, b, b2, groups, into=None, sums=False, final=None, pending=No
         functools.partial(gluon_moe.weight_grads, a, b, groups, p_dw, accumulate, split, sums=p_db, stream=stream,
                           sum_rows=rows, final=fw, pending=pending, flags=flags))
     if not ran:
-        _wgrad(lambda m: (E * split, triton.cdiv(I, m["BLOCK_I"]), triton.cdiv(J, m["BLOCK_J"])),
+        _wgrad(lambda m: (E * split, cdiv(I, m["BLOCK_I"]), cdiv(J, m["BLOCK_J"])),
                a, b, b if b2 is None else b2, groups.expert_slots, p_dw, p_dw2, p_dw if fw is None else fw,
                p_dw2 if fw2 is None else fw2, groups.whole_slots, I, J, E, split, groups.first_slot, groups.slots,
                HAS_B2=b2 is not None, ACCUMULATE=accumulate, FINISH=fw is not None, TILE=groups.tile,
                PRECISION=dot_precision(dtype))
     if split > 1:
-        launch(_sum_splits_kernel, (triton.cdiv(E * I * J, SUM_BLOCK), len(outs)),
+        launch(_sum_splits_kernel, (cdiv(E * I * J, SUM_BLOCK), len(outs)),
             parts[0], outs[0], parts[-1], outs[-1], parts[0], E, I * J, split, HAS_BASE=False, BLOCK=SUM_BLOCK)
         if ran and sums:
             sum_splits(p_db, db, split * rows)
@@ -1127,7 +1127,7 @@ def tile_sums(rows, groups):
     """[T, N] fp32: each tile's sum of the slot rows [S, N] (padding slots hold zeros)."""
     T, N = groups.num_tiles, rows.shape[1]
     out = torch.empty(T, N, device=rows.device, dtype=torch.float32)
-    _tile_sums(lambda m: (T, triton.cdiv(N, m["BLOCK"])), rows, out, N, TILE=groups.tile)
+    _tile_sums(lambda m: (T, cdiv(N, m["BLOCK"])), rows, out, N, TILE=groups.tile)
     return out
 
 
@@ -1145,7 +1145,7 @@ def bias_grads(db1_part, db2_part, groups, dtype, into=None):
     if live:
         (p1, o1, r1), (p2, o2, r2) = live[0], live[-1]
         n1, n2 = p1.shape[1], (p2.shape[1] if len(live) == 2 else 0)
-        _sum_tiles(lambda m: (E, triton.cdiv(n1, m["BLOCK"]) + triton.cdiv(n2, m["BLOCK"])),
+        _sum_tiles(lambda m: (E, cdiv(n1, m["BLOCK"]) + cdiv(n2, m["BLOCK"])),
                    p1, o1, p2, o2, groups.expert_slots, E, n1, n2,
                    ROWS1=r1, ROWS2=r2, ACCUMULATE=into is not None)
     return tuple(outs)
@@ -1202,7 +1202,7 @@ def close_totals(pairs, groups, pending):
     run wrote) zeroed; one launch whose programs for the other experts return at once."""
     E, n = groups.experts, pairs[0][0][0].numel()
     padded = pairs + pairs[-1:] * (3 - len(pairs))  # grid axis 2 reads only the first len(pairs)
-    launch(_close_totals_kernel, (E, triton.cdiv(n, CLOSE_BLOCK * CLOSE_STEPS), len(pairs)),
+    launch(_close_totals_kernel, (E, cdiv(n, CLOSE_BLOCK * CLOSE_STEPS), len(pairs)),
         *padded[0], *padded[1], *padded[2], groups.expert_slots, pending, E, n, STEPS=CLOSE_STEPS, BLOCK=CLOSE_BLOCK)
 
 
@@ -1210,7 +1210,7 @@ CLOSE_BLOCK, CLOSE_STEPS = 2048, 4
 
 
 def gw_columns(D, F, has_b2):
-    return triton.cdiv(F, GW_BLOCK) + (gather_blocks_d(D)[1] if has_b2 else 0)
+    return cdiv(F, GW_BLOCK) + (gather_blocks_d(D)[1] if has_b2 else 0)
 
 
 def backward_slot_bytes(D, F, swiglu, element_size):
@@ -1336,7 +1336,7 @@ def _backward_tiles(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, h
     # The slot rows of x (merged, in the weights' dtype, as in the forward) and of G, once:
     # every backward GEMM below then reads plain contiguous rows.
     xs, gs, db2_part = gather_rows(x, inv, groups, horizons, wdt, grad_out, weight, b2, gw,
-                                   gb2_col=triton.cdiv(F, GW_BLOCK))
+                                   gb2_col=cdiv(F, GW_BLOCK))
     hw = torch.empty(groups.slots, F, device=dev, dtype=wdt)
     du = torch.empty_like(hw)
     du3 = torch.empty_like(hw) if w3 is not None else du

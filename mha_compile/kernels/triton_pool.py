@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from mha_compile.kernels.triton_matmul import SPLIT_HALVES, matmul_f32
-from mha_compile.kernels.triton_util import (Launcher, dot16, dot_f32, dot_pairs, gpu_options, l2_bytes, launch,
+from mha_compile.kernels.triton_util import (Launcher, cdiv, dot16, dot_f32, dot_pairs, gpu_options, l2_bytes, launch,
                                              pow2, repeat_pairs, split_pairs, sum_pairs)
 
 # A [D, 2P] fp32 accumulator (2P padded to 16) lives in registers: D beyond this spills badly.
@@ -426,9 +426,9 @@ def column_sums(x, scale=1.0, block_r=COLUMN_BLOCK_R, block_c=COLUMN_BLOCK_C, pr
     same kernel; each sum in a fixed order (bitwise reproducible). The launch options are for
     bench/small_kernels_probe.py's sweep."""
     R, C = x.shape
-    blocks = triton.cdiv(C, block_c)
+    blocks = cdiv(C, block_c)
     rows = min(256, pow2(R * blocks // programs, lo=block_r))
-    parts = triton.cdiv(R, rows)
+    parts = cdiv(R, rows)
     part = torch.empty(parts, C, device=x.device, dtype=torch.float32)
     launch(_column_sums_kernel, (blocks, parts), x, part, R, C, rows, 1.0, BLOCK_R=block_r, BLOCK_C=block_c,
                                          **gpu_options(x, num_warps=num_warps))
@@ -452,7 +452,7 @@ def direction_grads(q, wk, grad_u):
     q, wk, grad_u = q.contiguous(), wk.contiguous(), grad_u.float().contiguous()
     grad_q = torch.empty_like(q)
     grad_wk = torch.empty_like(wk)
-    launch(_direction_grads_kernel, (P, triton.cdiv(Dh, DIRECTION_BLOCK_J)),
+    launch(_direction_grads_kernel, (P, cdiv(Dh, DIRECTION_BLOCK_J)),
         wk, q, grad_u, grad_q, grad_wk, Dh, D, BLOCK_J=DIRECTION_BLOCK_J,
         BLOCK_D=min(DIRECTION_BLOCK_D, pow2(D)), **gpu_options(q, num_warps=4))
     return grad_q, grad_wk
@@ -531,7 +531,7 @@ def attend_bwd(tok, u, attn, ds, dtbar, tbar, du, grad_tok):
     and ∂t̄ [B,P,D]. du may be dtbar (see the kernel)."""
     B, N, D = tok.shape
     P = attn.shape[2]
-    _attend_bwd(lambda m: (B, triton.cdiv(D, m["BLOCK_D"])), tok, u, attn, ds, dtbar, tbar, du, grad_tok,
+    _attend_bwd(lambda m: (B, cdiv(D, m["BLOCK_D"])), tok, u, attn, ds, dtbar, tbar, du, grad_tok,
                 N, D, P, tok.stride(0), tok.stride(1), SPLIT_DOT=split_dot(tok.dtype), BLOCK_Q=pow2(2 * P))
 
 

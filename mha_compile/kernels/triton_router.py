@@ -41,7 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mha_compile.kernels.triton_util import Launcher, cut_runs, gpu_options, launch, load_rows, load_x, pow2, split_runs
+from mha_compile.kernels.triton_util import (Launcher, cdiv, cut_runs, gpu_options, launch, load_rows, load_x, pow2,
+                                             split_runs)
 
 MAX_EXPERTS = 64
 # The forward's logits as ctx Wgᵀ (one 16-bit dot of exact products) + inv[b] Wgᵀ (once a batch row)
@@ -392,7 +393,7 @@ def inv_logits(inv, wg, block_r=INV_LOGITS_BLOCK_R, num_warps=4):
     E = wg.shape[0]
     out = torch.empty(B, E, device=inv.device, dtype=torch.float32)
     block_e = pow2(E)
-    launch(_inv_logits_kernel, (triton.cdiv(B, block_r),),
+    launch(_inv_logits_kernel, (cdiv(B, block_r),),
         inv, wg, out, B, D, E, PRECISION=router_precision(wg.dtype), BLOCK_R=block_r,
         BLOCK_D=_logits_block_d(block_e), BLOCK_E=block_e, **gpu_options(inv, num_warps=num_warps, num_stages=3))
     return out
@@ -408,7 +409,7 @@ def route(x, inv, wg, top_k, renorm, horizons):
     probs = torch.empty(R, E, device=x.device, dtype=torch.float32)
     block_e = pow2(E)
     split = split_ctx(x, inv, wg)
-    _route(lambda m: (triton.cdiv(R, m["BLOCK_R"]),),
+    _route(lambda m: (cdiv(R, m["BLOCK_R"]),),
            x, x if inv is None else inv, wg, inv_logits(inv, wg) if split else x, weight, index, probs,
            R, horizons, D, E, TOP_K=top_k, HAS_INV=inv is not None, SPLIT_CTX=split,
            SUM_BLOCKS=split and split_ctx_sums_blocks(D), RENORM=renorm,
@@ -429,10 +430,10 @@ def router_combine_backward(probs, wg, weight, index, pair_slot, dx_slot, gw_par
     dlogits = torch.empty(R, E, device=probs.device, dtype=torch.float32)
     block_e = pow2(E)
     n_fblk = gw_part.shape[1]
-    _dlogits(lambda m: (triton.cdiv(R, m["BLOCK_R"]),),
+    _dlogits(lambda m: (cdiv(R, m["BLOCK_R"]),),
              probs, weight, index, pair_slot, gw_part, dlogits, R, E, n_fblk,
              TOP_K=top_k, RENORM=renorm, BLOCK_E=block_e)
-    _combine_dy(lambda m: (B, triton.cdiv(D, m["BLOCK_D"])),
+    _combine_dy(lambda m: (B, cdiv(D, m["BLOCK_D"])),
                 wg, pair_slot, dx_slot, dlogits, dy, dy if dinv is None else dinv, horizons, D, E,
                 TOP_K=top_k, SUM_H=sum_h, PRECISION=precision, BLOCK_H=pow2(horizons), BLOCK_E=block_e)
     return dy, dinv, dlogits
@@ -450,7 +451,7 @@ def _wgrad_block_d(D):
 
 def router_runs(R, D, device):
     """(runs of rows, rows a run) for router_weight_grad."""
-    return split_runs(R, triton.cdiv(D, _wgrad_block_d(D)), WGRAD_MIN_ROWS, WGRAD_BLOCK_R, device)
+    return split_runs(R, cdiv(D, _wgrad_block_d(D)), WGRAD_MIN_ROWS, WGRAD_BLOCK_R, device)
 
 
 def router_weight_grad(dlogits, x, inv, horizons, block_d=None, block_r=WGRAD_BLOCK_R, runs=None, num_warps=4,
@@ -465,7 +466,7 @@ def router_weight_grad(dlogits, x, inv, horizons, block_d=None, block_r=WGRAD_BL
         raise ValueError(f"router_weight_grad: split=True takes a 16-bit x and an inv; got x {x.dtype}, "
                          f"inv {None if inv is None else tuple(inv.shape)}")
     block_d = block_d or _wgrad_block_d(D)
-    n_d = triton.cdiv(D, block_d)
+    n_d = cdiv(D, block_d)
     if runs is None:
         runs, rows = router_runs(R, D, x.device)
     else:

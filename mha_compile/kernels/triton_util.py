@@ -80,26 +80,35 @@ def launch_key(kernel, args, kwargs):
     Triton's: a new value only costs one slow launch), a float's type (Triton does not specialise
     floats), every field of a descriptor but its base's address (whose alignment it asserts),
     every keyword's exact value, and the current device."""
+    # One flat list, each entry led by what tells it apart (a type, a dtype, a keyword's name):
+    # tuples of tuples cost twice the host time (8 against 4 us for matmul_f32's 26 arguments).
     key = [id(kernel)]
+    append = key.append
     for a in args:
-        if isinstance(a, torch.Tensor):
+        kind = type(a)
+        if kind is int or kind is bool or a is None:  # the type keeps True apart from 1
+            append(kind)
+            append(a)
+        elif isinstance(a, torch.Tensor):
             if not on_gpu(a):
                 return None
-            key.append((a.dtype, a.data_ptr() % 16 == 0))
-        elif a is None or isinstance(a, int):  # bool is an int: its type keeps True apart from 1
-            key.append((type(a), a))
-        elif isinstance(a, float):
-            key.append(float)
+            append(a.dtype)
+            append(a.data_ptr() % 16 == 0)
+        elif kind is float:
+            append(float)
         elif isinstance(a, DESCRIPTORS):
             if not on_gpu(a.base):
                 return None
-            key.append((type(a), a.base.dtype, a.base.data_ptr() % 16 == 0, tuple(a.shape), tuple(a.strides),
-                        tuple(a.block_shape), getattr(a, "layout", None), a.padding))
+            append(kind)
+            append((a.base.dtype, a.base.data_ptr() % 16 == 0, tuple(a.shape), tuple(a.strides),
+                    tuple(a.block_shape), getattr(a, "layout", None), a.padding))
         else:
             return None
     for name, value in kwargs.items():
-        key.append((name, type(value), value))
-    key.append(torch.cuda.current_device())  # Triton keeps a cache per device
+        append(name)
+        append(type(value))
+        append(value)
+    append(torch.cuda.current_device())  # Triton keeps a cache per device
     key = tuple(key)
     try:
         hash(key)
@@ -119,9 +128,15 @@ def launch(kernel, grid, *args, **kwargs):
     and looks it up; Triton's launch hooks run as they do there. The globals check is skipped: the
     kernels' globals are constants. Launches in the interpreter, or with an argument launch_key
     cannot key, go through JITFunction.run every time."""
-    key = None
-    if FAST_LAUNCH and not interpreting():
-        key = launch_key(kernel, args, kwargs)
+    launch_keyed(kernel, launch_key(kernel, args, kwargs) if fast_launches() else None, grid, args, kwargs)
+
+
+def fast_launches():
+    return FAST_LAUNCH and not interpreting()
+
+
+def launch_keyed(kernel, key, grid, args, kwargs):
+    """launch() with the call's key worked out by the caller (None: through JITFunction.run)."""
     kept = _launches.get(key) if key is not None else None
     if kept is None:
         compiled = kernel[grid](*args, **kwargs)
@@ -190,14 +205,14 @@ def split_runs(length, programs, min_run, align, device):
     """(runs, run): a reduction of `length` cut into runs of `run` (a multiple of `align`, the
     last one shorter), enough of them that `programs` × runs reach two waves of the device's
     SMs, and none shorter than `min_run` unless the whole is."""
-    return cut_runs(length, max(1, min(triton.cdiv(2 * num_sms(device), programs), length // min_run)), align)
+    return cut_runs(length, max(1, min(cdiv(2 * num_sms(device), programs), length // min_run)), align)
 
 
 def cut_runs(length, runs, align):
     """(runs, run): `length` cut into about `runs` runs of `run`, a multiple of `align` (the last
     one shorter; fewer runs where rounding up to `align` leaves the last ones empty)."""
-    run = triton.cdiv(triton.cdiv(length, runs), align) * align
-    return triton.cdiv(length, run), run
+    run = cdiv(cdiv(length, runs), align) * align
+    return cdiv(length, run), run
 
 
 @triton.jit
@@ -229,7 +244,7 @@ def sum_splits(parts, out, split, base=None, block=SUM_BLOCK):
     """out [E, N] = Σ_{c < split} parts[e·split + c] ([E·split, N] fp32) in c order, after base
     [E, N] fp32 where given, in out's dtype, by programs of `block` elements; out returned."""
     E, N = out.shape
-    launch(_sum_splits_kernel, (triton.cdiv(E * N, block), 1), parts, out, parts, out, parts if base is None else base,
+    launch(_sum_splits_kernel, (cdiv(E * N, block), 1), parts, out, parts, out, parts if base is None else base,
                                                      E, N, split, HAS_BASE=base is not None, BLOCK=block)
     return out
 
@@ -272,6 +287,12 @@ def dtype_reason(t):
     if t.dtype not in DOT_DTYPES:
         return f"dtype {t.dtype} runs on the reference path (kernels take bf16, fp16, fp32)"
     return None
+
+
+def cdiv(a, b):
+    """⌈a / b⌉ for host ints. Not triton.cdiv: in Triton 3.6 that is a ConstexprFunction, ~6 us a
+    call on the host (0.06 here), and the grids and runs of a large step take dozens."""
+    return -(-a // b)
 
 
 def pow2(n, lo=16):
@@ -337,6 +358,7 @@ class Launcher:
                                       prune_configs_by={"early_config_prune": self._buildable})(kernel)
                       if len(configs) > 1 else None)
         self.best = {}  # autotune key -> the chosen config's meta-parameters
+        self._chosen = {}  # (NO_AUTOTUNE, launch_key of a call's arguments) -> (its config, the launch's key)
 
     def _buildable(self, configs, nargs, **kwargs):
         """The configs that build for this call (the autotuner's early prune, before it times them).
@@ -369,27 +391,43 @@ class Launcher:
             if isinstance(nargs[name], TensorDescriptor):
                 nargs[name].block_shape = list(shape)
 
-    def _launch(self, grid, args, kwargs, meta):
+    def _launch(self, grid, args, kwargs, meta, call=None):
+        """call: the arguments' launch_key, where the config `meta` is to be remembered for them."""
         if self.blocks is not None:
             self._set_blocks({**dict(zip(self.arg_names, args)), **kwargs, **meta})
-        launch(self.kernel, grid({**meta, **kwargs}), *args, **kwargs, **meta)
+            launch(self.kernel, grid({**meta, **kwargs}), *args, **kwargs, **meta)
+            return
+        key = None if call is None else call + tuple(meta.items())
+        if call is not None:
+            if len(self._chosen) >= MAX_LAUNCHES:
+                self._chosen.clear()
+            self._chosen[NO_AUTOTUNE, call] = (meta, key)
+        launch_keyed(self.kernel, key, grid({**meta, **kwargs}), args, {**kwargs, **meta})
 
     def __call__(self, grid, *args, **kwargs):
         """grid: a function of the chosen meta-parameters (a dict) returning the launch grid."""
+        # A call whose arguments' launch_key has a config here launches it at once: the autotune
+        # key and the launch's key are not worked out again (~5 of a launch's ~20 us of host time).
+        call = launch_key(self.kernel, args, kwargs) if self.blocks is None and fast_launches() else None
+        chosen = self._chosen.get((NO_AUTOTUNE, call)) if call is not None else None
+        if chosen is not None:
+            meta, key = chosen
+            launch_keyed(self.kernel, key, grid({**meta, **kwargs}), args, {**kwargs, **meta})
+            return
         on_cuda = any(isinstance(a, torch.Tensor) and on_gpu(a) for a in args)
         if self.tuned is None or not on_cuda or NO_AUTOTUNE:
             meta = dict(self.configs[0])
             if not on_cuda:  # the interpreter ignores warps and stages
                 for option in LAUNCH_OPTIONS:
                     meta.pop(option, None)
-            self._launch(grid, args, kwargs, meta)
+            self._launch(grid, args, kwargs, meta, call)
             return
         bound = dict(zip(self.arg_names, args), **kwargs)
         key = tuple(bound[k] for k in self.key) + tuple(
             a.dtype for a in args if isinstance(a, torch.Tensor))
         best = self.best.get(key)
         if best is not None:  # a plain launch: no autotuner bookkeeping per call
-            self._launch(grid, args, kwargs, best)
+            self._launch(grid, args, kwargs, best, call)
             return
         if capturing():
             # Timing trials synchronise the device, which a CUDA graph capture does not allow (it
