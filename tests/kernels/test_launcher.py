@@ -290,6 +290,7 @@ class _JitKernel:
     JITFunction.run does."""
     params = [types.SimpleNamespace(name=name, default=default)
               for name, default in (("x_ptr", None), ("N", None), ("scale", 0.5), ("BLOCK", None))]
+    __name__ = "_fake_jit_kernel"
 
     def __init__(self):
         self.runs, self.compiled = [], []
@@ -443,3 +444,22 @@ def test_a_descriptor_is_keyed_by_every_field_but_its_address(monkeypatch, gluon
     triton_util.launch(kernel, (1,), descriptor(t, block, dtype), 100, BLOCK=32)
     assert len(kernel.runs) == (1 if change is None else 2)
     assert len(kernel.compiled[0].launches) == (1 if change is None else 0)
+
+
+def test_a_launchers_config_is_remembered_by_the_calls_launch_key(monkeypatch):
+    """Launcher on the GPU path: a call's config (the first, under MHA_COMPILE_NO_AUTOTUNE) goes
+    through kernel[grid] once; the same call again launches the compiled kernel at once with the
+    config's meta-parameters in their parameters' places. With autotuning back on, the same call
+    tunes its key: what was remembered under NO_AUTOTUNE is not its choice."""
+    _on_the_gpu(monkeypatch)
+    monkeypatch.setattr(triton_util, "NO_AUTOTUNE", True)
+    kernel, x = _JitKernel(), torch.zeros(8)
+    launcher = _launcher(kernel, [dict(BLOCK=32, num_warps=4), dict(BLOCK=64, num_warps=8)])
+    for _ in range(3):
+        launcher(_grid, x, 100)
+    assert kernel.runs == [((32,), (x, 100), dict(BLOCK=32, num_warps=4))]
+    assert kernel.compiled[0].launches == [((32, 1, 1), (x, 100, 0.5, 32))] * 2
+    monkeypatch.setattr(triton_util, "NO_AUTOTUNE", False)
+    launcher.tuned = _Autotuner(dict(BLOCK=64, num_warps=8))
+    launcher(_grid, x, 100)
+    assert len(launcher.tuned.tunes) == 1
