@@ -116,12 +116,15 @@
 #   [PRESET=medium] bash bench/h200_session.sh keep-step  # reduce-overhead's step with and without keep_hidden
 #                                      # (bench/step_profile.py: do_bench, host issue, GPU kernels a step, top ops;
 #                                      # ~2.5 min): run.log, step_profile_keep_<preset>.txt
+#   [PRESET=large] [KEEP=1] bash bench/h200_session.sh launch-ab  # triton_util.FAST_LAUNCH off against on for a
+#                                      # plain training step, in one process (bench/launch_ab.py: host issue and
+#                                      # do_bench by round; ~2 min): run.log, launch_ab_<preset>.txt
 #   bash bench/h200_session.sh short   # one call when device time is short (~9 min): the fused
 #                                      # kernel tests, the curves without the suite, and the
 #                                      # benchmark cut at 250 s (rows past it are listed as skipped)
 # Budgets are per step so a slow step cannot starve the others.
 set -u
-part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|ab|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|ncu-gemms|ncu-source|gluon|verify-gluon|gluon-gemms|verify-gemms|router|small-kernels|host-large|host-timers|wgrad-stream|sum-spread|column-sums|keep-hidden|keep-rows|keep-step|kernel-times-ab|rows-ab|static-params|gluon-up|short}
+part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|ab|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|ncu-gemms|ncu-source|gluon|verify-gluon|gluon-gemms|verify-gemms|router|small-kernels|host-large|host-timers|wgrad-stream|sum-spread|column-sums|keep-hidden|keep-rows|keep-step|launch-ab|kernel-times-ab|rows-ab|static-params|gluon-up|short}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 # Inductor's compiled graphs kept in the checkout (git ignores it): the device keeps ignored
 # files between calls on a machine it still holds, so `table` can reuse `autotune-cache`'s.
@@ -434,6 +437,12 @@ keep-step)
         --runs mha-fused-cudagraphs:dense,mha-fused-keep:dense 2>&1; } >"$OUT/step_profile_keep_$preset.txt"
     grep "^==" "$OUT/step_profile_keep_$preset.txt" >>"$LOG"
     ;;
+launch-ab)
+    preset=${PRESET:-large}
+    { timeout -s INT -k 10 150 python bench/launch_ab.py --preset "$preset" --spelling loop --rounds 6 \
+        ${KEEP:+--keep} 2>&1; } >"$OUT/launch_ab_$preset.txt"
+    grep -v "autotun\|chose" "$OUT/launch_ab_$preset.txt" | tail -12 >>"$LOG"
+    ;;
 short)
     { MHA_COMPILE_NO_AUTOTUNE=1 timeout 120 python -m pytest -q -m cuda tests/kernels -k "not staged" -n 8 \
         -p no:cacheprovider 2>&1 | tail -8; } >>"$LOG"
@@ -450,6 +459,6 @@ bench|bench-resume)
         --modes eager,inductor,inductor-max-autotune,mha-staged,mha-fused,mha-fused-cudagraphs \
         --spellings dense,loop,grouped_mm --commit "$commit" 2>&1 | tail -100; } >>"$LOG"
     ;;
-*) echo "unknown part $part: expected check, kernels, probe, verify, ab, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache, medium-autotune, ncu, ncu-gemms, ncu-source, gluon, verify-gluon, gluon-gemms, verify-gemms, router, small-kernels, host-large, host-timers, wgrad-stream, sum-spread, column-sums, keep-hidden, keep-rows, keep-step, kernel-times-ab, rows-ab, static-params, gluon-up or short" >&2; exit 2 ;;
+*) echo "unknown part $part: expected check, kernels, probe, verify, ab, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache, medium-autotune, ncu, ncu-gemms, ncu-source, gluon, verify-gluon, gluon-gemms, verify-gemms, router, small-kernels, host-large, host-timers, wgrad-stream, sum-spread, column-sums, keep-hidden, keep-rows, keep-step, launch-ab, kernel-times-ab, rows-ab, static-params, gluon-up or short" >&2; exit 2 ;;
 esac
 tail -150 "$LOG"

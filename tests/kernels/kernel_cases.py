@@ -8,6 +8,9 @@ gradients are compared against the reference backward fed with this forward's sa
 (that is the op's contract: its backward receives whatever its forward returned).
 """
 import math
+import os
+import subprocess
+import sys
 
 import torch
 import triton
@@ -264,3 +267,14 @@ def phase_column_sums(b, groups, split, rows, bk):
             for k in range(min(lo + c * run, hi), min(lo + (c + 1) * run, hi), bk):
                 want[e, c, (k // bk) % rows] += b[k:k + bk].sum(0)
     return want
+
+
+def read_at_import(module, attr, env, value):
+    """str(module.attr) as a fresh interpreter reads it with environment variable `env` set to
+    `value` (None: unset): for the switches read once, at import."""
+    environ = {k: v for k, v in os.environ.items() if k != env}
+    if value is not None:
+        environ[env] = value
+    code = f"import {module}; print({module}.{attr})"
+    return subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True,
+                          check=True).stdout.strip()

@@ -2,9 +2,6 @@
 triton.autotune (the tuned path only runs on CUDA): tune once per key, log the choice, then
 launch the chosen config directly; leave out of autotuning the configs that do not build."""
 import logging
-import os
-import subprocess
-import sys
 import types
 
 import pytest
@@ -12,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernel_cases import read_at_import
 from mha_compile.kernels import triton_util
 
 
@@ -374,12 +372,9 @@ def test_launches_that_cannot_be_keyed_always_go_through_jit_run(monkeypatch, wh
 
 def test_the_fast_launches_are_on_by_default():
     """MHA_COMPILE_FAST_LAUNCH=0 turns them off (read at import)."""
-    env = {**os.environ, "MHA_COMPILE_FAST_LAUNCH": "0"}
-    code = "from mha_compile.kernels import triton_util; print(triton_util.FAST_LAUNCH)"
-    off = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    env.pop("MHA_COMPILE_FAST_LAUNCH")
-    on = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert (off.stdout.strip(), on.stdout.strip()) == ("False", "True")
+    read = [read_at_import("mha_compile.kernels.triton_util", "FAST_LAUNCH", "MHA_COMPILE_FAST_LAUNCH", value)
+            for value in ("0", None)]
+    assert read == ["False", "True"]
 
 
 @triton.jit

@@ -6,14 +6,12 @@ bf16 is left to the GPU tests: triton 3.6's interpreter computes bf16 tl.dot wro
 (a 16×16 bf16 product comes back off by ~1e10), so fp32 and fp16 cover the interpreter.
 """
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from kernel_cases import (check_activation, check_region, check_route_split_ctx, check_router_weight_grad_split, make_case,
-                          one_expert_router)
+                          one_expert_router, read_at_import)
 from numerics import record_calls
 from mha_compile.kernels import fused, reference, staged, triton_moe, triton_pool, triton_router, triton_util
 from mha_compile.kernels.merge_cuda import merge_backward, merge_forward
@@ -445,12 +443,9 @@ def test_pool_backward_with_column_sums(monkeypatch, module, column_sums):
 
 def test_pool_column_sums_by_default():
     """The column sums are on unless MHA_COMPILE_POOL_COLUMN_SUMS=0 (read at import)."""
-    env = {**os.environ, "MHA_COMPILE_POOL_COLUMN_SUMS": "0"}
-    code = "from mha_compile.kernels import triton_pool; print(triton_pool.COLUMN_SUMS)"
-    off = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    env.pop("MHA_COMPILE_POOL_COLUMN_SUMS")
-    on = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert (off.stdout.strip(), on.stdout.strip()) == ("False", "True")
+    read = [read_at_import("mha_compile.kernels.triton_pool", "COLUMN_SUMS", "MHA_COMPILE_POOL_COLUMN_SUMS", value)
+            for value in ("0", None)]
+    assert read == ["False", "True"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
