@@ -32,8 +32,8 @@ class Options:
             ([R·k, F] in the weights' dtype: 66 MiB at the medium preset, 520 MiB at large in
             bf16) from the forward for the backward, which then reads them instead of computing
             them again: on the H200 a large training step's GPU time 5.42 → 4.99 ms; at medium no
-            gain, and its reduce-overhead row was slower with it (bench/PERF_NOTES.md v40). Not
-            with swiglu. False: computed again (the least memory).
+            gain (bench/PERF_NOTES.md v40, v41). Not with swiglu. False: computed again (the
+            least memory).
         mode: torch.compile's `mode`, given here because torch.compile refuses `mode` and
             `options` together: options={"rest": "inductor", "mode": "reduce-overhead"} is
             mode="reduce-overhead" with these options. None: torch.compile's own `mode`.

@@ -8,7 +8,9 @@ five configs a kernel, so a first training step spends seconds, not minutes, tun
 the first launch of each new key logs two info lines on the "mha_compile" logger (what it
 tunes, then the config it chose). The chosen
 config is kept per key, and later calls launch the kernel with it directly (the autotuner's
-own per-call path costs host time on every launch). Under
+own per-call path costs host time on every launch). Every launch goes through `launch`, which
+keeps each call signature's compiled kernel and hands later launches straight to it, skipping
+Triton's per-call work in JITFunction.run (MHA_COMPILE_FAST_LAUNCH=0: not). Under
 TRITON_INTERPRET=1 (CPU tensors, how CI runs these kernels) a kernel runs once with its
 first config: the interpreter would otherwise "benchmark" every config in Python.
 """
