@@ -730,11 +730,10 @@ class Groups:
         meta = self._views(into, pairs, experts, tile)
         warps = gpu_options(index, num_warps=8)
         launch(_group_count_kernel, (chunks,), flat, counts, pairs, BLOCK=GROUP_CHUNK, BLOCK_E=block_e, **warps)
-        launch(_group_scan_kernel, (1,), counts, base, meta, chunks, experts, TILE=tile, BLOCK_C=64, BLOCK_E=block_e,
-                                 **warps)
+        launch(_group_scan_kernel, (1,), counts, base, meta, chunks, experts, TILE=tile, BLOCK_C=64,
+               BLOCK_E=block_e, **warps)
         launch(_group_scatter_kernel, (chunks + self.num_tiles,), flat, base, meta, self.slot_pair, self.pair_slot,
-                                                          self.tile_expert, pairs, chunks, experts, TILE=tile,
-                                                          BLOCK=GROUP_CHUNK, BLOCK_E=block_e, **warps)
+               self.tile_expert, pairs, chunks, experts, TILE=tile, BLOCK=GROUP_CHUNK, BLOCK_E=block_e, **warps)
         # What built_from compares; holding `index` keeps its memory from passing to another tensor.
         self.index, self.index_stamp = index, stamp(index)
 

@@ -431,10 +431,10 @@ def column_sums(x, scale=1.0, block_r=COLUMN_BLOCK_R, block_c=COLUMN_BLOCK_C, pr
     parts = cdiv(R, rows)
     part = torch.empty(parts, C, device=x.device, dtype=torch.float32)
     launch(_column_sums_kernel, (blocks, parts), x, part, R, C, rows, 1.0, BLOCK_R=block_r, BLOCK_C=block_c,
-                                         **gpu_options(x, num_warps=num_warps))
+           **gpu_options(x, num_warps=num_warps))
     out = torch.empty(C, device=x.device, dtype=torch.float32)
     launch(_column_sums_kernel, (blocks, 1), part, out, parts, C, parts, scale, BLOCK_R=block_r, BLOCK_C=block_c,
-                                     **gpu_options(x, num_warps=num_warps))
+           **gpu_options(x, num_warps=num_warps))
     return out
 
 

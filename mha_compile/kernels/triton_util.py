@@ -134,6 +134,7 @@ def launch(kernel, grid, *args, **kwargs):
 
 
 def fast_launches():
+    """Whether launches are keyed (launch_key) and kept: FAST_LAUNCH, and not the interpreter."""
     return FAST_LAUNCH and not interpreting()
 
 
@@ -250,7 +251,7 @@ def sum_splits(parts, out, split, base=None, block=SUM_BLOCK):
     [E, N] fp32 where given, in out's dtype, by programs of `block` elements; out returned."""
     E, N = out.shape
     launch(_sum_splits_kernel, (cdiv(E * N, block), 1), parts, out, parts, out, parts if base is None else base,
-                                                     E, N, split, HAS_BASE=base is not None, BLOCK=block)
+           E, N, split, HAS_BASE=base is not None, BLOCK=block)
     return out
 
 
