@@ -55,9 +55,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from mha_compile.kernels.triton_util import (ACT_CODE, GW_BLOCK, SUM_BLOCK, Launcher, _sum_splits_kernel, act_bwd, cdiv,
-                                             act_fwd, dot_precision, gpu_options, launch, load_x, log, num_sms, pow2,
-                                             stamp, sum_splits, tma_ok)
+from mha_compile.kernels.triton_util import (ACT_CODE, GW_BLOCK, SUM_BLOCK, Launcher, _sum_splits_kernel, act_bwd,
+                                             act_fwd, cdiv, dot_precision, gpu_options, launch, load_x, log, num_sms,
+                                             pow2, stamp, sum_splits, tma_ok)
 
 try:  # the Gluon kernels for Hopper, where this Triton has Gluon (3.6 has)
     from mha_compile.kernels import gluon_moe
