@@ -1,6 +1,6 @@
 """Inclusive host time of named functions over a training step (CUDA only).
 
-    PYTHONPATH=. python bench/host_timers.py [--preset small] [--calls 100]
+    PYTHONPATH=. python bench/host_timers.py [--preset small] [--calls 100] [--keep]
 
 Not cProfile: it adds a cost to every Python call, and with many calls queued its totals at
 large were the GPU's (bench/results/host_time_large.txt). Not a sampling thread either (tried,
@@ -45,6 +45,8 @@ TIMED = [
     (triton_moe, "_choose"), (gluon_moe, "backward_hidden"), (gluon_moe, "weight_grads"),
     (gluon_moe, "slots_gemm"), (triton_util.Launcher, "__call__"), (jit.JITFunction, "run"),
     (nvidia_driver.CudaLauncher, "__call__"), (triton_matmul, "matmul_f32"), (ops, "_no_autocast"),
+    (triton_util, "launch_key"), (triton_util, "launch_keyed"), (gluon_moe, "_descriptor"),
+    (nvidia_driver, "make_tensordesc_arg"),
 ]
 
 
@@ -94,13 +96,15 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--preset", default="small")
     parser.add_argument("--calls", type=int, default=100)
+    parser.add_argument("--keep", action="store_true", help="compile with options keep_hidden=True")
     args = parser.parse_args()
     timers = Timers()
     for owner, name in TIMED:
         timers.wrap(owner, name)
     block, params, ctx, tok, grad, leaves = training_step(args.preset)
     moe = block.moe
-    compiled = torch.compile(block, backend="mha", options={"kernels": "fused"}, dynamic=False)
+    compiled = torch.compile(block, backend="mha", options={"kernels": "fused", "keep_hidden": args.keep},
+                             dynamic=False)
     raw = [t.detach() for t in (ctx, tok)] + [None if t is None else t.detach() for t in params]
     config = (moe.top_k, moe.renorm, moe.act)
     saved = fused.region_forward(*raw, None, *config)
