@@ -1,7 +1,10 @@
-"""triton_util.FAST_LAUNCH off against on, in one process: a plain compiled training step (no CUDA
-graphs, the region's own off too), host time and do_bench alternating.
+"""A launch switch of triton_util off against on, in one process: a plain compiled training step (no
+CUDA graphs, the region's own off too), host time and do_bench alternating.
 
-    PYTHONPATH=. python bench/launch_ab.py [--preset large] [--spelling loop] [--rounds 6] [--keep]
+    PYTHONPATH=. python bench/launch_ab.py [--flag FAST_LAUNCH] [--preset large] [--spelling loop] [--rounds 6] [--keep]
+
+--flag: FAST_LAUNCH (launches keyed and their compiled kernels kept) or DIRECT_LAUNCH (a kept
+launch calling Triton's launch function directly, with FAST_LAUNCH on).
 
 Each round times both settings in turn (the order alternating, as bench/flag_ab.py does): the
 host's time to issue `--steps` steps with no sync between them, then do_bench's median of the
@@ -20,6 +23,8 @@ from bench import cases, measure
 from bench.flag_ab import summary
 from mha_compile.kernels import triton_util
 
+FLAGS = ("FAST_LAUNCH", "DIRECT_LAUNCH")  # triton_util's switches, read at launch time
+
 
 def host_issue(step, steps):
     """ms of host time a step to issue `steps` steps back to back (the device drained first)."""
@@ -34,6 +39,7 @@ def host_issue(step, steps):
 
 def main():
     parser = argparse.ArgumentParser()
+    parser.add_argument("--flag", default="FAST_LAUNCH", choices=FLAGS)
     parser.add_argument("--preset", default="large")
     parser.add_argument("--spelling", default="loop", choices=("dense", "loop"))
     parser.add_argument("--rounds", type=int, default=6)
@@ -52,18 +58,18 @@ def main():
     step = measure.timed_step(fn, ctx, tok, grad_out, leaves, True)
     grads = {}
     for value in (False, True):
-        triton_util.FAST_LAUNCH = value
+        setattr(triton_util, args.flag, value)
         for _ in range(3):
             step()
         grads[value] = [t.grad.clone() for t in leaves if t.grad is not None]
     same = len(grads[False]) == len(grads[True]) and all(torch.equal(a, b) for a, b in zip(grads[False], grads[True]))
-    print(f"{args.preset} {args.spelling}{' keep_hidden' if args.keep else ''}: FAST_LAUNCH on against off, "
+    print(f"{args.preset} {args.spelling}{' keep_hidden' if args.keep else ''}: {args.flag} on against off, "
           f"{len(grads[True])} gradients, bitwise the same: {same}; launches kept: {len(triton_util._launches)}",
           flush=True)
     host, bench = {False: [], True: []}, {False: [], True: []}
     for r in range(args.rounds):
         for value in ((False, True) if r % 2 == 0 else (True, False)):
-            triton_util.FAST_LAUNCH = value
+            setattr(triton_util, args.flag, value)
             host[value].append(host_issue(step, args.steps))
             bench[value].append(triton.testing.do_bench(step, warmup=10, rep=100, return_mode="median"))
         print(f"round {r}: off host {host[False][-1]:.3f} ms, do_bench {bench[False][-1]:.3f}; "

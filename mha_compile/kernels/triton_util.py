@@ -22,6 +22,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
+from triton.backends.nvidia.driver import CudaLauncher
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -69,7 +71,14 @@ FAST_LAUNCH = os.environ.get("MHA_COMPILE_FAST_LAUNCH", "1") != "0"
 # The TMA descriptors kernels take on the host: Triton's, and Gluon's (with a shared-memory layout).
 DESCRIPTORS = (TensorDescriptor, GluonTensorDescriptor)
 MAX_LAUNCHES = 4096  # call signatures kept (all of them dropped past this: dynamic shapes)
-_launches = {}  # launch_key -> (the compiled kernel, its parameters past the positional ones with defaults)
+# launch_key -> (the compiled kernel, its parameters past the positional ones with defaults, its
+# direct launch or None: _direct_launch)
+_launches = {}
+# Whether a kept launch calls Triton's launch function directly (_direct_launch), read at launch
+# time: bench/launch_ab.py --flag DIRECT_LAUNCH times it off against on.
+DIRECT_LAUNCH = True
+# A CUDA device's current stream, as Triton's launcher takes it (absent from CPU builds of torch).
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def launch_key(kernel, args, kwargs):
@@ -149,11 +158,38 @@ def launch_keyed(kernel, key, grid, args, kwargs):
         if key is not None and params is not None and compiled is not None and not hasattr(compiled, "result"):
             if len(_launches) >= MAX_LAUNCHES:
                 _launches.clear()
-            _launches[key] = (compiled, [(p.name, p.default) for p in params[len(args):]])
+            _launches[key] = (compiled, [(p.name, p.default) for p in params[len(args):]], _direct_launch(compiled))
         return
-    compiled, rest = kept
+    compiled, rest, direct = kept
     values = [kwargs[name] if name in kwargs else default for name, default in rest]
-    compiled[(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)](*args, *values)
+    x, y, z = grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1
+    runtime = knobs.runtime
+    if direct is None or not DIRECT_LAUNCH or runtime.launch_enter_hook.calls or runtime.launch_exit_hook.calls:
+        compiled[(x, y, z)](*args, *values)
+        return
+    c_launch, function, cooperative, pdl, metadata = direct
+    # What CompiledKernel[grid] and CudaLauncher pass with no launch hook and no scratch memory,
+    # key[-1] being the current device (launch_key).
+    c_launch(x, y, z, _raw_stream(key[-1]), function, cooperative, pdl, None, None, metadata, None, None, None,
+             *args, *values)
+
+
+def _direct_launch(compiled):
+    """(Triton's launch function, the kernel's handle, cooperative, pdl, its packed metadata) of a
+    compiled kernel, or None where the kernel needs what only Triton's own path does (global or
+    profile scratch memory, allocated a launch) or its launcher is not Triton 3.6's CudaLauncher.
+
+    CompiledKernel[grid](*args) builds a closure, looks the device and stream up through
+    Triton's driver proxy, builds the launch hooks' metadata (a LazyDict) and calls the hook
+    chains even when they are empty, and CudaLauncher.__call__ builds two more closures; the
+    launch function itself takes Python None for an absent hook or scratch buffer. launch_keyed
+    calls it directly while no launch hook is set (a profiler like Proton sets them: then every
+    launch goes through CompiledKernel[grid] again)."""
+    launcher = getattr(compiled, "run", None)
+    if not isinstance(launcher, CudaLauncher) or launcher.global_scratch_size or launcher.profile_scratch_size:
+        return None
+    return (launcher.launch, compiled.function, launcher.launch_cooperative_grid, launcher.launch_pdl,
+            compiled.packed_metadata)
 
 
 def num_sms(device):

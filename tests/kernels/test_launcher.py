@@ -290,15 +290,31 @@ class _JitKernel:
               for name, default in (("x_ptr", None), ("N", None), ("scale", 0.5), ("BLOCK", None))]
     __name__ = "_fake_jit_kernel"
 
-    def __init__(self):
+    def __init__(self, compiled=None):
         self.runs, self.compiled = [], []
+        self.make = compiled or _Compiled
 
     def __getitem__(self, grid):
         def run(*args, **kwargs):
             self.runs.append((grid, args, kwargs))
-            self.compiled.append(_Compiled())
+            self.compiled.append(self.make())
             return self.compiled[-1]
         return run
+
+
+class _CompiledWithLauncher(_Compiled):
+    """A CompiledKernel whose launcher is a CudaLauncher (built without compiling anything) with
+    `launch` recording its arguments, as _direct_launch finds Triton 3.6's."""
+    function, packed_metadata = 1234, (4, 1, 0)
+
+    def __init__(self, scratch=0):
+        from triton.backends.nvidia.driver import CudaLauncher
+        super().__init__()
+        self.direct = []
+        self.run = object.__new__(CudaLauncher)
+        self.run.launch = lambda *args: self.direct.append(args)
+        self.run.global_scratch_size = self.run.profile_scratch_size = scratch
+        self.run.launch_cooperative_grid, self.run.launch_pdl = False, True
 
 
 def _on_the_gpu(monkeypatch):
@@ -392,7 +408,8 @@ def _scale(x_ptr, y_ptr, N, scale, BLOCK: tl.constexpr):
 def test_fast_launches_compute_what_jit_run_does_cuda(monkeypatch):
     """On the GPU: triton_util.launch goes through JITFunction.run once a signature (the same
     one again, a misaligned x, another N) and gets each call right, a float argument's new value
-    read as given."""
+    read as given; the kept launches call Triton's launch function directly, and go through
+    CompiledKernel[grid] while a launch hook is set."""
     from triton.runtime.jit import JITFunction
 
     monkeypatch.setattr(triton_util, "FAST_LAUNCH", True)
@@ -407,6 +424,51 @@ def test_fast_launches_compute_what_jit_run_does_cuda(monkeypatch):
         triton_util.launch(_scale, (triton.cdiv(view.numel(), 128),), view, y, view.numel(), scale, BLOCK=128)
         assert torch.equal(y, view * scale) and len(runs) == expected_runs
     assert len(triton_util._launches) == 3
+    assert all(direct is not None for _, _, direct in triton_util._launches.values())  # Triton 3.6's launcher
+    # A launch hook set (as a profiler sets one): a kept signature's launch goes through
+    # CompiledKernel[grid] again and the hook sees it.
+    from triton import knobs
+    names = []
+    hook = lambda metadata: names.append(metadata.get()["name"])  # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        y = torch.empty(1000, device="cuda")
+        triton_util.launch(_scale, (8,), x[:1000], y, 1000, 5.0, BLOCK=128)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert torch.equal(y, x[:1000] * 5.0) and names == ["_scale"] and len(runs) == 3
+
+
+@pytest.mark.parametrize("why_not", [None, "hook", "scratch", "DIRECT_LAUNCH off"])
+def test_a_kept_launch_calls_tritons_launch_function_directly(monkeypatch, why_not):
+    """A kept signature whose compiled kernel has Triton's CudaLauncher and needs no scratch
+    memory: its later launches call the launcher's launch function with what CompiledKernel[grid]
+    and CudaLauncher would pass (grid, the current stream, the kernel, cooperative, pdl, no scratch,
+    the packed metadata, no hooks, every parameter's value). With a launch hook set (a profiler),
+    or scratch memory to allocate, or DIRECT_LAUNCH off, they go through compiled[grid], which
+    runs them."""
+    from triton import knobs
+
+    _on_the_gpu(monkeypatch)
+    monkeypatch.setattr(triton_util, "_raw_stream", lambda device: 1000 + device)
+    monkeypatch.setattr(triton_util, "DIRECT_LAUNCH", why_not != "DIRECT_LAUNCH off")
+    kernel, x = _JitKernel(lambda: _CompiledWithLauncher(256 if why_not == "scratch" else 0)), torch.zeros(8)
+    triton_util.launch(kernel, (5, 2), x, 100, BLOCK=32, num_warps=4)
+    hooks, called = knobs.runtime.launch_enter_hook, []
+    if why_not == "hook":
+        hooks.add(called.append)
+    try:
+        triton_util.launch(kernel, (5, 2), x, 100, BLOCK=32, num_warps=4)
+    finally:
+        hooks.remove(called.append)
+    compiled, = kernel.compiled
+    assert len(kernel.runs) == 1
+    if why_not:
+        assert not compiled.direct and compiled.launches == [((5, 2, 1), (x, 100, 0.5, 32))]
+    else:
+        assert not compiled.launches
+        assert compiled.direct == [(5, 2, 1, 1000, 1234, False, True, None, None, (4, 1, 0), None, None, None,
+                                    x, 100, 0.5, 32)]
 
 
 @pytest.mark.parametrize("gluon,change", [(gluon, change) for gluon in (False, True)
