@@ -167,16 +167,15 @@ def launch_keyed(kernel, key, grid, args, kwargs):
     if direct is None or not DIRECT_LAUNCH or runtime.launch_enter_hook.calls or runtime.launch_exit_hook.calls:
         compiled[(x, y, z)](*args, *values)
         return
-    c_launch, function, cooperative, pdl, metadata = direct
-    # What CompiledKernel[grid] and CudaLauncher pass with no launch hook and no scratch memory,
-    # key[-1] being the current device (launch_key).
-    c_launch(x, y, z, _raw_stream(key[-1]), function, cooperative, pdl, None, None, metadata, None, None, None,
+    c_launch, device, function, cooperative, pdl, metadata = direct
+    # What CompiledKernel[grid] and CudaLauncher pass with no launch hook and no scratch memory.
+    c_launch(x, y, z, _raw_stream(device), function, cooperative, pdl, None, None, metadata, None, None, None,
              *args, *values)
 
 
 def _direct_launch(compiled):
-    """(Triton's launch function, the kernel's handle, cooperative, pdl, its packed metadata) of a
-    compiled kernel, or None where the kernel needs what only Triton's own path does (global or
+    """(Triton's launch function, the current device, the kernel's handle, cooperative, pdl, its
+    packed metadata) of a compiled kernel just launched, or None where the kernel needs what only Triton's own path does (global or
     profile scratch memory, allocated a launch) or its launcher is not Triton 3.6's CudaLauncher.
 
     CompiledKernel[grid](*args) builds a closure, looks the device and stream up through
@@ -184,12 +183,13 @@ def _direct_launch(compiled):
     chains even when they are empty, and CudaLauncher.__call__ builds two more closures; the
     launch function itself takes Python None for an absent hook or scratch buffer. launch_keyed
     calls it directly while no launch hook is set (a profiler like Proton sets them: then every
-    launch goes through CompiledKernel[grid] again)."""
+    launch goes through CompiledKernel[grid] again). The device is the one the kernel was just
+    launched on: launch_key holds it, so a launch kept here is on it."""
     launcher = getattr(compiled, "run", None)
     if not isinstance(launcher, CudaLauncher) or launcher.global_scratch_size or launcher.profile_scratch_size:
         return None
-    return (launcher.launch, compiled.function, launcher.launch_cooperative_grid, launcher.launch_pdl,
-            compiled.packed_metadata)
+    return (launcher.launch, torch.cuda.current_device(), compiled.function, launcher.launch_cooperative_grid,
+            launcher.launch_pdl, compiled.packed_metadata)
 
 
 def num_sms(device):

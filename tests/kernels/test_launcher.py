@@ -471,6 +471,24 @@ def test_a_kept_launch_calls_tritons_launch_function_directly(monkeypatch, why_n
                                     x, 100, 0.5, 32)]
 
 
+def test_a_launchers_remembered_config_launches_directly_on_its_device(monkeypatch):
+    """Launcher's own launch key (the call's, then the config's meta-parameters) ends in the
+    config, not the device: the direct launch takes the stream of the device the kernel was
+    launched on first (device 2 here)."""
+    _on_the_gpu(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    monkeypatch.setattr(triton_util, "_raw_stream", lambda device: 1000 + device)
+    monkeypatch.setattr(triton_util, "NO_AUTOTUNE", True)
+    kernel, x = _JitKernel(_CompiledWithLauncher), torch.zeros(8)
+    launcher = _launcher(kernel, [dict(BLOCK=32, num_warps=4), dict(BLOCK=64, num_warps=8)])
+    for _ in range(2):
+        launcher(_grid, x, 100)
+    compiled, = kernel.compiled
+    assert len(kernel.runs) == 1 and not compiled.launches
+    assert compiled.direct == [(32, 1, 1, 1002, 1234, False, True, None, None, (4, 1, 0), None, None, None,
+                                x, 100, 0.5, 32)]
+
+
 @pytest.mark.parametrize("gluon,change", [(gluon, change) for gluon in (False, True)
                                           for change in (None, "block shape", "shape", "strides", "dtype")]
                          + [(True, "layout")])
