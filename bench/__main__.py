@@ -19,7 +19,7 @@ from mha_compile.models import PRESETS
 PASSES = ("fwd+bwd", "fwd")  # training first: the targets that matter most are there
 CUDA_PRESETS, CUDA_QUICK_PRESETS = ("small", "medium", "large"), ("small", "medium")
 CUDA_MODES = ("eager", "inductor", "inductor-max-autotune", "mha-staged", "mha-fused", "mha-fused-nographs",
-              "mha-fused-cudagraphs", "mha-fused-keep")
+              "mha-fused-cudagraphs", "mha-fused-keep", "mha-fused-keep-plain")
 # max-autotune compiles for minutes per graph: by default only at medium, where SPEC §5 found it
 # the best peer and the 8× target is relative to it (small's target is absolute: < 0.25 ms).
 CUDA_AUTOTUNE_PRESETS = ("medium",)

@@ -11,9 +11,9 @@ PEER_MODES = ("eager", "inductor", "inductor-max-autotune")
 # mha-fused: the defaults (graphs="auto": the region replays its own CUDA graphs at small and
 # medium); mha-fused-nographs: the same kernels issued from Python every call (graphs="off");
 # mha-fused-keep: mha-fused-cudagraphs with options keep_hidden=True (the experts' u kept from the
-# forward for the backward: less time, more memory).
+# forward for the backward: less time, more memory); mha-fused-keep-plain: mha-fused with it.
 MHA_MODES = ("mha-reference", "mha-staged", "mha-fused", "mha-fused-nographs", "mha-fused-cudagraphs",
-             "mha-fused-keep")
+             "mha-fused-keep", "mha-fused-keep-plain")
 MODES = PEER_MODES + MHA_MODES
 SPELLINGS = ("dense", "loop", "grouped_mm")
 # The grouped-GEMM spelling is a peer of its own: the mha backend is not asked to match it.
@@ -44,4 +44,6 @@ def mha_options(mode):
         return {"kernels": "fused", "graphs": "off"}
     if mode == "mha-fused-keep":
         return {"mode": "reduce-overhead", "keep_hidden": True}
+    if mode == "mha-fused-keep-plain":
+        return {"kernels": "fused", "keep_hidden": True}
     return {"kernels": mode.split("-", 1)[1]}

@@ -197,10 +197,13 @@ def test_inductor_cache_note(tmp_path, monkeypatch):
 
 def test_every_mha_mode_compiles_with_valid_options():
     """Each mha-* mode's options are ones the backend accepts (a typo would make every row of the
-    mode an error), and mha-fused-keep is reduce-overhead with keep_hidden on, the only one."""
+    mode an error), and keep_hidden is on in exactly two: mha-fused-keep (reduce-overhead) and
+    mha-fused-keep-plain (mha-fused's options with it)."""
     import mha_compile
 
     parsed = {mode: mha_compile.Options.parse(modes.mha_options(mode)) for mode in modes.MHA_MODES}
-    assert [m for m, o in parsed.items() if o.keep_hidden] == ["mha-fused-keep"]
+    assert [m for m, o in parsed.items() if o.keep_hidden] == ["mha-fused-keep", "mha-fused-keep-plain"]
     assert parsed["mha-fused-keep"].mode == "reduce-overhead"
-    assert "mha-fused-keep" in bench_main.CUDA_MODES
+    assert parsed["mha-fused-keep-plain"] == mha_compile.Options.parse({"kernels": "fused", "keep_hidden": True})
+    assert parsed["mha-fused-keep-plain"].mode != "reduce-overhead"
+    assert {"mha-fused-keep", "mha-fused-keep-plain"} <= set(bench_main.CUDA_MODES)
