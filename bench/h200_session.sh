@@ -116,15 +116,20 @@
 #   [PRESET=medium] bash bench/h200_session.sh keep-step  # reduce-overhead's step with and without keep_hidden
 #                                      # (bench/step_profile.py: do_bench, host issue, GPU kernels a step, top ops;
 #                                      # ~2.5 min): run.log, step_profile_keep_<preset>.txt
-#   [PRESET=large] [KEEP=1] bash bench/h200_session.sh launch-ab  # triton_util.FAST_LAUNCH off against on for a
-#                                      # plain training step, in one process (bench/launch_ab.py: host issue and
-#                                      # do_bench by round; ~2 min): run.log, launch_ab_<preset>.txt
+#   [PRESET=large] [KEEP=1] [FLAG=DIRECT_LAUNCH] bash bench/h200_session.sh launch-ab  # triton_util.FAST_LAUNCH
+#                                      # (or FLAG) off against on for a plain training step, in one process
+#                                      # (bench/launch_ab.py: host issue and do_bench by round; ~2 min):
+#                                      # run.log, launch_ab_<preset>.txt
+#   [ROWS_ROUNDS=2] bash bench/h200_session.sh large-rows  # our large fwd+bwd rows, plain, plain with
+#                                      # keep_hidden and reduce-overhead with it, loop and dense, ROWS_ROUNDS
+#                                      # processes one after another (~2.5 min each): host-bound rows move
+#                                      # with the host, so read a mode's rows across rounds: h200_large_rows_<n>.{md,json}
 #   bash bench/h200_session.sh short   # one call when device time is short (~9 min): the fused
 #                                      # kernel tests, the curves without the suite, and the
 #                                      # benchmark cut at 250 s (rows past it are listed as skipped)
 # Budgets are per step so a slow step cannot starve the others.
 set -u
-part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|ab|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|ncu-gemms|ncu-source|gluon|verify-gluon|gluon-gemms|verify-gemms|router|small-kernels|host-large|host-timers|wgrad-stream|sum-spread|column-sums|keep-hidden|keep-rows|keep-step|launch-ab|kernel-times-ab|rows-ab|static-params|gluon-up|short}
+part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|ab|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|ncu-gemms|ncu-source|gluon|verify-gluon|gluon-gemms|verify-gemms|router|small-kernels|host-large|host-timers|wgrad-stream|sum-spread|column-sums|keep-hidden|keep-rows|keep-step|launch-ab|large-rows|kernel-times-ab|rows-ab|static-params|gluon-up|short}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 # Inductor's compiled graphs kept in the checkout (git ignores it): the device keeps ignored
 # files between calls on a machine it still holds, so `table` can reuse `autotune-cache`'s.
@@ -439,9 +444,16 @@ keep-step)
     ;;
 launch-ab)
     preset=${PRESET:-large}
-    { timeout -s INT -k 10 150 python bench/launch_ab.py --preset "$preset" --spelling loop --rounds 6 \
-        ${KEEP:+--keep} 2>&1; } >"$OUT/launch_ab_$preset.txt"
+    { timeout -s INT -k 10 150 python bench/launch_ab.py --flag "${FLAG:-FAST_LAUNCH}" --preset "$preset" \
+        --spelling loop --rounds 6 ${KEEP:+--keep} 2>&1; } >"$OUT/launch_ab_$preset.txt"
     grep -v "autotun\|chose" "$OUT/launch_ab_$preset.txt" | tail -12 >>"$LOG"
+    ;;
+large-rows)
+    for round in $(seq 1 "${ROWS_ROUNDS:-2}"); do
+        { timeout -s INT -k 15 200 python -m bench --out "$OUT" --name "h200_large_rows_$round" --budget 170 \
+            --presets large --passes fwd+bwd --spellings loop,dense \
+            --modes mha-fused,mha-fused-keep-plain,mha-fused-keep --commit "$commit" 2>&1 | grep "^large " | cut -c1-150; } >>"$LOG"
+    done
     ;;
 short)
     { MHA_COMPILE_NO_AUTOTUNE=1 timeout 120 python -m pytest -q -m cuda tests/kernels -k "not staged" -n 8 \
@@ -459,6 +471,6 @@ bench|bench-resume)
         --modes eager,inductor,inductor-max-autotune,mha-staged,mha-fused,mha-fused-cudagraphs \
         --spellings dense,loop,grouped_mm --commit "$commit" 2>&1 | tail -100; } >>"$LOG"
     ;;
-*) echo "unknown part $part: expected check, kernels, probe, verify, ab, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache, medium-autotune, ncu, ncu-gemms, ncu-source, gluon, verify-gluon, gluon-gemms, verify-gemms, router, small-kernels, host-large, host-timers, wgrad-stream, sum-spread, column-sums, keep-hidden, keep-rows, keep-step, launch-ab, kernel-times-ab, rows-ab, static-params, gluon-up or short" >&2; exit 2 ;;
+*) echo "unknown part $part: expected check, kernels, probe, verify, ab, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache, medium-autotune, ncu, ncu-gemms, ncu-source, gluon, verify-gluon, gluon-gemms, verify-gemms, router, small-kernels, host-large, host-timers, wgrad-stream, sum-spread, column-sums, keep-hidden, keep-rows, keep-step, launch-ab, large-rows, kernel-times-ab, rows-ab, static-params, gluon-up or short" >&2; exit 2 ;;
 esac
 tail -150 "$LOG"
