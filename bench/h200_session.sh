@@ -113,7 +113,9 @@
 #                                      # Inductor cache (session 37: a stale entry was served across that switch),
 #                                      # then fwd+bwd rows at large and medium: Inductor, mha-fused,
 #                                      # mha-fused-cudagraphs, mha-fused-keep (~5 min): run.log, h200_s37_keep.{md,json,png}
-#   [PRESET=medium] bash bench/h200_session.sh keep-step  # reduce-overhead's step with and without keep_hidden
+#   [PRESET=medium] [RUNS=..] bash bench/h200_session.sh keep-step  # reduce-overhead's step with and without
+#                                      # keep_hidden, or RUNS (step_profile's --runs; e.g. at large
+#                                      # mha-fused-keep:dense,mha-fused-keep-static-tok:dense: tok's input copy)
 #                                      # (bench/step_profile.py: do_bench, host issue, GPU kernels a step, top ops;
 #                                      # ~2.5 min): run.log, step_profile_keep_<preset>.txt
 #   [PRESET=large] [KEEP=1] [FLAG=DIRECT_LAUNCH] bash bench/h200_session.sh launch-ab  # triton_util.FAST_LAUNCH
@@ -439,7 +441,7 @@ keep-rows)
 keep-step)
     preset=${PRESET:-medium}
     { timeout -s INT -k 10 160 python bench/step_profile.py --preset "$preset" \
-        --runs mha-fused-cudagraphs:dense,mha-fused-keep:dense 2>&1; } >"$OUT/step_profile_keep_$preset.txt"
+        --runs "${RUNS:-mha-fused-cudagraphs:dense,mha-fused-keep:dense}" 2>&1; } >"$OUT/step_profile_keep_$preset.txt"
     grep "^==" "$OUT/step_profile_keep_$preset.txt" >>"$LOG"
     ;;
 launch-ab)

@@ -6,7 +6,10 @@ Each run is mode:spelling, a bench mode (bench/modes.py), inductor-reduce-overhe
 with mode="reduce-overhead", the peer that replays CUDA graphs as our cudagraphs mode does) or
 mha-inductor-reduce-overhead (backend="mha" with rest="inductor" under reduce-overhead, the mode
 given in the options) or mha-options-reduce-overhead (mha-fused-cudagraphs with the mode given in
-the options, as mha-fused-keep gives it) on the dense or loop spelling, bf16 on CUDA. For each:
+the options, as mha-fused-keep gives it) or mha-fused-keep-static-tok (mha-fused-keep with tok
+marked static, torch._dynamo.mark_static_address: the replays read it in place instead of copying
+it in; an upper bound of what running the pool outside the graphs would save, PERF_NOTES' Next)
+on the dense or loop spelling, bf16 on CUDA. For each:
 the bench's training step (bench/measure.timed_step) timed as the bench times it (do_bench's
 median), the host's time to issue one step (50 steps under perf_counter with no sync between
 them, and with the drain after), the GPU's kernel time a step (the profiler's
@@ -23,7 +26,8 @@ import triton.testing
 
 from bench import cases, measure, modes
 
-EXTRA_MODES = ("inductor-reduce-overhead", "mha-inductor-reduce-overhead", "mha-options-reduce-overhead")
+EXTRA_MODES = ("inductor-reduce-overhead", "mha-inductor-reduce-overhead", "mha-options-reduce-overhead",
+               "mha-fused-keep-static-tok")
 RUNS = "mha-fused-cudagraphs:loop,mha-fused-cudagraphs:dense,inductor-reduce-overhead:loop,mha-fused:loop"
 
 
@@ -53,6 +57,9 @@ def profile(preset, mode, spelling):
         fn = torch.compile(model, backend="mha", options={"rest": "inductor", "mode": "reduce-overhead"}, dynamic=False)
     elif mode == "mha-options-reduce-overhead":
         fn = torch.compile(model, backend="mha", options={"mode": "reduce-overhead"}, dynamic=False)
+    elif mode == "mha-fused-keep-static-tok":
+        torch._dynamo.mark_static_address(tok)
+        fn = modes.build("mha-fused-keep", model)
     else:
         fn = modes.build(mode, model)
 
