@@ -420,21 +420,25 @@ def pool_directions(q, wk, out=None, split=None):
 COLUMN_BLOCK_R, COLUMN_BLOCK_C, COLUMN_PROGRAMS = 32, 256, 512
 
 
-def column_sums(x, scale=1.0, block_r=COLUMN_BLOCK_R, block_c=COLUMN_BLOCK_C, programs=COLUMN_PROGRAMS, num_warps=4):
-    """scale · x.sum(0) in fp32 for x [R, C] (contiguous): parts of rows summed by ~`programs`
-    programs of [block_r, block_c] loads into [parts, C], then the parts by a second launch of the
-    same kernel; each sum in a fixed order (bitwise reproducible). The launch options are for
-    bench/small_kernels_probe.py's sweep."""
+def column_sums(x, scale=1.0, dtype=torch.float32, block_r=COLUMN_BLOCK_R, block_c=COLUMN_BLOCK_C,
+                programs=COLUMN_PROGRAMS, num_warps=4):
+    """scale · x.sum(0) [C] in `dtype` (the fp32 sum rounded once) for x [R, C] (contiguous): parts
+    of rows summed by ~`programs` programs of [block_r, block_c] loads into [parts, C], then the
+    parts by a second launch of the same kernel (one launch where the rows make one part: few
+    rows, or `programs` no more than the column blocks); each sum in a fixed order (bitwise
+    reproducible). The launch options are for bench/small_kernels_probe.py's sweep."""
     R, C = x.shape
     blocks = cdiv(C, block_c)
     rows = min(256, pow2(R * blocks // programs, lo=block_r))
     parts = cdiv(R, rows)
-    part = torch.empty(parts, C, device=x.device, dtype=torch.float32)
-    launch(_column_sums_kernel, (blocks, parts), x, part, R, C, rows, 1.0, BLOCK_R=block_r, BLOCK_C=block_c,
-           **gpu_options(x, num_warps=num_warps))
-    out = torch.empty(C, device=x.device, dtype=torch.float32)
-    launch(_column_sums_kernel, (blocks, 1), part, out, parts, C, parts, scale, BLOCK_R=block_r, BLOCK_C=block_c,
-           **gpu_options(x, num_warps=num_warps))
+    out = torch.empty(C, device=x.device, dtype=dtype)
+    options = gpu_options(x, num_warps=num_warps)
+    if parts > 1:
+        part = torch.empty(parts, C, device=x.device, dtype=torch.float32)
+        launch(_column_sums_kernel, (blocks, parts), x, part, R, C, rows, 1.0, BLOCK_R=block_r, BLOCK_C=block_c,
+               **options)
+        x, R = part, parts
+    launch(_column_sums_kernel, (blocks, 1), x, out, R, C, R, scale, BLOCK_R=block_r, BLOCK_C=block_c, **options)
     return out
 
 

@@ -285,7 +285,8 @@ def region_backward(merge, grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1
         torch.float32 if merge == "cuda" else ctx.dtype, triton_router.router_precision(x.dtype),
         sum_h=x_inv is not None)
     del dx_slot, gw_part  # [S,D] (128 MiB at large in bf16): freed before the pool's ∂tok is allocated
-    dwg = triton_router.router_weight_grad(dlogits, x, x_inv, H, split=triton_router.split_wgrad(x, x_inv, wg))
+    dwg = triton_router.router_weight_grad(dlogits, x, x_inv, H, split=triton_router.split_wgrad(x, x_inv, wg),
+                                           dtype=inputs[9].dtype)
     if merge == "cuda":
         dctx, dinv = merge_backward(dy.view(B, H, D), ctx.dtype)
     else:

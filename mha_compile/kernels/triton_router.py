@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mha_compile.kernels.triton_pool import COLUMN_BLOCK_C, column_sums
 from mha_compile.kernels.triton_util import (Launcher, cdiv, cut_runs, gpu_options, launch, load_rows, load_x, pow2,
                                              split_runs)
 
@@ -455,8 +456,10 @@ def router_runs(R, D, device):
 
 
 def router_weight_grad(dlogits, x, inv, horizons, block_d=None, block_r=WGRAD_BLOCK_R, runs=None, num_warps=4,
-                       split=False):
-    """∂Wg [E,D] fp32 = Σ_r ∂logits[r]ᵀ (x[r] + inv[r // H]), in a fixed order. split (split_wgrad's
+                       split=False, dtype=torch.float32):
+    """∂Wg [E,D] in `dtype` = Σ_r ∂logits[r]ᵀ (x[r] + inv[r // H]), in a fixed order: each run's
+    fp32 part, then the parts summed in fp32 and rounded once by one launch of
+    triton_pool.column_sums (where torch's sum and a cast to Wg's dtype took two). split (split_wgrad's
     case: x 16-bit, inv given): as Σ_r ∂logits[r]ᵀ x[r] on x read as it is (SPLIT16) +
     Σ_b (Σ_h ∂logits[b·H + h])ᵀ inv[b] (SUM_H). block_d, block_r, runs, num_warps: the launch
     (bench/small_kernels_probe.py sweeps them; by default _wgrad_block_d(D), and router_runs' runs)."""
@@ -483,4 +486,6 @@ def router_weight_grad(dlogits, x, inv, horizons, block_d=None, block_r=WGRAD_BL
         launch(_router_wgrad_kernel, (inv_runs, n_d),
             dlogits, inv, inv, part[runs:], inv.shape[0], horizons, D, E, inv_rows, HAS_INV=False, SPLIT16=False,
             SUM_H=True, PRECISION=precision, BLOCK_R=WGRAD_BLOCK_R, BLOCK_D=block_d, BLOCK_E=pow2(E), **options)
-    return part.sum(0)
+    # programs = its column blocks: one part of all the runs (a few to ~100 rows), so one launch
+    return column_sums(part.view(runs + inv_runs, E * D), dtype=dtype,
+                       programs=cdiv(E * D, COLUMN_BLOCK_C)).view(E, D)

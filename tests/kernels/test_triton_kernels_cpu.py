@@ -428,6 +428,23 @@ def test_column_sums(R, C, dtype):
     assert torch.equal(triton_pool.column_sums(x, 0.125), got)
 
 
+@pytest.mark.parametrize("R, programs, launches", [(97, triton_pool.COLUMN_PROGRAMS, 2), (97, 2, 1), (20, 512, 1)])
+def test_column_sums_into_a_dtype(monkeypatch, R, programs, launches):
+    """column_sums with dtype bf16: the fp32 sum rounded once, within one bf16 step of the fp32
+    call's result (the interpreter's fp32 -> bf16 stores truncate; the GPU test checks the bits of
+    the GPU's rounding), in one launch where the rows make one part (few rows; programs no more
+    than the column blocks, as router_weight_grad asks), else two."""
+    g = torch.Generator().manual_seed(R)
+    x = torch.randn(R, 300, generator=g)
+    want = triton_pool.column_sums(x, 0.5, programs=programs)
+    calls, real = [], triton_pool.launch
+    monkeypatch.setattr(triton_pool, "launch", lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs))
+    got = triton_pool.column_sums(x, 0.5, dtype=torch.bfloat16, programs=programs)
+    assert got.dtype == torch.bfloat16 and len(calls) == launches
+    assert bool(((got.double() - want.double()).abs() <= want.double().abs() * 2**-7).all())
+    assert float((want.double() - x.double().sum(0) * 0.5).norm() / (x.double().sum(0) * 0.5).norm()) < 1e-6
+
+
 @pytest.mark.parametrize("column_sums", [True, False])
 @pytest.mark.parametrize("module", SETS)
 def test_pool_backward_with_column_sums(monkeypatch, module, column_sums):

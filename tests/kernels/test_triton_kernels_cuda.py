@@ -112,7 +112,7 @@ def test_direction_grads_bf16(P, Dh):
 def test_pool_backward_with_column_sums(monkeypatch, preset):
     """triton_pool.COLUMN_SUMS (the default since session 32): the pool backward's sums over the
     batch rows by triton_pool.column_sums; the whole region against float64 in bf16, and the same
-    bits twice."""
+    bits twice; into bf16, the bits of torch's rounding of the fp32 sum."""
     from mha_compile.kernels import triton_pool
 
     monkeypatch.setattr(triton_pool, "COLUMN_SUMS", True)
@@ -123,6 +123,10 @@ def test_pool_backward_with_column_sums(monkeypatch, preset):
     assert torch.equal(triton_pool.column_sums(x, 0.5), triton_pool.column_sums(x, 0.5))
     assert float((triton_pool.column_sums(x, 0.5).double() - x.double().sum(0) * 0.5).norm()
                  / (x.double().sum(0) * 0.5).norm()) < 1e-6
+    # into bf16: the fp32 sum rounded once, as torch rounds it (one launch and two alike)
+    for rows, programs in ((4096, triton_pool.COLUMN_PROGRAMS), (200, 16)):  # two launches; one (one part)
+        want = triton_pool.column_sums(x[:rows], 0.5, programs=programs).bfloat16()
+        assert torch.equal(triton_pool.column_sums(x[:rows], 0.5, dtype=torch.bfloat16, programs=programs), want)
 
 
 @pytest.mark.parametrize("module", SETS)
