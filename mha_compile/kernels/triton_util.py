@@ -10,7 +10,8 @@ tunes, then the config it chose). The chosen
 config is kept per key, and later calls launch the kernel with it directly (the autotuner's
 own per-call path costs host time on every launch). Every launch goes through `launch`, which
 keeps each call signature's compiled kernel and hands later launches straight to it, skipping
-Triton's per-call work in JITFunction.run (MHA_COMPILE_FAST_LAUNCH=0: not). Under
+Triton's per-call work in JITFunction.run (MHA_COMPILE_FAST_LAUNCH=0: not), through Triton's C
+launch function itself while no Triton launch hook is set (_direct_launch). Under
 TRITON_INTERPRET=1 (CPU tensors, how CI runs these kernels) a kernel runs once with its
 first config: the interpreter would otherwise "benchmark" every config in Python.
 """
@@ -163,8 +164,8 @@ def launch_keyed(kernel, key, grid, args, kwargs):
     compiled, rest, direct = kept
     values = [kwargs[name] if name in kwargs else default for name, default in rest]
     x, y, z = grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1
-    runtime = knobs.runtime
-    if direct is None or not DIRECT_LAUNCH or runtime.launch_enter_hook.calls or runtime.launch_exit_hook.calls:
+    if direct is None or not DIRECT_LAUNCH or _hooked(knobs.runtime.launch_enter_hook) or _hooked(
+            knobs.runtime.launch_exit_hook):
         compiled[(x, y, z)](*args, *values)
         return
     c_launch, device, function, cooperative, pdl, metadata = direct
@@ -173,10 +174,17 @@ def launch_keyed(kernel, key, grid, args, kwargs):
              *args, *values)
 
 
+def _hooked(hook):
+    """Whether a Triton launch hook is set: Triton 3.6's HookChain with a hook in it, or a hook
+    assigned in its place."""
+    return getattr(hook, "calls", hook is not None)
+
+
 def _direct_launch(compiled):
     """(Triton's launch function, the current device, the kernel's handle, cooperative, pdl, its
-    packed metadata) of a compiled kernel just launched, or None where the kernel needs what only Triton's own path does (global or
-    profile scratch memory, allocated a launch) or its launcher is not Triton 3.6's CudaLauncher.
+    packed metadata) of a compiled kernel just launched, or None where the kernel needs what only
+    Triton's own path does (global or profile scratch memory, allocated a launch) or its launcher
+    is not Triton 3.6's CudaLauncher.
 
     CompiledKernel[grid](*args) builds a closure, looks the device and stream up through
     Triton's driver proxy, builds the launch hooks' metadata (a LazyDict) and calls the hook

@@ -439,14 +439,14 @@ def test_fast_launches_compute_what_jit_run_does_cuda(monkeypatch):
     assert torch.equal(y, x[:1000] * 5.0) and names == ["_scale"] and len(runs) == 3
 
 
-@pytest.mark.parametrize("why_not", [None, "hook", "scratch", "DIRECT_LAUNCH off"])
+@pytest.mark.parametrize("why_not", [None, "hook", "hook assigned", "scratch", "DIRECT_LAUNCH off"])
 def test_a_kept_launch_calls_tritons_launch_function_directly(monkeypatch, why_not):
     """A kept signature whose compiled kernel has Triton's CudaLauncher and needs no scratch
     memory: its later launches call the launcher's launch function with what CompiledKernel[grid]
     and CudaLauncher would pass (grid, the current stream, the kernel, cooperative, pdl, no scratch,
-    the packed metadata, no hooks, every parameter's value). With a launch hook set (a profiler),
-    or scratch memory to allocate, or DIRECT_LAUNCH off, they go through compiled[grid], which
-    runs them."""
+    the packed metadata, no hooks, every parameter's value). With a launch hook set (a profiler;
+    added to Triton's hook chain, or a function put in its place), or scratch memory to allocate,
+    or DIRECT_LAUNCH off, they go through compiled[grid], which runs them."""
     from triton import knobs
 
     _on_the_gpu(monkeypatch)
@@ -457,6 +457,8 @@ def test_a_kept_launch_calls_tritons_launch_function_directly(monkeypatch, why_n
     hooks, called = knobs.runtime.launch_enter_hook, []
     if why_not == "hook":
         hooks.add(called.append)
+    if why_not == "hook assigned":  # a function in the HookChain's place
+        monkeypatch.setattr(knobs.runtime, "launch_exit_hook", called.append)
     try:
         triton_util.launch(kernel, (5, 2), x, 100, BLOCK=32, num_warps=4)
     finally:
