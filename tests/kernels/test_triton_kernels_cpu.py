@@ -860,7 +860,7 @@ def _torch_calls_of_a_16_bit_step(monkeypatch):
     with Record():
         out, *saved = fused.region_forward(ctx, tok, *params, None, 2, True, "gelu")
         grads = fused.region_backward(torch.randn_like(out), ctx, tok, *params, None, *saved, 2, True, "gelu")
-    assert len(grads) == 15 and torch.ops.aten.sum in [f for f, _ in seen]  # the mode saw the path's calls
+    assert len(grads) == 15 and torch.ops.aten.empty in [f for f, _ in seen]  # the mode saw the path's calls
     return seen, grads, params
 
 
@@ -887,6 +887,17 @@ def test_the_16_bit_path_casts_no_pool_weight(monkeypatch):
     assert not [shape for f, shape in seen if f is aten._to_copy and shape in ((D, D), (2, D // 2, D))]
     for name, g, p in zip(GRAD_NAMES[2:9], grads[2:9], params[:7]):
         assert (g is None and p is None) or g.dtype == p.dtype == torch.float16, name
+
+
+def test_the_16_bit_path_sums_and_rounds_the_router_gradient_in_its_kernel(monkeypatch):
+    """∂Wg's runs are summed and rounded to Wg's dtype by one column_sums launch: no torch sum and
+    no cast of an [E,D] tensor (they were two launches), and ∂Wg comes back in Wg's dtype."""
+    aten = torch.ops.aten
+    seen, grads, params = _torch_calls_of_a_16_bit_step(monkeypatch)
+    wg = params[7]
+    assert not [f for f, _ in seen if f is aten.sum]
+    assert not [f for f, shape in seen if f is aten._to_copy and shape == tuple(wg.shape)]
+    assert grads[9].dtype == wg.dtype == torch.float16 and grads[9].shape == wg.shape
 
 
 @pytest.mark.parametrize("flag,l2,nbytes,expected", [
