@@ -125,7 +125,8 @@
 #   [ROWS_ROUNDS=2] bash bench/h200_session.sh large-rows  # our large fwd+bwd rows, plain, plain with
 #                                      # keep_hidden and reduce-overhead with it, loop and dense, ROWS_ROUNDS
 #                                      # processes one after another (~2.5 min each): host-bound rows move
-#                                      # with the host, so read a mode's rows across rounds: h200_large_rows_<n>.{md,json}
+#                                      # with the host, so read a mode's rows across rounds:
+#                                      # run.log, h200_large_rows_<n>.{md,json}
 #   bash bench/h200_session.sh short   # one call when device time is short (~9 min): the fused
 #                                      # kernel tests, the curves without the suite, and the
 #                                      # benchmark cut at 250 s (rows past it are listed as skipped)
@@ -454,7 +455,8 @@ large-rows)
     for round in $(seq 1 "${ROWS_ROUNDS:-2}"); do
         { timeout -s INT -k 15 200 python -m bench --out "$OUT" --name "h200_large_rows_$round" --budget 170 \
             --presets large --passes fwd+bwd --spellings loop,dense \
-            --modes mha-fused,mha-fused-keep-plain,mha-fused-keep --commit "$commit" 2>&1 | grep "^large " | cut -c1-150; } >>"$LOG"
+            --modes mha-fused,mha-fused-keep-plain,mha-fused-keep --commit "$commit" 2>&1 \
+            | grep "^large " | cut -c1-150; } >>"$LOG"
     done
     ;;
 short)
