@@ -8,7 +8,8 @@ mha-inductor-reduce-overhead (backend="mha" with rest="inductor" under reduce-ov
 given in the options) or mha-options-reduce-overhead (mha-fused-cudagraphs with the mode given in
 the options, as mha-fused-keep gives it) or mha-fused-keep-static-tok (mha-fused-keep with tok
 marked static, torch._dynamo.mark_static_address: the replays read it in place instead of copying
-it in; an upper bound of what running the pool outside the graphs would save, PERF_NOTES' Next)
+it in) or mha-fused-keep-pool-inside (mha-fused-keep with whole_graph.POOL_OUTSIDE off: the pool
+captured in the graphs, tok copied in before each replay, as before session 40)
 on the dense or loop spelling, bf16 on CUDA. For each:
 the bench's training step (bench/measure.timed_step) timed as the bench times it (do_bench's
 median), the host's time to issue one step (50 steps under perf_counter with no sync between
@@ -20,14 +21,16 @@ of kernels (bench/results/step_profile_small.txt).
 """
 import argparse
 import time
+from unittest import mock
 
 import torch
 import triton.testing
 
 from bench import cases, measure, modes
+from mha_compile import whole_graph
 
 EXTRA_MODES = ("inductor-reduce-overhead", "mha-inductor-reduce-overhead", "mha-options-reduce-overhead",
-               "mha-fused-keep-static-tok")
+               "mha-fused-keep-static-tok", "mha-fused-keep-pool-inside")
 RUNS = "mha-fused-cudagraphs:loop,mha-fused-cudagraphs:dense,inductor-reduce-overhead:loop,mha-fused:loop"
 
 
@@ -60,6 +63,11 @@ def profile(preset, mode, spelling):
     elif mode == "mha-fused-keep-static-tok":
         torch._dynamo.mark_static_address(tok)
         fn = modes.build("mha-fused-keep", model)
+    elif mode == "mha-fused-keep-pool-inside":
+        # read at compile time, which is the first call (inside timed_step's first step below)
+        with mock.patch.object(whole_graph, "POOL_OUTSIDE", False):
+            fn = modes.build("mha-fused-keep", model)
+            measure.timed_step(fn, ctx, tok, grad_out, leaves, True)()
     else:
         fn = modes.build(mode, model)
 

@@ -6,7 +6,6 @@ point `mha` in the group `torch_dynamo_backends`. It copies Dynamo's graph, rewr
 Any failure in the rewrite returns the graph exactly as captured, with a warning that says
 why; `options={"strict": True}` raises instead. The original graph is never half-rewritten.
 """
-import copy
 import itertools
 import logging
 
@@ -63,7 +62,7 @@ def lower(gm, opts, report, whole_graph_captured=False):
     subgraph is rewritten on its own copy, so the captured graph is never touched, and when
     nothing matches gm itself is returned.
     """
-    new, copies, found = _copy(gm), {}, {}
+    new, copies, found = whole_graph.copy_graph(gm)[0], {}, {}
     for path, _ in _graph_modules(gm):
         sub = _copy_attribute(new, path, copies)
         found[path] = (sub, find_regions(sub))
@@ -102,29 +101,9 @@ def _copy_attribute(root, path, copies):
     if path not in copies:
         parent_path, _, name = path.rpartition(".")
         parent = _copy_attribute(root, parent_path, copies)
-        copies[path] = _copy(getattr(parent, name))
+        copies[path] = whole_graph.copy_graph(getattr(parent, name))[0]
         setattr(parent, name, copies[path])
     return copies[path]
-
-
-def _copy(gm):
-    """gm's graph in a new GraphModule, with what Dynamo hands AOTAutograd beside the graph:
-    gm.meta (its dynamo_compile_id), _param_name_to_source and each placeholder's _dynamo_source.
-    Without them AOTAutograd takes the graph for one Dynamo did not capture and marks no input
-    static (fw_metadata.static_input_indices empty), so CUDA graphs copied every parameter
-    before each replay (H200, torch 2.11, session 27)."""
-    graph, nodes = torch.fx.Graph(), {}
-    out = graph.graph_copy(gm.graph, nodes)
-    graph.output(out)
-    graph._codegen = copy.deepcopy(gm.graph._codegen)
-    new = torch.fx.GraphModule(gm, graph)
-    new.meta.update(gm.meta)
-    if hasattr(gm, "_param_name_to_source"):
-        new._param_name_to_source = gm._param_name_to_source
-    for node, copied in nodes.items():
-        if hasattr(node, "_dynamo_source"):
-            copied._dynamo_source = node._dynamo_source
-    return new
 
 
 def _mode(given, in_options):
@@ -160,13 +139,28 @@ def run_rest(gm, example_inputs, opts, mode, whole):
                               config_patches=_inductor_patches(mode))
     if whole:
         with cache_key_tagged():
-            return whole_graph.capture(gm, example_inputs)
+            split = _pool_split(gm, example_inputs, opts)
+            return split if split is not None else whole_graph.capture(gm, example_inputs)
     if mode == "reduce-overhead":
         log.info("mha_compile: mode='reduce-overhead' without CUDA inputs: running without CUDA graphs")
     elif mode not in (None, "default"):
         log.info("mha_compile: mode=%r with rest='eager': everything outside the region runs eagerly, without "
                  "the mode's autotuning or CUDA graphs (rest='inductor' takes them)", mode)
     return _region_calls(gm, ops.region_call, opts.graphs).forward
+
+
+def _pool_split(gm, example_inputs, opts):
+    """whole_graph.split_pool(gm): the graphs with the regions' pools run outside them, or None
+    where no pool can leave; where the split fails, a warning and None (the graphs then capture
+    gm whole, which computes the same), unless opts.strict."""
+    try:
+        return whole_graph.split_pool(gm, example_inputs)
+    except Exception as error:
+        if opts.strict:
+            raise
+        log.warning("mha_compile: running the pool outside the CUDA graphs failed (%s: %s); capturing it with "
+                    "the rest", type(error).__name__, str(error).splitlines()[0] if str(error) else "")
+        return None
 
 
 def cache_key_tagged():
@@ -188,7 +182,7 @@ def _region_calls(gm, target, graphs):
              if sub.graph.find_nodes(op="call_function", target=torch.ops.mha.region.default)]
     if not paths or (target is torch.ops.mha.region.default and graphs == "off"):
         return gm
-    new, copies = _copy(gm), {}
+    new, copies = whole_graph.copy_graph(gm)[0], {}
     for path in paths:
         sub = _copy_attribute(new, path, copies)
         for node in sub.graph.find_nodes(op="call_function", target=torch.ops.mha.region.default):

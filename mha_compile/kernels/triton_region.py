@@ -167,10 +167,13 @@ def _int32s(kept):
 
 def _reuse_elements(ctx, q, w1, top_k, kept):
     """int32 elements of `reuse`; kept: _hidden_kept's."""
-    B, H, D = ctx.shape
-    pairs, experts = B * H * top_k, w1.shape[0]
-    return (triton_moe.layout_size(pairs, experts, triton_moe.tile_rows(pairs, experts)) + (q.shape[0] + B) * D
-            + _int32s(kept))
+    return _moe_reuse_elements(ctx, w1, top_k, kept) + (q.shape[0] + ctx.shape[0]) * ctx.shape[-1]
+
+
+def _moe_reuse_elements(ctx, w1, top_k, kept):
+    """int32 elements of the MoE's part of `reuse` (the MoE's u where kept, the layout)."""
+    pairs, experts = ctx.shape[0] * ctx.shape[1] * top_k, w1.shape[0]
+    return triton_moe.layout_size(pairs, experts, triton_moe.tile_rows(pairs, experts)) + _int32s(kept)
 
 
 Reused = collections.namedtuple("Reused", "layout u pooled hidden")
@@ -179,10 +182,31 @@ Reused = collections.namedtuple("Reused", "layout u pooled hidden")
 def _reuse_parts(reuse, P, B, D, kept):
     """Reused(the layout's buffer, u [P,D] fp32, pooled [B,D] fp32, the MoE's u [S,F] or None):
     views of `reuse`; kept: _hidden_kept's."""
+    moe, u, pooled = reuse.split([reuse.numel() - (P + B) * D, P * D, B * D])
+    layout, hidden = _moe_parts(moe, kept)
+    return Reused(layout, u.view(torch.float32).view(P, D), pooled.view(torch.float32).view(B, D), hidden)
+
+
+def _moe_parts(reuse, kept):
+    """(the layout's buffer, the MoE's u [S,F] or None): views of the MoE's part of `reuse`."""
     n = _int32s(kept)
-    hidden, layout, u, pooled = reuse.split([n, reuse.numel() - n - (P + B) * D, P * D, B * D])
-    return Reused(layout, u.view(torch.float32).view(P, D), pooled.view(torch.float32).view(B, D),
-                  None if kept is None else hidden.view(kept[1]).view(kept[0]))
+    hidden, layout = reuse.split([n, reuse.numel() - n])
+    return layout, None if kept is None else hidden.view(kept[1]).view(kept[0])
+
+
+def moe_reuse_size(ctx, w1, top_k, act, keep_hidden):
+    """int32 elements of mha::moe's `reuse` (pool_moe_ops): the MoE's part of region_forward's."""
+    return _moe_reuse_elements(ctx, w1, top_k, _hidden_kept(ctx, w1, top_k, act, keep_hidden))
+
+
+def moe_reuse_parts(reuse, ctx, w1, top_k, act, keep_hidden):
+    """(the layout's buffer, the MoE's u [S,F] or None): views of mha::moe's `reuse`, which must
+    be of moe_reuse_size's elements (one of another size was made for other inputs)."""
+    want = moe_reuse_size(ctx, w1, top_k, act, keep_hidden)
+    if reuse.dtype != torch.int32 or reuse.numel() != want:
+        raise ValueError(f"mha::moe's backward: reuse holds {reuse.numel()} {reuse.dtype} elements, where the "
+                         f"forward of these inputs leaves {want} int32 with keep_hidden={keep_hidden}")
+    return _moe_parts(reuse, _hidden_kept(ctx, w1, top_k, act, keep_hidden))
 
 
 def region_forward(merge, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask, top_k, renorm, act,
@@ -198,20 +222,38 @@ def region_forward(merge, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b
     kept_hidden = _hidden_kept(ctx, w1, top_k, act, keep_hidden)
     reuse = torch.empty(_reuse_elements(ctx, q, w1, top_k, kept_hidden), device=ctx.device, dtype=torch.int32)
     tok, w1, b1, w2, b2, w3 = _in_compute_dtype(ctx, tok, w1, b1, w2, b2, w3)
-    B, H, D = ctx.shape
-    E = w1.shape[0]
-    layout, u, pooled, hidden = _reuse_parts(reuse, q.shape[0], B, D, kept_hidden)
+    layout, u, pooled, hidden = _reuse_parts(reuse, q.shape[0], ctx.shape[0], ctx.shape[-1], kept_hidden)
+    inv, attn, pool = pool_forward(tok, q, wk, wv, bv, wo, bo, mask, u, pooled)
+    out, weight, index, probs, groups = moe_forward(merge, ctx, inv, wg, w1, b1, w2, b2, w3, top_k, renorm, act,
+                                                    layout, hidden)
+    if kept is not None:
+        kept.update(groups=groups, pool=(stamp(q, wk, wv, bv, wo), pool))
+    return out, inv, attn, weight, index, probs, reuse
+
+
+def pool_forward(tok, q, wk, wv, bv, wo, bo, mask, u=None, pooled=None):
+    """(inv [B,D] fp32, attn [B,N,P] fp32, the weights as the pool's backward takes them: q, Wk,
+    Wv, bv, Wo as _pool_f32 gives them, then the directions u [P,D] fp32): region_forward's pool,
+    on tok in the compute dtype. u, pooled: [P,D] and [B,D] fp32 buffers the directions and the
+    heads' output (which pool_backward's ∂Wo reads) are written into, or None."""
     pool = _pool_f32(tok, q, wk, wv, bv, wo, bo)
     u = triton_pool.pool_directions(pool[0], pool[1], out=u, split=triton_pool.split_dot(tok.dtype))
     inv, attn = triton_pool.pool_forward(tok, *pool, mask, u=u, pooled=pooled)
+    return inv, attn, (*pool[:5], u)
+
+
+def moe_forward(merge, ctx, inv, wg, w1, b1, w2, b2, w3, top_k, renorm, act, layout=None, hidden=None):
+    """(out [B,H,D] ctx.dtype, weight [R,k] fp32, index [R,k] int32, π [R,E] fp32, the expert
+    layout): region_forward's router and MoE on y = ctx + inv[b], with the experts' weights in
+    ctx's dtype. layout: the int32 buffer the layout is built in, or None; hidden: an [S,F] buffer
+    GEMM1 also writes u = xs W1 + b1 into (keep_hidden), or None."""
+    B, H, D = ctx.shape
     x, x_inv = _merged_input(ctx, inv, merge)
     weight, index, probs = triton_router.route(x, x_inv, wg.contiguous(), top_k, renorm, H)
-    groups = triton_moe.group(index, E, into=layout)
-    if kept is not None:
-        kept.update(groups=groups, pool=(stamp(q, wk, wv, bv, wo), (*pool[:5], u)))
+    groups = triton_moe.group(index, w1.shape[0], into=layout)
     out = triton_moe.moe_forward(x, x_inv, weight, groups, w1.contiguous(), _c(b1), w2.contiguous(), _c(b2),
                                  _c(w3), act, H, ctx.dtype, hidden=hidden)
-    return out.view(B, H, D), inv, attn, weight, index, probs, reuse
+    return out.view(B, H, D), weight, index, probs, groups
 
 
 def _reused(reuse, ctx, q, w1, top_k, act, keep_hidden):
@@ -268,29 +310,11 @@ def region_backward(merge, grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1
     reused = _reused(reuse, ctx, q, w1, top_k, act, keep_hidden)
     inputs = (ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3)
     tok, w1, b1, w2, b2, w3 = _in_compute_dtype(ctx, tok, w1, b1, w2, b2, w3)
-    B, H, D = ctx.shape
-    E = w1.shape[0]
-    inv = inv.float()
-    x, x_inv = _merged_input(ctx, inv, merge)
-    wg = wg.contiguous()
-    weight = weight.float().contiguous()
     index = index.contiguous()
-    groups = _layout_of(index, E, kept, reused)
-    grad_rows = grad_out.reshape(B * H, D).contiguous()
-    dx_slot, gw_part, dw1, db1, dw2, db2, dw3 = triton_moe.moe_backward(
-        grad_rows, x, x_inv, weight, groups, w1.contiguous(), _c(b1), w2.contiguous(), _c(b2), _c(w3), act, H,
-        hidden=None if reused is None else reused.hidden)
-    dy, dinv, dlogits = triton_router.router_combine_backward(
-        probs.float().contiguous(), wg, weight, index, groups.pair_slot, dx_slot, gw_part, H, renorm,
-        torch.float32 if merge == "cuda" else ctx.dtype, triton_router.router_precision(x.dtype),
-        sum_h=x_inv is not None)
-    del dx_slot, gw_part  # [S,D] (128 MiB at large in bf16): freed before the pool's ∂tok is allocated
-    dwg = triton_router.router_weight_grad(dlogits, x, x_inv, H, split=triton_router.split_wgrad(x, x_inv, wg),
-                                           dtype=inputs[9].dtype)
-    if merge == "cuda":
-        dctx, dinv = merge_backward(dy.view(B, H, D), ctx.dtype)
-    else:
-        dctx = dy.view(B, H, D)
+    groups = _layout_of(index, w1.shape[0], kept, reused)
+    dctx, dinv, dwg, dw1, db1, dw2, db2, dw3 = moe_backward(
+        merge, grad_out, ctx, inv, wg, w1, b1, w2, b2, w3, weight, index, probs, groups,
+        None if reused is None else reused.hidden, renorm, act, inputs[9].dtype)
     *pool, u = _pool_weights(tok, q, wk, wv, bv, wo, kept, reused)
     grad_tok, grad_q, grad_wk, grad_wv, grad_bv, grad_wo, grad_bo = triton_pool.pool_backward(
         dinv, tok, *pool, attn.float(), u=u, pooled=None if reused is None else reused.pooled)
@@ -298,3 +322,31 @@ def region_backward(merge, grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1
     grads = (dctx, grad_tok, grad_q, grad_wk, grad_bk, grad_wv, grad_bv, grad_wo, grad_bo,
              dwg, dw1, db1, dw2, db2, dw3)
     return tuple(None if t is None else g.to(t.dtype) for g, t in zip(grads, inputs))
+
+
+def moe_backward(merge, grad_out, ctx, inv, wg, w1, b1, w2, b2, w3, weight, index, probs, groups, hidden, renorm,
+                 act, wg_dtype):
+    """(∂ctx [B,H,D], ∂inv [B,D] fp32, ∂Wg in wg_dtype, ∂W1, ∂b1, ∂W2, ∂b2, ∂W3): region_backward's
+    MoE and router, with the experts' weights in ctx's dtype; groups: the expert layout of index
+    (contiguous); hidden: moe_forward's u, or None. ∂ctx is in ctx's dtype, or fp32 where
+    merge="cuda" (region_backward rounds every gradient to its input's dtype)."""
+    B, H, D = ctx.shape
+    x, x_inv = _merged_input(ctx, inv.float(), merge)
+    wg = wg.contiguous()
+    weight = weight.float().contiguous()
+    grad_rows = grad_out.reshape(B * H, D).contiguous()
+    dx_slot, gw_part, dw1, db1, dw2, db2, dw3 = triton_moe.moe_backward(
+        grad_rows, x, x_inv, weight, groups, w1.contiguous(), _c(b1), w2.contiguous(), _c(b2), _c(w3), act, H,
+        hidden=hidden)
+    dy, dinv, dlogits = triton_router.router_combine_backward(
+        probs.float().contiguous(), wg, weight, index, groups.pair_slot, dx_slot, gw_part, H, renorm,
+        torch.float32 if merge == "cuda" else ctx.dtype, triton_router.router_precision(x.dtype),
+        sum_h=x_inv is not None)
+    del dx_slot, gw_part  # [S,D] (128 MiB at large in bf16): freed before the pool's ∂tok is allocated
+    dwg = triton_router.router_weight_grad(dlogits, x, x_inv, H, split=triton_router.split_wgrad(x, x_inv, wg),
+                                           dtype=wg_dtype)
+    if merge == "cuda":
+        dctx, dinv = merge_backward(dy.view(B, H, D), ctx.dtype)
+    else:
+        dctx = dy.view(B, H, D)
+    return dctx, dinv, dwg, dw1, db1, dw2, db2, dw3

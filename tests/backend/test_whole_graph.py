@@ -11,13 +11,15 @@ import torch
 from mha_compile import backend, models, whole_graph
 
 
-def _capture_calls(monkeypatch, static_params, through_mha=False, tok_static=False):
+def _capture_calls(monkeypatch, static_params, through_mha=False, tok_static=False, options=None, block=None,
+                   model=None):
     """(is_backward, the inputs, the static indices) of each cudagraphify_impl call of a tiny
     block's training step compiled through whole_graph.capture, and the block. through_mha:
     compiled with backend="mha" as under mode="reduce-overhead" on the GPU (the region rewritten
     on a copy of Dynamo's graph, then whole_graph.capture), else with capture as the backend.
     tok_static: tok marked with torch._dynamo.mark_static_address, as a caller who refills one
-    input buffer each step would (README)."""
+    input buffer each step would (README). options: backend="mha"'s; block: the tiny block's
+    parameters, else fresh ones; model: what is compiled, given the block (the block itself)."""
     from torch._dynamo.backends import cudagraphs as dynamo_cudagraphs
     from torch._inductor import cudagraph_trees
 
@@ -32,7 +34,8 @@ def _capture_calls(monkeypatch, static_params, through_mha=False, tok_static=Fal
     monkeypatch.setattr(dynamo_cudagraphs, "check_for_skip", lambda *args: None)
     monkeypatch.setattr(dynamo_cudagraphs, "get_device_index", lambda *args: 0)
     torch._dynamo.reset()
-    block = models.MHABlock.from_preset("tiny")
+    block = block or models.MHABlock.from_preset("tiny")
+    torch.manual_seed(0)
     ctx = torch.randn(4, 3, 32, requires_grad=True)
     tok = torch.randn(4, 5, 32, requires_grad=True)
     if tok_static:
@@ -41,7 +44,9 @@ def _capture_calls(monkeypatch, static_params, through_mha=False, tok_static=Fal
     if through_mha:
         monkeypatch.setattr(backend, "_whole_graph_captured", lambda *args: True)
         monkeypatch.setattr(backend, "observers", [lambda report, *_: reports.append(report)])
-    out = torch.compile(block, backend="mha" if through_mha else whole_graph.capture)(ctx, tok)
+    compiled = torch.compile((model or (lambda b: b))(block), backend="mha" if through_mha else whole_graph.capture,
+                             options=options if through_mha else None)
+    out = compiled(ctx, tok)
     assert not through_mha or [len(r.matches) for r in reports] == [1]
     out.square().sum().backward()
     torch._dynamo.reset()
@@ -56,7 +61,7 @@ def test_the_forward_keeps_the_parameters_static(monkeypatch, static_params, thr
     parameters too (what STATIC_PARAMS is for: if this stops holding, torch has fixed it). The
     backward's static inputs (all but its incoming gradient) are the same either way. Through
     backend="mha" too: its rewrite works on a copy of Dynamo's graph, which must keep what
-    AOTAutograd reads the static inputs from (backend._copy; on the H200 the copy without it
+    AOTAutograd reads the static inputs from (whole_graph.copy_graph; on the H200 the copy without it
     left none static)."""
     calls, block, (ctx, tok) = _capture_calls(monkeypatch, static_params, through_mha)
     assert [backward for backward, _, _ in calls] == [False, True]
@@ -111,7 +116,7 @@ def test_inductor_reads_the_parameters_as_static_through_the_rewrite(monkeypatch
     """rest="inductor": Inductor's reduce-overhead takes its static inputs from AOTAutograd
     (compile_fx.get_static_input_idxs), which finds them only in a graph that carries Dynamo's
     metadata. Through backend="mha" the region is rewritten on a copy of Dynamo's graph
-    (backend._copy): the forward's static inputs must still be the block's 12 parameters, not
+    (whole_graph.copy_graph): the forward's static inputs must still be the block's 12 parameters, not
     none (what the copy without the metadata gave)."""
     from torch._inductor import compile_fx
 
@@ -129,3 +134,88 @@ def test_inductor_reads_the_parameters_as_static_through_the_rewrite(monkeypatch
         torch.compile(block, backend="mha", options={"rest": "inductor"})(ctx, tok).sum().backward()
     torch._dynamo.reset()
     assert len(found) == 1 and len(found[0]) == len(list(block.parameters())) == 12
+
+
+needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                       reason="kernels='fused' on CPU needs TRITON_INTERPRET=1")
+
+
+def _split_step(monkeypatch, pool_outside, model=None):
+    """_capture_calls through backend="mha" with kernels="fused" (the split needs them), with
+    whole_graph.POOL_OUTSIDE set; also the eager mha::pool calls and every leaf's gradient."""
+    from mha_compile import pool_moe_ops
+
+    pools = []
+    real_pool = pool_moe_ops.pool
+    monkeypatch.setattr(pool_moe_ops, "pool", lambda *args: pools.append(args[0].shape) or real_pool(*args))
+    monkeypatch.setattr(whole_graph, "POOL_OUTSIDE", pool_outside)
+    torch.manual_seed(1)
+    block = models.MHABlock.from_preset("tiny")
+    calls, block, (ctx, tok) = _capture_calls(monkeypatch, True, True, options={"kernels": "fused"}, block=block,
+                                              model=model)
+    grads = [t.grad for t in (ctx, tok, *block.parameters())]
+    return calls, pools, grads, block, (ctx, tok)
+
+
+@needs_interpreter
+def test_the_pool_runs_outside_the_graphs(monkeypatch):
+    """With POOL_OUTSIDE (the default) a region whose tok nothing else reads runs its pool eagerly:
+    the graphs' forward takes ctx, the MoE's parameters (static) and the pool's [B,D] inv, never tok
+    nor the pool's weights (tok is not copied before each replay), mha::pool runs once a step on
+    tok itself, and every gradient is the one the unsplit graphs give, bit for bit, none zero but
+    ∂bk's (exactly zero by the math)."""
+    calls, pools, grads, block, (ctx, tok) = _split_step(monkeypatch, True)
+    assert pools == [tok.shape]
+    assert [backward for backward, _, _ in calls] == [False, True]
+    _, inputs, static = calls[0]
+    names = [name for name, _ in block.named_parameters()]
+    moe_params = [p for name, p in block.named_parameters() if name.startswith("moe.")]
+    assert len(moe_params) < len(names)  # the pool's weights are left out
+    shapes = sorted(tuple(t.shape) for t in inputs)
+    assert shapes == sorted([tuple(ctx.shape), (tok.shape[0], tok.shape[2]), *[tuple(p.shape) for p in moe_params]])
+    assert sorted(tuple(inputs[i].shape) for i in static) == sorted(tuple(p.shape) for p in moe_params)
+    assert not any(tuple(t.shape) == tuple(tok.shape) for t in inputs)
+
+    calls_in, pools_in, grads_in, _, _ = _split_step(monkeypatch, False)
+    assert pools_in == [] and any(tuple(t.shape) == tuple(tok.shape) for t in calls_in[0][1])
+    for name, got, want in zip(["ctx", "tok", *names], grads, grads_in):
+        assert got is not None and torch.equal(got, want), f"∂{name}"
+        assert (got.abs().max() == 0) == (name == "pool.key.bias"), f"∂{name}"
+
+
+@needs_interpreter
+def test_a_tok_read_elsewhere_keeps_the_pool_in_the_graphs(monkeypatch):
+    """Where the graph reads tok outside the region too, tok is copied in anyway: nothing is split
+    (the pool stays in the graphs, as mha::region)."""
+
+    class Residual(torch.nn.Module):
+        def __init__(self, block):
+            super().__init__()
+            self.block = block
+
+        def forward(self, ctx, tok):
+            return self.block(ctx, tok) + tok.mean(1, keepdim=True)
+
+    calls, pools, grads, _, (ctx, tok) = _split_step(monkeypatch, True, model=Residual)
+    assert pools == [] and any(tuple(t.shape) == tuple(tok.shape) for t in calls[0][1])
+    assert all(g is not None for g in grads)
+
+
+@needs_interpreter
+def test_a_failed_split_warns_and_captures_the_graph_whole(monkeypatch, caplog):
+    """Running the pool outside the graphs is a speed-up only: where it fails, a warning names the
+    error and the graphs capture the region whole (tok copied in, as before), with the same
+    gradients; with strict=True the error is raised instead."""
+    def broken(*args):
+        raise RuntimeError("a split that cannot be built")
+
+    monkeypatch.setattr(whole_graph, "_split_region", broken)
+    with caplog.at_level("WARNING", logger="mha_compile"):
+        calls, pools, grads, _, (ctx, tok) = _split_step(monkeypatch, True)
+    assert "pool outside the CUDA graphs failed (RuntimeError: a split that cannot be built)" in caplog.text
+    assert pools == [] and any(tuple(t.shape) == tuple(tok.shape) for t in calls[0][1])
+    _, _, grads_in, _, _ = _split_step(monkeypatch, False)
+    assert all(torch.equal(got, want) for got, want in zip(grads, grads_in))
+    monkeypatch.setattr(whole_graph, "POOL_OUTSIDE", True)
+    with pytest.raises(Exception, match="a split that cannot be built"):
+        _capture_calls(monkeypatch, True, True, options={"kernels": "fused", "strict": True})

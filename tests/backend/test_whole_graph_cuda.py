@@ -56,3 +56,28 @@ def test_mode_in_the_options_replays_cuda_graphs_and_trains_as_the_plain_step(mo
     torch.testing.assert_close(torch.tensor(graphed_losses), torch.tensor(plain_losses), rtol=1e-4, atol=0)
     for got, want in zip(graphed_params, plain_params):
         torch.testing.assert_close(got.float(), want.float(), rtol=1e-3, atol=1e-5)
+
+
+def test_the_pool_outside_the_graphs_trains_as_inside(monkeypatch):
+    """whole_graph.POOL_OUTSIDE (the default): each step runs mha::pool eagerly, once, on that
+    step's own tok (read where it is, never copied into the graphs), and training follows the
+    graphs with the pool inside them (mha::region: the same kernels). Every parameter moves but
+    the key bias, whose gradient is exactly zero by the math."""
+    from mha_compile import pool_moe_ops
+
+    pools = []
+    real_pool = pool_moe_ops.pool
+    monkeypatch.setattr(pool_moe_ops, "pool", lambda *args: pools.append(args[0].shape) or real_pool(*args))
+    runs = {}
+    for outside in (False, True):
+        monkeypatch.setattr(whole_graph, "POOL_OUTSIDE", outside)
+        torch._dynamo.reset()
+        model = block()
+        names, start = zip(*[(name, p.detach().clone()) for name, p in model.named_parameters()])
+        runs[outside] = train(model, mode="reduce-overhead", steps=4)
+    assert pools == [torch.Size([64, 24, 128])] * 4
+    (losses_in, params_in), (losses_out, params_out) = runs[False], runs[True]
+    torch.testing.assert_close(torch.tensor(losses_out), torch.tensor(losses_in), rtol=1e-4, atol=0)
+    for name, got, want, first in zip(names, params_out, params_in, start):
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-3, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        assert torch.equal(got, first) == (name == "pool.key.bias"), f"{name}: moved when it must not, or not moved"

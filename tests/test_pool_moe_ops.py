@@ -1,0 +1,109 @@
+"""mha::pool then mha::moe (pool_moe_ops): the fused region split in two, for whole_graph.split_pool.
+
+They run the fused kernel set's own pieces in its order, so they must give exactly what mha::region
+with kernels="fused" gives, forward and every gradient (the same bits), and that within SPEC §4's
+fp32 bound of the float64 reference; the fakes must promise what the ops return (opcheck)."""
+import os
+
+import pytest
+import torch
+
+from mha_compile import ops, pool_moe_ops
+from mha_compile.kernels import reference, triton_moe
+
+from kernels.kernel_cases import GRAD_NAMES, make_case
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="the fused kernels on CPU need TRITON_INTERPRET=1")
+
+
+def _split_call(ctx, tok, params, mask, top_k, renorm, act, keep_hidden, export_inv):
+    q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3 = params
+    inv, _, _, _ = pool_moe_ops.pool(tok, q, wk, bk, wv, bv, wo, bo, mask)
+    out = pool_moe_ops.moe(ctx, inv, wg, w1, b1, w2, b2, w3, top_k, renorm, act, keep_hidden)[0]
+    return out, inv
+
+
+def _region_call(ctx, tok, params, mask, top_k, renorm, act, keep_hidden, export_inv):
+    outputs = ops.region(ctx, tok, *params, mask, top_k, renorm, act, "fused", export_inv, keep_hidden=keep_hidden)
+    return outputs[0], outputs[1]
+
+
+def _outputs_and_grads(call, ctx, tok, params, mask, top_k, renorm, act, keep_hidden, export_inv):
+    leaves = [t.detach().requires_grad_() if t is not None else None for t in (ctx, tok, *params)]
+    out, inv = call(leaves[0], leaves[1], leaves[2:], mask, top_k, renorm, act, keep_hidden, export_inv)
+    gen = torch.Generator().manual_seed(7)
+    g_out = torch.randn(out.shape, generator=gen).to(out.dtype)
+    loss = (out * g_out).sum()
+    if export_inv:  # the graph reads inv too: its gradient reaches the pool beside the MoE's
+        loss = loss + (inv * torch.randn(inv.shape, generator=gen).to(inv.dtype)).sum()
+    present = [t for t in leaves if t is not None]
+    grads = iter(torch.autograd.grad(loss, present))
+    return out.detach(), inv.detach(), [None if t is None else next(grads) for t in leaves]
+
+
+@pytest.mark.parametrize("export_inv", [False, True], ids=["", "inv-read"])
+@pytest.mark.parametrize("act,bias,keep_hidden,masked", [
+    ("gelu", True, False, False), ("swiglu", False, False, True), ("silu", True, True, False)])
+def test_the_split_ops_give_the_fused_region_s_bits(act, bias, keep_hidden, masked, export_inv):
+    """Odd sizes (B=3, H=5, N=7, D=24, F=40, E=5, k=2), fresh inputs; every gradient the region's,
+    bit for bit, none of them zero (but ∂bk, exactly zero by the math), and the forward within
+    fp32's bound of the float64 reference. Where the graph reads inv too, the region adds the
+    reference pool backward of inv's own gradient to its kernels' (ops._region_gradients) where the
+    split sums the two ∂inv before one pool backward: the same math, summed in another order, so
+    the pool's gradients are held to fp32's bound (SPEC §4) there instead of the bits."""
+    ctx, tok, params = make_case(3, 5, 7, 24, 2, 40, 5, 2, act=act, bias=bias)
+    mask = (torch.rand(3, 7) < 0.3) if masked else None
+    if mask is not None:
+        mask[:, 0] = False  # every row keeps a token
+    args = (ctx, tok, params, mask, 2, True, act, keep_hidden, export_inv)
+    out_s, inv_s, grads_s = _outputs_and_grads(_split_call, *args)
+    out_r, inv_r, grads_r = _outputs_and_grads(_region_call, *args)
+    assert torch.equal(out_s, out_r) and torch.equal(inv_s, inv_r)
+    for name, g_s, g_r in zip(GRAD_NAMES, grads_s, grads_r):
+        assert (g_s is None) == (g_r is None), name
+        if g_s is None:
+            continue
+        assert g_s.dtype == g_r.dtype, f"∂{name}"
+        if export_inv and name in ops.POOL_GRADS:
+            assert ((g_s - g_r).norm() / g_r.norm()).item() <= 1e-5, f"∂{name}"
+        else:
+            assert torch.equal(g_s, g_r), f"∂{name}"
+        assert (g_s.abs().max() == 0) == (name == "bk"), f"∂{name}: zero where it must not be, or ∂bk not zero"
+    c64 = lambda t: None if t is None else t.double()
+    ref = reference.region_forward(c64(ctx), c64(tok), *map(c64, params), mask, 2, True, act)[0]
+    assert ((out_s.double() - ref).norm() / ref.norm()).item() <= 1e-5
+
+
+def test_opcheck_the_split_ops():
+    """Each fake's shapes and dtypes against the real ops (fake, static and dynamic shapes),
+    their schemas and autograd registrations; the backward ops under the fake and schema checks."""
+    ctx, tok, params = make_case(3, 4, 5, 16, 2, 24, 4, 2, act="gelu")
+    q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3 = params
+    pool_args = (tok, q, wk, bk, wv, bv, wo, bo, None)
+    torch.library.opcheck(pool_moe_ops.pool, pool_args)
+    inv, attn, u, pooled = pool_moe_ops.pool(*pool_args)
+    moe_args = (ctx, inv, wg, w1, b1, w2, b2, w3, 2, True, "gelu", True)
+    torch.library.opcheck(pool_moe_ops.moe, moe_args)
+    out, weight, index, probs, reuse = pool_moe_ops.moe(*moe_args)
+    kept = triton_moe.keeps_hidden("gelu", True)
+    assert reuse.dtype == torch.int32 and reuse.numel() > (0 if not kept else out.shape[0] * out.shape[1] * 2 * 24 // 2)
+    checks = ("test_schema", "test_faketensor")
+    torch.library.opcheck(pool_moe_ops.pool_backward, (torch.randn_like(inv), *pool_args[:8], attn, u, pooled),
+                          test_utils=checks)
+    torch.library.opcheck(pool_moe_ops.moe_backward, (torch.randn_like(out), *moe_args[:8], weight, index, probs,
+                                                      reuse, 2, True, "gelu", True), test_utils=checks)
+
+
+def test_the_ops_refuse_mixed_dtypes_by_name():
+    """The split takes the fused kernels' one-dtype case only; a traced call with another dtype
+    names the input."""
+    ctx, tok, params = make_case(2, 3, 5, 16, 2, 24, 4, 2)
+    q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3 = params
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        with pytest.raises(RuntimeError, match="wv is torch.float64"):
+            pool_moe_ops.pool(tok, q, wk, bk, wv.double(), bv, wo, bo, None)
+        inv = torch.empty(2, 16)
+        with pytest.raises(RuntimeError, match="w2 is torch.float16"):
+            pool_moe_ops.moe(ctx, inv, wg, w1, b1, w2.half(), b2, w3, 2, True, "gelu")
