@@ -87,6 +87,11 @@ def copy_graph(gm):
 # Each region's pool run eagerly, outside the CUDA graphs, where that spares the replays a copy of
 # tok (split_pool); MHA_COMPILE_POOL_OUTSIDE_GRAPHS=0 captures it with the rest. Read at compile time.
 POOL_OUTSIDE = os.environ.get("MHA_COMPILE_POOL_OUTSIDE_GRAPHS", "1") != "0"
+# ... where tok holds at least this many bytes. The eager pool costs host time (its launches, forward
+# and backward: a large step's host issue 1.99 → 3.62 ms on the H200, session 40), which a step
+# whose graphs take ~0.65 ms of GPU (medium) cannot hide, for a copy of ~20 us there (32 MiB); at
+# large it saved 0.30 ms of a 5.6 ms step (512 MiB). MHA_COMPILE_POOL_OUTSIDE_MIN_MB sets it.
+POOL_OUTSIDE_MIN_BYTES = int(float(os.environ.get("MHA_COMPILE_POOL_OUTSIDE_MIN_MB", "256")) * 2**20)
 _REGION_ARGS = [a.name for a in torch.ops.mha.region.default._schema.arguments]
 _POOL_ARGS = ("tok", "q", "wk", "bk", "wv", "bv", "wo", "bo", "mask")  # mha::pool's, in order
 _MOE_ARGS = ("ctx", "wg", "w1", "b1", "w2", "b2", "w3")  # mha::moe's tensors, inv left out, in order
@@ -101,8 +106,8 @@ def split_pool(gm, example_inputs):
     backward, so a region whose tok is an input of the graph that nothing else reads runs as
     pool_moe_ops' two ops: mha::pool eagerly, with its autograd (its backward runs after the
     graphs' backward, on tok where it is), and mha::moe in the graphs, which take the pool's [B,D]
-    inv as an input in tok's place. Only where the pool reads inputs alone (tok, its weights, a
-    mask) and the fused kernels take the region in one dtype: the two ops run the fused set's own
+    inv as an input in tok's place. Only where tok holds POOL_OUTSIDE_MIN_BYTES or more, the pool
+    reads inputs alone (tok, its weights, a mask) and the fused kernels take the region in one dtype: the two ops run the fused set's own
     pieces (its outputs and gradients, tests/test_pool_moe_ops.py). Inputs left with no reader
     (tok, the pool's weights) are not handed to the graphs."""
     if not POOL_OUTSIDE:
@@ -155,6 +160,8 @@ def _pool_can_leave(node, values):
     if any(not isinstance(t, torch.Tensor) for t in (ctx, tok, w1)) or \
             any(t is not None and not isinstance(t, torch.Tensor) for t in tensors):
         return False
+    if tok.numel() * tok.element_size() < POOL_OUTSIDE_MIN_BYTES:
+        return False  # a copy too small to pay for the eager pool's host time
     return (triton_region.why_unsupported(ctx, tok, w1, values["top_k"], values["act"], mask) is None
             and all(t is None or t.dtype == ctx.dtype for t in tensors))
 

@@ -140,15 +140,17 @@ needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1"
                                        reason="kernels='fused' on CPU needs TRITON_INTERPRET=1")
 
 
-def _split_step(monkeypatch, pool_outside, model=None):
+def _split_step(monkeypatch, pool_outside, model=None, min_bytes=0):
     """_capture_calls through backend="mha" with kernels="fused" (the split needs them), with
-    whole_graph.POOL_OUTSIDE set; also the eager mha::pool calls and every leaf's gradient."""
+    whole_graph.POOL_OUTSIDE and POOL_OUTSIDE_MIN_BYTES set (0: the tiny block's tok is split);
+    also the eager mha::pool calls and every leaf's gradient."""
     from mha_compile import pool_moe_ops
 
     pools = []
     real_pool = pool_moe_ops.pool
     monkeypatch.setattr(pool_moe_ops, "pool", lambda *args: pools.append(args[0].shape) or real_pool(*args))
     monkeypatch.setattr(whole_graph, "POOL_OUTSIDE", pool_outside)
+    monkeypatch.setattr(whole_graph, "POOL_OUTSIDE_MIN_BYTES", min_bytes)
     torch.manual_seed(1)
     block = models.MHABlock.from_preset("tiny")
     calls, block, (ctx, tok) = _capture_calls(monkeypatch, True, True, options={"kernels": "fused"}, block=block,
@@ -219,3 +221,15 @@ def test_a_failed_split_warns_and_captures_the_graph_whole(monkeypatch, caplog):
     monkeypatch.setattr(whole_graph, "POOL_OUTSIDE", True)
     with pytest.raises(Exception, match="a split that cannot be built"):
         _capture_calls(monkeypatch, True, True, options={"kernels": "fused", "strict": True})
+
+
+@needs_interpreter
+def test_a_small_tok_keeps_the_pool_in_the_graphs(monkeypatch):
+    """Below POOL_OUTSIDE_MIN_BYTES (256 MiB by default) the copy is too small to pay for the
+    eager pool's host time: the tiny block's tok (2.5 KiB) is copied in, the pool stays inside."""
+    assert whole_graph.POOL_OUTSIDE_MIN_BYTES == 256 * 2**20 or os.environ.get("MHA_COMPILE_POOL_OUTSIDE_MIN_MB")
+    calls, pools, _, _, (ctx, tok) = _split_step(monkeypatch, True, min_bytes=_TINY_TOK_BYTES + 1)
+    assert pools == [] and any(tuple(t.shape) == tuple(tok.shape) for t in calls[0][1])
+
+
+_TINY_TOK_BYTES = 4 * 5 * 32 * 4  # _capture_calls' tok [4,5,32] fp32

@@ -58,26 +58,45 @@ def test_mode_in_the_options_replays_cuda_graphs_and_trains_as_the_plain_step(mo
         torch.testing.assert_close(got.float(), want.float(), rtol=1e-3, atol=1e-5)
 
 
-def test_the_pool_outside_the_graphs_trains_as_inside(monkeypatch):
+
+def _grads_per_step(monkeypatch, outside, steps=3):
+    """Each step's parameter gradients (no optimizer: the same parameters, fresh inputs a step)
+    of the block compiled with mode="reduce-overhead", whole_graph.POOL_OUTSIDE = outside."""
+    monkeypatch.setattr(whole_graph, "POOL_OUTSIDE", outside)
+    monkeypatch.setattr(whole_graph, "POOL_OUTSIDE_MIN_BYTES", 0)  # this tok is 384 KiB
+    torch._dynamo.reset()
+    model = block()
+    compiled = torch.compile(model, backend="mha", mode="reduce-overhead")
+    grads = []
+    for step in range(steps):
+        torch.compiler.cudagraph_mark_step_begin()
+        gen = torch.Generator("cuda").manual_seed(200 + step)
+        ctx = torch.randn(64, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+        tok = torch.randn(64, 24, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+        compiled(ctx, tok).float().square().mean().backward()
+        grads.append({name: p.grad.clone() for name, p in model.named_parameters()})
+        model.zero_grad(set_to_none=True)
+    return grads
+
+
+def test_the_pool_outside_the_graphs_gives_the_gradients_inside(monkeypatch):
     """whole_graph.POOL_OUTSIDE (the default): each step runs mha::pool eagerly, once, on that
-    step's own tok (read where it is, never copied into the graphs), and training follows the
-    graphs with the pool inside them (mha::region: the same kernels). Every parameter moves but
-    the key bias, whose gradient is exactly zero by the math."""
+    step's own tok (read where it is, never copied into the graphs), and every parameter's
+    gradient is the one the graphs give with the pool inside them (mha::region, the same kernels:
+    to within bf16's last bit), none zero but the key bias's, exactly zero by the math. (SGD steps
+    do not show a lost gradient here: in bf16 the query's updates at lr 0.1 round away, inside the
+    graphs or out; test_reduce_overhead_trains_as_the_plain_step trains with the split.)"""
     from mha_compile import pool_moe_ops
 
     pools = []
     real_pool = pool_moe_ops.pool
     monkeypatch.setattr(pool_moe_ops, "pool", lambda *args: pools.append(args[0].shape) or real_pool(*args))
-    runs = {}
-    for outside in (False, True):
-        monkeypatch.setattr(whole_graph, "POOL_OUTSIDE", outside)
-        torch._dynamo.reset()
-        model = block()
-        names, start = zip(*[(name, p.detach().clone()) for name, p in model.named_parameters()])
-        runs[outside] = train(model, mode="reduce-overhead", steps=4)
-    assert pools == [torch.Size([64, 24, 128])] * 4
-    (losses_in, params_in), (losses_out, params_out) = runs[False], runs[True]
-    torch.testing.assert_close(torch.tensor(losses_out), torch.tensor(losses_in), rtol=1e-4, atol=0)
-    for name, got, want, first in zip(names, params_out, params_in, start):
-        torch.testing.assert_close(got.float(), want.float(), rtol=1e-3, atol=1e-5, msg=lambda m: f"{name}: {m}")
-        assert torch.equal(got, first) == (name == "pool.key.bias"), f"{name}: moved when it must not, or not moved"
+    inside = _grads_per_step(monkeypatch, False)
+    assert pools == []
+    outside = _grads_per_step(monkeypatch, True)
+    assert pools == [torch.Size([64, 24, 128])] * 3
+    for step, (got, want) in enumerate(zip(outside, inside)):
+        for name in want:
+            torch.testing.assert_close(got[name].float(), want[name].float(), rtol=1e-3, atol=1e-6,
+                                       msg=lambda m: f"step {step} ∂{name}: {m}")
+            assert (got[name].abs().max() == 0) == (name == "pool.key.bias"), f"step {step} ∂{name}"
