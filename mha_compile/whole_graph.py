@@ -63,7 +63,6 @@ def _forward_static_params(cudagraphify_impl, model, inputs, static_input_idxs, 
     return cudagraphify_impl(model, inputs, static_input_idxs, *args, **kwargs)
 
 
-
 def copy_graph(gm):
     """(gm's graph in a new GraphModule, {gm's node: its copy}), with what Dynamo hands AOTAutograd
     beside the graph: gm.meta (its dynamo_compile_id), _param_name_to_source and each
@@ -107,9 +106,10 @@ def split_pool(gm, example_inputs):
     pool_moe_ops' two ops: mha::pool eagerly, with its autograd (its backward runs after the
     graphs' backward, on tok where it is), and mha::moe in the graphs, which take the pool's [B,D]
     inv as an input in tok's place. Only where tok holds POOL_OUTSIDE_MIN_BYTES or more, the pool
-    reads inputs alone (tok, its weights, a mask) and the fused kernels take the region in one dtype: the two ops run the fused set's own
-    pieces (its outputs and gradients, tests/test_pool_moe_ops.py). Inputs left with no reader
-    (tok, the pool's weights) are not handed to the graphs."""
+    reads inputs alone (tok, its weights, a mask) and the fused kernels take the region in one
+    dtype: the two ops run the fused set's own pieces (its outputs and gradients,
+    tests/test_pool_moe_ops.py). Inputs left with no reader (tok, the pool's weights) are not
+    handed to the graphs."""
     if not POOL_OUTSIDE:
         return None
     regions = [node for node in gm.graph.find_nodes(op="call_function", target=torch.ops.mha.region.default)
@@ -160,8 +160,9 @@ def _pool_can_leave(node, values):
     if any(not isinstance(t, torch.Tensor) for t in (ctx, tok, w1)) or \
             any(t is not None and not isinstance(t, torch.Tensor) for t in tensors):
         return False
-    if tok.numel() * tok.element_size() < POOL_OUTSIDE_MIN_BYTES:
-        return False  # a copy too small to pay for the eager pool's host time
+    size = tok.numel() * tok.element_size()
+    if not isinstance(size, int) or size < POOL_OUTSIDE_MIN_BYTES:
+        return False  # a copy too small to pay for the eager pool's host time (or a symbolic size)
     return (triton_region.why_unsupported(ctx, tok, w1, values["top_k"], values["act"], mask) is None
             and all(t is None or t.dtype == ctx.dtype for t in tensors))
 

@@ -233,3 +233,32 @@ def test_a_small_tok_keeps_the_pool_in_the_graphs(monkeypatch):
 
 
 _TINY_TOK_BYTES = 4 * 5 * 32 * 4  # _capture_calls' tok [4,5,32] fp32
+
+
+@needs_interpreter
+def test_the_split_runs_inference_too(monkeypatch):
+    """Under no_grad (Dynamo guards the grad mode: a graph of its own) the split forward gives
+    the unsplit one's output, bit for bit, with the pool run eagerly once a call."""
+    from mha_compile import pool_moe_ops
+
+    pools = []
+    real_pool = pool_moe_ops.pool
+    monkeypatch.setattr(pool_moe_ops, "pool", lambda *args: pools.append(args[0].shape) or real_pool(*args))
+    monkeypatch.setattr(whole_graph, "POOL_OUTSIDE_MIN_BYTES", 0)
+    monkeypatch.setattr(backend, "_whole_graph_captured", lambda *args: True)
+    from torch._dynamo.backends import cudagraphs as dynamo_cudagraphs
+    from torch._inductor import cudagraph_trees
+    monkeypatch.setattr(cudagraph_trees, "cudagraphify_impl", lambda model, *args, **kwargs: model)
+    monkeypatch.setattr(dynamo_cudagraphs, "check_for_skip", lambda *args: None)
+    monkeypatch.setattr(dynamo_cudagraphs, "get_device_index", lambda *args: 0)
+    torch.manual_seed(2)
+    block = models.MHABlock.from_preset("tiny")
+    ctx, tok = torch.randn(4, 3, 32), torch.randn(4, 5, 32)
+    outs = []
+    for outside in (True, False):
+        monkeypatch.setattr(whole_graph, "POOL_OUTSIDE", outside)
+        torch._dynamo.reset()
+        with torch.no_grad():
+            outs.append(torch.compile(block, backend="mha", options={"kernels": "fused"})(ctx, tok))
+    torch._dynamo.reset()
+    assert pools == [tok.shape] and torch.equal(outs[0], outs[1])
