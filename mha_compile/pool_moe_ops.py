@@ -94,18 +94,28 @@ def _pool_backward_fake(grad_inv, tok, q, wk, bk, wv, bv, wo, bo, attn, u, poole
     return [tok.new_empty(0) if t is None else t.new_empty(t.shape) for t in (tok, q, wk, bk, wv, bv, wo, bo)]
 
 
-def _pool_setup_context(ctx, inputs, output):
-    tensors = inputs[:8]
+def _save(ctx, tensors, output):
+    """Keep an op's tensor inputs (absent ones noted) and its outputs after the first, which take
+    no gradient (and get no materialised zeros: ops._setup_context says what those cost)."""
     ctx.absent = [t is None for t in tensors]
     ctx.save_for_backward(*[t for t in tensors if t is not None], *output[1:])
     ctx.set_materialize_grads(False)
     ctx.mark_non_differentiable(*output[1:])
 
 
+def _saved(ctx):
+    """(the inputs _save kept, None where absent; the outputs it kept)."""
+    saved = list(ctx.saved_tensors)
+    return [None if absent else saved.pop(0) for absent in ctx.absent], saved
+
+
+def _pool_setup_context(ctx, inputs, output):
+    _save(ctx, inputs[:8], output)
+
+
 def _pool_autograd_backward(ctx, grad_inv, *unused):
     """attn, u and pooled take no gradient; a None ∂inv (inv unused) gives none to the inputs."""
-    saved = list(ctx.saved_tensors)
-    tensors = [None if absent else saved.pop(0) for absent in ctx.absent]
+    tensors, saved = _saved(ctx)
     if grad_inv is None:
         return (None,) * 9
     args = (grad_inv.contiguous(), *tensors, *saved)  # saved: attn, u, pooled
@@ -170,18 +180,13 @@ def _moe_backward_fake(grad_out, ctx, inv, wg, w1, b1, w2, b2, w3, weight, index
 
 
 def _moe_setup_context(ctx, inputs, output):
-    tensors = inputs[:8]
-    ctx.absent = [t is None for t in tensors]
-    ctx.save_for_backward(*[t for t in tensors if t is not None], *output[1:])
+    _save(ctx, inputs[:8], output)
     ctx.config = (*inputs[8:11], bool(inputs[11]) if len(inputs) > 11 else False)  # top_k, renorm, act, keep_hidden
-    ctx.set_materialize_grads(False)
-    ctx.mark_non_differentiable(*output[1:])
 
 
 def _moe_autograd_backward(ctx, grad_out, *unused):
     """weight, index, π and reuse take no gradient; a None ∂out gives none to the inputs."""
-    saved = list(ctx.saved_tensors)
-    tensors = [None if absent else saved.pop(0) for absent in ctx.absent]
+    tensors, saved = _saved(ctx)
     if grad_out is None:
         return (None,) * 12
     args = (grad_out.contiguous(), *tensors, *saved, *ctx.config)  # saved: weight, index, π, reuse
