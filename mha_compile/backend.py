@@ -39,7 +39,7 @@ def mha_backend(gm, example_inputs, options=None, mode=None):
     except Exception as error:
         if opts.strict:
             raise
-        report.fallback = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        report.fallback = _first_line(error)
         log.warning("mha_compile: rewriting graph %d failed (%s); running it as captured", report.index, report.fallback)
         lowered = gm
     report.code_after = lowered.code
@@ -158,9 +158,15 @@ def _pool_split(gm, example_inputs, opts):
     except Exception as error:
         if opts.strict:
             raise
-        log.warning("mha_compile: running the pool outside the CUDA graphs failed (%s: %s); capturing it with "
-                    "the rest", type(error).__name__, str(error).splitlines()[0] if str(error) else "")
+        log.warning("mha_compile: running the pool outside the CUDA graphs failed (%s); capturing it with the rest",
+                    _first_line(error))
         return None
+
+
+def _first_line(error):
+    """The error as "Type: its message's first line", for a warning or a report's fallback reason."""
+    text = str(error)
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def cache_key_tagged():

@@ -7,7 +7,7 @@ in bf16, and a large training step took 5.419 ms with it copied against 5.059 wi
 place (H200, bench/results/step_profile_keep_large_s40.txt). The pool is tok's only reader,
 forward and backward, so whole_graph runs the pool eagerly, between the graphs, on tok where it
 is, and captures the rest: for that the region is these two ops. They run kernels="fused"'s own
-pieces (triton_region.pool_forward, moe_forward, moe_backward and triton_pool.pool_backward), the
+pieces (triton_region.pool_forward, moe_forward, moe_backward and pool_backward), the
 kernels mha::region runs, in its order, and so give its outputs and gradients.
 
     mha::pool(tok, q, wk, bk, wv, bv, wo, bo, mask) -> inv [B,D], attn [B,N,P], u [P,D], pooled [B,D]
@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from mha_compile.kernels import triton_moe, triton_pool, triton_region
+from mha_compile.kernels import triton_moe, triton_region
 from mha_compile.ops import _no_autocast, _traced
 
 MERGE = "on_load"  # kernels="fused"'s merge (triton_region): y = ctx + inv[b] formed as it is loaded
@@ -78,10 +78,7 @@ def _pool_backward(grad_inv: Tensor, tok: Tensor, q: Tensor, wk: Tensor, bk: Opt
                    pooled: Tensor) -> list[Tensor]:
     """Gradients of POOL_INPUTS, in order (an empty tensor for an absent bias), from ∂inv."""
     with _launching(tok):
-        weights = triton_region._pool_f32(tok, q, wk, wv, bv, wo, None)[:5]
-        grads = triton_pool.pool_backward(grad_inv, tok, *weights, attn, u=u, pooled=pooled)
-        grad_bk = None if bk is None else torch.zeros_like(bk)
-        grads = (grads[0], grads[1], grads[2], grad_bk, *grads[3:])
+        grads = triton_region.pool_backward(grad_inv, tok, q, wk, bk, wv, bv, wo, attn, u, pooled)
         inputs = (tok, q, wk, bk, wv, bv, wo, bo)
         return [tok.new_empty(0) if t is None else g.to(t.dtype).contiguous() for g, t in zip(grads, inputs)]
 

@@ -285,13 +285,13 @@ def _layout_of(index, experts, kept, reused):
     return groups
 
 
-def _pool_weights(tok, q, wk, wv, bv, wo, kept, reused):
+def _pool_weights(tok, q, wk, wv, bv, wo, kept, u):
     """(q, Wk, Wv, bv, Wo as _pool_f32 gives them, u or None) for the pool's backward:
     region_forward's from `kept` (refused if they came from other weights, or from these before a
-    write), else _pool_f32's now, with u from `reuse` where it holds it."""
+    write), else _pool_f32's now, with the given u (the forward's, or None)."""
     pool = kept.get("pool") if kept else None
     if pool is None:
-        return (*_pool_f32(tok, q, wk, wv, bv, wo, None)[:5], None if reused is None else reused.u)
+        return (*_pool_f32(tok, q, wk, wv, bv, wo, None)[:5], u)
     made_from, weights = pool
     if made_from != stamp(q, wk, wv, bv, wo):
         raise ValueError("region_backward: the pool weights kept in `kept` were not made from these q, wk, wv, bv, "
@@ -315,13 +315,21 @@ def region_backward(merge, grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1
     dctx, dinv, dwg, dw1, db1, dw2, db2, dw3 = moe_backward(
         merge, grad_out, ctx, inv, wg, w1, b1, w2, b2, w3, weight, index, probs, groups,
         None if reused is None else reused.hidden, renorm, act, inputs[9].dtype)
-    *pool, u = _pool_weights(tok, q, wk, wv, bv, wo, kept, reused)
-    grad_tok, grad_q, grad_wk, grad_wv, grad_bv, grad_wo, grad_bo = triton_pool.pool_backward(
-        dinv, tok, *pool, attn.float(), u=u, pooled=None if reused is None else reused.pooled)
-    grad_bk = None if bk is None else torch.zeros_like(bk)
-    grads = (dctx, grad_tok, grad_q, grad_wk, grad_bk, grad_wv, grad_bv, grad_wo, grad_bo,
-             dwg, dw1, db1, dw2, db2, dw3)
+    pool_grads = pool_backward(dinv, tok, q, wk, bk, wv, bv, wo, attn, None if reused is None else reused.u,
+                               None if reused is None else reused.pooled, kept)
+    grads = (dctx, *pool_grads, dwg, dw1, db1, dw2, db2, dw3)
     return tuple(None if t is None else g.to(t.dtype) for g, t in zip(grads, inputs))
+
+
+def pool_backward(grad_inv, tok, q, wk, bk, wv, bv, wo, attn, u=None, pooled=None, kept=None):
+    """(∂tok, ∂q, ∂Wk, ∂bk, ∂Wv, ∂bv, ∂Wo, ∂bo): region_backward's pool from ∂inv [B,D] fp32, on
+    tok in the compute dtype; ∂bk is zeros (None without bk: it cancels), the rest as
+    triton_pool.pool_backward gives them. u, pooled: the forward's directions and heads' output
+    where kept (`reuse`'s views, mha::pool's outputs), else None; kept: region_forward's dict, whose
+    pool weights (u among them) are taken where it holds them."""
+    *weights, u = _pool_weights(tok, q, wk, wv, bv, wo, kept, u)
+    grads = triton_pool.pool_backward(grad_inv, tok, *weights, attn.float(), u=u, pooled=pooled)
+    return (*grads[:3], None if bk is None else torch.zeros_like(bk), *grads[3:])
 
 
 def moe_backward(merge, grad_out, ctx, inv, wg, w1, b1, w2, b2, w3, weight, index, probs, groups, hidden, renorm,

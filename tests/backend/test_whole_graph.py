@@ -11,15 +11,10 @@ import torch
 from mha_compile import backend, models, whole_graph
 
 
-def _capture_calls(monkeypatch, static_params, through_mha=False, tok_static=False, options=None, block=None,
-                   model=None):
-    """(is_backward, the inputs, the static indices) of each cudagraphify_impl call of a tiny
-    block's training step compiled through whole_graph.capture, and the block. through_mha:
-    compiled with backend="mha" as under mode="reduce-overhead" on the GPU (the region rewritten
-    on a copy of Dynamo's graph, then whole_graph.capture), else with capture as the backend.
-    tok_static: tok marked with torch._dynamo.mark_static_address, as a caller who refills one
-    input buffer each step would (README). options: backend="mha"'s; block: the tiny block's
-    parameters, else fresh ones; model: what is compiled, given the block (the block itself)."""
+def _stub_cuda_graphs(monkeypatch):
+    """[(is_backward, the inputs, the static indices)] of each cudagraphify_impl call from now on:
+    Dynamo's CPU check is stepped around, and the stand-in records its arguments and runs the
+    graph as is."""
     from torch._dynamo.backends import cudagraphs as dynamo_cudagraphs
     from torch._inductor import cudagraph_trees
 
@@ -29,10 +24,33 @@ def _capture_calls(monkeypatch, static_params, through_mha=False, tok_static=Fal
         calls.append((kwargs.get("is_backward"), list(inputs), sorted(static_input_idxs)))
         return model
 
-    monkeypatch.setattr(whole_graph, "STATIC_PARAMS", static_params)
     monkeypatch.setattr(cudagraph_trees, "cudagraphify_impl", record)
     monkeypatch.setattr(dynamo_cudagraphs, "check_for_skip", lambda *args: None)
     monkeypatch.setattr(dynamo_cudagraphs, "get_device_index", lambda *args: 0)
+    return calls
+
+
+def _record_pools(monkeypatch):
+    """[tok's shape] of each eager mha::pool call (whole_graph's split) from now on."""
+    from mha_compile import pool_moe_ops
+
+    pools = []
+    real_pool = pool_moe_ops.pool
+    monkeypatch.setattr(pool_moe_ops, "pool", lambda *args: pools.append(args[0].shape) or real_pool(*args))
+    return pools
+
+
+def _capture_calls(monkeypatch, static_params, through_mha=False, tok_static=False, options=None, block=None,
+                   model=None):
+    """(is_backward, the inputs, the static indices) of each cudagraphify_impl call of a tiny
+    block's training step compiled through whole_graph.capture, and the block. through_mha:
+    compiled with backend="mha" as under mode="reduce-overhead" on the GPU (the region rewritten
+    on a copy of Dynamo's graph, then whole_graph.capture), else with capture as the backend.
+    tok_static: tok marked with torch._dynamo.mark_static_address, as a caller who refills one
+    input buffer each step would (README). options: backend="mha"'s; block: the tiny block's
+    parameters, else fresh ones; model: what is compiled, given the block (the block itself)."""
+    monkeypatch.setattr(whole_graph, "STATIC_PARAMS", static_params)
+    calls = _stub_cuda_graphs(monkeypatch)
     torch._dynamo.reset()
     block = block or models.MHABlock.from_preset("tiny")
     torch.manual_seed(0)
@@ -144,11 +162,7 @@ def _split_step(monkeypatch, pool_outside, model=None, min_bytes=0):
     """_capture_calls through backend="mha" with kernels="fused" (the split needs them), with
     whole_graph.POOL_OUTSIDE and POOL_OUTSIDE_MIN_BYTES set (0: the tiny block's tok is split);
     also the eager mha::pool calls and every leaf's gradient."""
-    from mha_compile import pool_moe_ops
-
-    pools = []
-    real_pool = pool_moe_ops.pool
-    monkeypatch.setattr(pool_moe_ops, "pool", lambda *args: pools.append(args[0].shape) or real_pool(*args))
+    pools = _record_pools(monkeypatch)
     monkeypatch.setattr(whole_graph, "POOL_OUTSIDE", pool_outside)
     monkeypatch.setattr(whole_graph, "POOL_OUTSIDE_MIN_BYTES", min_bytes)
     torch.manual_seed(1)
@@ -239,18 +253,10 @@ _TINY_TOK_BYTES = 4 * 5 * 32 * 4  # _capture_calls' tok [4,5,32] fp32
 def test_the_split_runs_inference_too(monkeypatch):
     """Under no_grad (Dynamo guards the grad mode: a graph of its own) the split forward gives
     the unsplit one's output, bit for bit, with the pool run eagerly once a call."""
-    from mha_compile import pool_moe_ops
-
-    pools = []
-    real_pool = pool_moe_ops.pool
-    monkeypatch.setattr(pool_moe_ops, "pool", lambda *args: pools.append(args[0].shape) or real_pool(*args))
+    pools = _record_pools(monkeypatch)
+    _stub_cuda_graphs(monkeypatch)
     monkeypatch.setattr(whole_graph, "POOL_OUTSIDE_MIN_BYTES", 0)
     monkeypatch.setattr(backend, "_whole_graph_captured", lambda *args: True)
-    from torch._dynamo.backends import cudagraphs as dynamo_cudagraphs
-    from torch._inductor import cudagraph_trees
-    monkeypatch.setattr(cudagraph_trees, "cudagraphify_impl", lambda model, *args, **kwargs: model)
-    monkeypatch.setattr(dynamo_cudagraphs, "check_for_skip", lambda *args: None)
-    monkeypatch.setattr(dynamo_cudagraphs, "get_device_index", lambda *args: 0)
     torch.manual_seed(2)
     block = models.MHABlock.from_preset("tiny")
     ctx, tok = torch.randn(4, 3, 32), torch.randn(4, 5, 32)
