@@ -79,8 +79,10 @@ def plan(args, device_type):
         notes.append("CPU: reduced set (presets " + ", ".join(presets) + "; " + ", ".join(dtypes) + "; modes "
                      + ", ".join(mode_list) + "); the full sweep and the floor need CUDA")
     if "inductor-max-autotune" in mode_list and set(presets) - set(autotune):
-        notes.append("inductor-max-autotune ran only at " + ", ".join(p for p in presets if p in autotune)
-                     + " (--autotune-presets): elsewhere the best peer may be slower than it could be")
+        tuned = [p for p in presets if p in autotune]
+        where = "ran only at " + ", ".join(tuned) if tuned else "ran at none of these presets"
+        notes.append(f"inductor-max-autotune {where} (--autotune-presets): elsewhere the best peer may be "
+                     "slower than it could be")
     jobs = []
     for pass_ in PASSES:
         for preset in presets:

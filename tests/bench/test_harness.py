@@ -130,6 +130,10 @@ def test_plan_defaults_and_order():
     tuned = [j for j in jobs if j["mode"] == "inductor-max-autotune"]
     assert {j["preset"] for j in tuned} == {"medium"} and any("max-autotune" in n for n in notes)
     assert not [j for j in jobs if j["spelling"] == "grouped_mm" and j["mode"] == "mha-fused"]
+    assert "inductor-max-autotune ran only at medium (--autotune-presets)" in notes[0]
+    # presets without max-autotune: the note says it ran at none (session 41's said "only at ")
+    _, untuned = bench_main.plan(bench_main.parse_args(["--presets", "large,small"]), "cuda")
+    assert "inductor-max-autotune ran at none of these presets (--autotune-presets)" in untuned[0]
     cpu_jobs, cpu_notes = bench_main.plan(bench_main.parse_args([]), "cpu")
     assert {j["preset"] for j in cpu_jobs} == {"tiny", "small"} and {j["dtype"] for j in cpu_jobs} == {"fp32"}
     assert {j["mode"] for j in cpu_jobs} == {"eager", "inductor", "mha-reference"}
