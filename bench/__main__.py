@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from bench import measure, modes, plot, report
+from bench import measure, modes, plot, report, row_process
 from mha_compile.models import PRESETS
 
 PASSES = ("fwd+bwd", "fwd")  # training first: the targets that matter most are there
@@ -48,6 +48,9 @@ def parse_args(argv):
     p.add_argument("--out", default="out/bench", help="output folder (default: out/bench)")
     p.add_argument("--name", default="bench", help="file name stem of the outputs (default: bench)")
     p.add_argument("--commit", help="commit to record when the tree has no .git (default: git HEAD)")
+    p.add_argument("--isolate", action="store_true",
+                   help="measure each row in a process of its own (bench/row_process.py): host-bound rows "
+                        "then do not depend on the rows before them; seconds more a row")
     p.add_argument("--resume", action="store_true",
                    help="keep the groups (preset, dtype, pass) that <out>/<name>.json already holds whole, "
                         "measured on this device, torch, triton and commit; run the rest")
@@ -83,6 +86,12 @@ def plan(args, device_type):
         where = "ran only at " + ", ".join(tuned) if tuned else "ran at none of these presets"
         notes.append(f"inductor-max-autotune {where} (--autotune-presets): elsewhere the best peer may be "
                      "slower than it could be")
+    if args.isolate:
+        notes.append("each row measured in a process of its own (--isolate): no row's time depends on the rows "
+                     "before it; first-call times include loading the compiled kernels from disk")
+    else:
+        notes.append("the rows share one process, in the order listed: host-bound rows can run slower the later "
+                     "they come (up to 1.8x in session 41, bench/PERF_NOTES.md v44); --isolate measures each alone")
     jobs = []
     for pass_ in PASSES:
         for preset in presets:
@@ -141,7 +150,7 @@ def _group_of(row):
     return row["preset"], row["dtype"], row["pass"]
 
 
-def resumed_rows(path, jobs, env):
+def resumed_rows(path, jobs, env, isolated=False):
     """The rows of an earlier run to keep, whole groups only: a group (preset, dtype, pass) is
     what one speedup compares, so all its rows must come from one process. A group is kept when
     every planned job of it has a row that ran (ok or error, not skipped); an incomplete group
@@ -154,6 +163,10 @@ def resumed_rows(path, jobs, env):
         if earlier["meta"].get(field) != env[field]:
             raise SystemExit(f"--resume: {path} was measured with {field}={earlier['meta'].get(field)!r}, "
                              f"this run has {env[field]!r}; rows from both cannot be compared")
+    if earlier["meta"].get("isolated", False) != isolated:
+        how = {True: "each row in its own process (--isolate)", False: "in one process"}
+        raise SystemExit(f"--resume: {path} was measured {how[not isolated]}, this run {how[isolated]}; "
+                         "a table's rows must be measured the same way")
     ran = {tuple(r[k] for k in ("preset", "dtype", "pass", "spelling", "mode")): r
            for r in earlier["rows"] if r.get("status") in ("ok", "error")}
     kept = []
@@ -188,12 +201,13 @@ def main(argv=None):
         notes.append(cached)
     env = report.environment(device_type, args.commit)
     command = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--resume"]
-    meta = dict(env, date=report.now(), command="python -m bench " + shlex.join(command), notes=notes)
+    meta = dict(env, date=report.now(), command="python -m bench " + shlex.join(command), isolated=args.isolate,
+                notes=notes)
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, args.name)
     kept = []
     if args.resume:
-        kept, earlier_date = resumed_rows(stem + ".json", jobs, env)
+        kept, earlier_date = resumed_rows(stem + ".json", jobs, env, args.isolate)
         done = {_group_of(r) for r in kept}
         jobs = [job for job in jobs if _group_of(job) not in done]
         notes.append(f"{len(kept)} rows ({len(done)} whole groups of preset, dtype and pass) from a run of this "
@@ -217,7 +231,8 @@ def main(argv=None):
                 # compile does not answer an interrupt) then leaves a table that names it.
                 running = (job, time.perf_counter())
                 _write(stem, meta, rows + [_unfinished(job, env, running[1] - started, None)])
-                row = measure.run_row(job, cache, quick=args.quick)
+                row = (row_process.measure(job, quick=args.quick) if args.isolate
+                       else measure.run_row(job, cache, quick=args.quick))
                 running = None
             trace = row.pop("traceback", None)
             if trace:

@@ -13,7 +13,8 @@
 #   bash bench/h200_session.sh graphs  # the region's CUDA graphs (options graphs=): pytest -m cuda, then
 #                                      # fwd+bwd rows with and without them, and host time (~7 min):
 #                                      # run.log, graphs.{md,json,png}, host_time.txt
-#   [TESTS=0 MODES=..] bash bench/h200_session.sh table   # pytest -m cuda (TESTS=0: not), then the forward+backward rows of every mode (or MODES),
+#   [TESTS=0 MODES=.. ISOLATE=1] bash bench/h200_session.sh table   # pytest -m cuda (TESTS=0: not), then the forward+backward rows of every mode (or MODES;
+#                                      # ISOLATE=1: each row in a process of its own, bench --isolate),
 #                                      # max-autotune on the dense spelling at medium (~9 min):
 #                                      # run.log, h200.{md,json,png,errors.log}
 #   bash bench/h200_session.sh table-fwd  # the forward rows likewise (~6 min): h200_fwd.*
@@ -323,7 +324,8 @@ table|table-fwd)
     # MODES=...: a comma list for --modes (session 27 left out inductor-max-autotune to fit after
     # other work in the call: eager,inductor,mha-staged,mha-fused,mha-fused-nographs,mha-fused-cudagraphs).
     { timeout -s INT -k 15 $limit python -m bench --out "$OUT" --name $name --budget $budget --presets medium,large,small \
-        --passes $pass --spellings dense,loop,grouped_mm ${MODES:+--modes "$MODES"} --commit "$commit" 2>&1 | tail -70; } >>"$LOG"
+        --passes $pass --spellings dense,loop,grouped_mm ${MODES:+--modes "$MODES"} ${ISOLATE:+--isolate} \
+        --commit "$commit" 2>&1 | tail -70; } >>"$LOG"
     ;;
 gluon-up)
     { MHA_COMPILE_NO_AUTOTUNE=1 timeout 150 python -m pytest -q -m cuda tests/kernels/test_gluon_moe_cuda.py -k gemm1 \

@@ -99,17 +99,28 @@ def test_a_row_in_progress_is_on_disk_as_unfinished(tmp_path, monkeypatch):
     assert [(r["mode"], r["status"]) for r in rows] == [("eager", "ok"), ("inductor", "ok")]
 
 
-def test_an_interrupted_row_is_kept_as_unfinished(tmp_path, monkeypatch):
-    real_run = bench_main.measure.run_row
+@pytest.mark.parametrize("isolate", [False, True])
+def test_an_interrupted_row_is_kept_as_unfinished(tmp_path, monkeypatch, isolate):
+    if isolate:  # Ctrl-C reaches the parent while it waits on the row's own process
+        real_run = bench_main.row_process.measure
 
-    def run_row(job, cache, quick=False):
-        if job["mode"] == "inductor":
-            raise KeyboardInterrupt
-        return real_run(job, cache, quick=quick)
+        def measure(job, quick=False):
+            if job["mode"] == "inductor":
+                raise KeyboardInterrupt
+            return real_run(job, quick=quick)
 
-    monkeypatch.setattr(bench_main.measure, "run_row", run_row)
+        monkeypatch.setattr(bench_main.row_process, "measure", measure)
+    else:
+        real_run = bench_main.measure.run_row
+
+        def run_row(job, cache, quick=False):
+            if job["mode"] == "inductor":
+                raise KeyboardInterrupt
+            return real_run(job, cache, quick=quick)
+
+        monkeypatch.setattr(bench_main.measure, "run_row", run_row)
     rows = _run(tmp_path, "--presets", "tiny", "--modes", "eager,inductor", "--spellings", "dense",
-                "--passes", "fwd")
+                "--passes", "fwd", *(["--isolate"] if isolate else []))
     assert [(r["mode"], r["status"]) for r in rows] == [("eager", "ok"), ("inductor", "unfinished")]
     assert rows[1]["error"].startswith("interrupted after") and rows[1]["time_ms"] is None
     with open(tmp_path / "t.md") as f:
@@ -180,11 +191,54 @@ def test_resume_refuses_rows_from_another_commit_or_no_file(tmp_path):
     _run(tmp_path, *argv)
     with open(tmp_path / "t.json") as f:
         data = json.load(f)
+    with pytest.raises(SystemExit, match="measured in one process, this run each row in its own process"):
+        _run(tmp_path, *argv, "--resume", "--isolate")  # a table's rows are all measured one way
     data["meta"]["commit"] = "0000000"
     with open(tmp_path / "t.json", "w") as f:
         json.dump(data, f)
     with pytest.raises(SystemExit, match="commit='0000000'"):
         _run(tmp_path, *argv, "--resume")
+
+
+def test_isolate_measures_each_row_in_a_process_of_its_own(tmp_path, monkeypatch):
+    """--isolate: every row comes from a child process (the parent's own measuring would fail
+    here), with the same checks against the reference; the table says how its rows were timed."""
+    def parent_measures(*args, **kwargs):
+        raise AssertionError("the parent process measured a row")
+
+    monkeypatch.setattr(bench_main.measure, "run_row", parent_measures)
+    rows = _run(tmp_path, "--presets", "tiny", "--modes", "eager,mha-reference", "--spellings", "dense",
+                "--passes", "fwd+bwd", "--isolate")
+    assert [(r["mode"], r["status"]) for r in rows] == [("eager", "ok"), ("mha-reference", "ok")], rows
+    for row in rows:
+        assert row["time_ms"] > 0 and row["rel_err"] < 1e-5 and row["grad_rel_err"] < 1e-5
+        assert set(report.ROW_FIELDS) <= set(row)
+    with open(tmp_path / "t.json") as f:
+        meta = json.load(f)["meta"]
+    assert meta["isolated"] is True and any("process of its own" in n for n in meta["notes"])
+
+
+def _job():
+    return {"preset": "tiny", "dtype": "fp32", "mode": "eager", "spelling": "dense", "pass": "fwd",
+            "device_type": "cpu"}
+
+
+def test_a_row_whose_process_dies_is_an_error_row(monkeypatch, capsys):
+    """A child that dies before its row (a crash, an OOM kill) gives an error row with its exit
+    status and last output, not a lost row; one that dies after printing its row keeps the row."""
+    import sys
+    from bench import row_process
+    monkeypatch.setattr(row_process, "command", lambda job, quick: [
+        sys.executable, "-c", "import sys; print('cuda error: an illegal memory access'); sys.exit(7)"])
+    row = row_process.measure(_job())
+    assert row["status"] == "error" and "status 7" in row["error"] and "no row" in row["error"]
+    assert "illegal memory access" in row["traceback"] and row["mode"] == "eager"
+    printed = row_process.MARK + json.dumps({**_job(), "status": "ok", "time_ms": 1.5})
+    monkeypatch.setattr(row_process, "command", lambda job, quick: [
+        sys.executable, "-c", f"import sys; print({printed!r}); sys.exit(3)"])
+    row = row_process.measure(_job())
+    assert (row["status"], row["time_ms"]) == ("ok", 1.5)
+    assert "exited with status 3 after its row" in capsys.readouterr().err
 
 
 def test_inductor_cache_note(tmp_path, monkeypatch):
