@@ -16,7 +16,7 @@ from mha_compile.debug.dump import publish
 from mha_compile.debug.report import GraphReport
 from mha_compile.lowering.match import find_regions
 from mha_compile.lowering.rewrite import rewrite
-from mha_compile.lowering.select import choose_kernels, describe_graphs, describe_keep_hidden
+from mha_compile.lowering.select import CAPTURED_WHOLE, choose_kernels, describe_graphs, describe_keep_hidden
 from mha_compile.options import MODES, Options
 
 log = logging.getLogger("mha_compile")
@@ -43,10 +43,12 @@ def mha_backend(gm, example_inputs, options=None, mode=None):
         log.warning("mha_compile: rewriting graph %d failed (%s); running it as captured", report.index, report.fallback)
         lowered = gm
     report.code_after = lowered.code
-    publish(report, gm, lowered, opts.dump)  # log, trace and (with a dump folder) dump the report
+    split = _planned_pool_split(lowered, example_inputs, opts, whole, report)
+    # log, trace and (with a dump folder) dump the report, and the graphs as they replay with a split
+    publish(report, gm, lowered, opts.dump, replayed=split.graph if split else None)
     for observer in list(observers):
         observer(report, gm, lowered)
-    compiled = run_rest(lowered, example_inputs, opts, mode, whole)
+    compiled = run_rest(lowered, example_inputs, opts, mode, whole, split, report)
     if opts.verify and report.matches:
         return _verified(run_rest(gm, example_inputs, opts, mode, whole), compiled, report)
     return compiled
@@ -128,9 +130,10 @@ def _whole_graph_captured(opts, mode, example_inputs):
     return mode == "reduce-overhead" and any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
 
 
-def run_rest(gm, example_inputs, opts, mode, whole):
+def run_rest(gm, example_inputs, opts, mode, whole, split=None, report=None):
     """Everything outside the region: eagerly, or through Inductor (honouring `mode`); whole:
-    _whole_graph_captured's answer for this compile."""
+    _whole_graph_captured's answer for this compile; split: _planned_pool_split's, for gm, whose
+    report (if given) is corrected where the split cannot be captured."""
     if opts.rest == "inductor":
         from torch._inductor.compile_fx import compile_fx
         graphs = "off" if whole else opts.graphs
@@ -139,8 +142,18 @@ def run_rest(gm, example_inputs, opts, mode, whole):
                               config_patches=_inductor_patches(mode))
     if whole:
         with cache_key_tagged():
-            split = _pool_split(gm, example_inputs, opts)
-            return split if split is not None else whole_graph.capture(gm, example_inputs)
+            if split is not None:
+                try:
+                    return whole_graph.capture_split(split)
+                except Exception as error:
+                    if opts.strict:
+                        raise
+                    log.warning("mha_compile: running the pool outside the CUDA graphs failed (%s); capturing it "
+                                "with the rest%s", _first_line(error),
+                                " (the graph's dump, written before, says outside)" if opts.dump else "")
+                    for match in report.matches if report is not None else ():
+                        match["graphs"] = CAPTURED_WHOLE
+            return whole_graph.capture(gm, example_inputs)
     if mode == "reduce-overhead":
         log.info("mha_compile: mode='reduce-overhead' without CUDA inputs: running without CUDA graphs")
     elif mode not in (None, "default"):
@@ -149,18 +162,34 @@ def run_rest(gm, example_inputs, opts, mode, whole):
     return _region_calls(gm, ops.region_call, opts.graphs).forward
 
 
-def _pool_split(gm, example_inputs, opts):
-    """whole_graph.split_pool(gm): the graphs with the regions' pools run outside them, or None
-    where no pool can leave; where the split fails, a warning and None (the graphs then capture
-    gm whole, which computes the same), unless opts.strict."""
+def _planned_pool_split(gm, example_inputs, opts, whole, report):
+    """whole_graph.plan_pool_split(gm) where the whole graph is captured with rest="eager" (the
+    regions' pools then run outside the CUDA graphs), with report's matches saying which; None
+    where no pool leaves. Where planning fails: a warning and None (the graphs then capture gm
+    whole, which computes the same), unless opts.strict."""
+    if not whole or opts.rest != "eager" or not report.matches:
+        return None
     try:
-        return whole_graph.split_pool(gm, example_inputs)
+        split = whole_graph.plan_pool_split(gm, example_inputs)
     except Exception as error:
         if opts.strict:
             raise
         log.warning("mha_compile: running the pool outside the CUDA graphs failed (%s); capturing it with the rest",
                     _first_line(error))
         return None
+    if split is not None:
+        _mark_split(report, split.toks)
+    return split
+
+
+def _mark_split(report, toks):
+    """Each of report's top-level matches whose tok is in `toks` (name -> bytes) says that its
+    pool runs outside the CUDA graphs."""
+    for match in report.matches:
+        if match["graph"] == "<top>" and match["tok"] in toks:
+            match["graphs"] = (f"no: the whole graph is captured as a CUDA graph (mode); its pool runs eagerly "
+                               f"before each replay (mha::pool, on tok where it is: {toks[match['tok']] / 2**20:.0f} "
+                               "MiB not copied into the graphs), its MoE inside them (mha::moe)")
 
 
 def _first_line(error):

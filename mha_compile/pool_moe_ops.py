@@ -1,5 +1,5 @@
 """The fused region as two custom ops, `mha::pool` then `mha::moe`, for a graph replayed whole as
-CUDA graphs (whole_graph.split_pool).
+CUDA graphs (whole_graph.plan_pool_split).
 
 Under mode="reduce-overhead" the CUDA-graph trees copy every input that is not static into the
 graph's own memory before each replay. tok [B,N,D] is the largest: 512 MiB at the large preset

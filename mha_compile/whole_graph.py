@@ -25,6 +25,7 @@ import functools
 import logging
 import operator
 import os
+import typing
 from unittest import mock
 
 import torch
@@ -84,7 +85,7 @@ def copy_graph(gm):
 
 
 # Each region's pool run eagerly, outside the CUDA graphs, where that spares the replays a copy of
-# tok (split_pool); MHA_COMPILE_POOL_OUTSIDE_GRAPHS=0 captures it with the rest. Read at compile time.
+# tok (plan_pool_split); MHA_COMPILE_POOL_OUTSIDE_GRAPHS=0 captures it with the rest. Read at compile time.
 POOL_OUTSIDE = os.environ.get("MHA_COMPILE_POOL_OUTSIDE_GRAPHS", "1") != "0"
 # ... where tok holds at least this many bytes. The eager pool costs host time (its launches, forward
 # and backward: a large step's host issue 1.99 → 3.62 ms on the H200, session 40), which a step
@@ -96,8 +97,17 @@ _POOL_ARGS = ("tok", "q", "wk", "bk", "wv", "bv", "wo", "bo", "mask")  # mha::po
 _MOE_ARGS = ("ctx", "wg", "w1", "b1", "w2", "b2", "w3")  # mha::moe's tensors, inv left out, in order
 
 
-def split_pool(gm, example_inputs):
-    """capture(gm) with each region's pool run eagerly before the replays, where one can be; None
+class PoolSplit(typing.NamedTuple):
+    """plan_pool_split's result: what the CUDA graphs replay, and what runs before them."""
+    graph: torch.fx.GraphModule  # the graphs: each split region as mha::moe on an inv input
+    pools: list  # per region, mha::pool's arguments as positions among the call's inputs (None: absent)
+    kept: list  # the call's inputs the graphs read, by position
+    examples: list  # the graphs' example inputs: those kept, then each region's inv
+    toks: dict  # each split region's tok input: its name -> its bytes
+
+
+def plan_pool_split(gm, example_inputs):
+    """The regions of gm whose pool can run eagerly outside the CUDA graphs, as a PoolSplit; None
     where none can (then capture gm as it is).
 
     The CUDA-graph trees copy each input that is not static into the graphs' memory before a
@@ -109,13 +119,17 @@ def split_pool(gm, example_inputs):
     reads inputs alone (tok, its weights, a mask) and the fused kernels take the region in one
     dtype: the two ops run the fused set's own pieces (its outputs and gradients,
     tests/test_pool_moe_ops.py). Inputs left with no reader (tok, the pool's weights) are not
-    handed to the graphs."""
+    handed to the graphs. Nothing is traced or captured here: capture_split does that."""
     if not POOL_OUTSIDE:
         return None
     regions = [node for node in gm.graph.find_nodes(op="call_function", target=torch.ops.mha.region.default)
                if _pool_can_leave(node, _bound(node))]
     if not regions:
         return None
+    toks = {}
+    for node in regions:
+        tok = _bound(node)["tok"]
+        toks[tok.name] = _example(tok).numel() * _example(tok).element_size()
     new, nodes = copy_graph(gm)
     inputs = list(new.graph.find_nodes(op="placeholder"))
     pools = [_split_region(new.graph, nodes[node], inputs) for node in regions]
@@ -125,9 +139,16 @@ def split_pool(gm, example_inputs):
     new.graph.lint()
     new.recompile()
     kept = [i for i, node in enumerate(inputs) if node.users]
-    examples = [example_inputs[i] for i in kept] + [_inv_example(call, example_inputs) for call in pools]
-    log.info("mha_compile: %d region pool(s) run eagerly outside the CUDA graphs (tok not copied in)", len(pools))
-    return _PoolThenGraphs(pools, kept, capture(new, examples))
+    invs = [_inv_example(call, example_inputs) for call in pools]
+    for node, example in zip(list(new.graph.find_nodes(op="placeholder"))[-len(invs):], invs):
+        node.meta["example_value"] = example  # its shape, dtype and strides, for the dump's script
+    return PoolSplit(new, pools, kept, [example_inputs[i] for i in kept] + invs, toks)
+
+
+def capture_split(split):
+    """capture() of a PoolSplit's graphs, called after each region's mha::pool on the call's inputs."""
+    log.info("mha_compile: %d region pool(s) run eagerly outside the CUDA graphs (tok not copied in)", len(split.pools))
+    return _PoolThenGraphs(split.pools, split.kept, capture(split.graph, split.examples))
 
 
 def _bound(node):
@@ -145,7 +166,7 @@ def _example(value):
 
 
 def _pool_can_leave(node, values):
-    """Whether this region's pool can run outside the graphs (split_pool)."""
+    """Whether this region's pool can run outside the graphs (plan_pool_split)."""
     tok = values["tok"]
     if values["kernels"] != "fused" or not isinstance(tok, torch.fx.Node) or tok.op != "placeholder":
         return False

@@ -1,4 +1,4 @@
-"""mha::pool then mha::moe (pool_moe_ops): the fused region split in two, for whole_graph.split_pool.
+"""mha::pool then mha::moe (pool_moe_ops): the fused region split in two, for whole_graph.plan_pool_split.
 
 They run the fused kernel set's own pieces in its order, so they must give exactly what mha::region
 with kernels="fused" gives, forward and every gradient (the same bits), and that within SPEC §4's

@@ -7,6 +7,9 @@ the same pid in different containers, never share one). In it, one folder per co
 
     graph_000/captured.py    the graph as Dynamo captured it, as a runnable script
     graph_000/rewritten.py   the graph after rewriting (calls torch.ops.mha.region), runnable
+    graph_000/replayed.py    under mode="reduce-overhead", where a region's pool runs eagerly
+                             outside the CUDA graphs: what the graphs capture (mha::moe on the
+                             pool's inv, an input; the report's match says so under "graphs")
     graph_000/report.txt     the match / near-miss report for people
     graph_000/report.json    the same as data (fields below)
     graph_000/graph.dot      a picture of the captured graph: region green, near-misses red
@@ -40,9 +43,10 @@ report.json fields:
     nodes          every node of the captured graph: name, op, target, shape, dtype, region
                    (index into matches, or null), near_miss (reason, or null)
     node_count     {"captured": n, "rewritten": n}
-    files          file names in the graph folder: captured, rewritten, text, json, dot, svg,
+    files          file names in the graph folder: captured, rewritten, replayed, text, json, dot, svg,
                    dot_full, rewritten_dot, rewritten_svg, rewritten_dot_full (null where not
-                   written: svg without `dot`, *_full when nothing was collapsed)
+                   written: svg without `dot`, *_full when nothing was collapsed, replayed
+                   without a pool run outside the CUDA graphs)
     code_before, code_after   the graph's forward code before and after rewriting
 
 A dump that cannot be written (the folder is a file, or not writable) is reported once as a
@@ -69,8 +73,9 @@ _run_folders = {}  # (pid, absolute folder) -> this process's run folder
 _warned = set()
 
 
-def publish(report, captured, lowered, folder=None):
-    """Everything the debug side does with a graph's report: log it, trace it, dump it."""
+def publish(report, captured, lowered, folder=None, replayed=None):
+    """Everything the debug side does with a graph's report: log it, trace it, dump it.
+    replayed: the graph the CUDA graphs capture where it is not `lowered` (the pool split)."""
     try:
         logs.register()
         text = report_text(report, captured)
@@ -81,7 +86,7 @@ def publish(report, captured, lowered, folder=None):
         _warn_once(("report", type(error).__name__), "mha_compile: could not build the report of graph %d (%s: %s)",
                    report.index, type(error).__name__, error)
         return None
-    return write_dump(folder, report, captured, lowered, doc, text) if folder else None
+    return write_dump(folder, report, captured, lowered, doc, text, replayed) if folder else None
 
 
 def run_folder(folder):
@@ -111,7 +116,7 @@ def current_run(folder):
     return _run_folders.get((os.getpid(), os.path.abspath(folder)))
 
 
-def write_dump(folder, report, captured, lowered, doc=None, text=None):
+def write_dump(folder, report, captured, lowered, doc=None, text=None, replayed=None):
     """Write graph_<index>/ (scripts, report, pictures) and refresh index.html. Returns the graph folder."""
     try:
         run = run_folder(folder)
@@ -128,6 +133,9 @@ def write_dump(folder, report, captured, lowered, doc=None, text=None):
     try:
         files["captured"] = _write_script(out, "captured", captured, f"graph {report.index} as captured", False)
         files["rewritten"] = _write_script(out, "rewritten", lowered, f"graph {report.index} after rewriting", True)
+        if replayed is not None:
+            files["replayed"] = _write_script(out, "replayed", replayed, f"graph {report.index} as the CUDA graphs "
+                                              "capture it (each pool run before them: mha::pool)", True)
         files["dot"], files["svg"], files["dot_full"] = _write_picture(out, "graph", captured, report, rewritten=False)
         files["rewritten_dot"], files["rewritten_svg"], files["rewritten_dot_full"] = _write_picture(
             out, "rewritten", lowered, report, rewritten=True)
@@ -208,7 +216,7 @@ def report_document(report, captured, lowered):
         nodes=[dict(name=n.name, op=n.op, **_node_fields(n), region=region_of.get(n.name), near_miss=miss_at.get(n.name))
                for n in captured.graph.nodes],
         node_count={"captured": len(captured.graph.nodes), "rewritten": len(lowered.graph.nodes)},
-        files={key: None for key in ("captured", "rewritten", "text", "json", "dot", "svg", "dot_full",
+        files={key: None for key in ("captured", "rewritten", "replayed", "text", "json", "dot", "svg", "dot_full",
                                      "rewritten_dot", "rewritten_svg", "rewritten_dot_full")})
     return doc
 

@@ -18,7 +18,8 @@ import types
 import torch
 
 # Graphs that call our op need it registered before they run.
-_OP_IMPORT = "import mha_compile.ops  # registers torch.ops.mha.region\n"
+_OP_IMPORT = ("import mha_compile.ops  # registers torch.ops.mha.region\n"
+              "import mha_compile.pool_moe_ops  # registers torch.ops.mha.pool and mha.moe (a pool split's graphs)\n")
 
 
 def concrete(size):

@@ -49,11 +49,15 @@ def choose_kernels(match, requested):
     return "reference", "; ".join(reasons) + " -> reference path"
 
 
+# describe_graphs' answer where the whole graph is captured (the backend's pool split may amend it)
+CAPTURED_WHOLE = "no: the whole graph is captured as a CUDA graph (mode), the region with it"
+
+
 def describe_graphs(match, graphs, whole_graph_captured):
     """Whether the region will replay its own CUDA graphs (options graphs=), and why: what
     region_graphs.wanted decides per call, told from the example shapes for the report."""
     if whole_graph_captured:
-        return "no: the whole graph is captured as a CUDA graph (mode), the region with it"
+        return CAPTURED_WHOLE
     if graphs == "off":
         return "no: graphs='off'"
     if match.kernels == "reference":

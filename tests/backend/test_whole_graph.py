@@ -268,3 +268,69 @@ def test_the_split_runs_inference_too(monkeypatch):
             outs.append(torch.compile(block, backend="mha", options={"kernels": "fused"})(ctx, tok))
     torch._dynamo.reset()
     assert pools == [tok.shape] and torch.equal(outs[0], outs[1])
+
+
+def _dumped_inference(monkeypatch, tmp_path, outside):
+    """A tiny block's no_grad call through backend="mha" (fused kernels, the whole graph captured,
+    CUDA graphs stood in for) with a dump folder: (its GraphReport, its report.json, its graph folder)."""
+    import json
+    _stub_cuda_graphs(monkeypatch)
+    reports = []
+    monkeypatch.setattr(whole_graph, "POOL_OUTSIDE", outside)
+    monkeypatch.setattr(whole_graph, "POOL_OUTSIDE_MIN_BYTES", 0)
+    monkeypatch.setattr(backend, "_whole_graph_captured", lambda *args: True)
+    monkeypatch.setattr(backend, "observers", [lambda report, *_: reports.append(report)])
+    torch._dynamo.reset()
+    torch.manual_seed(3)
+    block = models.MHABlock.from_preset("tiny")
+    with torch.no_grad():
+        torch.compile(block, backend="mha", options={"kernels": "fused", "dump": str(tmp_path)})(
+            torch.randn(4, 3, 32), torch.randn(4, 5, 32))
+    torch._dynamo.reset()
+    [report] = reports
+    [folder] = list(tmp_path.glob("run-*/graph_*"))
+    return report, json.loads((folder / "report.json").read_text()), folder
+
+
+@needs_interpreter
+def test_the_report_and_the_dump_show_the_pool_outside(monkeypatch, tmp_path):
+    """Where the pool runs outside the CUDA graphs, the match's `graphs` says so (explain and the
+    dump's report), and the dump holds replayed.py: what the graphs capture, mha::moe on the
+    pool's inv, no mha::region and no tok; without the split, the match says the region is
+    captured whole and no replayed.py is written."""
+    from mha_compile.lowering.select import CAPTURED_WHOLE
+    pools = _record_pools(monkeypatch)
+    report, doc, folder = _dumped_inference(monkeypatch, tmp_path / "split", True)
+    assert pools == [(4, 5, 32)]
+    said = report.matches[0]["graphs"]
+    assert said.startswith("no: the whole graph is captured") and "its pool runs eagerly before each replay" in said
+    assert doc["matches"][0]["graphs"] == said and "pool runs eagerly" in (folder / "report.txt").read_text()
+    assert doc["files"]["replayed"] == "replayed.py"
+    replayed = (folder / "replayed.py").read_text()
+    assert "torch.ops.mha.moe.default(" in replayed and "torch.ops.mha.region.default(" not in replayed
+    assert "torch.ops.mha.region.default(" in (folder / "rewritten.py").read_text()
+    run = subprocess.run([sys.executable, str(folder / "replayed.py")], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": os.getcwd()}, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]  # runnable: the inv input rebuilt from its example
+
+    report, doc, folder = _dumped_inference(monkeypatch, tmp_path / "whole", False)
+    assert report.matches[0]["graphs"] == CAPTURED_WHOLE and doc["files"]["replayed"] is None
+    assert not (folder / "replayed.py").exists()
+
+
+@needs_interpreter
+def test_a_split_that_cannot_be_captured_is_reported_whole(monkeypatch, tmp_path, caplog):
+    """A split planned (and dumped) but whose graphs cannot be captured: a warning that says the
+    dump disagrees, the region captured whole, and the report (explain's) corrected."""
+    from mha_compile.lowering.select import CAPTURED_WHOLE
+
+    def broken(split):
+        raise RuntimeError("graphs that cannot be traced")
+
+    monkeypatch.setattr(whole_graph, "capture_split", broken)
+    pools = _record_pools(monkeypatch)
+    with caplog.at_level("WARNING", logger="mha_compile"):
+        report, doc, _ = _dumped_inference(monkeypatch, tmp_path, True)
+    assert "failed (RuntimeError: graphs that cannot be traced)" in caplog.text and "dump, written before" in caplog.text
+    assert pools == [] and report.matches[0]["graphs"] == CAPTURED_WHOLE
+    assert "pool runs eagerly" in doc["matches"][0]["graphs"]  # the dump was written before the capture

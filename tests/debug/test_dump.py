@@ -82,7 +82,9 @@ def test_every_file_exists_and_parses(dumped):
     assert tok["kind"] == "tensor" and tok["shape"] == [4, 5, 32] and tok["dtype"] == "float32"
     assert doc["node_count"]["rewritten"] == len(lowered.graph.nodes) < len(gm.graph.nodes)
     for key, name in doc["files"].items():
-        assert name is not None or (key.endswith("svg") and not HAS_DOT) or key.endswith("_full"), key
+        # replayed.py only where a pool runs outside the CUDA graphs (tests/backend/test_whole_graph.py)
+        assert name is not None or (key.endswith("svg") and not HAS_DOT) or key.endswith("_full") or \
+            key == "replayed", key
         assert name is None or (folder / name).is_file(), name
     for script in ("captured.py", "rewritten.py"):
         ast.parse((folder / script).read_text())
