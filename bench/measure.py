@@ -94,6 +94,7 @@ def _measure(job, cache, quick):
 
     result = {}
     _, result["first_call_s"] = timing.timed_call(step, device)
+    result["host_probe_ms"] = timing.host_probe_ms()  # the host's speed just before the timing
     result["time_ms"] = timing.median_ms(step, device, quick, leaves or None)
     for t in leaves:
         t.grad = None

@@ -13,7 +13,7 @@ from bench.modes import PEER_MODES
 # Fields that, with the environment's, identify a row (the JSON "key").
 KEY_FIELDS = ("preset", "dtype", "mode", "spelling", "pass", "device", "torch", "triton", "commit")
 # Every row has these (None where they do not apply); bench/README.md says what each means.
-RESULT_FIELDS = ("status", "error", "time_ms", "first_call_s", "peak_mib", "peak_delta_mib", "graph_pool_mib", "rel_err",
+RESULT_FIELDS = ("status", "error", "time_ms", "first_call_s", "host_probe_ms", "peak_mib", "peak_delta_mib", "graph_pool_mib", "rel_err",
                  "grad_rel_err", "regions_replaced", "kernels_chosen", "lowering_note", "flops_min",
                  "flops_mode", "bytes_min", "floor_s", "pct_floor", "tflops", "tflops_mode", "speedup",
                  "best_peer", "best_peer_ms", "B", "H", "N", "D", "P", "F", "E", "k")

@@ -53,6 +53,22 @@ def _clear_grads(tensors):
         t.grad = None
 
 
+# host_probe_ms' loop: ~2-4 ms of pure Python on a 2020s core, no torch call in it
+PROBE_RANGE, PROBE_REPS = 100_000, 5
+
+
+def host_probe_ms():
+    """The median milliseconds of a fixed pure-Python loop: the host's speed for one thread just
+    now. Taken beside each row, it tells a slow host (every row's probe up) from a slow process
+    (a host-bound row slow beside an ordinary probe: bench/PERF_NOTES.md v44)."""
+    times = []
+    for _ in range(PROBE_REPS):
+        start = time.perf_counter()
+        sum(range(PROBE_RANGE))
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
 def timed_call(step, device):
     """(result, seconds) of one call, synchronised: the first call of a compiled mode is its compile time."""
     synchronize(device)

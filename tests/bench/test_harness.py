@@ -29,6 +29,7 @@ def test_rows_have_documented_fields(tmp_path, capsys):
     for row in (eager, inductor):
         assert row["status"] == "ok", row["error"]
         assert row["time_ms"] > 0 and row["first_call_s"] > 0
+        assert 0 < row["host_probe_ms"] < 1000  # the host's speed beside the row
         assert row["rel_err"] < 1e-5  # fp32 against the fp32 loop-spelling reference
         assert row["flops_mode"] > row["flops_min"] > 0  # dense computes every expert
         assert row["floor_s"] is None and row["pct_floor"] is None  # no floor off the H200
@@ -265,3 +266,16 @@ def test_every_mha_mode_compiles_with_valid_options():
     assert parsed["mha-fused-keep-plain"] == mha_compile.Options.parse({"kernels": "fused", "keep_hidden": True})
     assert parsed["mha-fused-keep-plain"].mode != "reduce-overhead"
     assert {"mha-fused-keep", "mha-fused-keep-plain"} <= set(bench_main.CUDA_MODES)
+
+
+def test_the_host_probe_times_its_loop(monkeypatch):
+    """host_probe_ms is the median of its loop's times: one slow run (a scheduler hiccup) does not
+    move it, and a loop twice as long takes longer."""
+    from bench import timing
+    ticks = iter([0.0, 0.002, 1.0, 1.5, 2.0, 2.002, 3.0, 3.002, 4.0, 4.002])  # one run of 500 ms, four of 2
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: next(ticks))
+    assert timing.host_probe_ms() == pytest.approx(2.0)
+    monkeypatch.undo()
+    short = min(timing.host_probe_ms() for _ in range(3))
+    monkeypatch.setattr(timing, "PROBE_RANGE", timing.PROBE_RANGE * 4)
+    assert min(timing.host_probe_ms() for _ in range(3)) > short
