@@ -52,14 +52,16 @@ def _check_one_dtype(names, tensors, dtype):
                              "as the fused kernels' one-dtype case")
 
 
-@torch.library.custom_op("mha::pool", mutates_args=())
-def pool(tok: Tensor, q: Tensor, wk: Tensor, bk: Optional[Tensor], wv: Tensor, bv: Optional[Tensor], wo: Tensor,
-         bo: Optional[Tensor], mask: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _pool(tok: Tensor, q: Tensor, wk: Tensor, bk: Optional[Tensor], wv: Tensor, bv: Optional[Tensor], wo: Tensor,
+          bo: Optional[Tensor], mask: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(inv, attn, u, pooled): the pool of SPEC §1 on the fused kernels; bk cancels (∂bk = 0)."""
     with _launching(tok):
         pooled = torch.empty(tok.shape[0], tok.shape[2], device=tok.device, dtype=torch.float32)
         inv, attn, weights = triton_region.pool_forward(tok, q, wk, wv, bv, wo, bo, mask, pooled=pooled)
         return inv, attn, weights[-1], pooled
+
+
+pool = torch.library.custom_op("mha::pool", mutates_args=())(_pool)
 
 
 @pool.register_fake
@@ -121,6 +123,24 @@ def _pool_autograd_backward(ctx, grad_inv, *unused):
 
 
 pool.register_autograd(_pool_autograd_backward, setup_context=_pool_setup_context)
+
+
+class PoolFunction(torch.autograd.Function):
+    """mha::pool's forward and backward without the custom op's dispatch, for a caller that runs
+    eagerly and that nothing traces (whole_graph's pool before the CUDA graphs), as
+    ops.RegionFunction is for mha::region: the same pieces, outputs and gradients. The op's
+    dispatch and autograd wrapper cost a forward and backward 140-180 us more host time than this
+    (bench/pool_op_host.py, the kernels stubbed, on session 41's CPU: 467-506 against 288-343 us)."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _pool(*inputs)
+        _save(ctx, inputs[:8], output)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_inv, *unused):
+        return _pool_autograd_backward(ctx, grad_inv, *unused)
 
 
 @torch.library.custom_op("mha::moe", mutates_args=())

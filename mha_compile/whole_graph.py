@@ -113,7 +113,8 @@ def plan_pool_split(gm, example_inputs):
     The CUDA-graph trees copy each input that is not static into the graphs' memory before a
     replay: tok is 512 MiB at the large preset in bf16. The pool is tok's only reader, forward and
     backward, so a region whose tok is an input of the graph that nothing else reads runs as
-    pool_moe_ops' two ops: mha::pool eagerly, with its autograd (its backward runs after the
+    pool_moe_ops' two ops: mha::pool eagerly (as PoolFunction: the op's forward and backward
+    without its dispatch, since nothing traces that call), with its autograd (its backward runs after the
     graphs' backward, on tok where it is), and mha::moe in the graphs, which take the pool's [B,D]
     inv as an input in tok's place. Only where tok holds POOL_OUTSIDE_MIN_BYTES or more, the pool
     reads inputs alone (tok, its weights, a mask) and the fused kernels take the region in one
@@ -219,12 +220,13 @@ def _inv_example(pool_args, example_inputs):
 
 
 class _PoolThenGraphs:
-    """Each split region's mha::pool, run eagerly on the call's inputs, then the captured graphs on
+    """Each split region's mha::pool (PoolFunction), run eagerly on the call's inputs, then the captured graphs on
     the inputs they read and the pools' inv."""
 
     def __init__(self, pools, kept, compiled):
         self.pools, self.kept, self.compiled = pools, kept, compiled
 
     def __call__(self, *args):
-        invs = [pool_moe_ops.pool(*[None if i is None else args[i] for i in pool])[0] for pool in self.pools]
+        invs = [pool_moe_ops.PoolFunction.apply(*[None if i is None else args[i] for i in pool])[0]
+                for pool in self.pools]
         return self.compiled(*[args[i] for i in self.kept], *invs)

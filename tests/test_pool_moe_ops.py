@@ -75,6 +75,28 @@ def test_the_split_ops_give_the_fused_region_s_bits(act, bias, keep_hidden, mask
     assert ((out_s.double() - ref).norm() / ref.norm()).item() <= 1e-5
 
 
+@pytest.mark.parametrize("masked", [False, True])
+def test_pool_function_gives_the_op_s_bits(masked):
+    """PoolFunction (whole_graph's eager pool, without the op's dispatch) runs the op's pieces: its
+    four outputs and the gradients of every pool input from a fresh ∂inv are the op's, bit for bit,
+    none zero but ∂bk (exactly zero)."""
+    _, tok, params = make_case(3, 5, 7, 24, 2, 40, 5, 2, act="gelu", bias=True)
+    mask = (torch.rand(3, 7) < 0.3) if masked else None
+    if mask is not None:
+        mask[:, 0] = False
+    results = []
+    for call in (pool_moe_ops.pool, pool_moe_ops.PoolFunction.apply):
+        leaves = [t.detach().requires_grad_() for t in (tok, *params[:7])]
+        outputs = call(*leaves, mask)
+        grad_inv = torch.randn(outputs[0].shape, generator=torch.Generator().manual_seed(3))
+        results.append(([o.detach() for o in outputs], torch.autograd.grad(outputs[0], leaves, grad_inv)))
+    (outs_op, grads_op), (outs_fn, grads_fn) = results
+    assert all(torch.equal(a, b) for a, b in zip(outs_op, outs_fn))
+    for name, g_op, g_fn in zip(pool_moe_ops.POOL_INPUTS, grads_op, grads_fn):
+        assert torch.equal(g_op, g_fn), f"∂{name}"
+        assert (g_fn.abs().max() == 0) == (name == "bk"), f"∂{name}"
+
+
 def test_opcheck_the_split_ops():
     """Each fake's shapes and dtypes against the real ops (fake, static and dynamic shapes),
     their schemas and autograd registrations; the backward ops under the fake and schema checks."""

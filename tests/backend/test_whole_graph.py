@@ -35,8 +35,8 @@ def _record_pools(monkeypatch):
     from mha_compile import pool_moe_ops
 
     pools = []
-    real_pool = pool_moe_ops.pool
-    monkeypatch.setattr(pool_moe_ops, "pool", lambda *args: pools.append(args[0].shape) or real_pool(*args))
+    real_pool = pool_moe_ops._pool  # the pool's forward, under the op and PoolFunction alike
+    monkeypatch.setattr(pool_moe_ops, "_pool", lambda *args: pools.append(args[0].shape) or real_pool(*args))
     return pools
 
 

@@ -89,8 +89,8 @@ def test_the_pool_outside_the_graphs_gives_the_gradients_inside(monkeypatch):
     from mha_compile import pool_moe_ops
 
     pools = []
-    real_pool = pool_moe_ops.pool
-    monkeypatch.setattr(pool_moe_ops, "pool", lambda *args: pools.append(args[0].shape) or real_pool(*args))
+    real_pool = pool_moe_ops._pool  # the pool's forward, under the op and PoolFunction alike
+    monkeypatch.setattr(pool_moe_ops, "_pool", lambda *args: pools.append(args[0].shape) or real_pool(*args))
     inside = _grads_per_step(monkeypatch, False)
     assert pools == []
     outside = _grads_per_step(monkeypatch, True)
