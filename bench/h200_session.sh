@@ -13,8 +13,9 @@
 #   bash bench/h200_session.sh graphs  # the region's CUDA graphs (options graphs=): pytest -m cuda, then
 #                                      # fwd+bwd rows with and without them, and host time (~7 min):
 #                                      # run.log, graphs.{md,json,png}, host_time.txt
-#   [TESTS=0 MODES=.. ISOLATE=1] bash bench/h200_session.sh table   # pytest -m cuda (TESTS=0: not), then the forward+backward rows of every mode (or MODES;
-#                                      # ISOLATE=1: each row in a process of its own, bench --isolate),
+#   [TESTS=0 MODES=.. ISOLATE=1 PRESETS=.. RESUME=1] bash bench/h200_session.sh table   # pytest -m cuda (TESTS=0: not), then the forward+backward rows of every mode (or MODES;
+#                                      # ISOLATE=1: each row in a process of its own, bench --isolate; PRESETS: a comma
+#                                      # list, then RESUME=1 in a call chained on the same machine runs the rest),
 #                                      # max-autotune on the dense spelling at medium (~9 min):
 #                                      # run.log, h200.{md,json,png,errors.log}
 #   bash bench/h200_session.sh table-fwd  # the forward rows likewise (~6 min): h200_fwd.*
@@ -323,9 +324,15 @@ table|table-fwd)
     # Without a compiled cache, max-autotune's first graph (dense; ~3 min) fits only the larger budget.
     # MODES=...: a comma list for --modes (session 27 left out inductor-max-autotune to fit after
     # other work in the call: eager,inductor,mha-staged,mha-fused,mha-fused-nographs,mha-fused-cudagraphs).
-    { timeout -s INT -k 15 $limit python -m bench --out "$OUT" --name $name --budget $budget --presets medium,large,small \
-        --passes $pass --spellings dense,loop,grouped_mm ${MODES:+--modes "$MODES"} ${ISOLATE:+--isolate} \
-        --commit "$commit" 2>&1 | tail -70; } >>"$LOG"
+    # PRESETS=large,small then RESUME=1 in a call chained after it: all 57 rows no longer fit one call
+    # (session 41). Each run leaves its rows in the machine's /tmp, where the chained call's --resume
+    # finds them (it keeps the groups they hold whole and runs the rest).
+    resume=()
+    if [ -n "${RESUME:-}" ]; then cp "/tmp/$name.json" "$OUT/$name.json" && resume=(--resume) || exit 1; fi
+    { timeout -s INT -k 15 $limit python -m bench --out "$OUT" --name $name --budget $budget \
+        --presets "${PRESETS:-medium,large,small}" --passes $pass --spellings dense,loop,grouped_mm \
+        ${MODES:+--modes "$MODES"} ${ISOLATE:+--isolate} "${resume[@]}" --commit "$commit" 2>&1 | tail -70; } >>"$LOG"
+    cp "$OUT/$name.json" "/tmp/$name.json"
     ;;
 gluon-up)
     { MHA_COMPILE_NO_AUTOTUNE=1 timeout 150 python -m pytest -q -m cuda tests/kernels/test_gluon_moe_cuda.py -k gemm1 \
@@ -468,14 +475,14 @@ short)
         --curves autocast,fp32 2>&1 | tail -12; } >>"$LOG"
     { timeout -s INT 290 python -m bench --out "$OUT" --name h200 --budget 250 --presets medium,large,small \
         --modes eager,inductor,mha-staged,mha-fused,mha-fused-cudagraphs \
-        --spellings dense,loop,grouped_mm --commit "$commit" 2>&1 | tail -100; } >>"$LOG"
+        --spellings dense,loop,grouped_mm "${resume[@]}" --commit "$commit" 2>&1 | tail -100; } >>"$LOG"
     ;;
 bench|bench-resume)
     resume=()
     if [ "$part" = bench-resume ]; then cp bench/results/h200.json "$OUT/h200.json" && resume=(--resume); fi
     { timeout -s INT 560 python -m bench --out "$OUT" --name h200 --budget 500 --presets medium,large,small \
         --modes eager,inductor,inductor-max-autotune,mha-staged,mha-fused,mha-fused-cudagraphs \
-        --spellings dense,loop,grouped_mm --commit "$commit" 2>&1 | tail -100; } >>"$LOG"
+        --spellings dense,loop,grouped_mm "${resume[@]}" --commit "$commit" 2>&1 | tail -100; } >>"$LOG"
     ;;
 *) echo "unknown part $part: expected check, kernels, probe, verify, ab, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache, medium-autotune, ncu, ncu-gemms, ncu-source, gluon, verify-gluon, gluon-gemms, verify-gemms, router, small-kernels, host-large, host-timers, wgrad-stream, sum-spread, column-sums, keep-hidden, keep-rows, keep-step, launch-ab, large-rows, kernel-times-ab, rows-ab, static-params, gluon-up or short" >&2; exit 2 ;;
 esac
