@@ -475,7 +475,7 @@ short)
         --curves autocast,fp32 2>&1 | tail -12; } >>"$LOG"
     { timeout -s INT 290 python -m bench --out "$OUT" --name h200 --budget 250 --presets medium,large,small \
         --modes eager,inductor,mha-staged,mha-fused,mha-fused-cudagraphs \
-        --spellings dense,loop,grouped_mm "${resume[@]}" --commit "$commit" 2>&1 | tail -100; } >>"$LOG"
+        --spellings dense,loop,grouped_mm --commit "$commit" 2>&1 | tail -100; } >>"$LOG"
     ;;
 bench|bench-resume)
     resume=()

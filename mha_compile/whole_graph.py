@@ -113,8 +113,8 @@ def plan_pool_split(gm, example_inputs):
     The CUDA-graph trees copy each input that is not static into the graphs' memory before a
     replay: tok is 512 MiB at the large preset in bf16. The pool is tok's only reader, forward and
     backward, so a region whose tok is an input of the graph that nothing else reads runs as
-    pool_moe_ops' two ops: mha::pool eagerly (as PoolFunction: the op's forward and backward
-    without its dispatch, since nothing traces that call), with its autograd (its backward runs after the
+    pool_moe_ops' two ops: mha::pool eagerly with its autograd (as PoolFunction: the op's forward
+    and backward without its dispatch, since nothing traces that call; its backward runs after the
     graphs' backward, on tok where it is), and mha::moe in the graphs, which take the pool's [B,D]
     inv as an input in tok's place. Only where tok holds POOL_OUTSIDE_MIN_BYTES or more, the pool
     reads inputs alone (tok, its weights, a mask) and the fused kernels take the region in one
@@ -130,7 +130,8 @@ def plan_pool_split(gm, example_inputs):
     toks = {}
     for node in regions:
         tok = _bound(node)["tok"]
-        toks[tok.name] = _example(tok).numel() * _example(tok).element_size()
+        example = _example(tok)
+        toks[tok.name] = example.numel() * example.element_size()
     new, nodes = copy_graph(gm)
     inputs = list(new.graph.find_nodes(op="placeholder"))
     pools = [_split_region(new.graph, nodes[node], inputs) for node in regions]
@@ -220,8 +221,8 @@ def _inv_example(pool_args, example_inputs):
 
 
 class _PoolThenGraphs:
-    """Each split region's mha::pool (PoolFunction), run eagerly on the call's inputs, then the captured graphs on
-    the inputs they read and the pools' inv."""
+    """Each split region's mha::pool (PoolFunction), run eagerly on the call's inputs, then the
+    captured graphs on the inputs they read and the pools' inv."""
 
     def __init__(self, pools, kept, compiled):
         self.pools, self.kept, self.compiled = pools, kept, compiled

@@ -249,45 +249,39 @@ def test_a_small_tok_keeps_the_pool_in_the_graphs(monkeypatch):
 _TINY_TOK_BYTES = 4 * 5 * 32 * 4  # _capture_calls' tok [4,5,32] fp32
 
 
-@needs_interpreter
-def test_the_split_runs_inference_too(monkeypatch):
-    """Under no_grad (Dynamo guards the grad mode: a graph of its own) the split forward gives
-    the unsplit one's output, bit for bit, with the pool run eagerly once a call."""
-    pools = _record_pools(monkeypatch)
-    _stub_cuda_graphs(monkeypatch)
-    monkeypatch.setattr(whole_graph, "POOL_OUTSIDE_MIN_BYTES", 0)
-    monkeypatch.setattr(backend, "_whole_graph_captured", lambda *args: True)
-    torch.manual_seed(2)
-    block = models.MHABlock.from_preset("tiny")
-    ctx, tok = torch.randn(4, 3, 32), torch.randn(4, 5, 32)
-    outs = []
-    for outside in (True, False):
-        monkeypatch.setattr(whole_graph, "POOL_OUTSIDE", outside)
-        torch._dynamo.reset()
-        with torch.no_grad():
-            outs.append(torch.compile(block, backend="mha", options={"kernels": "fused"})(ctx, tok))
-    torch._dynamo.reset()
-    assert pools == [tok.shape] and torch.equal(outs[0], outs[1])
-
-
-def _dumped_inference(monkeypatch, tmp_path, outside):
-    """A tiny block's no_grad call through backend="mha" (fused kernels, the whole graph captured,
-    CUDA graphs stood in for) with a dump folder: (its GraphReport, its report.json, its graph folder)."""
-    import json
+def _inference(monkeypatch, seed, outside, options):
+    """A tiny block (parameters and inputs drawn from `seed`) called once under no_grad through
+    backend="mha" with `options`, the whole graph captured (CUDA graphs stood in for), with
+    POOL_OUTSIDE = `outside` and no size threshold: (its output, its GraphReports)."""
     _stub_cuda_graphs(monkeypatch)
     reports = []
     monkeypatch.setattr(whole_graph, "POOL_OUTSIDE", outside)
     monkeypatch.setattr(whole_graph, "POOL_OUTSIDE_MIN_BYTES", 0)
     monkeypatch.setattr(backend, "_whole_graph_captured", lambda *args: True)
     monkeypatch.setattr(backend, "observers", [lambda report, *_: reports.append(report)])
-    torch._dynamo.reset()
-    torch.manual_seed(3)
+    torch.manual_seed(seed)
     block = models.MHABlock.from_preset("tiny")
-    with torch.no_grad():
-        torch.compile(block, backend="mha", options={"kernels": "fused", "dump": str(tmp_path)})(
-            torch.randn(4, 3, 32), torch.randn(4, 5, 32))
+    ctx, tok = torch.randn(4, 3, 32), torch.randn(4, 5, 32)
     torch._dynamo.reset()
-    [report] = reports
+    with torch.no_grad():
+        out = torch.compile(block, backend="mha", options=options)(ctx, tok)
+    torch._dynamo.reset()
+    return out, reports
+
+
+@needs_interpreter
+def test_the_split_runs_inference_too(monkeypatch):
+    """Under no_grad (Dynamo guards the grad mode: a graph of its own) the split forward gives
+    the unsplit one's output, bit for bit, with the pool run eagerly once a call."""
+    pools = _record_pools(monkeypatch)
+    outs = [_inference(monkeypatch, 2, outside, {"kernels": "fused"})[0] for outside in (True, False)]
+    assert pools == [(4, 5, 32)] and torch.equal(outs[0], outs[1])
+
+
+def _dumped_inference(monkeypatch, tmp_path, outside):
+    """_inference with a dump folder: (its GraphReport, its report.json, its graph folder)."""
+    import json
+    _, [report] = _inference(monkeypatch, 3, outside, {"kernels": "fused", "dump": str(tmp_path)})
     [folder] = list(tmp_path.glob("run-*/graph_*"))
     return report, json.loads((folder / "report.json").read_text()), folder
 
