@@ -19,6 +19,7 @@ import functools
 import logging
 import math
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import triton
@@ -493,7 +494,7 @@ class Launcher:
             return
         log.info("mha_compile: autotuning %s over %d configs for %s",
                  self.kernel.__name__, len(self.configs), dict(zip(self.key, key)))
-        self.tuned[lambda meta: grid({**meta, **kwargs})](*args, **kwargs)
+        outside_graph_pools(lambda: self.tuned[lambda meta: grid({**meta, **kwargs})](*args, **kwargs))
         self.best[key] = self.tuned.best_config.all_kwargs()
         log.info("mha_compile: %s chose %s", self.kernel.__name__,
                  {k: v for k, v in self.best[key].items()
@@ -501,6 +502,24 @@ class Launcher:
 
 
 _CAPTURE_UNTUNED = set()  # (kernel name, autotune key) launched untuned inside a capture: said once
+
+
+def outside_graph_pools(run):
+    """run() on a thread of its own, on the caller's CUDA stream, and its result (or its error).
+    Torch's cudagraph trees warm a graph up with every allocation of the warming thread sent to the
+    graph's private pool (cudagraph_trees._use_cuda_memory_pool_manager), and an autotuning trial
+    allocates Triton's 256 MB L2-flush buffer (do_bench): tuned there, that memory stayed the pool's
+    for good (session 42: a reduce-overhead row first in its process held 260-520 MiB more pool
+    than the same row after other rows had tuned its kernels). Another thread's allocations go to
+    the ordinary cache, which later allocations reuse and torch.cuda.empty_cache can free."""
+    stream = torch.cuda.current_stream() if torch.cuda.is_available() else None
+
+    def on_stream():
+        with torch.cuda.stream(stream):  # None (no CUDA): no stream to take
+            return run()
+
+    with ThreadPoolExecutor(max_workers=1) as worker:
+        return worker.submit(on_stream).result()
 
 
 # ---------------------------------------------------------------------------------------------

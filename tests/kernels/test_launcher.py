@@ -2,6 +2,7 @@
 triton.autotune (the tuned path only runs on CUDA): tune once per key, log the choice, then
 launch the chosen config directly; leave out of autotuning the configs that do not build."""
 import logging
+import threading
 import types
 
 import pytest
@@ -94,6 +95,32 @@ def test_no_autotuning_inside_a_cuda_graph_capture(monkeypatch, caplog):
     monkeypatch.setattr(triton_util, "capturing", lambda: False)
     launcher(grid, x, 300)
     assert len(launcher.tuned.tunes) == 1
+
+
+def test_autotuning_runs_on_a_thread_of_its_own_and_passes_its_errors_on(monkeypatch):
+    """The trials run outside the calling thread (whose allocations a CUDA-graph warm-up sends to
+    the graph's pool: outside_graph_pools), and a failing trial still raises in the caller."""
+    kernel, launcher = _tuned_launcher(monkeypatch)
+    threads = []
+    tune = launcher.tuned
+
+    class _Recording(_Autotuner):
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: threads.append(threading.get_ident())
+
+    launcher.tuned = _Recording(tune.chosen)
+    launcher(_grid, torch.zeros(4), 100)
+    assert threads and threads[0] != threading.get_ident()
+
+    class _Failing(_Autotuner):
+        def __getitem__(self, grid):
+            def fail(*args, **kwargs):
+                raise RuntimeError("trial failed")
+            return fail
+
+    launcher.tuned = _Failing(tune.chosen)
+    with pytest.raises(RuntimeError, match="trial failed"):
+        launcher(_grid, torch.zeros(4), 200)
 
 
 def test_first_config_without_autotuning(monkeypatch):
@@ -224,6 +251,37 @@ def test_autotuning_survives_a_config_that_does_not_build_cuda(monkeypatch):
     launcher(lambda meta: (triton.cdiv(1000, meta["BLOCK"]),), x, y, 1000)
     assert torch.equal(y, x)
     assert list(launcher.best.values())[0]["BLOCK"] == 64
+
+
+def _pool_bytes(pool):
+    return sum(s["total_size"] for s in torch.cuda.memory_snapshot()
+               if tuple(s.get("segment_pool_id", (0, 0))) == tuple(pool))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_autotuning_in_a_graph_warmup_leaves_its_pool_alone_cuda(monkeypatch):
+    """A key first tuned while cudagraph trees warm a graph up (every allocation of the thread sent
+    to the graph's pool): the trials' 256 MB flush buffer does not stay in that pool. The control,
+    Triton's do_bench called in the same warm-up, shows the pool would keep it."""
+    from torch._inductor.cudagraph_trees import _use_cuda_memory_pool_manager
+    monkeypatch.setattr(triton_util, "NO_AUTOTUNE", False)
+    launcher = triton_util.Launcher(_copy, [dict(BLOCK=64), dict(BLOCK=128)], key=["N"])
+    x = torch.randn(1013, device="cuda")
+    y = torch.empty_like(x)
+    pools = []
+    for tune in (lambda: launcher(lambda meta: (triton.cdiv(1013, meta["BLOCK"]),), x, y, 1013),
+                 lambda: triton.testing.do_bench(lambda: y.copy_(x), warmup=1, rep=1)):
+        pool = torch.cuda.graph_pool_handle()
+        graph, first = torch.cuda.CUDAGraph(), torch.empty(1, device="cuda")
+        with torch.cuda.graph(graph, pool=pool):  # the pool exists once a capture used it
+            first.add_(1)
+        with _use_cuda_memory_pool_manager(x.device.index, pool, torch.cuda.Stream()):
+            tune()
+        torch.cuda.synchronize()
+        pools.append(_pool_bytes(pool) / 2**20)
+    assert torch.equal(y, x)
+    assert pools[0] < 32 and pools[1] > 200, f"pool MiB after the Launcher's tuning, after do_bench: {pools}"
 
 
 def test_device_properties_are_read_once_a_device(monkeypatch):
