@@ -91,7 +91,8 @@ def plan(args, device_type):
                      "before it; first-call times include loading the compiled kernels from disk")
     else:
         notes.append("the rows share one process, in the order listed: host-bound rows can run slower the later "
-                     "they come (up to 1.8x in session 41, bench/PERF_NOTES.md v44); --isolate measures each alone")
+                     "they come (up to 1.8x in session 41, bench/PERF_NOTES.md v44); --isolate measures each alone, but the host's own "
+                     "speed moves as much (session 42, v45)")
     jobs = []
     for pass_ in PASSES:
         for preset in presets:

@@ -149,6 +149,7 @@ def write_markdown(path, meta, rows, notes=()):
     lines = [f"# mha-compile benchmark: {meta.get('device')}", "",
              f"torch {meta.get('torch')}, triton {meta.get('triton')}, commit {meta.get('commit')}, "
              f"{meta.get('date')}.", "", f"Command: `{meta.get('command')}`", ""]
+    notes = list(notes) + [n for n in [host_probe_note(rows)] if n]
     lines += [f"- {note}" for note in notes] + ([""] if notes else [])
     lines += [table(rows, "github"), "", LEGEND, "## Compile time (first call, s)", "", compile_table(rows), ""]
     errors = [r for r in rows if r.get("status") == "error"]
@@ -158,6 +159,18 @@ def write_markdown(path, meta, rows, notes=()):
                   for r in errors]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
+
+
+def host_probe_note(rows):
+    """How far the host's speed moved over the rows (each row's host_probe_ms), or None with
+    fewer than two probes."""
+    probes = [r["host_probe_ms"] for r in rows if r.get("host_probe_ms") is not None]
+    if len(probes) < 2:
+        return None
+    low, high = min(probes), max(probes)
+    return (f"host probe (bench/timing.py: a fixed pure-Python loop just before each row's timing) "
+            f"{low:.2f}-{high:.2f} ms over these rows ({high / low:.1f}x): the host's speed moved that "
+            "much during the run; host-bound rows (small, medium, large's plain ones) move with it")
 
 
 def now():

@@ -40,6 +40,7 @@ def test_rows_have_documented_fields(tmp_path, capsys):
         assert row["status"] == "skipped" and "CUDA bf16" in row["error"]
     out = capsys.readouterr().out
     assert "× best peer" in out and "CPU: reduced set" in out
+    assert "host probe" in (tmp_path / "t.md").read_text()
 
 
 def test_an_error_row_says_what_failed_inside_a_wrapper():
@@ -279,3 +280,14 @@ def test_the_host_probe_times_its_loop(monkeypatch):
     short = min(timing.host_probe_ms() for _ in range(3))
     monkeypatch.setattr(timing, "PROBE_RANGE", timing.PROBE_RANGE * 4)
     assert min(timing.host_probe_ms() for _ in range(3)) > short
+
+
+def test_the_markdown_says_how_far_the_host_probe_moved(tmp_path):
+    """The table's notes give the probes' range over its rows (rows without one left out), and no
+    range from fewer than two."""
+    rows = [dict(host_probe_ms=p) for p in (1.25, None, 3.0, 2.0)]
+    assert "1.25-3.00 ms over these rows (2.4x)" in report.host_probe_note(rows)
+    assert report.host_probe_note(rows[:2]) is None
+    path = tmp_path / "t.md"
+    report.write_markdown(path, {}, [], notes=["a note"])
+    assert "host probe" not in path.read_text() and "- a note" in path.read_text()
