@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import shlex
+import statistics
 import sys
 import time
 
@@ -51,10 +52,24 @@ def parse_args(argv):
     p.add_argument("--isolate", action="store_true",
                    help="measure each row in a process of its own (bench/row_process.py): host-bound rows "
                         "then do not depend on the rows before them; seconds more a row")
+    p.add_argument("--rounds", type=_positive_int, default=1,
+                   help="time every row this many times, rounds interleaved (every row once, then again): "
+                        "a row's time is its rounds' median, so a host whose speed moves during the run "
+                        "(bench/PERF_NOTES.md v45) is sampled that many times a row (default 1)")
     p.add_argument("--resume", action="store_true",
                    help="keep the groups (preset, dtype, pass) that <out>/<name>.json already holds whole, "
                         "measured on this device, torch, triton and commit; run the rest")
     return p.parse_args(argv)
+
+
+def _positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number of rounds, 1 or more")
+    return value
 
 
 def _list(value, allowed, default, what):
@@ -151,7 +166,7 @@ def _group_of(row):
     return row["preset"], row["dtype"], row["pass"]
 
 
-def resumed_rows(path, jobs, env, isolated=False):
+def resumed_rows(path, jobs, env, isolated=False, rounds=1):
     """The rows of an earlier run to keep, whole groups only: a group (preset, dtype, pass) is
     what one speedup compares, so all its rows must come from one process. A group is kept when
     every planned job of it has a row that ran (ok or error, not skipped); an incomplete group
@@ -164,6 +179,9 @@ def resumed_rows(path, jobs, env, isolated=False):
         if earlier["meta"].get(field) != env[field]:
             raise SystemExit(f"--resume: {path} was measured with {field}={earlier['meta'].get(field)!r}, "
                              f"this run has {env[field]!r}; rows from both cannot be compared")
+    if earlier["meta"].get("rounds", 1) != rounds:
+        raise SystemExit(f"--resume: {path} timed each row in {earlier['meta'].get('rounds', 1)} round(s), "
+                         f"this run in {rounds}; a table's rows must be measured the same way")
     if earlier["meta"].get("isolated", False) != isolated:
         how = {True: "each row in its own process (--isolate)", False: "in one process"}
         raise SystemExit(f"--resume: {path} was measured {how[not isolated]}, this run {how[isolated]}; "
@@ -203,12 +221,16 @@ def main(argv=None):
     env = report.environment(device_type, args.commit)
     command = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--resume"]
     meta = dict(env, date=report.now(), command="python -m bench " + shlex.join(command), isolated=args.isolate,
-                notes=notes)
+                rounds=args.rounds, notes=notes)
+    if args.rounds > 1:
+        notes.append(f"each row timed in {args.rounds} rounds, interleaved (every row once, then again): its ms is "
+                     "the rounds' median, the note gives their range; its peak is the largest round's, its "
+                     "first call the first round's")
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, args.name)
     kept = []
     if args.resume:
-        kept, earlier_date = resumed_rows(stem + ".json", jobs, env, args.isolate)
+        kept, earlier_date = resumed_rows(stem + ".json", jobs, env, args.isolate, args.rounds)
         done = {_group_of(r) for r in kept}
         jobs = [job for job in jobs if _group_of(job) not in done]
         notes.append(f"{len(kept)} rows ({len(done)} whole groups of preset, dtype and pass) from a run of this "
@@ -218,11 +240,13 @@ def main(argv=None):
     for note in notes:
         print(f"bench: {note}", file=sys.stderr)
 
-    rows, cache, started = list(kept), {}, time.perf_counter()
-    progress = Progress(len(jobs))
+    cache, started = {}, time.perf_counter()
+    schedule = [job for _ in range(args.rounds) for job in jobs]
+    measured = {}  # a job's label -> its rounds' rows so far, in the order the jobs first ran
+    progress = Progress(len(schedule))
     running = None  # (job, when it started) while a row is being measured
     try:
-        for job in jobs:
+        for job in schedule:
             label = _label(job)
             progress.start(label)
             if args.budget is not None and time.perf_counter() - started > args.budget:
@@ -231,7 +255,7 @@ def main(argv=None):
                 # On disk first as unfinished: a process killed inside a row (max-autotune's
                 # compile does not answer an interrupt) then leaves a table that names it.
                 running = (job, time.perf_counter())
-                _write(stem, meta, rows + [_unfinished(job, env, running[1] - started, None)])
+                _write(stem, meta, kept + _merged(measured, _unfinished(job, env, running[1] - started, None)))
                 row = (row_process.measure(job, quick=args.quick) if args.isolate
                        else measure.run_row(job, cache, quick=args.quick))
                 running = None
@@ -239,18 +263,20 @@ def main(argv=None):
             if trace:
                 with open(stem + ".errors.log", "a") as log:
                     log.write(f"==== {label}\n{trace}\n")
-            rows.append({**dict.fromkeys(report.ROW_FIELDS), **row, **env})
+            measured.setdefault(label, []).append({**dict.fromkeys(report.ROW_FIELDS), **row, **env})
             progress.finish(label, row)
-            _write(stem, meta, rows)
+            _write(stem, meta, kept + _merged(measured))
     except KeyboardInterrupt:
-        done = len(rows) - len(kept)
-        notes.append(f"interrupted after {done} of {len(jobs)} rows")
+        done = sum(map(len, measured.values()))
+        notes.append(f"interrupted after {done} of {len(schedule)} rows")
         print(f"bench: interrupted; writing the {done} rows done", file=sys.stderr)
         if running is not None:
             job, since = running
-            rows.append(_unfinished(job, env, since - started, time.perf_counter() - since))
+            measured.setdefault(_label(job), []).append(_unfinished(job, env, since - started,
+                                                                     time.perf_counter() - since))
     finally:
         progress.close()
+    rows = kept + _merged(measured)
     _write(stem, meta, rows)
     print(report.table(rows))
     for note in notes:
@@ -258,6 +284,37 @@ def main(argv=None):
     print(plot.plot_speedup(rows, stem + ".png"))
     print(f"rows written to {stem}.json and {stem}.md")
     return 0
+
+
+def _merged(measured, running=None):
+    """One row a job from its rounds' rows (merge_rounds), in the order the jobs first ran;
+    `running`: the row being measured, as unfinished (a job with no round done yet gets it)."""
+    rows = [merge_rounds(rounds) for rounds in measured.values()]
+    if running is not None and _label(running) not in measured:
+        rows.append(running)
+    return rows
+
+
+def merge_rounds(rounds):
+    """A job's row from its rounds: a round that failed (error) is the row, so no failure hides
+    behind a good round; otherwise the round with the median time (the lower of the two middle
+    ones), with round_ms (every finished round's time, in order), the largest round's peak memory
+    and the first round's first call (the compile; later rounds compile from caches). A job with
+    no finished round: its last row (skipped, unfinished)."""
+    failed = [r for r in rounds if r.get("status") == "error"]
+    if failed:
+        return failed[0]
+    done = [r for r in rounds if r.get("status") == "ok" and r.get("time_ms") is not None]
+    if not done:
+        return rounds[-1]
+    if len(rounds) == 1:
+        return rounds[0]
+    median = statistics.median_low(r["time_ms"] for r in done)
+    row = dict(next(r for r in done if r["time_ms"] == median))
+    peak = max(done, key=lambda r: r.get("peak_mib") or 0)
+    row.update({k: peak.get(k) for k in ("peak_mib", "peak_delta_mib", "graph_pool_mib")},
+               first_call_s=done[0].get("first_call_s"), round_ms=[r["time_ms"] for r in done])
+    return row
 
 
 def _unfinished(job, env, started_s, ran_s):

@@ -13,7 +13,7 @@ from bench.modes import PEER_MODES
 # Fields that, with the environment's, identify a row (the JSON "key").
 KEY_FIELDS = ("preset", "dtype", "mode", "spelling", "pass", "device", "torch", "triton", "commit")
 # Every row has these (None where they do not apply); bench/README.md says what each means.
-RESULT_FIELDS = ("status", "error", "time_ms", "first_call_s", "host_probe_ms", "peak_mib", "peak_delta_mib", "graph_pool_mib", "rel_err",
+RESULT_FIELDS = ("status", "error", "time_ms", "round_ms", "first_call_s", "host_probe_ms", "peak_mib", "peak_delta_mib", "graph_pool_mib", "rel_err",
                  "grad_rel_err", "regions_replaced", "kernels_chosen", "lowering_note", "flops_min",
                  "flops_mode", "bytes_min", "floor_s", "pct_floor", "tflops", "tflops_mode", "speedup",
                  "best_peer", "best_peer_ms", "B", "H", "N", "D", "P", "F", "E", "k")
@@ -83,6 +83,9 @@ def table_rows(rows):
             note = "NOT LOWERED: no region replaced, timed the graph as captured"
         elif r.get("status") == "ok" and r.get("graph_pool_mib"):
             note = f"peak MiB: {r['graph_pool_mib']:.0f} of it CUDA-graph pools"
+        if r.get("status") == "ok" and len(r.get("round_ms") or ()) > 1:
+            note = "; ".join(n for n in (f"{len(r['round_ms'])} rounds {min(r['round_ms']):.3f}-"
+                                         f"{max(r['round_ms']):.3f} ms", note) if n)
         out.append([r["preset"], r["dtype"], r["pass"], r["spelling"], r["mode"],
                     _fmt(r.get("time_ms"), ".3f"), _fmt(r.get("speedup"), ".2f"),
                     _fmt(r.get("pct_floor"), ".1f"), _fmt(r.get("tflops"), ".2f"),

@@ -195,6 +195,8 @@ def test_resume_refuses_rows_from_another_commit_or_no_file(tmp_path):
         data = json.load(f)
     with pytest.raises(SystemExit, match="measured in one process, this run each row in its own process"):
         _run(tmp_path, *argv, "--resume", "--isolate")  # a table's rows are all measured one way
+    with pytest.raises(SystemExit, match="in 1 round\\(s\\), this run in 3"):
+        _run(tmp_path, *argv, "--resume", "--rounds", "3")
     data["meta"]["commit"] = "0000000"
     with open(tmp_path / "t.json", "w") as f:
         json.dump(data, f)
@@ -291,3 +293,49 @@ def test_the_markdown_says_how_far_the_host_probe_moved(tmp_path):
     path = tmp_path / "t.md"
     report.write_markdown(path, {}, [], notes=["a note"])
     assert "host probe" not in path.read_text() and "- a note" in path.read_text()
+
+
+def test_rounds_interleave_the_rows_and_keep_each_rows_median(tmp_path, monkeypatch):
+    """--rounds 3: every row once, then every row again; a row's time is its rounds' median, its
+    peak the largest round's, its first call the first round's; the table gives the range."""
+    order, times = [], {"eager": iter([5.0, 1.0, 3.0]), "inductor": iter([2.0, 4.0, 6.0])}
+    peaks = {"eager": iter([10.0, 30.0, 20.0]), "inductor": iter([7.0, 7.0, 7.0])}
+    real_run = bench_main.measure.run_row
+
+    def run_row(job, cache, quick=False):
+        order.append(job["mode"])
+        row = real_run(job, cache, quick=quick)
+        first = row["first_call_s"] if len(order) <= 2 else -1.0
+        return dict(row, time_ms=next(times[job["mode"]]), peak_mib=next(peaks[job["mode"]]), first_call_s=first)
+
+    monkeypatch.setattr(bench_main.measure, "run_row", run_row)
+    rows = _run(tmp_path, "--presets", "tiny", "--modes", "eager,inductor", "--spellings", "dense",
+                "--passes", "fwd", "--rounds", "3")
+    assert order == ["eager", "inductor"] * 3
+    eager, inductor = rows
+    assert (eager["time_ms"], eager["round_ms"], eager["peak_mib"]) == (3.0, [5.0, 1.0, 3.0], 30.0)
+    assert (inductor["time_ms"], inductor["round_ms"]) == (4.0, [2.0, 4.0, 6.0])
+    assert eager["first_call_s"] > 0 and inductor["first_call_s"] > 0  # the first round's
+    assert inductor["speedup"] == pytest.approx(3.0 / 4.0)
+    with open(tmp_path / "t.json") as f:
+        data = json.load(f)
+    assert data["meta"]["rounds"] == 3 and any("3 rounds, interleaved" in n for n in data["meta"]["notes"])
+    assert "3 rounds 1.000-5.000 ms" in (tmp_path / "t.md").read_text()
+
+
+def test_a_failed_round_makes_the_row_an_error_and_one_round_is_the_row():
+    ok = dict(status="ok", time_ms=1.0, peak_mib=5.0, first_call_s=2.0)
+    error = dict(status="error", error="boom", time_ms=None)
+    assert bench_main.merge_rounds([ok, error, dict(ok, time_ms=3.0)]) is error
+    assert bench_main.merge_rounds([ok]) is ok and "round_ms" not in ok
+    skipped = dict(status="skipped", error="time budget of 0 s spent")
+    assert bench_main.merge_rounds([skipped, skipped]) is skipped
+    merged = bench_main.merge_rounds([dict(ok, time_ms=2.0), skipped])  # the budget cut round 2
+    assert merged["time_ms"] == 2.0 and merged["round_ms"] == [2.0]
+
+
+@pytest.mark.parametrize("bad", ["0", "-2", "two"])
+def test_rounds_must_be_a_whole_number_from_one(bad, capsys):
+    with pytest.raises(SystemExit):
+        bench_main.parse_args(["--rounds", bad])
+    assert f"{bad!r}: expected a whole number of rounds, 1 or more" in capsys.readouterr().err
