@@ -288,9 +288,12 @@ def main(argv=None):
 
 def _merged(measured, running=None):
     """One row a job from its rounds' rows (merge_rounds), in the order the jobs first ran;
-    `running`: the row being measured, as unfinished (a job with no round done yet gets it)."""
-    rows = [merge_rounds(rounds) for rounds in measured.values()]
-    if running is not None and _label(running) not in measured:
+    `running`: the row being measured, as unfinished (one more round of its job, or its job's
+    first: a process killed in a later round leaves a row whose round_ms shows the rounds done)."""
+    running_label = None if running is None else _label(running)
+    rows = [merge_rounds(rounds + ([running] if label == running_label else []))
+            for label, rounds in measured.items()]
+    if running is not None and running_label not in measured:
         rows.append(running)
     return rows
 

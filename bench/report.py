@@ -83,9 +83,10 @@ def table_rows(rows):
             note = "NOT LOWERED: no region replaced, timed the graph as captured"
         elif r.get("status") == "ok" and r.get("graph_pool_mib"):
             note = f"peak MiB: {r['graph_pool_mib']:.0f} of it CUDA-graph pools"
-        if r.get("status") == "ok" and len(r.get("round_ms") or ()) > 1:
-            note = "; ".join(n for n in (f"{len(r['round_ms'])} rounds {min(r['round_ms']):.3f}-"
-                                         f"{max(r['round_ms']):.3f} ms", note) if n)
+        if r.get("status") == "ok" and r.get("round_ms"):
+            done = r["round_ms"]
+            note = "; ".join(n for n in (f"{len(done)} round{'s' * (len(done) > 1)} "
+                                         f"{min(done):.3f}-{max(done):.3f} ms", note) if n)
         out.append([r["preset"], r["dtype"], r["pass"], r["spelling"], r["mode"],
                     _fmt(r.get("time_ms"), ".3f"), _fmt(r.get("speedup"), ".2f"),
                     _fmt(r.get("pct_floor"), ".1f"), _fmt(r.get("tflops"), ".2f"),

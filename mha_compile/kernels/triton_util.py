@@ -515,7 +515,9 @@ def outside_graph_pools(run):
     stream = torch.cuda.current_stream() if torch.cuda.is_available() else None
 
     def on_stream():
-        with torch.cuda.stream(stream):  # None (no CUDA): no stream to take
+        # No autograd on the trials: a new thread records by default, and a trial's restore
+        # (clone, then copy_ back) would fail on a tensor that requires grad.
+        with torch.cuda.stream(stream), torch.no_grad():  # stream None (no CUDA): no stream to take
             return run()
 
     with ThreadPoolExecutor(max_workers=1) as worker:

@@ -332,6 +332,24 @@ def test_a_failed_round_makes_the_row_an_error_and_one_round_is_the_row():
     assert bench_main.merge_rounds([skipped, skipped]) is skipped
     merged = bench_main.merge_rounds([dict(ok, time_ms=2.0), skipped])  # the budget cut round 2
     assert merged["time_ms"] == 2.0 and merged["round_ms"] == [2.0]
+    assert "1 round 2.000-2.000 ms" in report.table([dict(merged, preset="tiny", dtype="fp32", spelling="dense",
+                                                          mode="eager", **{"pass": "fwd"})])
+
+
+def test_a_later_round_in_progress_leaves_the_rounds_done_on_disk(tmp_path, monkeypatch):
+    """Killed in round 2, the files hold the row from round 1 with round_ms showing one round."""
+    real_run = bench_main.measure.run_row
+    seen = []
+
+    def run_row(job, cache, quick=False):
+        with open(tmp_path / "t.json") as f:
+            seen.append([(r["status"], r["round_ms"]) for r in json.load(f)["rows"]])
+        return dict(real_run(job, cache, quick=quick), time_ms=7.0)
+
+    monkeypatch.setattr(bench_main.measure, "run_row", run_row)
+    _run(tmp_path, "--presets", "tiny", "--modes", "eager", "--spellings", "dense", "--passes", "fwd",
+         "--rounds", "2")
+    assert seen == [[("unfinished", None)], [("ok", [7.0])]]
 
 
 @pytest.mark.parametrize("bad", ["0", "-2", "two"])

@@ -99,18 +99,19 @@ def test_no_autotuning_inside_a_cuda_graph_capture(monkeypatch, caplog):
 
 def test_autotuning_runs_on_a_thread_of_its_own_and_passes_its_errors_on(monkeypatch):
     """The trials run outside the calling thread (whose allocations a CUDA-graph warm-up sends to
-    the graph's pool: outside_graph_pools), and a failing trial still raises in the caller."""
+    the graph's pool: outside_graph_pools), without autograd, and a failing trial still raises in
+    the caller."""
     kernel, launcher = _tuned_launcher(monkeypatch)
     threads = []
     tune = launcher.tuned
 
     class _Recording(_Autotuner):
         def __getitem__(self, grid):
-            return lambda *args, **kwargs: threads.append(threading.get_ident())
+            return lambda *args, **kwargs: threads.append((threading.get_ident(), torch.is_grad_enabled()))
 
     launcher.tuned = _Recording(tune.chosen)
     launcher(_grid, torch.zeros(4), 100)
-    assert threads and threads[0] != threading.get_ident()
+    assert threads and threads[0] == (threads[0][0], False) and threads[0][0] != threading.get_ident()
 
     class _Failing(_Autotuner):
         def __getitem__(self, grid):
