@@ -16,7 +16,8 @@ from mha_compile.debug.dump import publish
 from mha_compile.debug.report import GraphReport
 from mha_compile.lowering.match import find_regions
 from mha_compile.lowering.rewrite import rewrite
-from mha_compile.lowering.select import CAPTURED_WHOLE, choose_kernels, describe_graphs, describe_keep_hidden
+from mha_compile.lowering.select import (CAPTURED_WHOLE, choose_kernels, describe_graphs, describe_keep_hidden,
+                                         size_text)
 from mha_compile.options import MODES, Options
 
 log = logging.getLogger("mha_compile")
@@ -188,8 +189,8 @@ def _mark_split(report, toks):
     for match in report.matches:
         if match["graph"] == "<top>" and match["tok"] in toks:
             match["graphs"] = (f"no: the whole graph is captured as a CUDA graph (mode); its pool runs eagerly "
-                               f"before each replay (mha::pool, on tok where it is: {toks[match['tok']] / 2**20:.0f} "
-                               "MiB not copied into the graphs), its MoE inside them (mha::moe)")
+                               f"before each replay (mha::pool, on tok where it is: {size_text(toks[match['tok']])} "
+                               "not copied into the graphs), its MoE inside them (mha::moe)")
 
 
 def _first_line(error):

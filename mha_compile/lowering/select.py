@@ -74,9 +74,16 @@ def describe_graphs(match, graphs, whole_graph_captured):
     top_k, act = match.config["top_k"], match.config["act"]
     slot_bytes = region_graphs.slot_buffer_bytes(ctx, w1, top_k, act)
     fits = region_graphs.auto_wanted(ctx, w1, top_k, act)
-    return (f"{'yes' if fits else 'no'} (graphs='auto'): the backward's slot buffers, {slot_bytes / 2**20:.0f} MiB, "
+    return (f"{'yes' if fits else 'no'} (graphs='auto'): the backward's slot buffers, {size_text(slot_bytes)}, "
             f"{'fit' if fits else 'do not fit'} one run of whole tiles within {triton_moe.SLOT_CHUNK_BYTES >> 20} MiB"
             + (": captured on a call signature's second call, replayed after" if fits else ""))
+
+
+def size_text(nbytes):
+    """nbytes for a report: whole MiB from 1 MiB up, whole KiB below (a tiny model's "0 MiB" said nothing)."""
+    if nbytes >= 2**20:
+        return f"{nbytes / 2**20:.0f} MiB"
+    return f"{nbytes / 2**10:.0f} KiB" if nbytes >= 2**10 else f"{nbytes:.0f} bytes"
 
 
 def describe_keep_hidden(match, keep_hidden):
@@ -94,5 +101,5 @@ def describe_keep_hidden(match, keep_hidden):
     if not all(isinstance(d, int) for d in (B, H, E, F)):
         return f"yes ({why}): u [R·k slots, F] kept from the forward for the backward"
     slots = triton_moe.slot_count(B * H * match.config["top_k"], E)
-    held = slots * F * ctx.dtype.itemsize / 2**20
-    return f"yes ({why}): u [{slots}, {F}] kept from the forward for the backward, {held:.0f} MiB"
+    held = slots * F * ctx.dtype.itemsize
+    return f"yes ({why}): u [{slots}, {F}] kept from the forward for the backward, {size_text(held)}"

@@ -298,6 +298,7 @@ def test_the_report_and_the_dump_show_the_pool_outside(monkeypatch, tmp_path):
     assert pools == [(4, 5, 32)]
     said = report.matches[0]["graphs"]
     assert said.startswith("no: the whole graph is captured") and "its pool runs eagerly before each replay" in said
+    assert " KiB not copied into the graphs" in said  # tok [4,5,32]: KiB, not "0 MiB"
     assert doc["matches"][0]["graphs"] == said and "pool runs eagerly" in (folder / "report.txt").read_text()
     assert doc["files"]["replayed"] == "replayed.py"
     replayed = (folder / "replayed.py").read_text()

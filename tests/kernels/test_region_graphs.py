@@ -118,3 +118,10 @@ def test_explain_reports_the_graphs_decision():
     report = mha_compile.explain(block, torch.randn(4, 3, 32), torch.randn(4, 5, 32), options={"kernels": "fused"})
     assert report.matches[0]["graphs"] == "no: inputs are on cpu"
     assert "CUDA graphs: no: inputs are on cpu" in str(report)
+
+
+@pytest.mark.parametrize("nbytes, text", [(1300 * 2**20, "1300 MiB"), (2**20, "1 MiB"), (2560, "2 KiB"),
+                                          (1023, "1023 bytes")])
+def test_report_sizes_say_kib_below_a_mib(nbytes, text):
+    from mha_compile.lowering.select import size_text
+    assert size_text(nbytes) == text
