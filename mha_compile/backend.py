@@ -6,6 +6,7 @@ point `mha` in the group `torch_dynamo_backends`. It copies Dynamo's graph, rewr
 Any failure in the rewrite returns the graph exactly as captured, with a warning that says
 why; `options={"strict": True}` raises instead. The original graph is never half-rewritten.
 """
+import functools
 import itertools
 import logging
 
@@ -134,41 +135,48 @@ def _whole_graph_captured(opts, mode, example_inputs):
 def run_rest(gm, example_inputs, opts, mode, whole, split=None, report=None):
     """Everything outside the region: eagerly, or through Inductor (honouring `mode`); whole:
     _whole_graph_captured's answer for this compile; split: _planned_pool_split's, for gm, whose
-    report (if given) is corrected where the split cannot be captured."""
+    report (if given) is corrected where the split cannot be compiled."""
     if opts.rest == "inductor":
-        from torch._inductor.compile_fx import compile_fx
-        graphs = "off" if whole else opts.graphs
-        with cache_key_tagged():
-            return compile_fx(_region_calls(gm, torch.ops.mha.region.default, graphs), example_inputs,
-                              config_patches=_inductor_patches(mode))
-    if whole:
-        with cache_key_tagged():
-            if split is not None:
-                try:
-                    return whole_graph.capture_split(split)
-                except Exception as error:
-                    if opts.strict:
-                        raise
-                    log.warning("mha_compile: running the pool outside the CUDA graphs failed (%s); capturing it "
-                                "with the rest%s", _first_line(error),
-                                " (the graph's dump, written before, says outside)" if opts.dump else "")
-                    for match in report.matches if report is not None else ():
-                        match["graphs"] = CAPTURED_WHOLE
-            return whole_graph.capture(gm, example_inputs)
-    if mode == "reduce-overhead":
-        log.info("mha_compile: mode='reduce-overhead' without CUDA inputs: running without CUDA graphs")
-    elif mode not in (None, "default"):
-        log.info("mha_compile: mode=%r with rest='eager': everything outside the region runs eagerly, without "
-                 "the mode's autotuning or CUDA graphs (rest='inductor' takes them)", mode)
-    return _region_calls(gm, ops.region_call, opts.graphs).forward
+        compile_graphs = functools.partial(_inductor, mode=mode, graphs="off" if whole else opts.graphs)
+    elif whole:
+        compile_graphs = whole_graph.capture
+    else:
+        if mode == "reduce-overhead":
+            log.info("mha_compile: mode='reduce-overhead' without CUDA inputs: running without CUDA graphs")
+        elif mode not in (None, "default"):
+            log.info("mha_compile: mode=%r with rest='eager': everything outside the region runs eagerly, without "
+                     "the mode's autotuning or CUDA graphs (rest='inductor' takes them)", mode)
+        return _region_calls(gm, ops.region_call, opts.graphs).forward
+    with cache_key_tagged():
+        if split is not None:
+            try:
+                return whole_graph.capture_split(split, compile_graphs)
+            except Exception as error:
+                if opts.strict:
+                    raise
+                log.warning("mha_compile: running the pool outside the CUDA graphs failed (%s); capturing it "
+                            "with the rest%s", _first_line(error),
+                            " (the graph's dump, written before, says outside)" if opts.dump else "")
+                for match in report.matches if report is not None else ():
+                    match["graphs"] = CAPTURED_WHOLE
+        return compile_graphs(gm, example_inputs)
+
+
+def _inductor(gm, example_inputs, mode, graphs):
+    """Inductor's compile_fx on gm under `mode`'s settings (patched for this compile only), its
+    region calls with the `graphs` setting."""
+    from torch._inductor.compile_fx import compile_fx
+    return compile_fx(_region_calls(gm, torch.ops.mha.region.default, graphs), example_inputs,
+                      config_patches=_inductor_patches(mode))
 
 
 def _planned_pool_split(gm, example_inputs, opts, whole, report):
-    """whole_graph.plan_pool_split(gm) where the whole graph is captured with rest="eager" (the
-    regions' pools then run outside the CUDA graphs), with report's matches saying which; None
-    where no pool leaves. Where planning fails: a warning and None (the graphs then capture gm
-    whole, which computes the same), unless opts.strict."""
-    if not whole or opts.rest != "eager" or not report.matches:
+    """whole_graph.plan_pool_split(gm) where the whole graph is captured as CUDA graphs, by
+    rest="eager" (whole_graph.capture) or by Inductor (its mode's CUDA graphs): the regions'
+    pools then run outside the graphs, with report's matches saying which; None where no pool
+    leaves. Where planning fails: a warning and None (the graphs then capture gm whole, which
+    computes the same), unless opts.strict."""
+    if not whole or not report.matches:
         return None
     try:
         split = whole_graph.plan_pool_split(gm, example_inputs)

@@ -120,7 +120,8 @@ def plan_pool_split(gm, example_inputs):
     reads inputs alone (tok, its weights, a mask) and the fused kernels take the region in one
     dtype: the two ops run the fused set's own pieces (its outputs and gradients,
     tests/test_pool_moe_ops.py). Inputs left with no reader (tok, the pool's weights) are not
-    handed to the graphs. Nothing is traced or captured here: capture_split does that."""
+    handed to the graphs. Nothing is traced or captured here: capture_split does that, by capture()
+    (rest="eager") or by Inductor under its mode's CUDA graphs (rest="inductor", the backend's)."""
     if not POOL_OUTSIDE:
         return None
     regions = [node for node in gm.graph.find_nodes(op="call_function", target=torch.ops.mha.region.default)
@@ -147,10 +148,12 @@ def plan_pool_split(gm, example_inputs):
     return PoolSplit(new, pools, kept, [example_inputs[i] for i in kept] + invs, toks)
 
 
-def capture_split(split):
-    """capture() of a PoolSplit's graphs, called after each region's mha::pool on the call's inputs."""
+def capture_split(split, compile_graphs=None):
+    """A PoolSplit's graphs compiled by compile_graphs(graph, example inputs) (capture() by
+    default; the backend passes Inductor's compile for rest="inductor"), called after each
+    region's mha::pool on the call's inputs."""
     log.info("mha_compile: %d region pool(s) run eagerly outside the CUDA graphs (tok not copied in)", len(split.pools))
-    return _PoolThenGraphs(split.pools, split.kept, capture(split.graph, split.examples))
+    return _PoolThenGraphs(split.pools, split.kept, (compile_graphs or capture)(split.graph, split.examples))
 
 
 def _bound(node):

@@ -319,7 +319,7 @@ def test_a_split_that_cannot_be_captured_is_reported_whole(monkeypatch, tmp_path
     dump disagrees, the region captured whole, and the report (explain's) corrected."""
     from mha_compile.lowering.select import CAPTURED_WHOLE
 
-    def broken(split):
+    def broken(split, compile_graphs):
         raise RuntimeError("graphs that cannot be traced")
 
     monkeypatch.setattr(whole_graph, "capture_split", broken)
@@ -329,3 +329,45 @@ def test_a_split_that_cannot_be_captured_is_reported_whole(monkeypatch, tmp_path
     assert "failed (RuntimeError: graphs that cannot be traced)" in caplog.text and "dump, written before" in caplog.text
     assert pools == [] and report.matches[0]["graphs"] == CAPTURED_WHOLE
     assert "pool runs eagerly" in doc["matches"][0]["graphs"]  # the dump was written before the capture
+
+
+def _inductor_split_step(monkeypatch, pool_outside):
+    """A tiny block's training step through backend="mha" with rest="inductor" under
+    mode="reduce-overhead" and kernels="fused", POOL_OUTSIDE = `pool_outside` and no size
+    threshold (on the CPU Inductor leaves out its CUDA graphs; what it is handed is the same):
+    (the input shapes of each graph handed to Inductor, tok's shape, the eager pools' toks, every
+    leaf's gradient)."""
+    from torch._inductor import compile_fx
+    pools = _record_pools(monkeypatch)
+    monkeypatch.setattr(whole_graph, "POOL_OUTSIDE", pool_outside)
+    monkeypatch.setattr(whole_graph, "POOL_OUTSIDE_MIN_BYTES", 0)
+    handed, real = [], compile_fx.compile_fx
+    monkeypatch.setattr(compile_fx, "compile_fx",
+                        lambda gm, inputs, **kwargs: handed.append([tuple(t.shape) for t in inputs])
+                        or real(gm, inputs, **kwargs))
+    torch._dynamo.reset()
+    torch.manual_seed(1)
+    block = models.MHABlock.from_preset("tiny")
+    ctx = torch.randn(4, 3, 32, requires_grad=True)
+    tok = torch.randn(4, 5, 32, requires_grad=True)
+    options = {"rest": "inductor", "kernels": "fused", "mode": "reduce-overhead"}
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        torch.compile(block, backend="mha", options=options)(ctx, tok).square().sum().backward()
+    torch._dynamo.reset()
+    return handed, tuple(tok.shape), pools, [t.grad for t in (ctx, tok, *block.parameters())]
+
+
+@needs_interpreter
+def test_inductor_under_reduce_overhead_takes_the_pool_outside_too(monkeypatch):
+    """rest="inductor" with a mode that replays CUDA graphs: Inductor is handed the graph
+    without tok (mha::moe on the pool's [B,D] inv), mha::pool runs eagerly once a step on tok
+    itself, and every gradient is the unsplit graph's, bit for bit, none zero but ∂bk's."""
+    handed, tok_shape, pools, grads = _inductor_split_step(monkeypatch, True)
+    assert handed and pools == [tok_shape]
+    assert all(tok_shape not in shapes and (tok_shape[0], tok_shape[2]) in shapes for shapes in handed)
+    handed_in, _, pools_in, grads_in = _inductor_split_step(monkeypatch, False)
+    assert pools_in == [] and all(tok_shape in shapes for shapes in handed_in)
+    names = ["ctx", "tok", *[name for name, _ in models.MHABlock.from_preset("tiny").named_parameters()]]
+    for name, got, want in zip(names, grads, grads_in):
+        assert got is not None and torch.equal(got, want), f"∂{name}"
+        assert (got.abs().max() == 0) == (name == "pool.key.bias"), f"∂{name}"
