@@ -59,14 +59,14 @@ def test_mode_in_the_options_replays_cuda_graphs_and_trains_as_the_plain_step(mo
 
 
 
-def _grads_per_step(monkeypatch, outside, steps=3):
+def _grads_per_step(monkeypatch, outside, rest, steps=3):
     """Each step's parameter gradients (no optimizer: the same parameters, fresh inputs a step)
-    of the block compiled with mode="reduce-overhead", whole_graph.POOL_OUTSIDE = outside."""
+    of the block compiled with mode="reduce-overhead" and `rest`, whole_graph.POOL_OUTSIDE = outside."""
     monkeypatch.setattr(whole_graph, "POOL_OUTSIDE", outside)
     monkeypatch.setattr(whole_graph, "POOL_OUTSIDE_MIN_BYTES", 0)  # this tok is 384 KiB
     torch._dynamo.reset()
     model = block()
-    compiled = torch.compile(model, backend="mha", mode="reduce-overhead")
+    compiled = torch.compile(model, backend="mha", options={"rest": rest, "mode": "reduce-overhead"})
     grads = []
     for step in range(steps):
         torch.compiler.cudagraph_mark_step_begin()
@@ -79,21 +79,23 @@ def _grads_per_step(monkeypatch, outside, steps=3):
     return grads
 
 
-def test_the_pool_outside_the_graphs_gives_the_gradients_inside(monkeypatch):
+@pytest.mark.parametrize("rest", ["eager", "inductor"])
+def test_the_pool_outside_the_graphs_gives_the_gradients_inside(monkeypatch, rest):
     """whole_graph.POOL_OUTSIDE (the default): each step runs mha::pool eagerly, once, on that
     step's own tok (read where it is, never copied into the graphs), and every parameter's
     gradient is the one the graphs give with the pool inside them (mha::region, the same kernels:
     to within bf16's last bit), none zero but the key bias's, exactly zero by the math. (SGD steps
     do not show a lost gradient here: in bf16 the query's updates at lr 0.1 round away, inside the
-    graphs or out; test_reduce_overhead_trains_as_the_plain_step trains with the split.)"""
+    graphs or out; test_reduce_overhead_trains_as_the_plain_step trains with the split.) With
+    rest="inductor" the graphs are Inductor's (session 42)."""
     from mha_compile import pool_moe_ops
 
     pools = []
     real_pool = pool_moe_ops._pool  # the pool's forward, under the op and PoolFunction alike
     monkeypatch.setattr(pool_moe_ops, "_pool", lambda *args: pools.append(args[0].shape) or real_pool(*args))
-    inside = _grads_per_step(monkeypatch, False)
+    inside = _grads_per_step(monkeypatch, False, rest)
     assert pools == []
-    outside = _grads_per_step(monkeypatch, True)
+    outside = _grads_per_step(monkeypatch, True, rest)
     assert pools == [torch.Size([64, 24, 128])] * 3
     for step, (got, want) in enumerate(zip(outside, inside)):
         for name in want:
