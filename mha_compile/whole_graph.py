@@ -148,12 +148,12 @@ def plan_pool_split(gm, example_inputs):
     return PoolSplit(new, pools, kept, [example_inputs[i] for i in kept] + invs, toks)
 
 
-def capture_split(split, compile_graphs=None):
-    """A PoolSplit's graphs compiled by compile_graphs(graph, example inputs) (capture() by
-    default; the backend passes Inductor's compile for rest="inductor"), called after each
-    region's mha::pool on the call's inputs."""
+def capture_split(split, compile_graphs=capture):
+    """A PoolSplit's graphs compiled by compile_graphs(graph, example inputs) (capture(), or
+    Inductor's compile for rest="inductor": the backend's), called after each region's mha::pool
+    on the call's inputs."""
     log.info("mha_compile: %d region pool(s) run eagerly outside the CUDA graphs (tok not copied in)", len(split.pools))
-    return _PoolThenGraphs(split.pools, split.kept, (compile_graphs or capture)(split.graph, split.examples))
+    return _PoolThenGraphs(split.pools, split.kept, compile_graphs(split.graph, split.examples))
 
 
 def _bound(node):
