@@ -9,7 +9,9 @@ given in the options) or mha-options-reduce-overhead (mha-fused-cudagraphs with 
 the options, as mha-fused-keep gives it) or mha-fused-keep-static-tok (mha-fused-keep with tok
 marked static, torch._dynamo.mark_static_address: the replays read it in place instead of copying
 it in) or mha-fused-keep-pool-inside (mha-fused-keep with whole_graph.POOL_OUTSIDE off: the pool
-captured in the graphs, tok copied in before each replay, as before session 40)
+captured in the graphs, tok copied in before each replay, as before session 40) or
+mha-inductor-reduce-overhead-pool-inside (the same for rest="inductor", whose pool has gone outside
+the graphs since session 42)
 on the dense or loop spelling, bf16 on CUDA. For each:
 the bench's training step (bench/measure.timed_step) timed as the bench times it (do_bench's
 median), the host's time to issue one step (50 steps under perf_counter with no sync between
@@ -30,7 +32,7 @@ from bench import cases, measure, modes
 from mha_compile import whole_graph
 
 EXTRA_MODES = ("inductor-reduce-overhead", "mha-inductor-reduce-overhead", "mha-options-reduce-overhead",
-               "mha-fused-keep-static-tok", "mha-fused-keep-pool-inside")
+               "mha-fused-keep-static-tok", "mha-fused-keep-pool-inside", "mha-inductor-reduce-overhead-pool-inside")
 RUNS = "mha-fused-cudagraphs:loop,mha-fused-cudagraphs:dense,inductor-reduce-overhead:loop,mha-fused:loop"
 
 
@@ -47,6 +49,21 @@ def parse_runs(text):
     return runs
 
 
+def compile_model(mode, model, tok):
+    """The compiled model a run times (the pool-inside modes are built by profile)."""
+    if mode == "inductor-reduce-overhead":
+        return torch.compile(model, mode="reduce-overhead", dynamic=False)
+    if mode == "mha-inductor-reduce-overhead":
+        return torch.compile(model, backend="mha", options={"rest": "inductor", "mode": "reduce-overhead"},
+                             dynamic=False)
+    if mode == "mha-options-reduce-overhead":
+        return torch.compile(model, backend="mha", options={"mode": "reduce-overhead"}, dynamic=False)
+    if mode == "mha-fused-keep-static-tok":
+        torch._dynamo.mark_static_address(tok)
+        return modes.build("mha-fused-keep", model)
+    return modes.build(mode, model)
+
+
 def profile(preset, mode, spelling):
     torch._dynamo.reset()
     model = cases.make_model(preset, spelling, "bf16", "cuda")
@@ -54,22 +71,13 @@ def profile(preset, mode, spelling):
     ctx.requires_grad_(True)
     tok.requires_grad_(True)
     leaves = [ctx, tok, *model.parameters()]
-    if mode == "inductor-reduce-overhead":
-        fn = torch.compile(model, mode="reduce-overhead", dynamic=False)
-    elif mode == "mha-inductor-reduce-overhead":
-        fn = torch.compile(model, backend="mha", options={"rest": "inductor", "mode": "reduce-overhead"}, dynamic=False)
-    elif mode == "mha-options-reduce-overhead":
-        fn = torch.compile(model, backend="mha", options={"mode": "reduce-overhead"}, dynamic=False)
-    elif mode == "mha-fused-keep-static-tok":
-        torch._dynamo.mark_static_address(tok)
-        fn = modes.build("mha-fused-keep", model)
-    elif mode == "mha-fused-keep-pool-inside":
+    if mode.endswith("-pool-inside"):
         # read at compile time, which is the first call (inside timed_step's first step below)
         with mock.patch.object(whole_graph, "POOL_OUTSIDE", False):
-            fn = modes.build("mha-fused-keep", model)
+            fn = compile_model(mode.removesuffix("-pool-inside"), model, tok)
             measure.timed_step(fn, ctx, tok, grad_out, leaves, True)()
     else:
-        fn = modes.build(mode, model)
+        fn = compile_model(mode, model, tok)
 
     step = measure.timed_step(fn, ctx, tok, grad_out, leaves, True)
     for _ in range(5):

@@ -17,6 +17,8 @@ def test_runs_are_parsed_and_every_default_is_a_mode_it_takes():
     assert step_profile.parse_runs("mha-inductor-reduce-overhead:loop") == [("mha-inductor-reduce-overhead", "loop")]
     assert step_profile.parse_runs("mha-options-reduce-overhead:dense") == [("mha-options-reduce-overhead", "dense")]
     assert step_profile.parse_runs("mha-fused-keep-pool-inside:dense") == [("mha-fused-keep-pool-inside", "dense")]
+    assert step_profile.parse_runs("mha-inductor-reduce-overhead-pool-inside:loop") == [
+        ("mha-inductor-reduce-overhead-pool-inside", "loop")]
 
 
 @pytest.mark.parametrize("text,message", [("mha-fast:loop", "mode 'mha-fast' is not one of"),
