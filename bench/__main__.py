@@ -224,8 +224,9 @@ def main(argv=None):
                 rounds=args.rounds, notes=notes)
     if args.rounds > 1:
         notes.append(f"each row timed in {args.rounds} rounds, interleaved (every row once, then again): its ms is "
-                     "the rounds' median, the note gives their range; its peak is the largest round's, its "
-                     "first call the first round's")
+                     "the rounds' median, the note gives how many rounds it got and their range (a run cut short "
+                     "by its budget or a stop leaves fewer); its peak is the largest round's, its first call the "
+                     "first round's")
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, args.name)
     kept = []
@@ -255,7 +256,8 @@ def main(argv=None):
                 # On disk first as unfinished: a process killed inside a row (max-autotune's
                 # compile does not answer an interrupt) then leaves a table that names it.
                 running = (job, time.perf_counter())
-                _write(stem, meta, kept + _merged(measured, _unfinished(job, env, running[1] - started, None)))
+                _write(stem, meta, kept + _merged(measured, args.rounds,
+                                                  _unfinished(job, env, running[1] - started, None)))
                 row = (row_process.measure(job, quick=args.quick) if args.isolate
                        else measure.run_row(job, cache, quick=args.quick))
                 running = None
@@ -265,7 +267,7 @@ def main(argv=None):
                     log.write(f"==== {label}\n{trace}\n")
             measured.setdefault(label, []).append({**dict.fromkeys(report.ROW_FIELDS), **row, **env})
             progress.finish(label, row)
-            _write(stem, meta, kept + _merged(measured))
+            _write(stem, meta, kept + _merged(measured, args.rounds))
     except KeyboardInterrupt:
         done = sum(map(len, measured.values()))
         notes.append(f"interrupted after {done} of {len(schedule)} rows")
@@ -276,7 +278,7 @@ def main(argv=None):
                                                                      time.perf_counter() - since))
     finally:
         progress.close()
-    rows = kept + _merged(measured)
+    rows = kept + _merged(measured, args.rounds)
     _write(stem, meta, rows)
     print(report.table(rows))
     for note in notes:
@@ -286,31 +288,32 @@ def main(argv=None):
     return 0
 
 
-def _merged(measured, running=None):
-    """One row a job from its rounds' rows (merge_rounds), in the order the jobs first ran;
+def _merged(measured, asked, running=None):
+    """One row a job from its rounds' rows (merge_rounds; `asked`: --rounds), in the order the jobs first ran;
     `running`: the row being measured, as unfinished (one more round of its job, or its job's
     first: a process killed in a later round leaves a row whose round_ms shows the rounds done)."""
     running_label = None if running is None else _label(running)
-    rows = [merge_rounds(rounds + ([running] if label == running_label else []))
+    rows = [merge_rounds(rounds + ([running] if label == running_label else []), asked)
             for label, rounds in measured.items()]
     if running is not None and running_label not in measured:
         rows.append(running)
     return rows
 
 
-def merge_rounds(rounds):
-    """A job's row from its rounds: a round that failed (error) is the row, so no failure hides
+def merge_rounds(rounds, asked=1):
+    """A job's row from its rounds (`asked`: how many --rounds asked for): a round that failed (error) is the row, so no failure hides
     behind a good round; otherwise the round with the median time (the lower of the two middle
     ones), with round_ms (every finished round's time, in order), the largest round's peak memory
     and the first round's first call (the compile; later rounds compile from caches). A job with
-    no finished round: its last row (skipped, unfinished)."""
+    no finished round: its last row (skipped, unfinished). With more than one round asked, round_ms
+    is there even when one round finished, so the table says a row got fewer than asked."""
     failed = [r for r in rounds if r.get("status") == "error"]
     if failed:
         return failed[0]
     done = [r for r in rounds if r.get("status") == "ok" and r.get("time_ms") is not None]
     if not done:
         return rounds[-1]
-    if len(rounds) == 1:
+    if len(rounds) == 1 and asked == 1:
         return rounds[0]
     median = statistics.median_low(r["time_ms"] for r in done)
     row = dict(next(r for r in done if r["time_ms"] == median))

@@ -85,8 +85,8 @@ def table_rows(rows):
             note = f"peak MiB: {r['graph_pool_mib']:.0f} of it CUDA-graph pools"
         if r.get("status") == "ok" and r.get("round_ms"):
             done = r["round_ms"]
-            note = "; ".join(n for n in (f"{len(done)} round{'s' * (len(done) > 1)} "
-                                         f"{min(done):.3f}-{max(done):.3f} ms", note) if n)
+            spread = f"{len(done)} rounds {min(done):.3f}-{max(done):.3f} ms" if len(done) > 1 else "1 round only"
+            note = "; ".join(n for n in (spread, note) if n)
         out.append([r["preset"], r["dtype"], r["pass"], r["spelling"], r["mode"],
                     _fmt(r.get("time_ms"), ".3f"), _fmt(r.get("speedup"), ".2f"),
                     _fmt(r.get("pct_floor"), ".1f"), _fmt(r.get("tflops"), ".2f"),
