@@ -832,7 +832,28 @@ def group(index, experts, into=None):
 # still under the pool backward's 1603, which sets the step's peak; 768 would set it at 1846.
 # (Session 31: the weight gradients' final outputs, +64 MiB through the runs, and runs of equal
 # size, −70 at the largest run: the step's peak stays the pool backward's, 1605 offline.)
-SLOT_CHUNK_BYTES = 512 << 20
+# MHA_COMPILE_SLOT_CHUNK_MB sets it (read at import): smaller runs lower the training peak at
+# medium (offline: 267 MiB of live tensors with one run, 199 with runs of 128 MiB, 169 with 64),
+# for more, smaller launches; graphs="auto" then leaves out sizes past one run (region_graphs).
+SLOT_CHUNK_ENV = "MHA_COMPILE_SLOT_CHUNK_MB"
+
+
+def slot_chunk_bytes(text):
+    """SLOT_CHUNK_BYTES from MHA_COMPILE_SLOT_CHUNK_MB's text (None: 512 MiB); a clear error for a
+    value that is not a positive number of MiB."""
+    if text is None:
+        return 512 << 20
+    try:
+        mib = float(text)
+    except ValueError:
+        mib = float("nan")
+    if not mib > 0 or mib == float("inf"):
+        raise ValueError(f"{SLOT_CHUNK_ENV}={text!r}: expected a positive number of MiB (512 by default), "
+                         "the slot buffers a run of the MoE's tiles may take")
+    return max(1, int(mib * 2**20))
+
+
+SLOT_CHUNK_BYTES = slot_chunk_bytes(os.environ.get(SLOT_CHUNK_ENV))
 
 
 # KEEP_HIDDEN (off by default: options["keep_hidden"], or MHA_COMPILE_KEEP_HIDDEN=1 for every

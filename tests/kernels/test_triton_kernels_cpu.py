@@ -363,6 +363,30 @@ def test_tile_runs_cover_every_tile_once():
     assert triton_moe.tile_runs(SimpleNamespace(tile=128, num_tiles=272), (2 * 256 + 2 * 1024) * 2) == [(0, 272)]
 
 
+def test_slot_chunk_is_read_from_the_environment_at_import():
+    """MHA_COMPILE_SLOT_CHUNK_MB sets SLOT_CHUNK_BYTES (512 MiB unset, fractions allowed); a value
+    that is not a positive number of MiB stops the import with the variable and the value named."""
+    read = [read_at_import("mha_compile.kernels.triton_moe", "SLOT_CHUNK_BYTES", triton_moe.SLOT_CHUNK_ENV, value)
+            for value in (None, "64", "0.5")]
+    assert read == [str(512 << 20), str(64 << 20), str(1 << 19)]
+    for bad in ("0", "-3", "lots", "inf", "nan"):
+        with pytest.raises(ValueError, match=f"MHA_COMPILE_SLOT_CHUNK_MB={bad!r}: expected a positive number"):
+            triton_moe.slot_chunk_bytes(bad)
+
+
+def test_smaller_slot_chunks_split_medium_into_runs(monkeypatch):
+    """Medium's backward (272 tiles of 128, bf16) is one run by default, and runs of at most
+    the chunk's bytes under a smaller MHA_COMPILE_SLOT_CHUNK_MB: the memory it trades for."""
+    from types import SimpleNamespace
+
+    medium, per_slot = SimpleNamespace(tile=128, num_tiles=272), (2 * 256 + 2 * 1024) * 2
+    assert triton_moe.tile_runs(medium, per_slot) == [(0, 272)]
+    monkeypatch.setattr(triton_moe, "SLOT_CHUNK_BYTES", triton_moe.slot_chunk_bytes("64"))
+    runs = triton_moe.tile_runs(medium, per_slot)
+    assert [t for t0, t1 in runs for t in range(t0, t1)] == list(range(272)) and len(runs) == 3
+    assert all((t1 - t0) * 128 * per_slot <= 64 << 20 for t0, t1 in runs)
+
+
 def _routed_slots(R, k, E, used, tile, I, J, dtype, seed):
     """A layout of random routing over `used` (the other experts empty, k distinct a row) and slot
     rows A [S, I], B, B' [S, J] of fresh random values, zero on padding slots."""
