@@ -24,7 +24,7 @@ on another stream than the device's last replay waits for it) and hold nothing l
 between replays but their static outputs, which stay allocated. A graph is dropped (clear, or
 the least recently used past MAX_GRAPHS) only after its device has finished its work.
 The pool is the price: memory the eager path frees after each call stays held, which is why
-graphs="auto" graphs only sizes whose slot buffers take one run (`auto_wanted`).
+graphs="auto" graphs only sizes whose slot buffers would take one run of 512 MiB (`auto_wanted`).
 """
 import collections
 import logging
@@ -71,9 +71,17 @@ def wanted(graphs, kernels, ctx, tok, w1, top_k, act, mask):
     return triton_region.why_unsupported(ctx, tok, w1, top_k, act, mask) is None
 
 
+# graphs="auto"'s bound on the backward's slot buffers: the default run size
+# (triton_moe.SLOT_CHUNK_BYTES), fixed here so that MHA_COMPILE_SLOT_CHUNK_MB, set lower for
+# memory, does not also take the graphs from medium's plain step (3-6 ms a step without them
+# against ~1). Smaller runs shrink a graph's pool as they shrink the step's peak: cudagraph trees'
+# pool at medium held 200 MiB with runs of 64 MiB against 308 with one (bench/PERF_NOTES.md v46).
+AUTO_SLOT_BYTES = 512 << 20
+
+
 def auto_wanted(ctx, w1, top_k, act):
-    """graphs="auto": the sizes where the backward's slot buffers take one run
-    (triton_moe.SLOT_CHUNK_BYTES). Medium and small do (host-bound: at medium 6.4 ms a step
+    """graphs="auto": the sizes where the backward's slot buffers would take one run of
+    AUTO_SLOT_BYTES (tile_runs' rule at the default run size). Medium and small do (host-bound: at medium 6.4 ms a step
     with the graphs off against 0.985 with them, for 0.89 ms of GPU time, bench/results/h200.md);
     large does not: the pool would hold ~1 GB, and the training peak would pass half the best
     peer's (issue 4's memory target). A large step issues in 6.3-10 ms of host, depending on the
@@ -81,7 +89,7 @@ def auto_wanted(ctx, w1, top_k, act):
     trades the memory for that time."""
     pairs, experts, per_slot = _slot_sizes(ctx, w1, top_k, act)
     tile = triton_moe.tile_rows(pairs, experts)
-    return triton_moe.tile_count(pairs, experts, tile) <= triton_moe.tiles_per_run(tile, per_slot)  # tile_runs' rule
+    return triton_moe.tile_count(pairs, experts, tile) <= triton_moe.tiles_per_run(tile, per_slot, AUTO_SLOT_BYTES)
 
 
 def slot_buffer_bytes(ctx, w1, top_k, act):

@@ -834,7 +834,7 @@ def group(index, experts, into=None):
 # size, −70 at the largest run: the step's peak stays the pool backward's, 1605 offline.)
 # MHA_COMPILE_SLOT_CHUNK_MB sets it (read at import): smaller runs lower the training peak at
 # medium (offline: 267 MiB of live tensors with one run, 199 with runs of 128 MiB, 169 with 64),
-# for more, smaller launches; graphs="auto" then leaves out sizes past one run (region_graphs).
+# for more, smaller launches (graphs="auto" keeps its sizes: region_graphs.AUTO_SLOT_BYTES).
 SLOT_CHUNK_ENV = "MHA_COMPILE_SLOT_CHUNK_MB"
 
 
@@ -875,9 +875,10 @@ def keeps_hidden(act, keep=False):
     return (keep or KEEP_HIDDEN) and act != "swiglu"
 
 
-def tiles_per_run(tile, bytes_per_slot):
-    """Whole tiles a run takes: as many as fit SLOT_CHUNK_BYTES, a multiple of 8 from 8 on."""
-    per = max(1, SLOT_CHUNK_BYTES // (bytes_per_slot * tile))
+def tiles_per_run(tile, bytes_per_slot, chunk=None):
+    """Whole tiles a run takes: as many as fit `chunk` bytes (None: SLOT_CHUNK_BYTES), a multiple
+    of 8 from 8 on."""
+    per = max(1, (SLOT_CHUNK_BYTES if chunk is None else chunk) // (bytes_per_slot * tile))
     if per >= 8:
         per -= per % 8  # tile_expert views at 32-byte boundaries
     return per

@@ -24,6 +24,20 @@ def test_auto_graphs_the_host_bound_sizes_only(preset, expected):
     assert region_graphs.auto_wanted(*_meta_case(preset)) is expected
 
 
+@pytest.mark.parametrize("chunk_mb", ["64", "4096"])
+def test_auto_keeps_its_sizes_whatever_the_run_size(monkeypatch, chunk_mb):
+    """MHA_COMPILE_SLOT_CHUNK_MB moves the MoE's runs, not graphs="auto"'s sizes: medium's plain
+    step keeps its graphs with runs of 64 MiB (set for memory), large gets none with one run."""
+    monkeypatch.setattr(triton_moe, "SLOT_CHUNK_BYTES", triton_moe.slot_chunk_bytes(chunk_mb))
+    ctx, w1, k, act = _meta_case("medium")
+    per_slot = triton_moe.backward_slot_bytes(ctx.shape[2], w1.shape[2], False, 2)
+    pairs, E = ctx.shape[0] * ctx.shape[1] * k, w1.shape[0]
+    tile = triton_moe.tile_rows(pairs, E)
+    layout = types.SimpleNamespace(tile=tile, num_tiles=triton_moe.tile_count(pairs, E, tile))
+    assert len(triton_moe.tile_runs(layout, per_slot)) == (3 if chunk_mb == "64" else 1)
+    assert [region_graphs.auto_wanted(*_meta_case(p)) for p in ("medium", "large")] == [True, False]
+
+
 def test_auto_counts_swiglus_third_buffer():
     """A size just inside the bound for gelu is outside it for swiglu (∂u3 is a third [S,F])."""
     ctx, w1, k, _ = _meta_case("medium")
@@ -32,7 +46,7 @@ def test_auto_counts_swiglus_third_buffer():
     slots = triton_moe.slot_count(B * H * k, E)
     gelu, swiglu = (slots * triton_moe.backward_slot_bytes(D, F, s, 2) for s in (False, True))
     # Scale the batch so that gelu fits and swiglu does not.
-    scale = (triton_moe.SLOT_CHUNK_BYTES / gelu + triton_moe.SLOT_CHUNK_BYTES / swiglu) / 2
+    scale = (region_graphs.AUTO_SLOT_BYTES / gelu + region_graphs.AUTO_SLOT_BYTES / swiglu) / 2
     big = torch.empty(int(B * scale) - 1, H, D, device="meta", dtype=ctx.dtype)
     assert region_graphs.auto_wanted(big, w1, k, "gelu")
     assert not region_graphs.auto_wanted(big, w1, k, "swiglu")
