@@ -18,7 +18,7 @@ from mha_compile.debug.report import GraphReport
 from mha_compile.lowering.match import find_regions
 from mha_compile.lowering.rewrite import rewrite
 from mha_compile.lowering.select import (CAPTURED_WHOLE, choose_kernels, describe_graphs, describe_keep_hidden,
-                                         size_text)
+                                         describe_slot_runs, size_text)
 from mha_compile.options import MODES, Options
 
 log = logging.getLogger("mha_compile")
@@ -82,6 +82,7 @@ def lower(gm, opts, report, whole_graph_captured=False):
             match.graphs = describe_graphs(match, opts.graphs, whole_graph_captured)
             match.keep_hidden = opts.keep_hidden
             match.keeps = describe_keep_hidden(match, opts.keep_hidden)
+            match.runs = describe_slot_runs(match)
         report.matches += [dict(m.summary(), graph=path or "<top>") for m in matches]
         if matches:
             rewrite(sub, matches)

@@ -25,6 +25,7 @@ class GraphReport:
             lines.append(f"    kernels: {m['kernels']} ({m['kernels_reason']})")
             lines.append(f"    CUDA graphs: {m['graphs']}")
             lines.append(f"    keeps u: {m['keep_hidden']}")
+            lines.append(f"    MoE slot runs: {m['slot_runs']}")
             lines.append(f"    covers {len(m['nodes'])} nodes: {', '.join(m['nodes'])}")
         for miss in self.near_misses:
             lines.append(f"  near-miss at {miss['node']} (top-k {miss['anchor']}): {miss['reason']}")

@@ -39,6 +39,7 @@ class Match:
     graphs: str = ""  # whether the region replays its own CUDA graphs, and why
     keep_hidden: bool = False  # options keep_hidden: the op keeps the experts' u for the backward
     keeps: str = ""  # whether it does, and why
+    runs: str = ""  # how the MoE walks its slot rows: one run or several (MHA_COMPILE_SLOT_CHUNK_MB)
     # Region values the rest of the graph also reads, rebuilt from the op's inv output:
     # {"inv": node, "y": node} (a residual y + MoE(y), say); empty when nothing escapes.
     exports: dict = dataclasses.field(default_factory=dict)
@@ -49,7 +50,7 @@ class Match:
                 "nodes": [n.name for n in self.nodes], "config": dict(self.config),
                 "params": {k: _describe(v) for k, v in self.params.items()},
                 "kernels": self.kernels, "kernels_reason": self.kernels_reason, "graphs": self.graphs,
-                "keep_hidden": self.keeps,
+                "keep_hidden": self.keeps, "slot_runs": self.runs,
                 "exports": {k: v.name for k, v in self.exports.items()},
                 "shapes": {"ctx": _shape_str(self.ctx), "tok": _shape_str(self.tok), "out": _shape_str(self.output)},
                 "dtype": str(_dtype(self.ctx))}

@@ -103,3 +103,23 @@ def describe_keep_hidden(match, keep_hidden):
     slots = triton_moe.slot_count(B * H * match.config["top_k"], E)
     held = slots * F * ctx.dtype.itemsize
     return f"yes ({why}): u [{slots}, {F}] kept from the forward for the backward, {size_text(held)}"
+
+
+def describe_slot_runs(match):
+    """How the fused and staged MoE walk their slot rows (triton_moe.tile_runs): in one run, or
+    in runs of whole tiles whose backward buffers fit SLOT_CHUNK_BYTES (MHA_COMPILE_SLOT_CHUNK_MB),
+    told from the example shapes for the report: the runs are what set the MoE's training peak."""
+    if match.kernels == "reference":
+        return "none: the reference path has no slot rows"
+    ctx, w1 = _example(match.ctx), _expert_weights(match.params["w1"])
+    (B, H, D), (E, _, F) = ctx.shape, w1.shape
+    bound = f"{size_text(triton_moe.SLOT_CHUNK_BYTES)} a run ({triton_moe.SLOT_CHUNK_ENV})"
+    if not all(isinstance(d, int) for d in (B, H, D, E, F)):
+        return f"decided per call (symbolic shapes): runs of whole tiles within {bound}"
+    pairs, act = B * H * match.config["top_k"], match.config["act"]
+    tile = triton_moe.tile_rows(pairs, E)
+    layout = types.SimpleNamespace(tile=tile, num_tiles=triton_moe.tile_count(pairs, E, tile))
+    runs = triton_moe.tile_runs(layout, triton_moe.backward_slot_bytes(D, F, act == "swiglu", ctx.dtype.itemsize))
+    held = region_graphs.slot_buffer_bytes(ctx, w1, match.config["top_k"], act)
+    return (f"{len(runs)} run{'s' * (len(runs) > 1)} of whole tiles: the backward's slot buffers, "
+            f"{size_text(held)}, within {bound}")

@@ -139,3 +139,27 @@ def test_explain_reports_the_graphs_decision():
 def test_report_sizes_say_kib_below_a_mib(nbytes, text):
     from mha_compile.lowering.select import size_text
     assert size_text(nbytes) == text
+
+
+@pytest.mark.parametrize("preset,chunk_mb,expected", [
+    ("medium", None, "1 run of whole tiles: the backward's slot buffers, 165 MiB, within 512 MiB a run "
+                     "(MHA_COMPILE_SLOT_CHUNK_MB)"),
+    ("medium", "64", "3 runs of whole tiles: the backward's slot buffers, 165 MiB, within 64 MiB a run"),
+    ("large", None, "3 runs of whole tiles: the backward's slot buffers, 1300 MiB, within 512 MiB a run"),
+])
+def test_the_report_says_how_the_moe_walks_its_slots(monkeypatch, preset, chunk_mb, expected):
+    """explain's "MoE slot runs" line: how many runs set the MoE's training peak, and the bound
+    MHA_COMPILE_SLOT_CHUNK_MB gave them (medium: one run by default, three of 64 MiB)."""
+    from mha_compile.lowering.select import describe_slot_runs
+
+    if chunk_mb is not None:
+        monkeypatch.setattr(triton_moe, "SLOT_CHUNK_BYTES", triton_moe.slot_chunk_bytes(chunk_mb))
+    assert describe_slot_runs(_fake_match(preset)).startswith(expected)
+    assert describe_slot_runs(_fake_match(preset, "reference")) == "none: the reference path has no slot rows"
+
+
+def test_explain_reports_the_slot_runs():
+    block = models.MHABlock.from_preset("tiny")
+    report = mha_compile.explain(block, torch.randn(4, 3, 32), torch.randn(4, 5, 32), options={"kernels": "fused"})
+    assert report.matches[0]["slot_runs"].startswith("1 run of whole tiles")
+    assert "MoE slot runs: 1 run of whole tiles" in str(report)
