@@ -10,6 +10,15 @@ each graph). The same switch timed in two processes differed in sign from its ke
 two processes), so the replays alternate here, each round timing both, and the table gives every
 round's medians and their median difference. Both graphs' gradients are compared first: a switch
 must not change what the step computes beyond summation order.
+
+A number (an int or float attribute, such as triton_moe.SLOT_CHUNK_BYTES) takes two values with
+--values A,B, timed A against B as off against on:
+
+    PYTHONPATH=. python bench/flag_ab.py --flag mha_compile.kernels.triton_moe:SLOT_CHUNK_BYTES \
+        --values 536870912,67108864 --preset medium
+
+Each value's line also gives the step's peak memory over what was allocated before it (its
+eager warm-up and capture: torch.cuda.max_memory_allocated), which a run size moves.
 """
 import argparse
 import importlib
@@ -24,14 +33,15 @@ from mha_compile import models, ops  # noqa: F401  (ops registers torch.ops.mha)
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--flag", required=True, help="module:ATTRIBUTE, a bool read at launch time")
+    parser.add_argument("--flag", required=True, help="module:ATTRIBUTE, a bool (or with --values a number) "
+                                                      "read at launch time")
+    parser.add_argument("--values", default=None, help="A,B: two values of a number attribute, A timed as off, B as on")
     parser.add_argument("--preset", default="large")
     parser.add_argument("--rounds", type=int, default=6)
     args = parser.parse_args()
     module_name, attr = args.flag.split(":")
     module = importlib.import_module(module_name)
-    if not isinstance(getattr(module, attr, None), bool):
-        raise SystemExit(f"--flag {args.flag}: {module_name}.{attr} is not a bool attribute")
+    values = flag_values(args.flag, getattr(module, attr, None), args.values)
     p = models.PRESETS[args.preset]
     torch.manual_seed(0)
     block = models.MHABlock.from_preset(args.preset, spelling="dense").to("cuda", torch.bfloat16)
@@ -47,13 +57,19 @@ def main():
         out.backward(grad)
 
     graphs, grads = {}, {}
-    for value in (False, True):
+    for switch, value in zip((False, True), values):
         setattr(module, attr, value)
-        graphs[value] = graphed(step, leaves)
-        if not isinstance(graphs[value], torch.cuda.CUDAGraph):
-            raise SystemExit(f"{attr}={value}: capture failed: {graphs[value]}")
-        graphs[value].replay()  # the capture left each .grad on this graph's output
-        grads[value] = [t.grad.float().clone() for t in leaves]
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        graphs[switch] = graphed(step, leaves)
+        if not isinstance(graphs[switch], torch.cuda.CUDAGraph):
+            raise SystemExit(f"{attr}={value}: capture failed: {graphs[switch]}")
+        peak = (torch.cuda.max_memory_allocated() - before) / 2**20
+        print(f"{args.preset}: {attr}={value} ({'on' if switch else 'off'}): the step's peak {peak:.0f} MiB "
+              "over what was allocated before it (eager warm-up and capture)", flush=True)
+        graphs[switch].replay()  # the capture left each .grad on this graph's output
+        grads[switch] = [t.grad.float().clone() for t in leaves]
     worst = max(float((a - b).norm() / b.norm().clamp_min(1e-30)) for a, b in zip(grads[True], grads[False]))
     print(f"{args.preset}: {attr} on against off, worst relative gradient difference {worst:.1e}", flush=True)
     times = {False: [], True: []}
@@ -63,6 +79,27 @@ def main():
                                                         return_mode="median"))
         print(f"round {r}: off {times[False][-1]:.4f} ms, on {times[True][-1]:.4f} ms", flush=True)
     print(f"{args.preset} {attr}: {summary(times[False], times[True])}")
+
+
+def flag_values(flag, current, values):
+    """(off, on): False, True for a bool attribute; for an int or float one, the two values of
+    `values` ("A,B") in its type. A clear error for anything else."""
+    name = flag.replace(":", ".")
+    if values is None:
+        if not isinstance(current, bool):
+            raise SystemExit(f"--flag {flag}: {name} is not a bool attribute"
+                             + ("" if current is None else " (a number takes --values A,B)"))
+        return False, True
+    if isinstance(current, bool) or not isinstance(current, (int, float)):
+        raise SystemExit(f"--values {values}: {name} is {type(current).__name__}, not an int or float attribute")
+    parts = values.split(",")
+    try:
+        parsed = tuple(type(current)(part) for part in parts)
+    except ValueError:
+        parsed = ()
+    if len(parsed) != 2 or len(parts) != 2:
+        raise SystemExit(f"--values {values}: expected two {type(current).__name__} values A,B for {name}")
+    return parsed
 
 
 def summary(off, on):

@@ -102,6 +102,11 @@
 #                                      # sum (triton_pool.COLUMN_SUMS, the default since session 32): its GPU
 #                                      # tests, then bench/flag_ab.py off against on at large and medium
 #                                      # (~4 min): run.log, flag_ab_column_sums.txt
+#   [CHUNK_MB=64 CHUNK_PRESETS=medium,large] bash bench/h200_session.sh slot-chunk  # the MoE's slot runs
+#                                      # (MHA_COMPILE_SLOT_CHUNK_MB, session 43): the runs' GPU tests, then
+#                                      # bench/flag_ab.py, the op's step as graph replays with runs of 512 MiB
+#                                      # against CHUNK_MB in one process, its peak and time, per preset
+#                                      # (~4 min): run.log, flag_ab_slot_chunk.txt
 #   bash bench/h200_session.sh keep-hidden  # triton_moe.KEEP_HIDDEN (staged, session 35): the KEEP_U
 #                                      # variants' GPU tests (Gluon GEMM1 and hidden kernels, then the
 #                                      # presets through the region), bench/flag_ab.py off against on at
@@ -135,7 +140,7 @@
 #                                      # benchmark cut at 250 s (rows past it are listed as skipped)
 # Budgets are per step so a slow step cannot starve the others.
 set -u
-part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|ab|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|ncu-gemms|ncu-source|gluon|verify-gluon|gluon-gemms|verify-gemms|router|small-kernels|host-large|host-timers|wgrad-stream|sum-spread|column-sums|keep-hidden|keep-rows|keep-step|launch-ab|large-rows|kernel-times-ab|rows-ab|static-params|gluon-up|short}
+part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|ab|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|ncu-gemms|ncu-source|gluon|verify-gluon|gluon-gemms|verify-gemms|router|small-kernels|host-large|host-timers|wgrad-stream|sum-spread|column-sums|slot-chunk|keep-hidden|keep-rows|keep-step|launch-ab|large-rows|kernel-times-ab|rows-ab|static-params|gluon-up|short}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 # Inductor's compiled graphs kept in the checkout (git ignores it): the device keeps ignored
 # files between calls on a machine it still holds, so `table` can reuse `autotune-cache`'s.
@@ -221,6 +226,17 @@ sum-spread)
 column-sums)
     tests_then_flag_ab tests/kernels/test_triton_kernels_cuda.py column_sums \
         mha_compile.kernels.triton_pool:COLUMN_SUMS 3 flag_ab_column_sums.txt
+    ;;
+slot-chunk)
+    { MHA_COMPILE_NO_AUTOTUNE=1 timeout 120 python -m pytest -q -m cuda tests/kernels/test_triton_kernels_cuda.py \
+        tests/kernels/test_gluon_moe_cuda.py -k "run" -p no:cacheprovider -rf 2>&1 | tail -8; } >>"$LOG"
+    presets=${CHUNK_PRESETS:-medium,large}
+    for preset in ${presets//,/ }; do
+        timeout -s INT 150 python bench/flag_ab.py --flag mha_compile.kernels.triton_moe:SLOT_CHUNK_BYTES \
+            --values $((512 << 20)),$((${CHUNK_MB:-64} << 20)) --preset "$preset" --rounds 6 \
+            >>"$OUT/flag_ab_slot_chunk.txt" 2>&1
+    done
+    grep "peak\|SLOT_CHUNK_BYTES:" "$OUT/flag_ab_slot_chunk.txt" >>"$LOG"
     ;;
 keep-hidden)
     # the Gluon GEMM1's and hidden kernels' KEEP_U variants against float64 first (staged offline in
@@ -485,6 +501,6 @@ bench|bench-resume)
         --modes eager,inductor,inductor-max-autotune,mha-staged,mha-fused,mha-fused-cudagraphs \
         --spellings dense,loop,grouped_mm "${resume[@]}" --commit "$commit" 2>&1 | tail -100; } >>"$LOG"
     ;;
-*) echo "unknown part $part: expected check, kernels, probe, verify, ab, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache, medium-autotune, ncu, ncu-gemms, ncu-source, gluon, verify-gluon, gluon-gemms, verify-gemms, router, small-kernels, host-large, host-timers, wgrad-stream, sum-spread, column-sums, keep-hidden, keep-rows, keep-step, launch-ab, large-rows, kernel-times-ab, rows-ab, static-params, gluon-up or short" >&2; exit 2 ;;
+*) echo "unknown part $part: expected check, kernels, probe, verify, ab, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache, medium-autotune, ncu, ncu-gemms, ncu-source, gluon, verify-gluon, gluon-gemms, verify-gemms, router, small-kernels, host-large, host-timers, wgrad-stream, sum-spread, column-sums, slot-chunk, keep-hidden, keep-rows, keep-step, launch-ab, large-rows, kernel-times-ab, rows-ab, static-params, gluon-up or short" >&2; exit 2 ;;
 esac
 tail -150 "$LOG"

@@ -34,3 +34,18 @@ def test_the_summary_gives_each_order_and_says_when_they_disagree():
     assert line.endswith("the orders disagree: read -75.0 us")
     steady = flag_ab.summary([1.0, 1.0, 1.0, 1.0], [0.99, 0.99, 0.99, 0.99])
     assert "-10.0 us (off timed first -10.0, on first -10.0)" in steady and "disagree" not in steady
+
+
+def test_a_number_takes_two_values_in_its_type():
+    """SLOT_CHUNK_BYTES (an int) against a smaller run size; a bool keeps False, True."""
+    flag = "mha_compile.kernels.triton_moe:SLOT_CHUNK_BYTES"
+    assert flag_ab.flag_values(flag, 512 << 20, "536870912,67108864") == (536870912, 67108864)
+    assert flag_ab.flag_values("m:FLAG", True, None) == (False, True)
+    with pytest.raises(SystemExit, match="is not a bool attribute \\(a number takes --values A,B\\)"):
+        flag_ab.flag_values(flag, 512 << 20, None)
+    for bad in ("536870912", "1,2,3", "64MiB,32MiB"):
+        with pytest.raises(SystemExit, match=f"--values {bad}: expected two int values A,B for "
+                                             "mha_compile.kernels.triton_moe.SLOT_CHUNK_BYTES"):
+            flag_ab.flag_values(flag, 512 << 20, bad)
+    with pytest.raises(SystemExit, match="--values 1,2: m.FLAG is bool, not an int or float attribute"):
+        flag_ab.flag_values("m:FLAG", True, "1,2")
