@@ -289,9 +289,10 @@ def main(argv=None):
 
 
 def _merged(measured, asked, running=None):
-    """One row a job from its rounds' rows (merge_rounds; `asked`: --rounds), in the order the jobs first ran;
-    `running`: the row being measured, as unfinished (one more round of its job, or its job's
-    first: a process killed in a later round leaves a row whose round_ms shows the rounds done)."""
+    """One row a job from its rounds' rows (merge_rounds; `asked`: --rounds), in the order the
+    jobs first ran; `running`: the row being measured, as unfinished (one more round of its job,
+    or its job's first: a process killed in a later round leaves a row whose round_ms shows the
+    rounds done)."""
     running_label = None if running is None else _label(running)
     rows = [merge_rounds(rounds + ([running] if label == running_label else []), asked)
             for label, rounds in measured.items()]
@@ -301,12 +302,13 @@ def _merged(measured, asked, running=None):
 
 
 def merge_rounds(rounds, asked=1):
-    """A job's row from its rounds (`asked`: how many --rounds asked for): a round that failed (error) is the row, so no failure hides
-    behind a good round; otherwise the round with the median time (the lower of the two middle
-    ones), with round_ms (every finished round's time, in order), the largest round's peak memory
-    and the first round's first call (the compile; later rounds compile from caches). A job with
-    no finished round: its last row (skipped, unfinished). With more than one round asked, round_ms
-    is there even when one round finished, so the table says a row got fewer than asked."""
+    """A job's row from its rounds (`asked`: how many --rounds asked for): a round that failed
+    (error) is the row, so no failure hides behind a good round; otherwise the round with the
+    median time (the lower of the two middle ones), with round_ms (every finished round's time,
+    in order), the largest round's peak memory and the first round's first call (the compile;
+    later rounds compile from caches). A job with no finished round: its last row (skipped,
+    unfinished). With more than one round asked, round_ms is there even when one round
+    finished, so the table says a row got fewer than asked."""
     failed = [r for r in rounds if r.get("status") == "error"]
     if failed:
         return failed[0]
