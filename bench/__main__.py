@@ -166,11 +166,12 @@ def _group_of(row):
     return row["preset"], row["dtype"], row["pass"]
 
 
-def resumed_rows(path, jobs, env, isolated=False, rounds=1):
+def resumed_rows(path, jobs, env, isolated=False, rounds=1, settings=None):
     """The rows of an earlier run to keep, whole groups only: a group (preset, dtype, pass) is
     what one speedup compares, so all its rows must come from one process. A group is kept when
     every planned job of it has a row that ran (ok or error, not skipped); an incomplete group
-    runs again in full. The earlier run must match `env` (device, versions, commit)."""
+    runs again in full. The earlier run must match `env` (device, versions, commit), and its
+    rounds, isolation and MHA_COMPILE_* settings."""
     if not os.path.exists(path):
         raise SystemExit(f"--resume: {path} does not exist; run without --resume first")
     with open(path) as f:
@@ -185,6 +186,10 @@ def resumed_rows(path, jobs, env, isolated=False, rounds=1):
     if earlier["meta"].get("isolated", False) != isolated:
         how = {True: "each row in its own process (--isolate)", False: "in one process"}
         raise SystemExit(f"--resume: {path} was measured {how[not isolated]}, this run {how[isolated]}; "
+                         "a table's rows must be measured the same way")
+    if earlier["meta"].get("settings", {}) != (settings or {}):
+        raise SystemExit(f"--resume: {path} was measured with MHA_COMPILE_* settings "
+                         f"{earlier['meta'].get('settings', {})}, this run with {settings or {}}; "
                          "a table's rows must be measured the same way")
     ran = {tuple(r[k] for k in ("preset", "dtype", "pass", "spelling", "mode")): r
            for r in earlier["rows"] if r.get("status") in ("ok", "error")}
@@ -220,8 +225,12 @@ def main(argv=None):
         notes.append(cached)
     env = report.environment(device_type, args.commit)
     command = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--resume"]
+    settings = report.mha_settings()
     meta = dict(env, date=report.now(), command="python -m bench " + shlex.join(command), isolated=args.isolate,
-                rounds=args.rounds, notes=notes)
+                rounds=args.rounds, settings=settings, notes=notes)
+    if settings:
+        notes.append("run with " + ", ".join(f"{k}={v}" for k, v in settings.items()) + " set in the "
+                     "environment: these rows are mha_compile under those switches, not its defaults")
     if args.rounds > 1:
         notes.append(f"each row timed in {args.rounds} rounds, interleaved (every row once, then again): its ms is "
                      "the rounds' median, the note gives how many rounds it got and their range (a run cut short "
@@ -231,7 +240,7 @@ def main(argv=None):
     stem = os.path.join(args.out, args.name)
     kept = []
     if args.resume:
-        kept, earlier_date = resumed_rows(stem + ".json", jobs, env, args.isolate, args.rounds)
+        kept, earlier_date = resumed_rows(stem + ".json", jobs, env, args.isolate, args.rounds, settings)
         done = {_group_of(r) for r in kept}
         jobs = [job for job in jobs if _group_of(job) not in done]
         notes.append(f"{len(kept)} rows ({len(done)} whole groups of preset, dtype and pass) from a run of this "

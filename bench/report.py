@@ -34,6 +34,14 @@ def environment(device_type, commit=None):
     return dict(device=device, torch=torch.__version__, triton=triton_version, commit=commit or git_commit())
 
 
+def mha_settings(environ=None):
+    """The MHA_COMPILE_* environment variables set for this run ({name: value}): switches of the
+    kernels (MHA_COMPILE_SLOT_CHUNK_MB, MHA_COMPILE_KEEP_HIDDEN, ...) that a table measured under
+    them must say it was."""
+    environ = os.environ if environ is None else environ
+    return {k: environ[k] for k in sorted(environ) if k.startswith("MHA_COMPILE_")}
+
+
 def git_commit():
     """HEAD's hash, with -dirty when tracked files differ; 'unknown' outside a git checkout."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

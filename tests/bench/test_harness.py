@@ -204,6 +204,26 @@ def test_resume_refuses_rows_from_another_commit_or_no_file(tmp_path):
         _run(tmp_path, *argv, "--resume")
 
 
+def test_a_run_under_mha_switches_says_so_and_resumes_only_under_them(tmp_path, monkeypatch):
+    """MHA_COMPILE_* set in the environment (a run size, say) changes what the rows measure: the
+    meta records them, the table says so, and --resume refuses to mix rows with other settings."""
+    argv = ["--presets", "tiny", "--modes", "eager", "--spellings", "dense", "--passes", "fwd"]
+    for name in [k for k in os.environ if k.startswith("MHA_COMPILE_")]:
+        monkeypatch.delenv(name)
+    _run(tmp_path, *argv)
+    with open(tmp_path / "t.json") as f:
+        assert json.load(f)["meta"]["settings"] == {}
+    assert "set in the environment" not in (tmp_path / "t.md").read_text()
+    monkeypatch.setenv("MHA_COMPILE_SLOT_CHUNK_MB", "64")
+    with pytest.raises(SystemExit, match="MHA_COMPILE_\\* settings {}, this run with {'MHA_COMPILE_SLOT_CHUNK_MB': '64'}"):
+        _run(tmp_path, *argv, "--resume")
+    _run(tmp_path, *argv)
+    with open(tmp_path / "t.json") as f:
+        assert json.load(f)["meta"]["settings"] == {"MHA_COMPILE_SLOT_CHUNK_MB": "64"}
+    assert "run with MHA_COMPILE_SLOT_CHUNK_MB=64 set in the environment" in (tmp_path / "t.md").read_text()
+    _run(tmp_path, *argv, "--resume")  # the same settings: kept
+
+
 def test_isolate_measures_each_row_in_a_process_of_its_own(tmp_path, monkeypatch):
     """--isolate: every row comes from a child process (the parent's own measuring would fail
     here), with the same checks against the reference; the table says how its rows were timed."""
