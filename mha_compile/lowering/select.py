@@ -70,7 +70,8 @@ def describe_graphs(match, graphs, whole_graph_captured):
     w1 = _expert_weights(match.params["w1"])
     (B, H, D), (E, _, F) = ctx.shape, w1.shape
     if not all(isinstance(d, int) for d in (B, H, D, E, F)):
-        return "decided per call (symbolic shapes): yes where the slot buffers fit one run"
+        return (f"decided per call (symbolic shapes): yes where the slot buffers fit one run of "
+                f"{size_text(region_graphs.AUTO_SLOT_BYTES)}")
     top_k, act = match.config["top_k"], match.config["act"]
     slot_bytes = region_graphs.slot_buffer_bytes(ctx, w1, top_k, act)
     fits = region_graphs.auto_wanted(ctx, w1, top_k, act)

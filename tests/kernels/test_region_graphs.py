@@ -163,3 +163,20 @@ def test_explain_reports_the_slot_runs():
     report = mha_compile.explain(block, torch.randn(4, 3, 32), torch.randn(4, 5, 32), options={"kernels": "fused"})
     assert report.matches[0]["slot_runs"].startswith("1 run of whole tiles")
     assert "MoE slot runs: 1 run of whole tiles" in str(report)
+
+
+def test_symbolic_sizes_are_decided_per_call():
+    """A batch that is a symbol (dynamic shapes; a stand-in object here) gives no count: the
+    reports say the decision is made per call, and by what rule."""
+    from types import SimpleNamespace
+
+    from mha_compile.lowering.select import describe_graphs, describe_slot_runs
+
+    match = _fake_match("medium")
+    ctx = match.ctx.meta["example_value"]
+    symbolic = SimpleNamespace(shape=("s0", *ctx.shape[1:]), dtype=ctx.dtype, device=ctx.device)
+    match.ctx = SimpleNamespace(meta={"example_value": symbolic})
+    assert describe_graphs(match, "auto", False) == ("decided per call (symbolic shapes): yes where the slot "
+                                                     "buffers fit one run of 512 MiB")
+    assert describe_slot_runs(match) == ("decided per call (symbolic shapes): runs of whole tiles within 512 MiB "
+                                         "a run (MHA_COMPILE_SLOT_CHUNK_MB)")
