@@ -344,6 +344,13 @@ table|table-fwd)
     # PRESETS=large,small then RESUME=1 in a call chained after it: all 57 rows no longer fit one call
     # (session 41). Each run leaves its rows in the machine's /tmp, where the chained call's --resume
     # finds them (it keeps the groups they hold whole and runs the rest).
+    # Rounds at medium with max-autotune compiling from scratch: its compiles (~3 min a spelling)
+    # spend the budget in round 1 and every row gets one round (session 43's call 3).
+    if [ "$part" = table ] && [ "${ROUNDS:-1}" -gt 1 ] && [[ ",${PRESETS:-medium,large,small}," == *,medium,* ]] \
+        && [[ "${MODES:-inductor-max-autotune}" == *max-autotune* ]] && [ ! -e /tmp/mha_autotune_cache_done ]; then
+        echo "warning: ROUNDS=$ROUNDS at medium without autotune-cache on this machine: max-autotune's" \
+            "compiles will take round 1's budget (run autotune-cache in a call chained before)" >>"$LOG"
+    fi
     resume=()
     if [ -n "${RESUME:-}" ]; then cp "/tmp/$name.json" "$OUT/$name.json" && resume=(--resume) || exit 1; fi
     { timeout -s INT -k 15 $limit python -m bench --out "$OUT" --name $name --budget $budget \
@@ -369,6 +376,7 @@ autotune-cache)
     timeout -s INT -k 20 "${LIMIT:-560}" python -m bench --out "$OUT" --name autotune --presets medium \
         --passes fwd+bwd --modes "${MODES:-mha-fused-cudagraphs,inductor-max-autotune}" \
         --spellings "${SPELLINGS:-dense,loop,grouped_mm}" --commit "$commit" >>"$LOG" 2>&1
+    touch /tmp/mha_autotune_cache_done  # for table's check (the machine's /tmp outlives a call)
     ;;
 ncu)
     # --clock-control none: the device notes (METHOD.md) say to leave the clocks alone
