@@ -11,7 +11,7 @@ import torch
 from cuda_training import block, train
 from kernel_cases import make_case
 from mha_compile import ops
-from mha_compile.kernels import region_graphs
+from mha_compile.kernels import region_graphs, triton_moe
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -55,6 +55,21 @@ def test_replays_equal_eager_bitwise(kernels, dtype, act):
         for i, (a, b) in enumerate(zip(graphed, eager)):
             assert torch.equal(a, b), f"call {call}, result {i}"
     assert region_graphs.graphs_held() == 2, "the forward and the backward should each be one graph"
+
+
+def test_graphs_auto_replays_runs_of_tiles_as_eager(monkeypatch):
+    """MHA_COMPILE_SLOT_CHUNK_MB set low (here a run a tile): graphs="auto" still graphs the call
+    (its sizes are fixed, region_graphs.AUTO_SLOT_BYTES), its graphs capture the runs, and the
+    replays give the eager runs' results bit for bit."""
+    monkeypatch.setattr(triton_moe, "SLOT_CHUNK_BYTES", 1)
+    params = _params(torch.bfloat16, "gelu", seed=2)
+    for call in range(4):
+        ctx, tok = _activations(torch.bfloat16, seed=20 + call)
+        graphed = _step(ctx, tok, params, "gelu", "fused", "auto", grad_seed=call)
+        eager = _step(ctx, tok, params, "gelu", "fused", "off", grad_seed=call)
+        for i, (a, b) in enumerate(zip(graphed, eager)):
+            assert torch.equal(a, b), f"call {call}, result {i}"
+    assert region_graphs.graphs_held() == 2, "graphs='auto' should have graphed the forward and the backward"
 
 
 def test_saved_tensors_survive_later_replays():
