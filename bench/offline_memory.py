@@ -1,6 +1,7 @@
 """Where the fused region's training step peaks in memory at a preset, from shapes alone (no GPU).
 
     PYTHONPATH=. python bench/offline_memory.py [--presets large] [--act gelu] [--top 12] [--out peaks.json]
+        [--slot-chunk-mb 512,64]
 
 The step is the benchmark's (bench/measure.py): inputs, parameters and ∂out allocated, the
 forward kept until the backward has run, and the gradients kept as .grad. It runs on meta
@@ -8,6 +9,10 @@ tensors taken for an H200's (offline_sass.as_h200: Triton launches are recorded,
 every aten op's output that owns new memory (not a view, not an in-place result) is counted
 from its allocation until Python frees it. The report gives the peak, the op that reached it,
 and the tensors alive there, each named by the op and the line of mha_compile that made it.
+
+--slot-chunk-mb gives the MoE's run sizes to try (triton_moe.SLOT_CHUNK_BYTES, as
+MHA_COMPILE_SLOT_CHUNK_MB sets it): each preset's peak at each, keyed "preset/MB" in --out
+(session 43: medium's 267 MiB with one run, 169 with runs of 64).
 
 What this leaves out: the caching allocator's rounding and fragmentation, cuBLAS workspaces,
 and CUDA-graph pools (the large preset runs without region graphs). So it reads a little below
@@ -23,7 +28,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.offline_sass import as_h200, meta_case
-from mha_compile.kernels import triton_region, triton_util
+from mha_compile.kernels import triton_moe, triton_region, triton_util
 
 PACKAGE = os.path.join("mha_compile", "")
 MIB = 2**20
@@ -84,18 +89,27 @@ def main():
     parser.add_argument("--act", default="gelu")
     parser.add_argument("--top", type=int, default=12, help="how many of the tensors alive at the peak to list")
     parser.add_argument("--out", default=None, help="JSON: per preset, the peak's bytes and site and what was alive")
+    parser.add_argument("--slot-chunk-mb", default=None,
+                        help="comma list of MoE run sizes in MiB to try (default: the one in effect)")
     args = parser.parse_args()
     if triton_util.interpreting():
         raise SystemExit("bench/offline_memory.py records GPU launches: run it without TRITON_INTERPRET=1")
+    chunks = [None] if args.slot_chunk_mb is None else [
+        (text, triton_moe.slot_chunk_bytes(text)) for text in args.slot_chunk_mb.split(",")]
     found = {}
     for preset in args.presets.split(","):
-        mem = training_step_peak(preset, args.act)
-        found[preset] = dict(peak_bytes=mem.peak, peak_site=mem.peak_site, at_peak=mem.at_peak)
-        print(f"{preset}: peak {mem.peak / MIB:.0f} MiB of live tensors, reached by {mem.peak_site}")
-        for nbytes, site in mem.at_peak[:args.top]:
-            print(f"  {nbytes / MIB:8.1f} MiB  {site}")
-        rest = mem.at_peak[args.top:]
-        print(f"  {sum(n for n, _ in rest) / MIB:8.1f} MiB  {len(rest)} smaller tensors")
+        for chunk in chunks:
+            key, runs = preset, ""
+            if chunk is not None:
+                key, runs = f"{preset}/{chunk[0]}", f", runs within {chunk[0]} MiB"
+                triton_moe.SLOT_CHUNK_BYTES = chunk[1]
+            mem = training_step_peak(preset, args.act)
+            found[key] = dict(peak_bytes=mem.peak, peak_site=mem.peak_site, at_peak=mem.at_peak)
+            print(f"{preset}{runs}: peak {mem.peak / MIB:.0f} MiB of live tensors, reached by {mem.peak_site}")
+            for nbytes, site in mem.at_peak[:args.top]:
+                print(f"  {nbytes / MIB:8.1f} MiB  {site}")
+            rest = mem.at_peak[args.top:]
+            print(f"  {sum(n for n, _ in rest) / MIB:8.1f} MiB  {len(rest)} smaller tensors")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(found, f, indent=1)

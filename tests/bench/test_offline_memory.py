@@ -41,3 +41,20 @@ def test_large_training_peak_holds_two_pool_buffers(tmp_path):
     # ∂t̄ shares its memory with the ∂u-partials, and t̄ is the other (see triton_pool.pool_backward)
     pool = [n for n, site in found["at_peak"] if n == bpd_bytes and "triton_pool" in site]
     assert len(pool) <= 2, found["at_peak"]
+
+
+def test_smaller_runs_lower_medium_peak(tmp_path):
+    """--slot-chunk-mb 512,64 at medium: one run, then runs of 64 MiB; with the runs no slot
+    buffer of the backward's tiles outgrows its share of a run (∂u and hw [run slots, F] of
+    (2D + 2F) bf16 bytes a slot), and the step's peak comes down."""
+    out = tmp_path / "peaks.json"
+    run_offline("bench/offline_memory.py", "--presets", "medium", "--slot-chunk-mb", "512,64", "--top", "3",
+                "--out", str(out))
+    found = json.loads(out.read_text())
+    one, runs = found["medium/512"], found["medium/64"]
+    p = models.PRESETS["medium"]
+    share = (64 << 20) * p["F"] / (2 * p["D"] + 2 * p["F"])
+    tiles = [n for n, site in runs["at_peak"] if "_backward_tiles" in site]
+    assert tiles and max(tiles) <= share
+    assert max(n for n, site in one["at_peak"] if "_backward_tiles" in site) > share
+    assert runs["peak_bytes"] < one["peak_bytes"]
