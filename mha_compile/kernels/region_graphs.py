@@ -29,6 +29,7 @@ graphs="auto" graphs only sizes whose slot buffers would take one run of 512 MiB
 import collections
 import logging
 import threading
+import types
 
 import torch
 
@@ -87,10 +88,16 @@ def auto_wanted(ctx, w1, top_k, act):
     peer's (issue 4's memory target). A large step issues in 6.3-10 ms of host, depending on the
     host, for 6.6 ms of GPU time (bench/PERF_NOTES.md v15, v16): on a slow host graphs="on"
     trades the memory for that time."""
+    return len(slot_runs(ctx, w1, top_k, act, AUTO_SLOT_BYTES)) <= 1
+
+
+def slot_runs(ctx, w1, top_k, act, chunk=None):
+    """triton_moe.tile_runs of the slot layout for ctx [B,H,D] and W1 [E,D,F], runs of `chunk`
+    bytes of the backward's slot buffers (None: SLOT_CHUNK_BYTES), from shapes alone."""
     pairs, experts, per_slot = _slot_sizes(ctx, w1, top_k, act)
     tile = triton_moe.tile_rows(pairs, experts)
-    one_run = triton_moe.tiles_per_run(tile, per_slot, AUTO_SLOT_BYTES)
-    return triton_moe.tile_count(pairs, experts, tile) <= one_run
+    layout = types.SimpleNamespace(tile=tile, num_tiles=triton_moe.tile_count(pairs, experts, tile))
+    return triton_moe.tile_runs(layout, per_slot, chunk)
 
 
 def slot_buffer_bytes(ctx, w1, top_k, act):

@@ -117,10 +117,8 @@ def describe_slot_runs(match):
     bound = f"{size_text(triton_moe.SLOT_CHUNK_BYTES)} a run ({triton_moe.SLOT_CHUNK_ENV})"
     if not all(isinstance(d, int) for d in (B, H, D, E, F)):
         return f"decided per call (symbolic shapes): runs of whole tiles within {bound}"
-    pairs, act = B * H * match.config["top_k"], match.config["act"]
-    tile = triton_moe.tile_rows(pairs, E)
-    layout = types.SimpleNamespace(tile=tile, num_tiles=triton_moe.tile_count(pairs, E, tile))
-    runs = triton_moe.tile_runs(layout, triton_moe.backward_slot_bytes(D, F, act == "swiglu", ctx.dtype.itemsize))
-    held = region_graphs.slot_buffer_bytes(ctx, w1, match.config["top_k"], act)
+    top_k, act = match.config["top_k"], match.config["act"]
+    runs = region_graphs.slot_runs(ctx, w1, top_k, act)
+    held = region_graphs.slot_buffer_bytes(ctx, w1, top_k, act)
     return (f"{len(runs)} run{'s' * (len(runs) > 1)} of whole tiles: the backward's slot buffers, "
             f"{size_text(held)}, within {bound}")
