@@ -13,10 +13,11 @@
 #   bash bench/h200_session.sh graphs  # the region's CUDA graphs (options graphs=): pytest -m cuda, then
 #                                      # fwd+bwd rows with and without them, and host time (~7 min):
 #                                      # run.log, graphs.{md,json,png}, host_time.txt
-#   [TESTS=0 MODES=.. ISOLATE=1 ROUNDS=n PRESETS=.. RESUME=1] bash bench/h200_session.sh table   # pytest -m cuda (TESTS=0: not), then the forward+backward rows of every mode (or MODES;
+#   [TESTS=0 MODES=.. SPELLINGS=.. ISOLATE=1 ROUNDS=n PRESETS=.. RESUME=1] bash bench/h200_session.sh table   # pytest -m cuda (TESTS=0: not), then the forward+backward rows of every mode (or MODES;
 #                                      # ISOLATE=1: each row in a process of its own, bench --isolate; ROUNDS=n: each
 #                                      # row timed n times, rounds interleaved, bench --rounds; PRESETS: a comma
-#                                      # list, then RESUME=1 in a call chained on the same machine runs the rest),
+#                                      # list, then RESUME=1 in a call chained on the same machine runs the rest; SPELLINGS: a comma
+#                                      # list for --spellings),
 #                                      # max-autotune on the dense spelling at medium (~9 min):
 #                                      # run.log, h200.{md,json,png,errors.log}
 #   bash bench/h200_session.sh table-fwd  # the forward rows likewise (~6 min): h200_fwd.*
@@ -354,7 +355,7 @@ table|table-fwd)
     resume=()
     if [ -n "${RESUME:-}" ]; then cp "/tmp/$name.json" "$OUT/$name.json" && resume=(--resume) || exit 1; fi
     { timeout -s INT -k 15 $limit python -m bench --out "$OUT" --name $name --budget $budget \
-        --presets "${PRESETS:-medium,large,small}" --passes $pass --spellings dense,loop,grouped_mm \
+        --presets "${PRESETS:-medium,large,small}" --passes $pass --spellings "${SPELLINGS:-dense,loop,grouped_mm}" \
         ${MODES:+--modes "$MODES"} ${ISOLATE:+--isolate} ${ROUNDS:+--rounds "$ROUNDS"} "${resume[@]}" --commit "$commit" 2>&1 | tail -70; } >>"$LOG"
     cp "$OUT/$name.json" "/tmp/$name.json"
     ;;
