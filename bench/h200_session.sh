@@ -337,7 +337,7 @@ table|table-fwd)
     if [ "$part" = table ]; then
         pass=fwd+bwd name=h200
         # TESTS=0 when a `verify` call on the same commit ran them: the bench then gets their time
-        if [ "${TESTS:-1}" = 1 ]; then gpu_tests 170; limit=410 budget=345; else limit=560 budget=490; fi
+        if [ "${TESTS:-1}" = 1 ]; then gpu_tests 170; limit=410 budget=345; else limit=${TABLE_LIMIT:-560} budget=${TABLE_BUDGET:-490}; fi
     fi
     # Without a compiled cache, max-autotune's first graph (dense; ~3 min) fits only the larger budget.
     # MODES=...: a comma list for --modes (session 27 left out inductor-max-autotune to fit after
