@@ -16,7 +16,7 @@ import operator
 import torch
 
 from mha_compile.lowering.canonicalize import canon, shape
-from mha_compile.lowering.interpret import StackRef, Val, Walk, broadcast, known_eq, layout_rule
+from mha_compile.lowering.interpret import ONE, StackRef, Val, Walk, broadcast, known_eq, layout_rule
 from mha_compile.lowering.moe import moe_params, moe_rule
 from mha_compile.lowering.pool import pool_params, pool_rule
 
@@ -44,6 +44,8 @@ class Match:
     # {"inv": node, "y": node} (a residual y + MoE(y), say); empty when nothing escapes.
     exports: dict = dataclasses.field(default_factory=dict)
     inv: object = None  # the pool's output node (its dtype is what a rebuilt inv must have)
+    # How the op's output [B,H,D] becomes the region's output (out_layout): identity for [B,H,D]
+    out_layout: tuple = ((0, 1, 2), (1, 1, 1), 0)
 
     def summary(self):
         return {"output": self.output.name, "ctx": self.ctx.name, "tok": self.tok.name,
@@ -224,13 +226,39 @@ def _match_at(nodes, anchor):
     tok, pool_walk = _read_pool(nodes, inv)
     _check_merge(nodes, y, ctx, inv, bcast, pool_walk)
     out, moe_walk = _read_moe(nodes, anchor, y, router)
+    layout = out_layout(moe_walk.vals[out].roles, moe_walk.axes.sizes)
+    if layout is None:
+        raise _Miss(out, f"{out.name}: the MoE's output leaves the region with axes {moe_walk.vals[out].roles}, "
+                         f"which are not the rows' batch, horizon and width (b, h, d) in an order the rewrite "
+                         f"can rebuild from the op's [B,H,D]")
     # y and inv may also be read outside (a residual): the op's inv output rebuilds them. Not
     # for an in-place merge, whose y is ctx's own storage.
     exportable = {"inv": inv} if _is_inplace(y) else {"inv": inv, "y": y}
     region, exports = _region_nodes(nodes, (ctx, tok), out, exportable)
     params, config = moe_params(moe_walk.vals[out])
     params.update(pool_params(pool_walk.vals[inv]))
-    return Match(anchor, out, ctx, tok, params, config, region, exports=exports, inv=inv)
+    return Match(anchor, out, ctx, tok, params, config, region, exports=exports, inv=inv, out_layout=layout)
+
+
+_OP_AXES = ("b", "h", "d")  # the op's output [B,H,D]
+
+
+def out_layout(roles, sizes):
+    """How the op's output [B,H,D] becomes a region output whose axes are `roles`, each a merge of
+    b, h and d ("h*b": horizon-major rows) or a size-1 axis: (the permutation of the op's axes,
+    the op axes each output axis merges in order (0: a new size-1 axis), the size-1 op axes the
+    output leaves out, moved last by the permutation). None where the roles are not b, h and d,
+    each once (those left out of size 1). The rows' order matters: [H·B, D] rows read out of
+    [B·H, D] would be other rows' results."""
+    if roles is None:
+        return None
+    groups = [() if r == ONE else tuple(r.split("*")) for r in roles]
+    present = [a for g in groups for a in g]
+    missing = [a for a in _OP_AXES if a not in present]
+    if sorted(present + missing) != sorted(_OP_AXES) or not all(known_eq(sizes.get(a), 1) for a in missing):
+        return None
+    perm = tuple(_OP_AXES.index(a) for a in present + missing)
+    return perm, tuple(len(g) for g in groups), len(missing)
 
 
 def _is_inplace(node):

@@ -16,7 +16,7 @@ import operator
 import torch
 
 from mha_compile import ops
-from mha_compile.lowering.canonicalize import dtype, shape
+from mha_compile.lowering.canonicalize import dtype
 from mha_compile.lowering.interpret import StackRef
 
 
@@ -62,9 +62,7 @@ def replace_region(gm, match):
             match.ctx, match.tok, *params, _param(graph, match.params.get("mask")), cfg["top_k"], cfg["renorm"],
             cfg["act"], match.kernels, bool(match.exports)), {"keep_hidden": True} if match.keep_hidden else {})
         rebuilt = _rebuild_exports(graph, call, match)
-        out = graph.call_function(operator.getitem, (call, 0))
-        if len(shape(match.output)) == 2:  # the user's MoE ran on [B·H, D] rows
-            out = graph.call_method("flatten", (out, 0, 1))
+        out = _to_layout(graph, graph.call_function(operator.getitem, (call, 0)), match.out_layout)
         if dtype(match.output) is not None and dtype(match.output) != dtype(match.ctx):
             # The op returns ctx's dtype; the user's spelling may promote (an fp32 gate times a
             # bf16 expert output is fp32): keep what the rest of the graph was traced with.
@@ -79,6 +77,25 @@ def replace_region(gm, match):
     for node in reversed(match.nodes):
         if not node.users:
             graph.erase_node(node)
+    return out
+
+
+def _to_layout(graph, out, layout):
+    """The op's output [B,H,D] in the region output's layout (match.out_layout): permuted, its
+    size-1 axes the output leaves out squeezed, then merged axis by axis ([B·H, D] rows, or
+    [H·B, D] after a transpose); views, no copy where the order is kept."""
+    perm, widths, dropped = layout
+    if perm != (0, 1, 2):
+        out = graph.call_method("permute", (out, *perm))
+    for _ in range(dropped):
+        out = graph.call_method("squeeze", (out, -1))
+    axis = 0
+    for width in widths:
+        if width == 0:
+            out = graph.call_method("unsqueeze", (out, axis))
+        elif width > 1:
+            out = graph.call_method("flatten", (out, axis, axis + width - 1))
+        axis += 1
     return out
 
 

@@ -190,6 +190,35 @@ def test_size_one_axes(P, H, N, pool):
     assert match["shapes"]["tok"][1] == str(N) and match["shapes"]["ctx"][1] == str(H)
 
 
+class HorizonMajorRows(SpelledBlock):
+    """The MoE's rows taken horizon-major (y.transpose(0, 1) flattened to [H·B, D]); the output
+    left as those rows, or turned back to [B,H,D]. The op's rows are batch-major: flattening its
+    output as it comes put each row's result at another row (relative error 1.3, session 44)."""
+
+    def __init__(self, rows_out):
+        super().__init__()
+        self.rows_out = rows_out
+
+    def moe_forward(self, y):
+        B, H, D = y.shape
+        x = y.transpose(0, 1).reshape(-1, D)
+        weight, index = self.route(x)
+        out = torch.zeros_like(x)
+        for e in range(self.E):
+            out = out + (weight * (index == e)).sum(-1, keepdim=True) * self.expert(e, x)
+        return out if self.rows_out else out.view(H, B, D).transpose(0, 1)
+
+
+@pytest.mark.parametrize("rows_out", [True, False])
+@pytest.mark.parametrize("B,H", [(4, 3), (1, 3), (4, 1)])
+def test_horizon_major_rows_come_back_in_their_order(B, H, rows_out):
+    torch.manual_seed(0)
+    model = HorizonMajorRows(rows_out).double()
+    args = inputs(B, H, 5, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    match = _assert_one_match(compile_and_compare(model, args, torch.float64))  # outputs and gradients
+    assert match["shapes"]["out"] == ([str(H * B), "32"] if rows_out else [str(B), str(H), "32"])
+
+
 class TwoBlocks(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -394,6 +423,15 @@ class ProbsExported(SpelledBlock):
         return out.reshape(y.shape), probs.mean(0)
 
 
+class WidthSplitOutput(SpelledBlock):
+    """The MoE's output leaves the region with its width split in two ([B,H,2,D/2]): a layout the
+    rewrite does not rebuild from the op's [B,H,D], so no match (not a wrong reshape)."""
+
+    def moe_forward(self, y):
+        out = super().moe_forward(y)
+        return out.view(*y.shape[:2], 2, y.shape[-1] // 2)
+
+
 def _float_pad(B, N, gen):
     return torch.randn(B, N, generator=gen, dtype=torch.float64)
 
@@ -414,6 +452,7 @@ NEAR_MISSES = {
     "query times 3, scores unscaled": (ScaledQuery, {"query_factor": 3.0, "score_factor": 1.0},
                                        "with the query's own factor"),
     "router probabilities used outside": (ProbsExported, {}, "used outside the region"),
+    "MoE output with its width split": (WidthSplitOutput, {}, "leaves the region with axes"),
 }
 
 
