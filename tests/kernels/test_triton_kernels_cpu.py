@@ -13,7 +13,8 @@ import torch
 from kernel_cases import (autocast_case, check_activation, check_region, check_route_split_ctx,
                           check_router_weight_grad_split, make_case, one_expert_router, read_at_import)
 from numerics import record_calls
-from mha_compile.kernels import fused, reference, staged, triton_moe, triton_pool, triton_router, triton_util
+from mha_compile.kernels import (fused, reference, staged, triton_moe, triton_pool, triton_region, triton_router,
+                                 triton_util)
 from mha_compile.kernels.merge_cuda import merge_backward, merge_forward
 
 pytestmark = [
@@ -107,14 +108,18 @@ def test_an_empty_batch_runs_on_the_reference_path(module, B, H):
     assert all(g.shape == t.shape and (g == 0).all() for g, t in zip(grads, inputs) if t is not None)
 
 
-def test_why_unsupported_reads_only_metadata():
+def test_why_unsupported_reads_only_metadata(monkeypatch):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
         ctx = torch.empty(4, 3, 32, dtype=torch.bfloat16)
         tok = torch.empty(4, 5, 32, dtype=torch.bfloat16)
         w1 = torch.empty(4, 32, 64, dtype=torch.bfloat16)
-        assert fused.why_unsupported(ctx, tok, w1, 2, "gelu", None) is None  # TRITON_INTERPRET=1 here
+        # TRITON_INTERPRET=1 here: its bf16 dots multiply raw bits, so bf16 takes the reference path
+        assert "triton-lang/triton#11584" in fused.why_unsupported(ctx, tok, w1, 2, "gelu", None)
+        assert fused.why_unsupported(ctx.half(), tok.half(), w1.half(), 2, "gelu", None) is None
+        monkeypatch.setattr(triton_region, "BF16_UNDER_INTERPRETER", True)  # the rest as on a GPU
+        assert fused.why_unsupported(ctx, tok, w1, 2, "gelu", None) is None
         assert "float64" in fused.why_unsupported(ctx.double(), tok.double(), w1.double(), 2, "gelu", None)
         assert "mixed dtypes" in staged.why_unsupported(ctx, tok, w1.half(), 2, "gelu", None)
         assert staged.why_unsupported(ctx, tok.float(), w1.float(), 2, "gelu", None) is None  # autocast's mix
@@ -553,7 +558,10 @@ def test_backward_on_what_the_forward_kept(monkeypatch, module, runs):
     runs it) groups nothing and computes no pool directions, gives the gradients of the backward
     that makes both again, bit for bit, and matches the float64 reference; over the whole layout
     and over runs of one tile (the large preset's path, whose runs clip the kept layout's expert
-    ranges). The weights are bf16, and kept as they are (triton_region._pool_f32)."""
+    ranges). The weights are then bf16, and kept as they are (triton_region._pool_f32): that half
+    compares the two backwards with each other only (the interpreter's bf16 dots are wrong, so
+    BF16_UNDER_INTERPRETER lets them run for the plumbing)."""
+    monkeypatch.setattr(triton_region, "BF16_UNDER_INTERPRETER", True)
     if runs:
         monkeypatch.setattr(triton_moe, "SLOT_CHUNK_BYTES", 1)
     grouped = record_calls(monkeypatch, triton_moe, "group")
@@ -740,9 +748,11 @@ def test_pool_weights_as_the_kernels_take_them(dtype, weights, as_is):
             assert g.dtype == torch.float32 and torch.equal(g, w.float()), name
 
 
-def test_pool_weights_not_made_from_these_are_refused():
+def test_pool_weights_not_made_from_these_are_refused(monkeypatch):
     """The backward refuses the kept fp32 pool weights for another tensor of the same values, and
-    for its own weight written to since: it would take the gradients of other weights."""
+    for its own weight written to since: it would take the gradients of other weights. (bf16's
+    path, run under the interpreter for its plumbing: BF16_UNDER_INTERPRETER.)"""
+    monkeypatch.setattr(triton_region, "BF16_UNDER_INTERPRETER", True)
     ctx, tok, params = make_case(2, 3, 5, 32, 2, 64, 4, 2)
     ctx, tok, params = ctx.bfloat16(), tok.bfloat16(), [None if p is None else p.bfloat16() for p in params]
     kept = {}
