@@ -1,4 +1,6 @@
-"""The block as a savvy user would write it with torch._grouped_mm: a peer to beat.
+"""The block as a savvy user would write it with torch._grouped_mm: a peer to beat, and since
+session 44 a spelling the backend reads (mha_compile/lowering/moe_grouped.py), so the table runs
+the backend's main modes on it too.
 
 Same parameters as an MHABlock (it wraps one), so its numbers compare row for row. The pool is
 the block's own (plain PyTorch, not reassociated: a user would not know to). The MoE sorts the

@@ -72,6 +72,12 @@ for kind, targets in {
     "stack": _fn("torch.stack"),
     "zeros": _fn("torch.zeros"),
     "not": [operator.invert, *_fn("torch.logical_not", "torch.bitwise_not")],
+    "argsort": _fn("torch.argsort"),
+    "sort": _fn("torch.sort"),
+    "floordiv": [operator.floordiv, *_fn("torch.floor_divide")],
+    "searchsorted": _fn("torch.searchsorted"),
+    "grouped_mm": _fn("torch._grouped_mm"),
+    "index_select": _fn("torch.index_select"),
 }.items():
     for target in targets:
         _FUNCTIONS[target] = kind
@@ -94,6 +100,8 @@ _METHODS = {
     "nonzero": "nonzero",
     "index_add_": "index_add", "index_add": "index_add", "new_zeros": "zeros", "zero_": "zeros",
     "logical_not": "not", "bitwise_not": "not", "__invert__": "not", "iadd": "add", "__iadd__": "add",
+    "argsort": "argsort", "sort": "sort", "floor_divide": "floordiv", "__floordiv__": "floordiv",
+    "index_select": "index_select",
 }
 _CASTS_BY_FUNCTION = {torch.clone: "cast"}
 
@@ -118,6 +126,11 @@ _SIGNATURES = {
     "nonzero": ("input", "as_tuple"),
     "index_add": ("input", "dim", "index", "source", "alpha"),
     "stack": ("tensors", "dim"),
+    "argsort": ("input", "dim", "descending", "stable"),
+    "sort": ("input", "dim", "descending", "stable"),
+    "searchsorted": ("sorted_sequence", "input", "out_int32", "right", "side", "sorter"),
+    "grouped_mm": ("mat_a", "mat_b", "offs", "bias", "out_dtype"),
+    "index_select": ("input", "dim", "index"),
 }
 _DEFAULTS = {"chunk": {"dim": 0}, "split": {"dim": 0}, "unbind": {"dim": 0}, "stack": {"dim": 0}, "one_hot": {"num_classes": -1},
              "sdpa": {"dropout_p": 0.0, "is_causal": False}}
@@ -145,8 +158,11 @@ def canon(node):
         return Op("einsum", (args[0], *operands))
     if kind in ("add", "sub") and kwargs.pop("alpha", 1) != 1:
         return None
-    if kind == "div" and kwargs.pop("rounding_mode", None) is not None:
-        return None
+    if kind == "div" and kwargs.get("rounding_mode") is not None:
+        # torch.div(a, b, rounding_mode="floor"): a // b (on the non-negative indices it is read on,
+        # "trunc" is the same)
+        return Op("floordiv", args[:2]) if kwargs["rounding_mode"] in ("floor", "trunc") and len(args) == 2 else None
+    kwargs.pop("rounding_mode", None)
     if kind == "getitem":
         return _read_getitem(node, args)
     if kind == "permute":

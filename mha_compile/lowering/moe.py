@@ -23,6 +23,7 @@ from mha_compile.lowering.canonicalize import shape
 from mha_compile.lowering.interpret import (ONE, ParamRef, Reject, StackRef, Val, broadcast, canonical_perm,
                                             einsum_roles, ext_ref, is_one, known_eq, layout_rule, move_roles,
                                             select_rule)
+from mha_compile.lowering.moe_grouped import grouped_rule
 
 ACT_OF = {("gelu", "none"): "gelu", ("gelu", "tanh"): "gelu_tanh", ("silu", None): "silu"}
 EXPERT_PARAMS = ("w1", "b1", "w3", "w2", "b2")
@@ -33,6 +34,9 @@ def _rows(roles):
 
 
 def moe_rule(walk, node, op):
+    grouped = grouped_rule(walk, node, op, _gate_info, _expert_info)
+    if grouped is not None:
+        return grouped
     if op.kind in ("reshape", "permute", "expand", "cast"):
         src = walk.val(op.args[0]) if op.args else None
         if src is not None and src.kind == "wsel":

@@ -142,7 +142,10 @@ def test_plan_defaults_and_order():
     assert [j["pass"] for j in jobs] == sorted((j["pass"] for j in jobs), reverse=True)  # fwd+bwd first
     tuned = [j for j in jobs if j["mode"] == "inductor-max-autotune"]
     assert {j["preset"] for j in tuned} == {"medium"} and any("max-autotune" in n for n in notes)
-    assert not [j for j in jobs if j["spelling"] == "grouped_mm" and j["mode"] == "mha-fused"]
+    # the backend reads the grouped-GEMM spelling too: its main modes run on it, not every variant
+    assert [j for j in jobs if j["spelling"] == "grouped_mm" and j["mode"] == "mha-fused"]
+    staged = bench_main.plan(bench_main.parse_args(["--modes", "mha-staged", "--presets", "small"]), "cuda")[0]
+    assert {j["spelling"] for j in staged} == {"dense", "loop"}
     assert "inductor-max-autotune ran only at medium (--autotune-presets)" in notes[0]
     # presets without max-autotune: the note says it ran at none (session 41's said "only at ")
     _, untuned = bench_main.plan(bench_main.parse_args(["--presets", "large,small"]), "cuda")

@@ -224,6 +224,79 @@ class SpelledBlock(nn.Module):
         return self.moe_forward(self.merge_forward(ctx, self.pool_forward(tok, pad)))
 
 
+class GroupedMM(SpelledBlock):
+    """The MoE as grouped GEMMs over the (row, slot) pairs sorted by expert (torch._grouped_mm, as
+    bench/grouped_mm_moe.py writes it), stacked parameters; each switch another spelling of one
+    step. Dynamo's fake _grouped_mm takes bf16 only, so these compile in bf16.
+    sort: "argsort" | "sort" (values and indices); select: "getitem" (x[rows], b1[expert]) |
+    "index_select"; rows: "floordiv" (order // k) | "div" (rounding_mode="floor"); gate:
+    "none_index" (w[order, None]) | "unsqueeze"; offs: "right" (searchsorted(e, arange(E),
+    right=True)) | "left" (arange(1, E + 1), side="left"); inplace: out.index_add_;
+    stored_t: W1 and W2 stored [E, out, in] (nn.Linear's way) and read transposed."""
+
+    def __init__(self, sort="argsort", select="getitem", rows="floordiv", gate="none_index", offs="right",
+                 inplace=False, stored_t=False, **block):
+        super().__init__(**block)
+        self.sort, self.select, self.rows, self.gate, self.offs = sort, select, rows, gate, offs
+        self.inplace, self.stored_t = inplace, stored_t
+        if stored_t:
+            self.w1 = nn.Parameter(self.w1.detach().transpose(1, 2).contiguous())
+            self.w2 = nn.Parameter(self.w2.detach().transpose(1, 2).contiguous())
+
+    def weights(self):
+        """W1 [E,D,F] and W2 [E,F,D] as the math reads them (views of the stored ones)."""
+        if self.stored_t:
+            return self.w1.transpose(1, 2), self.w2.transpose(1, 2)
+        return self.w1, self.w2
+
+    def _take(self, t, index):
+        return t[index] if self.select == "getitem" else t.index_select(0, index)
+
+    def moe_forward(self, y):
+        shape = y.shape
+        x = y.reshape(-1, shape[-1])
+        weight, index = self.route(x)
+        flat = index.reshape(-1)
+        if self.sort == "argsort":
+            order = torch.argsort(flat, stable=True)
+            expert = flat[order]
+        else:
+            expert, order = flat.sort(stable=True)
+        rows = order // self.k if self.rows == "floordiv" else torch.div(order, self.k, rounding_mode="floor")
+        if self.offs == "right":
+            offs = torch.searchsorted(expert, torch.arange(self.E, device=x.device), right=True)
+        else:
+            offs = torch.searchsorted(expert, torch.arange(1, self.E + 1, device=x.device), side="left")
+        offs = offs.to(torch.int32)
+        w1, w2 = self.weights()
+        xs = self._take(x, rows)
+        u = torch._grouped_mm(xs, w1, offs=offs)
+        if self.b1 is not None:
+            u = u + self._take(self.b1, expert)
+        gate_u = torch._grouped_mm(xs, self.w3, offs=offs) if self.w3 is not None else None
+        f = torch._grouped_mm(self._act(u, gate_u), w2, offs=offs)
+        if self.b2 is not None:
+            f = f + self._take(self.b2, expert)
+        gates = weight.reshape(-1)[order, None] if self.gate == "none_index" else weight.reshape(-1)[order].unsqueeze(-1)
+        f = f * gates.to(f.dtype)
+        if self.inplace:
+            out = torch.zeros_like(x)
+            out.index_add_(0, rows, f)
+        else:
+            out = torch.zeros_like(x).index_add(0, rows, f)
+        return out.reshape(shape)
+
+    def math_block(self):
+        """The same block as the loop spelling in float64, on these (rounded) parameters."""
+        block = SpelledBlock(D=self.D, P=self.P, F_=self.weights()[0].shape[2], E=self.E, k=self.k, act=self.act,
+                             renorm=self.renorm, bias=self.bias, pool=self.pool)
+        state = {name: value.double() for name, value in self.state_dict().items()}
+        if self.stored_t:
+            state["w1"], state["w2"] = state["w1"].transpose(1, 2), state["w2"].transpose(1, 2)
+        block.load_state_dict(state)
+        return block.double()
+
+
 def inputs(B=4, H=3, N=5, D=32, dtype=torch.float32, mask=False, generator=None):
     ctx = torch.randn(B, H, D, dtype=dtype, generator=generator)
     tok = torch.randn(B, N, D, dtype=dtype, generator=generator)
