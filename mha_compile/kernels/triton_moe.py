@@ -834,7 +834,10 @@ def group(index, experts, into=None):
 # size, −70 at the largest run: the step's peak stays the pool backward's, 1605 offline.)
 # MHA_COMPILE_SLOT_CHUNK_MB sets it (read at import): smaller runs lower the training peak at
 # medium (offline: 267 MiB of live tensors with one run, 199 with runs of 128 MiB, 169 with 64),
-# for more, smaller launches (graphs="auto" keeps its sizes: region_graphs.AUTO_SLOT_BYTES).
+# for more, smaller launches (graphs="auto" keeps its sizes: region_graphs.AUTO_SLOT_BYTES). On
+# the H200 (session 44, bench/PERF_NOTES.md v47) runs of 64 MiB cost a medium step +256 us (+45%),
+# a large one +1.14 ms: a run's weight-gradient launch has ~24 output tiles for 132 SMs (stream-K
+# throughout), 74 -> 251 us a medium step. So 512 stays the default.
 SLOT_CHUNK_ENV = "MHA_COMPILE_SLOT_CHUNK_MB"
 
 
