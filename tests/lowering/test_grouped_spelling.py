@@ -96,86 +96,46 @@ def test_grouped_spelling_in_bf16_on_the_interpreter_takes_the_reference_path():
     assert match["kernels"] == "reference" and "triton-lang/triton#11584" in match["kernels_reason"]
 
 
-class WrongRows(GroupedMM):
-    """Each sorted pair's row as order // (k + 1): rows in range, but other rows'."""
+class Miswired(GroupedMM):
+    """The grouped spelling with one step wrong, as each near-miss below sets: rows as order //
+    (k + rows_extra) (in range, but other rows'); offsets searched over arange(offs_from, E +
+    offs_from), right=True (from 1: each group ends where the next expert's does, every row still
+    covered); the gates in the pairs' own order, not the sorted one; the pairs sorted descending,
+    the offsets searched as if ascending."""
+
+    def __init__(self, rows_extra=0, offs_from=0, gates_sorted=True, descending=False):
+        super().__init__()
+        self.rows_extra, self.offs_from = rows_extra, offs_from
+        self.gates_sorted, self.descending = gates_sorted, descending
 
     def moe_forward(self, y):
         shape = y.shape
         x = y.reshape(-1, shape[-1])
         weight, index = self.route(x)
         flat = index.reshape(-1)
-        order = flat.argsort()
-        expert, rows = flat[order], order // (self.k + 1)
-        offs = torch.searchsorted(expert, torch.arange(self.E), right=True).to(torch.int32)
+        order = flat.argsort(descending=self.descending)
+        expert, rows = flat[order], order // (self.k + self.rows_extra)
+        span = torch.arange(self.offs_from, self.E + self.offs_from)
+        offs = torch.searchsorted(expert, span, right=True).to(torch.int32)
         f = torch._grouped_mm(self._act(torch._grouped_mm(x[rows], self.w1, offs=offs) + self.b1[expert]), self.w2,
                               offs=offs) + self.b2[expert]
-        return torch.zeros_like(x).index_add(0, rows, f * weight.reshape(-1)[order, None]).reshape(shape)
-
-
-class ShiftedOffsets(GroupedMM):
-    """searchsorted(experts, arange(1, E + 1), right=True): each group ends where the next expert's
-    does, so every pair but the last group's runs another expert's weights (all rows covered,
-    the offsets valid, the result wrong)."""
-
-    def moe_forward(self, y):
-        shape = y.shape
-        x = y.reshape(-1, shape[-1])
-        weight, index = self.route(x)
-        flat = index.reshape(-1)
-        order = flat.argsort()
-        expert, rows = flat[order], order // self.k
-        offs = torch.searchsorted(expert, torch.arange(1, self.E + 1), right=True).to(torch.int32)
-        f = torch._grouped_mm(self._act(torch._grouped_mm(x[rows], self.w1, offs=offs) + self.b1[expert]), self.w2,
-                              offs=offs) + self.b2[expert]
-        return torch.zeros_like(x).index_add(0, rows, f * weight.reshape(-1)[order, None]).reshape(shape)
-
-
-class UnsortedGates(GroupedMM):
-    """The gates taken in the pairs' own order, not the sorted one: each output gated by another pair's
-    weight."""
-
-    def moe_forward(self, y):
-        shape = y.shape
-        x = y.reshape(-1, shape[-1])
-        weight, index = self.route(x)
-        flat = index.reshape(-1)
-        order = flat.argsort()
-        expert, rows = flat[order], order // self.k
-        offs = torch.searchsorted(expert, torch.arange(self.E), right=True).to(torch.int32)
-        f = torch._grouped_mm(self._act(torch._grouped_mm(x[rows], self.w1, offs=offs) + self.b1[expert]), self.w2,
-                              offs=offs) + self.b2[expert]
-        return torch.zeros_like(x).index_add(0, rows, f * weight.reshape(-1)[:, None]).reshape(shape)
-
-
-class DescendingSort(GroupedMM):
-    """The pairs sorted by expert in descending order, the offsets searched as if ascending."""
-
-    def moe_forward(self, y):
-        shape = y.shape
-        x = y.reshape(-1, shape[-1])
-        weight, index = self.route(x)
-        flat = index.reshape(-1)
-        order = flat.argsort(descending=True)
-        expert, rows = flat[order], order // self.k
-        offs = torch.searchsorted(expert, torch.arange(self.E), right=True).to(torch.int32)
-        f = torch._grouped_mm(self._act(torch._grouped_mm(x[rows], self.w1, offs=offs) + self.b1[expert]), self.w2,
-                              offs=offs) + self.b2[expert]
-        return torch.zeros_like(x).index_add(0, rows, f * weight.reshape(-1)[order, None]).reshape(shape)
+        gates = weight.reshape(-1)[order, None] if self.gates_sorted else weight.reshape(-1)[:, None]
+        return torch.zeros_like(x).index_add(0, rows, f * gates).reshape(shape)
 
 
 NEAR_MISSES = {
-    "rows of another k": (WrongRows, "order // 3"),
-    "offsets shifted by one expert": (ShiftedOffsets, "not each expert's end"),
-    "gates not in the sorted order": (UnsortedGates, "could not be read"),
-    "sorted in descending order": (DescendingSort, "descending"),
+    "rows of another k": (dict(rows_extra=1), "order // 3"),
+    "offsets shifted by one expert": (dict(offs_from=1), "not each expert's end"),
+    "gates not in the sorted order": (dict(gates_sorted=False), "could not be read"),
+    "sorted in descending order": (dict(descending=True), "descending"),
 }
 
 
 @pytest.mark.parametrize("name", list(NEAR_MISSES))
 def test_grouped_near_miss_is_reported_and_not_rewritten(name):
-    cls, needle = NEAR_MISSES[name]
+    wrong, needle = NEAR_MISSES[name]
     torch.manual_seed(0)
-    model = cls().to(torch.bfloat16)
+    model = Miswired(**wrong).to(torch.bfloat16)
     ctx, tok = inputs(dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1))
     got, reports = _observed(lambda: torch.compile(copy.deepcopy(model), backend="mha")(ctx, tok))
     assert not any(r.matches for r in reports)
