@@ -219,6 +219,29 @@ def test_horizon_major_rows_come_back_in_their_order(B, H, rows_out):
     assert match["shapes"]["out"] == ([str(H * B), "32"] if rows_out else [str(B), str(H), "32"])
 
 
+class OutputLaidOut(SpelledBlock):
+    """The MoE's output leaving the region in another layout of b, h and d: [H,B,D] (it came back
+    [B,H,D] before the rewrite read the layout: a shape error, or with B = H a silent transpose),
+    [D,B,H], every element flat, or [B·H, 1, D]."""
+
+    LAYOUTS = {"hbd": lambda out, y: out.transpose(0, 1), "dbh": lambda out, y: out.permute(2, 0, 1),
+               "flat": lambda out, y: out.reshape(-1), "rows_1_d": lambda out, y: out.reshape(-1, 1, y.shape[-1])}
+
+    def __init__(self, layout):
+        super().__init__()
+        self.layout = layout
+
+    def moe_forward(self, y):
+        return self.LAYOUTS[self.layout](super().moe_forward(y), y)
+
+
+@pytest.mark.parametrize("layout", list(OutputLaidOut.LAYOUTS))
+def test_moe_output_in_another_layout(layout):
+    torch.manual_seed(0)
+    args = inputs(4, 3, 5, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    _assert_one_match(compile_and_compare(OutputLaidOut(layout).double(), args, torch.float64))  # outputs, gradients
+
+
 class TwoBlocks(torch.nn.Module):
     def __init__(self):
         super().__init__()
