@@ -78,6 +78,10 @@ for kind, targets in {
     "searchsorted": _fn("torch.searchsorted"),
     "grouped_mm": _fn("torch._grouped_mm"),
     "index_select": _fn("torch.index_select"),
+    "histc": _fn("torch.histc"),
+    "scatter_add": _fn("torch.scatter_add"),
+    "cumsum": _fn("torch.cumsum"),
+    "ones_like": _fn("torch.ones_like"),
 }.items():
     for target in targets:
         _FUNCTIONS[target] = kind
@@ -101,7 +105,8 @@ _METHODS = {
     "index_add_": "index_add", "index_add": "index_add", "new_zeros": "zeros", "zero_": "zeros",
     "logical_not": "not", "bitwise_not": "not", "__invert__": "not", "iadd": "add", "__iadd__": "add",
     "argsort": "argsort", "sort": "sort", "floor_divide": "floordiv", "__floordiv__": "floordiv",
-    "index_select": "index_select",
+    "index_select": "index_select", "histc": "histc", "scatter_add": "scatter_add", "scatter_add_": "scatter_add",
+    "cumsum": "cumsum",
 }
 _CASTS_BY_FUNCTION = {torch.clone: "cast"}
 
@@ -131,9 +136,12 @@ _SIGNATURES = {
     "searchsorted": ("sorted_sequence", "input", "out_int32", "right", "side", "sorter"),
     "grouped_mm": ("mat_a", "mat_b", "offs", "bias", "out_dtype"),
     "index_select": ("input", "dim", "index"),
+    "histc": ("input", "bins", "min", "max"),
+    "scatter_add": ("input", "dim", "index", "src"),
+    "cumsum": ("input", "dim", "dtype"),
 }
 _DEFAULTS = {"chunk": {"dim": 0}, "split": {"dim": 0}, "unbind": {"dim": 0}, "stack": {"dim": 0}, "one_hot": {"num_classes": -1},
-             "sdpa": {"dropout_p": 0.0, "is_causal": False}}
+             "sdpa": {"dropout_p": 0.0, "is_causal": False}, "histc": {"bins": 100, "min": 0, "max": 0}}
 
 
 def canon(node):

@@ -5,19 +5,23 @@ What a user who knows torch._grouped_mm writes (bench/grouped_mm_moe.py is the b
     flat = topi.reshape(-1)                            # the R·k (row, slot) pairs, row-major
     order = flat.argsort()                             # the pairs sorted by expert (or flat.sort())
     expert, rows = flat[order], order // k             # each sorted pair's expert and row
-    offs = torch.searchsorted(expert, torch.arange(E), right=True)   # each expert's end
+    offs = torch.searchsorted(expert, torch.arange(E), right=True)   # each expert's end, or the
+                                                     # counts' cumsum: one_hot(flat, E).sum(0), histc, scatter_add_
     u = torch._grouped_mm(x[rows], W1, offs=offs) + b1[expert]
     f = torch._grouped_mm(act(u), W2, offs=offs) + b2[expert]
     out = torch.zeros_like(x).index_add(0, rows, f * topw.reshape(-1)[order, None])
 
 Every value on the sorted pairs has the pair axis "pairs:<sort node>" and carries the sort it
-follows (info "order"), so each piece is checked to come from the same sort of the same top-k:
-the rows, the experts, the offsets and the gates. A piece from another sort, rows of another k
-or offsets that are not each expert's end leave the MoE unread (a near-miss), never misread.
+follows (info "order"): x's rows, the gates and the rows the outputs are added at must follow
+the same sort of the same top-k. The experts in sorted order and the offsets need only the same
+flat top-k: every ascending sort of it gives the same sequence of experts (descending sorts are
+refused), so the experts, biases and group ends of one sort hold for another. A piece from
+another top-k, rows of another k or offsets that are not each expert's end leave the MoE unread
+(a near-miss), never misread.
 Kinds: "sorted" (sort's (values, indices)), "order" (the argsort), "pexpert" and "prow" (each
-sorted pair's expert and row), "offs", "xs" (x's rows in the order), "bsel" (a bias per sorted
-pair), "wsorted" (the gates in the order) and "pcontrib" (f · gate per sorted pair); u, h and f
-are moe.py's with expert ("grouped", sort node).
+sorted pair's expert and row), "ones" and "ecount" (each expert's pairs counted), "offs", "xs"
+(x's rows in the order), "bsel" (a bias per sorted pair), "wsorted" (the gates in the order) and
+"pcontrib" (f · gate per sorted pair); u, h and f are moe.py's with expert ("grouped", sort node).
 """
 import torch
 
@@ -41,6 +45,8 @@ def grouped_rule(walk, node, op, gate_info, expert_info):
         return _pair_rows(node, walk.val(op.args[0]), walk.val(op.args[1]))
     if kind == "searchsorted":
         return _offsets(walk, node, op)
+    if kind in ("sum", "histc", "scatter_add", "ones_like", "cumsum"):
+        return _counts(walk, node, op)
     if kind == "grouped_mm":
         return _grouped_mm(walk, node, op)
     if kind == "add" and len(op.args) == 2:
@@ -137,7 +143,77 @@ def _offsets(walk, node, op):
         raise Reject(f"{node.name}: the grouped GEMMs' offsets are searchsorted over arange{span} "
                      f"(right={right}), not each expert's end among the sorted pairs: "
                      f"searchsorted(experts, arange({experts}), right=True)")
-    return Val("offs", ("e",), seq.info)
+    return Val("offs", ("e",), _pairs_of(seq.info))
+
+
+def _pairs_of(info):
+    """What the experts' sequence in sorted order depends on: the top-k and its flat pairs."""
+    return {"topk": info["topk"], "flat": info["flat"]}
+
+
+def _same_pairs(walk, order, info):
+    """Whether the sort `order` (a node) sorts the flat pairs that `info` (_pairs_of) counts."""
+    sort = walk.vals.get(order)
+    return sort is not None and _pairs_of(sort.info) == _pairs_of(info) and sort.info["topk"] is info["topk"]
+
+
+def _counts(walk, node, op):
+    """Each expert's count of (row, slot) pairs, from the flat top-k: one_hot(flat, E).sum(0),
+    histc(flat, bins=E) over a range that puts expert e in bin e, or zeros(E).scatter_add_(0,
+    flat, ones_like(flat)); and their cumsum(0), each expert's end: the offsets."""
+    args = [walk.val(a) for a in op.args]
+    experts = walk.axes.sizes.get("e")
+    if op.kind == "ones_like":
+        src = args[0]
+        return Val("ones", src.roles, src.info) if src is not None and src.kind == "topi" else None
+    if op.kind == "cumsum":
+        src, dim = args[0], op.args[1]
+        return Val("offs", ("e",), src.info) if src is not None and src.kind == "ecount" and dim in (0, -1) else None
+    if op.kind == "sum":
+        src, dim, keepdim = args[0], op.args[1], op.args[2]
+        if src is None or src.kind != "onehot" or dim not in (0, -2) or keepdim or len(src.roles) != 2:
+            return None
+        flat = _flat_pairs(walk, src)
+        if flat is None or flat[0] != src.roles[0]:
+            return None
+        return Val("ecount", ("e",), _pairs_of(_flat_info(src, flat)))
+    if op.kind == "histc":
+        src, bins, low, high = args[0], op.args[1], op.args[2], op.args[3]
+        flat = _flat_pairs(walk, src) if src is not None and src.kind == "topi" and len(src.roles) == 1 else None
+        if flat is None or not isinstance(experts, int):
+            return None
+        if bins != experts or not _histc_bins_are_experts(experts, low, high):
+            raise Reject(f"{node.name}: histc(bins={bins}, min={low}, max={high}) of the experts does not count "
+                         f"each of the {experts} experts in a bin of its own (bins={experts}, min=0, max={experts - 1} "
+                         f"or {experts} do)")
+        return Val("ecount", ("e",), _pairs_of(_flat_info(src, flat)))
+    base, dim, index, ones = args[:4]  # scatter_add
+    flat = _flat_pairs(walk, index) if index is not None and index.kind == "topi" and len(index.roles) == 1 else None
+    if flat is None or base is None or base.kind != "zero" or op.args[1] != 0 or ones is None or ones.kind != "ones" \
+            or ones.roles != index.roles or ones.info["topk"] is not index.info["topk"]:
+        return None
+    val = Val("ecount", ("e",), _pairs_of(_flat_info(index, flat)))
+    if node.op == "call_method" and node.target == "scatter_add_":
+        walk.vals[op.args[0]] = val  # the counts are the zeros' own storage from here on
+    return val
+
+
+def _flat_info(val, flat):
+    return {"topk": val.info["topk"], "flat": flat[0]}
+
+
+def _histc_bins_are_experts(experts, low, high):
+    """Whether histc(ids, bins=E, min=low, max=high) counts expert e in bin e for every e < E
+    (bin = ⌊(v − low) · E / (high − low)⌋, the last bin closed: max E − 1 or E both do)."""
+    if not all(isinstance(b, (int, float)) for b in (low, high)) or not high > low:
+        return False
+    for e in range(experts):
+        if not low <= e <= high:
+            return False
+        index = experts - 1 if e == high else int((e - low) * experts / (high - low))
+        if index != e:
+            return False
+    return True
 
 
 def _arange(node):
@@ -163,11 +239,12 @@ def _grouped_mm(walk, node, op):
     if ref is None or ref.select is not None or ref.steps or size is None or len(size) != 3 or \
             not walk.axes.bind("e", size[0]):
         return None
-    order = offs.info["order"]
-    if a.kind == "xs" and a.info["order"] is order and known_eq(size[1], walk.axes.sizes.get("d")):
+    if a.kind == "xs" and _same_pairs(walk, a.info["order"], offs.info) and \
+            known_eq(size[1], walk.axes.sizes.get("d")):
         return Val("u", (a.roles[0], "f"),
-                   {"expert": (GROUPED, order), "topk": offs.info["topk"], "w1": ref, "b1": None})
-    if a.kind == "h" and a.info["expert"] == (GROUPED, order) and known_eq(size[1], walk.axes.sizes.get("f")):
+                   {"expert": (GROUPED, a.info["order"]), "topk": offs.info["topk"], "w1": ref, "b1": None})
+    if a.kind == "h" and isinstance(a.info["expert"], tuple) and a.info["expert"][0] == GROUPED and \
+            _same_pairs(walk, a.info["expert"][1], offs.info) and known_eq(size[1], walk.axes.sizes.get("f")):
         return Val("f", (a.roles[0], "d"), dict(a.info, w2=ref, b2=None))
     return None
 
@@ -178,7 +255,8 @@ def _bias(walk, a, b):
         return None
     if b.kind in ("u", "f"):
         a, b = b, a
-    if a.kind not in ("u", "f") or b.kind != "bsel" or a.info["expert"] != (GROUPED, b.info["order"]):
+    if a.kind not in ("u", "f") or b.kind != "bsel" or not isinstance(a.info["expert"], tuple) or \
+            not _same_pairs(walk, a.info["expert"][1], b.info):
         return None
     key = "b1" if a.kind == "u" else "b2"
     if a.info[key] is not None or not known_eq(b.info["width"], walk.axes.sizes.get(a.roles[-1])):

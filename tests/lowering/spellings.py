@@ -231,7 +231,9 @@ class GroupedMM(SpelledBlock):
     sort: "argsort" | "sort" (values and indices); select: "getitem" (x[rows], b1[expert]) |
     "index_select"; rows: "floordiv" (order // k) | "div" (rounding_mode="floor"); gate:
     "none_index" (w[order, None]) | "unsqueeze"; offs: "right" (searchsorted(e, arange(E),
-    right=True)) | "left" (arange(1, E + 1), side="left"); inplace: out.index_add_;
+    right=True)) | "left" (arange(1, E + 1), side="left") | "other_sort" (searchsorted over another
+    sort's experts: the same sequence) | the cumsum of each expert's count:
+    "onehot" (one_hot(flat, E).sum(0)), "histc", "scatter" (zeros(E).scatter_add_); inplace: out.index_add_;
     stored_t: W1 and W2 stored [E, out, in] (nn.Linear's way) and read transposed."""
 
     def __init__(self, sort="argsort", select="getitem", rows="floordiv", gate="none_index", offs="right",
@@ -265,8 +267,17 @@ class GroupedMM(SpelledBlock):
         rows = order // self.k if self.rows == "floordiv" else torch.div(order, self.k, rounding_mode="floor")
         if self.offs == "right":
             offs = torch.searchsorted(expert, torch.arange(self.E, device=x.device), right=True)
-        else:
+        elif self.offs == "left":
             offs = torch.searchsorted(expert, torch.arange(1, self.E + 1, device=x.device), side="left")
+        elif self.offs == "other_sort":  # the experts of another (ascending) sort of the same pairs
+            offs = torch.searchsorted(flat.sort().values, torch.arange(self.E, device=x.device), right=True)
+        elif self.offs == "onehot":
+            offs = F.one_hot(flat, self.E).sum(0).cumsum(0)
+        elif self.offs == "histc":  # Megatron's counts: bins of width 1 over [0, E]
+            offs = torch.histc(flat.float(), bins=self.E, min=0, max=self.E).cumsum(0)
+        else:  # "scatter"
+            counts = torch.zeros(self.E, dtype=torch.long, device=x.device)
+            offs = counts.scatter_add_(0, flat, torch.ones_like(flat)).cumsum(0)
         offs = offs.to(torch.int32)
         w1, w2 = self.weights()
         xs = self._take(x, rows)

@@ -63,7 +63,7 @@ def compile_against_math(model, B=4, H=3, N=5, seed=1, options=None, device="cpu
 
 
 VARIANTS = [dict(), dict(sort="sort"), dict(select="index_select"), dict(rows="div"), dict(gate="unsqueeze"),
-            dict(offs="left"), dict(inplace=True), dict(stored_t=True), dict(act="gelu_tanh"), dict(act="silu"),
+            dict(offs="left"), dict(offs="other_sort"), dict(offs="onehot"), dict(offs="histc"), dict(offs="scatter", sort="sort"), dict(inplace=True), dict(stored_t=True), dict(act="gelu_tanh"), dict(act="silu"),
             dict(act="swiglu", bias=False), dict(renorm=False), dict(E=5, k=3, F_=48)]
 
 
@@ -101,11 +101,12 @@ class Miswired(GroupedMM):
     (k + rows_extra) (in range, but other rows'); offsets searched over arange(offs_from, E +
     offs_from), right=True (from 1: each group ends where the next expert's does, every row still
     covered); the gates in the pairs' own order, not the sorted one; the pairs sorted descending,
-    the offsets searched as if ascending."""
+    the offsets searched as if ascending; histc_max: the counts from histc over [0, histc_max]
+    (2E: bins two experts wide, so the groups are not the experts')."""
 
-    def __init__(self, rows_extra=0, offs_from=0, gates_sorted=True, descending=False):
+    def __init__(self, rows_extra=0, offs_from=0, gates_sorted=True, descending=False, histc_max=None):
         super().__init__()
-        self.rows_extra, self.offs_from = rows_extra, offs_from
+        self.rows_extra, self.offs_from, self.histc_max = rows_extra, offs_from, histc_max
         self.gates_sorted, self.descending = gates_sorted, descending
 
     def moe_forward(self, y):
@@ -117,6 +118,8 @@ class Miswired(GroupedMM):
         expert, rows = flat[order], order // (self.k + self.rows_extra)
         span = torch.arange(self.offs_from, self.E + self.offs_from)
         offs = torch.searchsorted(expert, span, right=True).to(torch.int32)
+        if self.histc_max is not None:
+            offs = torch.histc(flat.float(), bins=self.E, min=0, max=self.histc_max).cumsum(0).to(torch.int32)
         f = torch._grouped_mm(self._act(torch._grouped_mm(x[rows], self.w1, offs=offs) + self.b1[expert]), self.w2,
                               offs=offs) + self.b2[expert]
         gates = weight.reshape(-1)[order, None] if self.gates_sorted else weight.reshape(-1)[:, None]
@@ -128,6 +131,7 @@ NEAR_MISSES = {
     "offsets shifted by one expert": (dict(offs_from=1), "not each expert's end"),
     "gates not in the sorted order": (dict(gates_sorted=False), "could not be read"),
     "sorted in descending order": (dict(descending=True), "descending"),
+    "counts in bins two experts wide": (dict(histc_max=8), "in a bin of its own"),
 }
 
 
