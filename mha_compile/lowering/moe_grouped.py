@@ -54,7 +54,7 @@ def grouped_rule(walk, node, op, gate_info, expert_info):
     if kind == "mul" and len(op.args) == 2:
         return _gated(*(walk.val(a) for a in op.args), gate_info, expert_info)
     if kind == "index_add":
-        return _combine(walk, op)
+        return _combine(walk, node, op)
     return None
 
 
@@ -188,6 +188,8 @@ def _counts(walk, node, op):
                          f"or {experts} do)")
         return Val("ecount", ("e",), _pairs_of(_flat_info(src, flat)))
     base, dim, index, ones = args[:4]  # scatter_add
+    if index is not None and index.kind == "prow":
+        return _combine(walk, node, op)  # zeros.scatter_add_(0, rows[:, None].expand(-1, D), f · gate)
     flat = _flat_pairs(walk, index) if index is not None and index.kind == "topi" and len(index.roles) == 1 else None
     if flat is None or base is None or base.kind != "zero" or op.args[1] != 0 or ones is None or ones.kind != "ones" \
             or ones.roles != index.roles or ones.info["topk"] is not index.info["topk"]:
@@ -277,14 +279,20 @@ def _gated(a, b, gate_info, expert_info):
                                      "order": b.info["order"]})
 
 
-def _combine(walk, op):
-    """zeros.index_add(0, rows, f · gate): each row's gated expert outputs summed, the MoE's output."""
+def _combine(walk, node, op):
+    """zeros.index_add(0, rows, f · gate), or zeros.scatter_add(0, rows[:, None] broadcast over the
+    width, f · gate): each row's gated expert outputs summed, the MoE's output."""
     out, dim, index, src = (walk.val(a) for a in op.args[:4])
     if out is None or out.kind != "zero" or dim is None or dim.kind != "const" or dim.info["value"] != 0 or \
             index is None or index.kind != "prow" or src is None or src.kind != "pcontrib" or \
-            src.info["order"] is not index.info["order"] or op.args[4] not in (None, 1):
+            src.info["order"] is not index.info["order"]:
+        return None
+    if op.kind == "index_add" and (op.args[4] not in (None, 1) or len(index.roles) != 1):
+        return None
+    if op.kind == "scatter_add" and (index.roles[0] != src.roles[0] or any(r != ONE for r in index.roles[1:]) or
+                                     len(index.roles) != len(src.roles) or shape(op.args[2]) != shape(op.args[3])):
         return None
     val = Val("moe_out", (index.info["rows"], "d"), {"gate": src.info["gate"], "experts": src.info["experts"]})
-    if op.kwargs.get("_inplace"):
+    if op.kwargs.get("_inplace") or node.op == "call_method" and node.target == "scatter_add_":
         walk.vals[op.args[0]] = val  # the in-place add changes what later readers of `out` see
     return val

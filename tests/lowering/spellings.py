@@ -233,7 +233,8 @@ class GroupedMM(SpelledBlock):
     "none_index" (w[order, None]) | "unsqueeze"; offs: "right" (searchsorted(e, arange(E),
     right=True)) | "left" (arange(1, E + 1), side="left") | "other_sort" (searchsorted over another
     sort's experts: the same sequence) | the cumsum of each expert's count:
-    "onehot" (one_hot(flat, E).sum(0)), "histc", "scatter" (zeros(E).scatter_add_); inplace: out.index_add_;
+    "onehot" (one_hot(flat, E).sum(0)), "histc", "scatter" (zeros(E).scatter_add_); inplace:
+    out.index_add_ (True) or "scatter_add_" (the rows broadcast over the width);
     stored_t: W1 and W2 stored [E, out, in] (nn.Linear's way) and read transposed."""
 
     def __init__(self, sort="argsort", select="getitem", rows="floordiv", gate="none_index", offs="right",
@@ -290,7 +291,9 @@ class GroupedMM(SpelledBlock):
             f = f + self._take(self.b2, expert)
         gates = weight.reshape(-1)[order, None] if self.gate == "none_index" else weight.reshape(-1)[order].unsqueeze(-1)
         f = f * gates.to(f.dtype)
-        if self.inplace:
+        if self.inplace == "scatter_add_":
+            out = torch.zeros_like(x).scatter_add_(0, rows[:, None].expand(-1, x.shape[1]), f)
+        elif self.inplace:
             out = torch.zeros_like(x)
             out.index_add_(0, rows, f)
         else:
