@@ -82,6 +82,7 @@ for kind, targets in {
     "scatter_add": _fn("torch.scatter_add"),
     "cumsum": _fn("torch.cumsum"),
     "ones_like": _fn("torch.ones_like"),
+    "bincount": _fn("torch.bincount"),
 }.items():
     for target in targets:
         _FUNCTIONS[target] = kind
@@ -106,7 +107,7 @@ _METHODS = {
     "logical_not": "not", "bitwise_not": "not", "__invert__": "not", "iadd": "add", "__iadd__": "add",
     "argsort": "argsort", "sort": "sort", "floor_divide": "floordiv", "__floordiv__": "floordiv",
     "index_select": "index_select", "histc": "histc", "scatter_add": "scatter_add", "scatter_add_": "scatter_add",
-    "cumsum": "cumsum",
+    "cumsum": "cumsum", "bincount": "bincount",
 }
 _CASTS_BY_FUNCTION = {torch.clone: "cast"}
 
@@ -139,6 +140,7 @@ _SIGNATURES = {
     "histc": ("input", "bins", "min", "max"),
     "scatter_add": ("input", "dim", "index", "src"),
     "cumsum": ("input", "dim", "dtype"),
+    "bincount": ("input", "weights", "minlength"),
 }
 _DEFAULTS = {"chunk": {"dim": 0}, "split": {"dim": 0}, "unbind": {"dim": 0}, "stack": {"dim": 0}, "one_hot": {"num_classes": -1},
              "sdpa": {"dropout_p": 0.0, "is_causal": False}, "histc": {"bins": 100, "min": 0, "max": 0}}

@@ -159,7 +159,7 @@ class _Miss(Exception):
 
 _ROUTING = ("topk", "topw", "topi", "sumw", "onehot", "emask", "where", "selidx", "gate", "gate_s", "gatecol", "probs")
 SPLIT_HINT = ("set torch._dynamo.config.capture_dynamic_output_shape_ops = True so that Dynamo keeps "
-              "torch.where/nonzero (data-dependent shapes) in one graph with the router")
+              "torch.where/nonzero or torch.bincount (data-dependent shapes) in one graph with the router")
 
 
 def find_regions(gm):

@@ -45,7 +45,7 @@ def grouped_rule(walk, node, op, gate_info, expert_info):
         return _pair_rows(node, walk.val(op.args[0]), walk.val(op.args[1]))
     if kind == "searchsorted":
         return _offsets(walk, node, op)
-    if kind in ("sum", "histc", "scatter_add", "ones_like", "cumsum"):
+    if kind in ("sum", "histc", "scatter_add", "ones_like", "cumsum", "bincount"):
         return _counts(walk, node, op)
     if kind == "grouped_mm":
         return _grouped_mm(walk, node, op)
@@ -168,7 +168,17 @@ def _counts(walk, node, op):
         return Val("ones", src.roles, src.info) if src is not None and src.kind == "topi" else None
     if op.kind == "cumsum":
         src, dim = args[0], op.args[1]
-        return Val("offs", ("e",), src.info) if src is not None and src.kind == "ecount" and dim in (0, -1) else None
+        if src is None or src.kind != "ecount" or dim not in (0, -1):
+            return None
+        return Val("offs", src.roles and ("e",), src.info)
+    if op.kind == "bincount":
+        # bincount(flat, minlength=E) has max(E, max(flat) + 1) = E bins, but its traced size is
+        # data-dependent (unbacked, under capture_dynamic_output_shape_ops): no roles to bind
+        src, weights, minlength = args[0], op.args[1], op.args[2]
+        flat = _flat_pairs(walk, src) if src is not None and src.kind == "topi" and len(src.roles) == 1 else None
+        if flat is None or weights is not None or minlength != experts:
+            return None
+        return Val("ecount", None, _pairs_of(_flat_info(src, flat)))
     if op.kind == "sum":
         src, dim, keepdim = args[0], op.args[1], op.args[2]
         if src is None or src.kind != "onehot" or dim not in (0, -2) or keepdim or len(src.roles) != 2:

@@ -233,7 +233,7 @@ class GroupedMM(SpelledBlock):
     "none_index" (w[order, None]) | "unsqueeze"; offs: "right" (searchsorted(e, arange(E),
     right=True)) | "left" (arange(1, E + 1), side="left") | "other_sort" (searchsorted over another
     sort's experts: the same sequence) | the cumsum of each expert's count:
-    "onehot" (one_hot(flat, E).sum(0)), "histc", "scatter" (zeros(E).scatter_add_); inplace:
+    "onehot" (one_hot(flat, E).sum(0)), "histc", "scatter" (zeros(E).scatter_add_), "bincount"; inplace:
     out.index_add_ (True) or "scatter_add_" (the rows broadcast over the width);
     stored_t: W1 and W2 stored [E, out, in] (nn.Linear's way) and read transposed."""
 
@@ -272,6 +272,8 @@ class GroupedMM(SpelledBlock):
             offs = torch.searchsorted(expert, torch.arange(1, self.E + 1, device=x.device), side="left")
         elif self.offs == "other_sort":  # the experts of another (ascending) sort of the same pairs
             offs = torch.searchsorted(flat.sort().values, torch.arange(self.E, device=x.device), right=True)
+        elif self.offs == "bincount":  # a data-dependent size: needs capture_dynamic_output_shape_ops
+            offs = torch.bincount(flat, minlength=self.E).cumsum(0)
         elif self.offs == "onehot":
             offs = F.one_hot(flat, self.E).sum(0).cumsum(0)
         elif self.offs == "histc":  # Megatron's counts: bins of width 1 over [0, E]

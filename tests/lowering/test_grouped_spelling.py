@@ -28,7 +28,7 @@ def _observed(run):
         backend.observers.remove(observe)
 
 
-def compile_against_math(model, B=4, H=3, N=5, seed=1, options=None, device="cpu"):
+def compile_against_math(model, B=4, H=3, N=5, seed=1, options=None, device="cpu", dynamic_output=False):
     """Compile a bf16 copy on `device` with backend="mha" (strict: a failed rewrite raises);
     compare its output and every parameter's and input's gradient with the loop spelling in
     float64 on the same bf16 parameters and inputs. Returns the match."""
@@ -37,8 +37,9 @@ def compile_against_math(model, B=4, H=3, N=5, seed=1, options=None, device="cpu
     ctx, tok = inputs(B, H, N, model.D, dtype=torch.bfloat16, generator=gen)
     compiled = copy.deepcopy(model).to(device)
     ctx_c, tok_c = ctx.to(device, copy=True).requires_grad_(), tok.to(device, copy=True).requires_grad_()
-    out, reports = _observed(lambda: torch.compile(compiled, backend="mha",
-                                                   options={"strict": True, **(options or {})})(ctx_c, tok_c))
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=dynamic_output):
+        out, reports = _observed(lambda: torch.compile(compiled, backend="mha",
+                                                       options={"strict": True, **(options or {})})(ctx_c, tok_c))
     matches = [m for r in reports for m in r.matches]
     assert len(matches) == 1 and not [m for r in reports for m in r.near_misses], [str(r) for r in reports]
     math = model.math_block()
@@ -76,6 +77,13 @@ def test_grouped_spelling_matches_once_and_equals_the_math(variant):
                                "act": variant.get("act", "gelu")}
     assert (match["params"]["b1"] is None) == (variant.get("bias", True) is False)
     assert ("permute" in match["params"]["w1"]) == variant.get("stored_t", False), match["params"]["w1"]
+
+
+def test_grouped_spelling_with_bincount_offsets():
+    """offs = bincount(flat, minlength=E).cumsum(0): one graph only with capture_dynamic_output_shape_ops
+    (bincount's size depends on the data; the near-miss of the split graphs says to set it)."""
+    torch.manual_seed(0)
+    compile_against_math(GroupedMM(offs="bincount"), dynamic_output=True)
 
 
 def test_grouped_spelling_one_expert_a_row():
