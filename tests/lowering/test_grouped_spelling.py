@@ -66,15 +66,15 @@ def compile_against_math(model, B=4, H=3, N=5, seed=1, options=None, device="cpu
 VARIANTS = [dict(), dict(sort="sort"), dict(select="index_select"), dict(rows="div"), dict(gate="unsqueeze"),
             dict(offs="left"), dict(offs="other_sort"), dict(offs="onehot"), dict(offs="histc"), dict(offs="scatter", sort="sort"), dict(inplace=True),
             dict(inplace="scatter_add_"), dict(stored_t=True), dict(act="gelu_tanh"), dict(act="silu"),
-            dict(act="swiglu", bias=False), dict(renorm=False), dict(E=5, k=3, F_=48)]
+            dict(act="swiglu", bias=False), dict(renorm=False), dict(topk_logits=True), dict(E=5, k=3, F_=48)]
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()) or "plain")
 def test_grouped_spelling_matches_once_and_equals_the_math(variant):
     torch.manual_seed(0)
     match = compile_against_math(GroupedMM(**variant))
-    assert match["config"] == {"top_k": variant.get("k", 2), "renorm": variant.get("renorm", True),
-                               "act": variant.get("act", "gelu")}
+    assert match["config"] == {"top_k": variant.get("k", 2), "act": variant.get("act", "gelu"),
+                               "renorm": variant.get("renorm", True) or variant.get("topk_logits", False)}
     assert (match["params"]["b1"] is None) == (variant.get("bias", True) is False)
     assert ("permute" in match["params"]["w1"]) == variant.get("stored_t", False), match["params"]["w1"]
 
