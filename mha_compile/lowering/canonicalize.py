@@ -143,7 +143,8 @@ _SIGNATURES = {
     "bincount": ("input", "weights", "minlength"),
 }
 _DEFAULTS = {"chunk": {"dim": 0}, "split": {"dim": 0}, "unbind": {"dim": 0}, "stack": {"dim": 0}, "one_hot": {"num_classes": -1},
-             "sdpa": {"dropout_p": 0.0, "is_causal": False}, "histc": {"bins": 100, "min": 0, "max": 0}}
+             "sdpa": {"dropout_p": 0.0, "is_causal": False},
+             "histc": {"bins": 100, "min": 0, "max": 0}}
 
 
 def canon(node):
@@ -183,8 +184,8 @@ def canon(node):
         return None  # only where(cond): the (rows, slots) of the nonzero entries
     if kind == "where":
         return Op("nonzero", (args[0], True))
-    if kind == "index_add":
-        kwargs["_inplace"] = node.op == "call_method" and node.target == "index_add_"
+    if kind in ("index_add", "scatter_add"):  # out.index_add_(...) changes `out` for its later readers
+        kwargs["_inplace"] = node.op == "call_method" and node.target.endswith("_")
     if kind in _SIGNATURES:
         names = _SIGNATURES[kind]
         merged = dict(_DEFAULTS.get(kind, {}))

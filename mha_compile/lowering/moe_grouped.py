@@ -54,7 +54,7 @@ def grouped_rule(walk, node, op, gate_info, expert_info):
     if kind == "mul" and len(op.args) == 2:
         return _gated(*(walk.val(a) for a in op.args), gate_info, expert_info)
     if kind == "index_add":
-        return _combine(walk, node, op)
+        return _combine(walk, op)
     return None
 
 
@@ -154,7 +154,7 @@ def _pairs_of(info):
 def _same_pairs(walk, order, info):
     """Whether the sort `order` (a node) sorts the flat pairs that `info` (_pairs_of) counts."""
     sort = walk.vals.get(order)
-    return sort is not None and _pairs_of(sort.info) == _pairs_of(info) and sort.info["topk"] is info["topk"]
+    return sort is not None and _pairs_of(sort.info) == _pairs_of(info)
 
 
 def _counts(walk, node, op):
@@ -178,15 +178,13 @@ def _counts(walk, node, op):
         flat = _flat_pairs(walk, src) if src is not None and src.kind == "topi" and len(src.roles) == 1 else None
         if flat is None or weights is not None or minlength != experts:
             return None
-        return Val("ecount", None, _pairs_of(_flat_info(src, flat)))
+        return Val("ecount", None, _flat_info(src, flat))
     if op.kind == "sum":
         src, dim, keepdim = args[0], op.args[1], op.args[2]
         if src is None or src.kind != "onehot" or dim not in (0, -2) or keepdim or len(src.roles) != 2:
             return None
         flat = _flat_pairs(walk, src)
-        if flat is None or flat[0] != src.roles[0]:
-            return None
-        return Val("ecount", ("e",), _pairs_of(_flat_info(src, flat)))
+        return None if flat is None else Val("ecount", ("e",), _flat_info(src, flat))
     if op.kind == "histc":
         src, bins, low, high = args[0], op.args[1], op.args[2], op.args[3]
         flat = _flat_pairs(walk, src) if src is not None and src.kind == "topi" and len(src.roles) == 1 else None
@@ -196,16 +194,16 @@ def _counts(walk, node, op):
             raise Reject(f"{node.name}: histc(bins={bins}, min={low}, max={high}) of the experts does not count "
                          f"each of the {experts} experts in a bin of its own (bins={experts}, min=0, max={experts - 1} "
                          f"or {experts} do)")
-        return Val("ecount", ("e",), _pairs_of(_flat_info(src, flat)))
+        return Val("ecount", ("e",), _flat_info(src, flat))
     base, dim, index, ones = args[:4]  # scatter_add
     if index is not None and index.kind == "prow":
-        return _combine(walk, node, op)  # zeros.scatter_add_(0, rows[:, None].expand(-1, D), f · gate)
+        return _combine(walk, op)  # zeros.scatter_add_(0, rows[:, None].expand(-1, D), f · gate)
     flat = _flat_pairs(walk, index) if index is not None and index.kind == "topi" and len(index.roles) == 1 else None
     if flat is None or base is None or base.kind != "zero" or op.args[1] != 0 or ones is None or ones.kind != "ones" \
             or ones.roles != index.roles or ones.info["topk"] is not index.info["topk"]:
         return None
-    val = Val("ecount", ("e",), _pairs_of(_flat_info(index, flat)))
-    if node.op == "call_method" and node.target == "scatter_add_":
+    val = Val("ecount", ("e",), _flat_info(index, flat))
+    if op.kwargs.get("_inplace"):
         walk.vals[op.args[0]] = val  # the counts are the zeros' own storage from here on
     return val
 
@@ -289,7 +287,7 @@ def _gated(a, b, gate_info, expert_info):
                                      "order": b.info["order"]})
 
 
-def _combine(walk, node, op):
+def _combine(walk, op):
     """zeros.index_add(0, rows, f · gate), or zeros.scatter_add(0, rows[:, None] broadcast over the
     width, f · gate): each row's gated expert outputs summed, the MoE's output."""
     out, dim, index, src = (walk.val(a) for a in op.args[:4])
@@ -303,6 +301,6 @@ def _combine(walk, node, op):
                                      len(index.roles) != len(src.roles) or shape(op.args[2]) != shape(op.args[3])):
         return None
     val = Val("moe_out", (index.info["rows"], "d"), {"gate": src.info["gate"], "experts": src.info["experts"]})
-    if op.kwargs.get("_inplace") or node.op == "call_method" and node.target == "scatter_add_":
+    if op.kwargs.get("_inplace"):
         walk.vals[op.args[0]] = val  # the in-place add changes what later readers of `out` see
     return val

@@ -239,7 +239,9 @@ class OutputLaidOut(SpelledBlock):
 def test_moe_output_in_another_layout(layout):
     torch.manual_seed(0)
     args = inputs(4, 3, 5, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    _assert_one_match(compile_and_compare(OutputLaidOut(layout).double(), args, torch.float64))  # outputs, gradients
+    match = _assert_one_match(compile_and_compare(OutputLaidOut(layout).double(), args, torch.float64))  # and gradients
+    want = {"hbd": [3, 4, 32], "dbh": [32, 4, 3], "flat": [4 * 3 * 32], "rows_1_d": [12, 1, 32]}[layout]
+    assert match["shapes"]["out"] == [str(n) for n in want]
 
 
 class TwoBlocks(torch.nn.Module):
