@@ -44,6 +44,8 @@ def parse_args(argv):
     p.add_argument("--passes", help=f"comma list of {list(PASSES)}")
     p.add_argument("--autotune-presets", help="presets where inductor-max-autotune runs "
                    f"(default on CUDA: {','.join(CUDA_AUTOTUNE_PRESETS)}; 'all' for every preset)")
+    p.add_argument("--autotune-spellings", help="spellings where inductor-max-autotune runs (default: every one "
+                   "of --spellings); e.g. those whose compiles an earlier run left in Inductor's cache")
     p.add_argument("--budget", type=float, help="seconds after which no new row starts (rest: skipped)")
     p.add_argument("--device", help="cuda or cpu (default: cuda if available)")
     p.add_argument("--out", default="out/bench", help="output folder (default: out/bench)")
@@ -92,6 +94,7 @@ def plan(args, device_type):
     passes = _list(args.passes, PASSES, PASSES, "passes")
     autotune = list(PRESETS) if args.autotune_presets == "all" else _list(
         args.autotune_presets, PRESETS, CUDA_AUTOTUNE_PRESETS if cuda else list(PRESETS), "autotune-presets")
+    tuned_spellings = _list(args.autotune_spellings, modes.SPELLINGS, spellings, "autotune-spellings")
     notes = []
     if not cuda:
         notes.append("CPU: reduced set (presets " + ", ".join(presets) + "; " + ", ".join(dtypes) + "; modes "
@@ -101,6 +104,10 @@ def plan(args, device_type):
         where = "ran only at " + ", ".join(tuned) if tuned else "ran at none of these presets"
         notes.append(f"inductor-max-autotune {where} (--autotune-presets): elsewhere the best peer may be "
                      "slower than it could be")
+    untuned = [s for s in spellings if s not in tuned_spellings]
+    if "inductor-max-autotune" in mode_list and untuned:
+        notes.append(f"inductor-max-autotune not run on the {', '.join(untuned)} spelling(s) (--autotune-spellings): "
+                     "the best peer may be slower than it could be there")
     if args.isolate:
         notes.append("each row measured in a process of its own (--isolate): no row's time depends on the rows "
                      "before it; first-call times include loading the compiled kernels from disk")
@@ -118,7 +125,8 @@ def plan(args, device_type):
                             continue
                         if spelling == "grouped_mm" and mode not in modes.GROUPED_MM_MODES:
                             continue
-                        if mode == "inductor-max-autotune" and preset not in autotune:
+                        if mode == "inductor-max-autotune" and (preset not in autotune
+                                                                or spelling not in tuned_spellings):
                             continue
                         jobs.append({"preset": preset, "dtype": dtype, "mode": mode, "spelling": spelling,
                                      "pass": pass_, "device_type": device_type})

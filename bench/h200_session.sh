@@ -17,7 +17,8 @@
 #                                      # ISOLATE=1: each row in a process of its own, bench --isolate; ROUNDS=n: each
 #                                      # row timed n times, rounds interleaved, bench --rounds; PRESETS: a comma
 #                                      # list, then RESUME=1 in a call chained on the same machine runs the rest; SPELLINGS: a comma
-#                                      # list for --spellings),
+#                                      # list for --spellings; ROUNDS at medium: max-autotune only on the spellings an
+#                                      # autotune-cache call on this machine compiled, or AUTOTUNE_SPELLINGS),
 #                                      # max-autotune on the dense spelling at medium (~9 min):
 #                                      # run.log, h200.{md,json,png,errors.log}
 #   bash bench/h200_session.sh table-fwd  # the forward rows likewise (~6 min): h200_fwd.*
@@ -26,7 +27,8 @@
 #                                      # reduce-overhead (a same-run ratio): autotune.{md,json},
 #                                      # and its compiled graphs left in .inductor_cache/, which a `table`
 #                                      # call chained right after on the same machine reuses (its max-autotune
-#                                      # rows then fit; its notes say their first calls were cached compiles)
+#                                      # rows then fit; its notes say their first calls were cached compiles;
+#                                      # the spellings it finished go to /tmp/mha_autotune_cache_done for table's ROUNDS)
 #   bash bench/h200_session.sh medium-autotune  # medium's best peer, Inductor max-autotune (~3 min of
 #                                      # compiling), beside Inductor and mha-fused on the dense spelling, in
 #                                      # a call of its own (~5 min): run.log, h200_medium_autotune.{md,json,png}
@@ -347,16 +349,26 @@ table|table-fwd)
     # finds them (it keeps the groups they hold whole and runs the rest).
     # Rounds at medium with max-autotune compiling from scratch: its compiles (~3 min a spelling)
     # spend the budget in round 1 and every row gets one round (session 43's call 3).
+    # Session 45's: autotune-cache had compiled grouped_mm only, and loop's compile from scratch took the
+    # rest. So in rounds at medium, max-autotune runs only on the spellings autotune-cache compiled on
+    # this machine (AUTOTUNE_SPELLINGS=...: those instead, whatever it costs).
+    autotune_spellings=${AUTOTUNE_SPELLINGS:-}
     if [ "$part" = table ] && [ "${ROUNDS:-1}" -gt 1 ] && [[ ",${PRESETS:-medium,large,small}," == *,medium,* ]] \
-        && [[ "${MODES:-inductor-max-autotune}" == *max-autotune* ]] && [ ! -e /tmp/mha_autotune_cache_done ]; then
-        echo "warning: ROUNDS=$ROUNDS at medium without autotune-cache on this machine: max-autotune's" \
-            "compiles will take round 1's budget (run autotune-cache in a call chained before)" >>"$LOG"
+        && [[ "${MODES:-inductor-max-autotune}" == *max-autotune* ]] && [ -z "$autotune_spellings" ]; then
+        if [ -s /tmp/mha_autotune_cache_done ]; then
+            autotune_spellings=$(sort -u /tmp/mha_autotune_cache_done | paste -sd,)
+            echo "ROUNDS=$ROUNDS at medium: max-autotune only on $autotune_spellings (compiled by autotune-cache)" >>"$LOG"
+        else
+            echo "warning: ROUNDS=$ROUNDS at medium and no compile of autotune-cache finished on this machine:" \
+                "max-autotune's compiles will take round 1's budget (run autotune-cache, LIMIT=560, in a call" \
+                "chained before)" >>"$LOG"
+        fi
     fi
     resume=()
     if [ -n "${RESUME:-}" ]; then cp "/tmp/$name.json" "$OUT/$name.json" && resume=(--resume) || exit 1; fi
     { timeout -s INT -k 15 $limit python -m bench --out "$OUT" --name $name --budget $budget \
         --presets "${PRESETS:-medium,large,small}" --passes $pass --spellings "${SPELLINGS:-dense,loop,grouped_mm}" \
-        ${MODES:+--modes "$MODES"} ${ISOLATE:+--isolate} ${ROUNDS:+--rounds "$ROUNDS"} "${resume[@]}" --commit "$commit" 2>&1 | tail -70; } >>"$LOG"
+        ${MODES:+--modes "$MODES"} ${autotune_spellings:+--autotune-spellings "$autotune_spellings"} ${ISOLATE:+--isolate} ${ROUNDS:+--rounds "$ROUNDS"} "${resume[@]}" --commit "$commit" 2>&1 | tail -70; } >>"$LOG"
     cp "$OUT/$name.json" "/tmp/$name.json"
     ;;
 gluon-up)
@@ -377,7 +389,12 @@ autotune-cache)
     timeout -s INT -k 20 "${LIMIT:-560}" python -m bench --out "$OUT" --name autotune --presets medium \
         --passes fwd+bwd --modes "${MODES:-mha-fused-cudagraphs,inductor-max-autotune}" \
         --spellings "${SPELLINGS:-dense,loop,grouped_mm}" --commit "$commit" >>"$LOG" 2>&1
-    touch /tmp/mha_autotune_cache_done  # for table's check (the machine's /tmp outlives a call)
+    # for table's check (the machine's /tmp outlives a call): the spellings whose compiles finished
+    python - "$OUT/autotune.json" >>/tmp/mha_autotune_cache_done 2>>"$LOG" <<'EOF'
+import json, sys
+rows = json.load(open(sys.argv[1]))["rows"]
+print("\n".join(r["spelling"] for r in rows if r["mode"] == "inductor-max-autotune" and r.get("status") == "ok"))
+EOF
     ;;
 ncu)
     # --clock-control none: the device notes (METHOD.md) say to leave the clocks alone

@@ -156,6 +156,22 @@ def test_plan_defaults_and_order():
     assert any("reduced set" in n for n in cpu_notes)
 
 
+def test_autotune_spellings_limit_max_autotune_and_say_so():
+    """A table in rounds after `autotune-cache` compiled one spelling: max-autotune on another would
+    compile from scratch in round 1 and take the run's budget (session 45's medium table)."""
+    args = bench_main.parse_args(["--modes", "eager,inductor-max-autotune", "--presets", "medium",
+                                  "--spellings", "grouped_mm,loop", "--autotune-spellings", "grouped_mm"])
+    jobs, notes = bench_main.plan(args, "cuda")
+    assert {(j["mode"], j["spelling"]) for j in jobs} == {
+        ("eager", "grouped_mm"), ("eager", "loop"), ("inductor-max-autotune", "grouped_mm")}
+    assert any("not run on the loop spelling(s) (--autotune-spellings)" in n for n in notes)
+    everywhere, quiet = bench_main.plan(bench_main.parse_args(["--presets", "medium", "--spellings", "loop"]), "cuda")
+    assert ("inductor-max-autotune", "loop") in {(j["mode"], j["spelling"]) for j in everywhere}
+    assert not any("--autotune-spellings" in n for n in quiet)
+    with pytest.raises(SystemExit, match="autotune-spellings: unknown"):
+        bench_main.plan(bench_main.parse_args(["--autotune-spellings", "grouped"]), "cuda")
+
+
 def test_rows_say_how_much_of_their_peak_is_graph_pools():
     """Rows that replay CUDA graphs (max-autotune's, ours) hold pools: the note says how much."""
     base = dict(preset="medium", dtype="bf16", spelling="dense", status="ok", time_ms=1.0, regions_replaced=1)
