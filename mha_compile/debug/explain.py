@@ -1,12 +1,25 @@
 """`mha_compile.explain(model_or_fn, *args, **kwargs)`: what the backend would do, without training."""
+import contextlib
+import types
+
 import torch
 
 from mha_compile import backend
 from mha_compile.debug.report import ExplainReport
 
+NO_GRAPH = ("Dynamo handed the backend no graph, so nothing was matched or missed: the call ran no "
+            "operation Dynamo captured (a function that returns its inputs as they are, a forward under "
+            "torch.compiler.disable, or one Dynamo gave up on: see its warnings)")
+
 
 def explain(model_or_fn, *args, options=None, **kwargs):
-    """Compile with backend="mha", run once under no_grad, and return an ExplainReport."""
+    """Compile with backend="mha", run once under no_grad, and return an ExplainReport.
+
+    Dynamo keeps what it compiles on the code object it starts from, and stops compiling a code
+    object for one module after config.recompile_limit (8) entries. Started from the model's own
+    forward, the ninth explain of a model got an empty report, and the user's own torch.compile
+    of that model ran a new shape eagerly. So Dynamo starts here from a copy of that code (`_own_code`),
+    whose entries go with it."""
     reports = []
 
     def observe(report, gm, lowered):
@@ -17,9 +30,50 @@ def explain(model_or_fn, *args, options=None, **kwargs):
 
     backend.observers.append(observe)
     try:
-        compiled = torch.compile(model_or_fn, backend=mha)
-        with torch.no_grad():
-            compiled(*args, **kwargs)
+        with _own_code(model_or_fn) as target, torch.no_grad():
+            torch.compile(target, backend=mha)(*args, **kwargs)
     finally:
         backend.observers.remove(observe)
-    return ExplainReport(reports)
+    return ExplainReport(reports, note="" if reports else NO_GRAPH)
+
+
+@contextlib.contextmanager
+def _own_code(model_or_fn):
+    """model_or_fn with the function Dynamo starts from (a module's forward, a function or a
+    method) copied onto a code object of its own: a module's for the duration (its forward set on
+    the instance, so that its hooks still run), a function's or method's as a new callable.
+    Anything else as it is: a C function, a callable object, or one of Dynamo's own wrappers
+    (torch.compiler.disable's, which torch.compile reads by their attributes)."""
+    if isinstance(model_or_fn, torch.nn.Module):
+        module, forward = model_or_fn, model_or_fn.forward
+        if not (isinstance(forward, types.MethodType) and forward.__self__ is module and _copyable(forward.__func__)):
+            yield module
+            return
+        own = module.__dict__.get("forward")
+        module.__dict__["forward"] = types.MethodType(_copy(forward.__func__), module)
+        try:
+            yield module
+        finally:
+            if own is None:
+                del module.__dict__["forward"]
+            else:
+                module.__dict__["forward"] = own
+    elif _copyable(model_or_fn):
+        yield _copy(model_or_fn)
+    elif isinstance(model_or_fn, types.MethodType) and _copyable(model_or_fn.__func__):
+        yield types.MethodType(_copy(model_or_fn.__func__), model_or_fn.__self__)
+    else:
+        yield model_or_fn
+
+
+def _copyable(func):
+    return isinstance(func, types.FunctionType) and not hasattr(func, "_torchdynamo_orig_callable")
+
+
+def _copy(func):
+    """func on a new code object (code.replace() always makes one), otherwise the same function."""
+    copy = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
+                              func.__closure__)
+    copy.__kwdefaults__, copy.__qualname__ = func.__kwdefaults__, func.__qualname__
+    copy.__dict__.update(func.__dict__)
+    return copy

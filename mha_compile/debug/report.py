@@ -36,8 +36,10 @@ class GraphReport:
 
 @dataclasses.dataclass
 class ExplainReport:
-    """What `mha_compile.explain` returns: every graph Dynamo handed the backend."""
+    """What `mha_compile.explain` returns: every graph Dynamo handed the backend, and a note when
+    there was none (explain.NO_GRAPH)."""
     graphs: list
+    note: str = ""
 
     @property
     def matches(self):
@@ -48,9 +50,9 @@ class ExplainReport:
         return [m for g in self.graphs for m in g.near_misses]
 
     def to_json(self):
-        return {"graphs": [g.to_json() for g in self.graphs]}
+        return {"graphs": [g.to_json() for g in self.graphs], "note": self.note}
 
     def __str__(self):
         head = (f"mha_compile: {len(self.graphs)} graph(s), {len(self.matches)} match(es), "
                 f"{len(self.near_misses)} near-miss(es)")
-        return "\n".join([head] + [str(g) for g in self.graphs])
+        return "\n".join([head] + [str(g) for g in self.graphs] + ([self.note] if self.note else []))

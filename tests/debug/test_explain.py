@@ -1,0 +1,89 @@
+"""mha_compile.explain called again and again, beside the user's own torch.compile of the model."""
+import pytest
+import torch
+
+import mha_compile
+from mha_compile import backend
+from mha_compile.debug import explain as explain_module
+from mha_compile.models import MHABlock
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    yield
+    torch._dynamo.reset()  # the many shapes compiled here would make later compiles of MHABlock's forward dynamic
+
+
+def _inputs(B, N, D=12, H=3):
+    return torch.randn(B, H, D), torch.randn(B, N, D)
+
+
+def test_explain_any_number_of_times_and_the_models_own_compile_still_compiles():
+    """Dynamo's compiled entries on the model's forward count against its recompile limit (8 a
+    module): before, the ninth explain was empty and the user's compiled model ran a new shape
+    eagerly."""
+    torch.manual_seed(0)
+    block = MHABlock(12, 3, 8, 3, 2)
+    compiled = torch.compile(block, backend="mha")
+    compiled(*_inputs(4, 5))
+    for i in range(12):
+        report = mha_compile.explain(block, *_inputs(2 + i, 1 + i % 4))
+        assert len(report.matches) == 1 and not report.note, (i, str(report))
+    assert "forward" not in block.__dict__  # the copy was on the instance for the call only
+    seen = []
+    observe = lambda report, gm, lowered: seen.append(len(report.matches))  # noqa: E731
+    backend.observers.append(observe)
+    try:
+        ctx, tok = _inputs(7, 6)
+        out = compiled(ctx, tok)
+    finally:
+        backend.observers.remove(observe)
+    assert seen == [1]  # compiled, and the region replaced, on the new shape
+    torch.testing.assert_close(out, block(ctx, tok))
+
+
+def test_explain_of_a_function_again_and_again():
+    torch.manual_seed(1)
+    block = MHABlock(12, 3, 8, 3, 2, spelling="dense")
+
+    def step(ctx, tok):
+        return block(ctx, tok) * 2
+
+    for i in range(10):
+        assert len(mha_compile.explain(step, *_inputs(3, 2 + i)).matches) == 1, i
+
+
+def test_the_instances_own_forward_is_put_back_and_hooks_still_run():
+    torch.manual_seed(2)
+    block = MHABlock(12, 3, 8, 3, 2)
+    own = block.forward  # a forward set on the instance (as a wrapper library might)
+    block.forward = own
+    calls = []
+    block.register_forward_hook(lambda module, args, out: calls.append(out.shape))
+    report = mha_compile.explain(block, *_inputs(4, 5))
+    assert len(report.matches) == 1 and calls == [torch.Size([4, 3, 12])]
+    assert block.__dict__["forward"] is own
+
+
+def test_a_report_with_no_graph_says_so():
+    def returns_its_input(ctx):
+        return ctx
+
+    report = mha_compile.explain(returns_its_input, torch.randn(2, 3, 12))
+    assert report.graphs == [] and report.note == explain_module.NO_GRAPH
+    assert str(report).endswith(explain_module.NO_GRAPH) and report.to_json()["note"] == explain_module.NO_GRAPH
+    assert mha_compile.explain(MHABlock(12, 3, 8, 3, 2), *_inputs(2, 3)).to_json()["note"] == ""
+
+
+def test_dynamos_own_wrappers_are_compiled_as_torch_compile_would():
+    """torch.compile reads torch.compiler.disable's wrapper by its attributes: a copy of it would
+    not be the same function to torch.compile (it compiles a disabled function given it
+    directly), so explain passes such a function as it is."""
+    torch.manual_seed(3)
+    block = MHABlock(12, 3, 8, 3, 2)
+
+    @torch.compiler.disable
+    def disabled(ctx, tok):
+        return block(ctx, tok)
+
+    assert len(mha_compile.explain(disabled, *_inputs(2, 3)).matches) == 1
