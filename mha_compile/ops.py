@@ -121,8 +121,18 @@ def _forward(tensors, top_k, renorm, act, kernels, graphs, keep_hidden, kept=Non
     """The kernel set's forward (the op's body, and RegionFunction's); kept: see KEEPS."""
     ctx, tok, w1, mask = tensors[0], tensors[1], tensors[10], tensors[15]
     with _no_autocast(ctx):
-        return _kernel_call(kernel_set(kernels).region_forward, tensors, (ctx, tok, w1, mask), top_k, renorm, act,
-                            keep_hidden, kernels, graphs, kept)
+        out, inv, *rest = _kernel_call(kernel_set(kernels).region_forward, tensors, (ctx, tok, w1, mask), top_k,
+                                       renorm, act, keep_hidden, kernels, graphs, kept)
+    # The kernel sets give out as a [B,H,D] view of their [B·H, D] rows. Autograd refuses an
+    # in-place op on a view made inside a custom Function ("Output 0 of RegionFunction is a view
+    # and is being modified inplace"), so a model's `out = block(ctx, tok); out += ctx` failed to
+    # train where eager runs it. Those rows are out's alone (nothing saved or kept shares them):
+    # out and inv are handed over as plain tensors on the same memory.
+    return (_plain(out), _plain(inv), *rest)
+
+
+def _plain(t):
+    return t.detach() if t._is_view() else t
 
 
 def _kernel_call(fn, tensors, inputs, top_k, renorm, act, keep_hidden, kernels, graphs, kept=None):

@@ -64,6 +64,57 @@ def test_block_trains_like_eager(dtype, spelling):
     assert_same_parameters(*_train_side_by_side(model, batch, dtype), dtype)
 
 
+class _ResidualInPlace(torch.nn.Module):
+    """The block's output added to in place, as residual code often does it: `out += ctx`."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, ctx, tok):
+        out = self.block(ctx, tok)
+        out += ctx
+        out.mul_(0.5)
+        return out
+
+
+INTERPRETED = __import__("os").environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.mark.parametrize("dtype, kernels", [
+    (torch.float64, "auto"),
+    pytest.param(torch.float32, "fused", marks=pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1"))])
+def test_in_place_ops_on_the_regions_output_train_like_eager(dtype, kernels):
+    """Autograd refused them ("Output 0 of RegionFunction is a view and is being modified
+    inplace"): the region's output was a view made inside its Function, so this model trained
+    eagerly and failed compiled."""
+    torch._dynamo.reset()
+    model = _ResidualInPlace(_block(dtype))
+    gen = torch.Generator().manual_seed(4)
+    batch = lambda step: (torch.randn(4, 3, 32, generator=gen, dtype=dtype), torch.randn(4, 5, 32, generator=gen, dtype=dtype))
+    assert len(mha_compile.explain(model, *batch(0), options={"kernels": kernels}).matches) == 1
+    eager, compiled_model = _train_side_by_side(model, batch, dtype, options={"kernels": kernels})
+    assert_same_parameters(eager, compiled_model, dtype)
+
+
+def test_the_compiled_blocks_output_can_be_changed_in_place_by_its_caller():
+    torch._dynamo.reset()
+    block = _block(torch.float64)
+    twin = copy.deepcopy(block)
+    ctx, tok = torch.randn(4, 3, 32, dtype=torch.float64), torch.randn(4, 5, 32, dtype=torch.float64)
+    assert len(mha_compile.explain(block, ctx, tok).matches) == 1
+    outs = []
+    for model in (torch.compile(block, backend="mha"), twin):
+        out = model(ctx, tok)
+        out.add_(ctx).mul_(0.5)
+        out.square().mean().backward()
+        outs.append(out)
+    assert_close_rel(outs[0], outs[1], torch.float64, "output")
+    for (name, p), p_twin in zip(block.named_parameters(), twin.parameters()):
+        if not name.endswith(BK):
+            assert_close_rel(p.grad, p_twin.grad, torch.float64, f"∂{name}")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_forecaster_trains_like_eager(dtype):
     torch._dynamo.reset()
