@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from mha_compile.kernels import triton_moe, triton_region
-from mha_compile.ops import _no_autocast, _traced
+from mha_compile.ops import _no_autocast, _plain, _traced
 
 MERGE = "on_load"  # kernels="fused"'s merge (triton_region): y = ctx + inv[b] formed as it is loaded
 POOL_INPUTS = ("tok", "q", "wk", "bk", "wv", "bv", "wo", "bo")
@@ -155,7 +155,7 @@ def moe(ctx: Tensor, inv: Tensor, wg: Tensor, w1: Tensor, b1: Optional[Tensor], 
         layout, hidden = triton_region.moe_reuse_parts(reuse, ctx, w1, top_k, act, keep_hidden)
         out, weight, index, probs, _ = triton_region.moe_forward(MERGE, ctx, inv, wg, w1, b1, w2, b2, w3, top_k,
                                                                  renorm, act, layout, hidden)
-        return out, weight, index, probs, reuse
+        return _plain(out), weight, index, probs, reuse  # not a view: see ops._forward
 
 
 @moe.register_fake
