@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from mha_compile import ops, whole_graph
+from mha_compile import ops, verify, whole_graph
 from mha_compile.debug.dump import publish
 from mha_compile.debug.report import GraphReport
 from mha_compile.lowering.match import find_regions
@@ -23,7 +23,6 @@ from mha_compile.options import MODES, Options
 
 log = logging.getLogger("mha_compile")
 
-VERIFY_RTOL = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 _graph_counter = itertools.count()
 # Callables that receive each GraphReport (explain and the dumps listen here).
 observers = []
@@ -52,15 +51,8 @@ def mha_backend(gm, example_inputs, options=None, mode=None):
         observer(report, gm, lowered)
     compiled = run_rest(lowered, example_inputs, opts, mode, whole, split, report)
     if opts.verify and report.matches:
-        return _verified(run_rest(gm, example_inputs, opts, mode, whole), compiled, report, _zero_by_math(gm, report))
+        return verify.verified(gm, run_rest(gm, example_inputs, opts, mode, whole), compiled, report)
     return compiled
-
-
-def _zero_by_math(gm, report):
-    """Positions of the graph inputs that are a matched region's key bias: its gradient is exactly
-    zero in the math (SPEC §1), which the kernels give, and roundoff in the original graph."""
-    names = {m["params"].get("bk") for m in report.matches} - {None}
-    return {i for i, node in enumerate(gm.graph.find_nodes(op="placeholder")) if node.name in names}
 
 
 def lower(gm, opts, report, whole_graph_captured=False):
@@ -242,110 +234,3 @@ def _region_calls(gm, target, graphs):
             node.kwargs = {**node.kwargs, "graphs": graphs}
         sub.recompile()
     return new
-
-
-def _verified(original, compiled, report, zero_by_math=()):
-    """On the first call run both graphs; on disagreement warn and keep the original.
-
-    Forward: outputs compared. Training (grad enabled and an input requires grad; Dynamo passes
-    parameters as graph inputs): both graphs also run on detached clones of the inputs, backward
-    with one random cotangent, and every input gradient is compared (zero_by_math: see
-    _gradient_error).
-    """
-    state = {"use": None}
-
-    def fall_back(what, args):
-        report.fallback = f"verify: the rewritten graph disagrees with the original ({what}); using the original"
-        log.warning("mha_compile: graph %d: %s", report.index, report.fallback)
-        state["use"] = original
-        return original(*args)
-
-    def run(*args):
-        if state["use"] is not None:
-            return state["use"](*args)
-        with torch.no_grad():
-            expected = original(*args)
-        try:
-            got = compiled(*args)
-        except Exception as error:  # the replacement must never be what breaks the user's run
-            return fall_back(f"it raised {type(error).__name__}: {error}", args)
-        error = _max_relative_error(got, expected)
-        if error is None or error[0] > VERIFY_RTOL.get(error[1], 1e-4):
-            return fall_back("a non-finite or missing output" if error is None else f"relative error {error[0]:.3g}", args)
-        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
-            try:
-                grad_error = _gradient_error(original, compiled, args, zero_by_math)
-            except Exception as error:
-                return fall_back(f"its backward raised {type(error).__name__}: {error}", args)
-            if grad_error is not None and grad_error[0] > VERIFY_RTOL.get(grad_error[1], 1e-4):
-                return fall_back(f"gradient of input {grad_error[2]}: relative error {grad_error[0]:.3g}", args)
-        state["use"] = compiled
-        return got
-
-    return run
-
-
-def _gradient_error(original, compiled, args, zero_by_math=()):
-    """(worst relative error, dtype, input position) of the input gradients of the two graphs, run
-    on detached clones with the same random cotangent; None when nothing is differentiable.
-
-    Each gradient is compared relative to its own norm, or, where that is smaller, to a floor: a
-    part of the largest gradient's norm. _GRAD_FLOOR (1e-6) for every input; for the inputs at
-    `zero_by_math` (the key biases), whose gradient is exactly zero in the math and roundoff in the
-    original graph, the dtype's eps over its tolerance: fp32 roundoff there is ~1e-2 eps of the
-    largest gradient (1e-10 to 3e-9 of it; bf16 2e-6 to 1e-5), so under the 1e-6 floor alone a
-    correct rewrite fell back in bf16 always and in fp32 often (on each of three seeds tried). A key bias read elsewhere too has a
-    gradient of its own and is compared to it."""
-    def clones():
-        return [a.detach().clone().requires_grad_(True) if isinstance(a, torch.Tensor) and a.requires_grad else a
-                for a in args]
-
-    positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
-    grads = []
-    cotangents = None
-    for fn in (original, compiled):
-        xs = clones()
-        outs = fn(*xs)
-        outs = [o for o in (outs if isinstance(outs, (list, tuple)) else [outs])
-                if isinstance(o, torch.Tensor) and o.requires_grad]
-        if not outs:
-            return None
-        if cotangents is None:
-            cotangents = [torch.randn_like(o) for o in outs]
-        wrt = [x for x in xs if isinstance(x, torch.Tensor) and x.requires_grad]
-        grads.append(torch.autograd.grad(outs, wrt, cotangents, allow_unused=True))
-    largest = max([1.0] + [g.double().norm().item() for g in grads[0] if g is not None])
-    worst = None
-    for position, g_c, g_o in zip(positions, grads[1], grads[0]):
-        if g_o is None and g_c is None:
-            continue
-        g_o = torch.zeros_like(g_c) if g_o is None else g_o
-        g_c = torch.zeros_like(g_o) if g_c is None else g_c
-        if not torch.isfinite(g_c).all():
-            return (float("inf"), g_o.dtype, position)
-        floor = (torch.finfo(g_o.dtype).eps / VERIFY_RTOL.get(g_o.dtype, 1e-4) if position in zero_by_math
-                 else _GRAD_FLOOR)
-        scale = max(g_o.double().norm().item(), floor * largest)
-        error = (g_c.double() - g_o.double()).norm().item() / max(scale, 1e-30)
-        if worst is None or error > worst[0]:
-            worst = (error, g_o.dtype, position)
-    return worst
-
-
-# Every other gradient's floor, a part of the largest gradient's norm (see _gradient_error).
-_GRAD_FLOOR = 1e-6
-
-
-def _max_relative_error(got, expected):
-    got = got if isinstance(got, (list, tuple)) else [got]
-    expected = expected if isinstance(expected, (list, tuple)) else [expected]
-    worst = (0.0, torch.float32)
-    for a, b in zip(got, expected):
-        if not isinstance(b, torch.Tensor) or not b.is_floating_point():
-            continue
-        a64, b64 = a.detach().double(), b.detach().double()
-        if not torch.isfinite(a64).all():
-            return None
-        error = ((a64 - b64).norm() / b64.norm().clamp_min(1e-30)).item()
-        worst = max(worst, (error, b.dtype), key=lambda t: t[0])
-    return worst

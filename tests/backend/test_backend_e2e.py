@@ -337,14 +337,14 @@ def test_verify_falls_back_when_the_replacement_is_wrong(monkeypatch, caplog):
     assert_close_rel(compiled(ctx, tok), model(ctx, tok), torch.float32, "second call")
 
 
-def _verify_first_call(model, ctx, tok, kernels, caplog):
-    """The report of verify's first training call, and the warnings logged."""
+def _verify_first_call(model, ctx, tok, kernels, caplog, level=logging.WARNING):
+    """The report of verify's first training call; caplog holds what was logged at `level`."""
     reports = []
     observe = lambda report, gm, lowered: reports.append(report)  # noqa: E731
     backend.observers.append(observe)
     try:
         compiled = torch.compile(model, backend="mha", options={"verify": True, "kernels": kernels})
-        with caplog.at_level(logging.WARNING, logger="mha_compile"):
+        with caplog.at_level(level, logger="mha_compile"):
             compiled(ctx, tok.requires_grad_(True)).float().square().mean().backward()
     finally:
         backend.observers.remove(observe)
@@ -385,6 +385,69 @@ def test_verify_still_catches_a_wrong_key_bias_gradient(monkeypatch, caplog):
     ctx, tok = torch.randn(4, 3, 32), torch.randn(4, 5, 32)
     report = _verify_first_call(model, ctx, tok, "auto", caplog)
     assert report.fallback is not None and "gradient of input" in report.fallback and "disagrees" in caplog.text
+
+
+def _bf16_block_and_inputs(seed):
+    """A bf16 block whose eager graph is 5e-2 to 8e-2 from its own fp32 run (top-k choices that
+    flip through rounding) at seeds 1 and 2, where the rewrite is 1.6e-3 from it."""
+    torch.manual_seed(seed)
+    model = models.MHABlock(64, 4, 128, 8, 2).to(torch.bfloat16)
+    return model, torch.randn(64, 4, 64, dtype=torch.bfloat16), torch.randn(64, 16, 64, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_verify_measures_bf16_against_the_captured_graph_in_fp32(caplog, seed):
+    """Compared directly, the rewrite (fp32 router and sums) and the captured bf16 graph were 4.8e-2
+    and 8.2e-2 apart here, over the bf16 bound of 3e-2: verify fell back from a right rewrite."""
+    torch._dynamo.reset()
+    model, ctx, tok = _bf16_block_and_inputs(seed)
+    report = _verify_first_call(model, ctx, tok, "auto", caplog)
+    assert len(report.matches) == 1 and report.fallback is None, report.fallback
+
+
+@pytest.mark.parametrize("fault", ["output", "gradient"])
+def test_verify_catches_a_wrong_bf16_rewrite(monkeypatch, caplog, fault):
+    from mha_compile.kernels import reference
+    if fault == "output":
+        right = reference.region_forward
+        monkeypatch.setattr(reference, "region_forward", lambda *a: (right(*a)[0] * 1.2, *right(*a)[1:]))
+    else:
+        right = reference.region_backward
+        monkeypatch.setattr(reference, "region_backward",
+                            lambda *a: tuple(g * 1.2 if i == 1 else g for i, g in enumerate(right(*a))))  # ∂tok
+    torch._dynamo.reset()
+    model, ctx, tok = _bf16_block_and_inputs(1)
+    report = _verify_first_call(model, ctx, tok, "auto", caplog)
+    assert report.fallback is not None and "from the captured graph run in fp32" in report.fallback
+    assert ("gradient of input" in report.fallback) == (fault == "gradient")
+
+
+def test_verify_compares_directly_where_the_captured_graph_does_not_run_in_fp32(monkeypatch, caplog):
+    from mha_compile import verify
+
+    def refuses(gm):
+        raise RuntimeError("planted: no fp32 run")
+
+    monkeypatch.setattr(verify, "promoted", refuses)
+    torch._dynamo.reset()
+    model, ctx, tok = _bf16_block_and_inputs(1)
+    report = _verify_first_call(model, ctx, tok, "auto", caplog, level=logging.INFO)
+    assert "does not run in fp32 (RuntimeError: planted: no fp32 run)" in caplog.text
+    assert report.fallback is not None and "output 0: relative error" in report.fallback  # as before: 8.2e-2
+
+
+def test_promoted_runs_a_graphs_low_precision_casts_in_fp32():
+    from mha_compile import verify
+
+    def f(x):
+        y = x.to(torch.bfloat16) * 3 + torch.ones(3, dtype=torch.float16).half()
+        return y.float() + x.bfloat16().to(dtype=torch.float16)
+
+    gm = torch.fx.symbolic_trace(f)
+    x = torch.full((3,), 1 + 2.0 ** -12)  # rounds to 1 in bf16 and fp16
+    got = verify.promoted(gm)(x)
+    assert got.dtype == torch.float32 and torch.equal(got, x * 3 + 1 + x)
+    assert not torch.equal(gm(x), got)  # as captured, the casts round
 
 
 def test_fresh_interpreter_finds_the_backend_by_name():

@@ -1,0 +1,191 @@
+"""options["verify"]: on the first call, the rewritten graph beside the graph as captured; where
+they disagree, a warning, and the captured graph from then on.
+
+Forward: every floating output. Training (grad enabled and an input requires grad; Dynamo passes
+parameters as graph inputs): both graphs also run on detached clones of the inputs, backward with
+one random cotangent, and every input gradient is compared.
+
+fp32 and fp64 graphs are compared with each other, each output and gradient to its dtype's bound
+(BOUND). A bf16 or fp16 graph as captured is itself far from its math: top-k choices flip through
+rounding, and bf16 eager's output at the small preset was 4.8e-2 from the rewrite's, which keeps
+an fp32 router and fp32 sums (3.4e-3 from the math at medium, bench/results). A direct comparison
+failed right rewrites there. So the rewrite is measured against the captured graph run in fp32
+(`promoted`: its inputs and every bf16 or fp16 dtype its nodes name read as fp32), SPEC §4's
+comparison (fp32 math on the same rounded inputs and parameters), to the dtype's bound; the
+message also gives the captured graph's own distance from it (bf16 eager's gradients were 7-11%
+from it where the rewrite's were 0.16%: allowing the rewrite as much let a 20% error through). A
+captured graph that does not run in fp32 is compared directly, and the log says so.
+"""
+import logging
+
+import torch
+
+log = logging.getLogger("mha_compile")
+
+BOUND = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
+LOW = (torch.bfloat16, torch.float16)
+# A gradient's floor, a part of the largest gradient's norm that it is compared to where its own
+# norm is smaller (see _gradient_errors).
+GRAD_FLOOR = 1e-6
+
+
+def verified(gm, original, compiled, report):
+    """The graph's callable: on its first call `compiled` (the rewrite) checked against `original`
+    (gm as captured, run as the rest would run it)."""
+    state = {"use": None}
+    zero_by_math = _zero_by_math(gm, report)
+
+    def fall_back(what, args):
+        report.fallback = f"verify: the rewritten graph disagrees with the original ({what}); using the original"
+        log.warning("mha_compile: graph %d: %s", report.index, report.fallback)
+        state["use"] = original
+        return original(*args)
+
+    def run(*args):
+        if state["use"] is not None:
+            return state["use"](*args)
+        with torch.no_grad():
+            expected = original(*args)
+        try:
+            got = compiled(*args)
+        except Exception as error:  # the replacement must never be what breaks the user's run
+            return fall_back(f"it raised {type(error).__name__}: {error}", args)
+        fp32 = None
+        if any(isinstance(a, torch.Tensor) and a.dtype in LOW for a in args):
+            try:
+                with torch.no_grad():
+                    fp32 = promoted(gm)(*_upcast(args))
+            except Exception as error:
+                log.info("mha_compile: graph %d: verify: the captured graph does not run in fp32 (%s: %s); "
+                         "comparing the two directly", report.index, type(error).__name__, error)
+        what = _outputs_disagree(_tensors(got), _tensors(expected), None if fp32 is None else _tensors(fp32))
+        if what:
+            return fall_back(what, args)
+        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            try:
+                what = _gradients_disagree(gm if fp32 is not None else None, original, compiled, args, zero_by_math)
+            except Exception as error:
+                return fall_back(f"its backward raised {type(error).__name__}: {error}", args)
+            if what:
+                return fall_back(what, args)
+        state["use"] = compiled
+        return got
+
+    return run
+
+
+def _zero_by_math(gm, report):
+    """Positions of the graph inputs that are a matched region's key bias: its gradient is exactly
+    zero in the math (SPEC §1), which the kernels give, and roundoff in the captured graph."""
+    names = {m["params"].get("bk") for m in report.matches} - {None}
+    return {i for i, node in enumerate(gm.graph.find_nodes(op="placeholder")) if node.name in names}
+
+
+def _tensors(outs):
+    return list(outs) if isinstance(outs, (list, tuple)) else [outs]
+
+
+def _relative(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _outputs_disagree(got, expected, fp32):
+    """What disagrees among the floating outputs, or None; fp32: the captured graph's outputs in
+    fp32, which both are then measured against."""
+    for i, (g, e) in enumerate(zip(got, expected)):
+        if not isinstance(e, torch.Tensor) or not e.is_floating_point():
+            continue
+        if not torch.isfinite(g.detach()).all():
+            return f"output {i} is not finite"
+        bound = BOUND.get(e.dtype, 1e-4)
+        if fp32 is None:
+            error = _relative(g, e)
+            if error > bound:
+                return f"output {i}: relative error {error:.3g}"
+            continue
+        error, own = _relative(g, fp32[i]), _relative(e, fp32[i])
+        if error > bound:
+            return (f"output {i}: relative error {error:.3g} from the captured graph run in fp32, where the "
+                    f"captured graph itself is {own:.3g} from it")
+    return None
+
+
+def _gradients_disagree(gm, original, compiled, args, zero_by_math):
+    """What disagrees among the input gradients, or None; gm: the captured graph, run in fp32 as
+    the yardstick (see the module), or None to compare the two with each other."""
+    positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+    cotangents = []
+    grads_o = _gradients(original, args, cotangents)
+    if grads_o is None:
+        return None
+    grads_c = _gradients(compiled, args, cotangents)
+    if grads_c is None:
+        return "no output of the rewritten graph takes a gradient"
+    grads_r = grads_o if gm is None else _gradients(promoted(gm), _upcast(args), [c.float() for c in cotangents])
+    largest = max([1.0] + [g.double().norm().item() for g in grads_r if g is not None])
+    for position, g_c, g_o, g_r in zip(positions, grads_c, grads_o, grads_r):
+        if g_o is None and g_c is None:
+            continue
+        like = g_o if g_o is not None else g_c
+        g_o, g_c = (torch.zeros_like(like) if g is None else g for g in (g_o, g_c))
+        g_r = torch.zeros_like(g_o, dtype=torch.float64) if g_r is None else g_r
+        if not torch.isfinite(g_c).all():
+            return f"gradient of input {position} is not finite"
+        bound = BOUND.get(g_o.dtype, 1e-4)
+        # A key bias's gradient is roundoff in the captured graph: fp32's ~1e-2 eps of the largest
+        # gradient (1e-10 to 3e-9 of it; bf16 2e-6 to 1e-5). Against GRAD_FLOOR alone a right
+        # rewrite fell back in bf16 always and in fp32 often. A key bias read elsewhere too has a
+        # gradient of its own, and is compared to it.
+        floor = torch.finfo(g_o.dtype).eps / bound if position in zero_by_math else GRAD_FLOOR
+        scale = max(g_r.double().norm().item(), floor * largest, 1e-30)
+        error = (g_c.double() - g_r.double()).norm().item() / scale
+        own = 0.0 if gm is None else (g_o.double() - g_r.double()).norm().item() / scale
+        if error > bound:
+            return (f"gradient of input {position}: relative error {error:.3g}"
+                    + ("" if gm is None else f" from the captured graph run in fp32, which itself is {own:.3g} from it"))
+    return None
+
+
+def _gradients(fn, args, cotangents):
+    """fn's input gradients on detached clones of args (None where unused), with `cotangents`
+    (filled with random ones on the first call, given the outputs); None when no output takes a
+    gradient."""
+    xs = [a.detach().clone().requires_grad_(True) if isinstance(a, torch.Tensor) and a.requires_grad else a
+          for a in args]
+    outs = [o for o in _tensors(fn(*xs)) if isinstance(o, torch.Tensor) and o.requires_grad]
+    if not outs:
+        return None
+    if not cotangents:
+        cotangents.extend(torch.randn_like(o) for o in outs)
+    wrt = [x for x in xs if isinstance(x, torch.Tensor) and x.requires_grad]
+    return torch.autograd.grad(outs, wrt, cotangents, allow_unused=True)
+
+
+def _upcast(args):
+    """args with bf16 and fp16 tensors as fp32 (requires_grad kept)."""
+    return [a.detach().float().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) and a.dtype in LOW else a
+            for a in args]
+
+
+def promoted(gm):
+    """A callable running gm with every bf16 or fp16 dtype its nodes name read as fp32: casts
+    (`x.to(torch.bfloat16)`, `.half()`, `.bfloat16()`), dtype= arguments, and low-precision
+    attributes; given fp32 inputs, the captured graph's math in fp32."""
+    return lambda *args: _Promoted(gm).run(*args)
+
+
+class _Promoted(torch.fx.Interpreter):
+    def run_node(self, node):
+        with self._set_current_node(node):
+            args, kwargs = self.fetch_args_kwargs_from_env(node)
+            args, kwargs = torch.fx.node.map_aggregate((args, kwargs), _fp32_dtype)
+            target = "float" if node.op == "call_method" and node.target in ("bfloat16", "half") else node.target
+            result = getattr(self, node.op)(target, args, kwargs)
+        if node.op == "get_attr" and isinstance(result, torch.Tensor) and result.dtype in LOW:
+            return result.float()
+        return result
+
+
+def _fp32_dtype(a):
+    return torch.float32 if isinstance(a, torch.dtype) and a in LOW else a
