@@ -9,6 +9,7 @@ import torch
 
 import mha_compile
 from mha_compile import backend, models
+from inplace_model import ResidualInPlace
 from numerics import assert_close_rel, relative_error
 
 BK = "pool.key.bias"  # SPEC §1: its gradient is exactly zero (it shifts every score of a head)
@@ -64,20 +65,6 @@ def test_block_trains_like_eager(dtype, spelling):
     assert_same_parameters(*_train_side_by_side(model, batch, dtype), dtype)
 
 
-class _ResidualInPlace(torch.nn.Module):
-    """The block's output added to in place, as residual code often does it: `out += ctx`."""
-
-    def __init__(self, block):
-        super().__init__()
-        self.block = block
-
-    def forward(self, ctx, tok):
-        out = self.block(ctx, tok)
-        out += ctx
-        out.mul_(0.5)
-        return out
-
-
 INTERPRETED = __import__("os").environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -89,7 +76,7 @@ def test_in_place_ops_on_the_regions_output_train_like_eager(dtype, kernels):
     inplace"): the region's output was a view made inside its Function, so this model trained
     eagerly and failed compiled."""
     torch._dynamo.reset()
-    model = _ResidualInPlace(_block(dtype))
+    model = ResidualInPlace(_block(dtype))
     gen = torch.Generator().manual_seed(4)
     batch = lambda step: (torch.randn(4, 3, 32, generator=gen, dtype=dtype), torch.randn(4, 5, 32, generator=gen, dtype=dtype))
     assert len(mha_compile.explain(model, *batch(0), options={"kernels": kernels}).matches) == 1

@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 
+from inplace_model import ResidualInPlace
 from mha_compile import models, whole_graph
 from numerics import relative_error
 
@@ -16,18 +17,6 @@ pytestmark = [pytest.mark.cuda,
 
 # fp32 through the fused kernels' tf32x3 / split dots against eager's fp32 (SPEC §4: ≤ 5e-4)
 BOUND = 5e-4
-
-
-class _ResidualInPlace(torch.nn.Module):
-    def __init__(self, block):
-        super().__init__()
-        self.block = block
-
-    def forward(self, ctx, tok):
-        out = self.block(ctx, tok)
-        out += ctx
-        out.mul_(0.5)
-        return out
 
 
 @pytest.mark.parametrize("options, outside", [
@@ -41,7 +30,7 @@ def test_in_place_ops_on_the_regions_output_train_like_eager(monkeypatch, option
     monkeypatch.setattr(whole_graph, "POOL_OUTSIDE_MIN_BYTES", 0)
     torch._dynamo.reset()
     torch.manual_seed(7)
-    model = _ResidualInPlace(models.MHABlock(128, 4, 256, 8, 2, act="silu")).cuda()
+    model = ResidualInPlace(models.MHABlock(128, 4, 256, 8, 2, act="silu")).cuda()
     eager = copy.deepcopy(model)
     compiled = torch.compile(model, backend="mha", options=options)
     for step in range(3):
