@@ -10,7 +10,8 @@ fp32 and fp64 graphs are compared with each other, each output and gradient to i
 rounding, and bf16 eager's output at the small preset was 4.8e-2 from the rewrite's, which keeps
 an fp32 router and fp32 sums (3.4e-3 from the math at medium, bench/results). A direct comparison
 failed right rewrites there. So the rewrite is measured against the captured graph run in fp32
-(`promoted`: its inputs and every bf16 or fp16 dtype its nodes name read as fp32), SPEC §4's
+(`promoted`: its inputs and every bf16 or fp16 dtype its nodes name read as fp32; under an ambient
+bf16 or fp16 autocast, the autocast off), SPEC §4's
 comparison (fp32 math on the same rounded inputs and parameters), to the dtype's bound; the
 message also gives the captured graph's own distance from it (bf16 eager's gradients were 7-11%
 from it where the rewrite's were 0.16%: allowing the rewrite as much let a 20% error through). A
@@ -50,20 +51,21 @@ def verified(gm, original, compiled, report):
             got = compiled(*args)
         except Exception as error:  # the replacement must never be what breaks the user's run
             return fall_back(f"it raised {type(error).__name__}: {error}", args)
-        fp32 = None
-        if any(isinstance(a, torch.Tensor) and a.dtype in LOW for a in args):
+        precision, fp32 = _low_precision(args), None
+        if precision is not None:
             try:
                 with torch.no_grad():
                     fp32 = promoted(gm)(*_upcast(args))
             except Exception as error:
                 log.info("mha_compile: graph %d: verify: the captured graph does not run in fp32 (%s: %s); "
                          "comparing the two directly", report.index, type(error).__name__, error)
-        what = _outputs_disagree(_tensors(got), _tensors(expected), None if fp32 is None else _tensors(fp32))
+        what = _outputs_disagree(_tensors(got), _tensors(expected), None if fp32 is None else _tensors(fp32), precision)
         if what:
             return fall_back(what, args)
         if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
             try:
-                what = _gradients_disagree(gm if fp32 is not None else None, original, compiled, args, zero_by_math)
+                what = _gradients_disagree(gm if fp32 is not None else None, original, compiled, args, zero_by_math,
+                                           precision)
             except Exception as error:
                 return fall_back(f"its backward raised {type(error).__name__}: {error}", args)
             if what:
@@ -72,6 +74,19 @@ def verified(gm, original, compiled, report):
         return got
 
     return run
+
+
+def _low_precision(args):
+    """bf16 or fp16 where the graph computes in it: an input's dtype, or the ambient autocast's on
+    the inputs' device (its parameters and outputs are then fp32, its products not); else None."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    low = next((a.dtype for a in tensors if a.dtype in LOW), None)
+    if low is not None or not tensors:
+        return low
+    device = tensors[0].device.type
+    if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) in LOW:
+        return torch.get_autocast_dtype(device)
+    return None
 
 
 def _zero_by_math(gm, report):
@@ -90,15 +105,15 @@ def _relative(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def _outputs_disagree(got, expected, fp32):
+def _outputs_disagree(got, expected, fp32, precision=None):
     """What disagrees among the floating outputs, or None; fp32: the captured graph's outputs in
-    fp32, which both are then measured against."""
+    fp32, which the rewrite's are then measured against, to `precision`'s bound."""
     for i, (g, e) in enumerate(zip(got, expected)):
         if not isinstance(e, torch.Tensor) or not e.is_floating_point():
             continue
         if not torch.isfinite(g.detach()).all():
             return f"output {i} is not finite"
-        bound = BOUND.get(e.dtype, 1e-4)
+        bound = BOUND.get(precision or e.dtype, 1e-4)
         if fp32 is None:
             error = _relative(g, e)
             if error > bound:
@@ -111,9 +126,10 @@ def _outputs_disagree(got, expected, fp32):
     return None
 
 
-def _gradients_disagree(gm, original, compiled, args, zero_by_math):
+def _gradients_disagree(gm, original, compiled, args, zero_by_math, precision=None):
     """What disagrees among the input gradients, or None; gm: the captured graph, run in fp32 as
-    the yardstick (see the module), or None to compare the two with each other."""
+    the yardstick (see the module) to `precision`'s bound, or None to compare the two with each
+    other."""
     positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
     cotangents = []
     grads_o = _gradients(original, args, cotangents)
@@ -132,12 +148,13 @@ def _gradients_disagree(gm, original, compiled, args, zero_by_math):
         g_r = torch.zeros_like(g_o, dtype=torch.float64) if g_r is None else g_r
         if not torch.isfinite(g_c).all():
             return f"gradient of input {position} is not finite"
-        bound = BOUND.get(g_o.dtype, 1e-4)
+        dtype = precision or g_o.dtype
+        bound = BOUND.get(dtype, 1e-4)
         # A key bias's gradient is roundoff in the captured graph: fp32's ~1e-2 eps of the largest
         # gradient (1e-10 to 3e-9 of it; bf16 2e-6 to 1e-5). Against GRAD_FLOOR alone a right
         # rewrite fell back in bf16 always and in fp32 often. A key bias read elsewhere too has a
         # gradient of its own, and is compared to it.
-        floor = torch.finfo(g_o.dtype).eps / bound if position in zero_by_math else GRAD_FLOOR
+        floor = torch.finfo(dtype).eps / bound if position in zero_by_math else GRAD_FLOOR
         scale = max(g_r.double().norm().item(), floor * largest, 1e-30)
         error = (g_c.double() - g_r.double()).norm().item() / scale
         own = 0.0 if gm is None else (g_o.double() - g_r.double()).norm().item() / scale
@@ -171,8 +188,13 @@ def _upcast(args):
 def promoted(gm):
     """A callable running gm with every bf16 or fp16 dtype its nodes name read as fp32: casts
     (`x.to(torch.bfloat16)`, `.half()`, `.bfloat16()`), dtype= arguments, and low-precision
-    attributes; given fp32 inputs, the captured graph's math in fp32."""
-    return lambda *args: _Promoted(gm).run(*args)
+    attributes, and with the ambient autocast off; given fp32 inputs, the captured graph's math in
+    fp32."""
+    def run(*args):
+        device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
+        with torch.autocast(device, enabled=False):
+            return _Promoted(gm).run(*args)
+    return run
 
 
 class _Promoted(torch.fx.Interpreter):

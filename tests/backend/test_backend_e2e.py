@@ -409,6 +409,26 @@ def test_verify_catches_a_wrong_bf16_rewrite(monkeypatch, caplog, fault):
     assert ("gradient of input" in report.fallback) == (fault == "gradient")
 
 
+@pytest.mark.parametrize("fault", [None, "output"])
+def test_verify_under_bf16_autocast_measures_against_fp32(monkeypatch, caplog, fault):
+    """fp32 parameters and inputs under torch.autocast(bf16): the graph's products run in bf16, and
+    compared directly (to fp32's bound: its outputs are fp32) every seed here fell back (4.7e-2 to
+    6.8e-2 apart)."""
+    from mha_compile.kernels import reference
+    if fault:
+        right = reference.region_forward
+        monkeypatch.setattr(reference, "region_forward", lambda *a: (right(*a)[0] * 1.2, *right(*a)[1:]))
+    for seed in range(3):
+        torch._dynamo.reset()
+        torch.manual_seed(seed)
+        model = models.MHABlock(64, 4, 128, 8, 2)
+        ctx, tok = torch.randn(64, 4, 64), torch.randn(64, 16, 64)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            report = _verify_first_call(model, ctx, tok, "auto", caplog)
+        assert len(report.matches) == 1
+        assert (report.fallback is None) == (fault is None), (seed, report.fallback)
+
+
 def test_verify_compares_directly_where_the_captured_graph_does_not_run_in_fp32(monkeypatch, caplog):
     from mha_compile import verify
 
