@@ -9,13 +9,13 @@ fp32 and fp64 graphs are compared with each other, each output and gradient to i
 (BOUND). A bf16 or fp16 graph as captured is itself far from its math: top-k choices flip through
 rounding, and bf16 eager's output at the small preset was 4.8e-2 from the rewrite's, which keeps
 an fp32 router and fp32 sums (3.4e-3 from the math at medium, bench/results). A direct comparison
-failed right rewrites there. So the rewrite is measured against the captured graph run in fp32
-(`promoted`: its inputs and every bf16 or fp16 dtype its nodes name read as fp32; under an ambient
-bf16 or fp16 autocast, the autocast off), SPEC §4's
-comparison (fp32 math on the same rounded inputs and parameters), to the dtype's bound; the
-message also gives the captured graph's own distance from it (bf16 eager's gradients were 7-11%
-from it where the rewrite's were 0.16%: allowing the rewrite as much let a 20% error through). A
-captured graph that does not run in fp32 is compared directly, and the log says so.
+failed right rewrites there, as it did under a bf16 autocast. So the rewrite is measured against
+the captured graph run in fp32 (`promoted`: its inputs and every bf16 or fp16 dtype its nodes name
+read as fp32, an ambient autocast off), SPEC §4's comparison (fp32 math on the same rounded inputs
+and parameters), to the low dtype's bound. The message also gives the captured graph's own
+distance from it (bf16 eager's gradients were 7-11% from it where the rewrite's were 0.16%:
+allowing the rewrite as much let a 20% error through). A captured graph that does not run in fp32
+is compared directly, and the log says so.
 """
 import logging
 
@@ -26,7 +26,7 @@ log = logging.getLogger("mha_compile")
 BOUND = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 LOW = (torch.bfloat16, torch.float16)
 # A gradient's floor, a part of the largest gradient's norm that it is compared to where its own
-# norm is smaller (see _gradient_errors).
+# norm is smaller (see _gradients_disagree).
 GRAD_FLOOR = 1e-6
 
 
