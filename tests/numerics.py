@@ -1,5 +1,16 @@
-"""Comparison helpers shared by the backend and lowering tests (SPEC §4), and a call recorder."""
+"""Comparison helpers shared by the backend and lowering tests (SPEC §4), a call recorder, the
+reports of the graphs the backend compiles, and the mark of tests that need Triton's interpreter."""
+import contextlib
+import os
+
+import pytest
 import torch
+
+from mha_compile import backend
+
+# kernels="fused" or "staged" on the CPU run Triton's kernels under its interpreter
+needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                       reason="kernels='fused' on CPU needs TRITON_INTERPRET=1")
 
 # ‖got − ref‖ / ‖ref‖ bounds per dtype for whole-graph comparisons against eager.
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
@@ -26,3 +37,15 @@ def record_calls(monkeypatch, module, name):
     real = getattr(module, name)
     monkeypatch.setattr(module, name, lambda *args, **kwargs: calls.append(args) or real(*args, **kwargs))
     return calls
+
+
+@contextlib.contextmanager
+def compiled_reports():
+    """The GraphReport of every graph the backend compiles inside the block, in order."""
+    reports = []
+    observe = lambda report, gm, lowered: reports.append(report)  # noqa: E731
+    backend.observers.append(observe)
+    try:
+        yield reports
+    finally:
+        backend.observers.remove(observe)

@@ -4,8 +4,6 @@ It must compute exactly what the op computes (same kernel-set calls), forward an
 gradient, with and without the exported inv; refuse a second derivative as the op does; and
 leave the op in place wherever something traces the call.
 """
-import os
-
 import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -14,11 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import mha_compile
 from mha_compile import backend, models, ops
 from mha_compile.kernels import triton_moe
-from numerics import graph_has_region, record_calls
-
-needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                       reason="kernels='fused' on CPU needs TRITON_INTERPRET=1")
-
+from numerics import graph_has_region, needs_interpreter, record_calls
 
 def _inputs(act="gelu", bias=True, seed=0, D=8, P=2, F=6, E=3, B=2, H=3, N=4, dtype=torch.float64):
     torch.manual_seed(seed)

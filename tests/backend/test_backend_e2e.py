@@ -10,7 +10,7 @@ import torch
 import mha_compile
 from mha_compile import backend, models
 from inplace_model import ResidualInPlace
-from numerics import assert_close_rel, relative_error
+from numerics import assert_close_rel, compiled_reports, needs_interpreter, relative_error
 
 BK = "pool.key.bias"  # SPEC §1: its gradient is exactly zero (it shifts every score of a head)
 
@@ -65,12 +65,9 @@ def test_block_trains_like_eager(dtype, spelling):
     assert_same_parameters(*_train_side_by_side(model, batch, dtype), dtype)
 
 
-INTERPRETED = __import__("os").environ.get("TRITON_INTERPRET") == "1"
-
-
 @pytest.mark.parametrize("dtype, kernels", [
     (torch.float64, "auto"),
-    pytest.param(torch.float32, "fused", marks=pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1"))])
+    pytest.param(torch.float32, "fused", marks=needs_interpreter)])
 def test_in_place_ops_on_the_regions_output_train_like_eager(dtype, kernels):
     """Autograd refused them ("Output 0 of RegionFunction is a view and is being modified
     inplace"): the region's output was a view made inside its Function, so this model trained
@@ -326,22 +323,16 @@ def test_verify_falls_back_when_the_replacement_is_wrong(monkeypatch, caplog):
 
 def _verify_first_call(model, ctx, tok, kernels, caplog, level=logging.WARNING):
     """The report of verify's first training call; caplog holds what was logged at `level`."""
-    reports = []
-    observe = lambda report, gm, lowered: reports.append(report)  # noqa: E731
-    backend.observers.append(observe)
-    try:
+    with compiled_reports() as reports, caplog.at_level(level, logger="mha_compile"):
         compiled = torch.compile(model, backend="mha", options={"verify": True, "kernels": kernels})
-        with caplog.at_level(level, logger="mha_compile"):
-            compiled(ctx, tok.requires_grad_(True)).float().square().mean().backward()
-    finally:
-        backend.observers.remove(observe)
+        compiled(ctx, tok.requires_grad_(True)).float().square().mean().backward()
     (report,) = reports
     return report
 
 
 @pytest.mark.parametrize("dtype, kernels", [
     (torch.float32, "auto"), (torch.bfloat16, "auto"),
-    pytest.param(torch.float32, "fused", marks=pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1"))])
+    pytest.param(torch.float32, "fused", marks=needs_interpreter)])
 def test_verify_keeps_a_right_rewrite_in_fp32_and_bf16(caplog, dtype, kernels):
     """The key bias's gradient is exactly zero in the math, which the kernels give, and roundoff in
     the original graph (fp32: ~1e-9 of the largest gradient, bf16 ~1e-5): compared against a floor
@@ -540,7 +531,7 @@ def test_a_region_value_read_before_the_region_ends_is_a_near_miss():
     assert_close_rel(torch.compile(copy.deepcopy(model), backend="mha")(ctx, tok), model(ctx, tok), torch.float32, "eager")
 
 
-@pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1", reason="kernels='fused' on CPU needs TRITON_INTERPRET=1")
+@needs_interpreter
 def test_autocast_hand_off_chooses_the_fused_kernels(monkeypatch):
     """Under torch.autocast the op gets bf16 activations and fp32 parameters: the fused set takes
     that mix (it used to fall back to the reference path), and the report says how. (On the CPU

@@ -2,8 +2,6 @@
 forward for the backward. The option must reach the kernels on every path (the op, RegionFunction,
 the backend's rewrite), hold what the fake says it holds, and change no result beyond the order
 of the same sums; where it cannot apply (swiglu, the reference path) it keeps nothing and says so."""
-import os
-
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -11,11 +9,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import mha_compile
 from mha_compile import backend, models, ops
 from mha_compile.kernels import triton_moe
-from numerics import assert_close_rel, relative_error
-
-needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                       reason="kernels='fused' on CPU needs TRITON_INTERPRET=1")
-
+from numerics import assert_close_rel, needs_interpreter, relative_error
 
 def _spy_keep_u(monkeypatch):
     """The KEEP_U each launch of GEMM1 (_up) and of the hidden kernel (_hidden) was given."""

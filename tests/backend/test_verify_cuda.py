@@ -5,7 +5,8 @@ import logging
 import pytest
 import torch
 
-from mha_compile import backend, models, ops
+from mha_compile import models, ops
+from numerics import compiled_reports
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -17,14 +18,9 @@ def _first_call_report(seed):
     model = models.MHABlock(256, 8, 512, 8, 2).cuda().to(torch.bfloat16)
     ctx = torch.randn(256, 8, 256, device="cuda", dtype=torch.bfloat16)
     tok = torch.randn(256, 32, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    reports = []
-    observe = lambda report, gm, lowered: reports.append(report)  # noqa: E731
-    backend.observers.append(observe)
-    try:
+    with compiled_reports() as reports:
         compiled = torch.compile(model, backend="mha", options={"verify": True, "kernels": "fused"})
         compiled(ctx, tok).float().square().mean().backward()
-    finally:
-        backend.observers.remove(observe)
     (report,) = reports
     return report
 

@@ -3,9 +3,9 @@ import pytest
 import torch
 
 import mha_compile
-from mha_compile import backend
 from mha_compile.debug import explain as explain_module
 from mha_compile.models import MHABlock
+from numerics import compiled_reports
 
 
 @pytest.fixture(autouse=True)
@@ -30,15 +30,10 @@ def test_explain_any_number_of_times_and_the_models_own_compile_still_compiles()
         report = mha_compile.explain(block, *_inputs(2 + i, 1 + i % 4))
         assert len(report.matches) == 1 and not report.note, (i, str(report))
     assert "forward" not in block.__dict__  # the copy was on the instance for the call only
-    seen = []
-    observe = lambda report, gm, lowered: seen.append(len(report.matches))  # noqa: E731
-    backend.observers.append(observe)
-    try:
-        ctx, tok = _inputs(7, 6)
+    ctx, tok = _inputs(7, 6)
+    with compiled_reports() as reports:
         out = compiled(ctx, tok)
-    finally:
-        backend.observers.remove(observe)
-    assert seen == [1]  # compiled, and the region replaced, on the new shape
+    assert [len(r.matches) for r in reports] == [1]  # compiled, and the region replaced, on the new shape
     torch.testing.assert_close(out, block(ctx, tok))
 
 
