@@ -110,6 +110,11 @@
 #                                      # bench/flag_ab.py, the op's step as graph replays with runs of 512 MiB
 #                                      # against CHUNK_MB in one process, its peak and time, per preset
 #                                      # (~4 min): run.log, flag_ab_slot_chunk.txt
+#   [COLUMN_RUNS="medium:256 medium:128 large:512"] bash bench/h200_session.sh hidden-columns  # the backward's
+#                                      # hidden layer in passes of F columns (MHA_COMPILE_HIDDEN_COLUMNS, session
+#                                      # 46, off by default): its GPU tests, then bench/flag_ab.py, the op's step as
+#                                      # graph replays with F in one pass against each preset:columns pair in one
+#                                      # process, its peak and time (~7 min): run.log, flag_ab_hidden_columns.txt
 #   bash bench/h200_session.sh keep-hidden  # triton_moe.KEEP_HIDDEN (staged, session 35): the KEEP_U
 #                                      # variants' GPU tests (Gluon GEMM1 and hidden kernels, then the
 #                                      # presets through the region), bench/flag_ab.py off against on at
@@ -143,7 +148,7 @@
 #                                      # benchmark cut at 250 s (rows past it are listed as skipped)
 # Budgets are per step so a slow step cannot starve the others.
 set -u
-part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|ab|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|ncu-gemms|ncu-source|gluon|verify-gluon|gluon-gemms|verify-gemms|router|small-kernels|host-large|host-timers|wgrad-stream|sum-spread|column-sums|slot-chunk|keep-hidden|keep-rows|keep-step|launch-ab|large-rows|kernel-times-ab|rows-ab|static-params|gluon-up|short}
+part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|ab|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|ncu-gemms|ncu-source|gluon|verify-gluon|gluon-gemms|verify-gemms|router|small-kernels|host-large|host-timers|wgrad-stream|sum-spread|column-sums|slot-chunk|hidden-columns|keep-hidden|keep-rows|keep-step|launch-ab|large-rows|kernel-times-ab|rows-ab|static-params|gluon-up|short}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 # Inductor's compiled graphs kept in the checkout (git ignores it): the device keeps ignored
 # files between calls on a machine it still holds, so `table` can reuse `autotune-cache`'s.
@@ -240,6 +245,15 @@ slot-chunk)
             >>"$OUT/flag_ab_slot_chunk.txt" 2>&1
     done
     grep "peak\|SLOT_CHUNK_BYTES:" "$OUT/flag_ab_slot_chunk.txt" >>"$LOG"
+    ;;
+hidden-columns)
+    { MHA_COMPILE_NO_AUTOTUNE=1 timeout 150 python -m pytest -q -m cuda tests/kernels/test_triton_kernels_cuda.py \
+        -k "column_passes" -p no:cacheprovider -rf 2>&1 | tail -8; } >>"$LOG"
+    for pair in ${COLUMN_RUNS:-medium:256 medium:128 large:512}; do
+        timeout -s INT 130 python bench/flag_ab.py --flag mha_compile.kernels.triton_moe:HIDDEN_COLUMNS \
+            --values "0,${pair##*:}" --preset "${pair%%:*}" --rounds 4 >>"$OUT/flag_ab_hidden_columns.txt" 2>&1
+    done
+    grep "peak\|worst\|HIDDEN_COLUMNS:" "$OUT/flag_ab_hidden_columns.txt" >>"$LOG"
     ;;
 keep-hidden)
     # the Gluon GEMM1's and hidden kernels' KEEP_U variants against float64 first (staged offline in

@@ -1,7 +1,7 @@
 """Where the fused region's training step peaks in memory at a preset, from shapes alone (no GPU).
 
     PYTHONPATH=. python bench/offline_memory.py [--presets large] [--act gelu] [--top 12] [--out peaks.json]
-        [--slot-chunk-mb 512,64]
+        [--slot-chunk-mb 512,64] [--hidden-columns 0,256]
 
 The step is the benchmark's (bench/measure.py): inputs, parameters and ∂out allocated, the
 forward kept until the backward has run, and the gradients kept as .grad. It runs on meta
@@ -12,13 +12,16 @@ and the tensors alive there, each named by the op and the line of mha_compile th
 
 --slot-chunk-mb gives the MoE's run sizes to try (triton_moe.SLOT_CHUNK_BYTES, as
 MHA_COMPILE_SLOT_CHUNK_MB sets it): each preset's peak at each, keyed "preset/MB" in --out
-(session 43: medium's 267 MiB with one run, 169 with runs of 64).
+(session 43: medium's 267 MiB with one run, 169 with runs of 64). --hidden-columns likewise the
+backward's hidden columns a pass (triton_moe.HIDDEN_COLUMNS, MHA_COMPILE_HIDDEN_COLUMNS), keyed
+"preset/columnsC" (after "/MB" where both are given).
 
 What this leaves out: the caching allocator's rounding and fragmentation, cuBLAS workspaces,
 and CUDA-graph pools (the large preset runs without region graphs). So it reads a little below
 torch.cuda.max_memory_allocated; what it is for is which tensors make the peak.
 """
 import argparse
+import itertools
 import json
 import os
 import traceback
@@ -91,18 +94,26 @@ def main():
     parser.add_argument("--out", default=None, help="JSON: per preset, the peak's bytes and site and what was alive")
     parser.add_argument("--slot-chunk-mb", default=None,
                         help="comma list of MoE run sizes in MiB to try (default: the one in effect)")
+    parser.add_argument("--hidden-columns", default=None,
+                        help="comma list of the backward's hidden columns a pass to try (0: all of F in one; "
+                             "default: the one in effect)")
     args = parser.parse_args()
     if triton_util.interpreting():
         raise SystemExit("bench/offline_memory.py records GPU launches: run it without TRITON_INTERPRET=1")
     chunks = [None] if args.slot_chunk_mb is None else [
         (text, triton_moe.slot_chunk_bytes(text)) for text in args.slot_chunk_mb.split(",")]
+    columns = [None] if args.hidden_columns is None else [
+        (text, triton_moe.hidden_columns(text)) for text in args.hidden_columns.split(",")]
     found = {}
     for preset in args.presets.split(","):
-        for chunk in chunks:
+        for chunk, column in itertools.product(chunks, columns):
             key, runs = preset, ""
             if chunk is not None:
-                key, runs = f"{preset}/{chunk[0]}", f", runs within {chunk[0]} MiB"
+                key, runs = f"{key}/{chunk[0]}", f", runs within {chunk[0]} MiB"
                 triton_moe.SLOT_CHUNK_BYTES = chunk[1]
+            if column is not None:
+                key, runs = f"{key}/columns{column[0]}", f"{runs}, hidden columns a pass {column[1] or 'all'}"
+                triton_moe.HIDDEN_COLUMNS = column[1]
             mem = training_step_peak(preset, args.act)
             found[key] = dict(peak_bytes=mem.peak, peak_site=mem.peak_site, at_peak=mem.at_peak)
             print(f"{preset}{runs}: peak {mem.peak / MIB:.0f} MiB of live tensors, reached by {mem.peak_site}")

@@ -752,9 +752,9 @@ def _check_hidden(caller, hidden, like, act):
 
 def backward_hidden(xs, gs, groups, w1, b1, w2, weight, act, hw, du, gw, w3=None, du3=None, config=None,
                     hidden=None):
-    """Writes hw, ∂u [S,F] (∂u3 with swiglu, given W3) and gw[:, :F/64] (gw [S, GW_COLS] fp32) for
-    the slot rows xs, gs [S,D] of `groups` (triton_moe.Groups, or one run of its tiles); weight:
-    the flat top-k weights. Callers check `unsupported` first. config: default_config's when None
+    """Writes hw, ∂u [S,F] (∂u3 with swiglu, given W3) and gw[:, :F/64] (gw: fp32 rows [S, ·], or
+    some columns of such rows, its row stride passed as GW_COLS) for the slot rows xs, gs [S,D] of
+    `groups` (triton_moe.Groups, or one run of its tiles); weight: the flat top-k weights. Callers check `unsupported` first. config: default_config's when None
     (bench/gluon_probe.py passes others); one with coop=True runs the cooperative kernel. hidden:
     the forward's u = xs W1 + b1 [S,F] (contiguous, h's dtype; not swiglu), read instead of
     computed (KEEP_U: the stages then hold gs and W2 only; xs and W1 are not read)."""
@@ -774,7 +774,7 @@ def backward_hidden(xs, gs, groups, w1, b1, w2, weight, act, hw, du, gw, w3=None
         kernel, args = _hidden_kernel, kernel_args(xs, gs, w1, w2, b1, weight, gw, hw, du, tile_m, block_n,
                                                    block_k, w3, du3, u=hidden)
     launch(kernel, (min(num_sms(xs.device), jobs),),
-        *args, groups.slot_pair, groups.tile_expert, groups.pairs, D, F, gw.shape[1], jobs, int(b1 is not None),
+        *args, groups.slot_pair, groups.tile_expert, groups.pairs, D, F, gw.stride(0), jobs, int(b1 is not None),
         groups.tile, ACT=ACTS[act], NBUF=nbuf, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
         KEEP_U=hidden is not None, num_warps=4)
 

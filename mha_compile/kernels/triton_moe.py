@@ -171,12 +171,13 @@ def _moe_slots_gemm_kernel(
     a_ptr, b_ptr, a2_ptr, b2_ptr, bias_ptr, scale_ptr, slot_pair_ptr, tile_expert_ptr, out_ptr,
     PAIRS, K, NOUT,
     stride_be, stride_bk, stride_bn,
-    HAS_A2: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
+    HAS_A2: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, ACCUMULATE: tl.constexpr,
     PRECISION: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     N_INNER: tl.constexpr,
 ):
     """out [S,NOUT] = scale[pair] · (a[s] B[e] (+ a2[s] B2[e]) + bias[e]); 0 on padding.
-    Accumulated in fp32, stored in out's dtype.
+    Accumulated in fp32, stored in out's dtype; ACCUMULATE: added to what out holds (∂x over the
+    backward's passes of F columns, into fp32 rows).
 
     a, a2 [S,K] per slot; B, B2 [E, K, NOUT] addressed through strides, so the GEMM2 of the
     forward (B = W2) and ∂x of the backward (B = W1ᵀ, W3ᵀ) are the same kernel.
@@ -206,8 +207,10 @@ def _moe_slots_gemm_kernel(
     if HAS_SCALE:
         acc *= tl.load(scale_ptr + pair, mask=valid, other=0.0)[:, None]
     acc = tl.where(valid[:, None], acc, 0.0)
-    tl.store(out_ptr + offs_s[:, None] * NOUT + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=n_ok[None, :])
+    out_off = offs_s[:, None] * NOUT + offs_n[None, :]
+    if ACCUMULATE:
+        acc += tl.load(out_ptr + out_off, mask=n_ok[None, :], other=0.0).to(tl.float32)
+    tl.store(out_ptr + out_off, acc.to(out_ptr.dtype.element_ty), mask=n_ok[None, :])
 
 
 @triton.jit
@@ -577,7 +580,7 @@ _slots_gemm = Launcher(_moe_slots_gemm_kernel, [
     dict(BLOCK_N=128, BLOCK_K=64, N_INNER=False, num_warps=4, num_stages=3),
     dict(BLOCK_N=256, BLOCK_K=64, N_INNER=False, num_warps=8, num_stages=3),
     dict(BLOCK_N=256, BLOCK_K=64, N_INNER=True, num_warps=8, num_stages=3),
-], key=["K", "NOUT", "TILE", "HAS_A2", "HAS_BIAS", "HAS_SCALE"])
+], key=["K", "NOUT", "TILE", "HAS_A2", "HAS_BIAS", "HAS_SCALE", "ACCUMULATE"], restore=["out_ptr"])
 _wgrad = Launcher(_moe_wgrad_kernel, [
     dict(BLOCK_I=64, BLOCK_J=64, BLOCK_S=32, num_warps=4, num_stages=3),
     dict(BLOCK_I=128, BLOCK_J=128, BLOCK_S=64, num_warps=8, num_stages=3),
@@ -878,6 +881,53 @@ def keeps_hidden(act, keep=False):
     return (keep or KEEP_HIDDEN) and act != "swiglu"
 
 
+# The backward's hidden layer in passes of F columns (MHA_COMPILE_HIDDEN_COLUMNS=c, read at import;
+# off by default): its [S,F] buffers (hw, ∂u, and ∂u3 with swiglu: two thirds of the backward's
+# slot buffers at medium, 66 MiB each in bf16) are made c columns at a time, so they take c/F of
+# their memory. The expert function is a sum over its hidden columns, f_e(x) = Σ_f act(u_f)
+# W2[e, f] + b2[e], so each pass's ∂W2 rows, ∂W1 (∂W3) columns and ∂b1 columns are whole within
+# the pass: no sums across passes but ∂x = Σ_f ∂u_f W1[e, :, f]ᵀ, which the passes add into fp32
+# slot rows (_backward_columns). Unlike runs of slot tiles (SLOT_CHUNK_BYTES: +45% a medium step
+# on the H200, its weight gradients on 3 of 8 experts a launch, bench/PERF_NOTES.md v47), every
+# weight-gradient launch still covers every expert. Not timed on a GPU yet (session 46): the
+# passes' extra launches and the weights' column copies are the cost (bench/PERF_NOTES.md v49).
+# With it, the backward walks all slots at once (SLOT_CHUNK_BYTES then bounds the forward's
+# runs only), and a region that keeps the forward's u (keep_hidden, holding [S,F] anyway) takes
+# the whole of F in one pass.
+HIDDEN_COLUMNS_ENV = "MHA_COMPILE_HIDDEN_COLUMNS"
+
+
+def hidden_columns(text):
+    """HIDDEN_COLUMNS from MHA_COMPILE_HIDDEN_COLUMNS's text: None, "" or "0": 0 (all of F in one
+    pass); else a positive multiple of GW_BLOCK (the ∂w partials' column block, which a pass must
+    not cut), with a clear error for anything else."""
+    if text is None or text.strip() in ("", "0"):
+        return 0
+    try:
+        columns = int(text)
+    except ValueError:
+        columns = -1
+    if columns <= 0 or columns % GW_BLOCK:
+        raise ValueError(f"{HIDDEN_COLUMNS_ENV}={text!r}: expected 0 (the experts' hidden columns in one pass, "
+                         f"the default) or a positive multiple of {GW_BLOCK}, the most columns a backward pass takes "
+                         "(multiples of 128 keep the Gluon kernels)")
+    return columns
+
+
+HIDDEN_COLUMNS = hidden_columns(os.environ.get(HIDDEN_COLUMNS_ENV))
+
+
+def column_passes(F, columns=None):
+    """[(c0, c1)]: the backward's passes over F's columns, at most `columns` each (None:
+    HIDDEN_COLUMNS; 0: one pass), as few as that allows and of about equal width, each a multiple
+    of GW_BLOCK but the last."""
+    columns = HIDDEN_COLUMNS if columns is None else columns
+    if not columns or F <= columns:
+        return [(0, F)]
+    width = cdiv(cdiv(F, cdiv(F, columns)), GW_BLOCK) * GW_BLOCK
+    return [(c0, min(F, c0 + width)) for c0 in range(0, F, width)]
+
+
 def tiles_per_run(tile, bytes_per_slot, chunk=None):
     """Whole tiles a run takes: as many as fit `chunk` bytes (None: SLOT_CHUNK_BYTES), a multiple
     of 8 from 8 on."""
@@ -994,14 +1044,15 @@ def tile_grid(groups, n, block):
     return grid
 
 
-def slots_gemm(a, b, strides, nout, groups, a2=None, b2=None, bias=None, scale=None, out=None):
+def slots_gemm(a, b, strides, nout, groups, a2=None, b2=None, bias=None, scale=None, out=None, accumulate=False):
     """[S, nout] in b's dtype: scale · (a B[e] (+ a2 B2[e]) + bias[e]); `strides` = (e, k, n)
-    of B. out: rows to write into (a contiguous [S, nout] view), else allocated. One operand
-    pair with B row-major (GEMM2, B = W2) runs gluon_moe's GEMM where gemm2_kernel says so."""
+    of B. out: rows to write into (a contiguous [S, nout] view), else allocated; accumulate: added
+    to what out holds (the Triton kernel). One operand pair with B row-major (GEMM2, B = W2) runs
+    gluon_moe's GEMM where gemm2_kernel says so."""
     K = a.shape[1]
     if out is None:
         out = torch.empty(groups.slots, nout, device=a.device, dtype=b.dtype)
-    if a2 is None and tuple(strides) == (K * nout, nout, 1) and gemm2_kernel(
+    if a2 is None and not accumulate and tuple(strides) == (K * nout, nout, 1) and gemm2_kernel(
             a, b, out, bias, scale, groups.tile) == "gluon" and _gluon_launch(
             "GEMM2", gemm2_key(a, out, bias, scale, groups.tile),
             functools.partial(gluon_moe.slots_gemm, a, b, groups, out, bias, scale)):
@@ -1011,7 +1062,7 @@ def slots_gemm(a, b, strides, nout, groups, a2=None, b2=None, bias=None, scale=N
                 out if scale is None else scale, groups.slot_pair, groups.tile_expert, out,
                 groups.pairs, K, nout, *strides,
                 HAS_A2=a2 is not None, HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
-                PRECISION=dot_precision(b.dtype), TILE=groups.tile)
+                ACCUMULATE=accumulate, PRECISION=dot_precision(b.dtype), TILE=groups.tile)
     return out
 
 
@@ -1176,13 +1227,19 @@ def bias_grads(db1_part, db2_part, groups, dtype, into=None):
 
 
 def moe_backward(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, horizons, hidden=None):
-    """(∂x_slot [S,D], gw_part [S, F blocks] fp32, ∂W1, ∂b1, ∂W2, ∂b2, ∂W3) — weights' dtypes.
+    """(∂x_slot [S,D], gw_part [S, F blocks] fp32, ∂W1, ∂b1, ∂W2, ∂b2, ∂W3) — weights' dtypes,
+    but ∂x_slot's fp32 where the hidden layer takes more than one pass of columns (column_passes).
     hidden: moe_forward's u [S,F] (KEEP_HIDDEN), which the hidden kernel then reads rather than
-    computing again."""
+    computing again (in one pass)."""
     E, D, F = w1.shape
     dev, wdt = x.device, w1.dtype
     # ∂w's partial sums: the hidden kernel's F columns, then the gather kernel's ⟨G, b2⟩ columns
     gw = torch.empty(groups.slots, gw_columns(D, F, b2 is not None), device=dev, dtype=torch.float32)
+    passes = column_passes(F)
+    if len(passes) > 1 and hidden is None:
+        dx_slot, grads = _backward_columns(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, horizons,
+                                           gw, passes)
+        return (dx_slot, gw, *grads)
     runs = tile_runs(groups, backward_slot_bytes(D, F, w3 is not None, w1.element_size()))
     if len(runs) == 1:
         dx_slot, grads = _backward_tiles(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, horizons,
@@ -1346,6 +1403,66 @@ def gemm2_kernel(a, b, out, bias, scale, tile):
                    lambda: gluon_moe.slots_unsupported(a, b, out, bias, scale, tile))
 
 
+def _hidden_layer(xs, gs, weight, groups, w1, b1, w2, w3, act, gw, hidden=None):
+    """(hw, ∂u, ∂u3) [S,F] in the weights' dtype (∂u3 is ∂u without swiglu) for the slot rows xs,
+    gs [S,D] of `groups` and F = W1's columns, and their ∂w partials in gw's first cdiv(F,
+    GW_BLOCK) columns (gw: fp32 rows, or a view of some of a wider buffer's columns): the Gluon
+    hidden kernel where hidden_kernel says so, else the Triton one. hidden: the forward's u [S,F]
+    to read (KEEP_HIDDEN)."""
+    D, F = w1.shape[1], w1.shape[2]
+    hw = torch.empty(groups.slots, F, device=xs.device, dtype=w1.dtype)
+    du = torch.empty_like(hw)
+    du3 = torch.empty_like(hw) if w3 is not None else du
+    if not (hidden_kernel(xs, gs, w1, w2, w3, b1, act, groups.tile, hidden) == "gluon" and _gluon_launch(
+            "hidden kernel", hidden_key(xs, act, groups.tile, b1, hidden),
+            functools.partial(gluon_moe.backward_hidden, xs, gs, groups, w1, b1, w2, weight, act, hw, du, gw,
+                              w3, None if w3 is None else du3, hidden=hidden))):
+        _hidden(tile_grid(groups, F, "BLOCK_F"),
+                xs, gs, groups.slot_pair, groups.tile_expert, weight,
+                w1, w1 if b1 is None else b1, w1 if w3 is None else w3, w2, hw if hidden is None else hidden,
+                hw, du, du3, gw, groups.pairs, D, F, gw.stride(0),
+                HAS_B1=b1 is not None, KEEP_U=hidden is not None, ACT=_act(act), PRECISION=dot_precision(w1.dtype),
+                TILE=groups.tile, GW_BLOCK=GW_BLOCK)
+    return hw, du, du3
+
+
+def _backward_columns(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, horizons, gw, passes):
+    """The backward over the whole layout with the hidden layer in passes of F columns (`passes`,
+    column_passes; HIDDEN_COLUMNS): each pass takes contiguous copies of its columns of W1, b1,
+    W2's rows and W3, makes their hw, ∂u (∂u3) [S, c1 - c0] and ∂w partials (in its own gw
+    columns), and from them its rows of ∂W2 and its columns of ∂W1, ∂b1, ∂W3, whole, and adds its
+    share of ∂x_slot = Σ_f ∂u W1ᵀ into fp32 rows (ACCUMULATE), so the passes' roundings are not
+    added up in bf16. Returns (∂x_slot [S,D] fp32, (∂W1, ∂b1, ∂W2, ∂b2, ∂W3)) in the weights'
+    dtype, as _backward_tiles does over the whole layout but for ∂x_slot's dtype."""
+    E, D, F = w1.shape
+    dev, wdt = x.device, w1.dtype
+    xs, gs, db2_part = gather_rows(x, inv, groups, horizons, wdt, grad_out, weight, b2, gw,
+                                   gb2_col=cdiv(F, GW_BLOCK))
+    gs = gs.to(wdt)
+    dx_slot = torch.empty(groups.slots, D, device=dev, dtype=torch.float32)
+    parts = []  # each pass's (∂W1, ∂b1, ∂W2, ∂W3) columns
+    for i, (c0, c1) in enumerate(passes):
+        cols = slice(c0, c1)
+        w1c, w2c = w1[:, :, cols].contiguous(), w2[:, cols].contiguous()
+        b1c = None if b1 is None else b1[:, cols].contiguous()
+        w3c = None if w3 is None else w3[:, :, cols].contiguous()
+        hw, du, du3 = _hidden_layer(xs, gs, weight, groups, w1c, b1c, w2c, w3c, act, gw[:, c0 // GW_BLOCK:])
+        dw2, _, _ = weight_grads(hw, gs, None, groups)
+        del hw  # before ∂W1's partial sums allocate
+        width = c1 - c0
+        slots_gemm(du, w1c, (D * width, 1, width), D, groups, a2=None if w3 is None else du3, b2=w3c,
+                   out=dx_slot, accumulate=i > 0)
+        dw1, dw3, db1 = weight_grads(xs, du, du3 if w3 is not None else None, groups, sums=b1 is not None)
+        if b1 is not None and db1 is None:
+            db1, _ = bias_grads(tile_sums(du, groups), None, groups, wdt)
+        parts.append((dw1, db1, dw2, dw3))
+        del du, du3
+    whole = [None if part[0] is None else torch.cat(part, dim=axis)
+             for part, axis in zip(zip(*parts), (2, 1, 1, 2))]
+    _, db2 = bias_grads(None, db2_part, groups, wdt)
+    return dx_slot, (whole[0], whole[1], whole[2], db2, whole[3])
+
+
 def _backward_tiles(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, horizons, gw, dx_slot, total,
                     closing=None, flags=(None, None), hidden=None):
     """The backward over `groups`' slots (the whole layout, or one run of tiles): writes their rows
@@ -1356,24 +1473,12 @@ def _backward_tiles(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act, h
     flags: STREAM's flags for ∂W2's and ∂W1's launches (weight_grads' `flags`); hidden: these
     slots' rows of moe_forward's u (KEEP_HIDDEN: the Triton hidden kernel reads it)."""
     E, D, F = w1.shape
-    dev, wdt = x.device, w1.dtype
+    wdt = w1.dtype
     # The slot rows of x (merged, in the weights' dtype, as in the forward) and of G, once:
     # every backward GEMM below then reads plain contiguous rows.
     xs, gs, db2_part = gather_rows(x, inv, groups, horizons, wdt, grad_out, weight, b2, gw,
                                    gb2_col=cdiv(F, GW_BLOCK))
-    hw = torch.empty(groups.slots, F, device=dev, dtype=wdt)
-    du = torch.empty_like(hw)
-    du3 = torch.empty_like(hw) if w3 is not None else du
-    if not (hidden_kernel(xs, gs, w1, w2, w3, b1, act, groups.tile, hidden) == "gluon" and _gluon_launch(
-            "hidden kernel", hidden_key(xs, act, groups.tile, b1, hidden),
-            functools.partial(gluon_moe.backward_hidden, xs, gs, groups, w1, b1, w2, weight, act, hw, du, gw,
-                              w3, None if w3 is None else du3, hidden=hidden))):
-        _hidden(tile_grid(groups, F, "BLOCK_F"),
-                xs, gs, groups.slot_pair, groups.tile_expert, weight,
-                w1, w1 if b1 is None else b1, w1 if w3 is None else w3, w2, hw if hidden is None else hidden,
-                hw, du, du3, gw, groups.pairs, D, F, gw.shape[1],
-                HAS_B1=b1 is not None, KEEP_U=hidden is not None, ACT=_act(act), PRECISION=dot_precision(wdt),
-                TILE=groups.tile, GW_BLOCK=GW_BLOCK)
+    hw, du, du3 = _hidden_layer(xs, gs, weight, groups, w1, b1, w2, w3, act, gw, hidden)
     # ∂W2 = Σ (w h)ᵀ G first, so that hw and gs [S,F] + [S,D] are freed before ∂x allocates its
     # [S,D] (large preset, computed: slot buffers alive at once 1.61 -> 1.34 GB; same
     # kernels, same results). Then ∂W1 = Σ xᵀ ∂u (∂W3 = Σ xᵀ ∂u3), with ∂b1 = Σ ∂u beside it

@@ -109,7 +109,9 @@ def describe_keep_hidden(match, keep_hidden):
 def describe_slot_runs(match):
     """How the fused and staged MoE walk their slot rows (triton_moe.tile_runs): in one run, or
     in runs of whole tiles whose backward buffers fit SLOT_CHUNK_BYTES (MHA_COMPILE_SLOT_CHUNK_MB),
-    told from the example shapes for the report: the runs are what set the MoE's training peak."""
+    or with the backward's hidden layer in passes of its columns (triton_moe.column_passes,
+    MHA_COMPILE_HIDDEN_COLUMNS), told from the example shapes for the report: the runs or the
+    passes are what set the MoE's training peak. Reads match.keep_hidden (the option)."""
     if match.kernels == "reference":
         return "none: the reference path has no slot rows"
     ctx, w1 = _example(match.ctx), _expert_weights(match.params["w1"])
@@ -120,5 +122,17 @@ def describe_slot_runs(match):
     top_k, act = match.config["top_k"], match.config["act"]
     runs = region_graphs.slot_runs(ctx, w1, top_k, act)
     held = region_graphs.slot_buffer_bytes(ctx, w1, top_k, act)
-    return (f"{len(runs)} run{'s' * (len(runs) > 1)} of whole tiles: the backward's slot buffers, "
+    text = (f"{len(runs)} run{'s' * (len(runs) > 1)} of whole tiles: the backward's slot buffers, "
             f"{size_text(held)}, within {bound}")
+    passes = triton_moe.column_passes(F)
+    columns = f"{triton_moe.HIDDEN_COLUMNS_ENV}={triton_moe.HIDDEN_COLUMNS}"
+    if len(passes) == 1:
+        return text
+    if triton_moe.keeps_hidden(act, match.keep_hidden):
+        return f"{text}; {columns} is not taken: the region keeps u [slots, F] for its backward (keep_hidden)"
+    widest = passes[0][1]
+    per_pass = held * triton_moe.backward_slot_bytes(D, widest, act == "swiglu", 1) // triton_moe.backward_slot_bytes(
+        D, F, act == "swiglu", 1)
+    return (f"the backward over all slots at once, its hidden layer in {len(passes)} passes of at most {widest} of "
+            f"F = {F} columns ({columns}): its slot buffers {size_text(per_pass)} a pass, ∂x's slot rows in fp32; "
+            f"the forward in runs within {bound}")

@@ -54,7 +54,26 @@ def test_smaller_runs_lower_medium_peak(tmp_path):
     one, runs = found["medium/512"], found["medium/64"]
     p = models.PRESETS["medium"]
     share = (64 << 20) * p["F"] / (2 * p["D"] + 2 * p["F"])
-    tiles = [n for n, site in runs["at_peak"] if "_backward_tiles" in site]
+    tiles = [n for n, site in runs["at_peak"] if "_hidden_layer" in site]
     assert tiles and max(tiles) <= share
-    assert max(n for n, site in one["at_peak"] if "_backward_tiles" in site) > share
+    assert max(n for n, site in one["at_peak"] if "_hidden_layer" in site) > share
     assert runs["peak_bytes"] < one["peak_bytes"]
+
+
+def test_hidden_columns_lower_medium_peak(tmp_path):
+    """--hidden-columns 0,256 at medium: the backward's hw and ∂u [slots, F] in one pass, then
+    [slots, 256] a pass (a quarter of F's bytes), with ∂x's slot rows in fp32 [slots, D]; the
+    step's peak comes down by more than those rows cost."""
+    out = tmp_path / "peaks.json"
+    run_offline("bench/offline_memory.py", "--presets", "medium", "--hidden-columns", "0,256", "--top", "20",
+                "--out", str(out))
+    found = json.loads(out.read_text())
+    one, passes = found["medium/columns0"], found["medium/columns256"]
+    p = models.PRESETS["medium"]
+    hidden = lambda found: sorted(n for n, site in found["at_peak"] if "_hidden_layer" in site)  # noqa: E731
+    whole, pass_ = hidden(one), hidden(passes)
+    assert len(whole) == len(pass_) == 2 and all(4 * b == a for a, b in zip(whole, pass_))
+    slots = whole[0] // (p["F"] * 2)
+    made = sorted(n for n, site in passes["at_peak"] if "_backward_columns" in site)
+    assert made[-1] == slots * p["D"] * 4 and sum(made[:-1]) < made[-1] // 8  # fp32 ∂x rows; the weights' columns
+    assert passes["peak_bytes"] < one["peak_bytes"] - whole[0]

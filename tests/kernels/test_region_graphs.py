@@ -97,7 +97,7 @@ def test_option_default_and_values():
         mha_compile.Options.parse({"graphs": "yes"})
 
 
-def _fake_match(preset, kernels="fused", act="gelu", device="cuda"):
+def _fake_match(preset, kernels="fused", act="gelu", device="cuda", keep_hidden=False):
     """A match as describe_graphs reads it: example values of ctx and W1 (fake CUDA tensors)."""
     from types import SimpleNamespace
 
@@ -109,7 +109,7 @@ def _fake_match(preset, kernels="fused", act="gelu", device="cuda"):
         w1 = torch.empty(p["E"], p["D"], p["F"], device=device, dtype=torch.bfloat16)
     node = lambda value: SimpleNamespace(meta={"example_value": value})
     return SimpleNamespace(ctx=node(ctx), params={"w1": SimpleNamespace(node=node(w1))}, kernels=kernels,
-                           config={"top_k": p["k"], "act": act})
+                           config={"top_k": p["k"], "act": act}, keep_hidden=keep_hidden)
 
 
 @pytest.mark.parametrize("preset,graphs,kernels,device,whole,expected", [
@@ -156,6 +156,27 @@ def test_the_report_says_how_the_moe_walks_its_slots(monkeypatch, preset, chunk_
         monkeypatch.setattr(triton_moe, "SLOT_CHUNK_BYTES", triton_moe.slot_chunk_bytes(chunk_mb))
     assert describe_slot_runs(_fake_match(preset)).startswith(expected)
     assert describe_slot_runs(_fake_match(preset, "reference")) == "none: the reference path has no slot rows"
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_the_report_says_when_the_hidden_layer_takes_passes(monkeypatch, keep):
+    """With MHA_COMPILE_HIDDEN_COLUMNS the line gives the passes and their buffers instead of the
+    backward's runs (medium, 256: four passes, a pass's xs, gs, hw, ∂u 66 MiB of the whole 165);
+    a region that keeps u (keep_hidden) says the passes are not taken."""
+    from mha_compile.lowering.select import describe_slot_runs
+
+    monkeypatch.setattr(triton_moe, "HIDDEN_COLUMNS", 256)
+    text = describe_slot_runs(_fake_match("medium", keep_hidden=keep))
+    if keep:
+        assert text.startswith("1 run of whole tiles: the backward's slot buffers, 165 MiB") and text.endswith(
+            "; MHA_COMPILE_HIDDEN_COLUMNS=256 is not taken: the region keeps u [slots, F] for its backward "
+            "(keep_hidden)")
+    else:
+        assert text == ("the backward over all slots at once, its hidden layer in 4 passes of at most 256 of F = 1024 "
+                        "columns (MHA_COMPILE_HIDDEN_COLUMNS=256): its slot buffers 66 MiB a pass, ∂x's slot rows in "
+                        "fp32; the forward in runs within 512 MiB a run (MHA_COMPILE_SLOT_CHUNK_MB)")
+    monkeypatch.setattr(triton_moe, "HIDDEN_COLUMNS", 1024)  # F in one pass: the runs' line
+    assert describe_slot_runs(_fake_match("medium")).startswith("1 run of whole tiles")
 
 
 def test_explain_reports_the_slot_runs():

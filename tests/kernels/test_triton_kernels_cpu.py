@@ -392,6 +392,47 @@ def test_smaller_slot_chunks_split_medium_into_runs(monkeypatch):
     assert all((t1 - t0) * 128 * per_slot <= 64 << 20 for t0, t1 in runs)
 
 
+@pytest.mark.parametrize("module", SETS)
+@pytest.mark.parametrize("act,bias,F", [("gelu", True, 192), ("swiglu", False, 160)])
+def test_hidden_layer_in_column_passes(monkeypatch, module, act, bias, F):
+    """The backward's hidden layer in passes of at most 64 columns (MHA_COMPILE_HIDDEN_COLUMNS, the
+    memory mode): three passes of F = 192, and 64, 64, 32 of F = 160; every gradient against the
+    float64 reference, so a pass's ∂W columns, ∂b1, ∂w partials or ∂x share left out or put in
+    the wrong place fails. Each pass makes [S, its columns] buffers only."""
+    monkeypatch.setattr(triton_moe, "HIDDEN_COLUMNS", 64)
+    layers = record_calls(monkeypatch, triton_moe, "_hidden_layer")
+    ctx, tok, params = make_case(2, 3, 5, 32, 2, F, 4, 2, act=act, bias=bias)
+    check_region(module, ctx, tok, params, top_k=2, renorm=True, act=act)
+    assert [args[4].shape[2] for args in layers] == ([64, 64, 64] if F == 192 else [64, 64, 32])
+
+
+def test_column_passes():
+    """At most `columns` a pass, as few passes as that allows, about equal widths in whole ∂w
+    blocks (64) but the last; 0 or a width past F: one pass."""
+    passes = triton_moe.column_passes
+    assert passes(1024, 256) == [(0, 256), (256, 512), (512, 768), (768, 1024)]
+    assert passes(1024, 384) == [(0, 384), (384, 768), (768, 1024)]  # 3 passes: 342 rounded up to 384
+    assert passes(2048, 512) == [(0, 512), (512, 1024), (1024, 1536), (1536, 2048)]
+    assert passes(160, 64) == [(0, 64), (64, 128), (128, 160)]
+    assert passes(1000, 640) == [(0, 512), (512, 1000)]
+    assert passes(1024, 0) == passes(1024, 1024) == passes(1024, 4096) == [(0, 1024)]
+    for F, columns in ((1024, 64), (997, 128), (2048, 192), (97, 64)):
+        got = passes(F, columns)
+        assert got[0][0] == 0 and got[-1][1] == F and all(a[1] == b[0] for a, b in zip(got, got[1:]))
+        assert all(c1 - c0 <= columns and c0 % 64 == 0 for c0, c1 in got) and len(got) == -(-F // columns)
+
+
+def test_hidden_columns_is_read_from_the_environment_at_import():
+    """MHA_COMPILE_HIDDEN_COLUMNS sets HIDDEN_COLUMNS (0, one pass, unset or "0"); a value that is
+    not a positive multiple of 64 stops the import with the variable and the value named."""
+    read = [read_at_import("mha_compile.kernels.triton_moe", "HIDDEN_COLUMNS", triton_moe.HIDDEN_COLUMNS_ENV, value)
+            for value in (None, "0", "256", "64")]
+    assert read == ["0", "0", "256", "64"]
+    for bad in ("-64", "100", "lots", "2.5e2", "32"):
+        with pytest.raises(ValueError, match=f"MHA_COMPILE_HIDDEN_COLUMNS={bad!r}: expected 0 .* multiple of 64"):
+            triton_moe.hidden_columns(bad)
+
+
 def _routed_slots(R, k, E, used, tile, I, J, dtype, seed):
     """A layout of random routing over `used` (the other experts empty, k distinct a row) and slot
     rows A [S, I], B, B' [S, J] of fresh random values, zero on padding slots."""

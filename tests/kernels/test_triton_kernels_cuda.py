@@ -162,6 +162,28 @@ def test_runs_of_tiles(monkeypatch, module, act, autotune):
     print(f"{module.__name__} runs of tiles {act}: {fmt(errors)}")
 
 
+@pytest.mark.parametrize("module", SETS)
+@pytest.mark.parametrize("act", ["gelu", "swiglu"])
+@pytest.mark.parametrize("autotune", [False, True])
+def test_hidden_layer_in_column_passes(monkeypatch, module, act, autotune):
+    """The backward's hidden layer in passes of 256 columns (MHA_COMPILE_HIDDEN_COLUMNS=256) at the
+    medium preset, bf16, against float64: four passes, each on the Gluon hidden kernel (its gw
+    columns a view of the whole buffer's). With autotuning on, ∂x's accumulating GEMM's trial runs
+    must not add into the rows (restore_value)."""
+    from mha_compile.kernels import gluon_moe, triton_util
+
+    monkeypatch.setattr(triton_util, "NO_AUTOTUNE", not autotune)
+    monkeypatch.setattr(triton_moe, "HIDDEN_COLUMNS", 256)
+    hidden = []
+    real = gluon_moe.backward_hidden
+    monkeypatch.setattr(gluon_moe, "backward_hidden", lambda *a, **k: hidden.append(a[3].shape) or real(*a, **k))
+    ctx, tok, params = preset_case("medium", act=act, dtype=torch.bfloat16, device="cuda", seed=7)
+    errors = check_region(module, ctx, tok, params, top_k=2, renorm=True, act=act)
+    E, D, F = params[8].shape  # W1
+    assert F == 1024 and hidden == [(E, D, 256)] * 4
+    print(f"{module.__name__} column passes {act}: {fmt(errors)}")
+
+
 def test_cuda_merge_matches_twin():
     from mha_compile.kernels import merge_cuda
 
