@@ -110,11 +110,12 @@
 #                                      # bench/flag_ab.py, the op's step as graph replays with runs of 512 MiB
 #                                      # against CHUNK_MB in one process, its peak and time, per preset
 #                                      # (~4 min): run.log, flag_ab_slot_chunk.txt
-#   [COLUMN_RUNS="medium:256 medium:128 large:512"] bash bench/h200_session.sh hidden-columns  # the backward's
+#   [COLUMN_RUNS="medium:256 large:512"] bash bench/h200_session.sh hidden-columns  # the backward's
 #                                      # hidden layer in passes of F columns (MHA_COMPILE_HIDDEN_COLUMNS, session
 #                                      # 46, off by default): its GPU tests, then bench/flag_ab.py, the op's step as
 #                                      # graph replays with F in one pass against each preset:columns pair in one
-#                                      # process, its peak and time (~7 min): run.log, flag_ab_hidden_columns.txt
+#                                      # process, its peak and time (by default medium:256 medium:128 large:256
+#                                      # large:512; ~9 min): run.log, flag_ab_hidden_columns.txt
 #   bash bench/h200_session.sh keep-hidden  # triton_moe.KEEP_HIDDEN (staged, session 35): the KEEP_U
 #                                      # variants' GPU tests (Gluon GEMM1 and hidden kernels, then the
 #                                      # presets through the region), bench/flag_ab.py off against on at
@@ -247,11 +248,11 @@ slot-chunk)
     grep "peak\|SLOT_CHUNK_BYTES:" "$OUT/flag_ab_slot_chunk.txt" >>"$LOG"
     ;;
 hidden-columns)
-    { MHA_COMPILE_NO_AUTOTUNE=1 timeout 150 python -m pytest -q -m cuda tests/kernels/test_triton_kernels_cuda.py \
+    { MHA_COMPILE_NO_AUTOTUNE=1 timeout 120 python -m pytest -q -m cuda tests/kernels/test_triton_kernels_cuda.py \
         -k "column_passes" -p no:cacheprovider -rf 2>&1 | tail -8; } >>"$LOG"
-    for pair in ${COLUMN_RUNS:-medium:256 medium:128 large:512}; do
-        timeout -s INT 130 python bench/flag_ab.py --flag mha_compile.kernels.triton_moe:HIDDEN_COLUMNS \
-            --values "0,${pair##*:}" --preset "${pair%%:*}" --rounds 4 >>"$OUT/flag_ab_hidden_columns.txt" 2>&1
+    for pair in ${COLUMN_RUNS:-medium:256 medium:128 large:256 large:512}; do
+        timeout -s INT 105 python bench/flag_ab.py --flag mha_compile.kernels.triton_moe:HIDDEN_COLUMNS \
+            --values "0,${pair##*:}" --preset "${pair%%:*}" --rounds 3 >>"$OUT/flag_ab_hidden_columns.txt" 2>&1
     done
     grep "peak\|worst\|HIDDEN_COLUMNS:" "$OUT/flag_ab_hidden_columns.txt" >>"$LOG"
     ;;

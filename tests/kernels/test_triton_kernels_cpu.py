@@ -406,6 +406,18 @@ def test_hidden_layer_in_column_passes(monkeypatch, module, act, bias, F):
     assert [args[4].shape[2] for args in layers] == ([64, 64, 64] if F == 192 else [64, 64, 32])
 
 
+@pytest.mark.parametrize("module", SETS)
+def test_a_kept_hidden_layer_takes_one_pass(monkeypatch, module):
+    """A region that keeps the forward's u [S, F] (KEEP_HIDDEN) holds the whole hidden layer
+    anyway: its backward reads u in one pass whatever HIDDEN_COLUMNS says, and is right."""
+    monkeypatch.setattr(triton_moe, "HIDDEN_COLUMNS", 64)
+    monkeypatch.setattr(triton_moe, "KEEP_HIDDEN", True)
+    layers = record_calls(monkeypatch, triton_moe, "_hidden_layer")
+    ctx, tok, params = make_case(2, 3, 5, 32, 2, 192, 4, 2, act="gelu")
+    check_region(module, ctx, tok, params, top_k=2, renorm=True, act="gelu")
+    assert [(args[4].shape[2], args[10] is not None) for args in layers] == [(192, True)]
+
+
 def test_column_passes():
     """At most `columns` a pass, as few passes as that allows, about equal widths in whole ∂w
     blocks (64) but the last; 0 or a width past F: one pass."""
