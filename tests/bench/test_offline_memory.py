@@ -43,14 +43,18 @@ def test_large_training_peak_holds_two_pool_buffers(tmp_path):
     assert len(pool) <= 2, found["at_peak"]
 
 
+def _medium_peaks(tmp_path, option, values):
+    """offline_memory.py's --out at the medium preset for each of `option`'s comma list `values`."""
+    out = tmp_path / "peaks.json"
+    run_offline("bench/offline_memory.py", "--presets", "medium", option, values, "--top", "3", "--out", str(out))
+    return json.loads(out.read_text())
+
+
 def test_smaller_runs_lower_medium_peak(tmp_path):
     """--slot-chunk-mb 512,64 at medium: one run, then runs of 64 MiB; with the runs no slot
     buffer of the backward's tiles outgrows its share of a run (∂u and hw [run slots, F] of
     (2D + 2F) bf16 bytes a slot), and the step's peak comes down."""
-    out = tmp_path / "peaks.json"
-    run_offline("bench/offline_memory.py", "--presets", "medium", "--slot-chunk-mb", "512,64", "--top", "3",
-                "--out", str(out))
-    found = json.loads(out.read_text())
+    found = _medium_peaks(tmp_path, "--slot-chunk-mb", "512,64")
     one, runs = found["medium/512"], found["medium/64"]
     p = models.PRESETS["medium"]
     share = (64 << 20) * p["F"] / (2 * p["D"] + 2 * p["F"])
@@ -64,10 +68,7 @@ def test_hidden_columns_lower_medium_peak(tmp_path):
     """--hidden-columns 0,256 at medium: the backward's hw and ∂u [slots, F] in one pass, then
     [slots, 256] a pass (a quarter of F's bytes), with ∂x's slot rows in fp32 [slots, D]; the
     step's peak comes down by more than those rows cost."""
-    out = tmp_path / "peaks.json"
-    run_offline("bench/offline_memory.py", "--presets", "medium", "--hidden-columns", "0,256", "--top", "20",
-                "--out", str(out))
-    found = json.loads(out.read_text())
+    found = _medium_peaks(tmp_path, "--hidden-columns", "0,256")
     one, passes = found["medium/columns0"], found["medium/columns256"]
     p = models.PRESETS["medium"]
     hidden = lambda found: sorted(n for n, site in found["at_peak"] if "_hidden_layer" in site)  # noqa: E731
