@@ -40,12 +40,19 @@ def record_calls(monkeypatch, module, name):
 
 
 @contextlib.contextmanager
+def observing(observe):
+    """observe(report, captured gm, lowered gm) called for every graph the backend compiles inside
+    the block (backend.observers)."""
+    backend.observers.append(observe)
+    try:
+        yield
+    finally:
+        backend.observers.remove(observe)
+
+
+@contextlib.contextmanager
 def compiled_reports():
     """The GraphReport of every graph the backend compiles inside the block, in order."""
     reports = []
-    observe = lambda report, gm, lowered: reports.append(report)  # noqa: E731
-    backend.observers.append(observe)
-    try:
+    with observing(lambda report, gm, lowered: reports.append(report)):
         yield reports
-    finally:
-        backend.observers.remove(observe)

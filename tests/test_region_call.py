@@ -10,9 +10,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mha_compile
-from mha_compile import backend, models, ops
+from mha_compile import models, ops
 from mha_compile.kernels import triton_moe
-from numerics import graph_has_region, needs_interpreter, record_calls
+from numerics import graph_has_region, needs_interpreter, observing, record_calls
 
 def _inputs(act="gelu", bias=True, seed=0, D=8, P=2, F=6, E=3, B=2, H=3, N=4, dtype=torch.float64):
     torch.manual_seed(seed)
@@ -124,11 +124,8 @@ def test_the_backend_runs_it_and_reports_the_op(monkeypatch):
     block = models.MHABlock(16, 2, 24, 4, 2)
     ctx, tok = torch.randn(3, 4, 16, requires_grad=True), torch.randn(3, 5, 16)
     reports = []
-    backend.observers.append(lambda report, gm, lowered: reports.append(lowered))
-    try:
+    with observing(lambda report, gm, lowered: reports.append(lowered)):
         out = torch.compile(block, backend="mha")(ctx, tok)
-    finally:
-        backend.observers.pop()
     out.sum().backward()
     assert calls == ["forward"] and ctx.grad is not None and block.moe.w1.grad.abs().max() > 0
     assert len(reports) == 1 and graph_has_region(reports[0])

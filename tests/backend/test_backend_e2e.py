@@ -140,16 +140,11 @@ def test_pool_contributes_to_the_compiled_output():
 def test_smaller_second_batch_is_dynamic_and_correct():
     torch._dynamo.reset()
     model = _block(torch.float32)
-    reports = []
-    observe = lambda report, gm, lowered: reports.append(report)
-    backend.observers.append(observe)
-    try:
+    with compiled_reports() as reports:
         compiled = torch.compile(model, backend="mha")
         for B in (6, 3):
             ctx, tok = torch.randn(B, 3, 32), torch.randn(B, 5, 32)
             assert_close_rel(compiled(ctx, tok), model(ctx, tok), torch.float32, f"B={B}")
-    finally:
-        backend.observers.remove(observe)
     assert len(reports) == 2 and all(len(r.matches) == 1 for r in reports)
     assert "s" in "".join(reports[1].matches[0]["shapes"]["ctx"])  # a symbolic batch size
 

@@ -13,11 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from mha_compile import backend, models
+from mha_compile import models
 from mha_compile.debug import dump, picture
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "lowering"))
 from near_misses import NEAR_MISSES  # noqa: E402
+from numerics import observing  # noqa: E402
 
 HAS_DOT = picture.dot_binary() is not None
 SVG = "{http://www.w3.org/2000/svg}"
@@ -34,13 +35,9 @@ NODE_FIELDS = {"name", "op", "target", "shape", "dtype", "region", "near_miss"}
 def _compile(model, inputs, **options):
     """Compile with backend="mha", run once; returns (output, [(report, captured gm, lowered gm)])."""
     seen = []
-    observe = lambda report, gm, lowered: seen.append((report, gm, lowered))  # noqa: E731
-    backend.observers.append(observe)
-    try:
+    with observing(lambda *graph: seen.append(graph)):
         torch._dynamo.reset()
         out = torch.compile(model, backend="mha", options=options)(*inputs)
-    finally:
-        backend.observers.remove(observe)
     return out, seen
 
 

@@ -7,8 +7,7 @@ import copy
 import pytest
 import torch
 
-from mha_compile import backend
-from numerics import relative_error
+from numerics import compiled_reports, relative_error
 from spellings import GroupedMM, inputs
 
 pytestmark = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"),
@@ -18,14 +17,9 @@ BF16 = 2e-2  # SPEC §4: bf16 against the reference on the same rounded inputs a
 
 
 def _observed(run):
-    reports = []
-    observe = lambda report, gm, lowered: reports.append(report)
-    backend.observers.append(observe)
-    try:
+    with compiled_reports() as reports:
         torch._dynamo.reset()
         return run(), reports
-    finally:
-        backend.observers.remove(observe)
 
 
 def compile_against_math(model, B=4, H=3, N=5, seed=1, options=None, device="cpu", dynamic_output=False):

@@ -5,10 +5,10 @@ import operator
 import pytest
 import torch
 
-from mha_compile import backend, models
+from mha_compile import models
 from mha_compile.lowering.match import find_regions
 from near_misses import NEAR_MISSES
-from numerics import graph_has_region, relative_error
+from numerics import graph_has_region, observing, relative_error
 
 
 def capture_graphs(model, *inputs, dynamic=False):
@@ -24,14 +24,10 @@ def capture_graphs(model, *inputs, dynamic=False):
 
 
 def compile_with_reports(model, *inputs, **options):
-    reports, outputs = [], []
-    observe = lambda report, gm, lowered: reports.append((report, lowered))
-    backend.observers.append(observe)
-    try:
+    reports = []
+    with observing(lambda report, gm, lowered: reports.append((report, lowered))):
         torch._dynamo.reset()
         outputs = torch.compile(model, backend="mha", options=options or None)(*inputs)
-    finally:
-        backend.observers.remove(observe)
     return reports, outputs
 
 

@@ -9,8 +9,7 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from mha_compile import backend
-from numerics import TOLERANCE, relative_error
+from numerics import TOLERANCE, compiled_reports, relative_error
 from spellings import ACTS, EXPERTS, MERGES, MOES, POOLS, SpelledBlock, inputs
 
 ZERO_GRAD = ("key.bias",)  # SPEC §1: ∂bk is exactly zero; eager leaves roundoff there
@@ -19,18 +18,13 @@ ZERO_GRAD = ("key.bias",)  # SPEC §1: ∂bk is exactly zero; eager leaves round
 def compile_and_compare(model, args, dtype, dynamic_where=False):
     """Compile a copy with backend="mha"; compare output and every parameter and input gradient
     with eager. Returns the reports of the compiled graphs."""
-    reports = []
-    observe = lambda report, gm, lowered: reports.append(report)
     compiled_model = copy.deepcopy(model)
     args_e = [a.clone().requires_grad_(a.is_floating_point()) for a in args]
     args_c = [a.clone().requires_grad_(a.is_floating_point()) for a in args]
-    backend.observers.append(observe)
-    try:
+    with compiled_reports() as reports:
         torch._dynamo.reset()
         with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=dynamic_where):
             out_c = torch.compile(compiled_model, backend="mha", options={"strict": True})(*args_c)
-    finally:
-        backend.observers.remove(observe)
     out_e = model(*args_e)
     tol = TOLERANCE[dtype]
     assert relative_error(out_c, out_e) <= tol, f"output: {relative_error(out_c, out_e):.3g}"
@@ -490,14 +484,9 @@ def test_near_miss_is_reported_and_not_rewritten(name):
     args = list(inputs(dtype=torch.float64, generator=gen))
     if cls is FloatMask:
         args.append(_float_pad(4, 5, gen))
-    reports = []
-    observe = lambda report, gm, lowered: reports.append(report)
-    backend.observers.append(observe)
-    try:
+    with compiled_reports() as reports:
         torch._dynamo.reset()
         got = torch.compile(copy.deepcopy(model), backend="mha")(*[a.clone() for a in args])
-    finally:
-        backend.observers.remove(observe)
     want = model(*[a.clone() for a in args])
     assert not any(r.matches for r in reports)
     misses = [m for r in reports for m in r.near_misses]
@@ -512,15 +501,10 @@ def test_mixtral_split_by_a_graph_break_is_reported():
     torch.manual_seed(0)
     model = SpelledBlock(moe="mixtral").double()
     args = inputs(dtype=torch.float64)
-    reports = []
-    observe = lambda report, gm, lowered: reports.append(report)
-    backend.observers.append(observe)
-    try:
+    with compiled_reports() as reports:
         torch._dynamo.reset()
         with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=False):
             got = torch.compile(copy.deepcopy(model), backend="mha")(*args)
-    finally:
-        backend.observers.remove(observe)
     assert len(reports) > 1 and not any(r.matches for r in reports)
     reasons = [m["reason"] for r in reports for m in r.near_misses]
     assert any("capture_dynamic_output_shape_ops" in r and "graph break" in r for r in reasons), reasons

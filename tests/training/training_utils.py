@@ -1,7 +1,7 @@
 """Helpers for the training tests: count what the backend replaced, compare models."""
 import contextlib
 
-from mha_compile import backend
+from numerics import observing
 
 
 @contextlib.contextmanager
@@ -12,9 +12,5 @@ def region_matches():
     so every test that claims "through the compiled path" checks this list.
     """
     counts = []
-    observe = lambda report, gm, lowered: counts.append(len(report.matches))
-    backend.observers.append(observe)
-    try:
+    with observing(lambda report, gm, lowered: counts.append(len(report.matches))):
         yield counts
-    finally:
-        backend.observers.remove(observe)
