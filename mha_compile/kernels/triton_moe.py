@@ -176,8 +176,8 @@ def _moe_slots_gemm_kernel(
     N_INNER: tl.constexpr,
 ):
     """out [S,NOUT] = scale[pair] · (a[s] B[e] (+ a2[s] B2[e]) + bias[e]); 0 on padding.
-    Accumulated in fp32, stored in out's dtype; ACCUMULATE: added to what out holds (∂x over the
-    backward's passes of F columns, into fp32 rows).
+    Accumulated in fp32, stored in out's dtype; ACCUMULATE: added to what out holds, fp32 (∂x over
+    the backward's passes of F columns).
 
     a, a2 [S,K] per slot; B, B2 [E, K, NOUT] addressed through strides, so the GEMM2 of the
     forward (B = W2) and ∂x of the backward (B = W1ᵀ, W3ᵀ) are the same kernel.
@@ -209,8 +209,14 @@ def _moe_slots_gemm_kernel(
     acc = tl.where(valid[:, None], acc, 0.0)
     out_off = offs_s[:, None] * NOUT + offs_n[None, :]
     if ACCUMULATE:
-        acc += tl.load(out_ptr + out_off, mask=n_ok[None, :], other=0.0).to(tl.float32)
-    tl.store(out_ptr + out_off, acc.to(out_ptr.dtype.element_ty), mask=n_ok[None, :])
+        # One program owns each element, so the reduction (REDG.ADD.F32, no value back) is one
+        # add in a fixed order, as a load, add and store would be (but for fp32 subnormals, which
+        # it flushes to zero: FTZ in its SASS). That load held a second fp32 tile in registers:
+        # 255 registers and up to 452 bytes spilled at medium's [128, 128] and [128, 256]
+        # configs (bench/offline_sass.py), 108-218 and none this way.
+        tl.atomic_add(out_ptr + out_off, acc, mask=n_ok[None, :], sem="relaxed")
+    else:
+        tl.store(out_ptr + out_off, acc.to(out_ptr.dtype.element_ty), mask=n_ok[None, :])
 
 
 @triton.jit
@@ -1047,11 +1053,13 @@ def tile_grid(groups, n, block):
 def slots_gemm(a, b, strides, nout, groups, a2=None, b2=None, bias=None, scale=None, out=None, accumulate=False):
     """[S, nout] in b's dtype: scale · (a B[e] (+ a2 B2[e]) + bias[e]); `strides` = (e, k, n)
     of B. out: rows to write into (a contiguous [S, nout] view), else allocated; accumulate: added
-    to what out holds (the Triton kernel). One operand pair with B row-major (GEMM2, B = W2) runs
+    to what out holds, fp32 (the Triton kernel). One operand pair with B row-major (GEMM2, B = W2) runs
     gluon_moe's GEMM where gemm2_kernel says so."""
     K = a.shape[1]
     if out is None:
         out = torch.empty(groups.slots, nout, device=a.device, dtype=b.dtype)
+    if accumulate and out.dtype != torch.float32:
+        raise ValueError(f"slots_gemm: accumulate adds into fp32 rows; got out {out.dtype}")
     if a2 is None and not accumulate and tuple(strides) == (K * nout, nout, 1) and gemm2_kernel(
             a, b, out, bias, scale, groups.tile) == "gluon" and _gluon_launch(
             "GEMM2", gemm2_key(a, out, bias, scale, groups.tile),
