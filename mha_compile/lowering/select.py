@@ -117,18 +117,21 @@ def describe_slot_runs(match):
     ctx, w1 = _example(match.ctx), _expert_weights(match.params["w1"])
     (B, H, D), (E, _, F) = ctx.shape, w1.shape
     bound = f"{size_text(triton_moe.SLOT_CHUNK_BYTES)} a run ({triton_moe.SLOT_CHUNK_ENV})"
-    if not all(isinstance(d, int) for d in (B, H, D, E, F)):
-        return f"decided per call (symbolic shapes): runs of whole tiles within {bound}"
     top_k, act = match.config["top_k"], match.config["act"]
+    columns = f"{triton_moe.HIDDEN_COLUMNS_ENV}={triton_moe.HIDDEN_COLUMNS}"
+    passes = triton_moe.column_passes(F) if isinstance(F, int) else [(0, F)]
+    kept = triton_moe.keeps_hidden(act, match.keep_hidden)
+    if not all(isinstance(d, int) for d in (B, H, D, E, F)):
+        return (f"decided per call (symbolic shapes): runs of whole tiles within {bound}"
+                + (f"; the backward's hidden layer in {len(passes)} passes ({columns})" if len(passes) > 1 and not kept
+                   else ""))
     runs = region_graphs.slot_runs(ctx, w1, top_k, act)
     held = region_graphs.slot_buffer_bytes(ctx, w1, top_k, act)
     text = (f"{len(runs)} run{'s' * (len(runs) > 1)} of whole tiles: the backward's slot buffers, "
             f"{size_text(held)}, within {bound}")
-    passes = triton_moe.column_passes(F)
-    columns = f"{triton_moe.HIDDEN_COLUMNS_ENV}={triton_moe.HIDDEN_COLUMNS}"
     if len(passes) == 1:
         return text
-    if triton_moe.keeps_hidden(act, match.keep_hidden):
+    if kept:
         return f"{text}; {columns} is not taken: the region keeps u [slots, F] for its backward (keep_hidden)"
     widest = passes[0][1]
     per_pass = held * triton_moe.backward_slot_bytes(D, widest, act == "swiglu", 1) // triton_moe.backward_slot_bytes(

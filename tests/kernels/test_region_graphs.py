@@ -163,6 +163,8 @@ def test_the_report_says_when_the_hidden_layer_takes_passes(monkeypatch, keep):
     """With MHA_COMPILE_HIDDEN_COLUMNS the line gives the passes and their buffers instead of the
     backward's runs (medium, 256: four passes, a pass's xs, gs, hw, ∂u 66 MiB of the whole 165);
     a region that keeps u (keep_hidden) says the passes are not taken."""
+    from types import SimpleNamespace
+
     from mha_compile.lowering.select import describe_slot_runs
 
     monkeypatch.setattr(triton_moe, "HIDDEN_COLUMNS", 256)
@@ -177,6 +179,14 @@ def test_the_report_says_when_the_hidden_layer_takes_passes(monkeypatch, keep):
                         "fp32; the forward in runs within 512 MiB a run (MHA_COMPILE_SLOT_CHUNK_MB)")
     monkeypatch.setattr(triton_moe, "HIDDEN_COLUMNS", 1024)  # F in one pass: the runs' line
     assert describe_slot_runs(_fake_match("medium")).startswith("1 run of whole tiles")
+    monkeypatch.setattr(triton_moe, "HIDDEN_COLUMNS", 256)  # a symbolic batch: the passes named
+    match = _fake_match("medium")
+    ctx = match.ctx.meta["example_value"]
+    symbolic = SimpleNamespace(shape=("s0", *ctx.shape[1:]), dtype=ctx.dtype, device=ctx.device)
+    match.ctx = SimpleNamespace(meta={"example_value": symbolic})
+    assert describe_slot_runs(match) == ("decided per call (symbolic shapes): runs of whole tiles within 512 MiB a "
+                                         "run (MHA_COMPILE_SLOT_CHUNK_MB); the backward's hidden layer in 4 passes "
+                                         "(MHA_COMPILE_HIDDEN_COLUMNS=256)")
 
 
 def test_explain_reports_the_slot_runs():
