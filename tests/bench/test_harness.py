@@ -43,6 +43,25 @@ def test_rows_have_documented_fields(tmp_path, capsys):
     assert "host probe" in (tmp_path / "t.md").read_text()
 
 
+def test_a_rows_peak_is_read_against_the_fastest_peers():
+    """peak_ratio: a row's peak over the best peer's, the peer that sets × best peer (the fastest,
+    not the one with the least memory), in the row's own preset, dtype and pass; none where a
+    peak or a peer is missing (CPU rows have no peak)."""
+    def row(mode, ms, peak, preset="medium", spelling="grouped_mm"):
+        return {"preset": preset, "dtype": "bf16", "pass": "fwd+bwd", "device": "cuda", "mode": mode,
+                "spelling": spelling, "status": "ok", "time_ms": ms, "peak_mib": peak}
+
+    rows = [row("inductor-max-autotune", 1.573, 428.0), row("inductor", 3.688, 300.0, spelling="loop"),
+            row("mha-fused-cudagraphs", 1.239, 364.0), row("mha-fused", 1.8, None),
+            row("eager", 1.0, 900.0, preset="small"), row("mha-fused-cudagraphs", 0.6, 100.0, preset="small")]
+    report.add_speedups(rows)
+    ours, plain, small_ours = rows[2], rows[3], rows[5]
+    assert ours["best_peer_peak_mib"] == 428.0 and ours["peak_ratio"] == pytest.approx(364 / 428)
+    assert rows[1]["peak_ratio"] == pytest.approx(300 / 428) and plain["peak_ratio"] is None
+    assert small_ours["peak_ratio"] == pytest.approx(100 / 900)
+    assert "peak ÷ best peer's" in report.table(rows) and "0.85" in report.table(rows)
+
+
 def test_an_error_row_says_what_failed_inside_a_wrapper():
     """A row's error line: the exception's first line, and the next where the first only
     introduces it (Dynamo's BackendCompilerFailed; session 27's CI showed only "backend='inductor'
