@@ -46,7 +46,7 @@
 #   bash bench/h200_session.sh probe   # each MoE kernel alone under every config (bench/gemm_probe.py), then
 #                                      # CUDA time per kernel of the op (~6 min): gemm_probe.{txt,json}, kernel_times.txt
 #   [PROBE=up,hidden PROBE_PRESETS=large] bash bench/h200_session.sh verify  # CUDA time per kernel of the
-#                                      # op, then pytest -m cuda (~5 min); with PROBE, then gemm_probe.py on
+#                                      # op, then pytest -m cuda (~6 min); with PROBE, then gemm_probe.py on
 #                                      # those kernels (90 s at most): run.log, kernel_times.txt, gemm_probe.txt
 #   OLD=out/old.tar [AB_PRESETS=large,medium PROBE=up STEP_AB=1] bash bench/h200_session.sh ab
 #                                      # a change's kernels against the tree before it, in one call: OLD is that
@@ -203,7 +203,7 @@ verify)
     # kernel_times first: it builds the kernels into Triton's on-disk cache, which the tests' eight
     # workers then share (session 31's suite on a cold cache was ~40% through at 220 s)
     fused_kernel_times 150
-    gpu_tests 250
+    gpu_tests 330
     if [ -n "${PROBE:-}" ]; then
         { timeout -s INT 90 python bench/gemm_probe.py --presets "${PROBE_PRESETS:-large}" --kernels "$PROBE" \
             --out "$OUT/gemm_probe.json" 2>&1; } >"$OUT/gemm_probe.txt"

@@ -163,8 +163,7 @@ def test_runs_of_tiles(monkeypatch, module, act, autotune):
 
 
 @pytest.mark.parametrize("module", SETS)
-@pytest.mark.parametrize("act", ["gelu", "swiglu"])
-@pytest.mark.parametrize("autotune", [False, True])
+@pytest.mark.parametrize("act,autotune", [("gelu", True), ("swiglu", False)])
 def test_hidden_layer_in_column_passes(monkeypatch, module, act, autotune):
     """The backward's hidden layer in passes of 256 columns (MHA_COMPILE_HIDDEN_COLUMNS=256) at the
     medium preset, bf16, against float64: four passes, each on the Gluon hidden kernel (its gw
