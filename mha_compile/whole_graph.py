@@ -91,7 +91,25 @@ POOL_OUTSIDE = os.environ.get("MHA_COMPILE_POOL_OUTSIDE_GRAPHS", "1") != "0"
 # and backward: a large step's host issue 1.99 → 3.62 ms on the H200, session 40), which a step
 # whose graphs take ~0.65 ms of GPU (medium) cannot hide, for a copy of ~20 us there (32 MiB); at
 # large it saved 0.30 ms of a 5.6 ms step (512 MiB). MHA_COMPILE_POOL_OUTSIDE_MIN_MB sets it.
-POOL_OUTSIDE_MIN_BYTES = int(float(os.environ.get("MHA_COMPILE_POOL_OUTSIDE_MIN_MB", "256")) * 2**20)
+POOL_OUTSIDE_MIN_ENV = "MHA_COMPILE_POOL_OUTSIDE_MIN_MB"
+
+
+def pool_outside_min_bytes(text):
+    """POOL_OUTSIDE_MIN_BYTES from MHA_COMPILE_POOL_OUTSIDE_MIN_MB's text (None: 256 MiB; 0: every
+    size); a clear error for a value that is not a number of MiB from 0 (it was float()'s own)."""
+    if text is None:
+        return 256 << 20
+    try:
+        mib = float(text)
+    except ValueError:
+        mib = float("nan")
+    if not 0 <= mib < float("inf"):
+        raise ValueError(f"{POOL_OUTSIDE_MIN_ENV}={text!r}: expected a number of MiB from 0 (256 by default), the "
+                         "size of tok from which the pool runs outside the CUDA graphs")
+    return int(mib * 2**20)
+
+
+POOL_OUTSIDE_MIN_BYTES = pool_outside_min_bytes(os.environ.get(POOL_OUTSIDE_MIN_ENV))
 _REGION_ARGS = [a.name for a in torch.ops.mha.region.default._schema.arguments]
 _POOL_ARGS = ("tok", "q", "wk", "bk", "wv", "bv", "wo", "bo", "mask")  # mha::pool's, in order
 _MOE_ARGS = ("ctx", "wg", "w1", "b1", "w2", "b2", "w3")  # mha::moe's tensors, inv left out, in order

@@ -249,6 +249,15 @@ def test_a_small_tok_keeps_the_pool_in_the_graphs(monkeypatch):
 _TINY_TOK_BYTES = 4 * 5 * 32 * 4  # _capture_calls' tok [4,5,32] fp32
 
 
+def test_the_pool_outside_size_is_read_with_a_clear_error():
+    """MHA_COMPILE_POOL_OUTSIDE_MIN_MB: 256 MiB unset, fractions and 0 allowed; anything else names
+    the variable and the value (it was float()'s own "could not convert string to float")."""
+    assert [whole_graph.pool_outside_min_bytes(t) for t in (None, "0", "0.5", "64")] == [256 << 20, 0, 1 << 19, 64 << 20]
+    for bad in ("-1", "lots", "inf", "nan", ""):
+        with pytest.raises(ValueError, match=f"MHA_COMPILE_POOL_OUTSIDE_MIN_MB={bad!r}: expected a number of MiB"):
+            whole_graph.pool_outside_min_bytes(bad)
+
+
 def _inference(monkeypatch, seed, outside, options):
     """A tiny block (parameters and inputs drawn from `seed`) called once under no_grad through
     backend="mha" with `options`, the whole graph captured (CUDA graphs stood in for), with
