@@ -580,13 +580,19 @@ _hidden = Launcher(_moe_bwd_hidden_kernel, [
 ], key=["D", "F", "TILE", "ACT", "HAS_B1", "KEEP_U"])
 # The slots GEMM at large (same run): N_INNER with BLOCK_N 256, GEMM2 576 -> 545 us, ∂x 537 ->
 # 514; equal at medium. BLOCK_N 128 with N_INNER (∂x 534) replaces its 2-D twin (654).
-_slots_gemm = Launcher(_moe_slots_gemm_kernel, [
+_SLOTS_CONFIGS = [
     dict(BLOCK_N=64, BLOCK_K=64, N_INNER=True, num_warps=4, num_stages=3),
     dict(BLOCK_N=128, BLOCK_K=64, N_INNER=True, num_warps=8, num_stages=3),
     dict(BLOCK_N=128, BLOCK_K=64, N_INNER=False, num_warps=4, num_stages=3),
     dict(BLOCK_N=256, BLOCK_K=64, N_INNER=False, num_warps=8, num_stages=3),
     dict(BLOCK_N=256, BLOCK_K=64, N_INNER=True, num_warps=8, num_stages=3),
-], key=["K", "NOUT", "TILE", "HAS_A2", "HAS_BIAS", "HAS_SCALE", "ACCUMULATE"], restore=["out_ptr"])
+]
+_SLOTS_KEY = ["K", "NOUT", "TILE", "HAS_A2", "HAS_BIAS", "HAS_SCALE", "ACCUMULATE"]
+_slots_gemm = Launcher(_moe_slots_gemm_kernel, _SLOTS_CONFIGS, key=_SLOTS_KEY)
+# ∂x added into fp32 rows over the backward's column passes (ACCUMULATE): the autotuner's trials
+# must not add into them, so it restores the rows after each (a copy of them a trial); the
+# launches that write (GEMM2, ∂x in one pass) skip that copy.
+_slots_gemm_into = Launcher(_moe_slots_gemm_kernel, _SLOTS_CONFIGS, key=_SLOTS_KEY, restore=["out_ptr"])
 _wgrad = Launcher(_moe_wgrad_kernel, [
     dict(BLOCK_I=64, BLOCK_J=64, BLOCK_S=32, num_warps=4, num_stages=3),
     dict(BLOCK_I=128, BLOCK_J=128, BLOCK_S=64, num_warps=8, num_stages=3),
@@ -1065,7 +1071,7 @@ def slots_gemm(a, b, strides, nout, groups, a2=None, b2=None, bias=None, scale=N
             "GEMM2", gemm2_key(a, out, bias, scale, groups.tile),
             functools.partial(gluon_moe.slots_gemm, a, b, groups, out, bias, scale)):
         return out
-    _slots_gemm(tile_grid(groups, nout, "BLOCK_N"),
+    (_slots_gemm_into if accumulate else _slots_gemm)(tile_grid(groups, nout, "BLOCK_N"),
                 a, b, a if a2 is None else a2, b if b2 is None else b2, b if bias is None else bias,
                 out if scale is None else scale, groups.slot_pair, groups.tile_expert, out,
                 groups.pairs, K, nout, *strides,

@@ -406,6 +406,20 @@ def test_hidden_layer_in_column_passes(monkeypatch, module, act, bias, F):
     assert [args[4].shape[2] for args in layers] == ([64, 64, 64] if F == 192 else [64, 64, 32])
 
 
+@pytest.mark.parametrize("i", range(len(triton_moe._slots_gemm_into.configs)))
+def test_every_config_adds_the_passes_into_dx(monkeypatch, i):
+    """∂x added over the column passes (the slots GEMM's ACCUMULATE, its own launcher) under each
+    config the autotuner may pick: D = 40 and F = 160 give partial column blocks and a short last
+    pass; the gradients against float64."""
+    monkeypatch.setattr(triton_moe, "HIDDEN_COLUMNS", 64)
+    launcher = triton_moe._slots_gemm_into
+    monkeypatch.setattr(launcher, "configs", [launcher.configs[i]])
+    calls = record_calls(monkeypatch, triton_moe, "_slots_gemm_into")
+    ctx, tok, params = make_case(3, 4, 5, 40, 2, 160, 3, 2, act="gelu")
+    check_region(fused, ctx, tok, params, top_k=2, renorm=True, act="gelu")
+    assert len(calls) == 2  # the second and third passes add; the first writes
+
+
 @pytest.mark.parametrize("module", SETS)
 def test_a_kept_hidden_layer_takes_one_pass(monkeypatch, module):
     """A region that keeps the forward's u [S, F] (KEEP_HIDDEN) holds the whole hidden layer
