@@ -72,6 +72,22 @@ class Options:
         return cls(**options)
 
 
+def env_mib(name, text, default, what, zero=False):
+    """Bytes from an environment variable's text in MiB (None: `default` MiB), with a clear error
+    naming the variable and the value for anything but a finite number of MiB above 0 (from 0
+    with zero=True); `what` says what the size bounds."""
+    if text is None:
+        return int(default * 2**20)
+    try:
+        mib = float(text)
+    except ValueError:
+        mib = float("nan")
+    if not ((mib >= 0 if zero else mib > 0) and mib < float("inf")):
+        wanted = "a number of MiB from 0" if zero else "a positive number of MiB"
+        raise ValueError(f"{name}={text!r}: expected {wanted} ({default} by default), {what}")
+    return int(mib * 2**20)
+
+
 def _check_choice(name, value, allowed):
     if value not in allowed:
         raise ValueError(f"mha options: {name}={value!r} is not allowed; expected one of {allowed}")

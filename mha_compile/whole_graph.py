@@ -31,6 +31,7 @@ from unittest import mock
 import torch
 
 from mha_compile import pool_moe_ops
+from mha_compile.options import env_mib
 from mha_compile.kernels import triton_region
 
 log = logging.getLogger("mha_compile")
@@ -97,16 +98,8 @@ POOL_OUTSIDE_MIN_ENV = "MHA_COMPILE_POOL_OUTSIDE_MIN_MB"
 def pool_outside_min_bytes(text):
     """POOL_OUTSIDE_MIN_BYTES from MHA_COMPILE_POOL_OUTSIDE_MIN_MB's text (None: 256 MiB; 0: every
     size); a clear error for a value that is not a number of MiB from 0 (it was float()'s own)."""
-    if text is None:
-        return 256 << 20
-    try:
-        mib = float(text)
-    except ValueError:
-        mib = float("nan")
-    if not 0 <= mib < float("inf"):
-        raise ValueError(f"{POOL_OUTSIDE_MIN_ENV}={text!r}: expected a number of MiB from 0 (256 by default), the "
-                         "size of tok from which the pool runs outside the CUDA graphs")
-    return int(mib * 2**20)
+    return env_mib(POOL_OUTSIDE_MIN_ENV, text, 256, "the size of tok from which the pool runs outside the CUDA graphs",
+                   zero=True)
 
 
 POOL_OUTSIDE_MIN_BYTES = pool_outside_min_bytes(os.environ.get(POOL_OUTSIDE_MIN_ENV))

@@ -58,6 +58,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from mha_compile.kernels.triton_util import (ACT_CODE, GW_BLOCK, SUM_BLOCK, Launcher, _sum_splits_kernel, act_bwd,
                                              act_fwd, cdiv, dot_precision, gpu_options, launch, load_x, log, num_sms,
                                              pow2, stamp, sum_splits, tma_ok)
+from mha_compile.options import env_mib
 
 try:  # the Gluon kernels for Hopper, where this Triton has Gluon (3.6 has)
     from mha_compile.kernels import gluon_moe
@@ -859,16 +860,7 @@ SLOT_CHUNK_ENV = "MHA_COMPILE_SLOT_CHUNK_MB"
 def slot_chunk_bytes(text):
     """SLOT_CHUNK_BYTES from MHA_COMPILE_SLOT_CHUNK_MB's text (None: 512 MiB); a clear error for a
     value that is not a positive number of MiB."""
-    if text is None:
-        return 512 << 20
-    try:
-        mib = float(text)
-    except ValueError:
-        mib = float("nan")
-    if not mib > 0 or mib == float("inf"):
-        raise ValueError(f"{SLOT_CHUNK_ENV}={text!r}: expected a positive number of MiB (512 by default), "
-                         "the slot buffers a run of the MoE's tiles may take")
-    return max(1, int(mib * 2**20))
+    return max(1, env_mib(SLOT_CHUNK_ENV, text, 512, "the slot buffers a run of the MoE's tiles may take"))
 
 
 SLOT_CHUNK_BYTES = slot_chunk_bytes(os.environ.get(SLOT_CHUNK_ENV))
