@@ -104,7 +104,8 @@ def table_rows(rows):
         out.append([r["preset"], r["dtype"], r["pass"], r["spelling"], r["mode"],
                     _fmt(r.get("time_ms"), ".3f"), _fmt(r.get("speedup"), ".2f"),
                     _fmt(r.get("pct_floor"), ".1f"), _fmt(r.get("tflops"), ".2f"),
-                    _fmt(r.get("peak_mib"), ".0f"), _fmt(r.get("peak_ratio"), ".2f"), _fmt(err, ".1e") + flag, _fmt(grad, ".1e") + gflag,
+                    _fmt(r.get("peak_mib"), ".0f"), _fmt(r.get("peak_ratio"), ".2f"),
+                    _fmt(err, ".1e") + flag, _fmt(grad, ".1e") + gflag,
                     _fmt(r.get("first_call_s"), ".1f"), note])
     return out
 

@@ -1051,8 +1051,8 @@ def tile_grid(groups, n, block):
 def slots_gemm(a, b, strides, nout, groups, a2=None, b2=None, bias=None, scale=None, out=None, accumulate=False):
     """[S, nout] in b's dtype: scale · (a B[e] (+ a2 B2[e]) + bias[e]); `strides` = (e, k, n)
     of B. out: rows to write into (a contiguous [S, nout] view), else allocated; accumulate: added
-    to what out holds, fp32 (the Triton kernel). One operand pair with B row-major (GEMM2, B = W2) runs
-    gluon_moe's GEMM where gemm2_kernel says so."""
+    to what out holds, fp32 (the Triton kernel). One operand pair with B row-major (GEMM2, B = W2)
+    runs gluon_moe's GEMM where gemm2_kernel says so."""
     K = a.shape[1]
     if out is None:
         out = torch.empty(groups.slots, nout, device=a.device, dtype=b.dtype)
@@ -1063,12 +1063,13 @@ def slots_gemm(a, b, strides, nout, groups, a2=None, b2=None, bias=None, scale=N
             "GEMM2", gemm2_key(a, out, bias, scale, groups.tile),
             functools.partial(gluon_moe.slots_gemm, a, b, groups, out, bias, scale)):
         return out
-    (_slots_gemm_into if accumulate else _slots_gemm)(tile_grid(groups, nout, "BLOCK_N"),
-                a, b, a if a2 is None else a2, b if b2 is None else b2, b if bias is None else bias,
-                out if scale is None else scale, groups.slot_pair, groups.tile_expert, out,
-                groups.pairs, K, nout, *strides,
-                HAS_A2=a2 is not None, HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
-                ACCUMULATE=accumulate, PRECISION=dot_precision(b.dtype), TILE=groups.tile)
+    launcher = _slots_gemm_into if accumulate else _slots_gemm
+    launcher(tile_grid(groups, nout, "BLOCK_N"),
+             a, b, a if a2 is None else a2, b if b2 is None else b2, b if bias is None else bias,
+             out if scale is None else scale, groups.slot_pair, groups.tile_expert, out,
+             groups.pairs, K, nout, *strides,
+             HAS_A2=a2 is not None, HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
+             ACCUMULATE=accumulate, PRECISION=dot_precision(b.dtype), TILE=groups.tile)
     return out
 
 
@@ -1440,7 +1441,7 @@ def _backward_columns(grad_out, x, inv, weight, groups, w1, b1, w2, b2, w3, act,
     share of ∂x_slot = Σ_f ∂u W1ᵀ into fp32 rows (ACCUMULATE), so the passes' roundings are not
     added up in bf16. Returns (∂x_slot [S,D] fp32, (∂W1, ∂b1, ∂W2, ∂b2, ∂W3)) in the weights'
     dtype, as _backward_tiles does over the whole layout but for ∂x_slot's dtype."""
-    E, D, F = w1.shape
+    _, D, F = w1.shape
     dev, wdt = x.device, w1.dtype
     xs, gs, db2_part = gather_rows(x, inv, groups, horizons, wdt, grad_out, weight, b2, gw,
                                    gb2_col=cdiv(F, GW_BLOCK))

@@ -134,8 +134,8 @@ def describe_slot_runs(match):
     if kept:
         return f"{text}; {columns} is not taken: the region keeps u [slots, F] for its backward (keep_hidden)"
     widest = passes[0][1]
-    per_pass = held * triton_moe.backward_slot_bytes(D, widest, act == "swiglu", 1) // triton_moe.backward_slot_bytes(
-        D, F, act == "swiglu", 1)
+    per_pass = (triton_moe.slot_count(B * H * top_k, E)
+                * triton_moe.backward_slot_bytes(D, widest, act == "swiglu", ctx.dtype.itemsize))
     return (f"the backward over all slots at once, its hidden layer in {len(passes)} passes of at most {widest} of "
             f"F = {F} columns ({columns}): its slot buffers {size_text(per_pass)} a pass, ∂x's slot rows in fp32; "
             f"the forward in runs within {bound}")
