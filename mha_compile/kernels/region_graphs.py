@@ -177,9 +177,15 @@ def _remember(key, entry):
 def _pool_and_stream(device):
     if device not in _pools:
         _pools[device] = torch.cuda.graph_pool_handle()
+    return _pools[device], side_stream(device)
+
+
+def side_stream(device):
+    """The one side stream of `device` that warm-ups and captures run on (here and in
+    step_graphs): a new stream would cost cuBLAS another workspace."""
     if device not in _streams:
         _streams[device] = torch.cuda.Stream(device=device)
-    return _pools[device], _streams[device]
+    return _streams[device]
 
 
 def _address(t):
@@ -202,7 +208,7 @@ class _Graph:
     def __init__(self, fn, args, statics, in_place, pool, stream):
         self.read_in_place = in_place
         self.addresses = [_address(a) if keep else None for a, keep in zip(args, in_place)]
-        self.inputs = [a if keep or a is None else _static_copy(a) for a, keep in zip(args, in_place)]
+        self.inputs = [a if keep or a is None else static_copy(a) for a, keep in zip(args, in_place)]
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up on the static inputs: any kernel specialisation
             fn(*self.inputs, *statics)  # they need is compiled now, not inside the capture
@@ -227,16 +233,13 @@ class _Graph:
         if last is not None and last != current:
             current.wait_stream(last)  # the last replay's reads and writes come first
         _last_stream[self.device] = current
-        _copy([(s, a) for s, a in zip(self.inputs, args) if s is not None])
+        copy_pairs([(s, a) for s, a in zip(self.inputs, args) if s is not None])
         self.graph.replay()
-        static = [o for o in self.outputs if o is not None]
-        fresh = [torch.empty_like(o) for o in static]
-        _copy(list(zip(fresh, static)))
-        fresh = iter(fresh)
+        fresh = iter(fresh_copies([o for o in self.outputs if o is not None]))
         return type(self.outputs)(None if o is None else next(fresh) for o in self.outputs)
 
 
-def _copy(pairs):
+def copy_pairs(pairs):
     """dst.copy_(src) for each (dst, src), one _foreach_copy_ a group of one dtype whose pairs
     share strides: only such a group takes its one-launch path (ATen's can_use_fast_route); a
     mixed list (the saved tensors mix bf16, fp32 and int32) is copied one tensor at a time, a
@@ -250,7 +253,15 @@ def _copy(pairs):
         torch._foreach_copy_(dsts, srcs)
 
 
-def _static_copy(t):
+def fresh_copies(tensors):
+    """Copies of `tensors` in fresh memory (a graph's static outputs handed out: the next replay
+    overwrites the static ones)."""
+    fresh = [torch.empty_like(t) for t in tensors]
+    copy_pairs(list(zip(fresh, tensors)))
+    return fresh
+
+
+def static_copy(t):
     """A graph input holding t's values, with t's strides where t is dense (so the captured
     kernels see the layout the eager call saw), else contiguous."""
     static = torch.empty_like(t, memory_format=torch.preserve_format)

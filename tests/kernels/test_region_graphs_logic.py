@@ -190,7 +190,7 @@ def test_copies_of_mixed_dtypes_and_layouts_land_each_in_its_own():
             torch.randn(3, 4, generator=gen).to(torch.bfloat16), torch.randn(2, 6, generator=gen),
             torch.randn(6, 2, generator=gen).t(), torch.randint(0, 9, (2, 2), generator=gen, dtype=torch.int32)]
     dsts = [torch.full_like(s, 0, memory_format=torch.contiguous_format) for s in srcs]
-    region_graphs._copy(list(zip(dsts, srcs)))
+    region_graphs.copy_pairs(list(zip(dsts, srcs)))
     assert all(d.dtype == s.dtype and torch.equal(d, s) for d, s in zip(dsts, srcs))
 
 
