@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from mha_compile import ops, verify, whole_graph
+from mha_compile import ops, step_graphs, verify, whole_graph
 from mha_compile.debug.dump import publish
 from mha_compile.debug.report import GraphReport
 from mha_compile.lowering.match import find_regions
@@ -32,6 +32,9 @@ def mha_backend(gm, example_inputs, options=None, mode=None):
     """Dynamo backend: rewrite MHA regions of gm, then run everything with `rest`."""
     opts = Options.parse(options)
     mode = _mode(mode, opts.mode)
+    if opts.step_graphs and mode != "reduce-overhead":
+        raise ValueError(f"mha options: step_graphs=True replays mode='reduce-overhead''s CUDA graphs through "
+                         f"mha_compile's own; it takes mode='reduce-overhead', got mode={mode!r}")
     report = GraphReport(next(_graph_counter), options={k: str(v) for k, v in vars(opts).items()})
     report.code_before = gm.code
     whole = _whole_graph_captured(opts, mode, example_inputs)
@@ -139,7 +142,7 @@ def run_rest(gm, example_inputs, opts, mode, whole, split=None, report=None):
     if opts.rest == "inductor":
         compile_graphs = functools.partial(_inductor, mode=mode, graphs="off" if whole else opts.graphs)
     elif whole:
-        compile_graphs = whole_graph.capture
+        compile_graphs = _own_step_graphs if opts.step_graphs else whole_graph.capture
     else:
         if mode == "reduce-overhead":
             log.info("mha_compile: mode='reduce-overhead' without CUDA inputs: running without CUDA graphs")
@@ -160,6 +163,14 @@ def run_rest(gm, example_inputs, opts, mode, whole, split=None, report=None):
                 for match in report.matches if report is not None else ():
                     match["graphs"] = CAPTURED_WHOLE
         return compile_graphs(gm, example_inputs)
+
+
+def _own_step_graphs(gm, example_inputs):
+    """step_graphs.compile on gm, run eagerly with its region calls on RegionFunction (graphs off:
+    the step's graphs take the region with the rest); torch's trees (whole_graph.capture) where it
+    refuses gm."""
+    return step_graphs.compile(gm, example_inputs, _region_calls(gm, ops.region_call, "off").forward,
+                               whole_graph.capture)
 
 
 def _inductor(gm, example_inputs, mode, graphs):

@@ -37,6 +37,12 @@ class Options:
         mode: torch.compile's `mode`, given here because torch.compile refuses `mode` and
             `options` together: options={"rest": "inductor", "mode": "reduce-overhead"} is
             mode="reduce-overhead" with these options. None: torch.compile's own `mode`.
+        step_graphs: under mode="reduce-overhead" with rest="eager", replay the step through
+            mha_compile's own two CUDA graphs (forward and backward, behind one autograd node,
+            as torch.cuda.make_graphed_callables does) instead of torch's CUDA-graph trees behind
+            AOTAutograd, whose runtime binds small and medium steps on the host. Experimental,
+            not yet timed on a GPU; graphs it cannot take (step_graphs.why_not: inputs it writes
+            into, random numbers, outputs that alias) go to the trees with a warning.
     """
 
     kernels: str = DEFAULT_KERNELS
@@ -47,15 +53,19 @@ class Options:
     graphs: str = DEFAULT_GRAPHS
     keep_hidden: bool = False
     mode: str | None = None
+    step_graphs: bool = False
 
     def __post_init__(self):
         _check_choice("kernels", self.kernels, KERNELS)
         _check_choice("rest", self.rest, REST)
         _check_choice("graphs", self.graphs, GRAPHS)
         _check_choice("mode", self.mode, MODES)
-        for name in ("verify", "strict", "keep_hidden"):
+        for name in ("verify", "strict", "keep_hidden", "step_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"mha options: {name}={getattr(self, name)!r} must be True or False")
+        if self.step_graphs and self.rest != "eager":
+            raise ValueError(f"mha options: step_graphs=True replays the step through mha_compile's own CUDA graphs "
+                             f"with rest='eager'; rest={self.rest!r} takes its own (Inductor's)")
         if self.dump is not None and not isinstance(self.dump, (str, os.PathLike)):
             raise TypeError(f"mha options: dump={self.dump!r} must be a folder path (str or os.PathLike)")
 

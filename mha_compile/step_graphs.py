@@ -1,0 +1,324 @@
+"""mode="reduce-overhead" with rest="eager" and options step_graphs=True: the compiled step
+replayed through two CUDA graphs of our own, its forward and its backward, behind one
+autograd.Function, instead of torch's CUDA-graph trees behind AOTAutograd.
+
+Why: at small and medium a step under reduce-overhead is bound by the host, and most of that
+host time is torch's runtime around the graphs, not the graphs: under the profiler a medium step's
+`CompiledFunction` took 276 us of its own, `CompiledFunctionBackward` 316 and "Torch-Compiled
+Region" 115, for ~0.61 ms of GPU work (H200, torch 2.11, bench/PERF_NOTES.md v48). Replaying the
+step the way torch.cuda.make_graphed_callables does skips AOTAutograd's wrappers and the trees'
+bookkeeping; a replay then costs the input copies, a graph launch and the output copies.
+
+How, per compiled graph (Dynamo guards every input's shape, strides, dtype, device and
+requires_grad and the grad mode, so a graph meets one signature; training and inference are
+still kept apart):
+1. the first call runs eagerly: it compiles and autotunes every kernel, and where each input
+   lies is noted;
+2. the second captures: inputs found where the first call had them (parameters, buffers, a batch
+   buffer the caller refills) are read in place, every other one is copied into a static input;
+   after a warm-up on the side stream, the forward is captured with autograd recording and the
+   backward as torch.autograd.grad of its outputs, into the step's own memory pool;
+3. each call copies its moved inputs in, replays the forward and hands out copies of the outputs
+   (the next replay overwrites the graph's own); the backward copies ∂out in, replays, and hands
+   autograd the graph's input gradients, which AccumulateGrad copies into .grad (a reference
+   kept here stops it from taking them as they are).
+
+Refused when compiled, with a warning, torch's CUDA-graph trees then taking the step as they do
+without step_graphs: an input that is not a CUDA tensor (a size under dynamic shapes), and a graph
+that writes into one of its inputs, draws random numbers, or returns an input's or another
+output's memory (`why_not`). At run time: an input read in place that has moved makes the call
+capture again with it copied; a forward while the last one's backward is still to come (its
+saved values live in the graph's pool) runs eagerly; a backward whose forward's values a later
+replay overwrote (through a retained graph) raises; a failed capture runs the step eagerly from
+then on, with a warning.
+"""
+import logging
+import threading
+import weakref
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from mha_compile.kernels import region_graphs
+
+log = logging.getLogger("mha_compile")
+_EAGER = "eager"  # a signature whose capture failed: it runs eagerly from then on
+
+
+def compile(gm, example_inputs, run, fallback):
+    """A callable replaying the step `run` (gm's graph, run eagerly) through its own CUDA graphs,
+    or fallback(gm, example_inputs) with a warning where why_not refuses gm."""
+    reason = why_not(gm, example_inputs, CudaGraphs.takes)
+    if reason is not None:
+        log.warning("mha_compile: step_graphs=True: torch's CUDA-graph trees take this graph instead, since %s",
+                    reason)
+        return fallback(gm, example_inputs)
+    log.info("mha_compile: the step replays through mha_compile's own CUDA graphs (step_graphs=True)")
+    return StepGraphs(run, CudaGraphs)
+
+
+def why_not(gm, example_inputs, on_device):
+    """Why gm's step cannot replay through step graphs (None: it can): an input that is not a
+    tensor for which on_device is true (the recorder's `takes`), or what running gm on fake
+    copies of its inputs shows (_Watch)."""
+    for i, value in enumerate(example_inputs):
+        if not isinstance(value, torch.Tensor):
+            return f"input {i} is a {type(value).__name__}, not a tensor (a size, under dynamic shapes)"
+        if not on_device(value):
+            return f"input {i} is on {value.device}, not on a CUDA device"
+    if len({t.device for t in example_inputs}) > 1:
+        return f"the inputs are on several devices ({sorted({str(t.device) for t in example_inputs})})"
+    fake_mode = torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)
+    try:
+        fakes = [fake_mode.from_tensor(t) for t in example_inputs]
+        with fake_mode, _Watch(fakes) as watch:
+            outputs = torch.fx.Interpreter(gm).run(*fakes)
+    except Exception as error:  # noqa: BLE001 (what cannot be checked is not captured)
+        return f"running it on fake inputs to check it failed ({type(error).__name__}: {error})"
+    if watch.found is not None:
+        return watch.found
+    seen = {}
+    for j, out in enumerate(torch.utils._pytree.tree_leaves(outputs)):
+        if not isinstance(out, torch.Tensor):
+            return f"output {j} is a {type(out).__name__}, not a tensor"
+        storage = StorageWeakRef(out.untyped_storage())
+        if storage in watch.inputs:
+            return f"output {j} is a view of input {watch.inputs[storage]} (its copy would be handed out, not it)"
+        if storage in seen:
+            return f"outputs {seen[storage]} and {j} share memory (copies would not)"
+        seen[storage] = j
+    return None
+
+
+class _Watch(TorchDispatchMode):
+    """Notes the first aten op that writes into an input's memory or draws random numbers."""
+
+    def __init__(self, inputs):
+        super().__init__()
+        self.inputs = {StorageWeakRef(t.untyped_storage()): i for i, t in enumerate(inputs)}
+        self.found = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.found is None:
+            self.found = self._finding(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _finding(self, func, args, kwargs):
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            return f"it draws random numbers ({func}), which its graphs would not draw anew on each replay"
+        for position, argument in enumerate(func._schema.arguments):
+            value = args[position] if position < len(args) else kwargs.get(argument.name)
+            if argument.alias_info is None or not argument.alias_info.is_write:
+                continue
+            for t in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(t, torch.Tensor) and StorageWeakRef(t.untyped_storage()) in self.inputs:
+                    index = self.inputs[StorageWeakRef(t.untyped_storage())]
+                    return f"it writes into input {index} ({func}, argument {argument.name}), which a replay would not"
+        return None
+
+
+class StepGraphs:
+    """The compiled step: its first call eager, later ones replays of its graphs (module docstring).
+    run: the graph run eagerly; recorder(device): what captures and replays (CudaGraphs)."""
+
+    def __init__(self, run, recorder):
+        self.run, self.recorder = run, recorder
+        self.entries = {}  # training -> _Seen | _Step | _EAGER
+        self.lock = threading.RLock()
+        self.said_pending = False
+
+    def __call__(self, *args):
+        if torch.is_inference_mode_enabled():
+            return self.run(*args)  # static inputs made under inference mode could not be copied into outside it
+        training = torch.is_grad_enabled() and any(a.requires_grad for a in args)
+        with self.lock:
+            entry = self.entries.get(training)
+            if entry is _EAGER:
+                return self.run(*args)
+            if entry is None:
+                self.entries[training] = _Seen(args)
+                return self.run(*args)
+            if isinstance(entry, _Seen) or not entry.addresses_hold(args):
+                entry = self._capture(args, entry.in_place(args), training)
+                if entry is None:
+                    return self.run(*args)
+            if not training:
+                return tuple(entry.forward(args))
+            if entry.pending():
+                if not self.said_pending:
+                    self.said_pending = True
+                    log.warning("mha_compile: the step's graphs were called again before the backward of their "
+                                "last call; such calls run eagerly (their saved values live in the graphs' memory)")
+                return self.run(*args)
+            return _Replay.apply(entry, *args)
+
+    def _capture(self, args, in_place, training):
+        """A _Step for args (remembered), or None with a warning where capturing fails (the step
+        then runs eagerly from then on)."""
+        old = self.entries.get(training)
+        try:
+            entry = _Step(self.run, args, in_place, training, self.recorder(args[0].device))
+        except Exception as error:  # noqa: BLE001 (any capture failure: run eagerly instead)
+            log.warning("mha_compile: capturing the step as CUDA graphs failed (%s: %s); it runs without them",
+                        type(error).__name__, error)
+            self.entries[training] = _EAGER
+            return None
+        if isinstance(old, _Step):
+            old.recorder.synchronize()  # its last replay may still be reading what it holds
+        self.entries[training] = entry
+        return entry
+
+
+class _Seen:
+    """A step called once (eagerly): where its inputs were."""
+
+    def __init__(self, args):
+        self.addresses = [a.data_ptr() for a in args]
+
+    def in_place(self, args):
+        return [a.data_ptr() == at for a, at in zip(args, self.addresses)]
+
+
+class _Step:
+    """One capture: static inputs for the copied arguments, the graphs, their static outputs and
+    gradients, and which forward's values the graphs' memory holds (generation)."""
+
+    def __init__(self, run, args, in_place, training, recorder):
+        self.recorder, self.read_in_place = recorder, in_place
+        self.addresses = [a.data_ptr() if keep else None for a, keep in zip(args, in_place)]
+        with torch.no_grad():
+            surface = [a.detach() if keep else region_graphs.static_copy(a) for a, keep in zip(args, in_place)]
+        for static, a in zip(surface, args):
+            static.requires_grad_(training and a.requires_grad)
+        self.copied = [(i, static) for i, (static, keep) in enumerate(zip(surface, in_place)) if not keep]
+        self.wanted = [static.requires_grad for static in surface]  # the inputs given a gradient
+
+        def forward():
+            with torch.enable_grad() if training else torch.no_grad():
+                return list(run(*surface))
+
+        def backward(outputs, grad_outputs):
+            return torch.autograd.grad([o for o, g in zip(outputs, grad_outputs) if g is not None],
+                                       [s for s in surface if s.requires_grad],
+                                       [g for g in grad_outputs if g is not None], allow_unused=True)
+
+        recorder.warm_up(forward, backward if training else None)
+        self.outputs, self.replay_forward = recorder.capture_forward(forward)
+        self.grad_outputs = [torch.empty_like(o) if o.requires_grad else None for o in self.outputs]
+        self.grads = self.replay_backward = None
+        if any(g is not None for g in self.grad_outputs):  # else no output takes a gradient: no backward
+            self.grads, self.replay_backward = recorder.capture_backward(
+                lambda outputs: backward(outputs, self.grad_outputs), self.outputs)
+        self.generation, self.last, self.backward_done = 0, None, False
+
+    def addresses_hold(self, args):
+        return all(not keep or a.data_ptr() == at for a, keep, at in zip(args, self.read_in_place, self.addresses))
+
+    def in_place(self, args):
+        """What stays read in place when the step is captured again (an input moved)."""
+        return [keep and a.data_ptr() == at for a, keep, at in zip(args, self.read_in_place, self.addresses)]
+
+    def pending(self):
+        """Whether the last forward's backward is still to come (its autograd node alive)."""
+        return self.last is not None and self.last() is not None and not self.backward_done
+
+    def forward(self, args, ctx=None):
+        """Replay the forward on args; copies of its outputs. ctx: the autograd node a backward
+        will come through (training)."""
+        self.recorder.before_replay()
+        region_graphs.copy_pairs([(static, args[i]) for i, static in self.copied])
+        self.replay_forward()
+        self.generation += 1
+        if ctx is not None:
+            self.last, self.backward_done = weakref.ref(ctx), False
+        return region_graphs.fresh_copies(self.outputs)
+
+    def backward(self, generation, grads):
+        """Replay the backward for the forward `generation` with ∂out = grads; a gradient per input."""
+        if generation != self.generation:
+            raise RuntimeError("mha_compile: backward through a step whose CUDA graphs have replayed a later forward "
+                               "since: the values it saved are overwritten (step_graphs=True keeps one forward's)")
+        self.recorder.before_replay()
+        region_graphs.copy_pairs([(static, g) for static, g in zip(self.grad_outputs, grads) if static is not None])
+        self.replay_backward()
+        self.backward_done = True
+        grads = iter(self.grads)
+        return [next(grads) if wanted else None for wanted in self.wanted]
+
+
+class _Replay(torch.autograd.Function):
+    """A training step's replay: forward and backward graphs as one autograd node."""
+
+    @staticmethod
+    def forward(ctx, step, *args):
+        outputs = step.forward(args, ctx)
+        ctx.step, ctx.generation = step, step.generation
+        # The inputs read in place stay alive until the backward, and an in-place change to one
+        # before it raises, as eager autograd's saved tensors do.
+        ctx.save_for_backward(*[a for a, keep in zip(args, step.read_in_place) if keep])
+        ctx.mark_non_differentiable(*[o for o, static in zip(outputs, step.outputs) if not static.requires_grad])
+        return tuple(outputs)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):
+        ctx.saved_tensors  # noqa: B018 (unpacking checks their versions)
+        return (None, *ctx.step.backward(ctx.generation, grads))
+
+
+class CudaGraphs:
+    """Capture and replay on `device`: one private memory pool a step, the device's side stream
+    (region_graphs.side_stream) for the warm-up and the captures."""
+
+    def __init__(self, device):
+        self.device = device
+        self.pool = torch.cuda.graph_pool_handle()
+        self.stream = region_graphs.side_stream(device)
+        self.last_stream = None
+
+    @staticmethod
+    def takes(t):
+        """Whether a step input can be read by these graphs."""
+        return t.is_cuda
+
+    def warm_up(self, forward, backward):
+        """One forward (and backward, with ∂out = 1) on the side stream: what the eager call left
+        uncompiled or unallocated for the static inputs and this stream (cuBLAS's workspace) is
+        done now, not inside a capture."""
+        with torch.cuda.device(self.device):
+            self.stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.stream):
+                outputs = forward()
+                if backward is not None and any(o.requires_grad for o in outputs):
+                    backward(outputs, [torch.ones_like(o) if o.requires_grad else None for o in outputs])
+            torch.cuda.current_stream().wait_stream(self.stream)
+
+    def capture_forward(self, forward):
+        """(forward's outputs, captured, and the replay of what made them)."""
+        return self._capture(forward)
+
+    def capture_backward(self, backward, outputs):
+        """(backward(outputs), captured, and its replay): it reads what the forward's replay left."""
+        return self._capture(lambda: backward(outputs))
+
+    def _capture(self, fn):
+        # The capture error mode is torch.cuda.graph's default, "global", as in
+        # make_graphed_callables: the backward's kernels are issued by the autograd engine's device
+        # thread, not the one that began the capture.
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.device(self.device):
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+                result = fn()
+        return result, graph.replay
+
+    def before_replay(self):
+        """A replay on another stream than the last one waits for it (they share the pool)."""
+        current = torch.cuda.current_stream(self.device)
+        if self.last_stream is not None and self.last_stream != current:
+            current.wait_stream(self.last_stream)
+        self.last_stream = current
+
+    def synchronize(self):
+        torch.cuda.synchronize(self.device)

@@ -1,0 +1,366 @@
+"""step_graphs (options step_graphs=True) on the CPU, with its CUDA recorder replaced by a
+stand-in, and what why_not refuses.
+
+The stand-in (Emulated) keeps a "capture"'s results as the static tensors and makes a replay
+run the captured function again and write into them, as a CUDA graph writes into the addresses
+it captured; the backward's replay first runs the forward again on the static inputs, whose
+values the last forward replay left (a CUDA graph's backward reads the saved values that replay
+left in the pool). So these tests check what step_graphs adds around the graphs: the first
+call eager, the inputs read in place or copied, a capture again when one moves, fresh outputs,
+gradients handed to autograd without being taken as .grad, the eager call while a backward is
+pending, the error for a backward whose values were overwritten. The real capture and replay
+are tested on the GPU (test_step_graphs_cuda.py).
+"""
+import logging
+
+import pytest
+import torch
+
+from mha_compile import backend, models, step_graphs
+from mha_compile.step_graphs import CudaGraphs  # the real one: the tests replace the module's
+
+
+def _write(static, new):
+    with torch.no_grad():
+        for s, n in zip(static, new):
+            if s is not None:
+                s.copy_(n)
+
+
+class Emulated:
+    """step_graphs' recorder on the CPU (the module docstring); counts what it did."""
+
+    made = []
+    fail = False
+
+    def __init__(self, device):
+        self.device, self.forward = device, None
+        self.warm_ups = self.forward_replays = self.backward_replays = 0
+        Emulated.made.append(self)
+
+    @staticmethod
+    def takes(t):
+        return True
+
+    def warm_up(self, forward, backward):
+        self.warm_ups += 1
+        outputs = forward()
+        if backward is not None:
+            backward(outputs, [torch.ones_like(o) if o.requires_grad else None for o in outputs])
+
+    def capture_forward(self, forward):
+        if Emulated.fail:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        self.forward = forward
+        outputs = forward()
+
+        def replay():
+            self.forward_replays += 1
+            _write(outputs, forward())
+
+        return outputs, replay
+
+    def capture_backward(self, backward, outputs):
+        grads = backward(outputs)
+
+        def replay():
+            self.backward_replays += 1
+            _write(grads, backward(self.forward()))
+
+        return grads, replay
+
+    def before_replay(self):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+@pytest.fixture(autouse=True)
+def emulated(monkeypatch):
+    """The backend's reduce-overhead path taken on the CPU, its step graphs the stand-in's."""
+    Emulated.made, Emulated.fail = [], False
+    monkeypatch.setattr(step_graphs, "CudaGraphs", Emulated)
+    monkeypatch.setattr(backend, "_whole_graph_captured", lambda opts, mode, inputs: mode == "reduce-overhead")
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+    _held.clear()
+
+
+OPTIONS = {"mode": "reduce-overhead", "step_graphs": True}
+
+
+def _block():
+    torch.manual_seed(3)
+    return models.MHABlock(32, 2, 64, 4, 2, act="gelu", renorm=True)
+
+
+_held = []
+
+
+def _inputs(seed, requires_grad=False):
+    """Fresh seeded (ctx, tok), held until the test ends: the allocator cannot then hand a later
+    call's inputs the address of an earlier one's, which would make a step read them in place
+    and capture again when they move (test_inputs_read_in_place_and_copied tests that)."""
+    gen = torch.Generator().manual_seed(seed)
+    ctx = torch.randn(4, 3, 32, generator=gen).requires_grad_(requires_grad)
+    tok = torch.randn(4, 5, 32, generator=gen).requires_grad_(requires_grad)
+    _held.append((ctx, tok))
+    return ctx, tok
+
+
+def _train(model, compiled, steps, zero=True):
+    """(losses, gradients of each step) of SGD steps on fresh inputs."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, grads = [], []
+    for step in range(steps):
+        loss = compiled(*_inputs(step)).square().mean()
+        loss.backward()
+        grads.append({name: p.grad.clone() for name, p in model.named_parameters()})
+        opt.step()
+        if zero:
+            opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, grads
+
+
+def test_a_training_step_replays_what_eager_computes():
+    """Four SGD steps: the first eager, the second captured, all four within fp32 of the eager
+    model's losses and gradients, every parameter given its gradient (none zero but the key
+    bias's, exactly zero by the math): a step graph that dropped a gradient would leave the
+    parameter where it was."""
+    eager = _block()
+    eager_losses, eager_grads = _train(eager, eager, 4)
+    model = _block()
+    losses, grads = _train(model, torch.compile(model, backend="mha", options=OPTIONS), 4)
+    [recorder] = Emulated.made
+    assert (recorder.warm_ups, recorder.forward_replays, recorder.backward_replays) == (1, 3, 3)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager_losses), rtol=1e-5, atol=0)
+    for step, (got, want) in enumerate(zip(grads, eager_grads)):
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{step} {name}: {m}")
+            assert (got[name].abs().max() == 0) == (name == "pool.key.bias"), f"step {step} ∂{name}"
+
+
+def test_gradients_accumulate_across_steps_without_zeroing():
+    """After the eager first step's gradients are dropped (set_to_none), three replayed steps
+    without zero_grad: .grad must grow by each step's gradient. A static gradient taken as .grad
+    (AccumulateGrad takes a tensor nobody else holds when .grad is None) would be overwritten by
+    the next replay and then added to itself."""
+    model = _block()
+    compiled = torch.compile(model, backend="mha", options=OPTIONS)
+    compiled(*_inputs(0)).square().mean().backward()
+    model.zero_grad(set_to_none=True)
+    per_step = []
+    for step in range(1, 4):
+        before = {name: p.grad.clone() if p.grad is not None else 0 for name, p in model.named_parameters()}
+        compiled(*_inputs(step)).square().mean().backward()
+        per_step.append({name: p.grad - before[name] for name, p in model.named_parameters()})
+    eager = _block()
+    for step in range(1, 4):
+        eager(*_inputs(step)).square().mean().backward()
+        for name, p in eager.named_parameters():
+            torch.testing.assert_close(per_step[step - 1][name], p.grad, rtol=1e-4, atol=1e-6,
+                                       msg=lambda m: f"step {step} ∂{name}: {m}")
+        eager.zero_grad(set_to_none=True)
+    assert sum(r.backward_replays for r in Emulated.made) == 3
+
+
+def test_input_gradients_and_outputs_survive_the_next_replay():
+    """Outputs and the inputs' gradients are the caller's: a later replay must not change them."""
+    model = _block()
+    compiled = torch.compile(model, backend="mha", options=OPTIONS)
+    kept = []
+    for step in range(4):
+        ctx, tok = _inputs(step, requires_grad=True)
+        out = compiled(ctx, tok)
+        out.square().mean().backward()
+        kept.append((out, out.detach().clone(), ctx.grad, ctx.grad.clone(), tok.grad, tok.grad.clone()))
+    for out, out_then, ctx_grad, ctx_grad_then, tok_grad, tok_grad_then in kept:
+        assert torch.equal(out, out_then) and torch.equal(ctx_grad, ctx_grad_then)
+        assert torch.equal(tok_grad, tok_grad_then)
+    ctx, tok = _inputs(3, requires_grad=True)
+    model(ctx, tok).square().mean().backward()
+    torch.testing.assert_close(kept[3][3], ctx.grad, rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(kept[3][5], tok.grad, rtol=1e-4, atol=1e-7)
+
+
+def test_inputs_read_in_place_and_copied():
+    """An input at the address it had in the first call is read in place (a parameter, or a batch
+    buffer refilled in place); one at a new address on the second call is copied in on each
+    replay; an input read in place that moves makes the step capture again, copying it."""
+    model = _block()
+    compiled = torch.compile(model, backend="mha", options=OPTIONS)
+    ctx, tok = _inputs(0)
+    for step in range(3):
+        new_ctx, new_tok = _inputs(step)
+        ctx.copy_(new_ctx)  # the same buffer, refilled
+        out = compiled(ctx, new_tok)  # tok a new tensor each call
+        torch.testing.assert_close(out, model(new_ctx, new_tok), rtol=1e-5, atol=1e-6)
+        out.square().mean().backward()
+    [recorder] = Emulated.made
+    with torch.no_grad():
+        model.moe.w1.data = model.moe.w1.data * 0.5  # the same parameter, new storage
+    out = compiled(ctx, new_tok)
+    torch.testing.assert_close(out, model(ctx, new_tok), rtol=1e-5, atol=1e-6)
+    assert len(Emulated.made) == 2  # captured again
+    other = _inputs(7)[0]
+    torch.testing.assert_close(compiled(other, new_tok), model(other, new_tok), rtol=1e-5, atol=1e-6)
+    assert len(Emulated.made) == 3  # ctx moved too
+
+
+def test_a_second_forward_before_the_backward_runs_eagerly(caplog):
+    """Two forwards, then one backward of both (gradient accumulation over micro-batches): the
+    first forward's saved values live in the graphs' memory, so the second runs eagerly, said once."""
+    model = _block()
+    compiled = torch.compile(model, backend="mha", options=OPTIONS)
+    for step in range(2):  # eager, then captured
+        compiled(*_inputs(step)).square().mean().backward()
+    model.zero_grad(set_to_none=True)
+    with caplog.at_level(logging.WARNING, logger="mha_compile"):
+        loss = compiled(*_inputs(10)).square().mean() + compiled(*_inputs(11)).square().mean()
+        loss.backward()
+    assert sum("before the backward" in r.message for r in caplog.records) == 1
+    got = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    (model(*_inputs(10)).square().mean() + model(*_inputs(11)).square().mean()).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(got[name], p.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"∂{name}: {m}")
+
+
+def test_a_backward_through_overwritten_values_raises():
+    model = _block()
+    compiled = torch.compile(model, backend="mha", options=OPTIONS)
+    for step in range(2):
+        compiled(*_inputs(step)).square().mean().backward()
+    first = compiled(*_inputs(5)).square().mean()
+    first.backward(retain_graph=True)
+    compiled(*_inputs(6)).square().mean().backward()
+    with pytest.raises(RuntimeError, match="replayed a later forward"):
+        first.backward()
+
+
+def test_an_input_changed_in_place_before_the_backward_raises():
+    """As eager autograd's saved tensors do: the backward graph would read the changed values."""
+    model = _block()
+    compiled = torch.compile(model, backend="mha", options=OPTIONS)
+    for step in range(2):
+        compiled(*_inputs(step)).square().mean().backward()
+    loss = compiled(*_inputs(3)).square().mean()
+    with torch.no_grad():
+        model.moe.w2.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_inference_calls_replay_their_own_graph():
+    model = _block()
+    compiled = torch.compile(model, backend="mha", options=OPTIONS)
+    with torch.no_grad():
+        outs = [compiled(*_inputs(step)) for step in range(3)]
+    [recorder] = Emulated.made
+    assert (recorder.forward_replays, recorder.backward_replays) == (2, 0)
+    for step, out in enumerate(outs):
+        assert not out.requires_grad
+        torch.testing.assert_close(out, model(*_inputs(step)), rtol=1e-5, atol=1e-6)
+
+
+def test_a_failed_capture_runs_the_step_eagerly_from_then_on(caplog):
+    Emulated.fail = True
+    model = _block()
+    compiled = torch.compile(model, backend="mha", options=OPTIONS)
+    with caplog.at_level(logging.WARNING, logger="mha_compile"):
+        losses, _ = _train(model, compiled, 3)
+    assert sum("capturing the step as CUDA graphs failed" in r.message for r in caplog.records) == 1
+    assert len(Emulated.made) == 1  # tried once
+    eager = _block()
+    eager_losses, _ = _train(eager, eager, 3)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager_losses), rtol=1e-5, atol=0)
+
+
+def _captured(fn, *args, **compile_kwargs):
+    """(gm, example inputs) Dynamo hands a backend for fn(*args)."""
+    seen = []
+
+    def keep(gm, example_inputs):
+        seen.append((gm, example_inputs))
+        return gm.forward
+
+    torch.compile(fn, backend=keep, **compile_kwargs)(*args)
+    [graph] = seen
+    return graph
+
+
+def _why_not(fn, *args, **compile_kwargs):
+    return step_graphs.why_not(*_captured(fn, *args, **compile_kwargs), Emulated.takes)
+
+
+def test_why_not_takes_a_plain_training_graph():
+    ctx, tok = _inputs(0, requires_grad=True)
+    assert _why_not(_block(), ctx, tok) is None
+
+
+@pytest.mark.parametrize("fn, reason", [
+    (lambda x: x.add_(1) * 2, "writes into input 0 (aten.add_.Tensor, argument self)"),
+    (lambda x: torch.nn.functional.dropout(x, 0.5) * 2, "draws random numbers"),
+    (lambda x: x.view(-1), "output 0 is a view of input 0"),
+    (lambda x: (x * 2).chunk(2), "outputs 0 and 1 share memory"),
+])
+def test_why_not_names_what_a_replay_would_get_wrong(fn, reason):
+    assert reason in _why_not(fn, torch.randn(4, 3))
+
+
+def test_why_not_refuses_a_batch_norm_that_updates_its_running_stats():
+    norm = torch.nn.BatchNorm1d(3)
+    assert "writes into input" in _why_not(norm, torch.randn(4, 3))
+    assert _why_not(norm.eval(), torch.randn(4, 3)) is None
+
+
+def test_why_not_refuses_sizes_and_other_devices():
+    gm, inputs = _captured(lambda x: x * 2, torch.randn(5, 3), dynamic=True)
+    assert "input 0 is a SymInt, not a tensor" in step_graphs.why_not(gm, inputs, Emulated.takes)
+    torch._dynamo.reset()
+    gm, inputs = _captured(lambda x: x * 2, torch.randn(4, 3))
+    assert "input 0 is on cpu, not on a CUDA device" in step_graphs.why_not(gm, inputs, CudaGraphs.takes)
+
+
+def test_a_refused_graph_goes_to_the_trees_with_a_warning(monkeypatch, caplog):
+    trees = []
+    monkeypatch.setattr(backend.whole_graph, "capture", lambda gm, inputs: trees.append(gm) or gm.forward)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Dropout(0.5))
+    with caplog.at_level(logging.WARNING, logger="mha_compile"):
+        torch.compile(model, backend="mha", options=OPTIONS)(torch.randn(4, 3))
+    assert len(trees) == 1 and not Emulated.made
+    assert any("torch's CUDA-graph trees take this graph instead, since it draws random numbers" in r.message
+               for r in caplog.records)
+
+
+def test_step_graphs_takes_reduce_overhead_and_rest_eager():
+    with pytest.raises(ValueError, match="step_graphs=True .* rest='inductor'"):
+        backend.Options.parse({"step_graphs": True, "rest": "inductor"})
+    with pytest.raises(TypeError, match="step_graphs='yes' must be True or False"):
+        backend.Options.parse({"step_graphs": "yes"})
+    with pytest.raises(Exception, match="it takes mode='reduce-overhead', got mode=None"):
+        torch.compile(_block(), backend="mha", options={"step_graphs": True})(*_inputs(0))
+
+
+def test_the_pool_outside_the_step_graphs_trains_as_eager(monkeypatch):
+    """The pool run eagerly before the step's graphs (whole_graph.plan_pool_split, here at every
+    size) hands them its inv as an input: its gradient must reach the pool's backward, and every
+    parameter its gradient, as the eager model's."""
+    monkeypatch.setattr(backend.whole_graph, "POOL_OUTSIDE_MIN_BYTES", 0)
+    pools = []
+    real_capture_split = backend.whole_graph.capture_split
+    monkeypatch.setattr(backend.whole_graph, "capture_split",
+                        lambda split, compile_graphs: pools.append(split) or real_capture_split(split, compile_graphs))
+    eager = _block()
+    eager_losses, eager_grads = _train(eager, eager, 3)
+    model = _block()
+    losses, grads = _train(model, torch.compile(model, backend="mha", options={**OPTIONS, "kernels": "fused"}), 3)
+    assert len(pools) == 1 and sum(r.backward_replays for r in Emulated.made) == 2
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager_losses), rtol=1e-5, atol=0)
+    for step, (got, want) in enumerate(zip(grads, eager_grads)):
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{step} {name}: {m}")
+            assert (got[name].abs().max() == 0) == (name == "pool.key.bias"), f"step {step} ∂{name}"
