@@ -67,6 +67,10 @@
 #                                      # forward's parameters read in place (whole_graph.STATIC_PARAMS): the
 #                                      # backend's and training GPU tests with it, then step_profile off and on
 #                                      # per preset, each its own process (~7 min): run.log, static_params_<preset>.txt
+#   bash bench/h200_session.sh step-graphs  # options step_graphs=True: its GPU tests and the trees', then
+#                                      # small's and medium's fwd+bwd rows under the trees and under the step
+#                                      # graphs in 3 rounds, then step_profile of both at medium (~8 min):
+#                                      # run.log, h200_step_graphs.{md,json,png}, step_profile_step_graphs_medium.txt
 #   bash bench/h200_session.sh gluon   # the backward's hidden kernel in Gluon (gluon_moe) under each config
 #                                      # against the Triton one, each checked first (bench/gluon_probe.py; ~2 min):
 #                                      # run.log, gluon_probe.txt
@@ -149,7 +153,7 @@
 #                                      # benchmark cut at 250 s (rows past it are listed as skipped)
 # Budgets are per step so a slow step cannot starve the others.
 set -u
-part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|ab|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|ncu-gemms|ncu-source|gluon|verify-gluon|gluon-gemms|verify-gemms|router|small-kernels|host-large|host-timers|wgrad-stream|sum-spread|column-sums|slot-chunk|hidden-columns|keep-hidden|keep-rows|keep-step|launch-ab|large-rows|kernel-times-ab|rows-ab|static-params|gluon-up|short}
+part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|ab|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|ncu-gemms|ncu-source|gluon|verify-gluon|gluon-gemms|verify-gemms|router|small-kernels|host-large|host-timers|wgrad-stream|sum-spread|column-sums|slot-chunk|hidden-columns|step-graphs|keep-hidden|keep-rows|keep-step|launch-ab|large-rows|kernel-times-ab|rows-ab|static-params|gluon-up|short}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 # Inductor's compiled graphs kept in the checkout (git ignores it): the device keeps ignored
 # files between calls on a machine it still holds, so `table` can reuse `autotune-cache`'s.
@@ -255,6 +259,19 @@ hidden-columns)
             --values "0,${pair##*:}" --preset "${pair%%:*}" --rounds 3 >>"$OUT/flag_ab_hidden_columns.txt" 2>&1
     done
     grep "peak\|worst\|HIDDEN_COLUMNS:" "$OUT/flag_ab_hidden_columns.txt" >>"$LOG"
+    ;;
+step-graphs)
+    # options step_graphs=True (mha_compile/step_graphs.py, never run on a GPU before): its GPU tests
+    # and the trees' beside them, then small's and medium's training rows under the trees and under
+    # the step graphs in rounds, then step_profile of both at medium (host issue, GPU time a step)
+    { MHA_COMPILE_NO_AUTOTUNE=1 timeout 150 python -m pytest -q -m cuda tests/backend/test_step_graphs_cuda.py \
+        tests/backend/test_whole_graph_cuda.py -p no:cacheprovider -rf --tb=short 2>&1 | tail -40; } >>"$LOG"
+    { timeout -s INT -k 15 280 python -m bench --out "$OUT" --name h200_step_graphs --budget 250 --presets small,medium \
+        --passes fwd+bwd --spellings dense,grouped_mm --modes inductor,mha-fused-cudagraphs,mha-fused-stepgraphs \
+        --rounds 3 --commit "$commit" 2>&1 | tail -40; } >>"$LOG"
+    { timeout -s INT -k 10 100 python bench/step_profile.py --preset medium \
+        --runs mha-fused-cudagraphs:dense,mha-fused-stepgraphs:dense 2>&1; } >"$OUT/step_profile_step_graphs_medium.txt"
+    grep "^==" "$OUT/step_profile_step_graphs_medium.txt" >>"$LOG"
     ;;
 keep-hidden)
     # the Gluon GEMM1's and hidden kernels' KEEP_U variants against float64 first (staged offline in
@@ -542,6 +559,6 @@ bench|bench-resume)
         --modes eager,inductor,inductor-max-autotune,mha-staged,mha-fused,mha-fused-cudagraphs \
         --spellings dense,loop,grouped_mm "${resume[@]}" --commit "$commit" 2>&1 | tail -100; } >>"$LOG"
     ;;
-*) echo "unknown part $part: expected check, kernels, probe, verify, ab, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache, medium-autotune, ncu, ncu-gemms, ncu-source, gluon, verify-gluon, gluon-gemms, verify-gemms, router, small-kernels, host-large, host-timers, wgrad-stream, sum-spread, column-sums, slot-chunk, keep-hidden, keep-rows, keep-step, launch-ab, large-rows, kernel-times-ab, rows-ab, static-params, gluon-up or short" >&2; exit 2 ;;
+*) echo "unknown part $part: expected check, kernels, probe, verify, ab, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache, medium-autotune, ncu, ncu-gemms, ncu-source, gluon, verify-gluon, gluon-gemms, verify-gemms, router, small-kernels, host-large, host-timers, wgrad-stream, sum-spread, column-sums, slot-chunk, hidden-columns, step-graphs, keep-hidden, keep-rows, keep-step, launch-ab, large-rows, kernel-times-ab, rows-ab, static-params, gluon-up or short" >&2; exit 2 ;;
 esac
 tail -150 "$LOG"

@@ -1,0 +1,127 @@
+"""options step_graphs=True on the GPU: the step replayed through mha_compile's own CUDA graphs
+(mha_compile/step_graphs.py) must train as the plain compiled step does, through SGD's in-place
+updates, a parameter whose storage moves, gradients accumulated without zeroing, micro-batches
+whose forwards come before one backward, and the pool run outside the graphs; and its graphs
+must really be the ones replayed (torch's trees never asked), so that a silent fallback cannot
+pass for them."""
+import pytest
+import torch
+
+from cuda_training import block, train
+from mha_compile import step_graphs, whole_graph
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+OPTIONS = {"mode": "reduce-overhead", "step_graphs": True}
+
+
+@pytest.fixture()
+def replays(monkeypatch):
+    """Counts of the step graphs' forward and backward replays; torch's trees made to fail."""
+    counts = {"forward": 0, "backward": 0}
+    for name in counts:
+        real = getattr(step_graphs._Step, name)
+
+        def counted(self, *args, _real=real, _name=name):
+            counts[_name] += 1
+            return _real(self, *args)
+
+        monkeypatch.setattr(step_graphs._Step, name, counted)
+
+    def no_trees(gm, example_inputs):
+        raise AssertionError("step_graphs=True handed the graph to torch's CUDA-graph trees")
+
+    monkeypatch.setattr(whole_graph, "capture", no_trees)
+    torch._dynamo.reset()
+    yield counts
+    torch._dynamo.reset()
+
+
+def _move_w1(step, model):
+    if step == 3:
+        with torch.no_grad():
+            model.moe.w1.data = model.moe.w1.data * 0.5  # new storage, same Parameter
+
+
+def test_step_graphs_train_as_the_plain_step(replays):
+    """Five SGD steps, W1's storage replaced before step 3 (captured again, W1 copied in from
+    then on): the losses and parameters of the plain compiled step, to bf16's rounding of the
+    same kernels' results."""
+    torch._dynamo.reset()
+    plain_losses, plain_params = train(block(), options={"graphs": "off"}, steps=5, before_step=_move_w1)
+    torch._dynamo.reset()
+    graphed_losses, graphed_params = train(block(), options=OPTIONS, steps=5, before_step=_move_w1)
+    assert replays == {"forward": 4, "backward": 4}  # step 0 eager, then 4 replays
+    torch.testing.assert_close(torch.tensor(graphed_losses), torch.tensor(plain_losses), rtol=1e-4, atol=0)
+    for got, want in zip(graphed_params, plain_params):
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-3, atol=1e-5)
+
+
+def _inputs(step):
+    gen = torch.Generator("cuda").manual_seed(300 + step)
+    ctx = torch.randn(64, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    tok = torch.randn(64, 24, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    return ctx, tok
+
+
+def _gradients(model, fn, steps, zero):
+    """Each step's increment of every parameter's .grad, for fn(ctx, tok) summed squared."""
+    increments = []
+    for step in steps:
+        before = {name: p.grad.float().clone() if p.grad is not None else 0 for name, p in model.named_parameters()}
+        fn(*_inputs(step)).float().square().mean().backward()
+        increments.append({name: p.grad.float() - before[name] for name, p in model.named_parameters()})
+        if zero:
+            model.zero_grad(set_to_none=True)
+    return increments
+
+
+def test_gradients_accumulate_without_zeroing(replays):
+    """.grad grows by each replayed step's gradient, the plain compiled step's: a gradient the
+    graphs keep, taken as .grad, would be overwritten by the next replay and added to itself."""
+    model = block()
+    compiled = torch.compile(model, backend="mha", options=OPTIONS)
+    _gradients(model, compiled, [0], zero=True)  # the eager call, its .grad dropped
+    got = _gradients(model, compiled, [1, 2, 3], zero=False)
+    assert replays["backward"] == 3
+    torch._dynamo.reset()
+    want = _gradients(model, torch.compile(model, backend="mha", options={"graphs": "off"}), [1, 2, 3], zero=True)
+    for step, (g, w) in enumerate(zip(got, want)):
+        for name in w:
+            torch.testing.assert_close(g[name], w[name], rtol=1e-3, atol=1e-6, msg=lambda m: f"{step} ∂{name}: {m}")
+            assert (g[name].abs().max() == 0) == (name == "pool.key.bias"), f"step {step} ∂{name}"
+
+
+def test_micro_batches_before_one_backward(replays):
+    """Two forwards summed into one backward: the second runs eagerly (the first's saved values
+    are in the graphs' memory), and the gradients are the plain step's."""
+    model = block()
+    compiled = torch.compile(model, backend="mha", options=OPTIONS)
+    for step in range(2):
+        compiled(*_inputs(step)).float().square().mean().backward()
+    model.zero_grad(set_to_none=True)
+    (compiled(*_inputs(5)).float().square().mean() + compiled(*_inputs(6)).float().square().mean()).backward()
+    got = {name: p.grad.float().clone() for name, p in model.named_parameters()}
+    assert replays == {"forward": 2, "backward": 2}
+    torch._dynamo.reset()
+    plain = torch.compile(model, backend="mha", options={"graphs": "off"})
+    model.zero_grad(set_to_none=True)
+    (plain(*_inputs(5)).float().square().mean() + plain(*_inputs(6)).float().square().mean()).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(got[name], p.grad.float(), rtol=1e-3, atol=1e-6, msg=lambda m: f"∂{name}: {m}")
+
+
+def test_the_pool_outside_the_step_graphs(monkeypatch, replays):
+    """tok read where it is by the eager pool (here at every size), its inv an input of the step
+    graphs: the gradients the graphs give with the pool inside them."""
+    grads = {}
+    for outside in (False, True):
+        monkeypatch.setattr(whole_graph, "POOL_OUTSIDE", outside)
+        monkeypatch.setattr(whole_graph, "POOL_OUTSIDE_MIN_BYTES", 0)
+        torch._dynamo.reset()
+        model = block()
+        grads[outside] = _gradients(model, torch.compile(model, backend="mha", options=OPTIONS), range(3), zero=True)
+    assert replays["backward"] == 4
+    for step, (got, want) in enumerate(zip(grads[True], grads[False])):
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-3, atol=1e-6, msg=lambda m: f"{step} ∂{name}: {m}")
