@@ -33,6 +33,7 @@ replay overwrote (through a retained graph) raises; a failed capture runs the st
 then on, with a warning.
 """
 import logging
+import operator
 import threading
 import weakref
 
@@ -55,7 +56,7 @@ def compile(gm, example_inputs, run, fallback):
                     reason)
         return fallback(gm, example_inputs)
     log.info("mha_compile: the step replays through mha_compile's own CUDA graphs (step_graphs=True)")
-    return StepGraphs(run, CudaGraphs)
+    return StepGraphs(run, CudaGraphs, [t for _, t in held_tensors(gm)])
 
 
 def why_not(gm, example_inputs, on_device):
@@ -69,6 +70,10 @@ def why_not(gm, example_inputs, on_device):
             return f"input {i} is on {value.device}, not on a CUDA device"
     if len({t.device for t in example_inputs}) > 1:
         return f"the inputs are on several devices ({sorted({str(t.device) for t in example_inputs})})"
+    for name, t in held_tensors(gm):
+        if t.requires_grad:
+            return (f"it holds {name} itself rather than taking it as an input: the backward graph would give it no "
+                    "gradient")
     fake_mode = torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)
     try:
         fakes = [fake_mode.from_tensor(t) for t in example_inputs]
@@ -89,6 +94,18 @@ def why_not(gm, example_inputs, on_device):
             return f"outputs {seen[storage]} and {j} share memory (copies would not)"
         seen[storage] = j
     return None
+
+
+def held_tensors(gm):
+    """(name, tensor) of each tensor gm reads as its own attribute (parameters and buffers of its
+    modules, constants), not as an input. Dynamo lifts a module's parameters and buffers to inputs
+    (inline_inbuilt_nn_modules); what it leaves are constants."""
+    held = {id(t): (name, t) for name, t in [*gm.named_parameters(), *gm.named_buffers()]}
+    for node in gm.graph.find_nodes(op="get_attr"):
+        value = operator.attrgetter(node.target)(gm)
+        if isinstance(value, torch.Tensor):
+            held.setdefault(id(value), (node.target, value))
+    return list(held.values())
 
 
 class _Watch(TorchDispatchMode):
@@ -121,10 +138,12 @@ class _Watch(TorchDispatchMode):
 
 class StepGraphs:
     """The compiled step: its first call eager, later ones replays of its graphs (module docstring).
-    run: the graph run eagerly; recorder(device): what captures and replays (CudaGraphs)."""
+    run: the graph run eagerly; recorder(device): what captures and replays (CudaGraphs); held:
+    the tensors the graph reads as attributes (held_tensors), read where they are: one that
+    moves makes the step capture again."""
 
-    def __init__(self, run, recorder):
-        self.run, self.recorder = run, recorder
+    def __init__(self, run, recorder, held=()):
+        self.run, self.recorder, self.held = run, recorder, list(held)
         self.entries = {}  # training -> _Seen | _Step | _EAGER
         self.lock = threading.RLock()
         self.said_pending = False
@@ -159,7 +178,7 @@ class StepGraphs:
         then runs eagerly from then on)."""
         old = self.entries.get(training)
         try:
-            entry = _Step(self.run, args, in_place, training, self.recorder(args[0].device))
+            entry = _Step(self.run, args, in_place, training, self.recorder(args[0].device), self.held)
         except Exception as error:  # noqa: BLE001 (any capture failure: run eagerly instead)
             log.warning("mha_compile: capturing the step as CUDA graphs failed (%s: %s); it runs without them",
                         type(error).__name__, error)
@@ -185,9 +204,10 @@ class _Step:
     """One capture: static inputs for the copied arguments, the graphs, their static outputs and
     gradients, and which forward's values the graphs' memory holds (generation)."""
 
-    def __init__(self, run, args, in_place, training, recorder):
+    def __init__(self, run, args, in_place, training, recorder, held):
         self.recorder, self.read_in_place = recorder, in_place
         self.addresses = [a.data_ptr() if keep else None for a, keep in zip(args, in_place)]
+        self.held = [(t, t.data_ptr()) for t in held]
         with torch.no_grad():
             surface = [a.detach() if keep else region_graphs.static_copy(a) for a, keep in zip(args, in_place)]
         for static, a in zip(surface, args):
@@ -214,7 +234,8 @@ class _Step:
         self.generation, self.last, self.backward_done = 0, None, False
 
     def addresses_hold(self, args):
-        return all(not keep or a.data_ptr() == at for a, keep, at in zip(args, self.read_in_place, self.addresses))
+        return (all(not keep or a.data_ptr() == at for a, keep, at in zip(args, self.read_in_place, self.addresses))
+                and all(t.data_ptr() == at for t, at in self.held))
 
     def in_place(self, args):
         """What stays read in place when the step is captured again (an input moved)."""

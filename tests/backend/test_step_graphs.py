@@ -364,3 +364,28 @@ def test_the_pool_outside_the_step_graphs_trains_as_eager(monkeypatch):
         for name in want:
             torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{step} {name}: {m}")
             assert (got[name].abs().max() == 0) == (name == "pool.key.bias"), f"step {step} ∂{name}"
+
+
+def test_why_not_refuses_a_graph_that_holds_its_parameters():
+    """A graph that reads a parameter as its own attribute (traced by torch.fx, not lifted to an
+    input by Dynamo): the backward graph, a gradient of the inputs, would give it none."""
+    traced = torch.fx.symbolic_trace(torch.nn.Linear(3, 2))
+    assert "holds weight itself rather than taking it as an input" in step_graphs.why_not(
+        traced, [torch.randn(4, 3)], Emulated.takes)
+    traced.requires_grad_(False)
+    assert step_graphs.why_not(traced, [torch.randn(4, 3)], Emulated.takes) is None
+
+
+def test_a_held_tensor_that_moves_makes_the_step_capture_again():
+    """A tensor the graph reads as an attribute is read where it was at the capture: one whose
+    storage moves must be captured again where it now is."""
+    traced = torch.fx.symbolic_trace(torch.nn.Linear(3, 2).requires_grad_(False))
+    graphs = step_graphs.StepGraphs(lambda x: (traced(x),), Emulated,
+                                    [t for _, t in step_graphs.held_tensors(traced)])
+    x = torch.randn(4, 3, requires_grad=True)
+    for _ in range(3):
+        graphs(x)
+    traced.weight.data = traced.weight.data * 2  # the same tensor, new storage
+    [out] = graphs(x)
+    torch.testing.assert_close(out, traced(x))
+    assert len(Emulated.made) == 2
