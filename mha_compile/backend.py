@@ -48,6 +48,8 @@ def mha_backend(gm, example_inputs, options=None, mode=None):
         lowered = gm
     report.code_after = lowered.code
     split = _planned_pool_split(lowered, example_inputs, opts, whole, report)
+    if opts.step_graphs and whole and report.matches:
+        _mark_step_graphs(report, *((split.graph, split.examples) if split else (lowered, example_inputs)))
     # log, trace and (with a dump folder) dump the report, and the graphs as they replay with a split
     publish(report, gm, lowered, opts.dump, replayed=split.graph if split else None)
     for observer in list(observers):
@@ -210,6 +212,16 @@ def _mark_split(report, toks):
             match["graphs"] = (f"no: the whole graph is captured as a CUDA graph (mode); its pool runs eagerly "
                                f"before each replay (mha::pool, on tok where it is: {size_text(toks[match['tok']])} "
                                "not copied into the graphs), its MoE inside them (mha::moe)")
+
+
+def _mark_step_graphs(report, graph, examples):
+    """Each match's "CUDA graphs" line says whose graphs replay the step under step_graphs=True:
+    ours, or torch's trees and why (step_graphs.why_not on the graph they capture)."""
+    reason = step_graphs.why_not(graph, examples, step_graphs.CudaGraphs.takes)
+    how = ("through mha_compile's own step graphs (options step_graphs)" if reason is None
+           else f"through torch's CUDA-graph trees, not the step graphs asked for, since {reason}")
+    for match in report.matches:
+        match["graphs"] = f"{match['graphs']}; {how}"
 
 
 def _first_line(error):

@@ -17,6 +17,8 @@ import pytest
 import torch
 
 from mha_compile import backend, models, step_graphs
+from mha_compile.lowering.select import CAPTURED_WHOLE
+from numerics import compiled_reports
 from mha_compile.step_graphs import CudaGraphs  # the real one: the tests replace the module's
 
 
@@ -389,3 +391,26 @@ def test_a_held_tensor_that_moves_makes_the_step_capture_again():
     [out] = graphs(x)
     torch.testing.assert_close(out, traced(x))
     assert len(Emulated.made) == 2
+
+
+class _WithDropout(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = _block()
+
+    def forward(self, ctx, tok):
+        return torch.nn.functional.dropout(self.block(ctx, tok), 0.1)
+
+
+@pytest.mark.parametrize("model, says", [
+    (_block, "through mha_compile's own step graphs (options step_graphs)"),
+    (_WithDropout, "through torch's CUDA-graph trees, not the step graphs asked for, since it draws random numbers"),
+])
+def test_the_report_says_whose_graphs_replay_the_step(monkeypatch, model, says):
+    monkeypatch.setattr(backend.whole_graph, "capture", lambda gm, inputs: gm.forward)
+    with compiled_reports() as reports:
+        torch.compile(model(), backend="mha", options=OPTIONS)(*_inputs(0))
+    [report] = reports
+    [match] = report.matches
+    assert match["graphs"].startswith(f"{CAPTURED_WHOLE}; {says}")
+    assert says in str(report)
