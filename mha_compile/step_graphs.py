@@ -124,7 +124,9 @@ class _Watch(TorchDispatchMode):
 
     def _finding(self, func, args, kwargs):
         if torch.Tag.nondeterministic_seeded in func.tags:
-            return f"it draws random numbers ({func}), which its graphs would not draw anew on each replay"
+            # A CUDA graph replays the default generator's draws with new offsets, but another
+            # generator must be registered with each graph, and the warm-up would draw once more.
+            return f"it draws random numbers ({func}), which the step graphs do not take yet (torch's trees do)"
         for position, argument in enumerate(func._schema.arguments):
             value = args[position] if position < len(args) else kwargs.get(argument.name)
             if argument.alias_info is None or not argument.alias_info.is_write:

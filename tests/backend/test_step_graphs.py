@@ -414,3 +414,56 @@ def test_the_report_says_whose_graphs_replay_the_step(monkeypatch, model, says):
     [match] = report.matches
     assert match["graphs"].startswith(f"{CAPTURED_WHOLE}; {says}")
     assert says in str(report)
+
+
+class _TwoGraphs(torch.nn.Module):
+    """Two blocks with a graph break between them: two compiled graphs, each with its step graphs,
+    the second's inputs the first's output (a gradient through both nodes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = _block(), _block()
+
+    def forward(self, ctx, tok):
+        mid = self.first(ctx, tok)
+        torch._dynamo.graph_break()
+        return self.second(mid, tok)
+
+
+def test_graph_breaks_give_each_graph_its_step_graphs():
+    torch.manual_seed(0)
+    model = _TwoGraphs()
+    eager = _TwoGraphs()
+    eager.load_state_dict(model.state_dict())
+    losses, grads = _train(model, torch.compile(model, backend="mha", options=OPTIONS), 4)
+    eager_losses, eager_grads = _train(eager, eager, 4)
+    assert len(Emulated.made) == 2 and all(r.backward_replays == 3 for r in Emulated.made)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager_losses), rtol=1e-5, atol=0)
+    for step, (got, want) in enumerate(zip(grads, eager_grads)):
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{step} {name}: {m}")
+            assert (got[name].abs().max() == 0) == name.endswith("pool.key.bias"), f"step {step} ∂{name}"
+
+
+class _Checkpointed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = _block()
+
+    def forward(self, ctx, tok):
+        return torch.utils.checkpoint.checkpoint(self.block, ctx, tok, use_reentrant=False)
+
+
+def test_a_checkpointed_block_trains_as_eager(monkeypatch):
+    """Activation checkpointing (Dynamo's higher-order op): its forward again inside the backward
+    graph."""
+    monkeypatch.setattr(backend.whole_graph, "capture", lambda gm, inputs: pytest.fail("handed to the trees"))
+    model = _Checkpointed()
+    losses, grads = _train(model, torch.compile(model, backend="mha", options=OPTIONS), 3)
+    eager = _Checkpointed()
+    eager_losses, eager_grads = _train(eager, eager, 3)
+    assert sum(r.backward_replays for r in Emulated.made) == 2
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager_losses), rtol=1e-5, atol=0)
+    for step, (got, want) in enumerate(zip(grads, eager_grads)):
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{step} {name}: {m}")
