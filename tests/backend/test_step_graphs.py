@@ -127,22 +127,30 @@ def _train(model, compiled, steps, zero=True):
     return losses, grads
 
 
+def _assert_trained_alike(run, eager_run):
+    """Two _train results: the losses within fp32 of each other, every step's gradients too, and
+    none zero but a key bias's (exactly zero by the math): a step graph that dropped a gradient
+    would leave its parameter where it was."""
+    (losses, grads), (eager_losses, eager_grads) = run, eager_run
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager_losses), rtol=1e-5, atol=0)
+    for step, (got, want) in enumerate(zip(grads, eager_grads)):
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{step} {name}: {m}")
+            assert (got[name].abs().max() == 0) == name.endswith("pool.key.bias"), f"step {step} ∂{name}"
+
+
 def test_a_training_step_replays_what_eager_computes():
     """Four SGD steps: the first eager, the second captured, all four within fp32 of the eager
     model's losses and gradients, every parameter given its gradient (none zero but the key
     bias's, exactly zero by the math): a step graph that dropped a gradient would leave the
     parameter where it was."""
     eager = _block()
-    eager_losses, eager_grads = _train(eager, eager, 4)
+    eager_run = _train(eager, eager, 4)
     model = _block()
-    losses, grads = _train(model, torch.compile(model, backend="mha", options=OPTIONS), 4)
+    run = _train(model, torch.compile(model, backend="mha", options=OPTIONS), 4)
     [recorder] = Emulated.made
     assert (recorder.warm_ups, recorder.forward_replays, recorder.backward_replays) == (1, 3, 3)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager_losses), rtol=1e-5, atol=0)
-    for step, (got, want) in enumerate(zip(grads, eager_grads)):
-        for name in want:
-            torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{step} {name}: {m}")
-            assert (got[name].abs().max() == 0) == (name == "pool.key.bias"), f"step {step} ∂{name}"
+    _assert_trained_alike(run, eager_run)
 
 
 def test_gradients_accumulate_across_steps_without_zeroing():
@@ -212,13 +220,20 @@ def test_inputs_read_in_place_and_copied():
     assert len(Emulated.made) == 3  # ctx moved too
 
 
+def _past_capture():
+    """(the block, compiled with step_graphs) after two training steps: the eager one and the one
+    that captured its graphs."""
+    model = _block()
+    compiled = torch.compile(model, backend="mha", options=OPTIONS)
+    for step in range(2):
+        compiled(*_inputs(step)).square().mean().backward()
+    return model, compiled
+
+
 def test_a_second_forward_before_the_backward_runs_eagerly(caplog):
     """Two forwards, then one backward of both (gradient accumulation over micro-batches): the
     first forward's saved values live in the graphs' memory, so the second runs eagerly, said once."""
-    model = _block()
-    compiled = torch.compile(model, backend="mha", options=OPTIONS)
-    for step in range(2):  # eager, then captured
-        compiled(*_inputs(step)).square().mean().backward()
+    model, compiled = _past_capture()
     model.zero_grad(set_to_none=True)
     with caplog.at_level(logging.WARNING, logger="mha_compile"):
         loss = compiled(*_inputs(10)).square().mean() + compiled(*_inputs(11)).square().mean()
@@ -232,10 +247,7 @@ def test_a_second_forward_before_the_backward_runs_eagerly(caplog):
 
 
 def test_a_backward_through_overwritten_values_raises():
-    model = _block()
-    compiled = torch.compile(model, backend="mha", options=OPTIONS)
-    for step in range(2):
-        compiled(*_inputs(step)).square().mean().backward()
+    model, compiled = _past_capture()
     first = compiled(*_inputs(5)).square().mean()
     first.backward(retain_graph=True)
     compiled(*_inputs(6)).square().mean().backward()
@@ -245,10 +257,7 @@ def test_a_backward_through_overwritten_values_raises():
 
 def test_an_input_changed_in_place_before_the_backward_raises():
     """As eager autograd's saved tensors do: the backward graph would read the changed values."""
-    model = _block()
-    compiled = torch.compile(model, backend="mha", options=OPTIONS)
-    for step in range(2):
-        compiled(*_inputs(step)).square().mean().backward()
+    model, compiled = _past_capture()
     loss = compiled(*_inputs(3)).square().mean()
     with torch.no_grad():
         model.moe.w2.mul_(2)
@@ -357,15 +366,11 @@ def test_the_pool_outside_the_step_graphs_trains_as_eager(monkeypatch):
     monkeypatch.setattr(backend.whole_graph, "capture_split",
                         lambda split, compile_graphs: pools.append(split) or real_capture_split(split, compile_graphs))
     eager = _block()
-    eager_losses, eager_grads = _train(eager, eager, 3)
+    eager_run = _train(eager, eager, 3)
     model = _block()
-    losses, grads = _train(model, torch.compile(model, backend="mha", options={**OPTIONS, "kernels": "fused"}), 3)
+    run = _train(model, torch.compile(model, backend="mha", options={**OPTIONS, "kernels": "fused"}), 3)
     assert len(pools) == 1 and sum(r.backward_replays for r in Emulated.made) == 2
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager_losses), rtol=1e-5, atol=0)
-    for step, (got, want) in enumerate(zip(grads, eager_grads)):
-        for name in want:
-            torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{step} {name}: {m}")
-            assert (got[name].abs().max() == 0) == (name == "pool.key.bias"), f"step {step} ∂{name}"
+    _assert_trained_alike(run, eager_run)
 
 
 def test_why_not_refuses_a_graph_that_holds_its_parameters():
@@ -435,14 +440,10 @@ def test_graph_breaks_give_each_graph_its_step_graphs():
     model = _TwoGraphs()
     eager = _TwoGraphs()
     eager.load_state_dict(model.state_dict())
-    losses, grads = _train(model, torch.compile(model, backend="mha", options=OPTIONS), 4)
-    eager_losses, eager_grads = _train(eager, eager, 4)
+    run = _train(model, torch.compile(model, backend="mha", options=OPTIONS), 4)
+    eager_run = _train(eager, eager, 4)
     assert len(Emulated.made) == 2 and all(r.backward_replays == 3 for r in Emulated.made)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager_losses), rtol=1e-5, atol=0)
-    for step, (got, want) in enumerate(zip(grads, eager_grads)):
-        for name in want:
-            torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{step} {name}: {m}")
-            assert (got[name].abs().max() == 0) == name.endswith("pool.key.bias"), f"step {step} ∂{name}"
+    _assert_trained_alike(run, eager_run)
 
 
 class _Checkpointed(torch.nn.Module):
@@ -459,11 +460,8 @@ def test_a_checkpointed_block_trains_as_eager(monkeypatch):
     graph."""
     monkeypatch.setattr(backend.whole_graph, "capture", lambda gm, inputs: pytest.fail("handed to the trees"))
     model = _Checkpointed()
-    losses, grads = _train(model, torch.compile(model, backend="mha", options=OPTIONS), 3)
+    run = _train(model, torch.compile(model, backend="mha", options=OPTIONS), 3)
     eager = _Checkpointed()
-    eager_losses, eager_grads = _train(eager, eager, 3)
+    eager_run = _train(eager, eager, 3)
     assert sum(r.backward_replays for r in Emulated.made) == 2
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager_losses), rtol=1e-5, atol=0)
-    for step, (got, want) in enumerate(zip(grads, eager_grads)):
-        for name in want:
-            torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{step} {name}: {m}")
+    _assert_trained_alike(run, eager_run)
