@@ -11,6 +11,7 @@ gradients handed to autograd without being taken as .grad, the eager call while 
 pending, the error for a backward whose values were overwritten. The real capture and replay
 are tested on the GPU (test_step_graphs_cuda.py).
 """
+import contextlib
 import logging
 
 import pytest
@@ -465,3 +466,52 @@ def test_a_checkpointed_block_trains_as_eager(monkeypatch):
     eager_run = _train(eager, eager, 3)
     assert sum(r.backward_replays for r in Emulated.made) == 2
     _assert_trained_alike(run, eager_run)
+
+
+def test_the_cuda_recorder_warms_up_captures_and_orders_its_replays(monkeypatch):
+    """CudaGraphs against torch.cuda's calls faked on the CPU (what it asks of them, not what CUDA
+    does): the warm-up runs a forward and a backward on the side stream, fenced both ways; each
+    capture is a graph of the step's pool on that stream, replayed by its replay; a replay on
+    another stream than the last waits for it."""
+    calls = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            calls.append(f"{self.name} waits for {other.name}")
+
+    class Graph:
+        def replay(self):
+            calls.append("replay")
+
+    def graph(g, pool=None, stream=None, **kwargs):
+        calls.append(f"capture on {stream.name} into {pool}, {kwargs}")
+        return contextlib.nullcontext()
+
+    user, side = Stream("user"), Stream("side")
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "the step's pool")
+    monkeypatch.setattr(step_graphs.region_graphs, "side_stream", lambda device: side)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: user)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: calls.append(f"on {s.name}") or contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    recorder = CudaGraphs("cuda:0")
+    x = torch.randn(3, requires_grad=True)
+    recorder.warm_up(lambda: [x * 2], lambda outputs, grads: calls.append(f"backward {grads[0].tolist()}"))
+    assert calls == ["side waits for user", "on side", "backward [1.0, 1.0, 1.0]", "user waits for side"]
+    calls.clear()
+    outputs, replay = recorder.capture_forward(lambda: [x * 2])
+    grads, replay_backward = recorder.capture_backward(lambda outs: torch.autograd.grad(outs, [x], [torch.ones(3)]),
+                                                       outputs)
+    assert calls == ["capture on side into the step's pool, {}"] * 2 and torch.equal(grads[0], torch.full((3,), 2.0))
+    calls.clear()
+    recorder.before_replay()
+    replay()
+    other = Stream("other")
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: other)
+    recorder.before_replay()
+    replay_backward()
+    assert calls == ["replay", "other waits for user", "replay"]
