@@ -267,7 +267,7 @@ step-graphs)
     { MHA_COMPILE_NO_AUTOTUNE=1 timeout 150 python -m pytest -q -m cuda tests/backend/test_step_graphs_cuda.py \
         tests/backend/test_whole_graph_cuda.py -p no:cacheprovider -rf --tb=short 2>&1 | tail -40; } >>"$LOG"
     { timeout -s INT -k 15 280 python -m bench --out "$OUT" --name h200_step_graphs --budget 250 --presets small,medium \
-        --passes fwd+bwd --spellings dense,grouped_mm --modes inductor,mha-fused-cudagraphs,mha-fused-stepgraphs \
+        --passes fwd+bwd --spellings grouped_mm --modes inductor,mha-fused-cudagraphs,mha-fused-stepgraphs \
         --rounds 3 --commit "$commit" 2>&1 | tail -40; } >>"$LOG"
     { timeout -s INT -k 10 100 python bench/step_profile.py --preset medium \
         --runs mha-fused-cudagraphs:dense,mha-fused-stepgraphs:dense 2>&1; } >"$OUT/step_profile_step_graphs_medium.txt"
