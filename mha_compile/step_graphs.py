@@ -233,6 +233,10 @@ class _Step:
         if any(g is not None for g in self.grad_outputs):  # else no output takes a gradient: no backward
             self.grads, self.replay_backward = recorder.capture_backward(
                 lambda outputs: backward(outputs, self.grad_outputs), self.outputs)
+        # The capture's autograd graph is done with: holding it would hold the inputs read in
+        # place (their views are its leaves), as region_graphs holds none of them either.
+        self.differentiable = [o.requires_grad for o in self.outputs]
+        self.outputs = [o.detach() for o in self.outputs]
         self.generation, self.last, self.backward_done = 0, None, False
 
     def addresses_hold(self, args):
@@ -281,7 +285,7 @@ class _Replay(torch.autograd.Function):
         # The inputs read in place stay alive until the backward, and an in-place change to one
         # before it raises, as eager autograd's saved tensors do.
         ctx.save_for_backward(*[a for a, keep in zip(args, step.read_in_place) if keep])
-        ctx.mark_non_differentiable(*[o for o, static in zip(outputs, step.outputs) if not static.requires_grad])
+        ctx.mark_non_differentiable(*[o for o, wanted in zip(outputs, step.differentiable) if not wanted])
         return tuple(outputs)
 
     @staticmethod

@@ -515,3 +515,25 @@ def test_the_cuda_recorder_warms_up_captures_and_orders_its_replays(monkeypatch)
     recorder.before_replay()
     replay_backward()
     assert calls == ["replay", "other waits for user", "replay"]
+
+
+def test_an_input_read_in_place_is_not_held_past_its_backward():
+    """The step reads such an input where it is; holding it (the capture's autograd graph has
+    views of it for leaves) would keep a caller's batch alive for good."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    class Forgetful(Emulated):  # replays that keep nothing of the step (as a CUDA graph's)
+        def capture_forward(self, forward):
+            return forward(), lambda: None
+
+        def capture_backward(self, backward, outputs):
+            return backward(outputs), lambda: None
+
+    graphs = step_graphs.StepGraphs(lambda x, w: (x @ w,), Forgetful)
+    w = torch.randn(3, 2, requires_grad=True)
+    x = torch.randn(4, 3, requires_grad=True)
+    for _ in range(3):  # eager, captured (x and w read in place), replayed
+        graphs(x, w)[0].sum().backward()
+    storage = StorageWeakRef(x.untyped_storage())
+    del x
+    assert storage.expired()
