@@ -125,3 +125,46 @@ def test_the_pool_outside_the_step_graphs(monkeypatch, replays):
     for step, (got, want) in enumerate(zip(grads[True], grads[False])):
         for name in want:
             torch.testing.assert_close(got[name], want[name], rtol=1e-3, atol=1e-6, msg=lambda m: f"{step} ∂{name}: {m}")
+
+
+def test_inputs_refilled_in_place_and_outputs_kept(replays):
+    """The bench's pattern: one ctx and one tok (leaves that take gradients) refilled in place
+    each step, so the graphs read them where they are; every step's output and input gradients,
+    kept by the caller, must survive the later replays and equal the plain step's."""
+    model = block()
+    compiled = torch.compile(model, backend="mha", options=OPTIONS)
+    ctx = torch.empty(64, 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    tok = torch.empty(64, 24, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    kept = []
+    for step in range(4):
+        new_ctx, new_tok = _inputs(step)
+        with torch.no_grad():
+            ctx.copy_(new_ctx)
+            tok.copy_(new_tok)
+        ctx.grad = tok.grad = None
+        out = compiled(ctx, tok)
+        out.float().square().mean().backward()
+        kept.append((out, ctx.grad, tok.grad))
+        model.zero_grad(set_to_none=True)
+    assert replays == {"forward": 3, "backward": 3}
+    torch._dynamo.reset()
+    plain = torch.compile(model, backend="mha", options={"graphs": "off"})
+    for step, (out, ctx_grad, tok_grad) in enumerate(kept):
+        new_ctx, new_tok = (t.requires_grad_() for t in _inputs(step))
+        want = plain(new_ctx, new_tok)
+        want.float().square().mean().backward()
+        for name, got, expected in (("out", out, want), ("∂ctx", ctx_grad, new_ctx.grad), ("∂tok", tok_grad, new_tok.grad)):
+            torch.testing.assert_close(got.float(), expected.float(), rtol=1e-3, atol=1e-6,
+                                       msg=lambda m: f"step {step} {name}: {m}")
+
+
+def test_inference_replays_its_own_graph(replays):
+    model = block()
+    compiled = torch.compile(model, backend="mha", options=OPTIONS)
+    with torch.no_grad():
+        outs = [compiled(*_inputs(step)) for step in range(4)]
+        assert replays == {"forward": 3, "backward": 0}
+        torch._dynamo.reset()
+        plain = torch.compile(model, backend="mha", options={"graphs": "off"})
+        for step, out in enumerate(outs):
+            torch.testing.assert_close(out.float(), plain(*_inputs(step)).float(), rtol=1e-3, atol=1e-6)
