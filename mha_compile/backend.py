@@ -33,8 +33,8 @@ def mha_backend(gm, example_inputs, options=None, mode=None):
     opts = Options.parse(options)
     mode = _mode(mode, opts.mode)
     if opts.step_graphs and mode != "reduce-overhead":
-        raise ValueError(f"mha options: step_graphs=True replays mode='reduce-overhead''s CUDA graphs through "
-                         f"mha_compile's own; it takes mode='reduce-overhead', got mode={mode!r}")
+        raise ValueError(f"mha options: step_graphs=True replays the CUDA graphs of mode='reduce-overhead' through "
+                         f"mha_compile's own; give it with mode='reduce-overhead', not mode={mode!r}")
     report = GraphReport(next(_graph_counter), options={k: str(v) for k, v in vars(opts).items()})
     report.code_before = gm.code
     whole = _whole_graph_captured(opts, mode, example_inputs)

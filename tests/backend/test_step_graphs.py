@@ -353,7 +353,7 @@ def test_step_graphs_takes_reduce_overhead_and_rest_eager():
         backend.Options.parse({"step_graphs": True, "rest": "inductor"})
     with pytest.raises(TypeError, match="step_graphs='yes' must be True or False"):
         backend.Options.parse({"step_graphs": "yes"})
-    with pytest.raises(Exception, match="it takes mode='reduce-overhead', got mode=None"):
+    with pytest.raises(Exception, match="give it with mode='reduce-overhead', not mode=None"):
         torch.compile(_block(), backend="mha", options={"step_graphs": True})(*_inputs(0))
 
 
