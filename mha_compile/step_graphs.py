@@ -32,6 +32,7 @@ saved values live in the graph's pool) runs eagerly; a backward whose forward's 
 replay overwrote (through a retained graph) raises; a failed capture runs the step eagerly from
 then on, with a warning.
 """
+import collections
 import logging
 import operator
 import threading
@@ -148,7 +149,7 @@ class StepGraphs:
         self.run, self.recorder, self.held = run, recorder, list(held)
         self.entries = {}  # training -> _Seen | _Step | _EAGER
         self.lock = threading.RLock()
-        self.said_pending = False
+        self.said = set()
 
     def __call__(self, *args):
         if torch.is_inference_mode_enabled():
@@ -168,12 +169,20 @@ class StepGraphs:
             if not training:
                 return tuple(entry.forward(args))
             if entry.pending():
-                if not self.said_pending:
-                    self.said_pending = True
-                    log.warning("mha_compile: the step's graphs were called again before the backward of their "
-                                "last call; such calls run eagerly (their saved values live in the graphs' memory)")
+                self._say("pending", "the step's graphs were called again before the backward of their last call; "
+                          "such calls run eagerly (their saved values live in the graphs' memory)")
+                return self.run(*args)
+            if entry.gradients_held(args):
+                self._say("held", "a gradient the step's graphs handed out is still held (not as an input's .grad); "
+                          "steps run eagerly while it is, since the next backward replay would overwrite it")
                 return self.run(*args)
             return _Replay.apply(entry, *args)
+
+    def _say(self, what, message):
+        """Log `message` as a warning, once for each `what`."""
+        if what not in self.said:
+            self.said.add(what)
+            log.warning("mha_compile: %s", message)
 
     def _capture(self, args, in_place, training):
         """A _Step for args (remembered), or None with a warning where capturing fails (the step
@@ -237,6 +246,11 @@ class _Step:
         # place (their views are its leaves), as region_graphs holds none of them either.
         self.differentiable = [o.requires_grad for o in self.outputs]
         self.outputs = [o.detach() for o in self.outputs]
+        grads = iter(self.grads or ())
+        self.grad_of = [next(grads) if wanted else None for wanted in self.wanted]  # by input
+        # References to each gradient's storage that are the step's own (a storage two gradients
+        # share, or one an output shares, counts each): any beyond them are someone else's.
+        self.own_uses = {_storage(g): _uses(g) for g in self.grad_of if g is not None}
         self.generation, self.last, self.backward_done = 0, None, False
 
     def addresses_hold(self, args):
@@ -246,6 +260,15 @@ class _Step:
     def in_place(self, args):
         """What stays read in place when the step is captured again (an input moved)."""
         return [keep and a.data_ptr() == at for a, keep, at in zip(args, self.read_in_place, self.addresses)]
+
+    def gradients_held(self, args):
+        """Whether a gradient the last backward handed out is still held by something other than
+        an in-place input's .grad (which the backward can give a copy of): the next backward
+        replay would overwrite it."""
+        known = collections.Counter(_storage(a.grad) for a, keep in zip(args, self.read_in_place)
+                                    if keep and a.is_leaf and a.grad is not None)
+        return any(_uses(g) - self.own_uses[_storage(g)] > known[_storage(g)]
+                   for g in self.grad_of if g is not None)
 
     def pending(self):
         """Whether the last forward's backward is still to come (its autograd node alive)."""
@@ -262,17 +285,30 @@ class _Step:
             self.last, self.backward_done = weakref.ref(ctx), False
         return region_graphs.fresh_copies(self.outputs)
 
-    def backward(self, generation, grads):
-        """Replay the backward for the forward `generation` with ∂out = grads; a gradient per input."""
+    def backward(self, generation, grads, in_place):
+        """Replay the backward for the forward `generation` with ∂out = grads; a gradient per input.
+        in_place: the inputs read in place (the node's saved tensors), in order.
+
+        The gradients go to autograd as views of the graphs' own, so AccumulateGrad takes each as
+        .grad where .grad is None, with no copy (a copy each cost ~20 us of host a parameter on
+        the H200). An in-place input whose .grad is still such a view (gradients accumulated, or
+        zeroed in place) gets a copy of it first: the replay would overwrite it."""
         if generation != self.generation:
             raise RuntimeError("mha_compile: backward through a step whose CUDA graphs have replayed a later forward "
                                "since: the values it saved are overwritten (step_graphs=True keeps one forward's)")
+        inputs = iter(in_place)
+        for keep, g in zip(self.read_in_place, self.grad_of):
+            a = next(inputs) if keep else None
+            if g is not None and a is not None and a.is_leaf and a.grad is not None and _storage(a.grad) == _storage(g):
+                a.grad = a.grad.clone()
+        if any(_uses(g) != self.own_uses[_storage(g)] for g in self.grad_of if g is not None):
+            raise RuntimeError("mha_compile: a gradient the step's CUDA graphs handed out at an earlier step is held "
+                               "again, and this backward would overwrite it")
         self.recorder.before_replay()
         region_graphs.copy_pairs([(static, g) for static, g in zip(self.grad_outputs, grads) if static is not None])
         self.replay_backward()
         self.backward_done = True
-        grads = iter(self.grads)
-        return [next(grads) if wanted else None for wanted in self.wanted]
+        return [None if g is None else g.detach() for g in self.grad_of]
 
 
 class _Replay(torch.autograd.Function):
@@ -291,8 +327,18 @@ class _Replay(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):
-        ctx.saved_tensors  # noqa: B018 (unpacking checks their versions)
-        return (None, *ctx.step.backward(ctx.generation, grads))
+        # unpacking checks that no input read in place changed since the forward
+        return (None, *ctx.step.backward(ctx.generation, grads, ctx.saved_tensors))
+
+
+def _storage(t):
+    """Where t's storage starts (its identity among live storages)."""
+    return t.untyped_storage().data_ptr()
+
+
+def _uses(t):
+    """References to t's storage: its tensors' and storage objects' (the one made here included)."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
 class CudaGraphs:

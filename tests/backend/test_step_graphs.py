@@ -537,3 +537,57 @@ def test_an_input_read_in_place_is_not_held_past_its_backward():
     storage = StorageWeakRef(x.untyped_storage())
     del x
     assert storage.expired()
+
+
+@pytest.fixture()
+def steps(monkeypatch):
+    """Every step_graphs._Step made (its captures), in order."""
+    made = []
+
+    class Recorded(step_graphs._Step):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(step_graphs, "_Step", Recorded)
+    return made
+
+
+def test_gradients_are_handed_out_without_copies(steps):
+    """With .grad set to None between steps, each parameter's .grad after a replayed backward is
+    a view of the graphs' own gradient (AccumulateGrad took it: no copy), and the next step still
+    replays."""
+    model, compiled = _past_capture()
+    [step] = steps
+    named = dict(model.named_parameters())
+    for seed in (5, 6):
+        model.zero_grad(set_to_none=True)
+        compiled(*_inputs(seed)).square().mean().backward()
+        ours = {g.untyped_storage().data_ptr() for g in step.grad_of if g is not None}
+        assert all(p.grad.untyped_storage().data_ptr() in ours for p in named.values())
+    assert Emulated.made[0].backward_replays == 3
+
+
+def test_a_held_gradient_makes_steps_run_eagerly(steps, caplog):
+    """A gradient of an earlier step kept by the caller (here an input's .grad, the input not
+    read in place) would be overwritten by the next backward replay: steps run eagerly, said
+    once, while it is held, and replay again once it is not."""
+    model, compiled = _past_capture()
+    recorder = Emulated.made[0]
+    ctx, tok = _inputs(5, requires_grad=True)
+    compiled(ctx, tok).square().mean().backward()
+    kept, kept_then = ctx.grad, ctx.grad.clone()
+    replays = recorder.backward_replays
+    with caplog.at_level(logging.WARNING, logger="mha_compile"):
+        for seed in (6, 7):
+            new_ctx, new_tok = _inputs(seed, requires_grad=True)
+            compiled(new_ctx, new_tok).square().mean().backward()
+            eager_ctx = new_ctx.detach().requires_grad_()
+            model(eager_ctx, new_tok.detach()).square().mean().backward()
+            torch.testing.assert_close(new_ctx.grad, eager_ctx.grad, rtol=1e-4, atol=1e-7)
+    assert torch.equal(kept, kept_then) and recorder.backward_replays == replays
+    assert sum("still held" in r.message for r in caplog.records) == 1
+    del kept, ctx
+    _held.clear()
+    compiled(*_inputs(8)).square().mean().backward()
+    assert recorder.backward_replays == replays + 1

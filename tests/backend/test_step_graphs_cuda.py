@@ -77,19 +77,25 @@ def _gradients(model, fn, steps, zero):
 
 
 def test_gradients_accumulate_without_zeroing(replays):
-    """.grad grows by each replayed step's gradient, the plain compiled step's: a gradient the
-    graphs keep, taken as .grad, would be overwritten by the next replay and added to itself."""
+    """.grad summed over three replayed steps without zeroing, as the plain compiled step sums
+    it (the same kernels, the same bf16 sums in the same order): a gradient the graphs hand out,
+    taken as .grad, would be overwritten by the next replay and added to itself."""
+    def accumulated(fn, model):
+        fn(*_inputs(0)).float().square().mean().backward()  # the eager call, its .grad dropped
+        model.zero_grad(set_to_none=True)
+        for step in (1, 2, 3):
+            fn(*_inputs(step)).float().square().mean().backward()
+        return {name: p.grad.float().clone() for name, p in model.named_parameters()}
+
     model = block()
-    compiled = torch.compile(model, backend="mha", options=OPTIONS)
-    _gradients(model, compiled, [0], zero=True)  # the eager call, its .grad dropped
-    got = _gradients(model, compiled, [1, 2, 3], zero=False)
+    got = accumulated(torch.compile(model, backend="mha", options=OPTIONS), model)
     assert replays["backward"] == 3
     torch._dynamo.reset()
-    want = _gradients(model, torch.compile(model, backend="mha", options={"graphs": "off"}), [1, 2, 3], zero=True)
-    for step, (g, w) in enumerate(zip(got, want)):
-        for name in w:
-            torch.testing.assert_close(g[name], w[name], rtol=1e-3, atol=1e-6, msg=lambda m: f"{step} ∂{name}: {m}")
-            assert (g[name].abs().max() == 0) == (name == "pool.key.bias"), f"step {step} ∂{name}"
+    model.zero_grad(set_to_none=True)
+    want = accumulated(torch.compile(model, backend="mha", options={"graphs": "off"}), model)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-3, atol=1e-6, msg=lambda m: f"∂{name}: {m}")
+        assert (got[name].abs().max() == 0) == (name == "pool.key.bias"), f"∂{name}"
 
 
 def test_micro_batches_before_one_backward(replays):
@@ -129,8 +135,8 @@ def test_the_pool_outside_the_step_graphs(monkeypatch, replays):
 
 def test_inputs_refilled_in_place_and_outputs_kept(replays):
     """The bench's pattern: one ctx and one tok (leaves that take gradients) refilled in place
-    each step, so the graphs read them where they are; every step's output and input gradients,
-    kept by the caller, must survive the later replays and equal the plain step's."""
+    each step, so the graphs read them where they are; every step's output, kept by the caller,
+    must survive the later replays, and it and the input gradients equal the plain step's."""
     model = block()
     compiled = torch.compile(model, backend="mha", options=OPTIONS)
     ctx = torch.empty(64, 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -144,7 +150,7 @@ def test_inputs_refilled_in_place_and_outputs_kept(replays):
         ctx.grad = tok.grad = None
         out = compiled(ctx, tok)
         out.float().square().mean().backward()
-        kept.append((out, ctx.grad, tok.grad))
+        kept.append((out, ctx.grad.clone(), tok.grad.clone()))  # held as they are, they would send steps eager
         model.zero_grad(set_to_none=True)
     assert replays == {"forward": 3, "backward": 3}
     torch._dynamo.reset()
