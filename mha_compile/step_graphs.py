@@ -248,9 +248,11 @@ class _Step:
         self.outputs = [o.detach() for o in self.outputs]
         grads = iter(self.grads or ())
         self.grad_of = [next(grads) if wanted else None for wanted in self.wanted]  # by input
-        # References to each gradient's storage that are the step's own (a storage two gradients
-        # share, or one an output shares, counts each): any beyond them are someone else's.
-        self.own_uses = {_storage(g): _uses(g) for g in self.grad_of if g is not None}
+        # Each gradient storage (one object kept for it, read without making another) and the
+        # references to it that are the step's own (two gradients sharing one count twice, an
+        # output sharing it once more): any beyond them are someone else's.
+        storages = {_storage(g): g.untyped_storage() for g in self.grad_of if g is not None}
+        self.grad_storages = {ptr: (storage, _uses(storage)) for ptr, storage in storages.items()}
         self.generation, self.last, self.backward_done = 0, None, False
 
     def addresses_hold(self, args):
@@ -267,8 +269,7 @@ class _Step:
         replay would overwrite it."""
         known = collections.Counter(_storage(a.grad) for a, keep in zip(args, self.read_in_place)
                                     if keep and a.is_leaf and a.grad is not None)
-        return any(_uses(g) - self.own_uses[_storage(g)] > known[_storage(g)]
-                   for g in self.grad_of if g is not None)
+        return any(_uses(storage) - own > known[ptr] for ptr, (storage, own) in self.grad_storages.items())
 
     def pending(self):
         """Whether the last forward's backward is still to come (its autograd node alive)."""
@@ -301,7 +302,7 @@ class _Step:
             a = next(inputs) if keep else None
             if g is not None and a is not None and a.is_leaf and a.grad is not None and _storage(a.grad) == _storage(g):
                 a.grad = a.grad.clone()
-        if any(_uses(g) != self.own_uses[_storage(g)] for g in self.grad_of if g is not None):
+        if any(_uses(storage) != own for storage, own in self.grad_storages.values()):
             raise RuntimeError("mha_compile: a gradient the step's CUDA graphs handed out at an earlier step is held "
                                "again, and this backward would overwrite it")
         self.recorder.before_replay()
@@ -336,9 +337,9 @@ def _storage(t):
     return t.untyped_storage().data_ptr()
 
 
-def _uses(t):
-    """References to t's storage: its tensors' and storage objects' (the one made here included)."""
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+def _uses(storage):
+    """References to a storage (an UntypedStorage): its tensors' and its storage objects'."""
+    return torch._C._storage_Use_Count(storage._cdata)
 
 
 class CudaGraphs:
