@@ -40,9 +40,9 @@ class Options:
         step_graphs: under mode="reduce-overhead" with rest="eager", replay the step through
             mha_compile's own two CUDA graphs (forward and backward, behind one autograd node,
             as torch.cuda.make_graphed_callables does) instead of torch's CUDA-graph trees behind
-            AOTAutograd, whose runtime binds small and medium steps on the host. Experimental,
-            not yet timed on a GPU; graphs it cannot take (step_graphs.why_not: inputs it writes
-            into, random numbers, outputs that alias) go to the trees with a warning.
+            AOTAutograd, whose runtime binds small and medium steps on the host. Experimental
+            (bench/PERF_NOTES.md v50); graphs it cannot take (step_graphs.why_not: inputs it
+            writes into, random numbers, outputs that alias) go to the trees with a warning.
     """
 
     kernels: str = DEFAULT_KERNELS
