@@ -264,8 +264,10 @@ step-graphs)
     # options step_graphs=True (mha_compile/step_graphs.py, never run on a GPU before): its GPU tests
     # and the trees' beside them, then small's and medium's training rows under the trees and under
     # the step graphs in rounds, then step_profile of both at medium (host issue, GPU time a step)
+    # log_level=WARNING: torch's DEBUG trace records, captured with a failure, would crowd its message out
     { MHA_COMPILE_NO_AUTOTUNE=1 timeout 150 python -m pytest -q -m cuda tests/backend/test_step_graphs_cuda.py \
-        tests/backend/test_whole_graph_cuda.py -p no:cacheprovider -rf --tb=short 2>&1 | tail -40; } >>"$LOG"
+        tests/backend/test_whole_graph_cuda.py -p no:cacheprovider -o log_level=WARNING -rf --tb=short 2>&1 \
+        | tail -60; } >>"$LOG"
     { timeout -s INT -k 15 280 python -m bench --out "$OUT" --name h200_step_graphs --budget 250 --presets small,medium \
         --passes fwd+bwd --spellings grouped_mm --modes inductor,mha-fused-cudagraphs,mha-fused-stepgraphs \
         --rounds 3 --commit "$commit" 2>&1 | tail -40; } >>"$LOG"
