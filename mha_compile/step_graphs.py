@@ -20,8 +20,10 @@ still kept apart):
    backward as torch.autograd.grad of its outputs, into the step's own memory pool;
 3. each call copies its moved inputs in, replays the forward and hands out copies of the outputs
    (the next replay overwrites the graph's own); the backward copies ∂out in, replays, and hands
-   autograd the graph's input gradients, which AccumulateGrad copies into .grad (a reference
-   kept here stops it from taking them as they are).
+   autograd views of the graph's input gradients, which AccumulateGrad takes as .grad with no
+   copy. A .grad still such a view at the next backward (accumulated, or zeroed in place) gets a
+   copy first; a gradient held anywhere else makes the steps run eagerly until it is dropped
+   (`_Step.gradients_held`), since a replay would overwrite it.
 
 Refused when compiled, with a warning, torch's CUDA-graph trees then taking the step as they do
 without step_graphs: an input that is not a CUDA tensor (a size under dynamic shapes), and a graph
