@@ -226,7 +226,6 @@ class _Step:
         for static, a in zip(surface, args):
             static.requires_grad_(training and a.requires_grad)
         self.copied = [(i, static) for i, (static, keep) in enumerate(zip(surface, in_place)) if not keep]
-        self.wanted = [static.requires_grad for static in surface]  # the inputs given a gradient
 
         def forward():
             with torch.enable_grad() if training else torch.no_grad():
@@ -240,16 +239,16 @@ class _Step:
         recorder.warm_up(forward, backward if training else None)
         self.outputs, self.replay_forward = recorder.capture_forward(forward)
         self.grad_outputs = [torch.empty_like(o) if o.requires_grad else None for o in self.outputs]
-        self.grads = self.replay_backward = None
+        grads, self.replay_backward = (), None
         if any(g is not None for g in self.grad_outputs):  # else no output takes a gradient: no backward
-            self.grads, self.replay_backward = recorder.capture_backward(
+            grads, self.replay_backward = recorder.capture_backward(
                 lambda outputs: backward(outputs, self.grad_outputs), self.outputs)
         # The capture's autograd graph is done with: holding it would hold the inputs read in
         # place (their views are its leaves), as region_graphs holds none of them either.
         self.differentiable = [o.requires_grad for o in self.outputs]
         self.outputs = [o.detach() for o in self.outputs]
-        grads = iter(self.grads or ())
-        self.grad_of = [next(grads) if wanted else None for wanted in self.wanted]  # by input
+        grads = iter(grads)
+        self.grad_of = [next(grads) if static.requires_grad else None for static in surface]  # by input
         # Each gradient storage (one object kept for it, read without making another) and the
         # references to it that are the step's own (two gradients sharing one count twice, an
         # output sharing it once more): any beyond them are someone else's.
@@ -391,10 +390,7 @@ class CudaGraphs:
 
     def before_replay(self):
         """A replay on another stream than the last one waits for it (they share the pool)."""
-        current = torch.cuda.current_stream(self.device)
-        if self.last_stream is not None and self.last_stream != current:
-            current.wait_stream(self.last_stream)
-        self.last_stream = current
+        self.last_stream = region_graphs.after_last_replay(self.last_stream, self.device)
 
     def synchronize(self):
         torch.cuda.synchronize(self.device)

@@ -228,15 +228,21 @@ class _Graph:
         return [keep and _address(a) == at for a, keep, at in zip(args, self.read_in_place, self.addresses)]
 
     def replay(self, args):
-        current = torch.cuda.current_stream(self.device)
-        last = _last_stream.get(self.device)
-        if last is not None and last != current:
-            current.wait_stream(last)  # the last replay's reads and writes come first
-        _last_stream[self.device] = current
+        _last_stream[self.device] = after_last_replay(_last_stream.get(self.device), self.device)
         copy_pairs([(s, a) for s, a in zip(self.inputs, args) if s is not None])
         self.graph.replay()
         fresh = iter(fresh_copies([o for o in self.outputs if o is not None]))
         return type(self.outputs)(None if o is None else next(fresh) for o in self.outputs)
+
+
+def after_last_replay(last, device):
+    """The current stream of `device`, made to wait for `last` (the stream of the last replay of
+    graphs sharing a pool, None: none yet) where it is another: that replay's reads and writes
+    come first."""
+    current = torch.cuda.current_stream(device)
+    if last is not None and last != current:
+        current.wait_stream(last)
+    return current
 
 
 def copy_pairs(pairs):
