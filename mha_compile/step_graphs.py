@@ -254,11 +254,14 @@ class _Step:
         # output sharing it once more): any beyond them are someone else's.
         storages = {_storage(g): g.untyped_storage() for g in self.grad_of if g is not None}
         self.grad_storages = {ptr: (storage, _uses(storage)) for ptr, storage in storages.items()}
+        # The inputs read in place, as (position, address), and each one's gradient's storage
+        # (None: it takes none): read every step, so worked out once here.
+        self.kept = [(i, at) for i, at in enumerate(self.addresses) if at is not None]
+        self.kept_grad_storages = [None if self.grad_of[i] is None else _storage(self.grad_of[i]) for i, _ in self.kept]
         self.generation, self.last, self.backward_done = 0, None, False
 
     def addresses_hold(self, args):
-        return (all(not keep or a.data_ptr() == at for a, keep, at in zip(args, self.read_in_place, self.addresses))
-                and all(t.data_ptr() == at for t, at in self.held))
+        return all(args[i].data_ptr() == at for i, at in self.kept) and all(t.data_ptr() == at for t, at in self.held)
 
     def in_place(self, args):
         """What stays read in place when the step is captured again (an input moved)."""
@@ -268,8 +271,10 @@ class _Step:
         """Whether a gradient the last backward handed out is still held by something other than
         an in-place input's .grad (which the backward can give a copy of): the next backward
         replay would overwrite it."""
-        known = collections.Counter(_storage(a.grad) for a, keep in zip(args, self.read_in_place)
-                                    if keep and a.is_leaf and a.grad is not None)
+        if all(_uses(storage) == own for storage, own in self.grad_storages.values()):
+            return False  # none held at all (.grad set to None since): the usual step, answered without the count
+        known = collections.Counter(_storage(args[i].grad) for i, _ in self.kept
+                                    if args[i].is_leaf and args[i].grad is not None)
         return any(_uses(storage) - own > known[ptr] for ptr, (storage, own) in self.grad_storages.items())
 
     def pending(self):
@@ -298,10 +303,8 @@ class _Step:
         if generation != self.generation:
             raise RuntimeError("mha_compile: backward through a step whose CUDA graphs have replayed a later forward "
                                "since: the values it saved are overwritten (step_graphs=True keeps one forward's)")
-        inputs = iter(in_place)
-        for keep, g in zip(self.read_in_place, self.grad_of):
-            a = next(inputs) if keep else None
-            if g is not None and a is not None and a.is_leaf and a.grad is not None and _storage(a.grad) == _storage(g):
+        for a, ptr in zip(in_place, self.kept_grad_storages):
+            if ptr is not None and a.is_leaf and a.grad is not None and _storage(a.grad) == ptr:
                 a.grad = a.grad.clone()
         if any(_uses(storage) != own for storage, own in self.grad_storages.values()):
             raise RuntimeError("mha_compile: a gradient the step's CUDA graphs handed out at an earlier step is held "
@@ -322,7 +325,7 @@ class _Replay(torch.autograd.Function):
         ctx.step, ctx.generation = step, step.generation
         # The inputs read in place stay alive until the backward, and an in-place change to one
         # before it raises, as eager autograd's saved tensors do.
-        ctx.save_for_backward(*[a for a, keep in zip(args, step.read_in_place) if keep])
+        ctx.save_for_backward(*[args[i] for i, _ in step.kept])
         ctx.mark_non_differentiable(*[o for o, wanted in zip(outputs, step.differentiable) if not wanted])
         return tuple(outputs)
 
