@@ -42,7 +42,8 @@ class Options:
             as torch.cuda.make_graphed_callables does) instead of torch's CUDA-graph trees behind
             AOTAutograd, whose runtime binds small and medium steps on the host. Experimental
             (bench/PERF_NOTES.md v50); graphs it cannot take (step_graphs.why_not: inputs it
-            writes into, random numbers, outputs that alias) go to the trees with a warning.
+            writes into, random numbers not from the device's default generator, outputs that
+            alias) go to the trees with a warning. Dropout replays with a new mask each step.
     """
 
     kernels: str = DEFAULT_KERNELS

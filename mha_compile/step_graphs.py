@@ -25,10 +25,14 @@ still kept apart):
    copy first; a gradient held anywhere else makes the steps run eagerly until it is dropped
    (`_Step.gradients_held`), since a replay would overwrite it.
 
+Random numbers (dropout) are taken where they come from the inputs' device's default generator,
+which a CUDA graph registers: each replay draws anew, and the backward's replay reads the masks
+its forward's replay saved in the pool (the warm-up draws once more than eager would).
+
 Refused when compiled, with a warning, torch's CUDA-graph trees then taking the step as they do
-without step_graphs: an input that is not a CUDA tensor (a size under dynamic shapes), and a graph
-that writes into one of its inputs, draws random numbers, or returns an input's or another
-output's memory (`why_not`). At run time: an input read in place that has moved makes the call
+without step_graphs: an input that is not a CUDA tensor (a size under dynamic shapes), no input,
+and a graph that writes into one of its inputs, draws random numbers from a generator of its own
+or on another device, or returns an input's or another output's memory (`why_not`). At run time: an input read in place that has moved makes the call
 capture again with it copied; a forward while the last one's backward is still to come (its
 saved values live in the graph's pool) runs eagerly; a backward whose forward's values a later
 replay overwrote (through a retained graph) raises; a failed capture runs the step eagerly from
@@ -71,6 +75,8 @@ def why_not(gm, example_inputs, on_device):
             return f"input {i} is a {type(value).__name__}, not a tensor (a size, under dynamic shapes)"
         if not on_device(value):
             return f"input {i} is on {value.device}, not on a CUDA device"
+    if not example_inputs:
+        return "it takes no inputs (nothing says which device its graphs would be captured on)"
     if len({t.device for t in example_inputs}) > 1:
         return f"the inputs are on several devices ({sorted({str(t.device) for t in example_inputs})})"
     for name, t in held_tensors(gm):
@@ -112,24 +118,35 @@ def held_tensors(gm):
 
 
 class _Watch(TorchDispatchMode):
-    """Notes the first aten op that writes into an input's memory or draws random numbers."""
+    """Notes the first aten op that writes into an input's memory, or draws random numbers other
+    than from the inputs' device's default generator."""
 
     def __init__(self, inputs):
         super().__init__()
         self.inputs = {StorageWeakRef(t.untyped_storage()): i for i, t in enumerate(inputs)}
+        self.device = inputs[0].device
         self.found = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        result = func(*args, **kwargs)
         if self.found is None:
-            self.found = self._finding(func, args, kwargs)
-        return func(*args, **kwargs)
+            self.found = self._finding(func, args, kwargs, result)
+        return result
 
-    def _finding(self, func, args, kwargs):
+    def _finding(self, func, args, kwargs, result):
         if torch.Tag.nondeterministic_seeded in func.tags:
-            # A CUDA graph replays the default generator's draws with new offsets, but another
-            # generator must be registered with each graph, and the warm-up would draw once more.
-            return f"it draws random numbers ({func}), which the step graphs do not take yet (torch's trees do)"
+            # A CUDA graph registers the capturing device's default generator: each replay draws
+            # anew from it (its Philox offset advanced on the host), as the trees' replays do.
+            # A generator of the caller's own is not registered, and draws on another device are
+            # not captured: a replay would repeat the capture's numbers.
+            if kwargs.get("generator") is not None or any(isinstance(a, torch.Generator) for a in args):
+                return (f"it draws random numbers from a generator of its own ({func}), which a replay would "
+                        "repeat (only the device's default generator draws anew each replay)")
+            for t in torch.utils._pytree.tree_leaves(result):
+                if isinstance(t, torch.Tensor) and t.device != self.device:
+                    return (f"it draws random numbers on {t.device} ({func}), not on the inputs' {self.device}: "
+                            "a replay would repeat the capture's numbers")
         for position, argument in enumerate(func._schema.arguments):
             value = args[position] if position < len(args) else kwargs.get(argument.name)
             if argument.alias_info is None or not argument.alias_info.is_write:

@@ -4,8 +4,8 @@ stand-in, and what why_not refuses.
 The stand-in (Emulated) keeps a "capture"'s results as the static tensors and makes a replay
 run the captured function again and write into them, as a CUDA graph writes into the addresses
 it captured; the backward's replay first runs the forward again on the static inputs, whose
-values the last forward replay left (a CUDA graph's backward reads the saved values that replay
-left in the pool). So these tests check what step_graphs adds around the graphs: the first
+values the last forward replay left, with the random numbers that replay drew (a CUDA graph's
+backward reads the saved values that replay left in the pool). So these tests check what step_graphs adds around the graphs: the first
 call eager, the inputs read in place or copied, a capture again when one moves, fresh outputs,
 gradients handed to autograd without being taken as .grad, the eager call while a backward is
 pending, the error for a backward whose values were overwritten. The real capture and replay
@@ -59,6 +59,7 @@ class Emulated:
 
         def replay():
             self.forward_replays += 1
+            self.rng = torch.get_rng_state()
             _write(outputs, forward())
 
         return outputs, replay
@@ -68,7 +69,9 @@ class Emulated:
 
         def replay():
             self.backward_replays += 1
-            _write(grads, backward(self.forward()))
+            with torch.random.fork_rng(devices=[]):
+                torch.set_rng_state(self.rng)  # the forward replay's draws (a graph keeps its dropout masks)
+                _write(grads, backward(self.forward()))
 
         return grads, replay
 
@@ -315,12 +318,64 @@ def test_why_not_takes_a_plain_training_graph():
 
 @pytest.mark.parametrize("fn, reason", [
     (lambda x: x.add_(1) * 2, "writes into input 0 (aten.add_.Tensor, argument self)"),
-    (lambda x: torch.nn.functional.dropout(x, 0.5) * 2, "draws random numbers"),
+    (lambda x: (x * 2, torch.rand(3, device="meta")), "draws random numbers on meta (aten.rand.default), not on"),
     (lambda x: x.view(-1), "output 0 is a view of input 0"),
     (lambda x: (x * 2).chunk(2), "outputs 0 and 1 share memory"),
 ])
 def test_why_not_names_what_a_replay_would_get_wrong(fn, reason):
     assert reason in _why_not(fn, torch.randn(4, 3))
+
+
+def test_why_not_refuses_random_numbers_from_a_generator_of_its_own():
+    """Dynamo breaks the graph at a generator given explicitly; a graph traced with one is refused:
+    a CUDA graph registers only the device's default generator, so a replay would repeat its draws."""
+    generator = torch.Generator().manual_seed(1)
+    gm = torch.fx.symbolic_trace(lambda x: x * torch.bernoulli(torch.full_like(x, 0.5), generator=generator))
+    assert "from a generator of its own (aten.bernoulli.default)" in step_graphs.why_not(gm, [torch.randn(4, 3)],
+                                                                                          Emulated.takes)
+    assert "takes no inputs" in step_graphs.why_not(torch.fx.symbolic_trace(lambda: torch.ones(2)), [], Emulated.takes)
+
+
+class _DroppedTokens(torch.nn.Module):
+    """The block on tok after dropout; the dropped tok returned beside the block's output."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, ctx, tok):
+        dropped = torch.nn.functional.dropout(tok, 0.5, training=self.training)
+        return self.block(ctx, dropped), dropped
+
+
+def test_dropout_draws_anew_each_replay_and_its_backward_reads_that_draw():
+    """Dropout from the default generator replays through the step graphs: each step's mask is
+    new (a replay repeating the capture's draws would train on one mask), the dropped tok is
+    tok's kept entries doubled, and the step's output and gradients are the eager block's on
+    that dropped tok (a backward reading another draw's mask would differ)."""
+    model = _DroppedTokens(_block())
+    compiled = torch.compile(model, backend="mha", options=OPTIONS)
+    params = list(model.parameters())
+    masks = []
+    for step in range(5):
+        ctx, tok = _inputs(step)
+        out, dropped = compiled(ctx, tok)
+        out.square().mean().backward()
+        got = [p.grad.clone() for p in params]
+        model.zero_grad(set_to_none=True)
+        kept = dropped != 0
+        torch.testing.assert_close(dropped, torch.where(kept, 2 * tok, 0), rtol=0, atol=0)
+        masks.append(kept)
+        want_out = model.block(ctx, dropped.detach())
+        want = torch.autograd.grad(want_out.square().mean(), params)
+        torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-6, msg=lambda m: f"step {step} out: {m}")
+        for (name, _), g, w in zip(model.named_parameters(), got, want):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6, msg=lambda m: f"step {step} ∂{name}: {m}")
+            assert (g.abs().max() == 0) == name.endswith("pool.key.bias"), f"step {step} ∂{name}"
+    [recorder] = Emulated.made
+    assert (recorder.forward_replays, recorder.backward_replays) == (4, 4)  # step 0 eager
+    assert not any(torch.equal(a, b) for a, b in zip(masks, masks[1:]))
+    assert all(0.3 < m.float().mean() < 0.7 for m in masks)
 
 
 def test_why_not_refuses_a_batch_norm_that_updates_its_running_stats():
@@ -340,11 +395,11 @@ def test_why_not_refuses_sizes_and_other_devices():
 def test_a_refused_graph_goes_to_the_trees_with_a_warning(monkeypatch, caplog):
     trees = []
     monkeypatch.setattr(backend.whole_graph, "capture", lambda gm, inputs: trees.append(gm) or gm.forward)
-    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Dropout(0.5))
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
     with caplog.at_level(logging.WARNING, logger="mha_compile"):
         torch.compile(model, backend="mha", options=OPTIONS)(torch.randn(4, 3))
     assert len(trees) == 1 and not Emulated.made
-    assert any("torch's CUDA-graph trees take this graph instead, since it draws random numbers" in r.message
+    assert any("torch's CUDA-graph trees take this graph instead, since it writes into input" in r.message
                for r in caplog.records)
 
 
@@ -399,18 +454,19 @@ def test_a_held_tensor_that_moves_makes_the_step_capture_again():
     assert len(Emulated.made) == 2
 
 
-class _WithDropout(torch.nn.Module):
+class _WithBatchNorm(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.block = _block()
+        self.norm = torch.nn.BatchNorm1d(3)
 
     def forward(self, ctx, tok):
-        return torch.nn.functional.dropout(self.block(ctx, tok), 0.1)
+        return self.norm(self.block(ctx, tok))
 
 
 @pytest.mark.parametrize("model, says", [
     (_block, "through mha_compile's own step graphs (options step_graphs)"),
-    (_WithDropout, "through torch's CUDA-graph trees, not the step graphs asked for, since it draws random numbers"),
+    (_WithBatchNorm, "through torch's CUDA-graph trees, not the step graphs asked for, since it writes into input"),
 ])
 def test_the_report_says_whose_graphs_replay_the_step(monkeypatch, model, says):
     monkeypatch.setattr(backend.whole_graph, "capture", lambda gm, inputs: gm.forward)

@@ -1,7 +1,8 @@
 """options step_graphs=True on the GPU: the step replayed through mha_compile's own CUDA graphs
 (mha_compile/step_graphs.py) must train as the plain compiled step does, through SGD's in-place
 updates, a parameter whose storage moves, gradients accumulated without zeroing, micro-batches
-whose forwards come before one backward, and the pool run outside the graphs; and its graphs
+whose forwards come before one backward, the pool run outside the graphs, and dropout (a new
+mask each replay, the backward reading that replay's); and its graphs
 must really be the ones replayed (torch's trees never asked), so that a silent fallback cannot
 pass for them."""
 import pytest
@@ -174,3 +175,46 @@ def test_inference_replays_its_own_graph(replays):
         plain = torch.compile(model, backend="mha", options={"graphs": "off"})
         for step, out in enumerate(outs):
             torch.testing.assert_close(out.float(), plain(*_inputs(step)).float(), rtol=1e-3, atol=1e-6)
+
+
+class _DroppedTokens(torch.nn.Module):
+    """The block on tok after dropout; the dropped tok returned beside the block's output."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, ctx, tok):
+        dropped = torch.nn.functional.dropout(tok, 0.5, training=self.training)
+        return self.block(ctx, dropped), dropped
+
+
+def test_dropout_draws_anew_each_replay(replays):
+    """Dropout from the device's default generator, captured: each replay's mask must be new (a
+    graph that did not register the generator would repeat the capture's mask every step), the
+    dropped tok tok's kept entries doubled, and the step's output and gradients the plain
+    compiled block's on that dropped tok (a backward reading another mask would differ)."""
+    model = _DroppedTokens(block())
+    compiled = torch.compile(model, backend="mha", options=OPTIONS)
+    steps = []
+    for step in range(5):
+        ctx, tok = _inputs(step)
+        out, dropped = compiled(ctx, tok)
+        out.float().square().mean().backward()
+        steps.append((ctx, tok, out, dropped, {name: p.grad.float().clone() for name, p in model.named_parameters()}))
+        model.zero_grad(set_to_none=True)
+    assert replays == {"forward": 4, "backward": 4}
+    masks = [dropped != 0 for _, _, _, dropped, _ in steps]
+    assert not any(torch.equal(a, b) for a, b in zip(masks, masks[1:]))
+    assert all(0.45 < m.float().mean() < 0.55 for m in masks)
+    torch._dynamo.reset()
+    plain = torch.compile(model.block, backend="mha", options={"graphs": "off"})
+    for step, (ctx, tok, out, dropped, got) in enumerate(steps):
+        torch.testing.assert_close(dropped, torch.where(dropped != 0, 2 * tok, 0), rtol=0, atol=0)
+        want = plain(ctx, dropped)
+        want.float().square().mean().backward()
+        torch.testing.assert_close(out.float(), want.float(), rtol=1e-3, atol=1e-6, msg=lambda m: f"step {step} out: {m}")
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(got[name], p.grad.float(), rtol=1e-3, atol=1e-6,
+                                       msg=lambda m: f"step {step} ∂{name}: {m}")
+        model.zero_grad(set_to_none=True)
