@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cuda_training import block, train
-from mha_compile import step_graphs, whole_graph
+from mha_compile import models, step_graphs, whole_graph
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -218,3 +218,35 @@ def test_dropout_draws_anew_each_replay(replays):
             torch.testing.assert_close(got[name], p.grad.float(), rtol=1e-3, atol=1e-6,
                                        msg=lambda m: f"step {step} ∂{name}: {m}")
         model.zero_grad(set_to_none=True)
+
+
+def test_autocast_steps_train_as_the_plain_step(replays):
+    """fp32 parameters and inputs, each step under torch.autocast(bf16) (a capture records the
+    casts the autocast state of its call made; Dynamo guards that state): four SGD steps' losses,
+    and every parameter's gradient at each step, the plain compiled step's under autocast."""
+    def run(options):
+        torch._dynamo.reset()
+        torch.manual_seed(5)
+        model = models.MHABlock(128, 4, 256, 8, 2, act="gelu", renorm=True).cuda()
+        compiled = torch.compile(model, backend="mha", options=options)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses, grads = [], []
+        for step in range(4):
+            ctx, tok = (t.float() for t in _inputs(step))
+            with torch.autocast("cuda", torch.bfloat16):
+                loss = compiled(ctx, tok).float().square().mean()
+            loss.backward()
+            grads.append({name: p.grad.clone() for name, p in model.named_parameters()})
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        return losses, grads
+
+    got_losses, got_grads = run(OPTIONS)
+    assert replays == {"forward": 3, "backward": 3}
+    want_losses, want_grads = run({"graphs": "off"})
+    torch.testing.assert_close(torch.tensor(got_losses), torch.tensor(want_losses), rtol=1e-4, atol=0)
+    for step, (got, want) in enumerate(zip(got_grads, want_grads)):
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-3, atol=1e-6, msg=lambda m: f"{step} ∂{name}: {m}")
+            assert name == "pool.key.bias" or got[name].abs().max() > 0, f"step {step} ∂{name} is zero"
