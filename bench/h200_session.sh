@@ -265,10 +265,10 @@ step-graphs)
     # and the trees' beside them, then small's and medium's training rows under the trees and under
     # the step graphs in rounds, then step_profile of both at medium (host issue, GPU time a step)
     # log_level=WARNING: torch's DEBUG trace records, captured with a failure, would crowd its message out
-    { MHA_COMPILE_NO_AUTOTUNE=1 timeout 150 python -m pytest -q -m cuda tests/backend/test_step_graphs_cuda.py \
-        tests/backend/test_whole_graph_cuda.py -p no:cacheprovider -o log_level=WARNING -rf --tb=short 2>&1 \
+    { MHA_COMPILE_NO_AUTOTUNE=1 timeout 200 python -m pytest -q -m cuda tests/backend/test_step_graphs_cuda.py \
+        tests/backend/test_whole_graph_cuda.py -n 4 -p no:cacheprovider -o log_level=WARNING -rf --tb=short 2>&1 \
         | tail -60; } >>"$LOG"
-    { timeout -s INT -k 15 280 python -m bench --out "$OUT" --name h200_step_graphs --budget 250 --presets small,medium \
+    { timeout -s INT -k 15 260 python -m bench --out "$OUT" --name h200_step_graphs --budget 230 --presets small,medium \
         --passes fwd+bwd --spellings grouped_mm --modes inductor,mha-fused-cudagraphs,mha-fused-stepgraphs \
         --rounds 3 --commit "$commit" 2>&1 | tail -40; } >>"$LOG"
     { timeout -s INT -k 10 100 python bench/step_profile.py --preset medium \
