@@ -165,11 +165,16 @@ def _gradients_disagree(gm, original, compiled, args, zero_by_math, precision=No
 
 
 def _gradients(fn, args, cotangents):
-    """fn's input gradients on detached clones of args (None where unused), with `cotangents`
-    (filled with random ones on the first call, given the outputs); None when no output takes a
-    gradient."""
-    xs = [a.detach().clone().requires_grad_(True) if isinstance(a, torch.Tensor) and a.requires_grad else a
-          for a in args]
+    """fn's input gradients on new leaves standing for args (None where unused), with
+    `cotangents` (filled with random ones on the first call, given the outputs); None when no
+    output takes a gradient.
+
+    A leaf (a parameter) stands as a detached view of itself: an in-place write into it would
+    raise as into the leaf, so it cannot change, and it stays at its address, as in the steps
+    after this one (step_graphs, whose graphs capture on this call, then read the parameters in
+    place rather than copying them in every replay). Another input stands as a clone."""
+    xs = [(a.detach() if a.is_leaf else a.detach().clone()).requires_grad_(True)
+          if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args]
     outs = [o for o in _tensors(fn(*xs)) if isinstance(o, torch.Tensor) and o.requires_grad]
     if not outs:
         return None

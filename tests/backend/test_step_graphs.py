@@ -450,6 +450,31 @@ def test_step_graphs_takes_reduce_overhead_and_rest_eager():
         torch.compile(_block(), backend="mha", options={"step_graphs": True})(*_inputs(0))
 
 
+def test_verify_leaves_the_parameters_read_in_place(monkeypatch, caplog):
+    """verify=True checks the first call's gradients on stand-ins for its inputs, which is the
+    step graphs' second call, so the one that captures: the parameters must stand there at their
+    own addresses, or every later replay would copy them all in. Trained as eager, verify keeping
+    the rewrite."""
+    steps = []
+    real_init = step_graphs._Step.__init__
+
+    def noted(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        steps.append(self)
+
+    monkeypatch.setattr(step_graphs._Step, "__init__", noted)
+    eager = _block()
+    eager_run = _train(eager, eager, 4)
+    model = _block()
+    with caplog.at_level(logging.WARNING, logger="mha_compile"):
+        run = _train(model, torch.compile(model, backend="mha", options={**OPTIONS, "verify": True}), 4)
+    assert not [r for r in caplog.records if "verify" in r.getMessage()]
+    _assert_trained_alike(run, eager_run)
+    params = len(list(model.parameters()))
+    assert steps and all(sum(step.read_in_place) >= params for step in steps)
+    assert sum(r.backward_replays for r in Emulated.made) >= 2
+
+
 def test_the_pool_outside_the_step_graphs_trains_as_eager(monkeypatch):
     """The pool run eagerly before the step's graphs (whole_graph.plan_pool_split, here at every
     size) hands them its inv as an input: its gradient must reach the pool's backward, and every
