@@ -20,6 +20,7 @@ import torch
 from mha_compile import backend, models, step_graphs
 from mha_compile.lowering.select import CAPTURED_WHOLE
 from numerics import compiled_reports
+from dropout_model import DroppedTokens
 from mha_compile.step_graphs import CudaGraphs  # the real one: the tests replace the module's
 
 
@@ -374,24 +375,12 @@ def test_why_not_refuses_random_numbers_from_a_generator_of_its_own():
     assert "takes no inputs" in step_graphs.why_not(torch.fx.symbolic_trace(lambda: torch.ones(2)), [], Emulated.takes)
 
 
-class _DroppedTokens(torch.nn.Module):
-    """The block on tok after dropout; the dropped tok returned beside the block's output."""
-
-    def __init__(self, block):
-        super().__init__()
-        self.block = block
-
-    def forward(self, ctx, tok):
-        dropped = torch.nn.functional.dropout(tok, 0.5, training=self.training)
-        return self.block(ctx, dropped), dropped
-
-
 def test_dropout_draws_anew_each_replay_and_its_backward_reads_that_draw():
     """Dropout from the default generator replays through the step graphs: each step's mask is
     new (a replay repeating the capture's draws would train on one mask), the dropped tok is
     tok's kept entries doubled, and the step's output and gradients are the eager block's on
     that dropped tok (a backward reading another draw's mask would differ)."""
-    model = _DroppedTokens(_block())
+    model = DroppedTokens(_block())
     compiled = torch.compile(model, backend="mha", options=OPTIONS)
     params = list(model.parameters())
     masks = []

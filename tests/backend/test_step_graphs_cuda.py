@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from cuda_training import block, train
+from dropout_model import DroppedTokens
 from mha_compile import models, step_graphs, whole_graph
 
 pytestmark = [pytest.mark.cuda,
@@ -177,24 +178,12 @@ def test_inference_replays_its_own_graph(replays):
             torch.testing.assert_close(out.float(), plain(*_inputs(step)).float(), rtol=1e-3, atol=1e-6)
 
 
-class _DroppedTokens(torch.nn.Module):
-    """The block on tok after dropout; the dropped tok returned beside the block's output."""
-
-    def __init__(self, block):
-        super().__init__()
-        self.block = block
-
-    def forward(self, ctx, tok):
-        dropped = torch.nn.functional.dropout(tok, 0.5, training=self.training)
-        return self.block(ctx, dropped), dropped
-
-
 def test_dropout_draws_anew_each_replay(replays):
     """Dropout from the device's default generator, captured: each replay's mask must be new (a
     graph that did not register the generator would repeat the capture's mask every step), the
     dropped tok tok's kept entries doubled, and the step's output and gradients the plain
     compiled block's on that dropped tok (a backward reading another mask would differ)."""
-    model = _DroppedTokens(block())
+    model = DroppedTokens(block())
     compiled = torch.compile(model, backend="mha", options=OPTIONS)
     steps = []
     for step in range(5):
