@@ -32,11 +32,12 @@ its forward's replay saved in the pool (the warm-up draws once more than eager w
 Refused when compiled, with a warning, torch's CUDA-graph trees then taking the step as they do
 without step_graphs: an input that is not a CUDA tensor (a size under dynamic shapes), no input,
 and a graph that writes into one of its inputs, draws random numbers from a generator of its own
-or on another device, or returns an input's or another output's memory (`why_not`). At run time: an input read in place that has moved makes the call
-capture again with it copied; a forward while the last one's backward is still to come (its
-saved values live in the graph's pool) runs eagerly; a backward whose forward's values a later
-replay overwrote (through a retained graph) raises; a failed capture runs the step eagerly from
-then on, with a warning.
+or on another device, or returns an input's or another output's memory (`why_not`).
+
+At run time: an input read in place that has moved makes the call capture again with it copied;
+a forward while the last one's backward is still to come (its saved values live in the graph's
+pool) runs eagerly; a backward whose forward's values a later replay overwrote (through a
+retained graph) raises; a failed capture runs the step eagerly from then on, with a warning.
 """
 import collections
 import logging
