@@ -16,7 +16,12 @@ and parameters), to the low dtype's bound. The message also gives the captured g
 distance from it (bf16 eager's gradients were 7-11% from it where the rewrite's were 0.16%:
 allowing the rewrite as much let a 20% error through). A captured graph that does not run in fp32
 is compared directly, and the log says so.
+
+Every run compared starts from the random-number state the call found (`_Draws`), so a graph with
+dropout draws the same masks in each; the call's own result, the rewrite's, leaves the state where
+its draws took it, as without verify.
 """
+import contextlib
 import logging
 
 import torch
@@ -36,40 +41,42 @@ def verified(gm, original, compiled, report):
     state = {"use": None}
     zero_by_math = _zero_by_math(gm, report)
 
-    def fall_back(what, args):
+    def fall_back(what, args, draws):
         report.fallback = f"verify: the rewritten graph disagrees with the original ({what}); using the original"
         log.warning("mha_compile: graph %d: %s", report.index, report.fallback)
         state["use"] = original
+        draws.restore()  # the call's result drawn as the rewrite's was, in its place
         return original(*args)
 
     def run(*args):
         if state["use"] is not None:
             return state["use"](*args)
-        with torch.no_grad():
+        draws = _Draws(args)
+        with torch.no_grad(), draws.same():
             expected = original(*args)
         try:
             got = compiled(*args)
         except Exception as error:  # the replacement must never be what breaks the user's run
-            return fall_back(f"it raised {type(error).__name__}: {error}", args)
+            return fall_back(f"it raised {type(error).__name__}: {error}", args, draws)
         precision, fp32 = _low_precision(args), None
         if precision is not None:
             try:
-                with torch.no_grad():
+                with torch.no_grad(), draws.same():
                     fp32 = promoted(gm)(*_upcast(args))
             except Exception as error:
                 log.info("mha_compile: graph %d: verify: the captured graph does not run in fp32 (%s: %s); "
                          "comparing the two directly", report.index, type(error).__name__, error)
         what = _outputs_disagree(_tensors(got), _tensors(expected), None if fp32 is None else _tensors(fp32), precision)
         if what:
-            return fall_back(what, args)
+            return fall_back(what, args, draws)
         if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
             try:
                 what = _gradients_disagree(gm if fp32 is not None else None, original, compiled, args, zero_by_math,
-                                           precision)
+                                           precision, draws)
             except Exception as error:
-                return fall_back(f"its backward raised {type(error).__name__}: {error}", args)
+                return fall_back(f"its backward raised {type(error).__name__}: {error}", args, draws)
             if what:
-                return fall_back(what, args)
+                return fall_back(what, args, draws)
         state["use"] = compiled
         return got
 
@@ -126,19 +133,26 @@ def _outputs_disagree(got, expected, fp32, precision=None):
     return None
 
 
-def _gradients_disagree(gm, original, compiled, args, zero_by_math, precision=None):
+def _gradients_disagree(gm, original, compiled, args, zero_by_math, precision=None, draws=None):
     """What disagrees among the input gradients, or None; gm: the captured graph, run in fp32 as
     the yardstick (see the module) to `precision`'s bound, or None to compare the two with each
-    other."""
+    other; draws: the _Draws each run starts from (None: the state as it is)."""
     positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
     cotangents = []
-    grads_o = _gradients(original, args, cotangents)
+    same = draws.same if draws is not None else contextlib.nullcontext
+    with same():
+        grads_o = _gradients(original, args, cotangents)
     if grads_o is None:
         return None
-    grads_c = _gradients(compiled, args, cotangents)
+    with same():
+        grads_c = _gradients(compiled, args, cotangents)
     if grads_c is None:
         return "no output of the rewritten graph takes a gradient"
-    grads_r = grads_o if gm is None else _gradients(promoted(gm), _upcast(args), [c.float() for c in cotangents])
+    if gm is None:
+        grads_r = grads_o
+    else:
+        with same():
+            grads_r = _gradients(promoted(gm), _upcast(args), [c.float() for c in cotangents])
     largest = max([1.0] + [g.double().norm().item() for g in grads_r if g is not None])
     for position, g_c, g_o, g_r in zip(positions, grads_c, grads_o, grads_r):
         if g_o is None and g_c is None:
@@ -182,6 +196,28 @@ def _gradients(fn, args, cotangents):
         cotangents.extend(torch.randn_like(o) for o in outs)
     wrt = [x for x in xs if isinstance(x, torch.Tensor) and x.requires_grad]
     return torch.autograd.grad(outs, wrt, cotangents, allow_unused=True)
+
+
+class _Draws:
+    """The random-number state a call found: the CPU's and that of each CUDA device its inputs are
+    on. `same()` runs a block from it and puts back the state the block found; `restore()` goes
+    back to it."""
+
+    def __init__(self, args):
+        self.devices = sorted({a.device.index for a in args if isinstance(a, torch.Tensor) and a.is_cuda})
+        self.cpu = torch.get_rng_state()
+        self.cuda = [torch.cuda.get_rng_state(d) for d in self.devices]
+
+    @contextlib.contextmanager
+    def same(self):
+        with torch.random.fork_rng(devices=self.devices):
+            self.restore()
+            yield
+
+    def restore(self):
+        torch.set_rng_state(self.cpu)
+        for device, state in zip(self.devices, self.cuda):
+            torch.cuda.set_rng_state(state, device)
 
 
 def _upcast(args):

@@ -9,6 +9,7 @@ import torch
 
 import mha_compile
 from mha_compile import backend, models
+from dropout_model import DroppedTokens
 from inplace_model import ResidualInPlace
 from numerics import assert_close_rel, compiled_reports, needs_interpreter, record_calls, relative_error
 
@@ -433,6 +434,40 @@ def test_verify_under_bf16_autocast_measures_against_fp32(monkeypatch, caplog, f
             report = _verify_first_call(model, ctx, tok, "auto", caplog)
         assert len(report.matches) == 1
         assert (report.fallback is None) == (fault is None), (seed, report.fallback)
+
+
+@pytest.mark.parametrize("fault", [None, "output", "gradient"])
+def test_verify_gives_each_run_the_same_dropout_masks(monkeypatch, caplog, fault):
+    """Dropout before the block: every run verify compares draws from the state the call found, so
+    the same masks (drawn anew in each, a right rewrite fell back: outputs 0.335 apart); a wrong
+    rewrite still falls back; and the caller's random stream moves by the call's own draws only
+    (its next draw is the one after an eager call)."""
+    from mha_compile.kernels import reference
+    if fault == "output":
+        right = reference.region_forward
+        monkeypatch.setattr(reference, "region_forward", lambda *a: (right(*a)[0] * 1.2, *right(*a)[1:]))
+    elif fault == "gradient":
+        right_backward = reference.region_backward
+        monkeypatch.setattr(reference, "region_backward",
+                            lambda *a: tuple(g * 1.2 if i == 1 else g for i, g in enumerate(right_backward(*a))))
+    torch._dynamo.reset()
+    model = DroppedTokens(_block(torch.float32, seed=2))
+    gen = torch.Generator().manual_seed(12)
+    ctx, tok = torch.randn(4, 3, 32, generator=gen), torch.randn(4, 5, 32, generator=gen)
+    torch.manual_seed(7)
+    with compiled_reports() as reports, caplog.at_level(logging.WARNING, logger="mha_compile"):
+        out, dropped = torch.compile(model, backend="mha", options={"verify": True})(ctx, tok.requires_grad_(True))
+        out.square().mean().backward()
+    after_verified = torch.rand(8)
+    (report,) = reports
+    assert len(report.matches) == 1
+    assert (report.fallback is None) == (fault is None), report.fallback
+    torch.manual_seed(7)
+    want_out, want_dropped = model(ctx, tok)
+    torch.testing.assert_close(dropped, want_dropped, rtol=0, atol=0)
+    if fault is None:
+        torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-6)
+    assert torch.equal(after_verified, torch.rand(8))
 
 
 def test_verify_compares_directly_where_the_captured_graph_does_not_run_in_fp32(monkeypatch, caplog):
