@@ -133,26 +133,20 @@ def _outputs_disagree(got, expected, fp32, precision=None):
     return None
 
 
-def _gradients_disagree(gm, original, compiled, args, zero_by_math, precision=None, draws=None):
+def _gradients_disagree(gm, original, compiled, args, zero_by_math, precision, draws):
     """What disagrees among the input gradients, or None; gm: the captured graph, run in fp32 as
     the yardstick (see the module) to `precision`'s bound, or None to compare the two with each
-    other; draws: the _Draws each run starts from (None: the state as it is)."""
+    other; draws: the call's _Draws, which each run starts from."""
     positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
     cotangents = []
-    same = draws.same if draws is not None else contextlib.nullcontext
-    with same():
-        grads_o = _gradients(original, args, cotangents)
+    grads_o = _gradients(original, args, cotangents, draws)
     if grads_o is None:
         return None
-    with same():
-        grads_c = _gradients(compiled, args, cotangents)
+    grads_c = _gradients(compiled, args, cotangents, draws)
     if grads_c is None:
         return "no output of the rewritten graph takes a gradient"
-    if gm is None:
-        grads_r = grads_o
-    else:
-        with same():
-            grads_r = _gradients(promoted(gm), _upcast(args), [c.float() for c in cotangents])
+    grads_r = grads_o if gm is None else _gradients(promoted(gm), _upcast(args), [c.float() for c in cotangents],
+                                                    draws)
     largest = max([1.0] + [g.double().norm().item() for g in grads_r if g is not None])
     for position, g_c, g_o, g_r in zip(positions, grads_c, grads_o, grads_r):
         if g_o is None and g_c is None:
@@ -178,10 +172,10 @@ def _gradients_disagree(gm, original, compiled, args, zero_by_math, precision=No
     return None
 
 
-def _gradients(fn, args, cotangents):
+def _gradients(fn, args, cotangents, draws):
     """fn's input gradients on new leaves standing for args (None where unused), with
-    `cotangents` (filled with random ones on the first call, given the outputs); None when no
-    output takes a gradient.
+    `cotangents` (filled with random ones on the first call, given the outputs), fn run from
+    `draws` (_Draws); None when no output takes a gradient.
 
     A leaf (a parameter) stands as a detached view of itself: an in-place write into it would
     raise as into the leaf, so it cannot change, and it stays at its address, as in the steps
@@ -189,13 +183,14 @@ def _gradients(fn, args, cotangents):
     place rather than copying them in every replay). Another input stands as a clone."""
     xs = [(a.detach() if a.is_leaf else a.detach().clone()).requires_grad_(True)
           if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args]
-    outs = [o for o in _tensors(fn(*xs)) if isinstance(o, torch.Tensor) and o.requires_grad]
-    if not outs:
-        return None
-    if not cotangents:
-        cotangents.extend(torch.randn_like(o) for o in outs)
-    wrt = [x for x in xs if isinstance(x, torch.Tensor) and x.requires_grad]
-    return torch.autograd.grad(outs, wrt, cotangents, allow_unused=True)
+    with draws.same():
+        outs = [o for o in _tensors(fn(*xs)) if isinstance(o, torch.Tensor) and o.requires_grad]
+        if not outs:
+            return None
+        if not cotangents:
+            cotangents.extend(torch.randn_like(o) for o in outs)
+        wrt = [x for x in xs if isinstance(x, torch.Tensor) and x.requires_grad]
+        return torch.autograd.grad(outs, wrt, cotangents, allow_unused=True)
 
 
 class _Draws:
