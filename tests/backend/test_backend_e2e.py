@@ -399,16 +399,22 @@ def test_verify_measures_bf16_against_the_captured_graph_in_fp32(caplog, seed):
     assert len(report.matches) == 1 and report.fallback is None, report.fallback
 
 
-@pytest.mark.parametrize("fault", ["output", "gradient"])
-def test_verify_catches_a_wrong_bf16_rewrite(monkeypatch, caplog, fault):
+def _plant_wrong_rewrite(monkeypatch, fault):
+    """The reference kernels made wrong: fault "output" scales the region's output by 1.2,
+    "gradient" its ∂tok; None leaves them right."""
     from mha_compile.kernels import reference
     if fault == "output":
         right = reference.region_forward
         monkeypatch.setattr(reference, "region_forward", lambda *a: (right(*a)[0] * 1.2, *right(*a)[1:]))
-    else:
-        right = reference.region_backward
+    elif fault == "gradient":
+        right_backward = reference.region_backward
         monkeypatch.setattr(reference, "region_backward",
-                            lambda *a: tuple(g * 1.2 if i == 1 else g for i, g in enumerate(right(*a))))  # ∂tok
+                            lambda *a: tuple(g * 1.2 if i == 1 else g for i, g in enumerate(right_backward(*a))))
+
+
+@pytest.mark.parametrize("fault", ["output", "gradient"])
+def test_verify_catches_a_wrong_bf16_rewrite(monkeypatch, caplog, fault):
+    _plant_wrong_rewrite(monkeypatch, fault)
     torch._dynamo.reset()
     model, ctx, tok = _bf16_block_and_inputs(1)
     report = _verify_first_call(model, ctx, tok, "auto", caplog)
@@ -421,10 +427,7 @@ def test_verify_under_bf16_autocast_measures_against_fp32(monkeypatch, caplog, f
     """fp32 parameters and inputs under torch.autocast(bf16): the graph's products run in bf16, and
     compared directly (to fp32's bound: its outputs are fp32) every seed here fell back (4.7e-2 to
     6.8e-2 apart)."""
-    from mha_compile.kernels import reference
-    if fault:
-        right = reference.region_forward
-        monkeypatch.setattr(reference, "region_forward", lambda *a: (right(*a)[0] * 1.2, *right(*a)[1:]))
+    _plant_wrong_rewrite(monkeypatch, fault)
     for seed in range(3):
         torch._dynamo.reset()
         torch.manual_seed(seed)
@@ -442,14 +445,7 @@ def test_verify_gives_each_run_the_same_dropout_masks(monkeypatch, caplog, fault
     the same masks (drawn anew in each, a right rewrite fell back: outputs 0.335 apart); a wrong
     rewrite still falls back; and the caller's random stream moves by the call's own draws only
     (its next draw is the one after an eager call)."""
-    from mha_compile.kernels import reference
-    if fault == "output":
-        right = reference.region_forward
-        monkeypatch.setattr(reference, "region_forward", lambda *a: (right(*a)[0] * 1.2, *right(*a)[1:]))
-    elif fault == "gradient":
-        right_backward = reference.region_backward
-        monkeypatch.setattr(reference, "region_backward",
-                            lambda *a: tuple(g * 1.2 if i == 1 else g for i, g in enumerate(right_backward(*a))))
+    _plant_wrong_rewrite(monkeypatch, fault)
     torch._dynamo.reset()
     model = DroppedTokens(_block(torch.float32, seed=2))
     gen = torch.Generator().manual_seed(12)
