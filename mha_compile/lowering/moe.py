@@ -18,8 +18,9 @@ become stacked parameters: views of one stacked tensor where the user stacked th
 torch.stack of the separate tensors in the graph (see StackRef in interpret.py).
 """
 import dataclasses
+import operator
 
-from mha_compile.lowering.canonicalize import shape
+from mha_compile.lowering.canonicalize import Op, shape
 from mha_compile.lowering.interpret import (ONE, ParamRef, Reject, StackRef, Val, broadcast, canonical_perm,
                                             einsum_roles, ext_ref, is_one, known_eq, layout_rule, move_roles,
                                             select_rule)
@@ -38,6 +39,11 @@ def moe_rule(walk, node, op):
     if grouped is not None:
         return grouped
     if op.kind in ("reshape", "permute", "expand", "cast"):
+        index = _index_into_one(node, op)
+        if index is not None:
+            val = select_rule(walk, node, index) or _getitem(walk, node, index)
+            if val is not None:
+                return val
         src = walk.val(op.args[0]) if op.args else None
         if src is not None and src.kind == "wsel":
             return _wsel_layout(walk, node, op, src)
@@ -92,6 +98,14 @@ def moe_rule(walk, node, op):
         return _mul(walk, node, *args)
     if op.kind == "add":
         return _add(walk, node, *args)
+    return None
+
+
+def _index_into_one(node, op):
+    """W[e] or one_hot(...)[e] with one expert (E = 1): canonicalize reads an index into a size-1
+    axis as a squeeze (a reshape); here it is the expert's slice first, the squeeze if not."""
+    if op.kind == "reshape" and node.target is operator.getitem and isinstance(node.args[1], int):
+        return Op("getitem", (op.args[0], node.args[1]))
     return None
 
 

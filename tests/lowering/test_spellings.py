@@ -32,8 +32,9 @@ def compile_and_compare(model, args, dtype, dynamic_where=False):
     out_e.backward(cotangent)
     out_c.backward(cotangent)
     # With top_k=1 and renorm the weight is exactly 1, so ∂router is zero in exact math: eager
-    # leaves rounding noise there and the region exact zeros (like the key bias, SPEC §1).
-    router_zero = getattr(model, "k", None) == 1 and getattr(model, "renorm", False)
+    # leaves rounding noise there and the region exact zeros (like the key bias, SPEC §1). With
+    # one expert the softmax is exactly 1 whatever the logits: the same, renormalised or not.
+    router_zero = getattr(model, "k", None) == 1 and (getattr(model, "renorm", False) or getattr(model, "E", None) == 1)
     # With one token the pool's softmax is exactly 1 whatever the scores, so the query's and the
     # keys' gradients are zero in exact math: the same case again (eager's noise there depends on
     # the CPU's kernels: ~1e-17 on an AVX2 host, where an earlier host gave zeros).
@@ -134,6 +135,19 @@ def test_gathered_weights_stored_transposed():
 def test_gathered_one_expert_per_row(moe):
     """k = 1: the slot axis has size 1 (and the flat pairs are the rows themselves)."""
     match = _assert_one_match(_run(torch.float64, moe=moe, k=1, renorm=False))
+    assert match["config"]["top_k"] == 1
+
+
+ONE_EXPERT = [dict(moe=m) for m in MOES] + [dict(moe=m, experts="modules", act="swiglu", bias=False)
+                                            for m in ("loop", "dense_onehot", "dense_scatter", "mixtral")]
+
+
+@pytest.mark.parametrize("config", ONE_EXPERT, ids=_id)
+def test_one_expert(config):
+    """E = 1 (an ablation's "MoE off"): W[e] and one_hot(...)[e] index a size-1 axis, which reads
+    as a squeeze unless the MoE reads it as the expert's slice (the loop and Mixtral spellings
+    over stacked weights went unmatched before)."""
+    match = _assert_one_match(_run(torch.float64, E=1, k=1, **config))  # outputs, gradients too
     assert match["config"]["top_k"] == 1
 
 
