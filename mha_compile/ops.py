@@ -27,7 +27,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from mha_compile.kernels import region_graphs, triton_moe
+from mha_compile.double_backward import differentiating, gradients_with_graph
+from mha_compile.kernels import reference, region_graphs, triton_moe
 from mha_compile.kernels.reference import ACTIVATIONS, accumulation_dtype, pool_backward
 
 KERNEL_SETS = ("reference", "fused", "staged")
@@ -248,7 +249,12 @@ def _backward(ctx, grad_out, grad_inv, *unused_aux_grads):
     args = (grad_out.contiguous(), *tensors, *saved)  # saved: inv, attn, weight, index, probs, reuse
     # The op's dispatch costs ~0.1 ms of host time a medium step (host_time.py's cProfile on the
     # H200), where the step issues in ~1.4 ms for ~1 ms of GPU time.
-    if _traced(args):
+    if differentiating(grad_out, extra, *tensors) and not _traced(args):
+        # create_graph=True: the kernels' gradients carry no graph (double_backward.py)
+        top_k, renorm, act, _ = ctx.config
+        at = lambda *t: reference.region_at(*t, index=saved[3], renorm=renorm, act=act)
+        grads = gradients_with_graph(at, tensors, (grad_out, extra))[:len(REGION_INPUTS)]
+    elif _traced(args):
         grads = region_backward(*args, *ctx.config, grad_inv=extra, graphs=ctx.graphs, keep_hidden=ctx.keep_hidden)
     else:
         grads = _region_gradients(args, *ctx.config, extra, ctx.graphs, ctx.keep_hidden, ctx.kept)
@@ -270,8 +276,8 @@ class RegionFunction(torch.autograd.Function):
     set's own calls in ~2.5 ms). What it adds: the fused and staged sets' forward leaves its expert
     layout and the pool's fp32 weights on the autograd ctx, and the backward takes them instead of
     computing them again (KEEPS; the gradients are the same bits). The backward is _backward, as the
-    op's, and is once differentiable, as the op's is: a second derivative raises instead of
-    treating the gradients as constants.
+    op's: under create_graph=True it gives gradients with their graph, so that a second derivative
+    (a gradient penalty) is the math's, not one that takes the kernels' gradients for constants.
     """
 
     @staticmethod
@@ -285,10 +291,10 @@ class RegionFunction(torch.autograd.Function):
         return tuple(output)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, grad_inv, *unused_aux_grads):
         """_backward, as the op's own autograd: a backward that is traced (compiled autograd)
-        meets the mha::region_backward op, not the kernel set's Python."""
+        meets the mha::region_backward op, not the kernel set's Python; one with create_graph=True
+        gets gradients it can differentiate again."""
         return _backward(ctx, grad_out, grad_inv)
 
 

@@ -27,7 +27,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from mha_compile.kernels import triton_moe, triton_region
+from mha_compile.double_backward import differentiating, gradients_with_graph
+from mha_compile.kernels import reference, triton_moe, triton_region
 from mha_compile.ops import _no_autocast, _plain, _traced
 
 MERGE = "on_load"  # kernels="fused"'s merge (triton_region): y = ctx + inv[b] formed as it is loaded
@@ -109,7 +110,7 @@ def _saved(ctx):
 
 
 def _pool_setup_context(ctx, inputs, output):
-    _save(ctx, inputs[:8], output)
+    _save(ctx, inputs[:9], output)  # the mask too: a backward with create_graph=True reads it
 
 
 def _pool_autograd_backward(ctx, grad_inv, *unused):
@@ -117,9 +118,12 @@ def _pool_autograd_backward(ctx, grad_inv, *unused):
     tensors, saved = _saved(ctx)
     if grad_inv is None:
         return (None,) * 9
-    args = (grad_inv.contiguous(), *tensors, *saved)  # saved: attn, u, pooled
-    grads = pool_backward(*args) if _traced(args) else _pool_backward(*args)
-    return (*[None if t is None else g for g, t in zip(grads, tensors)], None)
+    args = (grad_inv.contiguous(), *tensors[:8], *saved)  # saved: attn, u, pooled
+    if differentiating(grad_inv, *tensors) and not _traced(args):  # create_graph=True: double_backward.py
+        grads = gradients_with_graph(reference.pool_at, tensors, (grad_inv,))
+    else:
+        grads = pool_backward(*args) if _traced(args) else _pool_backward(*args)
+    return (*[None if t is None else g for g, t in zip(grads, tensors[:8])], None)
 
 
 pool.register_autograd(_pool_autograd_backward, setup_context=_pool_setup_context)
@@ -135,7 +139,7 @@ class PoolFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, *inputs):
         output = _pool(*inputs)
-        _save(ctx, inputs[:8], output)
+        _pool_setup_context(ctx, inputs, output)
         return output
 
     @staticmethod
@@ -207,7 +211,12 @@ def _moe_autograd_backward(ctx, grad_out, *unused):
     if grad_out is None:
         return (None,) * 12
     args = (grad_out.contiguous(), *tensors, *saved, *ctx.config)  # saved: weight, index, π, reuse
-    grads = moe_backward(*args) if _traced(args) else _moe_backward(*args)
+    if differentiating(grad_out, *tensors) and not _traced(args):  # create_graph=True: double_backward.py
+        top_k, renorm, act, _ = ctx.config
+        at = lambda *t: reference.moe_at(*t, index=saved[1], renorm=renorm, act=act)
+        grads = gradients_with_graph(at, tensors, (grad_out,))
+    else:
+        grads = moe_backward(*args) if _traced(args) else _moe_backward(*args)
     return (*[None if t is None else g for g, t in zip(grads, tensors)], None, None, None, None)
 
 

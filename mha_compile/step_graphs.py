@@ -337,6 +337,13 @@ class _Step:
         return [None if g is None else g.detach() for g in self.grad_of]
 
 
+# Raised by a backward with create_graph=True rather than hand out gradients a second derivative
+# would take for constants (double_backward.py: once_differentiable's error can go unreached).
+NOT_TWICE = ("mha_compile: step_graphs=True replays the step's backward as a CUDA graph, whose gradients cannot be "
+             "differentiated again; a backward with create_graph=True (a gradient penalty, a Hessian-vector "
+             "product) needs options step_graphs=False")
+
+
 class _Replay(torch.autograd.Function):
     """A training step's replay: forward and backward graphs as one autograd node."""
 
@@ -351,8 +358,9 @@ class _Replay(torch.autograd.Function):
         return tuple(outputs)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):
+        if torch.is_grad_enabled():  # create_graph=True: a replay records no ops to differentiate
+            raise RuntimeError(NOT_TWICE)
         # unpacking checks that no input read in place changed since the forward
         return (None, *ctx.step.backward(ctx.generation, grads, ctx.saved_tensors))
 

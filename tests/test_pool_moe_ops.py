@@ -12,6 +12,7 @@ from mha_compile import ops, pool_moe_ops
 from mha_compile.kernels import reference, triton_moe
 
 from kernels.kernel_cases import GRAD_NAMES, make_case
+from numerics import relative_error
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="the fused kernels on CPU need TRITON_INTERPRET=1")
@@ -95,6 +96,43 @@ def test_pool_function_gives_the_op_s_bits(masked):
     for name, g_op, g_fn in zip(pool_moe_ops.POOL_INPUTS, grads_op, grads_fn):
         assert torch.equal(g_op, g_fn), f"∂{name}"
         assert (g_fn.abs().max() == 0) == (name == "bk"), f"∂{name}"
+
+
+def _penalty_grads(call, ctx, tok, params, mask):
+    """Gradients of ‖∂L/∂tok‖² + ‖∂L/∂W1‖² (L = Σ out·c) through `call`, for every input."""
+    leaves = [t.detach().requires_grad_() if t is not None else None for t in (ctx, tok, *params)]
+    out = call(leaves[0], leaves[1], leaves[2:], mask, 2, True, "gelu", False, False)[0]
+    cotangent = torch.randn(out.shape, generator=torch.Generator().manual_seed(5))
+    g_tok, g_w1 = torch.autograd.grad((out * cotangent).sum(), [leaves[1], leaves[10]], create_graph=True)
+    present = [t for t in leaves if t is not None]
+    return torch.autograd.grad(g_tok.square().sum() + g_w1.square().sum(), present, allow_unused=True)
+
+
+def _pool_function_call(ctx, tok, params, mask, top_k, renorm, act, keep_hidden, export_inv):
+    q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3 = params
+    inv = pool_moe_ops.PoolFunction.apply(tok, q, wk, bk, wv, bv, wo, bo, mask)[0]
+    return pool_moe_ops.moe(ctx, inv, wg, w1, b1, w2, b2, w3, top_k, renorm, act, keep_hidden)[0], inv
+
+
+@pytest.mark.parametrize("split", [_split_call, _pool_function_call], ids=["ops", "PoolFunction"])
+def test_a_gradient_penalty_through_the_split_is_the_region_s(split):
+    """A backward with create_graph=True through mha::pool (or PoolFunction) then mha::moe gives
+    gradients with their graph (double_backward.py), so a second derivative is mha::region's,
+    every input's (masked keys too); before, the split's kernels handed out gradients with none.
+    Within fp32's bound, not the bits: the MoE's part differentiates at the pool kernel's inv,
+    the region's at the reference pool's."""
+    ctx, tok, params = make_case(3, 5, 7, 24, 2, 40, 5, 2, act="gelu", bias=True)
+    mask = torch.rand(3, 7) < 0.3
+    mask[:, 0] = False
+    got = _penalty_grads(split, ctx, tok, params, mask)
+    want = _penalty_grads(_region_call, ctx, tok, params, mask)
+    names = [n for n, t in zip(GRAD_NAMES, (ctx, tok, *params)) if t is not None]
+    for name, g, w in zip(names, got, want):
+        if name == "bk":  # zero by the math (None where no path reaches it)
+            assert all(t is None or t.abs().max() == 0 for t in (g, w)), f"∂{name}"
+            continue
+        assert w is not None and w.abs().max() > 0, f"∂{name}: the comparison would be vacuous"
+        assert relative_error(g, w) <= 1e-5, f"∂{name}: {relative_error(g, w):.3g}"  # SPEC §4's fp32 bound
 
 
 def test_opcheck_the_split_ops():

@@ -307,6 +307,34 @@ def region_forward(ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, 
     return out.view(B, H, D).to(ctx.dtype), inv, attn, weight, index, probs, index.new_empty(0)
 
 
+def region_at(ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask, index, renorm, act):
+    """(out, inv) of region_forward with the experts already chosen (`index` [R,k], the forward's),
+    in plain differentiable ops: what a backward with create_graph=True differentiates
+    (double_backward.py). The choice takes no gradient, as top-k's does not in eager."""
+    inv = pool_at(tok, q, wk, bk, wv, bv, wo, bo, mask)[0]
+    return moe_at(ctx, inv, wg, w1, b1, w2, b2, w3, index, renorm, act)[0], inv
+
+
+def pool_at(tok, q, wk, bk, wv, bv, wo, bo, mask):
+    """(inv,): the pool in tok's accumulation dtype, as region_at reads it (bk cancels)."""
+    c = lambda t: None if t is None else t.to(accumulation_dtype(tok.dtype))
+    return (pool_forward(c(tok), c(q), c(wk), c(wv), c(bv), c(wo), c(bo), mask)[0],)
+
+
+def moe_at(ctx, inv, wg, w1, b1, w2, b2, w3, index, renorm, act):
+    """(out,): the MoE on y = ctx + inv[b] at the top-k choice `index`, out in ctx's dtype."""
+    acc = accumulation_dtype(ctx.dtype)
+    c = lambda t: None if t is None else t.to(acc)
+    B, H, D = ctx.shape
+    x = (c(ctx) + inv[:, None, :].to(acc)).reshape(B * H, D)
+    index = index.long()
+    weight = torch.softmax(x @ c(wg).T, dim=-1).gather(1, index)
+    if renorm:
+        weight = weight / weight.sum(-1, keepdim=True)
+    out = moe_forward(x, weight, index, c(w1), c(b1), c(w2), c(b2), c(w3), act)
+    return (out.view(B, H, D).to(ctx.dtype),)
+
+
 def region_backward(grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask,
                     inv, attn, weight, index, probs, reuse, top_k, renorm, act, keep_hidden=False):
     """Gradients of every input of region_forward, in its order (None for absent optionals);

@@ -298,6 +298,34 @@ def test_a_backward_through_overwritten_values_raises():
         first.backward()
 
 
+@pytest.mark.parametrize("ask", ["backward", "grad_unused"])
+def test_a_backward_with_create_graph_raises(ask):
+    """A replayed backward records no ops, so its gradients would be constants to a second
+    derivative: a gradient penalty must not train on them. It raises at once, naming the option,
+    however the second derivative is asked for (once_differentiable's error node went unreached
+    by torch.autograd.grad(..., allow_unused=True), which returned None where eager gives a
+    gradient)."""
+    model = _block()
+    compiled = torch.compile(model, backend="mha", options=OPTIONS)
+    for step in range(2):  # the eager call, then the capture, both with the inputs taking gradients
+        inputs = _inputs(step, requires_grad=True)
+        compiled(*inputs).square().mean().backward()
+        for t in inputs:
+            t.grad = None  # held, it would send the next step eagerly (test_a_held_gradient_...)
+    [recorder] = Emulated.made
+    replays = recorder.forward_replays
+    ctx, tok = _inputs(4, requires_grad=True)
+    out = compiled(ctx, tok)
+    assert recorder.forward_replays == replays + 1  # a replay, not the eager run
+    with pytest.raises(RuntimeError, match="step_graphs=False"):
+        (g_tok,) = torch.autograd.grad(out.square().sum(), tok, create_graph=True)
+        penalty = g_tok.square().sum()
+        if ask == "backward":
+            penalty.backward()
+        else:
+            torch.autograd.grad(penalty, list(model.parameters()), allow_unused=True)
+
+
 def test_an_input_changed_in_place_before_the_backward_raises():
     """As eager autograd's saved tensors do: the backward graph would read the changed values."""
     model, compiled = _past_capture()
