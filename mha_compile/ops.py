@@ -253,7 +253,8 @@ def _backward(ctx, grad_out, grad_inv, *unused_aux_grads):
         # create_graph=True: the kernels' gradients carry no graph (double_backward.py)
         top_k, renorm, act, _ = ctx.config
         at = lambda *t: reference.region_at(*t, index=saved[3], renorm=renorm, act=act)
-        grads = gradients_with_graph(at, tensors, (grad_out, extra))[:len(REGION_INPUTS)]
+        with _no_autocast(tensors[0]):  # the reference picks its own precisions, as the kernels do
+            grads = gradients_with_graph(at, tensors, (grad_out, extra))[:len(REGION_INPUTS)]
     elif _traced(args):
         grads = region_backward(*args, *ctx.config, grad_inv=extra, graphs=ctx.graphs, keep_hidden=ctx.keep_hidden)
     else:

@@ -120,7 +120,8 @@ def _pool_autograd_backward(ctx, grad_inv, *unused):
         return (None,) * 9
     args = (grad_inv.contiguous(), *tensors[:8], *saved)  # saved: attn, u, pooled
     if differentiating(grad_inv, *tensors) and not _traced(args):  # create_graph=True: double_backward.py
-        grads = gradients_with_graph(reference.pool_at, tensors, (grad_inv,))
+        with _no_autocast(tensors[0]):
+            grads = gradients_with_graph(reference.pool_at, tensors, (grad_inv,))
     else:
         grads = pool_backward(*args) if _traced(args) else _pool_backward(*args)
     return (*[None if t is None else g for g, t in zip(grads, tensors[:8])], None)
@@ -214,7 +215,8 @@ def _moe_autograd_backward(ctx, grad_out, *unused):
     if differentiating(grad_out, *tensors) and not _traced(args):  # create_graph=True: double_backward.py
         top_k, renorm, act, _ = ctx.config
         at = lambda *t: reference.moe_at(*t, index=saved[1], renorm=renorm, act=act)
-        grads = gradients_with_graph(at, tensors, (grad_out,))
+        with _no_autocast(tensors[0]):
+            grads = gradients_with_graph(at, tensors, (grad_out,))
     else:
         grads = moe_backward(*args) if _traced(args) else _moe_backward(*args)
     return (*[None if t is None else g for g, t in zip(grads, tensors)], None, None, None, None)
