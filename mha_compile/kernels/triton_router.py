@@ -161,26 +161,33 @@ def _router_fwd_kernel(
     probs = z / tl.sum(z, axis=1)[:, None]
     tl.store(probs_ptr + rows.to(tl.int64)[:, None] * E + offs_e[None, :], probs,
              mask=r_ok[:, None] & (offs_e < E)[None, :])
-    # Padding experts get -1 so they are never chosen (real probabilities are ≥ 0).
-    probs = tl.where((offs_e < E)[None, :], probs, -1.0)
+    # The choice reads `rank`: padding experts -1, never chosen (real probabilities are ≥ 0), and a
+    # NaN probability (a NaN or inf in x, Wg or the pool) 2, above every number, as torch.topk
+    # ranks NaN. argmax over NaN is the backend's choice (the GPU's NaN-ignoring max could pick a
+    # padding lane, an expert past E for every kernel after it); over `rank` it is always an
+    # expert < E. The weights are read from π itself, so a NaN row's are NaN and its output too.
+    real = (offs_e < E)[None, :]
+    rank = tl.where(real, tl.where(probs != probs, 2.0, probs), -1.0)
     total = tl.full([BLOCK_R], 1.0, tl.float32)
     if RENORM:
         total = tl.zeros([BLOCK_R], tl.float32)
-        left = probs
+        left = rank
         for j in tl.static_range(TOP_K):
             best = tl.argmax(left, axis=1)
-            total += tl.max(left, axis=1)
-            left = tl.where(offs_e[None, :] == best[:, None], -1.0, left)
+            hit = offs_e[None, :] == best[:, None]
+            total += tl.sum(tl.where(hit, probs, 0.0), axis=1)
+            left = tl.where(hit, -1.0, left)
         total = tl.where(r_ok, total, 1.0)  # rows past R: no 0/0
-    left = probs
+    left = rank
     out = rows.to(tl.int64) * TOP_K
     for j in tl.static_range(TOP_K):
         best = tl.argmax(left, axis=1)
+        hit = offs_e[None, :] == best[:, None]
         # Round-to-nearest division: with k = 1 and renorm the weight is exactly 1, as in the
         # reference (Triton's default fp32 "/" is approximate on the GPU).
-        tl.store(weight_ptr + out + j, tl.div_rn(tl.max(left, axis=1), total), mask=r_ok)
+        tl.store(weight_ptr + out + j, tl.div_rn(tl.sum(tl.where(hit, probs, 0.0), axis=1), total), mask=r_ok)
         tl.store(index_ptr + out + j, best.to(tl.int32), mask=r_ok)
-        left = tl.where(offs_e[None, :] == best[:, None], -1.0, left)
+        left = tl.where(hit, -1.0, left)
 
 
 @triton.jit

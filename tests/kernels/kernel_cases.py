@@ -214,6 +214,42 @@ def check_region(module, ctx, tok, params, top_k, renorm, act, mask=None, grad_s
     return errors
 
 
+def check_nan_rows(module, where, device, E=5, k=2, dtype=torch.float32):
+    """A NaN or inf where training meets one (an fp16 overflow before GradScaler skips the step):
+    `where` "tok" (a NaN token of batch row 1), "ctx" (an inf in one horizon row) or "wg" (a NaN
+    router weight: every row). Every chosen expert is one of the E (E = 5: the router's block has
+    padding lanes, which argmax over NaN could pick, and an expert past E would send every MoE
+    kernel after it outside W1's memory); the rows the bad value reaches, and only those, get NaN
+    weights and a non-finite output, as the reference's (torch.topk ranks NaN above every
+    number); the others match the float64 reference (those whose choice no rounding flipped);
+    the backward runs."""
+    ctx, tok, params = make_case(3, 4, 6, 24, 2, 40, E, k, dtype=dtype, device=device, seed=3)
+    B, H, D = ctx.shape
+    bad = torch.zeros(B, H, dtype=torch.bool, device=device)
+    if where == "tok":
+        tok[1, 2, 5] = float("nan")
+        bad[1] = True
+    elif where == "ctx":
+        ctx[2, 1, 7] = float("inf")
+        bad[2, 1] = True
+    else:
+        params[7][3, 4] = float("nan")
+        bad[:] = True
+    out, inv, attn, weight, index, probs, reuse = module.region_forward(ctx, tok, *params, None, k, True, "gelu")
+    ref = reference.region_forward(_f64(ctx), _f64(tok), *[_f64(p) for p in params], None, k, True, "gelu")
+    assert ((index >= 0) & (index < E)).all(), f"experts chosen outside [0, {E}): {index.tolist()}"
+    assert torch.equal(weight.isnan().any(1).view(B, H), bad), "NaN weights on other rows than the bad value's"
+    assert torch.equal(~out.isfinite().all(-1), ~ref[0].isfinite().all(-1)), "non-finite rows differ from the reference's"
+    assert torch.equal(~out.isfinite().all(-1), bad)
+    same = (index.long().sort(1).values == ref[4].sort(1).values).all(1).view(B, H)  # no bf16 flip
+    if (same & ~bad).any():
+        assert rel_err(out[same & ~bad], ref[0][same & ~bad]) <= TOLERANCE[dtype], "the other rows differ from the reference"
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(4)).to(device=device, dtype=dtype)
+    module.region_backward(grad_out, ctx, tok, *params, None, inv, attn, weight, index, probs, reuse, k, True, "gelu")
+    if device != "cpu":
+        torch.cuda.synchronize()  # an access outside W1 would surface here
+
+
 def _cotangent(shape, seed, ref, ctx, params, act):
     """A random G [B,H,D] in float64; see CANCEL_COS for the few-pair cases."""
     B, H, D = shape

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from kernel_cases import (autocast_case, check_activation, check_region, check_route_split_ctx,
+from kernel_cases import (autocast_case, check_activation, check_nan_rows, check_region, check_route_split_ctx,
                           check_router_weight_grad_split, make_case, one_expert_router, read_at_import)
 from numerics import record_calls
 from mha_compile.kernels import (fused, reference, staged, triton_moe, triton_pool, triton_region, triton_router,
@@ -74,6 +74,15 @@ def test_all_rows_to_one_expert(module, top_k):
     out = module.region_forward(ctx, tok, *params, None, top_k, True, "gelu")
     assert (out[4][:, 0] == 0).all(), "the test's router should send every row to expert 0"
     check_region(module, ctx, tok, params, top_k=top_k, renorm=True, act="gelu")
+
+
+@pytest.mark.parametrize("module", SETS)
+@pytest.mark.parametrize("where", ["tok", "ctx", "wg"])
+def test_a_nan_reaches_only_its_rows_and_chooses_real_experts(module, where):
+    """kernel_cases.check_nan_rows. Before, the router's weights for a NaN row came out finite
+    (1/k each: its output still NaN through x, but a NaN router weight gave every row a finite,
+    wrong output where eager's is NaN), and which expert argmax took over NaN was the backend's."""
+    check_nan_rows(module, where, "cpu")
 
 
 @pytest.mark.parametrize("module", SETS)

@@ -8,14 +8,23 @@ import textwrap
 import pytest
 import torch
 
-from kernel_cases import (check_activation, check_region, check_route_split_ctx, check_router_weight_grad_split, fmt,
-                          make_case, one_expert_router, preset_case, rel_err)
+from kernel_cases import (check_activation, check_nan_rows, check_region, check_route_split_ctx,
+                          check_router_weight_grad_split, fmt, make_case, one_expert_router, preset_case, rel_err)
 from mha_compile.kernels import fused, reference, staged, triton_moe
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 SETS = [pytest.param(fused, id="fused"), pytest.param(staged, id="staged")]
 DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float32, id="fp32")]
+
+
+@pytest.mark.parametrize("module", SETS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("where", ["tok", "ctx", "wg"])
+def test_a_nan_reaches_only_its_rows_and_chooses_real_experts(module, dtype, where):
+    """kernel_cases.check_nan_rows on the GPU, whose max ignores NaN (the interpreter's need not):
+    the case an argmax over NaN could turn into an expert past E."""
+    check_nan_rows(module, where, "cuda", dtype=dtype)
 
 
 @pytest.mark.parametrize("module", SETS)
