@@ -195,7 +195,7 @@ def _region_gradients(tensors, top_k, renorm, act, kernels, grad_inv, graphs, ke
         if grad_inv is not None:
             acc = accumulation_dtype(ctx.dtype)
             c = lambda t: None if t is None else t.to(acc)
-            extra = pool_backward(c(grad_inv), c(tok), c(q), c(wk), c(wv), c(bv), c(wo), attn)
+            extra = pool_backward(c(grad_inv), c(tok), c(q), c(wk), c(wv), c(bv), c(wo), attn, mask)
             for name, g in zip(POOL_GRADS, extra):
                 position = REGION_INPUTS.index(name)
                 if grads[position] is not None:

@@ -78,10 +78,11 @@ def _pool_fake(tok, q, wk, bk, wv, bv, wo, bo, mask):
 
 def _pool_backward(grad_inv: Tensor, tok: Tensor, q: Tensor, wk: Tensor, bk: Optional[Tensor], wv: Tensor,
                    bv: Optional[Tensor], wo: Tensor, bo: Optional[Tensor], attn: Tensor, u: Tensor,
-                   pooled: Tensor) -> list[Tensor]:
-    """Gradients of POOL_INPUTS, in order (an empty tensor for an absent bias), from ∂inv."""
+                   pooled: Tensor, mask: Optional[Tensor] = None) -> list[Tensor]:
+    """Gradients of POOL_INPUTS, in order (an empty tensor for an absent bias), from ∂inv; mask:
+    the forward's (its rows with every key masked attend to nothing)."""
     with _launching(tok):
-        grads = triton_region.pool_backward(grad_inv, tok, q, wk, bk, wv, bv, wo, attn, u, pooled)
+        grads = triton_region.pool_backward(grad_inv, tok, q, wk, bk, wv, bv, wo, attn, u, pooled, mask=mask)
         inputs = (tok, q, wk, bk, wv, bv, wo, bo)
         return [tok.new_empty(0) if t is None else g.to(t.dtype).contiguous() for g, t in zip(grads, inputs)]
 
@@ -90,7 +91,7 @@ pool_backward = torch.library.custom_op("mha::pool_backward", mutates_args=())(_
 
 
 @pool_backward.register_fake
-def _pool_backward_fake(grad_inv, tok, q, wk, bk, wv, bv, wo, bo, attn, u, pooled):
+def _pool_backward_fake(grad_inv, tok, q, wk, bk, wv, bv, wo, bo, attn, u, pooled, mask=None):
     return [tok.new_empty(0) if t is None else t.new_empty(t.shape) for t in (tok, q, wk, bk, wv, bv, wo, bo)]
 
 
@@ -123,7 +124,7 @@ def _pool_autograd_backward(ctx, grad_inv, *unused):
         with _no_autocast(tensors[0]):
             grads = gradients_with_graph(reference.pool_at, tensors, (grad_inv,))
     else:
-        grads = pool_backward(*args) if _traced(args) else _pool_backward(*args)
+        grads = pool_backward(*args, mask=tensors[8]) if _traced(args) else _pool_backward(*args, mask=tensors[8])
     return (*[None if t is None else g for g, t in zip(grads, tensors[:8])], None)
 
 

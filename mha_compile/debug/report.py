@@ -26,6 +26,10 @@ class GraphReport:
             lines.append(f"    CUDA graphs: {m['graphs']}")
             lines.append(f"    keeps u: {m['keep_hidden']}")
             lines.append(f"    MoE slot runs: {m['slot_runs']}")
+            if m.get("empty_rows"):
+                lines.append("    a row with every key masked: " + (
+                    "NaN, as the spelling's plain softmax gives it (added to ctx)" if m["empty_rows"] == "nan" else
+                    "attends to nothing (inv = bo), as SDPA's safe softmax gives it"))
             lines.append(f"    covers {len(m['nodes'])} nodes: {', '.join(m['nodes'])}")
         for miss in self.near_misses:
             lines.append(f"  near-miss at {miss['node']} (top-k {miss['anchor']}): {miss['reason']}")

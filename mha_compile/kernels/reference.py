@@ -71,49 +71,66 @@ def pool_directions(q, wk):
     return torch.bmm(q.unsqueeze(1), wk.view(P, Dh, -1)).squeeze(1) * (Dh**-0.5)
 
 
+def empty_rows(mask):
+    """[B] bool, the batch rows whose keys are all masked (None without a mask)."""
+    return None if mask is None else mask.all(1)
+
+
 def pool_forward(tok, q, wk, wv, bv, wo, bo, mask=None):
-    """inv [B,D] and the attention weights attn [B,N,P]. mask [B,N] bool: True = ignore key."""
+    """inv [B,D] and the attention weights attn [B,N,P]. mask [B,N] bool: True = ignore key.
+
+    A batch row whose keys are all masked attends to nothing: its attn and its heads' output are
+    zero, so its inv is bo, as F.scaled_dot_product_attention and nn.MultiheadAttention give it
+    (their safe softmax, torch ≥ 2.5). A plain softmax of such a row is NaN, and the rewrite adds
+    that NaN back where the user's spelling has one (lowering/rewrite.py)."""
     P, Dh = q.shape
     B, N, D = tok.shape
     scores = tok @ pool_directions(q, wk).T  # [B,N,P]
+    empty = empty_rows(mask)
     if mask is not None:
         scores = scores.masked_fill(mask[:, :, None], float("-inf"))
     attn = torch.softmax(scores, dim=1)
+    if empty is not None:
+        attn = attn.masked_fill(empty[:, None, None], 0.0)
     tbar = torch.einsum("bnp,bnd->bpd", attn, tok)  # [B,P,D]
-    return pool_project(tbar, wv, bv, wo, bo), attn
+    return pool_project(tbar, wv, bv, wo, bo, empty), attn
 
 
-def pool_heads(tbar, wv, bv):
-    """pooled [B,D] from t̄ [B,P,D]: pooled_p = Wv_p t̄_p + bv_p."""
+def pool_heads(tbar, wv, bv, empty=None):
+    """pooled [B,D] from t̄ [B,P,D]: pooled_p = Wv_p t̄_p + bv_p; 0 on the empty rows (pool_forward)."""
     B, P, D = tbar.shape
     # einsum("bpd,pjd->bpj", tbar, Wv as [P,Dh,D]), as one bmm over the heads
     pooled = torch.bmm(tbar.transpose(0, 1), wv.view(P, D // P, D).transpose(1, 2)).transpose(0, 1).reshape(B, D)
-    return pooled if bv is None else pooled + bv
+    pooled = pooled if bv is None else pooled + bv
+    return pooled if empty is None else pooled.masked_fill(empty[:, None], 0.0)
 
 
-def pool_project(tbar, wv, bv, wo, bo):
+def pool_project(tbar, wv, bv, wo, bo, empty=None):
     """inv [B,D] from t̄ [B,P,D]: pooled Woᵀ + bo, pooled as pool_heads."""
-    inv = pool_heads(tbar, wv, bv) @ wo.T
+    inv = pool_heads(tbar, wv, bv, empty) @ wo.T
     return inv if bo is None else inv + bo
 
 
-def pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn):
-    """Gradients (tok, q, wk, wv, bv, wo, bo) of the pool. ∂bk is exactly zero."""
+def pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn, mask=None):
+    """Gradients (tok, q, wk, wv, bv, wo, bo) of the pool. ∂bk is exactly zero. An empty row
+    (pool_forward) gives bo its ∂inv and nothing else a gradient: its heads' output is 0."""
     P, Dh = q.shape
     B, N, D = tok.shape
+    empty = empty_rows(mask)
     wv_heads = wv.view(P, Dh, D)
     tbar = torch.einsum("bnp,bnd->bpd", attn, tok)
-    pooled = pool_heads(tbar, wv, bv)
+    pooled = pool_heads(tbar, wv, bv, empty)
     grad_bo = grad_inv.sum(0)
     grad_wo = grad_inv.T @ pooled
     grad_pooled = grad_inv @ wo  # [B,D]
+    if empty is not None:  # 0 whatever the row's inputs: times 0, so a NaN stays NaN (0·NaN, as in eager)
+        grad_pooled = grad_pooled * (~empty)[:, None].to(grad_pooled.dtype)
     grad_bv = grad_pooled.sum(0)
     grad_pooled = grad_pooled.view(B, P, Dh)
     grad_wv = torch.einsum("bpj,bpd->pjd", grad_pooled, tbar).reshape(D, D)
     grad_tbar = torch.einsum("bpj,pjd->bpd", grad_pooled, wv_heads)  # [B,P,D]
     grad_attn = torch.einsum("bpd,bnd->bnp", grad_tbar, tok)
-    grad_scores = attn * (grad_attn - (attn * grad_attn).sum(1, keepdim=True))
-    grad_scores = torch.nan_to_num(grad_scores)  # fully masked rows carry no gradient
+    grad_scores = attn * (grad_attn - (attn * grad_attn).sum(1, keepdim=True))  # 0 where attn is (masked keys)
     u = pool_directions(q, wk)
     grad_tok = torch.einsum("bnp,bpd->bnd", attn, grad_tbar) + grad_scores @ u
     grad_u = torch.einsum("bnp,bnd->pd", grad_scores, tok) * (Dh**-0.5)
@@ -352,7 +369,7 @@ def region_backward(grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w
     grad_y = (grad_x + grad_x_router).view(B, H, D)
     grad_inv = grad_y.sum(1)  # the seed's fix: the pool's upstream gradient is Σ_h ∂y
     grad_tok, grad_q, grad_wk, grad_wv, grad_bv, grad_wo, grad_bo = pool_backward(
-        grad_inv, c(tok), c(q), c(wk), c(wv), c(bv), c(wo), attn)
+        grad_inv, c(tok), c(q), c(wk), c(wv), c(bv), c(wo), attn, mask)
     grad_bk = None if bk is None else torch.zeros_like(bk)
     grad_w1, grad_b1, grad_w2, grad_b2, grad_w3 = grad_experts
     grads = (grad_y, grad_tok, grad_q, grad_wk, grad_bk, grad_wv, grad_bv, grad_wo, grad_bo,

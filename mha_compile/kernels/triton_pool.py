@@ -101,6 +101,9 @@ def _pool_fwd_kernel(
         acc = acc * repeat_pairs(alpha, SPLIT_DOT)[None, :] + dot16(tl.trans(t), split_pairs(e, SPLIT_DOT), SPLIT_DOT)
         m = m_new
     m_safe = tl.where(m == float("-inf"), 0.0, m)
+    # Every key masked: l = 0, and the row attends to nothing (t̄ and attn 0, not 0/0; see
+    # reference.pool_forward). Elsewhere l ≥ 1 (the largest score's own term), so the same bits.
+    l = tl.where(l == 0.0, 1.0, l)
     tl.store(tbar_ptr + b * P * D + offs_p[None, :] * D + offs_d[:, None], sum_pairs(acc, SPLIT_DOT) / l[None, :],
              mask=p_ok[None, :] & d_ok[:, None])
     # Normalise the stored scores; this program wrote them, the barrier orders its threads.
@@ -515,7 +518,24 @@ def pool_forward(tok, q, wk, wv, bv, wo, bo, mask=None, u=None, pooled=None):
     caller keeps it for the backward."""
     split = split_dot(tok.dtype)
     attn, tbar = pool_attend(tok, pool_directions(q, wk, split=split) if u is None else u, mask)
-    return _mm(_heads(tbar, wv, bv, split, out=pooled), wo.T, split, bias=bo), attn
+    return _mm(_emptied(_heads(tbar, wv, bv, split, out=pooled), mask), wo.T, split, bias=bo), attn
+
+
+def _emptied(pooled, mask):
+    """pooled with the rows whose keys are all masked set to 0 (in place): they attend to nothing
+    (reference.pool_forward), where the heads' epilogue added bv."""
+    if mask is not None:
+        pooled.masked_fill_(mask.all(1)[:, None], 0.0)
+    return pooled
+
+
+def _kept(grad, mask):
+    """A gradient [B,D] times 0 on the rows whose keys are all masked (in place): their heads'
+    output is 0 whatever its inputs, so they pass nothing back, and a NaN there stays NaN, as 0·NaN
+    does in the user's graph (reference.pool_backward)."""
+    if mask is not None:
+        grad.mul_((~mask.all(1))[:, None].to(grad.dtype))
+    return grad
 
 
 def attend_bwd_scores(tok, attn, dtbar, ds):
@@ -561,17 +581,19 @@ def attend_bwd_one(tok, u, attn, ds, dtbar, tbar, du, grad_tok):
                     tok.stride(1), SPLIT_DOT=split, BLOCK_D=pow2(D), BLOCK_P=block_p(P, split), BLOCK_Q=pow2(2 * P))
 
 
-def pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn, u=None, pooled=None):
+def pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn, u=None, pooled=None, mask=None):
     """(∂tok in tok's dtype, ∂q, ∂Wk, ∂Wv, ∂bv, ∂Wo in their weights' dtypes (∂bv fp32 where bv is
     None), ∂bo fp32), each from fp32 sums rounded once; weights as pool_forward takes them. u:
     pool_directions(q, wk), and pooled [B,D] fp32: the forward's heads (pool_forward's), where the
     caller kept them; else computed again. The returned gradients are written in their dtypes by
     the kernels that sum them (triton_matmul's store, direction_grads'), where a cast after each was a
-    launch (five a step, ~11 us at medium on the H200, bench/results/kernel_times_gluon_up.txt)."""
+    launch (five a step, ~11 us at medium on the H200, bench/results/kernel_times_gluon_up.txt).
+    mask: the forward's, whose empty rows (every key masked) give bo its ∂inv and nothing else a
+    gradient (reference.pool_backward)."""
     P, Dh = q.shape
     B, N, D = tok.shape
     split = split_dot(tok.dtype)
-    grad_pooled = _mm(grad_inv, wo, split)  # [B,D]
+    grad_pooled = _kept(_mm(grad_inv, wo, split), mask)  # [B,D]
     # The einsums of the math as the batched products they become (einsum's parsing costs host
     # time, see reference.pool_directions). grad_heads [P,B,Dh]: ∂pooled per head.
     grad_heads = grad_pooled.view(B, P, Dh).transpose(0, 1)
@@ -599,10 +621,13 @@ def pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn, u=None, pooled=None):
         grad_u = du_part.sum(0) * (Dh**-0.5)
     del grad_tbar, du_part
     grad_bo = column_sums(grad_inv.contiguous()).to(grad_inv.dtype) if COLUMN_SUMS else grad_inv.sum(0)
-    grad_wo = _mm(grad_inv.T, _heads(tbar, wv, bv, split) if pooled is None else pooled, split, dtype=wo.dtype)
+    grad_wo = _mm(grad_inv.T, _emptied(_heads(tbar, wv, bv, split), mask) if pooled is None else pooled, split,
+                  dtype=wo.dtype)
     # ∂bv = Σ_b ∂pooled[b] = (Σ_b ∂inv[b]) Wo: a [D]·[D,D] product, where torch's sum over the B
-    # rows of ∂pooled took 12 us at large and 8 at medium (session 22's profile, H200)
-    grad_bv = _mm(grad_bo[None], wo, split, dtype=torch.float32 if bv is None else bv.dtype)[0]
+    # rows of ∂pooled took 12 us at large and 8 at medium (session 22's profile, H200); with a
+    # mask, over the rows that attend to something
+    kept_inv = grad_bo if mask is None else _kept(grad_inv.clone(), mask).sum(0)
+    grad_bv = _mm(kept_inv[None], wo, split, dtype=torch.float32 if bv is None else bv.dtype)[0]
     grad_wv = _bmm(grad_heads.transpose(1, 2), tbar.transpose(0, 1), split,  # "bpj,bpd->pjd"
                    dtype=wv.dtype).reshape(D, D)
     grad_q, grad_wk = direction_grads(q, wk, grad_u)

@@ -326,19 +326,19 @@ def region_backward(merge, grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1
         merge, grad_out, ctx, inv, wg, w1, b1, w2, b2, w3, weight, index, probs, groups,
         None if reused is None else reused.hidden, renorm, act, inputs[9].dtype)
     pool_grads = pool_backward(dinv, tok, q, wk, bk, wv, bv, wo, attn, None if reused is None else reused.u,
-                               None if reused is None else reused.pooled, kept)
+                               None if reused is None else reused.pooled, kept, mask)
     grads = (dctx, *pool_grads, dwg, dw1, db1, dw2, db2, dw3)
     return tuple(None if t is None else g.to(t.dtype) for g, t in zip(grads, inputs))
 
 
-def pool_backward(grad_inv, tok, q, wk, bk, wv, bv, wo, attn, u=None, pooled=None, kept=None):
+def pool_backward(grad_inv, tok, q, wk, bk, wv, bv, wo, attn, u=None, pooled=None, kept=None, mask=None):
     """(∂tok, ∂q, ∂Wk, ∂bk, ∂Wv, ∂bv, ∂Wo, ∂bo): region_backward's pool from ∂inv [B,D] fp32, on
     tok in the compute dtype; ∂bk is zeros (None without bk: it cancels), the rest as
     triton_pool.pool_backward gives them. u, pooled: the forward's directions and heads' output
     where kept (`reuse`'s views, mha::pool's outputs), else None; kept: region_forward's dict, whose
-    pool weights (u among them) are taken where it holds them."""
+    pool weights (u among them) are taken where it holds them; mask: the forward's."""
     *weights, u = _pool_weights(tok, q, wk, wv, bv, wo, kept, u)
-    grads = triton_pool.pool_backward(grad_inv, tok, *weights, attn.float(), u=u, pooled=pooled)
+    grads = triton_pool.pool_backward(grad_inv, tok, *weights, attn.float(), u=u, pooled=pooled, mask=mask)
     return (*grads[:3], None if bk is None else torch.zeros_like(bk), *grads[3:])
 
 

@@ -46,13 +46,17 @@ class Match:
     inv: object = None  # the pool's output node (its dtype is what a rebuilt inv must have)
     # How the op's output [B,H,D] becomes the region's output (out_layout): identity for [B,H,D]
     out_layout: tuple = ((0, 1, 2), (1, 1, 1), 0)
+    # With a mask, what a batch row whose keys are all masked gives in the user's spelling: "zero"
+    # (SDPA, nn.MultiheadAttention: it attends to nothing, as the op), "nan" (a plain softmax: the
+    # rewrite adds the NaN to the op's ctx and to a rebuilt inv); "" without a mask.
+    empty_rows: str = ""
 
     def summary(self):
         return {"output": self.output.name, "ctx": self.ctx.name, "tok": self.tok.name,
                 "nodes": [n.name for n in self.nodes], "config": dict(self.config),
                 "params": {k: _describe(v) for k, v in self.params.items()},
                 "kernels": self.kernels, "kernels_reason": self.kernels_reason, "graphs": self.graphs,
-                "keep_hidden": self.keeps, "slot_runs": self.runs,
+                "keep_hidden": self.keeps, "slot_runs": self.runs, "empty_rows": self.empty_rows,
                 "exports": {k: v.name for k, v in self.exports.items()},
                 "shapes": {"ctx": _shape_str(self.ctx), "tok": _shape_str(self.tok), "out": _shape_str(self.output)},
                 "dtype": str(_dtype(self.ctx))}
@@ -237,7 +241,8 @@ def _match_at(nodes, anchor):
     region, exports = _region_nodes(nodes, (ctx, tok), out, exportable)
     params, config = moe_params(moe_walk.vals[out])
     params.update(pool_params(pool_walk.vals[inv]))
-    return Match(anchor, out, ctx, tok, params, config, region, exports=exports, inv=inv, out_layout=layout)
+    return Match(anchor, out, ctx, tok, params, config, region, exports=exports, inv=inv, out_layout=layout,
+                 empty_rows=pool_walk.vals[inv].info.get("empty_rows", ""))
 
 
 _OP_AXES = ("b", "h", "d")  # the op's output [B,H,D]

@@ -15,7 +15,9 @@ F.scaled_dot_product_attention with the learned query expanded over the batch, a
 F.multi_head_attention_forward (what Dynamo captures for nn.MultiheadAttention), whose learned
 query goes through the query projection: the op gets q = Wq·query + bq, computed on the
 parameters in the graph. A key-padding mask is read from masked_fill(-inf) on the scores, a
-boolean SDPA attn_mask (True = take part, so the op gets its negation) or key_padding_mask.
+boolean SDPA attn_mask (True = take part, so the op gets its negation) or key_padding_mask;
+whether a row with every key masked is NaN (a plain softmax) or attends to nothing (SDPA's and
+nn.MultiheadAttention's safe softmax, the op's own) is read too (info "empty_rows").
 """
 import dataclasses
 import math
@@ -366,7 +368,7 @@ def _sdpa(walk, node, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gq
     if not _absent(attn_mask) and mask is None:
         return None
     attn = _softmax(walk, node, Val("scores", k.roles[:-2] + (ONE, "n"),
-                                    {"k": k.info, "q": ref, "scale": float(scale), "mask": mask}), -1)
+                                    {"k": k.info, "q": ref, "scale": float(scale), "mask": mask}), -1, safe=True)
     return Val("pooled", k.roles[:-2] + (ONE, "d.1"), dict(attn.info, v=v.info))
 
 
@@ -404,11 +406,15 @@ def _mha(walk, node, op, args):
     mask = a["key_padding_mask"]
     mask = None if _absent(mask) else _mask_ref(mask, ("b", "n"), node, invert=False)
     info = {"k": {"w": cut(w_in, 1), "b": cut(b_in, 1)}, "v": {"w": cut(w_in, 2), "b": cut(b_in, 2)},
-            "q": q_vec, "scale": 1.0 / math.sqrt(d // heads), "mask": mask, "wo": wo, "bo": bo}
+            "q": q_vec, "scale": 1.0 / math.sqrt(d // heads), "mask": mask, "wo": wo, "bo": bo,
+            "empty_rows": "" if mask is None else "zero"}
     return Val("mha_out", (ONE, "b", "d"), info)
 
 
-def _softmax(walk, node, scores, dim):
+def _softmax(walk, node, scores, dim, safe=False):
+    """attn from scores. With a mask, info["empty_rows"] says what a batch row whose keys are all
+    masked gives: "nan" from a plain softmax (every score -inf), "zero" from SDPA's (safe: torch ≥
+    2.5 makes such a row attend to nothing), which is the op's own (reference.pool_forward)."""
     if scores is None or scores.kind != "scores" or not isinstance(dim, int):
         return None
     role = scores.roles[dim]
@@ -417,6 +423,7 @@ def _softmax(walk, node, scores, dim):
     head_dim = walk.axes.sizes.get("d.1")
     expected = 1.0 / math.sqrt(head_dim)
     info = dict(scores.info)
+    info["empty_rows"] = "" if info.get("mask") is None else "zero" if safe else "nan"
     inner, factor = info.pop("prescaled", (None, None))
     if abs(info["scale"] - expected) > SCALE_RTOL * expected and inner is not None and \
             abs(info["scale"] * factor - expected) <= SCALE_RTOL * expected:

@@ -57,11 +57,14 @@ def replace_region(gm, match):
     graph = gm.graph
     with graph.inserting_before(match.output):
         params = [_param(graph, match.params.get(name)) for name in ops.REGION_INPUTS[2:]]  # after ctx, tok
+        mask = _param(graph, match.params.get("mask"))
+        nan_rows = _nan_rows(graph, mask, dtype(match.ctx)) if match.empty_rows == "nan" else None
+        ctx = match.ctx if nan_rows is None else graph.call_function(operator.add, (match.ctx, nan_rows))
         cfg = match.config
         call = graph.call_function(torch.ops.mha.region.default, (
-            match.ctx, match.tok, *params, _param(graph, match.params.get("mask")), cfg["top_k"], cfg["renorm"],
+            ctx, match.tok, *params, mask, cfg["top_k"], cfg["renorm"],
             cfg["act"], match.kernels, bool(match.exports)), {"keep_hidden": True} if match.keep_hidden else {})
-        rebuilt = _rebuild_exports(graph, call, match)
+        rebuilt = _rebuild_exports(graph, call, match, ctx, nan_rows)
         out = _to_layout(graph, graph.call_function(operator.getitem, (call, 0)), match.out_layout)
         if dtype(match.output) is not None and dtype(match.output) != dtype(match.ctx):
             # The op returns ctx's dtype; the user's spelling may promote (an fp32 gate times a
@@ -99,16 +102,29 @@ def _to_layout(graph, out, layout):
     return out
 
 
-def _rebuild_exports(graph, call, match):
+def _nan_rows(graph, mask, ctx_dtype):
+    """[B,1,1] in ctx's dtype: NaN on the batch rows whose keys are all masked, 0 elsewhere. A plain
+    softmax over such a row is NaN in the user's graph, where the op's row attends to nothing
+    (reference.pool_forward): added to ctx (and to a rebuilt inv) it makes the row's out NaN as
+    the user's, and its gradients as NaN as theirs."""
+    empty = graph.call_method("view", (graph.call_method("all", (mask, -1)), -1, 1, 1))
+    rows = graph.call_function(torch.where, (empty, float("nan"), 0.0))
+    return graph.call_method("to", (rows, ctx_dtype))
+
+
+def _rebuild_exports(graph, call, match, ctx, nan_rows):
     """The region values the rest of the graph reads, from the op's inv output (output 1, in the
-    accumulation dtype): inv in its traced dtype, and y = ctx + inv[:, None] as the merge wrote it.
+    accumulation dtype): inv in its traced dtype, and y = ctx + inv[:, None] as the merge wrote it
+    (ctx as the op took it, and inv with the rows _nan_rows makes NaN, where it does).
     With export_inv set on the op, gradients reaching them flow back through the pool."""
     if not match.exports:
         return {}
     inv = graph.call_method("to", (graph.call_function(operator.getitem, (call, 1)), dtype(match.inv)))
+    if nan_rows is not None:
+        inv = graph.call_function(operator.add, (inv, graph.call_method("view", (nan_rows, -1, 1))))
     rebuilt = {"inv": inv}
     if "y" in match.exports:
-        rebuilt["y"] = graph.call_function(operator.add, (match.ctx, graph.call_method("unsqueeze", (inv, 1))))
+        rebuilt["y"] = graph.call_function(operator.add, (ctx, graph.call_method("unsqueeze", (inv, 1))))
     for name, node in rebuilt.items():
         source = match.exports.get(name)
         if source is not None:

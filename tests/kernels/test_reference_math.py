@@ -1,5 +1,6 @@
 """The reference path (kernels="reference") against autograd through the plain models, in float64."""
 import itertools
+import os
 
 import pytest
 import torch
@@ -130,3 +131,48 @@ def test_exported_inv_gets_its_gradient(kernels):
         if name == "bk":
             continue
         assert relative_error(h, w) <= 1e-5, f"∂{name}: {relative_error(h, w):.3g}"
+
+
+def _sdpa_pool(tok, q, wk, bk, wv, bv, wo, bo, mask):
+    """The pool as a user writes it with F.scaled_dot_product_attention (mask True = ignore)."""
+    B, N, D = tok.shape
+    P, Dh = q.shape
+    k = (tok @ wk.T + bk).view(B, N, P, Dh).transpose(1, 2)
+    v = (tok @ wv.T + bv).view(B, N, P, Dh).transpose(1, 2)
+    pooled = torch.nn.functional.scaled_dot_product_attention(q[None, :, None, :].expand(B, P, 1, Dh), k, v,
+                                                              attn_mask=~mask[:, None, None, :])
+    return pooled.reshape(B, D) @ wo.T + bo
+
+
+@pytest.mark.parametrize("kernels", ["reference", "fused"])
+def test_a_row_with_every_key_masked_attends_to_nothing_as_sdpa(kernels):
+    """Batch row 1 has every key masked: torch's SDPA (its safe softmax, torch ≥ 2.5) gives it a
+    zero attention output, so inv = bo, with no gradient to anything but bo from that row. The
+    region gives the same, forward and every gradient, where 0/0 made the row NaN before (and
+    every parameter's gradient with it). fused: the Triton kernels, under the interpreter, fp32."""
+    if kernels == "fused" and not os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the fused kernels on CPU need TRITON_INTERPRET=1")
+    dtype = torch.float64 if kernels == "reference" else torch.float32
+    block, ctx, tok = _block_and_inputs("gelu", True, True, seed=2)
+    block, ctx, tok = block.to(dtype), ctx.detach().to(dtype).requires_grad_(), tok.detach().to(dtype).requires_grad_()
+    params = models.block_parameters(block)
+    mask = torch.rand(tok.shape[:2], generator=torch.Generator().manual_seed(3)) < 0.3
+    mask[:, 0] = False
+    mask[1] = True
+    q, wk, bk, wv, bv, wo, bo = params[:7]
+    inv_sdpa = _sdpa_pool(tok, q, wk, bk, wv, bv, wo, bo, mask)
+    assert torch.equal(inv_sdpa[1], bo) or relative_error(inv_sdpa[1], bo) < 1e-6  # what SDPA gives the row
+    expected = block.moe(ctx + inv_sdpa[:, None, :])
+    got = ops.region(ctx, tok, *params, mask, block.moe.top_k, True, "gelu", kernels)[0]
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    assert got.isfinite().all() and relative_error(got, expected) <= tol
+    grad = torch.randn(expected.shape, generator=torch.Generator().manual_seed(4)).to(dtype)
+    inputs = [t for t in (ctx, tok, *params) if t is not None]
+    names = [n for n, t in zip(ops.REGION_INPUTS, (ctx, tok, *params)) if t is not None]
+    have = torch.autograd.grad(got, inputs, grad)
+    for name, w, h in zip(names, torch.autograd.grad(expected, inputs, grad), have):
+        assert h.isfinite().all(), f"∂{name} is not finite"
+        if name == "bk":
+            continue
+        assert relative_error(h, w) <= 10 * tol, f"∂{name}: {relative_error(h, w):.3g}"
+    assert torch.count_nonzero(have[names.index("tok")][1]) == 0  # the row's tokens take none

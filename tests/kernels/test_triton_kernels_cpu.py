@@ -59,10 +59,15 @@ def test_no_biases_swiglu(module):
 
 
 @pytest.mark.parametrize("module", SETS)
-def test_key_padding_mask(module):
+@pytest.mark.parametrize("empty_row", [False, True], ids=["", "a-row-with-every-key-masked"])
+def test_key_padding_mask(module, empty_row):
+    """With empty_row, batch row 1 has every key masked: it attends to nothing (its inv is bo, as
+    SDPA's safe softmax gives it), where 0/0 made it NaN before; check_region holds every output
+    and gradient finite and to the float64 reference."""
     ctx, tok, params = make_case(3, 2, 6, 32, 2, 32, 4, 2)
     mask = torch.zeros(3, 6, dtype=torch.bool)
     mask[0, 1] = mask[0, 4] = mask[2, 5] = True
+    mask[1] = empty_row
     check_region(module, ctx, tok, params, top_k=2, renorm=True, act="gelu", mask=mask)
 
 

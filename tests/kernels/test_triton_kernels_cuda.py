@@ -97,7 +97,8 @@ def test_all_rows_to_one_expert(module, top_k):
 def test_key_padding_mask(module):
     ctx, tok, params = make_case(32, 4, 24, 64, 2, 128, 4, 2, dtype=torch.float32, device="cuda", seed=4)
     mask = torch.rand(32, 24, device="cuda") < 0.3
-    mask[:, 0] = False  # no fully masked row (the reference gives NaN there)
+    mask[:, 0] = False
+    mask[5] = True  # a row with every key masked attends to nothing (reference.pool_forward)
     check_region(module, ctx, tok, params, top_k=2, renorm=True, act="gelu", mask=mask)
 
 

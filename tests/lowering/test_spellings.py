@@ -151,6 +151,46 @@ def test_one_expert(config):
     assert match["config"]["top_k"] == 1
 
 
+@pytest.mark.parametrize("pool,empty", [("einsum", "nan"), ("matmul", "nan"), ("sdpa", "zero"), ("mha", "zero")])
+def test_a_row_with_every_key_masked_computes_what_the_spelling_does(pool, empty):
+    """Batch row 1 has every key masked. SDPA and nn.MultiheadAttention (their safe softmax, torch
+    ≥ 2.5) make it attend to nothing, so their model trains on: the region does the same (it gave
+    NaN, and NaN gradients to every parameter, where eager's were finite). A plain softmax over the
+    row is NaN: the rewrite adds that NaN back, so the row's output is NaN as the user's, and the
+    step's gradients hold NaN as eager's do (not all the same ones: which a NaN reaches follows
+    each op's backward). Every other row, and every gradient both give finite, equals eager's."""
+    torch.manual_seed(0)
+    model = SpelledBlock(pool=pool, mask=True).double()
+    ctx, tok, pad = inputs(dtype=torch.float64, mask=True, generator=torch.Generator().manual_seed(1))
+    pad[1] = True
+    compiled_model = copy.deepcopy(model)
+    with compiled_reports() as reports:
+        torch._dynamo.reset()
+        compiled = torch.compile(compiled_model, backend="mha", options={"strict": True})
+        results = []
+        for m in (model, compiled):
+            t = tok.clone().requires_grad_()
+            out = m(ctx, t, pad)
+            out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=out.dtype))
+            results.append((out.detach(), t.grad, [p.grad for p in m.parameters()]))
+    assert _assert_one_match(reports)["empty_rows"] == empty
+    (out_e, tok_e, grads_e), (out_c, tok_c, grads_c) = results
+    bad = ~out_e.isfinite().all(-1)
+    assert bad[1].all() == (empty == "nan") and not bad[[0, 2, 3]].any()
+    assert torch.equal(bad, ~out_c.isfinite().all(-1)), "the output's NaN rows differ from eager's"
+    assert relative_error(out_c[~bad], out_e[~bad]) <= TOLERANCE[torch.float64]
+    names = [n for n, _ in model.named_parameters()]
+    finite = lambda grads: [bool(g.isfinite().all()) for g in grads]
+    for name, g_e, g_c, both in zip(names, grads_e, grads_c, map(all, zip(finite(grads_e), finite(grads_c)))):
+        if both and not name.endswith(ZERO_GRAD):
+            assert relative_error(g_c, g_e) <= TOLERANCE[torch.float64], f"∂{name}"
+    if empty == "zero":
+        assert all(finite(grads_e)) and all(finite(grads_c)), "a non-finite gradient"
+        assert relative_error(tok_c, tok_e) <= TOLERANCE[torch.float64]
+    else:  # which gradients a NaN reaches follows each op's backward; a step with one is a NaN step in both
+        assert not all(finite(grads_e)) and not all(finite(grads_c))
+
+
 def test_modules_experts_are_stacked_in_the_graph():
     torch.manual_seed(0)
     reports = _run(torch.float64, moe="loop", experts="modules", act="swiglu")
