@@ -31,6 +31,9 @@ class GraphReport:
                     "NaN, as the spelling's plain softmax gives it (added to ctx)" if m["empty_rows"] == "nan" else
                     "attends to nothing (inv = bo), as SDPA's safe softmax gives it"))
             lines.append(f"    covers {len(m['nodes'])} nodes: {', '.join(m['nodes'])}")
+            if m.get("kept"):
+                lines.append(f"    after the op, on its outputs (the router read outside, a load-balancing loss say): "
+                             f"{', '.join(m['kept'])}")
         for miss in self.near_misses:
             lines.append(f"  near-miss at {miss['node']} (top-k {miss['anchor']}): {miss['reason']}")
         if self.fallback:

@@ -46,6 +46,10 @@ class Match:
     inv: object = None  # the pool's output node (its dtype is what a rebuilt inv must have)
     # How the op's output [B,H,D] becomes the region's output (out_layout): identity for [B,H,D]
     out_layout: tuple = ((0, 1, 2), (1, 1, 1), 0)
+    # Router nodes the rest of the graph reads (π for a load-balancing loss, the logits for a
+    # z-loss), computed again after the op from y rebuilt from it (_router_chain), and what read
+    # them or an export before the region's end (_deferred): moved after the op, in graph order
+    kept: list = dataclasses.field(default_factory=list)
     # With a mask, what a batch row whose keys are all masked gives in the user's spelling: "zero"
     # (SDPA, nn.MultiheadAttention: it attends to nothing, as the op), "nan" (a plain softmax: the
     # rewrite adds the NaN to the op's ctx and to a rebuilt inv); "" without a mask.
@@ -57,7 +61,7 @@ class Match:
                 "params": {k: _describe(v) for k, v in self.params.items()},
                 "kernels": self.kernels, "kernels_reason": self.kernels_reason, "graphs": self.graphs,
                 "keep_hidden": self.keeps, "slot_runs": self.runs, "empty_rows": self.empty_rows,
-                "exports": {k: v.name for k, v in self.exports.items()},
+                "exports": {k: v.name for k, v in self.exports.items()}, "kept": [n.name for n in self.kept],
                 "shapes": {"ctx": _shape_str(self.ctx), "tok": _shape_str(self.tok), "out": _shape_str(self.output)},
                 "dtype": str(_dtype(self.ctx))}
 
@@ -238,11 +242,42 @@ def _match_at(nodes, anchor):
     # y and inv may also be read outside (a residual): the op's inv output rebuilds them. Not
     # for an in-place merge, whose y is ctx's own storage.
     exportable = {"inv": inv} if _is_inplace(y) else {"inv": inv, "y": y}
-    region, exports = _region_nodes(nodes, (ctx, tok), out, exportable)
+    index = [n for n, v in moe_walk.vals.items() if v.kind == "topi" and v.info["topk"] is anchor and
+             v.roles == ("b*h", "s") and n.target is operator.getitem]
+    if index:
+        exportable["index"] = index[0]
+    keepable = None if _is_inplace(y) else _router_chain(moe_walk, y)
+    region, exports, kept = _region_nodes(nodes, (ctx, tok), out, exportable, keepable)
+    if any(y in k.all_input_nodes for k in kept):
+        exports["y"] = y  # the kept router nodes read y again, rebuilt from the op
     params, config = moe_params(moe_walk.vals[out])
     params.update(pool_params(pool_walk.vals[inv]))
     return Match(anchor, out, ctx, tok, params, config, region, exports=exports, inv=inv, out_layout=layout,
-                 empty_rows=pool_walk.vals[inv].info.get("empty_rows", ""))
+                 empty_rows=pool_walk.vals[inv].info.get("empty_rows", ""), kept=kept)
+
+
+# The router's own values: y's rows, the logits x·Wgᵀ and their softmax π, in any layout or dtype.
+_ROUTER_KINDS = ("x", "logits", "probs")
+
+
+def _router_chain(walk, y):
+    """A function giving, for a region node read outside (a load-balancing loss on π, a z-loss on
+    the logits), the region nodes that compute it from y alone through the router's own values
+    (_ROUTER_KINDS), or None where it is not one: those the rewrite keeps, reading y rebuilt from
+    the op (one [R,D]·[D,E] product more, where the user reads them)."""
+    def chain(node):
+        found, stack = set(), [node]
+        while stack:
+            n = stack.pop()
+            if n is y or n in found:
+                continue
+            val = walk.vals.get(n)
+            if val is None or val.kind not in _ROUTER_KINDS or n.op != "call_function" and n.op != "call_method":
+                return None
+            found.add(n)
+            stack.extend(i for i in n.all_input_nodes if i is y or i in walk.inside)
+        return found if node in found and walk.vals[node].kind != "x" else None
+    return chain
 
 
 _OP_AXES = ("b", "h", "d")  # the op's output [B,H,D]
@@ -429,12 +464,15 @@ def _moe_failure(walk, nodes, anchor):
     return anchor, f"{anchor.name}: the experts after this router could not be read as act(x W1 + b1) W2 + b2 weighted by the top-k gates"
 
 
-def _region_nodes(nodes, inputs, out, exportable=None):
-    """(nodes the op replaces, exports): the nodes on a path from ctx or tok to out, plus
-    parameter views only they use; exports names the `exportable` nodes also read outside.
+def _region_nodes(nodes, inputs, out, exportable=None, keepable=None):
+    """(nodes the op replaces, exports, kept): the nodes on a path from ctx or tok to out, plus
+    parameter views only they use; exports names the `exportable` nodes also read outside;
+    kept (in graph order) are the nodes `keepable` gives for a region node read outside, which
+    stay, moved after the op (the router's chain: _router_chain), and leave the region.
 
     Any other intermediate used outside the region (other than for its size) makes it a
-    near-miss, and so does an export read before the region ends (its rebuilt value comes later).
+    near-miss, and so does an export or a kept node read before the region ends (its rebuilt
+    value comes later).
     """
     ancestors = _ancestors(out, nodes.order, stop=set(inputs))
     reach = set()
@@ -459,18 +497,51 @@ def _region_nodes(nodes, inputs, out, exportable=None):
                 changed = True
     region |= _size_checks(region)
     exportable = {node: name for name, node in (exportable or {}).items()}
-    exports = {}
-    for n in region:
+    exports, kept, early = {}, set(), []
+    for n in _in_order(nodes, region):
         if n is out:
             continue
         for user in n.users:
             if user in region or _is_size_query(user):
                 continue
-            if n in exportable and nodes.order[user] > nodes.order[out]:
+            chain = None if n in exportable or keepable is None else keepable(n)
+            if n not in exportable and chain is None:
+                raise _Miss(n, f"{n.name} is used outside the region (by {user.name}); replacing the region would "
+                               f"drop it")
+            if n in exportable:
                 exports[exportable[n]] = n
+            else:
+                kept |= chain
+            if nodes.order[user] < nodes.order[out]:
+                early.append(user)
+    return _in_order(nodes, region - kept), exports, _in_order(nodes, kept | _deferred(nodes, region, out, early))
+
+
+def _deferred(nodes, region, out, early):
+    """What reads an export or a kept router node before the region's end (a load-balancing loss
+    computed where the router is, say), with what depends on it there: moved after the op, whose
+    outputs it then reads. Not where the region itself depends on one of them, nor past an
+    in-place op (its order against the region's reads would change)."""
+    moved = set()
+    for root in early:
+        for n in _descendants(root):
+            if nodes.order.get(n, -1) >= nodes.order[out]:
                 continue
-            raise _Miss(n, f"{n.name} is used outside the region (by {user.name}); replacing the region would drop it")
-    return _in_order(nodes, region), exports
+            if n in region:
+                raise _Miss(root, f"{root.name} reads the region's router and the region reads it back (by "
+                                  f"{n.name}); the region cannot be replaced by one op")
+            if _is_inplace(n):
+                raise _Miss(root, f"{root.name} reads the region's router before the region ends, and {n.name} "
+                                  f"writes in place after it: moving them after the op would reorder that write")
+            moved.add(n)
+    if moved:  # a write in place between them and the op could change what they read
+        start = min(nodes.order[n] for n in moved)
+        for n in nodes[start:nodes.order[out]]:
+            if n not in region and n not in moved and _is_inplace(n):
+                raise _Miss(n, f"{n.name} writes in place between where the region's router is read "
+                               f"({_in_order(nodes, moved)[0].name}) and the region's end; moving the reader after "
+                               f"the op would reorder them")
+    return moved
 
 
 def _is_size_query(node):

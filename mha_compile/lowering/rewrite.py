@@ -73,6 +73,8 @@ def replace_region(gm, match):
     out.meta.update({k: v for k, v in match.output.meta.items() if k in ("example_value", "val", "stack_trace")})
     match.output.replace_all_uses_with(out)
     inside = set(match.nodes)
+    for node in match.kept:  # the router's chain the rest reads: after the op, from the rebuilt y
+        match.output.prepend(node)
     for name, node in match.exports.items():
         for user in list(node.users):
             if user not in inside:
@@ -115,8 +117,9 @@ def _nan_rows(graph, mask, ctx_dtype):
 def _rebuild_exports(graph, call, match, ctx, nan_rows):
     """The region values the rest of the graph reads, from the op's inv output (output 1, in the
     accumulation dtype): inv in its traced dtype, and y = ctx + inv[:, None] as the merge wrote it
-    (ctx as the op took it, and inv with the rows _nan_rows makes NaN, where it does).
-    With export_inv set on the op, gradients reaching them flow back through the pool."""
+    (ctx as the op took it, and inv with the rows _nan_rows makes NaN, where it does); and the
+    top-k's indices, from the op's (output 4), the experts the region used.
+    With export_inv set on the op, gradients reaching inv and y flow back through the pool."""
     if not match.exports:
         return {}
     inv = graph.call_method("to", (graph.call_function(operator.getitem, (call, 1)), dtype(match.inv)))
@@ -125,6 +128,9 @@ def _rebuild_exports(graph, call, match, ctx, nan_rows):
     rebuilt = {"inv": inv}
     if "y" in match.exports:
         rebuilt["y"] = graph.call_function(operator.add, (ctx, graph.call_method("unsqueeze", (inv, 1))))
+    if "index" in match.exports:  # the experts the op chose, [R,k] as top-k's indices (int64)
+        rebuilt["index"] = graph.call_method("to", (graph.call_function(operator.getitem, (call, 4)),
+                                                    dtype(match.exports["index"])))
     for name, node in rebuilt.items():
         source = match.exports.get(name)
         if source is not None:

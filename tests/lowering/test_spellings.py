@@ -191,6 +191,70 @@ def test_a_row_with_every_key_masked_computes_what_the_spelling_does(pool, empty
         assert not all(finite(grads_e)) and not all(finite(grads_c))
 
 
+class WithAuxLoss(SpelledBlock):
+    """The block returning (out, aux): a load-balancing loss on the router's π and the chosen
+    experts (Switch's: E · Σ_e mean π_e · the fraction of slots routed to e) plus a z-loss on its
+    logits, computed where the router is (early) or after the MoE, from what route() left."""
+
+    def __init__(self, early, **config):
+        super().__init__(**config)
+        self.early = early
+
+    def route(self, x):
+        logits = self.router(x)
+        probs = torch.softmax(logits, dim=-1)
+        weight, index = probs.topk(self.k, dim=-1)
+        if self.renorm:
+            weight = weight / weight.sum(dim=-1, keepdim=True)
+        self.routed = (logits, probs, index)
+        if self.early:
+            self.routed = self._aux()
+        return weight, index
+
+    def _aux(self):
+        logits, probs, index = self.routed
+        share = torch.nn.functional.one_hot(index, self.E).to(probs.dtype).sum(1).mean(0)
+        return (probs.mean(0) * share).sum() * self.E + 0.1 * torch.logsumexp(logits, -1).square().mean()
+
+    def forward(self, ctx, tok, pad=None):
+        out = super().forward(ctx, tok, pad)
+        return out, self.routed if self.early else self._aux()
+
+
+@pytest.mark.parametrize("moe", ["loop", "dense_scatter", "gathered", "mixtral"])
+@pytest.mark.parametrize("early", [False, True], ids=["after", "early"])
+def test_a_load_balancing_loss_on_the_router_keeps_the_match(moe, early):
+    """A load-balancing and z-loss on the router's π, logits and chosen experts, read outside the
+    region, made it a near-miss ("used outside the region"): the MoE of nearly every MoE training
+    run fell back to eager. Now the router's chain is computed again after the op from y rebuilt
+    from it (one [R,D]·[D,E] product), the chosen experts are the op's own, and what read them
+    before the region's end moves after it: one match, and the loss and every gradient eager's
+    (float64), Wg's from both losses."""
+    torch.manual_seed(0)
+    model = WithAuxLoss(early, moe=moe).double()
+    ctx, tok = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    compiled_model = copy.deepcopy(model)
+    with compiled_reports() as reports:
+        torch._dynamo.reset()
+        with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=moe == "mixtral"):
+            compiled = torch.compile(compiled_model, backend="mha", options={"strict": True})
+            results = []
+            for m in (model, compiled):
+                out, aux = m(ctx, tok)
+                cotangent = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=out.dtype)
+                ((out * cotangent).sum() + 3 * aux).backward()
+                results.append((out.detach(), aux.detach(), [p.grad for p in m.parameters()]))
+    match = _assert_one_match(reports)
+    assert "probs" in match["kept"] and match["exports"]["index"], match
+    (out_e, aux_e, grads_e), (out_c, aux_c, grads_c) = results
+    assert relative_error(out_c, out_e) <= TOLERANCE[torch.float64]
+    assert relative_error(aux_c, aux_e) <= TOLERANCE[torch.float64]
+    for (name, _), g_e, g_c in zip(model.named_parameters(), grads_e, grads_c):
+        if name.endswith(ZERO_GRAD):
+            continue
+        assert relative_error(g_c, g_e) <= TOLERANCE[torch.float64], f"∂{name}: {relative_error(g_c, g_e):.3g}"
+
+
 def test_modules_experts_are_stacked_in_the_graph():
     torch.manual_seed(0)
     reports = _run(torch.float64, moe="loop", experts="modules", act="swiglu")
@@ -482,8 +546,10 @@ class SmallestExperts(SpelledBlock):
         return weight / weight.sum(-1, keepdim=True), index
 
 
-class ProbsExported(SpelledBlock):
-    """The router's probabilities also leave the region (an auxiliary balance loss, say)."""
+class GatesExported(SpelledBlock):
+    """The renormalised top-k gates also leave the region: not the router's own chain (π, the
+    logits: computed again after the op, test_a_load_balancing_loss_on_the_router_keeps_the_match),
+    nor an output of the op's the rewrite hands out."""
 
     def forward(self, ctx, tok, pad=None):
         y = self.merge_forward(ctx, self.pool_forward(tok, pad))
@@ -493,7 +559,7 @@ class ProbsExported(SpelledBlock):
         out = torch.zeros_like(y.reshape(-1, self.D))
         for e in range(self.E):
             out = out + (weight * (index == e)).sum(-1, keepdim=True) * self.expert(e, y.reshape(-1, self.D))
-        return out.reshape(y.shape), probs.mean(0)
+        return out.reshape(y.shape), weight.mean(0)
 
 
 class WidthSplitOutput(SpelledBlock):
@@ -524,7 +590,7 @@ NEAR_MISSES = {
     "fused K|V interleaved, not halves": (InterleavedKV, {}, "unbind"),
     "query times 3, scores unscaled": (ScaledQuery, {"query_factor": 3.0, "score_factor": 1.0},
                                        "with the query's own factor"),
-    "router probabilities used outside": (ProbsExported, {}, "used outside the region"),
+    "top-k gates used outside": (GatesExported, {}, "used outside the region"),
     "MoE output with its width split": (WidthSplitOutput, {}, "leaves the region with axes"),
 }
 
