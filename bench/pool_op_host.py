@@ -26,7 +26,7 @@ def timings(rounds=3, calls=100, repeats=20):
     args, grad = (tok, q, wk, bk, wv, bv, wo, bo, None), torch.randn(B, D)
     inv, attn, u = torch.randn(B, D), torch.randn(B, N, P), torch.randn(P, D)
     stubs = (mock.patch.object(triton_region, "pool_forward", lambda *a, **k: (inv.clone(), attn, (u,))),
-             mock.patch.object(triton_region, "pool_backward", lambda *a: [t.detach() for t in args[:8]]))
+             mock.patch.object(triton_region, "pool_backward", lambda *a, **k: [t.detach() for t in args[:8]]))
     ways = {"op": pool_moe_ops.pool, "function": pool_moe_ops.PoolFunction.apply}
     result = {name: [] for name in ways}
     with stubs[0], stubs[1]:
