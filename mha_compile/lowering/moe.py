@@ -229,8 +229,11 @@ def _weight_product(walk, node, x, ref, linear, bias):
         return None
     used = ref if linear is False else dataclasses.replace(ref, perm=_swap(ref.perm))  # as [in,out]
     if node is walk.router:
-        if x.kind != "x" or ref.select is not None or x.roles[-1] != "d" or len(w_shape) != 2 or bias is not None:
+        if x.kind != "x" or ref.select is not None or x.roles[-1] != "d" or len(w_shape) != 2:
             return None
+        if bias is not None:
+            raise Reject(f"{node.name}: the router adds a bias (nn.Linear(D, E) with bias=True); the region's router "
+                         f"is x·Wgᵀ alone: build it with bias=False")
         return Val("logits", _rows(x.roles) + ("e",), {"wg": ParamRef(ref.node, _swap(used.perm)), "x_roles": x.roles})
     if ref.select is None and len(w_shape) == 2:  # an expert of its own (nn.Linear in a ModuleList)
         expert, base = None, used

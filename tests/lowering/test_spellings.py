@@ -562,6 +562,14 @@ class GatesExported(SpelledBlock):
         return out.reshape(y.shape), weight.mean(0)
 
 
+class RouterBias(SpelledBlock):
+    """nn.Linear(D, E)'s default bias on the router: logits x·Wgᵀ + bg, not the region's router."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = torch.nn.Linear(self.D, self.E)
+
+
 class WidthSplitOutput(SpelledBlock):
     """The MoE's output leaves the region with its width split in two ([B,H,2,D/2]): a layout the
     rewrite does not rebuild from the op's [B,H,D], so no match (not a wrong reshape)."""
@@ -591,6 +599,7 @@ NEAR_MISSES = {
     "query times 3, scores unscaled": (ScaledQuery, {"query_factor": 3.0, "score_factor": 1.0},
                                        "with the query's own factor"),
     "top-k gates used outside": (GatesExported, {}, "used outside the region"),
+    "router with a bias": (RouterBias, {}, "the router adds a bias"),
     "MoE output with its width split": (WidthSplitOutput, {}, "leaves the region with axes"),
 }
 
