@@ -114,19 +114,26 @@ def _relative(a, b):
 
 def _outputs_disagree(got, expected, fp32, precision=None):
     """What disagrees among the floating outputs, or None; fp32: the captured graph's outputs in
-    fp32, which the rewrite's are then measured against, to `precision`'s bound."""
+    fp32, which the rewrite's are then measured against, to `precision`'s bound. Entries that are
+    not finite must be where the captured graph's are (a NaN row of the user's own, a row with
+    every key masked under a plain softmax, say); the finite rest is compared."""
     for i, (g, e) in enumerate(zip(got, expected)):
         if not isinstance(e, torch.Tensor) or not e.is_floating_point():
             continue
-        if not torch.isfinite(g.detach()).all():
-            return f"output {i} is not finite"
+        g, e, yardstick = g.detach(), e.detach(), None if fp32 is None else fp32[i].detach()
+        finite = torch.isfinite(g)
+        if not torch.equal(finite, torch.isfinite(e)):
+            return f"output {i} is not finite where the captured graph's is finite, or the other way round"
+        if not finite.all():
+            keep = finite if yardstick is None else finite & torch.isfinite(yardstick)
+            g, e, yardstick = g[keep], e[keep], None if yardstick is None else yardstick[keep]
         bound = BOUND.get(precision or e.dtype, 1e-4)
-        if fp32 is None:
+        if yardstick is None:
             error = _relative(g, e)
             if error > bound:
                 return f"output {i}: relative error {error:.3g}"
             continue
-        error, own = _relative(g, fp32[i]), _relative(e, fp32[i])
+        error, own = _relative(g, yardstick), _relative(e, yardstick)
         if error > bound:
             return (f"output {i}: relative error {error:.3g} from the captured graph run in fp32, where the "
                     f"captured graph itself is {own:.3g} from it")
@@ -147,15 +154,23 @@ def _gradients_disagree(gm, original, compiled, args, zero_by_math, precision, d
         return "no output of the rewritten graph takes a gradient"
     grads_r = grads_o if gm is None else _gradients(promoted(gm), _upcast(args), [c.float() for c in cotangents],
                                                     draws)
-    largest = max([1.0] + [g.double().norm().item() for g in grads_r if g is not None])
+    largest = max([1.0] + [g.double()[torch.isfinite(g)].norm().item() for g in grads_r if g is not None])
+    # A NaN step in the user's graph (a NaN row's, _outputs_disagree): which entries of each
+    # gradient a NaN reaches follows each op's backward (masked_fill's zeroes the scores' where the
+    # region's 0·NaN does not), so there the entries finite in all three are compared; in a step
+    # whose gradients are all finite, a NaN of the rewrite's own is not.
+    nan_step = any(g is not None and not torch.isfinite(g).all() for g in grads_o)
     for position, g_c, g_o, g_r in zip(positions, grads_c, grads_o, grads_r):
         if g_o is None and g_c is None:
             continue
         like = g_o if g_o is not None else g_c
         g_o, g_c = (torch.zeros_like(like) if g is None else g for g in (g_o, g_c))
         g_r = torch.zeros_like(g_o, dtype=torch.float64) if g_r is None else g_r
-        if not torch.isfinite(g_c).all():
-            return f"gradient of input {position} is not finite"
+        finite = torch.isfinite(g_c) & torch.isfinite(g_o) & torch.isfinite(g_r)
+        if not finite.all():
+            if not nan_step:
+                return f"gradient of input {position} is not finite where the captured graph's are all finite"
+            g_c, g_o, g_r = g_c[finite], g_o[finite], g_r[finite]
         dtype = precision or g_o.dtype
         bound = BOUND.get(dtype, 1e-4)
         # A key bias's gradient is roundoff in the captured graph: fp32's ~1e-2 eps of the largest

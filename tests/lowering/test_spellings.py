@@ -670,3 +670,55 @@ def test_verify_compares_gradients_and_falls_back(monkeypatch, caplog):
     tok.grad = None
     model(ctx, tok).sum().backward()
     assert relative_error(tok_grad, tok.grad) <= TOLERANCE[torch.float64]
+
+
+@pytest.mark.parametrize("fault", [None, "nan", "gradient"])
+def test_verify_compares_around_the_nan_the_spelling_gives(monkeypatch, fault):
+    """A row with every key masked under a plain softmax is NaN in the user's graph and in the
+    rewrite: verify compares the rest and keeps the rewrite (it fell back on any non-finite
+    output before). A NaN of the rewrite's own (row 0 of the op's output) is still caught, and
+    so is a wrong gradient on the finite entries (∂tok doubled)."""
+    from mha_compile.kernels import reference
+    if fault == "nan":
+        right = reference.region_forward
+        monkeypatch.setattr(reference, "region_forward",
+                            lambda *a: (right(*a)[0].index_fill(0, torch.tensor([0]), float("nan")), *right(*a)[1:]))
+    elif fault == "gradient":
+        right_backward = reference.region_backward
+        monkeypatch.setattr(reference, "region_backward",
+                            lambda *a: tuple(g * 2.0 if i == 1 else g for i, g in enumerate(right_backward(*a))))
+    torch.manual_seed(0)
+    model = SpelledBlock(pool="einsum", mask=True).double()
+    ctx, tok, pad = inputs(dtype=torch.float64, mask=True, generator=torch.Generator().manual_seed(1))
+    pad[1] = True
+    with compiled_reports() as reports:
+        torch._dynamo.reset()
+        compiled = torch.compile(copy.deepcopy(model), backend="mha", options={"verify": True})
+        compiled(ctx, tok.requires_grad_(True), pad)
+    (report,) = reports
+    assert len(report.matches) == 1
+    assert (report.fallback is None) == (fault is None), report.fallback
+    if fault == "nan":
+        assert "not finite" in report.fallback
+
+
+def test_verify_catches_a_nan_gradient_of_the_rewrite_s_own(monkeypatch):
+    """In a step whose gradients are all finite in the user's graph, a NaN in the rewrite's (∂tok's
+    first entry) falls back: only a NaN step compares around its NaN."""
+    from mha_compile.kernels import reference
+    right_backward = reference.region_backward
+
+    def nan_tok(*args):
+        grads = list(right_backward(*args))
+        grads[1] = grads[1].clone().index_fill(0, torch.tensor([0]), float("nan"))
+        return tuple(grads)
+
+    monkeypatch.setattr(reference, "region_backward", nan_tok)
+    torch.manual_seed(0)
+    model = SpelledBlock(pool="einsum", mask=True).double()
+    ctx, tok, pad = inputs(dtype=torch.float64, mask=True, generator=torch.Generator().manual_seed(1))
+    with compiled_reports() as reports:
+        torch._dynamo.reset()
+        torch.compile(copy.deepcopy(model), backend="mha", options={"verify": True})(ctx, tok.requires_grad_(True), pad)
+    (report,) = reports
+    assert report.fallback is not None and "not finite" in report.fallback, report.fallback
