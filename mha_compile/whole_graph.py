@@ -190,8 +190,8 @@ def _pool_can_leave(node, values):
         return False  # another reader would copy tok in anyway
     if any(isinstance(values[name], torch.fx.Node) and values[name].op != "placeholder" for name in _POOL_ARGS):
         return False  # the eager part would have to run what computes them
-    if any(user.target is not operator.getitem or user.args[1] not in (0, 1) for user in node.users):
-        return False  # the graph reads a saved output (never, as the rewrite builds it)
+    if any(user.target is not operator.getitem or user.args[1] not in (0, 1, 4) for user in node.users):
+        return False  # the graph reads a saved output other than the chosen experts (never, as the rewrite builds it)
     tensors = [_example(values[name]) for name in ("ctx", "tok", *_POOL_ARGS[1:-1], *_MOE_ARGS[1:])]
     ctx, tok, w1, mask = tensors[0], tensors[1], _example(values["w1"]), _example(values["mask"])
     if any(not isinstance(t, torch.Tensor) for t in (ctx, tok, w1)) or \
@@ -218,6 +218,8 @@ def _split_region(graph, node, inputs):
     for user in list(node.users):
         if user.args[1] == 0:
             user.replace_input_with(node, moe)
+        elif user.args[1] == 4:  # the chosen experts (a load-balancing loss reads them): mha::moe's
+            user.args = (moe, 2)
         else:
             user.replace_all_uses_with(inv)
             graph.erase_node(user)

@@ -218,6 +218,43 @@ def test_a_tok_read_elsewhere_keeps_the_pool_in_the_graphs(monkeypatch):
 
 
 @needs_interpreter
+def test_a_load_balancing_loss_keeps_the_pool_outside(monkeypatch):
+    """A load-balancing loss reads the router's π (computed again after the op from the rebuilt y)
+    and the op's chosen experts (output 4, mha::moe's 2 once split): the pool still runs outside
+    the graphs, and every gradient is the unsplit graphs' to fp32's bound (none zero but ∂bk's):
+    not the bits, since the rebuilt y's ∂inv reaches the unsplit op's pool by the reference pool
+    backward added to its kernels', and the split's by one pool backward of the summed ∂inv."""
+
+    class WithAux(torch.nn.Module):
+        def __init__(self, block):
+            super().__init__()
+            self.block = block
+
+        def forward(self, ctx, tok):
+            y = ctx + self.block.pool(tok).unsqueeze(1)
+            moe = self.block.moe
+            x = y.reshape(-1, y.shape[-1])
+            probs = torch.softmax(moe.router(x), dim=-1)
+            weight, index = torch.topk(probs, moe.top_k, dim=-1)
+            weight = weight / weight.sum(-1, keepdim=True)
+            out = torch.zeros_like(x)
+            for e in range(moe.w1.shape[0]):
+                gate = (weight * (index == e)).sum(-1, keepdim=True)
+                out = out + gate * (torch.nn.functional.gelu(x @ moe.w1[e] + moe.b1[e]) @ moe.w2[e] + moe.b2[e])
+            share = torch.nn.functional.one_hot(index, moe.w1.shape[0]).to(probs.dtype).sum(1).mean(0)
+            return out.view(y.shape) + (probs.mean(0) * share).sum()
+
+    calls, pools, grads, block, (ctx, tok) = _split_step(monkeypatch, True, model=WithAux)
+    assert pools == [tok.shape]
+    _, _, grads_in, _, _ = _split_step(monkeypatch, False, model=WithAux)
+    names = ["ctx", "tok"] + [name for name, _ in block.named_parameters()]
+    for name, got, want in zip(names, grads, grads_in):
+        assert (got.abs().max() == 0) == (name == "pool.key.bias"), f"∂{name}"
+        if name != "pool.key.bias":
+            assert ((got - want).norm() / want.norm()).item() <= 1e-5, f"∂{name}"
+
+
+@needs_interpreter
 def test_a_failed_split_warns_and_captures_the_graph_whole(monkeypatch, caplog):
     """Running the pool outside the graphs is a speed-up only: where it fails, a warning names the
     error and the graphs capture the region whole (tok copied in, as before), with the same
