@@ -10,7 +10,7 @@ Kinds that only move or relabel elements are grouped by what they keep:
 - "reshape": the row-major sequence of elements is unchanged (view, reshape, flatten,
   unflatten, unsqueeze, squeeze, indexing with only full slices and None);
 - "permute": axes reordered (transpose, permute, t, mT);
-- "expand": size-1 axes broadcast;
+- "expand": size-1 axes broadcast (expand, expand_as, broadcast_to, and a repeat of size-1 axes);
 - "cast": values kept, dtype/memory changed (to(dtype), float, contiguous, clone, type_as).
 """
 import dataclasses
@@ -70,6 +70,7 @@ for kind, targets in {
     "nonzero": _fn("torch.nonzero"),
     "index_add": _fn("torch.index_add"),
     "stack": _fn("torch.stack"),
+    "expand": _fn("torch.broadcast_to"),
     "zeros": _fn("torch.zeros"),
     "not": [operator.invert, *_fn("torch.logical_not", "torch.bitwise_not")],
     "argsort": _fn("torch.argsort"),
@@ -98,7 +99,7 @@ _METHODS = {
     "view": "reshape", "reshape": "reshape", "flatten": "reshape", "unflatten": "reshape",
     "unsqueeze": "reshape", "squeeze": "reshape",
     "transpose": "permute", "permute": "permute", "t": "permute",
-    "expand": "expand", "expand_as": "expand", "broadcast_to": "expand",
+    "expand": "expand", "expand_as": "expand", "broadcast_to": "expand", "repeat": "repeat",
     "to": "cast", "float": "cast", "double": "cast", "half": "cast", "bfloat16": "cast",
     "type_as": "cast", "contiguous": "cast", "clone": "cast",
     "masked_fill": "masked_fill", "masked_fill_": "masked_fill", "chunk": "chunk", "split": "split", "unbind": "unbind",
@@ -176,6 +177,8 @@ def canon(node):
     kwargs.pop("rounding_mode", None)
     if kind == "getitem":
         return _read_getitem(node, args)
+    if kind == "repeat":
+        return _read_repeat(node, args)
     if kind == "permute":
         return _read_permute(node, args, kwargs)
     if kind == "sum" and node.op == "call_method" and len(args) == 1 and "dim" not in kwargs:
@@ -216,6 +219,19 @@ def _read_getitem(node, args):
             not any(isinstance(i, int) for i in items) and any(i is None for i in items):
         return Op("reshape", (base,))
     return Op("getitem", (base, index))
+
+
+def _read_repeat(node, args):
+    """x.repeat(1, H, 1) that repeats only size-1 axes is x.expand(...) in values (a copy, which
+    the math does not see; its gradient sums the repeats, as expand's does); other repeats: None."""
+    base, repeats = args[0], args[1:]
+    if len(repeats) == 1 and isinstance(repeats[0], (list, tuple)):
+        repeats = tuple(repeats[0])
+    in_shape = shape(base) if hasattr(base, "meta") else None
+    if in_shape is None or len(repeats) != len(in_shape) or \
+            any(not (isinstance(r, int) and r == 1) and not is_one(s) for r, s in zip(repeats, in_shape)):
+        return None
+    return Op("expand", (base,))
 
 
 def _read_attribute(node):

@@ -11,7 +11,7 @@ from torch.nn import functional as F
 
 POOLS = ("einsum", "matmul", "sdpa", "sdpa_scale", "mha", "fused_kv", "fused_kv_unbind", "mul_scale",
          "scaled_query", "bmm")
-MERGES = ("unsqueeze", "none_index", "view_first", "torch_add", "iadd", "expand_as")
+MERGES = ("unsqueeze", "none_index", "view_first", "torch_add", "iadd", "expand_as", "repeat", "broadcast_to")
 MOES = ("loop", "dense_scatter", "dense_onehot", "gathered", "gathered_t", "gathered_bmm", "gathered_matmul",
         "mixtral")
 EXPERTS = ("stacked", "modules")
@@ -111,6 +111,10 @@ class SpelledBlock(nn.Module):
             return torch.add(ctx, inv[:, None, :])
         if self.merge == "expand_as":
             return inv.unsqueeze(1).expand_as(ctx) + ctx
+        if self.merge == "repeat":  # a copy of inv per horizon: the same values as the broadcast
+            return ctx + inv.unsqueeze(1).repeat(1, ctx.shape[1], 1)
+        if self.merge == "broadcast_to":
+            return ctx + torch.broadcast_to(inv[:, None], ctx.shape)
         y = ctx * 1.0  # iadd: a fresh tensor of the graph's own, so the in-place add is unobservable
         y += inv[:, None]
         return y
