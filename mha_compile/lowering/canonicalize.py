@@ -221,6 +221,37 @@ def _read_getitem(node, args):
     return Op("getitem", (base, index))
 
 
+def sum_of_product(op):
+    """A sum `op` (a canonical Op) of (a * b), the product read by nothing else, as the einsum it is:
+    (k * q).sum(-1) for the pool's scores, (attn[..., None] * v).sum(1) for its pooled values (the
+    pool's rule asks; the MoE reads its own sums of products as they are). Axes are aligned from
+    the right, as broadcasting does; a size-1 axis shares its letter with the other operand's (the
+    matcher's einsum reading takes it as broadcast). None for any other sum."""
+    if op.kind != "sum":
+        return None
+    product, dims, keepdim = op.args
+    if not isinstance(product, torch.fx.Node) or len(product.users) != 1 or keepdim or canon_kind(product) != "mul":
+        return None
+    a, b = product.args[:2] if len(product.args) >= 2 else (None, None)
+    dims = (dims,) if isinstance(dims, int) else dims
+    shapes = [shape(t) if isinstance(t, torch.fx.Node) else None for t in (a, b)]
+    out = shape(product)
+    if None in shapes or out is None or not dims or not all(isinstance(d, int) for d in dims) or len(out) > 26:
+        return None
+    letters = "abcdefghijklmnopqrstuvwxyz"[:len(out)]
+    summed = {d % len(out) for d in dims}
+    terms = [letters[len(out) - len(s):] for s in shapes]
+    kept = "".join(letter for i, letter in enumerate(letters) if i not in summed)
+    return Op("einsum", (f"{terms[0]},{terms[1]}->{kept}", a, b))
+
+
+def canon_kind(node):
+    """The kind canon(node) would give, from its target alone (no argument reading)."""
+    if node.op == "call_function":
+        return _FUNCTIONS.get(node.target)
+    return _METHODS.get(node.target) if node.op == "call_method" else None
+
+
 def _read_repeat(node, args):
     """x.repeat(1, H, 1) that repeats only size-1 axes is x.expand(...) in values (a copy, which
     the math does not see; its gradient sums the repeats, as expand's does); other repeats: None."""

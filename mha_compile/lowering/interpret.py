@@ -15,7 +15,7 @@ import dataclasses
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from mha_compile.lowering.canonicalize import canon, shape
+from mha_compile.lowering.canonicalize import canon, canon_kind, shape
 
 ONE = "1"  # the role of a size-1 axis
 OUTSIDE_KINDS = ("ext", "zero")  # Vals a node outside the region may have
@@ -277,6 +277,12 @@ def einsum_roles(equation, operand_roles):
 _FROM_NOTHING = ("zeros", "new_zeros", "zeros_like")
 
 
+def _reads_through(node):
+    """Whether canon reads `node` through an input of its own (a sum of a product, canonicalize's
+    sum_of_product: its meaning comes from the product's operands, not from the product)."""
+    return canon_kind(node) == "sum" and any(canon_kind(i) == "mul" for i in node.all_input_nodes)
+
+
 class Walk:
     """Evaluates `rule` over `nodes` in graph order, starting from `start` {node: Val}."""
 
@@ -291,7 +297,8 @@ class Walk:
             if node in self.vals:
                 continue
             if node in inside and node.op != "placeholder" and not any(i in self.vals for i in node.all_input_nodes) \
-                    and getattr(node.target, "__name__", node.target) not in _FROM_NOTHING:
+                    and getattr(node.target, "__name__", node.target) not in _FROM_NOTHING \
+                    and not _reads_through(node):
                 continue  # nothing it reads has a meaning: it cannot get one (keeps a long graph linear)
             op = canon(node)
             if op is None:

@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from mha_compile.lowering.canonicalize import canon, dtype, shape
+from mha_compile.lowering.canonicalize import canon, dtype, shape, sum_of_product
 from mha_compile.lowering.interpret import (BATCH_HEADS, ONE, ParamRef, Reject, Val, base_layout, broadcast,
                                             canonical_perm,
                                             einsum_roles, ext_ref, ext_val, known_eq, layout_rule, query_ref,
@@ -63,6 +63,7 @@ def pool_rule(walk, node, op):
         return layout_rule(walk, node, op)
     if op.kind == "getitem":
         return select_rule(walk, node, op) or _item(walk, node, op)
+    op = sum_of_product(op) or op  # (k * q).sum(-1), (attn[..., None] * v).sum(1): einsums
     args = [walk.val(a) for a in op.args]
     if op.kind == "linear":
         x, w, b = args

@@ -10,7 +10,7 @@ from torch import nn
 from torch.nn import functional as F
 
 POOLS = ("einsum", "matmul", "sdpa", "sdpa_scale", "mha", "fused_kv", "fused_kv_unbind", "mul_scale",
-         "scaled_query", "bmm")
+         "scaled_query", "bmm", "mul_sum")
 MERGES = ("unsqueeze", "none_index", "view_first", "torch_add", "iadd", "expand_as", "repeat", "broadcast_to")
 MOES = ("loop", "dense_scatter", "dense_onehot", "gathered", "gathered_t", "gathered_bmm", "gathered_matmul",
         "mixtral")
@@ -74,6 +74,13 @@ class SpelledBlock(nn.Module):
                 scores = scores.masked_fill(pad[:, None, :], float("-inf"))
             attn = torch.softmax(scores, dim=-1)
             return self.out(torch.einsum("bpn,bnpd->bpd", attn, v).reshape(B, D))
+        if self.pool == "mul_sum":  # products and sums by broadcasting, no einsum or matmul
+            k, v = k.view(B, N, P, Dh), v.view(B, N, P, Dh)
+            scores = (k * self.query).sum(-1) / math.sqrt(Dh)  # [B,N,P]
+            if pad is not None:
+                scores = scores.masked_fill(pad[:, :, None], float("-inf"))
+            attn = torch.softmax(scores, dim=1)
+            return self.out((attn.unsqueeze(-1) * v).sum(1).reshape(B, D))
         if self.pool == "bmm":  # attention over (B·P) batches, the query broadcast and merged in
             kb = k.view(B, N, P, Dh).permute(0, 2, 3, 1).reshape(B * P, Dh, N)
             vb = v.view(B, N, P, Dh).permute(0, 2, 1, 3).reshape(B * P, N, Dh)

@@ -67,7 +67,7 @@ def _assert_one_match(reports):
     return matches[0]
 
 
-SINGLE = ([dict(pool=p) for p in POOLS] + [dict(pool=p, mask=True) for p in ("einsum", "matmul", "sdpa", "mha")]
+SINGLE = ([dict(pool=p) for p in POOLS] + [dict(pool=p, mask=True) for p in ("einsum", "matmul", "sdpa", "mha", "mul_sum")]
           + [dict(merge=m) for m in MERGES] + [dict(moe=m) for m in MOES]
           + [dict(moe=m, experts="modules") for m in ("loop", "dense_onehot", "dense_scatter", "mixtral")]
           + [dict(act=a) for a in ACTS] + [dict(renorm=False), dict(bias=False), dict(topk_logits=True)])
