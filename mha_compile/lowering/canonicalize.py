@@ -71,6 +71,7 @@ for kind, targets in {
     "index_add": _fn("torch.index_add"),
     "stack": _fn("torch.stack"),
     "expand": _fn("torch.broadcast_to"),
+    "gather": _fn("torch.gather"),
     "zeros": _fn("torch.zeros"),
     "not": [operator.invert, *_fn("torch.logical_not", "torch.bitwise_not")],
     "argsort": _fn("torch.argsort"),
@@ -108,7 +109,7 @@ _METHODS = {
     "logical_not": "not", "bitwise_not": "not", "__invert__": "not", "iadd": "add", "__iadd__": "add",
     "argsort": "argsort", "sort": "sort", "floor_divide": "floordiv", "__floordiv__": "floordiv",
     "index_select": "index_select", "histc": "histc", "scatter_add": "scatter_add", "scatter_add_": "scatter_add",
-    "cumsum": "cumsum", "bincount": "bincount",
+    "cumsum": "cumsum", "bincount": "bincount", "gather": "gather", "scatter_": "scatter",
 }
 _CASTS_BY_FUNCTION = {torch.clone: "cast"}
 
@@ -119,6 +120,7 @@ _SIGNATURES = {
     "topk": ("input", "k", "dim", "largest", "sorted"),
     "sum": ("input", "dim", "keepdim"),
     "scatter": ("input", "dim", "index", "src"),
+    "gather": ("input", "dim", "index"),
     "gelu": ("input", "approximate"),
     "masked_fill": ("input", "mask", "value"),
     "sdpa": ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"),
@@ -187,7 +189,7 @@ def canon(node):
         return None  # only where(cond): the (rows, slots) of the nonzero entries
     if kind == "where":
         return Op("nonzero", (args[0], True))
-    if kind in ("index_add", "scatter_add"):  # out.index_add_(...) changes `out` for its later readers
+    if kind in ("index_add", "scatter_add", "scatter"):  # out.index_add_(...) changes `out` for its later readers
         kwargs["_inplace"] = node.op == "call_method" and node.target.endswith("_")
     if kind in _SIGNATURES:
         names = _SIGNATURES[kind]

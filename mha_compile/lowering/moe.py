@@ -20,7 +20,7 @@ torch.stack of the separate tensors in the graph (see StackRef in interpret.py).
 import dataclasses
 import operator
 
-from mha_compile.lowering.canonicalize import Op, shape
+from mha_compile.lowering.canonicalize import Op, shape, sum_of_product
 from mha_compile.lowering.interpret import (ONE, ParamRef, Reject, StackRef, Val, broadcast, canonical_perm,
                                             einsum_roles, ext_ref, is_one, known_eq, layout_rule, move_roles,
                                             select_rule)
@@ -70,7 +70,11 @@ def moe_rule(walk, node, op):
     if op.kind == "topk":
         return _topk(node, *args)
     if op.kind == "sum":
-        return _sum(walk, node, args[0], op.args[1], op.args[2])
+        product = sum_of_product(op)  # (gate[..., None] * f).sum(-2): Σ_e gate · f, the einsum it is
+        return _sum(walk, node, args[0], op.args[1], op.args[2]) or (
+            None if product is None else _einsum(walk, node, product.args[0], [walk.val(a) for a in product.args[1:]]))
+    if op.kind == "gather":
+        return _gather(walk, op, *args)
     if op.kind == "div":
         return _renorm(*args)
     if op.kind == "eq":
@@ -82,7 +86,10 @@ def moe_rule(walk, node, op):
         src = args[0] if op.kind == "zeros_like" and args else None
         return Val("zero", src.roles if src is not None else None)
     if op.kind == "scatter":
-        return _scatter(walk, node, *args)
+        val = _scatter(walk, node, *args)
+        if val is not None and op.kwargs.get("_inplace"):
+            walk.vals[op.args[0]] = val  # zeros.scatter_(...): later readers of the zeros read the gate
+        return val
     if op.kind == "one_hot":
         return _one_hot(walk, node, *args)
     if op.kind == "nonzero":
@@ -208,6 +215,17 @@ def _gathered_out(src, rows, w, own_axis):
     return Val("f", rows + ("d",), dict(src.info, w2=ref, b2=None))
 
 
+def _gather(walk, op, probs, dim, index):
+    """probs.gather(-1, topi) on the tensor the top-k ran on: its values, topk's first output."""
+    if probs is None or index is None or dim is None or index.kind != "topi" or probs.kind not in ("probs", "logits") \
+            or dim.kind != "const" or not isinstance(dim.info["value"], int):
+        return None
+    topk = index.info["topk"]
+    if topk.args[0] is not op.args[0] or probs.roles[dim.info["value"]] != "e" or topk not in walk.vals:
+        return None
+    return _tuple_item(walk.vals[topk], 0)
+
+
 def _tuple_item(src, i):
     if src.kind == "where":
         if i not in (0, 1):
@@ -274,7 +292,8 @@ def _einsum(walk, node, equation, operands):
         gate, f = operands if kinds[0] == "gate" else operands[::-1]
         if f.info["expert"] != "all" or {letters.get(l) for l in contracted} != {"e"}:
             return None
-        if out_roles != _rows(gate.roles) + ("d",):
+        roles = gate.roles[:-1] if gate.roles[-1] == ONE else gate.roles  # [rows, e] or [rows, e, 1]
+        if roles[-1] != "e" or out_roles != _rows(roles) + ("d",):
             return None
         return Val("moe_out", out_roles, {"gate": _gate_info(gate.info), "experts": _expert_info(f.info)})
     if sorted(kinds) == ["f", "topw"]:  # gathered: Σ_s topw · f

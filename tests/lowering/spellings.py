@@ -12,7 +12,7 @@ from torch.nn import functional as F
 POOLS = ("einsum", "matmul", "sdpa", "sdpa_scale", "mha", "fused_kv", "fused_kv_unbind", "mul_scale",
          "scaled_query", "bmm", "mul_sum")
 MERGES = ("unsqueeze", "none_index", "view_first", "torch_add", "iadd", "expand_as", "repeat", "broadcast_to")
-MOES = ("loop", "dense_scatter", "dense_onehot", "gathered", "gathered_t", "gathered_bmm", "gathered_matmul",
+MOES = ("loop", "dense_scatter", "dense_onehot", "dense_inplace", "dense_bcast", "gathered", "gathered_t", "gathered_bmm", "gathered_matmul",
         "mixtral")
 EXPERTS = ("stacked", "modules")
 ACTS = ("gelu", "gelu_tanh", "silu", "swiglu")
@@ -20,11 +20,12 @@ ACTS = ("gelu", "gelu_tanh", "silu", "swiglu")
 
 class SpelledBlock(nn.Module):
     def __init__(self, D=32, P=2, F_=64, E=4, k=2, act="gelu", renorm=True, bias=True, pool="einsum",
-                 merge="unsqueeze", moe="loop", experts="stacked", mask=False, topk_logits=False):
+                 merge="unsqueeze", moe="loop", experts="stacked", mask=False, topk_logits=False, gather_weights=False):
         super().__init__()
         self.D, self.P, self.Dh, self.E, self.k = D, P, D // P, E, k
         self.act, self.renorm, self.bias, self.pool, self.merge = act, renorm, bias, pool, merge
         self.moe, self.experts, self.mask, self.topk_logits = moe, experts, mask, topk_logits
+        self.gather_weights = gather_weights
         if pool == "mha":
             self.query = nn.Parameter(torch.randn(1, 1, D) / math.sqrt(D))
             self.attn = nn.MultiheadAttention(D, P, batch_first=True)
@@ -151,7 +152,10 @@ class SpelledBlock(nn.Module):
         if self.topk_logits:  # top-k on logits, softmax over the k values: the renormalised gate
             top, index = logits.topk(self.k, dim=-1)
             return top.softmax(dim=-1), index
-        weight, index = torch.softmax(logits, dim=-1).topk(self.k, dim=-1)
+        probs = torch.softmax(logits, dim=-1)
+        weight, index = probs.topk(self.k, dim=-1)
+        if self.gather_weights:  # the chosen experts' probabilities gathered again, not topk's values
+            weight = probs.gather(-1, index)
         if self.renorm:
             weight = weight / weight.sum(dim=-1, keepdim=True)
         return weight, index
@@ -214,8 +218,11 @@ class SpelledBlock(nn.Module):
                 f = f + self.b2[flat]
             out = (weight.reshape(-1, 1) * f).view(R, k, D).sum(dim=1)
         else:
-            if self.moe == "dense_scatter":
+            if self.moe in ("dense_scatter", "dense_bcast"):
                 gates = torch.zeros(x.shape[0], E, dtype=x.dtype, device=x.device).scatter(1, index, weight)
+            elif self.moe == "dense_inplace":  # scattered in place
+                gates = torch.zeros(x.shape[0], E, dtype=x.dtype, device=x.device)
+                gates.scatter_(1, index, weight)
             else:
                 gates = (F.one_hot(index, E).to(x.dtype) * weight.unsqueeze(-1)).sum(dim=1)
             if self.experts == "modules":
@@ -228,7 +235,10 @@ class SpelledBlock(nn.Module):
                 f = torch.einsum("ref,efd->red", self._act(u, gate_u), self.w2)
                 if self.b2 is not None:
                     f = f + self.b2
-            out = torch.einsum("re,red->rd", gates, f)
+            if self.moe == "dense_bcast":  # Σ_e gate · f by broadcasting
+                out = (gates.unsqueeze(-1) * f).sum(dim=1)
+            else:
+                out = torch.einsum("re,red->rd", gates, f)
         return out.reshape(shape)
 
     def forward(self, ctx, tok, pad=None):

@@ -69,8 +69,9 @@ def _assert_one_match(reports):
 
 SINGLE = ([dict(pool=p) for p in POOLS] + [dict(pool=p, mask=True) for p in ("einsum", "matmul", "sdpa", "mha", "mul_sum")]
           + [dict(merge=m) for m in MERGES] + [dict(moe=m) for m in MOES]
-          + [dict(moe=m, experts="modules") for m in ("loop", "dense_onehot", "dense_scatter", "mixtral")]
-          + [dict(act=a) for a in ACTS] + [dict(renorm=False), dict(bias=False), dict(topk_logits=True)])
+          + [dict(moe=m, experts="modules") for m in ("loop", "dense_onehot", "dense_scatter", "dense_bcast", "mixtral")]
+          + [dict(act=a) for a in ACTS] + [dict(renorm=False), dict(bias=False), dict(topk_logits=True)]
+          + [dict(gather_weights=True), dict(gather_weights=True, moe="dense_bcast", renorm=False)])
 PAIRS = [dict(pool="mha", moe="mixtral", experts="modules", act="swiglu"),
          dict(pool="sdpa", mask=True, merge="iadd", moe="gathered", act="gelu_tanh", bias=False),
          dict(pool="matmul", merge="expand_as", moe="dense_onehot", experts="modules", renorm=False),
