@@ -496,6 +496,7 @@ def _region_nodes(nodes, inputs, out, exportable=None, keepable=None):
                 region.add(n)
                 changed = True
     region |= _size_checks(region)
+    region |= _written_in_place(region, out)
     exportable = {node: name for name, node in (exportable or {}).items()}
     exports, kept, early = {}, set(), []
     for n in _in_order(nodes, region):
@@ -542,6 +543,25 @@ def _deferred(nodes, region, out, early):
                                f"({_in_order(nodes, moved)[0].name}) and the region's end; moving the reader after "
                                f"the op would reorder them")
     return moved
+
+
+def _written_in_place(region, out):
+    """Tensors made outside the region that a region node writes in place (gates =
+    torch.zeros(R, E); gates.scatter_(...)): part of the region, since their value after the write
+    is the region's. A reader of one outside the region would read the write the op no longer
+    does: a near-miss."""
+    found = set()
+    for n in region:
+        target = n.args[0] if _is_inplace(n) and n.args and isinstance(n.args[0], torch.fx.Node) else None
+        if target is None or target in region:
+            continue
+        readers = [u for u in target.users if u not in region and not _is_size_query(u)]
+        if readers:
+            raise _Miss(n, f"{n.name} writes in place into {target.name}, which {readers[0].name} reads outside the "
+                           f"region; replacing the region would drop the write")
+        if target.op in ("call_function", "call_method"):
+            found.add(target)
+    return found
 
 
 def _is_size_query(node):

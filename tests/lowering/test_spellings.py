@@ -563,6 +563,20 @@ class GatesExported(SpelledBlock):
         return out.reshape(y.shape), weight.mean(0)
 
 
+class InPlaceGatesReadOutside(SpelledBlock):
+    """Gates scattered in place into a zeros tensor made outside the region, which the graph also
+    returns: the op would leave that tensor zeros (the scatter_ is the region's)."""
+
+    def forward(self, ctx, tok, pad=None):
+        y = self.merge_forward(ctx, self.pool_forward(tok, pad))
+        x = y.reshape(-1, self.D)
+        weight, index = self.route(x)
+        gates = torch.zeros(x.shape[0], self.E, dtype=x.dtype)
+        gates.scatter_(1, index, weight)
+        f = torch.stack([self.expert(e, x) for e in range(self.E)], dim=1)
+        return torch.einsum("re,red->rd", gates, f).reshape(y.shape), gates
+
+
 class RouterBias(SpelledBlock):
     """nn.Linear(D, E)'s default bias on the router: logits x·Wgᵀ + bg, not the region's router."""
 
@@ -601,6 +615,7 @@ NEAR_MISSES = {
                                        "with the query's own factor"),
     "top-k gates used outside": (GatesExported, {}, "used outside the region"),
     "router with a bias": (RouterBias, {}, "the router adds a bias"),
+    "gates written in place, read outside": (InPlaceGatesReadOutside, {}, "writes in place into"),
     "MoE output with its width split": (WidthSplitOutput, {}, "leaves the region with axes"),
 }
 
