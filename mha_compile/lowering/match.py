@@ -309,7 +309,11 @@ def _merge_operands(y, y_op):
     """(ctx, inv, broadcast operand) of y = ctx + inv broadcast over the horizon axis."""
     y_shape = shape(y)
     a, b = y_op.args[:2]
-    if y_shape is None or len(y_shape) != 3 or not all(hasattr(t, "op") for t in (a, b)):
+    if not all(hasattr(t, "op") for t in (a, b)):
+        constant = a if not hasattr(a, "op") else b
+        raise _Miss(y, f"{y.name}: the MoE's input adds the constant {constant!r}, where the merge adds ctx and the "
+                       f"pooled vector inv[:, None] (two tensors)")
+    if y_shape is None or len(y_shape) != 3:
         raise _Miss(y, f"{y.name}: the merge must add two tensors into [B,H,D], got shape {y_shape}")
     for ctx, bcast in ((a, b), (b, a)):
         inv = _deepest_vector(bcast)

@@ -577,6 +577,13 @@ class InPlaceGatesReadOutside(SpelledBlock):
         return torch.einsum("re,red->rd", gates, f).reshape(y.shape), gates
 
 
+class ShiftedMoEInput(SpelledBlock):
+    """The MoE reads y + 1 (a pre-hook's shift, say): not the merge's output."""
+
+    def forward(self, ctx, tok, pad=None):
+        return self.moe_forward(self.merge_forward(ctx, self.pool_forward(tok, pad)) + 1.0)
+
+
 class RouterBias(SpelledBlock):
     """nn.Linear(D, E)'s default bias on the router: logits x·Wgᵀ + bg, not the region's router."""
 
@@ -615,6 +622,7 @@ NEAR_MISSES = {
                                        "with the query's own factor"),
     "top-k gates used outside": (GatesExported, {}, "used outside the region"),
     "router with a bias": (RouterBias, {}, "the router adds a bias"),
+    "MoE input shifted by a constant": (ShiftedMoEInput, {}, "adds the constant"),
     "gates written in place, read outside": (InPlaceGatesReadOutside, {}, "writes in place into"),
     "MoE output with its width split": (WidthSplitOutput, {}, "leaves the region with axes"),
 }
