@@ -4,6 +4,7 @@ import math
 import torch
 from torch import nn
 
+from loop_moe import loop_experts
 from mha_compile import models
 
 
@@ -57,11 +58,7 @@ class Block(nn.Module):
             probs = torch.softmax(logits, dim=self.router_dim)
             weight, index = torch.topk(probs, moe.top_k, dim=-1)
             weight = weight / weight.sum(-1, keepdim=True)
-        out = torch.zeros_like(x)
-        for e in range(moe.w1.shape[0]):
-            gate = (weight * (index == e)).sum(-1, keepdim=True)
-            out = out + gate * (torch.nn.functional.gelu(x @ moe.w1[e] + moe.b1[e]) @ moe.w2[e] + moe.b2[e])
-        out = out.reshape(y.shape)
+        out = loop_experts(moe, x, weight, index).reshape(y.shape)
         if self.expose_attn:  # the MoE's row view of y leaves the region: not one the op rebuilds
             return out, x.norm(dim=-1)
         return out
