@@ -69,14 +69,26 @@ def verified(gm, original, compiled, report):
         what = _outputs_disagree(_tensors(got), _tensors(expected), None if fp32 is None else _tensors(fp32), precision)
         if what:
             return fall_back(what, args, draws)
+        nan_step = any(isinstance(e, torch.Tensor) and e.is_floating_point() and not torch.isfinite(e).all()
+                       for e in _tensors(expected))
         if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
             try:
-                what = _gradients_disagree(gm if fp32 is not None else None, original, compiled, args, zero_by_math,
-                                           precision, draws)
+                what, nan_grads = _gradients_disagree(gm if fp32 is not None else None, original, compiled, args,
+                                                      zero_by_math, precision, draws)
             except Exception as error:
                 return fall_back(f"its backward raised {type(error).__name__}: {error}", args, draws)
             if what:
                 return fall_back(what, args, draws)
+            nan_step = nan_step or nan_grads
+        if nan_step:
+            # The original gave NaN or inf: what was comparable agrees, but a NaN step can leave
+            # whole gradients with nothing to compare (a NaN row's reaches every parameter), so
+            # the rewrite is not settled on it: the next call is verified again.
+            if not state.get("said"):
+                state["said"] = True
+                log.info("mha_compile: graph %d: verify: the captured graph gave non-finite values on this call; the "
+                         "rewrite agrees where they can be compared, and the next call is verified again", report.index)
+            return got
         state["use"] = compiled
         return got
 
@@ -141,17 +153,18 @@ def _outputs_disagree(got, expected, fp32, precision=None):
 
 
 def _gradients_disagree(gm, original, compiled, args, zero_by_math, precision, draws):
-    """What disagrees among the input gradients, or None; gm: the captured graph, run in fp32 as
-    the yardstick (see the module) to `precision`'s bound, or None to compare the two with each
-    other; draws: the call's _Draws, which each run starts from."""
+    """(what disagrees among the input gradients, or None; whether the original's hold a NaN or
+    inf); gm: the captured graph, run in fp32 as the yardstick (see the module) to `precision`'s
+    bound, or None to compare the two with each other; draws: the call's _Draws, which each run
+    starts from."""
     positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
     cotangents = []
     grads_o = _gradients(original, args, cotangents, draws)
     if grads_o is None:
-        return None
+        return None, False
     grads_c = _gradients(compiled, args, cotangents, draws)
     if grads_c is None:
-        return "no output of the rewritten graph takes a gradient"
+        return "no output of the rewritten graph takes a gradient", False
     grads_r = grads_o if gm is None else _gradients(promoted(gm), _upcast(args), [c.float() for c in cotangents],
                                                     draws)
     largest = max([1.0] + [g.double()[torch.isfinite(g)].norm().item() for g in grads_r if g is not None])
@@ -169,7 +182,7 @@ def _gradients_disagree(gm, original, compiled, args, zero_by_math, precision, d
         finite = torch.isfinite(g_c) & torch.isfinite(g_o) & torch.isfinite(g_r)
         if not finite.all():
             if not nan_step:
-                return f"gradient of input {position} is not finite where the captured graph's are all finite"
+                return f"gradient of input {position} is not finite where the captured graph's are all finite", nan_step
             g_c, g_o, g_r = g_c[finite], g_o[finite], g_r[finite]
         dtype = precision or g_o.dtype
         bound = BOUND.get(dtype, 1e-4)
@@ -183,8 +196,9 @@ def _gradients_disagree(gm, original, compiled, args, zero_by_math, precision, d
         own = 0.0 if gm is None else (g_o.double() - g_r.double()).norm().item() / scale
         if error > bound:
             return (f"gradient of input {position}: relative error {error:.3g}"
-                    + ("" if gm is None else f" from the captured graph run in fp32, which itself is {own:.3g} from it"))
-    return None
+                    + ("" if gm is None else f" from the captured graph run in fp32, which itself is {own:.3g} from it"),
+                    nan_step)
+    return None, nan_step
 
 
 def _gradients(fn, args, cotangents, draws):

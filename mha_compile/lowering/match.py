@@ -248,6 +248,11 @@ def _match_at(nodes, anchor):
         exportable["index"] = index[0]
     keepable = None if _is_inplace(y) else _router_chain(moe_walk, y)
     region, exports, kept = _region_nodes(nodes, (ctx, tok), out, exportable, keepable)
+    data = _descendants(ctx) | _descendants(tok)  # not the mask's or the parameters' own preparation
+    for n in region:  # a write in place the walks gave no meaning would be dropped with the region
+        if _is_inplace(n) and n is not y and n in data and n not in moe_walk.vals and n not in pool_walk.vals:
+            raise _Miss(n, f"{n.name} writes in place into {n.args[0].name} inside the region, and is not part of "
+                           f"the block's math as far as the matcher can read it")
     if any(y in k.all_input_nodes for k in kept):
         exports["y"] = y  # the kept router nodes read y again, rebuilt from the op
     params, config = moe_params(moe_walk.vals[out])
@@ -551,20 +556,50 @@ def _deferred(nodes, region, out, early):
 
 def _written_in_place(region, out):
     """Tensors made outside the region that a region node writes in place (gates =
-    torch.zeros(R, E); gates.scatter_(...)): part of the region, since their value after the write
-    is the region's. A reader of one outside the region would read the write the op no longer
-    does: a near-miss."""
+    torch.zeros(R, E); gates.scatter_(...)), with every view of them (a write into a view is a
+    write into its base): part of the region, since their value after the write is the region's.
+    A reader of one outside the region would read the write the op no longer does: a near-miss."""
     found = set()
     for n in region:
         target = n.args[0] if _is_inplace(n) and n.args and isinstance(n.args[0], torch.fx.Node) else None
-        if target is None or target in region:
+        if target is None or n is out:
             continue
-        readers = [u for u in target.users if u not in region and not _is_size_query(u)]
+        aliases = _aliases(target)
+        given = [a for a in aliases if a.op not in ("call_function", "call_method")]
+        if given:
+            raise _Miss(n, f"{n.name} writes in place into {given[0].name}, which the caller gave the graph; replacing "
+                           f"the region would drop the write")
+        readers = [u for a in aliases if a is not out for u in a.users  # out's readers read the op's output
+                   if u not in region and u not in aliases and not _is_size_query(u)]
         if readers:
             raise _Miss(n, f"{n.name} writes in place into {target.name}, which {readers[0].name} reads outside the "
                            f"region; replacing the region would drop the write")
-        if target.op in ("call_function", "call_method"):
-            found.add(target)
+        found |= aliases
+    return found
+
+
+_VIEWS = ("reshape", "permute", "expand", "getitem")
+
+
+def _aliases(node):
+    """node's storage's tensors in the graph: up its chain of views to the base, then every view
+    made of that base (a view op may also copy: taken as sharing, to be safe)."""
+    base = node
+    while True:
+        op = canon(base)
+        if op is None or op.kind not in _VIEWS or not isinstance(op.args[0], torch.fx.Node):
+            break
+        base = op.args[0]
+    found, stack = set(), [base]
+    while stack:
+        n = stack.pop()
+        if n in found:
+            continue
+        found.add(n)
+        for user in n.users:
+            op = canon(user)
+            if op is not None and op.kind in _VIEWS and op.args and op.args[0] is n:
+                stack.append(user)
     return found
 
 

@@ -408,7 +408,9 @@ def _mha(walk, node, op, args):
     mask = None if _absent(mask) else _mask_ref(mask, ("b", "n"), node, invert=False)
     info = {"k": {"w": cut(w_in, 1), "b": cut(b_in, 1)}, "v": {"w": cut(w_in, 2), "b": cut(b_in, 2)},
             "q": q_vec, "scale": 1.0 / math.sqrt(d // heads), "mask": mask, "wo": wo, "bo": bo,
-            "empty_rows": "" if mask is None else "zero"}
+            # need_weights=False goes through SDPA (safe softmax: a row with every key masked is 0);
+            # need_weights=True, nn.MultiheadAttention's default, through a plain softmax (NaN there)
+            "empty_rows": "" if mask is None else "zero" if _const(a["need_weights"], True) is False else "nan"}
     return Val("mha_out", (ONE, "b", "d"), info)
 
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-POOLS = ("einsum", "matmul", "sdpa", "sdpa_scale", "mha", "fused_kv", "fused_kv_unbind", "mul_scale",
+POOLS = ("einsum", "matmul", "sdpa", "sdpa_scale", "mha", "mha_weights", "fused_kv", "fused_kv_unbind", "mul_scale",
          "scaled_query", "bmm", "mul_sum")
 MERGES = ("unsqueeze", "none_index", "view_first", "torch_add", "iadd", "expand_as", "repeat", "broadcast_to")
 MOES = ("loop", "dense_scatter", "dense_onehot", "dense_inplace", "dense_bcast", "gathered", "gathered_t", "gathered_bmm", "gathered_matmul",
@@ -26,7 +26,7 @@ class SpelledBlock(nn.Module):
         self.act, self.renorm, self.bias, self.pool, self.merge = act, renorm, bias, pool, merge
         self.moe, self.experts, self.mask, self.topk_logits = moe, experts, mask, topk_logits
         self.gather_weights = gather_weights
-        if pool == "mha":
+        if pool in ("mha", "mha_weights"):
             self.query = nn.Parameter(torch.randn(1, 1, D) / math.sqrt(D))
             self.attn = nn.MultiheadAttention(D, P, batch_first=True)
         else:
@@ -60,8 +60,9 @@ class SpelledBlock(nn.Module):
     def pool_forward(self, tok, pad=None):
         B, N, D = tok.shape
         P, Dh = self.P, self.Dh
-        if self.pool == "mha":
-            out, _ = self.attn(self.query.expand(B, -1, -1), tok, tok, key_padding_mask=pad, need_weights=False)
+        if self.pool in ("mha", "mha_weights"):  # mha_weights: need_weights left at its default, True
+            out, _ = self.attn(self.query.expand(B, -1, -1), tok, tok, key_padding_mask=pad,
+                               **({"need_weights": False} if self.pool == "mha" else {}))
             return out[:, 0]
         k, v = self._kv(tok)
         if self.pool in ("einsum", "fused_kv", "fused_kv_unbind", "mul_scale", "scaled_query"):
