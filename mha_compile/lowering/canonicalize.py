@@ -189,6 +189,8 @@ def canon(node):
         return None  # only where(cond): the (rows, slots) of the nonzero entries
     if kind == "where":
         return Op("nonzero", (args[0], True))
+    if kind == "scatter" and (len(args) > 4 or kwargs.get("reduce") is not None):
+        return None  # scatter(..., reduce="multiply" | "add"): not the plain write the gates are
     if kind in ("index_add", "scatter_add", "scatter"):  # out.index_add_(...) changes `out` for its later readers
         kwargs["_inplace"] = node.op == "call_method" and node.target.endswith("_")
     if kind in _SIGNATURES:

@@ -598,6 +598,17 @@ class ShiftedMoEInput(SpelledBlock):
         return self.moe_forward(self.merge_forward(ctx, self.pool_forward(tok, pad)) + 1.0)
 
 
+class ScatterReduced(SpelledBlock):
+    """Gates scattered with reduce="multiply" into zeros: every gate 0, not the top-k weights."""
+
+    def moe_forward(self, y):
+        x = y.reshape(-1, self.D)
+        weight, index = self.route(x)
+        gates = torch.zeros(x.shape[0], self.E, dtype=x.dtype).scatter(1, index, weight, reduce="multiply")
+        f = torch.stack([self.expert(e, x) for e in range(self.E)], dim=1)
+        return torch.einsum("re,red->rd", gates, f).reshape(y.shape) + y
+
+
 class RouterBias(SpelledBlock):
     """nn.Linear(D, E)'s default bias on the router: logits x·Wgᵀ + bg, not the region's router."""
 
@@ -636,6 +647,7 @@ NEAR_MISSES = {
                                        "with the query's own factor"),
     "top-k gates used outside": (GatesExported, {}, "used outside the region"),
     "router with a bias": (RouterBias, {}, "the router adds a bias"),
+    "gates scattered with reduce='multiply'": (ScatterReduced, {}, "could not be read"),
     "MoE input shifted by a constant": (ShiftedMoEInput, {}, "adds the constant"),
     "gates written in place, read outside": (InPlaceGatesReadOutside, {}, "writes in place into"),
     "gates written in place through a view, the base read outside": (InPlaceGatesReadOutside, {"view": True},
