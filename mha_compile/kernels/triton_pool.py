@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mha_compile.kernels.reference import empty_rows
 from mha_compile.kernels.triton_matmul import SPLIT_HALVES, matmul_f32
 from mha_compile.kernels.triton_util import (Launcher, cdiv, dot16, dot_f32, dot_pairs, gpu_options, l2_bytes, launch,
                                              pow2, repeat_pairs, split_pairs, sum_pairs)
@@ -518,23 +519,23 @@ def pool_forward(tok, q, wk, wv, bv, wo, bo, mask=None, u=None, pooled=None):
     caller keeps it for the backward."""
     split = split_dot(tok.dtype)
     attn, tbar = pool_attend(tok, pool_directions(q, wk, split=split) if u is None else u, mask)
-    return _mm(_emptied(_heads(tbar, wv, bv, split, out=pooled), mask), wo.T, split, bias=bo), attn
+    return _mm(_emptied(_heads(tbar, wv, bv, split, out=pooled), empty_rows(mask)), wo.T, split, bias=bo), attn
 
 
-def _emptied(pooled, mask):
-    """pooled with the rows whose keys are all masked set to 0 (in place): they attend to nothing
-    (reference.pool_forward), where the heads' epilogue added bv."""
-    if mask is not None:
-        pooled.masked_fill_(mask.all(1)[:, None], 0.0)
+def _emptied(pooled, empty):
+    """pooled with the empty rows (reference.empty_rows: every key masked; None: none) set to 0 in
+    place: they attend to nothing (reference.pool_forward), where the heads' epilogue added bv."""
+    if empty is not None:
+        pooled.masked_fill_(empty[:, None], 0.0)
     return pooled
 
 
-def _kept(grad, mask):
-    """A gradient [B,D] times 0 on the rows whose keys are all masked (in place): their heads'
-    output is 0 whatever its inputs, so they pass nothing back, and a NaN there stays NaN, as 0·NaN
-    does in the user's graph (reference.pool_backward)."""
-    if mask is not None:
-        grad.mul_((~mask.all(1))[:, None].to(grad.dtype))
+def _kept(grad, empty):
+    """A gradient [B,D] times 0 on the empty rows (in place): their heads' output is 0 whatever its
+    inputs, so they pass nothing back, and a NaN there stays NaN, as 0·NaN does in the user's graph
+    (reference.pool_backward)."""
+    if empty is not None:
+        grad.mul_((~empty)[:, None].to(grad.dtype))
     return grad
 
 
@@ -593,7 +594,8 @@ def pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn, u=None, pooled=None, m
     P, Dh = q.shape
     B, N, D = tok.shape
     split = split_dot(tok.dtype)
-    grad_pooled = _kept(_mm(grad_inv, wo, split), mask)  # [B,D]
+    empty = empty_rows(mask)
+    grad_pooled = _kept(_mm(grad_inv, wo, split), empty)  # [B,D]
     # The einsums of the math as the batched products they become (einsum's parsing costs host
     # time, see reference.pool_directions). grad_heads [P,B,Dh]: ∂pooled per head.
     grad_heads = grad_pooled.view(B, P, Dh).transpose(0, 1)
@@ -621,12 +623,12 @@ def pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn, u=None, pooled=None, m
         grad_u = du_part.sum(0) * (Dh**-0.5)
     del grad_tbar, du_part
     grad_bo = column_sums(grad_inv.contiguous()).to(grad_inv.dtype) if COLUMN_SUMS else grad_inv.sum(0)
-    grad_wo = _mm(grad_inv.T, _emptied(_heads(tbar, wv, bv, split), mask) if pooled is None else pooled, split,
+    grad_wo = _mm(grad_inv.T, _emptied(_heads(tbar, wv, bv, split), empty) if pooled is None else pooled, split,
                   dtype=wo.dtype)
     # ∂bv = Σ_b ∂pooled[b] = (Σ_b ∂inv[b]) Wo: a [D]·[D,D] product, where torch's sum over the B
     # rows of ∂pooled took 12 us at large and 8 at medium (session 22's profile, H200); with a
     # mask, over the rows that attend to something
-    kept_inv = grad_bo if mask is None else _kept(grad_inv.clone(), mask).sum(0)
+    kept_inv = grad_bo if empty is None else _kept(grad_inv.clone(), empty).sum(0)
     grad_bv = _mm(kept_inv[None], wo, split, dtype=torch.float32 if bv is None else bv.dtype)[0]
     grad_wv = _bmm(grad_heads.transpose(1, 2), tbar.transpose(0, 1), split,  # "bpj,bpd->pjd"
                    dtype=wv.dtype).reshape(D, D)
