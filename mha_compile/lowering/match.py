@@ -230,7 +230,6 @@ def _match_at(nodes, anchor):
         raise _Miss(y, f"{anchor.name}: the MoE's input {y.name} is not a broadcast-add of a pooled vector "
                        f"over horizons (no merge ctx + inv[:, None] before the router)")
     ctx, inv, bcast = _merge_operands(y, y_op)
-    _check_inplace_merge(nodes, y, ctx)
     tok, pool_walk = _read_pool(nodes, inv)
     _check_merge(nodes, y, ctx, inv, bcast, pool_walk)
     out, moe_walk = _read_moe(nodes, anchor, y, router)
@@ -339,31 +338,6 @@ def _deepest_vector(node):
         if op is None or op.kind not in _LAYOUT or not isinstance(op.args[0], type(node)):
             return found
         node = op.args[0]
-
-
-def _check_inplace_merge(nodes, y, ctx):
-    """ctx += inv[:, None] changes ctx in place; replacing it with the op is only invisible when
-    nothing else reads ctx (or a tensor it is a view of) afterwards and ctx is not a graph input."""
-    inplace = (y.op == "call_function" and y.target is operator.iadd) or (
-        y.op == "call_method" and y.target in ("add_", "__iadd__"))
-    if not inplace:
-        return
-    node = ctx
-    while True:
-        if node.op == "placeholder":
-            raise _Miss(y, f"{y.name}: the merge adds in place into the graph input {node.name} (ctx += …); the "
-                           f"replacement would not change it: write y = ctx + inv[:, None]")
-        later = [u for u in node.users if u is not y and nodes.order[u] > nodes.order[y]
-                 and not (u.op == "call_method" and u.target in _SIZE_QUERIES)]
-        chain = canon(node)
-        if later and not (chain is not None and chain.kind in _LAYOUT and later == [y]):
-            readers = [u for u in later if u is not y]
-            if readers:
-                raise _Miss(y, f"{y.name}: the merge adds in place into {ctx.name}, which {readers[0].name} reads "
-                               f"afterwards; write y = ctx + inv[:, None]")
-        if chain is None or chain.kind not in ("reshape", "permute", "expand") or not isinstance(chain.args[0], type(node)):
-            return
-        node = chain.args[0]
 
 
 def _token_inputs(node):
@@ -505,7 +479,7 @@ def _region_nodes(nodes, inputs, out, exportable=None, keepable=None):
                 region.add(n)
                 changed = True
     region |= _size_checks(region)
-    region |= _written_in_place(region, out)
+    region |= _written_in_place(nodes, region, out)
     exportable = {node: name for name, node in (exportable or {}).items()}
     exports, kept, early = {}, set(), []
     for n in _in_order(nodes, region):
@@ -554,11 +528,13 @@ def _deferred(nodes, region, out, early):
     return moved
 
 
-def _written_in_place(region, out):
+def _written_in_place(nodes, region, out):
     """Tensors made outside the region that a region node writes in place (gates =
-    torch.zeros(R, E); gates.scatter_(...)), with every view of them (a write into a view is a
-    write into its base): part of the region, since their value after the write is the region's.
-    A reader of one outside the region would read the write the op no longer does: a near-miss."""
+    torch.zeros(R, E); gates.scatter_(...); ctx += inv[:, None]), with every alias of them (a
+    write into a view is a write into its base): part of the region, since their value after the
+    write is the region's. A reader of one outside the region after the write would read the write
+    the op no longer does: a near-miss. Readers before it read what they always did, and the
+    tensors stay outside the region for them."""
     found = set()
     for n in region:
         target = n.args[0] if _is_inplace(n) and n.args and isinstance(n.args[0], torch.fx.Node) else None
@@ -567,23 +543,28 @@ def _written_in_place(region, out):
         aliases = _aliases(target)
         given = [a for a in aliases if a.op not in ("call_function", "call_method")]
         if given:
-            raise _Miss(n, f"{n.name} writes in place into {given[0].name}, which the caller gave the graph; replacing "
-                           f"the region would drop the write")
+            what = "the graph input" if given[0].op == "placeholder" else "the module's tensor"
+            raise _Miss(n, f"{n.name} writes in place into {what} {given[0].name} (ctx += …, say); the op would not "
+                           f"write it: write the block out of place (y = ctx + inv[:, None])")
         readers = [u for a in aliases if a is not out for u in a.users  # out's readers read the op's output
                    if u not in region and u not in aliases and not _is_size_query(u)]
-        if readers:
-            raise _Miss(n, f"{n.name} writes in place into {target.name}, which {readers[0].name} reads outside the "
-                           f"region; replacing the region would drop the write")
-        found |= aliases
+        after = [u for u in readers if nodes.order[u] > nodes.order[n]]
+        if after:
+            raise _Miss(n, f"{n.name} writes in place into {target.name}, which {after[0].name} reads outside the "
+                           f"region afterwards; replacing the region would drop the write")
+        if not readers:
+            found |= aliases
     return found
 
 
-_VIEWS = ("reshape", "permute", "expand", "getitem")
+# ops whose output may share its input's storage: views, and casts, which return the tensor
+# itself when nothing changes (contiguous() of a contiguous one, to() its own dtype)
+_VIEWS = ("reshape", "permute", "expand", "getitem", "cast")
 
 
 def _aliases(node):
     """node's storage's tensors in the graph: up its chain of views to the base, then every view
-    made of that base (a view op may also copy: taken as sharing, to be safe)."""
+    made of that base (a view or cast may also copy: taken as sharing, to be safe)."""
     base = node
     while True:
         op = canon(base)

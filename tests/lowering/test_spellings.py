@@ -379,6 +379,34 @@ def test_two_regions_give_two_matches():
     assert not any(r.near_misses for r in reports)
 
 
+class IaddRead(SpelledBlock):
+    """y += inv[:, None] into the graph's own y, which the graph also reads elsewhere: `before`
+    (its mean, taken before the add: sees y as it was), or after the add through an alias taken
+    before it: a view ("view") or contiguous(), which returns y itself ("contiguous")."""
+
+    def __init__(self, read):
+        super().__init__()
+        self.read = read
+
+    def merge_forward(self, ctx, inv):
+        y = ctx * 1.0
+        alias = {"before": None, "view": lambda: y.view(-1), "contiguous": y.contiguous}[self.read]
+        self.seen = y.mean() if alias is None else alias()
+        y += inv[:, None]
+        return y
+
+    def forward(self, ctx, tok, pad=None):
+        return super().forward(ctx, tok, pad) + self.seen.sum()
+
+
+def test_a_read_before_an_in_place_merge_keeps_the_match():
+    """The read sees y before the add, so the op that replaces the add changes nothing it reads.
+    Session 49's check of writes in place counted readers at any point: a near-miss then."""
+    torch.manual_seed(0)
+    model = IaddRead("before").double()
+    _assert_one_match(compile_and_compare(model, inputs(dtype=torch.float64), torch.float64))
+
+
 # ---- near-misses ------------------------------------------------------------------------------
 
 
@@ -654,6 +682,9 @@ NEAR_MISSES = {
                                                                       "reads outside the region"),
     "gates written in place twice": (InPlaceGatesReadOutside, {"twice": True}, "not part of the block's math"),
     "MoE output with its width split": (WidthSplitOutput, {}, "leaves the region with axes"),
+    "in-place merge read after through a view": (IaddRead, {"read": "view"}, "reads outside the region afterwards"),
+    "in-place merge read after through contiguous()": (IaddRead, {"read": "contiguous"},
+                                                       "reads outside the region afterwards"),
 }
 
 
