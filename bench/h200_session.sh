@@ -148,12 +148,15 @@
 #                                      # processes one after another (~2.5 min each): host-bound rows move
 #                                      # with the host, so read a mode's rows across rounds:
 #                                      # run.log, h200_large_rows_<n>.{md,json}
+#   bash bench/h200_session.sh verify-step-graphs  # where device time is short: the whole GPU suite
+#                                      # on a cold cache, then step-graphs' rows without Inductor's (~9.5 min):
+#                                      # run.log, h200_step_graphs.{md,json,png}
 #   bash bench/h200_session.sh short   # one call when device time is short (~9 min): the fused
 #                                      # kernel tests, the curves without the suite, and the
 #                                      # benchmark cut at 250 s (rows past it are listed as skipped)
 # Budgets are per step so a slow step cannot starve the others.
 set -u
-part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|ab|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|ncu-gemms|ncu-source|gluon|verify-gluon|gluon-gemms|verify-gemms|router|small-kernels|host-large|host-timers|wgrad-stream|sum-spread|column-sums|slot-chunk|hidden-columns|step-graphs|keep-hidden|keep-rows|keep-step|launch-ab|large-rows|kernel-times-ab|rows-ab|static-params|gluon-up|short}
+part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|ab|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|ncu-gemms|ncu-source|gluon|verify-gluon|gluon-gemms|verify-gemms|router|small-kernels|host-large|host-timers|wgrad-stream|sum-spread|column-sums|slot-chunk|hidden-columns|step-graphs|keep-hidden|keep-rows|keep-step|launch-ab|large-rows|kernel-times-ab|rows-ab|static-params|gluon-up|verify-step-graphs|short}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 # Inductor's compiled graphs kept in the checkout (git ignores it): the device keeps ignored
 # files between calls on a machine it still holds, so `table` can reuse `autotune-cache`'s.
@@ -169,8 +172,10 @@ python -c "import torch; assert 'mha' in torch._dynamo.list_backends(), 'entry p
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >>"$LOG"
 echo "commit $commit, part $part" >>"$LOG"
 # pytest -m cuda within a time limit (s), its last lines into the log
+# (SIGINT: a suite cut by the limit still prints its summary, what passed and failed so far)
 gpu_tests() {
-    { MHA_COMPILE_NO_AUTOTUNE=1 timeout "$1" python -m pytest -q -m cuda tests -n 8 -p no:cacheprovider 2>&1 | tail -15; } >>"$LOG"
+    { MHA_COMPILE_NO_AUTOTUNE=1 timeout -s INT -k 20 "$1" python -m pytest -q -m cuda tests -n 8 -p no:cacheprovider \
+        2>&1 | tail -15; } >>"$LOG"
 }
 # the fused op's times and CUDA time per kernel (region graphs replayed too) within a time limit (s)
 fused_kernel_times() {
@@ -544,6 +549,15 @@ large-rows)
             --modes mha-fused,mha-fused-keep-plain,mha-fused-keep --commit "$commit" 2>&1 \
             | grep "^large " | cut -c1-150; } >>"$LOG"
     done
+    ;;
+verify-step-graphs)
+    # one call where device time is short: the whole GPU suite (the step graphs' GPU tests among
+    # them) on a cold kernel cache, then small's and medium's training rows under the trees and
+    # under the step graphs in 3 rounds, without Inductor's (its compile would take the rounds)
+    gpu_tests 320
+    { timeout -s INT -k 15 230 python -m bench --out "$OUT" --name h200_step_graphs --budget 200 --presets small,medium \
+        --passes fwd+bwd --spellings grouped_mm --modes mha-fused-cudagraphs,mha-fused-stepgraphs \
+        --rounds 3 --commit "$commit" 2>&1 | tail -40; } >>"$LOG"
     ;;
 short)
     { MHA_COMPILE_NO_AUTOTUNE=1 timeout 120 python -m pytest -q -m cuda tests/kernels -k "not staged" -n 8 \
