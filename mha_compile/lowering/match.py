@@ -15,7 +15,7 @@ import operator
 
 import torch
 
-from mha_compile.lowering.canonicalize import canon, shape
+from mha_compile.lowering.canonicalize import canon, dtype, shape
 from mha_compile.lowering.interpret import ONE, StackRef, Val, Walk, broadcast, known_eq, layout_rule
 from mha_compile.lowering.moe import moe_params, moe_rule
 from mha_compile.lowering.pool import pool_params, pool_rule
@@ -63,7 +63,7 @@ class Match:
                 "keep_hidden": self.keeps, "slot_runs": self.runs, "empty_rows": self.empty_rows,
                 "exports": {k: v.name for k, v in self.exports.items()}, "kept": [n.name for n in self.kept],
                 "shapes": {"ctx": _shape_str(self.ctx), "tok": _shape_str(self.tok), "out": _shape_str(self.output)},
-                "dtype": str(_dtype(self.ctx))}
+                "dtype": str(dtype(self.ctx))}
 
 
 @dataclasses.dataclass
@@ -97,18 +97,9 @@ def _shape_str(node):
     return None if s is None else [str(d) for d in s]
 
 
-def _dtype(node):
-    value = node.meta.get("example_value")
-    return getattr(value, "dtype", None)
-
-
-_INPLACE = {"index_add_", "add_", "mul_", "copy_", "__iadd__", "masked_fill_", "zero_", "scatter_", "scatter_add_"}
-
-
 def _mutators(node):
     """Users of `node` that change it in place (out.index_add_(...), ctx += ...)."""
-    return [u for u in node.users if u.args and u.args[0] is node and (
-        (u.op == "call_method" and u.target in _INPLACE) or (u.op == "call_function" and u.target is operator.iadd))]
+    return [u for u in node.users if _written(u) is node]
 
 
 def _ancestors(node, order, stop=()):
@@ -305,8 +296,31 @@ def out_layout(roles, sizes):
     return perm, tuple(len(g) for g in groups), len(missing)
 
 
+# x += y and the like, and x[i] = v, as Dynamo records them
+_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                      operator.imod, operator.ipow, operator.imatmul, operator.iand, operator.ior, operator.ixor,
+                      operator.ilshift, operator.irshift, operator.setitem}
+
+
 def _is_inplace(node):
-    return node.target is operator.iadd or node.op == "call_method" and str(node.target).endswith("_")
+    """Whether node writes into a tensor it is given (_written names which): a method or function
+    whose name ends in "_" (add_, scatter_, torch.nn.init.normal_), x += y, x[i] = v, or out=."""
+    if node.op not in ("call_method", "call_function"):
+        return False
+    if node.target in _INPLACE_OPERATORS or isinstance(node.kwargs.get("out"), torch.fx.Node):
+        return True
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    if name.startswith("__") and name.endswith("__"):  # __iadd__, not __add__ or __getitem__
+        return name[2:-2] in {op.__name__.strip("_") for op in _INPLACE_OPERATORS}
+    return name.endswith("_")
+
+
+def _written(node):
+    """The node whose tensor `node` writes in place, or None."""
+    if not _is_inplace(node):
+        return None
+    target = node.kwargs.get("out", node.args[0] if node.args else None)
+    return target if isinstance(target, torch.fx.Node) else None
 
 
 def _merge_operands(y, y_op):
@@ -480,6 +494,7 @@ def _region_nodes(nodes, inputs, out, exportable=None, keepable=None):
                 changed = True
     region |= _size_checks(region)
     region |= _written_in_place(nodes, region, out)
+    _check_no_write_meanwhile(nodes, region, out)
     exportable = {node: name for name, node in (exportable or {}).items()}
     exports, kept, early = {}, set(), []
     for n in _in_order(nodes, region):
@@ -537,7 +552,7 @@ def _written_in_place(nodes, region, out):
     tensors stay outside the region for them."""
     found = set()
     for n in region:
-        target = n.args[0] if _is_inplace(n) and n.args and isinstance(n.args[0], torch.fx.Node) else None
+        target = _written(n)
         if target is None or n is out:
             continue
         aliases = _aliases(target)
@@ -557,30 +572,54 @@ def _written_in_place(nodes, region, out):
     return found
 
 
-# ops whose output may share its input's storage: views, and casts, which return the tensor
-# itself when nothing changes (contiguous() of a contiguous one, to() its own dtype)
-_VIEWS = ("reshape", "permute", "expand", "getitem", "cast")
+def _check_no_write_meanwhile(nodes, region, out):
+    """The op reads all its inputs where the region ends (it is inserted before out), where the
+    region's nodes read them each at its own place: a write in place from outside the region, in
+    between, into a tensor a region node read before it would reach the op but not the node it
+    replaces (ctx.mul_(2) after the pool read ctx, a parameter changed under no_grad mid-block)."""
+    order = nodes.order
+    start = min(order[n] for n in region)
+    for w in nodes[start:order[out]]:
+        target = None if w in region else _written(w)
+        if target is None:
+            continue
+        aliases = _aliases(target)
+        readers = [n for n in region if order[n] < order[w] and any(i in aliases for i in n.all_input_nodes)]
+        if readers:
+            first = min(readers, key=order.__getitem__)
+            raise _Miss(w, f"{w.name} writes in place into {target.name} after the region reads it ({first.name}) "
+                           f"and before the region ends ({out.name}); the op would read it at the end, as written: "
+                           f"move the write before or after the block")
+
+
+def _shares_storage(node):
+    """Whether node may be its input's storage read another way: a view, or a cast that changes
+    nothing (contiguous() of a contiguous tensor, to() or float() of its own dtype return the
+    tensor itself). clone and a cast to another dtype copy."""
+    op = canon(node)
+    if op is None or not op.args or not isinstance(op.args[0], torch.fx.Node):
+        return False
+    if op.kind in ("reshape", "permute", "expand", "getitem"):
+        return True
+    if op.kind != "cast" or node.target in ("clone", torch.clone):
+        return False
+    return dtype(node) is None or dtype(node) == dtype(op.args[0])
 
 
 def _aliases(node):
     """node's storage's tensors in the graph: up its chain of views to the base, then every view
-    made of that base (a view or cast may also copy: taken as sharing, to be safe)."""
+    made of that base (a view may also copy, contiguous() of a strided tensor: taken as sharing,
+    to be safe)."""
     base = node
-    while True:
-        op = canon(base)
-        if op is None or op.kind not in _VIEWS or not isinstance(op.args[0], torch.fx.Node):
-            break
-        base = op.args[0]
+    while _shares_storage(base):
+        base = canon(base).args[0]
     found, stack = set(), [base]
     while stack:
         n = stack.pop()
         if n in found:
             continue
         found.add(n)
-        for user in n.users:
-            op = canon(user)
-            if op is not None and op.kind in _VIEWS and op.args and op.args[0] is n:
-                stack.append(user)
+        stack.extend(user for user in n.users if _shares_storage(user) and canon(user).args[0] is n)
     return found
 
 

@@ -382,14 +382,16 @@ def test_two_regions_give_two_matches():
 class IaddRead(SpelledBlock):
     """y += inv[:, None] into the graph's own y, which the graph also reads elsewhere: `before`
     (its mean, taken before the add: sees y as it was), or after the add through an alias taken
-    before it: a view ("view") or contiguous(), which returns y itself ("contiguous")."""
+    before it: a view ("view") or contiguous(), which returns y itself ("contiguous"). y is
+    ctx * 1.0, or ctx.double(): ctx itself when ctx is float64 (the add writes into the caller's
+    tensor), a copy when it is float32."""
 
-    def __init__(self, read):
+    def __init__(self, read, cast=False):
         super().__init__()
-        self.read = read
+        self.read, self.cast = read, cast
 
     def merge_forward(self, ctx, inv):
-        y = ctx * 1.0
+        y = ctx.double() if self.cast else ctx * 1.0
         alias = {"before": None, "view": lambda: y.view(-1), "contiguous": y.contiguous}[self.read]
         self.seen = y.mean() if alias is None else alias()
         y += inv[:, None]
@@ -405,6 +407,51 @@ def test_a_read_before_an_in_place_merge_keeps_the_match():
     torch.manual_seed(0)
     model = IaddRead("before").double()
     _assert_one_match(compile_and_compare(model, inputs(dtype=torch.float64), torch.float64))
+
+
+def test_an_in_place_merge_into_a_copy_made_by_a_cast_matches():
+    """ctx.double() of a float32 ctx is a copy of the graph's own: the add into it is unobservable."""
+    torch.manual_seed(0)
+    model = IaddRead("before", cast=True).double()
+    ctx, tok = inputs(dtype=torch.float64)
+    _assert_one_match(compile_and_compare(model, [ctx.float(), tok], torch.float64))
+
+
+class WriteMidBlock(SpelledBlock):
+    """A write in place after the router, outside the region: into ctx ("ctx": c.mul_(2)), tok
+    ("tok": t *= 2; "tok_item": t[0] = 0), the pool's query ("query", under no_grad), all read
+    before it by the pool or the merge; or into W1 ("w1"), which only the experts read, after it.
+    The op reads its inputs where the region ends."""
+
+    def __init__(self, what):
+        super().__init__()
+        self.what = what
+
+    def route(self, x):
+        routed = super().route(x)
+        with torch.no_grad():
+            if self.what == "ctx":
+                self.c.mul_(2)
+            elif self.what == "tok":
+                self.t *= 2
+            elif self.what == "tok_item":
+                self.t[0] = 0.0
+            elif self.what == "query":
+                self.query.mul_(2)
+            else:
+                self.w1.mul_(2)
+        return routed
+
+    def forward(self, ctx, tok, pad=None):
+        self.c, self.t = ctx * 1.0, tok * 1.0
+        return super().forward(self.c, self.t, pad) + self.c.sum() + self.t.sum()
+
+
+def test_a_weight_written_before_its_only_readers_keeps_the_match():
+    """W1 changed in place mid-block, before the experts (its only readers) read it: the op,
+    reading it where the region ends, reads what they read."""
+    torch.manual_seed(0)
+    _assert_one_match(compile_and_compare(WriteMidBlock("w1").double(), inputs(dtype=torch.float64), torch.float64))
 
 
 # ---- near-misses ------------------------------------------------------------------------------
@@ -685,6 +732,12 @@ NEAR_MISSES = {
     "in-place merge read after through a view": (IaddRead, {"read": "view"}, "reads outside the region afterwards"),
     "in-place merge read after through contiguous()": (IaddRead, {"read": "contiguous"},
                                                        "reads outside the region afterwards"),
+    "in-place merge into ctx.double(), ctx itself": (IaddRead, {"read": "before", "cast": True},
+                                                     "in place into the graph input"),
+    "ctx written in place mid-block": (WriteMidBlock, {"what": "ctx"}, "after the region reads it"),
+    "tok *= 2 mid-block": (WriteMidBlock, {"what": "tok"}, "after the region reads it"),
+    "tok[0] = 0 mid-block": (WriteMidBlock, {"what": "tok_item"}, "after the region reads it"),
+    "the query written in place mid-block": (WriteMidBlock, {"what": "query"}, "after the region reads it"),
 }
 
 
