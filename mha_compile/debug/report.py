@@ -31,6 +31,9 @@ class GraphReport:
                     "NaN, as the spelling's plain softmax gives it (added to ctx)" if m["empty_rows"] == "nan" else
                     "attends to nothing (inv = bo), as SDPA's safe softmax gives it"))
             lines.append(f"    covers {len(m['nodes'])} nodes: {', '.join(m['nodes'])}")
+            if m.get("copied"):
+                lines.append(f"    takes a copy of {' and '.join(m['copied'])}: the graph writes it in place after the "
+                             f"region, and the op keeps it for its backward")
             if m.get("kept"):
                 lines.append(f"    after the op, on its outputs (the router read outside, a load-balancing loss say): "
                              f"{', '.join(m['kept'])}")

@@ -54,6 +54,9 @@ class Match:
     # (SDPA, nn.MultiheadAttention: it attends to nothing, as the op), "nan" (a plain softmax: the
     # rewrite adds the NaN to the op's ctx and to a rebuilt inv); "" without a mask.
     empty_rows: str = ""
+    # Inputs ("ctx", "tok") the graph writes in place after the region (h += block(h, tok)): the
+    # op takes a copy, since it keeps them for its backward where eager's ops may keep none
+    copied: tuple = ()
 
     def summary(self):
         return {"output": self.output.name, "ctx": self.ctx.name, "tok": self.tok.name,
@@ -62,6 +65,7 @@ class Match:
                 "kernels": self.kernels, "kernels_reason": self.kernels_reason, "graphs": self.graphs,
                 "keep_hidden": self.keeps, "slot_runs": self.runs, "empty_rows": self.empty_rows,
                 "exports": {k: v.name for k, v in self.exports.items()}, "kept": [n.name for n in self.kept],
+                "copied": list(self.copied),
                 "shapes": {"ctx": _shape_str(self.ctx), "tok": _shape_str(self.tok), "out": _shape_str(self.output)},
                 "dtype": str(dtype(self.ctx))}
 
@@ -247,8 +251,9 @@ def _match_at(nodes, anchor):
         exports["y"] = y  # the kept router nodes read y again, rebuilt from the op
     params, config = moe_params(moe_walk.vals[out])
     params.update(pool_params(pool_walk.vals[inv]))
+    copied = tuple(name for name, node in (("ctx", ctx), ("tok", tok)) if _written_after(nodes, node, region, out))
     return Match(anchor, out, ctx, tok, params, config, region, exports=exports, inv=inv, out_layout=layout,
-                 empty_rows=pool_walk.vals[inv].info.get("empty_rows", ""), kept=kept)
+                 empty_rows=pool_walk.vals[inv].info.get("empty_rows", ""), kept=kept, copied=copied)
 
 
 # The router's own values: y's rows, the logits x·Wgᵀ and their softmax π, in any layout or dtype.
@@ -590,6 +595,14 @@ def _check_no_write_meanwhile(nodes, region, out):
             raise _Miss(w, f"{w.name} writes in place into {target.name} after the region reads it ({first.name}) "
                            f"and before the region ends ({out.name}); the op would read it at the end, as written: "
                            f"move the write before or after the block")
+
+
+def _written_after(nodes, node, region, out):
+    """Whether the graph writes node's tensor (or an alias of it) in place after the region ends
+    (an in-place residual, h += block(h, tok))."""
+    aliases = _aliases(node)
+    return any(nodes.order[u] > nodes.order[out] and u not in region and _written(u) in aliases
+               for a in aliases for u in a.users)
 
 
 def _shares_storage(node):

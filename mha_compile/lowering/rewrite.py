@@ -60,9 +60,14 @@ def replace_region(gm, match):
         mask = _param(graph, match.params.get("mask"))
         nan_rows = _nan_rows(graph, mask, dtype(match.ctx)) if match.empty_rows == "nan" else None
         ctx = match.ctx if nan_rows is None else graph.call_function(operator.add, (match.ctx, nan_rows))
+        tok = match.tok
+        if "ctx" in match.copied and nan_rows is None:  # the add above is a copy already
+            ctx = graph.call_method("clone", (ctx,))
+        if "tok" in match.copied:
+            tok = graph.call_method("clone", (tok,))
         cfg = match.config
         call = graph.call_function(torch.ops.mha.region.default, (
-            ctx, match.tok, *params, mask, cfg["top_k"], cfg["renorm"],
+            ctx, tok, *params, mask, cfg["top_k"], cfg["renorm"],
             cfg["act"], match.kernels, bool(match.exports)), {"keep_hidden": True} if match.keep_hidden else {})
         rebuilt = _rebuild_exports(graph, call, match, ctx, nan_rows)
         out = _to_layout(graph, graph.call_function(operator.getitem, (call, 0)), match.out_layout)

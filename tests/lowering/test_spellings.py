@@ -454,6 +454,33 @@ def test_a_weight_written_before_its_only_readers_keeps_the_match():
     _assert_one_match(compile_and_compare(WriteMidBlock("w1").double(), inputs(dtype=torch.float64), torch.float64))
 
 
+class Residual(SpelledBlock):
+    """h + block(h, tok), or in place: h += block(h, tok)."""
+
+    def __init__(self, in_place):
+        super().__init__()
+        self.in_place = in_place
+
+    def forward(self, ctx, tok, pad=None):
+        h = ctx * 1.0
+        if not self.in_place:
+            return h + super().forward(h, tok, pad)
+        h += super().forward(h, tok, pad)
+        return h
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["plain", "in_place"])
+def test_an_in_place_residual_after_the_block_trains_as_in_eager(in_place):
+    """h += block(h, tok): eager's ops keep nothing of h for the backward, the op keeps ctx, so
+    the backward raised autograd's "modified by an inplace operation". The op now takes a copy
+    of an input the graph writes after the region, and only then."""
+    torch.manual_seed(0)
+    reports = compile_and_compare(Residual(in_place).double(), inputs(dtype=torch.float64), torch.float64)
+    match = _assert_one_match(reports)
+    assert match["copied"] == (["ctx"] if in_place else [])
+    assert ("takes a copy of ctx" in str(reports[0])) == in_place
+
+
 # ---- near-misses ------------------------------------------------------------------------------
 
 
