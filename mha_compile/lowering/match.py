@@ -242,6 +242,7 @@ def _match_at(nodes, anchor):
         exportable["index"] = index[0]
     keepable = None if _is_inplace(y) else _router_chain(moe_walk, y)
     region, exports, kept = _region_nodes(nodes, (ctx, tok), out, exportable, keepable)
+    _check_one_grad_mode(nodes, list(region) + list(kept), out)
     data = _descendants(ctx) | _descendants(tok)  # not the mask's or the parameters' own preparation
     for n in region:  # a write in place the walks gave no meaning would be dropped with the region
         if _is_inplace(n) and n is not y and n in data and n not in moe_walk.vals and n not in pool_walk.vals:
@@ -595,6 +596,29 @@ def _check_no_write_meanwhile(nodes, region, out):
             raise _Miss(w, f"{w.name} writes in place into {target.name} after the region reads it ({first.name}) "
                            f"and before the region ends ({out.name}); the op would read it at the end, as written: "
                            f"move the write before or after the block")
+
+
+def _check_one_grad_mode(nodes, covered, out):
+    """Dynamo records `with torch.no_grad():` as torch._C._set_grad_enabled calls. A region whose
+    nodes run under different modes (the pool or the router under no_grad: a frozen part, whose
+    parameters take no gradient) would become one op run in the mode where out is, giving
+    gradients the user's graph does not: a near-miss."""
+    toggles = [n for n in nodes if n.op == "call_function" and n.target is torch._C._set_grad_enabled]
+    if not toggles:
+        return
+    order = nodes.order
+
+    def mode(node):  # the last toggle before node, else the caller's (Dynamo compiles in it)
+        before = [t for t in toggles if order[t] < order[node]]
+        return bool(before[-1].args[0]) if before else torch.is_grad_enabled()
+
+    at_out = mode(out)
+    for n in sorted(covered, key=order.__getitem__):
+        if mode(n) != at_out:
+            grad = {True: "enabled", False: "disabled"}
+            raise _Miss(n, f"{n.name} runs with grad {grad[mode(n)]} where the region's output {out.name} runs with "
+                           f"it {grad[at_out]} (torch.no_grad() around part of the block): one op cannot give "
+                           f"gradients to one part of it and not to the other")
 
 
 def _written_after(nodes, node, region, out):

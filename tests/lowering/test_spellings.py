@@ -481,6 +481,47 @@ def test_an_in_place_residual_after_the_block_trains_as_in_eager(in_place):
     assert ("takes a copy of ctx" in str(reports[0])) == in_place
 
 
+class PartNoGrad(SpelledBlock):
+    """torch.no_grad() around the pool ("pool": a frozen pool), the router's softmax ("router"),
+    or the whole block ("block", inference inside a training graph)."""
+
+    def __init__(self, part):
+        super().__init__()
+        self.part = part
+
+    def forward(self, ctx, tok, pad=None):
+        if self.part == "block":
+            with torch.no_grad():
+                return super().forward(ctx, tok, pad)
+        if self.part == "pool":
+            with torch.no_grad():
+                inv = self.pool_forward(tok, pad)
+            return self.moe_forward(self.merge_forward(ctx, inv))
+        return super().forward(ctx, tok, pad)
+
+    def route(self, x):
+        if self.part != "router":
+            return super().route(x)
+        with torch.no_grad():
+            probs = torch.softmax(self.router(x), dim=-1)
+        weight, index = probs.topk(self.k, dim=-1)
+        return weight / weight.sum(dim=-1, keepdim=True), index
+
+
+def test_the_whole_block_under_no_grad_inside_the_graph_matches():
+    """One grad mode over the whole region: the op runs in it (no graph, as eager's output)."""
+    torch.manual_seed(0)
+    model = PartNoGrad("block").double()
+    args = [a.requires_grad_() for a in inputs(dtype=torch.float64)]
+    with compiled_reports() as reports:
+        torch._dynamo.reset()
+        got = torch.compile(copy.deepcopy(model), backend="mha")(*args)
+    _assert_one_match(reports)
+    want = model(*args)
+    assert not got.requires_grad and not want.requires_grad
+    assert relative_error(got, want) <= TOLERANCE[torch.float64]
+
+
 # ---- near-misses ------------------------------------------------------------------------------
 
 
@@ -761,6 +802,8 @@ NEAR_MISSES = {
                                                        "reads outside the region afterwards"),
     "in-place merge into ctx.double(), ctx itself": (IaddRead, {"read": "before", "cast": True},
                                                      "in place into the graph input"),
+    "the pool under torch.no_grad()": (PartNoGrad, {"part": "pool"}, "runs with grad disabled"),
+    "the router under torch.no_grad()": (PartNoGrad, {"part": "router"}, "runs with grad disabled"),
     "ctx written in place mid-block": (WriteMidBlock, {"what": "ctx"}, "after the region reads it"),
     "tok *= 2 mid-block": (WriteMidBlock, {"what": "tok"}, "after the region reads it"),
     "tok[0] = 0 mid-block": (WriteMidBlock, {"what": "tok_item"}, "after the region reads it"),
