@@ -522,6 +522,27 @@ def test_the_whole_block_under_no_grad_inside_the_graph_matches():
     assert relative_error(got, want) <= TOLERANCE[torch.float64]
 
 
+class InPlaceResidualStack(torch.nn.Module):
+    """Two blocks, each added in place into the stream it reads: h += block(h, tok)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([SpelledBlock(), SpelledBlock(moe="dense_onehot")])
+
+    def forward(self, ctx, tok):
+        h = ctx * 1.0
+        for block in self.blocks:
+            h += block(h, tok)
+        return h
+
+
+def test_in_place_residuals_over_a_stack_of_blocks():
+    """Each region's ctx is written after it (the second's is the first's write): two copies."""
+    torch.manual_seed(0)
+    reports = compile_and_compare(InPlaceResidualStack().double(), inputs(dtype=torch.float64), torch.float64)
+    assert [m["copied"] for r in reports for m in r.matches] == [["ctx"], ["ctx"]]
+
+
 # ---- near-misses ------------------------------------------------------------------------------
 
 
