@@ -598,27 +598,44 @@ def _check_no_write_meanwhile(nodes, region, out):
                            f"move the write before or after the block")
 
 
+_ENTER_INFERENCE = getattr(torch.autograd.grad_mode, "_enter_inference_mode", object())
+_EXIT_INFERENCE = getattr(torch.autograd.grad_mode, "_exit_inference_mode", object())
+
+
 def _check_one_grad_mode(nodes, covered, out):
-    """Dynamo records `with torch.no_grad():` as torch._C._set_grad_enabled calls. A region whose
+    """Dynamo records `with torch.no_grad():` as torch._C._set_grad_enabled calls, and
+    `with torch.inference_mode():` as a pair of _enter/_exit_inference_mode calls. A region whose
     nodes run under different modes (the pool or the router under no_grad: a frozen part, whose
     parameters take no gradient) would become one op run in the mode where out is, giving
     gradients the user's graph does not: a near-miss."""
-    toggles = [n for n in nodes if n.op == "call_function" and n.target is torch._C._set_grad_enabled]
-    if not toggles:
+    changes, mode, outer = [], torch.is_grad_enabled(), []  # Dynamo compiles in the caller's mode
+    for n in nodes:
+        if n.op != "call_function":
+            continue
+        if n.target is torch._C._set_grad_enabled:
+            mode = bool(n.args[0])
+        elif n.target is _ENTER_INFERENCE:
+            outer.append(mode)
+            mode = mode and not n.args[0]
+        elif n.target is _EXIT_INFERENCE and outer:
+            mode = outer.pop()
+        else:
+            continue
+        changes.append((nodes.order[n], mode))
+    if not changes:
         return
-    order = nodes.order
 
-    def mode(node):  # the last toggle before node, else the caller's (Dynamo compiles in it)
-        before = [t for t in toggles if order[t] < order[node]]
-        return bool(before[-1].args[0]) if before else torch.is_grad_enabled()
+    def mode_at(node):
+        before = [m for at, m in changes if at < nodes.order[node]]
+        return before[-1] if before else torch.is_grad_enabled()
 
-    at_out = mode(out)
-    for n in sorted(covered, key=order.__getitem__):
-        if mode(n) != at_out:
+    at_out = mode_at(out)
+    for n in sorted(covered, key=nodes.order.__getitem__):
+        if mode_at(n) != at_out:
             grad = {True: "enabled", False: "disabled"}
-            raise _Miss(n, f"{n.name} runs with grad {grad[mode(n)]} where the region's output {out.name} runs with "
-                           f"it {grad[at_out]} (torch.no_grad() around part of the block): one op cannot give "
-                           f"gradients to one part of it and not to the other")
+            raise _Miss(n, f"{n.name} runs with grad {grad[mode_at(n)]} where the region's output {out.name} runs "
+                           f"with it {grad[at_out]} (torch.no_grad() or inference_mode() around part of the block): "
+                           f"one op cannot give gradients to one part of it and not to the other")
 
 
 def _written_after(nodes, node, region, out):
@@ -629,18 +646,22 @@ def _written_after(nodes, node, region, out):
                for a in aliases for u in a.users)
 
 
-def _shares_storage(node):
-    """Whether node may be its input's storage read another way: a view, or a cast that changes
-    nothing (contiguous() of a contiguous tensor, to() or float() of its own dtype return the
-    tensor itself). clone and a cast to another dtype copy."""
+def _storage_parent(node):
+    """The node whose tensor `node` may be read another way, or None: the input of a view, of a
+    cast that changes nothing (contiguous() of a contiguous tensor, to() or float() of its own
+    dtype return the tensor itself), or of a write in place (h += x returns h). clone and a cast
+    to another dtype copy."""
+    written = _written(node)
+    if written is not None:
+        return written
     op = canon(node)
     if op is None or not op.args or not isinstance(op.args[0], torch.fx.Node):
-        return False
+        return None
     if op.kind in ("reshape", "permute", "expand", "getitem"):
-        return True
+        return op.args[0]
     if op.kind != "cast" or node.target in ("clone", torch.clone):
-        return False
-    return dtype(node) is None or dtype(node) == dtype(op.args[0])
+        return None
+    return op.args[0] if dtype(node) is None or dtype(node) == dtype(op.args[0]) else None
 
 
 def _aliases(node):
@@ -648,15 +669,15 @@ def _aliases(node):
     made of that base (a view may also copy, contiguous() of a strided tensor: taken as sharing,
     to be safe)."""
     base = node
-    while _shares_storage(base):
-        base = canon(base).args[0]
+    while _storage_parent(base) is not None:
+        base = _storage_parent(base)
     found, stack = set(), [base]
     while stack:
         n = stack.pop()
         if n in found:
             continue
         found.add(n)
-        stack.extend(user for user in n.users if _shares_storage(user) and canon(user).args[0] is n)
+        stack.extend(user for user in n.users if _storage_parent(user) is n)
     return found
 
 

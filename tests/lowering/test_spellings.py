@@ -483,7 +483,8 @@ def test_an_in_place_residual_after_the_block_trains_as_in_eager(in_place):
 
 class PartNoGrad(SpelledBlock):
     """torch.no_grad() around the pool ("pool": a frozen pool), the router's softmax ("router"),
-    or the whole block ("block", inference inside a training graph)."""
+    or the whole block ("block", inference inside a training graph); torch.inference_mode()
+    around the pool ("pool_inference")."""
 
     def __init__(self, part):
         super().__init__()
@@ -497,6 +498,10 @@ class PartNoGrad(SpelledBlock):
             with torch.no_grad():
                 inv = self.pool_forward(tok, pad)
             return self.moe_forward(self.merge_forward(ctx, inv))
+        if self.part == "pool_inference":
+            with torch.inference_mode():
+                inv = self.pool_forward(tok, pad)
+            return self.moe_forward(self.merge_forward(ctx, inv.clone()))  # clone: a normal tensor again
         return super().forward(ctx, tok, pad)
 
     def route(self, x):
@@ -825,6 +830,7 @@ NEAR_MISSES = {
                                                      "in place into the graph input"),
     "the pool under torch.no_grad()": (PartNoGrad, {"part": "pool"}, "runs with grad disabled"),
     "the router under torch.no_grad()": (PartNoGrad, {"part": "router"}, "runs with grad disabled"),
+    "the pool under torch.inference_mode()": (PartNoGrad, {"part": "pool_inference"}, "runs with grad disabled"),
     "ctx written in place mid-block": (WriteMidBlock, {"what": "ctx"}, "after the region reads it"),
     "tok *= 2 mid-block": (WriteMidBlock, {"what": "tok"}, "after the region reads it"),
     "tok[0] = 0 mid-block": (WriteMidBlock, {"what": "tok_item"}, "after the region reads it"),
