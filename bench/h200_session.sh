@@ -151,12 +151,16 @@
 #   bash bench/h200_session.sh verify-step-graphs  # where device time is short: the whole GPU suite
 #                                      # on a cold cache, then step-graphs' rows without Inductor's (~9.5 min):
 #                                      # run.log, h200_step_graphs.{md,json,png}
+#   bash bench/h200_session.sh after-step-graphs  # chained on verify-step-graphs' warm machine: step_profile
+#                                      # of both at medium, then hidden-columns' flag_ab at medium:256 and
+#                                      # medium:128 (~5.5 min): run.log, step_profile_step_graphs_medium.txt,
+#                                      # flag_ab_hidden_columns.txt
 #   bash bench/h200_session.sh short   # one call when device time is short (~9 min): the fused
 #                                      # kernel tests, the curves without the suite, and the
 #                                      # benchmark cut at 250 s (rows past it are listed as skipped)
 # Budgets are per step so a slow step cannot starve the others.
 set -u
-part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|ab|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|ncu-gemms|ncu-source|gluon|verify-gluon|gluon-gemms|verify-gemms|router|small-kernels|host-large|host-timers|wgrad-stream|sum-spread|column-sums|slot-chunk|hidden-columns|step-graphs|keep-hidden|keep-rows|keep-step|launch-ab|large-rows|kernel-times-ab|rows-ab|static-params|gluon-up|verify-step-graphs|short}
+part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|ab|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|ncu-gemms|ncu-source|gluon|verify-gluon|gluon-gemms|verify-gemms|router|small-kernels|host-large|host-timers|wgrad-stream|sum-spread|column-sums|slot-chunk|hidden-columns|step-graphs|keep-hidden|keep-rows|keep-step|launch-ab|large-rows|kernel-times-ab|rows-ab|static-params|gluon-up|verify-step-graphs|after-step-graphs|short}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 # Inductor's compiled graphs kept in the checkout (git ignores it): the device keeps ignored
 # files between calls on a machine it still holds, so `table` can reuse `autotune-cache`'s.
@@ -558,6 +562,19 @@ verify-step-graphs)
     { timeout -s INT -k 15 230 python -m bench --out "$OUT" --name h200_step_graphs --budget 200 --presets small,medium \
         --passes fwd+bwd --spellings grouped_mm --modes mha-fused-cudagraphs,mha-fused-stepgraphs \
         --rounds 3 --commit "$commit" 2>&1 | tail -40; } >>"$LOG"
+    ;;
+after-step-graphs)
+    # chained on the machine verify-step-graphs left warm: step_profile of the trees and the step
+    # graphs at medium (host issue beside GPU time a step), then the backward's column passes at
+    # medium against one pass (flag_ab: peak and time, 3 rounds), for medium's peak target
+    { timeout -s INT -k 10 100 python bench/step_profile.py --preset medium \
+        --runs mha-fused-cudagraphs:dense,mha-fused-stepgraphs:dense 2>&1; } >"$OUT/step_profile_step_graphs_medium.txt"
+    grep "^==" "$OUT/step_profile_step_graphs_medium.txt" >>"$LOG"
+    for columns in 256 128; do
+        timeout -s INT 105 python bench/flag_ab.py --flag mha_compile.kernels.triton_moe:HIDDEN_COLUMNS \
+            --values "0,$columns" --preset medium --rounds 3 >>"$OUT/flag_ab_hidden_columns.txt" 2>&1
+    done
+    grep "peak\|worst\|HIDDEN_COLUMNS:" "$OUT/flag_ab_hidden_columns.txt" >>"$LOG"
     ;;
 short)
     { MHA_COMPILE_NO_AUTOTUNE=1 timeout 120 python -m pytest -q -m cuda tests/kernels -k "not staged" -n 8 \
