@@ -32,8 +32,9 @@ class GraphReport:
                     "attends to nothing (inv = bo), as SDPA's safe softmax gives it"))
             lines.append(f"    covers {len(m['nodes'])} nodes: {', '.join(m['nodes'])}")
             if m.get("copied"):
-                lines.append(f"    takes a copy of {' and '.join(m['copied'])}: the graph writes it in place after the "
-                             f"region, and the op keeps it for its backward")
+                lines.append(f"    takes a copy of {' and '.join(m['copied'])}, which the op keeps for its backward: "
+                             f"the caller holds it (a graph input or output) or the graph writes it in place after "
+                             f"the region, where eager's ops keep none of it")
             if m.get("kept"):
                 lines.append(f"    after the op, on its outputs (the router read outside, a load-balancing loss say): "
                              f"{', '.join(m['kept'])}")

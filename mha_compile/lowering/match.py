@@ -11,6 +11,8 @@ For each topk: router -> merge -> pool are found by walking back; the pool and t
 then read forward. Every candidate ends as a Match or as a NearMiss with a reason.
 """
 import dataclasses
+import functools
+import inspect
 import operator
 
 import torch
@@ -54,9 +56,17 @@ class Match:
     # (SDPA, nn.MultiheadAttention: it attends to nothing, as the op), "nan" (a plain softmax: the
     # rewrite adds the NaN to the op's ctx and to a rebuilt inv); "" without a mask.
     empty_rows: str = ""
-    # Inputs ("ctx", "tok") the graph writes in place after the region (h += block(h, tok)): the
-    # op takes a copy, since it keeps them for its backward where eager's ops may keep none
+    # Inputs the op takes a copy of, since it keeps them for its backward where eager's ops may
+    # keep none: those the graph writes in place after the region (written_after: h += block(h,
+    # tok)), and ctx where the caller holds it (ctx_held: a graph input or output, which it may
+    # write after the call) unless CUDA graphs copy the inputs in anyway (backend.lower decides)
     copied: tuple = ()
+    written_after: tuple = ()
+    ctx_held: bool = False
+    # Grad modes: of the kept nodes that ran under another mode than out (a reader moved after
+    # the op from under torch.no_grad()), and out's, which the rewrite restores after each
+    kept_modes: dict = dataclasses.field(default_factory=dict)
+    out_mode: bool = True
 
     def summary(self):
         return {"output": self.output.name, "ctx": self.ctx.name, "tok": self.tok.name,
@@ -241,8 +251,12 @@ def _match_at(nodes, anchor):
     if index:
         exportable["index"] = index[0]
     keepable = None if _is_inplace(y) else _router_chain(moe_walk, y)
-    region, exports, kept = _region_nodes(nodes, (ctx, tok), out, exportable, keepable)
-    _check_one_grad_mode(nodes, list(region) + list(kept), out)
+    region, exports, kept, moved = _region_nodes(nodes, (ctx, tok), out, exportable, keepable)
+    modes = _grad_modes(nodes)
+    _check_one_grad_mode(nodes, modes, list(region) + list(kept), out)
+    # a moved reader keeps its grad mode (router statistics logged under no_grad)
+    moved_modes = {n: modes(n) for n in moved if modes(n) != modes(out)}
+    kept = _in_order(nodes, kept | moved)
     data = _descendants(ctx) | _descendants(tok)  # not the mask's or the parameters' own preparation
     for n in region:  # a write in place the walks gave no meaning would be dropped with the region
         if _is_inplace(n) and n is not y and n in data and n not in moe_walk.vals and n not in pool_walk.vals:
@@ -252,9 +266,17 @@ def _match_at(nodes, anchor):
         exports["y"] = y  # the kept router nodes read y again, rebuilt from the op
     params, config = moe_params(moe_walk.vals[out])
     params.update(pool_params(pool_walk.vals[inv]))
-    copied = tuple(name for name, node in (("ctx", ctx), ("tok", tok)) if _written_after(nodes, node, region, out))
+    # What the op keeps for its backward (not under no_grad) that the graph writes after the
+    # region, and whether the caller holds ctx and may write it after the call (h += block(h,
+    # tok) outside the graph): eager's ops keep none of ctx. tok is kept by eager's projections
+    # too (autograd refuses a later write there as here).
+    training = modes(out)
+    written_after = tuple(name for name, node in (("ctx", ctx), ("tok", tok))
+                          if training and _written_after(nodes, node, region, out))
     return Match(anchor, out, ctx, tok, params, config, region, exports=exports, inv=inv, out_layout=layout,
-                 empty_rows=pool_walk.vals[inv].info.get("empty_rows", ""), kept=kept, copied=copied)
+                 empty_rows=pool_walk.vals[inv].info.get("empty_rows", ""), kept=kept, copied=written_after,
+                 written_after=written_after, ctx_held=training and _callers(nodes, ctx),
+                 kept_modes=moved_modes, out_mode=modes(out))
 
 
 # The router's own values: y's rows, the logits x·Wgᵀ and their softmax π, in any layout or dtype.
@@ -310,15 +332,41 @@ _INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itru
 
 def _is_inplace(node):
     """Whether node writes into a tensor it is given (_written names which): a method or function
-    whose name ends in "_" (add_, scatter_, torch.nn.init.normal_), x += y, x[i] = v, or out=."""
+    whose name ends in "_" (add_, scatter_, torch.nn.init.normal_, aten's mul_.Scalar), x += y,
+    x[i] = v, out=, or inplace=True (F.relu(x, inplace=True))."""
     if node.op not in ("call_method", "call_function"):
         return False
-    if node.target in _INPLACE_OPERATORS or isinstance(node.kwargs.get("out"), torch.fx.Node):
+    if node.target in _INPLACE_OPERATORS or isinstance(node.kwargs.get("out"), torch.fx.Node) \
+            or _argument(node, "inplace") is True:
         return True
-    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    name = _name(node)
     if name.startswith("__") and name.endswith("__"):  # __iadd__, not __add__ or __getitem__
         return name[2:-2] in {op.__name__.strip("_") for op in _INPLACE_OPERATORS}
     return name.endswith("_")
+
+
+def _argument(node, name):
+    """A call_function's argument by name, given by keyword or by position (F.dropout(x, 0.5,
+    True, True): inplace), or None."""
+    if name in node.kwargs or node.op != "call_function":
+        return node.kwargs.get(name)
+    parameters = _parameters(node.target)
+    return node.args[parameters.index(name)] if name in parameters[:len(node.args)] else None
+
+
+@functools.lru_cache(maxsize=None)
+def _parameters(function):
+    try:
+        return tuple(inspect.signature(function).parameters)
+    except (TypeError, ValueError):  # a builtin without a signature
+        return ()
+
+
+def _name(node):
+    """A call's name: the method's, or the function's (an aten overload's without its overload:
+    mul_.Scalar is mul_)."""
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return str(name).split(".")[0]
 
 
 def _written(node):
@@ -468,10 +516,11 @@ def _moe_failure(walk, nodes, anchor):
 
 
 def _region_nodes(nodes, inputs, out, exportable=None, keepable=None):
-    """(nodes the op replaces, exports, kept): the nodes on a path from ctx or tok to out, plus
-    parameter views only they use; exports names the `exportable` nodes also read outside;
-    kept (in graph order) are the nodes `keepable` gives for a region node read outside, which
-    stay, moved after the op (the router's chain: _router_chain), and leave the region.
+    """(nodes the op replaces, exports, kept, moved): the nodes on a path from ctx or tok to out,
+    plus parameter views only they use; exports names the `exportable` nodes also read outside;
+    kept are the nodes `keepable` gives for a region node read outside, which stay, moved after
+    the op (the router's chain: _router_chain), and leave the region; moved, what read them
+    before the region's end (_deferred), moved after the op too.
 
     Any other intermediate used outside the region (other than for its size) makes it a
     near-miss, and so does an export or a kept node read before the region ends (its rebuilt
@@ -519,7 +568,7 @@ def _region_nodes(nodes, inputs, out, exportable=None, keepable=None):
                 kept |= chain
             if nodes.order[user] < nodes.order[out]:
                 early.append(user)
-    return _in_order(nodes, region - kept), exports, _in_order(nodes, kept | _deferred(nodes, region, out, early))
+    return _in_order(nodes, region - kept), exports, kept, _deferred(nodes, region, out, early)
 
 
 def _deferred(nodes, region, out, early):
@@ -602,13 +651,11 @@ _ENTER_INFERENCE = getattr(torch.autograd.grad_mode, "_enter_inference_mode", ob
 _EXIT_INFERENCE = getattr(torch.autograd.grad_mode, "_exit_inference_mode", object())
 
 
-def _check_one_grad_mode(nodes, covered, out):
-    """Dynamo records `with torch.no_grad():` as torch._C._set_grad_enabled calls, and
-    `with torch.inference_mode():` as a pair of _enter/_exit_inference_mode calls. A region whose
-    nodes run under different modes (the pool or the router under no_grad: a frozen part, whose
-    parameters take no gradient) would become one op run in the mode where out is, giving
-    gradients the user's graph does not: a near-miss."""
-    changes, mode, outer = [], torch.is_grad_enabled(), []  # Dynamo compiles in the caller's mode
+def _grad_modes(nodes):
+    """mode(node): whether grad is enabled where node runs. Dynamo records `with torch.no_grad():`
+    as torch._C._set_grad_enabled calls, and `with torch.inference_mode():` as a pair of
+    _enter/_exit_inference_mode calls; before the first, the caller's mode (Dynamo compiles in it)."""
+    changes, mode, outer = [], torch.is_grad_enabled(), []
     for n in nodes:
         if n.op != "call_function":
             continue
@@ -622,20 +669,33 @@ def _check_one_grad_mode(nodes, covered, out):
         else:
             continue
         changes.append((nodes.order[n], mode))
-    if not changes:
-        return
+    start = torch.is_grad_enabled()
 
     def mode_at(node):
         before = [m for at, m in changes if at < nodes.order[node]]
-        return before[-1] if before else torch.is_grad_enabled()
+        return before[-1] if before else start
+    return mode_at
 
-    at_out = mode_at(out)
+
+def _check_one_grad_mode(nodes, modes, covered, out):
+    """A region whose nodes run under different grad modes (the pool or the router under no_grad:
+    a frozen part, whose parameters take no gradient) would become one op run in the mode where
+    out is, giving gradients the user's graph does not: a near-miss."""
+    at_out = modes(out)
     for n in sorted(covered, key=nodes.order.__getitem__):
-        if mode_at(n) != at_out:
+        if modes(n) != at_out:
             grad = {True: "enabled", False: "disabled"}
-            raise _Miss(n, f"{n.name} runs with grad {grad[mode_at(n)]} where the region's output {out.name} runs "
+            raise _Miss(n, f"{n.name} runs with grad {grad[modes(n)]} where the region's output {out.name} runs "
                            f"with it {grad[at_out]} (torch.no_grad() or inference_mode() around part of the block): "
                            f"one op cannot give gradients to one part of it and not to the other")
+
+
+def _callers(nodes, node):
+    """Whether node's tensor is also the caller's: a graph input or module attribute, or (through
+    an alias) something the graph returns."""
+    aliases = _aliases(node)
+    returned = [n for n in nodes if n.op == "output"][-1].all_input_nodes
+    return any(a.op in ("placeholder", "get_attr") or a in returned for a in aliases)
 
 
 def _written_after(nodes, node, region, out):
@@ -646,18 +706,46 @@ def _written_after(nodes, node, region, out):
                for a in aliases for u in a.users)
 
 
+# Kinds canon reads that may return their input's storage (a view, or a tuple of views); the
+# other kinds it reads compute new tensors
+_VIEW_KINDS = ("reshape", "permute", "expand", "getitem", "chunk", "split", "unbind")
+# Calls canon does not read that always return new tensors (besides names ending in "_like"
+# and new_*); any other call the matcher does not know is taken as possibly returning a view of
+# its first tensor argument (detach, narrow, select, movedim, diagonal, as_strided, .data, and
+# dropout in eval mode, which returns its input itself)
+_FRESH = frozenset({
+    "cat", "concat", "concatenate", "pad", "layer_norm", "rms_norm", "group_norm", "batch_norm", "relu", "gelu", "silu",
+    "sigmoid", "tanh", "exp", "log", "sqrt", "rsqrt", "abs", "neg", "square", "pow", "mean", "amax", "amin", "max",
+    "min", "norm", "logsumexp", "log_softmax", "einsum", "arange", "full", "ones", "zeros", "empty", "rand", "randn",
+    "isnan", "isfinite", "ne", "lt", "gt", "le", "ge", "clamp", "clip", "minimum", "maximum", "logical_and",
+    "logical_or", "sign", "reciprocal", "erf", "prod", "var", "std", "truediv", "sub", "mul", "add", "eq",
+    "scaled_dot_product_attention", "linear", "softmax", "sum", "matmul", "bmm", "mm", "baddbmm", "addmm",
+})
+
+
 def _storage_parent(node):
     """The node whose tensor `node` may be read another way, or None: the input of a view, of a
     cast that changes nothing (contiguous() of a contiguous tensor, to() or float() of its own
-    dtype return the tensor itself), or of a write in place (h += x returns h). clone and a cast
-    to another dtype copy."""
+    dtype return the tensor itself), of a write in place (h += x returns h), or of a call the
+    matcher does not know (taken as a view, to be safe: see _FRESH). clone and a cast to another
+    dtype copy."""
     written = _written(node)
     if written is not None:
         return written
-    op = canon(node)
-    if op is None or not op.args or not isinstance(op.args[0], torch.fx.Node):
+    if node.op not in ("call_method", "call_function"):
         return None
-    if op.kind in ("reshape", "permute", "expand", "getitem"):
+    value = node.meta.get("example_value")
+    if not isinstance(value, (torch.Tensor, list, tuple)):
+        return None  # a size, a shape: not a tensor
+    first = next((a for a in node.args if isinstance(a, torch.fx.Node)), None)
+    op = canon(node)
+    if op is None:
+        name = _name(node)
+        fresh = name in _FRESH or name.endswith("_like") or name.startswith("new_")
+        return None if fresh else first
+    if not op.args or not isinstance(op.args[0], torch.fx.Node):
+        return None
+    if op.kind in _VIEW_KINDS:
         return op.args[0]
     if op.kind != "cast" or node.target in ("clone", torch.clone):
         return None

@@ -62,9 +62,9 @@ def replace_region(gm, match):
         ctx = match.ctx if nan_rows is None else graph.call_function(operator.add, (match.ctx, nan_rows))
         tok = match.tok
         if "ctx" in match.copied and nan_rows is None:  # the add above is a copy already
-            ctx = graph.call_method("clone", (ctx,))
+            ctx = _copy(graph, ctx)
         if "tok" in match.copied:
-            tok = graph.call_method("clone", (tok,))
+            tok = _copy(graph, tok)
         cfg = match.config
         call = graph.call_function(torch.ops.mha.region.default, (
             ctx, tok, *params, mask, cfg["top_k"], cfg["renorm"],
@@ -79,7 +79,13 @@ def replace_region(gm, match):
     match.output.replace_all_uses_with(out)
     inside = set(match.nodes)
     for node in match.kept:  # the router's chain the rest reads: after the op, from the rebuilt y
+        if node in match.kept_modes:  # in the grad mode it ran in (statistics under no_grad)
+            with graph.inserting_before(match.output):
+                graph.call_function(torch._C._set_grad_enabled, (match.kept_modes[node],))
         match.output.prepend(node)
+        if node in match.kept_modes:
+            with graph.inserting_before(match.output):
+                graph.call_function(torch._C._set_grad_enabled, (match.out_mode,))
     for name, node in match.exports.items():
         for user in list(node.users):
             if user not in inside:
@@ -88,6 +94,13 @@ def replace_region(gm, match):
         if not node.users:
             graph.erase_node(node)
     return out
+
+
+def _copy(graph, node):
+    """node.clone(), with node's example value (later passes read shapes and dtypes from it)."""
+    copy = graph.call_method("clone", (node,))
+    copy.meta.update({k: v for k, v in node.meta.items() if k in ("example_value", "val")})
+    return copy
 
 
 def _to_layout(graph, out, layout):

@@ -414,3 +414,21 @@ def test_inductor_under_reduce_overhead_takes_the_pool_outside_too(monkeypatch):
     for name, got, want in zip(names, grads, grads_in):
         assert got is not None and torch.equal(got, want), f"∂{name}"
         assert (got.abs().max() == 0) == (name == "pool.key.bias"), f"∂{name}"
+
+
+@pytest.mark.parametrize("captured", [False, True], ids=["plain", "cuda_graphs"])
+def test_ctx_is_copied_for_the_backward_unless_the_graphs_copy_it_in(monkeypatch, captured):
+    """ctx, a graph input, may be written by the caller after the call (h += block(h, tok)), so
+    the op keeps a copy of it for its backward (lowering/match.py, Match.copied), except where the
+    whole graph is captured: the CUDA graphs copy ctx into their own memory anyway."""
+    reports = []
+    monkeypatch.setattr(backend, "_whole_graph_captured", lambda *args: captured)
+    monkeypatch.setattr(backend, "observers", [lambda report, *_: reports.append(report)])
+    if captured:
+        _stub_cuda_graphs(monkeypatch)
+    torch._dynamo.reset()
+    block = models.MHABlock.from_preset("tiny")
+    ctx, tok = torch.randn(4, 3, 32, requires_grad=True), torch.randn(4, 5, 32)
+    torch.compile(block, backend="mha")(ctx, tok).sum().backward()
+    torch._dynamo.reset()
+    assert [m["copied"] for r in reports for m in r.matches] == [[] if captured else ["ctx"]]

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -382,7 +383,8 @@ def test_two_regions_give_two_matches():
 class IaddRead(SpelledBlock):
     """y += inv[:, None] into the graph's own y, which the graph also reads elsewhere: `before`
     (its mean, taken before the add: sees y as it was), or after the add through an alias taken
-    before it: a view ("view") or contiguous(), which returns y itself ("contiguous"). y is
+    before it: a view ("view", "narrow", "detach": views the matcher reads only as calls it does not
+    know) or contiguous(), which returns y itself ("contiguous"). y is
     ctx * 1.0, or ctx.double(): ctx itself when ctx is float64 (the add writes into the caller's
     tensor), a copy when it is float32."""
 
@@ -392,7 +394,8 @@ class IaddRead(SpelledBlock):
 
     def merge_forward(self, ctx, inv):
         y = ctx.double() if self.cast else ctx * 1.0
-        alias = {"before": None, "view": lambda: y.view(-1), "contiguous": y.contiguous}[self.read]
+        alias = {"before": None, "view": lambda: y.view(-1), "contiguous": y.contiguous, "detach": y.detach,
+                 "narrow": lambda: y.narrow(1, 0, 2)}[self.read]
         self.seen = y.mean() if alias is None else alias()
         y += inv[:, None]
         return y
@@ -419,7 +422,9 @@ def test_an_in_place_merge_into_a_copy_made_by_a_cast_matches():
 
 class WriteMidBlock(SpelledBlock):
     """A write in place after the router, outside the region: into ctx ("ctx": c.mul_(2)), tok
-    ("tok": t *= 2; "tok_item": t[0] = 0), the pool's query ("query", under no_grad), all read
+    ("tok": t *= 2; "tok_item": t[0] = 0), through calls the matcher does not read otherwise
+    ("ctx_detach": c.detach().mul_(2), "ctx_aten": aten.mul_.Scalar, "ctx_relu": F.relu(c,
+    inplace=True)), the pool's query ("query", "query_data": .data.mul_, under no_grad), all read
     before it by the pool or the merge; or into W1 ("w1"), which only the experts read, after it.
     The op reads its inputs where the region ends."""
 
@@ -438,6 +443,14 @@ class WriteMidBlock(SpelledBlock):
                 self.t[0] = 0.0
             elif self.what == "query":
                 self.query.mul_(2)
+            elif self.what == "query_data":
+                self.query.data.mul_(2)
+            elif self.what == "ctx_detach":
+                self.c.detach().mul_(2)
+            elif self.what == "ctx_aten":
+                torch.ops.aten.mul_.Scalar(self.c, 2.0)
+            elif self.what == "ctx_relu":
+                F.relu(self.c, inplace=True)
             else:
                 self.w1.mul_(2)
         return routed
@@ -546,6 +559,64 @@ def test_in_place_residuals_over_a_stack_of_blocks():
     torch.manual_seed(0)
     reports = compile_and_compare(InPlaceResidualStack().double(), inputs(dtype=torch.float64), torch.float64)
     assert [m["copied"] for r in reports for m in r.matches] == [["ctx"], ["ctx"]]
+
+
+def test_an_in_place_residual_around_the_compiled_block_trains_as_in_eager():
+    """The block compiled alone and h += block(h, tok) written by the caller (the write outside
+    the graph): ctx is a graph input, so the op keeps a copy; its backward raised autograd's
+    "modified by an inplace operation" where eager trains. Under no_grad, no copy."""
+    torch.manual_seed(0)
+    model = SpelledBlock().double()
+    compiled = torch.compile(copy.deepcopy(model), backend="mha", options={"strict": True})
+    ctx, tok = inputs(dtype=torch.float64)
+    results = []
+    with compiled_reports() as reports:
+        torch._dynamo.reset()
+        for block, m in ((model, model), (compiled, compiled)):
+            start = ctx.clone().requires_grad_()
+            h = start * 1.0
+            h += block(h, tok)
+            (h * torch.randn(h.shape, generator=torch.Generator().manual_seed(2), dtype=h.dtype)).sum().backward()
+            results.append((h.detach(), start.grad, [p.grad for p in m.parameters()]))
+        with torch.no_grad():
+            compiled(ctx, tok)
+    assert [m["copied"] for r in reports for m in r.matches] == [["ctx"], []]
+    (h_e, start_e, grads_e), (h_c, start_c, grads_c) = results
+    assert relative_error(h_c, h_e) <= TOLERANCE[torch.float64]
+    assert relative_error(start_c, start_e) <= TOLERANCE[torch.float64]
+    for (name, _), g_e, g_c in zip(model.named_parameters(), grads_e, grads_c):
+        if not name.endswith(ZERO_GRAD):
+            assert relative_error(g_c, g_e) <= TOLERANCE[torch.float64], name
+
+
+class RouterStatsNoGrad(SpelledBlock):
+    """The router's load, for logging, under no_grad where the router is (before the experts)."""
+
+    def route(self, x):
+        probs = torch.softmax(self.router(x), dim=-1)
+        with torch.no_grad():
+            self.load = probs.mean(0)
+        weight, index = probs.topk(self.k, dim=-1)
+        return weight / weight.sum(dim=-1, keepdim=True), index
+
+    def forward(self, ctx, tok, pad=None):
+        return super().forward(ctx, tok, pad), self.load
+
+
+def test_router_statistics_under_no_grad_keep_their_mode_after_the_op():
+    """The reader moves after the op (it reads π, computed again there) and keeps its grad mode:
+    run in the output's, it would hand out a load that requires grad."""
+    torch.manual_seed(0)
+    model = RouterStatsNoGrad().double()
+    args = inputs(dtype=torch.float64)
+    with compiled_reports() as reports:
+        torch._dynamo.reset()
+        out_c, load_c = torch.compile(copy.deepcopy(model), backend="mha")(*args)
+    out_e, load_e = model(*args)
+    assert _assert_one_match(reports)["kept"]  # π computed again after the op, the load read there
+    assert not load_c.requires_grad and not load_e.requires_grad and out_c.requires_grad
+    assert relative_error(load_c, load_e) <= TOLERANCE[torch.float64]
+    assert relative_error(out_c, out_e) <= TOLERANCE[torch.float64]
 
 
 # ---- near-misses ------------------------------------------------------------------------------
@@ -826,6 +897,8 @@ NEAR_MISSES = {
     "in-place merge read after through a view": (IaddRead, {"read": "view"}, "reads outside the region afterwards"),
     "in-place merge read after through contiguous()": (IaddRead, {"read": "contiguous"},
                                                        "reads outside the region afterwards"),
+    "in-place merge read after through detach()": (IaddRead, {"read": "detach"}, "reads outside the region afterwards"),
+    "in-place merge read after through narrow()": (IaddRead, {"read": "narrow"}, "reads outside the region afterwards"),
     "in-place merge into ctx.double(), ctx itself": (IaddRead, {"read": "before", "cast": True},
                                                      "in place into the graph input"),
     "the pool under torch.no_grad()": (PartNoGrad, {"part": "pool"}, "runs with grad disabled"),
@@ -835,6 +908,10 @@ NEAR_MISSES = {
     "tok *= 2 mid-block": (WriteMidBlock, {"what": "tok"}, "after the region reads it"),
     "tok[0] = 0 mid-block": (WriteMidBlock, {"what": "tok_item"}, "after the region reads it"),
     "the query written in place mid-block": (WriteMidBlock, {"what": "query"}, "after the region reads it"),
+    "the query's .data written in place mid-block": (WriteMidBlock, {"what": "query_data"}, "after the region reads it"),
+    "ctx.detach() written in place mid-block": (WriteMidBlock, {"what": "ctx_detach"}, "after the region reads it"),
+    "aten.mul_.Scalar into ctx mid-block": (WriteMidBlock, {"what": "ctx_aten"}, "after the region reads it"),
+    "F.relu(ctx, inplace=True) mid-block": (WriteMidBlock, {"what": "ctx_relu"}, "after the region reads it"),
 }
 
 
