@@ -67,6 +67,9 @@ class Match:
     # the op from under torch.no_grad()), and out's, which the rewrite restores after each
     kept_modes: dict = dataclasses.field(default_factory=dict)
     out_mode: bool = True
+    # Autocast of the kept nodes whose autocast differs from out's: {node: [(device type, dtype,
+    # enabled, cache)]}, the contexts the rewrite enters around each after the op
+    kept_autocast: dict = dataclasses.field(default_factory=dict)
 
     def summary(self):
         return {"output": self.output.name, "ctx": self.ctx.name, "tok": self.tok.name,
@@ -254,9 +257,13 @@ def _match_at(nodes, anchor):
     region, exports, kept, moved = _region_nodes(nodes, (ctx, tok), out, exportable, keepable)
     modes = _grad_modes(nodes)
     _check_one_grad_mode(nodes, modes, list(region) + list(kept), out)
-    # a moved reader keeps its grad mode (router statistics logged under no_grad)
+    # a moved reader keeps its grad mode (router statistics logged under no_grad), and what is
+    # moved keeps its autocast (a router in fp32, autocast off, under a bf16 autocast)
     moved_modes = {n: modes(n) for n in moved if modes(n) != modes(out)}
     kept = _in_order(nodes, kept | moved)
+    autocast = _autocast_states(nodes)
+    kept_autocast = {n: _autocast_change(autocast(n), autocast(out)) for n in kept}
+    kept_autocast = {n: change for n, change in kept_autocast.items() if change}
     data = _descendants(ctx) | _descendants(tok)  # not the mask's or the parameters' own preparation
     for n in region:  # a write in place the walks gave no meaning would be dropped with the region
         if _is_inplace(n) and n is not y and n in data and n not in moe_walk.vals and n not in pool_walk.vals:
@@ -276,7 +283,7 @@ def _match_at(nodes, anchor):
     return Match(anchor, out, ctx, tok, params, config, region, exports=exports, inv=inv, out_layout=layout,
                  empty_rows=pool_walk.vals[inv].info.get("empty_rows", ""), kept=kept, copied=written_after,
                  written_after=written_after, ctx_held=training and _callers(nodes, ctx),
-                 kept_modes=moved_modes, out_mode=modes(out))
+                 kept_modes=moved_modes, out_mode=modes(out), kept_autocast=kept_autocast)
 
 
 # The router's own values: y's rows, the logits x·Wgᵀ and their softmax π, in any layout or dtype.
@@ -675,6 +682,41 @@ def _grad_modes(nodes):
         before = [m for at, m in changes if at < nodes.order[node]]
         return before[-1] if before else start
     return mode_at
+
+
+_ENTER_AUTOCAST = getattr(torch.amp.autocast_mode, "_enter_autocast", object())
+_EXIT_AUTOCAST = getattr(torch.amp.autocast_mode, "_exit_autocast", object())
+
+
+def _autocast_states(nodes):
+    """state(node): {device type: (dtype, enabled, cache)} of the autocast contexts Dynamo recorded
+    around node (_enter_autocast and _exit_autocast calls), the innermost for each device type."""
+    changes, stack = [], []
+    for n in nodes:
+        if n.op == "call_function" and n.target is _ENTER_AUTOCAST:
+            stack.append(n)
+        elif n.op == "call_function" and n.target is _EXIT_AUTOCAST and n.args and n.args[0] in stack:
+            stack.remove(n.args[0])
+        else:
+            continue
+        changes.append((nodes.order[n], tuple(stack)))
+
+    def state(node):
+        before = [active for at, active in changes if at < nodes.order[node]]
+        return {enter.args[0]: tuple(enter.args[1:4]) for enter in (before[-1] if before else ())}
+    return state
+
+
+def _autocast_change(was, there):
+    """The contexts to enter where `there` is in force so that `was` is: for each device type whose
+    state differs, `was`'s, or the caller's (Dynamo compiles in it) where `was` had none."""
+    change = []
+    for device in sorted(set(was) | set(there)):
+        if was.get(device) != there.get(device):
+            dtype, enabled, cache = was.get(device) or (
+                torch.get_autocast_dtype(device), torch.is_autocast_enabled(device), torch.is_autocast_cache_enabled())
+            change.append((device, dtype, enabled, cache))
+    return change
 
 
 def _check_one_grad_mode(nodes, modes, covered, out):

@@ -79,12 +79,17 @@ def replace_region(gm, match):
     match.output.replace_all_uses_with(out)
     inside = set(match.nodes)
     for node in match.kept:  # the router's chain the rest reads: after the op, from the rebuilt y
-        if node in match.kept_modes:  # in the grad mode it ran in (statistics under no_grad)
-            with graph.inserting_before(match.output):
+        # in the grad mode and autocast it ran in (statistics under no_grad, a router in fp32)
+        with graph.inserting_before(match.output):
+            if node in match.kept_modes:
                 graph.call_function(torch._C._set_grad_enabled, (match.kept_modes[node],))
+            entered = [graph.call_function(torch.amp.autocast_mode._enter_autocast, state)
+                       for state in match.kept_autocast.get(node, ())]
         match.output.prepend(node)
-        if node in match.kept_modes:
-            with graph.inserting_before(match.output):
+        with graph.inserting_before(match.output):
+            for enter in reversed(entered):
+                graph.call_function(torch.amp.autocast_mode._exit_autocast, (enter,))
+            if node in match.kept_modes:
                 graph.call_function(torch._C._set_grad_enabled, (match.out_mode,))
     for name, node in match.exports.items():
         for user in list(node.users):

@@ -619,6 +619,40 @@ def test_router_statistics_under_no_grad_keep_their_mode_after_the_op():
     assert relative_error(out_c, out_e) <= TOLERANCE[torch.float64]
 
 
+class Fp32RouterUnderAutocast(SpelledBlock):
+    """The block under a bf16 autocast, its router in fp32 with autocast off (as MoE code keeps
+    the router's softmax exact), and a z-loss on the router's logits there."""
+
+    def route(self, x):
+        with torch.autocast("cpu", enabled=False):
+            logits = self.router(x.float())
+            probs = torch.softmax(logits, dim=-1)
+            self.z = torch.logsumexp(logits, dim=-1).square().mean()
+        weight, index = probs.topk(self.k, dim=-1)
+        return (weight / weight.sum(dim=-1, keepdim=True)).to(x.dtype), index
+
+    def forward(self, ctx, tok, pad=None):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return super().forward(ctx, tok, pad), self.z
+
+
+def test_the_router_s_chain_computed_again_keeps_its_autocast():
+    """The router's logits, read by the z-loss, are computed again after the op (where autocast
+    is on) and so is the loss: run there as they were (autocast off) they stay fp32, where the
+    rebuilt chain gave a bf16 z-loss. The op's pool is exact where eager's runs in bf16: the
+    loss differs by that rounding, not by bf16's of its own (~4e-3)."""
+    torch.manual_seed(0)
+    model = Fp32RouterUnderAutocast().float()
+    args = [a.float() for a in inputs(dtype=torch.float64)]
+    with compiled_reports() as reports:
+        torch._dynamo.reset()
+        out_c, z_c = torch.compile(copy.deepcopy(model), backend="mha")(*args)
+    out_e, z_e = model(*args)
+    assert _assert_one_match(reports)["kept"]
+    assert z_c.dtype == z_e.dtype == torch.float32
+    assert relative_error(z_c, z_e) <= 1e-3 and relative_error(out_c, out_e) <= 2e-2
+
+
 # ---- near-misses ------------------------------------------------------------------------------
 
 
