@@ -144,7 +144,8 @@ def lowering_summary(mode, model, ctx, tok):
     if not callable(explain):  # importing the submodule mha_compile.explain shadows the function
         explain = explain.explain
     try:
-        explained = explain(model, ctx, tok, options=modes.mha_options(mode))
+        with torch.no_grad():  # the inference view, as explain gave it until session 50: no training graph to capture
+            explained = explain(model, ctx, tok, options=modes.mha_options(mode))
     except Exception as error:  # noqa: BLE001 - a broken explain must not lose the timing
         return {"regions_replaced": None, "lowering_note": f"explain failed: {type(error).__name__}: {error}"[:300]}
     finally:

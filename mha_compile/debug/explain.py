@@ -1,4 +1,5 @@
-"""`mha_compile.explain(model_or_fn, *args, **kwargs)`: what the backend would do, without training."""
+"""`mha_compile.explain(model_or_fn, *args, **kwargs)`: what the backend would do, without training
+(one forward, no backward, in the caller's grad mode)."""
 import contextlib
 import types
 
@@ -13,7 +14,13 @@ NO_GRAPH = ("Dynamo handed the backend no graph, so nothing was matched or misse
 
 
 def explain(model_or_fn, *args, options=None, **kwargs):
-    """Compile with backend="mha", run once under no_grad, and return an ExplainReport.
+    """Compile with backend="mha", run the forward once (no backward) in the caller's grad mode,
+    and return an ExplainReport.
+
+    The caller's mode, not no_grad: it is the mode the model will train in, and what is compiled
+    depends on it (Dynamo records a torch.no_grad() inside the model only where grad is on, so
+    under no_grad a frozen pool's region read as a match the training compile refuses; and in
+    training the op keeps a copy of a ctx the caller holds). Under no_grad, the inference view.
 
     Dynamo keeps what it compiles on the code object it starts from, and stops compiling a code
     object for one module after config.recompile_limit (8) entries. Started from the model's own
@@ -30,7 +37,7 @@ def explain(model_or_fn, *args, options=None, **kwargs):
 
     backend.observers.append(observe)
     try:
-        with _own_code(model_or_fn) as target, torch.no_grad():
+        with _own_code(model_or_fn) as target:
             torch.compile(target, backend=mha)(*args, **kwargs)
     finally:
         backend.observers.remove(observe)

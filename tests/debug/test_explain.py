@@ -1,4 +1,5 @@
 """mha_compile.explain called again and again, beside the user's own torch.compile of the model."""
+import pathlib
 import pytest
 import torch
 
@@ -82,3 +83,21 @@ def test_dynamos_own_wrappers_are_compiled_as_torch_compile_would():
         return block(ctx, tok)
 
     assert len(mha_compile.explain(disabled, *_inputs(2, 3)).matches) == 1
+
+
+def test_explain_reports_what_the_caller_s_grad_mode_compiles():
+    """explain runs the forward in the caller's grad mode: a frozen pool (the pool under
+    torch.no_grad() inside the model) is a near-miss for training, and a match for inference,
+    where Dynamo records no grad-mode change (it ran under no_grad always until session 50, so
+    the report said match where training fell back)."""
+    import sys
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "lowering"))
+    from test_spellings import PartNoGrad, inputs
+
+    model = PartNoGrad("pool").double()
+    args = inputs(dtype=torch.float64)
+    training = mha_compile.explain(model, *args)
+    with torch.no_grad():
+        inference = mha_compile.explain(model, *args)
+    assert not training.matches and "runs with grad disabled" in training.near_misses[0]["reason"]
+    assert len(inference.matches) == 1 and not inference.near_misses
