@@ -10,6 +10,7 @@ per operation composes, and each rule checks the one thing that makes the op the
 For each topk: router -> merge -> pool are found by walking back; the pool and the MoE are
 then read forward. Every candidate ends as a Match or as a NearMiss with a reason.
 """
+import bisect
 import dataclasses
 import functools
 import inspect
@@ -256,14 +257,14 @@ def _match_at(nodes, anchor):
     keepable = None if _is_inplace(y) else _router_chain(moe_walk, y)
     region, exports, kept, moved = _region_nodes(nodes, (ctx, tok), out, exportable, keepable)
     modes = _grad_modes(nodes)
+    training = modes(out)
     _check_one_grad_mode(nodes, modes, list(region) + list(kept), out)
     # a moved reader keeps its grad mode (router statistics logged under no_grad), and what is
     # moved keeps its autocast (a router in fp32, autocast off, under a bf16 autocast)
-    moved_modes = {n: modes(n) for n in moved if modes(n) != modes(out)}
+    moved_modes = {n: modes(n) for n in moved if modes(n) != training}
     kept = _in_order(nodes, kept | moved)
     autocast = _autocast_states(nodes)
-    kept_autocast = {n: _autocast_change(autocast(n), autocast(out)) for n in kept}
-    kept_autocast = {n: change for n, change in kept_autocast.items() if change}
+    kept_autocast = {n: change for n in kept if (change := _autocast_change(autocast(n), autocast(out)))}
     data = _descendants(ctx) | _descendants(tok)  # not the mask's or the parameters' own preparation
     for n in region:  # a write in place the walks gave no meaning would be dropped with the region
         if _is_inplace(n) and n is not y and n in data and n not in moe_walk.vals and n not in pool_walk.vals:
@@ -277,13 +278,12 @@ def _match_at(nodes, anchor):
     # region, and whether the caller holds ctx and may write it after the call (h += block(h,
     # tok) outside the graph): eager's ops keep none of ctx. tok is kept by eager's projections
     # too (autograd refuses a later write there as here).
-    training = modes(out)
     written_after = tuple(name for name, node in (("ctx", ctx), ("tok", tok))
                           if training and _written_after(nodes, node, region, out))
     return Match(anchor, out, ctx, tok, params, config, region, exports=exports, inv=inv, out_layout=layout,
                  empty_rows=pool_walk.vals[inv].info.get("empty_rows", ""), kept=kept, copied=written_after,
                  written_after=written_after, ctx_held=training and _callers(nodes, ctx),
-                 kept_modes=moved_modes, out_mode=modes(out), kept_autocast=kept_autocast)
+                 kept_modes=moved_modes, out_mode=training, kept_autocast=kept_autocast)
 
 
 # The router's own values: y's rows, the logits x·Wgᵀ and their softmax π, in any layout or dtype.
@@ -656,55 +656,61 @@ def _check_no_write_meanwhile(nodes, region, out):
 
 _ENTER_INFERENCE = getattr(torch.autograd.grad_mode, "_enter_inference_mode", object())
 _EXIT_INFERENCE = getattr(torch.autograd.grad_mode, "_exit_inference_mode", object())
-
-
-def _grad_modes(nodes):
-    """mode(node): whether grad is enabled where node runs. Dynamo records `with torch.no_grad():`
-    as torch._C._set_grad_enabled calls, and `with torch.inference_mode():` as a pair of
-    _enter/_exit_inference_mode calls; before the first, the caller's mode (Dynamo compiles in it)."""
-    changes, mode, outer = [], torch.is_grad_enabled(), []
-    for n in nodes:
-        if n.op != "call_function":
-            continue
-        if n.target is torch._C._set_grad_enabled:
-            mode = bool(n.args[0])
-        elif n.target is _ENTER_INFERENCE:
-            outer.append(mode)
-            mode = mode and not n.args[0]
-        elif n.target is _EXIT_INFERENCE and outer:
-            mode = outer.pop()
-        else:
-            continue
-        changes.append((nodes.order[n], mode))
-    start = torch.is_grad_enabled()
-
-    def mode_at(node):
-        before = [m for at, m in changes if at < nodes.order[node]]
-        return before[-1] if before else start
-    return mode_at
-
-
 _ENTER_AUTOCAST = getattr(torch.amp.autocast_mode, "_enter_autocast", object())
 _EXIT_AUTOCAST = getattr(torch.amp.autocast_mode, "_exit_autocast", object())
 
 
+def _states(nodes, start, step):
+    """at(node): the state in force where node runs: `start` (the caller's: Dynamo compiles in
+    it), changed by each call_function for which step(call, state) returns a new state (None: a
+    call that changes nothing)."""
+    positions, states, state = [], [], start
+    for n in nodes:
+        if n.op == "call_function" and (new := step(n, state)) is not None:
+            state = new
+            positions.append(nodes.order[n])
+            states.append(state)
+
+    def at(node):
+        i = bisect.bisect_left(positions, nodes.order[node])
+        return states[i - 1] if i else start
+    return at
+
+
+def _grad_step(n, state):
+    """Dynamo records `with torch.no_grad():` as torch._C._set_grad_enabled calls, and `with
+    torch.inference_mode():` as a pair of _enter/_exit_inference_mode calls. state: (grad
+    enabled, the modes the inference contexts entered left)."""
+    mode, outer = state
+    if n.target is torch._C._set_grad_enabled:
+        return bool(n.args[0]), outer
+    if n.target is _ENTER_INFERENCE:
+        return mode and not n.args[0], outer + (mode,)
+    if n.target is _EXIT_INFERENCE and outer:
+        return outer[-1], outer[:-1]
+    return None
+
+
+def _grad_modes(nodes):
+    """mode(node): whether grad is enabled where node runs."""
+    at = _states(nodes, (torch.is_grad_enabled(), ()), _grad_step)
+    return lambda node: at(node)[0]
+
+
+def _autocast_step(n, stack):
+    """The _enter_autocast calls in force (_exit_autocast ends one)."""
+    if n.target is _ENTER_AUTOCAST:
+        return stack + (n,)
+    if n.target is _EXIT_AUTOCAST and n.args and n.args[0] in stack:
+        return tuple(enter for enter in stack if enter is not n.args[0])
+    return None
+
+
 def _autocast_states(nodes):
     """state(node): {device type: (dtype, enabled, cache)} of the autocast contexts Dynamo recorded
-    around node (_enter_autocast and _exit_autocast calls), the innermost for each device type."""
-    changes, stack = [], []
-    for n in nodes:
-        if n.op == "call_function" and n.target is _ENTER_AUTOCAST:
-            stack.append(n)
-        elif n.op == "call_function" and n.target is _EXIT_AUTOCAST and n.args and n.args[0] in stack:
-            stack.remove(n.args[0])
-        else:
-            continue
-        changes.append((nodes.order[n], tuple(stack)))
-
-    def state(node):
-        before = [active for at, active in changes if at < nodes.order[node]]
-        return {enter.args[0]: tuple(enter.args[1:4]) for enter in (before[-1] if before else ())}
-    return state
+    around node, the innermost for each device type."""
+    at = _states(nodes, (), _autocast_step)
+    return lambda node: {enter.args[0]: tuple(enter.args[1:4]) for enter in at(node)}
 
 
 def _autocast_change(was, there):
@@ -736,7 +742,7 @@ def _callers(nodes, node):
     """Whether node's tensor is also the caller's: a graph input or module attribute, or (through
     an alias) something the graph returns."""
     aliases = _aliases(node)
-    returned = [n for n in nodes if n.op == "output"][-1].all_input_nodes
+    returned = next(n for n in reversed(nodes) if n.op == "output").all_input_nodes
     return any(a.op in ("placeholder", "get_attr") or a in returned for a in aliases)
 
 
@@ -799,8 +805,8 @@ def _aliases(node):
     made of that base (a view may also copy, contiguous() of a strided tensor: taken as sharing,
     to be safe)."""
     base = node
-    while _storage_parent(base) is not None:
-        base = _storage_parent(base)
+    while (parent := _storage_parent(base)) is not None:
+        base = parent
     found, stack = set(), [base]
     while stack:
         n = stack.pop()
