@@ -87,9 +87,6 @@ def lower(gm, opts, report, whole_graph_captured=False):
             match.keep_hidden = opts.keep_hidden
             match.keeps = describe_keep_hidden(match, opts.keep_hidden)
             match.runs = describe_slot_runs(match)
-            # the CUDA graphs copy ctx in: what the op keeps is theirs, out of the caller's reach
-            held = ("ctx",) if match.ctx_held and not whole_graph_captured and "ctx" not in match.written_after else ()
-            match.copied = held + match.written_after
         report.matches += [dict(m.summary(), graph=path or "<top>") for m in matches]
         if matches:
             rewrite(sub, matches)

@@ -15,7 +15,10 @@ still kept apart):
 1. the first call runs eagerly: it compiles and autotunes every kernel, and where each input
    lies is noted;
 2. the second captures: inputs found where the first call had them (parameters, buffers, a batch
-   buffer the caller refills) are read in place, every other one is copied into a static input;
+   buffer the caller refills) are read in place, every other one is copied into a static input,
+   and so is an output of the caller's autograd graph (a non-leaf) wherever it lies: the caller
+   may write it in place before the backward (a residual, `h += block(h, tok)`), which eager
+   allows where its ops saved none of it, and a backward reading it in place would have to raise;
    after a warm-up on the side stream, the forward is captured with autograd recording and the
    backward as torch.autograd.grad of its outputs, into the step's own memory pool;
 3. each call copies its moved inputs in, replays the forward and hands out copies of the outputs
@@ -228,7 +231,7 @@ class _Seen:
         self.addresses = [a.data_ptr() for a in args]
 
     def in_place(self, args):
-        return [a.data_ptr() == at for a, at in zip(args, self.addresses)]
+        return [_readable_in_place(a, at) for a, at in zip(args, self.addresses)]
 
 
 class _Step:
@@ -279,11 +282,12 @@ class _Step:
         self.generation, self.last, self.backward_done = 0, None, False
 
     def addresses_hold(self, args):
-        return all(args[i].data_ptr() == at for i, at in self.kept) and all(t.data_ptr() == at for t, at in self.held)
+        return (all(_readable_in_place(args[i], at) for i, at in self.kept)
+                and all(t.data_ptr() == at for t, at in self.held))
 
     def in_place(self, args):
         """What stays read in place when the step is captured again (an input moved)."""
-        return [keep and a.data_ptr() == at for a, keep, at in zip(args, self.read_in_place, self.addresses)]
+        return [keep and _readable_in_place(a, at) for a, keep, at in zip(args, self.read_in_place, self.addresses)]
 
     def gradients_held(self, args):
         """Whether a gradient the last backward handed out is still held by something other than
@@ -363,6 +367,12 @@ class _Replay(torch.autograd.Function):
             raise RuntimeError(NOT_TWICE)
         # unpacking checks that no input read in place changed since the forward
         return (None, *ctx.step.backward(ctx.generation, grads, ctx.saved_tensors))
+
+
+def _readable_in_place(a, at):
+    """Whether step input a can be read where it lies: at the address `at` it had before, and
+    not an output of the caller's autograd graph (module docstring, 2.)."""
+    return a.data_ptr() == at and a.grad_fn is None
 
 
 def _storage(t):

@@ -60,7 +60,8 @@ class Match:
     # Inputs the op takes a copy of, since it keeps them for its backward where eager's ops may
     # keep none: those the graph writes in place after the region (written_after: h += block(h,
     # tok)), and ctx where the caller holds it (ctx_held: a graph input or output, which it may
-    # write after the call) unless CUDA graphs copy the inputs in anyway (backend.lower decides)
+    # write after the call). Under CUDA graphs too: their first calls run on the caller's ctx
+    # itself, and a static input (a batch read in place) is the caller's to write.
     copied: tuple = ()
     written_after: tuple = ()
     ctx_held: bool = False
@@ -280,9 +281,11 @@ def _match_at(nodes, anchor):
     # too (autograd refuses a later write there as here).
     written_after = tuple(name for name, node in (("ctx", ctx), ("tok", tok))
                           if training and _written_after(nodes, node, region, out))
+    ctx_held = training and _callers(nodes, ctx)
+    copied = written_after + (("ctx",) if ctx_held and "ctx" not in written_after else ())
     return Match(anchor, out, ctx, tok, params, config, region, exports=exports, inv=inv, out_layout=layout,
-                 empty_rows=pool_walk.vals[inv].info.get("empty_rows", ""), kept=kept, copied=written_after,
-                 written_after=written_after, ctx_held=training and _callers(nodes, ctx),
+                 empty_rows=pool_walk.vals[inv].info.get("empty_rows", ""), kept=kept, copied=copied,
+                 written_after=written_after, ctx_held=ctx_held,
                  kept_modes=moved_modes, out_mode=training, kept_autocast=kept_autocast)
 
 

@@ -52,3 +52,46 @@ def test_in_place_ops_on_the_regions_output_train_like_eager(monkeypatch, option
             assert relative_error(got.grad, want.grad) <= BOUND, f"step {step} ∂{name}"
         model.zero_grad(set_to_none=True)
         eager.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("options", [
+    {"kernels": "fused", "graphs": "off"},
+    {"kernels": "fused", "graphs": "on"},
+    {"kernels": "fused", "mode": "reduce-overhead"},
+    {"kernels": "fused", "mode": "reduce-overhead", "step_graphs": True},
+], ids=["plain", "region_graphs", "trees", "step_graphs"])
+def test_a_callers_residual_into_ctx_trains_like_eager(options):
+    """`h += block(h, tok)` by the caller, h its own activation (a non-leaf) at one address every
+    step, the block compiled alone: the op keeps a copy of ctx (Match.copied), the CUDA graphs'
+    first calls included (they run on the caller's h), and the step graphs copy h in rather than
+    read it in place. Eager keeps none of ctx; each way must train as it does, no
+    "modified by an inplace operation" raised."""
+    torch._dynamo.reset()
+    torch.manual_seed(11)
+    model = models.MHABlock(128, 4, 256, 8, 2, act="silu").cuda()
+    lin = torch.nn.Linear(128, 128).cuda()
+    eager = copy.deepcopy(model)
+    runs = []
+    for net, block in ((torch.compile(model, backend="mha", options=options), model), (eager, eager)):
+        store = torch.zeros(32, 8, 128, device="cuda")  # h lies here every step
+        lin_copy = copy.deepcopy(lin)
+        params = [*block.parameters(), *lin_copy.parameters()]
+        opt = torch.optim.SGD(params, lr=0.1)
+        losses = []
+        for step in range(4):
+            torch.compiler.cudagraph_mark_step_begin()
+            gen = torch.Generator("cuda").manual_seed(400 + step)
+            ctx = torch.randn(32, 8, 128, device="cuda", generator=gen)
+            tok = torch.randn(32, 24, 128, device="cuda", generator=gen)
+            h = store.detach().copy_(lin_copy(ctx))
+            h += net(h, tok)
+            loss = h.square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        runs.append((losses, [p.detach().clone() for p in params]))
+    (losses, params), (eager_losses, eager_params) = runs
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager_losses), rtol=BOUND, atol=0)
+    for got, want in zip(params, eager_params):
+        assert relative_error(got, want) <= BOUND

@@ -727,3 +727,38 @@ def test_a_held_gradient_makes_steps_run_eagerly(steps, caplog):
     _held.clear()
     compiled(*_inputs(8)).square().mean().backward()
     assert recorder.backward_replays == replays + 1
+
+
+def test_a_callers_residual_written_in_place_trains_as_eager(steps):
+    """`h += block(h, tok)` with h the caller's activation (a non-leaf) at one address every step:
+    the step copies h in rather than reading it in place, since the caller writes it before the
+    backward, which reads it (read in place, the version check raised where eager trains)."""
+    torch.manual_seed(5)
+    lin = torch.nn.Linear(32, 32)
+
+    def run(block, compiled):
+        params = [*block.parameters(), *lin.parameters()]
+        opt = torch.optim.SGD(params, lr=0.1)
+        store = torch.zeros(4, 3, 32)  # refilled each step: h lies at one address
+        losses, grads = [], []
+        for step in range(4):
+            ctx, tok = _inputs(step)
+            h = store.detach().copy_(lin(ctx))  # a non-leaf at store's address (copy_ records it)
+            h += compiled(h, tok)
+            loss = h.square().mean()
+            loss.backward()
+            grads.append({name: p.grad.clone() for name, p in block.named_parameters()})
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        return losses, grads
+
+    lin_state = {k: v.clone() for k, v in lin.state_dict().items()}
+    model = _block()
+    compiled = torch.compile(model, backend="mha", options=OPTIONS)
+    got = run(model, compiled)
+    lin.load_state_dict(lin_state)
+    eager = _block()
+    _assert_trained_alike(got, run(eager, eager))
+    assert [s.read_in_place[0] for s in steps] == [False]  # h copied in
+    assert Emulated.made[0].forward_replays == 3  # steps 1-3: the replays were ours
