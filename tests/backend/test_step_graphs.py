@@ -3,9 +3,9 @@ stand-in, and what why_not refuses.
 
 The stand-in (Emulated) keeps a "capture"'s results as the static tensors and makes a replay
 run the captured function again and write into them, as a CUDA graph writes into the addresses
-it captured; the backward's replay first runs the forward again on the static inputs, whose
-values the last forward replay left, with the random numbers that replay drew (a CUDA graph's
-backward reads the saved values that replay left in the pool). So these tests check what step_graphs adds around the graphs: the first
+it captured; the backward's replay runs through the autograd graph the last forward replay
+recorded, so it reads what that replay saved, with the random numbers it drew (a CUDA graph's
+backward reads the saved values that replay left in the pool), not the inputs as they are now. So these tests check what step_graphs adds around the graphs: the first
 call eager, the inputs read in place or copied, a capture again when one moves, fresh outputs,
 gradients handed to autograd without being taken as .grad, the eager call while a backward is
 pending, the error for a backward whose values were overwritten. The real capture and replay
@@ -60,8 +60,8 @@ class Emulated:
 
         def replay():
             self.forward_replays += 1
-            self.rng = torch.get_rng_state()
-            _write(outputs, forward())
+            self.recorded = forward()  # its autograd graph: what this replay saved
+            _write(outputs, self.recorded)
 
         return outputs, replay
 
@@ -70,9 +70,7 @@ class Emulated:
 
         def replay():
             self.backward_replays += 1
-            with torch.random.fork_rng(devices=[]):
-                torch.set_rng_state(self.rng)  # the forward replay's draws (a graph keeps its dropout masks)
-                _write(grads, backward(self.forward()))
+            _write(grads, backward(self.recorded))
 
         return grads, replay
 
@@ -762,3 +760,32 @@ def test_a_callers_residual_written_in_place_trains_as_eager(steps):
     _assert_trained_alike(got, run(eager, eager))
     assert [s.read_in_place[0] for s in steps] == [False]  # h copied in
     assert Emulated.made[0].forward_replays == 3  # steps 1-3: the replays were ours
+
+
+def test_a_batch_refilled_before_the_backward_trains_as_eager_where_eager_keeps_none_of_it(steps):
+    """A batch buffer read in place (ctx, taking no gradient) refilled by the caller before the
+    backward: the step's backward reads none of it (the op keeps a copy of a caller-held ctx), so,
+    as in eager, the refill changes nothing; tok, which the backward reads (as eager's projections
+    do), still raises autograd's error when written so."""
+    model = _block()
+    compiled = torch.compile(model, backend="mha", options=OPTIONS)
+    eager = _block()
+    ctx, tok = _inputs(0)
+    for step in range(4):
+        new_ctx, new_tok = _inputs(10 + step)
+        ctx.copy_(new_ctx)
+        tok.copy_(new_tok)
+        for net in (compiled, eager):
+            loss = net(ctx, tok).square().mean()
+            with torch.no_grad():
+                ctx.mul_(-3)  # the caller's refill (or prefetch) before the backward
+            loss.backward()
+            ctx.copy_(new_ctx)
+        for (name, got), want in zip(model.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{step} ∂{name}: {m}")
+            got.grad = want.grad = None
+    assert [s.read_in_place[:2] for s in steps] == [[True, True]]
+    loss = compiled(ctx, tok).square().mean()
+    tok.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
