@@ -342,4 +342,8 @@ def region_call(*args, graphs="off", keep_hidden=False):
     if _traced(args):
         return torch.ops.mha.region.default(*args, graphs=graphs, keep_hidden=keep_hidden)
     export_inv = args[20] if len(args) > 20 else False
-    return RegionFunction.apply(*args[:20], export_inv, graphs, keep_hidden)
+    # A model's enable_grad under the caller's inference_mode: eager's ops record nothing there,
+    # where a Function would (and raise, saving inference tensors for a backward)
+    recording = not torch.is_inference_mode_enabled()
+    with contextlib.nullcontext() if recording else torch.no_grad():
+        return RegionFunction.apply(*args[:20], export_inv, graphs, keep_hidden)

@@ -4,6 +4,8 @@ It must compute exactly what the op computes (same kernel-set calls), forward an
 gradient, with and without the exported inv; give a second derivative that is the math's (a
 gradient penalty) as the op does; and leave the op in place wherever something traces the call.
 """
+import contextlib
+
 import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -242,13 +244,21 @@ def test_compiled_autograd_meets_the_backward_op(monkeypatch):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
 
 
+@contextlib.contextmanager
+def _enable_grad_under_inference_mode():
+    with torch.inference_mode(), torch.enable_grad():
+        yield
+
+
 @pytest.mark.parametrize("kernels", ["reference", pytest.param("fused", marks=needs_interpreter),
                                      pytest.param("staged", marks=needs_interpreter)])
-@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode, _enable_grad_under_inference_mode])
 def test_without_grad(mode, kernels):
     """Eval under no_grad or inference_mode: nothing is recorded, the output is the op's. Under
     inference_mode what the kernel sets make are inference tensors, which have no version counter
-    (the kept expert layout and pool weights must not read one)."""
+    (the kept expert layout and pool weights must not read one). A model's torch.enable_grad()
+    under the caller's inference_mode records nothing either, as eager's ops do (the Function
+    tried to save inference tensors and raised)."""
     tensors = _inputs(dtype=torch.float32)
     args = (*tensors, None, 2, True, "gelu", kernels, False)
     with mode():

@@ -669,3 +669,33 @@ def test_compile_caches_are_keyed_by_the_ops_schemas(tmp_path, monkeypatch):
     assert other[0] == 0 and other[1] >= 1, other
     assert tags[0] == "user-tag|mha-0123456789abcdef" and tags[-1] == "user-tag|mha-fedcba9876543210", tags
 
+
+
+class _GradInside(torch.nn.Module):
+    """A block whose forward turns grad on itself (as a model that trains a part of itself at
+    eval might)."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = models.MHABlock.from_preset("tiny")
+
+    def forward(self, ctx, tok):
+        with torch.enable_grad():
+            return self.block(ctx, tok)
+
+
+def test_enable_grad_inside_the_callers_inference_mode_runs_as_eager():
+    """Under the caller's inference_mode the model's enable_grad records nothing in eager; the
+    compiled model must run too (its region's Function raised: inference tensors saved for a
+    backward), with eager's output."""
+    torch._dynamo.reset()
+    torch.manual_seed(2)
+    model = _GradInside()
+    ctx, tok = torch.randn(4, 3, 32), torch.randn(4, 5, 32)
+    with torch.inference_mode(), compiled_reports() as reports:
+        want = model(ctx, tok)
+        got = torch.compile(model, backend="mha")(ctx, tok)
+    torch._dynamo.reset()
+    assert [len(r.matches) for r in reports] == [1]
+    assert not got.requires_grad
+    assert relative_error(got, want) <= 1e-6
