@@ -334,6 +334,25 @@ def _traced(args):
             or any(type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter for t in tensors))
 
 
+@torch.library.custom_op("mha::kept_copy", mutates_args=())
+def _kept_copy(t: Tensor) -> Tensor:
+    """A copy of t that the region keeps for its backward (lowering/match.py, Match.copied): the
+    caller may write t in place before the backward, where eager's ops keep none of it. An op of
+    its own, not a clone: Inductor's passes dropped a clone that nothing wrote, and AOTAutograd
+    then saved t itself for the backward (which raised at the caller's `h += block(h, tok)`)."""
+    return t.clone()
+
+
+_kept_copy.register_fake(torch.empty_like)
+_kept_copy.register_autograd(lambda ctx, grad: grad, setup_context=lambda ctx, inputs, output: None)
+
+
+def kept_copy(t):
+    """What the rewrite calls for Match.copied: the op where something traces the call (_traced),
+    else a plain clone (an eagerly run graph has no pass that could drop it)."""
+    return torch.ops.mha.kept_copy.default(t) if _traced((t,)) else t.clone()
+
+
 def region_call(*args, graphs="off", keep_hidden=False):
     """The region for a graph that runs eagerly: RegionFunction, or the op itself whenever
     something could be tracing or transforming the call (_traced: Dynamo, a dispatch mode such

@@ -61,7 +61,7 @@ def replace_region(gm, match):
         nan_rows = _nan_rows(graph, mask, dtype(match.ctx)) if match.empty_rows == "nan" else None
         ctx = match.ctx if nan_rows is None else graph.call_function(operator.add, (match.ctx, nan_rows))
         tok = match.tok
-        if "ctx" in match.copied and nan_rows is None:  # the add above is a copy already
+        if "ctx" in match.copied:  # after the add too: a partitioner may recompute an add from ctx
             ctx = _copy(graph, ctx)
         if "tok" in match.copied:
             tok = _copy(graph, tok)
@@ -102,8 +102,8 @@ def replace_region(gm, match):
 
 
 def _copy(graph, node):
-    """node.clone(), with node's example value (later passes read shapes and dtypes from it)."""
-    copy = graph.call_method("clone", (node,))
+    """ops.kept_copy(node), with node's example value (later passes read shapes and dtypes from it)."""
+    copy = graph.call_function(ops.kept_copy, (node,))
     copy.meta.update({k: v for k, v in node.meta.items() if k in ("example_value", "val")})
     return copy
 

@@ -59,7 +59,8 @@ def test_in_place_ops_on_the_regions_output_train_like_eager(monkeypatch, option
     {"kernels": "fused", "graphs": "on"},
     {"kernels": "fused", "mode": "reduce-overhead"},
     {"kernels": "fused", "mode": "reduce-overhead", "step_graphs": True},
-], ids=["plain", "region_graphs", "trees", "step_graphs"])
+    {"kernels": "fused", "rest": "inductor"},
+], ids=["plain", "region_graphs", "trees", "step_graphs", "inductor"])
 def test_a_callers_residual_into_ctx_trains_like_eager(options):
     """`h += block(h, tok)` by the caller, h its own activation (a non-leaf) at one address every
     step, the block compiled alone: the op keeps a copy of ctx (Match.copied), the CUDA graphs'

@@ -1,6 +1,7 @@
 """whole_graph.capture on the CPU: which inputs of the compiled forward and backward the CUDA-graph
 trees would copy before each replay. CUDA graphs need a GPU, so Dynamo's CPU check is stepped
 around and cudagraphify_impl stands in by recording its arguments and running the graph as is."""
+import copy
 import os
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import torch
 
 from mha_compile import backend, models, whole_graph
 from loop_moe import loop_experts
+from lowering.spellings import SpelledBlock, inputs
 
 
 def _stub_cuda_graphs(monkeypatch):
@@ -432,3 +434,42 @@ def test_ctx_is_copied_for_the_backward_under_cuda_graphs_too(monkeypatch, captu
     torch.compile(block, backend="mha")(ctx, tok).sum().backward()
     torch._dynamo.reset()
     assert [m["copied"] for r in reports for m in r.matches] == [["ctx"]]
+
+
+@pytest.mark.parametrize("way", ["plain", "inductor", "inductor_masked", "trees", "trees_pool_outside"])
+def test_a_callers_residual_into_ctx_trains_as_eager(monkeypatch, way):
+    """`h += block(h, tok)` by the caller, the block compiled alone: eager keeps none of h, so the
+    op keeps a copy of it; where AOTAutograd traces the graph (rest="inductor", the CUDA-graph
+    trees), that copy must survive its passes (a clone there went, and the backward read h itself:
+    autograd's "modified by an inplace operation"). inductor_masked: a key-padding mask under a
+    plain softmax, where the op takes ctx plus the NaN of rows with every key masked (none here),
+    an add a pass could recompute from h."""
+    options = {"rest": "inductor"} if way.startswith("inductor") else {}
+    if way.startswith("trees"):
+        options["mode"] = "reduce-overhead"
+        monkeypatch.setattr(backend, "_whole_graph_captured", lambda *args: True)
+        monkeypatch.setattr(whole_graph, "POOL_OUTSIDE", way == "trees_pool_outside")
+        monkeypatch.setattr(whole_graph, "POOL_OUTSIDE_MIN_BYTES", 0)
+        _stub_cuda_graphs(monkeypatch)
+    torch._dynamo.reset()
+    torch.manual_seed(3)
+    block = SpelledBlock(pool="einsum", mask=True) if way == "inductor_masked" else models.MHABlock.from_preset("tiny")
+    eager = copy.deepcopy(block)
+    lin = torch.nn.Linear(32, 32)
+    grads = []
+    for net, params in ((torch.compile(block, backend="mha", options=options), block), (eager, eager)):
+        lin.zero_grad(set_to_none=True)
+        got = []
+        for step in range(2):
+            ctx, *rest = inputs(mask=way == "inductor_masked", generator=torch.Generator().manual_seed(step))
+            h = lin(ctx)
+            h += net(h, *rest)
+            h.square().mean().backward()
+            got.append([p.grad.clone() for p in (*params.parameters(), *lin.parameters())])
+            params.zero_grad(set_to_none=True)
+            lin.zero_grad(set_to_none=True)
+        grads.append(got)
+    torch._dynamo.reset()
+    for step, (got, want) in enumerate(zip(*grads)):
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6, msg=lambda m: f"step {step}: {m}")
