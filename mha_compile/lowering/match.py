@@ -379,6 +379,19 @@ def _name(node):
     return str(name).split(".")[0]
 
 
+# Calls that draw random numbers (torch's functions and methods, and aten's names for them)
+_RANDOM = frozenset({
+    "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout", "native_dropout",
+    "rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like", "bernoulli", "bernoulli_",
+    "multinomial", "normal", "normal_", "uniform_", "random_", "exponential_", "geometric_", "cauchy_", "log_normal_",
+    "poisson", "gumbel_softmax", "rrelu", "rrelu_",
+})
+
+
+def _draws_random(node):
+    return node.op in ("call_method", "call_function") and _name(node) in _RANDOM
+
+
 def _written(node):
     """The node whose tensor `node` writes in place, or None."""
     if not _is_inplace(node):
@@ -605,6 +618,13 @@ def _deferred(nodes, region, out, early):
                 raise _Miss(n, f"{n.name} writes in place between where the region's router is read "
                                f"({_in_order(nodes, moved)[0].name}) and the region's end; moving the reader after "
                                f"the op would reorder them")
+    # a draw of random numbers moved past another would swap what each draws (dropout in an aux loss)
+    drawing = [n for n in _in_order(nodes, moved) if _draws_random(n)]
+    for n in nodes[nodes.order[drawing[0]]:nodes.order[out]] if drawing else ():
+        if n not in region and n not in moved and _draws_random(n):
+            raise _Miss(n, f"{n.name} draws random numbers after {drawing[0].name}, which reads the region's router "
+                           f"and draws too, and before the region's end: moving that reader after the op would "
+                           f"swap their draws (other numbers than eager's for one seed)")
     return moved
 
 
