@@ -188,16 +188,18 @@ class StepGraphs:
             if entry is None:
                 self.entries[training] = _Seen(args)
                 return self.run(*args)
+            # before any capture again: a micro-batch's inputs are new tensors (the last one's are
+            # held for its backward), and capturing for them would only replace this capture
+            if training and isinstance(entry, _Step) and entry.pending():
+                self._say("pending", "the step's graphs were called again before the backward of their last call; "
+                          "such calls run eagerly (their saved values live in the graphs' memory)")
+                return self.run(*args)
             if isinstance(entry, _Seen) or not entry.addresses_hold(args):
                 entry = self._capture(args, entry.in_place(args), training)
                 if entry is None:
                     return self.run(*args)
             if not training:
                 return tuple(entry.forward(args))
-            if entry.pending():
-                self._say("pending", "the step's graphs were called again before the backward of their last call; "
-                          "such calls run eagerly (their saved values live in the graphs' memory)")
-                return self.run(*args)
             if entry.gradients_held(args):
                 self._say("held", "a gradient the step's graphs handed out is still held (not as an input's .grad); "
                           "steps run eagerly while it is, since the next backward replay would overwrite it")

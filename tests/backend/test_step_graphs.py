@@ -256,6 +256,7 @@ def test_inputs_read_in_place_and_copied():
     out = compiled(ctx, new_tok)
     torch.testing.assert_close(out, model(ctx, new_tok), rtol=1e-5, atol=1e-6)
     assert len(Emulated.made) == 2  # captured again
+    out.sum().backward()  # else the next call, its backward pending, runs eagerly
     other = _inputs(7)[0]
     torch.testing.assert_close(compiled(other, new_tok), model(other, new_tok), rtol=1e-5, atol=1e-6)
     assert len(Emulated.made) == 3  # ctx moved too
@@ -271,15 +272,29 @@ def _past_capture():
     return model, compiled
 
 
-def test_a_second_forward_before_the_backward_runs_eagerly(caplog):
+@pytest.mark.parametrize("in_place", [False, True], ids=["copied", "read_in_place"])
+def test_a_second_forward_before_the_backward_runs_eagerly(caplog, in_place):
     """Two forwards, then one backward of both (gradient accumulation over micro-batches): the
-    first forward's saved values live in the graphs' memory, so the second runs eagerly, said once."""
-    model, compiled = _past_capture()
+    first forward's saved values live in the graphs' memory, so the second runs eagerly, said once.
+    read_in_place: the inputs are read in place (one buffer each, as the first micro-batch's too),
+    and the second micro-batch comes in new tensors: it must still run eagerly, not capture again
+    for them (it did, on the GPU: the new capture's replay then ran, three replays for two)."""
+    micro = [_inputs(10), _inputs(11)]
+    if in_place:
+        model = _block()
+        compiled = torch.compile(model, backend="mha", options=OPTIONS)
+        for step in range(2):
+            compiled(*micro[0]).square().mean().backward()
+    else:
+        model, compiled = _past_capture()
     model.zero_grad(set_to_none=True)
+    recorder = Emulated.made[-1]
+    replays = recorder.forward_replays
     with caplog.at_level(logging.WARNING, logger="mha_compile"):
-        loss = compiled(*_inputs(10)).square().mean() + compiled(*_inputs(11)).square().mean()
+        loss = compiled(*micro[0]).square().mean() + compiled(*micro[1]).square().mean()
         loss.backward()
     assert sum("before the backward" in r.message for r in caplog.records) == 1
+    assert Emulated.made[-1] is recorder and recorder.forward_replays == replays + 1  # no capture again
     got = {name: p.grad.clone() for name, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     (model(*_inputs(10)).square().mean() + model(*_inputs(11)).square().mean()).backward()
