@@ -26,10 +26,12 @@ still kept apart):
    autograd views of the graph's input gradients, which AccumulateGrad takes as .grad with no
    copy. A .grad still such a view at the next backward (accumulated, or zeroed in place) gets a
    copy first; a gradient held anywhere else makes the steps run eagerly until it is dropped
-   (`_Step.gradients_held`), since a replay would overwrite it. An input read in place that the
-   backward reads (saved, as the warm-up shows) or gives a gradient to is held until the
-   backward, and a change to it in place before then raises, as eager's saved tensors do; one it
-   does not read (a batch whose copy the op keeps) the caller may refill before the backward.
+   (`_Step.gradients_held`), since a replay would overwrite it. Every input read in place is held
+   until the backward, and a change to one in place before then raises, as eager's saved tensors
+   do, though the backward may not read it (a batch whose copy the op keeps, refilled before the
+   backward: eager trains there). Holding only those the warm-up saw saved (session 51) gave
+   garbage gradients on the H200 where the caller freed its batch before the backward, and right
+   ones where it held it (test_gradients_accumulate_without_zeroing; why, not found): all are held.
 
 Random numbers (dropout) are taken where they come from the inputs' device's default generator,
 which a CUDA graph registers: each replay draws anew, and the backward's replay reads the masks
@@ -262,17 +264,7 @@ class _Step:
                                        [s for s in surface if s.requires_grad],
                                        [g for g in grad_outputs if g is not None], allow_unused=True)
 
-        # Which storages the step's autograd graph saves for its backward, seen on the warm-up's:
-        # an input read in place that neither takes a gradient nor is saved is not the backward's
-        # to check (a batch the caller refills before it, whose copy the op keeps: eager trains).
-        saved = set()
-
-        def pack(t):
-            saved.add(_storage(t))
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            recorder.warm_up(forward, backward if training else None)
+        recorder.warm_up(forward, backward if training else None)
         self.outputs, self.replay_forward = recorder.capture_forward(forward)
         self.grad_outputs = [torch.empty_like(o) if o.requires_grad else None for o in self.outputs]
         grads, self.replay_backward = (), None
@@ -293,11 +285,7 @@ class _Step:
         # The inputs read in place, as (position, address), and each one's gradient's storage
         # (None: it takes none): read every step, so worked out once here.
         self.kept = [(i, at) for i, at in enumerate(self.addresses) if at is not None]
-        # Of those, the ones the backward reads or gives a gradient to (kept alive and checked for
-        # in-place changes, as eager's saved tensors are), and each one's gradient's storage.
-        self.checked = [i for i, _ in self.kept if surface[i].requires_grad or _storage(args[i]) in saved]
-        self.checked_grad_storages = [None if self.grad_of[i] is None else _storage(self.grad_of[i])
-                                      for i in self.checked]
+        self.kept_grad_storages = [None if self.grad_of[i] is None else _storage(self.grad_of[i]) for i, _ in self.kept]
         self.generation, self.last, self.backward_done = 0, None, False
 
     def addresses_hold(self, args):
@@ -338,7 +326,7 @@ class _Step:
 
     def backward(self, generation, grads, in_place):
         """Replay the backward for the forward `generation` with ∂out = grads; a gradient per input.
-        in_place: the inputs read in place that it checks (the node's saved tensors), in order.
+        in_place: the inputs read in place (the node's saved tensors), in order.
 
         The gradients go to autograd as views of the graphs' own, so AccumulateGrad takes each as
         .grad where .grad is None, with no copy (a copy each cost ~20 us of host a parameter on
@@ -347,7 +335,7 @@ class _Step:
         if generation != self.generation:
             raise RuntimeError("mha_compile: backward through a step whose CUDA graphs have replayed a later forward "
                                "since: the values it saved are overwritten (step_graphs=True keeps one forward's)")
-        for a, ptr in zip(in_place, self.checked_grad_storages):
+        for a, ptr in zip(in_place, self.kept_grad_storages):
             if ptr is not None and a.is_leaf and a.grad is not None and _storage(a.grad) == ptr:
                 a.grad = a.grad.clone()
         if any(_uses(storage) != own for storage, own in self.grad_storages.values()):
@@ -374,9 +362,9 @@ class _Replay(torch.autograd.Function):
     def forward(ctx, step, *args):
         outputs = step.forward(args, ctx)
         ctx.step, ctx.generation = step, step.generation
-        # The inputs read in place that the backward reads or gives a gradient to stay alive until
-        # it, and an in-place change to one before it raises, as eager autograd's saved tensors do.
-        ctx.save_for_backward(*[args[i] for i in step.checked])
+        # The inputs read in place stay alive until the backward, and an in-place change to one
+        # before it raises, as eager autograd's saved tensors do (module docstring, 3.).
+        ctx.save_for_backward(*[args[i] for i, _ in step.kept])
         ctx.mark_non_differentiable(*[o for o, wanted in zip(outputs, step.differentiable) if not wanted])
         return tuple(outputs)
 

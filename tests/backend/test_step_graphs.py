@@ -777,30 +777,19 @@ def test_a_callers_residual_written_in_place_trains_as_eager(steps):
     assert Emulated.made[0].forward_replays == 3  # steps 1-3: the replays were ours
 
 
-def test_a_batch_refilled_before_the_backward_trains_as_eager_where_eager_keeps_none_of_it(steps):
+def test_a_batch_read_in_place_refilled_before_the_backward_raises(steps):
     """A batch buffer read in place (ctx, taking no gradient) refilled by the caller before the
-    backward: the step's backward reads none of it (the op keeps a copy of a caller-held ctx), so,
-    as in eager, the refill changes nothing; tok, which the backward reads (as eager's projections
-    do), still raises autograd's error when written so."""
+    backward: eager trains (its ops keep none of ctx; the op keeps a copy), but the step holds
+    every input it reads in place until the backward (module docstring, 3.: holding fewer gave
+    garbage gradients on the H200), so the refill raises autograd's error, never a wrong result."""
     model = _block()
     compiled = torch.compile(model, backend="mha", options=OPTIONS)
-    eager = _block()
     ctx, tok = _inputs(0)
-    for step in range(4):
-        new_ctx, new_tok = _inputs(10 + step)
-        ctx.copy_(new_ctx)
-        tok.copy_(new_tok)
-        for net in (compiled, eager):
-            loss = net(ctx, tok).square().mean()
-            with torch.no_grad():
-                ctx.mul_(-3)  # the caller's refill (or prefetch) before the backward
-            loss.backward()
-            ctx.copy_(new_ctx)
-        for (name, got), want in zip(model.named_parameters(), eager.parameters()):
-            torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{step} ∂{name}: {m}")
-            got.grad = want.grad = None
+    for step in range(2):
+        compiled(ctx, tok).square().mean().backward()
     assert [s.read_in_place[:2] for s in steps] == [[True, True]]
     loss = compiled(ctx, tok).square().mean()
-    tok.add_(1)
+    with torch.no_grad():
+        ctx.mul_(-3)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()

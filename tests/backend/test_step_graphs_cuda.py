@@ -166,33 +166,6 @@ def test_inputs_refilled_in_place_and_outputs_kept(replays):
                                        msg=lambda m: f"step {step} {name}: {m}")
 
 
-def test_a_batch_refilled_before_the_backward(replays):
-    """ctx, a batch buffer taking no gradient read in place, refilled before the backward (a
-    prefetch into it): the backward reads the op's copy of it, not it, so each step's gradients
-    are the plain step's on the values the forward read, as in eager; the replays were ours."""
-    model = block()
-    compiled = torch.compile(model, backend="mha", options=OPTIONS)
-    ctx = torch.empty(64, 8, 128, device="cuda", dtype=torch.bfloat16)
-    grads = []
-    for step in range(4):
-        new_ctx, tok = _inputs(step)
-        ctx.copy_(new_ctx)
-        loss = compiled(ctx, tok).float().square().mean()
-        ctx.copy_(_inputs(10 + step)[0])  # the next batch, before this step's backward
-        loss.backward()
-        grads.append([p.grad.clone() for p in model.parameters()])
-        model.zero_grad(set_to_none=True)
-    assert replays == {"forward": 3, "backward": 3}
-    torch._dynamo.reset()
-    plain = torch.compile(model, backend="mha", options={"graphs": "off"})
-    for step, got in enumerate(grads):
-        plain(*_inputs(step)).float().square().mean().backward()
-        for (name, p), g in zip(model.named_parameters(), got):
-            torch.testing.assert_close(g.float(), p.grad.float(), rtol=1e-3, atol=1e-6,
-                                       msg=lambda m: f"step {step} ∂{name}: {m}")
-        model.zero_grad(set_to_none=True)
-
-
 def test_inference_replays_its_own_graph(replays):
     model = block()
     compiled = torch.compile(model, backend="mha", options=OPTIONS)
