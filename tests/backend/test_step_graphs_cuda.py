@@ -166,6 +166,26 @@ def test_inputs_refilled_in_place_and_outputs_kept(replays):
                                        msg=lambda m: f"step {step} {name}: {m}")
 
 
+def test_the_callers_inputs_are_left_as_they_were(replays):
+    """Inputs read in place (one ctx and tok buffer, taking no gradient) hold after each replayed
+    step, forward and backward, exactly what the caller put there: no graph writes into them
+    (session 51 saw garbage gradients where a freed input's memory was taken by another tensor,
+    and did not find why; a write into an input's memory would show here)."""
+    model = block()
+    compiled = torch.compile(model, backend="mha", options=OPTIONS)
+    ctx = torch.empty(64, 8, 128, device="cuda", dtype=torch.bfloat16)
+    tok = torch.empty(64, 24, 128, device="cuda", dtype=torch.bfloat16)
+    for step in range(4):
+        new_ctx, new_tok = _inputs(step)
+        ctx.copy_(new_ctx)
+        tok.copy_(new_tok)
+        compiled(ctx, tok).float().square().mean().backward()
+        torch.cuda.synchronize()
+        assert torch.equal(ctx, new_ctx) and torch.equal(tok, new_tok), f"step {step}"
+        model.zero_grad(set_to_none=True)
+    assert replays == {"forward": 3, "backward": 3}
+
+
 def test_inference_replays_its_own_graph(replays):
     model = block()
     compiled = torch.compile(model, backend="mha", options=OPTIONS)
