@@ -58,13 +58,11 @@ class Match:
     # rewrite adds the NaN to the op's ctx and to a rebuilt inv); "" without a mask.
     empty_rows: str = ""
     # Inputs the op takes a copy of, since it keeps them for its backward where eager's ops may
-    # keep none: those the graph writes in place after the region (written_after: h += block(h,
-    # tok)), and ctx where the caller holds it (ctx_held: a graph input or output, which it may
-    # write after the call). Under CUDA graphs too: their first calls run on the caller's ctx
-    # itself, and a static input (a batch read in place) is the caller's to write.
+    # keep none (_copied): those the graph writes in place after the region (h += block(h, tok)),
+    # and ctx where the caller holds it (a graph input or output, which it may write after the
+    # call). Under CUDA graphs too: their first calls run on the caller's ctx itself, and a
+    # static input (a batch read in place) is the caller's to write.
     copied: tuple = ()
-    written_after: tuple = ()
-    ctx_held: bool = False
     # Grad modes: of the kept nodes that ran under another mode than out (a reader moved after
     # the op from under torch.no_grad()), and out's, which the rewrite restores after each
     kept_modes: dict = dataclasses.field(default_factory=dict)
@@ -259,7 +257,7 @@ def _match_at(nodes, anchor):
     region, exports, kept, moved = _region_nodes(nodes, (ctx, tok), out, exportable, keepable)
     modes = _grad_modes(nodes)
     training = modes(out)
-    _check_one_grad_mode(nodes, modes, list(region) + list(kept), out)
+    _check_one_grad_mode(nodes, modes, list(region) + list(kept), out, training)
     # a moved reader keeps its grad mode (router statistics logged under no_grad), and what is
     # moved keeps its autocast (a router in fp32, autocast off, under a bf16 autocast)
     moved_modes = {n: modes(n) for n in moved if modes(n) != training}
@@ -275,17 +273,9 @@ def _match_at(nodes, anchor):
         exports["y"] = y  # the kept router nodes read y again, rebuilt from the op
     params, config = moe_params(moe_walk.vals[out])
     params.update(pool_params(pool_walk.vals[inv]))
-    # What the op keeps for its backward (not under no_grad) that the graph writes after the
-    # region, and whether the caller holds ctx and may write it after the call (h += block(h,
-    # tok) outside the graph): eager's ops keep none of ctx. tok is kept by eager's projections
-    # too (autograd refuses a later write there as here).
-    written_after = tuple(name for name, node in (("ctx", ctx), ("tok", tok))
-                          if training and _written_after(nodes, node, region, out))
-    ctx_held = training and _callers(nodes, ctx)
-    copied = written_after + (("ctx",) if ctx_held and "ctx" not in written_after else ())
+    copied = _copied(nodes, ctx, tok, region, out) if training else ()  # under no_grad the op keeps nothing
     return Match(anchor, out, ctx, tok, params, config, region, exports=exports, inv=inv, out_layout=layout,
                  empty_rows=pool_walk.vals[inv].info.get("empty_rows", ""), kept=kept, copied=copied,
-                 written_after=written_after, ctx_held=ctx_held,
                  kept_modes=moved_modes, out_mode=training, kept_autocast=kept_autocast)
 
 
@@ -748,11 +738,10 @@ def _autocast_change(was, there):
     return change
 
 
-def _check_one_grad_mode(nodes, modes, covered, out):
+def _check_one_grad_mode(nodes, modes, covered, out, at_out):
     """A region whose nodes run under different grad modes (the pool or the router under no_grad:
     a frozen part, whose parameters take no gradient) would become one op run in the mode where
-    out is, giving gradients the user's graph does not: a near-miss."""
-    at_out = modes(out)
+    out is (at_out), giving gradients the user's graph does not: a near-miss."""
     for n in sorted(covered, key=nodes.order.__getitem__):
         if modes(n) != at_out:
             grad = {True: "enabled", False: "disabled"}
@@ -761,18 +750,30 @@ def _check_one_grad_mode(nodes, modes, covered, out):
                            f"one op cannot give gradients to one part of it and not to the other")
 
 
-def _callers(nodes, node):
-    """Whether node's tensor is also the caller's: a graph input or module attribute, or (through
-    an alias) something the graph returns."""
-    aliases = _aliases(node)
+def _copied(nodes, ctx, tok, region, out):
+    """The inputs ("ctx", "tok") the op must copy to keep for its backward (Match.copied): those
+    the graph writes in place after the region (h += block(h, tok) in the graph), and ctx where
+    the caller holds it and may write it after the call (h += block(h, tok) outside the graph):
+    eager's ops keep none of ctx. tok is kept by eager's projections too (autograd refuses a later
+    write there as here), so only the graph's own write calls for its copy."""
+    copied = []
+    for name, node in (("ctx", ctx), ("tok", tok)):
+        aliases = _aliases(node)
+        if _written_after(nodes, aliases, region, out) or (name == "ctx" and _callers(nodes, aliases)):
+            copied.append(name)
+    return tuple(copied)
+
+
+def _callers(nodes, aliases):
+    """Whether a tensor (its aliases) is also the caller's: a graph input or module attribute, or
+    something the graph returns."""
     returned = next(n for n in reversed(nodes) if n.op == "output").all_input_nodes
     return any(a.op in ("placeholder", "get_attr") or a in returned for a in aliases)
 
 
-def _written_after(nodes, node, region, out):
-    """Whether the graph writes node's tensor (or an alias of it) in place after the region ends
-    (an in-place residual, h += block(h, tok))."""
-    aliases = _aliases(node)
+def _written_after(nodes, aliases, region, out):
+    """Whether the graph writes a tensor (any of its aliases) in place after the region ends (an
+    in-place residual, h += block(h, tok))."""
     return any(nodes.order[u] > nodes.order[out] and u not in region and _written(u) in aliases
                for a in aliases for u in a.users)
 
