@@ -5,11 +5,13 @@ The stand-in (Emulated) keeps a "capture"'s results as the static tensors and ma
 run the captured function again and write into them, as a CUDA graph writes into the addresses
 it captured; the backward's replay runs through the autograd graph the last forward replay
 recorded, so it reads what that replay saved, with the random numbers it drew (a CUDA graph's
-backward reads the saved values that replay left in the pool), not the inputs as they are now. So these tests check what step_graphs adds around the graphs: the first
-call eager, the inputs read in place or copied, a capture again when one moves, fresh outputs,
-gradients handed to autograd without being taken as .grad, the eager call while a backward is
-pending, the error for a backward whose values were overwritten. The real capture and replay
-are tested on the GPU (test_step_graphs_cuda.py).
+backward reads the saved values that replay left in the pool), not the inputs as they are now.
+So these tests check what step_graphs adds around the graphs: the first call eager, the inputs
+read in place or copied, a capture again when one moves, fresh outputs, gradients handed to
+autograd without being taken as .grad, the eager call while a backward is pending, the error
+for a backward whose values were overwritten. The real capture and replay are tested on the GPU
+(test_step_graphs_cuda.py); what the stand-in cannot show is whether an input's memory must
+outlive the forward (its autograd graph holds every input).
 """
 import contextlib
 import logging
