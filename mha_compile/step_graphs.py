@@ -24,8 +24,9 @@ still kept apart):
 3. each call copies its moved inputs in, replays the forward and hands out copies of the outputs
    (the next replay overwrites the graph's own); the backward copies ∂out in, replays, and hands
    autograd views of the graph's input gradients, which AccumulateGrad takes as .grad with no
-   copy. A .grad still such a view at the next backward (accumulated, or zeroed in place) gets a
-   copy first; a gradient held anywhere else makes the steps run eagerly until it is dropped
+   copy. A leaf input's .grad still such a view at the next replay (accumulated, or zeroed in
+   place) gets a copy first, since the forward's replay may write there too (the graphs share a
+   pool); a gradient held anywhere else makes the steps run eagerly until it is dropped
    (`_Step.gradients_held`), since a replay would overwrite it. Every input read in place is held
    until the backward, and a change to one in place before then raises, as eager's saved tensors
    do, though the backward may not read it (a batch whose copy the op keeps, refilled before the
@@ -285,7 +286,6 @@ class _Step:
         # The inputs read in place, as (position, address), and each one's gradient's storage
         # (None: it takes none): read every step, so worked out once here.
         self.kept = [(i, at) for i, at in enumerate(self.addresses) if at is not None]
-        self.kept_grad_storages = [None if self.grad_of[i] is None else _storage(self.grad_of[i]) for i, _ in self.kept]
         self.generation, self.last, self.backward_done = 0, None, False
 
     def addresses_hold(self, args):
@@ -302,9 +302,18 @@ class _Step:
         replay would overwrite it."""
         if all(_uses(storage) == own for storage, own in self.grad_storages.values()):
             return False  # none held at all (.grad set to None since): the usual step, answered without the count
-        known = collections.Counter(_storage(args[i].grad) for i, _ in self.kept
-                                    if args[i].is_leaf and args[i].grad is not None)
+        known = collections.Counter(_storage(a.grad) for a in args if a.is_leaf and a.grad is not None)
         return any(_uses(storage) - own > known[ptr] for ptr, (storage, own) in self.grad_storages.items())
+
+    def _copy_out_gradients(self, inputs):
+        """Give each leaf among inputs whose .grad is still a view of the graphs' gradients a copy
+        of it, before a replay that may write there: the backward's writes them, and so may the
+        forward's, since the two graphs share a pool and the backward's capture may have put a
+        gradient in a block the forward's capture freed (on the GPU, session 52: ∂pool.query came
+        out 1.6e38 where gradients accumulated over steps)."""
+        for a in inputs:
+            if a.is_leaf and a.grad is not None and _storage(a.grad) in self.grad_storages:
+                a.grad = a.grad.clone()
 
     def pending(self):
         """Whether the last forward's backward is still to come (its autograd node alive)."""
@@ -313,6 +322,8 @@ class _Step:
     def forward(self, args, ctx=None):
         """Replay the forward on args; copies of its outputs. ctx: the autograd node a backward
         will come through (training)."""
+        if ctx is not None:
+            self._copy_out_gradients(args)
         self.recorder.before_replay()
         if self.copied:
             region_graphs.copy_pairs([(static, args[i]) for i, static in self.copied])
@@ -330,14 +341,13 @@ class _Step:
 
         The gradients go to autograd as views of the graphs' own, so AccumulateGrad takes each as
         .grad where .grad is None, with no copy (a copy each cost ~20 us of host a parameter on
-        the H200). An in-place input whose .grad is still such a view (gradients accumulated, or
-        zeroed in place) gets a copy of it first: the replay would overwrite it."""
+        the H200). An in-place input whose .grad is still such a view gets a copy of it first: the
+        replay would overwrite it (the forward's replay gave one already; a second backward
+        through a retained graph has none between)."""
         if generation != self.generation:
             raise RuntimeError("mha_compile: backward through a step whose CUDA graphs have replayed a later forward "
                                "since: the values it saved are overwritten (step_graphs=True keeps one forward's)")
-        for a, ptr in zip(in_place, self.kept_grad_storages):
-            if ptr is not None and a.is_leaf and a.grad is not None and _storage(a.grad) == ptr:
-                a.grad = a.grad.clone()
+        self._copy_out_gradients(in_place)
         if any(_uses(storage) != own for storage, own in self.grad_storages.values()):
             raise RuntimeError("mha_compile: a gradient the step's CUDA graphs handed out at an earlier step is held "
                                "again, and this backward would overwrite it")

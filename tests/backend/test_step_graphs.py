@@ -5,8 +5,9 @@ The stand-in (Emulated) keeps a "capture"'s results as the static tensors and ma
 run the captured function again and write into them, as a CUDA graph writes into the addresses
 it captured; the backward's replay runs through the autograd graph the last forward replay
 recorded, so it reads what that replay saved, with the random numbers it drew (a CUDA graph's
-backward reads the saved values that replay left in the pool), not the inputs as they are now.
-So these tests check what step_graphs adds around the graphs: the first call eager, the inputs
+backward reads the saved values that replay left in the pool), not the inputs as they are now;
+and a forward replay writes NaN over the backward's gradients first, as a CUDA graph may where
+the backward's capture took a block the forward's freed. So these tests check what step_graphs adds around the graphs: the first call eager, the inputs
 read in place or copied, a capture again when one moves, fresh outputs, gradients handed to
 autograd without being taken as .grad, the eager call while a backward is pending, the error
 for a backward whose values were overwritten. The real capture and replay are tested on the GPU
@@ -40,7 +41,7 @@ class Emulated:
     fail = False
 
     def __init__(self, device):
-        self.device, self.forward = device, None
+        self.device, self.forward, self.grads = device, None, []
         self.warm_ups = self.forward_replays = self.backward_replays = 0
         Emulated.made.append(self)
 
@@ -62,6 +63,9 @@ class Emulated:
 
         def replay():
             self.forward_replays += 1
+            # the two graphs share a pool: the backward's gradients may lie where the forward
+            # keeps its intermediates, and then its replay writes there (written over with NaN)
+            _write(self.grads, [torch.full_like(g, float("nan")) for g in self.grads])
             self.recorded = forward()  # its autograd graph: what this replay saved
             _write(outputs, self.recorded)
 
@@ -69,6 +73,7 @@ class Emulated:
 
     def capture_backward(self, backward, outputs):
         grads = backward(outputs)
+        self.grads = [g for g in grads if g is not None]
 
         def replay():
             self.backward_replays += 1
