@@ -67,7 +67,7 @@
 #                                      # forward's parameters read in place (whole_graph.STATIC_PARAMS): the
 #                                      # backend's and training GPU tests with it, then step_profile off and on
 #                                      # per preset, each its own process (~7 min): run.log, static_params_<preset>.txt
-#   bash bench/h200_session.sh step-graphs  # options step_graphs=True: its GPU tests and the trees', then
+#   bash bench/h200_session.sh step-graphs  # the step graphs (the default) and the trees: their GPU tests, then
 #                                      # small's and medium's fwd+bwd rows under the trees and under the step
 #                                      # graphs in 3 rounds, then step_profile of both at medium (~8 min):
 #                                      # run.log, h200_step_graphs.{md,json,png}, step_profile_step_graphs_medium.txt
@@ -273,18 +273,18 @@ hidden-columns)
     grep "peak\|worst\|HIDDEN_COLUMNS:" "$OUT/flag_ab_hidden_columns.txt" >>"$LOG"
     ;;
 step-graphs)
-    # options step_graphs=True (mha_compile/step_graphs.py, never run on a GPU before): its GPU tests
-    # and the trees' beside them, then small's and medium's training rows under the trees and under
-    # the step graphs in rounds, then step_profile of both at medium (host issue, GPU time a step)
+    # mha_compile's step graphs (mha_compile/step_graphs.py; reduce-overhead's default since session
+    # 52) against torch's trees (step_graphs=False): their GPU tests, then small's and medium's
+    # training rows under each in rounds, then step_profile of both at medium (host issue, GPU time a step)
     # log_level=WARNING: torch's DEBUG trace records, captured with a failure, would crowd its message out
     { MHA_COMPILE_NO_AUTOTUNE=1 timeout 200 python -m pytest -q -m cuda tests/backend/test_step_graphs_cuda.py \
         tests/backend/test_whole_graph_cuda.py -n 4 -p no:cacheprovider -o log_level=WARNING -rf --tb=short 2>&1 \
         | tail -60; } >>"$LOG"
     { timeout -s INT -k 15 260 python -m bench --out "$OUT" --name h200_step_graphs --budget 230 --presets small,medium \
-        --passes fwd+bwd --spellings grouped_mm --modes inductor,mha-fused-cudagraphs,mha-fused-stepgraphs \
+        --passes fwd+bwd --spellings grouped_mm --modes inductor,mha-fused-trees,mha-fused-cudagraphs \
         --rounds 3 --commit "$commit" 2>&1 | tail -40; } >>"$LOG"
     { timeout -s INT -k 10 100 python bench/step_profile.py --preset medium \
-        --runs mha-fused-cudagraphs:dense,mha-fused-stepgraphs:dense 2>&1; } >"$OUT/step_profile_step_graphs_medium.txt"
+        --runs mha-fused-trees:dense,mha-fused-cudagraphs:dense 2>&1; } >"$OUT/step_profile_step_graphs_medium.txt"
     grep "^==" "$OUT/step_profile_step_graphs_medium.txt" >>"$LOG"
     ;;
 keep-hidden)
@@ -563,7 +563,7 @@ verify-step-graphs)
     # under the step graphs in 3 rounds, without Inductor's (its compile would take the rounds)
     gpu_tests 320
     { timeout -s INT -k 15 230 python -m bench --out "$OUT" --name h200_step_graphs --budget 200 --presets small,medium \
-        --passes fwd+bwd --spellings grouped_mm --modes mha-fused-cudagraphs,mha-fused-stepgraphs \
+        --passes fwd+bwd --spellings grouped_mm --modes mha-fused-trees,mha-fused-cudagraphs \
         --rounds 3 --commit "$commit" 2>&1 | tail -40; } >>"$LOG"
     ;;
 after-step-graphs)
@@ -571,7 +571,7 @@ after-step-graphs)
     # graphs at medium (host issue beside GPU time a step), then the backward's column passes at
     # medium against one pass (flag_ab: peak and time, 3 rounds), for medium's peak target
     { timeout -s INT -k 10 100 python bench/step_profile.py --preset medium \
-        --runs mha-fused-cudagraphs:dense,mha-fused-stepgraphs:dense 2>&1; } >"$OUT/step_profile_step_graphs_medium.txt"
+        --runs mha-fused-trees:dense,mha-fused-cudagraphs:dense 2>&1; } >"$OUT/step_profile_step_graphs_medium.txt"
     grep "^==" "$OUT/step_profile_step_graphs_medium.txt" >>"$LOG"
     for columns in 256 128; do
         timeout -s INT 105 python bench/flag_ab.py --flag mha_compile.kernels.triton_moe:HIDDEN_COLUMNS \

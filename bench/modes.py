@@ -12,15 +12,18 @@ PEER_MODES = ("eager", "inductor", "inductor-max-autotune")
 # medium); mha-fused-nographs: the same kernels issued from Python every call (graphs="off");
 # mha-fused-keep: mha-fused-cudagraphs with options keep_hidden=True (the experts' u kept from the
 # forward for the backward: less time, more memory); mha-fused-keep-plain: mha-fused with it;
-# mha-fused-stepgraphs: mha-fused-cudagraphs through mha_compile's own step graphs (options
-# step_graphs=True, mha_compile/step_graphs.py) instead of torch's CUDA-graph trees.
+# mha-fused-cudagraphs: mode="reduce-overhead", whose step replays through mha_compile's own step
+# graphs (options step_graphs="auto", the default since session 52, mha_compile/step_graphs.py);
+# mha-fused-trees: the same through torch's CUDA-graph trees instead (step_graphs=False), the
+# default before session 52 (rows named mha-fused-stepgraphs in older results were step_graphs=True,
+# beside mha-fused-cudagraphs on the trees).
 MHA_MODES = ("mha-reference", "mha-staged", "mha-fused", "mha-fused-nographs", "mha-fused-cudagraphs",
-             "mha-fused-keep", "mha-fused-keep-plain", "mha-fused-stepgraphs")
+             "mha-fused-keep", "mha-fused-keep-plain", "mha-fused-trees")
 MODES = PEER_MODES + MHA_MODES
 SPELLINGS = ("dense", "loop", "grouped_mm")
 # The grouped-GEMM spelling: every peer, and the backend's two main modes on it (matched since
 # session 44, lowering/moe_grouped.py), not its other variants (the table's rows are many already).
-GROUPED_MM_MODES = PEER_MODES + ("mha-fused", "mha-fused-cudagraphs", "mha-fused-stepgraphs")
+GROUPED_MM_MODES = PEER_MODES + ("mha-fused", "mha-fused-cudagraphs", "mha-fused-trees")
 
 
 def build(mode, model):
@@ -49,6 +52,6 @@ def mha_options(mode):
         return {"mode": "reduce-overhead", "keep_hidden": True}
     if mode == "mha-fused-keep-plain":
         return {"kernels": "fused", "keep_hidden": True}
-    if mode == "mha-fused-stepgraphs":
-        return {"mode": "reduce-overhead", "step_graphs": True}
+    if mode == "mha-fused-trees":
+        return {"mode": "reduce-overhead", "step_graphs": False}
     return {"kernels": mode.split("-", 1)[1]}

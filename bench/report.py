@@ -127,7 +127,7 @@ LEGEND = """\
 - **TFLOP/s**: the region's minimum FLOPs / time (useful work, whatever the mode computes).
 - **peak MiB**: torch.cuda.max_memory_allocated over one step (model, inputs and grads included),
   plus what CUDA-graph pools hold beside their live tensors: rows that replay graphs
-  (mha-fused-cudagraphs, mha-fused-keep, mha-fused-stepgraphs and inductor-max-autotune whole graphs; mha-fused's region graphs,
+  (mha-fused-cudagraphs, mha-fused-keep, mha-fused-trees and inductor-max-autotune whole graphs; mha-fused's region graphs,
   options graphs="auto", at small and medium) write their intermediates there, memory the
   allocator's count leaves out. The note gives the pools' part.
 - **peak ÷ best peer's**: this row's peak MiB / the best peer's (the fastest peer of the row's

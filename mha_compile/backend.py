@@ -32,7 +32,7 @@ def mha_backend(gm, example_inputs, options=None, mode=None):
     """Dynamo backend: rewrite MHA regions of gm, then run everything with `rest`."""
     opts = Options.parse(options)
     mode = _mode(mode, opts.mode)
-    if opts.step_graphs and mode != "reduce-overhead":
+    if opts.step_graphs is True and mode != "reduce-overhead":
         raise ValueError(f"mha options: step_graphs=True replays the CUDA graphs of mode='reduce-overhead' through "
                          f"mha_compile's own; give it with mode='reduce-overhead', not mode={mode!r}")
     report = GraphReport(next(_graph_counter), options={k: str(v) for k, v in vars(opts).items()})
@@ -48,7 +48,7 @@ def mha_backend(gm, example_inputs, options=None, mode=None):
         lowered = gm
     report.code_after = lowered.code
     split = _planned_pool_split(lowered, example_inputs, opts, whole, report)
-    if opts.step_graphs and whole and report.matches:
+    if opts.own_step_graphs(mode) and whole and report.matches:
         _mark_step_graphs(report, *((split.graph, split.examples) if split else (lowered, example_inputs)))
     # log, trace and (with a dump folder) dump the report, and the graphs as they replay with a split
     publish(report, gm, lowered, opts.dump, replayed=split.graph if split else None)
@@ -144,7 +144,8 @@ def run_rest(gm, example_inputs, opts, mode, whole, split=None, report=None):
     if opts.rest == "inductor":
         compile_graphs = functools.partial(_inductor, mode=mode, graphs="off" if whole else opts.graphs)
     elif whole:
-        compile_graphs = _own_step_graphs if opts.step_graphs else whole_graph.capture
+        compile_graphs = (functools.partial(_own_step_graphs, asked=opts.step_graphs is True)
+                          if opts.own_step_graphs(mode) else whole_graph.capture)
     else:
         if mode == "reduce-overhead":
             log.info("mha_compile: mode='reduce-overhead' without CUDA inputs: running without CUDA graphs")
@@ -167,12 +168,12 @@ def run_rest(gm, example_inputs, opts, mode, whole, split=None, report=None):
         return compile_graphs(gm, example_inputs)
 
 
-def _own_step_graphs(gm, example_inputs):
+def _own_step_graphs(gm, example_inputs, asked):
     """step_graphs.compile on gm, run eagerly with its region calls on RegionFunction (graphs off:
     the step's graphs take the region with the rest); torch's trees (whole_graph.capture) where it
-    refuses gm."""
+    refuses gm, with a warning where step_graphs=True asked for them."""
     return step_graphs.compile(gm, example_inputs, _region_calls(gm, ops.region_call, "off").forward,
-                               whole_graph.capture)
+                               whole_graph.capture, asked)
 
 
 def _inductor(gm, example_inputs, mode, graphs):
@@ -215,11 +216,11 @@ def _mark_split(report, toks):
 
 
 def _mark_step_graphs(report, graph, examples):
-    """Each match's "CUDA graphs" line says whose graphs replay the step under step_graphs=True:
+    """Each match's "CUDA graphs" line says whose graphs replay the step where step_graphs would:
     ours, or torch's trees and why (step_graphs.why_not on the graph they capture)."""
     reason = step_graphs.why_not(graph, examples, step_graphs.CudaGraphs.takes)
     how = ("through mha_compile's own step graphs (options step_graphs)" if reason is None
-           else f"through torch's CUDA-graph trees, not the step graphs asked for, since {reason}")
+           else f"through torch's CUDA-graph trees, not mha_compile's step graphs, since {reason}")
     for match in report.matches:
         match["graphs"] = f"{match['graphs']}; {how}"
 

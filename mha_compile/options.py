@@ -5,11 +5,13 @@ import os
 KERNELS = ("auto", "fused", "staged", "reference")
 REST = ("eager", "inductor")
 GRAPHS = ("auto", "on", "off")
+STEP_GRAPHS = ("auto", True, False)
 # torch.compile's modes the backend honours (None and "default": no CUDA graphs, no autotuning)
 MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 DEFAULT_KERNELS = "auto"
 DEFAULT_REST = "eager"
 DEFAULT_GRAPHS = "auto"
+DEFAULT_STEP_GRAPHS = "auto"
 DUMP_ENV = "MHA_COMPILE_DUMP"
 
 
@@ -40,10 +42,13 @@ class Options:
         step_graphs: under mode="reduce-overhead" with rest="eager", replay the step through
             mha_compile's own two CUDA graphs (forward and backward, behind one autograd node,
             as torch.cuda.make_graphed_callables does) instead of torch's CUDA-graph trees behind
-            AOTAutograd, whose runtime binds small and medium steps on the host. Experimental
-            (bench/PERF_NOTES.md v50); graphs it cannot take (step_graphs.why_not: inputs it
-            writes into, random numbers not from the device's default generator, outputs that
-            alias) go to the trees with a warning. Dropout replays with a new mask each step.
+            AOTAutograd, whose runtime binds small and medium steps on the host (an H100
+            training step at small 0.574 ms against the trees' 0.796, medium 0.656 against
+            0.685, bench/PERF_NOTES.md v55). "auto" (the default): there, and nowhere else;
+            True: the same, and an error for any other mode or rest; False: the trees. Graphs it
+            cannot take (step_graphs.why_not: inputs it writes into, random numbers not from the
+            device's default generator, outputs that alias) go to the trees, said in the log (a
+            warning with True). Dropout replays with a new mask each step.
     """
 
     kernels: str = DEFAULT_KERNELS
@@ -54,21 +59,29 @@ class Options:
     graphs: str = DEFAULT_GRAPHS
     keep_hidden: bool = False
     mode: str | None = None
-    step_graphs: bool = False
+    step_graphs: str | bool = DEFAULT_STEP_GRAPHS
 
     def __post_init__(self):
         _check_choice("kernels", self.kernels, KERNELS)
         _check_choice("rest", self.rest, REST)
         _check_choice("graphs", self.graphs, GRAPHS)
         _check_choice("mode", self.mode, MODES)
-        for name in ("verify", "strict", "keep_hidden", "step_graphs"):
+        for name in ("verify", "strict", "keep_hidden"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"mha options: {name}={getattr(self, name)!r} must be True or False")
-        if self.step_graphs and self.rest != "eager":
+        if not (isinstance(self.step_graphs, bool) or self.step_graphs == "auto"):
+            raise ValueError(f"mha options: step_graphs={self.step_graphs!r} is not allowed; expected one of "
+                             f"{STEP_GRAPHS}")
+        if self.step_graphs is True and self.rest != "eager":
             raise ValueError(f"mha options: step_graphs=True replays the step through mha_compile's own CUDA graphs "
                              f"with rest='eager'; rest={self.rest!r} takes its own (Inductor's)")
         if self.dump is not None and not isinstance(self.dump, (str, os.PathLike)):
             raise TypeError(f"mha options: dump={self.dump!r} must be a folder path (str or os.PathLike)")
+
+    def own_step_graphs(self, mode):
+        """Whether a step captured whole under torch.compile's `mode` replays through
+        mha_compile's own step graphs rather than torch's CUDA-graph trees."""
+        return self.step_graphs is not False and self.rest == "eager" and mode == "reduce-overhead"
 
     @classmethod
     def parse(cls, options):

@@ -1,6 +1,6 @@
-"""mode="reduce-overhead" with rest="eager" and options step_graphs=True: the compiled step
-replayed through two CUDA graphs of our own, its forward and its backward, behind one
-autograd.Function, instead of torch's CUDA-graph trees behind AOTAutograd.
+"""mode="reduce-overhead" with rest="eager" (options step_graphs "auto", the default, or True):
+the compiled step replayed through two CUDA graphs of our own, its forward and its backward,
+behind one autograd.Function, instead of torch's CUDA-graph trees behind AOTAutograd.
 
 Why: at small and medium a step under reduce-overhead is bound by the host, and most of that
 host time is torch's runtime around the graphs, not the graphs: under the profiler a medium step's
@@ -38,8 +38,8 @@ Random numbers (dropout) are taken where they come from the inputs' device's def
 which a CUDA graph registers: each replay draws anew, and the backward's replay reads the masks
 its forward's replay saved in the pool (the warm-up draws once more than eager would).
 
-Refused when compiled, with a warning, torch's CUDA-graph trees then taking the step as they do
-without step_graphs: an input that is not a CUDA tensor (a size under dynamic shapes), no input,
+Refused when compiled, said in the log (a warning where step_graphs=True asked for these graphs),
+torch's CUDA-graph trees then taking the step as they do with step_graphs=False: an input that is not a CUDA tensor (a size under dynamic shapes), no input,
 and a graph that writes into one of its inputs, draws random numbers from a generator of its own
 or on another device, or returns an input's or another output's memory (`why_not`).
 
@@ -64,15 +64,17 @@ log = logging.getLogger("mha_compile")
 _EAGER = "eager"  # a signature whose capture failed: it runs eagerly from then on
 
 
-def compile(gm, example_inputs, run, fallback):
+def compile(gm, example_inputs, run, fallback, asked=True):
     """A callable replaying the step `run` (gm's graph, run eagerly) through its own CUDA graphs,
-    or fallback(gm, example_inputs) with a warning where why_not refuses gm."""
+    or fallback(gm, example_inputs) where why_not refuses gm, said in the log: as a warning where
+    step_graphs=True asked for these graphs (asked), else as information ("auto")."""
     reason = why_not(gm, example_inputs, CudaGraphs.takes)
     if reason is not None:
-        log.warning("mha_compile: step_graphs=True: torch's CUDA-graph trees take this graph instead, since %s",
-                    reason)
+        log.log(logging.WARNING if asked else logging.INFO,
+                "mha_compile: torch's CUDA-graph trees take this graph, not mha_compile's step graphs%s, since %s",
+                " (step_graphs=True)" if asked else "", reason)
         return fallback(gm, example_inputs)
-    log.info("mha_compile: the step replays through mha_compile's own CUDA graphs (step_graphs=True)")
+    log.info("mha_compile: the step replays through mha_compile's own CUDA graphs (options step_graphs)")
     return StepGraphs(run, CudaGraphs, [t for _, t in held_tensors(gm)])
 
 
@@ -358,11 +360,19 @@ class _Step:
         return [None if g is None else g.detach() for g in self.grad_of]
 
 
+# Added to autograd's error where an input the step's graphs read in place changed before the
+# backward (module docstring, 3.).
+CHANGED_IN_PLACE = ("mha_compile: the step replays through mha_compile's own CUDA graphs (mode='reduce-overhead', "
+                    "options step_graphs), which read this input where it lies and so must find it unchanged at the "
+                    "backward; change it after the backward, or give options step_graphs=False (torch's CUDA-graph "
+                    "trees copy their inputs in)")
+
 # Raised by a backward with create_graph=True rather than hand out gradients a second derivative
 # would take for constants (double_backward.py: once_differentiable's error can go unreached).
-NOT_TWICE = ("mha_compile: step_graphs=True replays the step's backward as a CUDA graph, whose gradients cannot be "
-             "differentiated again; a backward with create_graph=True (a gradient penalty, a Hessian-vector "
-             "product) needs options step_graphs=False")
+NOT_TWICE = ("mha_compile: the step's backward replays as a CUDA graph of mha_compile's own (mode='reduce-overhead', "
+             "options step_graphs), whose gradients cannot be differentiated again; a backward with "
+             "create_graph=True (a gradient penalty, a Hessian-vector product) needs torch.compile without "
+             "mode='reduce-overhead'")
 
 
 class _Replay(torch.autograd.Function):
@@ -382,8 +392,13 @@ class _Replay(torch.autograd.Function):
     def backward(ctx, *grads):
         if torch.is_grad_enabled():  # create_graph=True: a replay records no ops to differentiate
             raise RuntimeError(NOT_TWICE)
-        # unpacking checks that no input read in place changed since the forward
-        return (None, *ctx.step.backward(ctx.generation, grads, ctx.saved_tensors))
+        try:  # unpacking checks that no input read in place changed since the forward
+            in_place = ctx.saved_tensors
+        except RuntimeError as error:
+            if "modified by an inplace operation" not in str(error):
+                raise
+            raise RuntimeError(f"{error}\n{CHANGED_IN_PLACE}") from error
+        return (None, *ctx.step.backward(ctx.generation, grads, in_place))
 
 
 def _readable_in_place(a, at):

@@ -1,6 +1,7 @@
 """In-place ops on the region's output on the GPU, in the model's forward (`out += ctx`) and by the
 caller on the compiled model's output, under every way the fused kernels run: plain, the region's
-own CUDA graphs, and mode="reduce-overhead" with the pool inside the graphs and outside. Autograd
+own CUDA graphs, and mode="reduce-overhead" (its step graphs and torch's trees) with the pool
+inside the graphs and outside. Autograd
 refused them (the output was a view made inside the region's Function: tests/backend/
 test_backend_e2e.py's CPU tests); here they must train as eager does, in fp32 against fp32."""
 import copy
@@ -22,8 +23,10 @@ BOUND = 5e-4
 @pytest.mark.parametrize("options, outside", [
     ({"kernels": "fused", "graphs": "off"}, False),
     ({"kernels": "fused", "graphs": "on"}, False),
-    ({"kernels": "fused", "mode": "reduce-overhead"}, False),
+    ({"kernels": "fused", "mode": "reduce-overhead"}, False),  # mha_compile's step graphs (the default)
     ({"kernels": "fused", "mode": "reduce-overhead"}, True),
+    ({"kernels": "fused", "mode": "reduce-overhead", "step_graphs": False}, False),  # torch's trees
+    ({"kernels": "fused", "mode": "reduce-overhead", "step_graphs": False}, True),
 ])
 def test_in_place_ops_on_the_regions_output_train_like_eager(monkeypatch, options, outside):
     monkeypatch.setattr(whole_graph, "POOL_OUTSIDE", outside)
@@ -57,8 +60,8 @@ def test_in_place_ops_on_the_regions_output_train_like_eager(monkeypatch, option
 @pytest.mark.parametrize("options", [
     {"kernels": "fused", "graphs": "off"},
     {"kernels": "fused", "graphs": "on"},
+    {"kernels": "fused", "mode": "reduce-overhead", "step_graphs": False},
     {"kernels": "fused", "mode": "reduce-overhead"},
-    {"kernels": "fused", "mode": "reduce-overhead", "step_graphs": True},
     {"kernels": "fused", "rest": "inductor"},
 ], ids=["plain", "region_graphs", "trees", "step_graphs", "inductor"])
 def test_a_callers_residual_into_ctx_trains_like_eager(options):

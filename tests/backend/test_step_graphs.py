@@ -337,7 +337,7 @@ def test_a_backward_with_create_graph_raises(ask):
     ctx, tok = _inputs(4, requires_grad=True)
     out = compiled(ctx, tok)
     assert recorder.forward_replays == replays + 1  # a replay, not the eager run
-    with pytest.raises(RuntimeError, match="step_graphs=False"):
+    with pytest.raises(RuntimeError, match="create_graph=True .* needs torch.compile without mode='reduce-overhead'"):
         (g_tok,) = torch.autograd.grad(out.square().sum(), tok, create_graph=True)
         penalty = g_tok.square().sum()
         if ask == "backward":
@@ -352,7 +352,7 @@ def test_an_input_changed_in_place_before_the_backward_raises():
     loss = compiled(*_inputs(3)).square().mean()
     with torch.no_grad():
         model.moe.w2.mul_(2)
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+    with pytest.raises(RuntimeError, match="(?s)modified by an inplace operation.*give options step_graphs=False"):
         loss.backward()
 
 
@@ -467,24 +467,60 @@ def test_why_not_refuses_sizes_and_other_devices():
     assert "input 0 is on cpu, not on a CUDA device" in step_graphs.why_not(gm, inputs, CudaGraphs.takes)
 
 
-def test_a_refused_graph_goes_to_the_trees_with_a_warning(monkeypatch, caplog):
+@pytest.mark.parametrize("asked, level", [(True, logging.WARNING), ("auto", logging.INFO)])
+def test_a_refused_graph_goes_to_the_trees_said_in_the_log(monkeypatch, caplog, asked, level):
+    """A warning where step_graphs=True asked for the step graphs; information under "auto" (the
+    default), where the user asked for mode="reduce-overhead" alone."""
     trees = []
     monkeypatch.setattr(backend.whole_graph, "capture", lambda gm, inputs: trees.append(gm) or gm.forward)
     model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
-    with caplog.at_level(logging.WARNING, logger="mha_compile"):
-        torch.compile(model, backend="mha", options=OPTIONS)(torch.randn(4, 3))
+    with caplog.at_level(logging.INFO, logger="mha_compile"):
+        torch.compile(model, backend="mha", options={**OPTIONS, "step_graphs": asked})(torch.randn(4, 3))
     assert len(trees) == 1 and not Emulated.made
-    assert any("torch's CUDA-graph trees take this graph instead, since it writes into input" in r.message
-               for r in caplog.records)
+    said = [r for r in caplog.records if "torch's CUDA-graph trees take this graph, not mha_compile's step graphs" in
+            r.message and "since it writes into input" in r.message]
+    assert [r.levelno for r in said] == [level]
+
+
+@pytest.mark.parametrize("options, mode, own", [
+    ({}, "reduce-overhead", True),  # the default, "auto"
+    ({"step_graphs": True}, "reduce-overhead", True),
+    ({"step_graphs": False}, "reduce-overhead", False),
+    ({"rest": "inductor"}, "reduce-overhead", False),  # Inductor's own graphs
+    ({}, None, False),
+    ({}, "max-autotune", False),
+])
+def test_which_steps_replay_through_the_step_graphs(options, mode, own):
+    assert backend.Options.parse(options).own_step_graphs(mode) is own
+
+
+def test_reduce_overhead_alone_replays_through_the_step_graphs(monkeypatch):
+    """The default, step_graphs="auto": mode="reduce-overhead" with rest="eager" takes them, and
+    trains as eager; step_graphs=False gives the step to torch's trees."""
+    eager = _block()
+    eager_run = _train(eager, eager, 3)
+    model = _block()
+    run = _train(model, torch.compile(model, backend="mha", mode="reduce-overhead"), 3)
+    assert sum(r.backward_replays for r in Emulated.made) == 2
+    _assert_trained_alike(run, eager_run)
+    trees = []
+    monkeypatch.setattr(backend.whole_graph, "capture", lambda gm, inputs: trees.append(gm) or gm.forward)
+    torch._dynamo.reset()
+    made = len(Emulated.made)
+    _train(model, torch.compile(model, backend="mha", options={**OPTIONS, "step_graphs": False}), 1)
+    assert len(trees) == 1 and len(Emulated.made) == made
 
 
 def test_step_graphs_takes_reduce_overhead_and_rest_eager():
     with pytest.raises(ValueError, match="step_graphs=True .* rest='inductor'"):
         backend.Options.parse({"step_graphs": True, "rest": "inductor"})
-    with pytest.raises(TypeError, match="step_graphs='yes' must be True or False"):
+    with pytest.raises(ValueError, match=r"step_graphs='yes' is not allowed; expected one of \('auto', True, False\)"):
         backend.Options.parse({"step_graphs": "yes"})
+    with pytest.raises(ValueError, match="step_graphs=1 is not allowed"):
+        backend.Options.parse({"step_graphs": 1})
     with pytest.raises(Exception, match="give it with mode='reduce-overhead', not mode=None"):
         torch.compile(_block(), backend="mha", options={"step_graphs": True})(*_inputs(0))
+    assert backend.Options.parse({"rest": "inductor", "mode": "reduce-overhead"}).step_graphs == "auto"
 
 
 def test_verify_leaves_the_parameters_read_in_place(monkeypatch, caplog):
@@ -566,7 +602,7 @@ class _WithBatchNorm(torch.nn.Module):
 
 @pytest.mark.parametrize("model, says", [
     (_block, "through mha_compile's own step graphs (options step_graphs)"),
-    (_WithBatchNorm, "through torch's CUDA-graph trees, not the step graphs asked for, since it writes into input"),
+    (_WithBatchNorm, "through torch's CUDA-graph trees, not mha_compile's step graphs, since it writes into input"),
 ])
 def test_the_report_says_whose_graphs_replay_the_step(monkeypatch, model, says):
     monkeypatch.setattr(backend.whole_graph, "capture", lambda gm, inputs: gm.forward)

@@ -446,7 +446,7 @@ def test_a_callers_residual_into_ctx_trains_as_eager(monkeypatch, way):
     an add a pass could recompute from h."""
     options = {"rest": "inductor"} if way.startswith("inductor") else {}
     if way.startswith("trees"):
-        options["mode"] = "reduce-overhead"
+        options.update(mode="reduce-overhead", step_graphs=False)
         monkeypatch.setattr(backend, "_whole_graph_captured", lambda *args: True)
         monkeypatch.setattr(whole_graph, "POOL_OUTSIDE", way == "trees_pool_outside")
         monkeypatch.setattr(whole_graph, "POOL_OUTSIDE_MIN_BYTES", 0)
