@@ -30,9 +30,11 @@ still kept apart):
    (`_Step.gradients_held`), since a replay would overwrite it. Every input read in place is held
    until the backward, and a change to one in place before then raises, as eager's saved tensors
    do, though the backward may not read it (a batch whose copy the op keeps, refilled before the
-   backward: eager trains there). Holding only those the warm-up saw saved (session 51) gave
-   garbage gradients on the H200 where the caller freed its batch before the backward, and right
-   ones where it held it (test_gradients_accumulate_without_zeroing; why, not found): all are held.
+   backward: eager trains there). Session 51 held only those the warm-up's saved-tensor hooks saw
+   saved, and took the garbage gradients of test_gradients_accumulate_without_zeroing for its
+   fault; their cause was the forward's replay writing over .grad views (session 52). Holding
+   fewer would rest on the hooks seeing every tensor the backward reads, which a Function keeping
+   one as an attribute hides from them: all are held.
 
 Random numbers (dropout) are taken where they come from the inputs' device's default generator,
 which a CUDA graph registers: each replay draws anew, and the backward's replay reads the masks
@@ -196,8 +198,9 @@ class StepGraphs:
             # before any capture again: a micro-batch's inputs are new tensors (the last one's are
             # held for its backward), and capturing for them would only replace this capture
             if training and isinstance(entry, _Step) and entry.pending():
-                self._say("pending", "the step's graphs were called again before the backward of their last call; "
-                          "such calls run eagerly (their saved values live in the graphs' memory)")
+                self._say("pending", "the step's graphs (mode='reduce-overhead') were called again before the "
+                          "backward of their last call; such calls run eagerly (their saved values live in the "
+                          "graphs' memory). " + TREES_INSTEAD)
                 return self.run(*args)
             if isinstance(entry, _Seen) or not entry.addresses_hold(args):
                 entry = self._capture(args, entry.in_place(args), training)
@@ -206,8 +209,9 @@ class StepGraphs:
             if not training:
                 return tuple(entry.forward(args))
             if entry.gradients_held(args):
-                self._say("held", "a gradient the step's graphs handed out is still held (not as an input's .grad); "
-                          "steps run eagerly while it is, since the next backward replay would overwrite it")
+                self._say("held", "a gradient the step's graphs (mode='reduce-overhead') handed out is still held "
+                          "(not as an input's .grad); steps run eagerly while it is, since the next replay would "
+                          "overwrite it")
                 return self.run(*args)
             return _Replay.apply(entry, *args)
 
@@ -359,6 +363,9 @@ class _Step:
         self.backward_done = True
         return [None if g is None else g.detach() for g in self.grad_of]
 
+
+# Said where a step runs eagerly rather than replay.
+TREES_INSTEAD = "options step_graphs=False gives such steps to torch's CUDA-graph trees instead"
 
 # Added to autograd's error where an input the step's graphs read in place changed before the
 # backward (module docstring, 3.).
