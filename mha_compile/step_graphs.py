@@ -24,11 +24,13 @@ still kept apart):
 3. each call copies its moved inputs in, replays the forward and hands out copies of the outputs
    (the next replay overwrites the graph's own); the backward copies ∂out in, replays, and hands
    autograd views of the graph's input gradients, which AccumulateGrad takes as .grad with no
-   copy. A leaf input's .grad still such a view at the next replay (accumulated, or zeroed in
-   place) gets a copy first, since the forward's replay may write there too (the graphs share a
-   pool); a gradient held anywhere else makes the steps run eagerly until it is dropped
-   (`_Step.gradients_held`), since a replay would overwrite it. Every input read in place is held
-   until the backward, and a change to one in place before then raises, as eager's saved tensors
+   copy. Before the next replay, forward's or backward's (the forward's may write there too: the
+   graphs share a pool), each tensor known to still hold one (a leaf input's .grad, accumulated
+   or zeroed in place; a gradient torch.autograd.grad returned through a retained graph) gets
+   memory of its own, the same values in the same tensor object (`_Step.move_gradients_out`);
+   a view of one made elsewhere makes the steps run eagerly until it is dropped, and a backward
+   raise (`_Step.gradients_held`), since a replay would overwrite it. Every input read in place
+   is held until the backward, and a change to one in place before then raises, as eager's saved tensors
    do, though the backward may not read it (a batch whose copy the op keeps, refilled before the
    backward: eager trains there). Session 51 held only those the warm-up's saved-tensor hooks saw
    saved, and took the garbage gradients of test_gradients_accumulate_without_zeroing for its
@@ -45,12 +47,12 @@ torch's CUDA-graph trees then taking the step as they do with step_graphs=False:
 and a graph that writes into one of its inputs, draws random numbers from a generator of its own
 or on another device, or returns an input's or another output's memory (`why_not`).
 
-At run time: an input read in place that has moved makes the call capture again with it copied;
+At run time: under saved-tensor hooks (activation checkpointing, save_on_cpu) a training call
+runs eagerly; an input read in place that has moved makes the call capture again with it copied;
 a forward while the last one's backward is still to come (its saved values live in the graph's
 pool) runs eagerly; a backward whose forward's values a later replay overwrote (through a
 retained graph) raises; a failed capture runs the step eagerly from then on, with a warning.
 """
-import collections
 import logging
 import operator
 import threading
@@ -100,7 +102,9 @@ def why_not(gm, example_inputs, on_device):
     fake_mode = torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)
     try:
         fakes = [fake_mode.from_tensor(t) for t in example_inputs]
-        with fake_mode, _Watch(fakes) as watch:
+        # no_grad: what is checked does not need autograd, and a caller's saved-tensor hooks (a
+        # checkpoint compiling the step inside its forward) would count what autograd saved here
+        with torch.no_grad(), fake_mode, _Watch(fakes) as watch:
             outputs = torch.fx.Interpreter(gm).run(*fakes)
     except Exception as error:  # noqa: BLE001 (what cannot be checked is not captured)
         return f"running it on fake inputs to check it failed ({type(error).__name__}: {error})"
@@ -188,6 +192,12 @@ class StepGraphs:
         if torch.is_inference_mode_enabled():
             return self.run(*args)  # static inputs made under inference mode could not be copied into outside it
         training = torch.is_grad_enabled() and any(a.requires_grad for a in args)
+        if training and torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+            self._say("hooks", "saved-tensor hooks are on (activation checkpointing, save_on_cpu): the step's graphs "
+                      "(mode='reduce-overhead') run it eagerly under them, since a replay saves its values in the "
+                      "graphs' memory, out of the hooks' reach (and a checkpoint's recomputation must save what "
+                      "its first forward saved)")
+            return self.run(*args)
         with self.lock:
             entry = self.entries.get(training)
             if entry is _EAGER:
@@ -208,10 +218,10 @@ class StepGraphs:
                     return self.run(*args)
             if not training:
                 return tuple(entry.forward(args))
-            if entry.gradients_held(args):
-                self._say("held", "a gradient the step's graphs (mode='reduce-overhead') handed out is still held "
-                          "(not as an input's .grad); steps run eagerly while it is, since the next replay would "
-                          "overwrite it")
+            entry.move_gradients_out(args)
+            if entry.gradients_held():
+                self._say("held", "a view of a gradient the step's graphs (mode='reduce-overhead') handed out is "
+                          "still held; steps run eagerly while it is, since the next replay would overwrite it")
                 return self.run(*args)
             return _Replay.apply(entry, *args)
 
@@ -289,10 +299,10 @@ class _Step:
         # output sharing it once more): any beyond them are someone else's.
         storages = {_storage(g): g.untyped_storage() for g in self.grad_of if g is not None}
         self.grad_storages = {ptr: (storage, _uses(storage)) for ptr, storage in storages.items()}
-        # The inputs read in place, as (position, address), and each one's gradient's storage
-        # (None: it takes none): read every step, so worked out once here.
+        # The inputs read in place, as (position, address): read every step, so worked out once here.
         self.kept = [(i, at) for i, at in enumerate(self.addresses) if at is not None]
         self.generation, self.last, self.backward_done = 0, None, False
+        self.holders = []  # (weak reference, whether its .grad is what may hold them): move_gradients_out
 
     def addresses_hold(self, args):
         return (all(_readable_in_place(args[i], at) for i, at in self.kept)
@@ -302,24 +312,33 @@ class _Step:
         """What stays read in place when the step is captured again (an input moved)."""
         return [keep and _readable_in_place(a, at) for a, keep, at in zip(args, self.read_in_place, self.addresses)]
 
-    def gradients_held(self, args):
-        """Whether a gradient the last backward handed out is still held by something other than
-        an in-place input's .grad (which the backward can give a copy of): the next backward
-        replay would overwrite it."""
-        if all(_uses(storage) == own for storage, own in self.grad_storages.values()):
-            return False  # none held at all (.grad set to None since): the usual step, answered without the count
-        known = collections.Counter(_storage(a.grad) for a in args if a.is_leaf and a.grad is not None)
-        return any(_uses(storage) - own > known[ptr] for ptr, (storage, own) in self.grad_storages.items())
+    def gradients_held(self):
+        """Whether anything still holds the graphs' gradient memory (once move_gradients_out has
+        moved what it knows of: what is left is a view the caller made of a gradient), which the
+        next replay would overwrite."""
+        return any(_uses(storage) != own for storage, own in self.grad_storages.values())
 
-    def _copy_out_gradients(self, inputs):
-        """Give each leaf among inputs whose .grad is still a view of the graphs' gradients a copy
-        of it, before a replay that may write there: the backward's writes them, and so may the
-        forward's, since the two graphs share a pool and the backward's capture may have put a
-        gradient in a block the forward's capture freed (on the GPU, session 52: ∂pool.query came
-        out 1.6e38 where gradients accumulated over steps)."""
-        for a in inputs:
-            if a.is_leaf and a.grad is not None and _storage(a.grad) in self.grad_storages:
-                a.grad = a.grad.clone()
+    def move_gradients_out(self, args=()):
+        """Give each tensor known to hold the graphs' gradient memory memory of its own, the same
+        values in the same tensor object (so a caller holding it keeps them), before a replay
+        writes there: a leaf input's .grad (args', and the last forward's inputs'), and a gradient
+        a backward handed out that something else keeps (torch.autograd.grad's result, through a
+        retained graph). The backward's replay writes the gradients, and so may the forward's: the
+        two graphs share a pool, and the backward's capture may have put a gradient in a block the
+        forward's capture freed (on the GPU, session 52: ∂pool.query came out 1.6e38 where
+        gradients accumulated over steps)."""
+        if not self.gradients_held():
+            return  # nothing holds them (.grad set to None since): the usual step, answered without a walk
+        for a in args:
+            if a.is_leaf:
+                self._move(a.grad)
+        for ref, its_grad in self.holders:
+            t = ref()
+            self._move(t.grad if its_grad and t is not None else t)
+
+    def _move(self, t):
+        if t is not None and _storage(t) in self.grad_storages:
+            t.data = t.clone()
 
     def pending(self):
         """Whether the last forward's backward is still to come (its autograd node alive)."""
@@ -328,8 +347,6 @@ class _Step:
     def forward(self, args, ctx=None):
         """Replay the forward on args; copies of its outputs. ctx: the autograd node a backward
         will come through (training)."""
-        if ctx is not None:
-            self._copy_out_gradients(args)
         self.recorder.before_replay()
         if self.copied:
             region_graphs.copy_pairs([(static, args[i]) for i, static in self.copied])
@@ -337,31 +354,35 @@ class _Step:
         self.generation += 1
         if ctx is not None:
             self.last, self.backward_done = weakref.ref(ctx), False
+            # whose .grad the backward's gradients may become (move_gradients_out)
+            self.holders = [(weakref.ref(a), True) for a in args if a.is_leaf and a.requires_grad]
         # one clone an output: a step has one or two, so _foreach_copy_'s grouping saves no
         # launch here and costs ~5 us of host (bench/step_graphs_host.py)
         return [o.clone() for o in self.outputs]
 
-    def backward(self, generation, grads, in_place):
+    def backward(self, generation, grads):
         """Replay the backward for the forward `generation` with ∂out = grads; a gradient per input.
-        in_place: the inputs read in place (the node's saved tensors), in order.
 
         The gradients go to autograd as views of the graphs' own, so AccumulateGrad takes each as
         .grad where .grad is None, with no copy (a copy each cost ~20 us of host a parameter on
-        the H200). An in-place input whose .grad is still such a view gets a copy of it first: the
-        replay would overwrite it (the forward's replay gave one already; a second backward
-        through a retained graph has none between)."""
+        the H200); before the next replay, move_gradients_out gives whatever still holds one
+        memory of its own (a second backward through a retained graph comes here with the
+        first's gradients held)."""
         if generation != self.generation:
             raise RuntimeError("mha_compile: backward through a step whose CUDA graphs have replayed a later forward "
-                               "since: the values it saved are overwritten (step_graphs=True keeps one forward's)")
-        self._copy_out_gradients(in_place)
-        if any(_uses(storage) != own for storage, own in self.grad_storages.values()):
-            raise RuntimeError("mha_compile: a gradient the step's CUDA graphs handed out at an earlier step is held "
-                               "again, and this backward would overwrite it")
+                               "since: the values it saved are overwritten (the step graphs keep one forward's)")
+        self.move_gradients_out()
+        if self.gradients_held():
+            raise RuntimeError("mha_compile: a view of a gradient the step's CUDA graphs (mode='reduce-overhead') "
+                               "handed out is held, and this backward's replay would overwrite it; copy it with "
+                               ".clone() to keep it")
         self.recorder.before_replay()
         region_graphs.copy_pairs([(static, g) for static, g in zip(self.grad_outputs, grads) if static is not None])
         self.replay_backward()
         self.backward_done = True
-        return [None if g is None else g.detach() for g in self.grad_of]
+        handed = [None if g is None else g.detach() for g in self.grad_of]
+        self.holders += [(weakref.ref(g), False) for g in handed if g is not None]
+        return handed
 
 
 # Said where a step runs eagerly rather than replay.
@@ -400,12 +421,12 @@ class _Replay(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph=True: a replay records no ops to differentiate
             raise RuntimeError(NOT_TWICE)
         try:  # unpacking checks that no input read in place changed since the forward
-            in_place = ctx.saved_tensors
+            ctx.saved_tensors
         except RuntimeError as error:
             if "modified by an inplace operation" not in str(error):
                 raise
             raise RuntimeError(f"{error}\n{CHANGED_IN_PLACE}") from error
-        return (None, *ctx.step.backward(ctx.generation, grads, in_place))
+        return (None, *ctx.step.backward(ctx.generation, grads))
 
 
 def _readable_in_place(a, at):
