@@ -29,7 +29,7 @@ still kept apart):
    or zeroed in place; a gradient torch.autograd.grad returned through a retained graph) gets
    memory of its own, the same values in the same tensor object (`_Step.move_gradients_out`);
    a view of one made elsewhere makes the steps run eagerly until it is dropped, and a backward
-   raise (`_Step.gradients_held`), since a replay would overwrite it. Every input read in place
+   raise, since a replay would overwrite it. Every input read in place
    is held until the backward, and a change to one in place before then raises, as eager's saved tensors
    do, though the backward may not read it (a batch whose copy the op keeps, refilled before the
    backward: eager trains there). Session 51 held only those the warm-up's saved-tensor hooks saw
@@ -218,8 +218,7 @@ class StepGraphs:
                     return self.run(*args)
             if not training:
                 return tuple(entry.forward(args))
-            entry.move_gradients_out(args)
-            if entry.gradients_held():
+            if entry.move_gradients_out(args):
                 self._say("held", "a view of a gradient the step's graphs (mode='reduce-overhead') handed out is "
                           "still held; steps run eagerly while it is, since the next replay would overwrite it")
                 return self.run(*args)
@@ -312,29 +311,30 @@ class _Step:
         """What stays read in place when the step is captured again (an input moved)."""
         return [keep and _readable_in_place(a, at) for a, keep, at in zip(args, self.read_in_place, self.addresses)]
 
-    def gradients_held(self):
-        """Whether anything still holds the graphs' gradient memory (once move_gradients_out has
-        moved what it knows of: what is left is a view the caller made of a gradient), which the
-        next replay would overwrite."""
+    def _gradients_held(self):
         return any(_uses(storage) != own for storage, own in self.grad_storages.values())
 
     def move_gradients_out(self, args=()):
-        """Give each tensor known to hold the graphs' gradient memory memory of its own, the same
+        """Move each tensor known to hold the graphs' gradients into memory of its own, the same
         values in the same tensor object (so a caller holding it keeps them), before a replay
         writes there: a leaf input's .grad (args', and the last forward's inputs'), and a gradient
         a backward handed out that something else keeps (torch.autograd.grad's result, through a
         retained graph). The backward's replay writes the gradients, and so may the forward's: the
         two graphs share a pool, and the backward's capture may have put a gradient in a block the
         forward's capture freed (on the GPU, session 52: ∂pool.query came out 1.6e38 where
-        gradients accumulated over steps)."""
-        if not self.gradients_held():
-            return  # nothing holds them (.grad set to None since): the usual step, answered without a walk
+        gradients accumulated over steps).
+
+        Returns whether anything still holds the graphs' gradients after (a view the caller made
+        of one), which the next replay would overwrite."""
+        if not self._gradients_held():
+            return False  # nothing holds them (.grad set to None since): the usual step, answered without a walk
         for a in args:
             if a.is_leaf:
                 self._move(a.grad)
         for ref, its_grad in self.holders:
             t = ref()
             self._move(t.grad if its_grad and t is not None else t)
+        return self._gradients_held()
 
     def _move(self, t):
         if t is not None and _storage(t) in self.grad_storages:
@@ -371,8 +371,7 @@ class _Step:
         if generation != self.generation:
             raise RuntimeError("mha_compile: backward through a step whose CUDA graphs have replayed a later forward "
                                "since: the values it saved are overwritten (the step graphs keep one forward's)")
-        self.move_gradients_out()
-        if self.gradients_held():
+        if self.move_gradients_out():
             raise RuntimeError("mha_compile: a view of a gradient the step's CUDA graphs (mode='reduce-overhead') "
                                "handed out is held, and this backward's replay would overwrite it; copy it with "
                                ".clone() to keep it")
