@@ -210,7 +210,8 @@ class StepGraphs:
             if training and isinstance(entry, _Step) and entry.pending():
                 self._say("pending", "the step's graphs (mode='reduce-overhead') were called again before the "
                           "backward of their last call; such calls run eagerly (their saved values live in the "
-                          "graphs' memory). " + TREES_INSTEAD)
+                          "graphs' memory); options step_graphs=False gives such steps to torch's CUDA-graph "
+                          "trees instead")
                 return self.run(*args)
             if isinstance(entry, _Seen) or not entry.addresses_hold(args):
                 entry = self._capture(args, entry.in_place(args), training)
@@ -383,9 +384,6 @@ class _Step:
         self.holders += [(weakref.ref(g), False) for g in handed if g is not None]
         return handed
 
-
-# Said where a step runs eagerly rather than replay.
-TREES_INSTEAD = "options step_graphs=False gives such steps to torch's CUDA-graph trees instead"
 
 # Added to autograd's error where an input the step's graphs read in place changed before the
 # backward (module docstring, 3.).

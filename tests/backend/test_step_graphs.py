@@ -93,6 +93,11 @@ class Emulated:
         pass
 
 
+def _backward_replays():
+    """The backward replays of every stand-in made (each capture makes one)."""
+    return sum(r.backward_replays for r in Emulated.made)
+
+
 @pytest.fixture(autouse=True)
 def emulated(monkeypatch):
     """The backend's reduce-overhead path taken on the CPU, its step graphs the stand-in's."""
@@ -189,7 +194,7 @@ def test_gradients_accumulate_across_steps_without_zeroing():
             torch.testing.assert_close(per_step[step - 1][name], p.grad, rtol=1e-4, atol=1e-6,
                                        msg=lambda m: f"step {step} ∂{name}: {m}")
         eager.zero_grad(set_to_none=True)
-    assert sum(r.backward_replays for r in Emulated.made) == 3
+    assert _backward_replays() == 3
 
 
 @pytest.mark.parametrize("zero", ["none", "in place"])
@@ -218,7 +223,7 @@ def test_clipped_gradients_and_adam_train_as_eager(zero):
     want_losses, want_grads, want_params = run(eager, eager)
     model = _block()
     losses, grads, params = run(model, torch.compile(model, backend="mha", options=OPTIONS))
-    assert sum(r.backward_replays for r in Emulated.made) == 4
+    assert _backward_replays() == 4
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-5, atol=0)
     names = [name for name, _ in model.named_parameters()]
     for step, (got_step, want_step) in enumerate(zip(grads, want_grads)):
@@ -506,7 +511,7 @@ def test_reduce_overhead_alone_replays_through_the_step_graphs(monkeypatch):
     eager_run = _train(eager, eager, 3)
     model = _block()
     run = _train(model, torch.compile(model, backend="mha", mode="reduce-overhead"), 3)
-    assert sum(r.backward_replays for r in Emulated.made) == 2
+    assert _backward_replays() == 2
     _assert_trained_alike(run, eager_run)
     trees = []
     monkeypatch.setattr(backend.whole_graph, "capture", lambda gm, inputs: trees.append(gm) or gm.forward)
@@ -550,7 +555,7 @@ def test_verify_leaves_the_parameters_read_in_place(monkeypatch, caplog):
     _assert_trained_alike(run, eager_run)
     params = len(list(model.parameters()))
     assert steps and all(sum(step.read_in_place) >= params for step in steps)
-    assert sum(r.backward_replays for r in Emulated.made) >= 2
+    assert _backward_replays() >= 2
 
 
 def test_the_pool_outside_the_step_graphs_trains_as_eager(monkeypatch):
@@ -566,7 +571,7 @@ def test_the_pool_outside_the_step_graphs_trains_as_eager(monkeypatch):
     eager_run = _train(eager, eager, 3)
     model = _block()
     run = _train(model, torch.compile(model, backend="mha", options={**OPTIONS, "kernels": "fused"}), 3)
-    assert len(pools) == 1 and sum(r.backward_replays for r in Emulated.made) == 2
+    assert len(pools) == 1 and _backward_replays() == 2
     _assert_trained_alike(run, eager_run)
 
 
@@ -661,7 +666,7 @@ def test_a_checkpointed_block_trains_as_eager(monkeypatch):
     run = _train(model, torch.compile(model, backend="mha", options=OPTIONS), 3)
     eager = _Checkpointed()
     eager_run = _train(eager, eager, 3)
-    assert sum(r.backward_replays for r in Emulated.made) == 2
+    assert _backward_replays() == 2
     _assert_trained_alike(run, eager_run)
 
 
@@ -803,19 +808,16 @@ def test_a_held_gradient_keeps_its_values_and_the_steps_replay(steps, caplog):
     for seed in (3, 4):  # inputs taking gradients: a graph of their own, run eagerly, then captured
         compiled(*_inputs(seed, requires_grad=True)).square().mean().backward()
 
-    def backward_replays():
-        return sum(r.backward_replays for r in Emulated.made)
-
     ctx, tok = _inputs(5, requires_grad=True)
     compiled(ctx, tok).square().mean().backward()
     kept, kept_then = ctx.grad, ctx.grad.clone()
-    replays = backward_replays()
+    replays = _backward_replays()
     compiled(*_inputs(6, requires_grad=True)).square().mean().backward()
-    assert backward_replays() == replays + 1 and ctx.grad is kept and torch.equal(kept, kept_then)
+    assert _backward_replays() == replays + 1 and ctx.grad is kept and torch.equal(kept, kept_then)
     ctx, tok = _inputs(7, requires_grad=True)
     compiled(ctx, tok).square().mean().backward()
     view, view_then = ctx.grad[0], ctx.grad[0].clone()
-    replays = backward_replays()
+    replays = _backward_replays()
     with caplog.at_level(logging.WARNING, logger="mha_compile"):
         for seed in (8, 9):
             new_ctx, new_tok = _inputs(seed, requires_grad=True)
@@ -823,11 +825,11 @@ def test_a_held_gradient_keeps_its_values_and_the_steps_replay(steps, caplog):
             eager_ctx = new_ctx.detach().requires_grad_()
             model(eager_ctx, new_tok.detach()).square().mean().backward()
             torch.testing.assert_close(new_ctx.grad, eager_ctx.grad, rtol=1e-4, atol=1e-7)
-    assert torch.equal(view, view_then) and backward_replays() == replays
+    assert torch.equal(view, view_then) and _backward_replays() == replays
     assert sum("still held" in r.message for r in caplog.records) == 1
     del view
     compiled(*_inputs(10, requires_grad=True)).square().mean().backward()
-    assert backward_replays() == replays + 1
+    assert _backward_replays() == replays + 1
 
 
 def _micro_batches_keeping_grad(model, fn):
@@ -897,7 +899,7 @@ def test_gradients_the_caller_keeps_are_eagers(loop):
     want = loop(eager, eager)
     model = _block()
     got = loop(model, torch.compile(model, backend="mha", options=OPTIONS))
-    assert sum(r.backward_replays for r in Emulated.made) >= 3
+    assert _backward_replays() >= 3
     assert len(got) == len(want)
     for i, (g, w) in enumerate(zip(got, want)):
         if isinstance(w, bool):
