@@ -49,8 +49,10 @@ or on another device, or returns an input's or another output's memory (`why_not
 
 At run time: under saved-tensor hooks (activation checkpointing, save_on_cpu) a training call
 runs eagerly; an input read in place that has moved makes the call capture again with it copied;
-a forward while the last one's backward is still to come (its saved values live in the graph's
-pool) runs eagerly; a backward whose forward's values a later replay overwrote (through a
+a forward while the last one's backward is still to come (its saved values live in the graphs'
+pool: a siamese pair's second call, micro-batches summed into one backward) replays graphs of
+its own, a capture at the next depth with a pool of its own, up to MAX_PENDING such forwards
+(the rest run eagerly); a backward whose forward's values a later replay overwrote (through a
 retained graph) raises; a failed capture runs the step eagerly from then on, with a warning.
 """
 import logging
@@ -66,6 +68,11 @@ from mha_compile.kernels import region_graphs
 
 log = logging.getLogger("mha_compile")
 _EAGER = "eager"  # a signature whose capture failed: it runs eagerly from then on
+# Forwards whose backwards are still to come that the step's graphs replay, each at a depth of
+# its own (a capture, its own memory pool: a siamese pair's calls, micro-batches summed into one
+# backward); calls past them run eagerly. Bounded since each depth holds a pool (~0.2 GB at
+# medium, ~1.3 at large) for as long as the step lives.
+MAX_PENDING = 4
 
 
 def compile(gm, example_inputs, run, fallback, asked=True):
@@ -184,7 +191,9 @@ class StepGraphs:
 
     def __init__(self, run, recorder, held=()):
         self.run, self.recorder, self.held = run, recorder, list(held)
-        self.entries = {}  # training -> _Seen | _Step | _EAGER
+        # training -> _EAGER, or a list by depth (how many forwards before it still await their
+        # backwards: a siamese pair's second call, a second micro-batch) of _Seen | _Step
+        self.entries = {}
         self.lock = threading.RLock()
         self.said = set()
 
@@ -199,22 +208,26 @@ class StepGraphs:
                       "its first forward saved)")
             return self.run(*args)
         with self.lock:
-            entry = self.entries.get(training)
-            if entry is _EAGER:
+            depths = self.entries.get(training)
+            if depths is _EAGER:
                 return self.run(*args)
-            if entry is None:
-                self.entries[training] = _Seen(args)
+            if depths is None:
+                self.entries[training] = [_Seen(args)]
                 return self.run(*args)
-            # before any capture again: a micro-batch's inputs are new tensors (the last one's are
-            # held for its backward), and capturing for them would only replace this capture
-            if training and isinstance(entry, _Step) and entry.pending():
-                self._say("pending", "the step's graphs (mode='reduce-overhead') were called again before the "
-                          "backward of their last call; such calls run eagerly (their saved values live in the "
-                          "graphs' memory); options step_graphs=False gives such steps to torch's CUDA-graph "
-                          "trees instead")
+            # the first depth whose graphs hold no forward still awaiting its backward (inference
+            # keeps none); chosen before any capture again: a micro-batch's inputs are new tensors,
+            # and capturing the busy depth for them would only replace it
+            depth = next((d for d, entry in enumerate(depths) if not (training and entry.pending())), len(depths))
+            if depth == MAX_PENDING:
+                self._say("pending", f"the step's graphs (mode='reduce-overhead') were called {MAX_PENDING + 1} times "
+                          f"before the backward of the first; calls past {MAX_PENDING} run eagerly (each depth holds "
+                          "its saved values in graphs of its own, step_graphs.MAX_PENDING); options "
+                          "step_graphs=False gives such steps to torch's CUDA-graph trees instead")
                 return self.run(*args)
-            if isinstance(entry, _Seen) or not entry.addresses_hold(args):
-                entry = self._capture(args, entry.in_place(args), training)
+            entry = depths[depth] if depth < len(depths) else None
+            if not isinstance(entry, _Step) or not entry.addresses_hold(args):
+                basis = entry if entry is not None else depths[0]  # a new depth: what depth 0 reads in place
+                entry = self._capture(args, basis.in_place(args), training, depth)
                 if entry is None:
                     return self.run(*args)
             if not training:
@@ -231,10 +244,11 @@ class StepGraphs:
             self.said.add(what)
             log.warning("mha_compile: %s", message)
 
-    def _capture(self, args, in_place, training):
-        """A _Step for args (remembered), or None with a warning where capturing fails (the step
-        then runs eagerly from then on)."""
-        old = self.entries.get(training)
+    def _capture(self, args, in_place, training, depth):
+        """A _Step for args at `depth` (remembered), or None with a warning where capturing fails
+        (the step then runs eagerly from then on)."""
+        depths = self.entries[training]
+        old = depths[depth] if depth < len(depths) else None
         try:
             entry = _Step(self.run, args, in_place, training, self.recorder(args[0].device), self.held)
         except Exception as error:  # noqa: BLE001 (any capture failure: run eagerly instead)
@@ -244,7 +258,10 @@ class StepGraphs:
             return None
         if isinstance(old, _Step):
             old.recorder.synchronize()  # its last replay may still be reading what it holds
-        self.entries[training] = entry
+        if old is None:
+            depths.append(entry)
+        else:
+            depths[depth] = entry
         return entry
 
 
@@ -253,6 +270,9 @@ class _Seen:
 
     def __init__(self, args):
         self.addresses = [a.data_ptr() for a in args]
+
+    def pending(self):
+        return False  # an eager call's backward needs no graphs
 
     def in_place(self, args):
         return [_readable_in_place(a, at) for a, at in zip(args, self.addresses)]

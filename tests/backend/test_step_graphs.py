@@ -9,7 +9,8 @@ backward reads the saved values that replay left in the pool), not the inputs as
 and a forward replay writes NaN over the backward's gradients first, as a CUDA graph may where
 the backward's capture took a block the forward's freed. So these tests check what step_graphs adds around the graphs: the first call eager, the inputs
 read in place or copied, a capture again when one moves, fresh outputs, gradients handed to
-autograd without being taken as .grad, the eager call while a backward is pending, the error
+autograd without being taken as .grad, a capture of its own for a call while a backward is
+pending, the error
 for a backward whose values were overwritten. The real capture and replay are tested on the GPU
 (test_step_graphs_cuda.py); what the stand-in cannot show is whether an input's memory must
 outlive the forward (its autograd graph holds every input).
@@ -273,7 +274,7 @@ def test_inputs_read_in_place_and_copied():
     out = compiled(ctx, new_tok)
     torch.testing.assert_close(out, model(ctx, new_tok), rtol=1e-5, atol=1e-6)
     assert len(Emulated.made) == 2  # captured again
-    out.sum().backward()  # else the next call, its backward pending, runs eagerly
+    out.sum().backward()  # else the next call, its backward pending, takes a capture of its own
     other = _inputs(7)[0]
     torch.testing.assert_close(compiled(other, new_tok), model(other, new_tok), rtol=1e-5, atol=1e-6)
     assert len(Emulated.made) == 3  # ctx moved too
@@ -289,34 +290,77 @@ def _past_capture():
     return model, compiled
 
 
-@pytest.mark.parametrize("in_place", [False, True], ids=["copied", "read_in_place"])
-def test_a_second_forward_before_the_backward_runs_eagerly(caplog, in_place):
-    """Two forwards, then one backward of both (gradient accumulation over micro-batches): the
-    first forward's saved values live in the graphs' memory, so the second runs eagerly, said once.
-    read_in_place: the inputs are read in place (one buffer each, as the first micro-batch's too),
-    and the second micro-batch comes in new tensors: it must still run eagerly, not capture again
-    for them (it did, on the GPU: the new capture's replay then ran, three replays for two)."""
-    micro = [_inputs(10), _inputs(11)]
-    if in_place:
-        model = _block()
-        compiled = torch.compile(model, backend="mha", options=OPTIONS)
-        for step in range(2):
-            compiled(*micro[0]).square().mean().backward()
-    else:
-        model, compiled = _past_capture()
+def _pair_gradients(model, calls):
+    """Each parameter's gradient of one backward through the sum of calls' squared means."""
     model.zero_grad(set_to_none=True)
-    recorder = Emulated.made[-1]
-    replays = recorder.forward_replays
+    sum(out.square().mean() for out in calls()).backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+@pytest.mark.parametrize("start", ["copied", "read_in_place", "first_step"])
+def test_forwards_before_one_backward_replay_at_depths_of_their_own(caplog, start):
+    """Two forwards, then one backward of both (micro-batches summed, a siamese pair), three
+    steps: the first forward's saved values live in its graphs' memory, so the second replays
+    graphs of its own (a second capture, depth 1), never the busy ones again, and each step's
+    gradients are eager's. read_in_place: the first micro-batch comes in one buffer each step,
+    read in place, the second in new tensors (on the GPU a capture for them once replaced the
+    busy one's: three replays for two); first_step: the pair from the first call on (that one
+    eager, the second captured at depth 0)."""
+    first = _inputs(10)
+    model = _block()
+    compiled = torch.compile(model, backend="mha", options=OPTIONS)
+    for step in range(2 if start != "first_step" else 0):
+        compiled(*(first if start == "read_in_place" else _inputs(step))).square().mean().backward()
+    eager = _block()
     with caplog.at_level(logging.WARNING, logger="mha_compile"):
-        loss = compiled(*micro[0]).square().mean() + compiled(*micro[1]).square().mean()
-        loss.backward()
-    assert sum("before the backward" in r.message for r in caplog.records) == 1
-    assert Emulated.made[-1] is recorder and recorder.forward_replays == replays + 1  # no capture again
-    got = {name: p.grad.clone() for name, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    (model(*_inputs(10)).square().mean() + model(*_inputs(11)).square().mean()).backward()
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(got[name], p.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"∂{name}: {m}")
+        for step in range(3):
+            second = _inputs(20 + step)
+            got = _pair_gradients(model, lambda: [compiled(*first), compiled(*second)])
+            want = _pair_gradients(eager, lambda: [eager(*first), eager(*second)])
+            for name in want:
+                torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6,
+                                           msg=lambda m: f"step {step} ∂{name}: {m}")
+    assert not [r.message for r in caplog.records if r.levelno >= logging.WARNING]
+    replays = [(r.forward_replays, r.backward_replays) for r in Emulated.made]
+    assert replays == ([(3, 3), (2, 2)] if start == "first_step" else [(4, 4), (3, 3)])
+
+
+def test_gradients_accumulate_across_depths():
+    """Pairs of forwards, then a backward of each, three pairs without zeroing: a .grad taken from
+    one depth's gradients gets the other depth's added in place, and must survive both depths'
+    later replays (each writes NaN over its own gradients here first). One backward of the pair's
+    sum would not show it: autograd sums the two gradients into new memory first."""
+    model, compiled = _past_capture()
+    eager = _block()
+    for fn, m in ((compiled, model), (eager, eager)):
+        m.zero_grad(set_to_none=True)
+        for step in range(3):
+            outs = [fn(*_inputs(40 + 2 * step + i)) for i in range(2)]
+            for out in outs[::1 - 2 * (step % 2)]:  # depth 0's backward first, then depth 1's first
+                out.square().mean().backward()
+    for (name, p), e in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, e.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"∂{name}: {m}")
+    assert [r.backward_replays for r in Emulated.made] == [4, 3]
+
+
+def test_forwards_past_max_pending_run_eagerly(caplog, monkeypatch):
+    """Three forwards before one backward with MAX_PENDING 2: the third runs eagerly, said once,
+    and the gradients are eager's; no third capture."""
+    monkeypatch.setattr(step_graphs, "MAX_PENDING", 2)
+    model, compiled = _past_capture()
+    eager = _block()
+    with caplog.at_level(logging.WARNING, logger="mha_compile"):
+        for step in range(2):
+            batches = [_inputs(30 + 3 * step + i) for i in range(3)]
+            got = _pair_gradients(model, lambda: [compiled(*b) for b in batches])
+            want = _pair_gradients(eager, lambda: [eager(*b) for b in batches])
+            for name in want:
+                torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6,
+                                           msg=lambda m: f"step {step} ∂{name}: {m}")
+    assert sum("called 3 times before the backward" in r.message for r in caplog.records) == 1
+    assert [r.forward_replays for r in Emulated.made] == [3, 2]
 
 
 def test_a_backward_through_overwritten_values_raises():

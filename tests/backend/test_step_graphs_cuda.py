@@ -1,7 +1,7 @@
 """options step_graphs=True on the GPU: the step replayed through mha_compile's own CUDA graphs
 (mha_compile/step_graphs.py) must train as the plain compiled step does, through SGD's in-place
 updates, a parameter whose storage moves, gradients accumulated without zeroing, micro-batches
-whose forwards come before one backward, the pool run outside the graphs, and dropout (a new
+whose forwards come before one backward (each at a depth of its own), the pool run outside the graphs, and dropout (a new
 mask each replay, the backward reading that replay's); and its graphs
 must really be the ones replayed (torch's trees never asked), so that a silent fallback cannot
 pass for them."""
@@ -101,22 +101,32 @@ def test_gradients_accumulate_without_zeroing(replays):
 
 
 def test_micro_batches_before_one_backward(replays):
-    """Two forwards summed into one backward: the second runs eagerly (the first's saved values
-    are in the graphs' memory), and the gradients are the plain step's."""
+    """Two forwards summed into one backward, two such steps, the gradients accumulated over both:
+    the second forward of each replays graphs of its own (the first's saved values are in its
+    graphs' memory; a .grad may then lie in either's), and after each step the gradients are the
+    plain step's."""
+    pairs = ((5, 6), (7, 8))
+
+    def accumulated(fn, model):
+        model.zero_grad(set_to_none=True)
+        grads = []
+        for pair in pairs:
+            sum(fn(*_inputs(seed)).float().square().mean() for seed in pair).backward()
+            grads.append({name: p.grad.float().clone() for name, p in model.named_parameters()})
+        return grads
+
     model = block()
     compiled = torch.compile(model, backend="mha", options=OPTIONS)
     for step in range(2):
         compiled(*_inputs(step)).float().square().mean().backward()
-    model.zero_grad(set_to_none=True)
-    (compiled(*_inputs(5)).float().square().mean() + compiled(*_inputs(6)).float().square().mean()).backward()
-    got = {name: p.grad.float().clone() for name, p in model.named_parameters()}
-    assert replays == {"forward": 2, "backward": 2}
+    got = accumulated(compiled, model)
+    assert replays == {"forward": 5, "backward": 5}  # step 1's, then two depths a pair
     torch._dynamo.reset()
-    plain = torch.compile(model, backend="mha", options={"graphs": "off"})
-    model.zero_grad(set_to_none=True)
-    (plain(*_inputs(5)).float().square().mean() + plain(*_inputs(6)).float().square().mean()).backward()
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(got[name], p.grad.float(), rtol=1e-3, atol=1e-6, msg=lambda m: f"∂{name}: {m}")
+    want = accumulated(torch.compile(model, backend="mha", options={"graphs": "off"}), model)
+    for pair, grads, plain in zip(pairs, got, want):
+        for name in plain:
+            torch.testing.assert_close(grads[name], plain[name], rtol=1e-3, atol=1e-6,
+                                       msg=lambda m: f"{pair} ∂{name}: {m}")
 
 
 def test_the_pool_outside_the_step_graphs(monkeypatch, replays):
