@@ -148,6 +148,9 @@
 #                                      # processes one after another (~2.5 min each): host-bound rows move
 #                                      # with the host, so read a mode's rows across rounds:
 #                                      # run.log, h200_large_rows_<n>.{md,json}
+#   bash bench/h200_session.sh depths  # the whole GPU suite, then bench/siamese_step.py (two forwards
+#                                      # before one backward: the step graphs' depths, MAX_PENDING=1, the trees;
+#                                      # small and medium, 3 rounds; ~6 min): run.log, siamese_step.txt
 #   bash bench/h200_session.sh verify-step-graphs  # where device time is short: the whole GPU suite
 #                                      # on a cold cache, then step-graphs' rows without Inductor's (~9.5 min):
 #                                      # run.log, h200_step_graphs.{md,json,png}
@@ -160,7 +163,7 @@
 #                                      # benchmark cut at 250 s (rows past it are listed as skipped)
 # Budgets are per step so a slow step cannot starve the others.
 set -u
-part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|ab|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|ncu-gemms|ncu-source|gluon|verify-gluon|gluon-gemms|verify-gemms|router|small-kernels|host-large|host-timers|wgrad-stream|sum-spread|column-sums|slot-chunk|hidden-columns|step-graphs|keep-hidden|keep-rows|keep-step|launch-ab|large-rows|kernel-times-ab|rows-ab|static-params|gluon-up|verify-step-graphs|after-step-graphs|short}
+part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|ab|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|ncu-gemms|ncu-source|gluon|verify-gluon|gluon-gemms|verify-gemms|router|small-kernels|host-large|host-timers|wgrad-stream|sum-spread|column-sums|slot-chunk|hidden-columns|step-graphs|keep-hidden|keep-rows|keep-step|launch-ab|large-rows|kernel-times-ab|rows-ab|static-params|gluon-up|verify-step-graphs|after-step-graphs|depths|short}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 # Inductor's compiled graphs kept in the checkout (git ignores it): the device keeps ignored
 # files between calls on a machine it still holds, so `table` can reuse `autotune-cache`'s.
@@ -286,6 +289,15 @@ step-graphs)
     { timeout -s INT -k 10 100 python bench/step_profile.py --preset medium \
         --runs mha-fused-trees:dense,mha-fused-cudagraphs:dense 2>&1; } >"$OUT/step_profile_step_graphs_medium.txt"
     grep "^==" "$OUT/step_profile_step_graphs_medium.txt" >>"$LOG"
+    ;;
+depths)
+    # the whole GPU suite (the step graphs' depths among it: session 53), then a siamese step (two
+    # forwards before one backward) under the step graphs at two depths, with MAX_PENDING=1 (the
+    # second forward eager, as before) and on the trees, small and medium in 3 rounds (~6 min)
+    gpu_tests 300
+    { timeout -s INT -k 10 200 python bench/siamese_step.py --presets small,medium --rounds 3 2>&1 | tail -20; } \
+        >"$OUT/siamese_step.txt"
+    grep -v "^mha_compile" "$OUT/siamese_step.txt" >>"$LOG"
     ;;
 keep-hidden)
     # the Gluon GEMM1's and hidden kernels' KEEP_U variants against float64 first (staged offline in
@@ -595,6 +607,6 @@ bench|bench-resume)
         --modes eager,inductor,inductor-max-autotune,mha-staged,mha-fused,mha-fused-cudagraphs \
         --spellings dense,loop,grouped_mm "${resume[@]}" --commit "$commit" 2>&1 | tail -100; } >>"$LOG"
     ;;
-*) echo "unknown part $part: expected check, kernels, probe, verify, ab, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache, medium-autotune, ncu, ncu-gemms, ncu-source, gluon, verify-gluon, gluon-gemms, verify-gemms, router, small-kernels, host-large, host-timers, wgrad-stream, sum-spread, column-sums, slot-chunk, hidden-columns, step-graphs, keep-hidden, keep-rows, keep-step, launch-ab, large-rows, kernel-times-ab, rows-ab, static-params, gluon-up or short" >&2; exit 2 ;;
+*) echo "unknown part $part: expected check, kernels, probe, verify, ab, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache, medium-autotune, ncu, ncu-gemms, ncu-source, gluon, verify-gluon, gluon-gemms, verify-gemms, router, small-kernels, host-large, host-timers, wgrad-stream, sum-spread, column-sums, slot-chunk, hidden-columns, step-graphs, keep-hidden, keep-rows, keep-step, launch-ab, large-rows, kernel-times-ab, rows-ab, static-params, gluon-up, depths or short" >&2; exit 2 ;;
 esac
 tail -150 "$LOG"
