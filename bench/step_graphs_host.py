@@ -6,10 +6,13 @@ The tiny block (SPEC §5) on the CPU, compiled with mode="reduce-overhead" and s
 its CUDA graphs replaced by a stub whose replays do nothing (mha_compile/step_graphs.py's
 recorder interface), so that a step's time is what the host spends around the graphs: Dynamo's
 guards, step_graphs' checks and copies, its autograd node, the loss, the autograd engine and
-AccumulateGrad. Beside it, in the same process and interleaved by round, the least any graphed
-step pays: the same loss and backward through a bare autograd.Function that returns a copy of a
-fixed output and fixed gradients, called without Dynamo. Both are synchronous CPU work, so a host
-clock times them. The H200's host runs at its own speed (bench/timing.py's host probe); compare
+AccumulateGrad. Beside it, in the same process and interleaved by round: the step graphs called
+directly with the inputs Dynamo handed them (no Dynamo frame), their autograd node applied
+directly (no checks before it), and the least any graphed step pays: the same loss and backward
+through a bare autograd.Function that returns a copy of a fixed output and fixed gradients,
+called without Dynamo. The differences split the step: Dynamo's frame, step_graphs' checks, its
+node's forward and backward. All are synchronous CPU work, so a host clock times them. Session
+53 on this project's 2-core CPU: 61, 19 and 28 us, over 134 of the bare Function. The H200's host runs at its own speed (bench/timing.py's host probe); compare
 the difference, not the absolute times, with torch's runtime there (bench/PERF_NOTES.md v48).
 """
 import argparse
@@ -56,7 +59,8 @@ class StubGraphs:
 
 
 class Bare(torch.autograd.Function):
-    """A graphed step's least: a copy of a fixed output; fixed gradients for every parameter."""
+    """A graphed step's least: a copy of a fixed output; fixed gradients for every parameter, as
+    views (detached) that AccumulateGrad takes as .grad with no copy, as it takes step_graphs'."""
 
     @staticmethod
     def forward(ctx, out, grads, *params):
@@ -65,7 +69,7 @@ class Bare(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return (None, None, *ctx.grads)
+        return (None, None, *[g.detach() for g in ctx.grads])
 
 
 def step_time(fn, model, ctx, tok, steps):
@@ -87,32 +91,48 @@ def main(argv=None):
     size = models.PRESETS["tiny"]
     model = models.MHABlock(size["D"], size["P"], size["F"], size["E"], size["k"], act="gelu", renorm=True)
     ctx, tok = torch.randn(size["B"], size["H"], size["D"]), torch.randn(size["B"], size["N"], size["D"])
+    seen = {}
+    called = step_graphs.StepGraphs.__call__
+
+    def spy(self, *flat):  # the step graphs and the inputs Dynamo hands them, for the direct calls
+        seen["graphs"], seen["args"] = self, flat
+        return called(self, *flat)
+
     with mock.patch.object(step_graphs, "CudaGraphs", StubGraphs), \
             mock.patch.object(backend, "_whole_graph_captured", lambda opts, mode, inputs: True):
         compiled = torch.compile(model, backend="mha", options={"mode": "reduce-overhead", "step_graphs": True})
-        for _ in range(3):  # eager, capture, replay
-            step_time(compiled, model, ctx, tok, 1)
+        with mock.patch.object(step_graphs.StepGraphs, "__call__", spy):
+            for _ in range(3):  # eager, capture, replay
+                step_time(compiled, model, ctx, tok, 1)
         out = model(ctx, tok).detach()
         grads = [torch.randn_like(p) for p in model.parameters()]
         params = list(model.parameters())
-
-        def bare(c, t):
-            return Bare.apply(out, grads, *params)
-
-        times = {"step_graphs": [], "bare Function": []}
+        if "graphs" not in seen:
+            raise SystemExit("0 replays: the step did not replay through step_graphs, so this would time something else")
+        graphs, flat = seen["graphs"], seen["args"]
+        entry = graphs.entries.get(True, [None])[0]
+        # each way's callable and whether it replays (2 replays a step)
+        ways = {"compiled": (compiled, True),
+                "step graphs called": (lambda c, t: graphs(*flat)[0], True),
+                "_Replay.apply": (lambda c, t: step_graphs._Replay.apply(entry, *flat)[0], True),
+                "bare Function": (lambda c, t: Bare.apply(out, grads, *params), False)}
+        times = {name: [] for name in ways}
         for _ in range(args.rounds):
-            before = StubGraphs.replays
-            times["step_graphs"].append(step_time(compiled, model, ctx, tok, args.steps))
-            if StubGraphs.replays - before != 2 * args.steps:
-                raise SystemExit(f"{StubGraphs.replays - before} replays in {args.steps} steps: the step did not "
-                                 "replay through step_graphs, so this would time something else")
-            times["bare Function"].append(step_time(bare, model, ctx, tok, args.steps))
+            for name, (fn, replays) in ways.items():
+                before = StubGraphs.replays
+                times[name].append(step_time(fn, model, ctx, tok, args.steps))
+                if replays and StubGraphs.replays - before != 2 * args.steps:
+                    raise SystemExit(f"{StubGraphs.replays - before} replays in {args.steps} steps ({name}): the step "
+                                     "did not replay through step_graphs, so this would time something else")
+    medians = {name: statistics.median(values) * 1e6 for name, values in times.items()}
     for name, values in times.items():
-        print(f"{name:14s} {statistics.median(values) * 1e6:7.1f} us a step (rounds {min(values) * 1e6:.1f}-"
-              f"{max(values) * 1e6:.1f})")
-    extra = statistics.median(times["step_graphs"]) - statistics.median(times["bare Function"])
-    print(f"step_graphs' own machinery: {extra * 1e6:.1f} us a step over the bare Function "
-          f"({len(params)} parameters, torch {torch.__version__})")
+        print(f"{name:19s} {medians[name]:7.1f} us a step (rounds {min(values) * 1e6:.1f}-{max(values) * 1e6:.1f})")
+    print(f"Dynamo's frame (compiled - step graphs called): {medians['compiled'] - medians['step graphs called']:.1f} "
+          f"us; step_graphs' checks (called - _Replay.apply): "
+          f"{medians['step graphs called'] - medians['_Replay.apply']:.1f} us; its autograd node over the bare "
+          f"Function: {medians['_Replay.apply'] - medians['bare Function']:.1f} us")
+    print(f"step_graphs' own machinery: {medians['step graphs called'] - medians['bare Function']:.1f} us a step over "
+          f"the bare Function ({len(params)} parameters, torch {torch.__version__})")
 
 
 if __name__ == "__main__":
