@@ -148,9 +148,10 @@
 #                                      # processes one after another (~2.5 min each): host-bound rows move
 #                                      # with the host, so read a mode's rows across rounds:
 #                                      # run.log, h200_large_rows_<n>.{md,json}
-#   bash bench/h200_session.sh depths  # the whole GPU suite, then bench/siamese_step.py (two forwards
-#                                      # before one backward: the step graphs' depths, MAX_PENDING=1, the trees;
-#                                      # small and medium, 3 rounds; ~6 min): run.log, siamese_step.txt
+#   bash bench/h200_session.sh depths  # the backend's and training GPU tests, then bench/siamese_step.py (two
+#                                      # forwards before one backward: the step graphs' depths, MAX_PENDING=1, the
+#                                      # trees; small and medium, 3 rounds), then mem_diag at small (~7 min):
+#                                      # run.log, siamese_step.txt, mem_diag_small.txt
 #   bash bench/h200_session.sh verify-step-graphs  # where device time is short: the whole GPU suite
 #                                      # on a cold cache, then step-graphs' rows without Inductor's (~9.5 min):
 #                                      # run.log, h200_step_graphs.{md,json,png}
@@ -291,13 +292,19 @@ step-graphs)
     grep "^==" "$OUT/step_profile_step_graphs_medium.txt" >>"$LOG"
     ;;
 depths)
-    # the whole GPU suite (the step graphs' depths among it: session 53), then a siamese step (two
-    # forwards before one backward) under the step graphs at two depths, with MAX_PENDING=1 (the
-    # second forward eager, as before) and on the trees, small and medium in 3 rounds (~6 min)
-    gpu_tests 300
-    { timeout -s INT -k 10 200 python bench/siamese_step.py --presets small,medium --rounds 3 2>&1 | tail -20; } \
+    # the backend's and the training suites' GPU tests (the step graphs' depths among them: session
+    # 53), then a siamese step (two forwards before one backward) under the step graphs at two
+    # depths, with MAX_PENDING=1 (the second forward eager, as before) and on the trees, small and
+    # medium in 3 rounds, then what stays allocated after small's steps under each (mem_diag; ~7 min)
+    workers=$(python -c "import torch; print(8 if torch.cuda.get_device_properties(0).total_memory > 100e9 else 3)")
+    { MHA_COMPILE_NO_AUTOTUNE=1 timeout -s INT -k 20 240 python -m pytest -q -m cuda tests/backend tests/training \
+        -n "$workers" -p no:cacheprovider -o log_level=WARNING -rf --tb=short 2>&1 | grep -E "^FAILED|^E |passed|failed" \
+        | tail -40; } >>"$LOG"
+    { timeout -s INT -k 10 170 python bench/siamese_step.py --presets small,medium --rounds 3 2>&1 | tail -20; } \
         >"$OUT/siamese_step.txt"
     grep -v "^mha_compile" "$OUT/siamese_step.txt" >>"$LOG"
+    { timeout -s INT -k 10 90 python bench/mem_diag.py --presets small \
+        --modes mha-fused-cudagraphs,mha-fused-trees,mha-fused 2>&1 | tail -60; } >"$OUT/mem_diag_small.txt"
     ;;
 keep-hidden)
     # the Gluon GEMM1's and hidden kernels' KEEP_U variants against float64 first (staged offline in
