@@ -77,6 +77,7 @@ def _measure(job, cache, quick):
     key = ("reference", job["preset"], job["dtype"])
     if key not in cache:
         cache[key] = cases.reference(job["preset"], job["dtype"], device)
+        _drop_cublas_workspaces(device)  # the reference's, which this row's step may not use
     ref_out, ref_grads = cache[key]
 
     model = cases.make_model(job["preset"], job["spelling"], job["dtype"], device)
@@ -160,5 +161,17 @@ def _cleanup(device_type):
     torch._dynamo.reset()
     region_graphs.clear()  # the region's own CUDA graphs (options graphs=) outlive Dynamo's reset
     gc.collect()
+    _drop_cublas_workspaces(device_type)
     if device_type == "cuda":
         torch.cuda.empty_cache()
+
+
+def _drop_cublas_workspaces(device_type):
+    """Free cuBLAS's workspaces, so that a row's peak counts only those its own step makes. A
+    thread's first cuBLAS call on a stream allocates one (32 MiB on Hopper, plus cuBLASLt's) that
+    stays for the process: the fp32 reference (eager, on this GPU) and the peers' matmuls make
+    them, our fused kernels make none, and torch's CUDA-graph trees free them as they record.
+    Session 53: the step graphs' small row peaked at 98 MiB, 65 of it the reference's workspaces
+    (the trees' row, after its recording, 31)."""
+    if device_type == "cuda":
+        torch._C._cuda_clearCublasWorkspaces()

@@ -3,9 +3,10 @@ import json
 import os
 
 import pytest
+import torch
 
 from bench import __main__ as bench_main
-from bench import modes, report
+from bench import measure, modes, report
 
 
 def _run(tmp_path, *argv):
@@ -440,3 +441,16 @@ def test_rounds_must_be_a_whole_number_from_one(bad, capsys):
     with pytest.raises(SystemExit):
         bench_main.parse_args(["--rounds", bad])
     assert f"{bad!r}: expected a whole number of rounds, 1 or more" in capsys.readouterr().err
+
+
+def test_rows_free_cublas_workspaces_before_and_after(monkeypatch):
+    """A CUDA row frees cuBLAS's workspaces once the reference is computed and when it ends (the
+    reference's would otherwise count in the peak of a row whose step never calls cuBLAS)."""
+    calls = []
+    monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: calls.append("clear"), raising=False)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(measure.cases, "reference", lambda *args: calls.append("reference") or (None, None))
+    monkeypatch.setattr(measure.cases, "make_model", lambda *args: calls.append("model") or 1 / 0)
+    job = dict(preset="tiny", dtype="fp32", mode="eager", spelling="dense", device_type="cuda", **{"pass": "fwd"})
+    row = measure.run_row(job, {})
+    assert row["status"] == "error" and calls == ["reference", "clear", "model", "clear"]
