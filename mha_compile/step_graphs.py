@@ -71,7 +71,7 @@ _EAGER = "eager"  # a signature whose capture failed: it runs eagerly from then 
 # Forwards whose backwards are still to come that the step's graphs replay, each at a depth of
 # its own (a capture, its own memory pool: a siamese pair's calls, micro-batches summed into one
 # backward); calls past them run eagerly. Bounded since each depth holds a pool (~0.2 GB at
-# medium, ~1.3 at large) for as long as the step lives.
+# medium, ~0.8 at large, bench/results/h200_s53_*.md) for as long as the step lives.
 MAX_PENDING = 4
 
 
