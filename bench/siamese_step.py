@@ -24,6 +24,11 @@ WAYS = {"step graphs, 2 depths": ({}, 4, 2), "step graphs, MAX_PENDING=1": ({}, 
         "trees": ({"step_graphs": False}, 4, 0)}  # name: (options, MAX_PENDING, forward replays a step)
 
 
+def needs_gpu():
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/siamese_step.py times CUDA graphs: it needs a GPU")
+
+
 def siamese_step(fn, inputs, grad_out, params):
     def step():
         torch.compiler.cudagraph_mark_step_begin()
@@ -39,6 +44,7 @@ def main(argv=None):
     parser.add_argument("--presets", default="small,medium")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
+    needs_gpu()
     replays = {"n": 0}
     real_forward = step_graphs._Step.forward
 
