@@ -53,7 +53,8 @@ a forward while the last one's backward is still to come (its saved values live 
 pool: a siamese pair's second call, micro-batches summed into one backward) replays graphs of
 its own, a capture at the next depth with a pool of its own, up to MAX_PENDING such forwards
 (the rest run eagerly); a backward whose forward's values a later replay overwrote (through a
-retained graph) raises; a failed capture runs the step eagerly from then on, with a warning.
+retained graph) raises; a failed capture runs the step eagerly from then on, with a warning (at a
+depth past 0, only the calls that deep).
 """
 import logging
 import operator
@@ -194,6 +195,7 @@ class StepGraphs:
         # training -> _EAGER, or a list by depth (how many forwards before it still await their
         # backwards: a siamese pair's second call, a second micro-batch) of _Seen | _Step
         self.entries = {}
+        self.deepest = {}  # training -> the depth a capture failed at: calls at it or deeper run eagerly
         self.lock = threading.RLock()
         self.said = set()
 
@@ -219,11 +221,14 @@ class StepGraphs:
             # and capturing the busy depth for them would only replace it
             depth = next((d for d, entry in enumerate(depths) if not (training and entry.pending())), len(depths))
             if depth == MAX_PENDING:
-                self._say("pending", f"the step's graphs (mode='reduce-overhead') were called {MAX_PENDING + 1} times "
-                          f"before the backward of the first; calls past {MAX_PENDING} run eagerly (each depth holds "
-                          "its saved values in graphs of its own, step_graphs.MAX_PENDING); options "
-                          "step_graphs=False gives such steps to torch's CUDA-graph trees instead")
+                self._say("pending", f"the step's graphs (mode='reduce-overhead') were called while {MAX_PENDING} "
+                          "earlier calls still awaited their backwards (a backward to come, or an output kept with "
+                          "its autograd graph); such calls run eagerly (each depth holds its saved values in graphs of "
+                          "its own, step_graphs.MAX_PENDING); options step_graphs=False gives such steps to torch's "
+                          "CUDA-graph trees instead")
                 return self.run(*args)
+            if depth >= self.deepest.get(training, MAX_PENDING):
+                return self.run(*args)  # a capture failed at this depth (said then)
             entry = depths[depth] if depth < len(depths) else None
             if not isinstance(entry, _Step) or not entry.addresses_hold(args):
                 basis = entry if entry is not None else depths[0]  # a new depth: what depth 0 reads in place
@@ -252,9 +257,15 @@ class StepGraphs:
         try:
             entry = _Step(self.run, args, in_place, training, self.recorder(args[0].device), self.held)
         except Exception as error:  # noqa: BLE001 (any capture failure: run eagerly instead)
-            log.warning("mha_compile: capturing the step as CUDA graphs failed (%s: %s); it runs without them",
-                        type(error).__name__, error)
-            self.entries[training] = _EAGER
+            # at a depth past 0 (out of memory for another pool, say), only calls that deep run
+            # eagerly: the depths before it keep replaying
+            log.warning("mha_compile: capturing the step as CUDA graphs failed (%s: %s); %s", type(error).__name__,
+                        error, "it runs without them" if depth == 0 else
+                        f"calls while {depth} or more earlier ones await their backwards run without them")
+            if depth == 0:
+                self.entries[training] = _EAGER
+            else:
+                self.deepest[training] = depth
             return None
         if isinstance(old, _Step):
             old.recorder.synchronize()  # its last replay may still be reading what it holds

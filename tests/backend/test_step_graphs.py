@@ -345,6 +345,32 @@ def test_gradients_accumulate_across_depths():
     assert [r.backward_replays for r in Emulated.made] == [4, 3]
 
 
+def test_a_capture_failed_at_depth_one_leaves_depth_zero_replaying(caplog):
+    """A capture at depth 1 that fails (out of memory for a second pool, on a GPU) runs calls that
+    deep eagerly, said once; depth 0 keeps replaying, single steps and pairs' first calls alike,
+    and every step's gradients are eager's. Before, the failure sent the whole step eagerly."""
+    model, compiled = _past_capture()
+    eager = _block()
+    with caplog.at_level(logging.WARNING, logger="mha_compile"):
+        for step, calls in enumerate([2, 1, 2, 1]):
+            batches = [_inputs(60 + 2 * step + i) for i in range(calls)]
+            Emulated.fail = calls == 2 and step == 0  # only depth 1's capture, in the first pair
+
+            def compiled_calls():
+                return [compiled(*b) for b in batches]
+
+            got = _pair_gradients(model, compiled_calls)
+            Emulated.fail = False
+            want = _pair_gradients(eager, lambda: [eager(*b) for b in batches])
+            for name in want:
+                torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6,
+                                           msg=lambda m: f"step {step} ∂{name}: {m}")
+    failed = [r.message for r in caplog.records if "capturing the step as CUDA graphs failed" in r.message]
+    assert len(failed) == 1 and "while 1 or more earlier ones await their backwards" in failed[0]
+    # depth 0's (step 1's replay, then one a step) and the failed one's (none)
+    assert [(r.forward_replays, r.backward_replays) for r in Emulated.made] == [(5, 5), (0, 0)]
+
+
 def test_forwards_past_max_pending_run_eagerly(caplog, monkeypatch):
     """Three forwards before one backward with MAX_PENDING 2: the third runs eagerly, said once,
     and the gradients are eager's; no third capture."""
@@ -359,7 +385,7 @@ def test_forwards_past_max_pending_run_eagerly(caplog, monkeypatch):
             for name in want:
                 torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6,
                                            msg=lambda m: f"step {step} ∂{name}: {m}")
-    assert sum("called 3 times before the backward" in r.message for r in caplog.records) == 1
+    assert sum("called while 2 earlier calls still awaited their backwards" in r.message for r in caplog.records) == 1
     assert [r.forward_replays for r in Emulated.made] == [3, 2]
 
 
