@@ -7,6 +7,8 @@ Inductor, on the dense block. GPU only.
 Session 28 (bench/results/mem_diag.txt): the table's small and medium rows of ours started from
 ~64 MiB more allocated than the peers'; this named them: two cuBLAS workspaces (32 MiB each, the
 first torch.bmm of the forward's thread and of the autograd thread), which stay for the process.
+Session 53 found the bench's own fp32 reference making two more (bench/measure.py now frees them
+between rows); C++ frames are recorded, so a site in cuBLAS shows as `setWorkspaceForHandle`.
 """
 import argparse
 import collections
@@ -25,7 +27,7 @@ def left_allocated(preset, mode, steps=3):
     torch._dynamo.reset()
     gc.collect()
     torch.cuda.empty_cache()
-    torch.cuda.memory._record_memory_history(max_entries=200000)
+    torch.cuda.memory._record_memory_history(max_entries=200000, stacks="all")  # C++ frames: cuBLAS's
     start = torch.cuda.memory_allocated()
     model = cases.make_model(preset, "dense", "bf16", "cuda")
     ctx, tok, grad = cases.make_inputs(preset, "bf16", "cuda")
@@ -46,8 +48,8 @@ def left_allocated(preset, mode, steps=3):
         for block in segment["blocks"]:
             if block["state"] == "active_allocated":
                 frames = block.get("frames") or []
-                ours = [f"{f['name']}:{f['filename'].split('/')[-1]}:{f['line']}" for f in frames
-                        if any(k in f["filename"] for k in FRAMES)]
+                ours = [f"{f['name'][:60]}:{f['filename'].split('/')[-1]}:{f['line']}" for f in frames
+                        if any(k in f["filename"] for k in FRAMES) or "Blas" in f["name"]]
                 sites[" < ".join(ours[:6]) or (frames[0]["name"] if frames else "?")] += block["size"]
     for site, size in sites.most_common(12):
         print(f"  {size / 2**20:8.2f} MiB  {site[:400]}", flush=True)
