@@ -52,8 +52,9 @@ runs eagerly; an input read in place that has moved makes the call capture again
 a forward while the last one's backward is still to come (its saved values live in the graphs'
 pool: a siamese pair's second call, micro-batches summed into one backward) replays graphs of
 its own, a capture at the next depth with a pool of its own, up to MAX_PENDING such forwards
-(the rest run eagerly); a backward whose forward's values a later replay overwrote (through a
-retained graph) raises; a failed capture runs the step eagerly from then on, with a warning (at a
+(the rest run eagerly), and so does a forward while a backward's graph is retained (retain_graph=True:
+another backward may read its saved values); a backward whose forward's values a later replay
+overwrote raises (a safety net: a depth is replayed again only once its graph is freed); a failed capture runs the step eagerly from then on, with a warning (at a
 depth past 0, only the calls that deep).
 """
 import logging
@@ -373,7 +374,8 @@ class _Step:
             t.data = t.clone()
 
     def pending(self):
-        """Whether the last forward's backward is still to come (its autograd node alive)."""
+        """Whether the last forward's backward is still to come, or may come again (a backward
+        with retain_graph=True ran): its autograd node alive, the graphs' saved values needed."""
         return self.last is not None and self.last() is not None and not self.backward_done
 
     def forward(self, args, ctx=None):
@@ -410,7 +412,10 @@ class _Step:
         self.recorder.before_replay()
         region_graphs.copy_pairs([(static, g) for static, g in zip(self.grad_outputs, grads) if static is not None])
         self.replay_backward()
-        self.backward_done = True
+        # done unless the graph is retained: a later backward through it reads this forward's
+        # values, so a forward meanwhile takes another depth (eager trains there: a GAN's
+        # discriminator loss, backward with retain_graph, then another forward before the next)
+        self.backward_done = not torch._C._autograd._get_current_graph_task_keep_graph()
         handed = [None if g is None else g.detach() for g in self.grad_of]
         self.holders += [(weakref.ref(g), False) for g in handed if g is not None]
         return handed

@@ -389,13 +389,44 @@ def test_forwards_past_max_pending_run_eagerly(caplog, monkeypatch):
     assert [r.forward_replays for r in Emulated.made] == [3, 2]
 
 
+@pytest.mark.parametrize("together", [False, True], ids=["apart", "summed"])
+def test_a_retained_graph_keeps_its_depth_for_a_later_backward(together):
+    """A backward with retain_graph=True, then another forward, then a backward through the first
+    again (a GAN's losses): the second forward takes depth 1, since the first's values may be
+    read again, and every gradient is eager's. Before, it replayed depth 0 over them and the
+    last backward raised ("replayed a later forward")."""
+    model, compiled = _past_capture()
+    eager = _block()
+    grads = []
+    for fn, m in ((compiled, model), (eager, eager)):
+        m.zero_grad(set_to_none=True)
+        first = fn(*_inputs(5)).square().mean()
+        first.backward(retain_graph=True)
+        second = fn(*_inputs(6)).square().mean()
+        if together:
+            (first + second).backward()
+        else:
+            second.backward()
+            first.backward()
+        grads.append({name: p.grad.clone() for name, p in m.named_parameters()})
+    for name in grads[1]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-4, atol=1e-6, msg=lambda m: f"∂{name}: {m}")
+    assert [(r.forward_replays, r.backward_replays) for r in Emulated.made] == [(2, 3), (1, 1)]
+
+
 def test_a_backward_through_overwritten_values_raises():
+    """The safety net behind the depths: a step whose generation moved on refuses a backward for
+    an earlier one (its values are overwritten), rather than hand out another forward's."""
     model, compiled = _past_capture()
     first = compiled(*_inputs(5)).square().mean()
-    first.backward(retain_graph=True)
-    compiled(*_inputs(6)).square().mean().backward()
+    recorder = Emulated.made[-1]
+    node = first.grad_fn
+    while type(node).__name__ != "_ReplayBackward":
+        node = node.next_functions[0][0]
+    node.generation -= 1  # as if a later forward had replayed over this one's values
     with pytest.raises(RuntimeError, match="replayed a later forward"):
         first.backward()
+    assert recorder.backward_replays == 1  # step 1's only
 
 
 @pytest.mark.parametrize("ask", ["backward", "grad_unused"])
