@@ -1,7 +1,7 @@
 """options step_graphs=True on the GPU: the step replayed through mha_compile's own CUDA graphs
 (mha_compile/step_graphs.py) must train as the plain compiled step does, through SGD's in-place
 updates, a parameter whose storage moves, gradients accumulated without zeroing, micro-batches
-whose forwards come before one backward (each at a depth of its own), the pool run outside the graphs, and dropout (a new
+whose forwards come before one backward (each at a depth of its own), a retained graph, the pool run outside the graphs, and dropout (a new
 mask each replay, the backward reading that replay's); and its graphs
 must really be the ones replayed (torch's trees never asked), so that a silent fallback cannot
 pass for them."""
@@ -127,6 +127,29 @@ def test_micro_batches_before_one_backward(replays):
         for name in plain:
             torch.testing.assert_close(grads[name], plain[name], rtol=1e-3, atol=1e-6,
                                        msg=lambda m: f"{pair} ∂{name}: {m}")
+
+
+def test_a_retained_graph_then_another_forward(replays):
+    """A backward with retain_graph=True, another forward, then a backward of both (a GAN's
+    losses): the second forward takes graphs of its own (the first's values are read again), and
+    the gradients are the plain step's."""
+    def gan_like(fn, model):
+        model.zero_grad(set_to_none=True)
+        first = fn(*_inputs(5)).float().square().mean()
+        first.backward(retain_graph=True)
+        (first + fn(*_inputs(6)).float().square().mean()).backward()
+        return {name: p.grad.float().clone() for name, p in model.named_parameters()}
+
+    model = block()
+    compiled = torch.compile(model, backend="mha", options=OPTIONS)
+    for step in range(2):
+        compiled(*_inputs(step)).float().square().mean().backward()
+    got = gan_like(compiled, model)
+    assert replays == {"forward": 3, "backward": 4}  # step 1's; the first's twice, the second's once
+    torch._dynamo.reset()
+    want = gan_like(torch.compile(model, backend="mha", options={"graphs": "off"}), model)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-3, atol=1e-6, msg=lambda m: f"∂{name}: {m}")
 
 
 def test_the_pool_outside_the_step_graphs(monkeypatch, replays):
