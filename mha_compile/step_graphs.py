@@ -69,7 +69,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from mha_compile.kernels import region_graphs
 
 log = logging.getLogger("mha_compile")
-_EAGER = "eager"  # a signature whose capture failed: it runs eagerly from then on
 # Forwards whose backwards are still to come that the step's graphs replay, each at a depth of
 # its own (a capture, its own memory pool: a siamese pair's calls, micro-batches summed into one
 # backward); calls past them run eagerly. Bounded since each depth holds a pool (~0.2 GB at
@@ -193,10 +192,12 @@ class StepGraphs:
 
     def __init__(self, run, recorder, held=()):
         self.run, self.recorder, self.held = run, recorder, list(held)
-        # training -> _EAGER, or a list by depth (how many forwards before it still await their
-        # backwards: a siamese pair's second call, a second micro-batch) of _Seen | _Step
+        # training -> a list by depth (how many forwards before it still await their backwards: a
+        # siamese pair's second call, a second micro-batch) of _Seen | _Step
         self.entries = {}
-        self.deepest = {}  # training -> the depth a capture failed at: calls at it or deeper run eagerly
+        # training -> how many depths may replay: MAX_PENDING, or the depth a capture failed at
+        # (0: the step runs eagerly from then on)
+        self.depths_allowed = {}
         self.lock = threading.RLock()
         self.said = set()
 
@@ -212,8 +213,6 @@ class StepGraphs:
             return self.run(*args)
         with self.lock:
             depths = self.entries.get(training)
-            if depths is _EAGER:
-                return self.run(*args)
             if depths is None:
                 self.entries[training] = [_Seen(args)]
                 return self.run(*args)
@@ -221,15 +220,14 @@ class StepGraphs:
             # keeps none); chosen before any capture again: a micro-batch's inputs are new tensors,
             # and capturing the busy depth for them would only replace it
             depth = next((d for d, entry in enumerate(depths) if not (training and entry.pending())), len(depths))
-            if depth == MAX_PENDING:
-                self._say("pending", f"the step's graphs (mode='reduce-overhead') were called while {MAX_PENDING} "
-                          "earlier calls still awaited their backwards (a backward to come, or an output kept with "
-                          "its autograd graph); such calls run eagerly (each depth holds its saved values in graphs of "
-                          "its own, step_graphs.MAX_PENDING); options step_graphs=False gives such steps to torch's "
-                          "CUDA-graph trees instead")
+            if depth >= self.depths_allowed.get(training, MAX_PENDING):
+                if depth == MAX_PENDING:  # else a capture failed at this depth (said then)
+                    self._say("pending", f"the step's graphs (mode='reduce-overhead') were called while "
+                              f"{MAX_PENDING} earlier calls still awaited their backwards (a backward to come, or an "
+                              "output kept with its autograd graph); such calls run eagerly (each depth holds its "
+                              "saved values in graphs of its own, step_graphs.MAX_PENDING); options "
+                              "step_graphs=False gives such steps to torch's CUDA-graph trees instead")
                 return self.run(*args)
-            if depth >= self.deepest.get(training, MAX_PENDING):
-                return self.run(*args)  # a capture failed at this depth (said then)
             entry = depths[depth] if depth < len(depths) else None
             if not isinstance(entry, _Step) or not entry.addresses_hold(args):
                 basis = entry if entry is not None else depths[0]  # a new depth: what depth 0 reads in place
@@ -252,7 +250,7 @@ class StepGraphs:
 
     def _capture(self, args, in_place, training, depth):
         """A _Step for args at `depth` (remembered), or None with a warning where capturing fails
-        (the step then runs eagerly from then on)."""
+        (calls at that depth or deeper then run eagerly from then on)."""
         depths = self.entries[training]
         old = depths[depth] if depth < len(depths) else None
         try:
@@ -263,10 +261,8 @@ class StepGraphs:
             log.warning("mha_compile: capturing the step as CUDA graphs failed (%s: %s); %s", type(error).__name__,
                         error, "it runs without them" if depth == 0 else
                         f"calls while {depth} or more earlier ones await their backwards run without them")
-            if depth == 0:
-                self.entries[training] = _EAGER
-            else:
-                self.deepest[training] = depth
+            self.depths_allowed[training] = depth
+            del depths[depth:]  # what they hold is not replayed again
             return None
         if isinstance(old, _Step):
             old.recorder.synchronize()  # its last replay may still be reading what it holds
