@@ -6,7 +6,8 @@ under mode="reduce-overhead": the step graphs at two depths, the step graphs wit
 
 bf16 on CUDA, the dense spelling. A step: both forwards on inputs of their own, then one backward
 of both outputs (a fixed ∂out), gradients set to None first; timed as the bench times a row
-(triton.testing.do_bench's median), the ways interleaved by round; peak memory over one step. Each
+(triton.testing.do_bench's median), the ways interleaved by round; peak memory over one step as
+the bench reads it (bench/timing.peak_memory_call: CUDA-graph pools' free space included). Each
 way's step-graph forward replays are counted during its timing: 2 a step at two depths, 1 with
 MAX_PENDING = 1, 0 on the trees, or the script stops (a fallback would time something else).
 """
@@ -17,7 +18,7 @@ from unittest import mock
 import torch
 import triton.testing
 
-from bench import cases
+from bench import cases, timing
 from mha_compile import step_graphs
 
 WAYS = {"step graphs, 2 depths": ({}, 4, 2), "step graphs, MAX_PENDING=1": ({}, 1, 1),
@@ -58,10 +59,10 @@ def main(argv=None):
         ctx, tok, grad_out = cases.make_inputs(preset, "bf16", "cuda")
         inputs = [(ctx, tok), (torch.randn_like(ctx), torch.randn_like(tok))]  # the pair's second, its own values
         params = list(model.parameters())
+        torch._dynamo.reset()
         steps = {}
         for name, (options, _, _) in WAYS.items():
-            torch._dynamo.reset()
-            # one compiled object a way: each its own Dynamo cache, so the ways do not share graphs
+            # a compiled object a way, each with its own options: Dynamo keeps a graph for each
             steps[name] = siamese_step(torch.compile(model, backend="mha", dynamic=False,
                                                      options={"mode": "reduce-overhead", **options}),
                                        inputs, grad_out, params)
@@ -84,13 +85,11 @@ def main(argv=None):
                         if replays["n"] != per_step * calls["n"]:
                             raise SystemExit(f"{preset} {name}: {replays['n']} forward replays in {calls['n']} "
                                              f"steps, not {per_step} a step: it timed another path")
-                        torch.cuda.reset_peak_memory_stats()
-                        steps[name]()
-                        torch.cuda.synchronize()
-                        peaks[name] = torch.cuda.max_memory_allocated() / 2**20
+                        _, peak, _, pools = timing.peak_memory_call(steps[name], "cuda")
+                        peaks[name] = peak, pools
         for name, values in times.items():
             print(f"{preset:7s} {name:28s} {statistics.median(values):7.3f} ms (rounds {min(values):.3f}-"
-                  f"{max(values):.3f})  peak {peaks[name]:7.0f} MiB (allocated; graph pools beside)")
+                  f"{max(values):.3f})  peak {peaks[name][0]:7.0f} MiB ({peaks[name][1]:.0f} of it CUDA-graph pools)")
 
 
 if __name__ == "__main__":
