@@ -12,8 +12,9 @@ directly (no checks before it), and the least any graphed step pays: the same lo
 through a bare autograd.Function that returns a copy of a fixed output and fixed gradients,
 called without Dynamo. The differences split the step: Dynamo's frame, step_graphs' checks, its
 node's forward and backward. All are synchronous CPU work, so a host clock times them. Session
-53 on this project's 2-core CPU: 61, 19 and 28 us, over 134 of the bare Function. The H200's host runs at its own speed (bench/timing.py's host probe); compare
-the difference, not the absolute times, with torch's runtime there (bench/PERF_NOTES.md v48).
+53 on this project's 2-core CPU: 61, 19 and 28 us, over 134 of the bare Function. The H200's host
+runs at its own speed (bench/timing.py's host probe); compare the difference, not the absolute
+times, with torch's runtime there (bench/PERF_NOTES.md v48).
 """
 import argparse
 import statistics
@@ -108,7 +109,8 @@ def main(argv=None):
         grads = [torch.randn_like(p) for p in model.parameters()]
         params = list(model.parameters())
         if "graphs" not in seen:
-            raise SystemExit("0 replays: the step did not replay through step_graphs, so this would time something else")
+            raise SystemExit("0 replays: the step did not replay through step_graphs, so this would time "
+                             "something else")
         graphs, flat = seen["graphs"], seen["args"]
         entry = graphs.entries.get(True, [None])[0]
         # each way's callable and whether it replays (2 replays a step)

@@ -410,7 +410,8 @@ def test_a_retained_graph_keeps_its_depth_for_a_later_backward(together):
             first.backward()
         grads.append({name: p.grad.clone() for name, p in m.named_parameters()})
     for name in grads[1]:
-        torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-4, atol=1e-6, msg=lambda m: f"∂{name}: {m}")
+        torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-4, atol=1e-6,
+                                   msg=lambda m: f"∂{name}: {m}")
     assert [(r.forward_replays, r.backward_replays) for r in Emulated.made] == [(2, 3), (1, 1)]
 
 

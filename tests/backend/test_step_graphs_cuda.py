@@ -1,9 +1,9 @@
 """options step_graphs=True on the GPU: the step replayed through mha_compile's own CUDA graphs
 (mha_compile/step_graphs.py) must train as the plain compiled step does, through SGD's in-place
 updates, a parameter whose storage moves, gradients accumulated without zeroing, micro-batches
-whose forwards come before one backward (each at a depth of its own), a retained graph, the pool run outside the graphs, and dropout (a new
-mask each replay, the backward reading that replay's); and its graphs
-must really be the ones replayed (torch's trees never asked), so that a silent fallback cannot
+whose forwards come before one backward (each at a depth of its own), a retained graph, the pool
+run outside the graphs, and dropout (a new mask each replay, the backward reading that replay's);
+and its graphs must really be the ones replayed (torch's trees never asked), so that a silent fallback cannot
 pass for them."""
 import pytest
 import torch

@@ -20,7 +20,8 @@ def _bench(fn, warmup, rep, return_mode):
 @pytest.fixture()
 def on_cpu(monkeypatch):
     make_model, make_inputs = cases.make_model, cases.make_inputs
-    monkeypatch.setattr(cases, "make_model", lambda preset, spelling, dtype, device: make_model(preset, spelling, "fp32", "cpu"))
+    monkeypatch.setattr(cases, "make_model",
+                        lambda preset, spelling, dtype, device: make_model(preset, spelling, "fp32", "cpu"))
     monkeypatch.setattr(cases, "make_inputs", lambda preset, dtype, device: make_inputs(preset, "fp32", "cpu"))
     monkeypatch.setattr(step_graphs, "CudaGraphs", step_graphs_host.StubGraphs)
     monkeypatch.setattr(backend, "_whole_graph_captured", lambda opts, mode, inputs: mode == "reduce-overhead")
