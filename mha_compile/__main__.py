@@ -2,9 +2,10 @@
 
 `factory` is a function in the script, called with no arguments, that returns
 `(model, example_inputs)`: a module or function and a tuple (or list) of its positional
-inputs. The model is compiled with backend="mha" and run once under no_grad; the explain
-report (what matched, which kernels, what nearly matched and why) is printed, as text or
-with --json as JSON. --dump writes the same graph dump folder as MHA_COMPILE_DUMP.
+inputs. The model is compiled with backend="mha" and run once, forward only, with grad
+enabled (as training compiles it; mha_compile.explain runs in its caller's grad mode); the
+explain report (what matched, which kernels, what nearly matched and why) is printed, as text
+or with --json as JSON. --dump writes the same graph dump folder as MHA_COMPILE_DUMP.
 """
 import argparse
 import importlib.util

@@ -268,7 +268,8 @@ region.register_autograd(_backward, setup_context=_setup_context)
 
 class RegionFunction(torch.autograd.Function):
     """`mha::region` with its autograd, minus the custom op around it: for a graph that runs
-    eagerly (backend rest="eager" without CUDA graphs), where nothing traces the call.
+    eagerly (backend rest="eager" without CUDA graphs, or inside mha_compile's own step graphs,
+    which record it as the eager graph runs), where nothing traces the call.
 
     Same arguments, outputs, saved tensors and kernel-set calls as the op (`region_call` picks
     between them); what it leaves out is the op's per-call dispatch, argument filling and

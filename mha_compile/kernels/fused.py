@@ -1,9 +1,10 @@
 """kernels="fused": the region with the merge folded into the kernels that read y.
 
 What runs (see triton_region, triton_pool, triton_router, triton_moe):
-- pool: one Triton kernel per direction that reads tok once (reassociated: scores against
-  u_p, softmax online, t̄ = Σ a tok), then the small [B,D]×[D,D] projections: triton_matmul's
-  split tensor-core dots for 16-bit models, cuBLAS in fp32 for fp32 ones;
+- pool: a forward kernel that reads tok once (reassociated: scores against u_p, softmax
+  online, t̄ = Σ a tok) and a backward that reads it twice (one kernel where tok fits in L2,
+  else two); the small [B,D]×[D,D] projections on triton_matmul's split tensor-core dots for
+  bf16 models, on cuBLAS in fp32 otherwise;
 - router + softmax + top-k in fp32, with y = ctx + inv[b] formed in the tile load;
 - sync-free grouping by expert (device sort, grid from a host-known bound);
 - the slot rows of y gathered (and merged) once in expert order, then grouped GEMM1 on those
@@ -11,10 +12,10 @@ What runs (see triton_region, triton_pool, triton_router, triton_moe):
   weight in its epilogue, token-order combine (no atomics);
 - backward: one grouped kernel recomputes u and forms g = G W2ᵀ in a single K loop and writes
   h, ∂u and the ∂w partials; ∂x and ∂W1/∂W2/∂W3/∂b as grouped GEMMs; the router gradient,
-  Σ_j, ∂ctx and ∂inv = Σ_h ∂y in one token-order pass; then the pool backward.
-On Hopper in 16-bit, GEMM1, the backward's grouped kernel, the weight gradients and the slot
-GEMMs run as gluon_moe's warp-specialised kernels where it takes the shape and activation
-(triton_moe says where); elsewhere as their Triton twins.
+  Σ_j, ∂ctx and ∂inv = Σ_h ∂y in two token-order kernels; then the pool backward.
+On Hopper in 16-bit, GEMM1, GEMM2, the backward's grouped kernel and the weight gradients run as
+gluon_moe's warp-specialised kernels where it takes the shape and activation (triton_moe says
+where); ∂x's grouped GEMM and everything elsewhere as their Triton twins.
 Not fused (yet): the combine is its own pass after GEMM2; ∂Wg = ∂logitsᵀ x and the pool's
 projections are kernels of their own (triton_router.router_weight_grad, triton_matmul).
 """

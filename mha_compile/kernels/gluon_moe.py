@@ -7,8 +7,8 @@ math): per slot s of expert e and F block, u = xs[s] W1[e] + b1[e] and g = gs[s]
     hw = w · act(u),   ∂u = (w · g) ⊙ act′(u)   [S,F] in the weights' dtype
     gw[s, c] = Σ_f act(u) g over the c-th GW_BLOCK (64) columns of F (triton_util.GW_BLOCK)
 with zeros on padding slots. triton_moe.moe_backward runs this kernel where `unsupported`
-finds nothing against it, and the Triton kernel everywhere else (CPU, other GPUs, swiglu, fp32,
-sizes below): both are tested against float64.
+finds nothing against it, and the Triton kernel everywhere else (CPU, other GPUs, fp32, sizes
+below): both are tested against float64.
 
 Why a second kernel: Nsight Compute (bench/results/ncu_large.txt) shows the Triton kernel
 latency-bound, one program an SM, issuing its dots and its activation epilogue in turn. Triton's

@@ -21,8 +21,8 @@ lines are each one dot against [a | ∂s] or the stacked [∂t̄_b ; u]. One pro
 for both passes, with [P,D] fp32 accumulators, held 255 registers and one program an SM, and
 ran at ~4x the memory floor (1.07 ms at large, H200). Where tok fits in the GPU's L2 (medium
 and small), one kernel runs both passes, a program a batch row (bwd_one_kernel): one launch and
-tail fewer. The per-b ∂u-partials [B,P,D] are summed by torch (a fixed-order reduction: bitwise
-reproducible).
+tail fewer. The per-b ∂u-partials [B,P,D] are summed by column_sums, a Triton sum in two
+launches in a fixed order (bitwise reproducible; torch's sum with MHA_COMPILE_POOL_COLUMN_SUMS=0).
 
 All pool arithmetic accumulates in fp32 to about fp32 accuracy: ieee fp32 dots for fp32 and
 fp16 tokens; for bf16 tokens the same products as split bf16 tensor-core dots (triton_util.dot_f32), since

@@ -4,7 +4,7 @@ Nothing here launches work on its own. The kernel files (triton_pool, triton_rou
 triton_moe, merge_cuda) import these helpers; fused.py and staged.py assemble the kernels.
 
 Launching: on CUDA a kernel runs through `triton.autotune` over a short config list (at most
-five configs a kernel, so a first training step spends seconds, not minutes, tuning), and
+seven configs a kernel, so a first training step spends seconds, not minutes, tuning), and
 the first launch of each new key logs two info lines on the "mha_compile" logger (what it
 tunes, then the config it chose). The chosen
 config is kept per key, and later calls launch the kernel with it directly (the autotuner's

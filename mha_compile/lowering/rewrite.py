@@ -3,11 +3,13 @@
 The user's parameters are passed as they are; a layout difference becomes a `permute` view
 (never a copy) inserted in the graph, a fused K|V weight is passed as two slice views, a learned
 query of nn.MultiheadAttention as Wq·query + bq (a [D]-sized computation on parameters).
-The one copy we accept: experts written as separate nn.Linear modules are stacked with
+Two copies are accepted. Experts written as separate nn.Linear modules are stacked with
 torch.stack in the graph, on every call (E·D·F elements, the size of the weights, against the
-R·k·D·F work of the MoE). Caching the stack across calls would need invalidation on every
-optimizer step and would cut the gradient path; torch.stack keeps autograd to each expert's
-own parameters. Region nodes that are dead after the replacement are
+R·k·D·F work of the MoE); caching the stack across calls would need invalidation on every
+optimizer step and would cut the gradient path, and torch.stack keeps autograd to each
+expert's own parameters. And in training, ctx or tok goes through ops.kept_copy where the graph
+writes it in place after the region (match.Match.copied: `h += block(h, tok)`), so that the
+backward reads what the forward read. Region nodes that are dead after the replacement are
 erased; anything still used (a size query, say) stays, so nothing the rest of the graph
 reads is ever lost.
 """
