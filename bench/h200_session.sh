@@ -16,7 +16,8 @@
 #   [TESTS=0 MODES=.. SPELLINGS=.. ISOLATE=1 ROUNDS=n PRESETS=.. RESUME=1] bash bench/h200_session.sh table   # pytest -m cuda (TESTS=0: not), then the forward+backward rows of every mode (or MODES;
 #                                      # ISOLATE=1: each row in a process of its own, bench --isolate; ROUNDS=n: each
 #                                      # row timed n times, rounds interleaved, bench --rounds; PRESETS: a comma
-#                                      # list, then RESUME=1 in a call chained on the same machine runs the rest; SPELLINGS: a comma
+#                                      # list, then RESUME=1 in a call chained on the same machine runs the rest (RESUME=path:
+#                                      # an earlier call's h200.json carried in, e.g. out/s54/h200.json); SPELLINGS: a comma
 #                                      # list for --spellings; ROUNDS at medium: max-autotune only on the spellings an
 #                                      # autotune-cache call on this machine compiled, or AUTOTUNE_SPELLINGS),
 #                                      # max-autotune on the dense spelling at medium (~9 min):
@@ -430,7 +431,13 @@ table|table-fwd)
         fi
     fi
     resume=()
-    if [ -n "${RESUME:-}" ]; then cp "/tmp/$name.json" "$OUT/$name.json" && resume=(--resume) || exit 1; fi
+    # RESUME=1: the rows an earlier call on this machine left in /tmp; RESUME=path: a file of them
+    # carried from an earlier call (run's `carry`), when the machine went back in between
+    if [ -n "${RESUME:-}" ]; then
+        earlier=/tmp/$name.json
+        [ "$RESUME" != 1 ] && earlier=$RESUME
+        cp "$earlier" "$OUT/$name.json" && resume=(--resume) || { echo "RESUME: no $earlier" >>"$LOG"; exit 1; }
+    fi
     { timeout -s INT -k 15 $limit python -m bench --out "$OUT" --name $name --budget $budget \
         --presets "${PRESETS:-medium,large,small}" --passes $pass --spellings "${SPELLINGS:-dense,loop,grouped_mm}" \
         ${MODES:+--modes "$MODES"} ${autotune_spellings:+--autotune-spellings "$autotune_spellings"} ${ISOLATE:+--isolate} ${ROUNDS:+--rounds "$ROUNDS"} "${resume[@]}" --commit "$commit" 2>&1 | tail -70; } >>"$LOG"
