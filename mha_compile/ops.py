@@ -26,6 +26,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad
 
 from mha_compile.double_backward import differentiating, gradients_with_graph
 from mha_compile.kernels import reference, region_graphs, triton_moe
@@ -326,6 +327,13 @@ def _source_digest():
     return digest.hexdigest()
 
 
+def has_tangents(args):
+    """Whether forward-mode AD (torch.autograd.forward_ad) carries a tangent on a tensor of args.
+    Only inside a dual level: a call outside one reads a global and no tensor."""
+    return forward_ad._current_level >= 0 and any(
+        isinstance(a, torch.Tensor) and forward_ad.unpack_dual(a).tangent is not None for a in args)
+
+
 def _traced(args):
     """Whether something could be tracing or transforming a call on `args`: Dynamo, a dispatch
     mode (FakeTensor, make_fx), functorch, or a tensor subclass. Those must see the ops."""
@@ -357,10 +365,19 @@ def kept_copy(t):
 def region_call(*args, graphs="off", keep_hidden=False):
     """The region for a graph that runs eagerly: RegionFunction, or the op itself whenever
     something could be tracing or transforming the call (_traced: Dynamo, a dispatch mode such
-    as FakeTensor or make_fx, functorch, a tensor subclass), since those must see `mha::region`.
+    as FakeTensor or make_fx, functorch, a tensor subclass), since those must see `mha::region`;
+    or, for a call carrying forward-mode tangents (has_tangents), reference.region_forward.
     args: the op's, up to export_inv; graphs, keep_hidden: as for the op."""
     if _traced(args):
         return torch.ops.mha.region.default(*args, graphs=graphs, keep_hidden=keep_hidden)
+    if has_tangents(args):
+        # forward-mode AD: the kernel sets have no jvp (RegionFunction raised "You must implement
+        # the jvp function"); the reference's plain ops carry the tangents, and the gradients too.
+        # bk cancels in the softmax and the reference never reads it: 0·Σbk gives it the zero
+        # gradient the kernel sets give it, not none (an optimizer skips a parameter without one)
+        out, *rest = reference.region_forward(*args[:19])
+        bk = args[4]
+        return (out if bk is None else out + 0 * bk.sum(), *rest)
     export_inv = args[20] if len(args) > 20 else False
     # A model's enable_grad under the caller's inference_mode: eager's ops record nothing there,
     # where a Function would (and raise, saving inference tensors for a backward)
