@@ -375,7 +375,8 @@ def region_call(*args, graphs="off", keep_hidden=False):
         # the jvp function"); the reference's plain ops carry the tangents, and the gradients too.
         # bk cancels in the softmax and the reference never reads it: 0·Σbk gives it the zero
         # gradient the kernel sets give it, not none (an optimizer skips a parameter without one)
-        out, *rest = reference.region_forward(*args[:19])
+        with _no_autocast(args[0]):  # the reference picks its own precisions, as the kernels do
+            out, *rest = reference.region_forward(*args[:19])
         bk = args[4]
         return (out if bk is None else out + 0 * bk.sum(), *rest)
     export_inv = args[20] if len(args) > 20 else False

@@ -13,6 +13,7 @@ import torch
 from torch.autograd import forward_ad
 
 from mha_compile import backend, models, ops
+from mha_compile.kernels import reference
 from numerics import TOLERANCE, compiled_reports, needs_interpreter, relative_error
 
 
@@ -100,3 +101,22 @@ def test_graph_replays_take_tangent_calls_eagerly():
         tangent = forward_ad.unpack_dual(out).tangent
     assert len(dropped) == 1, "a call with tangents went to the replay"
     torch.testing.assert_close(tangent, (x.cos() * 2 * t).sum(-1))
+
+
+
+def test_tangents_under_autocast_take_the_regions_precision(monkeypatch):
+    """Under torch.autocast the reference that carries the tangents runs with autocast off, as
+    the kernels pick their own precisions (fp32 sums, an fp32 router): autocast's bf16 matmuls
+    inside it put the tangent 7.4e-3 from the float64 math here, against 1.8e-3 with it off."""
+    torch._dynamo.reset()
+    seen = []
+    real = reference.region_forward
+    monkeypatch.setattr(reference, "region_forward",
+                        lambda *a, **k: seen.append(torch.is_autocast_enabled("cpu")) or real(*a, **k))
+    model = _block(torch.float32)
+    compiled = torch.compile(copy.deepcopy(model), backend="mha", options={"kernels": "reference", "strict": True})
+    ctx, tok, t_ctx, t_tok = (t.bfloat16() for t in _inputs(torch.float32))
+    with torch.autocast("cpu", dtype=torch.bfloat16), compiled_reports() as reports:
+        _, tangent, _ = _tangent(compiled, ctx, tok, t_ctx, t_tok, grad=False)
+    assert any(r.matches for r in reports) and tangent is not None
+    assert seen and not any(seen), f"autocast on in the reference's calls: {seen}"
