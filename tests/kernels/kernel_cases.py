@@ -45,6 +45,29 @@ ROUTER_GAP = 1e-3
 GRAD_NAMES = ("ctx", "tok", "q", "wk", "bk", "wv", "bv", "wo", "bo", "wg", "w1", "b1", "w2", "b2", "w3")
 
 
+def only_config(monkeypatch, launcher, config):
+    """`launcher` (a triton_util.Launcher) made to launch `config` alone, untuned, from a fresh
+    cache of chosen configs: on the GPU a call whose arguments an earlier test met launches what
+    was chosen then (Launcher._chosen), so swapping `configs` alone ran config 0 for every config
+    after the first. Returns the list each launch's meta-parameters go into, for launched()."""
+    monkeypatch.setattr(launcher, "configs", [config])
+    monkeypatch.setattr(launcher, "tuned", None)
+    monkeypatch.setattr(launcher, "_chosen", {})
+    metas = []
+    real = launcher._launch
+    monkeypatch.setattr(launcher, "_launch", lambda grid, args, kwargs, meta, call=None:
+                        metas.append(dict(meta)) or real(grid, args, kwargs, meta, call))
+    return metas
+
+
+def launched(metas, config):
+    """Assert that the launches recorded by only_config ran `config` (the interpreter drops the
+    warps and stages, which it ignores)."""
+    assert metas, "the launcher never launched"
+    for meta in metas:
+        assert all(config[k] == v for k, v in meta.items()), f"launched {meta}, asked for {config}"
+
+
 def make_case(B, H, N, D, P, F, E, k, act="gelu", dtype=torch.float32, device="cpu", bias=True,
               pool_bias=True, seed=None):
     """Fresh random inputs: (ctx, tok, params) with params in region-op order, in `dtype`."""

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from kernel_cases import (autocast_case, check_activation, check_nan_rows, check_region, check_route_split_ctx,
-                          check_router_weight_grad_split, make_case, one_expert_router, read_at_import)
+                          check_router_weight_grad_split, launched, make_case, one_expert_router, only_config,
+                          read_at_import)
 from numerics import record_calls
 from mha_compile.kernels import (fused, reference, staged, triton_moe, triton_pool, triton_region, triton_router,
                                  triton_util)
@@ -290,10 +291,12 @@ def test_every_tuned_config(monkeypatch, module, name, i):
     and empty blocks), the hidden kernel's ∂w partial columns when BLOCK_F spans several, pool
     blocks of tokens past N = 37, and router blocks of rows past R = 12."""
     launcher = getattr(module, name)
-    monkeypatch.setattr(launcher, "configs", [launcher.configs[i]])
+    config = launcher.configs[i]
+    metas = only_config(monkeypatch, launcher, config)
     monkeypatch.setattr(triton_pool, "BWD_ONE_KERNEL", name == "_attend_bwd_one")  # the pool backward's launchers
     ctx, tok, params = make_case(3, 4, 37, 40, 2, 160, 3, 2, act="gelu")
     check_region(fused, ctx, tok, params, top_k=2, renorm=True, act="gelu")
+    launched(metas, config)
 
 
 @pytest.mark.parametrize("module", SETS)
@@ -427,11 +430,13 @@ def test_every_config_adds_the_passes_into_dx(monkeypatch, i):
     pass; the gradients against float64."""
     monkeypatch.setattr(triton_moe, "HIDDEN_COLUMNS", 64)
     launcher = triton_moe._slots_gemm_into
-    monkeypatch.setattr(launcher, "configs", [launcher.configs[i]])
+    config = launcher.configs[i]
+    metas = only_config(monkeypatch, launcher, config)
     calls = record_calls(monkeypatch, triton_moe, "_slots_gemm_into")
     ctx, tok, params = make_case(3, 4, 5, 40, 2, 160, 3, 2, act="gelu")
     check_region(fused, ctx, tok, params, top_k=2, renorm=True, act="gelu")
     assert len(calls) == 2  # the second and third passes add; the first writes
+    launched(metas, config)
 
 
 @pytest.mark.parametrize("module", SETS)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from kernel_cases import (check_activation, check_nan_rows, check_region, check_route_split_ctx,
-                          check_router_weight_grad_split, fmt, make_case, one_expert_router, preset_case, rel_err)
+                          check_router_weight_grad_split, fmt, launched, make_case, one_expert_router, only_config,
+                          preset_case, rel_err)
 from mha_compile.kernels import fused, reference, staged, triton_moe
 
 pytestmark = [pytest.mark.cuda,
@@ -245,12 +246,13 @@ def test_every_tuned_config_bf16(monkeypatch, module, name, i):
     from mha_compile.kernels import triton_pool
 
     launcher = getattr(module, name)
-    monkeypatch.setattr(launcher, "configs", [launcher.configs[i]])
-    monkeypatch.setattr(launcher, "tuned", None)
+    config = launcher.configs[i]
+    metas = only_config(monkeypatch, launcher, config)
     monkeypatch.setattr(triton_pool, "BWD_ONE_KERNEL", name == "_attend_bwd_one")  # the pool backward's launchers
     ctx, tok, params = make_case(300, 7, 37, 100, 4, 200, 4, 2, act="gelu", dtype=torch.bfloat16, device="cuda",
                                  seed=13)
     errors = check_region(fused, ctx, tok, params, top_k=2, renorm=True, act="gelu")
+    launched(metas, config)
     print(f"{name}[{i}]: {fmt(errors)}")
 
 
@@ -272,8 +274,8 @@ def test_up_configs_on_tma_bf16(monkeypatch, i, keep):
 
     monkeypatch.setattr(triton_moe, "KEEP_HIDDEN", keep)
     launcher = triton_moe._up
-    monkeypatch.setattr(launcher, "configs", [launcher.configs[i]])
-    monkeypatch.setattr(launcher, "tuned", None)
+    config = launcher.configs[i]
+    metas = only_config(monkeypatch, launcher, config)
     monkeypatch.setattr(triton_moe, "num_sms", lambda device: 2)
     taken = []
     real = triton_moe.tma_ok
@@ -282,6 +284,7 @@ def test_up_configs_on_tma_bf16(monkeypatch, i, keep):
                                  seed=14)
     errors = check_region(fused, ctx, tok, params, top_k=2, renorm=True, act="gelu")
     assert taken and all(taken), f"GEMM1 left its TMA path: {taken}"
+    launched(metas, config)
     print(f"_up[{i}] on TMA: {fmt(errors)}")
 
 

@@ -3,6 +3,7 @@ odd extents, strided operands and outputs, and K cut into runs whose partials ar
 import pytest
 import torch
 
+from kernel_cases import launched, only_config
 from mha_compile.kernels import triton_matmul, triton_util
 
 BOUND = {0: 1e-5, 1: 1e-4, 2: 1e-5}  # ieee fp32; split bf16 halves ~2⁻¹⁶; split fp16 ~2⁻²²
@@ -132,9 +133,10 @@ def test_matmul_f32_bf16_operand_gives_the_fp32_copys_sums(monkeypatch, shape):
     a, b = _case("cuda", Bt, M, K, N, seed=2)
     b = b.bfloat16()
     for config in triton_matmul._matmul.configs:
-        monkeypatch.setattr(triton_matmul._matmul, "configs", [config])
-        monkeypatch.setattr(triton_matmul._matmul, "tuned", None)
-        got = torch.empty(Bt, M, N, device="cuda")
-        _check(a, b, got, 1)  # writes got
-        want = triton_matmul.matmul_f32(a, b.float(), torch.empty(Bt, M, N, device="cuda"), 1)
+        with pytest.MonkeyPatch.context() as patch:
+            metas = only_config(patch, triton_matmul._matmul, config)
+            got = torch.empty(Bt, M, N, device="cuda")
+            _check(a, b, got, 1)  # writes got
+            want = triton_matmul.matmul_f32(a, b.float(), torch.empty(Bt, M, N, device="cuda"), 1)
+            launched(metas, config)
         assert torch.equal(got, want), (config, float((got - want).abs().max()))
