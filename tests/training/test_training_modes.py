@@ -134,13 +134,9 @@ class CheckpointedForecaster(models.Forecaster):
 
 
 def test_activation_checkpointing_trains_like_eager():
-    got, want, _ = _side_by_side(cls=CheckpointedForecaster)
+    got, want, matches = _side_by_side(cls=CheckpointedForecaster)
+    assert sum(matches) == 1, f"regions replaced per graph: {matches}"  # else eager against eager
     _compare(got, want)
-
-
-def test_activation_checkpointing_replaces_the_region():
-    _, _, matches = _side_by_side(steps=1, cls=CheckpointedForecaster)
-    assert sum(matches) == 1, f"regions replaced per graph: {matches}"
 
 
 # --- torch.autocast(bf16) -------------------------------------------------------------------
@@ -155,6 +151,7 @@ def test_activation_checkpointing_replaces_the_region():
 # eager autocast 5.6e-3; the model against eager *fp32* is 3.9e-2 for both eager autocast and
 # compiled autocast (the rounding is in the embed/context/head Linears, outside the region).
 BF16 = 2e-2
+FLIPS = 2e-2  # the share of rows whose top-k choice may flip through bf16 rounding (kernel_cases.FLIP_FRACTION)
 
 
 def _region_spy(monkeypatch):
@@ -214,7 +211,7 @@ def test_autocast_bf16(monkeypatch, capsys):
     model_error = relative_error(out_c[same], out_e[same])
     print(f"autocast bf16: rows {same.numel()}, top-k flips vs eager autocast {flips}, vs fp32 block {ref_flips}; "
           f"region vs fp32 block {region_error:.3g}; model vs eager autocast {model_error:.3g}")
-    assert flips <= 0.05 * same.numel() and ref_flips <= 0.05 * same.numel(), "more flips than rounding explains"
+    assert flips <= FLIPS * same.numel() and ref_flips <= FLIPS * same.numel(), "more flips than rounding explains"
     assert region_error <= BF16, f"region vs fp32 block on the same bf16 inputs: {region_error:.3g} > {BF16}"
     assert model_error <= BF16, f"compiled vs eager autocast: {model_error:.3g} > {BF16}"
 
