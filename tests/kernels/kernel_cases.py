@@ -244,8 +244,8 @@ def check_nan_rows(module, where, device, E=5, k=2, dtype=torch.float32):
     padding lanes, which argmax over NaN could pick, and an expert past E would send every MoE
     kernel after it outside W1's memory); the rows the bad value reaches, and only those, get NaN
     weights and a non-finite output, as the reference's (torch.topk ranks NaN above every
-    number); the others match the float64 reference (those whose choice no rounding flipped);
-    the backward runs."""
+    number); the others match the float64 reference (those whose choice no rounding flipped),
+    and so do their gradients (∂ctx's rows, ∂tok's clean batch rows)."""
     ctx, tok, params = make_case(3, 4, 6, 24, 2, 40, E, k, dtype=dtype, device=device, seed=3)
     B, H, D = ctx.shape
     bad = torch.zeros(B, H, dtype=torch.bool, device=device)
@@ -268,9 +268,22 @@ def check_nan_rows(module, where, device, E=5, k=2, dtype=torch.float32):
     if (same & ~bad).any():
         assert rel_err(out[same & ~bad], ref[0][same & ~bad]) <= TOLERANCE[dtype], "the other rows differ from the reference"
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(4)).to(device=device, dtype=dtype)
-    module.region_backward(grad_out, ctx, tok, *params, None, inv, attn, weight, index, probs, reuse, k, True, "gelu")
+    grads = module.region_backward(grad_out, ctx, tok, *params, None, inv, attn, weight, index, probs, reuse, k,
+                                   True, "gelu")
     if device != "cpu":
         torch.cuda.synchronize()  # an access outside W1 would surface here
+    # The rows the bad value never reached take their gradients as the reference gives them (fed
+    # this forward's saved tensors, as check_region does): ∂ctx's rows, and ∂tok's batch rows
+    # whose every horizon row is clean; a NaN leaking into them fails here.
+    r_grads = reference.region_backward(_f64(grad_out), _f64(ctx), _f64(tok), *[_f64(p) for p in params], None,
+                                        _f64(inv), _f64(attn), _f64(weight), index, ref[5], ref[6], k, True, "gelu")
+    clean = same & ~bad
+    clean_b = clean.all(1)
+    assert clean.any() or where == "wg"
+    for name, g, r, rows in (("ctx", grads[0], r_grads[0], clean), ("tok", grads[1], r_grads[1], clean_b)):
+        if rows.any():
+            assert g[rows].isfinite().all(), f"∂{name}: a non-finite value in rows the bad value never reached"
+            assert rel_err(g[rows], r[rows]) <= TOLERANCE[dtype], f"∂{name}'s clean rows differ from the reference"
 
 
 def _cotangent(shape, seed, ref, ctx, params, act):
