@@ -112,9 +112,22 @@ def _fake_match(preset, kernels="fused", act="gelu", device="cuda", keep_hidden=
                            config={"top_k": p["k"], "act": act}, keep_hidden=keep_hidden)
 
 
+def _slot_mib(preset, columns=None):
+    """The backward's slot buffers at a preset in MiB, from the sizes: xs, gs [S, D] and hw, ∂u
+    [S, F] (or `columns` of F) in bf16, for S = the R·k (row, expert) pairs plus a padding tile of
+    128 slots an expert at most (medium 33792 slots, 5120 bytes each: 165 MiB)."""
+    p = models.PRESETS[preset]
+    slots = p["B"] * p["H"] * p["k"] + p["E"] * 128
+    mib = slots * 2 * (2 * p["D"] + 2 * (p["F"] if columns is None else columns)) / 2**20
+    assert mib == int(mib)
+    return int(mib)
+
+
 @pytest.mark.parametrize("preset,graphs,kernels,device,whole,expected", [
-    ("medium", "auto", "fused", "cuda", False, "yes (graphs='auto'): the backward's slot buffers, 165 MiB, fit"),
-    ("large", "auto", "fused", "cuda", False, "no (graphs='auto'): the backward's slot buffers, 1300 MiB, do not"),
+    ("medium", "auto", "fused", "cuda", False,
+     f"yes (graphs='auto'): the backward's slot buffers, {_slot_mib('medium')} MiB, fit"),
+    ("large", "auto", "fused", "cuda", False,
+     f"no (graphs='auto'): the backward's slot buffers, {_slot_mib('large')} MiB, do not"),
     ("large", "on", "staged", "cuda", False, "yes (graphs='on')"),
     ("medium", "off", "fused", "cuda", False, "no: graphs='off'"),
     ("medium", "auto", "reference", "cuda", False, "no: the reference path"),
@@ -142,10 +155,12 @@ def test_report_sizes_say_kib_below_a_mib(nbytes, text):
 
 
 @pytest.mark.parametrize("preset,chunk_mb,expected", [
-    ("medium", None, "1 run of whole tiles: the backward's slot buffers, 165 MiB, within 512 MiB a run "
-                     "(MHA_COMPILE_SLOT_CHUNK_MB)"),
-    ("medium", "64", "3 runs of whole tiles: the backward's slot buffers, 165 MiB, within 64 MiB a run"),
-    ("large", None, "3 runs of whole tiles: the backward's slot buffers, 1300 MiB, within 512 MiB a run"),
+    ("medium", None, f"1 run of whole tiles: the backward's slot buffers, {_slot_mib('medium')} MiB, within "
+                     "512 MiB a run (MHA_COMPILE_SLOT_CHUNK_MB)"),
+    ("medium", "64", f"3 runs of whole tiles: the backward's slot buffers, {_slot_mib('medium')} MiB, within "
+                     "64 MiB a run"),
+    ("large", None, f"3 runs of whole tiles: the backward's slot buffers, {_slot_mib('large')} MiB, within "
+                    "512 MiB a run"),
 ])
 def test_the_report_says_how_the_moe_walks_its_slots(monkeypatch, preset, chunk_mb, expected):
     """explain's "MoE slot runs" line: how many runs set the MoE's training peak, and the bound
@@ -170,12 +185,13 @@ def test_the_report_says_when_the_hidden_layer_takes_passes(monkeypatch, keep):
     monkeypatch.setattr(triton_moe, "HIDDEN_COLUMNS", 256)
     text = describe_slot_runs(_fake_match("medium", keep_hidden=keep))
     if keep:
-        assert text.startswith("1 run of whole tiles: the backward's slot buffers, 165 MiB") and text.endswith(
-            "; MHA_COMPILE_HIDDEN_COLUMNS=256 is not taken: the region keeps u [slots, F] for its backward "
-            "(keep_hidden)")
+        assert text.startswith(f"1 run of whole tiles: the backward's slot buffers, {_slot_mib('medium')} MiB")
+        assert text.endswith("; MHA_COMPILE_HIDDEN_COLUMNS=256 is not taken: the region keeps u [slots, F] for its "
+                             "backward (keep_hidden)")
     else:
         assert text == ("the backward over all slots at once, its hidden layer in 4 passes of at most 256 of F = 1024 "
-                        "columns (MHA_COMPILE_HIDDEN_COLUMNS=256): its slot buffers 66 MiB a pass, ∂x's slot rows in "
+                        f"columns (MHA_COMPILE_HIDDEN_COLUMNS=256): its slot buffers {_slot_mib('medium', 256)} MiB "
+                        "a pass, ∂x's slot rows in "
                         "fp32; the forward in runs within 512 MiB a run (MHA_COMPILE_SLOT_CHUNK_MB)")
     monkeypatch.setattr(triton_moe, "HIDDEN_COLUMNS", 1024)  # F in one pass: the runs' line
     assert describe_slot_runs(_fake_match("medium")).startswith("1 run of whole tiles")
