@@ -11,7 +11,7 @@ import mha_compile
 from mha_compile import backend, models
 from dropout_model import DroppedTokens
 from inplace_model import ResidualInPlace
-from numerics import assert_close_rel, compiled_reports, needs_interpreter, record_calls, relative_error
+from numerics import TOLERANCE, assert_close_rel, compiled_reports, needs_interpreter, record_calls, relative_error
 
 BK = "pool.key.bias"  # SPEC §1: its gradient is exactly zero (it shifts every score of a head)
 
@@ -34,9 +34,10 @@ def _train_side_by_side(model, make_batch, dtype, steps=3, **compile_kwargs):
         loss_e, loss_c = out_e.square().mean(), out_c.square().mean()
         loss_e.backward()
         loss_c.backward()
+        largest = max(p.grad.abs().max() for p in eager.parameters() if p.grad is not None)
         for (name, p_e), p_c in zip(eager.named_parameters(), compiled_model.parameters()):
-            if name.endswith(BK):
-                assert torch.count_nonzero(p_c.grad) == 0 and p_e.grad.abs().max() <= 1e-5 * p_c.grad.new_ones(()).abs().max() + 1e-6
+            if name.endswith(BK):  # zero by the math: the region's exactly, eager's rounding of its largest
+                assert torch.count_nonzero(p_c.grad) == 0 and p_e.grad.abs().max() <= TOLERANCE[dtype] * largest
                 continue
             assert p_c.grad is not None and torch.isfinite(p_c.grad).all(), name
             assert_close_rel(p_c.grad, p_e.grad, dtype, f"step {step} ∂{name}")
