@@ -6,7 +6,10 @@ import torch
 from kernel_cases import launched, only_config
 from mha_compile.kernels import triton_matmul, triton_util
 
-BOUND = {0: 1e-5, 1: 1e-4, 2: 1e-5}  # ieee fp32; split bf16 halves ~2⁻¹⁶; split fp16 ~2⁻²²
+# ieee fp32; split bf16 halves ~2⁻¹⁶ a product (1.5e-5; 1e-4 is within SPEC §4's 5e-4 for fp32 dots
+# that are not ieee, not yet tightened to a measured error: the bf16 split runs on the GPU only, where
+# the tests print theirs); split fp16 ~2⁻²²
+BOUND = {0: 1e-5, 1: 1e-4, 2: 1e-5}
 
 
 def _case(device, Bt=3, M=37, K=97, N=45, seed=0):
