@@ -45,6 +45,12 @@ def variant(launcher, config, fn):
     weight-gradient entries would otherwise run its kernels, not the config asked for."""
     saved = launcher.kernel, launcher.configs, launcher.tuned
     launcher.kernel, launcher.configs, launcher.tuned = _Recorder(saved[0]), [config], None
+    # A Launcher launches the config it chose before for a call it met before (its _chosen, keyed
+    # by the kernel's id among the rest): a recorder freed after one variant can come back at the
+    # same id in the next, which would then time the config before's. A fresh cache a variant.
+    chosen = getattr(launcher, "_chosen", None)
+    if chosen is not None:
+        launcher._chosen = {}
     enabled, gluon_moe.ENABLED = gluon_moe.ENABLED, False
     try:
         fn()
@@ -55,6 +61,8 @@ def variant(launcher, config, fn):
         ms = triton.testing.do_bench_cudagraph(fn, rep=60, return_mode="median")
     finally:
         launcher.kernel, launcher.configs, launcher.tuned = saved
+        if chosen is not None:
+            launcher._chosen = chosen
         gluon_moe.ENABLED = enabled
     return ms, compiled
 

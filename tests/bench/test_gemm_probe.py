@@ -52,3 +52,21 @@ def test_the_triton_rows_run_triton_where_gluon_would_take_them(monkeypatch):
     gemm_probe.probe("tiny", "gelu", rows, ["slots", "wgrad"])
     assert ran == [] and not [r for r in rows if "error" in r]
     assert gluon_moe.ENABLED
+
+
+def test_a_variant_starts_from_no_chosen_config():
+    """On the GPU a Launcher launches the config it chose before for a call it met before (its
+    _chosen cache, keyed by the kernel's id among the rest), and a variant's recorder can take the
+    id of the last one's: each variant runs with an empty cache, and the launcher's own comes back
+    after."""
+    launcher = triton_moe._hidden
+    mine = {("a call",): ("a config", None)}
+    seen = []
+    saved = launcher._chosen
+    launcher._chosen = mine
+    try:
+        gemm_probe.variant(launcher, launcher.configs[0], lambda: seen.append(dict(launcher._chosen)))
+        assert seen == [{}]
+        assert launcher._chosen is mine
+    finally:
+        launcher._chosen = saved
