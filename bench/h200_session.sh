@@ -16,8 +16,9 @@
 #   [TESTS=0 MODES=.. SPELLINGS=.. ISOLATE=1 ROUNDS=n PRESETS=.. RESUME=1] bash bench/h200_session.sh table   # pytest -m cuda (TESTS=0: not), then the forward+backward rows of every mode (or MODES;
 #                                      # ISOLATE=1: each row in a process of its own, bench --isolate; ROUNDS=n: each
 #                                      # row timed n times, rounds interleaved, bench --rounds; PRESETS: a comma
-#                                      # list, then RESUME=1 in a call chained on the same machine runs the rest (RESUME=path:
-#                                      # an earlier call's h200.json carried in, e.g. out/s54/h200.json); SPELLINGS: a comma
+#                                      # list, then RESUME=1 in a call chained on the same machine runs the
+#                                      # rest (RESUME=path: an earlier call's h200.json carried in, e.g.
+#                                      # out/s54/h200.json); SPELLINGS: a comma
 #                                      # list for --spellings; ROUNDS at medium: max-autotune only on the spellings an
 #                                      # autotune-cache call on this machine compiled, or AUTOTUNE_SPELLINGS),
 #                                      # max-autotune on the dense spelling at medium (~9 min):
