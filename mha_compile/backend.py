@@ -58,25 +58,25 @@ def mha_backend(gm, example_inputs, options=None, mode=None):
     if opts.verify and report.matches:
         compiled = verify.verified(gm, run_rest(gm, example_inputs, opts, mode, whole), compiled, report)
     if whole or opts.rest == "inductor":  # else the graph runs eagerly, its regions on ops.region_call
-        compiled = _tangents_eagerly(compiled, lowered, report.index)
+        compiled = _tangents_eagerly(compiled, gm, report.index)
     return compiled
 
 
 def _tangents_eagerly(compiled, gm, index):
     """compiled, except that a call carrying forward-mode tangents (torch.autograd.forward_ad)
-    runs gm eagerly, its regions on ops.region_call (whose reference carries them): CUDA-graph
-    replays carry no tangents, and Inductor's code drops them (torch 2.13: a compiled x.sin()
-    gave the tangent None, where eager and aot_eager give cos(x)·t)."""
-    eager = []
+    runs gm, the graph as Dynamo captured it, eagerly: CUDA-graph replays carry no tangents, and
+    Inductor's code drops them (torch 2.13: a compiled x.sin() gave the tangent None, where eager
+    and aot_eager give cos(x)·t). The captured graph, not the rewritten one: it needs no verify."""
+    said = []
 
     def call(*args):
         if not ops.has_tangents(args):
             return compiled(*args)
-        if not eager:
-            log.info("mha_compile: graph %d called with forward-mode tangents: run eagerly (the region on its "
-                     "plain-op reference), since CUDA-graph replays and Inductor's code do not carry them", index)
-            eager.append(_region_calls(gm, ops.region_call, "off").forward)
-        return eager[0](*args)
+        if not said:
+            said.append(True)
+            log.info("mha_compile: graph %d called with forward-mode tangents: run as captured, eagerly, since "
+                     "CUDA-graph replays and Inductor's code do not carry them", index)
+        return gm(*args)
     return call
 
 
