@@ -45,6 +45,7 @@ Inputs the kernels do not take (see `why_unsupported`) run on reference.py, whic
 for all of them; no input is silently approximated.
 """
 import collections
+import logging
 
 import torch
 
@@ -53,6 +54,8 @@ from mha_compile.kernels.merge_cuda import merge_backward, merge_forward
 from mha_compile.kernels.triton_util import device_reason, dtype_reason, interpreting, on_gpu, stamp
 
 MERGES = ("on_load", "cuda")
+log = logging.getLogger("mha_compile")
+_SAID = set()  # the reasons a call ran on the reference, said once each
 
 
 # Triton 3.6's interpreter (TRITON_INTERPRET=1, the CPU) multiplies bf16 tl.dot operands as their raw
@@ -226,7 +229,12 @@ def region_forward(merge, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b
     takes where no dict is kept (both: see the module docstring), with the MoE's u at its start where
     keep_hidden (or triton_moe.KEEP_HIDDEN) asks, but for swiglu. Where the inputs run on the
     reference, kept stays empty and reuse has no elements."""
-    if why_unsupported(ctx, tok, w1, top_k, act, mask) is not None:
+    why = why_unsupported(ctx, tok, w1, top_k, act, mask)
+    if why is not None:
+        if why not in _SAID:  # the compile's report, made from shapes and dtypes without the mask, may say otherwise
+            _SAID.add(why)
+            log.info("mha_compile: kernels=%r ran a region on the reference path: %s",
+                     {"on_load": "fused", "cuda": "staged"}[merge], why)
         return reference.region_forward(ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3,
                                         mask, top_k, renorm, act)
     kept_hidden = _hidden_kept(ctx, w1, top_k, act, keep_hidden)

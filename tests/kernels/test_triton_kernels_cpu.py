@@ -5,6 +5,7 @@ tensors and all 15 gradients with the float64 reference (kernel_cases.check_regi
 bf16 is left to the GPU tests: triton 3.6's interpreter computes bf16 tl.dot wrongly
 (a 16×16 bf16 product comes back off by ~1e10), so fp32 and fp16 cover the interpreter.
 """
+import logging
 import os
 
 import pytest
@@ -109,13 +110,19 @@ def test_float64_runs_on_reference(module):
 
 @pytest.mark.parametrize("module", SETS)
 @pytest.mark.parametrize("B,H", [(0, 3), (2, 0)])
-def test_an_empty_batch_runs_on_the_reference_path(module, B, H):
+def test_an_empty_batch_runs_on_the_reference_path(module, B, H, monkeypatch, caplog):
     """No rows (B or H zero): the kernels would divide by the rows (top-k pairs a row), so the set
-    hands the call to the reference path, forward and backward, and says why."""
+    hands the call to the reference path, forward and backward, and says why (in the log once a
+    reason too, at run time: the compile's report cannot know the batch)."""
     ctx, tok, params = make_case(max(B, 1), max(H, 1), 5, 32, 2, 64, 4, 2)
     ctx, tok = ctx[:B, :H], tok[:B]
     assert "empty batch" in module.why_unsupported(ctx, tok, params[10], 2, "gelu", None)
-    got = module.region_forward(ctx, tok, *params, None, 2, True, "gelu")
+    monkeypatch.setattr(triton_region, "_SAID", set())
+    with caplog.at_level(logging.INFO, logger="mha_compile"):
+        got = module.region_forward(ctx, tok, *params, None, 2, True, "gelu")
+        module.region_forward(ctx, tok, *params, None, 2, True, "gelu")
+    said = [r.getMessage() for r in caplog.records if "ran a region on the reference path" in r.getMessage()]
+    assert len(said) == 1 and "empty batch" in said[0] and module.__name__.rsplit(".", 1)[1] in said[0], said
     want = reference.region_forward(ctx, tok, *params, None, 2, True, "gelu")
     assert [tuple(t.shape) for t in got] == [tuple(t.shape) for t in want] and got[0].shape == (B, H, 32)
     grads = module.region_backward(torch.randn_like(got[0]), ctx, tok, *params, None, *got[1:], 2, True, "gelu")
