@@ -106,10 +106,11 @@ def _measure(job, cache, quick):
     if training:
         result["grad_rel_err"] = cases.gradient_error([t.grad for t in leaves], ref_grads)
     if job["mode"] in modes.MHA_MODES:
-        # explain compiles under no_grad: the answer is the same for both passes, asked once
-        key = ("lowering", job["preset"], job["dtype"], job["spelling"], job["mode"])
+        # asked once a pass: a training compile can decide otherwise than an inference one (the
+        # rewrite keeps copies there, and a failure only it meets would time eager under our name)
+        key = ("lowering", job["preset"], job["dtype"], job["spelling"], job["mode"], job["pass"])
         if key not in cache:
-            cache[key] = lowering_summary(job["mode"], model, ctx.detach(), tok.detach())
+            cache[key] = lowering_summary(job["mode"], model, ctx.detach(), tok.detach(), training)
         result.update(cache[key])
     return result
 
@@ -135,18 +136,20 @@ def timed_step(fn, ctx, tok, grad_out, leaves, training):
     return step
 
 
-def lowering_summary(mode, model, ctx, tok):
+def lowering_summary(mode, model, ctx, tok, training=False):
     """Did backend="mha" replace the region? The backend falls back to the graph as captured
     when it matches nothing, and then a row would time eager under our name (the seed's
-    dead-fast-path failure). Asked through the public mha_compile.explain, after the timing."""
+    dead-fast-path failure). Asked through the public mha_compile.explain, after the timing, in
+    the row's pass: with training, grad on and ctx and tok taking gradients, as the timed step."""
     import mha_compile
 
     explain = mha_compile.explain
     if not callable(explain):  # importing the submodule mha_compile.explain shadows the function
         explain = explain.explain
     try:
-        with torch.no_grad():  # the inference view, as explain gave it until session 50: no training graph to capture
-            explained = explain(model, ctx, tok, options=modes.mha_options(mode))
+        with torch.set_grad_enabled(training):
+            explained = explain(model, ctx.requires_grad_(training), tok.requires_grad_(training),
+                                options=modes.mha_options(mode))
     except Exception as error:  # noqa: BLE001 - a broken explain must not lose the timing
         return {"regions_replaced": None, "lowering_note": f"explain failed: {type(error).__name__}: {error}"[:300]}
     finally:

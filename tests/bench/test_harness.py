@@ -454,3 +454,25 @@ def test_rows_free_cublas_workspaces_before_and_after(monkeypatch):
     job = dict(preset="tiny", dtype="fp32", mode="eager", spelling="dense", device_type="cuda", **{"pass": "fwd"})
     row = measure.run_row(job, {})
     assert row["status"] == "error" and calls == ["reference", "clear", "model", "clear"]
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_the_lowering_summary_asks_in_the_rows_pass(monkeypatch, training):
+    """A training row's "regions replaced" comes from a training compile (grad on, ctx and tok
+    taking gradients, as the timed step), an inference row's from an inference one: a rewrite
+    failure only training meets must not be summarised from the inference view."""
+    import mha_compile
+
+    seen = []
+    real = mha_compile.explain if callable(mha_compile.explain) else mha_compile.explain.explain
+
+    def explain(model, ctx, tok, options=None):
+        seen.append((torch.is_grad_enabled(), ctx.requires_grad, tok.requires_grad))
+        return real(model, ctx, tok, options=options)
+
+    monkeypatch.setattr(mha_compile, "explain", explain)
+    model = measure.cases.make_model("tiny", "loop", "fp32", "cpu")
+    ctx, tok, _ = measure.cases.make_inputs("tiny", "fp32", "cpu")
+    summary = measure.lowering_summary("mha-reference", model, ctx.detach(), tok.detach(), training)
+    assert seen == [(training, training, training)]
+    assert summary["regions_replaced"] == 1, summary
