@@ -168,7 +168,10 @@ def run_rest(gm, example_inputs, opts, mode, whole, split=None, report=None):
                           if opts.own_step_graphs(mode) else whole_graph.capture)
     else:
         if mode == "reduce-overhead":
-            log.info("mha_compile: mode='reduce-overhead' without CUDA inputs: running without CUDA graphs")
+            # a warning where step_graphs=True asked for the step graphs by name
+            (log.warning if opts.step_graphs is True else log.info)(
+                "mha_compile: mode='reduce-overhead' without CUDA inputs: running without CUDA graphs%s",
+                " (step_graphs=True does not apply)" if opts.step_graphs is True else "")
         elif mode not in (None, "default"):
             log.info("mha_compile: mode=%r with rest='eager': everything outside the region runs eagerly, without "
                      "the mode's autotuning or CUDA graphs (rest='inductor' takes them)", mode)

@@ -293,6 +293,19 @@ def test_a_mode_rest_eager_cannot_honour_is_said(caplog, mode, says):
     assert says in caplog.text
 
 
+@pytest.mark.parametrize("asked", [True, "auto"])
+def test_step_graphs_asked_by_name_without_cuda_inputs_is_a_warning(caplog, asked):
+    """step_graphs=True on CPU inputs: the step graphs cannot apply, and what was asked by name is
+    not dropped at INFO (README: True elsewhere is an error); "auto" there stays at INFO."""
+    gm, example, inputs = _captured(_block(torch.float32))
+    with caplog.at_level(logging.INFO, logger="mha_compile"):
+        backend.mha_backend(gm, example, options={"mode": "reduce-overhead", "step_graphs": asked})
+    said = [r for r in caplog.records if "without CUDA inputs" in r.getMessage()]
+    assert len(said) == 1
+    assert said[0].levelno == (logging.WARNING if asked is True else logging.INFO)
+    assert ("step_graphs=True does not apply" in said[0].getMessage()) == (asked is True)
+
+
 def test_rest_inductor_under_a_mode_in_the_options_matches_eager():
     """On the CPU reduce-overhead's CUDA graphs do not apply; the step must still train as eager."""
     torch._dynamo.reset()
