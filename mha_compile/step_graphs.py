@@ -52,10 +52,11 @@ runs eagerly; an input read in place that has moved makes the call capture again
 a forward while the last one's backward is still to come (its saved values live in the graphs'
 pool: a siamese pair's second call, micro-batches summed into one backward) replays graphs of
 its own, a capture at the next depth with a pool of its own, up to MAX_PENDING such forwards
-(the rest run eagerly), and so does a forward while a backward's graph is retained (retain_graph=True:
-another backward may read its saved values); a backward whose forward's values a later replay
-overwrote raises (a safety net: a depth is replayed again only once its graph is freed); a failed capture runs the step eagerly from then on, with a warning (at a
-depth past 0, only the calls that deep).
+(the rest run eagerly), and so does a forward while a backward's graph is retained
+(retain_graph=True: another backward may read its saved values); a backward whose forward's
+values a later replay overwrote raises (a safety net: a depth is replayed again only once its
+graph is freed); a failed capture runs the step eagerly from then on, with a warning (at a depth
+past 0, only the calls that deep).
 """
 import logging
 import operator

@@ -33,6 +33,7 @@ import torch
 from mha_compile import pool_moe_ops
 from mha_compile.options import env_mib
 from mha_compile.kernels import triton_region
+from mha_compile.lowering.match import GRAD_MODE_CALLS
 
 log = logging.getLogger("mha_compile")
 
@@ -181,18 +182,12 @@ def _example(value):
     return value.meta.get("example_value") if isinstance(value, torch.fx.Node) else value
 
 
-# What Dynamo records for `with torch.no_grad()` / `enable_grad()` / `inference_mode()` in a graph
-_GRAD_MODE_CALLS = tuple(t for t in (torch._C._set_grad_enabled,
-                                     getattr(torch.autograd.grad_mode, "_enter_inference_mode", None),
-                                     getattr(torch.autograd.grad_mode, "_exit_inference_mode", None)) if t is not None)
-
-
 def _pool_can_leave(node, values):
     """Whether this region's pool can run outside the graphs (plan_pool_split)."""
     tok = values["tok"]
     if values["kernels"] != "fused" or not isinstance(tok, torch.fx.Node) or tok.op != "placeholder":
         return False
-    if any(n.op == "call_function" and n.target in _GRAD_MODE_CALLS for n in node.graph.nodes):
+    if any(n.op == "call_function" and n.target in GRAD_MODE_CALLS for n in node.graph.nodes):
         # the pool outside runs before the graph, in the call's grad mode: a region under the
         # graph's own enable_grad (called under no_grad) would lose its pool's gradients
         return False

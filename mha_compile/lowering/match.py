@@ -669,6 +669,8 @@ def _check_no_write_meanwhile(nodes, region, out):
 
 _ENTER_INFERENCE = getattr(torch.autograd.grad_mode, "_enter_inference_mode", object())
 _EXIT_INFERENCE = getattr(torch.autograd.grad_mode, "_exit_inference_mode", object())
+# What Dynamo records in a graph for `with torch.no_grad()` / `enable_grad()` / `inference_mode()`
+GRAD_MODE_CALLS = (torch._C._set_grad_enabled, _ENTER_INFERENCE, _EXIT_INFERENCE)
 _ENTER_AUTOCAST = getattr(torch.amp.autocast_mode, "_enter_autocast", object())
 _EXIT_AUTOCAST = getattr(torch.amp.autocast_mode, "_exit_autocast", object())
 
