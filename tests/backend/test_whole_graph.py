@@ -1,6 +1,7 @@
 """whole_graph.capture on the CPU: which inputs of the compiled forward and backward the CUDA-graph
 trees would copy before each replay. CUDA graphs need a GPU, so Dynamo's CPU check is stepped
 around and cudagraphify_impl stands in by recording its arguments and running the graph as is."""
+import contextlib
 import copy
 import os
 import subprocess
@@ -202,6 +203,26 @@ def test_the_pool_runs_outside_the_graphs(monkeypatch):
         assert (got.abs().max() == 0) == (name == "pool.key.bias"), f"∂{name}"
 
 
+def _assert_gradients_are_eagers(model, block, ctx, tok, grads, called_under=contextlib.nullcontext):
+    """grads (ctx's, tok's, then the block's parameters', of Σ out² through model(block)) within
+    fp32's bound of the eager model's in float64 on the same values, its forward called under
+    `called_under`; ∂bk exactly zero (the math's, as the region gives it; eager's is rounding)."""
+    eager = model(copy.deepcopy(block).double())
+    eager.zero_grad(set_to_none=True)  # what the compiled step accumulated is not copied in
+    wide = [t.detach().double().requires_grad_() for t in (ctx, tok)]
+    with called_under():
+        out = eager(*wide)
+    out.square().sum().backward()
+    names = ["ctx", "tok", *(name for name, _ in block.named_parameters())]
+    for name, got, want in zip(names, grads, [*(t.grad for t in wide), *(p.grad for p in eager.block.parameters())]):
+        assert got is not None, f"∂{name}"
+        if name == "pool.key.bias":
+            assert not got.any(), f"∂{name}"
+            continue
+        error = float((got.double() - want).norm() / want.norm())
+        assert error <= 1e-5, f"∂{name}: {error:.3g}"
+
+
 @needs_interpreter
 def test_a_region_under_the_graphs_own_enable_grad_keeps_its_pool_in_the_graphs(monkeypatch):
     """A model that runs the block under its own torch.enable_grad(), called under no_grad (a
@@ -226,7 +247,6 @@ def test_a_region_under_the_graphs_own_enable_grad_keeps_its_pool_in_the_graphs(
     torch._dynamo.reset()
     torch.manual_seed(1)
     block = models.MHABlock.from_preset("tiny")
-    eager = GradInside(copy.deepcopy(block).double())
     torch.manual_seed(0)
     ctx, tok = torch.randn(4, 3, 32, requires_grad=True), torch.randn(4, 5, 32, requires_grad=True)
     compiled = torch.compile(GradInside(block), backend="mha", options={"kernels": "fused"})
@@ -235,18 +255,8 @@ def test_a_region_under_the_graphs_own_enable_grad_keeps_its_pool_in_the_graphs(
     out.square().sum().backward()
     torch._dynamo.reset()
     assert pools == []
-    wide = [t.detach().double().requires_grad_() for t in (ctx, tok)]
-    with torch.no_grad():
-        want_out = eager(*wide)
-    want_out.square().sum().backward()
-    names = ["ctx", "tok", *(name for name, _ in block.named_parameters())]
-    got = [ctx.grad, tok.grad, *(p.grad for p in block.parameters())]
-    for name, g, w in zip(names, got, [*(t.grad for t in wide), *(p.grad for p in eager.block.parameters())]):
-        assert g is not None, f"∂{name}"
-        if name == "pool.key.bias":  # zero by the math, as the region gives it; eager's is rounding
-            continue
-        error = float((g.double() - w).norm() / w.norm())
-        assert error <= 1e-5, f"∂{name}: {error:.3g}"
+    grads = [ctx.grad, tok.grad, *(p.grad for p in block.parameters())]
+    _assert_gradients_are_eagers(GradInside, block, ctx, tok, grads, called_under=torch.no_grad)
 
 
 @needs_interpreter
@@ -264,19 +274,7 @@ def test_a_tok_read_elsewhere_keeps_the_pool_in_the_graphs(monkeypatch):
 
     calls, pools, grads, block, (ctx, tok) = _split_step(monkeypatch, True, model=Residual)
     assert pools == [] and any(tuple(t.shape) == tuple(tok.shape) for t in calls[0][1])
-    # every gradient the eager model's in float64, on the same values and loss
-    eager = Residual(copy.deepcopy(block).double())
-    eager.zero_grad(set_to_none=True)  # what the compiled step accumulated is not copied in
-    wide = [t.detach().double().requires_grad_() for t in (ctx, tok)]
-    eager(*wide).square().sum().backward()
-    names = ["ctx", "tok", *(name for name, _ in block.named_parameters())]
-    for name, got, want in zip(names, grads, [*(t.grad for t in wide), *(p.grad for p in eager.block.parameters())]):
-        assert got is not None, f"∂{name}"
-        if name == "pool.key.bias":  # zero by the math, as the region gives it; eager's is rounding
-            assert not got.any(), f"∂{name}"
-            continue
-        error = float((got.double() - want).norm() / want.norm())
-        assert error <= 1e-5, f"∂{name}: {error:.3g}"
+    _assert_gradients_are_eagers(Residual, block, ctx, tok, grads)
 
 
 @needs_interpreter
