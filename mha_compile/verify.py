@@ -1,9 +1,10 @@
 """options["verify"]: on the first call, the rewritten graph beside the graph as captured; where
 they disagree, a warning, and the captured graph from then on.
 
-Forward: every floating output. Training (grad enabled and an input requires grad; Dynamo passes
-parameters as graph inputs): both graphs also run on detached clones of the inputs, backward with
-one random cotangent, and every input gradient is compared.
+Forward: every floating output. Training (grad enabled and a gradient to take): both graphs
+also run on detached clones of the inputs, backward with one random cotangent, and the gradient of
+every input is compared, and of every parameter the graph holds as an attribute (Dynamo passes
+parameters as inputs, but as attributes under inline_inbuilt_nn_modules=False).
 
 fp32 and fp64 graphs are compared with each other, each output and gradient to its dtype's bound
 (BOUND). A bf16 or fp16 graph as captured is itself far from its math: top-k choices flip through
@@ -22,6 +23,7 @@ dropout draws the same masks in each; the call's own result, the rewrite's, leav
 its draws took it, as without verify.
 """
 import contextlib
+import functools
 import logging
 
 import torch
@@ -40,6 +42,7 @@ def verified(gm, original, compiled, report):
     (gm as captured, run as the rest would run it)."""
     state = {"use": None}
     zero_by_math = _zero_by_math(gm, report)
+    attributes = _trained_attributes(gm)
 
     def fall_back(what, args, draws):
         report.fallback = f"verify: the rewritten graph disagrees with the original ({what}); using the original"
@@ -71,10 +74,11 @@ def verified(gm, original, compiled, report):
             return fall_back(what, args, draws)
         nan_step = any(isinstance(e, torch.Tensor) and e.is_floating_point() and not torch.isfinite(e).all()
                        for e in _tensors(expected))
-        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        trains = attributes or any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+        if torch.is_grad_enabled() and trains:
             try:
                 what, nan_grads = _gradients_disagree(gm if fp32 is not None else None, original, compiled, args,
-                                                      zero_by_math, precision, draws)
+                                                      attributes, zero_by_math, precision, draws)
             except Exception as error:
                 return fall_back(f"its backward raised {type(error).__name__}: {error}", args, draws)
             if what:
@@ -109,10 +113,22 @@ def _low_precision(args):
 
 
 def _zero_by_math(gm, report):
-    """Positions of the graph inputs that are a matched region's key bias: its gradient is exactly
-    zero in the math (SPEC §1), which the kernels give, and roundoff in the captured graph."""
+    """The gradients (named as _gradients_disagree names them) of a matched region's key bias: its
+    gradient is exactly zero in the math (SPEC §1), which the kernels give, and roundoff in the
+    captured graph."""
     names = {m["params"].get("bk") for m in report.matches} - {None}
-    return {i for i, node in enumerate(gm.graph.find_nodes(op="placeholder")) if node.name in names}
+    inputs = {f"input {i}" for i, node in enumerate(gm.graph.find_nodes(op="placeholder")) if node.name in names}
+    return inputs | {f"parameter {node.target}" for node in gm.graph.find_nodes(op="get_attr") if node.name in names}
+
+
+def _trained_attributes(gm):
+    """(target, tensor) of each tensor taking a gradient that gm reads with get_attr."""
+    found = {}
+    for node in gm.graph.find_nodes(op="get_attr"):
+        value = functools.reduce(getattr, node.target.split("."), gm)
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            found[node.target] = value
+    return list(found.items())
 
 
 def _tensors(outs):
@@ -152,28 +168,30 @@ def _outputs_disagree(got, expected, fp32, precision=None):
     return None
 
 
-def _gradients_disagree(gm, original, compiled, args, zero_by_math, precision, draws):
-    """(what disagrees among the input gradients, or None; whether the original's hold a NaN or
-    inf); gm: the captured graph, run in fp32 as the yardstick (see the module) to `precision`'s
-    bound, or None to compare the two with each other; draws: the call's _Draws, which each run
-    starts from."""
-    positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+def _gradients_disagree(gm, original, compiled, args, attributes, zero_by_math, precision, draws):
+    """(what disagrees among the gradients of the inputs and of `attributes` (_trained_attributes),
+    or None; whether the original's hold a NaN or inf); gm: the captured graph, run in fp32 as the
+    yardstick (see the module) to `precision`'s bound, or None to compare the two with each other;
+    draws: the call's _Draws, which each run starts from."""
+    names = ([f"input {i}" for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+             + [f"parameter {target}" for target, _ in attributes])
+    tensors = [t for _, t in attributes]
     cotangents = []
-    grads_o = _gradients(original, args, cotangents, draws)
+    grads_o = _gradients(original, args, cotangents, draws, tensors)
     if grads_o is None:
         return None, False
-    grads_c = _gradients(compiled, args, cotangents, draws)
+    grads_c = _gradients(compiled, args, cotangents, draws, tensors)
     if grads_c is None:
         return "no output of the rewritten graph takes a gradient", False
     grads_r = grads_o if gm is None else _gradients(promoted(gm), _upcast(args), [c.float() for c in cotangents],
-                                                    draws)
+                                                    draws, tensors)
     largest = max([1.0] + [g.double()[torch.isfinite(g)].norm().item() for g in grads_r if g is not None])
     # A NaN step in the user's graph (a NaN row's, _outputs_disagree): which entries of each
     # gradient a NaN reaches follows each op's backward (masked_fill's zeroes the scores' where the
     # region's 0·NaN does not), so there the entries finite in all three are compared; in a step
     # whose gradients are all finite, a NaN of the rewrite's own is not.
     nan_step = any(g is not None and not torch.isfinite(g).all() for g in grads_o)
-    for position, g_c, g_o, g_r in zip(positions, grads_c, grads_o, grads_r):
+    for name, g_c, g_o, g_r in zip(names, grads_c, grads_o, grads_r):
         if g_o is None and g_c is None:
             continue
         like = g_o if g_o is not None else g_c
@@ -182,7 +200,7 @@ def _gradients_disagree(gm, original, compiled, args, zero_by_math, precision, d
         finite = torch.isfinite(g_c) & torch.isfinite(g_o) & torch.isfinite(g_r)
         if not finite.all():
             if not nan_step:
-                return f"gradient of input {position} is not finite where the captured graph's are all finite", nan_step
+                return f"gradient of {name} is not finite where the captured graph's are all finite", nan_step
             g_c, g_o, g_r = g_c[finite], g_o[finite], g_r[finite]
         dtype = precision or g_o.dtype
         bound = BOUND.get(dtype, 1e-4)
@@ -190,21 +208,22 @@ def _gradients_disagree(gm, original, compiled, args, zero_by_math, precision, d
         # gradient (1e-10 to 3e-9 of it; bf16 2e-6 to 1e-5). Against GRAD_FLOOR alone a right
         # rewrite fell back in bf16 always and in fp32 often. A key bias read elsewhere too has a
         # gradient of its own, and is compared to it.
-        floor = torch.finfo(dtype).eps / bound if position in zero_by_math else GRAD_FLOOR
+        floor = torch.finfo(dtype).eps / bound if name in zero_by_math else GRAD_FLOOR
         scale = max(g_r.double().norm().item(), floor * largest, 1e-30)
         error = (g_c.double() - g_r.double()).norm().item() / scale
         own = 0.0 if gm is None else (g_o.double() - g_r.double()).norm().item() / scale
         if error > bound:
-            return (f"gradient of input {position}: relative error {error:.3g}"
+            return (f"gradient of {name}: relative error {error:.3g}"
                     + ("" if gm is None else f" from the captured graph run in fp32, which itself is {own:.3g} from it"),
                     nan_step)
     return None, nan_step
 
 
-def _gradients(fn, args, cotangents, draws):
-    """fn's input gradients on new leaves standing for args (None where unused), with
-    `cotangents` (filled with random ones on the first call, given the outputs), fn run from
-    `draws` (_Draws); None when no output takes a gradient.
+def _gradients(fn, args, cotangents, draws, attributes=()):
+    """fn's gradients of new leaves standing for args, then of the tensors `attributes` that fn
+    reads itself (None where unused), with `cotangents` (filled with random ones on the first call,
+    given the outputs), fn run from `draws` (_Draws); None when no output takes a gradient.
+    torch.autograd.grad leaves every .grad as it was.
 
     A leaf (a parameter) stands as a detached view of itself: an in-place write into it would
     raise as into the leaf, so it cannot change, and it stays at its address, as in the steps
@@ -218,7 +237,7 @@ def _gradients(fn, args, cotangents, draws):
             return None
         if not cotangents:
             cotangents.extend(torch.randn_like(o) for o in outs)
-        wrt = [x for x in xs if isinstance(x, torch.Tensor) and x.requires_grad]
+        wrt = [x for x in xs if isinstance(x, torch.Tensor) and x.requires_grad] + list(attributes)
         return torch.autograd.grad(outs, wrt, cotangents, allow_unused=True)
 
 

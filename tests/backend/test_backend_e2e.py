@@ -395,6 +395,64 @@ def test_verify_still_catches_a_wrong_key_bias_gradient(monkeypatch, caplog):
     assert report.fallback is not None and "gradient of input" in report.fallback and "disagrees" in caplog.text
 
 
+def _parameters_as_attributes(model, *inputs):
+    """Dynamo's graph of model with each parameter read with get_attr, not passed in, as torch 2.11
+    captures it under inline_inbuilt_nn_modules=False (from 2.12 on the flag does nothing), and the
+    graph's other inputs."""
+    captured = []
+    torch._dynamo.reset()
+    torch.compile(model, backend=lambda gm, examples: captured.append((gm, examples)) or gm)(*inputs)
+    ((gm, examples),) = captured
+    others = []
+    for node, example in zip(list(gm.graph.find_nodes(op="placeholder")), examples):
+        if not isinstance(example, torch.nn.Parameter):
+            others.append(example)
+            continue
+        gm.register_parameter(node.name, example)
+        with gm.graph.inserting_after(node):
+            attribute = gm.graph.get_attr(node.name)
+        attribute.meta["example_value"] = node.meta["example_value"]  # Dynamo's, which the matcher reads
+        node.replace_all_uses_with(attribute)
+        gm.graph.erase_node(node)
+    gm.recompile()
+    return gm, others
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fault", [None, "W1"])
+def test_verify_compares_the_gradients_of_parameters_held_as_attributes(monkeypatch, caplog, dtype, fault):
+    """A graph that reads its parameters with get_attr: verify compared input gradients only, so a
+    wrong ∂W1 passed it, and with no input taking a gradient it compared no gradient at all."""
+    from mha_compile.kernels import reference
+    if fault:
+        right = reference.region_backward
+        monkeypatch.setattr(reference, "region_backward",
+                            lambda *a: tuple(g * 1.2 if i == 10 else g for i, g in enumerate(right(*a))))
+    model = _block(dtype)
+    gen = torch.Generator().manual_seed(3)
+    ctx, tok = torch.randn(4, 3, 32, generator=gen).to(dtype), torch.randn(4, 5, 32, generator=gen).to(dtype)
+    gm, others = _parameters_as_attributes(model, ctx, tok)
+    assert len(others) == 2 and len(gm.graph.find_nodes(op="get_attr")) == len(list(model.parameters()))
+    with compiled_reports() as reports, caplog.at_level(logging.WARNING, logger="mha_compile"):
+        compiled = backend.mha_backend(gm, others, {"verify": True})
+        (out,) = compiled(*others)
+    (report,) = reports
+    assert len(report.matches) == 1
+    if fault:
+        assert report.fallback is not None and "gradient of parameter" in report.fallback, report.fallback
+        assert "w1" in report.fallback and "disagrees" in caplog.text
+    else:
+        assert report.fallback is None, report.fallback
+    if fault or dtype == torch.float32:  # the graph verify kept gives eager's gradients (bf16's: its own ops)
+        out.float().square().mean().backward()
+        eager = copy.deepcopy(model)
+        eager.zero_grad()
+        eager(ctx, tok).float().square().mean().backward()
+        for (name, got), want in zip(model.named_parameters(), eager.parameters()):
+            if name != BK:
+                assert relative_error(got.grad, want.grad) <= TOLERANCE[torch.float32], name
+
+
 def _bf16_block_and_inputs(seed):
     """A bf16 block whose eager graph is 5e-2 to 8e-2 from its own fp32 run (top-k choices that
     flip through rounding) at seeds 1 and 2, where the rewrite is 1.6e-3 from it."""
