@@ -56,7 +56,8 @@ def mha_backend(gm, example_inputs, options=None, mode=None):
         observer(report, gm, lowered)
     compiled = run_rest(lowered, example_inputs, opts, mode, whole, split, report)
     if opts.verify and report.matches:
-        compiled = verify.verified(gm, run_rest(gm, example_inputs, opts, mode, whole), compiled, report)
+        original = run_rest(gm, example_inputs, opts, mode, whole)
+        compiled = verify.verified(gm, original, compiled, report, opts.strict)
     if whole or opts.rest == "inductor":  # else the graph runs eagerly, its regions on ops.region_call
         compiled = _tangents_eagerly(compiled, gm, report.index)
     return compiled

@@ -37,15 +37,20 @@ LOW = (torch.bfloat16, torch.float16)
 GRAD_FLOOR = 1e-6
 
 
-def verified(gm, original, compiled, report):
+def verified(gm, original, compiled, report, strict=False):
     """The graph's callable: on its first call `compiled` (the rewrite) checked against `original`
-    (gm as captured, run as the rest would run it)."""
+    (gm as captured, run as the rest would run it); where they disagree, strict raises instead of
+    falling back."""
     state = {"use": None}
     zero_by_math = _zero_by_math(gm, report)
     attributes = _trained_attributes(gm)
 
-    def fall_back(what, args, draws):
+    def fall_back(what, args, draws, error=None):
         report.fallback = f"verify: the rewritten graph disagrees with the original ({what}); using the original"
+        if strict:
+            draws.restore()
+            raise RuntimeError(f"mha_compile: graph {report.index}: verify: the rewritten graph disagrees with the "
+                               f"original ({what}), and strict=True raises instead of using the original") from error
         log.warning("mha_compile: graph %d: %s", report.index, report.fallback)
         state["use"] = original
         draws.restore()  # the call's result drawn as the rewrite's was, in its place
@@ -60,7 +65,7 @@ def verified(gm, original, compiled, report):
         try:
             got = compiled(*args)
         except Exception as error:  # the replacement must never be what breaks the user's run
-            return fall_back(f"it raised {type(error).__name__}: {error}", args, draws)
+            return fall_back(f"it raised {type(error).__name__}: {error}", args, draws, error)
         precision, fp32 = _low_precision(args), None
         if precision is not None:
             try:
@@ -80,7 +85,7 @@ def verified(gm, original, compiled, report):
                 what, nan_grads = _gradients_disagree(gm if fp32 is not None else None, original, compiled, args,
                                                       attributes, zero_by_math, precision, draws)
             except Exception as error:
-                return fall_back(f"its backward raised {type(error).__name__}: {error}", args, draws)
+                return fall_back(f"its backward raised {type(error).__name__}: {error}", args, draws, error)
             if what:
                 return fall_back(what, args, draws)
             nan_step = nan_step or nan_grads

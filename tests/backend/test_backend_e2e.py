@@ -351,6 +351,18 @@ def test_verify_falls_back_when_the_replacement_is_wrong(monkeypatch, caplog):
     assert_close_rel(compiled(ctx, tok), model(ctx, tok), torch.float32, "second call")
 
 
+@pytest.mark.parametrize("fault", ["output", "gradient"])
+def test_verify_under_strict_raises_instead_of_falling_back(monkeypatch, fault):
+    _plant_wrong_rewrite(monkeypatch, fault)
+    torch._dynamo.reset()
+    model = _block(torch.float32)
+    ctx, tok = torch.randn(4, 3, 32), torch.randn(4, 5, 32, requires_grad=True)
+    compiled = torch.compile(model, backend="mha", options={"verify": True, "strict": True})
+    with pytest.raises(Exception, match="disagrees with the original.*strict=True raises") as raised:
+        compiled(ctx, tok)
+    assert ("gradient of input" in str(raised.value)) == (fault == "gradient")
+
+
 def _verify_first_call(model, ctx, tok, kernels, caplog, level=logging.WARNING):
     """The report of verify's first training call; caplog holds what was logged at `level`."""
     with compiled_reports() as reports, caplog.at_level(level, logger="mha_compile"):
