@@ -18,9 +18,10 @@ distance from it (bf16 eager's gradients were 7-11% from it where the rewrite's 
 allowing the rewrite as much let a 20% error through). A captured graph that does not run in fp32
 is compared directly, and the log says so.
 
-Every run compared starts from the random-number state the call found (`_Draws`), so a graph with
-dropout draws the same masks in each; the call's own result, the rewrite's, leaves the state where
-its draws took it, as without verify.
+Every run compared starts from the state the call found (`_CallState`): its random-number state,
+so a graph with dropout draws the same masks in each, and its inputs' values, so a graph that
+writes an input in place (a BatchNorm's running statistics) reads the same values in each. The
+call's own result, the rewrite's, leaves both where its run took them, as without verify.
 """
 import contextlib
 import functools
@@ -45,49 +46,49 @@ def verified(gm, original, compiled, report, strict=False):
     zero_by_math = _zero_by_math(gm, report)
     attributes = _trained_attributes(gm)
 
-    def fall_back(what, args, draws, error=None):
+    def fall_back(what, args, found, error=None):
         report.fallback = f"verify: the rewritten graph disagrees with the original ({what}); using the original"
         if strict:
-            draws.restore()
+            found.restore()
             raise RuntimeError(f"mha_compile: graph {report.index}: verify: the rewritten graph disagrees with the "
                                f"original ({what}), and strict=True raises instead of using the original") from error
         log.warning("mha_compile: graph %d: %s", report.index, report.fallback)
         state["use"] = original
-        draws.restore()  # the call's result drawn as the rewrite's was, in its place
+        found.restore()  # the call's result run from the state the rewrite's was, in its place
         return original(*args)
 
     def run(*args):
         if state["use"] is not None:
             return state["use"](*args)
-        draws = _Draws(args)
-        with torch.no_grad(), draws.same():
-            expected = original(*args)
+        found = _CallState(args)
+        with torch.no_grad(), found.same() as stand_ins:
+            expected = original(*stand_ins)
         try:
             got = compiled(*args)
         except Exception as error:  # the replacement must never be what breaks the user's run
-            return fall_back(f"it raised {type(error).__name__}: {error}", args, draws, error)
+            return fall_back(f"it raised {type(error).__name__}: {error}", args, found, error)
         precision, fp32 = _low_precision(args), None
         if precision is not None:
             try:
-                with torch.no_grad(), draws.same():
-                    fp32 = promoted(gm)(*_upcast(args))
+                with torch.no_grad(), found.same() as stand_ins:
+                    fp32 = promoted(gm)(*_upcast(stand_ins))
             except Exception as error:
                 log.info("mha_compile: graph %d: verify: the captured graph does not run in fp32 (%s: %s); "
                          "comparing the two directly", report.index, type(error).__name__, error)
         what = _outputs_disagree(_tensors(got), _tensors(expected), None if fp32 is None else _tensors(fp32), precision)
         if what:
-            return fall_back(what, args, draws)
+            return fall_back(what, args, found)
         nan_step = any(isinstance(e, torch.Tensor) and e.is_floating_point() and not torch.isfinite(e).all()
                        for e in _tensors(expected))
         trains = attributes or any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
         if torch.is_grad_enabled() and trains:
             try:
                 what, nan_grads = _gradients_disagree(gm if fp32 is not None else None, original, compiled, args,
-                                                      attributes, zero_by_math, precision, draws)
+                                                      attributes, zero_by_math, precision, found)
             except Exception as error:
-                return fall_back(f"its backward raised {type(error).__name__}: {error}", args, draws, error)
+                return fall_back(f"its backward raised {type(error).__name__}: {error}", args, found, error)
             if what:
-                return fall_back(what, args, draws)
+                return fall_back(what, args, found)
             nan_step = nan_step or nan_grads
         if nan_step:
             # The original gave NaN or inf: what was comparable agrees, but a NaN step can leave
@@ -173,23 +174,23 @@ def _outputs_disagree(got, expected, fp32, precision=None):
     return None
 
 
-def _gradients_disagree(gm, original, compiled, args, attributes, zero_by_math, precision, draws):
+def _gradients_disagree(gm, original, compiled, args, attributes, zero_by_math, precision, found):
     """(what disagrees among the gradients of the inputs and of `attributes` (_trained_attributes),
     or None; whether the original's hold a NaN or inf); gm: the captured graph, run in fp32 as the
     yardstick (see the module) to `precision`'s bound, or None to compare the two with each other;
-    draws: the call's _Draws, which each run starts from."""
+    found: the call's _CallState, which each run starts from."""
     names = ([f"input {i}" for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
              + [f"parameter {target}" for target, _ in attributes])
     tensors = [t for _, t in attributes]
     cotangents = []
-    grads_o = _gradients(original, args, cotangents, draws, tensors)
+    grads_o = _gradients(original, found, cotangents, tensors)
     if grads_o is None:
         return None, False
-    grads_c = _gradients(compiled, args, cotangents, draws, tensors)
+    grads_c = _gradients(compiled, found, cotangents, tensors)
     if grads_c is None:
         return "no output of the rewritten graph takes a gradient", False
-    grads_r = grads_o if gm is None else _gradients(promoted(gm), _upcast(args), [c.float() for c in cotangents],
-                                                    draws, tensors)
+    grads_r = grads_o if gm is None else _gradients(promoted(gm), found, [c.float() for c in cotangents], tensors,
+                                                    upcast=True)
     largest = max([1.0] + [g.double()[torch.isfinite(g)].norm().item() for g in grads_r if g is not None])
     # A NaN step in the user's graph (a NaN row's, _outputs_disagree): which entries of each
     # gradient a NaN reaches follows each op's backward (masked_fill's zeroes the scores' where the
@@ -224,19 +225,21 @@ def _gradients_disagree(gm, original, compiled, args, attributes, zero_by_math, 
     return None, nan_step
 
 
-def _gradients(fn, args, cotangents, draws, attributes=()):
-    """fn's gradients of new leaves standing for args, then of the tensors `attributes` that fn
-    reads itself (None where unused), with `cotangents` (filled with random ones on the first call,
-    given the outputs), fn run from `draws` (_Draws); None when no output takes a gradient.
-    torch.autograd.grad leaves every .grad as it was.
+def _gradients(fn, found, cotangents, attributes=(), upcast=False):
+    """fn's gradients of new leaves standing for the call's arguments (upcast: as fp32, _upcast),
+    then of the tensors `attributes` that fn reads itself (None where unused), with `cotangents`
+    (filled with random ones on the first call, given the outputs), fn run from `found`
+    (_CallState); None when no output takes a gradient. torch.autograd.grad leaves every .grad as
+    it was.
 
     A leaf (a parameter) stands as a detached view of itself: an in-place write into it would
     raise as into the leaf, so it cannot change, and it stays at its address, as in the steps
     after this one (step_graphs, whose graphs capture on this call, then read the parameters in
     place rather than copying them in every replay). Another input stands as a clone."""
-    xs = [(a.detach() if a.is_leaf else a.detach().clone()).requires_grad_(True)
-          if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args]
-    with draws.same():
+    with found.same() as args:
+        args = _upcast(args) if upcast else args
+        xs = [(a.detach() if a.is_leaf else a.detach().clone()).requires_grad_(True)
+              if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args]
         outs = [o for o in _tensors(fn(*xs)) if isinstance(o, torch.Tensor) and o.requires_grad]
         if not outs:
             return None
@@ -246,26 +249,59 @@ def _gradients(fn, args, cotangents, draws, attributes=()):
         return torch.autograd.grad(outs, wrt, cotangents, allow_unused=True)
 
 
-class _Draws:
-    """The random-number state a call found: the CPU's and that of each CUDA device its inputs are
-    on. `same()` runs a block from it and puts back the state the block found; `restore()` goes
-    back to it."""
+class _CallState:
+    """The state a call found: its random-number state (the CPU's and that of each CUDA device its
+    inputs are on) and the values of its inputs but the parameters (leaves taking a gradient).
+    `same()` runs a block from it and puts back the random-number state the block found;
+    `restore()` goes back to it.
+
+    The first block (the captured graph's run, before the rewrite's) runs on the inputs themselves;
+    those it wrote in place (a BatchNorm's running statistics, a counter: their version counters
+    moved or their values changed; eager's batch_norm moves no counter) get the values found back,
+    and later blocks run on copies of them. So only the call's
+    own result, the rewrite's run, writes the caller's tensors, once, as without verify, and no
+    write of verify's moves a version counter the rewrite's backward checks. Until the first block
+    ends, verify holds a copy of every such input."""
 
     def __init__(self, args):
         self.devices = sorted({a.device.index for a in args if isinstance(a, torch.Tensor) and a.is_cuda})
         self.cpu = torch.get_rng_state()
         self.cuda = [torch.cuda.get_rng_state(d) for d in self.devices]
+        self.args = args
+        self.found = {i: a.detach().clone() for i, a in enumerate(args)
+                      if isinstance(a, torch.Tensor) and not (a.is_leaf and a.requires_grad)}
+        self.versions = {i: args[i]._version for i in self.found}
+        self.written = None  # positions of the inputs a run writes, once the first block ran
 
     @contextlib.contextmanager
     def same(self):
+        """A block from the state found, given the arguments to run on (stand-ins for the written)."""
+        args = list(self.args)
+        for i in self.written or ():
+            args[i] = self.found[i].clone().requires_grad_(args[i].requires_grad)
         with torch.random.fork_rng(devices=self.devices):
-            self.restore()
-            yield
+            self._restore_draws()
+            yield args
+        if self.written is None:
+            self.written = [i for i in self.found if self.args[i]._version != self.versions[i]
+                            or not torch.equal(self.args[i], self.found[i])]
+            self.found = {i: self.found[i] for i in self.written}
+            self._restore_written()
 
     def restore(self):
+        """The random-number state and the written inputs as the call found them."""
+        self._restore_draws()
+        self._restore_written()
+
+    def _restore_draws(self):
         torch.set_rng_state(self.cpu)
         for device, state in zip(self.devices, self.cuda):
             torch.cuda.set_rng_state(state, device)
+
+    def _restore_written(self):
+        with torch.no_grad():
+            for i, value in self.found.items():
+                self.args[i].copy_(value)
 
 
 def _upcast(args):

@@ -550,6 +550,52 @@ def test_verify_gives_each_run_the_same_dropout_masks(monkeypatch, caplog, fault
     assert torch.equal(after_verified, torch.rand(8))
 
 
+class NormedContext(torch.nn.Module):
+    """The block on a BatchNorm of ctx (over horizons), whose running statistics a training call
+    writes in place, and a step counter of its own (a buffer bumped each call)."""
+
+    def __init__(self, block, horizons):
+        super().__init__()
+        self.norm, self.block = torch.nn.BatchNorm1d(horizons), block
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, ctx, tok):
+        self.calls += 1
+        return self.block(self.norm(ctx), tok)
+
+
+@pytest.mark.parametrize("fault", [None, "gradient"])
+@pytest.mark.parametrize("rest", ["eager", "inductor"])
+def test_verify_writes_the_caller_s_buffers_once(monkeypatch, caplog, rest, fault):
+    """verify runs the graph four times on its first training call (the captured graph, the
+    rewrite, and each one's backward): every run wrote the BatchNorm's running statistics and the
+    counter, so the model left its first step with four updates (num_batches_tracked 4), and the
+    runs after the first read statistics the first had moved. Each buffer must come out as one
+    eager call leaves it, on a right rewrite and on a wrong one that falls back."""
+    _plant_wrong_rewrite(monkeypatch, fault)
+    torch._dynamo.reset()
+    eager = NormedContext(_block(torch.float32, seed=4), 3)
+    model = copy.deepcopy(eager)
+    gen = torch.Generator().manual_seed(14)
+    batches = [(torch.randn(4, 3, 32, generator=gen), torch.randn(4, 5, 32, generator=gen).requires_grad_())
+               for _ in range(2)]
+    compiled = torch.compile(model, backend="mha", options={"verify": True, "rest": rest})
+    with compiled_reports() as reports, caplog.at_level(logging.WARNING, logger="mha_compile"):
+        for ctx, tok in batches:
+            got = compiled(ctx, tok)
+            got.square().mean().backward()
+            want = eager(ctx, tok)
+            want.square().mean().backward()
+            assert_close_rel(got, want, torch.float32, "output")
+    assert len(reports[0].matches) == 1 and (reports[0].fallback is None) == (fault is None), reports[0].fallback
+    for name, buffer in eager.named_buffers():
+        assert torch.equal(model.get_buffer(name), buffer) if buffer.dtype == torch.long else \
+            relative_error(model.get_buffer(name), buffer) <= TOLERANCE[torch.float32], name
+    for (name, param), want in zip(model.named_parameters(), eager.parameters()):
+        if name != "block." + BK:
+            assert_close_rel(param.grad, want.grad, torch.float32, name)
+
+
 def test_verify_compares_directly_where_the_captured_graph_does_not_run_in_fp32(monkeypatch, caplog):
     from mha_compile import verify
 
