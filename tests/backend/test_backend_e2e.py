@@ -11,6 +11,7 @@ import mha_compile
 from mha_compile import backend, models
 from dropout_model import DroppedTokens
 from inplace_model import ResidualInPlace
+from normed_model import NormedContext
 from numerics import TOLERANCE, assert_close_rel, compiled_reports, needs_interpreter, record_calls, relative_error
 
 BK = "pool.key.bias"  # SPEC §1: its gradient is exactly zero (it shifts every score of a head)
@@ -548,20 +549,6 @@ def test_verify_gives_each_run_the_same_dropout_masks(monkeypatch, caplog, fault
     if fault is None:
         torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-6)
     assert torch.equal(after_verified, torch.rand(8))
-
-
-class NormedContext(torch.nn.Module):
-    """The block on a BatchNorm of ctx (over horizons), whose running statistics a training call
-    writes in place, and a step counter of its own (a buffer bumped each call)."""
-
-    def __init__(self, block, horizons):
-        super().__init__()
-        self.norm, self.block = torch.nn.BatchNorm1d(horizons), block
-        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
-
-    def forward(self, ctx, tok):
-        self.calls += 1
-        return self.block(self.norm(ctx), tok)
 
 
 @pytest.mark.parametrize("fault", [None, "gradient"])
