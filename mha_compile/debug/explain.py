@@ -4,6 +4,7 @@ import contextlib
 import types
 
 import torch
+from torch.utils import _pytree
 
 from mha_compile import backend
 from mha_compile.debug.report import ExplainReport
@@ -15,7 +16,8 @@ NO_GRAPH = ("Dynamo handed the backend no graph, so nothing was matched or misse
 
 def explain(model_or_fn, *args, options=None, **kwargs):
     """Compile with backend="mha", run the forward once (no backward) in the caller's grad mode,
-    and return an ExplainReport.
+    and return an ExplainReport. The module's buffers, the tensors given and the random-number
+    state are left as found (`_state_kept`).
 
     The caller's mode, not no_grad: it is the mode the model will train in, and what is compiled
     depends on it (Dynamo records a torch.no_grad() inside the model only where grad is on, so
@@ -37,11 +39,29 @@ def explain(model_or_fn, *args, options=None, **kwargs):
 
     backend.observers.append(observe)
     try:
-        with _own_code(model_or_fn) as target:
+        with _own_code(model_or_fn) as target, _state_kept(model_or_fn, args, kwargs):
             torch.compile(target, backend=mha)(*args, **kwargs)
     finally:
         backend.observers.remove(observe)
     return ExplainReport(reports, note="" if reports else NO_GRAPH)
+
+
+@contextlib.contextmanager
+def _state_kept(model_or_fn, args, kwargs):
+    """The forward explain runs leaves what it wrote as it found it: the buffers of the module (a
+    BatchNorm's running statistics, a counter), the tensors given (written in place), and the
+    random-number state (dropout's draws). A Python attribute the forward sets stays set."""
+    module = model_or_fn if isinstance(model_or_fn, torch.nn.Module) else getattr(model_or_fn, "__self__", None)
+    tensors = [t for t in _pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    if isinstance(module, torch.nn.Module):
+        tensors += list(module.buffers())
+    found = [(t, t.detach().clone()) for t in tensors if t.device.type != "meta"]  # meta holds no values
+    with torch.random.fork_rng(devices=sorted({t.device.index for t in tensors if t.is_cuda})):
+        yield
+    with torch.no_grad():
+        for tensor, value in found:
+            if not torch.equal(tensor, value):
+                tensor.copy_(value)
 
 
 @contextlib.contextmanager

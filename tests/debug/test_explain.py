@@ -101,3 +101,34 @@ def test_explain_reports_what_the_caller_s_grad_mode_compiles():
         inference = mha_compile.explain(model, *args)
     assert not training.matches and "runs with grad disabled" in training.near_misses[0]["reason"]
     assert len(inference.matches) == 1 and not inference.near_misses
+
+
+def test_explain_leaves_the_models_buffers_the_inputs_and_the_random_stream_as_found():
+    """explain runs the forward once: a BatchNorm's running statistics and a counter took its
+    update, an input the forward writes in place kept the write, and dropout's draws moved the
+    caller's random stream. Each must be as before the call, the report still made."""
+    from dropout_model import DroppedTokens
+    from normed_model import NormedContext
+
+    class WritesItsInput(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = NormedContext(DroppedTokens(MHABlock(12, 2, 24, 4, 2)), 3)
+
+        def forward(self, ctx, tok):
+            out, dropped = self.inner(ctx, tok)
+            tok.mul_(0.5)
+            return out, dropped
+
+    model = WritesItsInput()
+    ctx, tok = _inputs(4, 5)
+    buffers, tok_before = {k: v.clone() for k, v in model.named_buffers()}, tok.clone()
+    torch.manual_seed(9)
+    report = mha_compile.explain(model, ctx, tok)
+    after = torch.rand(8)
+    assert len(report.matches) == 1
+    for name, value in model.named_buffers():
+        assert torch.equal(value, buffers[name]), name
+    assert torch.equal(tok, tok_before)
+    torch.manual_seed(9)
+    assert torch.equal(after, torch.rand(8))
