@@ -235,18 +235,24 @@ def _gradients(fn, found, cotangents, attributes=(), upcast=False):
     A leaf (a parameter) stands as a detached view of itself: an in-place write into it would
     raise as into the leaf, so it cannot change, and it stays at its address, as in the steps
     after this one (step_graphs, whose graphs capture on this call, then read the parameters in
-    place rather than copying them in every replay). Another input stands as a clone."""
+    place rather than copying them in every replay). Another input stands as a clone of a new
+    leaf, not the leaf itself: the graph may write it in place, as eager lets it write the
+    caller's non-leaf (a leaf stand-in raised there, and a right rewrite fell back)."""
     with found.same() as args:
-        args = _upcast(args) if upcast else args
-        xs = [(a.detach() if a.is_leaf else a.detach().clone()).requires_grad_(True)
-              if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args]
+        parameters = [isinstance(a, torch.Tensor) and a.is_leaf for a in args]
+        leaves, xs = [], []
+        for a, parameter in zip(_upcast(args) if upcast else args, parameters):
+            if not (isinstance(a, torch.Tensor) and a.requires_grad):
+                xs.append(a)
+                continue
+            leaves.append((a.detach() if parameter else a.detach().clone()).requires_grad_(True))
+            xs.append(leaves[-1] if parameter else leaves[-1].clone())
         outs = [o for o in _tensors(fn(*xs)) if isinstance(o, torch.Tensor) and o.requires_grad]
         if not outs:
             return None
         if not cotangents:
             cotangents.extend(torch.randn_like(o) for o in outs)
-        wrt = [x for x in xs if isinstance(x, torch.Tensor) and x.requires_grad] + list(attributes)
-        return torch.autograd.grad(outs, wrt, cotangents, allow_unused=True)
+        return torch.autograd.grad(outs, leaves + list(attributes), cotangents, allow_unused=True)
 
 
 class _CallState:
@@ -277,8 +283,10 @@ class _CallState:
     def same(self):
         """A block from the state found, given the arguments to run on (stand-ins for the written)."""
         args = list(self.args)
-        for i in self.written or ():
-            args[i] = self.found[i].clone().requires_grad_(args[i].requires_grad)
+        for i in self.written or ():  # a copy, a non-leaf where the input takes a gradient (see _gradients)
+            args[i] = self.found[i].clone()
+            if self.args[i].requires_grad:
+                args[i] = args[i].requires_grad_(True).clone()
         with torch.random.fork_rng(devices=self.devices):
             self._restore_draws()
             yield args

@@ -583,6 +583,36 @@ def test_verify_writes_the_caller_s_buffers_once(monkeypatch, caplog, rest, faul
             assert_close_rel(param.grad, want.grad, torch.float32, name)
 
 
+class HalvesItsContext(torch.nn.Module):
+    """The block, then ctx halved in place (the caller's activation, as eager allows) and added."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, ctx, tok):
+        out = self.block(ctx, tok)
+        ctx.mul_(0.5)
+        return out + ctx
+
+
+def test_verify_keeps_a_right_rewrite_of_a_graph_writing_its_non_leaf_input(caplog):
+    """verify's backward runs stood a leaf in for the caller's non-leaf ctx, and the graph's
+    in-place write into it raised there ("a leaf Variable that requires grad is being used in an
+    in-place operation"): a right rewrite fell back."""
+    torch._dynamo.reset()
+    model = HalvesItsContext(_block(torch.float32, seed=5))
+    gen = torch.Generator().manual_seed(15)
+    x, tok = torch.randn(4, 3, 32, generator=gen, requires_grad=True), torch.randn(4, 5, 32, generator=gen)
+    with compiled_reports() as reports, caplog.at_level(logging.WARNING, logger="mha_compile"):
+        got = torch.compile(model, backend="mha", options={"verify": True})(x * 2, tok)
+        (got_x,) = torch.autograd.grad(got.square().sum(), x)
+    (report,) = reports
+    assert len(report.matches) == 1 and report.fallback is None, report.fallback
+    (want_x,) = torch.autograd.grad(model(x * 2, tok).square().sum(), x)
+    assert_close_rel(got_x, want_x, torch.float32, "∂x")
+
+
 def test_verify_compares_directly_where_the_captured_graph_does_not_run_in_fp32(monkeypatch, caplog):
     from mha_compile import verify
 
