@@ -57,7 +57,7 @@ def test_verify_under_reduce_overhead_writes_the_buffers_once(options):
     torch.manual_seed(3)
     model = NormedContext(models.MHABlock(128, 4, 256, 8, 2), 8).cuda()
     eager = copy.deepcopy(model)
-    compiled = torch.compile(model, backend="mha", mode="reduce-overhead", options={"verify": True, **options})
+    compiled = torch.compile(model, backend="mha", options={"verify": True, "mode": "reduce-overhead", **options})
     for step in range(3):
         torch.compiler.cudagraph_mark_step_begin()
         gen = torch.Generator("cuda").manual_seed(40 + step)
