@@ -264,10 +264,10 @@ class _CallState:
     The first block (the captured graph's run, before the rewrite's) runs on the inputs themselves;
     those it wrote in place (a BatchNorm's running statistics, a counter: their version counters
     moved or their values changed; eager's batch_norm moves no counter) get the values found back,
-    and later blocks run on copies of them. So only the call's
-    own result, the rewrite's run, writes the caller's tensors, once, as without verify, and no
-    write of verify's moves a version counter the rewrite's backward checks. Until the first block
-    ends, verify holds a copy of every such input."""
+    and later blocks run on copies of them. So only the call's own result, the rewrite's run,
+    writes the caller's tensors, once, as without verify, and no write of verify's moves a version
+    counter the rewrite's backward checks. Until the first block ends, verify holds a copy of every
+    such input."""
 
     def __init__(self, args):
         self.devices = sorted({a.device.index for a in args if isinstance(a, torch.Tensor) and a.is_cuda})

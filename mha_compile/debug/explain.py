@@ -56,12 +56,14 @@ def _state_kept(model_or_fn, args, kwargs):
     if isinstance(module, torch.nn.Module):
         tensors += list(module.buffers())
     found = [(t, t.detach().clone()) for t in tensors if t.device.type != "meta"]  # meta holds no values
-    with torch.random.fork_rng(devices=sorted({t.device.index for t in tensors if t.is_cuda})):
-        yield
-    with torch.no_grad():
-        for tensor, value in found:
-            if not torch.equal(tensor, value):
-                tensor.copy_(value)
+    try:
+        with torch.random.fork_rng(devices=sorted({t.device.index for t in tensors if t.is_cuda})):
+            yield
+    finally:  # a forward that raised midway may have written too
+        with torch.no_grad():
+            for tensor, value in found:
+                if not torch.equal(tensor, value):
+                    tensor.copy_(value)
 
 
 @contextlib.contextmanager

@@ -132,3 +132,19 @@ def test_explain_leaves_the_models_buffers_the_inputs_and_the_random_stream_as_f
     assert torch.equal(tok, tok_before)
     torch.manual_seed(9)
     assert torch.equal(after, torch.rand(8))
+
+
+def test_explain_puts_the_buffers_back_when_the_forward_raises():
+    from normed_model import NormedContext
+
+    class RaisesAfterTheNorm(NormedContext):
+        def forward(self, ctx, tok):
+            super().forward(ctx, tok)
+            raise ValueError("planted failure after the buffers were written")
+
+    model = RaisesAfterTheNorm(MHABlock(12, 2, 24, 4, 2), 3)
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    with pytest.raises(Exception, match="planted failure"):
+        mha_compile.explain(model, *_inputs(4, 5))
+    for name, value in model.named_buffers():
+        assert torch.equal(value, buffers[name]), name
