@@ -397,6 +397,9 @@ def test_a_failed_round_makes_the_row_an_error_and_one_round_is_the_row():
     # time): its rows must not read as three rounds' medians
     stopped = bench_main.merge_rounds([dict(ok)], asked=3)
     assert stopped["time_ms"] == 1.0 and stopped["round_ms"] == [1.0]
+    # two rounds: their median, not the faster one (median_low made each 2-round row its best round)
+    two = bench_main.merge_rounds([dict(ok, time_ms=3.0, peak_mib=9.0), dict(ok, time_ms=1.0)], asked=2)
+    assert two["time_ms"] == 2.0 and two["round_ms"] == [3.0, 1.0] and two["peak_mib"] == 9.0
 
 
 def test_a_later_round_in_progress_leaves_the_rounds_done_on_disk(tmp_path, monkeypatch):
