@@ -479,3 +479,23 @@ def test_the_lowering_summary_asks_in_the_rows_pass(monkeypatch, training):
     summary = measure.lowering_summary("mha-reference", model, ctx.detach(), tok.detach(), training)
     assert seen == [(training, training, training)]
     assert summary["regions_replaced"] == 1, summary
+
+
+def test_the_timed_steps_alternate_between_two_batches_at_their_own_addresses(monkeypatch):
+    """On one batch every step, mha_compile's step graphs read ctx and tok in place where torch's
+    trees copy them in each replay: the steps alternate with a copy at other addresses, as a
+    loop's batches come, and the peak and the check run on the first batch alone."""
+    seen = []
+
+    def fn(ctx, tok):
+        seen.append((ctx.data_ptr(), tok.data_ptr(), ctx.requires_grad))
+        return ctx.sum() * 0 + tok.mean(dim=1, keepdim=True).expand_as(ctx)
+
+    monkeypatch.setattr(bench_main.measure.modes, "build", lambda mode, model: fn)
+    job = dict(preset="tiny", dtype="fp32", mode="eager", spelling="dense", device_type="cpu", **{"pass": "fwd+bwd"})
+    row = bench_main.measure.run_row(job, {}, quick=True)
+    assert row["status"] == "ok", row
+    first, second = seen[0], seen[1]
+    assert first != second and all(s == first or s == second for s in seen) and all(s[2] for s in seen)
+    assert seen[0::2] == [first] * len(seen[0::2]) and seen[1::2][:-1] == [second] * len(seen[1::2][:-1])
+    assert seen[-1] == first  # the peak and check call
