@@ -121,7 +121,8 @@ def table(rows, fmt="simple"):
 LEGEND = """\
 - **ms**: median time of one step (fwd: forward under no_grad; fwd+bwd: forward and backward).
 - **× best peer**: the best peer's time / this row's time, in the same run; peers are eager,
-  Inductor and Inductor max-autotune on every spelling (dense, loop, grouped_mm).
+  Inductor and Inductor max-autotune on every spelling (dense, loop, grouped_mm) that finished
+  in the run; the notes above the table name any preset, dtype and pass missing one of them.
 - **% floor**: the roofline floor / this time (mha_compile/cost.py: max(FLOPs / 790 TFLOP/s,
   bytes / 4.3 TB/s), both measured on an H200, SPEC §5); CUDA bf16 rows only.
 - **TFLOP/s**: the region's minimum FLOPs / time (useful work, whatever the mode computes).
@@ -170,7 +171,7 @@ def write_markdown(path, meta, rows, notes=()):
     lines = [f"# mha-compile benchmark: {meta.get('device')}", "",
              f"torch {meta.get('torch')}, triton {meta.get('triton')}, commit {meta.get('commit')}, "
              f"{meta.get('date')}.", "", f"Command: `{meta.get('command')}`", ""]
-    notes = list(notes) + [n for n in [host_probe_note(rows)] if n]
+    notes = list(notes) + [n for n in [host_probe_note(rows), floor_note(rows)] if n] + peer_notes(rows)
     lines += [f"- {note}" for note in notes] + ([""] if notes else [])
     lines += [table(rows, "github"), "", LEGEND, "## Compile time (first call, s)", "", compile_table(rows), ""]
     errors = [r for r in rows if r.get("status") == "error"]
@@ -192,6 +193,34 @@ def host_probe_note(rows):
     return (f"host probe (bench/timing.py: a fixed pure-Python loop just before each row's timing) "
             f"{low:.2f}-{high:.2f} ms over these rows ({high / low:.1f}x): the host's speed moved that "
             "much during the run; host-bound rows (small, medium, large's plain ones) move with it")
+
+
+def peer_notes(rows):
+    """For each (preset, dtype, pass, device) whose × best peer is not against every peer (eager,
+    Inductor, max-autotune on each spelling of the group's rows), a note naming the peers it is
+    against and those missing (not asked, failed, cut by the budget or unfinished): the legend's
+    list alone let a table against Inductor only read as against all three."""
+    notes = []
+    for group in dict.fromkeys(_group(r) for r in rows):
+        members = [r for r in rows if _group(r) == group]
+        spellings = list(dict.fromkeys(r["spelling"] for r in members))
+        ran = {(r["mode"], r["spelling"]) for r in members if r.get("status") == "ok" and r["mode"] in PEER_MODES}
+        missing = [f"{m}/{s}" for m in PEER_MODES for s in spellings if (m, s) not in ran]
+        if missing:
+            against = ", ".join(f"{m}/{s}" for m, s in sorted(ran)) or "none"
+            notes.append(f"{' '.join(group[:3])}: × best peer is against {against} only; "
+                         f"not timed here: {', '.join(missing)}")
+    return notes
+
+
+def floor_note(rows):
+    """A note where % floor was computed for rows not measured on an H200: the floor's rates are
+    the H200's (SPEC §5), not the device's."""
+    devices = sorted({r["device"] for r in rows if r.get("pct_floor") is not None and "H200" not in str(r["device"])})
+    if not devices:
+        return None
+    return (f"% floor uses the H200's measured rates (790 TFLOP/s bf16, 4.3 TB/s; SPEC §5), and these rows ran "
+            f"on {', '.join(devices)}: against that device's own rates the % would differ")
 
 
 def now():

@@ -63,6 +63,29 @@ def test_a_rows_peak_is_read_against_the_fastest_peers():
     assert "peak ÷ best peer's" in report.table(rows) and "0.85" in report.table(rows)
 
 
+def test_the_notes_name_the_peers_a_group_was_not_timed_against_and_a_floor_off_its_device(tmp_path):
+    """A table run with --modes inductor,... (session 52's h100 rows) read "3.19x best peer" under
+    a legend naming eager and max-autotune too; and its % floor used the H200's rates on an H100."""
+    def row(mode, spelling, status="ok", preset="medium", device="NVIDIA H100 80GB HBM3"):
+        return {"preset": preset, "dtype": "bf16", "pass": "fwd+bwd", "device": device, "mode": mode,
+                "spelling": spelling, "status": status, "time_ms": 1.0 if status == "ok" else None,
+                "pct_floor": 10.0 if status == "ok" else None}
+
+    rows = [row("inductor", "dense"), row("inductor", "loop"),
+            dict(row("inductor-max-autotune", "dense", "error"), error="boom"), row("mha-fused", "dense")]
+    rows += [row(m, s, preset="small", device="NVIDIA H200") for m in ("eager", "inductor", "inductor-max-autotune")
+             for s in ("dense", "loop")]
+    report.add_speedups(rows)
+    notes = report.peer_notes(rows)
+    assert notes == ["medium bf16 fwd+bwd: × best peer is against inductor/dense, inductor/loop only; not timed "
+                     "here: eager/dense, eager/loop, inductor-max-autotune/dense, inductor-max-autotune/loop"]
+    assert "on NVIDIA H100 80GB HBM3:" in report.floor_note(rows)
+    assert report.floor_note(rows[4:]) is None  # an H200's rows: no note
+    report.write_markdown(tmp_path / "t.md", {"device": "x"}, rows)
+    text = (tmp_path / "t.md").read_text()
+    assert notes[0] in text and "790 TFLOP/s" in text
+
+
 def test_an_error_row_says_what_failed_inside_a_wrapper():
     """A row's error line: the exception's first line, and the next where the first only
     introduces it (Dynamo's BackendCompilerFailed; session 27's CI showed only "backend='inductor'
