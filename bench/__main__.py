@@ -174,12 +174,12 @@ def _group_of(row):
     return row["preset"], row["dtype"], row["pass"]
 
 
-def resumed_rows(path, jobs, env, isolated=False, rounds=1, settings=None):
+def resumed_rows(path, jobs, env, isolated=False, rounds=1, settings=None, quick=False):
     """The rows of an earlier run to keep, whole groups only: a group (preset, dtype, pass) is
     what one speedup compares, so all its rows must come from one process. A group is kept when
     every planned job of it has a row that ran (ok or error, not skipped); an incomplete group
     runs again in full. The earlier run must match `env` (device, versions, commit), and its
-    rounds, isolation and MHA_COMPILE_* settings."""
+    rounds, isolation, --quick and MHA_COMPILE_* settings."""
     if not os.path.exists(path):
         raise SystemExit(f"--resume: {path} does not exist; run without --resume first")
     with open(path) as f:
@@ -194,6 +194,10 @@ def resumed_rows(path, jobs, env, isolated=False, rounds=1, settings=None):
     if earlier["meta"].get("isolated", False) != isolated:
         how = {True: "each row in its own process (--isolate)", False: "in one process"}
         raise SystemExit(f"--resume: {path} was measured {how[not isolated]}, this run {how[isolated]}; "
+                         "a table's rows must be measured the same way")
+    if earlier["meta"].get("quick", False) != quick:
+        how = {True: "with --quick (do_bench 10/40 ms)", False: "without --quick"}
+        raise SystemExit(f"--resume: {path} was timed {how[not quick]}, this run {how[quick]}; "
                          "a table's rows must be measured the same way")
     if earlier["meta"].get("settings", {}) != (settings or {}):
         raise SystemExit(f"--resume: {path} was measured with MHA_COMPILE_* settings "
@@ -235,7 +239,7 @@ def main(argv=None):
     command = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--resume"]
     settings = report.mha_settings()
     meta = dict(env, date=report.now(), command="python -m bench " + shlex.join(command), isolated=args.isolate,
-                rounds=args.rounds, settings=settings, notes=notes)
+                rounds=args.rounds, quick=args.quick, settings=settings, notes=notes)
     if settings:
         notes.append("run with " + ", ".join(f"{k}={v}" for k, v in settings.items()) + " set in the "
                      "environment: these rows are mha_compile under those switches, not its defaults")
@@ -248,7 +252,7 @@ def main(argv=None):
     stem = os.path.join(args.out, args.name)
     kept = []
     if args.resume:
-        kept, earlier_date = resumed_rows(stem + ".json", jobs, env, args.isolate, args.rounds, settings)
+        kept, earlier_date = resumed_rows(stem + ".json", jobs, env, args.isolate, args.rounds, settings, args.quick)
         done = {_group_of(r) for r in kept}
         jobs = [job for job in jobs if _group_of(job) not in done]
         notes.append(f"{len(kept)} rows ({len(done)} whole groups of preset, dtype and pass) from a run of this "

@@ -264,6 +264,11 @@ def test_resume_refuses_rows_from_another_commit_or_no_file(tmp_path):
         json.dump(data, f)
     with pytest.raises(SystemExit, match="commit='0000000'"):
         _run(tmp_path, *argv, "--resume")
+    data["meta"].update(commit=bench_main.report.environment("cpu", None)["commit"], quick=False)
+    with open(tmp_path / "t.json", "w") as f:
+        json.dump(data, f)
+    with pytest.raises(SystemExit, match="timed without --quick, this run with --quick"):
+        _run(tmp_path, *argv, "--resume")  # _run's rows are --quick's (do_bench's shorter timing)
 
 
 def test_a_run_under_mha_switches_says_so_and_resumes_only_under_them(tmp_path, monkeypatch):
