@@ -24,10 +24,11 @@ writes an input in place (a BatchNorm's running statistics) reads the same value
 call's own result, the rewrite's, leaves both where its run took them, as without verify.
 """
 import contextlib
-import functools
 import logging
 
 import torch
+
+from mha_compile import step_graphs
 
 log = logging.getLogger("mha_compile")
 
@@ -128,13 +129,8 @@ def _zero_by_math(gm, report):
 
 
 def _trained_attributes(gm):
-    """(target, tensor) of each tensor taking a gradient that gm reads with get_attr."""
-    found = {}
-    for node in gm.graph.find_nodes(op="get_attr"):
-        value = functools.reduce(getattr, node.target.split("."), gm)
-        if isinstance(value, torch.Tensor) and value.requires_grad:
-            found[node.target] = value
-    return list(found.items())
+    """(name, tensor) of each tensor taking a gradient that gm reads as its own attribute."""
+    return [(name, t) for name, t in step_graphs.held_tensors(gm) if t.requires_grad]
 
 
 def _tensors(outs):
@@ -180,7 +176,7 @@ def _gradients_disagree(gm, original, compiled, args, attributes, zero_by_math, 
     yardstick (see the module) to `precision`'s bound, or None to compare the two with each other;
     found: the call's _CallState, which each run starts from."""
     names = ([f"input {i}" for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
-             + [f"parameter {target}" for target, _ in attributes])
+             + [f"parameter {name}" for name, _ in attributes])
     tensors = [t for _, t in attributes]
     cotangents = []
     grads_o = _gradients(original, found, cotangents, tensors)
@@ -238,8 +234,8 @@ def _gradients(fn, found, cotangents, attributes=(), upcast=False):
     place rather than copying them in every replay). Another input stands as a clone of a new
     leaf, not the leaf itself: the graph may write it in place, as eager lets it write the
     caller's non-leaf (a leaf stand-in raised there, and a right rewrite fell back)."""
+    parameters = [isinstance(a, torch.Tensor) and a.is_leaf for a in found.args]  # the call's own
     with found.same() as args:
-        parameters = [isinstance(a, torch.Tensor) and a.is_leaf for a in args]
         leaves, xs = [], []
         for a, parameter in zip(_upcast(args) if upcast else args, parameters):
             if not (isinstance(a, torch.Tensor) and a.requires_grad):
@@ -283,10 +279,8 @@ class _CallState:
     def same(self):
         """A block from the state found, given the arguments to run on (stand-ins for the written)."""
         args = list(self.args)
-        for i in self.written or ():  # a copy, a non-leaf where the input takes a gradient (see _gradients)
-            args[i] = self.found[i].clone()
-            if self.args[i].requires_grad:
-                args[i] = args[i].requires_grad_(True).clone()
+        for i in self.written or ():
+            args[i] = self.found[i].clone().requires_grad_(self.args[i].requires_grad)
         with torch.random.fork_rng(devices=self.devices):
             self._restore_draws()
             yield args
