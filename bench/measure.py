@@ -89,21 +89,22 @@ def _measure(job, cache, quick):
     # CUDA-graph trees (max-autotune's, reduce-overhead's) pay each replay (a helper's audit).
     other = (ctx.clone(), tok.clone())
     training = job["pass"] == "fwd+bwd"
-    leaves = []
+    leaves = timed_leaves = []
     if training:
         for t in (ctx, tok, *other):
             t.requires_grad_(True)
         leaves = [ctx, tok, *model.parameters()]
+        timed_leaves = leaves + list(other)
     torch._dynamo.reset()  # each compiled row starts from a clean cache: no reuse, no recompiles
     fn = modes.build(job["mode"], model)
 
-    step = timed_step(fn, ctx, tok, grad_out, leaves + list(other) if training else [], training, other)
+    step = timed_step(fn, ctx, tok, grad_out, timed_leaves, training, other)
 
     result = {}
     _, result["first_call_s"] = timing.timed_call(step, device)
     result["host_probe_ms"] = timing.host_probe_ms()  # the host's speed just before the timing
-    result["time_ms"] = timing.median_ms(step, device, quick, leaves + list(other) if training else None)
-    del step, other  # the copy is not counted in the peak: a loop's next batch is its loader's
+    result["time_ms"] = timing.median_ms(step, device, quick, timed_leaves or None)
+    del step, other, timed_leaves  # the copy is not counted in the peak: a loop's next batch is its loader's
     for t in leaves:
         t.grad = None
     # The check runs after timing, on the path that was timed (CUDA graphs replay only by now),
