@@ -1,5 +1,5 @@
 """The block behind a BatchNorm and a call counter, buffers a training call writes in place: verify's
-tests on the CPU and the GPU share it."""
+tests on the CPU and the GPU and explain's share it."""
 import torch
 
 

@@ -436,11 +436,7 @@ def _parameters_as_attributes(model, *inputs):
 def test_verify_compares_the_gradients_of_parameters_held_as_attributes(monkeypatch, caplog, dtype, fault):
     """A graph that reads its parameters with get_attr: verify compared input gradients only, so a
     wrong ∂W1 passed it, and with no input taking a gradient it compared no gradient at all."""
-    from mha_compile.kernels import reference
-    if fault:
-        right = reference.region_backward
-        monkeypatch.setattr(reference, "region_backward",
-                            lambda *a: tuple(g * 1.2 if i == 10 else g for i, g in enumerate(right(*a))))
+    _plant_wrong_rewrite(monkeypatch, fault)
     model = _block(dtype)
     gen = torch.Generator().manual_seed(3)
     ctx, tok = torch.randn(4, 3, 32, generator=gen).to(dtype), torch.randn(4, 5, 32, generator=gen).to(dtype)
@@ -486,15 +482,16 @@ def test_verify_measures_bf16_against_the_captured_graph_in_fp32(caplog, seed):
 
 def _plant_wrong_rewrite(monkeypatch, fault):
     """The reference kernels made wrong: fault "output" scales the region's output by 1.2,
-    "gradient" its ∂tok; None leaves them right."""
+    "gradient" its ∂tok, "W1" its ∂W1; None leaves them right."""
     from mha_compile.kernels import reference
     if fault == "output":
         right = reference.region_forward
         monkeypatch.setattr(reference, "region_forward", lambda *a: (right(*a)[0] * 1.2, *right(*a)[1:]))
-    elif fault == "gradient":
+    elif fault is not None:
+        wrong = {"gradient": 1, "W1": 10}[fault]  # the position of tok, of w1 among region_forward's inputs
         right_backward = reference.region_backward
         monkeypatch.setattr(reference, "region_backward",
-                            lambda *a: tuple(g * 1.2 if i == 1 else g for i, g in enumerate(right_backward(*a))))
+                            lambda *a: tuple(g * 1.2 if i == wrong else g for i, g in enumerate(right_backward(*a))))
 
 
 @pytest.mark.parametrize("fault", ["output", "gradient"])
