@@ -20,7 +20,8 @@ dense and loop spellings compute the pool un-reassociated (K and V projections, 
 and every expert on every row (4·R·E·D·F); the grouped-GEMM spelling computes the pool the
 same way but only the chosen experts; the mha backend reassociates the pool and, like
 `kernels/reference.py`, recomputes the pool's pooled value and the experts' forward in the
-backward (the router's softmax π is kept from the forward). The reference pads expert tiles
+backward (the router's softmax π is kept from the forward); with options keep_hidden=True the
+Triton sets keep u = x W1 + b1 from the forward instead (not for swiglu, where it does not apply). The reference pads expert tiles
 (see `reference_pairs`); `region_flops` leaves padding out (≈3% at medium).
 """
 import sympy
@@ -42,8 +43,9 @@ ALL_EXPERTS = "all_experts"        # eager / Inductor on the dense and loop spel
 GROUPED = "grouped"                # the grouped-GEMM spelling: chosen experts, plain pool
 REGION_KERNELS = "region_kernels"  # backend="mha", kernels="reference"
 REGION_TRITON = "region_triton"    # backend="mha", the Triton kernel sets (staged, fused)
+REGION_TRITON_KEPT = "region_triton_kept"  # the same with options keep_hidden=True
 MINIMUM = "minimum"
-FAMILIES = (MINIMUM, ALL_EXPERTS, GROUPED, REGION_KERNELS, REGION_TRITON)
+FAMILIES = (MINIMUM, ALL_EXPERTS, GROUPED, REGION_KERNELS, REGION_TRITON, REGION_TRITON_KEPT)
 
 
 def _check_pass(pass_):
@@ -124,9 +126,9 @@ def region_flops(family, act="gelu", pass_="fwd", spelling="dense", pairs=None):
         return pool_flops(False, pass_) + router_flops(pass_) + expert_flops(R * E, act, pass_) + combine
     if family == GROUPED:
         return pool_flops(False, pass_) + router_flops(pass_) + expert_flops(pairs, act, pass_)
-    if family in (REGION_KERNELS, REGION_TRITON):
+    if family in (REGION_KERNELS, REGION_TRITON, REGION_TRITON_KEPT):
         total = region_flops(MINIMUM, act, pass_, pairs=pairs)
-        if pass_ == "fwd+bwd":
+        if pass_ == "fwd+bwd" and not (family == REGION_TRITON_KEPT and act != "swiglu"):
             total += (4 if act == "swiglu" else 2) * pairs * D * F  # every set recomputes u = x W1 (and u3)
             if family == REGION_KERNELS:  # the reference also recomputes u_p, t̄ and pooled
                 total += 2 * D * D + 2 * B * N * D * P + 2 * B * D * D
@@ -138,6 +140,8 @@ def mode_family(mode, spelling):
     """The algorithm family of a benchmark (mode, spelling)."""
     if mode == "mha-reference":
         return REGION_KERNELS
+    if mode.startswith("mha-fused-keep"):  # keep_hidden=True (bench/modes.py)
+        return REGION_TRITON_KEPT
     if mode.startswith("mha"):
         return REGION_TRITON
     return GROUPED if spelling == "grouped_mm" else ALL_EXPERTS

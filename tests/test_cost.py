@@ -134,11 +134,19 @@ def test_mode_families():
     assert cost.mode_family("inductor-max-autotune", "grouped_mm") == cost.GROUPED
     assert cost.mode_family("mha-reference", "dense") == cost.REGION_KERNELS
     assert cost.mode_family("mha-fused-cudagraphs", "loop") == cost.REGION_TRITON
+    assert cost.mode_family("mha-fused-keep", "dense") == cost.mode_family("mha-fused-keep-plain", "loop") \
+        == cost.REGION_TRITON_KEPT
     # forward: every mha family does the minimum work; backward: only what it recomputes on top
-    for family in (cost.REGION_KERNELS, cost.REGION_TRITON):
+    for family in (cost.REGION_KERNELS, cost.REGION_TRITON, cost.REGION_TRITON_KEPT):
         assert flops(family, "medium") == flops(cost.MINIMUM, "medium")
     recompute_u = 2 * 16384 * 2 * 256 * 1024  # x W1 on the R·k chosen pairs, medium
-    assert flops(cost.REGION_TRITON, "medium", pass_="fwd+bwd") == flops(cost.MINIMUM, "medium", pass_="fwd+bwd") + recompute_u
+    minimum = flops(cost.MINIMUM, "medium", pass_="fwd+bwd")
+    assert flops(cost.REGION_TRITON, "medium", pass_="fwd+bwd") == minimum + recompute_u
+    assert flops(cost.REGION_TRITON_KEPT, "medium", pass_="fwd+bwd") == minimum  # u read back, not recomputed
+    # keep_hidden does not apply to swiglu: u and u3 are recomputed there as without it
+    swiglu = [cost.evaluate(cost.region_flops(family, "swiglu", "fwd+bwd"), PRESETS["medium"])
+              for family in (cost.MINIMUM, cost.REGION_TRITON_KEPT)]
+    assert swiglu[1] == swiglu[0] + 2 * recompute_u
     # every expert on every row: E/k = 4 times the chosen experts' GEMMs at medium
     experts = cost.evaluate(cost.expert_flops(cost.R * cost.E, "gelu", "fwd"), PRESETS["medium"])
     assert experts == 4 * 4 * 16384 * 2 * 256 * 1024
