@@ -282,6 +282,30 @@ def test_inputs_read_in_place_and_copied():
     assert len(Emulated.made) == 3  # ctx moved too
 
 
+def test_two_instances_of_one_class_train_alternately_as_eager():
+    """Two blocks of one class, each compiled on its own and trained in turn (an ensemble, two
+    models of one kind in one loop): Dynamo serves both one graph, so they share its step graphs.
+    The first block's second step captures them with its parameters read in place; the second
+    block's first step finds them moved and captures again with every parameter copied in. Each
+    must still train as its eager twin, none of its steps computed with the other's weights."""
+    def two():
+        first = _block()
+        torch.manual_seed(4)
+        return first, models.MHABlock(32, 2, 64, 4, 2, act="gelu", renorm=True)
+    eager, blocks = two(), two()
+    compiled = [torch.compile(m, backend="mha", options=OPTIONS) for m in blocks]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (*eager, *blocks)]
+    for step, i in enumerate((0, 0, 1, 0, 1, 1, 0)):
+        inputs = _inputs(step)
+        for fn, opt in ((eager[i], opts[i]), (compiled[i], opts[2 + i])):
+            fn(*inputs).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        for (name, got), want in zip(blocks[i].named_parameters(), eager[i].parameters()):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"step {step}, block {i}, {name}: {m}")
+    assert len(Emulated.made) == 2 and _backward_replays() == 6  # captured twice; every step but the first replayed
+
+
 def _past_capture():
     """(the block, compiled with step_graphs) after two training steps: the eager one and the one
     that captured its graphs."""
