@@ -21,8 +21,9 @@ and every expert on every row (4·R·E·D·F); the grouped-GEMM spelling compute
 same way but only the chosen experts; the mha backend reassociates the pool and, like
 `kernels/reference.py`, recomputes the pool's pooled value and the experts' forward in the
 backward (the router's softmax π is kept from the forward); with options keep_hidden=True the
-Triton sets keep u = x W1 + b1 from the forward instead (not for swiglu, where it does not apply). The reference pads expert tiles
-(see `reference_pairs`); `region_flops` leaves padding out (≈3% at medium).
+Triton sets keep u = x W1 + b1 from the forward instead (not for swiglu, where it does not
+apply). The reference pads expert tiles (see `reference_pairs`); `region_flops` leaves padding
+out (≈3% at medium).
 """
 import sympy
 

@@ -302,7 +302,8 @@ def test_two_instances_of_one_class_train_alternately_as_eager():
             opt.step()
             opt.zero_grad(set_to_none=True)
         for (name, got), want in zip(blocks[i].named_parameters(), eager[i].parameters()):
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"step {step}, block {i}, {name}: {m}")
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"step {step}, block {i}, {name}: {m}")
     assert len(Emulated.made) == 2 and _backward_replays() == 6  # captured twice; every step but the first replayed
 
 
