@@ -154,6 +154,10 @@
 #                                      # forwards before one backward: the step graphs' depths, MAX_PENDING=1, the
 #                                      # trees; small and medium, 3 rounds), then mem_diag at small (~7 min):
 #                                      # run.log, siamese_step.txt, mem_diag_small.txt
+#   bash bench/h200_session.sh batch-ab  # bench/batch_ab.py: our reduce-overhead step with and without
+#                                      # keep_hidden on one batch against two taken in turn (the table's
+#                                      # way since session 55), large then medium, 3 rounds (~2 min):
+#                                      # run.log, batch_ab.txt
 #   bash bench/h200_session.sh verify-step-graphs  # where device time is short: the whole GPU suite
 #                                      # on a cold cache, then step-graphs' rows without Inductor's (~9.5 min):
 #                                      # run.log, h200_step_graphs.{md,json,png}
@@ -292,6 +296,13 @@ step-graphs)
     { timeout -s INT -k 10 100 python bench/step_profile.py --preset medium \
         --runs mha-fused-trees:dense,mha-fused-cudagraphs:dense 2>&1; } >"$OUT/step_profile_step_graphs_medium.txt"
     grep "^==" "$OUT/step_profile_step_graphs_medium.txt" >>"$LOG"
+    ;;
+batch-ab)
+    # what the copy-in of alternating batches costs our rows (session 56: ~73 us a large step on an
+    # H100), each way its own compiled step, interleaved by round
+    { timeout -s INT -k 10 240 python bench/batch_ab.py --presets large,medium \
+        --modes mha-fused-keep,mha-fused-cudagraphs --rounds 3 2>&1 | grep -v Warning | tail -20; } >"$OUT/batch_ab.txt"
+    cat "$OUT/batch_ab.txt" >>"$LOG"
     ;;
 depths)
     # the backend's and the training suites' GPU tests (the step graphs' depths among them: session
@@ -622,6 +633,6 @@ bench|bench-resume)
         --modes eager,inductor,inductor-max-autotune,mha-staged,mha-fused,mha-fused-cudagraphs \
         --spellings dense,loop,grouped_mm "${resume[@]}" --commit "$commit" 2>&1 | tail -100; } >>"$LOG"
     ;;
-*) echo "unknown part $part: expected check, kernels, probe, verify, ab, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache, medium-autotune, ncu, ncu-gemms, ncu-source, gluon, verify-gluon, gluon-gemms, verify-gemms, router, small-kernels, host-large, host-timers, wgrad-stream, sum-spread, column-sums, slot-chunk, hidden-columns, step-graphs, keep-hidden, keep-rows, keep-step, launch-ab, large-rows, kernel-times-ab, rows-ab, static-params, gluon-up, depths or short" >&2; exit 2 ;;
+*) echo "unknown part $part: expected check, kernels, probe, verify, ab, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache, medium-autotune, ncu, ncu-gemms, ncu-source, gluon, verify-gluon, gluon-gemms, verify-gemms, router, small-kernels, host-large, host-timers, wgrad-stream, sum-spread, column-sums, slot-chunk, hidden-columns, step-graphs, keep-hidden, keep-rows, keep-step, launch-ab, large-rows, kernel-times-ab, rows-ab, static-params, gluon-up, depths, batch-ab or short" >&2; exit 2 ;;
 esac
 tail -150 "$LOG"
