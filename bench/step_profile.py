@@ -14,10 +14,11 @@ mha-inductor-reduce-overhead-pool-inside (the same for rest="inductor", whose po
 the graphs since session 42)
 on the dense or loop spelling, bf16 on CUDA. For each:
 the bench's training step (bench/measure.timed_step) timed as the bench times it (do_bench's
-median) but on one batch every step (the bench alternates two since session 55), the host's time to issue one step (50 steps under perf_counter with no sync between
-them, and with the drain after), the GPU's kernel time a step (the profiler's
-total of its kernels' own CUDA time over 10 steps), then the top host ops by their own CPU time
-and the top ops by their own GPU time.
+median) but on one batch every step (the bench alternates two since session 55), the host's
+time to issue one step (50 steps under perf_counter with no sync between them, and with the
+drain after), the GPU's kernel time a step (the profiler's total of its kernels' own CUDA time
+over 10 steps), then the top host ops by their own CPU time and the top ops by their own GPU
+time.
 Session 24 found small's reduce-overhead row host-bound: 0.64 ms of issue a step against ~0.2
 of kernels (bench/results/step_profile_small.txt).
 """
