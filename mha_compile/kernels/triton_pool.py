@@ -23,6 +23,9 @@ ran at ~4x the memory floor (1.07 ms at large, H200). Where tok fits in the GPU'
 and small), one kernel runs both passes, a program a batch row (bwd_one_kernel): one launch and
 tail fewer. The per-b ∂u-partials [B,P,D] are summed by column_sums, a Triton sum in two
 launches in a fixed order (bitwise reproducible; torch's sum with MHA_COMPILE_POOL_COLUMN_SUMS=0).
+Pass 1 reads tok only for c_p = Σ_n a ∂a = ⟨t̄_p, ∂t̄_p⟩ = ⟨pooled_p − bv_p, ∂pooled_p⟩, which the
+forward's heads give without it: with SINGLE_PASS (off by default, see there) one kernel a batch row
+does both passes in one read of tok (_pool_bwd_single_kernel).
 
 All pool arithmetic accumulates in fp32 to about fp32 accuracy: ieee fp32 dots for fp32 and
 fp16 tokens; for bf16 tokens the same products as split bf16 tensor-core dots (triton_util.dot_f32), since
@@ -55,6 +58,14 @@ BWD_ONE_KERNEL = os.environ.get("MHA_COMPILE_POOL_BWD_ONE_KERNEL", "1") != "0"
 # step in each of three rounds, within the noise at large (-3 and -25 us by order);
 # MHA_COMPILE_POOL_COLUMN_SUMS=0 keeps torch's sum. Read at call time (bench/flag_ab.py flips it).
 COLUMN_SUMS = os.environ.get("MHA_COMPILE_POOL_COLUMN_SUMS", "1") != "0"
+# The backward in one pass over tok (_pool_bwd_single_kernel) rather than two (pass 1 for ∂s, pass 2
+# for ∂tok; or both in one kernel where tok fits in L2). Off by default: on the H200 (session 57,
+# flag_ab, bench/PERF_NOTES.md v60) the training step took +6.5 us at medium in 4 of 4 rounds and
+# -1.7 us at small; at large the rounds' orders disagreed (+33 and -393 us). At large it needs 255
+# registers a thread at 4 warps (2 programs an SM) and ran at 46% of DRAM's throughput, 580 us
+# (ncu, H100) against the two kernels' 218 + 462. MHA_COMPILE_POOL_BWD_SINGLE_PASS=1 turns it on;
+# read at call time (bench/flag_ab.py flips it).
+SINGLE_PASS = os.environ.get("MHA_COMPILE_POOL_BWD_SINGLE_PASS", "0") == "1"
 
 
 @triton.jit
@@ -279,6 +290,66 @@ def _pool_bwd_one_kernel(
 
 
 @triton.jit
+def _pool_bwd_single_kernel(
+    tok_ptr, u_ptr, attn_ptr, pooled_ptr, bv_ptr, gpooled_ptr, dtbar_ptr, tbar_ptr, du_ptr, dtok_ptr,
+    N, D, P: tl.constexpr, Dh,
+    stride_tb, stride_tn,
+    HAS_BV: tl.constexpr, SPLIT_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_DH: tl.constexpr,
+):
+    """The whole backward for one batch row b (one program, all of D) in one read of tok and one
+    write of ∂tok. Pass 1 needed its own read of tok only for c_p = Σ_n a ∂a, the softmax's
+    correction; c_p = ⟨t̄_p, ∂t̄_p⟩ = ⟨Wv_p t̄_p, ∂pooled_p⟩ = ⟨pooled_p − bv_p, ∂pooled_p⟩ takes it
+    from the heads' output the forward kept (pooled [B,D] fp32) and ∂pooled [B,D] fp32 instead.
+    Then per block of tokens: ∂a = tok ∂t̄ᵀ, ∂s = a ⊙ (∂a − c), and with ads = [a | ∂s] (a head's
+    two columns side by side, 2p and 2p + 1) and the directions R = [∂t̄_b ; u] interleaved alike:
+        ∂tok[b,n] = ads[n] R,    adsᵀ tok[b] → t̄ (rows 2p) and the ∂u partials (rows 2p + 1).
+    du_ptr may be dtbar_ptr, as in _grad_columns: this program reads its ∂t̄[b] before the loop."""
+    b = tl.program_id(0).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_p = tl.arange(0, BLOCK_P)
+    d_ok = offs_d < D
+    p_ok = offs_p < P
+    offs_j = tl.arange(0, BLOCK_DH)
+    pj = offs_p[:, None] * Dh + offs_j[None, :]
+    pj_ok = p_ok[:, None] & (offs_j < Dh)[None, :]
+    heads = tl.load(pooled_ptr + b * D + pj, mask=pj_ok, other=0.0)
+    if HAS_BV:
+        heads -= tl.load(bv_ptr + pj, mask=pj_ok, other=0.0).to(tl.float32)
+    c = tl.sum(heads * tl.load(gpooled_ptr + b * D + pj, mask=pj_ok, other=0.0), axis=1)  # [BLOCK_P]
+    dtbar_b = dtbar_ptr + b * P * D
+    dtbar = tl.load(dtbar_b + offs_p[:, None] * D + offs_d[None, :], mask=p_ok[:, None] & d_ok[None, :], other=0.0)
+    dtbar2 = split_pairs(tl.trans(dtbar), SPLIT_DOT)  # [BLOCK_D, 2·BLOCK_P], as the forward's u
+    offs_q = tl.arange(0, 2 * BLOCK_P)
+    q_p = offs_q // 2
+    q_u = (offs_q % 2) == 1
+    rows = q_p[:, None] * D + offs_d[None, :]
+    q_ok = (q_p < P)[:, None] & d_ok[None, :]
+    dirs = (tl.load(dtbar_b + rows, mask=q_ok & ~q_u[:, None], other=0.0)
+            + tl.load(u_ptr + rows, mask=q_ok & q_u[:, None], other=0.0))  # [2·BLOCK_P, BLOCK_D]
+    tok_b = tok_ptr + b * stride_tb
+    attn_b = attn_ptr + b * N * P
+    acc = tl.zeros([2 * BLOCK_P, BLOCK_D], tl.float32)
+    # a is loaded one block ahead by hand, as in _grad_columns.
+    a_next = _attn_rows(attn_b, 0, N, P, BLOCK_N, BLOCK_P)
+    for n0 in range(0, N, BLOCK_N):
+        a = a_next
+        a_next = _attn_rows(attn_b, n0 + BLOCK_N, N, P, BLOCK_N, BLOCK_P)
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        nd_off = offs_n[:, None].to(tl.int64) * stride_tn + offs_d[None, :]
+        nd_ok = (offs_n < N)[:, None] & d_ok[None, :]
+        t = tl.load(tok_b + nd_off, mask=nd_ok, other=0.0)
+        ds = a * (dot_pairs(t, dtbar2, SPLIT_DOT) - c[None, :])
+        ads = tl.reshape(tl.join(a, ds), [BLOCK_N, 2 * BLOCK_P])
+        dtok = dot_f32(ads, dirs, SPLIT_DOT)  # [BLOCK_N, BLOCK_D]
+        tl.store(dtok_ptr + b * stride_tb + nd_off, dtok.to(dtok_ptr.dtype.element_ty), mask=nd_ok)
+        acc += dot_f32(tl.trans(ads), t, SPLIT_DOT)  # [2·BLOCK_P, BLOCK_D]
+    out_off = b * P * D + rows
+    tl.store(tbar_ptr + out_off, acc, mask=q_ok & ~q_u[:, None])
+    tl.store(du_ptr + out_off, acc, mask=q_ok & q_u[:, None])
+
+
+@triton.jit
 def _column_sums_kernel(x_ptr, out_ptr, R, C, ROWS, scale, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """out[p, c] = scale · Σ x[r, c] over the rows r of part p, [p·ROWS, (p+1)·ROWS) within R, in a
     fixed order: x [R, C] contiguous (any float dtype, summed in fp32), out [⌈R / ROWS⌉, C] fp32.
@@ -370,6 +441,15 @@ _attend_bwd = Launcher(_pool_bwd_kernel, [
     # At large: 371 against the [32, 128] blocks' 408 us, 3.5 TB/s (bench/small_kernels_probe.py, H200)
     dict(BLOCK_N=16, BLOCK_D=256, num_warps=4, num_stages=4),
 ], key=["N", "D", "P", "SPLIT_DOT"], restore=["dtbar_ptr"])
+# The single pass (SINGLE_PASS): all of D a program, as the forward; the first config is the interpreter's.
+_attend_bwd_single = Launcher(_pool_bwd_single_kernel, [
+    dict(BLOCK_N=16, num_warps=4, num_stages=3),
+    dict(BLOCK_N=16, num_warps=8, num_stages=3),
+    dict(BLOCK_N=32, num_warps=8, num_stages=3),
+    dict(BLOCK_N=16, num_warps=8, num_stages=2),
+    dict(BLOCK_N=32, num_warps=4, num_stages=2),
+    dict(BLOCK_N=16, num_warps=16, num_stages=2),
+], key=["N", "D", "P", "HAS_BV", "SPLIT_DOT"], restore=["dtbar_ptr"])
 # Both passes in one kernel (bwd_one_kernel): pass 1's BLOCK_N, pass 2's BLOCK_N2 × BLOCK_D2, warps and
 # stages shared. The first config gives the interpreter's tests more than one block of D, as _attend_bwd's;
 # the rest are the fastest five of 20 at medium on the H200 (41.9-49.7 us; pool_bwd_one_probe.txt), 92-230
@@ -560,6 +640,18 @@ def attend_bwd(tok, u, attn, ds, dtbar, tbar, du, grad_tok):
                 N, D, P, tok.stride(0), tok.stride(1), SPLIT_DOT=split_dot(tok.dtype), BLOCK_Q=pow2(2 * P))
 
 
+def attend_bwd_single(tok, u, attn, pooled, bv, grad_pooled, dtbar, tbar, du, grad_tok):
+    """The backward in one pass (_pool_bwd_single_kernel): ∂tok into grad_tok, t̄ and the ∂u
+    partials into tbar and du [B,P,D] fp32, from tok, u [P,D] fp32, attn [B,N,P], the forward's
+    heads pooled [B,D] fp32, bv (or None), ∂pooled [B,D] fp32 and ∂t̄ [B,P,D] fp32. du may be dtbar."""
+    B, N, D = tok.shape
+    P = attn.shape[2]
+    split = split_dot(tok.dtype)
+    _attend_bwd_single(lambda m: (B,), tok, u, attn, pooled, grad_pooled if bv is None else bv, grad_pooled, dtbar,
+                       tbar, du, grad_tok, N, D, P, D // P, tok.stride(0), tok.stride(1), HAS_BV=bv is not None,
+                       SPLIT_DOT=split, BLOCK_D=pow2(D), BLOCK_P=block_p(P, split), BLOCK_DH=pow2(D // P))
+
+
 def bwd_one_kernel(tok):
     """Whether pool_backward runs its two passes as one kernel: BWD_ONE_KERNEL, where tok's bytes
     fit in the GPU's L2 (always off the GPU). On the H200 (60 MiB of L2; session 28,
@@ -611,12 +703,16 @@ def pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn, u=None, pooled=None, m
     attn = attn.contiguous()
     grad_tok = torch.empty_like(tok)
     tbar = torch.empty(B, P, D, device=tok.device, dtype=torch.float32)
-    ds = torch.empty_like(attn)
-    if bwd_one_kernel(tok):
+    if SINGLE_PASS:
+        if pooled is None:  # the heads' output, which the single pass's c needs before it starts
+            pooled = _emptied(_heads(pool_attend(tok, u, mask)[1], wv, bv, split), empty)
+        attend_bwd_single(tok, u, attn, pooled.contiguous(), bv, grad_pooled, grad_tbar, tbar, du_part, grad_tok)
+    elif bwd_one_kernel(tok):
+        ds = torch.empty_like(attn)
         attend_bwd_one(tok, u, attn, ds, grad_tbar, tbar, du_part, grad_tok)
     else:
-        attend_bwd(tok, u, attn, attend_bwd_scores(tok, attn, grad_tbar, ds), grad_tbar, tbar, du_part, grad_tok)
-    del ds
+        attend_bwd(tok, u, attn, attend_bwd_scores(tok, attn, grad_tbar, torch.empty_like(attn)), grad_tbar, tbar,
+                   du_part, grad_tok)
     if COLUMN_SUMS:
         grad_u = column_sums(du_part.view(B, P * D), Dh**-0.5).view(P, D)
     else:

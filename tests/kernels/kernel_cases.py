@@ -60,6 +60,23 @@ def only_config(monkeypatch, launcher, config):
     return metas
 
 
+# The pool backward's launchers, each with the switches that make pool_backward launch it.
+POOL_BACKWARD_WAYS = {"_attend_bwd_single": (True, False), "_attend_bwd_one": (False, True),
+                      "_attend_bwd_scores": (False, False), "_attend_bwd": (False, False)}
+
+
+def pool_backward_way(monkeypatch, name):
+    """triton_pool's SINGLE_PASS and BWD_ONE_KERNEL set so that pool_backward launches the
+    launcher `name`; left as they are for any other name."""
+    from mha_compile.kernels import triton_pool
+
+    if name not in POOL_BACKWARD_WAYS:
+        return
+    single, one = POOL_BACKWARD_WAYS[name]
+    monkeypatch.setattr(triton_pool, "SINGLE_PASS", single)
+    monkeypatch.setattr(triton_pool, "BWD_ONE_KERNEL", one)
+
+
 def launched(metas, config):
     """Assert that the launches recorded by only_config ran `config` (the interpreter drops the
     warps and stages, which it ignores)."""

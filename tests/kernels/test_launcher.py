@@ -306,7 +306,7 @@ def test_device_properties_are_read_once_a_device(monkeypatch):
 # sizes and dtypes in it) or is a module constant, so it cannot differ between calls of one key.
 DERIVED = {
     "PRECISION": "from the operands' dtype, which the key holds",
-    "BLOCK_D": "from D", "BLOCK_P": "from P", "BLOCK_Q": "from P", "BLOCK_E": "from E",
+    "BLOCK_D": "from D", "BLOCK_P": "from P", "BLOCK_Q": "from P", "BLOCK_DH": "from D and P", "BLOCK_E": "from E",
     "BLOCK_H": "from H", "BLOCK_C": "from N_FBLK", "GW_BLOCK": "a module constant",
 }
 

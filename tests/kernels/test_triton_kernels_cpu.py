@@ -13,7 +13,7 @@ import torch
 
 from kernel_cases import (autocast_case, check_activation, check_nan_rows, check_region, check_route_split_ctx,
                           check_router_weight_grad_split, launched, make_case, one_expert_router, only_config,
-                          read_at_import)
+                          pool_backward_way, read_at_import)
 from numerics import record_calls
 from mha_compile.kernels import (fused, reference, staged, triton_moe, triton_pool, triton_region, triton_router,
                                  triton_util)
@@ -285,7 +285,8 @@ def test_up_with_tma_and_with_pointers(monkeypatch, act):
 
 
 TUNED = [(triton_moe, name) for name in ("_up", "_hidden", "_slots_gemm", "_wgrad", "_sum_tiles", "_tile_sums")] + [
-    (triton_pool, name) for name in ("_attend", "_attend_bwd_scores", "_attend_bwd", "_attend_bwd_one")] + [
+    (triton_pool, name) for name in (
+        "_attend", "_attend_bwd_single", "_attend_bwd_scores", "_attend_bwd", "_attend_bwd_one")] + [
     (triton_router, name) for name in ("_route", "_dlogits", "_combine_dy")]
 TUNED_CONFIGS = [pytest.param(module, name, i, id=f"{name}{i}") for module, name in TUNED
                  for i in range(len(getattr(module, name).configs))]
@@ -300,7 +301,7 @@ def test_every_tuned_config(monkeypatch, module, name, i):
     launcher = getattr(module, name)
     config = launcher.configs[i]
     metas = only_config(monkeypatch, launcher, config)
-    monkeypatch.setattr(triton_pool, "BWD_ONE_KERNEL", name == "_attend_bwd_one")  # the pool backward's launchers
+    pool_backward_way(monkeypatch, name)  # the pool backward's launchers
     ctx, tok, params = make_case(3, 4, 37, 40, 2, 160, 3, 2, act="gelu")
     check_region(fused, ctx, tok, params, top_k=2, renorm=True, act="gelu")
     launched(metas, config)
@@ -908,15 +909,15 @@ def test_pool_split_dots(monkeypatch):
     assert errors["attn"] < 1e-5 and errors["inv"] < 1e-5, errors
 
 
-@pytest.mark.parametrize("one_kernel", [False, True])
-def test_pool_backward_split_dots(monkeypatch, one_kernel):
-    """The pool backward's split dots (pass 1's ∂a against ∂t̄'s halves, pass 2), as two kernels
-    and as one, in fp16 against float64 autograd of the reference pool: the fp32 gradients to
-    fp32's bound, ∂tok to its fp16 rounding. N = 37 leaves a partial block of tokens, D = 40 a
-    partial block of the interpreter's 32 columns."""
+@pytest.mark.parametrize("way", ["_attend_bwd_single", "_attend_bwd_one", "_attend_bwd"])
+def test_pool_backward_split_dots(monkeypatch, way):
+    """The pool backward's split dots (∂a against ∂t̄'s halves, ∂tok and the ∂u partials), in one
+    pass, as two kernels and as one kernel of two passes, in fp16 against float64 autograd of the
+    reference pool: the fp32 gradients to fp32's bound, ∂tok to its fp16 rounding. N = 37 leaves a
+    partial block of tokens, D = 40 a partial block of the interpreter's 32 columns."""
     monkeypatch.setattr(triton_pool, "SPLIT_DOT_DTYPES", {torch.float16: 2})
-    monkeypatch.setattr(triton_pool, "BWD_ONE_KERNEL", one_kernel)
-    launched = record_calls(monkeypatch, triton_pool, "attend_bwd_one")
+    pool_backward_way(monkeypatch, way)
+    launched = record_calls(monkeypatch, triton_pool, way[1:])
     B, N, D, P = 3, 37, 40, 2
     tok = torch.randn(B, N, D).half()
     q, bv, bo = torch.randn(P, D // P), torch.randn(D) * 0.1, torch.randn(D) * 0.1
@@ -929,7 +930,37 @@ def test_pool_backward_split_dots(monkeypatch, one_kernel):
     for name, g, leaf in zip(("tok", "q", "wk", "wv", "bv", "wo", "bo"), got, leaves):
         err = float((g.double() - leaf.grad).norm() / leaf.grad.norm())
         assert err < (2e-3 if name == "tok" else 1e-5), (name, err)
-    assert len(launched) == one_kernel
+    assert len(launched) == 1
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("kept", [True, False])
+def test_pool_backward_single_pass_with_a_mask(monkeypatch, bias, kept):
+    """The single pass takes the softmax's correction c_p = ⟨pooled_p − bv_p, ∂pooled_p⟩ from the
+    forward's heads (kept: the buffer pool_forward wrote; else pool_backward computes them again)
+    with and without bv: every gradient against float64 autograd of the reference pool, with a
+    key-padding mask that leaves one batch row attending to nothing (its heads 0, not bv)."""
+    pool_backward_way(monkeypatch, "_attend_bwd_single")
+    launched = record_calls(monkeypatch, triton_pool, "attend_bwd_single")
+    B, N, D, P = 3, 37, 40, 2
+    tok = torch.randn(B, N, D)
+    q, bo = torch.randn(P, D // P), torch.randn(D) * 0.1
+    bv = torch.randn(D) * 0.5 if bias else None
+    wk, wv, wo = (torch.randn(D, D) * D ** -0.5 for _ in range(3))
+    mask = torch.rand(B, N) < 0.3
+    mask[1] = True
+    grad_inv = torch.randn(B, D)
+    pooled = torch.empty(B, D)
+    _, attn = triton_pool.pool_forward(tok, q, wk, wv, bv, wo, bo, mask, pooled=pooled)
+    got = triton_pool.pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn, pooled=pooled if kept else None,
+                                    mask=mask)
+    leaves = [None if t is None else t.double().requires_grad_() for t in (tok, q, wk, wv, bv, wo, bo)]
+    reference.pool_forward(*leaves, mask)[0].backward(grad_inv.double())
+    for name, g, leaf in zip(("tok", "q", "wk", "wv", "bv", "wo", "bo"), got, leaves):
+        if leaf is not None:
+            err = float((g.double() - leaf.grad).norm() / leaf.grad.norm())
+            assert err < 1e-5, (name, err)
+    assert len(launched) == 1
 
 
 def test_pool_weight_gradients_in_the_weights_dtype(monkeypatch):
@@ -1038,7 +1069,7 @@ def test_the_pool_backward_takes_one_kernel_where_tok_fits_in_l2(monkeypatch, fl
     assert triton_pool.bwd_one_kernel(torch.empty(nbytes // 2, dtype=torch.float16)) is expected
 
 
-@pytest.mark.parametrize("name", ["_attend_bwd", "_attend_bwd_one", "_wgrad", "_sum_tiles"])
+@pytest.mark.parametrize("name", ["_attend_bwd_single", "_attend_bwd", "_attend_bwd_one", "_wgrad", "_sum_tiles"])
 def test_kernels_survive_autotune_trials(monkeypatch, name):
     """Autotuning on the GPU runs a kernel several times on the same arguments, restoring only
     its Launcher's `restore` list in between. The pool backward writes its ∂u-partials over ∂t̄,
@@ -1046,7 +1077,7 @@ def test_kernels_survive_autotune_trials(monkeypatch, name):
     from mha_compile.kernels import triton_util
 
     module = triton_pool if name.startswith("_attend") else triton_moe
-    monkeypatch.setattr(triton_pool, "BWD_ONE_KERNEL", name == "_attend_bwd_one")
+    pool_backward_way(monkeypatch, name)
     launcher = getattr(module, name)
     real = triton_util.Launcher.__call__
 

@@ -10,7 +10,7 @@ import torch
 
 from kernel_cases import (check_activation, check_nan_rows, check_region, check_route_split_ctx,
                           check_router_weight_grad_split, fmt, launched, make_case, one_expert_router, only_config,
-                          preset_case, rel_err)
+                          pool_backward_way, preset_case, rel_err)
 from mha_compile.kernels import fused, reference, staged, triton_moe
 
 pytestmark = [pytest.mark.cuda,
@@ -233,7 +233,8 @@ def _tuned_configs():
     from mha_compile.kernels import triton_moe, triton_pool, triton_router
 
     tuned = [(triton_moe, name) for name in ("_up", "_hidden", "_slots_gemm", "_wgrad", "_sum_tiles", "_tile_sums")]
-    tuned += [(triton_pool, name) for name in ("_attend", "_attend_bwd_scores", "_attend_bwd", "_attend_bwd_one")]
+    tuned += [(triton_pool, name)
+              for name in ("_attend", "_attend_bwd_single", "_attend_bwd_scores", "_attend_bwd", "_attend_bwd_one")]
     tuned += [(triton_router, name) for name in ("_route", "_dlogits", "_combine_dy")]
     return [pytest.param(module, name, i, id=f"{name}{i}") for module, name in tuned
             for i in range(len(getattr(module, name).configs))]
@@ -243,12 +244,12 @@ def _tuned_configs():
 def test_every_tuned_config_bf16(monkeypatch, module, name, i):
     """Every config the autotuner may pick, on the GPU in bf16 (the interpreter checks them in
     fp32 only): tiles of 128 slots (4200 pairs over 4 experts), odd D, F and N."""
-    from mha_compile.kernels import gluon_moe, triton_pool
+    from mha_compile.kernels import gluon_moe
 
     launcher = getattr(module, name)
     config = launcher.configs[i]
     metas = only_config(monkeypatch, launcher, config)
-    monkeypatch.setattr(triton_pool, "BWD_ONE_KERNEL", name == "_attend_bwd_one")  # the pool backward's launchers
+    pool_backward_way(monkeypatch, name)  # the pool backward's launchers
     monkeypatch.setattr(gluon_moe, "ENABLED", False)  # the Triton kernels these configs are for, not Gluon's
     ctx, tok, params = make_case(300, 7, 37, 100, 4, 200, 4, 2, act="gelu", dtype=torch.bfloat16, device="cuda",
                                  seed=13)
