@@ -175,10 +175,12 @@ def _group_of(row):
 
 
 def resumed_rows(path, jobs, env, isolated=False, rounds=1, settings=None, quick=False):
-    """The rows of an earlier run to keep, whole groups only: a group (preset, dtype, pass) is
-    what one speedup compares, so all its rows must come from one process. A group is kept when
-    every planned job of it has a row that ran (ok or error, not skipped); an incomplete group
-    runs again in full. The earlier run must match `env` (device, versions, commit), and its
+    """(The rows of an earlier run to keep, its meta), whole groups only: a group (preset, dtype,
+    pass) is what one speedup compares, so all its rows must come from one process. A group this
+    run plans is kept when every planned job of it has a row that ran (ok or error, not skipped);
+    an incomplete one runs again in full. A group this run does not plan (a chain's earlier call
+    ran other presets: h200_session.sh's PRESETS=medium, then RESUME=1 PRESETS=small,large) is
+    kept as it is, first. The earlier run must match `env` (device, versions, commit), and its
     rounds, isolation, --quick and MHA_COMPILE_* settings."""
     if not os.path.exists(path):
         raise SystemExit(f"--resume: {path} does not exist; run without --resume first")
@@ -205,13 +207,14 @@ def resumed_rows(path, jobs, env, isolated=False, rounds=1, settings=None, quick
                          "a table's rows must be measured the same way")
     ran = {tuple(r[k] for k in ("preset", "dtype", "pass", "spelling", "mode")): r
            for r in earlier["rows"] if r.get("status") in ("ok", "error")}
-    kept = []
-    for group in dict.fromkeys(_group_of(job) for job in jobs):
+    planned = dict.fromkeys(_group_of(job) for job in jobs)
+    kept = [r for r in earlier["rows"] if _group_of(r) not in planned]
+    for group in planned:
         members = [job for job in jobs if _group_of(job) == group]
         rows = [ran.get((*group, job["spelling"], job["mode"])) for job in members]
         if all(rows):
             kept += rows
-    return kept, earlier["meta"].get("date")
+    return kept, earlier["meta"]
 
 
 def inductor_cache_note():
@@ -252,11 +255,14 @@ def main(argv=None):
     stem = os.path.join(args.out, args.name)
     kept = []
     if args.resume:
-        kept, earlier_date = resumed_rows(stem + ".json", jobs, env, args.isolate, args.rounds, settings, args.quick)
+        kept, earlier = resumed_rows(stem + ".json", jobs, env, args.isolate, args.rounds, settings, args.quick)
         done = {_group_of(r) for r in kept}
         jobs = [job for job in jobs if _group_of(job) not in done]
-        notes.append(f"{len(kept)} rows ({len(done)} whole groups of preset, dtype and pass) from a run of this "
-                     f"command at {earlier_date}, resumed at {meta['date']}; each group's rows come from one run")
+        how = ("this command" if earlier.get("command") == meta["command"]
+               else f"`{earlier.get('command')}`")
+        notes.append(f"{len(kept)} rows ({len(done)} whole groups of preset, dtype and pass) from a run of {how} "
+                     f"at {earlier.get('date')}, resumed at {meta['date']}; each group's rows come from one run")
+        notes += [f"from that run: {note}" for note in earlier.get("notes", []) if note not in notes]
     print(f"bench: {len(jobs)} rows on {env['device']}, torch {env['torch']}, triton {env['triton']}, "
           f"commit {env['commit']}", file=sys.stderr)
     for note in notes:

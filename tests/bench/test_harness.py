@@ -248,6 +248,28 @@ def test_resume_keeps_whole_groups_and_reruns_the_rest(tmp_path):
     assert "--resume" not in meta["command"] and any("2 rows (1 whole groups" in n for n in meta["notes"])
 
 
+def test_resume_keeps_the_groups_an_earlier_call_of_a_chain_ran(tmp_path):
+    """h200_session.sh's chain: one call runs medium, the next (RESUME=1) small and large. The
+    second's file must hold the first's groups too, as they were, with the first's notes and
+    command named (session 57's chain lost medium's rows)."""
+    argv = ["--presets", "tiny", "--modes", "eager", "--spellings", "dense"]
+    _run(tmp_path, *argv, "--passes", "fwd")
+    with open(tmp_path / "t.json") as f:
+        data = json.load(f)
+    data["rows"][0]["time_ms"] = 789.0  # a marker: the earlier call's row, kept as it is
+    data["meta"]["notes"].append("a note of the earlier call")
+    with open(tmp_path / "t.json", "w") as f:
+        json.dump(data, f)
+    rows = _run(tmp_path, *argv, "--passes", "fwd+bwd", "--resume")
+    assert [(r["pass"], r["status"]) for r in rows] == [("fwd", "ok"), ("fwd+bwd", "ok")]
+    assert rows[0]["time_ms"] == 789.0
+    with open(tmp_path / "t.json") as f:
+        notes = json.load(f)["meta"]["notes"]
+    assert any("1 rows (1 whole groups" in n and "--passes fwd " in n for n in notes), notes
+    assert "from that run: a note of the earlier call" in notes
+    assert "789.000" in (tmp_path / "t.md").read_text()
+
+
 def test_resume_refuses_rows_from_another_commit_or_no_file(tmp_path):
     argv = ["--presets", "tiny", "--modes", "eager", "--spellings", "dense", "--passes", "fwd"]
     with pytest.raises(SystemExit, match="does not exist"):
