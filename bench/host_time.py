@@ -2,10 +2,10 @@
 
     PYTHONPATH=. python bench/host_time.py [--preset small] [--calls 200]
 
-Without CUDA graphs the fused path is host-bound at small and medium (bench/results/h200.md:
-small fwd+bwd 4.9 ms plain against 0.85 ms as a graph replay). This measures the host side
-alone: the time to *issue* `calls` calls (perf_counter around the loop, synchronised before
-and after, so the GPU work of earlier calls is not counted). That is host time and only host
+Without CUDA graphs the fused path is host-bound at small and medium (the tables of sessions
+11-13, bench/PERF_NOTES.md: small fwd+bwd 4.9 ms plain against 0.85 ms as a graph replay).
+This measures the host side alone: the time to *issue* `calls` calls (perf_counter around the
+loop, synchronised before and after, so the GPU work of earlier calls is not counted). That is host time and only host
 time while the GPU keeps up, which the "gpu" column shows (do_bench's median of the same call).
 Pieces, from the whole compiled step down to one Triton launch:
     compiled fwd+bwd / fwd   torch.compile(block, backend="mha") as a user runs it (the region's
