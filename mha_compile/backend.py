@@ -165,7 +165,7 @@ def run_rest(gm, example_inputs, opts, mode, whole, split=None, report=None):
     if opts.rest == "inductor":
         compile_graphs = functools.partial(_inductor, mode=mode, graphs="off" if whole else opts.graphs)
     elif whole:
-        compile_graphs = (functools.partial(_own_step_graphs, asked=opts.step_graphs is True)
+        compile_graphs = (functools.partial(_own_step_graphs, asked=opts.step_graphs is True, strict=opts.strict)
                           if opts.own_step_graphs(mode) else whole_graph.capture)
     else:
         if mode == "reduce-overhead":
@@ -192,12 +192,12 @@ def run_rest(gm, example_inputs, opts, mode, whole, split=None, report=None):
         return compile_graphs(gm, example_inputs)
 
 
-def _own_step_graphs(gm, example_inputs, asked):
+def _own_step_graphs(gm, example_inputs, asked, strict):
     """step_graphs.compile on gm, run eagerly with its region calls on RegionFunction (graphs off:
     the step's graphs take the region with the rest); torch's trees (whole_graph.capture) where it
-    refuses gm, with a warning where step_graphs=True asked for them."""
+    refuses gm, with a warning where step_graphs=True asked for them; strict: a failed capture raises."""
     return step_graphs.compile(gm, example_inputs, _region_calls(gm, ops.region_call, "off").forward,
-                               whole_graph.capture, asked)
+                               whole_graph.capture, asked, strict)
 
 
 def _inductor(gm, example_inputs, mode, graphs):

@@ -23,7 +23,8 @@ class Options:
         the reference path). rest: how everything outside the region runs. dump: a folder for
         graph dumps (default: $MHA_COMPILE_DUMP). verify: run the original region beside the
         replacement on the first call and fall back with a warning if they disagree.
-        strict: raise instead of falling back when the backend fails (verify's disagreement included).
+        strict: raise instead of falling back when the backend fails (verify's disagreement and a
+            failed capture of mode="reduce-overhead"'s step graphs included).
         graphs: whether the region's kernels replay as a CUDA graph per call signature inside
             the op, which cuts the host time of a step without mode="reduce-overhead" ("auto":
             on CUDA at sizes whose graphs hold little memory, see kernels/region_graphs.py; "on":

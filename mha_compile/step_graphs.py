@@ -56,7 +56,7 @@ its own, a capture at the next depth with a pool of its own, up to MAX_PENDING s
 (retain_graph=True: another backward may read its saved values); a backward whose forward's
 values a later replay overwrote raises (a safety net: a depth is replayed again only once its
 graph is freed); a failed capture runs the step eagerly from then on, with a warning (at a depth
-past 0, only the calls that deep).
+past 0, only the calls that deep; options strict=True raises instead).
 """
 import logging
 import operator
@@ -77,10 +77,11 @@ log = logging.getLogger("mha_compile")
 MAX_PENDING = 4
 
 
-def compile(gm, example_inputs, run, fallback, asked=True):
+def compile(gm, example_inputs, run, fallback, asked=True, strict=False):
     """A callable replaying the step `run` (gm's graph, run eagerly) through its own CUDA graphs,
     or fallback(gm, example_inputs) where why_not refuses gm, said in the log: as a warning where
-    step_graphs=True asked for these graphs (asked), else as information ("auto")."""
+    step_graphs=True asked for these graphs (asked), else as information ("auto"). strict (options
+    strict): a capture that fails raises, where the step would run eagerly."""
     reason = why_not(gm, example_inputs, CudaGraphs.takes)
     if reason is not None:
         log.log(logging.WARNING if asked else logging.INFO,
@@ -88,7 +89,7 @@ def compile(gm, example_inputs, run, fallback, asked=True):
                 " (step_graphs=True)" if asked else "", reason)
         return fallback(gm, example_inputs)
     log.info("mha_compile: the step replays through mha_compile's own CUDA graphs (options step_graphs)")
-    return StepGraphs(run, CudaGraphs, [t for _, t in held_tensors(gm)])
+    return StepGraphs(run, CudaGraphs, [t for _, t in held_tensors(gm)], strict)
 
 
 def why_not(gm, example_inputs, on_device):
@@ -189,10 +190,10 @@ class StepGraphs:
     """The compiled step: its first call eager, later ones replays of its graphs (module docstring).
     run: the graph run eagerly; recorder(device): what captures and replays (CudaGraphs); held:
     the tensors the graph reads as attributes (held_tensors), read where they are: one that
-    moves makes the step capture again."""
+    moves makes the step capture again. strict: a failed capture raises (options strict)."""
 
-    def __init__(self, run, recorder, held=()):
-        self.run, self.recorder, self.held = run, recorder, list(held)
+    def __init__(self, run, recorder, held=(), strict=False):
+        self.run, self.recorder, self.held, self.strict = run, recorder, list(held), strict
         # training -> a list by depth (how many forwards before it still await their backwards: a
         # siamese pair's second call, a second micro-batch) of _Seen | _Step
         self.entries = {}
@@ -257,6 +258,10 @@ class StepGraphs:
         try:
             entry = _Step(self.run, args, in_place, training, self.recorder(args[0].device), self.held)
         except Exception as error:  # noqa: BLE001 (any capture failure: run eagerly instead)
+            if self.strict:
+                raise RuntimeError(f"mha_compile: capturing the step as CUDA graphs (mode='reduce-overhead', at depth "
+                                   f"{depth}) failed ({type(error).__name__}: {error}); options strict=True raises "
+                                   "where the step would run without them") from error
             # at a depth past 0 (out of memory for another pool, say), only calls that deep run
             # eagerly: the depths before it keep replaying
             log.warning("mha_compile: capturing the step as CUDA graphs failed (%s: %s); %s", type(error).__name__,

@@ -520,6 +520,17 @@ def test_a_failed_capture_runs_the_step_eagerly_from_then_on(caplog):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager_losses), rtol=1e-5, atol=0)
 
 
+def test_a_failed_capture_raises_under_strict():
+    """options strict=True: the capture's failure is the user's error, not a step run eagerly
+    (a warning only, as without strict)."""
+    Emulated.fail = True
+    model = _block()
+    compiled = torch.compile(model, backend="mha", options={**OPTIONS, "strict": True})
+    with pytest.raises(RuntimeError, match="capturing the step as CUDA graphs .* failed .*strict=True") as raised:
+        _train(model, compiled, 3)
+    assert "operation not permitted when stream is capturing" in str(raised.value)
+
+
 def _captured(fn, *args, **compile_kwargs):
     """(gm, example inputs) Dynamo hands a backend for fn(*args)."""
     seen = []
