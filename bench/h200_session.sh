@@ -158,6 +158,10 @@
 #                                      # keep_hidden on one batch against two taken in turn (the table's
 #                                      # way since session 55), large then medium, 3 rounds (~2 min):
 #                                      # run.log, batch_ab.txt
+#   bash bench/h200_session.sh pool-single  # the pool backward in one pass (MHA_COMPILE_POOL_BWD_SINGLE_PASS,
+#                                      # off by default): its GPU tests, ncu's stalls by source line at
+#                                      # large, flag_ab at large (8 rounds) and medium (4) (~7 min):
+#                                      # run.log, ncu_pool_single.txt, flag_ab_pool_single.txt
 #   bash bench/h200_session.sh verify-step-graphs  # where device time is short: the whole GPU suite
 #                                      # on a cold cache, then step-graphs' rows without Inductor's (~9.5 min):
 #                                      # run.log, h200_step_graphs.{md,json,png}
@@ -170,7 +174,7 @@
 #                                      # benchmark cut at 250 s (rows past it are listed as skipped)
 # Budgets are per step so a slow step cannot starve the others.
 set -u
-part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|ab|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|ncu-gemms|ncu-source|gluon|verify-gluon|gluon-gemms|verify-gemms|router|small-kernels|host-large|host-timers|wgrad-stream|sum-spread|column-sums|slot-chunk|hidden-columns|step-graphs|keep-hidden|keep-rows|keep-step|launch-ab|large-rows|kernel-times-ab|rows-ab|static-params|gluon-up|verify-step-graphs|after-step-graphs|depths|short}
+part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|ab|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|ncu-gemms|ncu-source|gluon|verify-gluon|gluon-gemms|verify-gemms|router|small-kernels|host-large|host-timers|wgrad-stream|sum-spread|column-sums|slot-chunk|hidden-columns|step-graphs|keep-hidden|keep-rows|keep-step|launch-ab|large-rows|kernel-times-ab|rows-ab|static-params|gluon-up|verify-step-graphs|after-step-graphs|depths|batch-ab|pool-single|short}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 # Inductor's compiled graphs kept in the checkout (git ignores it): the device keeps ignored
 # files between calls on a machine it still holds, so `table` can reuse `autotune-cache`'s.
@@ -296,6 +300,23 @@ step-graphs)
     { timeout -s INT -k 10 100 python bench/step_profile.py --preset medium \
         --runs mha-fused-trees:dense,mha-fused-cudagraphs:dense 2>&1; } >"$OUT/step_profile_step_graphs_medium.txt"
     grep "^==" "$OUT/step_profile_step_graphs_medium.txt" >>"$LOG"
+    ;;
+pool-single)
+    # the pool backward's single pass (triton_pool.SINGLE_PASS, off by default; PERF_NOTES v60, Next
+    # (1b')): its GPU tests, ncu's stall reasons by source line on it at large (where its loop's
+    # cycles go), then flag_ab off against on at large (8 rounds) and medium (4) (~7 min)
+    { MHA_COMPILE_NO_AUTOTUNE=1 timeout 150 python -m pytest -q -m cuda tests/kernels/test_triton_kernels_cuda.py \
+        -k attend_bwd_single -p no:cacheprovider -rf 2>&1 | tail -5; } >>"$LOG"
+    MHA_COMPILE_POOL_BWD_SINGLE_PASS=1 timeout -s INT 150 ncu --clock-control none --profile-from-start off \
+        -k "regex:^_pool_bwd_single_kernel$" -c 2 --section SpeedOfLight --section WarpStateStats \
+        --section SourceCounters --import-source yes \
+        python bench/ncu_kernels.py --preset large >"$OUT/ncu_pool_single.txt" 2>&1
+    tail -5 "$OUT/ncu_pool_single.txt" >>"$LOG"
+    for preset in large medium; do
+        timeout -s INT 150 python bench/flag_ab.py --flag mha_compile.kernels.triton_pool:SINGLE_PASS \
+            --preset $preset --rounds "$([ $preset = large ] && echo 8 || echo 4)" 2>&1 | grep -v Warning
+    done >"$OUT/flag_ab_pool_single.txt"
+    cat "$OUT/flag_ab_pool_single.txt" >>"$LOG"
     ;;
 batch-ab)
     # what the copy-in of alternating batches costs our rows (session 56: ~73 us a large step on an
@@ -633,6 +654,6 @@ bench|bench-resume)
         --modes eager,inductor,inductor-max-autotune,mha-staged,mha-fused,mha-fused-cudagraphs \
         --spellings dense,loop,grouped_mm "${resume[@]}" --commit "$commit" 2>&1 | tail -100; } >>"$LOG"
     ;;
-*) echo "unknown part $part: expected check, kernels, probe, verify, ab, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache, medium-autotune, ncu, ncu-gemms, ncu-source, gluon, verify-gluon, gluon-gemms, verify-gemms, router, small-kernels, host-large, host-timers, wgrad-stream, sum-spread, column-sums, slot-chunk, hidden-columns, step-graphs, keep-hidden, keep-rows, keep-step, launch-ab, large-rows, kernel-times-ab, rows-ab, static-params, gluon-up, depths, batch-ab or short" >&2; exit 2 ;;
+*) echo "unknown part $part: expected check, kernels, probe, verify, ab, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache, medium-autotune, ncu, ncu-gemms, ncu-source, gluon, verify-gluon, gluon-gemms, verify-gemms, router, small-kernels, host-large, host-timers, wgrad-stream, sum-spread, column-sums, slot-chunk, hidden-columns, step-graphs, keep-hidden, keep-rows, keep-step, launch-ab, large-rows, kernel-times-ab, rows-ab, static-params, gluon-up, depths, batch-ab, pool-single or short" >&2; exit 2 ;;
 esac
 tail -150 "$LOG"
