@@ -11,6 +11,9 @@ So where a backward must give a graph, `gradients_with_graph` computes the gradi
 plain differentiable ops (kernels/reference.py's forward, at the forward's top-k choice) and lets
 autograd differentiate that: the same first derivative within the dtype's bound (SPEC §4), and a
 second one that is the math's. What cannot do that (the step graphs) refuses, naming the option.
+
+A batch of cotangents (is_grads_batched=True) is refused by every backward of the region, with
+refuse_batched's error.
 """
 import warnings
 
@@ -18,6 +21,17 @@ import torch
 
 SLOW = ("mha_compile: a backward with create_graph=True computes the region's gradients again in plain "
         "PyTorch ops (kernels/reference.py), so that they can be differentiated: slower than the kernels")
+
+
+def refuse_batched(*grads):
+    """A clear error where torch.autograd.grad(..., is_grads_batched=True) hands this backward a
+    batch of cotangents (torch's legacy vmap over the backward): the kernels, the CUDA graphs' copies
+    and the reference's einsums (which that vmap has no rule for) take one cotangent at a time."""
+    if any(isinstance(g, torch.Tensor) and torch._C._functorch.is_legacy_batchedtensor(g) for g in grads):
+        raise NotImplementedError(
+            "mha_compile: torch.autograd.grad(..., is_grads_batched=True) reached the MHA region's backward, "
+            "which takes one cotangent at a time: call torch.autograd.grad once per cotangent (retain_graph=True), "
+            "or run the model without backend='mha'")
 
 
 def differentiating(*tensors):

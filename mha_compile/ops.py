@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 from torch.autograd import forward_ad
 
-from mha_compile.double_backward import differentiating, gradients_with_graph
+from mha_compile.double_backward import differentiating, gradients_with_graph, refuse_batched
 from mha_compile.kernels import reference, region_graphs, triton_moe
 from mha_compile.kernels.reference import ACTIVATIONS, accumulation_dtype, pool_backward
 
@@ -242,6 +242,7 @@ def _backward(ctx, grad_out, grad_inv, *unused_aux_grads):
     they take no gradient. inv's is used only when the graph reads inv (export_inv), and comes as
     None when nothing read it (no materialised zeros: a pool backward of zeros would cost a pass);
     likewise out's, when only inv was read."""
+    refuse_batched(grad_out, grad_inv)
     saved = list(ctx.saved_tensors)
     if grad_out is None:
         grad_out = torch.zeros_like(saved[0])  # out is ctx's shape and dtype

@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from mha_compile.double_backward import differentiating, gradients_with_graph
+from mha_compile.double_backward import differentiating, gradients_with_graph, refuse_batched
 from mha_compile.kernels import reference, triton_moe, triton_region
 from mha_compile.ops import _no_autocast, _plain, _traced
 
@@ -116,6 +116,7 @@ def _pool_setup_context(ctx, inputs, output):
 
 def _pool_autograd_backward(ctx, grad_inv, *unused):
     """attn, u and pooled take no gradient; a None ∂inv (inv unused) gives none to the inputs."""
+    refuse_batched(grad_inv)
     tensors, saved = _saved(ctx)
     if grad_inv is None:
         return (None,) * 9
@@ -209,6 +210,7 @@ def _moe_setup_context(ctx, inputs, output):
 
 def _moe_autograd_backward(ctx, grad_out, *unused):
     """weight, index, π and reuse take no gradient; a None ∂out gives none to the inputs."""
+    refuse_batched(grad_out)
     tensors, saved = _saved(ctx)
     if grad_out is None:
         return (None,) * 12

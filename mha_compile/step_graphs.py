@@ -67,6 +67,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from mha_compile.double_backward import refuse_batched
 from mha_compile.kernels import region_graphs
 
 log = logging.getLogger("mha_compile")
@@ -453,6 +454,7 @@ class _Replay(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        refuse_batched(*grads)  # a replay copies one cotangent into its static buffers
         if torch.is_grad_enabled():  # create_graph=True: a replay records no ops to differentiate
             raise RuntimeError(NOT_TWICE)
         try:  # unpacking checks that no input read in place changed since the forward

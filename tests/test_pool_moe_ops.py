@@ -167,3 +167,20 @@ def test_the_ops_refuse_mixed_dtypes_by_name():
         inv = torch.empty(2, 16)
         with pytest.raises(RuntimeError, match="w2 is torch.float16"):
             pool_moe_ops.moe(ctx, inv, wg, w1, b1, w2.half(), b2, w3, 2, True, "gelu")
+
+
+@pytest.mark.parametrize("piece", ["moe", "pool", "PoolFunction"])
+def test_each_piece_refuses_a_batch_of_cotangents(piece):
+    """is_grads_batched=True through mha::moe, mha::pool or PoolFunction alone: each backward
+    refuses the batch with double_backward.refuse_batched's error, as mha::region's does."""
+    ctx, tok, params = make_case(3, 5, 7, 24, 2, 40, 5, 2, act="gelu", bias=True)
+    leaves = [t.detach().requires_grad_() if t is not None else None for t in (ctx, tok, *params)]
+    q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3 = leaves[2:]
+    if piece == "moe":
+        inv = torch.randn(3, 24)
+        out, wrt = pool_moe_ops.moe(leaves[0], inv, wg, w1, b1, w2, b2, w3, 2, True, "gelu")[0], leaves[0]
+    else:
+        call = pool_moe_ops.pool if piece == "pool" else pool_moe_ops.PoolFunction.apply
+        out, wrt = call(leaves[1], q, wk, bk, wv, bv, wo, bo, None)[0], leaves[1]
+    with pytest.raises(NotImplementedError, match="is_grads_batched=True"):
+        torch.autograd.grad(out, wrt, torch.randn(2, *out.shape), is_grads_batched=True)

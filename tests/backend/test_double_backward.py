@@ -74,3 +74,19 @@ def test_rest_inductor_refuses_a_double_backward():
     compiled = torch.compile(model, backend="mha", options={"kernels": "reference", "rest": "inductor"})
     with pytest.raises(RuntimeError, match="double backward"):
         _penalty_grads(compiled, *_inputs(torch.float64), ask="grad_unused")
+
+
+@pytest.mark.parametrize("kernels", ["reference", pytest.param("fused", marks=needs_interpreter)])
+def test_a_batch_of_cotangents_is_refused_with_a_clear_error(kernels):
+    """torch.autograd.grad(..., is_grads_batched=True): the eager block takes a batch of cotangents
+    (torch's legacy vmap over its backward), the region's backward takes one at a time and says so
+    (before: "Batching rule not implemented for aten::einsum" from the reference's pool backward)."""
+    model = _block("loop", torch.float32)
+    ctx, tok = _inputs(torch.float32)
+    ctx.requires_grad_()
+    cotangents = torch.randn(3, *ctx.shape)
+    eager = torch.autograd.grad(model(ctx, tok), ctx, cotangents, is_grads_batched=True)[0]
+    assert eager.shape == (3, *ctx.shape)
+    compiled = torch.compile(copy.deepcopy(model), backend="mha", options={"kernels": kernels})
+    with pytest.raises(NotImplementedError, match="is_grads_batched=True.*once per cotangent"):
+        torch.autograd.grad(compiled(ctx, tok), ctx, cotangents, is_grads_batched=True)

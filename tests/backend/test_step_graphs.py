@@ -531,6 +531,19 @@ def test_a_failed_capture_raises_under_strict():
     assert "operation not permitted when stream is capturing" in str(raised.value)
 
 
+def test_a_replay_refuses_a_batch_of_cotangents():
+    """is_grads_batched=True on a replayed step: a replay copies one cotangent into its graphs'
+    buffers, so the step's backward refuses the batch with the region's error."""
+    model = _block()
+    compiled = torch.compile(model, backend="mha", options=OPTIONS)
+    _train(model, compiled, 2)  # the second step replays
+    ctx, tok = _inputs(5, requires_grad=True)
+    out = compiled(ctx, tok)
+    assert Emulated.made and Emulated.made[-1].forward_replays >= 1
+    with pytest.raises(NotImplementedError, match="is_grads_batched=True"):
+        torch.autograd.grad(out, ctx, torch.randn(2, *out.shape), is_grads_batched=True)
+
+
 def _captured(fn, *args, **compile_kwargs):
     """(gm, example inputs) Dynamo hands a backend for fn(*args)."""
     seen = []
