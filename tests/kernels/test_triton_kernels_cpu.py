@@ -918,19 +918,33 @@ def test_pool_backward_split_dots(monkeypatch, way):
     monkeypatch.setattr(triton_pool, "SPLIT_DOT_DTYPES", {torch.float16: 2})
     pool_backward_way(monkeypatch, way)
     launched = record_calls(monkeypatch, triton_pool, way[1:])
-    B, N, D, P = 3, 37, 40, 2
-    tok = torch.randn(B, N, D).half()
-    q, bv, bo = torch.randn(P, D // P), torch.randn(D) * 0.1, torch.randn(D) * 0.1
-    wk, wv, wo = (torch.randn(D, D) * D ** -0.5 for _ in range(3))
-    grad_inv = torch.randn(B, D)
+    tok, q, wk, wv, bv, wo, bo = inputs = _pool_case(torch.float16, 0.1)
+    grad_inv = torch.randn(tok.shape[0], tok.shape[2])
     _, attn = triton_pool.pool_forward(tok, q, wk, wv, bv, wo, bo)
     got = triton_pool.pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn)
-    leaves = [t.double().requires_grad_() for t in (tok, q, wk, wv, bv, wo, bo)]
-    reference.pool_forward(*leaves)[0].backward(grad_inv.double())
-    for name, g, leaf in zip(("tok", "q", "wk", "wv", "bv", "wo", "bo"), got, leaves):
-        err = float((g.double() - leaf.grad).norm() / leaf.grad.norm())
+    for name, err in _pool_grad_errors(got, inputs, grad_inv).items():
         assert err < (2e-3 if name == "tok" else 1e-5), (name, err)
     assert len(launched) == 1
+
+
+def _pool_case(tok_dtype, bv_scale):
+    """Fresh (tok, q, wk, wv, bv, wo, bo) of the pool at B = 3, N = 37, D = 40, P = 2, tok in
+    tok_dtype; bv None where bv_scale is."""
+    B, N, D, P = 3, 37, 40, 2
+    tok = torch.randn(B, N, D).to(tok_dtype)
+    q, bo = torch.randn(P, D // P), torch.randn(D) * 0.1
+    bv = None if bv_scale is None else torch.randn(D) * bv_scale
+    wk, wv, wo = (torch.randn(D, D) * D ** -0.5 for _ in range(3))
+    return tok, q, wk, wv, bv, wo, bo
+
+
+def _pool_grad_errors(got, inputs, grad_inv, mask=None):
+    """{name: ‖g − ref‖ / ‖ref‖} of pool_backward's gradients `got` against float64 autograd of the
+    reference pool on `inputs` (tok, q, wk, wv, bv, wo, bo; an absent bv is left out)."""
+    leaves = [None if t is None else t.double().requires_grad_() for t in inputs]
+    reference.pool_forward(*leaves, mask)[0].backward(grad_inv.double())
+    return {name: float((g.double() - leaf.grad).norm() / leaf.grad.norm())
+            for name, g, leaf in zip(("tok", "q", "wk", "wv", "bv", "wo", "bo"), got, leaves) if leaf is not None}
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -942,11 +956,8 @@ def test_pool_backward_single_pass_with_a_mask(monkeypatch, bias, kept):
     key-padding mask that leaves one batch row attending to nothing (its heads 0, not bv)."""
     pool_backward_way(monkeypatch, "_attend_bwd_single")
     launched = record_calls(monkeypatch, triton_pool, "attend_bwd_single")
-    B, N, D, P = 3, 37, 40, 2
-    tok = torch.randn(B, N, D)
-    q, bo = torch.randn(P, D // P), torch.randn(D) * 0.1
-    bv = torch.randn(D) * 0.5 if bias else None
-    wk, wv, wo = (torch.randn(D, D) * D ** -0.5 for _ in range(3))
+    tok, q, wk, wv, bv, wo, bo = inputs = _pool_case(torch.float32, 0.5 if bias else None)
+    B, N, D = tok.shape
     mask = torch.rand(B, N) < 0.3
     mask[1] = True
     grad_inv = torch.randn(B, D)
@@ -954,12 +965,8 @@ def test_pool_backward_single_pass_with_a_mask(monkeypatch, bias, kept):
     _, attn = triton_pool.pool_forward(tok, q, wk, wv, bv, wo, bo, mask, pooled=pooled)
     got = triton_pool.pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn, pooled=pooled if kept else None,
                                     mask=mask)
-    leaves = [None if t is None else t.double().requires_grad_() for t in (tok, q, wk, wv, bv, wo, bo)]
-    reference.pool_forward(*leaves, mask)[0].backward(grad_inv.double())
-    for name, g, leaf in zip(("tok", "q", "wk", "wv", "bv", "wo", "bo"), got, leaves):
-        if leaf is not None:
-            err = float((g.double() - leaf.grad).norm() / leaf.grad.norm())
-            assert err < 1e-5, (name, err)
+    errors = _pool_grad_errors(got, inputs, grad_inv, mask)
+    assert len(errors) == (7 if bias else 6) and all(err < 1e-5 for err in errors.values()), errors
     assert len(launched) == 1
 
 
