@@ -159,8 +159,9 @@
 #                                      # way since session 55), large then medium, 3 rounds (~2 min):
 #                                      # run.log, batch_ab.txt
 #   bash bench/h200_session.sh pool-single  # the pool backward in one pass (MHA_COMPILE_POOL_BWD_SINGLE_PASS,
-#                                      # off by default): its GPU tests, ncu's stalls by source line at
-#                                      # large, flag_ab at large (8 rounds) and medium (4) (~7 min):
+#                                      # by default where tok exceeds L2): its GPU tests, ncu's stalls
+#                                      # by source line at large, flag_ab at large (8 rounds) and
+#                                      # medium (4) (~7 min):
 #                                      # run.log, ncu_pool_single.txt, flag_ab_pool_single.txt
 #   bash bench/h200_session.sh verify-step-graphs  # where device time is short: the whole GPU suite
 #                                      # on a cold cache, then step-graphs' rows without Inductor's (~9.5 min):
@@ -302,9 +303,9 @@ step-graphs)
     grep "^==" "$OUT/step_profile_step_graphs_medium.txt" >>"$LOG"
     ;;
 pool-single)
-    # the pool backward's single pass (triton_pool.SINGLE_PASS, off by default; PERF_NOTES v60, Next
-    # (1b')): its GPU tests, ncu's stall reasons by source line on it at large (where its loop's
-    # cycles go), then flag_ab off against on at large (8 rounds) and medium (4) (~7 min)
+    # the pool backward's single pass (triton_pool.SINGLE_PASS, by default where tok exceeds L2;
+    # PERF_NOTES v60-v61): its GPU tests, ncu's stall reasons by source line on it at large (where its
+    # loop's cycles go), then flag_ab two passes against one at large (8 rounds) and medium (4) (~7 min)
     { MHA_COMPILE_NO_AUTOTUNE=1 timeout 150 python -m pytest -q -m cuda tests/kernels/test_triton_kernels_cuda.py \
         -k attend_bwd_single -p no:cacheprovider -rf 2>&1 | tail -5; } >>"$LOG"
     MHA_COMPILE_POOL_BWD_SINGLE_PASS=1 timeout -s INT 150 ncu --clock-control none --profile-from-start off \

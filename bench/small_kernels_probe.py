@@ -5,7 +5,7 @@ warp a program).
     PYTHONPATH=. python bench/small_kernels_probe.py [--presets medium,large]
                                                      [--kernels tile_sums,gather,matmul,pool,pool_bwd1,pool_bwd2,
                                                                 pool_bwd_one,bias_sums,router_wgrad,inv_logits,
-                                                                column_sums]
+                                                                column_sums,pool_single]
 
 On the H200 (bf16; ~1-2 min for both presets without pool_bwd1 and pool_bwd2, which add some 3-5
 min, not yet measured: ~90 configs to compile and time; bench/results/small_kernels_probe.txt), at each
@@ -35,6 +35,10 @@ slot layout:
              launches of _column_sums_kernel) of the ∂u partials [B, P·D] and of ∂inv [B, D], fp32:
              block_r × block_c × warps with VALUES or 2·VALUES loaded values a thread × programs
              of its first pass (40 us a large step for ~72 MB on the H200, session 32)
+  pool_single triton_pool._pool_bwd_single_kernel, the backward in one pass over tok (single_pass):
+             BLOCK_N × warps × stages of its list, after the two passes as shipped (one kernel where
+             tok fits in L2; session 58 on an H100: 574.7 against 677.7 us at large,
+             bench/results/h100_s58_pool_single.txt)
 The tile_sums and gather sweeps take the [rows, columns] tiles holding VALUES values a thread
 (loaded or accumulated) for each warp count, beside the shipped configs.
 Each row: the config, the median CUDA-graph time (gemm_probe.variant), the rate of the bytes the
@@ -504,6 +508,38 @@ def pool_bwd_one(c):
             lambda got: agreement(got, want))
 
 
+def pool_single(c):
+    """The pool backward in one pass over tok (triton_pool.attend_bwd_single) under each config of
+    its list, after the two passes as shipped (one kernel where tok fits in L2), whose ∂tok, t̄ and
+    ∂u partials each is compared against. The heads and ∂t̄ are consistent (pooled = Wv t̄ + bv,
+    ∂t̄_p = Wv_pᵀ ∂pooled_p), as the single pass's c needs."""
+    x = backward_inputs(c)
+    B, N, D, P = c.B, c.N, c.D, c.P
+    _, tbar = triton_pool.pool_attend(x.tok, x.u)
+    x.pooled = triton_pool._heads(tbar, c.wv, c.bv, triton_pool.split_dot(c.tok.dtype)).contiguous()
+    x.gpooled = (c.grad_inv @ c.wo).contiguous()
+    x.dtbar = torch.einsum("bpj,pjd->bpd", x.gpooled.view(B, P, D // P), c.wv.view(P, D // P, D)).contiguous()
+    x.ds = torch.empty_like(x.attn)
+    traffic = bwd2_bytes(B, N, D, P, c.tok.element_size())
+    print(f"pool backward in one pass: tok [{B}, {N}, {D}], P={P}, {traffic / 1e6:.0f} MB", flush=True)
+    one = triton_pool.bwd_one_kernel(x.tok)
+    two = lambda: bwd_one(x) if one else (bwd_scores(x, x.ds), bwd(x))[1]  # noqa: E731
+    want = [t.clone() for t in two()]
+    if torch.cuda.is_available():
+        ms = triton.testing.do_bench_cudagraph(two, rep=60, return_mode="median")
+        print(f"  {'two passes, as shipped' + (' (one kernel)' if one else ''):<66}  {ms * 1e3:7.1f} us "
+              f"{traffic / ms / 1e9:5.2f} TB/s", flush=True)
+    out = bwd_outputs(x)
+
+    def run():
+        grad_tok, tbar, du = out
+        triton_pool.attend_bwd_single(x.tok, x.u, x.attn, x.pooled, c.bv, x.gpooled, x.dtbar, tbar, du, grad_tok)
+        return out
+    launcher = triton_pool._attend_bwd_single
+    for cfg in launcher.configs:
+        row(f"  {'pool single':<13} {describe(cfg):<51}", launcher, cfg, run, traffic, lambda got: agreement(got, want))
+
+
 def column_sums(c):
     """The pool backward's column sums of the ∂u partials [B, P·D] and ∂inv [B, D] (fp32), each
     as shipped, then block_r × block_c × warps (VALUES or 2·VALUES values a thread) × the
@@ -523,7 +559,7 @@ def column_sums(c):
 
 PROBES = dict(tile_sums=tile_sums, gather=gather, matmul=matmul, pool=pool, pool_bwd1=pool_bwd1, pool_bwd2=pool_bwd2,
               pool_bwd_one=pool_bwd_one, bias_sums=bias_sums, router_wgrad=router_wgrad, inv_logits=inv_logits,
-              column_sums=column_sums)
+              column_sums=column_sums, pool_single=pool_single)
 KERNELS = tuple(PROBES)
 
 

@@ -24,8 +24,8 @@ and small), one kernel runs both passes, a program a batch row (bwd_one_kernel):
 tail fewer. The per-b ∂u-partials [B,P,D] are summed by column_sums, a Triton sum in two
 launches in a fixed order (bitwise reproducible; torch's sum with MHA_COMPILE_POOL_COLUMN_SUMS=0).
 Pass 1 reads tok only for c_p = Σ_n a ∂a = ⟨t̄_p, ∂t̄_p⟩ = ⟨pooled_p − bv_p, ∂pooled_p⟩, which the
-forward's heads give without it: with SINGLE_PASS (off by default, see there) one kernel a batch row
-does both passes in one read of tok (_pool_bwd_single_kernel).
+forward's heads give without it: where tok exceeds L2 (single_pass, SINGLE_PASS) one kernel a batch
+row does both passes in one read of tok (_pool_bwd_single_kernel).
 
 All pool arithmetic accumulates in fp32 to about fp32 accuracy: ieee fp32 dots for fp32 and
 fp16 tokens; for bf16 tokens the same products as split bf16 tensor-core dots (triton_util.dot_f32), since
@@ -59,13 +59,20 @@ BWD_ONE_KERNEL = os.environ.get("MHA_COMPILE_POOL_BWD_ONE_KERNEL", "1") != "0"
 # MHA_COMPILE_POOL_COLUMN_SUMS=0 keeps torch's sum. Read at call time (bench/flag_ab.py flips it).
 COLUMN_SUMS = os.environ.get("MHA_COMPILE_POOL_COLUMN_SUMS", "1") != "0"
 # The backward in one pass over tok (_pool_bwd_single_kernel) rather than two (pass 1 for ∂s, pass 2
-# for ∂tok; or both in one kernel where tok fits in L2). Off by default: on the H200 (session 57,
-# flag_ab, bench/PERF_NOTES.md v60) the training step took +6.5 us at medium in 4 of 4 rounds and
-# -1.7 us at small; at large the rounds' orders disagreed (+33 and -393 us). At large it needs 255
-# registers a thread at 4 warps (2 programs an SM) and ran at 46% of DRAM's throughput, 580 us
-# (ncu, H100) against the two kernels' 218 + 462. MHA_COMPILE_POOL_BWD_SINGLE_PASS=1 turns it on;
-# read at call time (bench/flag_ab.py flips it).
-SINGLE_PASS = os.environ.get("MHA_COMPILE_POOL_BWD_SINGLE_PASS", "0") == "1"
+# for ∂tok; or both in one kernel where tok fits in L2): None (auto, the default) runs it where tok
+# does not fit in the GPU's L2 and the forward kept its heads (single_pass); True or False always
+# or never (MHA_COMPILE_POOL_BWD_SINGLE_PASS=1 or 0). Its sums with D as the dots' M (session 58):
+# on an H100 at large 574.7 us against the two passes' 677.7 (bench/results/h100_s58_pool_single.txt;
+# the interleaved rows of session 57, 591.1) and the training step faster in 4 of 4 rounds of
+# flag_ab (-93 and -551 us by order); at medium 45.6 against the one kernel's 48.4, which stays
+# (session 57's layout took a medium step +6.5 us on the H200). Read at call time (bench/flag_ab.py
+# sets it True and False).
+_SINGLE_PASS_VALUES = {"auto": None, "1": True, "0": False}
+_single_pass_env = os.environ.get("MHA_COMPILE_POOL_BWD_SINGLE_PASS", "auto")
+if _single_pass_env not in _SINGLE_PASS_VALUES:
+    raise ValueError(f"MHA_COMPILE_POOL_BWD_SINGLE_PASS={_single_pass_env!r}: expected one of "
+                     f"{', '.join(_SINGLE_PASS_VALUES)}")
+SINGLE_PASS = _SINGLE_PASS_VALUES[_single_pass_env]
 
 
 @triton.jit
@@ -302,8 +309,13 @@ def _pool_bwd_single_kernel(
     correction; c_p = ⟨t̄_p, ∂t̄_p⟩ = ⟨Wv_p t̄_p, ∂pooled_p⟩ = ⟨pooled_p − bv_p, ∂pooled_p⟩ takes it
     from the heads' output the forward kept (pooled [B,D] fp32) and ∂pooled [B,D] fp32 instead.
     Then per block of tokens: ∂a = tok ∂t̄ᵀ, ∂s = a ⊙ (∂a − c), and with ads = [a | ∂s] (a head's
-    two columns side by side, 2p and 2p + 1) and the directions R = [∂t̄_b ; u] interleaved alike:
-        ∂tok[b,n] = ads[n] R,    adsᵀ tok[b] → t̄ (rows 2p) and the ∂u partials (rows 2p + 1).
+    two columns side by side, 2p and 2p + 1) and the directions Rᵀ = [∂t̄_bᵀ | uᵀ] interleaved alike:
+        ∂tokᵀ = Rᵀ adsᵀ,    tokᵀ ads → t̄ᵀ (columns 2p) and the ∂u partials' (columns 2p + 1).
+    Both products have D as their M (the forward's t̄ᵀ likewise), so they run as wgmma on the
+    H200 with tok's tile read from shared memory, where [BLOCK_N, D] products ran as mma on 16-row
+    tiles (session 57's layout: 591 against 575 us at large on an H100, 112 mma instructions a
+    block of 16 tokens at 4 warps against 40 wgmma and 32 mma). ∂a, [BLOCK_N, 2P] from all of D,
+    stays mma.
     du_ptr may be dtbar_ptr, as in _grad_columns: this program reads its ∂t̄[b] before the loop."""
     b = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
@@ -323,13 +335,13 @@ def _pool_bwd_single_kernel(
     offs_q = tl.arange(0, 2 * BLOCK_P)
     q_p = offs_q // 2
     q_u = (offs_q % 2) == 1
-    rows = q_p[:, None] * D + offs_d[None, :]
-    q_ok = (q_p < P)[:, None] & d_ok[None, :]
-    dirs = (tl.load(dtbar_b + rows, mask=q_ok & ~q_u[:, None], other=0.0)
-            + tl.load(u_ptr + rows, mask=q_ok & q_u[:, None], other=0.0))  # [2·BLOCK_P, BLOCK_D]
+    cols = offs_d[:, None] + q_p[None, :] * D
+    q_ok = d_ok[:, None] & (q_p < P)[None, :]
+    dirs_t = (tl.load(dtbar_b + cols, mask=q_ok & ~q_u[None, :], other=0.0)
+              + tl.load(u_ptr + cols, mask=q_ok & q_u[None, :], other=0.0))  # [BLOCK_D, 2·BLOCK_P]
     tok_b = tok_ptr + b * stride_tb
     attn_b = attn_ptr + b * N * P
-    acc = tl.zeros([2 * BLOCK_P, BLOCK_D], tl.float32)
+    acc_t = tl.zeros([BLOCK_D, 2 * BLOCK_P], tl.float32)
     # a is loaded one block ahead by hand, as in _grad_columns.
     a_next = _attn_rows(attn_b, 0, N, P, BLOCK_N, BLOCK_P)
     for n0 in range(0, N, BLOCK_N):
@@ -341,12 +353,13 @@ def _pool_bwd_single_kernel(
         t = tl.load(tok_b + nd_off, mask=nd_ok, other=0.0)
         ds = a * (dot_pairs(t, dtbar2, SPLIT_DOT) - c[None, :])
         ads = tl.reshape(tl.join(a, ds), [BLOCK_N, 2 * BLOCK_P])
-        dtok = dot_f32(ads, dirs, SPLIT_DOT)  # [BLOCK_N, BLOCK_D]
-        tl.store(dtok_ptr + b * stride_tb + nd_off, dtok.to(dtok_ptr.dtype.element_ty), mask=nd_ok)
-        acc += dot_f32(tl.trans(ads), t, SPLIT_DOT)  # [2·BLOCK_P, BLOCK_D]
-    out_off = b * P * D + rows
-    tl.store(tbar_ptr + out_off, acc, mask=q_ok & ~q_u[:, None])
-    tl.store(du_ptr + out_off, acc, mask=q_ok & q_u[:, None])
+        dtok_t = dot_f32(dirs_t, tl.trans(ads), SPLIT_DOT)  # [BLOCK_D, BLOCK_N]
+        tl.store(dtok_ptr + b * stride_tb + tl.trans(nd_off), dtok_t.to(dtok_ptr.dtype.element_ty),
+                 mask=tl.trans(nd_ok))
+        acc_t += dot_f32(tl.trans(t), ads, SPLIT_DOT)  # [BLOCK_D, 2·BLOCK_P]
+    out_off = b * P * D + cols
+    tl.store(tbar_ptr + out_off, acc_t, mask=q_ok & ~q_u[None, :])
+    tl.store(du_ptr + out_off, acc_t, mask=q_ok & q_u[None, :])
 
 
 @triton.jit
@@ -441,13 +454,17 @@ _attend_bwd = Launcher(_pool_bwd_kernel, [
     # At large: 371 against the [32, 128] blocks' 408 us, 3.5 TB/s (bench/small_kernels_probe.py, H200)
     dict(BLOCK_N=16, BLOCK_D=256, num_warps=4, num_stages=4),
 ], key=["N", "D", "P", "SPLIT_DOT"], restore=["dtbar_ptr"])
-# The single pass (SINGLE_PASS): all of D a program, as the forward; the first config is the interpreter's.
+# The single pass (single_pass): all of D a program, as the forward; the first config is the
+# interpreter's. On an H100 (session 58, bench/results/h100_s58_pool_single.txt): at large 574.7, 581.4
+# (58 bytes spilled) and 648.4 us; at medium 52.0, 45.6 and 50.3; BLOCK_N 16 at 8 and 16 warps (fewer
+# registers, for D up to MAX_POOL_D) 807.6 and 1515.4 at large. Not BLOCK_N 64 (582.6 at large at 8
+# warps, 255 registers and 188 KB of shared memory): there ∂a is a wgmma too, which Triton 3.6 fails to
+# build at some D (see _POOL_CONFIGS).
 _attend_bwd_single = Launcher(_pool_bwd_single_kernel, [
     dict(BLOCK_N=16, num_warps=4, num_stages=3),
-    dict(BLOCK_N=16, num_warps=8, num_stages=3),
-    dict(BLOCK_N=32, num_warps=8, num_stages=3),
-    dict(BLOCK_N=16, num_warps=8, num_stages=2),
     dict(BLOCK_N=32, num_warps=4, num_stages=2),
+    dict(BLOCK_N=32, num_warps=8, num_stages=3),
+    dict(BLOCK_N=16, num_warps=8, num_stages=3),
     dict(BLOCK_N=16, num_warps=16, num_stages=2),
 ], key=["N", "D", "P", "HAS_BV", "SPLIT_DOT"], restore=["dtbar_ptr"])
 # Both passes in one kernel (bwd_one_kernel): pass 1's BLOCK_N, pass 2's BLOCK_N2 × BLOCK_D2, warps and
@@ -664,6 +681,17 @@ def bwd_one_kernel(tok):
     return BWD_ONE_KERNEL and (l2 is None or tok.numel() * tok.element_size() <= l2)
 
 
+def single_pass(tok, pooled):
+    """Whether pool_backward runs the single pass (_pool_bwd_single_kernel): SINGLE_PASS where it is
+    True or False; by default (None) where the forward kept its heads (pooled; without them the pass
+    would first run the forward's kernel again, a read of tok more than it saves) and tok's bytes
+    exceed the GPU's L2, where the two passes read tok from memory twice (never off the GPU)."""
+    if SINGLE_PASS is not None:
+        return SINGLE_PASS
+    l2 = l2_bytes(tok.device)
+    return pooled is not None and l2 is not None and tok.numel() * tok.element_size() > l2
+
+
 def attend_bwd_one(tok, u, attn, ds, dtbar, tbar, du, grad_tok):
     """Both passes of the backward in one kernel (_pool_bwd_one_kernel), with attend_bwd_scores' and
     attend_bwd's arguments: ds [B,N,P] fp32 is its scratch for ∂s."""
@@ -694,16 +722,16 @@ def pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn, u=None, pooled=None, m
     grad_tbar = torch.empty(B, P, D, device=tok.device, dtype=torch.float32)
     _bmm(grad_heads, wv.view(P, Dh, D), split, out=grad_tbar.transpose(0, 1))  # "bpj,pjd->bpd"
     # The kernel writes the ∂u-partials over ∂t̄ (see _pool_bwd_kernel), and they are summed
-    # and dropped before t̄'s projections: at the large preset this is where training peaks,
-    # with ∂tok (512 MiB) live, and three [B,P,D] fp32 buffers (64 MiB each) became two there
-    # and one after (bench/offline_memory.py).
+    # and dropped before t̄'s projections: at the large preset with the two passes this is where
+    # training peaks, with ∂tok (512 MiB) live, and three [B,P,D] fp32 buffers (64 MiB each)
+    # became two there and one after (bench/offline_memory.py; the single pass peaks lower).
     du_part = grad_tbar
     u = (pool_directions(q, wk, split=split) if u is None else u).float().contiguous()
     tok = tok.contiguous()
     attn = attn.contiguous()
     grad_tok = torch.empty_like(tok)
     tbar = torch.empty(B, P, D, device=tok.device, dtype=torch.float32)
-    if SINGLE_PASS:
+    if single_pass(tok, pooled):
         if pooled is None:  # the heads' output, which the single pass's c needs before it starts
             pooled = _emptied(_heads(pool_attend(tok, u, mask)[1], wv, bv, split), empty)
         attend_bwd_single(tok, u, attn, pooled.contiguous(), bv, grad_pooled, grad_tbar, tbar, du_part, grad_tok)
@@ -730,3 +758,4 @@ def pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn, u=None, pooled=None, m
                    dtype=wv.dtype).reshape(D, D)
     grad_q, grad_wk = direction_grads(q, wk, grad_u)
     return grad_tok, grad_q, grad_wk, grad_wv, grad_bv, grad_wo, grad_bo
+

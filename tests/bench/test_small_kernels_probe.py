@@ -139,7 +139,8 @@ def test_column_sums_overrides_reach_the_kernel(monkeypatch):
 
 def test_every_swept_config_runs_and_agrees_with_the_shipped_one(capsys):
     launchers = (triton_moe._tile_sums, triton_matmul._matmul, triton_pool._attend, triton_pool._attend_bwd_scores,
-                 triton_pool._attend_bwd, triton_pool._attend_bwd_one, triton_moe._sum_tiles)
+                 triton_pool._attend_bwd, triton_pool._attend_bwd_one, triton_moe._sum_tiles,
+                 triton_pool._attend_bwd_single)
     plain = lambda: [triton_moe._gather_rows_kernel, triton_router._router_wgrad_kernel,  # noqa: E731
                      triton_router._inv_logits_kernel, triton_pool._column_sums_kernel]
     before = [(l.kernel, l.configs, l.tuned) for l in launchers] + plain()
@@ -165,6 +166,10 @@ def test_every_swept_config_runs_and_agrees_with_the_shipped_one(capsys):
         listed = [line for line in rows if line[2:].startswith(name)]
         assert len(listed) == len(configs) and all(
             sum(f" {probe.describe(cfg)} " in line for line in listed) == 1 for cfg in configs), name
+    # the single pass under each config of its list, once, against the two passes
+    single = [line for line in rows if line[2:].lstrip().startswith("pool single")]
+    assert len(single) == len(triton_pool._attend_bwd_single.configs) and all(
+        sum(f" {probe.describe(cfg)} " in line for line in single) == 1 for cfg in triton_pool._attend_bwd_single.configs)
     # the configs are run, not the shipped one again: other BLOCK_K sum the products in another order
     assert any("max diff 0.0e+00" not in line for line in rows if "matmul" in line)
 

@@ -7,6 +7,7 @@ bf16 is left to the GPU tests: triton 3.6's interpreter computes bf16 tl.dot wro
 """
 import logging
 import os
+import subprocess
 
 import pytest
 import torch
@@ -1074,6 +1075,49 @@ def test_the_pool_backward_takes_one_kernel_where_tok_fits_in_l2(monkeypatch, fl
     monkeypatch.setattr(triton_pool, "BWD_ONE_KERNEL", flag)
     monkeypatch.setattr(triton_pool, "l2_bytes", lambda device: l2)
     assert triton_pool.bwd_one_kernel(torch.empty(nbytes // 2, dtype=torch.float16)) is expected
+
+
+@pytest.mark.parametrize("flag,l2,nbytes,kept,expected", [
+    (None, None, 10 ** 9, True, False),  # off the GPU: never
+    (None, 6000, 6002, True, True), (None, 6000, 6000, True, False), (None, 6000, 6002, False, False),
+    (True, 6000, 10, False, True), (False, 6000, 10 ** 6, True, False)])
+def test_the_pool_backward_takes_one_pass_where_tok_exceeds_l2(monkeypatch, flag, l2, nbytes, kept, expected):
+    """single_pass: SINGLE_PASS where set; by default where tok's bytes exceed the GPU's L2 and the
+    forward kept its heads (the single pass's c needs them; computing them again reads tok once more)."""
+    monkeypatch.setattr(triton_pool, "SINGLE_PASS", flag)
+    monkeypatch.setattr(triton_pool, "l2_bytes", lambda device: l2)
+    pooled = torch.empty(1) if kept else None
+    assert triton_pool.single_pass(torch.empty(nbytes // 2, dtype=torch.float16), pooled) is expected
+
+
+def test_the_single_pass_switch_read_at_import():
+    """MHA_COMPILE_POOL_BWD_SINGLE_PASS: unset or auto by L2 (None), 1 always, 0 never; another value
+    is refused by name, with the values allowed."""
+    read = [read_at_import("mha_compile.kernels.triton_pool", "SINGLE_PASS", "MHA_COMPILE_POOL_BWD_SINGLE_PASS", value)
+            for value in (None, "auto", "1", "0")]
+    assert read == ["None", "None", "True", "False"]
+    with pytest.raises(subprocess.CalledProcessError) as refused:
+        read_at_import("mha_compile.kernels.triton_pool", "SINGLE_PASS", "MHA_COMPILE_POOL_BWD_SINGLE_PASS", "yes")
+    assert "MHA_COMPILE_POOL_BWD_SINGLE_PASS='yes': expected one of auto, 1, 0" in refused.value.stderr
+
+
+@pytest.mark.parametrize("kept", [True, False])
+def test_the_pool_backward_by_default_past_l2(monkeypatch, kept):
+    """By default (SINGLE_PASS None), with tok's bytes past L2 (an L2 of 64 bytes here), pool_backward
+    runs the single pass where the forward's heads are given, the two passes where they are not;
+    every gradient against float64 either way."""
+    monkeypatch.setattr(triton_pool, "SINGLE_PASS", None)
+    monkeypatch.setattr(triton_pool, "l2_bytes", lambda device: 64)
+    single = record_calls(monkeypatch, triton_pool, "attend_bwd_single")
+    two = record_calls(monkeypatch, triton_pool, "attend_bwd")
+    tok, q, wk, wv, bv, wo, bo = inputs = _pool_case(torch.float32, 0.5)
+    grad_inv = torch.randn(tok.shape[0], tok.shape[2])
+    pooled = torch.empty(tok.shape[0], tok.shape[2])
+    _, attn = triton_pool.pool_forward(tok, q, wk, wv, bv, wo, bo, pooled=pooled)
+    got = triton_pool.pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn, pooled=pooled if kept else None)
+    errors = _pool_grad_errors(got, inputs, grad_inv)
+    assert all(err < 1e-5 for err in errors.values()), errors
+    assert (len(single), len(two)) == ((1, 0) if kept else (0, 1))
 
 
 @pytest.mark.parametrize("name", ["_attend_bwd_single", "_attend_bwd", "_attend_bwd_one", "_wgrad", "_sum_tiles"])
