@@ -41,7 +41,9 @@ def main():
     args = parser.parse_args()
     module_name, attr = args.flag.split(":")
     module = importlib.import_module(module_name)
-    values = flag_values(args.flag, getattr(module, attr, None), args.values)
+    if not hasattr(module, attr):
+        raise SystemExit(f"--flag {args.flag}: {module_name} has no attribute {attr}")
+    values = flag_values(args.flag, getattr(module, attr), args.values)
     p = models.PRESETS[args.preset]
     torch.manual_seed(0)
     block = models.MHABlock.from_preset(args.preset, spelling="dense").to("cuda", torch.bfloat16)
@@ -82,13 +84,13 @@ def main():
 
 
 def flag_values(flag, current, values):
-    """(off, on): False, True for a bool attribute; for an int or float one, the two values of
+    """(off, on): False, True for a bool attribute, or a switch whose None chooses by itself (such as
+    triton_pool.SINGLE_PASS, by L2): its two ways forced; for an int or float one, the two values of
     `values` ("A,B") in its type. A clear error for anything else."""
     name = flag.replace(":", ".")
     if values is None:
-        if not isinstance(current, bool):
-            raise SystemExit(f"--flag {flag}: {name} is not a bool attribute"
-                             + ("" if current is None else " (a number takes --values A,B)"))
+        if current is not None and not isinstance(current, bool):
+            raise SystemExit(f"--flag {flag}: {name} is not a bool attribute (a number takes --values A,B)")
         return False, True
     if isinstance(current, bool) or not isinstance(current, (int, float)):
         raise SystemExit(f"--values {values}: {name} is {type(current).__name__}, not an int or float attribute")

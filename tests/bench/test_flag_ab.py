@@ -10,12 +10,13 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 import flag_ab  # noqa: E402
 
 
-@pytest.mark.parametrize("flag", ["mha_compile.kernels.gluon_moe:STREAM_EXPERTS",
-                                  "mha_compile.kernels.gluon_moe:NO_SUCH_FLAG"])
-def test_a_flag_that_is_not_a_bool_is_refused(monkeypatch, flag):
+@pytest.mark.parametrize("flag,why", [
+    ("mha_compile.kernels.gluon_moe:STREAM_EXPERTS",
+     "mha_compile.kernels.gluon_moe.STREAM_EXPERTS is not a bool attribute"),
+    ("mha_compile.kernels.gluon_moe:NO_SUCH_FLAG", "mha_compile.kernels.gluon_moe has no attribute NO_SUCH_FLAG")])
+def test_a_flag_that_is_not_a_bool_is_refused(monkeypatch, flag, why):
     monkeypatch.setattr(sys, "argv", ["flag_ab.py", "--flag", flag])
-    with pytest.raises(SystemExit, match=f"--flag {flag}: mha_compile.kernels.gluon_moe.{flag.split(':')[1]} "
-                                         "is not a bool attribute"):
+    with pytest.raises(SystemExit, match=f"--flag {flag}: {why}"):
         flag_ab.main()
 
 
@@ -37,10 +38,12 @@ def test_the_summary_gives_each_order_and_says_when_they_disagree():
 
 
 def test_a_number_takes_two_values_in_its_type():
-    """SLOT_CHUNK_BYTES (an int) against a smaller run size; a bool keeps False, True."""
+    """SLOT_CHUNK_BYTES (an int) against a smaller run size; a bool keeps False, True, and so does a
+    switch left to choose by itself (None: triton_pool.SINGLE_PASS's default)."""
     flag = "mha_compile.kernels.triton_moe:SLOT_CHUNK_BYTES"
     assert flag_ab.flag_values(flag, 512 << 20, "536870912,67108864") == (536870912, 67108864)
     assert flag_ab.flag_values("m:FLAG", True, None) == (False, True)
+    assert flag_ab.flag_values("m:FLAG", None, None) == (False, True)
     with pytest.raises(SystemExit, match="is not a bool attribute \\(a number takes --values A,B\\)"):
         flag_ab.flag_values(flag, 512 << 20, None)
     for bad in ("536870912", "1,2,3", "64MiB,32MiB"):
