@@ -63,8 +63,8 @@ COLUMN_SUMS = os.environ.get("MHA_COMPILE_POOL_COLUMN_SUMS", "1") != "0"
 # does not fit in the GPU's L2 and the forward kept its heads (single_pass); True or False always
 # or never (MHA_COMPILE_POOL_BWD_SINGLE_PASS=1 or 0). Its sums with D as the dots' M (session 58):
 # on an H100 at large 574.7 us against the two passes' 677.7 (bench/results/h100_s58_pool_single.txt;
-# the interleaved rows of session 57, 591.1) and the training step faster in 4 of 4 rounds of
-# flag_ab (-93 and -551 us by order); at medium 45.6 against the one kernel's 48.4, which stays
+# the interleaved rows of session 57, 591.1) and the training step faster in 8 of 8 rounds of
+# flag_ab (~-95 us with the graph off timed first); at medium 45.6 against the one kernel's 48.4, which stays
 # (session 57's layout took a medium step +6.5 us on the H200). Read at call time (bench/flag_ab.py
 # sets it True and False).
 _SINGLE_PASS_VALUES = {"auto": None, "1": True, "0": False}
@@ -311,8 +311,8 @@ def _pool_bwd_single_kernel(
     Then per block of tokens: ∂a = tok ∂t̄ᵀ, ∂s = a ⊙ (∂a − c), and with ads = [a | ∂s] (a head's
     two columns side by side, 2p and 2p + 1) and the directions Rᵀ = [∂t̄_bᵀ | uᵀ] interleaved alike:
         ∂tokᵀ = Rᵀ adsᵀ,    tokᵀ ads → t̄ᵀ (columns 2p) and the ∂u partials' (columns 2p + 1).
-    Both products have D as their M (the forward's t̄ᵀ likewise), so they run as wgmma on the
-    H200 with tok's tile read from shared memory, where [BLOCK_N, D] products ran as mma on 16-row
+    Both products have D as their M (the forward's t̄ᵀ likewise), so they run as wgmma on Hopper
+    with tok's tile read from shared memory, where [BLOCK_N, D] products ran as mma on 16-row
     tiles (session 57's layout: 591 against 575 us at large on an H100, 112 mma instructions a
     block of 16 tokens at 4 warps against 40 wgmma and 32 mma). ∂a, [BLOCK_N, 2P] from all of D,
     stays mma.
@@ -758,4 +758,3 @@ def pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn, u=None, pooled=None, m
                    dtype=wv.dtype).reshape(D, D)
     grad_q, grad_wk = direction_grads(q, wk, grad_u)
     return grad_tok, grad_q, grad_wk, grad_wv, grad_bv, grad_wo, grad_bo
-
