@@ -59,8 +59,8 @@ BWD_ONE_KERNEL = os.environ.get("MHA_COMPILE_POOL_BWD_ONE_KERNEL", "1") != "0"
 # MHA_COMPILE_POOL_COLUMN_SUMS=0 keeps torch's sum. Read at call time (bench/flag_ab.py flips it).
 COLUMN_SUMS = os.environ.get("MHA_COMPILE_POOL_COLUMN_SUMS", "1") != "0"
 # The backward in one pass over tok (_pool_bwd_single_kernel) rather than two (pass 1 for ∂s, pass 2
-# for ∂tok; or both in one kernel where tok fits in L2): None (auto, the default) runs it where tok
-# does not fit in the GPU's L2 and the forward kept its heads (single_pass); True or False always
+# for ∂tok; or both in one kernel where tok fits in L2): None (auto, the default) runs it where bf16
+# tok does not fit in the GPU's L2 and the forward kept its heads (single_pass); True or False always
 # or never (MHA_COMPILE_POOL_BWD_SINGLE_PASS=1 or 0). Its sums with D as the dots' M (session 58):
 # on an H100 at large 574.7 us against the two passes' 677.7 (bench/results/h100_s58_pool_single.txt;
 # the interleaved rows of session 57, 591.1) and the training step faster in 8 of 8 rounds of
@@ -684,12 +684,15 @@ def bwd_one_kernel(tok):
 def single_pass(tok, pooled):
     """Whether pool_backward runs the single pass (_pool_bwd_single_kernel): SINGLE_PASS where it is
     True or False; by default (None) where the forward kept its heads (pooled; without them the pass
-    would first run the forward's kernel again, a read of tok more than it saves) and tok's bytes
-    exceed the GPU's L2, where the two passes read tok from memory twice (never off the GPU)."""
+    would first run the forward's kernel again, a read of tok more than it saves), tok's bytes
+    exceed the GPU's L2, where the two passes read tok from memory twice (never off the GPU), and
+    its dots are split_dot's tensor-core ones (bf16 tokens): the single pass was timed with those
+    only, and fp32 or fp16 tokens keep the two passes' FMA dots as before."""
     if SINGLE_PASS is not None:
         return SINGLE_PASS
     l2 = l2_bytes(tok.device)
-    return pooled is not None and l2 is not None and tok.numel() * tok.element_size() > l2
+    return (pooled is not None and l2 is not None and split_dot(tok.dtype) != 0
+            and tok.numel() * tok.element_size() > l2)
 
 
 def attend_bwd_one(tok, u, attn, ds, dtbar, tbar, du, grad_tok):

@@ -1077,17 +1077,22 @@ def test_the_pool_backward_takes_one_kernel_where_tok_fits_in_l2(monkeypatch, fl
     assert triton_pool.bwd_one_kernel(torch.empty(nbytes // 2, dtype=torch.float16)) is expected
 
 
-@pytest.mark.parametrize("flag,l2,nbytes,kept,expected", [
-    (None, None, 10 ** 9, True, False),  # off the GPU: never
-    (None, 6000, 6002, True, True), (None, 6000, 6000, True, False), (None, 6000, 6002, False, False),
-    (True, 6000, 10, False, True), (False, 6000, 10 ** 6, True, False)])
-def test_the_pool_backward_takes_one_pass_where_tok_exceeds_l2(monkeypatch, flag, l2, nbytes, kept, expected):
-    """single_pass: SINGLE_PASS where set; by default where tok's bytes exceed the GPU's L2 and the
-    forward kept its heads (the single pass's c needs them; computing them again reads tok once more)."""
+@pytest.mark.parametrize("flag,l2,nbytes,kept,dtype,expected", [
+    (None, None, 10 ** 9, True, torch.bfloat16, False),  # off the GPU: never
+    (None, 6000, 6002, True, torch.bfloat16, True), (None, 6000, 6000, True, torch.bfloat16, False),
+    (None, 6000, 6002, False, torch.bfloat16, False), (None, 6000, 6004, True, torch.float32, False),
+    (None, 6000, 6002, True, torch.float16, False),
+    (True, 6000, 10, False, torch.float32, True), (False, 6000, 10 ** 6, True, torch.bfloat16, False)])
+def test_the_pool_backward_takes_one_pass_where_tok_exceeds_l2(monkeypatch, flag, l2, nbytes, kept, dtype,
+                                                                 expected):
+    """single_pass: SINGLE_PASS where set; by default where tok's bytes exceed the GPU's L2, the
+    forward kept its heads (the single pass's c needs them; computing them again reads tok once more)
+    and tok's dtype takes the split tensor-core dots (bf16, where it was timed)."""
     monkeypatch.setattr(triton_pool, "SINGLE_PASS", flag)
     monkeypatch.setattr(triton_pool, "l2_bytes", lambda device: l2)
     pooled = torch.empty(1) if kept else None
-    assert triton_pool.single_pass(torch.empty(nbytes // 2, dtype=torch.float16), pooled) is expected
+    tok = torch.empty(nbytes // (torch.finfo(dtype).bits // 8), dtype=dtype)
+    assert triton_pool.single_pass(tok, pooled) is expected
 
 
 def test_the_single_pass_switch_read_at_import():
@@ -1103,20 +1108,22 @@ def test_the_single_pass_switch_read_at_import():
 
 @pytest.mark.parametrize("kept", [True, False])
 def test_the_pool_backward_by_default_past_l2(monkeypatch, kept):
-    """By default (SINGLE_PASS None), with tok's bytes past L2 (an L2 of 64 bytes here), pool_backward
-    runs the single pass where the forward's heads are given, the two passes where they are not;
-    every gradient against float64 either way."""
+    """By default (SINGLE_PASS None), with tok's bytes past L2 (an L2 of 64 bytes here) and split
+    dots (fp16 standing in for bf16, which the interpreter computes right), pool_backward runs the
+    single pass where the forward's heads are given, the two passes where they are not; every
+    gradient against float64 either way (∂tok to its fp16 rounding, as test_pool_backward_split_dots)."""
     monkeypatch.setattr(triton_pool, "SINGLE_PASS", None)
     monkeypatch.setattr(triton_pool, "l2_bytes", lambda device: 64)
+    monkeypatch.setattr(triton_pool, "SPLIT_DOT_DTYPES", {torch.float16: 2})
     single = record_calls(monkeypatch, triton_pool, "attend_bwd_single")
     two = record_calls(monkeypatch, triton_pool, "attend_bwd")
-    tok, q, wk, wv, bv, wo, bo = inputs = _pool_case(torch.float32, 0.5)
+    tok, q, wk, wv, bv, wo, bo = inputs = _pool_case(torch.float16, 0.5)
     grad_inv = torch.randn(tok.shape[0], tok.shape[2])
     pooled = torch.empty(tok.shape[0], tok.shape[2])
     _, attn = triton_pool.pool_forward(tok, q, wk, wv, bv, wo, bo, pooled=pooled)
     got = triton_pool.pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn, pooled=pooled if kept else None)
     errors = _pool_grad_errors(got, inputs, grad_inv)
-    assert all(err < 1e-5 for err in errors.values()), errors
+    assert all(err < (2e-3 if name == "tok" else 1e-5) for name, err in errors.items()), errors
     assert (len(single), len(two)) == ((1, 0) if kept else (0, 1))
 
 
