@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from mha_compile import ops, pool_moe_ops
-from mha_compile.kernels import reference, triton_moe
+from mha_compile.kernels import reference, triton_moe, triton_pool
 
 from kernels.kernel_cases import GRAD_NAMES, make_case
-from numerics import relative_error
+from numerics import record_calls, relative_error
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="the fused kernels on CPU need TRITON_INTERPRET=1")
@@ -96,6 +96,31 @@ def test_pool_function_gives_the_op_s_bits(masked):
     for name, g_op, g_fn in zip(pool_moe_ops.POOL_INPUTS, grads_op, grads_fn):
         assert torch.equal(g_op, g_fn), f"∂{name}"
         assert (g_fn.abs().max() == 0) == (name == "bk"), f"∂{name}"
+
+
+@pytest.mark.parametrize("call", [pool_moe_ops.pool, pool_moe_ops.PoolFunction.apply], ids=["op", "PoolFunction"])
+def test_the_pool_s_backward_hands_its_heads_to_the_single_pass(monkeypatch, call):
+    """mha::pool and PoolFunction save the heads' output (pooled) for their backward, which the single
+    pass's c needs: with tok past the GPU's L2 (an L2 of 64 bytes here, as the large preset's tok on
+    the GPU) and split dots (fp16 standing in for bf16) the default runs it, once, with those heads;
+    every pool gradient (each in fp16, the inputs' dtype) within two fp16 roundings of the two
+    passes' (fp32 sums in another order, each rounded once: 5e-5 seen on ∂Wk)."""
+    monkeypatch.setattr(triton_pool, "l2_bytes", lambda device: 64)
+    monkeypatch.setattr(triton_pool, "SPLIT_DOT_DTYPES", {torch.float16: 2})
+    launched = record_calls(monkeypatch, triton_pool, "attend_bwd_single")
+    _, tok, params = make_case(3, 5, 7, 24, 2, 40, 5, 2, act="gelu", bias=True, dtype=torch.float16)
+    grad_inv = torch.randn(3, 24, generator=torch.Generator().manual_seed(3))
+    grads = {}
+    for single in (None, False):  # the default, then the two passes
+        monkeypatch.setattr(triton_pool, "SINGLE_PASS", single)
+        leaves = [t.detach().requires_grad_() for t in (tok, *params[:7])]
+        grads[single] = torch.autograd.grad(call(*leaves, None)[0], leaves, grad_inv)
+        assert len(launched) == 1, single
+        assert launched[0][3] is not None  # pooled: the forward's heads, not computed again
+    bound = 2 * torch.finfo(torch.float16).eps
+    for name, one, two in zip(pool_moe_ops.POOL_INPUTS, grads[None], grads[False]):
+        assert one.dtype == torch.float16 and (relative_error(one, two) < bound or name == "bk"), name
+        assert (one.abs().max() == 0) == (name == "bk"), name  # ∂bk exactly zero, the rest not
 
 
 def _penalty_grads(call, ctx, tok, params, mask):
