@@ -154,6 +154,8 @@
 #                                      # forwards before one backward: the step graphs' depths, MAX_PENDING=1, the
 #                                      # trees; small and medium, 3 rounds), then mem_diag at small (~7 min):
 #                                      # run.log, siamese_step.txt, mem_diag_small.txt
+#   bash bench/h200_session.sh suite   # the whole GPU suite alone within 540 s, and how many of the
+#                                      # collected tests ran (~9 min at most): run.log, suite.xml
 #   bash bench/h200_session.sh batch-ab  # bench/batch_ab.py: our reduce-overhead step with and without
 #                                      # keep_hidden on one batch against two taken in turn (the table's
 #                                      # way since session 55), large then medium, 3 rounds (~2 min):
@@ -175,7 +177,7 @@
 #                                      # benchmark cut at 250 s (rows past it are listed as skipped)
 # Budgets are per step so a slow step cannot starve the others.
 set -u
-part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|ab|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|ncu-gemms|ncu-source|gluon|verify-gluon|gluon-gemms|verify-gemms|router|small-kernels|host-large|host-timers|wgrad-stream|sum-spread|column-sums|slot-chunk|hidden-columns|step-graphs|keep-hidden|keep-rows|keep-step|launch-ab|large-rows|kernel-times-ab|rows-ab|static-params|gluon-up|verify-step-graphs|after-step-graphs|depths|batch-ab|pool-single|short}
+part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|ab|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|ncu-gemms|ncu-source|gluon|verify-gluon|gluon-gemms|verify-gemms|router|small-kernels|host-large|host-timers|wgrad-stream|sum-spread|column-sums|slot-chunk|hidden-columns|step-graphs|keep-hidden|keep-rows|keep-step|launch-ab|large-rows|kernel-times-ab|rows-ab|static-params|gluon-up|verify-step-graphs|after-step-graphs|depths|suite|batch-ab|pool-single|short}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 # Inductor's compiled graphs kept in the checkout (git ignores it): the device keeps ignored
 # files between calls on a machine it still holds, so `table` can reuse `autotune-cache`'s.
@@ -318,6 +320,23 @@ pool-single)
             --preset $preset --rounds "$([ $preset = large ] && echo 8 || echo 4)" 2>&1 | grep -v Warning
     done >"$OUT/flag_ab_pool_single.txt"
     cat "$OUT/flag_ab_pool_single.txt" >>"$LOG"
+    ;;
+suite)
+    # the whole GPU suite alone, within 540 s (an H100 at 3 workers took 438 s in session 58, and its
+    # 430-s limit likely cut 4 tests): pytest's junit file says which tests ran, and the log how
+    # many of those collected ran, so that a suite cut by its limit says so (~9 min at most)
+    workers=$(python -c "import torch; print(8 if torch.cuda.get_device_properties(0).total_memory > 100e9 else 3)")
+    { MHA_COMPILE_NO_AUTOTUNE=1 timeout -s INT -k 20 540 python -m pytest -q -m cuda tests -n "$workers" \
+        -p no:cacheprovider -rf --tb=short --junitxml="$OUT/suite.xml" 2>&1 | grep -E "^FAILED|^E |passed|failed" \
+        | tail -60; } >>"$LOG"
+    collected=$(python -m pytest --collect-only -q -m cuda tests -p no:cacheprovider 2>/dev/null | tail -1)
+    if [ -f "$OUT/suite.xml" ]; then
+        python -c "import sys, xml.etree.ElementTree as ET
+print(sum(1 for _ in ET.parse(sys.argv[1]).iter('testcase')), 'tests ran of', sys.argv[2])" "$OUT/suite.xml" \
+            "$collected" >>"$LOG" 2>&1
+    else
+        echo "no junit file: the suite was killed before it could write one ($collected)" >>"$LOG"
+    fi
     ;;
 batch-ab)
     # what the copy-in of alternating batches costs our rows (session 56: ~73 us a large step on an
@@ -655,6 +674,6 @@ bench|bench-resume)
         --modes eager,inductor,inductor-max-autotune,mha-staged,mha-fused,mha-fused-cudagraphs \
         --spellings dense,loop,grouped_mm "${resume[@]}" --commit "$commit" 2>&1 | tail -100; } >>"$LOG"
     ;;
-*) echo "unknown part $part: expected check, kernels, probe, verify, ab, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache, medium-autotune, ncu, ncu-gemms, ncu-source, gluon, verify-gluon, gluon-gemms, verify-gemms, router, small-kernels, host-large, host-timers, wgrad-stream, sum-spread, column-sums, slot-chunk, hidden-columns, step-graphs, keep-hidden, keep-rows, keep-step, launch-ab, large-rows, kernel-times-ab, rows-ab, static-params, gluon-up, depths, batch-ab, pool-single or short" >&2; exit 2 ;;
+*) echo "unknown part $part: expected check, kernels, probe, verify, ab, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache, medium-autotune, ncu, ncu-gemms, ncu-source, gluon, verify-gluon, gluon-gemms, verify-gemms, router, small-kernels, host-large, host-timers, wgrad-stream, sum-spread, column-sums, slot-chunk, hidden-columns, step-graphs, keep-hidden, keep-rows, keep-step, launch-ab, large-rows, kernel-times-ab, rows-ab, static-params, gluon-up, depths, suite, batch-ab, pool-single or short" >&2; exit 2 ;;
 esac
 tail -150 "$LOG"
