@@ -677,8 +677,15 @@ def bwd_one_kernel(tok):
     rounds; at large (tok 512 MiB) 576 us at its best config against 534: pass 2's second read of
     tok[b] follows pass 1's within a program, but ~500 programs at once hold more of tok than L2,
     and the two kernels read it from memory faster (4.2 and 3.5 TB/s)."""
+    return BWD_ONE_KERNEL and fits_l2(tok)
+
+
+def fits_l2(tok):
+    """Whether tok's bytes fit in its GPU's L2 (always off the GPU): where they do, a second read of
+    tok[b] right after the first finds it there (bwd_one_kernel); where not, each read is a read of
+    memory (single_pass)."""
     l2 = l2_bytes(tok.device)
-    return BWD_ONE_KERNEL and (l2 is None or tok.numel() * tok.element_size() <= l2)
+    return l2 is None or tok.numel() * tok.element_size() <= l2
 
 
 def single_pass(tok, pooled):
@@ -690,9 +697,7 @@ def single_pass(tok, pooled):
     only, and fp32 or fp16 tokens keep the two passes' FMA dots as before."""
     if SINGLE_PASS is not None:
         return SINGLE_PASS
-    l2 = l2_bytes(tok.device)
-    return (pooled is not None and l2 is not None and split_dot(tok.dtype) != 0
-            and tok.numel() * tok.element_size() > l2)
+    return pooled is not None and split_dot(tok.dtype) != 0 and not fits_l2(tok)
 
 
 def attend_bwd_one(tok, u, attn, ds, dtbar, tbar, du, grad_tok):
