@@ -245,7 +245,8 @@ def main(argv=None):
                 rounds=args.rounds, quick=args.quick, settings=settings, notes=notes)
     if settings:
         notes.append("run with " + ", ".join(f"{k}={v}" for k, v in settings.items()) + " set in the "
-                     "environment: these rows are mha_compile under those switches, not its defaults")
+                     "environment: these rows ran under those values (a value can equal the default; README's table of "
+                     "environment variables gives each default)")
     if args.rounds > 1:
         notes.append(f"each row timed in {args.rounds} rounds, interleaved (every row once, then again): its ms is "
                      "the rounds' median, the note gives how many rounds it got and their range (a run cut short "
