@@ -65,8 +65,9 @@ COLUMN_SUMS = os.environ.get("MHA_COMPILE_POOL_COLUMN_SUMS", "1") != "0"
 # on an H100 at large 574.7 us against the two passes' 677.7 (bench/results/h100_s58_pool_single.txt;
 # the interleaved rows of session 57, 591.1) and the training step faster in 8 of 8 rounds of
 # flag_ab (~-95 us with the graph off timed first); at medium 45.6 against the one kernel's 48.4, which stays
-# (session 57's layout took a medium step +6.5 us on the H200). Read at call time (bench/flag_ab.py
-# sets it True and False).
+# (session 57's layout took a medium step +6.5 us on the H200). On the H200 (session 59, with a pipelined):
+# at large 507.7 against 534.9 us and the step -50 us (6 of 6 rounds); at medium -0.4 (the orders
+# disagree). Read at call time (bench/flag_ab.py sets it True and False).
 _SINGLE_PASS_VALUES = {"auto": None, "1": True, "0": False}
 _single_pass_env = os.environ.get("MHA_COMPILE_POOL_BWD_SINGLE_PASS", "auto")
 if _single_pass_env not in _SINGLE_PASS_VALUES:
@@ -342,11 +343,11 @@ def _pool_bwd_single_kernel(
     tok_b = tok_ptr + b * stride_tb
     attn_b = attn_ptr + b * N * P
     acc_t = tl.zeros([BLOCK_D, 2 * BLOCK_P], tl.float32)
-    # a is loaded one block ahead by hand, as in _grad_columns.
-    a_next = _attn_rows(attn_b, 0, N, P, BLOCK_N, BLOCK_P)
     for n0 in range(0, N, BLOCK_N):
-        a = a_next
-        a_next = _attn_rows(attn_b, n0 + BLOCK_N, N, P, BLOCK_N, BLOCK_P)
+        # a is loaded in the loop, where the pipeliner fetches it with tok's tile (cp.async, stages
+        # ahead). Loaded by hand one block ahead (as _grad_columns does), the shared-memory store of
+        # its layout conversion waited on it: 12.6% of ncu's stall samples at large (H100, BLOCK_N 32).
+        a = _attn_rows(attn_b, n0, N, P, BLOCK_N, BLOCK_P)
         offs_n = n0 + tl.arange(0, BLOCK_N)
         nd_off = offs_n[:, None].to(tl.int64) * stride_tn + offs_d[None, :]
         nd_ok = (offs_n < N)[:, None] & d_ok[None, :]
@@ -459,7 +460,9 @@ _attend_bwd = Launcher(_pool_bwd_kernel, [
 # (58 bytes spilled) and 648.4 us; at medium 52.0, 45.6 and 50.3; BLOCK_N 16 at 8 and 16 warps (fewer
 # registers, for D up to MAX_POOL_D) 807.6 and 1515.4 at large. Not BLOCK_N 64 (582.6 at large at 8
 # warps, 255 registers and 188 KB of shared memory): there ∂a is a wgmma too, which Triton 3.6 fails to
-# build at some D (see _POOL_CONFIGS).
+# build at some D (see _POOL_CONFIGS). On the H200 (session 59, bench/results/h200_s59_pool_single.txt),
+# with a pipelined as it is now: at large BLOCK_N 32 at 4 warps 507.7 us (522.0 with a loaded by hand),
+# BLOCK_N 16 586.0 (581.6), the two passes 534.9.
 _attend_bwd_single = Launcher(_pool_bwd_single_kernel, [
     dict(BLOCK_N=16, num_warps=4, num_stages=3),
     dict(BLOCK_N=32, num_warps=4, num_stages=2),
