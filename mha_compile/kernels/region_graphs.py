@@ -245,13 +245,25 @@ def after_last_replay(last, device):
     return current
 
 
+# Where copy_pairs copies a tensor with copy_ of its own rather than in its group's _foreach_copy_: one
+# block a 64K-element chunk leaves the GPU part idle (H100, bench/copy_probe.py, session 59: 64 MiB of
+# bf16 50.1 us by copy_ against 66.1, 8 MiB 10.4 against 21.6, 1 MiB 5.7 against 18.2; four of 1 MiB
+# 16.0 against 20.1). Large's ctx and ∂out and medium's tok are copied in before each replay. Read at
+# call time (bench/flag_ab.py --values sets it).
+COPY_ALONE_BYTES = 1 << 20
+
+
 def copy_pairs(pairs):
-    """dst.copy_(src) for each (dst, src), one _foreach_copy_ a group of one dtype whose pairs
-    share strides: only such a group takes its one-launch path (ATen's can_use_fast_route); a
-    mixed list (the saved tensors mix bf16, fp32 and int32) is copied one tensor at a time, a
-    launch and host time each (bench/results/host_timers_small.txt: 136 us for a step's three)."""
+    """dst.copy_(src) for each (dst, src): a pair of COPY_ALONE_BYTES or more by copy_ of its own,
+    the rest by one _foreach_copy_ a group of one dtype whose pairs share strides: only such a group
+    takes its one-launch path (ATen's can_use_fast_route); a mixed list (the saved tensors mix
+    bf16, fp32 and int32) is copied one tensor at a time, a launch and host time each
+    (bench/results/host_timers_small.txt: 136 us for a step's three)."""
     groups = collections.defaultdict(lambda: ([], []))
     for dst, src in pairs:
+        if dst.numel() * dst.element_size() >= COPY_ALONE_BYTES:
+            dst.copy_(src)
+            continue
         dsts, srcs = groups[dst.dtype, dst.stride() == src.stride()]
         dsts.append(dst)
         srcs.append(src)

@@ -182,9 +182,12 @@ def test_a_replay_on_another_stream_waits_for_the_devices_last_replay():
     assert other in first.waited_for[waits:]
 
 
-def test_copies_of_mixed_dtypes_and_layouts_land_each_in_its_own():
-    """The copies in and out are grouped by dtype and layout (one _foreach_copy_ a group): each
-    destination still gets its own source, whatever the mix."""
+@pytest.mark.parametrize("alone_bytes", [1 << 20, 40])
+def test_copies_of_mixed_dtypes_and_layouts_land_each_in_its_own(monkeypatch, alone_bytes):
+    """The copies in and out are grouped by dtype and layout (one _foreach_copy_ a group), those of
+    COPY_ALONE_BYTES or more copied alone (at 40 bytes here, some of each): each destination still
+    gets its own source, whatever the mix."""
+    monkeypatch.setattr(region_graphs, "COPY_ALONE_BYTES", alone_bytes)
     gen = torch.Generator().manual_seed(7)
     srcs = [torch.randn(4, 3, generator=gen), torch.randint(0, 9, (5,), generator=gen, dtype=torch.int32),
             torch.randn(3, 4, generator=gen).to(torch.bfloat16), torch.randn(2, 6, generator=gen),
