@@ -248,8 +248,8 @@ def after_last_replay(last, device):
 # Where copy_pairs copies a tensor with copy_ of its own rather than in its group's _foreach_copy_: one
 # block a 64K-element chunk leaves the GPU part idle (H100, bench/copy_probe.py, session 59: 64 MiB of
 # bf16 50.1 us by copy_ against 66.1, 8 MiB 10.4 against 21.6, 1 MiB 5.7 against 18.2; four of 1 MiB
-# 16.0 against 20.1). Large's ctx and ∂out and medium's tok are copied in before each replay. Read at
-# call time (bench/flag_ab.py --values sets it).
+# 16.0 against 20.1, four of 8 MiB 37.0 against 35.3: even where a group has several). Large's ctx and
+# ∂out and medium's tok are copied in before each replay; a step's time with it is not yet measured.
 COPY_ALONE_BYTES = 1 << 20
 
 
