@@ -160,6 +160,9 @@
 #                                      # keep_hidden on one batch against two taken in turn (the table's
 #                                      # way since session 55), large then medium, 3 rounds (~2 min):
 #                                      # run.log, batch_ab.txt
+#   OLD=out/old.tar bash bench/h200_session.sh copy-ab  # bench/copy_probe.py, then bench/batch_ab.py's
+#                                      # step graphs at large and medium in OLD and this tree in turn, twice
+#                                      # (copy_pairs' large copies by copy_, session 59; ~3-4 min): run.log, copy_ab.txt
 #   bash bench/h200_session.sh pool-single  # the pool backward in one pass (MHA_COMPILE_POOL_BWD_SINGLE_PASS,
 #                                      # by default where tok exceeds L2): its GPU tests, ncu's stalls
 #                                      # by source line at large, flag_ab at large (8 rounds) and
@@ -177,7 +180,7 @@
 #                                      # benchmark cut at 250 s (rows past it are listed as skipped)
 # Budgets are per step so a slow step cannot starve the others.
 set -u
-part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|ab|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|ncu-gemms|ncu-source|gluon|verify-gluon|gluon-gemms|verify-gemms|router|small-kernels|host-large|host-timers|wgrad-stream|sum-spread|column-sums|slot-chunk|hidden-columns|step-graphs|keep-hidden|keep-rows|keep-step|launch-ab|large-rows|kernel-times-ab|rows-ab|static-params|gluon-up|verify-step-graphs|after-step-graphs|depths|suite|batch-ab|pool-single|short}
+part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|ab|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|ncu-gemms|ncu-source|gluon|verify-gluon|gluon-gemms|verify-gemms|router|small-kernels|host-large|host-timers|wgrad-stream|sum-spread|column-sums|slot-chunk|hidden-columns|step-graphs|keep-hidden|keep-rows|keep-step|launch-ab|large-rows|kernel-times-ab|rows-ab|static-params|gluon-up|verify-step-graphs|after-step-graphs|depths|suite|batch-ab|copy-ab|pool-single|short}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 # Inductor's compiled graphs kept in the checkout (git ignores it): the device keeps ignored
 # files between calls on a machine it still holds, so `table` can reuse `autotune-cache`'s.
@@ -344,6 +347,21 @@ batch-ab)
     { timeout -s INT -k 10 240 python bench/batch_ab.py --presets large,medium \
         --modes mha-fused-keep,mha-fused-cudagraphs --rounds 3 2>&1 | grep -v Warning | tail -20; } >"$OUT/batch_ab.txt"
     cat "$OUT/batch_ab.txt" >>"$LOG"
+    ;;
+copy-ab)
+    # copy_pairs' copies of 1 MiB or more by copy_ alone (9ff50f7, session 59) against the tree before
+    # it (OLD: a `git archive 173c1a4` tar carried in out/): bench/copy_probe.py here, then batch_ab's
+    # step graphs (one batch and two) in the old and this tree in turn, twice (~3-4 min)
+    old=$(old_tree)
+    { timeout 60 python bench/copy_probe.py 2>&1; } >"$OUT/copy_ab.txt"
+    for round in 1 2; do
+        for tree in "$old" "$PWD"; do
+            echo "== round $round, $([ "$tree" = "$old" ] && echo old || echo new)" >>"$OUT/copy_ab.txt"
+            (cd "$tree" && PYTHONPATH="$tree" timeout -s INT 90 python bench/batch_ab.py --presets large,medium \
+                --modes mha-fused-cudagraphs --rounds 3 2>&1 | grep -v Warning | tail -8) >>"$OUT/copy_ab.txt"
+        done
+    done
+    cat "$OUT/copy_ab.txt" >>"$LOG"
     ;;
 depths)
     # the backend's and the training suites' GPU tests (the step graphs' depths among them: session
@@ -674,6 +692,6 @@ bench|bench-resume)
         --modes eager,inductor,inductor-max-autotune,mha-staged,mha-fused,mha-fused-cudagraphs \
         --spellings dense,loop,grouped_mm "${resume[@]}" --commit "$commit" 2>&1 | tail -100; } >>"$LOG"
     ;;
-*) echo "unknown part $part: expected check, kernels, probe, verify, ab, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache, medium-autotune, ncu, ncu-gemms, ncu-source, gluon, verify-gluon, gluon-gemms, verify-gemms, router, small-kernels, host-large, host-timers, wgrad-stream, sum-spread, column-sums, slot-chunk, hidden-columns, step-graphs, keep-hidden, keep-rows, keep-step, launch-ab, large-rows, kernel-times-ab, rows-ab, static-params, gluon-up, depths, suite, batch-ab, pool-single or short" >&2; exit 2 ;;
+*) echo "unknown part $part: expected check, kernels, probe, verify, ab, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache, medium-autotune, ncu, ncu-gemms, ncu-source, gluon, verify-gluon, gluon-gemms, verify-gemms, router, small-kernels, host-large, host-timers, wgrad-stream, sum-spread, column-sums, slot-chunk, hidden-columns, step-graphs, keep-hidden, keep-rows, keep-step, launch-ab, large-rows, kernel-times-ab, rows-ab, static-params, gluon-up, depths, suite, batch-ab, copy-ab, pool-single or short" >&2; exit 2 ;;
 esac
 tail -150 "$LOG"
