@@ -160,6 +160,9 @@
 #                                      # keep_hidden on one batch against two taken in turn (the table's
 #                                      # way since session 55), large then medium, 3 rounds (~2 min):
 #                                      # run.log, batch_ab.txt
+#   OLD=out/old.tar [NEW=out/new.tar] bash bench/h200_session.sh pool-single-ab  # NEW's single-pass GPU
+#                                      # tests, then the single pass alone in both trees in turn, twice (~3.5
+#                                      # min): run.log, pool_single_ab.txt
 #   OLD=out/old.tar bash bench/h200_session.sh copy-ab  # bench/copy_probe.py, then bench/batch_ab.py's
 #                                      # step graphs at large and medium in OLD and this tree in turn, twice
 #                                      # (copy_pairs' large copies by copy_, session 59; ~3-4 min): run.log, copy_ab.txt
@@ -180,7 +183,7 @@
 #                                      # benchmark cut at 250 s (rows past it are listed as skipped)
 # Budgets are per step so a slow step cannot starve the others.
 set -u
-part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|ab|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|ncu-gemms|ncu-source|gluon|verify-gluon|gluon-gemms|verify-gemms|router|small-kernels|host-large|host-timers|wgrad-stream|sum-spread|column-sums|slot-chunk|hidden-columns|step-graphs|keep-hidden|keep-rows|keep-step|launch-ab|large-rows|kernel-times-ab|rows-ab|static-params|gluon-up|verify-step-graphs|after-step-graphs|depths|suite|batch-ab|copy-ab|pool-single|short}
+part=${1:?usage: bash bench/h200_session.sh check|kernels|probe|verify|ab|bench|bench-resume|fwd|graphs|table|table-fwd|autotune-cache|medium-autotune|ncu|ncu-gemms|ncu-source|gluon|verify-gluon|gluon-gemms|verify-gemms|router|small-kernels|host-large|host-timers|wgrad-stream|sum-spread|column-sums|slot-chunk|hidden-columns|step-graphs|keep-hidden|keep-rows|keep-step|launch-ab|large-rows|kernel-times-ab|rows-ab|static-params|gluon-up|verify-step-graphs|after-step-graphs|depths|suite|batch-ab|copy-ab|pool-single|pool-single-ab|short}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD"
 # Inductor's compiled graphs kept in the checkout (git ignores it): the device keeps ignored
 # files between calls on a machine it still holds, so `table` can reuse `autotune-cache`'s.
@@ -347,6 +350,25 @@ batch-ab)
     { timeout -s INT -k 10 240 python bench/batch_ab.py --presets large,medium \
         --modes mha-fused-keep,mha-fused-cudagraphs --rounds 3 2>&1 | grep -v Warning | tail -20; } >"$OUT/batch_ab.txt"
     cat "$OUT/batch_ab.txt" >>"$LOG"
+    ;;
+pool-single-ab)
+    # the single pass of OLD against NEW (each a directory or a `git archive` tar carried in out/; NEW
+    # by default this tree): NEW's single-pass and large bf16 GPU tests, then small_kernels_probe.py
+    # --kernels pool_single at large in each tree in turn, twice (session 59's calls 4-5; ~3.5 min)
+    old=$(old_tree)
+    new=${NEW:-$PWD}
+    if [ -f "$new" ]; then mkdir -p /tmp/ab_new && tar xf "$new" -C /tmp/ab_new && new=/tmp/ab_new; fi
+    { cd "$new" && PYTHONPATH="$new" MHA_COMPILE_NO_AUTOTUNE=1 timeout 200 python -m pytest -q -m cuda \
+        tests/kernels/test_triton_kernels_cuda.py -k "attend_bwd_single or (presets and large and bf16)" -n 2 \
+        -p no:cacheprovider -rf 2>&1 | tail -4; cd - >/dev/null; } >>"$LOG"
+    for round in 1 2; do
+        for tree in "$new" "$old"; do
+            echo "== round $round, $([ "$tree" = "$old" ] && echo old || echo new)"
+            (cd "$tree" && PYTHONPATH="$tree" timeout -s INT 90 python bench/small_kernels_probe.py --presets large \
+                --kernels pool_single 2>&1 | grep -E "two passes|BLOCK_N")
+        done
+    done >"$OUT/pool_single_ab.txt"
+    cat "$OUT/pool_single_ab.txt" >>"$LOG"
     ;;
 copy-ab)
     # copy_pairs' copies of 1 MiB or more by copy_ alone (9ff50f7, session 59) against the tree before
@@ -692,6 +714,6 @@ bench|bench-resume)
         --modes eager,inductor,inductor-max-autotune,mha-staged,mha-fused,mha-fused-cudagraphs \
         --spellings dense,loop,grouped_mm "${resume[@]}" --commit "$commit" 2>&1 | tail -100; } >>"$LOG"
     ;;
-*) echo "unknown part $part: expected check, kernels, probe, verify, ab, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache, medium-autotune, ncu, ncu-gemms, ncu-source, gluon, verify-gluon, gluon-gemms, verify-gemms, router, small-kernels, host-large, host-timers, wgrad-stream, sum-spread, column-sums, slot-chunk, hidden-columns, step-graphs, keep-hidden, keep-rows, keep-step, launch-ab, large-rows, kernel-times-ab, rows-ab, static-params, gluon-up, depths, suite, batch-ab, copy-ab, pool-single or short" >&2; exit 2 ;;
+*) echo "unknown part $part: expected check, kernels, probe, verify, ab, bench, bench-resume, fwd, graphs, table, table-fwd, autotune-cache, medium-autotune, ncu, ncu-gemms, ncu-source, gluon, verify-gluon, gluon-gemms, verify-gemms, router, small-kernels, host-large, host-timers, wgrad-stream, sum-spread, column-sums, slot-chunk, hidden-columns, step-graphs, keep-hidden, keep-rows, keep-step, launch-ab, large-rows, kernel-times-ab, rows-ab, static-params, gluon-up, depths, suite, batch-ab, copy-ab, pool-single, pool-single-ab or short" >&2; exit 2 ;;
 esac
 tail -150 "$LOG"
