@@ -35,6 +35,7 @@ pass 1 put an fp32 operand's hi and lo halves side by side (triton_util.split_pa
 thread, sm_90a offline). On the H200 at large (bench/PERF_NOTES.md v14) the three kernels take
 0.25, 0.17 and 0.41 ms a step (1.12 before split pairs, t̄ᵀ and the loads one block ahead).
 """
+import logging
 import os
 
 import torch
@@ -46,6 +47,7 @@ from mha_compile.kernels.triton_matmul import SPLIT_HALVES, matmul_f32
 from mha_compile.kernels.triton_util import (Launcher, cdiv, dot16, dot_f32, dot_pairs, gpu_options, l2_bytes, launch,
                                              pow2, repeat_pairs, split_pairs, sum_pairs)
 
+log = logging.getLogger("mha_compile")
 # A [D, 2P] fp32 accumulator (2P padded to 16) lives in registers: D beyond this spills badly.
 MAX_POOL_D = 1024
 # The backward's two passes as one kernel, each program pass 1 then pass 2 for its batch row
@@ -61,7 +63,8 @@ COLUMN_SUMS = os.environ.get("MHA_COMPILE_POOL_COLUMN_SUMS", "1") != "0"
 # The backward in one pass over tok (_pool_bwd_single_kernel) rather than two (pass 1 for ∂s, pass 2
 # for ∂tok; or both in one kernel where tok fits in L2): None (auto, the default) runs it where bf16
 # tok does not fit in the GPU's L2 and the forward kept its heads (single_pass); True or False always
-# or never (MHA_COMPILE_POOL_BWD_SINGLE_PASS=1 or 0). Its sums with D as the dots' M (session 58):
+# or never (MHA_COMPILE_POOL_BWD_SINGLE_PASS=1 or 0). Either way only where a config of it fits the
+# GPU's shared memory (attend_bwd_single; the two passes elsewhere). Its sums with D as the dots' M (session 58):
 # on an H100 at large 574.7 us against the two passes' 677.7 (bench/results/h100_s58_pool_single.txt;
 # the interleaved rows of session 57, 591.1) and the training step faster in 8 of 8 rounds of
 # flag_ab (~-95 us with the graph off timed first); at medium 45.6 against the one kernel's 48.4, which stays
@@ -663,13 +666,21 @@ def attend_bwd(tok, u, attn, ds, dtbar, tbar, du, grad_tok):
 def attend_bwd_single(tok, u, attn, pooled, bv, grad_pooled, dtbar, tbar, du, grad_tok):
     """The backward in one pass (_pool_bwd_single_kernel): ∂tok into grad_tok, t̄ and the ∂u
     partials into tbar and du [B,P,D] fp32, from tok, u [P,D] fp32, attn [B,N,P], the forward's
-    heads pooled [B,D] fp32, bv (or None), ∂pooled [B,D] fp32 and ∂t̄ [B,P,D] fp32. du may be dtbar."""
+    heads pooled [B,D] fp32, bv (or None), ∂pooled [B,D] fp32 and ∂t̄ [B,P,D] fp32. du may be dtbar.
+    Returns whether it ran: not where none of its configs fits the GPU's shared memory, which holds
+    the directions' [D, 2P] operands three times over (on sm_90, bf16 tok of D 1024 with 16 heads,
+    or 768 with 12: 241 KB at the least against 227; fp32 or fp16 tok of D 1024 with 8, offline)."""
     B, N, D = tok.shape
     P = attn.shape[2]
     split = split_dot(tok.dtype)
-    _attend_bwd_single(lambda m: (B,), tok, u, attn, pooled, grad_pooled if bv is None else bv, grad_pooled, dtbar,
-                       tbar, du, grad_tok, N, D, P, D // P, tok.stride(0), tok.stride(1), HAS_BV=bv is not None,
-                       SPLIT_DOT=split, BLOCK_D=pow2(D), BLOCK_P=block_p(P, split), BLOCK_DH=pow2(D // P))
+    args = (tok, u, attn, pooled, grad_pooled if bv is None else bv, grad_pooled, dtbar, tbar, du, grad_tok, N, D, P,
+            D // P, tok.stride(0), tok.stride(1))
+    meta = dict(HAS_BV=bv is not None, SPLIT_DOT=split, BLOCK_D=pow2(D), BLOCK_P=block_p(P, split),
+                BLOCK_DH=pow2(D // P))
+    if not _attend_bwd_single.fits(*args, **meta):
+        return False
+    _attend_bwd_single(lambda m: (B,), *args, **meta)
+    return True
 
 
 def bwd_one_kernel(tok):
@@ -713,6 +724,19 @@ def attend_bwd_one(tok, u, attn, ds, dtbar, tbar, du, grad_tok):
                     tok.stride(1), SPLIT_DOT=split, BLOCK_D=pow2(D), BLOCK_P=block_p(P, split), BLOCK_Q=pow2(2 * P))
 
 
+def two_passes(tok, u, attn, dtbar, tbar, du, grad_tok):
+    """The backward's two passes, attend_bwd_scores' and attend_bwd's, or both in one kernel where
+    tok fits in L2 (bwd_one_kernel), with attend_bwd's arguments."""
+    if bwd_one_kernel(tok):
+        attend_bwd_one(tok, u, attn, torch.empty_like(attn), dtbar, tbar, du, grad_tok)
+    else:
+        attend_bwd(tok, u, attn, attend_bwd_scores(tok, attn, dtbar, torch.empty_like(attn)), dtbar, tbar, du,
+                   grad_tok)
+
+
+_UNFIT_SAID = set()  # (D, P, dtype) where a single pass asked for did not fit: warned once
+
+
 def pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn, u=None, pooled=None, mask=None):
     """(∂tok in tok's dtype, ∂q, ∂Wk, ∂Wv, ∂bv, ∂Wo in their weights' dtypes (∂bv fp32 where bv is
     None), ∂bo fp32), each from fp32 sums rounded once; weights as pool_forward takes them. u:
@@ -742,16 +766,16 @@ def pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn, u=None, pooled=None, m
     attn = attn.contiguous()
     grad_tok = torch.empty_like(tok)
     tbar = torch.empty(B, P, D, device=tok.device, dtype=torch.float32)
-    if single_pass(tok, pooled):
-        if pooled is None:  # the heads' output, which the single pass's c needs before it starts
-            pooled = _emptied(_heads(pool_attend(tok, u, mask)[1], wv, bv, split), empty)
-        attend_bwd_single(tok, u, attn, pooled.contiguous(), bv, grad_pooled, grad_tbar, tbar, du_part, grad_tok)
-    elif bwd_one_kernel(tok):
-        ds = torch.empty_like(attn)
-        attend_bwd_one(tok, u, attn, ds, grad_tbar, tbar, du_part, grad_tok)
-    else:
-        attend_bwd(tok, u, attn, attend_bwd_scores(tok, attn, grad_tbar, torch.empty_like(attn)), grad_tbar, tbar,
-                   du_part, grad_tok)
+    single = single_pass(tok, pooled)
+    if single and pooled is None:  # the heads' output, which the single pass's c needs before it starts
+        pooled = _emptied(_heads(pool_attend(tok, u, mask)[1], wv, bv, split), empty)
+    if not (single and attend_bwd_single(tok, u, attn, pooled.contiguous(), bv, grad_pooled, grad_tbar, tbar, du_part,
+                                         grad_tok)):
+        if single and SINGLE_PASS and (D, P, tok.dtype) not in _UNFIT_SAID:
+            _UNFIT_SAID.add((D, P, tok.dtype))
+            log.warning("mha_compile: MHA_COMPILE_POOL_BWD_SINGLE_PASS=1, but the single pass does not fit the "
+                        "GPU's shared memory at D=%d with %d heads in %s: the two passes run", D, P, tok.dtype)
+        two_passes(tok, u, attn, grad_tbar, tbar, du_part, grad_tok)
     if COLUMN_SUMS:
         grad_u = column_sums(du_part.view(B, P * D), Dh**-0.5).view(P, D)
     else:

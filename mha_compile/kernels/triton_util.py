@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 from triton import knobs
 from triton.backends.nvidia.driver import CudaLauncher
+from triton.runtime.errors import OutOfResources
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -410,6 +411,7 @@ class Launcher:
                       if len(configs) > 1 else None)
         self.best = {}  # autotune key -> the chosen config's meta-parameters
         self._chosen = {}  # (NO_AUTOTUNE, launch_key of a call's arguments) -> (its config, the launch's key)
+        self._fitting = {}  # autotune key -> the first config that loads on the GPU (None: none does)
 
     def _buildable(self, configs, nargs, **kwargs):
         """The configs that build for this call (the autotuner's early prune, before it times them).
@@ -436,6 +438,44 @@ class Launcher:
             raise RuntimeError(f"mha_compile: {self.kernel.__name__} builds under none of its configs: "
                                + "; ".join(failures))
         return kept
+
+    def fits(self, *args, **kwargs):
+        """Whether a launch with these arguments runs within its GPU's resources (shared memory, and
+        threads for its registers) under some config: an untuned launch takes the first that does
+        (_first_fitting), autotuning skips the others. Where none does, a launch raises
+        OutOfResources: for a caller with another way to compute (triton_pool.attend_bwd_single).
+        Always True off the GPU."""
+        if not any(isinstance(a, torch.Tensor) and on_gpu(a) for a in args):
+            return True
+        return self._first_fitting(args, kwargs) is not None
+
+    def _first_fitting(self, args, kwargs):
+        """The first config whose build for these arguments loads on their GPU, None where none
+        does: each built and loaded in turn (Triton's cache, which the launch then takes), once an
+        autotune key. On sm_90 the pool's kernels at D 1024 need more shared memory under their
+        first configs than the GPU has at some head counts and dtypes (fp32 with 32 heads: 259 KB
+        against 227), which MHA_COMPILE_NO_AUTOTUNE's launches would raise on."""
+        bound = dict(zip(self.arg_names, args), **kwargs)
+        key = tuple(bound[k] for k in self.key) + tuple(a.dtype for a in args if isinstance(a, torch.Tensor))
+        if key not in self._fitting:
+            self._fitting[key] = next((c for c in self.configs if self._loads(bound, c)), None)
+        return self._fitting[key]
+
+    def _loads(self, bound, config):
+        """Whether the kernel built under `config` for the arguments `bound` loads on their GPU."""
+        try:
+            if self.blocks is not None:
+                self._set_blocks({**bound, **config})
+            kernel = self.kernel.warmup(**bound, **config, grid=(1,))
+            (kernel.result() if hasattr(kernel, "result") else kernel)._init_handles()
+        except OutOfResources as error:
+            log.info("mha_compile: %s under %s does not fit the GPU: %s", self.kernel.__name__, config, error)
+            return False
+        except Exception as error:  # noqa: BLE001 - a build failure: this config cannot run either
+            log.warning("mha_compile: %s does not build under %s (%s: %s)", self.kernel.__name__, config,
+                        type(error).__name__, str(error).splitlines()[0][:160])
+            return False
+        return True
 
     def _set_blocks(self, nargs):
         for name, shape in self.blocks(nargs).items():
@@ -471,6 +511,8 @@ class Launcher:
             if not on_cuda:  # the interpreter ignores warps and stages
                 for option in LAUNCH_OPTIONS:
                     meta.pop(option, None)
+            elif self.tuned is not None:  # the first that fits (none: the first, whose launch says why)
+                meta = dict(self._first_fitting(args, kwargs) or meta)
             self._launch(grid, args, kwargs, meta, call)
             return
         bound = dict(zip(self.arg_names, args), **kwargs)
@@ -483,14 +525,15 @@ class Launcher:
         if capturing():
             # Timing trials synchronise the device, which a CUDA graph capture does not allow (it
             # fails the capture: session 31, a key first met while torch's cudagraph trees captured
-            # the backward). The first config runs, not remembered: the next call outside a
-            # capture tunes the key.
+            # the backward). The first config that fits runs, not remembered: the next call outside
+            # a capture tunes the key.
+            meta = dict(self._first_fitting(args, kwargs) or self.configs[0])
             if (self.kernel.__name__, key) not in _CAPTURE_UNTUNED:
                 _CAPTURE_UNTUNED.add((self.kernel.__name__, key))
                 log.warning("mha_compile: %s met %s first inside a CUDA graph capture, where it cannot be "
-                            "autotuned; the capture takes its first config, %s", self.kernel.__name__,
-                            dict(zip(self.key, key)), self.configs[0])
-            self._launch(grid, args, kwargs, dict(self.configs[0]))
+                            "autotuned; the capture takes its first config that fits, %s", self.kernel.__name__,
+                            dict(zip(self.key, key)), meta)
+            self._launch(grid, args, kwargs, meta)
             return
         log.info("mha_compile: autotuning %s over %d configs for %s",
                  self.kernel.__name__, len(self.configs), dict(zip(self.key, key)))

@@ -27,7 +27,8 @@ def _launcher(kernel, configs):
 
 
 class _Kernel:
-    """A @triton.jit kernel's launch surface: kernel[grid](*args, **kwargs)."""
+    """A @triton.jit kernel's launch surface, kernel[grid](*args, **kwargs), and its warmup's, whose
+    builds all load on the GPU."""
     arg_names = ["x_ptr", "N", "BLOCK"]
     __name__ = "_fake_kernel"
 
@@ -36,6 +37,9 @@ class _Kernel:
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self.launches.append((grid, args, kwargs))
+
+    def warmup(self, grid, **kwargs):
+        return types.SimpleNamespace(_init_handles=lambda: None)
 
 
 class _Autotuner:
@@ -603,3 +607,48 @@ def test_a_launchers_config_is_remembered_by_the_calls_launch_key(monkeypatch):
     launcher.tuned = _Autotuner(dict(BLOCK=64, num_warps=8))
     launcher(_grid, x, 100)
     assert len(launcher.tuned.tunes) == 1
+
+
+class _Loads:
+    """A kernel's warmup surface whose builds load on the GPU or run out of its resources."""
+    arg_names = ["x_ptr", "N", "BLOCK"]
+    __name__ = "_fake_kernel"
+
+    def __init__(self, too_big):
+        self.too_big, self.builds = too_big, []
+
+    def warmup(self, grid, **kwargs):
+        self.builds.append(kwargs["BLOCK"])
+        too_big = self.too_big(kwargs)
+
+        def load():
+            if too_big:
+                raise triton_util.OutOfResources(241664, 232448, "shared memory")
+        return types.SimpleNamespace(_init_handles=load)
+
+
+def test_fits_where_a_config_loads_and_an_untuned_launch_takes_the_first_that_does(monkeypatch, caplog):
+    """Launcher.fits: whether any config's build for the call loads on the GPU (built in turn up to
+    the first that does, once an autotune key; off the GPU always True); an untuned launch
+    (MHA_COMPILE_NO_AUTOTUNE) takes that first config rather than one that would run out of the
+    GPU's resources."""
+    monkeypatch.setattr(triton_util, "NO_AUTOTUNE", True)
+    launcher = triton_util.Launcher(_noop, [dict(BLOCK=32, num_warps=4), dict(BLOCK=64, num_warps=8),
+                                            dict(BLOCK=128, num_warps=8)], key=["N"])
+    launcher.kernel = _Loads(lambda kwargs: kwargs["BLOCK"] == 32)
+    x = torch.zeros(4)
+    assert launcher.fits(x, 100)  # off the GPU: nothing built
+    assert launcher.kernel.builds == []
+    monkeypatch.setattr(triton_util, "on_gpu", lambda t: True)
+    with caplog.at_level(logging.INFO, logger="mha_compile"):
+        assert launcher.fits(x, 100)
+        assert launcher.fits(x, 100)  # the same key: not built again
+    assert launcher.kernel.builds == [32, 64]
+    assert "_fake_kernel under {'BLOCK': 32, 'num_warps': 4} does not fit the GPU" in caplog.text
+    launched = []
+    monkeypatch.setattr(triton_util, "launch_keyed", lambda kernel, key, grid, args, kwargs: launched.append(kwargs))
+    launcher(lambda meta: (1,), x, 100)
+    assert launched == [dict(BLOCK=64, num_warps=8)]
+    launcher.kernel.too_big = lambda kwargs: True
+    assert not launcher.fits(x, 200)  # another key: built again, and none loads
+    assert launcher.kernel.builds == [32, 64, 32, 64, 128]

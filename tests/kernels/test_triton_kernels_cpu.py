@@ -971,6 +971,47 @@ def test_pool_backward_single_pass_with_a_mask(monkeypatch, bias, kept):
     assert len(launched) == 1
 
 
+class _UnfitLauncher:
+    """A launcher whose kernel fits no GPU: a launch of it is recorded, not run."""
+
+    def __init__(self):
+        self.launches = []
+
+    def fits(self, *args, **kwargs):
+        return False
+
+    def __call__(self, *args, **kwargs):
+        self.launches.append(args)
+
+
+@pytest.mark.parametrize("forced", [True, None])
+def test_the_two_passes_run_where_the_single_pass_does_not_fit(monkeypatch, caplog, forced):
+    """Where no config of the single pass fits the GPU (its Launcher's fits: on sm_90, bf16 D 1024
+    with 16 heads), pool_backward runs the two passes instead of a launch that would raise: every
+    gradient against float64; asked for by MHA_COMPILE_POOL_BWD_SINGLE_PASS=1 (forced), a warning
+    says so once a shape; by the default, nothing."""
+    monkeypatch.setattr(triton_pool, "SINGLE_PASS", forced)
+    monkeypatch.setattr(triton_pool, "l2_bytes", lambda device: 64)
+    monkeypatch.setattr(triton_pool, "SPLIT_DOT_DTYPES", {torch.float16: 2})
+    monkeypatch.setattr(triton_pool, "_UNFIT_SAID", set())
+    monkeypatch.setattr(triton_pool, "_attend_bwd_single", _UnfitLauncher())
+    two = record_calls(monkeypatch, triton_pool, "two_passes")
+    tok, q, wk, wv, bv, wo, bo = inputs = _pool_case(torch.float16, 0.5)
+    B, N, D = tok.shape
+    grad_inv = torch.randn(B, D)
+    pooled = torch.empty(B, D)
+    _, attn = triton_pool.pool_forward(tok, q, wk, wv, bv, wo, bo, pooled=pooled)
+    with caplog.at_level(logging.WARNING, logger="mha_compile"):
+        for _ in range(2):
+            got = triton_pool.pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn, pooled=pooled)
+    errors = _pool_grad_errors(got, inputs, grad_inv)
+    assert errors["tok"] < 2 ** -10 and all(err < 1e-5 for name, err in errors.items() if name != "tok"), errors
+    assert triton_pool._attend_bwd_single.launches == [] and len(two) == 2
+    said = [r.message for r in caplog.records if "does not fit the GPU's shared memory" in r.message]
+    assert said == (["mha_compile: MHA_COMPILE_POOL_BWD_SINGLE_PASS=1, but the single pass does not fit the GPU's "
+                     "shared memory at D=40 with 2 heads in torch.float16: the two passes run"] if forced else [])
+
+
 def test_pool_weight_gradients_in_the_weights_dtype(monkeypatch):
     """16-bit pool weights (fp16 split dots here; bf16 on the GPU): pool_backward returns ∂q, ∂Wk,
     ∂Wv, ∂bv and ∂Wo in the weights' dtype, each bitwise the gradient their fp32 copies give,

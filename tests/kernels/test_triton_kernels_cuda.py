@@ -119,6 +119,39 @@ def test_direction_grads_bf16(P, Dh):
     assert torch.equal(grad_wk, (q.float()[:, :, None] * grad_u[:, None, :]).reshape(D, D).bfloat16())
 
 
+@pytest.mark.parametrize("dtype,D,P,single", [
+    (torch.bfloat16, 1024, 16, False), (torch.bfloat16, 768, 12, False), (torch.float32, 1024, 8, False),
+    (torch.float32, 1024, 32, False), (torch.bfloat16, 1024, 8, True), (torch.float32, 512, 8, True)])
+def test_pool_backward_single_pass_where_it_fits(monkeypatch, dtype, D, P, single):
+    """The single pass asked for (SINGLE_PASS True) runs where a config of it fits the GPU's shared
+    memory, and the two passes run where none does (sm_90, offline: bf16 D 1024 with 16 heads or
+    768 with 12, 241 KB at the least against 227; fp32 D 1024 with 8, 267), where its launch would
+    raise OutOfResources: every gradient against float64 autograd of the reference pool on the same
+    inputs, to SPEC §4's bound for the dtype (bf16 2e-2, fp32 1e-5: ieee dots). fp32 D 1024 with
+    32 heads: the forward's and pass 1's first configs do not fit either (259 KB), and under
+    MHA_COMPILE_NO_AUTOTUNE (the GPU suite's) their launches take the first that does."""
+    from mha_compile.kernels import triton_pool
+    from numerics import record_calls
+
+    monkeypatch.setattr(triton_pool, "SINGLE_PASS", True)
+    two = record_calls(monkeypatch, triton_pool, "two_passes")
+    B, N = 4, 37
+    tok = torch.randn(B, N, D, device="cuda").to(dtype)
+    q = torch.randn(P, D // P, device="cuda")
+    bo, bv = torch.randn(D, device="cuda") * 0.1, torch.randn(D, device="cuda")
+    wk, wv, wo = (torch.randn(D, D, device="cuda") * D ** -0.5 for _ in range(3))
+    grad_inv = torch.randn(B, D, device="cuda")
+    pooled = torch.empty(B, D, device="cuda")
+    _, attn = triton_pool.pool_forward(tok, q, wk, wv, bv, wo, bo, pooled=pooled)
+    got = triton_pool.pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn, pooled=pooled)
+    leaves = [t.double().requires_grad_() for t in (tok, q, wk, wv, bv, wo, bo)]
+    reference.pool_forward(*leaves, None)[0].backward(grad_inv.double())
+    names = ("tok", "q", "wk", "wv", "bv", "wo", "bo")
+    errors = {name: rel_err(g, leaf.grad) for name, g, leaf in zip(names, got, leaves)}
+    assert all(err < (2e-2 if dtype == torch.bfloat16 else 1e-5) for err in errors.values()), errors
+    assert len(two) == (0 if single else 1)
+
+
 @pytest.mark.parametrize("preset", ["medium", "large"])
 def test_pool_backward_with_column_sums(monkeypatch, preset):
     """triton_pool.COLUMN_SUMS (the default since session 32): the pool backward's sums over the
