@@ -26,6 +26,7 @@ import os
 import re
 import subprocess
 import tempfile
+import types
 from unittest import mock
 
 import torch
@@ -59,12 +60,16 @@ LAUNCHERS = [v for module in (triton_matmul, triton_moe, triton_pool, triton_rou
 @contextlib.contextmanager
 def as_h200(calls=None, gluon=False):
     """Meta tensors taken for an H200's: every Triton launch is skipped, or appended to `calls`
-    as (kernel, {argument name: value}, num_warps, num_stages), which keeps its tensors alive;
+    as (kernel, {argument name: value}, num_warps, num_stages), which keeps its tensors alive (a
+    Launcher's builds, to see whether a config fits the GPU, are taken to fit: each config's
+    shared memory is in offline_sass's report);
     each kernel takes its first config (through JITFunction.run: no fast launches), split grids
     are sized for 132 SMs, and GEMM1 takes TMA descriptors as on the H200. gluon: the MoE's GEMMs
     take their Gluon kernels where those take the operands' shapes and dtypes, as on the H200
     (their device checks skipped)."""
     def run(self, *args, grid, warmup, **kwargs):
+        if warmup:  # a Launcher's build of a config (its fits, its first that fits): taken to load,
+            return types.SimpleNamespace(_init_handles=lambda: None)  # not a launch (smem: the report's)
         if calls is None:
             return
         named = dict(zip(self.arg_names, args), **kwargs)
