@@ -64,8 +64,8 @@ COLUMN_SUMS = os.environ.get("MHA_COMPILE_POOL_COLUMN_SUMS", "1") != "0"
 # for ∂tok; or both in one kernel where tok fits in L2): None (auto, the default) runs it where bf16
 # tok does not fit in the GPU's L2 and the forward kept its heads (single_pass); True or False always
 # or never (MHA_COMPILE_POOL_BWD_SINGLE_PASS=1 or 0). Either way only where a config of it fits the
-# GPU's shared memory (attend_bwd_single; the two passes elsewhere). Its sums with D as the dots' M (session 58):
-# on an H100 at large 574.7 us against the two passes' 677.7 (bench/results/h100_s58_pool_single.txt;
+# GPU's shared memory (attend_bwd_single; the two passes elsewhere). Its sums with D as the dots' M
+# (session 58): on an H100 at large 574.7 us against the two passes' 677.7 (bench/results/h100_s58_pool_single.txt;
 # the interleaved rows of session 57, 591.1) and the training step faster in 8 of 8 rounds of
 # flag_ab (~-95 us with the graph off timed first); at medium 45.6 against the one kernel's 48.4, which stays
 # (session 57's layout took a medium step +6.5 us on the H200). On the H200 (session 59, with a pipelined):

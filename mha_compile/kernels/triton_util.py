@@ -411,7 +411,7 @@ class Launcher:
                       if len(configs) > 1 else None)
         self.best = {}  # autotune key -> the chosen config's meta-parameters
         self._chosen = {}  # (NO_AUTOTUNE, launch_key of a call's arguments) -> (its config, the launch's key)
-        self._fitting = {}  # autotune key -> the first config that loads on the GPU (None: none does)
+        self._fitting = {}  # (autotune key, configs) -> the first config that loads on the GPU (None: none does)
 
     def _buildable(self, configs, nargs, **kwargs):
         """The configs that build for this call (the autotuner's early prune, before it times them).
@@ -456,7 +456,8 @@ class Launcher:
         first configs than the GPU has at some head counts and dtypes (fp32 with 32 heads: 259 KB
         against 227), which MHA_COMPILE_NO_AUTOTUNE's launches would raise on."""
         bound = dict(zip(self.arg_names, args), **kwargs)
-        key = tuple(bound[k] for k in self.key) + tuple(a.dtype for a in args if isinstance(a, torch.Tensor))
+        key = tuple(bound[k] for k in self.key) + tuple(a.dtype for a in args if isinstance(a, torch.Tensor)) + tuple(
+            tuple(sorted(c.items())) for c in self.configs)  # a probe or test may swap the list in
         if key not in self._fitting:
             self._fitting[key] = next((c for c in self.configs if self._loads(bound, c)), None)
         return self._fitting[key]

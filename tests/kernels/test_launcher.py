@@ -652,3 +652,6 @@ def test_fits_where_a_config_loads_and_an_untuned_launch_takes_the_first_that_do
     launcher.kernel.too_big = lambda kwargs: True
     assert not launcher.fits(x, 200)  # another key: built again, and none loads
     assert launcher.kernel.builds == [32, 64, 32, 64, 128]
+    launcher.configs = [dict(BLOCK=128, num_warps=8)]  # a probe's or test's one config: its own answer
+    assert not launcher.fits(x, 100)
+    assert launcher.kernel.builds[-1] == 128
