@@ -716,22 +716,26 @@ def single_pass(tok, pooled):
 
 def attend_bwd_one(tok, u, attn, ds, dtbar, tbar, du, grad_tok):
     """Both passes of the backward in one kernel (_pool_bwd_one_kernel), with attend_bwd_scores' and
-    attend_bwd's arguments: ds [B,N,P] fp32 is its scratch for ∂s."""
+    attend_bwd's arguments: ds [B,N,P] fp32 is its scratch for ∂s. Returns whether it ran: not where
+    none of its configs fits the GPU's shared memory (on sm_90, fp32 tok of D 1024 with 32 heads:
+    257 KB at the least against 227, offline)."""
     B, N, D = tok.shape
     P = attn.shape[2]
     split = split_dot(tok.dtype)
-    _attend_bwd_one(lambda m: (B,), tok, u, attn, ds, dtbar, tbar, du, grad_tok, N, D, P, tok.stride(0),
-                    tok.stride(1), SPLIT_DOT=split, BLOCK_D=pow2(D), BLOCK_P=block_p(P, split), BLOCK_Q=pow2(2 * P))
+    args = (tok, u, attn, ds, dtbar, tbar, du, grad_tok, N, D, P, tok.stride(0), tok.stride(1))
+    meta = dict(SPLIT_DOT=split, BLOCK_D=pow2(D), BLOCK_P=block_p(P, split), BLOCK_Q=pow2(2 * P))
+    if not _attend_bwd_one.fits(*args, **meta):
+        return False
+    _attend_bwd_one(lambda m: (B,), *args, **meta)
+    return True
 
 
 def two_passes(tok, u, attn, dtbar, tbar, du, grad_tok):
     """The backward's two passes, attend_bwd_scores' and attend_bwd's, or both in one kernel where
-    tok fits in L2 (bwd_one_kernel), with attend_bwd's arguments."""
-    if bwd_one_kernel(tok):
-        attend_bwd_one(tok, u, attn, torch.empty_like(attn), dtbar, tbar, du, grad_tok)
-    else:
-        attend_bwd(tok, u, attn, attend_bwd_scores(tok, attn, dtbar, torch.empty_like(attn)), dtbar, tbar, du,
-                   grad_tok)
+    tok fits in L2 (bwd_one_kernel) and the kernel fits the GPU, with attend_bwd's arguments."""
+    ds = torch.empty_like(attn)
+    if not (bwd_one_kernel(tok) and attend_bwd_one(tok, u, attn, ds, dtbar, tbar, du, grad_tok)):
+        attend_bwd(tok, u, attn, attend_bwd_scores(tok, attn, dtbar, ds), dtbar, tbar, du, grad_tok)
 
 
 _UNFIT_SAID = set()  # (D, P, dtype) where a single pass asked for did not fit: warned once

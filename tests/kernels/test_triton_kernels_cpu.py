@@ -1012,6 +1012,23 @@ def test_the_two_passes_run_where_the_single_pass_does_not_fit(monkeypatch, capl
                      "shared memory at D=40 with 2 heads in torch.float16: the two passes run"] if forced else [])
 
 
+def test_the_two_kernels_run_where_the_one_kernel_does_not_fit(monkeypatch):
+    """Where tok fits in L2 but no config of the one kernel of both passes fits the GPU (on sm_90,
+    fp32 D 1024 with 32 heads, offline), pool_backward runs pass 1 and pass 2 as two kernels
+    instead of a launch that would raise: every gradient against float64."""
+    monkeypatch.setattr(triton_pool, "SINGLE_PASS", False)
+    monkeypatch.setattr(triton_pool, "BWD_ONE_KERNEL", True)
+    monkeypatch.setattr(triton_pool, "_attend_bwd_one", _UnfitLauncher())
+    two = record_calls(monkeypatch, triton_pool, "attend_bwd")
+    tok, q, wk, wv, bv, wo, bo = inputs = _pool_case(torch.float32, 0.5)
+    grad_inv = torch.randn(tok.shape[0], tok.shape[2])
+    _, attn = triton_pool.pool_forward(tok, q, wk, wv, bv, wo, bo)
+    got = triton_pool.pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn)
+    errors = _pool_grad_errors(got, inputs, grad_inv)
+    assert all(err < 1e-5 for err in errors.values()), errors
+    assert triton_pool._attend_bwd_one.launches == [] and len(two) == 1
+
+
 def test_pool_weight_gradients_in_the_weights_dtype(monkeypatch):
     """16-bit pool weights (fp16 split dots here; bf16 on the GPU): pool_backward returns ∂q, ∂Wk,
     ∂Wv, ∂bv and ∂Wo in the weights' dtype, each bitwise the gradient their fp32 copies give,
