@@ -129,7 +129,8 @@ def test_pool_backward_single_pass_where_it_fits(monkeypatch, dtype, D, P, singl
     raise OutOfResources: every gradient against float64 autograd of the reference pool on the same
     inputs, to SPEC §4's bound for the dtype (bf16 2e-2, fp32 1e-5: ieee dots). fp32 D 1024 with
     32 heads: the forward's and pass 1's first configs do not fit either (259 KB), and under
-    MHA_COMPILE_NO_AUTOTUNE (the GPU suite's) their launches take the first that does."""
+    MHA_COMPILE_NO_AUTOTUNE (the GPU suite's) their launches take the first that does; the one
+    kernel of both passes (tok fits in L2 here) fits under none (257 KB), so two kernels run."""
     from mha_compile.kernels import triton_pool
     from numerics import record_calls
 
