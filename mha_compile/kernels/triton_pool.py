@@ -673,14 +673,10 @@ def attend_bwd_single(tok, u, attn, pooled, bv, grad_pooled, dtbar, tbar, du, gr
     B, N, D = tok.shape
     P = attn.shape[2]
     split = split_dot(tok.dtype)
-    args = (tok, u, attn, pooled, grad_pooled if bv is None else bv, grad_pooled, dtbar, tbar, du, grad_tok, N, D, P,
-            D // P, tok.stride(0), tok.stride(1))
-    meta = dict(HAS_BV=bv is not None, SPLIT_DOT=split, BLOCK_D=pow2(D), BLOCK_P=block_p(P, split),
-                BLOCK_DH=pow2(D // P))
-    if not _attend_bwd_single.fits(*args, **meta):
-        return False
-    _attend_bwd_single(lambda m: (B,), *args, **meta)
-    return True
+    return _attend_bwd_single.launch_where_fits(
+        lambda m: (B,), tok, u, attn, pooled, grad_pooled if bv is None else bv, grad_pooled, dtbar, tbar, du, grad_tok,
+        N, D, P, D // P, tok.stride(0), tok.stride(1), HAS_BV=bv is not None, SPLIT_DOT=split, BLOCK_D=pow2(D),
+        BLOCK_P=block_p(P, split), BLOCK_DH=pow2(D // P))
 
 
 def bwd_one_kernel(tok):
@@ -722,12 +718,9 @@ def attend_bwd_one(tok, u, attn, ds, dtbar, tbar, du, grad_tok):
     B, N, D = tok.shape
     P = attn.shape[2]
     split = split_dot(tok.dtype)
-    args = (tok, u, attn, ds, dtbar, tbar, du, grad_tok, N, D, P, tok.stride(0), tok.stride(1))
-    meta = dict(SPLIT_DOT=split, BLOCK_D=pow2(D), BLOCK_P=block_p(P, split), BLOCK_Q=pow2(2 * P))
-    if not _attend_bwd_one.fits(*args, **meta):
-        return False
-    _attend_bwd_one(lambda m: (B,), *args, **meta)
-    return True
+    return _attend_bwd_one.launch_where_fits(
+        lambda m: (B,), tok, u, attn, ds, dtbar, tbar, du, grad_tok, N, D, P, tok.stride(0), tok.stride(1),
+        SPLIT_DOT=split, BLOCK_D=pow2(D), BLOCK_P=block_p(P, split), BLOCK_Q=pow2(2 * P))
 
 
 def two_passes(tok, u, attn, dtbar, tbar, du, grad_tok):

@@ -443,24 +443,36 @@ class Launcher:
         """Whether a launch with these arguments runs within its GPU's resources (shared memory, and
         threads for its registers) under some config: an untuned launch takes the first that does
         (_first_fitting), autotuning skips the others. Where none does, a launch raises
-        OutOfResources: for a caller with another way to compute (triton_pool.attend_bwd_single).
-        Always True off the GPU."""
+        OutOfResources. Always True off the GPU."""
         if not any(isinstance(a, torch.Tensor) and on_gpu(a) for a in args):
             return True
-        return self._first_fitting(args, kwargs) is not None
+        return self._first_fitting(*self._bound_and_key(args, kwargs)) is not None
 
-    def _first_fitting(self, args, kwargs):
-        """The first config whose build for these arguments loads on their GPU, None where none
-        does: each built and loaded in turn (Triton's cache, which the launch then takes), once an
-        autotune key. On sm_90 the pool's kernels at D 1024 need more shared memory under their
-        first configs than the GPU has at some head counts and dtypes (fp32 with 32 heads: 259 KB
-        against 227), which MHA_COMPILE_NO_AUTOTUNE's launches would raise on."""
+    def launch_where_fits(self, grid, *args, **kwargs):
+        """Launch as __call__ does where the arguments fit the GPU under some config (fits) and return
+        True; else launch nothing and return False: for a caller with another way to compute
+        (triton_pool.attend_bwd_single, attend_bwd_one)."""
+        if not self.fits(*args, **kwargs):
+            return False
+        self(grid, *args, **kwargs)
+        return True
+
+    def _bound_and_key(self, args, kwargs):
+        """(the arguments by name, the autotune key: the key's arguments and the tensors' dtypes)."""
         bound = dict(zip(self.arg_names, args), **kwargs)
-        key = tuple(bound[k] for k in self.key) + tuple(a.dtype for a in args if isinstance(a, torch.Tensor)) + tuple(
-            tuple(sorted(c.items())) for c in self.configs)  # a probe or test may swap the list in
-        if key not in self._fitting:
-            self._fitting[key] = next((c for c in self.configs if self._loads(bound, c)), None)
-        return self._fitting[key]
+        return bound, tuple(bound[k] for k in self.key) + tuple(a.dtype for a in args if isinstance(a, torch.Tensor))
+
+    def _first_fitting(self, bound, key):
+        """The first config whose build for the arguments `bound` (autotune key `key`) loads on
+        their GPU, None where none does: each built and loaded in turn (Triton's cache, which the
+        launch then takes), once a key and config list. On sm_90 the pool's kernels at D 1024 need
+        more shared memory under their first configs than the GPU has at some head counts and dtypes
+        (fp32 with 32 heads: 259 KB against 227), which MHA_COMPILE_NO_AUTOTUNE's launches would
+        raise on."""
+        cached = key + tuple(tuple(sorted(c.items())) for c in self.configs)  # a probe or test may swap the list in
+        if cached not in self._fitting:
+            self._fitting[cached] = next((c for c in self.configs if self._loads(bound, c)), None)
+        return self._fitting[cached]
 
     def _loads(self, bound, config):
         """Whether the kernel built under `config` for the arguments `bound` loads on their GPU."""
@@ -513,12 +525,10 @@ class Launcher:
                 for option in LAUNCH_OPTIONS:
                     meta.pop(option, None)
             elif self.tuned is not None:  # the first that fits (none: the first, whose launch says why)
-                meta = dict(self._first_fitting(args, kwargs) or meta)
+                meta = dict(self._first_fitting(*self._bound_and_key(args, kwargs)) or meta)
             self._launch(grid, args, kwargs, meta, call)
             return
-        bound = dict(zip(self.arg_names, args), **kwargs)
-        key = tuple(bound[k] for k in self.key) + tuple(
-            a.dtype for a in args if isinstance(a, torch.Tensor))
+        bound, key = self._bound_and_key(args, kwargs)
         best = self.best.get(key)
         if best is not None:  # a plain launch: no autotuner bookkeeping per call
             self._launch(grid, args, kwargs, best, call)
@@ -528,7 +538,7 @@ class Launcher:
             # fails the capture: session 31, a key first met while torch's cudagraph trees captured
             # the backward). The first config that fits runs, not remembered: the next call outside
             # a capture tunes the key.
-            meta = dict(self._first_fitting(args, kwargs) or self.configs[0])
+            meta = dict(self._first_fitting(bound, key) or self.configs[0])
             if (self.kernel.__name__, key) not in _CAPTURE_UNTUNED:
                 _CAPTURE_UNTUNED.add((self.kernel.__name__, key))
                 log.warning("mha_compile: %s met %s first inside a CUDA graph capture, where it cannot be "

@@ -631,7 +631,7 @@ def test_fits_where_a_config_loads_and_an_untuned_launch_takes_the_first_that_do
     """Launcher.fits: whether any config's build for the call loads on the GPU (built in turn up to
     the first that does, once an autotune key; off the GPU always True); an untuned launch
     (MHA_COMPILE_NO_AUTOTUNE) takes that first config rather than one that would run out of the
-    GPU's resources."""
+    GPU's resources; launch_where_fits launches only where one fits."""
     monkeypatch.setattr(triton_util, "NO_AUTOTUNE", True)
     launcher = triton_util.Launcher(_noop, [dict(BLOCK=32, num_warps=4), dict(BLOCK=64, num_warps=8),
                                             dict(BLOCK=128, num_warps=8)], key=["N"])
@@ -655,3 +655,10 @@ def test_fits_where_a_config_loads_and_an_untuned_launch_takes_the_first_that_do
     launcher.configs = [dict(BLOCK=128, num_warps=8)]  # a probe's or test's one config: its own answer
     assert not launcher.fits(x, 100)
     assert launcher.kernel.builds[-1] == 128
+    # launch_where_fits: nothing launched where no config fits; else the first that does
+    launcher.kernel.too_big = lambda kwargs: kwargs["BLOCK"] != 64
+    assert not launcher.launch_where_fits(lambda meta: (1,), x, 300)
+    assert len(launched) == 1
+    launcher.configs = [dict(BLOCK=128, num_warps=8), dict(BLOCK=64, num_warps=8)]
+    assert launcher.launch_where_fits(lambda meta: (1,), x, 300)
+    assert launched[1:] == [dict(BLOCK=64, num_warps=8)]

@@ -972,12 +972,13 @@ def test_pool_backward_single_pass_with_a_mask(monkeypatch, bias, kept):
 
 
 class _UnfitLauncher:
-    """A launcher whose kernel fits no GPU: a launch of it is recorded, not run."""
+    """A launcher whose kernel fits no GPU: launch_where_fits launches nothing; a plain launch of it
+    is recorded, not run."""
 
     def __init__(self):
         self.launches = []
 
-    def fits(self, *args, **kwargs):
+    def launch_where_fits(self, *args, **kwargs):
         return False
 
     def __call__(self, *args, **kwargs):
