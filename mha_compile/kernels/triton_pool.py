@@ -301,12 +301,23 @@ def _pool_bwd_one_kernel(
 
 
 @triton.jit
+def _token_rows(offs_n, stride_tn, WIDE_ROWS: tl.constexpr):
+    """offs_n · stride_tn, tokens' offsets within one batch row of tok: int32 products, unless
+    WIDE_ROWS (wide_rows: an offset past int32). The single pass's loop at large (sm_90a, offline)
+    has 912 SASS instructions at BLOCK_N 32 against int64's 1023, 112 bytes spilled against 280."""
+    if WIDE_ROWS:
+        return offs_n.to(tl.int64) * stride_tn
+    else:
+        return offs_n * stride_tn
+
+
+@triton.jit
 def _pool_bwd_single_kernel(
     tok_ptr, u_ptr, attn_ptr, pooled_ptr, bv_ptr, gpooled_ptr, dtbar_ptr, tbar_ptr, du_ptr, dtok_ptr,
     N, D, P: tl.constexpr, Dh,
     stride_tb, stride_tn,
-    HAS_BV: tl.constexpr, SPLIT_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_DH: tl.constexpr,
+    HAS_BV: tl.constexpr, SPLIT_DOT: tl.constexpr, WIDE_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_DH: tl.constexpr,
 ):
     """The whole backward for one batch row b (one program, all of D) in one read of tok and one
     write of ∂tok. Pass 1 needed its own read of tok only for c_p = Σ_n a ∂a, the softmax's
@@ -352,7 +363,7 @@ def _pool_bwd_single_kernel(
         # its layout conversion waited on it: 12.6% of ncu's stall samples at large (H100, BLOCK_N 32).
         a = _attn_rows(attn_b, n0, N, P, BLOCK_N, BLOCK_P)
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        nd_off = offs_n[:, None].to(tl.int64) * stride_tn + offs_d[None, :]
+        nd_off = _token_rows(offs_n, stride_tn, WIDE_ROWS)[:, None] + offs_d[None, :]
         nd_ok = (offs_n < N)[:, None] & d_ok[None, :]
         t = tl.load(tok_b + nd_off, mask=nd_ok, other=0.0)
         ds = a * (dot_pairs(t, dtbar2, SPLIT_DOT) - c[None, :])
@@ -472,7 +483,7 @@ _attend_bwd_single = Launcher(_pool_bwd_single_kernel, [
     dict(BLOCK_N=32, num_warps=8, num_stages=3),
     dict(BLOCK_N=16, num_warps=8, num_stages=3),
     dict(BLOCK_N=16, num_warps=16, num_stages=2),
-], key=["N", "D", "P", "HAS_BV", "SPLIT_DOT"], restore=["dtbar_ptr"])
+], key=["N", "D", "P", "HAS_BV", "SPLIT_DOT", "WIDE_ROWS"], restore=["dtbar_ptr"])
 # Both passes in one kernel (bwd_one_kernel): pass 1's BLOCK_N, pass 2's BLOCK_N2 × BLOCK_D2, warps and
 # stages shared. The first config gives the interpreter's tests more than one block of D, as _attend_bwd's;
 # the rest are the fastest five of 20 at medium on the H200 (41.9-49.7 us; pool_bwd_one_probe.txt), 92-230
@@ -675,8 +686,15 @@ def attend_bwd_single(tok, u, attn, pooled, bv, grad_pooled, dtbar, tbar, du, gr
     split = split_dot(tok.dtype)
     return _attend_bwd_single.launch_where_fits(
         lambda m: (B,), tok, u, attn, pooled, grad_pooled if bv is None else bv, grad_pooled, dtbar, tbar, du, grad_tok,
-        N, D, P, D // P, tok.stride(0), tok.stride(1), HAS_BV=bv is not None, SPLIT_DOT=split, BLOCK_D=pow2(D),
-        BLOCK_P=block_p(P, split), BLOCK_DH=pow2(D // P))
+        N, D, P, D // P, tok.stride(0), tok.stride(1), HAS_BV=bv is not None, SPLIT_DOT=split,
+        WIDE_ROWS=wide_rows(tok), BLOCK_D=pow2(D), BLOCK_P=block_p(P, split), BLOCK_DH=pow2(D // P))
+
+
+def wide_rows(tok):
+    """Whether an offset within a batch row of tok [B,N,D] (contiguous; ∂tok has its strides) can
+    pass int32's range (_token_rows): the offsets of a last block's masked tokens too, up to 64
+    tokens past N (no config's BLOCK_N is larger)."""
+    return (tok.shape[1] + 64) * tok.stride(1) - 1 > 2 ** 31 - 1  # the largest offset past int32
 
 
 def bwd_one_kernel(tok):

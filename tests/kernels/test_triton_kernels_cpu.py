@@ -948,14 +948,16 @@ def _pool_grad_errors(got, inputs, grad_inv, mask=None):
             for name, g, leaf in zip(("tok", "q", "wk", "wv", "bv", "wo", "bo"), got, leaves) if leaf is not None}
 
 
-@pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("kept", [True, False])
-def test_pool_backward_single_pass_with_a_mask(monkeypatch, bias, kept):
+@pytest.mark.parametrize("bias, kept, wide", [(True, True, False), (True, False, False), (False, True, False),
+                                              (False, False, False), (True, True, True)])
+def test_pool_backward_single_pass_with_a_mask(monkeypatch, bias, kept, wide):
     """The single pass takes the softmax's correction c_p = ⟨pooled_p − bv_p, ∂pooled_p⟩ from the
     forward's heads (kept: the buffer pool_forward wrote; else pool_backward computes them again)
     with and without bv: every gradient against float64 autograd of the reference pool, with a
-    key-padding mask that leaves one batch row attending to nothing (its heads 0, not bv)."""
+    key-padding mask that leaves one batch row attending to nothing (its heads 0, not bv). wide:
+    the tokens' offsets in int64 (WIDE_ROWS), as where a row's would pass int32."""
     pool_backward_way(monkeypatch, "_attend_bwd_single")
+    monkeypatch.setattr(triton_pool, "wide_rows", lambda tok: wide)
     launched = record_calls(monkeypatch, triton_pool, "attend_bwd_single")
     tok, q, wk, wv, bv, wo, bo = inputs = _pool_case(torch.float32, 0.5 if bias else None)
     B, N, D = tok.shape
@@ -1152,6 +1154,16 @@ def test_the_pool_backward_takes_one_pass_where_tok_exceeds_l2(monkeypatch, flag
     pooled = torch.empty(1) if kept else None
     tok = torch.empty(nbytes // (torch.finfo(dtype).bits // 8), dtype=dtype)
     assert triton_pool.single_pass(tok, pooled) is expected
+
+
+def test_token_offsets_wide_where_a_row_passes_int32():
+    """wide_rows: int64 offsets where a batch row's offsets, those of a last block's masked tokens
+    (up to 64 past N) included, pass int32's range (shapes only: meta tensors, nothing allocated)."""
+    row = lambda n, d: torch.empty(2, n, d, device="meta")  # noqa: E731
+    assert not triton_pool.wide_rows(row(128, 512))
+    assert not triton_pool.wide_rows(row(2 ** 21 - 64, 1024))  # (N + 64) · D = 2**31: offsets to 2**31 - 1
+    assert triton_pool.wide_rows(row(2 ** 21 - 63, 1024))
+    assert triton_pool.wide_rows(row(1, 2 ** 31 // 64))
 
 
 def test_the_single_pass_switch_read_at_import():
