@@ -55,7 +55,7 @@ def compile_offline(kernel, args, constexprs, num_warps=4):
 
     signature = {name: "constexpr" if name in constexprs else mangle_type(args[name]) for name in kernel.arg_names}
     values = {(i,): constexprs[name] for i, name in enumerate(kernel.arg_names) if name in constexprs}
-    compiled = triton.compile(GluonASTSource(kernel, signature, values), target=offline_sass.H200,
+    compiled = triton.compile(GluonASTSource(kernel, signature, values), target=offline_sass.H200.target,
                               options=dict(num_warps=num_warps))
     return offline_sass.sass_stats(compiled)
 

@@ -10,16 +10,17 @@ import pytest
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
 
-def offline_sass(tmp_path, *args, env=None):
+def offline_sass(tmp_path, *args, env=None, printed=False):
     """The rows bench/offline_sass.py writes for these arguments, run outside the interpreter (with
-    `env` added to the environment)."""
+    `env` added to the environment); with printed, (rows, what it printed)."""
     env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, **(env or {})}
     env["PYTHONPATH"] = os.path.abspath(ROOT)
     out = tmp_path / "rows.json"
     run = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "offline_sass.py"), *args, "--out", str(out)],
                          env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-2000:]
-    return json.loads(out.read_text())
+    rows = json.loads(out.read_text())
+    return (rows, run.stdout) if printed else rows
 
 
 def test_records_every_launch_and_compiles_for_sm90(tmp_path):
@@ -99,6 +100,24 @@ def test_a_register_cap_reaches_the_build(tmp_path):
     assert len(capped) == len(triton_pool._attend.configs) and any(shipped(r) for r in capped)
     for r in capped:
         assert r["maxnreg"] == 128 and r["regs"] <= 128 and r["fits"], r
+
+
+def test_a_launch_no_config_fits_is_named_for_the_gpu_built_for(tmp_path):
+    """--arch builds for another GPU and holds each build to its shared memory: the pool forward at
+    D 1024 with 16 heads (bf16) fits the H200's 227 KB under some config, and none of its configs
+    fits sm_86's 99 KB (its [D, 2P] operands, 112 KB at the least), which the report names; sm_86
+    has no wgmma, its dots are mma."""
+    args = ("--presets", "4x3x5x1024x16x64x4x2", "--kernels", "_pool_fwd_kernel", "--all-configs")
+    h200, said_h200 = offline_sass(tmp_path, *args, printed=True)
+    sm86, said_sm86 = offline_sass(tmp_path, *args, "--arch", "sm_86", printed=True)
+    from mha_compile.kernels import triton_pool
+    assert len(h200) == len(sm86) == len(triton_pool._attend.configs)
+    assert any(r["fits"] for r in h200) and {r["arch"] for r in h200} == {"sm_90a"}
+    assert "every launch builds to fit sm_90a's shared memory" in said_h200
+    assert not any(r["fits"] for r in sm86) and min(r["smem"] for r in sm86) > 101376
+    assert all(r["arch"] == "sm_86" and r["wgmma"] == 0 and r["mma"] > 0 for r in sm86)
+    unfit = f"4x3x5x1024x16x64x4x2 _pool_fwd_kernel: {len(triton_pool._attend.configs)} configs, the least"
+    assert unfit in said_sm86.split("launches under none")[1]
 
 
 def test_gluon_kernels_build_with_inline_ptx(tmp_path):
