@@ -581,7 +581,8 @@ def direction_grads(q, wk, grad_u):
 
 
 def pool_attend(tok, u, mask=None):
-    """attn [B,N,P] and t̄ [B,P,D] (fp32) from tok [B,N,D] and the directions u [P,D]."""
+    """attn [B,N,P] and t̄ [B,P,D] (fp32) from tok [B,N,D] and the directions u [P,D]: by
+    _pool_fwd_kernel, or attend_by_products where none of its configs fits the GPU."""
     B, N, D = tok.shape
     P = u.shape[0]
     torch._check(D <= MAX_POOL_D, lambda: f"pool kernel takes D ≤ {MAX_POOL_D}, got {D}")
@@ -591,9 +592,57 @@ def pool_attend(tok, u, mask=None):
     tbar = torch.empty(B, P, D, device=tok.device, dtype=torch.float32)
     mask_u8 = mask.to(torch.uint8).contiguous() if mask is not None else attn
     split = split_dot(tok.dtype)
-    _attend(lambda m: (B,), tok, u, mask_u8, attn, tbar, N, D, P, tok.stride(0), tok.stride(1),
-            HAS_MASK=mask is not None, SPLIT_DOT=split, BLOCK_D=pow2(D), BLOCK_P=block_p(P, split))
+    if not _attend.launch_where_fits(lambda m: (B,), tok, u, mask_u8, attn, tbar, N, D, P, tok.stride(0),
+                                     tok.stride(1), HAS_MASK=mask is not None, SPLIT_DOT=split, BLOCK_D=pow2(D),
+                                     BLOCK_P=block_p(P, split)):
+        attend_by_products(tok, u, mask, attn, tbar, split)
     return attn, tbar
+
+
+# Where no config of the forward's or pass 1's kernel fits the GPU's shared memory, which holds
+# their [D, 2P] operands (bench/offline_sass.py --arch sm_86, bf16: the forward at D 768 with 12
+# heads and D 1024 with 16 needs 112 KB at the least, 176 with 32 heads, and pass 1 162 KB at D
+# 1024 with 32, against the 99 KB a block of sm_86 and sm_89), the same sums run as _bmm's fp32
+# products (split dots for bf16 tokens, the kernels' accuracy) and torch's elementwise ops, a
+# chunk of batch rows at a time. They read tok twice where the kernels read it once.
+# A chunk's rows: fp32 or fp16 tokens (ieee fp32 products) are copied to fp32 a chunk at a time, at
+# most this many bytes; bf16 ones are read as they are, all rows at once.
+PRODUCTS_CHUNK_BYTES = 64 * 2**20
+
+
+def _row_chunks(tok, split):
+    """(rows, tok[rows]) over the batch rows of tok, each chunk in fp32 where the products are
+    torch.bmm's (split 0: its operands share a dtype) and tok is not."""
+    B, N, D = tok.shape
+    step = B if split else max(1, PRODUCTS_CHUNK_BYTES // max(1, N * D * 4))
+    for b0 in range(0, B, step):
+        rows = slice(b0, min(B, b0 + step))
+        yield rows, tok[rows] if split or tok.dtype == torch.float32 else tok[rows].float()
+
+
+def attend_by_products(tok, u, mask, attn, tbar, split):
+    """attn and t̄ as _pool_fwd_kernel writes them, where no config of it fits: the scores
+    normalised by softmax over n, a row whose keys are all masked attending to nothing (attn and t̄
+    0)."""
+    D, P = tok.shape[2], u.shape[0]
+    for rows, t in _row_chunks(tok, split):
+        s = _bmm(t, u.t().expand(t.shape[0], D, P), split, out=attn[rows])
+        if mask is not None:
+            s.masked_fill_(mask[rows, :, None].bool(), float("-inf"))
+        top = s.amax(1, keepdim=True)
+        s.sub_(top.masked_fill_(top == float("-inf"), 0.0)).exp_()
+        total = s.sum(1, keepdim=True)
+        s.div_(total.masked_fill_(total == 0.0, 1.0))
+        _bmm(s.transpose(1, 2), t, split, out=tbar[rows])
+
+
+def scores_grad_by_products(tok, attn, dtbar, ds, split):
+    """∂s as _pool_bwd_scores_kernel writes it, where no config of it fits: ∂s = a ⊙ (∂a − c) with
+    ∂a = tok ∂t̄ᵀ and c_p = Σ_n a ∂a."""
+    for rows, t in _row_chunks(tok, split):
+        da = _bmm(t, dtbar[rows].transpose(1, 2), split, out=ds[rows])
+        a = attn[rows]
+        da.sub_((a * da).sum(1, keepdim=True)).mul_(a)
 
 
 def _bmm(a, b, split, out=None, bias=None, dtype=torch.float32):
@@ -654,13 +703,16 @@ def _kept(grad, empty):
 
 
 def attend_bwd_scores(tok, attn, dtbar, ds):
-    """The backward's pass 1 (_pool_bwd_scores_kernel) into ds [B,N,P] fp32, returned: ∂s from tok
-    [B,N,D] (row stride 1), attn [B,N,P] and ∂t̄ [B,P,D] fp32."""
+    """The backward's pass 1 (_pool_bwd_scores_kernel, or scores_grad_by_products where none of its
+    configs fits the GPU) into ds [B,N,P] fp32, returned: ∂s from tok [B,N,D] (row stride 1), attn
+    [B,N,P] and ∂t̄ [B,P,D] fp32."""
     B, N, D = tok.shape
     P = attn.shape[2]
     split = split_dot(tok.dtype)
-    _attend_bwd_scores(lambda m: (B,), tok, attn, dtbar, ds, N, D, P, tok.stride(0), tok.stride(1),
-                       SPLIT_DOT=split, BLOCK_D=pow2(D), BLOCK_P=block_p(P, split))
+    if not _attend_bwd_scores.launch_where_fits(lambda m: (B,), tok, attn, dtbar, ds, N, D, P, tok.stride(0),
+                                                tok.stride(1), SPLIT_DOT=split, BLOCK_D=pow2(D),
+                                                BLOCK_P=block_p(P, split)):
+        scores_grad_by_products(tok, attn, dtbar, ds, split)
     return ds
 
 

@@ -360,6 +360,14 @@ _combine_dy = Launcher(_router_dy_kernel, [
     dict(BLOCK_D=256, num_warps=4, num_stages=3),
 ], key=["H", "D", "E", "TOP_K", "SUM_H", "PRECISION"])
 
+# ∂Wg's kernel is not autotuned (router_weight_grad sizes its blocks and runs): its num_stages, 3
+# where the GPU's shared memory takes them, else fewer. At 3, fp32 x needs 168 KB and bf16 104 KB
+# (medium and large, bench/offline_sass.py --arch sm_86), past the A100's 163 KB a block and the
+# 99 KB of sm_86 and sm_89.
+_router_wgrad = Launcher(_router_wgrad_kernel, [dict(num_stages=3), dict(num_stages=2), dict(num_stages=1)],
+                         key=["HAS_INV", "SPLIT16", "SUM_H", "PRECISION", "BLOCK_R", "BLOCK_D", "BLOCK_E", "num_warps"],
+                         tune=False)
+
 
 def _logits_block_d(block_e):
     """The D block of the logits' dot x Wgᵀ, by blocks of rows (the forward, _inv_logits_kernel)."""
@@ -483,16 +491,17 @@ def router_weight_grad(dlogits, x, inv, horizons, block_d=None, block_r=WGRAD_BL
         runs, rows = cut_runs(R, runs, block_r)
     inv_runs, inv_rows = router_runs(inv.shape[0], D, x.device) if split else (0, 0)
     part = torch.empty(runs + inv_runs, E, D, device=x.device, dtype=torch.float32)
-    options = gpu_options(x, num_warps=num_warps, num_stages=3)
+    options = gpu_options(x, num_warps=num_warps)
     precision = router_precision(x.dtype)
-    launch(_router_wgrad_kernel, (runs, n_d),
-        dlogits, x, x if inv is None else inv, part, R, horizons, D, E, rows,
-        HAS_INV=inv is not None and not split, SPLIT16=split, SUM_H=False, PRECISION=precision,
-        BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_E=pow2(E), **options)
+    _router_wgrad(lambda m: (runs, n_d),
+                  dlogits, x, x if inv is None else inv, part, R, horizons, D, E, rows,
+                  HAS_INV=inv is not None and not split, SPLIT16=split, SUM_H=False, PRECISION=precision,
+                  BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_E=pow2(E), **options)
     if split:
-        launch(_router_wgrad_kernel, (inv_runs, n_d),
-            dlogits, inv, inv, part[runs:], inv.shape[0], horizons, D, E, inv_rows, HAS_INV=False, SPLIT16=False,
-            SUM_H=True, PRECISION=precision, BLOCK_R=WGRAD_BLOCK_R, BLOCK_D=block_d, BLOCK_E=pow2(E), **options)
+        _router_wgrad(lambda m: (inv_runs, n_d),
+                      dlogits, inv, inv, part[runs:], inv.shape[0], horizons, D, E, inv_rows, HAS_INV=False,
+                      SPLIT16=False, SUM_H=True, PRECISION=precision, BLOCK_R=WGRAD_BLOCK_R, BLOCK_D=block_d,
+                      BLOCK_E=pow2(E), **options)
     # programs = its column blocks: one part of all the runs (a few to ~100 rows), so one launch
     return column_sums(part.view(runs + inv_runs, E * D), dtype=dtype,
                        programs=cdiv(E * D, COLUMN_BLOCK_C)).view(E, D)

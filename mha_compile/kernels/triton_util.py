@@ -389,12 +389,14 @@ class Launcher:
     (tests/kernels/test_launcher.py checks the lists).
     """
 
-    def __init__(self, kernel, configs, key, restore=None, blocks=None):
+    def __init__(self, kernel, configs, key, restore=None, blocks=None, tune=True):
         """restore: arguments the kernel adds into or overwrites while reading them, which
         autotuning's trial runs must not change. blocks: for a kernel that may take TMA tensor
         descriptors, a function of the arguments and meta-parameters (a dict) giving each
         descriptor argument's block shape, which follows the config's tile sizes; it is set on
-        the descriptors before every launch and trial (pointer arguments are left alone)."""
+        the descriptors before every launch and trial (pointer arguments are left alone).
+        tune=False: the configs are not timed, each launch takes the first that fits the GPU
+        (the later ones are for GPUs with less shared memory)."""
         self.kernel = kernel
         self.arg_names = kernel.arg_names  # kept: bench/gemm_probe.py stands a recorder in for the kernel
         self.configs = configs
@@ -408,10 +410,11 @@ class Launcher:
                       for c in configs]
         self.tuned = (triton.autotune(configs=tl_configs, key=key, restore_value=self.restore or None,
                                       prune_configs_by={"early_config_prune": self._buildable})(kernel)
-                      if len(configs) > 1 else None)
+                      if len(configs) > 1 and tune else None)
         self.best = {}  # autotune key -> the chosen config's meta-parameters
         self._chosen = {}  # (NO_AUTOTUNE, launch_key of a call's arguments) -> (its config, the launch's key)
         self._fitting = {}  # (autotune key, configs) -> the first config that loads on the GPU (None: none does)
+        self._fits_by_call = {}  # a call's launch_key -> (the config list, whether some config fits)
 
     def _buildable(self, configs, nargs, **kwargs):
         """The configs that build for this call (the autotuner's early prune, before it times them).
@@ -451,11 +454,22 @@ class Launcher:
     def launch_where_fits(self, grid, *args, **kwargs):
         """Launch as __call__ does where the arguments fit the GPU under some config (fits) and return
         True; else launch nothing and return False: for a caller with another way to compute
-        (triton_pool.attend_bwd_single, attend_bwd_one)."""
-        if not self.fits(*args, **kwargs):
-            return False
-        self(grid, *args, **kwargs)
-        return True
+        (triton_pool's attend_bwd_single, attend_bwd_one, pool_attend and attend_bwd_scores). The
+        answer is kept by the call's launch_key (and config list): fits' own key took ~19 us of
+        host a call here, where the pool's kernels launch every step."""
+        call = launch_key(self.kernel, args, kwargs) if self.blocks is None and fast_launches() else None
+        kept = self._fits_by_call.get(call) if call is not None else None
+        if kept is not None and kept[0] is self.configs:
+            fits = kept[1]
+        else:
+            fits = self.fits(*args, **kwargs)
+            if call is not None:
+                if len(self._fits_by_call) >= MAX_LAUNCHES:
+                    self._fits_by_call.clear()
+                self._fits_by_call[call] = (self.configs, fits)
+        if fits:
+            self._call(grid, args, kwargs, call)
+        return fits
 
     def _bound_and_key(self, args, kwargs):
         """(the arguments by name, the autotune key: the key's arguments and the tensors' dtypes)."""
@@ -510,9 +524,13 @@ class Launcher:
 
     def __call__(self, grid, *args, **kwargs):
         """grid: a function of the chosen meta-parameters (a dict) returning the launch grid."""
+        self._call(grid, args, kwargs,
+                   launch_key(self.kernel, args, kwargs) if self.blocks is None and fast_launches() else None)
+
+    def _call(self, grid, args, kwargs, call):
+        """__call__ with the arguments' launch_key `call` worked out (None: none)."""
         # A call whose arguments' launch_key has a config here launches it at once: the autotune
         # key and the launch's key are not worked out again (~5 of a launch's ~20 us of host time).
-        call = launch_key(self.kernel, args, kwargs) if self.blocks is None and fast_launches() else None
         chosen = self._chosen.get((NO_AUTOTUNE, call)) if call is not None else None
         if chosen is not None:
             meta, key = chosen
@@ -524,7 +542,7 @@ class Launcher:
             if not on_cuda:  # the interpreter ignores warps and stages
                 for option in LAUNCH_OPTIONS:
                     meta.pop(option, None)
-            elif self.tuned is not None:  # the first that fits (none: the first, whose launch says why)
+            elif len(self.configs) > 1:  # the first that fits (none: the first, whose launch says why)
                 meta = dict(self._first_fitting(*self._bound_and_key(args, kwargs)) or meta)
             self._launch(grid, args, kwargs, meta, call)
             return

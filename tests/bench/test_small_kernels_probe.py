@@ -209,6 +209,13 @@ class _Recorded:
         self.launcher(grid, *args, **kwargs)
         self.calls.append((before, clones()))
 
+    def launch_where_fits(self, grid, *args, **kwargs):
+        """Launcher.launch_where_fits (pass 1 asks it): launched and kept where the launcher fits."""
+        if not self.launcher.fits(*args, **kwargs):
+            return False
+        self(grid, *args, **kwargs)
+        return True
+
 
 def test_the_pool_backward_sweeps_launch_what_pool_backward_does(monkeypatch):
     """Each config of the three pool backward sweeps (pass 1, pass 2, both in one kernel), at an

@@ -662,3 +662,56 @@ def test_fits_where_a_config_loads_and_an_untuned_launch_takes_the_first_that_do
     launcher.configs = [dict(BLOCK=128, num_warps=8), dict(BLOCK=64, num_warps=8)]
     assert launcher.launch_where_fits(lambda meta: (1,), x, 300)
     assert launched[1:] == [dict(BLOCK=64, num_warps=8)]
+
+
+def test_launch_where_fits_keeps_its_answer_by_the_calls_launch_key(monkeypatch):
+    """launch_where_fits asks fits once a call signature (its launch_key) and config list: the same
+    call again launches (or not) on the kept answer, without working out the autotune key; another
+    signature, or another config list swapped in, asks again."""
+    _on_the_gpu(monkeypatch)
+    monkeypatch.setattr(triton_util, "NO_AUTOTUNE", True)
+    launcher = triton_util.Launcher(_noop, [dict(BLOCK=32, num_warps=4), dict(BLOCK=64, num_warps=8)], key=["N"])
+    launcher.kernel = _Loads(lambda kwargs: kwargs["BLOCK"] == 32)
+    asked, launched = [], []
+    fits = launcher.fits
+    monkeypatch.setattr(launcher, "fits", lambda *args: asked.append(args[1]) or fits(*args))
+    monkeypatch.setattr(triton_util, "launch_keyed", lambda kernel, key, grid, args, kwargs: launched.append(kwargs))
+    x = torch.zeros(4)
+    assert all(launcher.launch_where_fits(lambda meta: (1,), x, 100) for _ in range(3))
+    assert asked == [100] and launched == [dict(BLOCK=64, num_warps=8)] * 3
+    launcher.kernel.too_big = lambda kwargs: True
+    assert not any(launcher.launch_where_fits(lambda meta: (1,), x, 200) for _ in range(2))
+    assert asked == [100, 200] and len(launched) == 3
+    launcher.configs = [dict(BLOCK=64, num_warps=8)]  # swapped in: asked again, and none fits now
+    assert not launcher.launch_where_fits(lambda meta: (1,), x, 100)
+    assert asked == [100, 200, 100] and len(launched) == 3
+
+
+def test_an_untimed_launcher_takes_the_first_config_that_fits(monkeypatch):
+    """Launcher(tune=False) (the router's ∂Wg: num_stages 3, 2, 1): no autotuner, and on the GPU,
+    autotuning on or off, each call takes the first config whose build fits (here stages 3 runs out
+    of shared memory, as on sm_86), with the call's own launch options (num_warps) beside it."""
+    monkeypatch.setattr(triton_util, "on_gpu", lambda t: True)
+    monkeypatch.setattr(triton_util, "NO_AUTOTUNE", False)
+    launcher = triton_util.Launcher(_noop, [dict(num_stages=3), dict(num_stages=2), dict(num_stages=1)],
+                                    key=["N", "BLOCK", "num_warps"], tune=False)
+    assert launcher.tuned is None
+    built = []
+
+    class Stages:
+        arg_names, __name__ = ["x_ptr", "N"], "_fake_kernel"
+
+        def warmup(self, grid, **kwargs):
+            built.append(kwargs["num_stages"])
+
+            def load():
+                if kwargs["num_stages"] == 3:
+                    raise triton_util.OutOfResources(106496, 101376, "shared memory")
+            return types.SimpleNamespace(_init_handles=load)
+    launcher.kernel = Stages()
+    launched = []
+    monkeypatch.setattr(triton_util, "launch_keyed", lambda kernel, key, grid, args, kwargs: launched.append(kwargs))
+    x = torch.zeros(4)
+    for _ in range(2):
+        launcher(lambda meta: (1,), x, 100, BLOCK=64, num_warps=4)
+    assert launched == [dict(BLOCK=64, num_warps=4, num_stages=2)] * 2 and built == [3, 2]

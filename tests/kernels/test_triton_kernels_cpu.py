@@ -1015,6 +1015,42 @@ def test_the_two_passes_run_where_the_single_pass_does_not_fit(monkeypatch, capl
                      "shared memory at D=40 with 2 heads in torch.float16: the two passes run"] if forced else [])
 
 
+@pytest.mark.parametrize("dtype, split, chunk_bytes", [(torch.float32, False, 2**30), (torch.float32, False, 1),
+                                                       (torch.float16, True, 2**30), (torch.float16, False, 1)])
+def test_the_products_run_where_the_pool_forward_and_pass_1_do_not_fit(monkeypatch, dtype, split, chunk_bytes):
+    """Where no config of the pool forward, or of the backward's pass 1, fits the GPU (on sm_86 and
+    sm_89, bf16 D 1024 with 32 heads, offline), pool_forward and pool_backward compute the same
+    sums by attend_by_products and scores_grad_by_products instead of launches that would raise:
+    inv and attn against float64 (a mask, one row all masked), then every gradient. fp16 tokens
+    through split dots as bf16 ones on the GPU (split), or copied to fp32 a batch row at a time
+    (chunk_bytes 1), as fp32 ones may be."""
+    if split:
+        monkeypatch.setattr(triton_pool, "SPLIT_DOT_DTYPES", {torch.float16: 2})
+    monkeypatch.setattr(triton_pool, "PRODUCTS_CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(triton_pool, "SINGLE_PASS", False)
+    monkeypatch.setattr(triton_pool, "BWD_ONE_KERNEL", False)
+    for name in ("_attend", "_attend_bwd_scores"):
+        monkeypatch.setattr(triton_pool, name, _UnfitLauncher())
+    products = record_calls(monkeypatch, triton_pool, "attend_by_products")
+    scores = record_calls(monkeypatch, triton_pool, "scores_grad_by_products")
+    tok, q, wk, wv, bv, wo, bo = inputs = _pool_case(dtype, 0.5)
+    B, N, D = tok.shape
+    mask = torch.rand(B, N) < 0.3
+    mask[1] = True
+    inv, attn = triton_pool.pool_forward(tok, q, wk, wv, bv, wo, bo, mask)
+    want_inv, want_attn = reference.pool_forward(*[t.double() for t in inputs], mask)
+    assert triton_pool._attend.launches == [] and len(products) == 1
+    assert torch.equal(attn[1], torch.zeros_like(attn[1])) and torch.equal(inv[1], bo)
+    for got, want in ((inv, want_inv), (attn, want_attn)):
+        assert float((got.double() - want).norm() / want.norm()) < 1e-5
+    grad_inv = torch.randn(B, D)
+    errors = _pool_grad_errors(triton_pool.pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn, mask=mask),
+                               inputs, grad_inv, mask)
+    assert triton_pool._attend_bwd_scores.launches == [] and len(scores) == 1
+    bound = {"tok": 2 ** -10} if dtype == torch.float16 else {}  # ∂tok is returned in tok's dtype
+    assert len(errors) == 7 and all(err < bound.get(name, 1e-5) for name, err in errors.items()), errors
+
+
 def test_the_two_kernels_run_where_the_one_kernel_does_not_fit(monkeypatch):
     """Where tok fits in L2 but no config of the one kernel of both passes fits the GPU (on sm_90,
     fp32 D 1024 with 32 heads, offline), pool_backward runs pass 1 and pass 2 as two kernels
