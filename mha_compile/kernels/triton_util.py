@@ -322,15 +322,34 @@ def gpu_options(t, **options):
     return options if on_gpu(t) else {}
 
 
+# The oldest NVIDIA GPU the Triton kernels take: bf16 tensor-core dots, cp.async and 99 KB or more of
+# shared memory a block start at sm_80 (Triton 3.6 builds no bf16 dot below it; a T4's sm_75 has 64 KB).
+MIN_CAPABILITY = (8, 0)
+
+
 def device_reason(t):
     """None when Triton kernels can run on `t`'s device, else why not."""
     if on_gpu(t):
-        return None
+        return _gpu_reason(t.device) if t.device.type == "cuda" else None
     if t.device.type == "cpu" and interpreting():
         return None
     if t.device.type == "cpu":
         return "device cpu needs TRITON_INTERPRET=1"
     return f"device {t.device.type} has no Triton kernels here"
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_reason(device):
+    """device_reason for a CUDA device, once a device (the region asks on every call): an NVIDIA GPU
+    older than MIN_CAPABILITY. A fake CUDA tensor on a machine without CUDA (compiling for one) has
+    no properties to read, and ROCm's are no NVIDIA architecture: None."""
+    if torch.version.hip is not None or not torch.cuda.is_available():
+        return None
+    major, minor = capability(device)
+    if (major, minor) < MIN_CAPABILITY:
+        return (f"a GPU of sm_{major}{minor} runs on the reference path (the Triton kernels need "
+                f"sm_{MIN_CAPABILITY[0]}{MIN_CAPABILITY[1]} or newer)")
+    return None
 
 
 def dtype_reason(t):

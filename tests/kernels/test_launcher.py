@@ -1,6 +1,7 @@
 """triton_util.Launcher's bookkeeping on the GPU path, with stand-ins for the kernel and for
 triton.autotune (the tuned path only runs on CUDA): tune once per key, log the choice, then
 launch the chosen config directly; leave out of autotuning the configs that do not build."""
+import functools
 import logging
 import threading
 import types
@@ -197,6 +198,30 @@ def test_tma_device_needs_hopper(monkeypatch):
     # alignment: F = 47 fp32 rows (188 bytes) are not 16-byte strides; a contiguous [4, 48] is
     assert triton_util.tma_ok(torch.zeros(4, 48)) and not triton_util.tma_ok(torch.zeros(4, 47))
     assert not triton_util.tma_ok(torch.zeros(48, 4).t())  # last dimension not contiguous
+
+
+def test_gpus_before_sm80_take_the_reference_path(monkeypatch):
+    """device_reason: a CUDA GPU older than sm_80 (a T4's sm_75: no bf16 tensor-core dots in Triton,
+    64 KB of shared memory a block) sends the region to the reference path, with the reason; sm_80
+    and later take the kernels; a fake CUDA tensor on a machine without CUDA is not asked about."""
+    from mha_compile.kernels import triton_region
+    def fresh():  # the answer is kept a device: a cache of this test's own, dropped after it
+        monkeypatch.setattr(triton_util, "_gpu_reason", functools.lru_cache(None)(triton_util._gpu_reason.__wrapped__))
+    gpu = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0), dtype=torch.float16)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(triton_util, "capability", lambda device: (7, 5))
+    fresh()
+    reason = "a GPU of sm_75 runs on the reference path (the Triton kernels need sm_80 or newer)"
+    assert triton_util.device_reason(gpu) == reason
+    assert triton_region.why_unsupported(gpu, gpu, gpu, 2, "gelu", None) == reason
+    for capability in ((8, 0), (8, 9), (9, 0)):
+        monkeypatch.setattr(triton_util, "capability", lambda device, c=capability: c)
+        fresh()
+        assert triton_util.device_reason(gpu) is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(triton_util, "capability", lambda device: pytest.fail("read a GPU's properties"))
+    fresh()
+    assert triton_util.device_reason(gpu) is None
 
 
 class _Warmups:
