@@ -153,6 +153,53 @@ def test_pool_backward_single_pass_where_it_fits(monkeypatch, dtype, D, P, singl
     assert len(two) == (0 if single else 1)
 
 
+class _Unfit:
+    """A pool Launcher's stand-in whose kernel fits no GPU (as the forward's and pass 1's at D 1024
+    with 16 or more heads on sm_86 and sm_89, offline): launch_where_fits launches nothing."""
+
+    def launch_where_fits(self, *args, **kwargs):
+        return False
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_pool_products_where_the_kernels_do_not_fit(monkeypatch, dtype):
+    """Where none of the pool forward's or pass 1's configs fits the GPU, attend_by_products and
+    scores_grad_by_products run: on the GPU in each dtype (bf16 through triton_matmul's split dots
+    with a stride-0 batch of directions, fp32 and fp16 through cuBLAS's fp32, fp16 copied a chunk of
+    rows at a time), with a key-padding mask and a row all masked: inv and attn, then every
+    gradient, against float64 autograd of the reference pool, to SPEC §4's bound for the dtype."""
+    from mha_compile.kernels import triton_pool
+    from numerics import record_calls
+
+    monkeypatch.setattr(triton_pool, "SINGLE_PASS", False)
+    monkeypatch.setattr(triton_pool, "BWD_ONE_KERNEL", False)
+    monkeypatch.setattr(triton_pool, "PRODUCTS_CHUNK_BYTES", 2 * 37 * 1024 * 4)  # chunks of two rows
+    for name in ("_attend", "_attend_bwd_scores"):
+        monkeypatch.setattr(triton_pool, name, _Unfit())
+    products = record_calls(monkeypatch, triton_pool, "attend_by_products")
+    scores = record_calls(monkeypatch, triton_pool, "scores_grad_by_products")
+    B, N, D, P = 5, 37, 1024, 16
+    tok = torch.randn(B, N, D, device="cuda").to(dtype)
+    q = torch.randn(P, D // P, device="cuda")
+    bo, bv = torch.randn(D, device="cuda") * 0.1, torch.randn(D, device="cuda")
+    wk, wv, wo = (torch.randn(D, D, device="cuda") * D ** -0.5 for _ in range(3))
+    mask = torch.rand(B, N, device="cuda") < 0.3
+    mask[1] = True
+    grad_inv = torch.randn(B, D, device="cuda")
+    inv, attn = triton_pool.pool_forward(tok, q, wk, wv, bv, wo, bo, mask)
+    got = triton_pool.pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn, mask=mask)
+    assert len(products) == len(scores) == 1
+    leaves = [t.double().requires_grad_() for t in (tok, q, wk, wv, bv, wo, bo)]
+    want_inv, want_attn = reference.pool_forward(*leaves, mask)
+    want_inv.backward(grad_inv.double())
+    bound = 2e-2 if dtype != torch.float32 else 1e-5
+    errors = {"inv": rel_err(inv, want_inv), "attn": rel_err(attn, want_attn)}
+    errors.update({name: rel_err(g, leaf.grad) for name, g, leaf in zip(("tok", "q", "wk", "wv", "bv", "wo", "bo"),
+                                                                        got, leaves)})
+    assert all(err < bound for err in errors.values()), errors
+    assert torch.equal(attn[1], torch.zeros_like(attn[1]))
+
+
 @pytest.mark.parametrize("preset", ["medium", "large"])
 def test_pool_backward_with_column_sums(monkeypatch, preset):
     """triton_pool.COLUMN_SUMS (the default since session 32): the pool backward's sums over the
