@@ -87,7 +87,8 @@ def main(argv=None):
     commands = parser.add_subparsers(dest="command", required=True)
     explain = commands.add_parser("explain", help="what backend='mha' does to a model: matches, kernels, near-misses")
     explain.add_argument("spec", help="path/to/script.py:factory, factory() -> (model, example_inputs_tuple)")
-    explain.add_argument("--dump", metavar="FOLDER", help="also write a graph dump (scripts, reports, pictures, index.html)")
+    explain.add_argument("--dump", metavar="FOLDER",
+                         help="also write a graph dump (scripts, reports, pictures, index.html)")
     explain.add_argument("--kernels", choices=KERNELS, default="auto")
     explain.add_argument("--rest", choices=REST, default="eager")
     explain.add_argument("--json", action="store_true", help="print the report as JSON")

@@ -44,7 +44,8 @@ def mha_backend(gm, example_inputs, options=None, mode=None):
         if opts.strict:
             raise
         report.fallback = _first_line(error)
-        log.warning("mha_compile: rewriting graph %d failed (%s); running it as captured", report.index, report.fallback)
+        log.warning("mha_compile: rewriting graph %d failed (%s); running it as captured", report.index,
+                    report.fallback)
         lowered = gm
     report.code_after = lowered.code
     split = _planned_pool_split(lowered, example_inputs, opts, whole, report)

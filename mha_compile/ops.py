@@ -77,7 +77,8 @@ def _check_shapes(ctx, tok, q, wk, wv, wo, wg, w1, b1, w2, b2, w3, top_k, act):
     torch._check(tuple(w2.shape) == (E, F, D), lambda: f"w2 must be [{E},{F},{D}], got {tuple(w2.shape)}")
     torch._check(b1 is None or tuple(b1.shape) == (E, F), lambda: f"b1 must be [{E},{F}]")
     torch._check(b2 is None or tuple(b2.shape) == (E, D), lambda: f"b2 must be [{E},{D}]")
-    torch._check((w3 is not None) == (act == "swiglu"), lambda: f"w3 is required exactly when act='swiglu' (act={act!r})")
+    torch._check((w3 is not None) == (act == "swiglu"),
+                 lambda: f"w3 is required exactly when act='swiglu' (act={act!r})")
     torch._check(w3 is None or tuple(w3.shape) == (E, D, F), lambda: f"w3 must be [{E},{D},{F}]")
     torch._check(1 <= top_k <= E, lambda: f"top_k={top_k}: expected 1 <= top_k <= E={E}")
     torch._check(act in ACTIVATIONS, lambda: f"act={act!r}: expected one of {ACTIVATIONS}")

@@ -43,7 +43,8 @@ which a CUDA graph registers: each replay draws anew, and the backward's replay 
 its forward's replay saved in the pool (the warm-up draws once more than eager would).
 
 Refused when compiled, said in the log (a warning where step_graphs=True asked for these graphs),
-torch's CUDA-graph trees then taking the step as they do with step_graphs=False: an input that is not a CUDA tensor (a size under dynamic shapes), no input,
+torch's CUDA-graph trees then taking the step as they do with step_graphs=False: an input that
+is not a CUDA tensor (a size under dynamic shapes), no input,
 and a graph that writes into one of its inputs, draws random numbers from a generator of its own
 or on another device, or returns an input's or another output's memory (`why_not`).
 

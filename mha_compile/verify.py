@@ -216,7 +216,8 @@ def _gradients_disagree(gm, original, compiled, args, attributes, zero_by_math, 
         own = 0.0 if gm is None else (g_o.double() - g_r.double()).norm().item() / scale
         if error > bound:
             return (f"gradient of {name}: relative error {error:.3g}"
-                    + ("" if gm is None else f" from the captured graph run in fp32, which itself is {own:.3g} from it"),
+                    + ("" if gm is None
+                       else f" from the captured graph run in fp32, which itself is {own:.3g} from it"),
                     nan_step)
     return None, nan_step
 

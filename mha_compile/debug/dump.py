@@ -213,7 +213,8 @@ def report_document(report, captured, lowered):
     doc.update(
         schema=SCHEMA, run=None,
         inputs=[dict(name=name, **spec) for name, spec in input_specs(captured)],
-        nodes=[dict(name=n.name, op=n.op, **_node_fields(n), region=region_of.get(n.name), near_miss=miss_at.get(n.name))
+        nodes=[dict(name=n.name, op=n.op, **_node_fields(n), region=region_of.get(n.name),
+                    near_miss=miss_at.get(n.name))
                for n in captured.graph.nodes],
         node_count={"captured": len(captured.graph.nodes), "rewritten": len(lowered.graph.nodes)},
         files={key: None for key in ("captured", "rewritten", "replayed", "text", "json", "dot", "svg", "dot_full",

@@ -16,10 +16,12 @@ INLINE_SVG_LIMIT = 4_000_000  # bytes; a larger picture is linked, not inlined
 _STYLE = f"""
 body {{ font-family: system-ui, -apple-system, "Segoe UI", Helvetica, Arial, sans-serif; margin: 24px; color: #222; }}
 h1 {{ font-size: 22px; margin-bottom: 4px; }} h2 {{ font-size: 18px; margin-top: 32px; border-bottom: 1px solid #ddd; }}
-table {{ border-collapse: collapse; margin: 8px 0; }} td, th {{ border: 1px solid #ddd; padding: 4px 8px; text-align: left; vertical-align: top; font-size: 14px; }}
+table {{ border-collapse: collapse; margin: 8px 0; }} td, th {{ border: 1px solid #ddd; padding: 4px 8px; \
+text-align: left; vertical-align: top; font-size: 14px; }}
 th {{ background: #f5f5f5; }} pre {{ background: #f7f7f7; padding: 10px; overflow-x: auto; font-size: 13px; }}
 .ok {{ color: {REGION_BORDER}; font-weight: 600; }} .miss {{ color: {MISS_BORDER}; font-weight: 600; }}
-.files a {{ margin-right: 14px; }} .picture {{ overflow: auto; max-height: 900px; border: 1px solid #ddd; background: #fff; }}
+.files a {{ margin-right: 14px; }} .picture {{ overflow: auto; max-height: 900px; border: 1px solid #ddd; \
+background: #fff; }}
 .picture svg {{ max-width: none; height: auto; }}
 .legend span {{ display: inline-block; padding: 2px 8px; margin-right: 8px; border-radius: 4px; font-size: 13px; }}
 """
@@ -49,7 +51,8 @@ def write_index(run):
 def _legend():
     return ("<p class='legend'>Pictures: "
             f"<span style='background:{REGION_FILL};border:2px solid {REGION_BORDER}'>replaced MHA region</span>"
-            f"<span style='background:{MISS_FILL};border:2px solid {MISS_BORDER}'>near-miss: where the block differs</span>"
+            f"<span style='background:{MISS_FILL};border:2px solid {MISS_BORDER}'>"
+            "near-miss: where the block differs</span>"
             f"<span style='border:2px dashed {ANCHOR_BORDER}'>top-k of a near-miss</span>"
             "Hover a box for its full name, shape and reason. Parameters and symbolic sizes are listed in "
             "their users' boxes (← name) rather than drawn.</p>")
@@ -60,7 +63,8 @@ def _summary_table(graphs):
     for folder, doc in graphs:
         kernels = ", ".join(sorted({m["kernels"] for m in doc["matches"]})) or "–"
         rows.append(f"<tr><td><a href='#{folder.name}'>{folder.name}</a></td>"
-                    f"<td class='{'ok' if doc['matches'] else ''}'>{len(doc['matches'])}</td><td>{html.escape(kernels)}</td>"
+                    f"<td class='{'ok' if doc['matches'] else ''}'>{len(doc['matches'])}</td>"
+                    f"<td>{html.escape(kernels)}</td>"
                     f"<td class='{'miss' if doc['near_misses'] else ''}'>{len(doc['near_misses'])}</td>"
                     f"<td>{html.escape(doc.get('fallback') or '–')}</td></tr>")
     return "\n".join(rows) + "</table>"
@@ -71,7 +75,8 @@ def _graph_section(folder, doc):
     files = doc.get("files", {})
     links = " ".join(f"<a href='{name}/{html.escape(path)}'>{html.escape(path)}</a>"
                      for key, path in files.items() if path)
-    out = [f"<h2 id='{name}'>{name}: <span class='{'ok' if doc['matches'] else ''}'>{len(doc['matches'])} match(es)</span>, "
+    out = [f"<h2 id='{name}'>{name}: "
+           f"<span class='{'ok' if doc['matches'] else ''}'>{len(doc['matches'])} match(es)</span>, "
            f"<span class='{'miss' if doc['near_misses'] else ''}'>{len(doc['near_misses'])} near-miss(es)</span></h2>",
            f"<p class='files'>{links}</p>"]
     for i, m in enumerate(doc["matches"]):
@@ -91,7 +96,8 @@ def _graph_section(folder, doc):
     out.append(_picture(folder, files.get("svg"), files.get("dot"), "captured graph"))
     if files.get("rewritten_svg") and doc["matches"]:
         out.append(f"<details><summary>rewritten graph</summary>"
-                   f"{_picture(folder, files.get('rewritten_svg'), files.get('rewritten_dot'), 'rewritten graph')}</details>")
+                   f"{_picture(folder, files.get('rewritten_svg'), files.get('rewritten_dot'), 'rewritten graph')}"
+                   "</details>")
     text = folder / files.get("text", "report.txt")
     if text.exists():
         out.append(f"<details><summary>report.txt</summary><pre>{html.escape(text.read_text())}</pre></details>")

@@ -26,7 +26,8 @@ def register():
         if not _internal.log_registry.is_log("mha_compile"):
             _internal.register_log("mha_compile", ["mha_compile"])
     except (ImportError, AttributeError, TypeError) as error:
-        log.debug("mha_compile: torch._logging has no register_log here (%s); TORCH_LOGS still works by module name", error)
+        log.debug("mha_compile: torch._logging has no register_log here (%s); TORCH_LOGS still works by module name",
+                  error)
 
 
 def trace_report(doc, text):

@@ -87,7 +87,8 @@ def node_info(node):
 
 def _target_name(target):
     if isinstance(target, torch._ops.OpOverload):
-        return f"{target.namespace}.{target._opname}" + ("" if target._overloadname == "default" else f".{target._overloadname}")
+        return (f"{target.namespace}.{target._opname}"
+                + ("" if target._overloadname == "default" else f".{target._overloadname}"))
     if isinstance(target, torch._ops.OpOverloadPacket):
         return str(target).replace("torch.ops.", "")
     return getattr(target, "__name__", str(target))
@@ -125,7 +126,8 @@ def graph_dot(gm, title, regions=(), near_misses=(), replaced_target=None, colla
                    or (replaced_target is not None and n.target is replaced_target)]
     group = _collapsed_groups(drawn, highlighted) if collapse and highlighted and len(drawn) > COLLAPSE_ABOVE else {}
     if group:
-        title += f"\n({len(group)} nodes far from the highlights are collapsed into grey boxes; the _full.dot file beside this one has all)"
+        title += (f"\n({len(group)} nodes far from the highlights are collapsed into grey boxes; "
+                  "the _full.dot file beside this one has all)")
 
     out = ["digraph G {",
            f'  graph [label={_q(title)}, labelloc=t, fontname="Helvetica", fontsize=14, rankdir=TB, '
@@ -142,8 +144,9 @@ def graph_dot(gm, title, regions=(), near_misses=(), replaced_target=None, colla
         (body[region_of[node.name]] if node.name in region_of else loose).append(line)
     for i, (label, _) in enumerate(regions):
         out.append(f"  subgraph cluster_region_{i} {{")
-        out.append(f'    graph [label={_q(_wrap(label, CLUSTER_WIDTH, lines=3))}, style="rounded,filled", fillcolor="{REGION_CLUSTER}", '
-                   f'color="{REGION_BORDER}", penwidth=2, fontcolor="{REGION_BORDER}", fontsize=12, tooltip={_q(label)}];')
+        out.append(f'    graph [label={_q(_wrap(label, CLUSTER_WIDTH, lines=3))}, style="rounded,filled", '
+                   f'fillcolor="{REGION_CLUSTER}", color="{REGION_BORDER}", penwidth=2, fontcolor="{REGION_BORDER}", '
+                   f'fontsize=12, tooltip={_q(label)}];')
         out.extend("  " + line for line in body[i])
         out.append("  }")
     out.extend(loose)

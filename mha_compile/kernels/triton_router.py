@@ -154,8 +154,8 @@ def _router_fwd_kernel(
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = rows < R
     offs_e = tl.arange(0, BLOCK_E)
-    logits = _logits(x_ptr, inv_ptr, wg_ptr, inv_logits_ptr, rows, r_ok, H, D, E, HAS_INV, SPLIT_CTX, SUM_BLOCKS, PRECISION,
-                     BLOCK_D, BLOCK_E, BLOCK_R)
+    logits = _logits(x_ptr, inv_ptr, wg_ptr, inv_logits_ptr, rows, r_ok, H, D, E, HAS_INV, SPLIT_CTX, SUM_BLOCKS,
+                     PRECISION, BLOCK_D, BLOCK_E, BLOCK_R)
     logits = tl.where((offs_e < E)[None, :], logits, float("-inf"))
     z = tl.exp(logits - tl.max(logits, axis=1)[:, None])
     probs = z / tl.sum(z, axis=1)[:, None]

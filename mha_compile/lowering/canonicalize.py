@@ -145,7 +145,8 @@ _SIGNATURES = {
     "cumsum": ("input", "dim", "dtype"),
     "bincount": ("input", "weights", "minlength"),
 }
-_DEFAULTS = {"chunk": {"dim": 0}, "split": {"dim": 0}, "unbind": {"dim": 0}, "stack": {"dim": 0}, "one_hot": {"num_classes": -1},
+_DEFAULTS = {"chunk": {"dim": 0}, "split": {"dim": 0}, "unbind": {"dim": 0}, "stack": {"dim": 0},
+             "one_hot": {"num_classes": -1},
              "sdpa": {"dropout_p": 0.0, "is_causal": False},
              "histc": {"bins": 100, "min": 0, "max": 0}}
 

@@ -356,7 +356,8 @@ class Walk:
         for node in nodes:
             if node in ancestors and node not in self.vals and canon(node) is not None and any(
                     i in self.vals for i in node.all_input_nodes):
-                return node, f"{node.name} ({node.op} {getattr(node.target, '__name__', node.target)}) is not part of the block's math as far as the matcher can read it"
+                return node, (f"{node.name} ({node.op} {getattr(node.target, '__name__', node.target)}) "
+                              "is not part of the block's math as far as the matcher can read it")
         return target, f"{target.name} could not be read as the block"
 
 

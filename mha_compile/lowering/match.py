@@ -182,7 +182,8 @@ def find_regions(gm):
     """All MHA regions of gm's graph: (matches, near_misses). The graph is not changed."""
     nodes = _Nodes(gm.graph)
     matches, misses = [], []
-    anchors = [n for n in nodes if n.op in ("call_function", "call_method") and getattr(n.target, "__name__", n.target) == "topk"]
+    anchors = [n for n in nodes
+               if n.op in ("call_function", "call_method") and getattr(n.target, "__name__", n.target) == "topk"]
     for anchor in anchors:
         op = canon(anchor)
         if op is None or op.kind != "topk":
@@ -191,8 +192,9 @@ def find_regions(gm):
             matches.append(_match_at(nodes, anchor))
         except _Miss as miss:
             if _leaves_graph(anchor) and "graph break" not in miss.reason:
-                miss = _Miss(anchor, f"{anchor.name}: the top-k's weights or indices leave this graph unreplaced: a graph "
-                                     f"break splits the MHA region (e.g. at torch.where/nonzero); {SPLIT_HINT}")
+                miss = _Miss(anchor, f"{anchor.name}: the top-k's weights or indices leave this graph unreplaced: "
+                                     "a graph break splits the MHA region (e.g. at torch.where/nonzero); "
+                                     f"{SPLIT_HINT}")
             misses.append(NearMiss(anchor.name, getattr(miss.node, "name", str(miss.node)), miss.reason))
     if not anchors:
         misses.extend(_split_experts(nodes))
@@ -525,7 +527,8 @@ def _moe_failure(walk, nodes, anchor):
         covered = sorted(walk.vals[partial[-1]].info["covered"])
         return partial[-1], (f"{partial[-1].name}: the expert outputs summed cover experts {covered} of "
                              f"{walk.axes.sizes.get('e')}; every expert must be added exactly once")
-    return anchor, f"{anchor.name}: the experts after this router could not be read as act(x W1 + b1) W2 + b2 weighted by the top-k gates"
+    return anchor, (f"{anchor.name}: the experts after this router could not be read as act(x W1 + b1) W2 + b2 "
+                    "weighted by the top-k gates")
 
 
 def _region_nodes(nodes, inputs, out, exportable=None, keepable=None):

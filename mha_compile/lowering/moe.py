@@ -79,7 +79,8 @@ def moe_rule(walk, node, op):
         return _renorm(*args)
     if op.kind == "eq":
         topi, e = args
-        if topi is not None and topi.kind == "topi" and e is not None and e.kind == "const" and isinstance(e.info["value"], int):
+        if topi is not None and topi.kind == "topi" and e is not None and e.kind == "const" and \
+                isinstance(e.info["value"], int):
             return Val("eqmask", topi.roles, dict(topi.info, expert=e.info["value"]))
         return None
     if op.kind in ("zeros_like", "zeros"):
@@ -142,7 +143,8 @@ def _getitem(walk, node, op):
             vals[0].kind == "topi":  # gathered weights W[topi]
         ref = src.info["ref"]
         w_shape = shape(ref.node)
-        if ref.perm is not None or ref.select is not None or ref.steps or w_shape is None or not walk.axes.bind("e", w_shape[0]):
+        if ref.perm is not None or ref.select is not None or ref.steps or w_shape is None or \
+                not walk.axes.bind("e", w_shape[0]):
             return None
         return Val("wsel", vals[0].roles + (None,) * (len(w_shape) - 1), {"ref": ref, "topk": vals[0].info["topk"]})
     return None
@@ -329,7 +331,8 @@ def _einsum(walk, node, equation, operands):
         letters = dict(letters, **{e: "e", next(l for l in fresh if l != e): "f"})
         canonical, kind, extra = ("e", "d", "f"), "u", {"expert": "all", "b1": None}
         key = "w1"
-    elif src.kind == "h" and src.info["expert"] == "all" and {letters.get(l) for l in contracted} == {"f"} and len(fresh) == 1:
+    elif src.kind == "h" and src.info["expert"] == "all" and {letters.get(l) for l in contracted} == {"f"} and \
+            len(fresh) == 1:
         letters = dict(letters, **{fresh[0]: "d"})
         canonical, kind, extra = ("e", "f", "d"), "f", dict(src.info, b2=None)
         key = "w2"
@@ -449,7 +452,8 @@ def _renorm(topw, total):
 
 
 def _scatter(walk, node, zero, dim, index, src):
-    if zero is None or zero.kind != "zero" or index is None or index.kind != "topi" or src is None or src.kind != "topw":
+    if zero is None or zero.kind != "zero" or index is None or index.kind != "topi" or src is None or \
+            src.kind != "topw":
         return None
     if index.info["topk"] is not src.info["topk"] or dim is None or dim.kind != "const":
         return None
@@ -500,7 +504,8 @@ def _mul(walk, node, a, b):
         w_roles = topw.roles
         if "s" not in f.roles and _one_slot(walk):  # k = 1 and flat pairs: the slot axis is a broadcast
             w_roles = tuple(ONE if r == "s" else r for r in w_roles)
-        if f.info["expert"] != "gathered" or f.info["topk"] is not topw.info["topk"] or broadcast(w_roles, f.roles) != f.roles:
+        if f.info["expert"] != "gathered" or f.info["topk"] is not topw.info["topk"] or \
+                broadcast(w_roles, f.roles) != f.roles:
             return None
         return Val("gcontrib", f.roles, {"gate": _gate_info(topw.info), "experts": _expert_info(f.info)})
     if ("gatecol" in pair or "gatesel" in pair) and "f" in pair:
@@ -513,7 +518,8 @@ def _mul(walk, node, a, b):
     if "h" in pair and "u" in pair:  # swiglu: silu(x W1 + b1) ⊙ (x W3)
         h, u3 = pair["h"], pair["u"]
         if h.info["act"] != "silu" or h.info["w3"] is not None or u3.info["b1"] is not None or \
-                u3.info["expert"] != h.info["expert"] or h.roles != u3.roles or h.info.get("topk") is not u3.info.get("topk"):
+                u3.info["expert"] != h.info["expert"] or h.roles != u3.roles or \
+                h.info.get("topk") is not u3.info.get("topk"):
             return None
         return Val("h", h.roles, dict(h.info, act="swiglu", w3=u3.info["w1"]))
     return None
@@ -573,7 +579,8 @@ def _add(walk, node, a, b):
 def _join(walk, a, b):
     if a.info["gate"] != b.info["gate"] or a.info["covered"] & b.info["covered"] or a.roles != b.roles:
         return None
-    info = dict(a.info, covered=a.info["covered"] | b.info["covered"], experts={**a.info["experts"], **b.info["experts"]})
+    info = dict(a.info, covered=a.info["covered"] | b.info["covered"],
+                experts={**a.info["experts"], **b.info["experts"]})
     return _complete(walk, Val("contrib", a.roles, info))
 
 

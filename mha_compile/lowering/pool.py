@@ -105,7 +105,8 @@ def _add_bias(walk, node, a, b):
         return None if ref is None else Val("scores", a.roles, dict(a.info, mask=ref))
     if a is not None and b is not None and a.kind == "scores" and b.kind == "ext":
         raise Reject(f"{node.name}: an additive float mask on the scores that is not zeros.masked_fill(pad, -inf); the "
-                     f"region takes a boolean key-padding mask: write scores.masked_fill(pad[:, None, :], float('-inf')) (pad: True = ignore)")
+                     f"region takes a boolean key-padding mask: "
+                     f"write scores.masked_fill(pad[:, None, :], float('-inf')) (pad: True = ignore)")
     if a is None or b is None or b.kind != "ext" or a.kind not in ("proj", "inv") or ext_ref(b) is None:
         return None
     key = "b" if a.kind == "proj" else "bo"
@@ -117,7 +118,8 @@ def _add_bias(walk, node, a, b):
 def _scale(kind, a, b):
     if a is not None and a.kind == "const" and kind == "mul":
         a, b = b, a
-    if a is None or b is None or a.kind != "scores" or b.kind != "const" or not isinstance(b.info["value"], (int, float)):
+    if a is None or b is None or a.kind != "scores" or b.kind != "const" or \
+            not isinstance(b.info["value"], (int, float)):
         return None
     c = float(b.info["value"])
     return Val("scores", a.roles, dict(a.info, scale=a.info["scale"] * (c if kind == "mul" else 1.0 / c)))
@@ -165,7 +167,8 @@ def _einsum(walk, node, equation, operands):
     if sorted(kinds) == ["attn", "proj"]:
         attn, v = (operands[0], operands[1]) if kinds[0] == "attn" else (operands[1], operands[0])
         if {letters.get(l) for l in contracted} != {"n"}:
-            raise Reject(f"{node.name}: the attention-weighted sum contracts {sorted(letters.get(l) for l in contracted)}; the pool sums over the tokens (n) only")
+            raise Reject(f"{node.name}: the attention-weighted sum contracts "
+                         f"{sorted(letters.get(l) for l in contracted)}; the pool sums over the tokens (n) only")
         if set(out_roles) != {"b", "d.0", "d.1"}:
             return None
         return Val("pooled", out_roles, dict(attn.info, v=v.info))
@@ -220,7 +223,8 @@ def _matmul(walk, node, a, b):
             return None
         out, contracted = roles
         if contracted != ("n", "n"):
-            raise Reject(f"{node.name}: the attention-weighted sum contracts {contracted}; the pool sums over the tokens (n) only")
+            raise Reject(f"{node.name}: the attention-weighted sum contracts {contracted}; "
+                         "the pool sums over the tokens (n) only")
         if sorted(r for r in out if r != ONE) not in (["b", "d.0", "d.1"], [BATCH_HEADS, "d.1"]):
             return None
         return Val("pooled", out, dict(a.info, v=b.info))
@@ -322,7 +326,8 @@ def _item(walk, node, op):
         items = index if isinstance(index, tuple) else (index,)
         last = items[-1]
         if not isinstance(last, slice) or last.step not in (None, 1) or not all(
-                i == slice(None) or i is Ellipsis for i in items[:-1]) or (Ellipsis not in items and len(items) != len(src.roles)):
+                i == slice(None) or i is Ellipsis for i in items[:-1]) or \
+                (Ellipsis not in items and len(items) != len(src.roles)):
             return None
         bounds = (last.start or 0, last.stop if last.stop is not None else 2 * d)
         if bounds not in ((0, d), (d, 2 * d)):
@@ -386,7 +391,8 @@ def _mha(walk, node, op, args):
         return None
     d, heads = walk.axes.sizes.get("d"), _const(a["num_heads"])
     lay = query.info.get("lay")
-    if lay is None or len(lay) != 3 or lay[0] != ONE or lay[1] != ONE or lay[2] == ONE or shape(query.info["node"])[2] != d:
+    if lay is None or len(lay) != 3 or lay[0] != ONE or lay[1] != ONE or lay[2] == ONE or \
+            shape(query.info["node"])[2] != d:
         raise Reject(f"{node.name}: the attention query is not one learned vector broadcast over the batch "
                      f"(shape {shape(query.info['node'])}); the pool's query is a parameter")
     for name, ok in (("bias_k", _absent(a["bias_k"])), ("bias_v", _absent(a["bias_v"])),
@@ -396,7 +402,8 @@ def _mha(walk, node, op, args):
                      ("dropout_p", _const(a["dropout_p"], 0.0) in (0, 0.0) or _const(a["training"], True) is False)):
         if not ok:
             raise Reject(f"{node.name}: nn.MultiheadAttention with {name} set; the pool has no such term")
-    w_in, b_in, wo, bo = (None if _absent(a[n]) else ext_ref(a[n]) for n in ("in_proj_weight", "in_proj_bias", "out_proj_weight", "out_proj_bias"))
+    w_in, b_in, wo, bo = (None if _absent(a[n]) else ext_ref(a[n])
+                          for n in ("in_proj_weight", "in_proj_bias", "out_proj_weight", "out_proj_bias"))
     if w_in is None or wo is None or not isinstance(heads, int) or not isinstance(d, int) or d % heads:
         return None
     if not walk.axes.bind("d.0", heads) or not walk.axes.bind("d.1", d // heads):
@@ -422,7 +429,8 @@ def _softmax(walk, node, scores, dim, safe=False):
         return None
     role = scores.roles[dim]
     if role != "n":
-        raise Reject(f"{node.name}: softmax over dim {dim} (the {_ROLE_NAMES.get(role, role)} axis); the pool normalises over the tokens")
+        raise Reject(f"{node.name}: softmax over dim {dim} (the {_ROLE_NAMES.get(role, role)} axis); "
+                     "the pool normalises over the tokens")
     head_dim = walk.axes.sizes.get("d.1")
     expected = 1.0 / math.sqrt(head_dim)
     info = dict(scores.info)

@@ -42,7 +42,8 @@ def _param(graph, ref, per_expert=False):
         elif step[0] == "not":
             node = graph.call_function(torch.logical_not, (node,))
         elif step[0] == "linear":
-            node = graph.call_function(torch.nn.functional.linear, (node, _param(graph, step[1]), _param(graph, step[2])))
+            node = graph.call_function(torch.nn.functional.linear,
+                                       (node, _param(graph, step[1]), _param(graph, step[2])))
         else:
             raise NotImplementedError(f"parameter step {step[0]!r} has no rewrite")
     if ref.select is not None:

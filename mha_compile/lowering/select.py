@@ -76,7 +76,8 @@ def describe_graphs(match, graphs, whole_graph_captured):
     slot_bytes = region_graphs.slot_buffer_bytes(ctx, w1, top_k, act)
     fits = region_graphs.auto_wanted(ctx, w1, top_k, act)
     return (f"{'yes' if fits else 'no'} (graphs='auto'): the backward's slot buffers, {size_text(slot_bytes)}, "
-            f"{'fit' if fits else 'do not fit'} one run of whole tiles within {size_text(region_graphs.AUTO_SLOT_BYTES)}"
+            f"{'fit' if fits else 'do not fit'} one run of whole tiles within "
+            f"{size_text(region_graphs.AUTO_SLOT_BYTES)}"
             + (": captured on a call signature's second call, replayed after" if fits else ""))
 
 
