@@ -394,6 +394,28 @@ def test_router_weight_grad_split_at_fp32_accuracy():
     check_router_weight_grad_split(1024, 16, 512, 16, torch.bfloat16, "cuda")
 
 
+def test_router_weight_grad_takes_the_first_stages_that_fit(monkeypatch):
+    """The router's ∂Wg (an untimed Launcher, tune=False) takes the first of its configs whose build
+    fits the GPU: 6 stages first, past any GPU's shared memory at fp32 (3 take 168 KB, offline),
+    then 3, which fit sm_90's 227 KB (on an A100 3 do not, and 2 run). The result against float64
+    at the medium preset's D and E, 16384 rows merged with inv."""
+    from mha_compile.kernels import triton_router
+
+    monkeypatch.setattr(triton_router._router_wgrad, "configs", [dict(num_stages=6), dict(num_stages=3)])
+    monkeypatch.setattr(triton_router._router_wgrad, "_chosen", {})
+    metas = []
+    real = triton_router._router_wgrad._launch
+    monkeypatch.setattr(triton_router._router_wgrad, "_launch", lambda grid, args, kwargs, meta, call=None:
+                        metas.append(dict(meta)) or real(grid, args, kwargs, meta, call))
+    R, H, D, E = 16384, 16, 256, 8
+    dlogits = torch.randn(R, E, device="cuda")
+    x, inv = torch.randn(R, D, device="cuda"), torch.randn(R // H, D, device="cuda")
+    got = triton_router.router_weight_grad(dlogits, x, inv, H)
+    want = dlogits.double().T @ (x.double() + inv.double().repeat_interleave(H, 0))
+    assert metas == [dict(num_stages=3)]
+    assert rel_err(got, want) <= 1e-6
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_router_at_fp32_accuracy(dtype):
     """The router kernels alone against float64 at the medium preset's sizes. bf16 inputs run
