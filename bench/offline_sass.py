@@ -264,6 +264,7 @@ def main():
           f"triton {triton.__version__}, torch {torch.__version__}")
     presets = args.presets.split(",")
     rows, unfit = [], []
+    width = max(7, *(len(p) + 1 for p in presets))
     for preset in presets:
         built = {}  # a build's key -> its row: a launch whose build was made before shares its row
         for kernel, named, warps, stages in record_launches(preset, args.act, DTYPES[args.dtype], args.gluon, gpu):
@@ -272,7 +273,7 @@ def main():
             launcher = _launcher_of(kernel)
             configs = launcher.configs if (launcher is not None and args.all_configs) else [None]
             launch_rows = [_config_row(preset, kernel, named, warps, stages, launcher, config, args.maxnreg, gpu,
-                                       built, rows, max(7, *(len(p) + 1 for p in presets)))
+                                       built, rows, width)
                            for config in configs]
             if not any(row.get("fits") for row in launch_rows):
                 unfit.append((preset, kernel.__name__, launch_rows))

@@ -476,7 +476,7 @@ class Launcher:
         (triton_pool's attend_bwd_single, attend_bwd_one, pool_attend and attend_bwd_scores). The
         answer is kept by the call's launch_key (and config list): fits' own key took ~19 us of
         host a call here, where the pool's kernels launch every step."""
-        call = launch_key(self.kernel, args, kwargs) if self.blocks is None and fast_launches() else None
+        call = self._call_key(args, kwargs)
         kept = self._fits_by_call.get(call) if call is not None else None
         if kept is not None and kept[0] is self.configs:
             fits = kept[1]
@@ -543,8 +543,11 @@ class Launcher:
 
     def __call__(self, grid, *args, **kwargs):
         """grid: a function of the chosen meta-parameters (a dict) returning the launch grid."""
-        self._call(grid, args, kwargs,
-                   launch_key(self.kernel, args, kwargs) if self.blocks is None and fast_launches() else None)
+        self._call(grid, args, kwargs, self._call_key(args, kwargs))
+
+    def _call_key(self, args, kwargs):
+        """The call's launch_key, where its launches are keyed (fast launches, no descriptors); else None."""
+        return launch_key(self.kernel, args, kwargs) if self.blocks is None and fast_launches() else None
 
     def _call(self, grid, args, kwargs, call):
         """__call__ with the arguments' launch_key `call` worked out (None: none)."""
