@@ -491,9 +491,11 @@ class Launcher:
         return fits
 
     def _bound_and_key(self, args, kwargs):
-        """(the arguments by name, the autotune key: the key's arguments and the tensors' dtypes)."""
+        """(the arguments by name, the autotune key: the key's arguments and the tensors' dtypes). A
+        launch option the key names (num_warps, say) that the call leaves to the config is None there."""
         bound = dict(zip(self.arg_names, args), **kwargs)
-        return bound, tuple(bound[k] for k in self.key) + tuple(a.dtype for a in args if isinstance(a, torch.Tensor))
+        return bound, (tuple(bound.get(k) if k in LAUNCH_OPTIONS else bound[k] for k in self.key)
+                       + tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
 
     def _first_fitting(self, bound, key):
         """The first config whose build for the arguments `bound` (autotune key `key`) loads on

@@ -740,3 +740,5 @@ def test_an_untimed_launcher_takes_the_first_config_that_fits(monkeypatch):
     for _ in range(2):
         launcher(lambda meta: (1,), x, 100, BLOCK=64, num_warps=4)
     assert launched == [dict(BLOCK=64, num_warps=4, num_stages=2)] * 2 and built == [3, 2]
+    launcher(lambda meta: (1,), x, 100, BLOCK=64)  # num_warps, which the key names, left to Triton's default
+    assert launched[-1] == dict(BLOCK=64, num_stages=2) and built == [3, 2, 3, 2]  # a key of its own
