@@ -19,29 +19,13 @@ where); ∂x's grouped GEMM and everything elsewhere as their Triton twins.
 Not fused (yet): the combine is its own pass after GEMM2; ∂Wg = ∂logitsᵀ x and the pool's
 projections are kernels of their own (triton_router.router_weight_grad, triton_matmul).
 """
+import functools
+
 from mha_compile.kernels import triton_region
+# kernels="fused" takes what the Triton path takes (triton_region.why_unsupported, reuse_size)
+from mha_compile.kernels.triton_region import reuse_size, why_unsupported
 
+__all__ = ["why_unsupported", "reuse_size", "region_forward", "region_backward"]
 
-def why_unsupported(ctx, tok, w1, top_k, act, mask):
-    """None when kernels="fused" takes these inputs; else why not (they run on the reference)."""
-    return triton_region.why_unsupported(ctx, tok, w1, top_k, act, mask)
-
-
-def reuse_size(ctx, tok, q, w1, top_k, act, mask, keep_hidden=False):
-    """Elements of the `reuse` region_forward returns (triton_region.reuse_size)."""
-    return triton_region.reuse_size(ctx, tok, q, w1, top_k, act, mask, keep_hidden)
-
-
-def region_forward(ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask, top_k, renorm, act,
-                   keep_hidden=False, kept=None):
-    """keep_hidden, kept: see triton_region (what the forward leaves for region_backward, beside the
-    `reuse` it returns)."""
-    return triton_region.region_forward("on_load", ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2,
-                                        w3, mask, top_k, renorm, act, keep_hidden, kept)
-
-
-def region_backward(grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask,
-                    inv, attn, weight, index, probs, reuse, top_k, renorm, act, keep_hidden=False, kept=None):
-    return triton_region.region_backward("on_load", grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1,
-                                         w2, b2, w3, mask, inv, attn, weight, index, probs, reuse, top_k, renorm, act,
-                                         keep_hidden, kept)
+region_forward = functools.partial(triton_region.region_forward, "on_load")
+region_backward = functools.partial(triton_region.region_backward, "on_load")

@@ -7,29 +7,13 @@ reading y from memory. Backward: y is rebuilt by the same merge, the expert and 
 gradients run as in the fused set but write ∂y in fp32, and the CUDA merge's backward turns
 it into ∂ctx and ∂inv = Σ_h ∂y (in h order, reproducible) before the pool backward.
 """
+import functools
+
 from mha_compile.kernels import triton_region
+# kernels="staged" takes what the Triton path takes (triton_region.why_unsupported, reuse_size)
+from mha_compile.kernels.triton_region import reuse_size, why_unsupported
 
+__all__ = ["why_unsupported", "reuse_size", "region_forward", "region_backward"]
 
-def why_unsupported(ctx, tok, w1, top_k, act, mask):
-    """None when kernels="staged" takes these inputs; else why not (they run on the reference)."""
-    return triton_region.why_unsupported(ctx, tok, w1, top_k, act, mask)
-
-
-def reuse_size(ctx, tok, q, w1, top_k, act, mask, keep_hidden=False):
-    """Elements of the `reuse` region_forward returns (triton_region.reuse_size)."""
-    return triton_region.reuse_size(ctx, tok, q, w1, top_k, act, mask, keep_hidden)
-
-
-def region_forward(ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask, top_k, renorm, act,
-                   keep_hidden=False, kept=None):
-    """keep_hidden, kept: see triton_region (what the forward leaves for region_backward, beside the
-    `reuse` it returns)."""
-    return triton_region.region_forward("cuda", ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2,
-                                        w3, mask, top_k, renorm, act, keep_hidden, kept)
-
-
-def region_backward(grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask,
-                    inv, attn, weight, index, probs, reuse, top_k, renorm, act, keep_hidden=False, kept=None):
-    return triton_region.region_backward("cuda", grad_out, ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1,
-                                         w2, b2, w3, mask, inv, attn, weight, index, probs, reuse, top_k, renorm, act,
-                                         keep_hidden, kept)
+region_forward = functools.partial(triton_region.region_forward, "cuda")
+region_backward = functools.partial(triton_region.region_backward, "cuda")
