@@ -506,8 +506,21 @@ class Launcher:
         raise on."""
         cached = key + tuple(tuple(sorted(c.items())) for c in self.configs)  # a probe or test may swap the list in
         if cached not in self._fitting:
-            self._fitting[cached] = next((c for c in self.configs if self._loads(bound, c)), None)
+            self._fitting[cached] = next((c for i, c in enumerate(self.configs)
+                                          if self._loads(bound, c) or self._say_next(i, c)), None)
         return self._fitting[cached]
+
+    def _say_next(self, i, config):
+        """False, having said (a warning, once a key: below the first config, info) that `config`,
+        the i-th, does not fit and the next will be built. Builds of a size that does not fit take
+        long (offline, sm_90a, fp32 D 1024 with 32 heads: ~5-55 s each, ten before the pool's
+        kernels are settled), and without a word the first call would seem to hang."""
+        if i + 1 < len(self.configs):
+            (log.warning if i == 0 else log.info)(
+                "mha_compile: %s does not fit the GPU under %s; building its next config (%d of %d) for "
+                "these shapes: builds this large can take a minute each, once (Triton's cache keeps them)",
+                self.kernel.__name__, config, i + 2, len(self.configs))
+        return False
 
     def _loads(self, bound, config):
         """Whether the kernel built under `config` for the arguments `bound` loads on their GPU."""

@@ -712,7 +712,7 @@ def test_launch_where_fits_keeps_its_answer_by_the_calls_launch_key(monkeypatch)
     assert asked == [100, 200, 100] and len(launched) == 3
 
 
-def test_an_untimed_launcher_takes_the_first_config_that_fits(monkeypatch):
+def test_an_untimed_launcher_takes_the_first_config_that_fits(monkeypatch, caplog):
     """Launcher(tune=False) (the router's ∂Wg: num_stages 3, 2, 1): no autotuner, and on the GPU,
     autotuning on or off, each call takes the first config whose build fits (here stages 3 runs out
     of shared memory, as on sm_86), with the call's own launch options (num_warps) beside it."""
@@ -737,8 +737,13 @@ def test_an_untimed_launcher_takes_the_first_config_that_fits(monkeypatch):
     launched = []
     monkeypatch.setattr(triton_util, "launch_keyed", lambda kernel, key, grid, args, kwargs: launched.append(kwargs))
     x = torch.zeros(4)
-    for _ in range(2):
-        launcher(lambda meta: (1,), x, 100, BLOCK=64, num_warps=4)
+    with caplog.at_level(logging.WARNING, logger="mha_compile"):
+        for _ in range(2):
+            launcher(lambda meta: (1,), x, 100, BLOCK=64, num_warps=4)
     assert launched == [dict(BLOCK=64, num_warps=4, num_stages=2)] * 2 and built == [3, 2]
+    # the first call says, once, that it builds the next config: a build that does not fit can take a minute
+    assert [r.getMessage() for r in caplog.records] == [
+        "mha_compile: _fake_kernel does not fit the GPU under {'num_stages': 3}; building its next config (2 of 3) "
+        "for these shapes: builds this large can take a minute each, once (Triton's cache keeps them)"]
     launcher(lambda meta: (1,), x, 100, BLOCK=64)  # num_warps, which the key names, left to Triton's default
     assert launched[-1] == dict(BLOCK=64, num_stages=2) and built == [3, 2, 3, 2]  # a key of its own
