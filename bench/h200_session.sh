@@ -154,11 +154,14 @@
 #                                      # forwards before one backward: the step graphs' depths, MAX_PENDING=1, the
 #                                      # trees; small and medium, 3 rounds), then mem_diag at small (~7 min):
 #                                      # run.log, siamese_step.txt, mem_diag_small.txt
-#   [HALF=kernels|rest] bash bench/h200_session.sh suite   # the GPU suite alone within 540 s, and which of
-#                                      # the collected tests did not run (~9 min at most): run.log, suite.xml.
-#                                      # On an H100 (3 workers) the whole suite no longer fits (session 60: 13
-#                                      # of 397 cut at 543 s): HALF=kernels runs test_triton_kernels_cuda.py
-#                                      # (~665 s of tests), HALF=rest the others (~400 s), one call each
+#   [HALF=kernels|builds|rest] bash bench/h200_session.sh suite   # the GPU suite alone within 540 s, and
+#                                      # which of the collected tests did not run (~9 min at most): run.log,
+#                                      # suite.xml. On an H100 (3 workers) the whole suite no longer fits
+#                                      # (session 60: 13 of 397 cut at 543 s), nor test_triton_kernels_cuda.py
+#                                      # (session 61: 12 of 199 cut): HALF=kernels runs that file but its
+#                                      # build-heavy tests, HALF=builds those (fp32 at D 1024 builds every
+#                                      # config that does not fit before one that does, ~1-5 min a test),
+#                                      # HALF=rest the other files (107 s in session 61), one call each
 #   bash bench/h200_session.sh batch-ab  # bench/batch_ab.py: our reduce-overhead step with and without
 #                                      # keep_hidden on one batch against two taken in turn (the table's
 #                                      # way since session 55), large then medium, 3 rounds (~2 min):
@@ -334,11 +337,13 @@ suite)
     # the GPU suite alone, within 540 s (an H100 at 3 workers: 438 s in session 58, cut at 543 s with 13
     # tests left in session 60, hence HALF): pytest's junit file says which tests ran, and the log names
     # those collected that did not, so that a suite cut by its limit says so (~9 min at most)
+    builds="where_it_fits or products_where or column_sums or bitwise_reproducible"
     case "${HALF:-all}" in
     all) files=(tests) ;;
-    kernels) files=(tests/kernels/test_triton_kernels_cuda.py) ;;
+    kernels) files=(tests/kernels/test_triton_kernels_cuda.py -k "not ($builds)") ;;
+    builds) files=(tests/kernels/test_triton_kernels_cuda.py -k "$builds") ;;
     rest) files=(tests --ignore=tests/kernels/test_triton_kernels_cuda.py) ;;
-    *) echo "HALF=$HALF: one of kernels, rest (or unset: the whole suite)" >>"$LOG"; exit 2 ;;
+    *) echo "HALF=$HALF: one of kernels, builds, rest (or unset: the whole suite)" >>"$LOG"; exit 2 ;;
     esac
     workers=$(python -c "import torch; print(8 if torch.cuda.get_device_properties(0).total_memory > 100e9 else 3)")
     { MHA_COMPILE_NO_AUTOTUNE=1 timeout -s INT -k 20 540 python -m pytest -q -m cuda "${files[@]}" -n "$workers" \
