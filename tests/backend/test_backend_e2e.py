@@ -375,11 +375,16 @@ def _verify_first_call(model, ctx, tok, kernels, caplog, level=logging.WARNING):
 
 @pytest.mark.parametrize("dtype, kernels", [
     (torch.float32, "auto"), (torch.bfloat16, "auto"),
-    pytest.param(torch.float32, "fused", marks=needs_interpreter)])
-def test_verify_keeps_a_right_rewrite_in_fp32_and_bf16(caplog, dtype, kernels):
+    pytest.param(torch.float32, "fused", marks=needs_interpreter),
+    pytest.param(torch.bfloat16, "fused", marks=needs_interpreter)])
+def test_verify_keeps_a_right_rewrite_in_fp32_and_bf16(request, caplog, dtype, kernels):
     """The key bias's gradient is exactly zero in the math, which the kernels give, and roundoff in
     the original graph (fp32: ~1e-9 of the largest gradient, bf16 ~1e-5): compared against a floor
-    of 1e-6 of the largest, a right rewrite fell back in bf16 always and in fp32 on each seed here."""
+    of 1e-6 of the largest, a right rewrite fell back in bf16 always and in fp32 on each seed here.
+    bf16 with kernels="fused": the Triton kernels (the interpreter's bf16 dots mended,
+    conftest.bf16_dots) held by verify to the original graph run in fp32, output and every gradient."""
+    if kernels == "fused" and dtype == torch.bfloat16:
+        request.getfixturevalue("bf16_dots")
     for seed in range(3):
         torch._dynamo.reset()
         caplog.clear()
@@ -388,6 +393,7 @@ def test_verify_keeps_a_right_rewrite_in_fp32_and_bf16(caplog, dtype, kernels):
         ctx, tok = torch.randn(4, 3, 32, generator=gen).to(dtype), torch.randn(4, 5, 32, generator=gen).to(dtype)
         report = _verify_first_call(model, ctx, tok, kernels, caplog)
         assert len(report.matches) == 1 and report.fallback is None, (seed, report.fallback)
+        assert report.matches[0]["kernels"] == ("fused" if kernels == "fused" else "reference")
         assert "disagrees" not in caplog.text
 
 
