@@ -9,8 +9,8 @@ from kernel_cases import launched, only_config
 from mha_compile.kernels import triton_matmul, triton_util
 
 # ieee fp32; split bf16 halves ~2⁻¹⁶ a product (1.5e-5 on the GPU, 2.7e-5 under the interpreter, whose
-# fp32 → bf16 casts differ from the GPU's in the last bit; 1e-4 is within SPEC §4's 5e-4 for fp32 dots that are not ieee);
-# split fp16 ~2⁻²²
+# fp32 → bf16 casts differ from the GPU's in the last bit; 1e-4 is within SPEC §4's 5e-4 for fp32
+# dots that are not ieee); split fp16 ~2⁻²²
 BOUND = {0: 1e-5, 1: 1e-4, 2: 1e-5}
 
 
