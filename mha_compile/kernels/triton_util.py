@@ -511,10 +511,11 @@ class Launcher:
         return self._fitting[cached]
 
     def _say_next(self, i, config):
-        """False, having said (a warning, once a key: below the first config, info) that `config`,
-        the i-th, does not fit and the next will be built. Builds of a size that does not fit take
-        long (offline, sm_90a, fp32 D 1024 with 32 heads: ~5-55 s each, ten before the pool's
-        kernels are settled), and without a word the first call would seem to hang."""
+        """False, having logged that `config`, the i-th of the list, does not fit the GPU and the
+        next is being built: a warning for the first config (once an autotune key, as _first_fitting
+        is cached), info after it. Builds of a size that does not fit take long (offline, sm_90a,
+        fp32 D 1024 with 32 heads: ~5-55 s each, ten before the pool's kernels are settled), and
+        without a word the first call would seem to hang."""
         if i + 1 < len(self.configs):
             (log.warning if i == 0 else log.info)(
                 "mha_compile: %s does not fit the GPU under %s; building its next config (%d of %d) for "
