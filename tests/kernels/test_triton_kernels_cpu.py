@@ -664,15 +664,13 @@ class _Keeping:
 
 @pytest.mark.parametrize("module", SETS)
 @pytest.mark.parametrize("runs", [False, True], ids=["whole", "runs"])
-def test_backward_on_what_the_forward_kept(monkeypatch, module, runs):
+def test_backward_on_what_the_forward_kept(monkeypatch, bf16_dots, module, runs):
     """The backward on the forward's expert layout and pool weights (`kept`, as RegionFunction
     runs it) groups nothing and computes no pool directions, gives the gradients of the backward
     that makes both again, bit for bit, and matches the float64 reference; over the whole layout
     and over runs of one tile (the large preset's path, whose runs clip the kept layout's expert
     ranges). The weights are then bf16, and kept as they are (triton_region._pool_f32): that half
-    compares the two backwards with each other only (the interpreter's bf16 dots are wrong, so
-    BF16_UNDER_INTERPRETER lets them run for the plumbing)."""
-    monkeypatch.setattr(triton_region, "BF16_UNDER_INTERPRETER", True)
+    against float64 too, with the interpreter's bf16 dots mended (conftest.bf16_dots)."""
     if runs:
         monkeypatch.setattr(triton_moe, "SLOT_CHUNK_BYTES", 1)
     grouped = record_calls(monkeypatch, triton_moe, "group")
@@ -686,6 +684,8 @@ def test_backward_on_what_the_forward_kept(monkeypatch, module, runs):
     grouped.clear(), directions.clear()
     heads = record_calls(monkeypatch, triton_pool, "_heads")
     ctx, tok, params = ctx.bfloat16(), tok.bfloat16(), [None if p is None else p.bfloat16() for p in params]
+    check_region(_Keeping(module), ctx, tok, params, top_k=2, renorm=True, act="swiglu")
+    grouped.clear(), directions.clear(), heads.clear()
     kept = {}
     saved = module.region_forward(ctx, tok, *params, None, 2, True, "swiglu", kept=kept)[1:]
     grad = torch.randn(4, 8, 32).bfloat16()
