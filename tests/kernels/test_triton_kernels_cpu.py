@@ -1287,12 +1287,16 @@ def test_kernels_survive_autotune_trials(monkeypatch, name):
 
 
 @pytest.mark.parametrize("module", SETS)
-def test_autocast_mix(module):
+@pytest.mark.parametrize("ctx_dtype", [torch.float16, torch.bfloat16])
+def test_autocast_mix(request, module, ctx_dtype):
     """16-bit activations with fp32 tok and parameters, as torch.autocast hands them to the op:
     the kernels take them (not the reference path), compute in the activations' dtype, and
     return every gradient in its own input's dtype (check_region asserts the dtypes). Its 6 rows
-    may flip no top-k choice: autocast_case draws them clear of fp16 tok's rounding."""
-    ctx, tok, params = autocast_case(2, 3, 5, 32, 2, 64, 4, 2, torch.float16)
+    may flip no top-k choice: autocast_case draws them clear of the activations' rounding. bf16
+    (autocast's usual dtype on the GPU) with the interpreter's bf16 dots mended (conftest.bf16_dots)."""
+    if ctx_dtype == torch.bfloat16:
+        request.getfixturevalue("bf16_dots")
+    ctx, tok, params = autocast_case(2, 3, 5, 32, 2, 64, 4, 2, ctx_dtype)
     assert module.why_unsupported(ctx, tok, params[10], 2, "gelu", None) is None
     check_region(module, ctx, tok, params, top_k=2, renorm=True, act="gelu")
 
