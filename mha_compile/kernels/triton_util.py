@@ -506,22 +506,24 @@ class Launcher:
         raise on."""
         cached = key + tuple(tuple(sorted(c.items())) for c in self.configs)  # a probe or test may swap the list in
         if cached not in self._fitting:
-            self._fitting[cached] = next((c for i, c in enumerate(self.configs)
-                                          if self._loads(bound, c) or self._say_next(i, c)), None)
+            self._fitting[cached] = self._first_loading(bound)
         return self._fitting[cached]
 
-    def _say_next(self, i, config):
-        """False, having logged that `config`, the i-th of the list, does not fit the GPU and the
-        next is being built: a warning for the first config (once an autotune key, as _first_fitting
-        is cached), info after it. Builds of a size that does not fit take long (offline, sm_90a,
-        fp32 D 1024 with 32 heads: ~5-55 s each, ten before the pool's kernels are settled), and
-        without a word the first call would seem to hang."""
-        if i + 1 < len(self.configs):
-            (log.warning if i == 0 else log.info)(
-                "mha_compile: %s does not fit the GPU under %s; building its next config (%d of %d) for "
-                "these shapes: builds this large can take a minute each, once (Triton's cache keeps them)",
-                self.kernel.__name__, config, i + 2, len(self.configs))
-        return False
+    def _first_loading(self, bound):
+        """The first config whose build loads (_loads), None where none does. Where one does not, it
+        logs that the next is being built: a warning for the first config (once an autotune key, as
+        _first_fitting keeps the answer), info after it. Builds of a size that does not fit take
+        long (offline, sm_90a, fp32 D 1024 with 32 heads: ~5-55 s each, ten before the pool's
+        kernels are settled), and without a word the first call would seem to hang."""
+        for i, config in enumerate(self.configs):
+            if self._loads(bound, config):
+                return config
+            if i + 1 < len(self.configs):
+                (log.warning if i == 0 else log.info)(
+                    "mha_compile: %s does not fit the GPU under %s; building its next config (%d of %d) for "
+                    "these shapes: builds this large can take a minute each, once (Triton's cache keeps them)",
+                    self.kernel.__name__, config, i + 2, len(self.configs))
+        return None
 
     def _loads(self, bound, config):
         """Whether the kernel built under `config` for the arguments `bound` loads on their GPU."""
