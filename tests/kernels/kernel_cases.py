@@ -45,6 +45,21 @@ ROUTER_GAP = 1e-3
 GRAD_NAMES = ("ctx", "tok", "q", "wk", "bk", "wv", "bv", "wo", "bo", "wg", "w1", "b1", "w2", "b2", "w3")
 
 
+class UnfitLauncher:
+    """A pool Launcher's stand-in whose kernel fits no GPU (as the forward's and pass 1's at D 1024
+    with 16 or more heads on sm_86 and sm_89, offline): launch_where_fits launches nothing; a plain
+    launch of it is recorded, not run."""
+
+    def __init__(self):
+        self.launches = []
+
+    def launch_where_fits(self, *args, **kwargs):
+        return False
+
+    def __call__(self, *args, **kwargs):
+        self.launches.append(args)
+
+
 def only_config(monkeypatch, launcher, config):
     """`launcher` (a triton_util.Launcher) made to launch `config` alone, untuned, from a fresh
     cache of chosen configs: on the GPU a call whose arguments an earlier test met launches what

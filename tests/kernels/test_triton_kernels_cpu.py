@@ -15,7 +15,7 @@ import torch
 
 from kernel_cases import (autocast_case, check_activation, check_nan_rows, check_region, check_route_split_ctx,
                           check_router_weight_grad_split, launched, make_case, one_expert_router, only_config,
-                          pool_backward_way, read_at_import)
+                          pool_backward_way, read_at_import, UnfitLauncher)
 from numerics import record_calls
 from mha_compile.kernels import (fused, reference, staged, triton_moe, triton_pool, triton_region, triton_router,
                                  triton_util)
@@ -989,20 +989,6 @@ def test_pool_backward_single_pass_with_a_mask(monkeypatch, bias, kept, wide):
     assert len(launched) == 1
 
 
-class _UnfitLauncher:
-    """A launcher whose kernel fits no GPU: launch_where_fits launches nothing; a plain launch of it
-    is recorded, not run."""
-
-    def __init__(self):
-        self.launches = []
-
-    def launch_where_fits(self, *args, **kwargs):
-        return False
-
-    def __call__(self, *args, **kwargs):
-        self.launches.append(args)
-
-
 @pytest.mark.parametrize("forced", [True, None])
 def test_the_two_passes_run_where_the_single_pass_does_not_fit(monkeypatch, caplog, forced):
     """Where no config of the single pass fits the GPU (its Launcher's fits: on sm_90, bf16 D 1024
@@ -1013,7 +999,7 @@ def test_the_two_passes_run_where_the_single_pass_does_not_fit(monkeypatch, capl
     monkeypatch.setattr(triton_pool, "l2_bytes", lambda device: 64)
     monkeypatch.setattr(triton_pool, "SPLIT_DOT_DTYPES", {torch.float16: 2})
     monkeypatch.setattr(triton_pool, "_UNFIT_SAID", set())
-    monkeypatch.setattr(triton_pool, "_attend_bwd_single", _UnfitLauncher())
+    monkeypatch.setattr(triton_pool, "_attend_bwd_single", UnfitLauncher())
     two = record_calls(monkeypatch, triton_pool, "two_passes")
     tok, q, wk, wv, bv, wo, bo = inputs = _pool_case(torch.float16, 0.5)
     B, N, D = tok.shape
@@ -1051,7 +1037,7 @@ def test_the_products_run_where_the_pool_forward_and_pass_1_do_not_fit(monkeypat
     monkeypatch.setattr(triton_pool, "SINGLE_PASS", False)
     monkeypatch.setattr(triton_pool, "BWD_ONE_KERNEL", False)
     for name in ("_attend", "_attend_bwd_scores"):
-        monkeypatch.setattr(triton_pool, name, _UnfitLauncher())
+        monkeypatch.setattr(triton_pool, name, UnfitLauncher())
     products = record_calls(monkeypatch, triton_pool, "attend_by_products")
     scores = record_calls(monkeypatch, triton_pool, "scores_grad_by_products")
     tok, q, wk, wv, bv, wo, bo = inputs = _pool_case(dtype, 0.5)
@@ -1081,7 +1067,7 @@ def test_the_two_kernels_run_where_the_one_kernel_does_not_fit(monkeypatch):
     instead of a launch that would raise: every gradient against float64."""
     monkeypatch.setattr(triton_pool, "SINGLE_PASS", False)
     monkeypatch.setattr(triton_pool, "BWD_ONE_KERNEL", True)
-    monkeypatch.setattr(triton_pool, "_attend_bwd_one", _UnfitLauncher())
+    monkeypatch.setattr(triton_pool, "_attend_bwd_one", UnfitLauncher())
     two = record_calls(monkeypatch, triton_pool, "attend_bwd")
     tok, q, wk, wv, bv, wo, bo = inputs = _pool_case(torch.float32, 0.5)
     grad_inv = torch.randn(tok.shape[0], tok.shape[2])

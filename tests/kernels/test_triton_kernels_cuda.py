@@ -10,7 +10,7 @@ import torch
 
 from kernel_cases import (check_activation, check_nan_rows, check_region, check_route_split_ctx,
                           check_router_weight_grad_split, fmt, launched, make_case, one_expert_router, only_config,
-                          pool_backward_way, preset_case, rel_err)
+                          pool_backward_way, preset_case, rel_err, UnfitLauncher)
 from mha_compile.kernels import fused, reference, staged, triton_moe
 
 pytestmark = [pytest.mark.cuda,
@@ -153,14 +153,6 @@ def test_pool_backward_single_pass_where_it_fits(monkeypatch, dtype, D, P, singl
     assert len(two) == (0 if single else 1)
 
 
-class _Unfit:
-    """A pool Launcher's stand-in whose kernel fits no GPU (as the forward's and pass 1's at D 1024
-    with 16 or more heads on sm_86 and sm_89, offline): launch_where_fits launches nothing."""
-
-    def launch_where_fits(self, *args, **kwargs):
-        return False
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_pool_products_where_the_kernels_do_not_fit(monkeypatch, dtype):
     """Where none of the pool forward's or pass 1's configs fits the GPU, attend_by_products and
@@ -175,7 +167,7 @@ def test_pool_products_where_the_kernels_do_not_fit(monkeypatch, dtype):
     monkeypatch.setattr(triton_pool, "BWD_ONE_KERNEL", False)
     monkeypatch.setattr(triton_pool, "PRODUCTS_CHUNK_BYTES", 2 * 37 * 1024 * 4)  # chunks of two rows
     for name in ("_attend", "_attend_bwd_scores"):
-        monkeypatch.setattr(triton_pool, name, _Unfit())
+        monkeypatch.setattr(triton_pool, name, UnfitLauncher())
     products = record_calls(monkeypatch, triton_pool, "attend_by_products")
     scores = record_calls(monkeypatch, triton_pool, "scores_grad_by_products")
     B, N, D, P = 5, 37, 1024, 16
