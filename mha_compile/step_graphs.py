@@ -44,9 +44,9 @@ its forward's replay saved in the pool (the warm-up draws once more than eager w
 
 Refused when compiled, said in the log (a warning where step_graphs=True asked for these graphs),
 torch's CUDA-graph trees then taking the step as they do with step_graphs=False: an input that
-is not a CUDA tensor (a size under dynamic shapes), no input,
-and a graph that writes into one of its inputs, draws random numbers from a generator of its own
-or on another device, or returns an input's or another output's memory (`why_not`).
+is not a CUDA tensor (a size under dynamic shapes), no input, and a graph that writes into one
+of its inputs, draws random numbers from a generator of its own or on another device, or
+returns an input's or another output's memory (`why_not`).
 
 At run time: under saved-tensor hooks (activation checkpointing, save_on_cpu) a training call
 runs eagerly; an input read in place that has moved makes the call capture again with it copied;

@@ -756,9 +756,9 @@ def backward_hidden(xs, gs, groups, w1, b1, w2, weight, act, hw, du, gw, w3=None
     some columns of such rows, its row stride passed as GW_COLS) for the slot rows xs, gs [S,D] of
     `groups` (triton_moe.Groups, or one run of its tiles); weight: the flat top-k weights. Callers
     check `unsupported` first. config: default_config's when None (bench/gluon_probe.py passes
-    others); one with coop=True runs the cooperative kernel. hidden:
-    the forward's u = xs W1 + b1 [S,F] (contiguous, h's dtype; not swiglu), read instead of
-    computed (KEEP_U: the stages then hold gs and W2 only; xs and W1 are not read)."""
+    others); one with coop=True runs the cooperative kernel. hidden: the forward's u = xs W1 + b1
+    [S,F] (contiguous, h's dtype; not swiglu), read instead of computed (KEEP_U: the stages then
+    hold gs and W2 only; xs and W1 are not read)."""
     E, D, F = w1.shape
     _check_hidden("backward_hidden", hidden, hw, act)
     config = config or default_config(act, groups.tile, D, kept=hidden is not None)

@@ -86,9 +86,8 @@ def auto_wanted(ctx, w1, top_k, act):
     at medium 6.4 ms a step with the graphs off against 0.985 with them, for 0.89 ms of GPU
     time, session 13's table, bench/PERF_NOTES.md); large does not: the pool would hold ~1 GB,
     and the training peak would pass half the best peer's (issue 4's memory target). A large
-    step issues in 6.3-10 ms of host, depending on the
-    host, for 6.6 ms of GPU time (bench/PERF_NOTES.md v15, v16): on a slow host graphs="on"
-    trades the memory for that time."""
+    step issues in 6.3-10 ms of host, depending on the host, for 6.6 ms of GPU time
+    (bench/PERF_NOTES.md v15, v16): on a slow host graphs="on" trades the memory for that time."""
     return len(slot_runs(ctx, w1, top_k, act, AUTO_SLOT_BYTES)) <= 1
 
 

@@ -944,10 +944,10 @@ def tiles_per_run(tile, bytes_per_slot, chunk=None):
 def tile_runs(groups, bytes_per_slot, chunk=None):
     """[(t0, t1)]: consecutive runs of whole tiles whose slot buffers fit `chunk` bytes (None:
     SLOT_CHUNK_BYTES; one run when everything fits): as few runs as fit, of about equal size (a
-    multiple of 8 tiles but the
-    last), so that the largest run's buffers, which set the MoE's peak, are as small as that many
-    runs allow. Large's backward: 352, 352 and 336 tiles, not 408, 408 and 224 (−70 MiB at the peak,
-    where the runs' weight gradients' final outputs (moe_backward) added 64)."""
+    multiple of 8 tiles but the last), so that the largest run's buffers, which set the MoE's peak,
+    are as small as that many runs allow. Large's backward: 352, 352 and 336 tiles, not 408, 408
+    and 224 (−70 MiB at the peak, where the runs' weight gradients' final outputs (moe_backward)
+    added 64)."""
     per = tiles_per_run(groups.tile, bytes_per_slot, chunk)
     count = cdiv(groups.num_tiles, per)
     if count > 1 and per >= 8:  # ⌈T / count⌉ rounded up to 8 is still at most per (a multiple of 8)

@@ -321,9 +321,8 @@ def _pool_bwd_single_kernel(
 ):
     """The whole backward for one batch row b (one program, all of D) in one read of tok and one
     write of ∂tok. Pass 1 needed its own read of tok only for c_p = Σ_n a ∂a, the softmax's
-    correction; c_p = ⟨t̄_p, ∂t̄_p⟩ = ⟨Wv_p t̄_p, ∂pooled_p⟩
-    = ⟨pooled_p − bv_p, ∂pooled_p⟩ takes it
-    from the heads' output the forward kept (pooled [B,D] fp32) and ∂pooled [B,D] fp32 instead.
+    correction; c_p = ⟨t̄_p, ∂t̄_p⟩ = ⟨Wv_p t̄_p, ∂pooled_p⟩ = ⟨pooled_p − bv_p, ∂pooled_p⟩ takes
+    it from the heads' output the forward kept (pooled [B,D] fp32) and ∂pooled [B,D] fp32 instead.
     Then per block of tokens: ∂a = tok ∂t̄ᵀ, ∂s = a ⊙ (∂a − c), and with ads = [a | ∂s] (a head's
     two columns side by side, 2p and 2p + 1) and the directions Rᵀ = [∂t̄_bᵀ | uᵀ] interleaved alike:
         ∂tokᵀ = Rᵀ adsᵀ,    tokᵀ ads → t̄ᵀ (columns 2p) and the ∂u partials' (columns 2p + 1).
