@@ -381,10 +381,10 @@ def test_verify_keeps_a_right_rewrite_in_fp32_and_bf16(request, caplog, dtype, k
     """The key bias's gradient is exactly zero in the math, which the kernels give, and roundoff in
     the original graph (fp32: ~1e-9 of the largest gradient, bf16 ~1e-5): compared against a floor
     of 1e-6 of the largest, a right rewrite fell back in bf16 always and in fp32 on each seed here.
-    bf16 with kernels="fused": the Triton kernels (the interpreter's bf16 dots mended,
-    conftest.bf16_dots) held by verify to the original graph run in fp32, output and every gradient."""
+    bf16 with kernels="fused": the Triton kernels (the interpreter's bf16 mended,
+    conftest.bf16_interpreter) held by verify to the original graph run in fp32, output and every gradient."""
     if kernels == "fused" and dtype == torch.bfloat16:
-        request.getfixturevalue("bf16_dots")
+        request.getfixturevalue("bf16_interpreter")
     for seed in range(3):
         torch._dynamo.reset()
         caplog.clear()

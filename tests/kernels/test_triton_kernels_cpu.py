@@ -2,9 +2,10 @@
 
 Every case runs the whole region forward and backward and compares the output, the saved
 tensors and all 15 gradients with the float64 reference (kernel_cases.check_region).
-bf16 runs here with conftest's bf16_dots: triton 3.6's interpreter computes bf16 tl.dot on the raw
-bits (a 16×16 bf16 product comes back off by ~1e10, triton-lang/triton#11584), and the fixture has
-it take their values; without it, bf16 goes to the reference path under the interpreter.
+bf16 runs here with conftest's bf16_interpreter: triton 3.6's interpreter computes bf16 tl.dot on the
+raw bits (a 16×16 bf16 product comes back off by ~1e10, triton-lang/triton#11584) and rounds fp32 ->
+bf16 toward zero, and the fixture has its dots take their values and its casts round to nearest even,
+as the GPU's do; without it, bf16 goes to the reference path under the interpreter.
 """
 import logging
 import os
@@ -102,9 +103,9 @@ def test_fp16(module):
 
 @pytest.mark.parametrize("module", SETS)
 @pytest.mark.parametrize("act", reference.ACTIVATIONS)
-def test_bf16(bf16_dots, module, act):
-    """bf16, the dtype the presets run in on the GPU, with the interpreter's bf16 dots mended
-    (conftest.bf16_dots): the whole region and its 15 gradients against float64 on the same
+def test_bf16(bf16_interpreter, module, act):
+    """bf16, the dtype the presets run in on the GPU, with the interpreter's bf16 mended
+    (conftest.bf16_interpreter): the whole region and its 15 gradients against float64 on the same
     bf16-rounded inputs, to SPEC §4's 2e-2, top-k flips counted (check_region); odd sizes, a
     key-padding mask with one batch row all masked, renormalised or not."""
     B, N = 3, 7
@@ -664,13 +665,13 @@ class _Keeping:
 
 @pytest.mark.parametrize("module", SETS)
 @pytest.mark.parametrize("runs", [False, True], ids=["whole", "runs"])
-def test_backward_on_what_the_forward_kept(monkeypatch, bf16_dots, module, runs):
+def test_backward_on_what_the_forward_kept(monkeypatch, bf16_interpreter, module, runs):
     """The backward on the forward's expert layout and pool weights (`kept`, as RegionFunction
     runs it) groups nothing and computes no pool directions, gives the gradients of the backward
     that makes both again, bit for bit, and matches the float64 reference; over the whole layout
     and over runs of one tile (the large preset's path, whose runs clip the kept layout's expert
     ranges). The weights are then bf16, and kept as they are (triton_region._pool_f32): that half
-    against float64 too, with the interpreter's bf16 dots mended (conftest.bf16_dots)."""
+    against float64 too, with the interpreter's bf16 mended (conftest.bf16_interpreter)."""
     if runs:
         monkeypatch.setattr(triton_moe, "SLOT_CHUNK_BYTES", 1)
     grouped = record_calls(monkeypatch, triton_moe, "group")
@@ -1026,11 +1027,11 @@ def test_the_products_run_where_the_pool_forward_and_pass_1_do_not_fit(monkeypat
     sm_89, bf16 D 1024 with 32 heads, offline), pool_forward and pool_backward compute the same
     sums by attend_by_products and scores_grad_by_products instead of launches that would raise:
     inv and attn against float64 (a mask, one row all masked), then every gradient. bf16 tokens
-    through split dots (bf16 halves, with the interpreter's bf16 dots mended: conftest.bf16_dots),
+    through split dots (bf16 halves, with the interpreter's bf16 mended: conftest.bf16_interpreter),
     fp16 ones likewise (split) or copied to fp32 a batch row at a time (chunk_bytes 1), as fp32
     ones may be."""
     if dtype == torch.bfloat16:
-        request.getfixturevalue("bf16_dots")
+        request.getfixturevalue("bf16_interpreter")
     elif split:
         monkeypatch.setattr(triton_pool, "SPLIT_DOT_DTYPES", {torch.float16: 2})
     monkeypatch.setattr(triton_pool, "PRODUCTS_CHUNK_BYTES", chunk_bytes)
@@ -1279,9 +1280,9 @@ def test_autocast_mix(request, module, ctx_dtype):
     the kernels take them (not the reference path), compute in the activations' dtype, and
     return every gradient in its own input's dtype (check_region asserts the dtypes). Its 6 rows
     may flip no top-k choice: autocast_case draws them clear of the activations' rounding. bf16
-    (autocast's usual dtype on the GPU) with the interpreter's bf16 dots mended (conftest.bf16_dots)."""
+    (autocast's usual dtype on the GPU) with the interpreter's bf16 mended (conftest.bf16_interpreter)."""
     if ctx_dtype == torch.bfloat16:
-        request.getfixturevalue("bf16_dots")
+        request.getfixturevalue("bf16_interpreter")
     ctx, tok, params = autocast_case(2, 3, 5, 32, 2, 64, 4, 2, ctx_dtype)
     assert module.why_unsupported(ctx, tok, params[10], 2, "gelu", None) is None
     check_region(module, ctx, tok, params, top_k=2, renorm=True, act="gelu")

@@ -42,8 +42,8 @@ def _dot_kernel(a_ptr, b_ptr, c_ptr, M: tl.constexpr, N: tl.constexpr, K: tl.con
 
 
 @pytest.mark.skipif(not triton_util.interpreting(), reason="the interpreter's bf16 dot (TRITON_INTERPRET=1)")
-def test_bf16_dots_fixture_gives_the_interpreter_bf16_products_of_the_values(bf16_dots):
-    """conftest.bf16_dots: a bf16 tl.dot of small integers comes back exact (fp32 sums of exact
+def test_bf16_interpreter_takes_bf16_dot_operands_by_their_values(bf16_interpreter):
+    """conftest.bf16_interpreter: a bf16 tl.dot of small integers comes back exact (fp32 sums of exact
     products), where Triton 3.6's interpreter multiplies the raw bits (~1e10, triton#11584)."""
     g = torch.Generator().manual_seed(0)
     a, b = (torch.randint(-3, 4, shape, generator=g).bfloat16() for shape in ((16, 32), (32, 16)))
@@ -52,14 +52,38 @@ def test_bf16_dots_fixture_gives_the_interpreter_bf16_products_of_the_values(bf1
     assert torch.equal(c, a.float() @ b.float())
 
 
+@triton.jit
+def _to_bf16_kernel(x_ptr, y_ptr, N: tl.constexpr):
+    rn = tl.arange(0, N)
+    tl.store(y_ptr + rn, tl.load(x_ptr + rn).to(tl.bfloat16))
+
+
+@pytest.mark.skipif(not triton_util.interpreting(), reason="the interpreter's fp32 -> bf16 cast (TRITON_INTERPRET=1)")
+def test_bf16_interpreter_rounds_fp32_to_bf16_to_nearest_even(bf16_interpreter):
+    """conftest.bf16_interpreter: an fp32 -> bf16 cast in a kernel gives torch's bits, rounded to
+    nearest even as the GPU's cvt.rn.bf16.f32 rounds, where Triton 3.6's interpreter drops the low 16
+    bits: on random values of many scales, both signs, ties to an even and to an odd neighbour (half
+    an ulp above each), values that round up into the next binade (1 - 2⁻²⁴), zeros, one near bf16's
+    largest and one below fp32's normals."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(244, generator=g) * 10.0 ** torch.randint(-6, 7, (244,), generator=g)
+    # fp32 bits of bf16 values with 0x8000 below them: each exactly between two bf16 neighbours
+    even_odd = torch.tensor([1.0, 1.0078125, -3.0, -3.015625, 96.0, 96.5]).bfloat16().view(torch.int16)
+    ties = ((even_odd.int() & 0xFFFF) << 16 | 0x8000).view(torch.float32)
+    x = torch.cat([x, ties, torch.tensor([1 - 2 ** -24, -(1 - 2 ** -24), 0.0, -0.0, 3e38, -1e-39])])
+    y = torch.empty(256, dtype=torch.bfloat16)
+    _to_bf16_kernel[(1,)](x, y, N=256)
+    assert torch.equal(y.view(torch.int16), x.bfloat16().view(torch.int16))
+
+
 @pytest.mark.parametrize("split_dot", [0, 1, 2])
 @pytest.mark.parametrize("runs", [False, True])
 @pytest.mark.parametrize("bias", [None, "shared", "per batch"])
 def test_matmul_f32(monkeypatch, request, split_dot, runs, bias):
     """With a bias ([N] for every batch, or [Bt,N] strided), added once however many runs K takes.
-    split_dot 1 (bf16 halves) with the interpreter's bf16 dots mended (conftest.bf16_dots)."""
+    split_dot 1 (bf16 halves) with the interpreter's bf16 mended (conftest.bf16_interpreter)."""
     if split_dot == 1:
-        request.getfixturevalue("bf16_dots")
+        request.getfixturevalue("bf16_interpreter")
     if runs:  # runs of K: with 4 SMs off the GPU, K = 97 becomes two runs of 64
         monkeypatch.setattr(triton_matmul, "MIN_RUN", 16)
     a, b = _case("cpu")
