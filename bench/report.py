@@ -77,6 +77,12 @@ def add_speedups(rows):
     return rows
 
 
+def _over_bound(row):
+    """(rel err over the dtype's bound, grad err over it), False where not measured."""
+    bound = FLAG_ERROR.get(row["dtype"], 1e-4)
+    return tuple(row.get(name) is not None and row[name] > bound for name in ("rel_err", "grad_rel_err"))
+
+
 def _group(row):
     return row["preset"], row["dtype"], row["pass"], row["device"]
 
@@ -89,10 +95,8 @@ def table_rows(rows):
     """Rows for tabulate: one line per measurement, errors shortened."""
     out = []
     for r in rows:
-        err = r.get("rel_err")
-        flag = " (!)" if err is not None and err > FLAG_ERROR.get(r["dtype"], 1e-4) else ""
-        grad = r.get("grad_rel_err")
-        gflag = " (!)" if grad is not None and grad > FLAG_ERROR.get(r["dtype"], 1e-4) else ""
+        err, grad = r.get("rel_err"), r.get("grad_rel_err")
+        flag, gflag = (" (!)" if over else "" for over in _over_bound(r))
         note = "" if r.get("status") == "ok" else f"{r.get('status')}: {r.get('error') or ''}"[:70]
         if r.get("status") == "ok" and r.get("regions_replaced") == 0:
             note = "NOT LOWERED: no region replaced, timed the graph as captured"
@@ -126,7 +130,8 @@ LEGEND = """\
 - **ms**: median time of one step (fwd: forward under no_grad; fwd+bwd: forward and backward).
 - **× best peer**: the best peer's time / this row's time, in the same run; peers are eager,
   Inductor and Inductor max-autotune on every spelling (dense, loop, grouped_mm) that finished
-  in the run; the notes above the table name any preset, dtype and pass missing one of them.
+  in the run; the notes above the table name any preset, dtype and pass missing one of them,
+  and any whose best peer (the fastest, right or not) is flagged (!).
 - **% floor**: the roofline floor / this time (mha_compile/cost.py: max(FLOPs / 790 TFLOP/s,
   bytes / 4.3 TB/s), both measured on an H200, SPEC §5); CUDA bf16 rows only.
 - **TFLOP/s**: the region's minimum FLOPs / time (useful work, whatever the mode computes).
@@ -181,7 +186,7 @@ def write_markdown(path, meta, rows, notes=()):
              f"torch {meta.get('torch')}, triton {meta.get('triton')}, commit {meta.get('commit')}, "
              f"{meta.get('date')}.", "", f"Command: `{meta.get('command')}`", ""]
     notes = (list(notes) + [n for n in [host_probe_note(rows), floor_note(rows)] if n] + peer_notes(rows)
-             + tie_notes(rows))
+             + wrong_peer_notes(rows) + tie_notes(rows))
     lines += [f"- {note}" for note in notes] + ([""] if notes else [])
     lines += [table(rows, "github"), "", LEGEND, "## Compile time (first call, s)", "", compile_table(rows), ""]
     errors = [r for r in rows if r.get("status") == "error"]
@@ -220,6 +225,23 @@ def peer_notes(rows):
             against = ", ".join(f"{m}/{s}" for m, s in sorted(ran)) or "none"
             notes.append(f"{' '.join(group[:3])}: × best peer is against {against} only; "
                          f"not timed here: {', '.join(missing)}")
+    return notes
+
+
+def wrong_peer_notes(rows):
+    """For each (preset, dtype, pass, device) whose best peer is off the reference beyond the
+    dtype's bound (flagged (!)), a note saying × best peer is against a wrong answer: the fastest
+    peer is the one the table compares against, right or not, and this says which it was."""
+    notes = []
+    for group in dict.fromkeys(_group(r) for r in rows):
+        members = [r for r in rows if _group(r) == group]
+        names = {m["best_peer"] for m in members if m.get("best_peer")}
+        for peer in (m for m in members if f"{m['mode']}/{m['spelling']}" in names and any(_over_bound(m))):
+            errors = ", ".join(f"{label} {peer[name]:.1e}" for label, name in (("rel err", "rel_err"),
+                               ("grad err", "grad_rel_err")) if peer.get(name) is not None)
+            notes.append(f"{' '.join(group[:3])}: the best peer, {peer['mode']}/{peer['spelling']}, is off the "
+                         f"reference beyond {group[1]}'s bound ({errors}; away from the top-k ties): × best peer "
+                         "is against a wrong answer there")
     return notes
 
 

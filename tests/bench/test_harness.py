@@ -86,6 +86,30 @@ def test_the_notes_name_the_peers_a_group_was_not_timed_against_and_a_floor_off_
     assert notes[0] in text and "790 TFLOP/s" in text
 
 
+def test_a_best_peer_off_the_reference_is_said_to_be(tmp_path):
+    """The fastest peer sets × best peer whether or not its answer is right; where it is flagged
+    (!) (over the dtype's bound away from the top-k ties), a note says the speedup is against a
+    wrong answer. A flagged peer that is not the fastest, and a right fastest one, get none."""
+    def row(mode, ms, err, preset="medium", grad=1e-3):
+        return {"preset": preset, "dtype": "bf16", "pass": "fwd+bwd", "device": "cuda", "mode": mode,
+                "spelling": "loop", "status": "ok", "time_ms": ms, "rel_err": err, "grad_rel_err": grad}
+
+    rows = [row("inductor", 2.0, 3e-2), row("eager", 3.0, 5e-3), row("mha-fused", 1.0, 3e-3),
+            row("inductor", 2.0, 5e-3, "large", grad=0.2), row("mha-fused", 1.0, 3e-3, "large"),
+            row("inductor", 2.0, 5e-3, "small"), row("eager", 3.0, 0.5, "small")]
+    report.add_speedups(rows)
+    assert [r["best_peer"] for r in rows[:3]] == ["inductor/loop"] * 3  # wrong, and still the best peer
+    notes = report.wrong_peer_notes(rows)
+    assert notes == [
+        "medium bf16 fwd+bwd: the best peer, inductor/loop, is off the reference beyond bf16's bound (rel err "
+        "3.0e-02, grad err 1.0e-03; away from the top-k ties): × best peer is against a wrong answer there",
+        "large bf16 fwd+bwd: the best peer, inductor/loop, is off the reference beyond bf16's bound (rel err "
+        "5.0e-03, grad err 2.0e-01; away from the top-k ties): × best peer is against a wrong answer there"]
+    report.write_markdown(tmp_path / "t.md", {"device": "x"}, rows)
+    text = (tmp_path / "t.md").read_text()
+    assert all(note in text for note in notes) and "3.0e-02 (!)" in text and "2.0e-01 (!)" in text
+
+
 def test_an_error_row_says_what_failed_inside_a_wrapper():
     """A row's error line: the exception's first line, and the next where the first only
     introduces it (Dynamo's BackendCompilerFailed; session 27's CI showed only "backend='inductor'
