@@ -173,6 +173,49 @@ def _f64(t):
     return None if t is None else t.double()
 
 
+def check_pool_products(monkeypatch, B, N, D, P, dtype, device, chunk_bytes, products_bound):
+    """Where none of the pool forward's or pass 1's configs fits the GPU (UnfitLauncher), pool_forward
+    and pool_backward compute the same sums by attend_by_products and scores_grad_by_products
+    instead of launches that would raise: one call each, no launch; a key-padding mask with batch
+    row 1 all masked (its attn 0, its inv bo); inv and attn against float64 within products_bound,
+    then every gradient, ∂tok within its dtype's rounding past that (it is returned in tok's dtype).
+    chunk_bytes: PRODUCTS_CHUNK_BYTES (copies of fp16 or fp32 tok a chunk of batch rows at a time).
+    Returns {name: error}."""
+    from mha_compile.kernels import triton_pool
+    from numerics import record_calls
+
+    monkeypatch.setattr(triton_pool, "PRODUCTS_CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(triton_pool, "SINGLE_PASS", False)
+    monkeypatch.setattr(triton_pool, "BWD_ONE_KERNEL", False)
+    for name in ("_attend", "_attend_bwd_scores"):
+        monkeypatch.setattr(triton_pool, name, UnfitLauncher())
+    products = record_calls(monkeypatch, triton_pool, "attend_by_products")
+    scores = record_calls(monkeypatch, triton_pool, "scores_grad_by_products")
+    tok = torch.randn(B, N, D, device=device).to(dtype)
+    q, bv = torch.randn(P, D // P, device=device), torch.randn(D, device=device)
+    bo = torch.randn(D, device=device) * 0.1
+    wk, wv, wo = (torch.randn(D, D, device=device) * D ** -0.5 for _ in range(3))
+    mask = torch.rand(B, N, device=device) < 0.3
+    mask[1] = True
+    leaves = [t.double().requires_grad_() for t in (tok, q, wk, wv, bv, wo, bo)]
+    want_inv, want_attn = reference.pool_forward(*leaves, mask)
+    inv, attn = triton_pool.pool_forward(tok, q, wk, wv, bv, wo, bo, mask)
+    assert triton_pool._attend.launches == [] and len(products) == 1
+    assert torch.equal(attn[1], torch.zeros_like(attn[1])) and torch.equal(inv[1], bo)
+    errors = {"inv": rel_err(inv, want_inv), "attn": rel_err(attn, want_attn)}
+    assert max(errors.values()) < products_bound, errors
+    grad_inv = torch.randn(B, D, device=device)
+    got = triton_pool.pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn, mask=mask)
+    assert triton_pool._attend_bwd_scores.launches == [] and len(scores) == 1
+    want_inv.backward(grad_inv.double())
+    errors.update({name: rel_err(g, leaf.grad) for name, g, leaf in zip(("tok", "q", "wk", "wv", "bv", "wo", "bo"),
+                                                                        got, leaves)})
+    # ∂tok's rounding to tok's dtype: 2⁻¹¹ (fp16) or 2⁻⁸ (bf16) of each entry at most, to nearest
+    bounds = {"tok": products_bound + {torch.float16: 2 ** -11, torch.bfloat16: 2 ** -8}.get(dtype, 0)}
+    assert all(err < bounds.get(name, products_bound) for name, err in errors.items()), errors
+    return errors
+
+
 def check_route_split_ctx(B, H, D, E, k, dtype, device, max_flips, bound=1e-5):
     """triton_router.route with SPLIT_CTX on fresh ctx [B·H,D] in `dtype`, inv [B,D] fp32 and Wg
     [E,D] in `dtype` (a caller below SPLIT_CTX_MIN_WORK lowers it), against float64: the split
