@@ -14,11 +14,11 @@ from mha_compile.models import PRESETS
 # Fields that, with the environment's, identify a row (the JSON "key").
 KEY_FIELDS = ("preset", "dtype", "mode", "spelling", "pass", "device", "torch", "triton", "commit")
 # Every row has these (None where they do not apply); bench/README.md says what each means.
-RESULT_FIELDS = ("status", "error", "time_ms", "round_ms", "first_call_s", "host_probe_ms", "peak_mib", "peak_delta_mib", "graph_pool_mib", "rel_err",
-                 "grad_rel_err", "tie_rows", "tie_rows_flipped", "regions_replaced", "kernels_chosen", "lowering_note", "flops_min",
-                 "flops_mode", "bytes_min", "floor_s", "pct_floor", "tflops", "tflops_mode", "speedup",
-                 "best_peer", "best_peer_ms", "best_peer_peak_mib", "peak_ratio", "B", "H", "N", "D", "P", "F",
-                 "E", "k")
+RESULT_FIELDS = ("status", "error", "time_ms", "round_ms", "first_call_s", "host_probe_ms", "peak_mib",
+                 "peak_delta_mib", "graph_pool_mib", "rel_err", "grad_rel_err", "tie_rows", "tie_rows_flipped",
+                 "regions_replaced", "kernels_chosen", "lowering_note", "flops_min", "flops_mode", "bytes_min",
+                 "floor_s", "pct_floor", "tflops", "tflops_mode", "speedup", "best_peer", "best_peer_ms",
+                 "best_peer_peak_mib", "peak_ratio", "B", "H", "N", "D", "P", "F", "E", "k")
 ROW_FIELDS = KEY_FIELDS + RESULT_FIELDS
 # Relative error above which a row is flagged in the table (SPEC §4's bounds; bf16 rows are
 # compared to an fp32 reference, away from the rows near a top-k tie: bench/cases.TIE_MARGIN).
@@ -251,8 +251,8 @@ def tie_notes(rows):
     for preset, dtype in dict.fromkeys((r["preset"], r["dtype"]) for r in rows if r.get("tie_rows")):
         ties = max(r["tie_rows"] for r in rows if (r["preset"], r["dtype"]) == (preset, dtype) and r.get("tie_rows"))
         dims = PRESETS[preset]
-        notes.append(f"{preset} {dtype}: rel err and grad err leave out the {ties} of {dims['B'] * dims['H']} rows "
-                     "near a top-k tie, whose choice rounding can flip (legend)")
+        notes.append(f"{preset} {dtype}: rel err leaves out, and grad err takes no gradient from, the {ties} of "
+                     f"{dims['B'] * dims['H']} rows near a top-k tie, whose choice rounding can flip (legend)")
     return notes
 
 
