@@ -38,7 +38,7 @@ def bf16_interpreter(monkeypatch):
         if (src.dtype.scalar, dst_type.scalar) != (tl.float32, tl.bfloat16):
             return cast_impl(self, src, dst_type)
         bits = torch.from_numpy(np.ascontiguousarray(src.data, np.float32)).to(torch.bfloat16).view(torch.int16)
-        return interpreter.TensorHandle(bits.numpy().view(np.uint16), tl.bfloat16)
+        return interpreter.TensorHandle(bits.numpy().view(np.uint16).reshape(src.data.shape), tl.bfloat16)
 
     create_dot, cast_impl = interpreter.InterpreterBuilder.create_dot, interpreter.InterpreterBuilder.cast_impl
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot",

@@ -16,8 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
+from numerics import record_calls
 from mha_compile import models
-from mha_compile.kernels import reference, triton_router
+from mha_compile.kernels import reference, triton_pool, triton_router
 from mha_compile.kernels.triton_util import ACT_CODE, act_bwd, act_fwd
 
 # Relative-norm tolerance per dtype (fp32 with ieee dots; bf16/fp16 with fp32 accumulation).
@@ -181,9 +182,6 @@ def check_pool_products(monkeypatch, B, N, D, P, dtype, device, chunk_bytes, pro
     then every gradient, ∂tok within its dtype's rounding past that (it is returned in tok's dtype).
     chunk_bytes: PRODUCTS_CHUNK_BYTES (copies of fp16 or fp32 tok a chunk of batch rows at a time).
     Returns {name: error}."""
-    from mha_compile.kernels import triton_pool
-    from numerics import record_calls
-
     monkeypatch.setattr(triton_pool, "PRODUCTS_CHUNK_BYTES", chunk_bytes)
     monkeypatch.setattr(triton_pool, "SINGLE_PASS", False)
     monkeypatch.setattr(triton_pool, "BWD_ONE_KERNEL", False)

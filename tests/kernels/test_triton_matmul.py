@@ -74,6 +74,8 @@ def test_bf16_interpreter_rounds_fp32_to_bf16_to_nearest_even(bf16_interpreter):
     y = torch.empty(256, dtype=torch.bfloat16)
     _to_bf16_kernel[(1,)](x, y, N=256)
     assert torch.equal(y.view(torch.int16), x.bfloat16().view(torch.int16))
+    # by hand: each tie to its even neighbour; 1 - 2⁻²⁴ up into the next binade
+    assert y[244:252].float().tolist() == [1.0, 1.015625, -3.0, -3.03125, 96.0, 97.0, 1.0, -1.0]
 
 
 @pytest.mark.parametrize("split_dot", [0, 1, 2])
