@@ -46,6 +46,7 @@ def verified(gm, original, compiled, report, strict=False):
     state = {"use": None}
     zero_by_math = _zero_by_math(gm, report)
     attributes = _trained_attributes(gm)
+    writes = written_inputs(gm)
 
     def fall_back(what, args, found, error=None):
         report.fallback = f"verify: the rewritten graph disagrees with the original ({what}); using the original"
@@ -61,9 +62,13 @@ def verified(gm, original, compiled, report, strict=False):
     def run(*args):
         if state["use"] is not None:
             return state["use"](*args)
-        found = _CallState(args)
+        found = _CallState(args, writes)
         with torch.no_grad(), found.same() as stand_ins:
             expected = original(*stand_ins)
+        if found.unkept:
+            log.warning("mha_compile: graph %d: verify: the graph wrote parameter input(s) %s in place through an op "
+                        "verify does not take for a write (written_inputs), so it kept no copy of them: each run "
+                        "verify compares writes them again on this call", report.index, found.unkept)
         try:
             got = compiled(*args)
         except Exception as error:  # the replacement must never be what breaks the user's run
@@ -252,11 +257,61 @@ def _gradients(fn, found, cotangents, attributes=(), upcast=False):
         return torch.autograd.grad(outs, leaves + list(attributes), cotangents, allow_unused=True)
 
 
+# Ops whose result is a view of their first argument (for call_function, by __name__): an in-place
+# write into the view writes the input it views (a parameter's `.view(-1)[0:2].mul_(2)`, its
+# `.data.add_(1)`, which Dynamo captures as _get_data_attr then add_).
+VIEWS = {"view", "view_as", "reshape", "reshape_as", "getitem", "transpose", "t", "permute", "expand", "expand_as",
+         "narrow", "select", "unsqueeze", "squeeze", "flatten", "unflatten", "detach", "as_strided", "_get_data_attr",
+         "split", "chunk", "unbind", "diagonal", "movedim", "swapaxes", "unfold", "contiguous"}
+# In-place arithmetic as Dynamo captures `x += y` (operator.iadd), beside the methods and torch
+# functions named with a trailing underscore (add_, torch.clamp_, copy_).
+IN_PLACE = {"iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior", "ixor"}
+
+
+def _op_name(node):
+    return node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+
+
+def _writes(node):
+    """The arguments a call node writes: an op named with a trailing underscore (not requires_grad_)
+    or an in-place operator (IN_PLACE) its first; an op whose schema marks arguments written
+    (torch.ops.aten.add_.Tensor, a custom op's mutates_args) those; an out= its out."""
+    if node.op not in ("call_method", "call_function"):
+        return []
+    name, schema = _op_name(node), getattr(node.target, "_schema", None)
+    if schema is not None:
+        written = [a for a, arg in zip(node.args, schema.arguments) if arg.alias_info and arg.alias_info.is_write]
+    elif node.args and (name in IN_PLACE or (name.endswith("_") and not name.startswith("_")
+                                             and name != "requires_grad_")):
+        written = [node.args[0]]
+    else:
+        written = []
+    return written + ([node.kwargs["out"]] if "out" in node.kwargs else [])
+
+
+def written_inputs(gm):
+    """Positions of gm's inputs that one of its nodes writes in place (_writes), directly or
+    through views of them (VIEWS). verify keeps a copy of such an input, a parameter too, so that
+    each run it compares starts from the values the call found, and only the call's own run
+    writes it (a `with torch.no_grad(): self.scale.add_(1)` in a forward moved the scale three
+    times on a verified call, and the runs, each seeing another scale, disagreed)."""
+    inputs = {node: i for i, node in enumerate(gm.graph.find_nodes(op="placeholder"))}
+    written = set()
+    for node in gm.graph.nodes:
+        for target in _writes(node):
+            while (isinstance(target, torch.fx.Node) and target.op in ("call_method", "call_function")
+                   and target.args and _op_name(target) in VIEWS):
+                target = target.args[0]
+            if target in inputs:
+                written.add(inputs[target])
+    return written
+
+
 class _CallState:
     """The state a call found: its random-number state (the CPU's and that of each CUDA device its
-    inputs are on) and the values of its inputs but the parameters (leaves taking a gradient).
-    `same()` runs a block from it and puts back the random-number state the block found;
-    `restore()` goes back to it.
+    inputs are on) and the values of its inputs but the parameters (leaves taking a gradient),
+    parameters too where the graph writes them (`writes`, written_inputs). `same()` runs a block
+    from it and puts back the random-number state the block found; `restore()` goes back to it.
 
     The first block (the captured graph's run, before the rewrite's) runs on the inputs themselves;
     those it wrote in place (a BatchNorm's running statistics, a counter: their version counters
@@ -266,15 +321,17 @@ class _CallState:
     counter the rewrite's backward checks. Until the first block ends, verify holds a copy of every
     such input."""
 
-    def __init__(self, args):
+    def __init__(self, args, writes=()):
         self.devices = sorted({a.device.index for a in args if isinstance(a, torch.Tensor) and a.is_cuda})
         self.cpu = torch.get_rng_state()
         self.cuda = [torch.cuda.get_rng_state(d) for d in self.devices]
         self.args = args
-        self.found = {i: a.detach().clone() for i, a in enumerate(args)
-                      if isinstance(a, torch.Tensor) and not (a.is_leaf and a.requires_grad)}
-        self.versions = {i: args[i]._version for i in self.found}
+        tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        parameters = {i for i in tensors if args[i].is_leaf and args[i].requires_grad and i not in writes}
+        self.found = {i: args[i].detach().clone() for i in tensors if i not in parameters}
+        self.versions = {i: args[i]._version for i in tensors}
         self.written = None  # positions of the inputs a run writes, once the first block ran
+        self.unkept = []  # parameters the first block wrote, of which no copy was kept
 
     @contextlib.contextmanager
     def same(self):
@@ -288,6 +345,8 @@ class _CallState:
         if self.written is None:
             self.written = [i for i in self.found if self.args[i]._version != self.versions[i]
                             or not torch.equal(self.args[i], self.found[i])]
+            self.unkept = [i for i in self.versions
+                           if i not in self.found and self.args[i]._version != self.versions[i]]
             self.found = {i: self.found[i] for i in self.written}
             self._restore_written()
 

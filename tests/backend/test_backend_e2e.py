@@ -586,6 +586,98 @@ def test_verify_writes_the_caller_s_buffers_once(monkeypatch, caplog, rest, faul
             assert_close_rel(param.grad, want.grad, torch.float32, name)
 
 
+class BumpsItsScale(torch.nn.Module):
+    """The block's output times a trained scale, which the forward first moves in place under
+    no_grad, spelled `how` (as a decay or a step counter kept in a parameter would be)."""
+
+    def __init__(self, block, how):
+        super().__init__()
+        self.block, self.how = block, how
+        self.scale = torch.nn.Parameter(torch.tensor([1.0, 0.5]))
+
+    def forward(self, ctx, tok):
+        with torch.no_grad():
+            if self.how == "add_":
+                self.scale.add_(0.25)
+            elif self.how == "iadd":
+                self.scale += 0.25
+            elif self.how == "view":
+                self.scale.view(-1)[0:1].mul_(1.5)
+            else:
+                self.scale.data.add_(0.25)
+        return self.block(ctx, tok) * self.scale.sum()
+
+
+@pytest.mark.parametrize("fault", [None, "gradient"])
+@pytest.mark.parametrize("how", ["add_", "iadd", "view", "data"])
+def test_verify_writes_a_parameter_the_graph_writes_once(monkeypatch, caplog, how, fault):
+    """A forward that moves a parameter in place: verify ran the graph as captured, then the rewrite,
+    then each one's backward, and every run moved it (a scale of 1 came out of one call at 2 for
+    1.25 under add_), and the runs, each reading another scale, disagreed: a right rewrite fell back.
+    Now verify keeps a copy of such a parameter (verify.written_inputs) as of a buffer: it comes out
+    of each call as one eager call leaves it, with eager's gradients, on a right rewrite (kept) and
+    on a wrong one (which falls back), and nothing is said about writes it did not keep."""
+    _plant_wrong_rewrite(monkeypatch, fault)
+    torch._dynamo.reset()
+    eager = BumpsItsScale(_block(torch.float32, seed=6), how)
+    model = copy.deepcopy(eager)
+    gen = torch.Generator().manual_seed(16)
+    batches = [(torch.randn(4, 3, 32, generator=gen), torch.randn(4, 5, 32, generator=gen).requires_grad_())
+               for _ in range(2)]
+    compiled = torch.compile(model, backend="mha", options={"verify": True})
+    with compiled_reports() as reports, caplog.at_level(logging.WARNING, logger="mha_compile"):
+        for ctx, tok in batches:
+            got, want = compiled(ctx, tok), eager(ctx, tok)
+            got.square().mean().backward()
+            want.square().mean().backward()
+            assert_close_rel(got, want, torch.float32, "output")
+            assert torch.equal(model.scale, eager.scale), (model.scale, eager.scale)
+    assert len(reports[0].matches) == 1 and (reports[0].fallback is None) == (fault is None), reports[0].fallback
+    assert not [r for r in caplog.records if "does not take for a write" in r.getMessage()]
+    for (name, param), want in zip(model.named_parameters(), eager.parameters()):
+        if name != "block." + BK:
+            assert_close_rel(param.grad, want.grad, torch.float32, name)
+
+
+def test_written_inputs_follow_views_to_the_input_and_leave_the_rest():
+    """verify.written_inputs on a graph as Dynamo captures it: the inputs written in place directly,
+    through a view, by `+=`, by an aten overload and through out=; not an input only read, nor
+    one whose copy is written."""
+    from mha_compile import verify
+
+    def fn(a, b, c, d, e, f, g):
+        a.add_(1)
+        b.view(-1)[0:1].mul_(2)
+        c += 1
+        d.clone().zero_()
+        torch.ops.aten.mul_.Tensor(f.t(), 3.0)
+        torch.mul(a, 2, out=g)
+        return a + b + c + d + e.requires_grad_(False)
+
+    graphs = []
+    torch._dynamo.reset()
+    torch.compile(fn, backend=lambda gm, inputs: graphs.append(gm) or gm.forward)(*torch.randn(7, 3, 3))
+    (gm,) = graphs
+    names = [node.name for node in gm.graph.find_nodes(op="placeholder")]
+    assert sorted(names[i] for i in verify.written_inputs(gm)) == ["l_a_", "l_b_", "l_c_", "l_f_", "l_g_"], names
+
+
+def test_verify_says_where_a_parameter_was_written_without_a_copy(monkeypatch, caplog):
+    """Where a run wrote a parameter that written_inputs did not name (so verify kept no copy of it,
+    and each run it compares writes it again), a warning says so and names the input."""
+    from mha_compile import verify
+
+    monkeypatch.setattr(verify, "written_inputs", lambda gm: set())
+    torch._dynamo.reset()
+    model = BumpsItsScale(_block(torch.float32, seed=6), "add_")
+    gen = torch.Generator().manual_seed(17)
+    with caplog.at_level(logging.WARNING, logger="mha_compile"):
+        torch.compile(model, backend="mha", options={"verify": True})(torch.randn(4, 3, 32, generator=gen),
+                                                                       torch.randn(4, 5, 32, generator=gen))
+    said = [r.getMessage() for r in caplog.records if "does not take for a write" in r.getMessage()]
+    assert len(said) == 1 and "wrote parameter input(s) [" in said[0], said
+
+
 class HalvesItsContext(torch.nn.Module):
     """The block, then ctx halved in place (the caller's activation, as eager allows) and added."""
 
