@@ -263,9 +263,9 @@ def _gradients(fn, found, cotangents, attributes=(), upcast=False):
 VIEWS = {"view", "view_as", "reshape", "reshape_as", "getitem", "transpose", "t", "permute", "expand", "expand_as",
          "narrow", "select", "unsqueeze", "squeeze", "flatten", "unflatten", "detach", "as_strided", "_get_data_attr",
          "split", "chunk", "unbind", "diagonal", "movedim", "swapaxes", "unfold", "contiguous"}
-# In-place arithmetic as Dynamo captures `x += y` (operator.iadd), beside the methods and torch
-# functions named with a trailing underscore (add_, torch.clamp_, copy_).
-IN_PLACE = {"iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior", "ixor"}
+# In-place writes as Dynamo captures `x += y` (operator.iadd) and `x[i] = y` (operator.setitem),
+# beside the methods and torch functions named with a trailing underscore (add_, torch.clamp_).
+IN_PLACE = {"iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior", "ixor", "setitem"}
 
 
 def _op_name(node):

@@ -641,25 +641,26 @@ def test_verify_writes_a_parameter_the_graph_writes_once(monkeypatch, caplog, ho
 
 def test_written_inputs_follow_views_to_the_input_and_leave_the_rest():
     """verify.written_inputs on a graph as Dynamo captures it: the inputs written in place directly,
-    through a view, by `+=`, by an aten overload and through out=; not an input only read, nor
-    one whose copy is written."""
+    through a view, by `+=`, by an aten overload, through out= and by item assignment; not an
+    input only read, nor one whose copy is written."""
     from mha_compile import verify
 
-    def fn(a, b, c, d, e, f, g):
+    def fn(a, b, c, d, e, f, g, h):
         a.add_(1)
         b.view(-1)[0:1].mul_(2)
         c += 1
         d.clone().zero_()
         torch.ops.aten.mul_.Tensor(f.t(), 3.0)
         torch.mul(a, 2, out=g)
+        h[0] = 5.0
         return a + b + c + d + e.requires_grad_(False)
 
     graphs = []
     torch._dynamo.reset()
-    torch.compile(fn, backend=lambda gm, inputs: graphs.append(gm) or gm.forward)(*torch.randn(7, 3, 3))
+    torch.compile(fn, backend=lambda gm, inputs: graphs.append(gm) or gm.forward)(*torch.randn(8, 3, 3))
     (gm,) = graphs
     names = [node.name for node in gm.graph.find_nodes(op="placeholder")]
-    assert sorted(names[i] for i in verify.written_inputs(gm)) == ["l_a_", "l_b_", "l_c_", "l_f_", "l_g_"], names
+    assert sorted(names[i] for i in verify.written_inputs(gm)) == ["l_a_", "l_b_", "l_c_", "l_f_", "l_g_", "l_h_"], names
 
 
 def test_verify_says_where_a_parameter_was_written_without_a_copy(monkeypatch, caplog):
