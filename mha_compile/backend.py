@@ -6,6 +6,7 @@ point `mha` in the group `torch_dynamo_backends`. It copies Dynamo's graph, rewr
 Any failure in the rewrite returns the graph exactly as captured, with a warning that says
 why; `options={"strict": True}` raises instead. The original graph is never half-rewritten.
 """
+import dataclasses
 import functools
 import itertools
 import logging
@@ -30,7 +31,7 @@ observers = []
 
 def mha_backend(gm, example_inputs, options=None, mode=None):
     """Dynamo backend: rewrite MHA regions of gm, then run everything with `rest`."""
-    opts = Options.parse(options)
+    opts = _eager_where_inductor_miscomputes(gm, example_inputs, Options.parse(options))
     mode = _mode(mode, opts.mode)
     if opts.step_graphs is True and mode != "reduce-overhead":
         raise ValueError(f"mha options: step_graphs=True replays the CUDA graphs of mode='reduce-overhead' through "
@@ -62,6 +63,32 @@ def mha_backend(gm, example_inputs, options=None, mode=None):
     if whole or opts.rest == "inductor":  # else the graph runs eagerly, its regions on ops.region_call
         compiled = _tangents_eagerly(compiled, gm, report.index)
     return compiled
+
+
+def _eager_where_inductor_miscomputes(gm, example_inputs, opts):
+    """opts, with rest="eager" in place of "inductor" where gm, compiled for training, writes a
+    parameter in place (`with torch.no_grad(): self.scale.add_(1)`; step_graphs.written_inputs):
+    AOTAutograd, which Inductor compiles through, gave such a graph wrong gradients (torch 2.13,
+    aot_eager and inductor alike, with or without our op: the backward reread the parameter after
+    the forward had written it, ∂x 25% off where the scale went from 1.5 to 2.0, twice applied).
+    A warning names the parameters. Where the fake run that finds the writes fails, opts as given."""
+    trained = [i for i, t in enumerate(example_inputs) if isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad]
+    if opts.rest != "inductor" or not torch.is_grad_enabled() or not trained:
+        return opts
+    try:
+        written = sorted(step_graphs.written_inputs(gm, example_inputs) & set(trained))
+    except Exception as error:  # noqa: BLE001 - what cannot be found runs as asked
+        log.info("mha_compile: finding the inputs a graph writes failed (%s); rest='inductor' as asked",
+                 _first_line(error))
+        return opts
+    if not written:
+        return opts
+    names = [node.name for node in gm.graph.find_nodes(op="placeholder")]
+    log.warning("mha_compile: the graph writes parameter(s) %s in place and takes their gradients: AOTAutograd, "
+                "which rest='inductor' compiles through, gives such a graph wrong gradients (its backward rereads "
+                "a parameter after the forward wrote it), so this graph runs with rest='eager'",
+                [names[i] for i in written])
+    return dataclasses.replace(opts, rest="eager")
 
 
 def _tangents_eagerly(compiled, gm, index):

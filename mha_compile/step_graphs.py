@@ -177,15 +177,55 @@ class _Watch(TorchDispatchMode):
                 if isinstance(t, torch.Tensor) and t.device != self.device:
                     return (f"it draws random numbers on {t.device} ({func}), not on the inputs' {self.device}: "
                             "a replay would repeat the capture's numbers")
-        for position, argument in enumerate(func._schema.arguments):
-            value = args[position] if position < len(args) else kwargs.get(argument.name)
-            if argument.alias_info is None or not argument.alias_info.is_write:
-                continue
-            for t in value if isinstance(value, (list, tuple)) else [value]:
-                if isinstance(t, torch.Tensor) and StorageWeakRef(t.untyped_storage()) in self.inputs:
-                    index = self.inputs[StorageWeakRef(t.untyped_storage())]
-                    return f"it writes into input {index} ({func}, argument {argument.name}), which a replay would not"
+        for index, name in _writes_into(func, args, kwargs, self.inputs):
+            return f"it writes into input {index} ({func}, argument {name}), which a replay would not"
         return None
+
+
+def _writes_into(func, args, kwargs, inputs):
+    """(input position, argument name) for each argument the aten call `func` writes (its schema's
+    write alias: add_'s self, out=, a custom op's mutates_args) whose memory is an input's
+    (`inputs`: storage -> position), through any view of it."""
+    for position, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = args[position] if position < len(args) else kwargs.get(argument.name)
+        for t in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(t, torch.Tensor) and StorageWeakRef(t.untyped_storage()) in inputs:
+                yield inputs[StorageWeakRef(t.untyped_storage())], argument.name
+
+
+class _Writes(TorchDispatchMode):
+    """Notes every input that an aten op writes into (_writes_into), and with it every input that
+    shares its memory (views of one another)."""
+
+    def __init__(self, inputs):
+        super().__init__()
+        self.inputs, self.sharing = {}, {}
+        for i, t in enumerate(inputs):
+            if isinstance(t, torch.Tensor):
+                storage = StorageWeakRef(t.untyped_storage())
+                self.inputs.setdefault(storage, i)
+                self.sharing.setdefault(self.inputs[storage], []).append(i)
+        self.written = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for i, _ in _writes_into(func, args, kwargs, self.inputs):
+            self.written.update(self.sharing[i])
+        return func(*args, **kwargs)
+
+
+def written_inputs(gm, inputs):
+    """Positions of the inputs that gm writes in place, in whatever spelling (add_, +=, x[i] = v,
+    out=, .data, through views, a custom op's mutates_args): gm run on fake copies of `inputs`
+    (no real work, nothing written), each aten op's written arguments noted by their memory. Raises
+    what the fake run raises."""
+    fake_mode = torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)
+    fakes = [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in inputs]
+    with fake_mode, _Writes(fakes) as writes:
+        torch.fx.Interpreter(gm).run(*fakes)
+    return writes.written
 
 
 class StepGraphs:

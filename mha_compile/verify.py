@@ -20,8 +20,9 @@ is compared directly, and the log says so.
 
 Every run compared starts from the state the call found (`_CallState`): its random-number state,
 so a graph with dropout draws the same masks in each, and its inputs' values, so a graph that
-writes an input in place (a BatchNorm's running statistics) reads the same values in each. The
-call's own result, the rewrite's, leaves both where its run took them, as without verify.
+writes an input in place (a BatchNorm's running statistics, or a parameter under no_grad:
+_written_inputs) reads the same values in each. The call's own result, the rewrite's, leaves both
+where its run took them, as without verify.
 """
 import contextlib
 import logging
@@ -46,7 +47,7 @@ def verified(gm, original, compiled, report, strict=False):
     state = {"use": None}
     zero_by_math = _zero_by_math(gm, report)
     attributes = _trained_attributes(gm)
-    writes = written_inputs(gm)
+    inputs = [node.name for node in gm.graph.find_nodes(op="placeholder")]
 
     def fall_back(what, args, found, error=None):
         report.fallback = f"verify: the rewritten graph disagrees with the original ({what}); using the original"
@@ -62,13 +63,16 @@ def verified(gm, original, compiled, report, strict=False):
     def run(*args):
         if state["use"] is not None:
             return state["use"](*args)
-        found = _CallState(args, writes)
+        found = _CallState(args, _written_inputs(gm, args, report))
+        versions = [t._version for _, t in attributes]
         with torch.no_grad(), found.same() as stand_ins:
             expected = original(*stand_ins)
-        if found.unkept:
-            log.warning("mha_compile: graph %d: verify: the graph wrote parameter input(s) %s in place through an op "
-                        "verify does not take for a write (written_inputs), so it kept no copy of them: each run "
-                        "verify compares writes them again on this call", report.index, found.unkept)
+        unkept = [inputs[i] for i in found.unkept] + [name for (name, t), v in zip(attributes, versions)
+                                                      if t._version != v]
+        if unkept:
+            log.warning("mha_compile: graph %d: verify: the graph wrote parameter(s) %s in place, which verify did "
+                        "not find it writing (step_graphs.written_inputs), or held as its attributes, so it kept no "
+                        "copy of them: each run verify compares writes them again on this call", report.index, unkept)
         try:
             got = compiled(*args)
         except Exception as error:  # the replacement must never be what breaks the user's run
@@ -109,6 +113,21 @@ def verified(gm, original, compiled, report, strict=False):
         return got
 
     return run
+
+
+def _written_inputs(gm, args, report):
+    """step_graphs.written_inputs(gm, args): the inputs of which verify keeps a copy, parameters
+    included, so that each run it compares starts from the values the call found and only the
+    call's own run writes them (a `with torch.no_grad(): self.scale.add_(1)` in a forward moved the
+    scale three times on a verified call, and the runs, each reading another scale, disagreed).
+    None found where the fake run fails, which the log says (the version counters still tell a
+    parameter written, _CallState.unkept)."""
+    try:
+        return step_graphs.written_inputs(gm, args)
+    except Exception as error:  # noqa: BLE001 - what cannot be found is left to the version counters
+        log.info("mha_compile: graph %d: verify: finding the inputs the graph writes failed (%s: %s)",
+                 report.index, type(error).__name__, error)
+        return set()
 
 
 def _low_precision(args):
@@ -234,10 +253,12 @@ def _gradients(fn, found, cotangents, attributes=(), upcast=False):
     (_CallState); None when no output takes a gradient. torch.autograd.grad leaves every .grad as
     it was.
 
-    A leaf (a parameter) stands as a detached view of itself: an in-place write into it would
-    raise as into the leaf, so it cannot change, and it stays at its address, as in the steps
+    A leaf (a parameter) stands as a detached view of itself, at its address, as in the steps
     after this one (step_graphs, whose graphs capture on this call, then read the parameters in
-    place rather than copying them in every replay). Another input stands as a clone of a new
+    place rather than copying them in every replay); one the graph writes in place under no_grad
+    (_written_inputs) stands as found.same()'s copy of its value as the call found it, elsewhere,
+    which costs no replay a copy: step_graphs turn away a graph that writes an input
+    (step_graphs.why_not). Another input stands as a clone of a new
     leaf, not the leaf itself: the graph may write it in place, as eager lets it write the
     caller's non-leaf (a leaf stand-in raised there, and a right rewrite fell back)."""
     parameters = [isinstance(a, torch.Tensor) and a.is_leaf for a in found.args]  # the call's own
@@ -257,60 +278,10 @@ def _gradients(fn, found, cotangents, attributes=(), upcast=False):
         return torch.autograd.grad(outs, leaves + list(attributes), cotangents, allow_unused=True)
 
 
-# Ops whose result is a view of their first argument (for call_function, by __name__): an in-place
-# write into the view writes the input it views (a parameter's `.view(-1)[0:2].mul_(2)`, its
-# `.data.add_(1)`, which Dynamo captures as _get_data_attr then add_).
-VIEWS = {"view", "view_as", "reshape", "reshape_as", "getitem", "transpose", "t", "permute", "expand", "expand_as",
-         "narrow", "select", "unsqueeze", "squeeze", "flatten", "unflatten", "detach", "as_strided", "_get_data_attr",
-         "split", "chunk", "unbind", "diagonal", "movedim", "swapaxes", "unfold", "contiguous"}
-# In-place writes as Dynamo captures `x += y` (operator.iadd) and `x[i] = y` (operator.setitem),
-# beside the methods and torch functions named with a trailing underscore (add_, torch.clamp_).
-IN_PLACE = {"iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior", "ixor", "setitem"}
-
-
-def _op_name(node):
-    return node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
-
-
-def _writes(node):
-    """The arguments a call node writes: an op named with a trailing underscore (not requires_grad_)
-    or an in-place operator (IN_PLACE) its first; an op whose schema marks arguments written
-    (torch.ops.aten.add_.Tensor, a custom op's mutates_args) those; an out= its out."""
-    if node.op not in ("call_method", "call_function"):
-        return []
-    name, schema = _op_name(node), getattr(node.target, "_schema", None)
-    if schema is not None:
-        written = [a for a, arg in zip(node.args, schema.arguments) if arg.alias_info and arg.alias_info.is_write]
-    elif node.args and (name in IN_PLACE or (name.endswith("_") and not name.startswith("_")
-                                             and name != "requires_grad_")):
-        written = [node.args[0]]
-    else:
-        written = []
-    return written + ([node.kwargs["out"]] if "out" in node.kwargs else [])
-
-
-def written_inputs(gm):
-    """Positions of gm's inputs that one of its nodes writes in place (_writes), directly or
-    through views of them (VIEWS). verify keeps a copy of such an input, a parameter too, so that
-    each run it compares starts from the values the call found, and only the call's own run
-    writes it (a `with torch.no_grad(): self.scale.add_(1)` in a forward moved the scale three
-    times on a verified call, and the runs, each seeing another scale, disagreed)."""
-    inputs = {node: i for i, node in enumerate(gm.graph.find_nodes(op="placeholder"))}
-    written = set()
-    for node in gm.graph.nodes:
-        for target in _writes(node):
-            while (isinstance(target, torch.fx.Node) and target.op in ("call_method", "call_function")
-                   and target.args and _op_name(target) in VIEWS):
-                target = target.args[0]
-            if target in inputs:
-                written.add(inputs[target])
-    return written
-
-
 class _CallState:
     """The state a call found: its random-number state (the CPU's and that of each CUDA device its
     inputs are on) and the values of its inputs but the parameters (leaves taking a gradient),
-    parameters too where the graph writes them (`writes`, written_inputs). `same()` runs a block
+    parameters too where the graph writes them (`writes`, _written_inputs). `same()` runs a block
     from it and puts back the random-number state the block found; `restore()` goes back to it.
 
     The first block (the captured graph's run, before the rewrite's) runs on the inputs themselves;
