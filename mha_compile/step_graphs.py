@@ -116,8 +116,8 @@ def why_not(gm, example_inputs, on_device):
         fakes = [fake_mode.from_tensor(t) for t in example_inputs]
         # no_grad: what is checked does not need autograd, and a caller's saved-tensor hooks (a
         # checkpoint compiling the step inside its forward) would count what autograd saved here
-        with torch.no_grad(), fake_mode, _Watch(fakes) as watch:
-            outputs = torch.fx.Interpreter(gm).run(*fakes)
+        with torch.no_grad():
+            outputs = _fake_run(gm, fakes, fake_mode, watch := _Watch(fakes))
     except Exception as error:  # noqa: BLE001 (what cannot be checked is not captured)
         return f"running it on fake inputs to check it failed ({type(error).__name__}: {error})"
     if watch.found is not None:
@@ -219,13 +219,45 @@ class _Writes(TorchDispatchMode):
 def written_inputs(gm, inputs):
     """Positions of the inputs that gm writes in place, in whatever spelling (add_, +=, x[i] = v,
     out=, .data, through views, a custom op's mutates_args): gm run on fake copies of `inputs`
-    (no real work, nothing written), each aten op's written arguments noted by their memory. Raises
-    what the fake run raises."""
+    (_fake_run), each aten op's written arguments noted by their memory. Raises what the fake run
+    raises."""
     fake_mode = torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)
     fakes = [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in inputs]
-    with fake_mode, _Writes(fakes) as writes:
-        torch.fx.Interpreter(gm).run(*fakes)
+    _fake_run(gm, fakes, fake_mode, writes := _Writes(fakes))
     return writes.written
+
+
+class _FakeHeld(torch.fx.Interpreter):
+    """An Interpreter that reads gm's own tensors (get_attr) as fake copies: a graph that writes a
+    constant it holds writes the copy."""
+
+    def __init__(self, gm, fake_mode):
+        super().__init__(gm)
+        self.fake_mode = fake_mode
+
+    def get_attr(self, target, args, kwargs):
+        value = super().get_attr(target, args, kwargs)
+        return self.fake_mode.from_tensor(value) if isinstance(value, torch.Tensor) else value
+
+
+def _fake_run(gm, fakes, fake_mode, watch):
+    """gm's outputs on `fakes` (fake_mode's) under the dispatch mode `watch` (inside fake_mode, so
+    that it sees each aten op), no real work and nothing real written: its own tensors
+    read as fakes too (_FakeHeld), and the grad mode and autocast state it sets (the graph's
+    _set_grad_enabled and _enter_autocast nodes run for real) put back as found, also where the run
+    raises midway (a nonzero under no_grad left grad mode off, and a compile after it built an
+    inference graph for training)."""
+    grad = torch.is_grad_enabled()
+    autocast = {device: (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+                for device in ("cpu", "cuda")}
+    try:
+        with fake_mode, watch:
+            return _FakeHeld(gm, fake_mode).run(*fakes)
+    finally:
+        torch.set_grad_enabled(grad)
+        for device, (enabled, dtype) in autocast.items():
+            torch.set_autocast_enabled(device, enabled)
+            torch.set_autocast_dtype(device, dtype)
 
 
 class StepGraphs:

@@ -708,6 +708,39 @@ def test_written_inputs_are_found_in_every_spelling_and_only_they():
     assert step_graphs.written_inputs(gm, list(shared[:10]) + inputs[10:]) == set(range(10)) | {10, 11, 12}
 
 
+def test_the_fake_run_leaves_grad_mode_autocast_and_held_tensors_as_found():
+    """step_graphs.written_inputs runs the graph's _set_grad_enabled and _enter_autocast for real: a
+    run that raised midway (a nonzero, whose size a fake cannot know, under no_grad and autocast)
+    left grad mode off and autocast on, and the compile after it built an inference graph for
+    training. And a tensor the graph holds itself (get_attr) that it writes is a fake copy there,
+    the real one untouched."""
+    from mha_compile import step_graphs
+
+    def fn(x):
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            y = torch.nonzero(x > 0)
+        return x * 2 + y.sum()
+
+    graphs = []
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        torch.compile(fn, backend=lambda gm, inputs: graphs.append((gm, inputs)) or gm.forward)(torch.randn(5))
+    (gm, inputs), *_ = graphs
+    assert gm.graph.find_nodes(op="call_function", target=torch.nonzero)
+    with pytest.raises(Exception):
+        step_graphs.written_inputs(gm, inputs)
+    assert torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
+    assert torch.get_autocast_dtype("cpu") == torch.bfloat16  # the default, as found
+
+    root, graph = torch.nn.Module(), torch.fx.Graph()
+    root.register_buffer("calls", torch.zeros(()))
+    x, calls = graph.placeholder("x"), graph.get_attr("calls")
+    graph.output(graph.call_function(torch.add, (x, graph.call_method("add_", (calls, 1)))))
+    held = torch.fx.GraphModule(root, graph)
+    assert step_graphs.written_inputs(held, [torch.randn(3)]) == set() and float(held.calls) == 0
+    assert float(held(torch.zeros(3))[0]) == 1 and float(held.calls) == 1  # the graph does write it
+
+
 def test_verify_says_where_a_parameter_was_written_without_a_copy(monkeypatch, caplog):
     """Where a run wrote a parameter that step_graphs.written_inputs did not name (so verify kept no copy of it,
     and each run it compares writes it again), a warning says so and names the graph's input."""
