@@ -111,13 +111,11 @@ def why_not(gm, example_inputs, on_device):
         if t.requires_grad:
             return (f"it holds {name} itself rather than taking it as an input: the backward graph would give it no "
                     "gradient")
-    fake_mode = torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)
     try:
-        fakes = [fake_mode.from_tensor(t) for t in example_inputs]
         # no_grad: what is checked does not need autograd, and a caller's saved-tensor hooks (a
         # checkpoint compiling the step inside its forward) would count what autograd saved here
         with torch.no_grad():
-            outputs = _fake_run(gm, fakes, fake_mode, watch := _Watch(fakes))
+            outputs, watch = _fake_run(gm, example_inputs, _Watch)
     except Exception as error:  # noqa: BLE001 (what cannot be checked is not captured)
         return f"running it on fake inputs to check it failed ({type(error).__name__}: {error})"
     if watch.found is not None:
@@ -221,10 +219,7 @@ def written_inputs(gm, inputs):
     out=, .data, through views, a custom op's mutates_args): gm run on fake copies of `inputs`
     (_fake_run), each aten op's written arguments noted by their memory. Raises what the fake run
     raises."""
-    fake_mode = torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)
-    fakes = [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in inputs]
-    _fake_run(gm, fakes, fake_mode, writes := _Writes(fakes))
-    return writes.written
+    return _fake_run(gm, inputs, _Writes)[1].written
 
 
 class _FakeHeld(torch.fx.Interpreter):
@@ -240,19 +235,22 @@ class _FakeHeld(torch.fx.Interpreter):
         return self.fake_mode.from_tensor(value) if isinstance(value, torch.Tensor) else value
 
 
-def _fake_run(gm, fakes, fake_mode, watch):
-    """gm's outputs on `fakes` (fake_mode's) under the dispatch mode `watch` (inside fake_mode, so
-    that it sees each aten op), no real work and nothing real written: its own tensors
-    read as fakes too (_FakeHeld), and the grad mode and autocast state it sets (the graph's
-    _set_grad_enabled and _enter_autocast nodes run for real) put back as found, also where the run
-    raises midway (a nonzero under no_grad left grad mode off, and a compile after it built an
-    inference graph for training)."""
+def _fake_run(gm, inputs, watching):
+    """(gm's outputs, the dispatch mode watching(fakes)) from a run of gm on fake copies of
+    `inputs` under that mode (inside the fake mode, so that it sees each aten op): no real work and
+    nothing real written, its own tensors read as fakes too (_FakeHeld), and the grad mode and
+    autocast state it sets (the graph's _set_grad_enabled and _enter_autocast nodes run for real)
+    put back as found, also where the run raises midway (a nonzero under no_grad left grad mode
+    off, and a compile after it built an inference graph for training)."""
+    fake_mode = torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)
+    fakes = [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in inputs]
+    watch = watching(fakes)
     grad = torch.is_grad_enabled()
     autocast = {device: (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
                 for device in ("cpu", "cuda")}
     try:
         with fake_mode, watch:
-            return _FakeHeld(gm, fake_mode).run(*fakes)
+            return _FakeHeld(gm, fake_mode).run(*fakes), watch
     finally:
         torch.set_grad_enabled(grad)
         for device, (enabled, dtype) in autocast.items():
