@@ -174,6 +174,24 @@ def _f64(t):
     return None if t is None else t.double()
 
 
+def pool_case(tok_dtype, bv_scale, B=3, N=37, D=40, P=2, device="cpu"):
+    """Fresh (tok, q, wk, wv, bv, wo, bo) of the pool, tok in tok_dtype; bv None where bv_scale is."""
+    tok = torch.randn(B, N, D, device=device).to(tok_dtype)
+    q, bo = torch.randn(P, D // P, device=device), torch.randn(D, device=device) * 0.1
+    bv = None if bv_scale is None else torch.randn(D, device=device) * bv_scale
+    wk, wv, wo = (torch.randn(D, D, device=device) * D ** -0.5 for _ in range(3))
+    return tok, q, wk, wv, bv, wo, bo
+
+
+def pool_grad_errors(got, inputs, grad_inv, mask=None):
+    """{name: ‖g − ref‖ / ‖ref‖} of pool_backward's gradients `got` against float64 autograd of the
+    reference pool on `inputs` (tok, q, wk, wv, bv, wo, bo; an absent bv is left out)."""
+    leaves = [None if t is None else t.double().requires_grad_() for t in inputs]
+    reference.pool_forward(*leaves, mask)[0].backward(grad_inv.double())
+    return {name: float((g.double() - leaf.grad).norm() / leaf.grad.norm())
+            for name, g, leaf in zip(("tok", "q", "wk", "wv", "bv", "wo", "bo"), got, leaves) if leaf is not None}
+
+
 def check_pool_products(monkeypatch, B, N, D, P, dtype, device, chunk_bytes, products_bound):
     """Where none of the pool forward's or pass 1's configs fits the GPU (UnfitLauncher), pool_forward
     and pool_backward compute the same sums by attend_by_products and scores_grad_by_products
@@ -189,14 +207,10 @@ def check_pool_products(monkeypatch, B, N, D, P, dtype, device, chunk_bytes, pro
         monkeypatch.setattr(triton_pool, name, UnfitLauncher())
     products = record_calls(monkeypatch, triton_pool, "attend_by_products")
     scores = record_calls(monkeypatch, triton_pool, "scores_grad_by_products")
-    tok = torch.randn(B, N, D, device=device).to(dtype)
-    q, bv = torch.randn(P, D // P, device=device), torch.randn(D, device=device)
-    bo = torch.randn(D, device=device) * 0.1
-    wk, wv, wo = (torch.randn(D, D, device=device) * D ** -0.5 for _ in range(3))
+    tok, q, wk, wv, bv, wo, bo = inputs = pool_case(dtype, 1.0, B, N, D, P, device)
     mask = torch.rand(B, N, device=device) < 0.3
     mask[1] = True
-    leaves = [t.double().requires_grad_() for t in (tok, q, wk, wv, bv, wo, bo)]
-    want_inv, want_attn = reference.pool_forward(*leaves, mask)
+    want_inv, want_attn = reference.pool_forward(*[t.double() for t in inputs], mask)
     inv, attn = triton_pool.pool_forward(tok, q, wk, wv, bv, wo, bo, mask)
     assert triton_pool._attend.launches == [] and len(products) == 1
     assert torch.equal(attn[1], torch.zeros_like(attn[1])) and torch.equal(inv[1], bo)
@@ -205,9 +219,7 @@ def check_pool_products(monkeypatch, B, N, D, P, dtype, device, chunk_bytes, pro
     grad_inv = torch.randn(B, D, device=device)
     got = triton_pool.pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn, mask=mask)
     assert triton_pool._attend_bwd_scores.launches == [] and len(scores) == 1
-    want_inv.backward(grad_inv.double())
-    errors.update({name: rel_err(g, leaf.grad) for name, g, leaf in zip(("tok", "q", "wk", "wv", "bv", "wo", "bo"),
-                                                                        got, leaves)})
+    errors.update(pool_grad_errors(got, inputs, grad_inv, mask))
     # ∂tok's rounding to tok's dtype: 2⁻¹¹ (fp16) or 2⁻⁸ (bf16) of each entry at most, to nearest
     bounds = {"tok": products_bound + {torch.float16: 2 ** -11, torch.bfloat16: 2 ** -8}.get(dtype, 0)}
     assert all(err < bounds.get(name, products_bound) for name, err in errors.items()), errors

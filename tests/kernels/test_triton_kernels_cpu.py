@@ -16,7 +16,8 @@ import torch
 
 from kernel_cases import (autocast_case, check_activation, check_nan_rows, check_pool_products, check_region,
                           check_route_split_ctx, check_router_weight_grad_split, launched, make_case,
-                          one_expert_router, only_config, pool_backward_way, read_at_import, UnfitLauncher)
+                          one_expert_router, only_config, pool_backward_way, pool_case, pool_grad_errors,
+                          read_at_import, UnfitLauncher)
 from numerics import record_calls
 from mha_compile.kernels import (fused, reference, staged, triton_moe, triton_pool, triton_region, triton_router,
                                  triton_util)
@@ -936,33 +937,13 @@ def test_pool_backward_split_dots(monkeypatch, way):
     monkeypatch.setattr(triton_pool, "SPLIT_DOT_DTYPES", {torch.float16: 2})
     pool_backward_way(monkeypatch, way)
     launched = record_calls(monkeypatch, triton_pool, way[1:])
-    tok, q, wk, wv, bv, wo, bo = inputs = _pool_case(torch.float16, 0.1)
+    tok, q, wk, wv, bv, wo, bo = inputs = pool_case(torch.float16, 0.1)
     grad_inv = torch.randn(tok.shape[0], tok.shape[2])
     _, attn = triton_pool.pool_forward(tok, q, wk, wv, bv, wo, bo)
     got = triton_pool.pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn)
-    for name, err in _pool_grad_errors(got, inputs, grad_inv).items():
+    for name, err in pool_grad_errors(got, inputs, grad_inv).items():
         assert err < (2e-3 if name == "tok" else 1e-5), (name, err)
     assert len(launched) == 1
-
-
-def _pool_case(tok_dtype, bv_scale):
-    """Fresh (tok, q, wk, wv, bv, wo, bo) of the pool at B = 3, N = 37, D = 40, P = 2, tok in
-    tok_dtype; bv None where bv_scale is."""
-    B, N, D, P = 3, 37, 40, 2
-    tok = torch.randn(B, N, D).to(tok_dtype)
-    q, bo = torch.randn(P, D // P), torch.randn(D) * 0.1
-    bv = None if bv_scale is None else torch.randn(D) * bv_scale
-    wk, wv, wo = (torch.randn(D, D) * D ** -0.5 for _ in range(3))
-    return tok, q, wk, wv, bv, wo, bo
-
-
-def _pool_grad_errors(got, inputs, grad_inv, mask=None):
-    """{name: ‖g − ref‖ / ‖ref‖} of pool_backward's gradients `got` against float64 autograd of the
-    reference pool on `inputs` (tok, q, wk, wv, bv, wo, bo; an absent bv is left out)."""
-    leaves = [None if t is None else t.double().requires_grad_() for t in inputs]
-    reference.pool_forward(*leaves, mask)[0].backward(grad_inv.double())
-    return {name: float((g.double() - leaf.grad).norm() / leaf.grad.norm())
-            for name, g, leaf in zip(("tok", "q", "wk", "wv", "bv", "wo", "bo"), got, leaves) if leaf is not None}
 
 
 @pytest.mark.parametrize("bias, kept, wide", [(True, True, False), (True, False, False), (False, True, False),
@@ -976,7 +957,7 @@ def test_pool_backward_single_pass_with_a_mask(monkeypatch, bias, kept, wide):
     pool_backward_way(monkeypatch, "_attend_bwd_single")
     monkeypatch.setattr(triton_pool, "wide_rows", lambda tok: wide)
     launched = record_calls(monkeypatch, triton_pool, "attend_bwd_single")
-    tok, q, wk, wv, bv, wo, bo = inputs = _pool_case(torch.float32, 0.5 if bias else None)
+    tok, q, wk, wv, bv, wo, bo = inputs = pool_case(torch.float32, 0.5 if bias else None)
     B, N, D = tok.shape
     mask = torch.rand(B, N) < 0.3
     mask[1] = True
@@ -985,7 +966,7 @@ def test_pool_backward_single_pass_with_a_mask(monkeypatch, bias, kept, wide):
     _, attn = triton_pool.pool_forward(tok, q, wk, wv, bv, wo, bo, mask, pooled=pooled)
     got = triton_pool.pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn, pooled=pooled if kept else None,
                                     mask=mask)
-    errors = _pool_grad_errors(got, inputs, grad_inv, mask)
+    errors = pool_grad_errors(got, inputs, grad_inv, mask)
     assert len(errors) == (7 if bias else 6) and all(err < 1e-5 for err in errors.values()), errors
     assert len(launched) == 1
 
@@ -1002,7 +983,7 @@ def test_the_two_passes_run_where_the_single_pass_does_not_fit(monkeypatch, capl
     monkeypatch.setattr(triton_pool, "_UNFIT_SAID", set())
     monkeypatch.setattr(triton_pool, "_attend_bwd_single", UnfitLauncher())
     two = record_calls(monkeypatch, triton_pool, "two_passes")
-    tok, q, wk, wv, bv, wo, bo = inputs = _pool_case(torch.float16, 0.5)
+    tok, q, wk, wv, bv, wo, bo = inputs = pool_case(torch.float16, 0.5)
     B, N, D = tok.shape
     grad_inv = torch.randn(B, D)
     pooled = torch.empty(B, D)
@@ -1010,7 +991,7 @@ def test_the_two_passes_run_where_the_single_pass_does_not_fit(monkeypatch, capl
     with caplog.at_level(logging.WARNING, logger="mha_compile"):
         for _ in range(2):
             got = triton_pool.pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn, pooled=pooled)
-    errors = _pool_grad_errors(got, inputs, grad_inv)
+    errors = pool_grad_errors(got, inputs, grad_inv)
     assert errors["tok"] < 2 ** -10 and all(err < 1e-5 for name, err in errors.items() if name != "tok"), errors
     assert triton_pool._attend_bwd_single.launches == [] and len(two) == 2
     said = [r.message for r in caplog.records if "does not fit the GPU's shared memory" in r.message]
@@ -1047,11 +1028,11 @@ def test_the_two_kernels_run_where_the_one_kernel_does_not_fit(monkeypatch):
     monkeypatch.setattr(triton_pool, "BWD_ONE_KERNEL", True)
     monkeypatch.setattr(triton_pool, "_attend_bwd_one", UnfitLauncher())
     two = record_calls(monkeypatch, triton_pool, "attend_bwd")
-    tok, q, wk, wv, bv, wo, bo = inputs = _pool_case(torch.float32, 0.5)
+    tok, q, wk, wv, bv, wo, bo = inputs = pool_case(torch.float32, 0.5)
     grad_inv = torch.randn(tok.shape[0], tok.shape[2])
     _, attn = triton_pool.pool_forward(tok, q, wk, wv, bv, wo, bo)
     got = triton_pool.pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn)
-    errors = _pool_grad_errors(got, inputs, grad_inv)
+    errors = pool_grad_errors(got, inputs, grad_inv)
     assert all(err < 1e-5 for err in errors.values()), errors
     assert triton_pool._attend_bwd_one.launches == [] and len(two) == 1
 
@@ -1212,12 +1193,12 @@ def test_the_pool_backward_by_default_past_l2(monkeypatch, kept):
     monkeypatch.setattr(triton_pool, "SPLIT_DOT_DTYPES", {torch.float16: 2})
     single = record_calls(monkeypatch, triton_pool, "attend_bwd_single")
     two = record_calls(monkeypatch, triton_pool, "attend_bwd")
-    tok, q, wk, wv, bv, wo, bo = inputs = _pool_case(torch.float16, 0.5)
+    tok, q, wk, wv, bv, wo, bo = inputs = pool_case(torch.float16, 0.5)
     grad_inv = torch.randn(tok.shape[0], tok.shape[2])
     pooled = torch.empty(tok.shape[0], tok.shape[2])
     _, attn = triton_pool.pool_forward(tok, q, wk, wv, bv, wo, bo, pooled=pooled)
     got = triton_pool.pool_backward(grad_inv, tok, q, wk, wv, bv, wo, attn, pooled=pooled if kept else None)
-    errors = _pool_grad_errors(got, inputs, grad_inv)
+    errors = pool_grad_errors(got, inputs, grad_inv)
     assert all(err < (2e-3 if name == "tok" else 1e-5) for name, err in errors.items()), errors
     assert (len(single), len(two)) == ((1, 0) if kept else (0, 1))
 
