@@ -275,7 +275,12 @@ def _gradients(fn, found, cotangents, attributes=(), upcast=False):
             return None
         if not cotangents:
             cotangents.extend(torch.randn_like(o) for o in outs)
-        return torch.autograd.grad(outs, leaves + list(attributes), cotangents, allow_unused=True)
+        # retain_graph: AOTAutograd compiles a backward on its first run, with its saved tensors'
+        # buffers donated where that run frees them, and a later backward that retains its graph
+        # then raises. Verify's run came first, so a user's first backward(retain_graph=True) (a
+        # GAN's two losses, a gradient penalty) raised under rest="inductor" where it ran without
+        # verify. Its graph is freed all the same when outs go, on return.
+        return torch.autograd.grad(outs, leaves + list(attributes), cotangents, allow_unused=True, retain_graph=True)
 
 
 class _CallState:

@@ -681,6 +681,34 @@ def test_rest_inductor_runs_eagerly_where_a_trained_parameter_is_written(monkeyp
             assert_close_rel(param.grad, want_param.grad, torch.float32, name)
 
 
+@pytest.mark.parametrize("rest", ["eager", "inductor"])
+def test_verify_leaves_a_first_backward_free_to_retain_its_graph(rest):
+    """A first training call whose backward retains its graph (a gradient penalty's
+    autograd.grad(..., retain_graph=True), then the loss's backward): under rest="inductor" verify's
+    own backward ran first, AOTAutograd compiled the backward with its buffers donated, and the
+    user's raised "compiled with non-empty donated buffers", where it runs without verify. Both
+    backwards now run, on this call and the next, with eager's gradients, and verify keeps the rewrite."""
+    torch._dynamo.reset()
+    eager = _block(torch.float32, seed=8)
+    model = copy.deepcopy(eager)
+    compiled = torch.compile(model, backend="mha", options={"verify": True, "rest": rest})
+    gen = torch.Generator().manual_seed(19)
+    with compiled_reports() as reports:
+        for _ in range(2):
+            ctx, tok = torch.randn(4, 3, 32, generator=gen), torch.randn(4, 5, 32, generator=gen)
+            penalties = []
+            for fn in (compiled, eager):
+                ctx_leaf = ctx.clone().requires_grad_()
+                loss = fn(ctx_leaf, tok).square().mean()
+                penalties.append(torch.autograd.grad(loss, ctx_leaf, retain_graph=True)[0])
+                loss.backward()
+            assert_close_rel(*penalties, torch.float32, "∂ctx")
+    assert len(reports[0].matches) == 1 and reports[0].fallback is None, reports[0].fallback
+    for (name, param), want in zip(model.named_parameters(), eager.parameters()):
+        if not name.endswith(BK):
+            assert_close_rel(param.grad, want.grad, torch.float32, name)
+
+
 def test_written_inputs_are_found_in_every_spelling_and_only_they():
     """step_graphs.written_inputs on a graph as Dynamo captures it: the inputs written in place
     directly, through a view, by `+=`, by an aten overload through an aten view, through out= (one
