@@ -189,7 +189,7 @@ def find_regions(gm):
         if op is None or op.kind != "topk":
             continue
         try:
-            matches.append(_match_at(nodes, anchor))
+            matches.append(_apart(_match_at(nodes, anchor), matches))
         except _Miss as miss:
             if _leaves_graph(anchor) and "graph break" not in miss.reason:
                 miss = _Miss(anchor, f"{anchor.name}: the top-k's weights or indices leave this graph unreplaced: "
@@ -199,6 +199,22 @@ def find_regions(gm):
     if not anchors:
         misses.extend(_split_experts(nodes))
     return matches, misses
+
+
+def _apart(match, earlier):
+    """match, where it shares no node with an `earlier` one's region (its nodes, and those it
+    moves after its op). One pool whose inv feeds two MoEs gives two regions that both hold the
+    pool: replacing the second erased the pool's nodes again, and the graph's code generation
+    then looped forever. The first is replaced, exporting inv, and the second runs as written."""
+    for other in earlier:
+        theirs = set(other.nodes) | set(other.kept)
+        shared = [n.name for n in [*match.nodes, *match.kept] if n in theirs]
+        if shared:
+            raise _Miss(match.anchor, f"{match.anchor.name}: its region shares {', '.join(shared[:4])}"
+                                      f"{' and more' if len(shared) > 4 else ''} with the region of "
+                                      f"{other.anchor.name} (one pool feeding two MoEs, say), which is replaced; "
+                                      f"this one runs as written, on the pooled vector that region exports")
+    return match
 
 
 def _leaves_graph(anchor, limit=64):
