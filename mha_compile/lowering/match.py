@@ -281,6 +281,7 @@ def _match_at(nodes, anchor):
     moved_modes = {n: modes(n) for n in moved if modes(n) != training}
     kept = _in_order(nodes, kept | moved)
     autocast = _autocast_states(nodes)
+    _check_no_coarser_rounding(nodes, region, ctx, tok, autocast)
     kept_autocast = {n: change for n in kept if (change := _autocast_change(autocast(n), autocast(out)))}
     data = _descendants(ctx) | _descendants(tok)  # not the mask's or the parameters' own preparation
     for n in region:  # a write in place the walks gave no meaning would be dropped with the region
@@ -540,9 +541,13 @@ def _moe_failure(walk, nodes, anchor):
                         f"a softmax over the k chosen (which would equal the renormalised top-k of the softmax)")
     partial = [n for n in valued if walk.vals[n].kind == "contrib"]
     if partial:
-        covered = sorted(walk.vals[partial[-1]].info["covered"])
+        covered, experts = sorted(walk.vals[partial[-1]].info["covered"]), walk.axes.sizes.get("e")
+        if covered == list(range(experts if isinstance(experts, int) else 0)):
+            return partial[-1], (f"{partial[-1].name}: the expert outputs summed cover every expert once, but the "
+                                 f"experts are not one function act(x W1[e] + b1[e]) W2[e] + b2[e] (an activation, "
+                                 f"a bias or a width differs between them)")
         return partial[-1], (f"{partial[-1].name}: the expert outputs summed cover experts {covered} of "
-                             f"{walk.axes.sizes.get('e')}; every expert must be added exactly once")
+                             f"{experts}; every expert must be added exactly once")
     return anchor, (f"{anchor.name}: the experts after this router could not be read as act(x W1 + b1) W2 + b2 "
                     "weighted by the top-k gates")
 
@@ -757,6 +762,34 @@ def _autocast_change(was, there):
                 torch.get_autocast_dtype(device), torch.is_autocast_enabled(device), torch.is_autocast_cache_enabled())
             change.append((device, dtype, enabled, cache))
     return change
+
+
+def _check_no_coarser_rounding(nodes, region, ctx, tok, autocast):
+    """A region node whose values are floats coarser than the region's activations (the coarser
+    of ctx's and tok's dtype, or the dtype autocast gives there): a user's `x.bfloat16()` around
+    the experts of a float32 model, a float64 model's `softmax(..., dtype=torch.float32)`. The op
+    computes in the activations' dtype and would not round there: a float32 model whose experts
+    ran in bf16 came out 5e-3 from eager (found by a read-through). A near-miss; the block then
+    runs as written. Rounding back to the activations' dtype (a bf16 model's router softmax in
+    fp32, then .to(bf16)) is the op's own rounding, and autocast's to its dtype the op's too."""
+    def eps(node):
+        kind = dtype(node)
+        return torch.finfo(kind).eps if kind is not None and kind.is_floating_point else None
+
+    coarser = max((ctx, tok), key=lambda n: eps(n) or 0.0)
+    if eps(coarser) is None:
+        return
+    device = coarser.meta["example_value"].device.type
+    for n in sorted(region, key=nodes.order.__getitem__):
+        if (eps(n) or 0.0) <= eps(coarser):
+            continue
+        # the autocast Dynamo recorded around n, else the caller's (Dynamo compiles in it)
+        cast, enabled, _ = autocast(n).get(device, None) or (
+            torch.get_autocast_dtype(device), torch.is_autocast_enabled(device), None)
+        if not (enabled and dtype(n) == cast):
+            raise _Miss(n, f"{n.name} rounds to {dtype(n)}, coarser than the region's {dtype(coarser)} activations: "
+                           f"the op computes in their dtype and would not round there, so the model would compute "
+                           f"otherwise (cast the block's inputs, or use torch.autocast)")
 
 
 def _check_one_grad_mode(nodes, modes, covered, out, at_out):

@@ -979,6 +979,53 @@ def _float_pad(B, N, gen):
     return torch.randn(B, N, generator=gen, dtype=torch.float64)
 
 
+class OneExpertOtherAct(SpelledBlock):
+    """Expert 0 with SiLU where the others have GELU: every expert is added once, but they are
+    not one function (its reason read "cover experts [0, 1, 2, 3] of 4; every expert must be added
+    exactly once", found by a read-through)."""
+
+    def expert(self, e, x):
+        if e:
+            return super().expert(e, x)
+        return F.silu(x @ self.w1[e] + self.b1[e]) @ self.w2[e] + self.b2[e]
+
+
+class CoarserStep(SpelledBlock):
+    """A step of the block computed in float32 inside a model of another dtype, rounded back: the
+    experts ("experts": activations and weights cast), the router's softmax on fp32 logits
+    ("router"), or by softmax's dtype ("softmax_dtype")."""
+
+    def __init__(self, where):
+        super().__init__()
+        self.where = where
+
+    def expert(self, e, x):
+        if self.where != "experts":
+            return super().expert(e, x)
+        w1, b1, w2, b2 = (t.float() for t in (self.w1[e], self.b1[e], self.w2[e], self.b2[e]))
+        return (F.gelu(x.float() @ w1 + b1) @ w2 + b2).to(x.dtype)
+
+    def route(self, x):
+        if self.where == "experts":
+            return super().route(x)
+        logits = self.router(x)
+        probs = (torch.softmax(logits.float(), dim=-1) if self.where == "router"
+                 else torch.softmax(logits, dim=-1, dtype=torch.float32)).to(x.dtype)
+        weight, index = probs.topk(self.k, dim=-1)
+        return weight / weight.sum(dim=-1, keepdim=True), index
+
+
+def test_a_step_rounded_back_to_the_activations_dtype_keeps_the_match():
+    """The near-misses "rounded to float32 in a float64 model" have a bf16 twin that is the block: a
+    bf16 model's router softmax in fp32, rounded back to bf16, rounds where the op does."""
+    torch.manual_seed(0)
+    model = CoarserStep("router").to(torch.bfloat16)
+    with compiled_reports() as reports:
+        torch._dynamo.reset()
+        torch.compile(model, backend="mha")(*inputs(dtype=torch.bfloat16))
+    _assert_one_match(reports)
+
+
 NEAR_MISSES = {
     "in-place merge into a graph input": (IaddIntoInput, {}, "in place into the graph input"),
     "causal SDPA": (CausalSdpa, {"pool": "sdpa"}, "is_causal"),
@@ -1021,6 +1068,11 @@ NEAR_MISSES = {
     "ctx.detach() written in place mid-block": (WriteMidBlock, {"what": "ctx_detach"}, "after the region reads it"),
     "aten.mul_.Scalar into ctx mid-block": (WriteMidBlock, {"what": "ctx_aten"}, "after the region reads it"),
     "F.relu(ctx, inplace=True) mid-block": (WriteMidBlock, {"what": "ctx_relu"}, "after the region reads it"),
+    "one expert with another activation": (OneExpertOtherAct, {}, "are not one function"),
+    "experts in float32 in a float64 model": (CoarserStep, {"where": "experts"}, "coarser than the region's"),
+    "router softmax in float32 in a float64 model": (CoarserStep, {"where": "router"}, "coarser than the region's"),
+    "softmax(dtype=float32) in a float64 model": (CoarserStep, {"where": "softmax_dtype"},
+                                                 "coarser than the region's"),
 }
 
 
