@@ -72,7 +72,8 @@ def _eager_where_inductor_miscomputes(gm, example_inputs, opts):
     gradients (torch 2.13, aot_eager and inductor alike, with or without our op: the backward
     recomputed the write from the parameter after the forward had written it, ∂x 25% off where the
     scale went from 1.5 to 2.0, twice applied; the default partitioner, aot_eager_default_partitioner
-    and Dynamo's cudagraphs backend, which the trees of rest="eager" use, saves it and is right).
+    and Dynamo's cudagraphs backend, which the trees of rest="eager" use, saves it and is right;
+    bench/aot_min_cut_repro.py).
     A warning names the parameters. Where the fake run that finds the writes fails, opts as given."""
     trained = [i for i, t in enumerate(example_inputs) if isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad]
     if opts.rest != "inductor" or not torch.is_grad_enabled() or not trained:
