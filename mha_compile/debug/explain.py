@@ -1,6 +1,7 @@
 """`mha_compile.explain(model_or_fn, *args, **kwargs)`: what the backend would do, without training
 (one forward, no backward, in the caller's grad mode)."""
 import contextlib
+import copy
 import types
 
 import torch
@@ -39,7 +40,7 @@ def explain(model_or_fn, *args, options=None, **kwargs):
 
     backend.observers.append(observe)
     try:
-        with _own_code(model_or_fn) as target, _state_kept(model_or_fn, args, kwargs):
+        with _own_code(model_or_fn) as target, _state_kept(model_or_fn, args, kwargs), _sizes_seen_kept():
             torch.compile(target, backend=mha)(*args, **kwargs)
     finally:
         backend.observers.remove(observe)
@@ -48,13 +49,14 @@ def explain(model_or_fn, *args, options=None, **kwargs):
 
 @contextlib.contextmanager
 def _state_kept(model_or_fn, args, kwargs):
-    """The forward explain runs leaves what it wrote as it found it: the buffers of the module (a
-    BatchNorm's running statistics, a counter), the tensors given (written in place), and the
-    random-number state (dropout's draws). A Python attribute the forward sets stays set."""
+    """The forward explain runs leaves what it wrote as it found it: the buffers and parameters of
+    the module (a BatchNorm's running statistics, a counter, a scale moved under no_grad: a copy of
+    each is kept for the call), the tensors given (written in place), and the random-number state
+    (dropout's draws). A Python attribute the forward sets stays set."""
     module = model_or_fn if isinstance(model_or_fn, torch.nn.Module) else getattr(model_or_fn, "__self__", None)
     tensors = [t for t in _pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     if isinstance(module, torch.nn.Module):
-        tensors += list(module.buffers())
+        tensors += [*module.buffers(), *module.parameters()]
     found = [(t, t.detach().clone()) for t in tensors if t.device.type != "meta"]  # meta holds no values
     try:
         with torch.random.fork_rng(devices=sorted({t.device.index for t in tensors if t.is_cuda})):
@@ -64,6 +66,25 @@ def _state_kept(model_or_fn, args, kwargs):
             for tensor, value in found:
                 if not torch.equal(tensor, value):
                     tensor.copy_(value)
+
+
+@contextlib.contextmanager
+def _sizes_seen_kept():
+    """Dynamo's record of which input sizes changed between compiles of a function, as it was:
+    it is keyed by the code's file, first line and name (torch._dynamo.pgo), which _own_code's
+    copy shares with the model's own, so two explains at two batch sizes made the user's first
+    torch.compile of the model dynamic in the batch (found by a read-through). Where a torch
+    build keeps no such record there, nothing."""
+    try:
+        from torch._dynamo import pgo
+        found = (copy.deepcopy(pgo._CODE_STATE), copy.deepcopy(pgo._INIT_CODE_STATE))
+    except (ImportError, AttributeError):
+        yield
+        return
+    try:
+        yield
+    finally:
+        pgo._CODE_STATE, pgo._INIT_CODE_STATE = found
 
 
 @contextlib.contextmanager
@@ -101,8 +122,8 @@ def _copyable(func):
 
 def _copy(func):
     """func on a new code object (code.replace() always makes one), otherwise the same function."""
-    copy = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
-                              func.__closure__)
-    copy.__kwdefaults__, copy.__qualname__ = func.__kwdefaults__, func.__qualname__
-    copy.__dict__.update(func.__dict__)
-    return copy
+    own = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
+                             func.__closure__)
+    own.__kwdefaults__, own.__qualname__ = func.__kwdefaults__, func.__qualname__
+    own.__dict__.update(func.__dict__)
+    return own

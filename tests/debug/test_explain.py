@@ -105,8 +105,9 @@ def test_explain_reports_what_the_caller_s_grad_mode_compiles():
 
 def test_explain_leaves_the_models_buffers_the_inputs_and_the_random_stream_as_found():
     """explain runs the forward once: a BatchNorm's running statistics and a counter took its
-    update, an input the forward writes in place kept the write, and dropout's draws moved the
-    caller's random stream. Each must be as before the call, the report still made."""
+    update, a parameter moved in place under no_grad kept the move (found by a read-through), an
+    input the forward writes in place kept the write, and dropout's draws moved the caller's
+    random stream. Each must be as before the call, the report still made."""
     from dropout_model import DroppedTokens
     from normed_model import NormedContext
 
@@ -114,24 +115,41 @@ def test_explain_leaves_the_models_buffers_the_inputs_and_the_random_stream_as_f
         def __init__(self):
             super().__init__()
             self.inner = NormedContext(DroppedTokens(MHABlock(12, 2, 24, 4, 2)), 3)
+            self.scale = torch.nn.Parameter(torch.tensor([1.0, 0.5]))
 
         def forward(self, ctx, tok):
+            with torch.no_grad():
+                self.scale.add_(0.25)
             out, dropped = self.inner(ctx, tok)
             tok.mul_(0.5)
-            return out, dropped
+            return out * self.scale.sum(), dropped
 
     model = WritesItsInput()
     ctx, tok = _inputs(4, 5)
-    buffers, tok_before = {k: v.clone() for k, v in model.named_buffers()}, tok.clone()
+    state, tok_before = {k: v.clone() for k, v in model.state_dict().items()}, tok.clone()
     torch.manual_seed(9)
     report = mha_compile.explain(model, ctx, tok)
     after = torch.rand(8)
     assert len(report.matches) == 1
-    for name, value in model.named_buffers():
-        assert torch.equal(value, buffers[name]), name
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, state[name]), name
     assert torch.equal(tok, tok_before)
     torch.manual_seed(9)
     assert torch.equal(after, torch.rand(8))
+
+
+def test_explain_at_two_batch_sizes_leaves_the_user_s_compile_static():
+    """Dynamo remembers which sizes changed between compiles by the code's file, line and name,
+    which explain's copy of the forward shares: two explains at batch 2 and 6 made the user's
+    first torch.compile of the model dynamic in the batch (found by a read-through)."""
+    torch._dynamo.reset()
+    torch.manual_seed(2)
+    block = MHABlock(12, 3, 8, 3, 2)
+    for batch in (2, 6):
+        assert len(mha_compile.explain(block, *_inputs(batch, 5)).matches) == 1
+    with compiled_reports() as reports:
+        torch.compile(block, backend="mha")(*_inputs(4, 5))
+    assert [m["shapes"]["ctx"] for r in reports for m in r.matches] == [["4", "3", "12"]]
 
 
 def test_explain_puts_the_buffers_back_when_the_forward_raises():
