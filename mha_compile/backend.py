@@ -14,7 +14,7 @@ import logging
 import torch
 
 from mha_compile import ops, step_graphs, verify, whole_graph
-from mha_compile.debug.dump import publish
+from mha_compile.debug.dump import publish, refresh_dump
 from mha_compile.debug.report import GraphReport
 from mha_compile.lowering.match import find_regions
 from mha_compile.lowering.rewrite import rewrite
@@ -53,13 +53,14 @@ def mha_backend(gm, example_inputs, options=None, mode=None):
     if opts.own_step_graphs(mode) and whole and report.matches:
         _mark_step_graphs(report, *((split.graph, split.examples) if split else (lowered, example_inputs)))
     # log, trace and (with a dump folder) dump the report, and the graphs as they replay with a split
-    publish(report, gm, lowered, opts.dump, replayed=split.graph if split else None)
+    dumped = publish(report, gm, lowered, opts.dump, replayed=split.graph if split else None)
     for observer in list(observers):
         observer(report, gm, lowered)
     compiled = run_rest(lowered, example_inputs, opts, mode, whole, split, report)
     if opts.verify and report.matches:
         original = run_rest(gm, example_inputs, opts, mode, whole)
-        compiled = verify.verified(gm, original, compiled, report, opts.strict)
+        fell_back = functools.partial(refresh_dump, dumped, report, gm, lowered) if dumped else None
+        compiled = verify.verified(gm, original, compiled, report, opts.strict, fell_back)
     if whole or opts.rest == "inductor":  # else the graph runs eagerly, its regions on ops.region_call
         compiled = _tangents_eagerly(compiled, gm, report.index)
     return compiled

@@ -40,10 +40,10 @@ LOW = (torch.bfloat16, torch.float16)
 GRAD_FLOOR = 1e-6
 
 
-def verified(gm, original, compiled, report, strict=False):
+def verified(gm, original, compiled, report, strict=False, fell_back=None):
     """The graph's callable: on its first call `compiled` (the rewrite) checked against `original`
     (gm as captured, run as the rest would run it); where they disagree, strict raises instead of
-    falling back."""
+    falling back. fell_back: called once report.fallback says why (the dump's refresh)."""
     state = {"use": None}
     zero_by_math = _zero_by_math(gm, report)
     attributes = _trained_attributes(gm)
@@ -51,6 +51,8 @@ def verified(gm, original, compiled, report, strict=False):
 
     def fall_back(what, args, found, error=None):
         report.fallback = f"verify: the rewritten graph disagrees with the original ({what}); using the original"
+        if fell_back is not None:
+            fell_back()
         if strict:
             found.restore()
             raise RuntimeError(f"mha_compile: graph {report.index}: verify: the rewritten graph disagrees with the "

@@ -150,6 +150,24 @@ def write_dump(folder, report, captured, lowered, doc=None, text=None, replayed=
     return out
 
 
+def refresh_dump(out, report, captured, lowered):
+    """Rewrite out's report (text, JSON) and pictures, and the run's index, from report as it is
+    now: verify's fallback comes at the first call, after the dump was written at compile time,
+    which went on saying the region was replaced (found by a read-through). The scripts stay."""
+    try:
+        doc = report_document(report, captured, lowered)
+        old = json.loads((out / "report.json").read_text(encoding="utf-8"))
+        doc["run"], doc["files"] = old.get("run"), old.get("files", doc["files"])
+        (out / "report.txt").write_text(report_text(report, captured) + "\n", encoding="utf-8")
+        _write_picture(out, "graph", captured, report, rewritten=False)
+        _write_picture(out, "rewritten", lowered, report, rewritten=True)
+        (out / "report.json").write_text(json.dumps(doc, indent=2, default=str), encoding="utf-8")
+        write_index(out.parent)
+    except (OSError, ValueError) as error:
+        _warn_once(("refresh", str(out)), "mha_compile: could not update the dump %r after a fallback (%s)",
+                   str(out), error)
+
+
 def _write_script(out, stem, gm, title, needs_ops):
     try:
         source, constants = graph_script(gm, title, filename=f"{out.name}/{stem}.py",
@@ -170,8 +188,8 @@ def _write_picture(out, stem, gm, report, rewritten):
     """Write stem.dot, (with graphviz) stem.svg and, if the picture collapses far nodes, stem_full.dot.
 
     Returns the three file names (None where not written)."""
-    n = len(report.matches)
-    title = (f"graph {report.index} {'after rewriting' if rewritten else 'as captured'}: {n} region(s) replaced, "
+    replaced = f"{len(report.matches)} region(s) " + ("matched, none replaced" if report.fallback else "replaced")
+    title = (f"graph {report.index} {'after rewriting' if rewritten else 'as captured'}: {replaced}, "
              f"{len(report.near_misses)} near-miss(es)")
     if report.fallback:
         title += f"\nfallback: {report.fallback}"

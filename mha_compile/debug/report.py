@@ -17,7 +17,8 @@ class GraphReport:
         return dataclasses.asdict(self)
 
     def __str__(self):
-        lines = [f"graph {self.index}: {len(self.matches)} match(es), {len(self.near_misses)} near-miss(es)"]
+        none = " (none replaced: see the fallback)" if self.fallback and self.matches else ""
+        lines = [f"graph {self.index}: {len(self.matches)} match(es){none}, {len(self.near_misses)} near-miss(es)"]
         for m in self.matches:
             cfg = m["config"]
             lines.append(f"  match at {m['output']}: ctx={m['ctx']} tok={m['tok']} act={cfg['act']} "

@@ -205,6 +205,25 @@ def test_without_dot_the_dump_has_the_dot_file_and_one_warning(tmp_path, monkeyp
     assert "dot -Tsvg graph.dot -o graph.svg" in (run / "index.html").read_text()
 
 
+def test_a_verify_fallback_is_written_into_the_dump(tmp_path, monkeypatch):
+    """verify decides at the first call, after the dump was written at compile time, and the dump
+    went on saying the region was replaced (found by a read-through). Its report, its pictures'
+    titles and the run's index now say the fallback; the files it lists stay."""
+    from mha_compile.kernels import reference
+    right = reference.region_forward
+    monkeypatch.setattr(reference, "region_forward", lambda *a: (right(*a)[0] * 1.2, *right(*a)[1:]))
+    torch.manual_seed(0)
+    _, seen = _compile(models.MHABlock(32, 2, 64, 4, 2), _inputs(8), dump=str(tmp_path), verify=True)
+    (run,) = tmp_path.glob("run-*")
+    folder = run / f"graph_{seen[0][0].index:03d}"
+    doc = _doc(folder)
+    assert "verify: the rewritten graph disagrees" in doc["fallback"] and doc["files"]["captured"] == "captured.py"
+    assert "none replaced" in (folder / "report.txt").read_text()
+    for picture_file in ("graph.dot", "rewritten.dot"):
+        assert "matched, none replaced" in (folder / picture_file).read_text(), picture_file
+    assert "verify: the rewritten graph disagrees" in (run / "index.html").read_text()
+
+
 @pytest.mark.parametrize("bad", ["file", "unwritable"])
 def test_bad_dump_folder_warns_once_and_compiles(bad, tmp_path, caplog):
     if bad == "file":
