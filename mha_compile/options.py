@@ -78,6 +78,8 @@ class Options:
                              f"with rest='eager'; rest={self.rest!r} takes its own (Inductor's)")
         if self.dump is not None and not isinstance(self.dump, (str, os.PathLike)):
             raise TypeError(f"mha options: dump={self.dump!r} must be a folder path (str or os.PathLike)")
+        if self.dump is not None and not os.fspath(self.dump):
+            raise ValueError("mha options: dump='' names no folder; give a folder path, or leave dump out for no dumps")
 
     def own_step_graphs(self, mode):
         """Whether a step captured whole under torch.compile's `mode` replays through
@@ -87,8 +89,11 @@ class Options:
     @classmethod
     def parse(cls, options):
         """Options from the dict given to torch.compile (None: defaults); unknown keys raise."""
-        options = dict(options or {})
         allowed = [f.name for f in dataclasses.fields(cls)]
+        if options is not None and not isinstance(options, dict):
+            raise TypeError(f"mha options: options={options!r} must be a dict of settings, e.g. "
+                            f"options={{'kernels': 'fused'}}; allowed keys are {allowed}")
+        options = dict(options or {})
         unknown = sorted(set(options) - set(allowed))
         if unknown:
             raise ValueError(f"mha options: unknown key(s) {unknown}; allowed keys are {allowed}")

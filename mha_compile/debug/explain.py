@@ -15,6 +15,10 @@ NO_GRAPH = ("Dynamo handed the backend no graph, so nothing was matched or misse
             "torch.compiler.disable, or one Dynamo gave up on: see its warnings)")
 
 
+NO_BLOCK = ("No MHA block was found, nor anything close: no graph here takes a top-k of a router's softmax (the "
+            "MoE's routing), where the matcher starts looking")
+
+
 def explain(model_or_fn, *args, options=None, **kwargs):
     """Compile with backend="mha", run the forward once (no backward) in the caller's grad mode,
     and return an ExplainReport. The module's buffers, the tensors given and the random-number
@@ -44,7 +48,10 @@ def explain(model_or_fn, *args, options=None, **kwargs):
             torch.compile(target, backend=mha)(*args, **kwargs)
     finally:
         backend.observers.remove(observe)
-    return ExplainReport(reports, note="" if reports else NO_GRAPH)
+    if not reports:
+        return ExplainReport(reports, note=NO_GRAPH)
+    nothing = not any(r.matches or r.near_misses for r in reports)
+    return ExplainReport(reports, note=NO_BLOCK if nothing else "")
 
 
 @contextlib.contextmanager

@@ -235,6 +235,8 @@ def test_explain_counts():
     ({"graphs": True}, "graphs=True"),
     ({"keep_hidden": "yes"}, "keep_hidden='yes'"),
     ({"mode": "fast"}, "mode='fast'"),
+    ("fused", "options='fused' must be a dict"),  # read as a sequence of pairs before (a read-through's)
+    ({"dump": ""}, "dump='' names no folder"),  # no dumps and nothing said before (a read-through's)
 ])
 def test_bad_options_raise_clear_errors(options, needle):
     with pytest.raises(Exception) as info:

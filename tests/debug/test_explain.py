@@ -152,6 +152,13 @@ def test_explain_at_two_batch_sizes_leaves_the_user_s_compile_static():
     assert [m["shapes"]["ctx"] for r in reports for m in r.matches] == [["4", "3", "12"]]
 
 
+def test_explain_of_a_model_without_the_block_says_so():
+    """A graph with nothing like the block gave an empty report with no word of why (a read-through's)."""
+    report = mha_compile.explain(torch.nn.Linear(12, 12), torch.randn(4, 12))
+    assert len(report.graphs) == 1 and not report.matches and report.note == explain_module.NO_BLOCK
+    assert explain_module.NO_BLOCK in str(report)
+
+
 def test_explain_puts_the_buffers_back_when_the_forward_raises():
     from normed_model import NormedContext
 
