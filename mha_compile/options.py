@@ -1,4 +1,5 @@
 """The backend's settings: one dataclass, defaults as named constants, validation with clear errors."""
+import collections.abc
 import dataclasses
 import os
 
@@ -90,8 +91,8 @@ class Options:
     def parse(cls, options):
         """Options from the dict given to torch.compile (None: defaults); unknown keys raise."""
         allowed = [f.name for f in dataclasses.fields(cls)]
-        if options is not None and not isinstance(options, dict):
-            raise TypeError(f"mha options: options={options!r} must be a dict of settings, e.g. "
+        if options is not None and not isinstance(options, collections.abc.Mapping):
+            raise TypeError(f"mha options: options={options!r} must be a mapping of settings (a dict), e.g. "
                             f"options={{'kernels': 'fused'}}; allowed keys are {allowed}")
         options = dict(options or {})
         unknown = sorted(set(options) - set(allowed))

@@ -163,9 +163,9 @@ def refresh_dump(out, report, captured, lowered):
         _write_picture(out, "rewritten", lowered, report, rewritten=True)
         (out / "report.json").write_text(json.dumps(doc, indent=2, default=str), encoding="utf-8")
         write_index(out.parent)
-    except (OSError, ValueError) as error:
-        _warn_once(("refresh", str(out)), "mha_compile: could not update the dump %r after a fallback (%s)",
-                   str(out), error)
+    except Exception as error:  # noqa: BLE001 - the user's call, in which this runs, must go on
+        _warn_once(("refresh", str(out)), "mha_compile: could not update the dump %r after a fallback (%s: %s)",
+                   str(out), type(error).__name__, error)
 
 
 def _write_script(out, stem, gm, title, needs_ops):

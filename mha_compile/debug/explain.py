@@ -57,21 +57,24 @@ def explain(model_or_fn, *args, options=None, **kwargs):
 @contextlib.contextmanager
 def _state_kept(model_or_fn, args, kwargs):
     """The forward explain runs leaves what it wrote as it found it: the buffers and parameters of
-    the module (a BatchNorm's running statistics, a counter, a scale moved under no_grad: a copy of
-    each is kept for the call), the tensors given (written in place), and the random-number state
-    (dropout's draws). A Python attribute the forward sets stays set."""
+    the module (a BatchNorm's running statistics, a counter, a scale moved under no_grad), the
+    tensors given (written in place), and the random-number state (dropout's draws). A Python
+    attribute the forward sets stays set. The parameters' copies are kept in host memory, so that
+    a model that fills its GPU can still be explained."""
     module = model_or_fn if isinstance(model_or_fn, torch.nn.Module) else getattr(model_or_fn, "__self__", None)
     tensors = [t for t in _pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    parameters = list(module.parameters()) if isinstance(module, torch.nn.Module) else []
     if isinstance(module, torch.nn.Module):
-        tensors += [*module.buffers(), *module.parameters()]
-    found = [(t, t.detach().clone()) for t in tensors if t.device.type != "meta"]  # meta holds no values
+        tensors += list(module.buffers())
+    found = ([(t, t.detach().clone()) for t in tensors if t.device.type != "meta"]  # meta holds no values
+             + [(p, p.detach().to("cpu", copy=True)) for p in parameters if p.device.type != "meta"])
     try:
-        with torch.random.fork_rng(devices=sorted({t.device.index for t in tensors if t.is_cuda})):
+        with torch.random.fork_rng(devices=sorted({t.device.index for t in tensors + parameters if t.is_cuda})):
             yield
     finally:  # a forward that raised midway may have written too
         with torch.no_grad():
             for tensor, value in found:
-                if not torch.equal(tensor, value):
+                if not torch.equal(tensor.detach().to(value.device), value):
                     tensor.copy_(value)
 
 
@@ -81,17 +84,18 @@ def _sizes_seen_kept():
     it is keyed by the code's file, first line and name (torch._dynamo.pgo), which _own_code's
     copy shares with the model's own, so two explains at two batch sizes made the user's first
     torch.compile of the model dynamic in the batch (found by a read-through). Where a torch
-    build keeps no such record there, nothing."""
+    build keeps no such record there, nothing. (With torch.compiler.config.job_id set, Dynamo also
+    writes the record to its cache after each compile, which this does not undo.)"""
     try:
         from torch._dynamo import pgo
         found = (copy.deepcopy(pgo._CODE_STATE), copy.deepcopy(pgo._INIT_CODE_STATE))
     except (ImportError, AttributeError):
-        yield
-        return
+        pgo = None  # yielded outside the handler: an error of the forward's is not chained to this one
     try:
         yield
     finally:
-        pgo._CODE_STATE, pgo._INIT_CODE_STATE = found
+        if pgo is not None:
+            pgo._CODE_STATE, pgo._INIT_CODE_STATE = found
 
 
 @contextlib.contextmanager

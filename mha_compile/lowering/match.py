@@ -765,15 +765,16 @@ def _autocast_change(was, there):
 
 
 def _check_no_coarser_rounding(nodes, region, ctx, tok, autocast):
-    """A region node whose values are floats coarser than the region's activations (the coarser
-    of ctx's and tok's dtype, or the dtype autocast gives there): a user's `x.bfloat16()` around
-    the experts of a float32 model, a float64 model's `softmax(..., dtype=torch.float32)`. The op
-    computes in the activations' dtype and would not round there: a float32 model whose experts
-    ran in bf16 came out 5e-3 from eager (found by a read-through). A near-miss; the block then
-    runs as written. Rounding back to the activations' dtype (a bf16 model's router softmax in
-    fp32, then .to(bf16)) is the op's own rounding, and autocast's to its dtype the op's too."""
+    """A region node that rounds to floats coarser than the region's activations (the coarser of
+    ctx's and tok's dtype): a user's `x.bfloat16()` around the experts of a float32 model, a float64
+    model's `softmax(..., dtype=torch.float32)`. The op computes in the activations' dtype and
+    would not round there: a float32 model whose experts ran in bf16 came out 5e-3 from eager
+    (found by a read-through). A near-miss; the block then runs as written. Not a rounding: a node
+    whose inputs are as coarse (weights stored in bf16 and read as they are), rounding back to the
+    activations' dtype (a bf16 model's router softmax in fp32, then .to(bf16)), and autocast's own
+    to its dtype (entered with a dtype or without, around the call or inside it)."""
     def eps(node):
-        kind = dtype(node)
+        kind = dtype(node) if isinstance(node, torch.fx.Node) else None
         return torch.finfo(kind).eps if kind is not None and kind.is_floating_point else None
 
     coarser = max((ctx, tok), key=lambda n: eps(n) or 0.0)
@@ -781,12 +782,14 @@ def _check_no_coarser_rounding(nodes, region, ctx, tok, autocast):
         return
     device = coarser.meta["example_value"].device.type
     for n in sorted(region, key=nodes.order.__getitem__):
-        if (eps(n) or 0.0) <= eps(coarser):
+        rounded = eps(n)
+        finer_input = rounded is not None and any((eps(a) or rounded) < rounded for a in n.all_input_nodes)
+        if not finer_input or rounded <= eps(coarser):
             continue
-        # the autocast Dynamo recorded around n, else the caller's (Dynamo compiles in it)
-        cast, enabled, _ = autocast(n).get(device, None) or (
-            torch.get_autocast_dtype(device), torch.is_autocast_enabled(device), None)
-        if not (enabled and dtype(n) == cast):
+        # the autocast Dynamo recorded around n (its dtype None: the device's default), else the
+        # caller's (Dynamo compiles in it)
+        cast, enabled, _ = autocast(n).get(device, None) or (None, torch.is_autocast_enabled(device), None)
+        if not (enabled and dtype(n) == (cast or torch.get_autocast_dtype(device))):
             raise _Miss(n, f"{n.name} rounds to {dtype(n)}, coarser than the region's {dtype(coarser)} activations: "
                            f"the op computes in their dtype and would not round there, so the model would compute "
                            f"otherwise (cast the block's inputs, or use torch.autocast)")

@@ -235,7 +235,7 @@ def test_explain_counts():
     ({"graphs": True}, "graphs=True"),
     ({"keep_hidden": "yes"}, "keep_hidden='yes'"),
     ({"mode": "fast"}, "mode='fast'"),
-    ("fused", "options='fused' must be a dict"),  # read as a sequence of pairs before (a read-through's)
+    ("fused", "options='fused' must be a mapping"),  # read as a sequence of pairs before (a read-through's)
     ({"dump": ""}, "dump='' names no folder"),  # no dumps and nothing said before (a read-through's)
 ])
 def test_bad_options_raise_clear_errors(options, needle):
@@ -245,6 +245,15 @@ def test_bad_options_raise_clear_errors(options, needle):
     torch._dynamo.reset()
     with pytest.raises(Exception, match="mha"):
         torch.compile(_block(torch.float32), backend="mha", options=options)(torch.randn(2, 3, 32), torch.randn(2, 5, 32))
+
+
+def test_options_take_any_mapping():
+    """A mapping that is not a dict (a read-only view, a config object's) reads as the dict would:
+    the check that refuses options="fused" must not refuse it (a read-through's)."""
+    import collections
+    import types
+    for options in (types.MappingProxyType({"verify": True}), collections.UserDict({"verify": True})):
+        assert mha_compile.Options.parse(options).verify is True
 
 
 def _captured(block):
@@ -659,9 +668,10 @@ def test_rest_inductor_runs_eagerly_where_a_trained_parameter_is_written(monkeyp
     nothing is said. The CUDA-graph trees (mode="reduce-overhead" with rest="eager", stood in for on
     the CPU) go through AOTAutograd with its default partitioner: they train it as eager as they
     are, and keep their graphs, with nothing said."""
+    calls = []
     if mode == "reduce-overhead":
         monkeypatch.setattr(backend, "_whole_graph_captured", lambda *args: True)
-        _stub_cuda_graphs(monkeypatch)
+        calls = _stub_cuda_graphs(monkeypatch)
     torch._dynamo.reset()
     eager = BumpsItsScale(_block(torch.float32, seed=7), "add_") if writes else _block(torch.float32, seed=7)
     model = copy.deepcopy(eager)
@@ -675,6 +685,7 @@ def test_rest_inductor_runs_eagerly_where_a_trained_parameter_is_written(monkeyp
     want.square().mean().backward()
     said = [r.getMessage() for r in caplog.records if "this graph runs with rest='eager'" in r.getMessage()]
     assert len(said) == int(writes and rest == "inductor") and all("scale" in m for m in said), said
+    assert [is_backward for is_backward, *_ in calls] == ([False, True] if mode == "reduce-overhead" else [])
     assert_close_rel(got, want, torch.float32, "output")
     assert_close_rel(got_tok.grad, want_tok.grad, torch.float32, "∂tok")
     for (name, param), want_param in zip(model.named_parameters(), eager.parameters()):

@@ -1015,15 +1015,49 @@ class CoarserStep(SpelledBlock):
         return weight / weight.sum(dim=-1, keepdim=True), index
 
 
-def test_a_step_rounded_back_to_the_activations_dtype_keeps_the_match():
-    """The near-misses "rounded to float32 in a float64 model" have a bf16 twin that is the block: a
-    bf16 model's router softmax in fp32, rounded back to bf16, rounds where the op does."""
+class StoredCoarser(SpelledBlock):
+    """A float32 block whose experts' weights are stored in bf16 and read as float32 (exact), or
+    whose block runs under torch.autocast entered inside it without a dtype (the device's default)."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        if how == "weights":
+            for name in ("w1", "b1", "w2", "b2"):
+                setattr(self, name, torch.nn.Parameter(getattr(self, name).detach().bfloat16()))
+
+    def expert(self, e, x):
+        if self.how != "weights":
+            return super().expert(e, x)
+        w1, b1, w2, b2 = (t.float() for t in (self.w1[e], self.b1[e], self.w2[e], self.b2[e]))
+        return F.gelu(x @ w1 + b1) @ w2 + b2
+
+    def forward(self, ctx, tok, pad=None):
+        if self.how != "autocast":
+            return super().forward(ctx, tok, pad)
+        with torch.autocast("cpu"):
+            return super().forward(ctx, tok, pad)
+
+
+@pytest.mark.parametrize("model, dtype", [(lambda: CoarserStep("router"), torch.bfloat16),
+                                          (lambda: StoredCoarser("weights"), torch.float32),
+                                          (lambda: StoredCoarser("autocast"), torch.float32)],
+                         ids=["bf16 router in fp32", "bf16-stored weights", "autocast inside, no dtype"])
+def test_a_step_that_rounds_as_the_op_does_keeps_the_match(model, dtype):
+    """What the near-misses "rounded to float32 in a float64 model" must not catch: a bf16 model's
+    router softmax in fp32, rounded back to bf16 (where the op rounds); weights stored in bf16 and
+    read as they are, as float32 (nothing rounds: they were refused by the first version of the
+    check, found by a read-through); autocast entered inside the model with no dtype (recorded as
+    None: refused likewise)."""
     torch.manual_seed(0)
-    model = CoarserStep("router").to(torch.bfloat16)
+    block = model().to(dtype) if dtype == torch.bfloat16 else model()
+    args = inputs(dtype=dtype)
     with compiled_reports() as reports:
         torch._dynamo.reset()
-        torch.compile(model, backend="mha")(*inputs(dtype=torch.bfloat16))
+        got = torch.compile(copy.deepcopy(block), backend="mha")(*args)
     _assert_one_match(reports)
+    if dtype == torch.float32:
+        assert relative_error(got, block(*args)) <= (2e-2 if block.how == "autocast" else TOLERANCE[dtype])
 
 
 NEAR_MISSES = {
