@@ -136,14 +136,7 @@ def write_dump(folder, report, captured, lowered, doc=None, text=None, replayed=
         if replayed is not None:
             files["replayed"] = _write_script(out, "replayed", replayed, f"graph {report.index} as the CUDA graphs "
                                               "capture it (each pool run before them: mha::pool)", True)
-        files["dot"], files["svg"], files["dot_full"] = _write_picture(out, "graph", captured, report, rewritten=False)
-        files["rewritten_dot"], files["rewritten_svg"], files["rewritten_dot_full"] = _write_picture(
-            out, "rewritten", lowered, report, rewritten=True)
-        (out / "report.txt").write_text(text + "\n", encoding="utf-8")
-        files["text"] = "report.txt"
-        files["json"] = "report.json"
-        (out / "report.json").write_text(json.dumps(doc, indent=2, default=str), encoding="utf-8")
-        write_index(run)
+        _write_report(out, report, captured, lowered, doc, text)
     except OSError as error:
         _warn_once(("write", str(folder)), "mha_compile: graph dump to %r incomplete (%s)", str(out), error)
     log.info("mha_compile: graph %d dumped to %s", report.index, out)
@@ -157,15 +150,24 @@ def refresh_dump(out, report, captured, lowered):
     try:
         doc = report_document(report, captured, lowered)
         old = json.loads((out / "report.json").read_text(encoding="utf-8"))
-        doc["run"], doc["files"] = old.get("run"), old.get("files", doc["files"])
-        (out / "report.txt").write_text(report_text(report, captured) + "\n", encoding="utf-8")
-        _write_picture(out, "graph", captured, report, rewritten=False)
-        _write_picture(out, "rewritten", lowered, report, rewritten=True)
-        (out / "report.json").write_text(json.dumps(doc, indent=2, default=str), encoding="utf-8")
-        write_index(out.parent)
+        doc["run"], doc["files"] = old.get("run"), old.get("files", doc["files"])  # the scripts' names
+        _write_report(out, report, captured, lowered, doc, report_text(report, captured))
     except Exception as error:  # noqa: BLE001 - the user's call, in which this runs, must go on
         _warn_once(("refresh", str(out)), "mha_compile: could not update the dump %r after a fallback (%s: %s)",
                    str(out), type(error).__name__, error)
+
+
+def _write_report(out, report, captured, lowered, doc, text):
+    """Graph folder out's pictures, report.txt and report.json (their names into doc's files),
+    then its run's index.html: at the dump, and again after a fallback (refresh_dump)."""
+    files = doc["files"]
+    files["dot"], files["svg"], files["dot_full"] = _write_picture(out, "graph", captured, report, rewritten=False)
+    files["rewritten_dot"], files["rewritten_svg"], files["rewritten_dot_full"] = _write_picture(
+        out, "rewritten", lowered, report, rewritten=True)
+    (out / "report.txt").write_text(text + "\n", encoding="utf-8")
+    files["text"], files["json"] = "report.txt", "report.json"
+    (out / "report.json").write_text(json.dumps(doc, indent=2, default=str), encoding="utf-8")
+    write_index(out.parent)
 
 
 def _write_script(out, stem, gm, title, needs_ops):
