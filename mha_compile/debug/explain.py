@@ -62,10 +62,9 @@ def _state_kept(model_or_fn, args, kwargs):
     attribute the forward sets stays set. The parameters' copies are kept in host memory, so that
     a model that fills its GPU can still be explained."""
     module = model_or_fn if isinstance(model_or_fn, torch.nn.Module) else getattr(model_or_fn, "__self__", None)
-    tensors = [t for t in _pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    parameters = list(module.parameters()) if isinstance(module, torch.nn.Module) else []
-    if isinstance(module, torch.nn.Module):
-        tensors += list(module.buffers())
+    owned = isinstance(module, torch.nn.Module)
+    parameters, buffers = ([*module.parameters()], [*module.buffers()]) if owned else ([], [])
+    tensors = [t for t in _pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)] + buffers
     found = ([(t, t.detach().clone()) for t in tensors if t.device.type != "meta"]  # meta holds no values
              + [(p, p.detach().to("cpu", copy=True)) for p in parameters if p.device.type != "meta"])
     try:
