@@ -88,9 +88,10 @@ def _eager_where_inductor_miscomputes(gm, example_inputs, opts):
     if not written:
         return opts
     names = [node.name for node in gm.graph.find_nodes(op="placeholder")]
-    log.warning("mha_compile: the graph writes parameter(s) %s in place and takes their gradients: AOTAutograd, "
-                "which rest='inductor' compiles through, gives such a graph wrong gradients (its backward rereads "
-                "a parameter after the forward wrote it), so this graph runs with rest='eager'",
+    log.warning("mha_compile: the graph writes parameter(s) %s in place and takes their gradients: AOTAutograd's "
+                "min-cut partitioner, which rest='inductor' compiles through, gives such a graph wrong gradients (its "
+                "backward recomputes the write from the parameter already written), so this graph runs with "
+                "rest='eager'",
                 [names[i] for i in written])
     return dataclasses.replace(opts, rest="eager")
 
