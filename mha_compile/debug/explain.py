@@ -1,5 +1,6 @@
 """`mha_compile.explain(model_or_fn, *args, **kwargs)`: what the backend would do, without training
 (one forward, no backward, in the caller's grad mode)."""
+import collections
 import contextlib
 import copy
 import types
@@ -44,14 +45,32 @@ def explain(model_or_fn, *args, options=None, **kwargs):
 
     backend.observers.append(observe)
     try:
-        with _own_code(model_or_fn) as target, _state_kept(model_or_fn, args, kwargs), _sizes_seen_kept():
+        with (_own_code(model_or_fn) as target, _state_kept(model_or_fn, args, kwargs), _sizes_seen_kept(),
+              _graph_breaks() as breaks):
             torch.compile(target, backend=mha)(*args, **kwargs)
     finally:
         backend.observers.remove(observe)
     if not reports:
-        return ExplainReport(reports, note=NO_GRAPH)
+        return ExplainReport(reports, note=NO_GRAPH, graph_breaks=breaks)
     nothing = not any(r.matches or r.near_misses for r in reports)
-    return ExplainReport(reports, note=NO_BLOCK if nothing else "")
+    return ExplainReport(reports, note=NO_BLOCK if nothing else "", graph_breaks=breaks)
+
+
+@contextlib.contextmanager
+def _graph_breaks():
+    """The graph breaks Dynamo took while explain compiled, as a list it fills on leaving: each
+    reason's first lines (what was called, Dynamo's explanation and hint), with how often. A region split
+    by a break cannot be replaced, and the near-miss in the later graph sees only its own half.
+    Read from Dynamo's counters (torch._dynamo.utils.counters["graph_break"]), before and after."""
+    from torch._dynamo.utils import counters  # torch imports Dynamo lazily
+    counts = counters["graph_break"]
+    before, breaks = collections.Counter(counts), []
+    try:
+        yield breaks
+    finally:
+        for reason, count in (collections.Counter(counts) - before).items():
+            lines = [line.strip() for line in str(reason).splitlines() if line.strip()]
+            breaks.append(f"{' '.join(lines[:3])} ({count}x)")
 
 
 @contextlib.contextmanager

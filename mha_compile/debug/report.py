@@ -52,6 +52,7 @@ class ExplainReport:
     there was none (explain.NO_GRAPH)."""
     graphs: list
     note: str = ""
+    graph_breaks: list = dataclasses.field(default_factory=list)  # Dynamo's, while explain compiled
 
     @property
     def matches(self):
@@ -62,9 +63,11 @@ class ExplainReport:
         return [m for g in self.graphs for m in g.near_misses]
 
     def to_json(self):
-        return {"graphs": [g.to_json() for g in self.graphs], "note": self.note}
+        return {"graphs": [g.to_json() for g in self.graphs], "note": self.note, "graph_breaks": self.graph_breaks}
 
     def __str__(self):
         head = (f"mha_compile: {len(self.graphs)} graph(s), {len(self.matches)} match(es), "
                 f"{len(self.near_misses)} near-miss(es)")
-        return "\n".join([head] + [str(g) for g in self.graphs] + ([self.note] if self.note else []))
+        breaks = [f"Dynamo broke the graph ({len(self.graph_breaks)} reason(s)):"] if self.graph_breaks else []
+        breaks += [f"  {reason}" for reason in self.graph_breaks]
+        return "\n".join([head] + [str(g) for g in self.graphs] + breaks + ([self.note] if self.note else []))

@@ -484,6 +484,10 @@ def _read_pool(nodes, inv):
             if hasattr(src, "op") and shape(src) is not None and len(shape(src)) == 3 and src not in candidates:
                 candidates.append(src)
     reason = (inv, f"{inv.name}: no [B,N,D] token tensor feeds a projection of the pool")
+    if _strip(inv).op == "placeholder" and not candidates:
+        reason = (inv, f"{inv.name}: the pooled vector added over horizons is an input of this graph, so its pool "
+                       f"ran elsewhere: in an earlier graph, where a graph break between the pool and the MoE "
+                       f"ends it (explain lists Dynamo's graph breaks), or outside the compiled function")
     for tok in candidates:
         # A one-head pool (P = 1) views [B,N,D] as [B,N,1,D], which reads the same as an
         # unsqueeze: try the usual reading first, then the one-head one.

@@ -173,3 +173,27 @@ def test_explain_puts_the_buffers_back_when_the_forward_raises():
         mha_compile.explain(model, *_inputs(4, 5))
     for name, value in model.named_buffers():
         assert torch.equal(value, buffers[name]), name
+
+
+class _BrokenBetween(MHABlock):
+    """The block with a graph break between the pool and the MoE: two graphs, neither the whole region."""
+
+    def forward(self, ctx, tok):
+        inv = self.pool(tok)
+        torch._dynamo.graph_break()
+        return self.moe(ctx + inv.unsqueeze(1))
+
+
+def test_a_graph_break_between_the_pool_and_the_moe_is_named():
+    """Before, the MoE's graph read "no [B,N,D] token tensor feeds a projection of the pool", and
+    the report did not say that Dynamo had broken the graph, nor where."""
+    torch.manual_seed(3)
+    block = _BrokenBetween(12, 3, 8, 3, 2)
+    for _ in range(2):  # the counters Dynamo keeps for the process: each report has its own breaks only
+        report = mha_compile.explain(block, *_inputs(4, 5))
+        assert len(report.graphs) == 2 and not report.matches and len(report.near_misses) == 1, str(report)
+        assert "is an input of this graph, so its pool ran elsewhere" in report.near_misses[0]["reason"]
+        assert len(report.graph_breaks) == 1 and "graph_break()" in report.graph_breaks[0], report.graph_breaks
+        assert "Dynamo broke the graph" in str(report) and report.to_json()["graph_breaks"] == report.graph_breaks
+    whole = mha_compile.explain(MHABlock(12, 3, 8, 3, 2), *_inputs(4, 5))
+    assert len(whole.matches) == 1 and whole.graph_breaks == [] and "Dynamo broke" not in str(whole)
