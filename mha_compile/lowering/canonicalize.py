@@ -57,6 +57,14 @@ for kind, targets in {
     "zeros_like": _fn("torch.zeros_like"),
     "gelu": [F.gelu, *_fn("torch._C._nn.gelu")],
     "silu": [F.silu, *_fn("torch._C._nn.silu")],
+    "sigmoid": [F.sigmoid, *_fn("torch.sigmoid", "torch.special.expit")],
+    "erf": _fn("torch.erf", "torch.special.erf"),
+    "tanh": [F.tanh, *_fn("torch.tanh")],
+    "exp": _fn("torch.exp"),
+    "neg": [operator.neg, *_fn("torch.neg", "torch.negative")],
+    "pow": [operator.pow, *_fn("torch.pow")],
+    "clamp": _fn("torch.clamp", "torch.clip", "torch.clamp_min"),
+    "normalize": [F.normalize],
     "reshape": _fn("torch.reshape", "torch.flatten", "torch.unsqueeze", "torch.squeeze"),
     "permute": _fn("torch.permute", "torch.transpose", "torch.t"),
     "masked_fill": _fn("torch.masked_fill"),
@@ -110,6 +118,8 @@ _METHODS = {
     "argsort": "argsort", "sort": "sort", "floor_divide": "floordiv", "__floordiv__": "floordiv",
     "index_select": "index_select", "histc": "histc", "scatter_add": "scatter_add", "scatter_add_": "scatter_add",
     "cumsum": "cumsum", "bincount": "bincount", "gather": "gather", "scatter_": "scatter",
+    "sigmoid": "sigmoid", "clamp": "clamp", "clip": "clamp", "clamp_min": "clamp",
+    "erf": "erf", "tanh": "tanh", "exp": "exp", "neg": "neg", "__neg__": "neg", "pow": "pow", "__pow__": "pow",
 }
 _CASTS_BY_FUNCTION = {torch.clone: "cast"}
 
@@ -144,11 +154,13 @@ _SIGNATURES = {
     "scatter_add": ("input", "dim", "index", "src"),
     "cumsum": ("input", "dim", "dtype"),
     "bincount": ("input", "weights", "minlength"),
+    "clamp": ("input", "min", "max"),
+    "normalize": ("input", "p", "dim", "eps"),
 }
 _DEFAULTS = {"chunk": {"dim": 0}, "split": {"dim": 0}, "unbind": {"dim": 0}, "stack": {"dim": 0},
              "one_hot": {"num_classes": -1},
              "sdpa": {"dropout_p": 0.0, "is_causal": False},
-             "histc": {"bins": 100, "min": 0, "max": 0}}
+             "histc": {"bins": 100, "min": 0, "max": 0}, "normalize": {"p": 2.0, "dim": 1, "eps": 1e-12}}
 
 
 def canon(node):

@@ -527,6 +527,9 @@ def _read_moe(nodes, anchor, y, router):
         node, reason = _moe_failure(walk, nodes, anchor)
         raise _Miss(node, reason)
     finals = [n for n in outs if any(u not in outs for u in n.users)]
+    again = [u for u in finals[-1].users if getattr(walk.vals.get(u), "kind", None) == "added_again"]
+    if again:  # an expert summed once more: the output would be replaced, and the extra term read x outside
+        raise _Miss(again[0], walk.vals[again[0]].info["reason"])
     return finals[-1], walk
 
 

@@ -9,7 +9,8 @@ Gates, four ways:
   topw (rows,s)       gathered weights: W1[topi] etc., the gate multiplies each slot; the
                       (row, slot) pairs may also be flattened (W1[topi.reshape(-1)] with
                       x expanded over the slots and torch.bmm): the merged role "b*h*s".
-Experts: u = x W1 + b1 (rows,f) -> h = act(u) (swiglu: silu(u) ⊙ x W3) -> f = h W2 + b2 (rows,d),
+Experts: u = x W1 + b1 (rows,f) -> h = act(u) (swiglu: silu(u) ⊙ x W3; an act written out in
+elementwise ops, by its values: _written_out) -> f = h W2 + b2 (rows,d),
 for one expert (a slice W1[e] of stacked parameters, or an nn.Linear of its own: `expert` None),
 for all at once (dense: an extra "e" axis) or per slot (gathered: an extra "s" axis).
 Combine: gate_e · f_e summed (or index_add_-ed) over every expert exactly once, Σ_e gate · f,
@@ -20,7 +21,9 @@ torch.stack of the separate tensors in the graph (see StackRef in interpret.py).
 import dataclasses
 import operator
 
-from mha_compile.lowering.canonicalize import Op, shape, sum_of_product
+import torch
+
+from mha_compile.lowering.canonicalize import Op, dtype, shape, sum_of_product
 from mha_compile.lowering.interpret import (ONE, ParamRef, Reject, StackRef, Val, broadcast, canonical_perm,
                                             einsum_roles, ext_ref, is_one, known_eq, layout_rule, move_roles,
                                             select_rule)
@@ -54,6 +57,10 @@ def moe_rule(walk, node, op):
     if op.kind == "stack":
         return _stack(walk, node, [walk.val(t) for t in op.args[0]], op.args[1])
     args = [walk.val(a) for a in op.args]
+    if op.kind in _ELEMENTWISE:
+        written = _written_out(node, op, args)
+        if written is not None:
+            return written
     if op.kind == "linear":
         x, w, b = args
         if ext_ref(w) is None or (b is not None and b.kind not in ("ext", "const")):
@@ -77,6 +84,10 @@ def moe_rule(walk, node, op):
         return _gather(walk, op, *args)
     if op.kind == "div":
         return _renorm(*args)
+    if op.kind == "clamp":
+        return _sum_clamped(walk, node, args[0], *op.args[1:])
+    if op.kind == "normalize":
+        return _normalize(walk, node, args[0], *op.args[1:])
     if op.kind == "eq":
         topi, e = args
         if topi is not None and topi.kind == "topi" and e is not None and e.kind == "const" and \
@@ -425,18 +436,60 @@ def _sum(walk, node, src, dim, keepdim):
 
 def _sum_plus_eps(walk, node, total, eps):
     """Σw + eps as a renormaliser (w / (Σw + 1e-20), DeepSeek's spelling). Σw of the top k of a
-    softmax over E experts is at least k/E, so an eps under (k/E)·2⁻⁵⁵ is below half an ulp of
-    Σw even in float64: Σw + eps rounds to Σw exactly, and the renormalisation is the region's.
-    A larger eps changes the weights: not the block."""
-    c, E = eps.info["value"], walk.axes.sizes.get("e")
-    if not isinstance(c, (int, float)) or not isinstance(E, int):
+    softmax over E experts is at least k/E (_least_sum), so an eps under (k/E)·ε/8, ε the machine
+    epsilon of the dtype the sum is taken in (2⁻⁵⁵·k/E in float64, 2⁻²⁶·k/E in float32), is below
+    half an ulp of Σw: Σw + eps rounds to Σw exactly, and the renormalisation is the region's. A
+    larger eps changes the weights: not the block."""
+    c, least = eps.info["value"], _least_sum(walk, total)
+    if not isinstance(c, (int, float)) or least is None:
         return None
-    if 0 <= c <= total.info["k"] / E * 2.0 ** -55:
+    kind = dtype(node) if dtype(node) is not None and dtype(node).is_floating_point else torch.float64
+    bound = least * torch.finfo(kind).eps / 8
+    if 0 <= c <= bound:
         return total
     raise Reject(f"{node.name}: the top-k weights are renormalised by Σw + {c:g}; the region divides by Σw "
-                 f"exactly, and an eps this large changes the weights (by up to {c * E / total.info['k']:.1e} "
-                 f"relative). Drop the eps (Σw ≥ k/E = {total.info['k'] / E:g} cannot be 0), or keep eps ≤ "
-                 f"{total.info['k'] / E * 2.0 ** -55:.1e}, which rounds away")
+                 f"exactly, and an eps this large changes the weights (by up to {c / least:.1e} relative). Drop "
+                 f"the eps (Σw ≥ k/E = {least:g} cannot be 0), or keep eps ≤ {bound:.1e}, which rounds away in "
+                 f"{str(kind).removeprefix('torch.')}")
+
+
+def _least_sum(walk, total):
+    """k/E, the least Σw of the top k of a softmax over E experts (each of the k is at least the
+    mean 1/E), or None where E is not known."""
+    E = walk.axes.sizes.get("e")
+    return total.info["k"] / E if isinstance(E, int) else None
+
+
+def _sum_clamped(walk, node, total, low, high):
+    """Σw.clamp(min=eps) as a renormaliser: with eps at most half of k/E the clamp never acts, Σw
+    being at least k/E (less its rounding), and the renormalisation is the region's."""
+    if total is None or total.kind != "sumw" or high is not None or not isinstance(low, (int, float)):
+        return None
+    least = _least_sum(walk, total)
+    if least is None:
+        return None
+    if 0 <= low <= least / 2:
+        return total
+    raise Reject(f"{node.name}: the top-k weights are renormalised by Σw clamped at {low:g}; Σw ≥ k/E = {least:g}, "
+                 f"so a clamp above {least / 2:g} can act and change the weights, which the region divides by Σw")
+
+
+def _normalize(walk, node, topw, p, dim, eps):
+    """F.normalize(w, p=1, dim=slots): w / max(Σ|w|, eps), the top-k weights being non-negative
+    probabilities: w / Σw where eps is at most half of k/E (as _sum_clamped)."""
+    if topw is None or topw.kind != "topw" or topw.info["renorm"] or not isinstance(dim, int) or \
+            topw.roles[dim] != "s" or not isinstance(eps, (int, float)):
+        return None
+    least = _least_sum(walk, topw)
+    if least is None:
+        return None
+    if p != 1:
+        raise Reject(f"{node.name}: the top-k weights are normalised by their L{p:g} norm (F.normalize, p={p:g}); "
+                     f"the block renormalises them by their sum, p=1")
+    if not 0 <= eps <= least / 2:
+        raise Reject(f"{node.name}: the top-k weights are normalised with eps={eps:g}; Σw ≥ k/E = {least:g}, so an "
+                     f"eps above {least / 2:g} can act and change the weights, which the region divides by Σw")
+    return Val("topw", topw.roles, dict(topw.info, renorm=True))
 
 
 def _one_slot(walk):
@@ -525,6 +578,48 @@ def _mul(walk, node, a, b):
     return None
 
 
+_ELEMENTWISE = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div, "pow": torch.pow,
+                "erf": torch.erf, "tanh": torch.tanh, "sigmoid": torch.sigmoid, "exp": torch.exp, "neg": torch.neg}
+_ACTS = {"gelu": torch.nn.functional.gelu, "silu": torch.nn.functional.silu,
+         "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh")}
+# Where a written-out activation is compared with the known ones, in float64: where they differ
+# from each other and from their asymptotes, and 0, where a division by u would give a NaN
+_PROBE = torch.linspace(-6.0, 6.0, 121, dtype=torch.float64)
+
+
+def _written_out(node, op, args):
+    """An activation written out in elementwise ops of one u = x W1 + b1 and numbers (silu as
+    u · sigmoid(u), gelu as 0.5 · u · (1 + erf(u / √2)), the tanh gelu with its cube): the ops'
+    values on _PROBE ride along ("ufn", info "of" the u node), and where they equal a known
+    activation's to 1e-12 it is that activation's h. Anything else stays a "ufn", which no rule
+    reads: the experts then do not match."""
+    unary = op.kind in ("erf", "tanh", "sigmoid", "exp", "neg")
+    if len(args) != (1 if unary else 2):
+        return None
+    sources, values = set(), []
+    for arg, val in zip(node.args, args):
+        if val is not None and val.kind == "const" and type(val.info["value"]) in (int, float):
+            values.append(val.info["value"])
+        elif val is not None and val.kind == "u":
+            sources.add(arg)
+            values.append(_PROBE)
+        elif val is not None and val.kind == "ufn":
+            sources.add(val.info["of"])
+            values.append(val.info["values"])
+        else:
+            return None
+    if len(sources) != 1:
+        return None
+    u = next(v for v in args if v.kind in ("u", "ufn"))
+    info = {k: v for k, v in u.info.items() if k not in ("of", "values")}
+    got = _ELEMENTWISE[op.kind](*[torch.as_tensor(v, dtype=torch.float64) for v in values])
+    for act, fn in _ACTS.items():
+        want = fn(_PROBE)
+        if got.shape == want.shape and bool(((got - want).abs() <= 1e-12 * (1 + want.abs())).all()):
+            return Val("h", u.roles, dict(info, act=act, w3=None))
+    return Val("ufn", u.roles, dict(info, of=next(iter(sources)), values=got))
+
+
 def _gate_key(info):
     return (info["topk"], info["renorm"], info["k"], info["wg"])
 
@@ -546,6 +641,7 @@ def _add(walk, node, a, b):
         return None
     if "sumw" in (a.kind, b.kind) and "const" in (a.kind, b.kind):
         return _sum_plus_eps(walk, node, a if a.kind == "sumw" else b, b if b.kind == "const" else a)
+    a, b = (Val("zero") if _is_zero(v) else v for v in (a, b))  # Python's sum() over the experts starts at 0
     if b.kind in ("u", "f") or a.kind in ("zero",):
         a, b = b, a
     if a.kind in ("u", "f") and b.kind == "wsel" and a.info["expert"] == "gathered":  # + b[topi]
@@ -569,16 +665,31 @@ def _add(walk, node, a, b):
         elif a.info["expert"] != "all" or not _bias_shape_ok(walk, a, ref):
             return None
         return Val(a.kind, a.roles, dict(a.info, **{key: ref}))
+    if {a.kind, b.kind} == {"moe_out", "contrib"}:
+        done, more = (a, b) if a.kind == "moe_out" else (b, a)
+        if done.info["gate"]["topk"] is more.info["gate"][0]:  # read by match._read_moe, after the output
+            return Val("added_again", done.roles, {"reason": (
+                f"{node.name}: expert(s) {sorted(more.info['covered'])} added again after every expert's output "
+                f"was summed; every expert must be added exactly once")})
     if a.kind == "contrib" and b.kind in ("zero", "contrib"):
         if b.kind == "zero":
             return _complete(walk, a)
-        return _join(walk, a, b)
+        return _join(walk, node, a, b)
     return None
 
 
-def _join(walk, a, b):
-    if a.info["gate"] != b.info["gate"] or a.info["covered"] & b.info["covered"] or a.roles != b.roles:
+def _is_zero(val):
+    value = val.info.get("value") if val.kind == "const" else None
+    return type(value) in (int, float) and value == 0
+
+
+def _join(walk, node, a, b):
+    if a.info["gate"] != b.info["gate"] or a.roles != b.roles:
         return None
+    twice = a.info["covered"] & b.info["covered"]
+    if twice:
+        raise Reject(f"{node.name}: expert(s) {sorted(twice)} added twice to the expert outputs summed; every "
+                     f"expert must be added exactly once")
     info = dict(a.info, covered=a.info["covered"] | b.info["covered"],
                 experts={**a.info["experts"], **b.info["experts"]})
     return _complete(walk, Val("contrib", a.roles, info))
@@ -596,7 +707,7 @@ def _index_add(walk, node, op, out, dim, index, src):
     roles = (index.info["axis"],) + src.roles[1:]
     val = Val("contrib", roles, dict(src.info))
     if out.kind == "contrib":
-        val = _join(walk, out, val)
+        val = _join(walk, node, out, val)
     else:
         val = _complete(walk, val)
     if val is not None and op.kwargs.get("_inplace"):

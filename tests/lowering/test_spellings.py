@@ -894,6 +894,100 @@ def test_renorm_with_an_eps_that_rounds_away():
     assert match["config"]["renorm"] is True
 
 
+@pytest.mark.parametrize("dtype, eps, matched", [(torch.float32, 1e-9, True), (torch.float64, 1e-9, False)],
+                         ids=["float32 1e-9", "float64 1e-9"])
+def test_an_eps_rounds_away_by_the_sums_own_dtype(dtype, eps, matched):
+    """The bound is the machine epsilon of the dtype Σw is taken in: Σw ≥ k/E = 0.5 here, so + 1e-9
+    rounds away in float32 (its half ulp there is ≥ 1.5e-8) and is refused in float64. Before, it
+    was refused in every dtype, by float64's bound."""
+    torch.manual_seed(0)
+    args = inputs(dtype=dtype, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        weight = torch.softmax(EpsRenorm().to(dtype).router(args[0]), -1).topk(2, dim=-1).values.sum(-1)
+    assert torch.equal(weight + eps, weight) == matched  # what the bound stands for, on these inputs
+    if matched:
+        _assert_one_match(compile_and_compare(EpsRenorm(eps).to(dtype), args, dtype))
+        return
+    with compiled_reports() as reports:
+        torch._dynamo.reset()
+        torch.compile(EpsRenorm(eps).to(dtype), backend="mha")(*args)
+    assert not any(r.matches for r in reports)
+    assert any("renormalised by Σw + 1e-09" in m["reason"] for r in reports for m in r.near_misses)
+
+
+class PythonSum(SpelledBlock):
+    """The loop's contributions summed by Python's sum(), which starts at 0, in the order given."""
+
+    def __init__(self, order=(0, 1, 2, 3)):
+        super().__init__()
+        self.order = order
+
+    def moe_forward(self, y):
+        x = y.reshape(-1, y.shape[-1])
+        weight, index = self.route(x)
+        out = sum((weight * (index == e)).sum(dim=-1, keepdim=True) * self.expert(e, x) for e in self.order)
+        return out.reshape(y.shape)
+
+
+def test_python_sum_over_the_experts_matches():
+    """Before, the 0 that sum() starts at was no zero to the matcher: "cover experts [3] of 4"."""
+    torch.manual_seed(0)
+    args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    _assert_one_match(compile_and_compare(PythonSum().double(), args, torch.float64))
+
+
+WRITTEN_ACTS = {  # activations written out in elementwise ops, as model code has them
+    "sigmoid": lambda u: u * torch.sigmoid(u),
+    "exp": lambda u: u / (1 + torch.exp(-u)),
+    "erf": lambda u: u * 0.5 * (1.0 + torch.erf(u / math.sqrt(2.0))),  # Hugging Face's GELU (original)
+    "tanh": lambda u: 0.5 * u * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (u + 0.044715 * torch.pow(u, 3.0)))),
+    "tanh_cube": lambda u: 0.5 * u * (1 + (math.sqrt(2 / math.pi) * (u + 0.044715 * u * u * u)).tanh()),
+    # Not the block's activations, and refused: a tanh gelu whose constant is cut to 8 digits (1e-9
+    # off), the "quick" gelu u · sigmoid(1.702 u), and silu of u + 1
+    "tanh_cut": lambda u: 0.5 * u * (1.0 + torch.tanh(0.79788456 * (u + 0.044715 * u ** 3))),
+    "quick": lambda u: u * torch.sigmoid(1.702 * u),
+    "shifted": lambda u: (u + 1) * torch.sigmoid(u + 1),
+}
+
+
+class WrittenOut(SpelledBlock):
+    """Common spellings of the activation and the renormalisation written with other ops: silu as
+    u · sigmoid(u) (also inside SwiGLU), Σw.clamp(min=eps), F.normalize(w, p=1)."""
+
+    def __init__(self, how, act="silu", eps=1e-9, p=1):
+        super().__init__(act=act)
+        self.how, self.eps, self.p = how, eps, p
+
+    def _act(self, u, gate_u=None):
+        if self.how in WRITTEN_ACTS:
+            h = WRITTEN_ACTS[self.how](u)
+            return h if gate_u is None else h * gate_u
+        if self.how == "sigmoid_of_other":  # u · sigmoid(x W3): a gated unit, not silu(u) · x W3
+            return torch.sigmoid(gate_u) * u
+        return super()._act(u, gate_u)
+
+    def route(self, x):
+        weight, index = torch.softmax(self.router(x), dim=-1).topk(self.k, dim=-1)
+        if self.how == "clamp":
+            return weight / weight.sum(dim=-1, keepdim=True).clamp(min=self.eps), index
+        if self.how == "normalize":
+            return F.normalize(weight, p=self.p, dim=-1, eps=self.eps), index
+        return weight / weight.sum(dim=-1, keepdim=True), index
+
+
+@pytest.mark.parametrize("how, act, read", [("sigmoid", "silu", "silu"), ("sigmoid", "swiglu", "swiglu"),
+                                            ("exp", "silu", "silu"), ("exp", "swiglu", "swiglu"),
+                                            ("erf", "gelu", "gelu"), ("tanh", "gelu", "gelu_tanh"),
+                                            ("tanh_cube", "gelu", "gelu_tanh"),
+                                            ("clamp", "silu", "silu"), ("normalize", "silu", "silu")])
+def test_written_out_spellings_match(how, act, read):
+    """The activation is read by its values (on float64 points, to 1e-12), not by its ops."""
+    torch.manual_seed(0)
+    args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    match = _assert_one_match(compile_and_compare(WrittenOut(how, act).double(), args, torch.float64))
+    assert match["config"]["act"] == read and match["config"]["renorm"] is True
+
+
 class SmallestExperts(SpelledBlock):
     def route(self, x):
         weight, index = torch.softmax(self.router(x), dim=-1).topk(self.k, dim=-1, largest=False)
@@ -1056,6 +1150,16 @@ NEAR_MISSES = {
     "an expert missing from the loop": (MissingExpert, {}, "cover experts [0, 1, 2] of 4"),
     "largest=False": (SmallestExperts, {}, "largest=False"),
     "renorm by Σw + 1e-6": (EpsRenorm, {"eps": 1e-6}, "renormalised by Σw + 1e-06"),
+    "renorm by Σw clamped at 0.9": (WrittenOut, {"how": "clamp", "eps": 0.9}, "clamped at 0.9"),
+    "F.normalize with p=2": (WrittenOut, {"how": "normalize", "p": 2}, "L2 norm"),
+    "F.normalize with eps=0.3": (WrittenOut, {"how": "normalize", "eps": 0.3}, "eps=0.3"),
+    "u · sigmoid(x W3), not silu": (WrittenOut, {"how": "sigmoid_of_other", "act": "swiglu"}, "could not be read"),
+    "an expert added again after all were summed": (PythonSum, {"order": (0, 1, 2, 3, 0)}, "added again"),
+    "an expert added twice mid-sum": (PythonSum, {"order": (0, 1, 1, 2, 3)}, "expert(s) [1] added twice"),
+    "tanh gelu with its constant cut to 8 digits": (WrittenOut, {"how": "tanh_cut", "act": "gelu"},
+                                                    "could not be read"),
+    "quick gelu u · sigmoid(1.702 u)": (WrittenOut, {"how": "quick", "act": "gelu"}, "could not be read"),
+    "silu of u + 1": (WrittenOut, {"how": "shifted", "act": "silu"}, "could not be read"),
     "bmm rows paired with other rows' experts": (MisalignedBmm, {}, "could not be read"),
     "per-batch query through a (B·P) bmm": (PerBatchQueryBmm, {}, "bmm"),
     "dense experts stored [F,D,E] with E = F": (DenseExpertsStoredFDE, {}, "could not be read"),
