@@ -198,7 +198,29 @@ def find_regions(gm):
             misses.append(NearMiss(anchor.name, getattr(miss.node, "name", str(miss.node)), miss.reason))
     if not anchors:
         misses.extend(_split_experts(nodes))
-    return matches, misses
+    return matches, misses + _routed_otherwise(nodes)
+
+
+def _routed_otherwise(nodes):
+    """Experts chosen from a router's softmax by max, argmax, sort or argsort where no top-k reads
+    that softmax: the matcher starts from top-k only, so without this such a model got no report."""
+    misses = []
+    for n in nodes:
+        name = _name(n)
+        if n.op not in ("call_function", "call_method") or name not in ("max", "argmax", "sort", "argsort") or \
+                not n.args or not isinstance(n.args[0], torch.fx.Node) or (name == "max" and len(n.args) < 2
+                                                                            and "dim" not in n.kwargs):
+            continue
+        probs = _strip(n.args[0])
+        op = canon(probs)
+        if op is None or op.kind != "softmax" or any(_name(u) == "topk" for u in probs.users):
+            continue
+        router = canon(_strip(op.args[0]))
+        if router is not None and router.kind in ("linear", "matmul"):
+            misses.append(NearMiss(n.name, n.name, (
+                f"{n.name}: the experts are chosen by {name} of the router's softmax {probs.name}; the matcher reads "
+                f"the choice from a top-k only: write {probs.name}.topk(k, dim=-1) (k = 1 in place of max or argmax)")))
+    return misses
 
 
 def _apart(match, earlier):

@@ -915,6 +915,42 @@ def test_an_eps_rounds_away_by_the_sums_own_dtype(dtype, eps, matched):
     assert any("renormalised by Σw + 1e-09" in m["reason"] for r in reports for m in r.near_misses)
 
 
+class RoutedOtherwise(SpelledBlock):
+    """The experts chosen by max (k = 1), argmax or a descending sort of the router's softmax; with
+    how="topk_and_max", by topk, the softmax's max read beside it (a confidence logged, say)."""
+
+    def __init__(self, how):
+        super().__init__(k=1 if how in ("max", "argmax") else 2)
+        self.how = how
+
+    def route(self, x):
+        probs = torch.softmax(self.router(x), dim=-1)
+        if self.how == "max":
+            weight, index = probs.max(dim=-1)
+            return weight[:, None], index[:, None]
+        if self.how == "argmax":
+            index = probs.argmax(-1, keepdim=True)
+            return probs.gather(-1, index), index
+        if self.how == "sort":
+            weight, index = probs.sort(dim=-1, descending=True)
+            return weight[:, :self.k], index[:, :self.k]
+        self.confidence = probs.max(dim=-1).values.mean()
+        weight, index = probs.topk(self.k, dim=-1)
+        return weight / weight.sum(dim=-1, keepdim=True), index
+
+    def forward(self, ctx, tok, pad=None):
+        out = super().forward(ctx, tok, pad)
+        return (out, self.confidence) if self.how == "topk_and_max" else out
+
+
+def test_a_max_read_beside_the_top_k_is_no_near_miss():
+    torch.manual_seed(0)
+    with compiled_reports() as reports:
+        torch._dynamo.reset()
+        torch.compile(RoutedOtherwise("topk_and_max").double(), backend="mha")(*inputs(dtype=torch.float64))
+    _assert_one_match(reports)
+
+
 class PythonSum(SpelledBlock):
     """The loop's contributions summed by Python's sum(), which starts at 0, in the order given."""
 
@@ -1154,6 +1190,9 @@ NEAR_MISSES = {
     "F.normalize with p=2": (WrittenOut, {"how": "normalize", "p": 2}, "L2 norm"),
     "F.normalize with eps=0.3": (WrittenOut, {"how": "normalize", "eps": 0.3}, "eps=0.3"),
     "u · sigmoid(x W3), not silu": (WrittenOut, {"how": "sigmoid_of_other", "act": "swiglu"}, "could not be read"),
+    "top-1 by max": (RoutedOtherwise, {"how": "max"}, "chosen by max of the router's softmax"),
+    "top-1 by argmax": (RoutedOtherwise, {"how": "argmax"}, "chosen by argmax of the router's softmax"),
+    "top-k by a descending sort": (RoutedOtherwise, {"how": "sort"}, "chosen by sort of the router's softmax"),
     "an expert added again after all were summed": (PythonSum, {"order": (0, 1, 2, 3, 0)}, "added again"),
     "an expert added twice mid-sum": (PythonSum, {"order": (0, 1, 1, 2, 3)}, "expert(s) [1] added twice"),
     "tanh gelu with its constant cut to 8 digits": (WrittenOut, {"how": "tanh_cut", "act": "gelu"},
