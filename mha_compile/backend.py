@@ -16,7 +16,7 @@ import torch
 from mha_compile import ops, step_graphs, verify, whole_graph
 from mha_compile.debug.dump import publish, refresh_dump
 from mha_compile.debug.report import GraphReport
-from mha_compile.lowering.match import find_regions
+from mha_compile.lowering.match import drop_dead_math, find_regions
 from mha_compile.lowering.rewrite import rewrite
 from mha_compile.lowering.select import (CAPTURED_WHOLE, choose_kernels, describe_graphs, describe_keep_hidden,
                                          describe_slot_runs, size_text)
@@ -127,6 +127,7 @@ def lower(gm, opts, report, whole_graph_captured=False):
     new, copies, found = whole_graph.copy_graph(gm)[0], {}, {}
     for path, _ in _graph_modules(gm):
         sub = _copy_attribute(new, path, copies)
+        drop_dead_math(sub.graph)
         found[path] = (sub, find_regions(sub))
     for path, (_, (_, misses)) in found.items():
         report.near_misses += [dict(m.summary(), graph=path or "<top>") for m in misses]

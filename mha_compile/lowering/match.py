@@ -371,6 +371,25 @@ _INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itru
                       operator.ilshift, operator.irshift, operator.setitem}
 
 
+def drop_dead_math(graph):
+    """Erase the calls whose results nothing reads and that only compute (a kind canon knows, not
+    written in place): a statistic computed and left unused read as a use outside the region
+    ("w is used outside the region (by s)") and kept the block from matching. Dynamo leaves such
+    nodes in its graphs. Anything else unused stays (a write in place, a random draw, a call the
+    matcher does not know, attention that may draw dropout, a nonzero that defines a size): the
+    calls that compute only are the kinds canon reads and the names in _COMPUTES_ONLY. Run on the
+    copy the rewrite works on: the captured graph is not changed."""
+    erased = 0
+    for node in reversed(list(graph.nodes)):
+        if node.users or node.op not in ("call_function", "call_method") or _is_inplace(node):
+            continue
+        op = canon(node)
+        if (op.kind not in ("sdpa", "mha", "nonzero") if op is not None else _name(node) in _COMPUTES_ONLY):
+            graph.erase_node(node)
+            erased += 1
+    return erased
+
+
 def _is_inplace(node):
     """Whether node writes into a tensor it is given (_written names which): a method or function
     whose name ends in "_" (add_, scatter_, torch.nn.init.normal_, aten's mul_.Scalar), x += y,
@@ -879,6 +898,9 @@ _FRESH = frozenset({
     "logical_or", "sign", "reciprocal", "erf", "prod", "var", "std", "truediv", "sub", "mul", "add", "eq",
     "scaled_dot_product_attention", "linear", "softmax", "sum", "matmul", "bmm", "mm", "baddbmm", "addmm",
 })
+
+# Of those, the calls that only compute from their arguments: no random draw, no dropout
+_COMPUTES_ONLY = _FRESH - {"rand", "randn", "scaled_dot_product_attention"}
 
 
 def _storage_parent(node):

@@ -951,6 +951,31 @@ def test_a_max_read_beside_the_top_k_is_no_near_miss():
     _assert_one_match(reports)
 
 
+class DeadStatistic(SpelledBlock):
+    """Statistics of the top-k weights and of an expert's hidden activations computed and never
+    used (left from debugging): Dynamo keeps them in its graph."""
+
+    def route(self, x):
+        weight, index = torch.softmax(self.router(x), dim=-1).topk(self.k, dim=-1)
+        unused = weight.sum(dim=-1).square().mean()  # noqa: F841
+        return weight / weight.sum(dim=-1, keepdim=True), index
+
+    def _act(self, u, gate_u=None):
+        h = super()._act(u, gate_u)
+        unused = h.abs().amax()  # noqa: F841
+        return h
+
+
+def test_statistics_computed_and_never_used_do_not_keep_the_block_from_matching():
+    """They read as uses outside the region ("weight is used outside the region (by sum_1)"); now
+    the rewrite's copy drops them first, and the captured graph keeps them."""
+    torch.manual_seed(0)
+    args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    reports = compile_and_compare(DeadStatistic().double(), args, torch.float64)
+    _assert_one_match(reports)
+    assert "amax" in reports[0].code_before and "amax" not in reports[0].code_after
+
+
 class PythonSum(SpelledBlock):
     """The loop's contributions summed by Python's sum(), which starts at 0, in the order given."""
 
