@@ -10,6 +10,8 @@ import dataclasses
 import functools
 import itertools
 import logging
+import os
+import re
 
 import torch
 
@@ -36,7 +38,7 @@ def mha_backend(gm, example_inputs, options=None, mode=None):
     if opts.step_graphs is True and mode != "reduce-overhead":
         raise ValueError(f"mha options: step_graphs=True replays the CUDA graphs of mode='reduce-overhead' through "
                          f"mha_compile's own; give it with mode='reduce-overhead', not mode={mode!r}")
-    report = GraphReport(next(_graph_counter), options={k: str(v) for k, v in vars(opts).items()})
+    report = GraphReport(next(_graph_counter), graph_source(gm), options={k: str(v) for k, v in vars(opts).items()})
     report.code_before = gm.code
     whole = _whole_graph_captured(opts, mode, example_inputs)
     try:
@@ -45,8 +47,7 @@ def mha_backend(gm, example_inputs, options=None, mode=None):
         if opts.strict:
             raise
         report.fallback = _first_line(error)
-        log.warning("mha_compile: rewriting graph %d failed (%s); running it as captured", report.index,
-                    report.fallback)
+        log.warning("mha_compile: rewriting %s failed (%s); running it as captured", report.name, report.fallback)
         lowered = gm
     report.code_after = lowered.code
     split = _planned_pool_split(lowered, example_inputs, opts, whole, report)
@@ -62,8 +63,21 @@ def mha_backend(gm, example_inputs, options=None, mode=None):
         fell_back = functools.partial(refresh_dump, dumped, report, gm, lowered) if dumped else None
         compiled = verify.verified(gm, original, compiled, report, opts.strict, fell_back)
     if whole or opts.rest == "inductor":  # else the graph runs eagerly, its regions on ops.region_call
-        compiled = _tangents_eagerly(compiled, gm, report.index)
+        compiled = _tangents_eagerly(compiled, gm, report.name)
     return compiled
+
+
+def graph_source(gm):
+    """Where Dynamo's graph comes from, for people: its compile id (frame/recompile, as TORCH_LOGS
+    names it) and the file, line and function its first traced call is in (the code torch.compile
+    started from; a function named torch_dynamo_resume_in_... after a graph break), as
+    "Dynamo 0/1, forward at models.py:131". "" where neither is known (a graph built by hand)."""
+    compile_id = getattr(gm, "meta", {}).get("dynamo_compile_id")
+    trace = next((n.meta["stack_trace"] for n in gm.graph.nodes if n.meta.get("stack_trace")), "")
+    where = re.search(r'File "([^"]+)", line (\d+), in (\S+)', trace or "")
+    parts = ([f"Dynamo {compile_id}"] if compile_id is not None else []) + (
+        [f"{where[3]} at {os.path.basename(where[1])}:{where[2]}"] if where else [])
+    return ", ".join(parts)
 
 
 def _eager_where_inductor_miscomputes(gm, example_inputs, opts):
@@ -96,7 +110,7 @@ def _eager_where_inductor_miscomputes(gm, example_inputs, opts):
     return dataclasses.replace(opts, rest="eager")
 
 
-def _tangents_eagerly(compiled, gm, index):
+def _tangents_eagerly(compiled, gm, name):
     """compiled, except that a call carrying forward-mode tangents (torch.autograd.forward_ad)
     runs gm, the graph as Dynamo captured it, eagerly: CUDA-graph replays carry no tangents, and
     Inductor's code drops them (torch 2.13: a compiled x.sin() gave the tangent None, where eager
@@ -108,8 +122,8 @@ def _tangents_eagerly(compiled, gm, index):
             return compiled(*args)
         if not said:
             said.append(True)
-            log.info("mha_compile: graph %d called with forward-mode tangents: run as captured, eagerly, since "
-                     "CUDA-graph replays and Inductor's code do not carry them", index)
+            log.info("mha_compile: %s called with forward-mode tangents: run as captured, eagerly, since "
+                     "CUDA-graph replays and Inductor's code do not carry them", name)
         return gm(*args)
     return call
 
@@ -145,7 +159,7 @@ def lower(gm, opts, report, whole_graph_captured=False):
         report.matches += [dict(m.summary(), graph=path or "<top>") for m in matches]
         if matches:
             rewrite(sub, matches)
-    log.info("mha_compile: graph %d: replaced %d region(s)", report.index, len(report.matches))
+    log.info("mha_compile: %s: replaced %d region(s)", report.name, len(report.matches))
     return new
 
 

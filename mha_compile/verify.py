@@ -55,9 +55,9 @@ def verified(gm, original, compiled, report, strict=False, fell_back=None):
             fell_back()
         if strict:
             found.restore()
-            raise RuntimeError(f"mha_compile: graph {report.index}: verify: the rewritten graph disagrees with the "
+            raise RuntimeError(f"mha_compile: {report.name}: verify: the rewritten graph disagrees with the "
                                f"original ({what}), and strict=True raises instead of using the original") from error
-        log.warning("mha_compile: graph %d: %s", report.index, report.fallback)
+        log.warning("mha_compile: %s: %s", report.name, report.fallback)
         state["use"] = original
         found.restore()  # the call's result run from the state the rewrite's was, in its place
         return original(*args)
@@ -72,9 +72,9 @@ def verified(gm, original, compiled, report, strict=False, fell_back=None):
         unkept = [inputs[i] for i in found.unkept] + [name for (name, t), v in zip(attributes, versions)
                                                       if t._version != v]
         if unkept:
-            log.warning("mha_compile: graph %d: verify: the graph wrote parameter(s) %s in place, which verify did "
+            log.warning("mha_compile: %s: verify: the graph wrote parameter(s) %s in place, which verify did "
                         "not find it writing (step_graphs.written_inputs), or held as its attributes, so it kept no "
-                        "copy of them: each run verify compares writes them again on this call", report.index, unkept)
+                        "copy of them: each run verify compares writes them again on this call", report.name, unkept)
         try:
             got = compiled(*args)
         except Exception as error:  # the replacement must never be what breaks the user's run
@@ -85,8 +85,8 @@ def verified(gm, original, compiled, report, strict=False, fell_back=None):
                 with torch.no_grad(), found.same() as stand_ins:
                     fp32 = promoted(gm)(*_upcast(stand_ins))
             except Exception as error:
-                log.info("mha_compile: graph %d: verify: the captured graph does not run in fp32 (%s: %s); "
-                         "comparing the two directly", report.index, type(error).__name__, error)
+                log.info("mha_compile: %s: verify: the captured graph does not run in fp32 (%s: %s); "
+                         "comparing the two directly", report.name, type(error).__name__, error)
         what = _outputs_disagree(_tensors(got), _tensors(expected), None if fp32 is None else _tensors(fp32), precision)
         if what:
             return fall_back(what, args, found)
@@ -108,8 +108,8 @@ def verified(gm, original, compiled, report, strict=False, fell_back=None):
             # the rewrite is not settled on it: the next call is verified again.
             if not state.get("said"):
                 state["said"] = True
-                log.info("mha_compile: graph %d: verify: the captured graph gave non-finite values on this call; the "
-                         "rewrite agrees where they can be compared, and the next call is verified again", report.index)
+                log.info("mha_compile: %s: verify: the captured graph gave non-finite values on this call; the "
+                         "rewrite agrees where they can be compared, and the next call is verified again", report.name)
             return got
         state["use"] = compiled
         return got
@@ -127,8 +127,8 @@ def _written_inputs(gm, args, report):
     try:
         return step_graphs.written_inputs(gm, args)
     except Exception as error:  # noqa: BLE001 - what cannot be found is left to the version counters
-        log.info("mha_compile: graph %d: verify: finding the inputs the graph writes failed (%s: %s)",
-                 report.index, type(error).__name__, error)
+        log.info("mha_compile: %s: verify: finding the inputs the graph writes failed (%s: %s)",
+                 report.name, type(error).__name__, error)
         return set()
 
 

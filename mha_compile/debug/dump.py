@@ -131,10 +131,10 @@ def write_dump(folder, report, captured, lowered, doc=None, text=None, replayed=
     doc["run"] = run.name
     files = doc["files"]
     try:
-        files["captured"] = _write_script(out, "captured", captured, f"graph {report.index} as captured", False)
-        files["rewritten"] = _write_script(out, "rewritten", lowered, f"graph {report.index} after rewriting", True)
+        files["captured"] = _write_script(out, "captured", captured, f"{report.name} as captured", False)
+        files["rewritten"] = _write_script(out, "rewritten", lowered, f"{report.name} after rewriting", True)
         if replayed is not None:
-            files["replayed"] = _write_script(out, "replayed", replayed, f"graph {report.index} as the CUDA graphs "
+            files["replayed"] = _write_script(out, "replayed", replayed, f"{report.name} as the CUDA graphs "
                                               "capture it (each pool run before them: mha::pool)", True)
         _write_report(out, report, captured, lowered, doc, text)
     except OSError as error:
@@ -191,7 +191,7 @@ def _write_picture(out, stem, gm, report, rewritten):
 
     Returns the three file names (None where not written)."""
     replaced = f"{len(report.matches)} region(s) " + ("matched, none replaced" if report.fallback else "replaced")
-    title = (f"graph {report.index} {'after rewriting' if rewritten else 'as captured'}: {replaced}, "
+    title = (f"{report.name} {'after rewriting' if rewritten else 'as captured'}: {replaced}, "
              f"{len(report.near_misses)} near-miss(es)")
     if report.fallback:
         title += f"\nfallback: {report.fallback}"

@@ -6,6 +6,7 @@ import dataclasses
 class GraphReport:
     """One compiled graph: its matches and near-misses (dicts from Match/NearMiss.summary())."""
     index: int
+    source: str = ""  # Dynamo's compile id and where the graph's code starts (backend.graph_source)
     matches: list = dataclasses.field(default_factory=list)
     near_misses: list = dataclasses.field(default_factory=list)
     fallback: str | None = None  # why the graph ran unchanged, if the rewrite failed
@@ -13,12 +14,17 @@ class GraphReport:
     code_after: str = ""
     options: dict = dataclasses.field(default_factory=dict)
 
+    @property
+    def name(self):
+        """How warnings and reports name the graph: "graph 3 (Dynamo 0/1, forward at models.py:131)"."""
+        return f"graph {self.index}" + (f" ({self.source})" if self.source else "")
+
     def to_json(self):
         return dataclasses.asdict(self)
 
     def __str__(self):
         none = " (none replaced: see the fallback)" if self.fallback and self.matches else ""
-        lines = [f"graph {self.index}: {len(self.matches)} match(es){none}, {len(self.near_misses)} near-miss(es)"]
+        lines = [f"{self.name}: {len(self.matches)} match(es){none}, {len(self.near_misses)} near-miss(es)"]
         for m in self.matches:
             cfg = m["config"]
             lines.append(f"  match at {m['output']}: ctx={m['ctx']} tok={m['tok']} act={cfg['act']} "

@@ -1,6 +1,7 @@
 """torch.compile(backend="mha") end to end on the CPU: results, gradients, training, options."""
 import copy
 import logging
+import re
 import subprocess
 import sys
 
@@ -338,6 +339,8 @@ def test_failure_falls_back_with_a_warning_and_strict_raises(monkeypatch, caplog
     with caplog.at_level(logging.WARNING, logger="mha_compile"):
         out = torch.compile(model, backend="mha")(ctx, tok)
     assert "planted failure" in caplog.text
+    # the warning names where the graph comes from: Dynamo's compile id, and the model's forward
+    assert re.search(r"rewriting graph \d+ \(Dynamo \d+/0, forward at models\.py:\d+\) failed", caplog.text), caplog.text
     assert_close_rel(out, model(ctx, tok), torch.float32, "fallback")
     torch._dynamo.reset()
     with pytest.raises(Exception, match="planted failure"):

@@ -1,5 +1,6 @@
 """mha_compile.explain called again and again, beside the user's own torch.compile of the model."""
 import pathlib
+import re
 import pytest
 import torch
 
@@ -195,5 +196,10 @@ def test_a_graph_break_between_the_pool_and_the_moe_is_named():
         assert "is an input of this graph, so its pool ran elsewhere" in report.near_misses[0]["reason"]
         assert len(report.graph_breaks) == 1 and "graph_break()" in report.graph_breaks[0], report.graph_breaks
         assert "Dynamo broke the graph" in str(report) and report.to_json()["graph_breaks"] == report.graph_breaks
+        # each graph named by where it comes from: the forward, then its resumption after the break
+        assert re.fullmatch(r"Dynamo \d+/0, forward at test_explain\.py:\d+", report.graphs[0].source)
+        assert re.fullmatch(r"Dynamo \d+/0, torch_dynamo_resume_in_forward_at_\d+ at test_explain\.py:\d+",
+                            report.graphs[1].source), report.graphs[1].source
+        assert report.graphs[1].name in str(report) and report.to_json()["graphs"][1]["source"]
     whole = mha_compile.explain(MHABlock(12, 3, 8, 3, 2), *_inputs(4, 5))
     assert len(whole.matches) == 1 and whole.graph_breaks == [] and "Dynamo broke" not in str(whole)
