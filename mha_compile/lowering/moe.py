@@ -583,8 +583,10 @@ _ELEMENTWISE = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": tor
 _ACTS = {"gelu": torch.nn.functional.gelu, "silu": torch.nn.functional.silu,
          "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh")}
 # Where a written-out activation is compared with the known ones, in float64: where they differ
-# from each other and from their asymptotes, and 0, where a division by u would give a NaN
-_PROBE = torch.linspace(-6.0, 6.0, 121, dtype=torch.float64)
+# from each other and from their asymptotes, 0, where a division by u would give a NaN, and far
+# out, where a term too small to see on [-6, 6] (1e-30 · exp(u), say) would not be
+_PROBE = torch.cat([torch.linspace(-6.0, 6.0, 121, dtype=torch.float64),
+                    torch.tensor([10.0, -10.0, 20.0, -20.0, 50.0, -50.0, 1e3, -1e3], dtype=torch.float64)])
 
 
 def _written_out(node, op, args):

@@ -1008,6 +1008,7 @@ WRITTEN_ACTS = {  # activations written out in elementwise ops, as model code ha
     "tanh_cut": lambda u: 0.5 * u * (1.0 + torch.tanh(0.79788456 * (u + 0.044715 * u ** 3))),
     "quick": lambda u: u * torch.sigmoid(1.702 * u),
     "shifted": lambda u: (u + 1) * torch.sigmoid(u + 1),
+    "far_term": lambda u: u * torch.sigmoid(u) + 1e-30 * torch.exp(u),  # silu to 1e-27 on [-6, 6], not past it
 }
 
 
@@ -1224,6 +1225,7 @@ NEAR_MISSES = {
                                                     "could not be read"),
     "quick gelu u · sigmoid(1.702 u)": (WrittenOut, {"how": "quick", "act": "gelu"}, "could not be read"),
     "silu of u + 1": (WrittenOut, {"how": "shifted", "act": "silu"}, "could not be read"),
+    "silu + 1e-30 exp(u)": (WrittenOut, {"how": "far_term", "act": "silu"}, "could not be read"),
     "bmm rows paired with other rows' experts": (MisalignedBmm, {}, "could not be read"),
     "per-batch query through a (B·P) bmm": (PerBatchQueryBmm, {}, "bmm"),
     "dense experts stored [F,D,E] with E = F": (DenseExpertsStoredFDE, {}, "could not be read"),
