@@ -103,7 +103,7 @@ def test_graph_replays_take_tangent_calls_eagerly():
         dropped.append(x)
         return gm(x.detach() if not forward_ad._current_level >= 0 else forward_ad.unpack_dual(x).primal)
 
-    call = backend._tangents_eagerly(replay, gm, index=0)
+    call = backend._tangents_eagerly(replay, gm, name="graph 0")
     x, t = torch.randn(4, 3), torch.randn(4, 3)
     assert torch.equal(call(x), gm(x)) and len(dropped) == 1
     with forward_ad.dual_level():
