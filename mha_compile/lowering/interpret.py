@@ -15,10 +15,14 @@ import dataclasses
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from mha_compile.lowering.canonicalize import canon, canon_kind, shape
+from mha_compile.lowering.canonicalize import canon, canon_kind, dtype, shape
 
 ONE = "1"  # the role of a size-1 axis
 OUTSIDE_KINDS = ("ext", "zero")  # Vals a node outside the region may have
+# Vals whose values are whole numbers (indices, masks, counts, offsets): a cast of one to an
+# integer dtype is exact, where of any other it rounds
+INTEGER_KINDS = ("zero", "topi", "eqmask", "onehot", "emask", "where", "selidx", "order", "sorted", "pexpert", "prow",
+                 "offs", "ones", "ecount")
 
 
 @dataclasses.dataclass
@@ -370,6 +374,8 @@ def layout_rule(walk, node, op):
     src = walk.val(op.args[0]) if op.args else None
     if src is None:
         return None
+    if op.kind == "cast" and src.kind not in INTEGER_KINDS + ("ext",) and _to_integers(op.args[0], node):
+        return None  # u.to(torch.int64) changes its values: no layout op (found by a review)
     if src.kind == "zero":
         return Val("zero", None)
     in_shape, out_shape = shape(op.args[0]), shape(node)
@@ -379,6 +385,12 @@ def layout_rule(walk, node, op):
         return Val(src.kind, None, src.info) if op.kind == "cast" else None
     roles = move_roles(walk, op, src.roles, in_shape, out_shape)
     return None if roles is None else Val(src.kind, roles, src.info)
+
+
+def _to_integers(src, node):
+    """Whether node casts a floating-point src to an integer or bool dtype."""
+    before, after = dtype(src) if isinstance(src, torch.fx.Node) else None, dtype(node)
+    return before is not None and before.is_floating_point and after is not None and not after.is_floating_point
 
 
 def move_roles(walk, op, roles, in_shape, out_shape):

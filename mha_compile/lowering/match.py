@@ -216,7 +216,7 @@ def _routed_otherwise(nodes):
         if op is None or op.kind != "softmax" or any(_name(u) == "topk" for u in probs.users):
             continue
         router = canon(_strip(op.args[0]))
-        if router is not None and router.kind in ("linear", "matmul"):
+        if router is not None and router.kind in ("linear", "matmul") and _selects_experts(n):
             misses.append(NearMiss(n.name, n.name, (
                 f"{n.name}: the experts are chosen by {name} of the router's softmax {probs.name}; the matcher reads "
                 f"the choice from a top-k only: write {probs.name}.topk(k, dim=-1) (k = 1 in place of max or argmax)")))
@@ -255,6 +255,26 @@ def _leaves_graph(anchor, limit=64):
     return False
 
 
+def _selects_experts(choice, hops=6):
+    """Whether the indices `choice` gives (max's or sort's second output, argmax's or argsort's
+    own) pick experts: compared with an expert's number, one-hot encoded, scattered into, or used
+    to index or gather (W1[index]), within `hops` layout steps. A classifier's argmax is none of
+    these (found by a review: it read as a router)."""
+    stack = [(choice, 0)] if _name(choice) in ("argmax", "argsort") else [
+        (u, 0) for u in choice.users if canon(u) is not None and canon(u).kind == "getitem" and u.args[1] == 1]
+    while stack:
+        n, depth = stack.pop()
+        for user in n.users:
+            op = canon(user)
+            kind = None if op is None else op.kind
+            if kind == "eq" and any(type(a) is int for a in op.args) or kind in ("one_hot", "gather", "index_select") \
+                    or kind == "scatter" and op.args[2] is n or kind == "getitem" and _indexes_by_tensor(op.args[1]):
+                return True
+            if kind in _LAYOUT + ("getitem",) and depth < hops:
+                stack.append((user, depth + 1))
+    return False
+
+
 def _split_experts(nodes):
     """A graph holding index_add_ of expert outputs but no router: the rest of a region split by a
     graph break (Mixtral-style routing without capture_dynamic_output_shape_ops)."""
@@ -274,6 +294,10 @@ def _match_at(nodes, anchor):
     x = op.args[0]
     y = _strip(x)
     y_op = canon(y)
+    if y.op == "placeholder":
+        raise _Miss(y, f"{anchor.name}: the MoE's input {y.name} is an input of this graph, so the merge and the "
+                       f"pool ran elsewhere: in an earlier graph, which Dynamo ended before the MoE (explain lists "
+                       f"where Dynamo broke the graph), or outside the compiled function")
     if y_op is None or y_op.kind != "add":
         raise _Miss(y, f"{anchor.name}: the MoE's input {y.name} is not a broadcast-add of a pooled vector "
                        f"over horizons (no merge ctx + inv[:, None] before the router)")
@@ -376,18 +400,31 @@ def drop_dead_math(graph):
     written in place): a statistic computed and left unused read as a use outside the region
     ("w is used outside the region (by s)") and kept the block from matching. Dynamo leaves such
     nodes in its graphs. Anything else unused stays (a write in place, a random draw, a call the
-    matcher does not know, attention that may draw dropout, a nonzero that defines a size): the
-    calls that compute only are the kinds canon reads and the names in _COMPUTES_ONLY. Run on the
+    matcher does not know, attention that may draw dropout, a nonzero that defines a size, an op
+    that checks its indices: _KEPT_DEAD): the calls that compute only are the kinds canon reads
+    and the names in _COMPUTES_ONLY. Run on the
     copy the rewrite works on: the captured graph is not changed."""
     erased = 0
     for node in reversed(list(graph.nodes)):
         if node.users or node.op not in ("call_function", "call_method") or _is_inplace(node):
             continue
         op = canon(node)
-        if (op.kind not in ("sdpa", "mha", "nonzero") if op is not None else _name(node) in _COMPUTES_ONLY):
+        if (op.kind not in _KEPT_DEAD if op is not None else _name(node) in _COMPUTES_ONLY) and \
+                not (op is not None and op.kind == "getitem" and _indexes_by_tensor(op.args[1])):
             graph.erase_node(node)
             erased += 1
     return erased
+
+
+# Kinds canon reads that are kept unused: attention (it may draw dropout), nonzero (it defines a
+# size), and the ops that check their indices and raise in eager where one is out of range
+_KEPT_DEAD = ("sdpa", "mha", "nonzero", "one_hot", "gather", "index_select", "scatter", "scatter_add", "index_add",
+              "bincount", "histc", "searchsorted", "grouped_mm")
+
+
+def _indexes_by_tensor(index):
+    items = index if isinstance(index, (tuple, list)) else (index,)
+    return any(isinstance(i, torch.fx.Node) for i in items)
 
 
 def _is_inplace(node):
@@ -396,8 +433,8 @@ def _is_inplace(node):
     x[i] = v, out=, or inplace=True (F.relu(x, inplace=True))."""
     if node.op not in ("call_method", "call_function"):
         return False
-    if node.target in _INPLACE_OPERATORS or isinstance(node.kwargs.get("out"), torch.fx.Node) \
-            or _argument(node, "inplace") is True:
+    if node.target in _INPLACE_OPERATORS or node.kwargs.get("out") is not None \
+            or _argument(node, "inplace") is True:  # out= a tensor, or a tuple of them (torch.max's)
         return True
     name = _name(node)
     if name.startswith("__") and name.endswith("__"):  # __iadd__, not __add__ or __getitem__
@@ -447,6 +484,8 @@ def _written(node):
     if not _is_inplace(node):
         return None
     target = node.kwargs.get("out", node.args[0] if node.args else None)
+    if isinstance(target, (tuple, list)):  # torch.max(x, -1, out=(values, indices)): the first, at least
+        target = next((t for t in target if isinstance(t, torch.fx.Node)), None)
     return target if isinstance(target, torch.fx.Node) else None
 
 
@@ -527,8 +566,8 @@ def _read_pool(nodes, inv):
     reason = (inv, f"{inv.name}: no [B,N,D] token tensor feeds a projection of the pool")
     if _strip(inv).op == "placeholder" and not candidates:
         reason = (inv, f"{inv.name}: the pooled vector added over horizons is an input of this graph, so its pool "
-                       f"ran elsewhere: in an earlier graph, where a graph break between the pool and the MoE "
-                       f"ends it (explain lists Dynamo's graph breaks), or outside the compiled function")
+                       f"ran elsewhere: in an earlier graph, which Dynamo ended between the pool and the MoE "
+                       f"(explain lists where Dynamo broke the graph), or outside the compiled function")
     for tok in candidates:
         # A one-head pool (P = 1) views [B,N,D] as [B,N,1,D], which reads the same as an
         # unsqueeze: try the usual reading first, then the one-head one.

@@ -10,7 +10,7 @@ Gates, four ways:
                       (row, slot) pairs may also be flattened (W1[topi.reshape(-1)] with
                       x expanded over the slots and torch.bmm): the merged role "b*h*s".
 Experts: u = x W1 + b1 (rows,f) -> h = act(u) (swiglu: silu(u) ⊙ x W3; an act written out in
-elementwise ops, by its values: _written_out) -> f = h W2 + b2 (rows,d),
+elementwise ops: activation.py) -> f = h W2 + b2 (rows,d),
 for one expert (a slice W1[e] of stacked parameters, or an nn.Linear of its own: `expert` None),
 for all at once (dense: an extra "e" axis) or per slot (gathered: an extra "s" axis).
 Combine: gate_e · f_e summed (or index_add_-ed) over every expert exactly once, Σ_e gate · f,
@@ -23,6 +23,7 @@ import operator
 
 import torch
 
+from mha_compile.lowering.activation import KINDS as ELEMENTWISE, written_out
 from mha_compile.lowering.canonicalize import Op, dtype, shape, sum_of_product
 from mha_compile.lowering.interpret import (ONE, ParamRef, Reject, StackRef, Val, broadcast, canonical_perm,
                                             einsum_roles, ext_ref, is_one, known_eq, layout_rule, move_roles,
@@ -48,6 +49,8 @@ def moe_rule(walk, node, op):
             if val is not None:
                 return val
         src = walk.val(op.args[0]) if op.args else None
+        if src is not None and src.kind == "ufn":  # values at points, which a layout op would reorder
+            return None
         if src is not None and src.kind == "wsel":
             return _wsel_layout(walk, node, op, src)
         val = layout_rule(walk, node, op)
@@ -57,8 +60,8 @@ def moe_rule(walk, node, op):
     if op.kind == "stack":
         return _stack(walk, node, [walk.val(t) for t in op.args[0]], op.args[1])
     args = [walk.val(a) for a in op.args]
-    if op.kind in _ELEMENTWISE:
-        written = _written_out(node, op, args)
+    if op.kind in ELEMENTWISE:
+        written = written_out(node, op, args)
         if written is not None:
             return written
     if op.kind == "linear":
@@ -468,7 +471,7 @@ def _sum_clamped(walk, node, total, low, high):
     least = _least_sum(walk, total)
     if least is None:
         return None
-    if 0 <= low <= least / 2:
+    if low <= least / 2:  # a clamp at or below 0 never acts either
         return total
     raise Reject(f"{node.name}: the top-k weights are renormalised by Σw clamped at {low:g}; Σw ≥ k/E = {least:g}, "
                  f"so a clamp above {least / 2:g} can act and change the weights, which the region divides by Σw")
@@ -484,9 +487,9 @@ def _normalize(walk, node, topw, p, dim, eps):
     if least is None:
         return None
     if p != 1:
-        raise Reject(f"{node.name}: the top-k weights are normalised by their L{p:g} norm (F.normalize, p={p:g}); "
+        raise Reject(f"{node.name}: the top-k weights are normalised by their L{p} norm (F.normalize, p={p!r}); "
                      f"the block renormalises them by their sum, p=1")
-    if not 0 <= eps <= least / 2:
+    if eps > least / 2:  # an eps at or below 0 never acts either
         raise Reject(f"{node.name}: the top-k weights are normalised with eps={eps:g}; Σw ≥ k/E = {least:g}, so an "
                      f"eps above {least / 2:g} can act and change the weights, which the region divides by Σw")
     return Val("topw", topw.roles, dict(topw.info, renorm=True))
@@ -576,50 +579,6 @@ def _mul(walk, node, a, b):
             return None
         return Val("h", h.roles, dict(h.info, act="swiglu", w3=u3.info["w1"]))
     return None
-
-
-_ELEMENTWISE = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div, "pow": torch.pow,
-                "erf": torch.erf, "tanh": torch.tanh, "sigmoid": torch.sigmoid, "exp": torch.exp, "neg": torch.neg}
-_ACTS = {"gelu": torch.nn.functional.gelu, "silu": torch.nn.functional.silu,
-         "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh")}
-# Where a written-out activation is compared with the known ones, in float64: where they differ
-# from each other and from their asymptotes, 0, where a division by u would give a NaN, and far
-# out, where a term too small to see on [-6, 6] (1e-30 · exp(u), say) would not be
-_PROBE = torch.cat([torch.linspace(-6.0, 6.0, 121, dtype=torch.float64),
-                    torch.tensor([10.0, -10.0, 20.0, -20.0, 50.0, -50.0, 1e3, -1e3], dtype=torch.float64)])
-
-
-def _written_out(node, op, args):
-    """An activation written out in elementwise ops of one u = x W1 + b1 and numbers (silu as
-    u · sigmoid(u), gelu as 0.5 · u · (1 + erf(u / √2)), the tanh gelu with its cube): the ops'
-    values on _PROBE ride along ("ufn", info "of" the u node), and where they equal a known
-    activation's to 1e-12 it is that activation's h. Anything else stays a "ufn", which no rule
-    reads: the experts then do not match."""
-    unary = op.kind in ("erf", "tanh", "sigmoid", "exp", "neg")
-    if len(args) != (1 if unary else 2):
-        return None
-    sources, values = set(), []
-    for arg, val in zip(node.args, args):
-        if val is not None and val.kind == "const" and type(val.info["value"]) in (int, float):
-            values.append(val.info["value"])
-        elif val is not None and val.kind == "u":
-            sources.add(arg)
-            values.append(_PROBE)
-        elif val is not None and val.kind == "ufn":
-            sources.add(val.info["of"])
-            values.append(val.info["values"])
-        else:
-            return None
-    if len(sources) != 1:
-        return None
-    u = next(v for v in args if v.kind in ("u", "ufn"))
-    info = {k: v for k, v in u.info.items() if k not in ("of", "values")}
-    got = _ELEMENTWISE[op.kind](*[torch.as_tensor(v, dtype=torch.float64) for v in values])
-    for act, fn in _ACTS.items():
-        want = fn(_PROBE)
-        if got.shape == want.shape and bool(((got - want).abs() <= 1e-12 * (1 + want.abs())).all()):
-            return Val("h", u.roles, dict(info, act=act, w3=None))
-    return Val("ufn", u.roles, dict(info, of=next(iter(sources)), values=got))
 
 
 def _gate_key(info):

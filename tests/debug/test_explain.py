@@ -185,6 +185,20 @@ class _BrokenBetween(MHABlock):
         return self.moe(ctx + inv.unsqueeze(1))
 
 
+class _BrokenAfterMerge(MHABlock):
+    def forward(self, ctx, tok):
+        y = ctx + self.pool(tok).unsqueeze(1)
+        torch._dynamo.graph_break()
+        return self.moe(y)
+
+
+def test_a_graph_break_between_the_merge_and_the_moe_is_named():
+    torch.manual_seed(4)
+    report = mha_compile.explain(_BrokenAfterMerge(12, 3, 8, 3, 2), *_inputs(4, 5))
+    assert not report.matches and len(report.graph_breaks) == 1, str(report)
+    assert [m["reason"] for m in report.near_misses if "the merge and the pool ran elsewhere" in m["reason"]]
+
+
 def test_a_graph_break_between_the_pool_and_the_moe_is_named():
     """Before, the MoE's graph read "no [B,N,D] token tensor feeds a projection of the pool", and
     the report did not say that Dynamo had broken the graph, nor where."""

@@ -943,6 +943,27 @@ class RoutedOtherwise(SpelledBlock):
         return (out, self.confidence) if self.how == "topk_and_max" else out
 
 
+class WithClassifier(SpelledBlock):
+    """The block, and a classifier head on its output whose argmax picks a class, not experts."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(self.D, 3)
+
+    def forward(self, ctx, tok, pad=None):
+        out = super().forward(ctx, tok, pad)
+        return out, self.head(out).softmax(-1).argmax(-1)
+
+
+def test_a_classifiers_argmax_is_no_near_miss():
+    """_routed_otherwise's first version read any linear, softmax and argmax as a router (a review)."""
+    torch.manual_seed(0)
+    with compiled_reports() as reports:
+        torch._dynamo.reset()
+        torch.compile(WithClassifier().double(), backend="mha")(*inputs(dtype=torch.float64))
+    _assert_one_match(reports)
+
+
 def test_a_max_read_beside_the_top_k_is_no_near_miss():
     torch.manual_seed(0)
     with compiled_reports() as reports:
@@ -957,12 +978,12 @@ class DeadStatistic(SpelledBlock):
 
     def route(self, x):
         weight, index = torch.softmax(self.router(x), dim=-1).topk(self.k, dim=-1)
-        unused = weight.sum(dim=-1).square().mean()  # noqa: F841
+        weight.sum(dim=-1).square().mean()  # left unused
         return weight / weight.sum(dim=-1, keepdim=True), index
 
     def _act(self, u, gate_u=None):
         h = super()._act(u, gate_u)
-        unused = h.abs().amax()  # noqa: F841
+        h.abs().amax()  # left unused
         return h
 
 
@@ -1009,6 +1030,13 @@ WRITTEN_ACTS = {  # activations written out in elementwise ops, as model code ha
     "quick": lambda u: u * torch.sigmoid(1.702 * u),
     "shifted": lambda u: (u + 1) * torch.sigmoid(u + 1),
     "far_term": lambda u: u * torch.sigmoid(u) + 1e-30 * torch.exp(u),  # silu to 1e-27 on [-6, 6], not past it
+    # silu plus a bump between the points a value check looks at (a review's): below 1e-24 at each
+    "bump": lambda u: u * (torch.sigmoid(u) + torch.exp(-((u - 0.55) * 150) ** 2)),
+    "transposed": lambda u: u * torch.sigmoid(u).t(),  # with a square u (WrittenOut's F_ = rows)
+    "int_cast": lambda u: u * torch.sigmoid(u).to(torch.int64),
+    "int_round_trip": lambda u: F.silu(u).to(torch.int32).to(u.dtype),
+    "coarse_in_bf16": lambda u: (u + 256 - 256) * torch.sigmoid(u),  # u rounded to 2 in bf16, exact in float64
+    "overflow_in_fp32": lambda u: u * (torch.sigmoid(u) * 1e40) / 1e40,  # inf / inf in float32
 }
 
 
@@ -1016,8 +1044,8 @@ class WrittenOut(SpelledBlock):
     """Common spellings of the activation and the renormalisation written with other ops: silu as
     u · sigmoid(u) (also inside SwiGLU), Σw.clamp(min=eps), F.normalize(w, p=1)."""
 
-    def __init__(self, how, act="silu", eps=1e-9, p=1):
-        super().__init__(act=act)
+    def __init__(self, how, act="silu", eps=1e-9, p=1, F_=64):
+        super().__init__(act=act, F_=F_)
         self.how, self.eps, self.p = how, eps, p
 
     def _act(self, u, gate_u=None):
@@ -1037,6 +1065,53 @@ class WrittenOut(SpelledBlock):
         return weight / weight.sum(dim=-1, keepdim=True), index
 
 
+@pytest.mark.parametrize("how, dtype", [("coarse_in_bf16", torch.bfloat16), ("overflow_in_fp32", torch.float32)])
+def test_a_written_out_activation_that_rounds_otherwise_in_the_models_dtype_is_refused(how, dtype):
+    """Exact in float64, and not in the model's dtype: there u + 256 - 256 rounds u to a multiple of
+    2 (bf16), and · 1e40 overflows (float32, where eager gives NaN)."""
+    torch.manual_seed(0)
+    with compiled_reports() as reports:
+        torch._dynamo.reset()
+        torch.compile(WrittenOut(how).to(dtype), backend="mha")(*inputs(dtype=dtype))
+    assert not any(r.matches for r in reports), [str(r) for r in reports]
+    assert any("could not be read" in m["reason"] for r in reports for m in r.near_misses)
+
+
+class DeadButNotPure(SpelledBlock):
+    """An unused result of a call that writes (torch.max's out= tuple) or checks its indices
+    (one_hot of an index out of range raises in eager), beside the block."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+
+    def route(self, x):
+        weight, index = super().route(x)
+        if self.how == "one_hot":
+            F.one_hot(index + self.E, self.E)
+        return weight, index
+
+    def forward(self, ctx, tok, pad=None):
+        out = super().forward(ctx, tok, pad)
+        if self.how != "out_tuple":
+            return out
+        with torch.no_grad():
+            values, indices = torch.zeros(out.shape[:-1], dtype=out.dtype), torch.zeros(out.shape[:-1], dtype=torch.long)
+            torch.max(out, -1, out=(values, indices))
+        return out + values[..., None]
+
+
+def test_unused_calls_that_write_or_check_are_kept():
+    """drop_dead_math's first version erased both (found by a review): the out= tuple was taken for
+    no write, so `values` stayed zeros (0.89 off), and the one_hot that raises in eager ran silently."""
+    torch.manual_seed(0)
+    args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    _assert_one_match(compile_and_compare(DeadButNotPure("out_tuple").double(), args, torch.float64))
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="(?i)class values must be smaller than num_classes|index"):
+        torch.compile(DeadButNotPure("one_hot").double(), backend="mha")(*args)
+
+
 @pytest.mark.parametrize("how, act, read", [("sigmoid", "silu", "silu"), ("sigmoid", "swiglu", "swiglu"),
                                             ("exp", "silu", "silu"), ("exp", "swiglu", "swiglu"),
                                             ("erf", "gelu", "gelu"), ("tanh", "gelu", "gelu_tanh"),
@@ -1048,6 +1123,13 @@ def test_written_out_spellings_match(how, act, read):
     args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     match = _assert_one_match(compile_and_compare(WrittenOut(how, act).double(), args, torch.float64))
     assert match["config"]["act"] == read and match["config"]["renorm"] is True
+
+
+@pytest.mark.parametrize("how", ["clamp", "normalize"])
+def test_a_clamp_or_eps_below_zero_never_acts_and_matches(how):
+    torch.manual_seed(0)
+    args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    _assert_one_match(compile_and_compare(WrittenOut(how, eps=-1.0).double(), args, torch.float64))
 
 
 class SmallestExperts(SpelledBlock):
@@ -1226,6 +1308,12 @@ NEAR_MISSES = {
     "quick gelu u · sigmoid(1.702 u)": (WrittenOut, {"how": "quick", "act": "gelu"}, "could not be read"),
     "silu of u + 1": (WrittenOut, {"how": "shifted", "act": "silu"}, "could not be read"),
     "silu + 1e-30 exp(u)": (WrittenOut, {"how": "far_term", "act": "silu"}, "could not be read"),
+    "silu + a bump between points": (WrittenOut, {"how": "bump", "act": "silu"}, "could not be read"),
+    "u · sigmoid(u).t() of a square u": (WrittenOut, {"how": "transposed", "act": "silu", "F_": 12},
+                                         "could not be read"),
+    "u · sigmoid(u).to(int64)": (WrittenOut, {"how": "int_cast", "act": "silu"}, "could not be read"),
+    "silu(u).to(int32).to(float64)": (WrittenOut, {"how": "int_round_trip", "act": "silu"}, "could not be read"),
+    "F.normalize with p='fro'": (WrittenOut, {"how": "normalize", "p": "fro"}, "p='fro'"),
     "bmm rows paired with other rows' experts": (MisalignedBmm, {}, "could not be read"),
     "per-batch query through a (B·P) bmm": (PerBatchQueryBmm, {}, "bmm"),
     "dense experts stored [F,D,E] with E = F": (DenseExpertsStoredFDE, {}, "could not be read"),
