@@ -38,7 +38,8 @@ def mha_backend(gm, example_inputs, options=None, mode=None):
     if opts.step_graphs is True and mode != "reduce-overhead":
         raise ValueError(f"mha options: step_graphs=True replays the CUDA graphs of mode='reduce-overhead' through "
                          f"mha_compile's own; give it with mode='reduce-overhead', not mode={mode!r}")
-    report = GraphReport(next(_graph_counter), graph_source(gm), options={k: str(v) for k, v in vars(opts).items()})
+    report = GraphReport(next(_graph_counter), graph_source(gm), graph_end(gm),
+                         options={k: str(v) for k, v in vars(opts).items()})
     report.code_before = gm.code
     whole = _whole_graph_captured(opts, mode, example_inputs)
     try:
@@ -78,6 +79,19 @@ def graph_source(gm):
     parts = ([f"Dynamo {compile_id}"] if compile_id is not None else []) + (
         [f"{where[3]} at {os.path.basename(where[1])}:{where[2]}"] if where else [])
     return ", ".join(parts)
+
+
+def graph_end(gm):
+    """The graph break that ended Dynamo's graph, for people: "a graph break at models.py:131:
+    Call to `torch._dynamo.graph_break()`" (where, and its reason's first line), from the reason
+    Dynamo sets on the graph it hands a backend; "" where the graph ran to the function's end."""
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    if reason is None or not getattr(reason, "graph_break", False):
+        return ""
+    stack = getattr(reason, "user_stack", None) or []
+    where = f" at {os.path.basename(stack[-1].filename)}:{stack[-1].lineno}" if stack else ""
+    text = str(getattr(reason, "reason", "") or "").strip()
+    return f"a graph break{where}" + (f": {text.splitlines()[0]}" if text else "")
 
 
 def _eager_where_inductor_miscomputes(gm, example_inputs, opts):

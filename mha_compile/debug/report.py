@@ -7,6 +7,7 @@ class GraphReport:
     """One compiled graph: its matches and near-misses (dicts from Match/NearMiss.summary())."""
     index: int
     source: str = ""  # Dynamo's compile id and where the graph's code starts (backend.graph_source)
+    ended_by: str = ""  # the graph break that ended it, where one did (backend.graph_end)
     matches: list = dataclasses.field(default_factory=list)
     near_misses: list = dataclasses.field(default_factory=list)
     fallback: str | None = None  # why the graph ran unchanged, if the rewrite failed
@@ -25,6 +26,8 @@ class GraphReport:
     def __str__(self):
         none = " (none replaced: see the fallback)" if self.fallback and self.matches else ""
         lines = [f"{self.name}: {len(self.matches)} match(es){none}, {len(self.near_misses)} near-miss(es)"]
+        if self.ended_by:
+            lines.append(f"  ended by {self.ended_by}")
         for m in self.matches:
             cfg = m["config"]
             lines.append(f"  match at {m['output']}: ctx={m['ctx']} tok={m['tok']} act={cfg['act']} "

@@ -215,5 +215,10 @@ def test_a_graph_break_between_the_pool_and_the_moe_is_named():
         assert re.fullmatch(r"Dynamo \d+/0, torch_dynamo_resume_in_forward_at_\d+ at test_explain\.py:\d+",
                             report.graphs[1].source), report.graphs[1].source
         assert report.graphs[1].name in str(report) and report.to_json()["graphs"][1]["source"]
+        # the first graph says which break ended it, and where; the second ran to the end
+        line = _BrokenBetween.forward.__code__.co_firstlineno + 2
+        assert report.graphs[0].ended_by == (f"a graph break at test_explain.py:{line}: "
+                                             "Call to `torch._dynamo.graph_break()`")
+        assert report.graphs[1].ended_by == "" and f"ended by {report.graphs[0].ended_by}" in str(report)
     whole = mha_compile.explain(MHABlock(12, 3, 8, 3, 2), *_inputs(4, 5))
     assert len(whole.matches) == 1 and whole.graph_breaks == [] and "Dynamo broke" not in str(whole)
