@@ -1,21 +1,29 @@
 """An expert's activation written out in elementwise ops of u = x W1 + b1 and Python numbers
-(silu as u · sigmoid(u) or u / (1 + exp(-u)), gelu as 0.5 · u · (1 + erf(u / √2)), the tanh gelu
-with its cube), read as the activation it is. The ops ride along as a "ufn" Val (info: "of" the u
-node, their sympy expression, their values on POINTS in float64 and in u's dtype), and become the
-activation's h where all three checks hold:
+(silu as u · sigmoid(u), gelu as 0.5 · u · (1 + erf(u / √2)), the tanh gelu with its cube), read
+as the activation it is. The ops ride along as a "ufn" Val (info: "of" the u node, their sympy
+expression, their values on POINTS in float64, and on every value of u's dtype up to LIMIT as an
+autograd graph from a leaf), and become the activation's h only where all four checks hold:
 
 1. in float64 on POINTS, to 1e-12 (a cheap filter, run first);
-2. in the model's dtype: the same torch ops on POINTS in u's dtype give the activation's values
-   there to 2 of that dtype's ulps (of 1 + |u|), so a step that rounds u coarser (u + 256 - 256 in bf16) or
-   overflows (· 1e40 / 1e40 in float32) is not taken for the activation;
-3. exactly: the sympy expression, each number snapped to the exact constant it stands for where
-   it is within 4 ulps of it (integers, 1/2, √2, 1/√2, √(2/π), 0.044715), equals the activation's
-   formula. Values alone prove nothing: a bump too narrow to fall on any point tested agreed with
-   silu at every point (found by a review), and a constant cut to 8 digits is 1e-9 off.
+2. in the model's dtype, forward: the same torch ops give the activation's values to 3 of that
+   dtype's ulps (of 1 + |u|) at every value of a 16-bit dtype with |u| <= LIMIT and at 240k values
+   of float32 and float64, so a step that rounds u coarser (u + 256 - 256 in bf16), overflows
+   (· 1e40 / 1e40 in float32) or is NaN on a band (1e37 / (u - 0.05) - itself) is refused;
+3. the same, backward: their gradients, as eager's autograd gives them, to 4 ulps: u / (1 + exp(-u))
+   is silu forward, and NaN backward where exp(-u) overflows (u < -88 in float32), where the op's
+   silu is finite (found by a review);
+4. exactly: the sympy expression, each number snapped to the exact constant it stands for where it
+   is within 4 ulps of it (integers, 1/2, √2, 1/√2, √(2/π), 0.044715), equals the formula; a step
+   whose result sympy folds to a number though u was in it (a - a, a · 0) is refused, since its
+   floats need not (NaN - NaN). Values alone prove nothing: a bump too narrow to fall on any point
+   tested agreed with silu at each of them (a review), and a constant cut to 8 digits is 1e-9 off.
+
+Beyond |u| = LIMIT a written-out form may overflow where the op does not; that is not checked.
 """
 import functools
 import math
 import operator
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -32,10 +40,14 @@ _ACTS = {"gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "
 # u gives a NaN), and far out, where a term too small to see on [-6, 6] would not be
 POINTS = torch.cat([torch.linspace(-6.0, 6.0, 121, dtype=torch.float64),
                     torch.tensor([10.0, -10.0, 20.0, -20.0, 50.0, -50.0, 1e3, -1e3], dtype=torch.float64)])
+LIMIT = 1e4
 # In u's dtype the written-out ops round at each step where the activation rounds once: measured
-# at most 1.12 ulps of (1 + |u|) over POINTS for the forms in the tests, in bf16, fp16, float32
-# and float64 (the erf gelu in float32); u + 8 - 8 in bf16 (u rounded to 1/16) is off by 3.5
-_ULPS = 2
+# at most 2.2 ulps of (1 + |u|) forward (the erf gelu in float32) and 2.8 backward (the tanh gelu
+# in float64) for the forms in the tests, on _dense's values of bf16, fp16, float32 and float64;
+# u + 8 - 8 in bf16 (u rounded to 1/16) is off by 3.5 forward
+_ULPS = {"forward": 3, "backward": 4}
+_LEAVES = weakref.WeakKeyDictionary()  # u node -> the autograd leaf its written-out ops start from
+_MOST_OPS = 40  # a longer expression is not taken for an activation: sympy's time grows fast with it
 
 
 def written_out(node, op, args):
@@ -44,48 +56,70 @@ def written_out(node, op, args):
     axes differ (u · sigmoid(u).t() of a square u)."""
     if len(args) != (1 if op.kind in UNARY else 2):
         return None
-    ops = [v for v in args if v is not None and v.kind in ("u", "ufn")]
+    if any(v is None or not (v.kind in ("u", "ufn") or _number(v)) for v in args):
+        return None
+    ops = [v for v in args if v.kind in ("u", "ufn")]
     if not ops or any(v.roles != ops[0].roles for v in ops):
         return None
-    sources, operands = set(), []
-    for arg, val in zip(node.args, args):
-        if val is not None and val.kind == "const" and type(val.info["value"]) in (int, float):
-            number = val.info["value"]
-            operands.append((number, number, _snap(number)))
-        elif val is not None and val.kind == "u":
-            sources.add(arg)
-            operands.append((POINTS, POINTS.to(_dtype(arg)), _symbol()))
-        elif val is not None and val.kind == "ufn":
-            sources.add(val.info["of"])
-            operands.append((val.info["wide"], val.info["own"], val.info["expr"]))
-        else:
-            return None
+    sources = {val.info["of"] if val.kind == "ufn" else arg for arg, val in zip(node.args, args) if val.kind != "const"}
     if len(sources) != 1:
         return None
     of = next(iter(sources))
+    if of not in _LEAVES:  # one leaf per u node: u / √2 and 0.5 · u start apart and meet again
+        _LEAVES[of] = _dense(_dtype(of)).clone().requires_grad_()
+    leaf = _LEAVES[of]
+    operands = [(v.info["value"], v.info["value"], _snap(v.info["value"])) if v.kind == "const"
+                else (POINTS, leaf, _symbol()) if v.kind == "u"
+                else (v.info["wide"], v.info["own"], v.info["expr"]) for v in args]
     fn = _TORCH[op.kind]
-    wide, own = fn(*[o[0] for o in operands]), fn(*[o[1] for o in operands])
+    with torch.enable_grad():
+        wide, own = fn(*[o[0] for o in operands]), fn(*[o[1] for o in operands])
     expr = _SYMPY[op.kind](*[o[2] for o in operands])
+    if not expr.free_symbols:  # u went into it, and sympy folded it to a number (a - a)
+        return None
     info = {k: v for k, v in ops[0].info.items() if k not in ("of", "wide", "own", "expr")}
-    act = _which(wide, own, expr, _dtype(of))
+    act = _which(wide, own, leaf, expr)
     if act is not None:
         return Val("h", ops[0].roles, dict(info, act=act, w3=None))
     return Val("ufn", ops[0].roles, dict(info, of=of, wide=wide, own=own, expr=expr))
 
 
-def _which(wide, own, expr, dtype):
-    """The activation wide, own and expr are (module docstring), or None."""
-    if not isinstance(wide, torch.Tensor) or wide.shape != POINTS.shape:
+def _number(val):
+    return val.kind == "const" and type(val.info["value"]) in (int, float)
+
+
+def _which(wide, own, leaf, expr):
+    """The activation wide, own (from leaf) and expr are (module docstring), or None."""
+    if not isinstance(wide, torch.Tensor) or wide.shape != POINTS.shape or own.shape != leaf.shape:
         return None
     for act, fn in _ACTS.items():
         want = fn(POINTS)
         if not bool(((wide - want).abs() <= 1e-12 * (1 + want.abs())).all()):
             continue
-        ulp = torch.finfo(dtype).eps
-        near = (own.double() - fn(POINTS.to(dtype)).double()).abs() <= _ULPS * ulp * (1 + POINTS.abs())
-        if bool(near.all()) and _equal(expr, _formulas()[act]):
+        x = leaf.detach().requires_grad_()
+        with torch.enable_grad():
+            theirs = fn(x)
+            grads = torch.autograd.grad(own.sum(), leaf, retain_graph=True)[0], torch.autograd.grad(theirs.sum(), x)[0]
+        if _near(own, theirs, x, "forward") and _near(*grads, x, "backward") and _equal(expr, act):
             return act
     return None
+
+
+def _near(got, want, x, way):
+    scale = _ULPS[way] * torch.finfo(x.dtype).eps * (1 + x.detach().double().abs())
+    return bool(((got.detach().double() - want.detach().double()).abs() <= scale).all())
+
+
+@functools.cache
+def _dense(dtype):
+    """The values of u that check 2 and 3 run on: every finite one of a 16-bit dtype with |u| <=
+    LIMIT, 240k of a wider one (a fine grid near 0, a coarser one out to LIMIT, both signs)."""
+    if torch.finfo(dtype).bits == 16:
+        every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+        return every[every.isfinite() & (every.abs() <= LIMIT)]
+    near = torch.linspace(-20.0, 20.0, 200001, dtype=torch.float64)
+    far = torch.logspace(math.log10(20.0), math.log10(LIMIT), 20000, dtype=torch.float64)
+    return torch.cat([near, far, -far]).to(dtype)
 
 
 def _dtype(node):
@@ -129,14 +163,23 @@ def _snap(number):
     return sp.Float(number)
 
 
-def _equal(expr, formula):
-    """Whether sympy shows expr - formula is 0, with the arguments of erf, tanh and exp expanded
-    (x·c·(1 + κx²) is c·x + cκx³). A difference it cannot show is 0 counts as not equal."""
+_PROVEN = {}  # (srepr of an expression, act) -> whether _equal showed it: one proof per expression, not per expert
+
+
+def _equal(expr, act):
+    """Whether sympy shows expr minus act's formula is 0, with the arguments of erf, tanh and exp
+    expanded (x·c·(1 + κx²) is c·x + cκx³). A difference it cannot show is 0, or an expression
+    past _MOST_OPS, counts as not equal."""
     sp = _sympy()
-    expand_args = lambda e: e.replace(lambda t: isinstance(t, (sp.erf, sp.tanh, sp.exp)),
-                                      lambda t: t.func(sp.expand(t.args[0])))
-    difference = sp.expand(expand_args(expr) - expand_args(formula))
-    return difference == 0 or sp.simplify(difference) == 0
+    key = (sp.srepr(expr), act)
+    if key not in _PROVEN:
+        expand_args = lambda e: e.replace(lambda t: isinstance(t, (sp.erf, sp.tanh, sp.exp)),
+                                          lambda t: t.func(sp.expand(t.args[0])))
+        short = sp.count_ops(expr) <= _MOST_OPS
+        difference = sp.expand(expand_args(expr) - expand_args(_formulas()[act])) if short else None
+        _PROVEN[key] = short and (difference == 0 or (
+            sp.count_ops(difference) <= _MOST_OPS and sp.simplify(difference) == 0))
+    return _PROVEN[key]
 
 
 _SYMPY = {"add": operator.add, "sub": operator.sub, "mul": operator.mul, "div": operator.truediv,

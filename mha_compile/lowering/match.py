@@ -257,7 +257,8 @@ def _leaves_graph(anchor, limit=64):
 
 def _selects_experts(choice, hops=6):
     """Whether the indices `choice` gives (max's or sort's second output, argmax's or argsort's
-    own) pick experts: compared with an expert's number, one-hot encoded, scattered into, or used
+    own) pick experts: compared with an expert's number (or an arange of them), one-hot encoded,
+    scattered into, or used
     to index or gather (W1[index]), within `hops` layout steps. A classifier's argmax is none of
     these (found by a review: it read as a router)."""
     stack = [(choice, 0)] if _name(choice) in ("argmax", "argsort") else [
@@ -267,7 +268,9 @@ def _selects_experts(choice, hops=6):
         for user in n.users:
             op = canon(user)
             kind = None if op is None else op.kind
-            if kind == "eq" and any(type(a) is int for a in op.args) or kind in ("one_hot", "gather", "index_select") \
+            if kind == "eq" and any(type(a) is int or isinstance(a, torch.fx.Node) and _name(a) == "arange"
+                                    for a in op.args if a is not n) \
+                    or kind in ("one_hot", "gather", "index_select") \
                     or kind == "scatter" and op.args[2] is n or kind == "getitem" and _indexes_by_tensor(op.args[1]):
                 return True
             if kind in _LAYOUT + ("getitem",) and depth < hops:
@@ -334,6 +337,7 @@ def _match_at(nodes, anchor):
         if _is_inplace(n) and n is not y and n in data and n not in moe_walk.vals and n not in pool_walk.vals:
             raise _Miss(n, f"{n.name} writes in place into {n.args[0].name} inside the region, and is not part of "
                            f"the block's math as far as the matcher can read it")
+        _check_write_read_after(nodes, n, y, data)
     if any(y in k.all_input_nodes for k in kept):
         exports["y"] = y  # the kept router nodes read y again, rebuilt from the op
     params, config = moe_params(moe_walk.vals[out])
@@ -419,7 +423,7 @@ def drop_dead_math(graph):
 # Kinds canon reads that are kept unused: attention (it may draw dropout), nonzero (it defines a
 # size), and the ops that check their indices and raise in eager where one is out of range
 _KEPT_DEAD = ("sdpa", "mha", "nonzero", "one_hot", "gather", "index_select", "scatter", "scatter_add", "index_add",
-              "bincount", "histc", "searchsorted", "grouped_mm")
+              "bincount", "histc", "searchsorted", "grouped_mm", "floordiv")  # (// raises on an integer 0)
 
 
 def _indexes_by_tensor(index):
@@ -913,6 +917,29 @@ def _callers(nodes, aliases):
     something the graph returns."""
     returned = next(n for n in reversed(nodes) if n.op == "output").all_input_nodes
     return any(a.op in ("placeholder", "get_attr") or a in returned for a in aliases)
+
+
+# Writes in place whose rules give the written tensor its new meaning (walk.vals[target]): its
+# later readers read that
+_TRACKED_WRITES = ("scatter", "index_add", "scatter_add")
+
+
+def _check_write_read_after(nodes, n, y, data):
+    """A region node n that writes a tensor in place which a later node reads as that tensor (not
+    through n's result): the walks read the tensor as it was before the write, so `u.add_(b1[e]);
+    F.silu(u)` lost its bias and `u.mul_(2); F.silu(u)` its factor (found by a review). Only the
+    rules of _TRACKED_WRITES follow the write."""
+    target = _written(n)
+    op = canon(n)
+    if target is None or n is y or n not in data or (op is not None and op.kind in _TRACKED_WRITES):
+        return
+    after = _descendants(n)
+    readers = [u for a in _aliases(target) if a is not n and a not in after for u in a.users
+               if u is not n and nodes.order[u] > nodes.order[n]]
+    if readers:
+        raise _Miss(n, f"{n.name} writes {target.name} in place, and {readers[0].name} reads {target.name} after the "
+                       f"write, where the matcher reads it as it was before: write it out of place "
+                       f"({target.name} = {target.name} + ..., not {target.name} += ... nor {_name(n)})")
 
 
 def _written_after(nodes, aliases, region, out):

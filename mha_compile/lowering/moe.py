@@ -489,7 +489,7 @@ def _normalize(walk, node, topw, p, dim, eps):
     if p != 1:
         raise Reject(f"{node.name}: the top-k weights are normalised by their L{p} norm (F.normalize, p={p!r}); "
                      f"the block renormalises them by their sum, p=1")
-    if eps > least / 2:  # an eps at or below 0 never acts either
+    if not eps <= least / 2:  # an eps at or below 0 never acts either (and a NaN one is refused)
         raise Reject(f"{node.name}: the top-k weights are normalised with eps={eps:g}; Σw ≥ k/E = {least:g}, so an "
                      f"eps above {least / 2:g} can act and change the weights, which the region divides by Σw")
     return Val("topw", topw.roles, dict(topw.info, renorm=True))

@@ -920,7 +920,7 @@ class RoutedOtherwise(SpelledBlock):
     how="topk_and_max", by topk, the softmax's max read beside it (a confidence logged, say)."""
 
     def __init__(self, how):
-        super().__init__(k=1 if how in ("max", "argmax") else 2)
+        super().__init__(k=1 if how in ("max", "argmax", "max_arange") else 2)
         self.how = how
 
     def route(self, x):
@@ -941,6 +941,15 @@ class RoutedOtherwise(SpelledBlock):
     def forward(self, ctx, tok, pad=None):
         out = super().forward(ctx, tok, pad)
         return (out, self.confidence) if self.how == "topk_and_max" else out
+
+    def moe_forward(self, y):
+        if self.how != "max_arange":
+            return super().moe_forward(y)
+        x = y.reshape(-1, y.shape[-1])  # top-1 by max, its gates by comparing with an arange of the experts
+        weight, index = torch.softmax(self.router(x), dim=-1).max(dim=-1)
+        gates = (index[:, None] == torch.arange(self.E)).to(x.dtype) * weight[:, None]
+        f = torch.stack([self.expert(e, x) for e in range(self.E)], dim=1)
+        return torch.einsum("re,red->rd", gates, f).reshape(y.shape)
 
 
 class WithClassifier(SpelledBlock):
@@ -1020,7 +1029,7 @@ def test_python_sum_over_the_experts_matches():
 
 WRITTEN_ACTS = {  # activations written out in elementwise ops, as model code has them
     "sigmoid": lambda u: u * torch.sigmoid(u),
-    "exp": lambda u: u / (1 + torch.exp(-u)),
+    "exp": lambda u: u / (1 + torch.exp(-u)),  # silu forward; NaN backward where exp(-u) overflows: refused
     "erf": lambda u: u * 0.5 * (1.0 + torch.erf(u / math.sqrt(2.0))),  # Hugging Face's GELU (original)
     "tanh": lambda u: 0.5 * u * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (u + 0.044715 * torch.pow(u, 3.0)))),
     "tanh_cube": lambda u: 0.5 * u * (1 + (math.sqrt(2 / math.pi) * (u + 0.044715 * u * u * u)).tanh()),
@@ -1037,7 +1046,24 @@ WRITTEN_ACTS = {  # activations written out in elementwise ops, as model code ha
     "int_round_trip": lambda u: F.silu(u).to(torch.int32).to(u.dtype),
     "coarse_in_bf16": lambda u: (u + 256 - 256) * torch.sigmoid(u),  # u rounded to 2 in bf16, exact in float64
     "overflow_in_fp32": lambda u: u * (torch.sigmoid(u) * 1e40) / 1e40,  # inf / inf in float32
+    # NaN on a band near 0.05 in float32, where 1e37 / (u - 0.05) overflows
+    "nan_band": lambda u: u * (torch.sigmoid(u) + (1e37 / (u - 0.05) - 1e37 / (u - 0.05))),
+    "long": lambda u: u * (torch.sigmoid(u) + 1e-30 * _tanh_product(u)),
+    "in_place": lambda u: _sigmoid_then_double(u),
 }
+
+
+def _tanh_product(u):
+    product = 1 + torch.tanh(u)
+    for i in range(2, 9):
+        product = product * (1 + torch.tanh(i * u))
+    return product
+
+
+def _sigmoid_then_double(u):
+    s = torch.sigmoid(u)
+    u.mul_(2.0)  # after sigmoid read u: eager's is 2 · silu(u)
+    return s * u
 
 
 class WrittenOut(SpelledBlock):
@@ -1065,7 +1091,8 @@ class WrittenOut(SpelledBlock):
         return weight / weight.sum(dim=-1, keepdim=True), index
 
 
-@pytest.mark.parametrize("how, dtype", [("coarse_in_bf16", torch.bfloat16), ("overflow_in_fp32", torch.float32)])
+@pytest.mark.parametrize("how, dtype", [("coarse_in_bf16", torch.bfloat16), ("overflow_in_fp32", torch.float32),
+                                        ("nan_band", torch.float32)])
 def test_a_written_out_activation_that_rounds_otherwise_in_the_models_dtype_is_refused(how, dtype):
     """Exact in float64, and not in the model's dtype: there u + 256 - 256 rounds u to a multiple of
     2 (bf16), and · 1e40 overflows (float32, where eager gives NaN)."""
@@ -1075,6 +1102,15 @@ def test_a_written_out_activation_that_rounds_otherwise_in_the_models_dtype_is_r
         torch.compile(WrittenOut(how).to(dtype), backend="mha")(*inputs(dtype=dtype))
     assert not any(r.matches for r in reports), [str(r) for r in reports]
     assert any("could not be read" in m["reason"] for r in reports for m in r.near_misses)
+
+
+class InPlaceBias(SpelledBlock):
+    """The expert's bias added in place into u: silu then reads u with the bias (a review's)."""
+
+    def expert(self, e, x):
+        u = x @ self.w1[e]
+        u.add_(self.b1[e])
+        return F.silu(u) @ self.w2[e] + self.b2[e]
 
 
 class DeadButNotPure(SpelledBlock):
@@ -1089,6 +1125,8 @@ class DeadButNotPure(SpelledBlock):
         weight, index = super().route(x)
         if self.how == "one_hot":
             F.one_hot(index + self.E, self.E)
+        if self.how == "floordiv":
+            index // (index - index)
         return weight, index
 
     def forward(self, ctx, tok, pad=None):
@@ -1096,7 +1134,8 @@ class DeadButNotPure(SpelledBlock):
         if self.how != "out_tuple":
             return out
         with torch.no_grad():
-            values, indices = torch.zeros(out.shape[:-1], dtype=out.dtype), torch.zeros(out.shape[:-1], dtype=torch.long)
+            values = torch.zeros(out.shape[:-1], dtype=out.dtype)
+            indices = torch.zeros(out.shape[:-1], dtype=torch.long)
             torch.max(out, -1, out=(values, indices))
         return out + values[..., None]
 
@@ -1107,13 +1146,14 @@ def test_unused_calls_that_write_or_check_are_kept():
     torch.manual_seed(0)
     args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     _assert_one_match(compile_and_compare(DeadButNotPure("out_tuple").double(), args, torch.float64))
-    torch._dynamo.reset()
-    with pytest.raises(Exception, match="(?i)class values must be smaller than num_classes|index"):
-        torch.compile(DeadButNotPure("one_hot").double(), backend="mha")(*args)
+    for how, error in (("one_hot", "(?i)class values must be smaller than num_classes|index"),
+                       ("floordiv", "ZeroDivisionError")):
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match=error):
+            torch.compile(DeadButNotPure(how).double(), backend="mha")(*args)
 
 
 @pytest.mark.parametrize("how, act, read", [("sigmoid", "silu", "silu"), ("sigmoid", "swiglu", "swiglu"),
-                                            ("exp", "silu", "silu"), ("exp", "swiglu", "swiglu"),
                                             ("erf", "gelu", "gelu"), ("tanh", "gelu", "gelu_tanh"),
                                             ("tanh_cube", "gelu", "gelu_tanh"),
                                             ("clamp", "silu", "silu"), ("normalize", "silu", "silu")])
@@ -1299,6 +1339,7 @@ NEAR_MISSES = {
     "F.normalize with eps=0.3": (WrittenOut, {"how": "normalize", "eps": 0.3}, "eps=0.3"),
     "u · sigmoid(x W3), not silu": (WrittenOut, {"how": "sigmoid_of_other", "act": "swiglu"}, "could not be read"),
     "top-1 by max": (RoutedOtherwise, {"how": "max"}, "chosen by max of the router's softmax"),
+    "top-1 by max, gates by == arange(E)": (RoutedOtherwise, {"how": "max_arange"}, "chosen by max of the router's"),
     "top-1 by argmax": (RoutedOtherwise, {"how": "argmax"}, "chosen by argmax of the router's softmax"),
     "top-k by a descending sort": (RoutedOtherwise, {"how": "sort"}, "chosen by sort of the router's softmax"),
     "an expert added again after all were summed": (PythonSum, {"order": (0, 1, 2, 3, 0)}, "added again"),
@@ -1309,6 +1350,13 @@ NEAR_MISSES = {
     "silu of u + 1": (WrittenOut, {"how": "shifted", "act": "silu"}, "could not be read"),
     "silu + 1e-30 exp(u)": (WrittenOut, {"how": "far_term", "act": "silu"}, "could not be read"),
     "silu + a bump between points": (WrittenOut, {"how": "bump", "act": "silu"}, "could not be read"),
+    "silu as u / (1 + exp(-u)): NaN backward far out": (WrittenOut, {"how": "exp", "act": "silu"},
+                                                         "could not be read"),
+    "silu + 1e-30 · a product of 8 tanh: too long for sympy": (WrittenOut, {"how": "long", "act": "silu"},
+                                                                "could not be read"),
+    "u written in place between sigmoid(u) and · u": (WrittenOut, {"how": "in_place", "act": "silu"},
+                                                      "after the write"),
+    "b1 added in place: u.add_(b1[e]); silu(u)": (InPlaceBias, {}, "after the write"),
     "u · sigmoid(u).t() of a square u": (WrittenOut, {"how": "transposed", "act": "silu", "F_": 12},
                                          "could not be read"),
     "u · sigmoid(u).to(int64)": (WrittenOut, {"how": "int_cast", "act": "silu"}, "could not be read"),
