@@ -20,6 +20,7 @@ autograd graph from a leaf), and become the activation's h only where all four c
 
 Beyond |u| = LIMIT a written-out form may overflow where the op does not; that is not checked.
 """
+import contextlib
 import functools
 import math
 import operator
@@ -65,14 +66,14 @@ def written_out(node, op, args):
     if len(sources) != 1:
         return None
     of = next(iter(sources))
-    if of not in _LEAVES:  # one leaf per u node: u / √2 and 0.5 · u start apart and meet again
-        _LEAVES[of] = _dense(_dtype(of)).clone().requires_grad_()
-    leaf = _LEAVES[of]
-    operands = [(v.info["value"], v.info["value"], _snap(v.info["value"])) if v.kind == "const"
-                else (POINTS, leaf, _symbol()) if v.kind == "u"
-                else (v.info["wide"], v.info["own"], v.info["expr"]) for v in args]
-    fn = _TORCH[op.kind]
-    with torch.enable_grad():
+    with _autograd():  # the compile may run where the user's call is under no_grad or inference_mode
+        if of not in _LEAVES:  # one leaf per u node: u / √2 and 0.5 · u start apart and meet again
+            _LEAVES[of] = _dense(_dtype(of)).clone().requires_grad_()
+        leaf = _LEAVES[of]
+        operands = [(v.info["value"], v.info["value"], _snap(v.info["value"])) if v.kind == "const"
+                    else (POINTS, leaf, _symbol()) if v.kind == "u"
+                    else (v.info["wide"], v.info["own"], v.info["expr"]) for v in args]
+        fn = _TORCH[op.kind]
         wide, own = fn(*[o[0] for o in operands]), fn(*[o[1] for o in operands])
     expr = _SYMPY[op.kind](*[o[2] for o in operands])
     if not expr.free_symbols:  # u went into it, and sympy folded it to a number (a - a)
@@ -96,13 +97,19 @@ def _which(wide, own, leaf, expr):
         want = fn(POINTS)
         if not bool(((wide - want).abs() <= 1e-12 * (1 + want.abs())).all()):
             continue
-        x = leaf.detach().requires_grad_()
-        with torch.enable_grad():
+        with _autograd():
+            x = leaf.detach().requires_grad_()
             theirs = fn(x)
             grads = torch.autograd.grad(own.sum(), leaf, retain_graph=True)[0], torch.autograd.grad(theirs.sum(), x)[0]
         if _near(own, theirs, x, "forward") and _near(*grads, x, "backward") and _equal(expr, act):
             return act
     return None
+
+
+@contextlib.contextmanager
+def _autograd():
+    with torch.inference_mode(False), torch.enable_grad():
+        yield
 
 
 def _near(got, want, x, way):

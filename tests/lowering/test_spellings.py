@@ -1165,6 +1165,20 @@ def test_written_out_spellings_match(how, act, read):
     assert match["config"]["act"] == read and match["config"]["renorm"] is True
 
 
+@pytest.mark.parametrize("mode", [torch.inference_mode, torch.no_grad])
+def test_a_written_out_activation_is_read_under_inference_mode_and_no_grad(mode):
+    """Its checks take gradients of the written-out ops: they run with autograd on, whatever the
+    user's call is under."""
+    torch.manual_seed(0)
+    model, args = WrittenOut("tanh", "gelu").double(), inputs(dtype=torch.float64)
+    with mode(), compiled_reports() as reports:
+        torch._dynamo.reset()
+        got = torch.compile(copy.deepcopy(model), backend="mha", options={"strict": True})(*args)
+        want = model(*args)
+    assert _assert_one_match(reports)["config"]["act"] == "gelu_tanh"
+    assert relative_error(got, want) <= TOLERANCE[torch.float64]
+
+
 @pytest.mark.parametrize("how", ["clamp", "normalize"])
 def test_a_clamp_or_eps_below_zero_never_acts_and_matches(how):
     torch.manual_seed(0)
