@@ -599,6 +599,8 @@ def _expert_info(info):
 
 def _add(walk, node, a, b):
     if a is None or b is None:
+        if node is not None and any(v is not None and v.kind == "contrib" for v in (a, b)):
+            _summed_onto_other(node)
         return None
     if "sumw" in (a.kind, b.kind) and "const" in (a.kind, b.kind):
         return _sum_plus_eps(walk, node, a if a.kind == "sumw" else b, b if b.kind == "const" else a)
@@ -636,7 +638,14 @@ def _add(walk, node, a, b):
         if b.kind == "zero":
             return _complete(walk, a)
         return _join(walk, node, a, b)
+    if "contrib" in (a.kind, b.kind) and node is not None:
+        _summed_onto_other(node)
     return None
+
+
+def _summed_onto_other(node):
+    raise Reject(f"{node.name}: an expert's output is added to something other than zeros or the other experts' "
+                 f"outputs (Python's sum() with a start, say); the block sums them from zero")
 
 
 def _is_zero(val):

@@ -1009,14 +1009,15 @@ def test_statistics_computed_and_never_used_do_not_keep_the_block_from_matching(
 class PythonSum(SpelledBlock):
     """The loop's contributions summed by Python's sum(), which starts at 0, in the order given."""
 
-    def __init__(self, order=(0, 1, 2, 3)):
+    def __init__(self, order=(0, 1, 2, 3), start=None):
         super().__init__()
-        self.order = order
+        self.order, self.start = order, start
 
     def moe_forward(self, y):
         x = y.reshape(-1, y.shape[-1])
         weight, index = self.route(x)
-        out = sum((weight * (index == e)).sum(dim=-1, keepdim=True) * self.expert(e, x) for e in self.order)
+        terms = ((weight * (index == e)).sum(dim=-1, keepdim=True) * self.expert(e, x) for e in self.order)
+        out = sum(terms) if self.start is None else sum(terms, x * self.start)
         return out.reshape(y.shape)
 
 
@@ -1358,6 +1359,7 @@ NEAR_MISSES = {
     "top-k by a descending sort": (RoutedOtherwise, {"how": "sort"}, "chosen by sort of the router's softmax"),
     "an expert added again after all were summed": (PythonSum, {"order": (0, 1, 2, 3, 0)}, "added again"),
     "an expert added twice mid-sum": (PythonSum, {"order": (0, 1, 1, 2, 3)}, "expert(s) [1] added twice"),
+    "the experts summed onto x (sum's start)": (PythonSum, {"start": 1.0}, "added to something other than zeros"),
     "tanh gelu with its constant cut to 8 digits": (WrittenOut, {"how": "tanh_cut", "act": "gelu"},
                                                     "could not be read"),
     "quick gelu u · sigmoid(1.702 u)": (WrittenOut, {"how": "quick", "act": "gelu"}, "could not be read"),
