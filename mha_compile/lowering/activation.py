@@ -29,13 +29,15 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from mha_compile.lowering.canonicalize import float_dtype
 from mha_compile.lowering.interpret import Val
 
 UNARY = ("erf", "tanh", "sigmoid", "exp", "neg")
 KINDS = UNARY + ("add", "sub", "mul", "div", "pow")
-_TORCH = {"add": operator.add, "sub": operator.sub, "mul": operator.mul, "div": operator.truediv,
-          "pow": operator.pow, "neg": operator.neg, "erf": torch.erf, "tanh": torch.tanh,
-          "sigmoid": torch.sigmoid, "exp": torch.exp}
+# Python's operators apply alike to tensors (as eager does, numbers on either side) and to sympy's expressions
+_OPERATORS = {"add": operator.add, "sub": operator.sub, "mul": operator.mul, "div": operator.truediv,
+              "pow": operator.pow, "neg": operator.neg}
+_TORCH = {**_OPERATORS, "erf": torch.erf, "tanh": torch.tanh, "sigmoid": torch.sigmoid, "exp": torch.exp}
 _ACTS = {"gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "silu": F.silu}
 # Where the activations differ from each other and from their asymptotes, 0 (where a division by
 # u gives a NaN), and far out, where a term too small to see on [-6, 6] would not be
@@ -68,7 +70,7 @@ def written_out(node, op, args):
     of = next(iter(sources))
     with _autograd():  # the compile may run where the user's call is under no_grad or inference_mode
         if of not in _LEAVES:  # one leaf per u node: u / √2 and 0.5 · u start apart and meet again
-            _LEAVES[of] = _dense(_dtype(of)).clone().requires_grad_()
+            _LEAVES[of] = _dense(float_dtype(of) or torch.float64).clone().requires_grad_()
         leaf = _LEAVES[of]
         operands = [(v.info["value"], v.info["value"], _snap(v.info["value"])) if v.kind == "const"
                     else (POINTS, leaf, _symbol()) if v.kind == "u"
@@ -129,11 +131,6 @@ def _dense(dtype):
     return torch.cat([near, far, -far]).to(dtype)
 
 
-def _dtype(node):
-    value = node.meta.get("example_value")
-    return value.dtype if isinstance(value, torch.Tensor) and value.dtype.is_floating_point else torch.float64
-
-
 def _sympy():
     import sympy  # here: its import takes ~0.3 s, and only a written-out activation needs it
     return sympy
@@ -189,7 +186,5 @@ def _equal(expr, act):
     return _PROVEN[key]
 
 
-_SYMPY = {"add": operator.add, "sub": operator.sub, "mul": operator.mul, "div": operator.truediv,
-          "pow": operator.pow, "neg": operator.neg,
-          "erf": lambda a: _sympy().erf(a), "tanh": lambda a: _sympy().tanh(a),
+_SYMPY = {**_OPERATORS, "erf": lambda a: _sympy().erf(a), "tanh": lambda a: _sympy().tanh(a),
           "sigmoid": lambda a: 1 / (1 + _sympy().exp(-a)), "exp": lambda a: _sympy().exp(a)}

@@ -327,5 +327,11 @@ def dtype(node):
     return value.dtype if isinstance(value, torch.Tensor) else None
 
 
+def float_dtype(node):
+    """The node's dtype where it is a floating-point one, else None (an integer, a bool, unknown)."""
+    kind = dtype(node)
+    return kind if kind is not None and kind.is_floating_point else None
+
+
 def is_one(size):
     return isinstance(size, int) and size == 1

@@ -15,7 +15,7 @@ import dataclasses
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from mha_compile.lowering.canonicalize import canon, canon_kind, dtype, shape
+from mha_compile.lowering.canonicalize import canon, canon_kind, dtype, float_dtype, shape
 
 ONE = "1"  # the role of a size-1 axis
 OUTSIDE_KINDS = ("ext", "zero")  # Vals a node outside the region may have
@@ -389,8 +389,8 @@ def layout_rule(walk, node, op):
 
 def _to_integers(src, node):
     """Whether node casts a floating-point src to an integer or bool dtype."""
-    before, after = dtype(src) if isinstance(src, torch.fx.Node) else None, dtype(node)
-    return before is not None and before.is_floating_point and after is not None and not after.is_floating_point
+    after = dtype(node)
+    return float_dtype(src) is not None and after is not None and not after.is_floating_point
 
 
 def move_roles(walk, op, roles, in_shape, out_shape):

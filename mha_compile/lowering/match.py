@@ -18,7 +18,7 @@ import operator
 
 import torch
 
-from mha_compile.lowering.canonicalize import canon, dtype, shape
+from mha_compile.lowering.canonicalize import canon, dtype, float_dtype, shape
 from mha_compile.lowering.interpret import ONE, StackRef, Val, Walk, broadcast, known_eq, layout_rule
 from mha_compile.lowering.moe import moe_params, moe_rule
 from mha_compile.lowering.pool import pool_params, pool_rule
@@ -258,9 +258,8 @@ def _leaves_graph(anchor, limit=64):
 def _selects_experts(choice, hops=6):
     """Whether the indices `choice` gives (max's or sort's second output, argmax's or argsort's
     own) pick experts: compared with an expert's number (or an arange of them), one-hot encoded,
-    scattered into, or used
-    to index or gather (W1[index]), within `hops` layout steps. A classifier's argmax is none of
-    these (found by a review: it read as a router)."""
+    scattered into, or used to index or gather (W1[index]), within `hops` layout steps. A
+    classifier's argmax is none of these (found by a review: it read as a router)."""
     stack = [(choice, 0)] if _name(choice) in ("argmax", "argsort") else [
         (u, 0) for u in choice.users if canon(u) is not None and canon(u).kind == "getitem" and u.args[1] == 1]
     while stack:
@@ -406,9 +405,8 @@ def drop_dead_math(graph):
     nodes in its graphs. Anything else unused stays (a write in place, a random draw, a call the
     matcher does not know, attention that may draw dropout, a nonzero that defines a size, an op
     that checks its indices: _KEPT_DEAD): the calls that compute only are the kinds canon reads
-    and the names in _COMPUTES_ONLY. Run on the
-    copy the rewrite works on: the captured graph is not changed."""
-    erased = 0
+    and the names in _COMPUTES_ONLY. Run on the copy the rewrite works on: the captured graph is
+    not changed."""
     for node in reversed(list(graph.nodes)):
         if node.users or node.op not in ("call_function", "call_method") or _is_inplace(node):
             continue
@@ -416,8 +414,6 @@ def drop_dead_math(graph):
         if (op.kind not in _KEPT_DEAD if op is not None else _name(node) in _COMPUTES_ONLY) and \
                 not (op is not None and op.kind == "getitem" and _indexes_by_tensor(op.args[1])):
             graph.erase_node(node)
-            erased += 1
-    return erased
 
 
 # Kinds canon reads that are kept unused: attention (it may draw dropout), nonzero (it defines a
@@ -865,8 +861,8 @@ def _check_no_coarser_rounding(nodes, region, ctx, tok, autocast):
     activations' dtype (a bf16 model's router softmax in fp32, then .to(bf16)), and autocast's own
     to its dtype (entered with a dtype or without, around the call or inside it)."""
     def eps(node):
-        kind = dtype(node) if isinstance(node, torch.fx.Node) else None
-        return torch.finfo(kind).eps if kind is not None and kind.is_floating_point else None
+        kind = float_dtype(node)
+        return None if kind is None else torch.finfo(kind).eps
 
     coarser = max((ctx, tok), key=lambda n: eps(n) or 0.0)
     if eps(coarser) is None:

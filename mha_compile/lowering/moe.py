@@ -24,7 +24,7 @@ import operator
 import torch
 
 from mha_compile.lowering.activation import KINDS as ELEMENTWISE, written_out
-from mha_compile.lowering.canonicalize import Op, dtype, shape, sum_of_product
+from mha_compile.lowering.canonicalize import Op, float_dtype, shape, sum_of_product
 from mha_compile.lowering.interpret import (ONE, ParamRef, Reject, StackRef, Val, broadcast, canonical_perm,
                                             einsum_roles, ext_ref, is_one, known_eq, layout_rule, move_roles,
                                             select_rule)
@@ -446,7 +446,7 @@ def _sum_plus_eps(walk, node, total, eps):
     c, least = eps.info["value"], _least_sum(walk, total)
     if not isinstance(c, (int, float)) or least is None:
         return None
-    kind = dtype(node) if dtype(node) is not None and dtype(node).is_floating_point else torch.float64
+    kind = float_dtype(node) or torch.float64
     bound = least * torch.finfo(kind).eps / 8
     if 0 <= c <= bound:
         return total
@@ -464,35 +464,36 @@ def _least_sum(walk, total):
 
 
 def _sum_clamped(walk, node, total, low, high):
-    """Σw.clamp(min=eps) as a renormaliser: with eps at most half of k/E the clamp never acts, Σw
-    being at least k/E (less its rounding), and the renormalisation is the region's."""
+    """Σw.clamp(min=eps) as a renormaliser, where the clamp never acts (_floor_never_acts)."""
     if total is None or total.kind != "sumw" or high is not None or not isinstance(low, (int, float)):
         return None
-    least = _least_sum(walk, total)
-    if least is None:
-        return None
-    if low <= least / 2:  # a clamp at or below 0 never acts either
-        return total
-    raise Reject(f"{node.name}: the top-k weights are renormalised by Σw clamped at {low:g}; Σw ≥ k/E = {least:g}, "
-                 f"so a clamp above {least / 2:g} can act and change the weights, which the region divides by Σw")
+    return total if _floor_never_acts(walk, node, total, low, "Σw clamped at ") else None
 
 
 def _normalize(walk, node, topw, p, dim, eps):
     """F.normalize(w, p=1, dim=slots): w / max(Σ|w|, eps), the top-k weights being non-negative
-    probabilities: w / Σw where eps is at most half of k/E (as _sum_clamped)."""
+    probabilities: w / Σw where eps never acts (_floor_never_acts)."""
     if topw is None or topw.kind != "topw" or topw.info["renorm"] or not isinstance(dim, int) or \
-            topw.roles[dim] != "s" or not isinstance(eps, (int, float)):
-        return None
-    least = _least_sum(walk, topw)
-    if least is None:
+            topw.roles[dim] != "s" or not isinstance(eps, (int, float)) or _least_sum(walk, topw) is None:
         return None
     if p != 1:
         raise Reject(f"{node.name}: the top-k weights are normalised by their L{p} norm (F.normalize, p={p!r}); "
                      f"the block renormalises them by their sum, p=1")
-    if not eps <= least / 2:  # an eps at or below 0 never acts either (and a NaN one is refused)
-        raise Reject(f"{node.name}: the top-k weights are normalised with eps={eps:g}; Σw ≥ k/E = {least:g}, so an "
-                     f"eps above {least / 2:g} can act and change the weights, which the region divides by Σw")
+    _floor_never_acts(walk, node, topw, eps, "F.normalize's eps=")
     return Val("topw", topw.roles, dict(topw.info, renorm=True))
+
+
+def _floor_never_acts(walk, node, weights, floor, what):
+    """Whether a floor under Σw (a clamp's min, F.normalize's eps) never acts: it is at most half of
+    k/E, which Σw is at least (less its rounding); at or below 0 it never acts either. None where E
+    is not known; a floor that can act (or a NaN one) is a near-miss."""
+    least = _least_sum(walk, weights)
+    if least is None:
+        return None
+    if not floor <= least / 2:
+        raise Reject(f"{node.name}: the top-k weights are renormalised with {what}{floor:g}; Σw ≥ k/E = {least:g}, "
+                     f"so a floor above {least / 2:g} can act and change the weights, which the region divides by Σw")
+    return True
 
 
 def _one_slot(walk):
