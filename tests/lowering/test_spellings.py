@@ -971,6 +971,7 @@ def test_a_classifiers_argmax_is_no_near_miss():
         torch._dynamo.reset()
         torch.compile(WithClassifier().double(), backend="mha")(*inputs(dtype=torch.float64))
     _assert_one_match(reports)
+    assert not any(r.near_misses for r in reports)  # the argmax is the classifier's, not a router's
 
 
 def test_a_max_read_beside_the_top_k_is_no_near_miss():
@@ -979,6 +980,7 @@ def test_a_max_read_beside_the_top_k_is_no_near_miss():
         torch._dynamo.reset()
         torch.compile(RoutedOtherwise("topk_and_max").double(), backend="mha")(*inputs(dtype=torch.float64))
     _assert_one_match(reports)
+    assert not any(r.near_misses for r in reports)  # the max beside the top-k is no router
 
 
 class DeadStatistic(SpelledBlock):
@@ -1025,7 +1027,8 @@ def test_python_sum_over_the_experts_matches():
     """Before, the 0 that sum() starts at was no zero to the matcher: "cover experts [3] of 4"."""
     torch.manual_seed(0)
     args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    _assert_one_match(compile_and_compare(PythonSum().double(), args, torch.float64))
+    match = _assert_one_match(compile_and_compare(PythonSum().double(), args, torch.float64))
+    assert match["config"]["renorm"] is True and match["config"]["top_k"] == 2
 
 
 WRITTEN_ACTS = {  # activations written out in elementwise ops, as model code has them
@@ -1184,7 +1187,8 @@ def test_a_written_out_activation_is_read_under_inference_mode_and_no_grad(mode)
 def test_a_clamp_or_eps_below_zero_never_acts_and_matches(how):
     torch.manual_seed(0)
     args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    _assert_one_match(compile_and_compare(WrittenOut(how, eps=-1.0).double(), args, torch.float64))
+    match = _assert_one_match(compile_and_compare(WrittenOut(how, eps=-1.0).double(), args, torch.float64))
+    assert match["config"]["renorm"] is True
 
 
 class SmallestExperts(SpelledBlock):
