@@ -101,7 +101,11 @@ def _describe(ref):
         return "stack(" + ", ".join(_describe(r) for r in ref.refs) + ")"
     text = ref.node.name
     for step in ref.steps:
-        text += f".{step[0]}{step[1:] if step[0] != 'linear' else ''}"
+        if step[0] == "index":  # as Python writes the index: w13[:, :, 0:64]
+            text += "[" + ", ".join(i if i == ":" else f"{i[1]}:{i[2]}" if isinstance(i, tuple) else str(i)
+                                    for i in step[1]) + "]"
+        else:
+            text += f".{step[0]}{step[1:] if step[0] != 'linear' else ''}"
     if ref.select is not None:
         text += f"[{ref.select}]"
     if ref.perm is not None:

@@ -29,6 +29,7 @@ from mha_compile.lowering.interpret import (ONE, ParamRef, Reject, StackRef, Val
                                             einsum_roles, ext_ref, is_one, known_eq, layout_rule, move_roles,
                                             select_rule)
 from mha_compile.lowering.moe_grouped import grouped_rule
+from mha_compile.lowering.moe_split import WIDE, split_later, split_rule
 
 ACT_OF = {("gelu", "none"): "gelu", ("gelu", "tanh"): "gelu_tanh", ("silu", None): "silu"}
 EXPERT_PARAMS = ("w1", "b1", "w3", "w2", "b2")
@@ -39,6 +40,15 @@ def _rows(roles):
 
 
 def moe_rule(walk, node, op):
+    """The Val of `op`; a product x·W whose columns are split later has its hidden axis WIDE
+    (moe_split.py: the blocks are the experts' W1 and W3)."""
+    val = split_rule(walk, node, op) or _read(walk, node, op)
+    if val is not None and val.kind == "u" and val.roles and val.roles[-1] == "f" and split_later(node):
+        return Val("u", val.roles[:-1] + (WIDE,), val.info)
+    return val
+
+
+def _read(walk, node, op):
     grouped = grouped_rule(walk, node, op, _gate_info, _expert_info)
     if grouped is not None:
         return grouped
@@ -574,10 +584,12 @@ def _mul(walk, node, a, b):
                                    "covered": frozenset([gate.info["expert"]])})
     if "h" in pair and "u" in pair:  # swiglu: silu(x W1 + b1) ⊙ (x W3)
         h, u3 = pair["h"], pair["u"]
-        if h.info["act"] != "silu" or h.info["w3"] is not None or u3.info["b1"] is not None or \
-                u3.info["expert"] != h.info["expert"] or h.roles != u3.roles or \
-                h.info.get("topk") is not u3.info.get("topk"):
+        if h.info["act"] != "silu" or h.info["w3"] is not None or u3.info["expert"] != h.info["expert"] or \
+                h.roles != u3.roles or h.info.get("topk") is not u3.info.get("topk"):
             return None
+        if u3.info["b1"] is not None:
+            raise Reject(f"{node.name}: the SwiGLU's up projection x·W3 adds a bias; the block's SwiGLU is "
+                         f"silu(x·W1 + b1) ⊙ (x·W3), with no bias on x·W3")
         return Val("h", h.roles, dict(h.info, act="swiglu", w3=u3.info["w1"]))
     return None
 
@@ -726,9 +738,9 @@ def _stacked(keys, experts):
             out[name] = None
         elif any(r is None for r in refs):
             return None
-        elif all(r.node is refs[0].node and r.select == e and r.perm == refs[0].perm and not r.steps
-                 for e, r in enumerate(refs)):
-            out[name] = ParamRef(refs[0].node, refs[0].perm)
+        elif all(r.node is refs[0].node and r.select == e and r.perm == refs[0].perm and r.steps == refs[0].steps
+                 for e, r in enumerate(refs)):  # steps act on the stored tensor, before the select
+            out[name] = ParamRef(refs[0].node, refs[0].perm, steps=refs[0].steps)
         else:
             out[name] = StackRef(tuple(refs))
     return out

@@ -335,6 +335,75 @@ class GroupedMM(SpelledBlock):
         return block.double()
 
 
+class FusedGateUp(SpelledBlock):
+    """SwiGLU with W1 and W3 in one tensor: one product x·[W1 | W3], then split into the gate's and
+    the up projection's columns (transformers' MoE experts: `gate, up = F.linear(x,
+    gate_up_proj[e]).chunk(2, dim=-1)`). stored: "edf" ([E, D, 2F], x @ W13[e]) | "linear"
+    ([E, 2F, D], F.linear) | "modules" (an nn.Linear(D, 2F) per expert); split: "chunk" | "split"
+    (split(F)) | "split_list" (split([F, F])) | "slices" (u[..., :F], u[..., F:]) | "interleaved"
+    (u[..., ::2], u[..., 1::2]: not the block's halves); up_first: W13 = [W3 | W1]. b1 is added to the
+    gate's columns after the split (up_bias: a bias over both halves before it, loop only); moe:
+    loop, mixtral, gathered, dense_scatter (stacked storage)."""
+
+    def __init__(self, stored="edf", split="chunk", up_first=False, up_bias=False, F_=64, **block):
+        super().__init__(act="swiglu", F_=F_, experts="modules" if stored == "modules" else "stacked", **block)
+        self.stored, self.split, self.up_first, self.F = stored, split, up_first, F_
+        E, D = self.E, self.D
+        if stored == "modules":  # b1 left out: the modules' gate bias would be the fused Linear's
+            self.gate_up = nn.ModuleList(nn.Linear(D, 2 * F_, bias=False) for _ in range(E))
+            self.up = self.gate_proj = self.b1 = None
+        else:
+            w13 = torch.randn(E, D, 2 * F_) / math.sqrt(D)
+            self.w13 = nn.Parameter(w13 if stored == "edf" else w13.transpose(1, 2).contiguous())
+            self.w1 = self.w3 = None
+        self.b13 = nn.Parameter(0.1 * torch.randn(E, 2 * F_)) if up_bias else None
+
+    def _halves(self, u13):
+        F_ = self.F
+        if self.split == "chunk":
+            a, b = u13.chunk(2, dim=-1)
+        elif self.split == "split":
+            a, b = u13.split(F_, dim=-1)
+        elif self.split == "split_list":
+            a, b = torch.split(u13, [F_, F_], dim=-1)
+        elif self.split == "interleaved":
+            a, b = u13[..., ::2], u13[..., 1::2]
+        else:
+            a, b = u13[..., :F_], u13[..., F_:]
+        return (b, a) if self.up_first else (a, b)
+
+    def _swiglu(self, u13, b1):
+        gate, up = self._halves(u13)
+        return F.silu(gate if b1 is None else gate + b1) * up
+
+    def expert(self, e, x):
+        if self.stored == "modules":
+            h = self._swiglu(self.gate_up[e](x), self.b1[e] if self.b1 is not None else None)
+            return self.down[e](h)
+        u13 = x @ self.w13[e] if self.stored == "edf" else F.linear(x, self.w13[e])
+        u13 = u13 + self.b13[e] if self.b13 is not None else u13
+        f = self._swiglu(u13, self.b1[e] if self.b1 is not None else None) @ self.w2[e]
+        return f + self.b2[e] if self.b2 is not None else f
+
+    def moe_forward(self, y):
+        if self.moe in ("loop", "mixtral"):
+            return super().moe_forward(y)
+        x = y.reshape(-1, y.shape[-1])
+        weight, index = self.route(x)
+        if self.moe == "gathered":
+            spec = "rd,rkdf->rkf" if self.stored == "edf" else "rd,rkfd->rkf"
+            h = self._swiglu(torch.einsum(spec, x, self.w13[index]), self.b1[index] if self.b1 is not None else None)
+            f = torch.einsum("rkf,rkfd->rkd", h, self.w2[index])
+            out = (weight.unsqueeze(-1) * (f + self.b2[index] if self.b2 is not None else f)).sum(dim=1)
+        else:  # dense_scatter
+            gates = torch.zeros(x.shape[0], self.E, dtype=x.dtype, device=x.device).scatter(1, index, weight)
+            spec = "rd,edf->ref" if self.stored == "edf" else "rd,efd->ref"
+            h = self._swiglu(torch.einsum(spec, x, self.w13), self.b1)
+            f = torch.einsum("ref,efd->red", h, self.w2)
+            out = torch.einsum("re,red->rd", gates, f + self.b2 if self.b2 is not None else f)
+        return out.reshape(y.shape)
+
+
 def inputs(B=4, H=3, N=5, D=32, dtype=torch.float32, mask=False, generator=None):
     ctx = torch.randn(B, H, D, dtype=dtype, generator=generator)
     tok = torch.randn(B, N, D, dtype=dtype, generator=generator)

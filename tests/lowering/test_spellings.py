@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from numerics import TOLERANCE, compiled_reports, relative_error
-from spellings import ACTS, EXPERTS, MERGES, MOES, POOLS, SpelledBlock, inputs
+from spellings import ACTS, EXPERTS, MERGES, MOES, POOLS, FusedGateUp, SpelledBlock, inputs
 
 ZERO_GRAD = ("key.bias",)  # SPEC §1: ∂bk is exactly zero; eager leaves roundoff there
 
@@ -1420,6 +1420,8 @@ NEAR_MISSES = {
     "router softmax in float32 in a float64 model": (CoarserStep, {"where": "router"}, "coarser than the region's"),
     "softmax(dtype=float32) in a float64 model": (CoarserStep, {"where": "softmax_dtype"},
                                                  "coarser than the region's"),
+    "fused gate|up split interleaved (::2), not in halves": (FusedGateUp, {"split": "interleaved"}, "could not be read"),
+    "fused gate|up with a bias on the up half too": (FusedGateUp, {"up_bias": True}, "x·W3 adds a bias"),
 }
 
 
@@ -1549,3 +1551,25 @@ def test_verify_catches_a_nan_gradient_of_the_rewrite_s_own(monkeypatch):
         torch.compile(copy.deepcopy(model), backend="mha", options={"verify": True})(ctx, tok.requires_grad_(True), pad)
     (report,) = reports
     assert report.fallback is not None and "not finite" in report.fallback, report.fallback
+
+
+FUSED_GATE_UP = ([dict(stored=s, moe=m) for s in ("edf", "linear") for m in ("loop", "mixtral", "gathered", "dense_scatter")]
+                 + [dict(stored="modules", moe=m) for m in ("loop", "mixtral")]
+                 + [dict(split=s) for s in ("split", "split_list", "slices")]
+                 + [dict(up_first=True, stored="linear", moe="mixtral"), dict(bias=False, split="slices", moe="gathered")])
+
+
+@pytest.mark.parametrize("config", FUSED_GATE_UP, ids=_id)
+def test_fused_gate_up_projection_split_in_columns(config):
+    """x·[W1 | W3] in one product, split into the gate's and the up projection's columns: one
+    match, outputs and every gradient (W13's from both its halves) equal eager's, and W1 and W3
+    read as column blocks of the one stored tensor, in the order the model uses them."""
+    torch.manual_seed(0)
+    model = FusedGateUp(**config).double()
+    args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    match = _assert_one_match(compile_and_compare(model, args, torch.float64,
+                                                  dynamic_where=config.get("moe") == "mixtral"))
+    F_ = model.F
+    gate, up = (f"{F_}:{2 * F_}]", f"0:{F_}]") if config.get("up_first") else (f"0:{F_}]", f"{F_}:{2 * F_}]")
+    assert match["config"]["act"] == "swiglu"
+    assert gate in match["params"]["w1"] and up in match["params"]["w3"], match["params"]
