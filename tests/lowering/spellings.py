@@ -257,13 +257,17 @@ class GroupedMM(SpelledBlock):
     sort's experts: the same sequence) | the cumsum of each expert's count:
     "onehot" (one_hot(flat, E).sum(0)), "histc", "scatter" (zeros(E).scatter_add_), "bincount"; inplace:
     out.index_add_ (True) or "scatter_add_" (the rows broadcast over the width);
-    stored_t: W1 and W2 stored [E, out, in] (nn.Linear's way) and read transposed."""
+    stored_t: W1 and W2 stored [E, out, in] (nn.Linear's way) and read transposed; fused (swiglu):
+    W1 and W3 as one W13 [E, D, 2F], one grouped GEMM chunked in two (FusedGateUp's loop, the math)."""
 
     def __init__(self, sort="argsort", select="getitem", rows="floordiv", gate="none_index", offs="right",
-                 inplace=False, stored_t=False, **block):
+                 inplace=False, stored_t=False, fused=False, **block):
         super().__init__(**block)
         self.sort, self.select, self.rows, self.gate, self.offs = sort, select, rows, gate, offs
-        self.inplace, self.stored_t = inplace, stored_t
+        self.inplace, self.stored_t, self.fused = inplace, stored_t, fused
+        if fused:
+            self.w13 = nn.Parameter(torch.cat([self.w1.detach(), self.w3.detach()], dim=-1))
+            self.w1 = self.w3 = None
         if stored_t:
             self.w1 = nn.Parameter(self.w1.detach().transpose(1, 2).contiguous())
             self.w2 = nn.Parameter(self.w2.detach().transpose(1, 2).contiguous())
@@ -306,10 +310,13 @@ class GroupedMM(SpelledBlock):
         offs = offs.to(torch.int32)
         w1, w2 = self.weights()
         xs = self._take(x, rows)
-        u = torch._grouped_mm(xs, w1, offs=offs)
+        if self.fused:
+            u, gate_u = torch._grouped_mm(xs, self.w13, offs=offs).chunk(2, dim=-1)
+        else:
+            u = torch._grouped_mm(xs, w1, offs=offs)
+            gate_u = torch._grouped_mm(xs, self.w3, offs=offs) if self.w3 is not None else None
         if self.b1 is not None:
             u = u + self._take(self.b1, expert)
-        gate_u = torch._grouped_mm(xs, self.w3, offs=offs) if self.w3 is not None else None
         f = torch._grouped_mm(self._act(u, gate_u), w2, offs=offs)
         if self.b2 is not None:
             f = f + self._take(self.b2, expert)
@@ -326,8 +333,11 @@ class GroupedMM(SpelledBlock):
 
     def math_block(self):
         """The same block as the loop spelling in float64, on these (rounded) parameters."""
-        block = SpelledBlock(D=self.D, P=self.P, F_=self.weights()[0].shape[2], E=self.E, k=self.k, act=self.act,
-                             renorm=self.renorm, bias=self.bias, pool=self.pool)
+        common = dict(D=self.D, P=self.P, E=self.E, k=self.k, renorm=self.renorm, bias=self.bias, pool=self.pool)
+        if self.fused:
+            block = FusedGateUp(F_=self.w13.shape[2] // 2, **common)
+        else:
+            block = SpelledBlock(F_=self.weights()[0].shape[2], act=self.act, **common)
         state = {name: value.double() for name, value in self.state_dict().items()}
         if self.stored_t:
             state["w1"], state["w2"] = state["w1"].transpose(1, 2), state["w2"].transpose(1, 2)

@@ -60,7 +60,7 @@ def compile_against_math(model, B=4, H=3, N=5, seed=1, options=None, device="cpu
 VARIANTS = [dict(), dict(sort="sort"), dict(select="index_select"), dict(rows="div"), dict(gate="unsqueeze"),
             dict(offs="left"), dict(offs="other_sort"), dict(offs="onehot"), dict(offs="histc"), dict(offs="scatter", sort="sort"), dict(inplace=True),
             dict(inplace="scatter_add_"), dict(stored_t=True), dict(act="gelu_tanh"), dict(act="silu"),
-            dict(act="swiglu", bias=False), dict(renorm=False), dict(topk_logits=True), dict(E=5, k=3, F_=48)]
+            dict(act="swiglu", bias=False), dict(act="swiglu", fused=True), dict(renorm=False), dict(topk_logits=True), dict(E=5, k=3, F_=48)]
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()) or "plain")
