@@ -1421,7 +1421,8 @@ NEAR_MISSES = {
     "softmax(dtype=float32) in a float64 model": (CoarserStep, {"where": "softmax_dtype"},
                                                  "coarser than the region's"),
     "fused gate|up split interleaved (::2), not in halves": (FusedGateUp, {"split": "interleaved"}, "could not be read"),
-    "fused gate|up with a bias on the up half too": (FusedGateUp, {"up_bias": True}, "x·W3 adds a bias"),
+    "fused gate|up with a bias on the up half too": (FusedGateUp, {"up_bias": True, "bias": False},
+                                                     "x·W3 adds a bias"),
 }
 
 
