@@ -14,6 +14,7 @@ import bisect
 import dataclasses
 import functools
 import inspect
+import math
 import operator
 
 import torch
@@ -178,8 +179,15 @@ class _Miss(Exception):
 
 
 _ROUTING = ("topk", "topw", "topi", "sumw", "onehot", "emask", "where", "selidx", "gate", "gate_s", "gatecol", "probs")
-SPLIT_HINT = ("set torch._dynamo.config.capture_dynamic_output_shape_ops = True so that Dynamo keeps "
-              "torch.where/nonzero or torch.bincount (data-dependent shapes) in one graph with the router")
+def _split_hint():
+    """What to do about a graph break in the region: the flag where it is off; where it is on
+    already, the break is something else (a loop over a tensor: `for e in expert_hit`)."""
+    if not torch._dynamo.config.capture_dynamic_output_shape_ops:
+        return ("set torch._dynamo.config.capture_dynamic_output_shape_ops = True so that Dynamo keeps "
+                "torch.where/nonzero or torch.bincount (data-dependent shapes) in one graph with the router")
+    return ("capture_dynamic_output_shape_ops is set already, so the break is another: a Python loop over a tensor "
+            "(for e in expert_hit), .item() or .tolist(), a print; the report's ended_by names it and its line. "
+            "Loop over range(E) instead")
 
 
 def find_regions(gm):
@@ -198,7 +206,7 @@ def find_regions(gm):
             if _leaves_graph(anchor) and "graph break" not in miss.reason:
                 miss = _Miss(anchor, f"{anchor.name}: the top-k's weights or indices leave this graph unreplaced: "
                                      "a graph break splits the MHA region (e.g. at torch.where/nonzero); "
-                                     f"{SPLIT_HINT}")
+                                     f"{_split_hint()}")
             misses.append(NearMiss(anchor.name, getattr(miss.node, "name", str(miss.node)), miss.reason))
     if not anchors:
         misses.extend(_split_experts(nodes))
@@ -289,7 +297,7 @@ def _split_experts(nodes):
         return []
     return [NearMiss(adds[0].name, adds[0].name,
                      f"{adds[0].name}: this graph adds expert outputs (index_add_) but holds no router top-k: the MHA "
-                     f"region was split by a graph break and cannot be replaced; {SPLIT_HINT}")]
+                     f"region was split by a graph break and cannot be replaced; {_split_hint()}")]
 
 
 def _match_at(nodes, anchor):
@@ -411,6 +419,7 @@ def drop_dead_math(graph):
     that checks its indices: _KEPT_DEAD): the calls that compute only are the kinds canon reads
     and the names in _COMPUTES_ONLY. Run on the copy the rewrite works on: the captured graph is
     not changed."""
+    _drop_count_checks(graph)
     for node in reversed(list(graph.nodes)):
         if node.users or node.op not in ("call_function", "call_method") or _is_inplace(node):
             continue
@@ -424,6 +433,39 @@ def drop_dead_math(graph):
 # size), and the ops that check their indices and raise in eager where one is out of range
 _KEPT_DEAD = ("sdpa", "mha", "nonzero", "one_hot", "gather", "index_select", "scatter", "scatter_add", "index_add",
               "bincount", "histc", "searchsorted", "grouped_mm", "floordiv")  # (// raises on an integer 0)
+
+
+def _drop_count_checks(graph):
+    """A nonzero read only by Dynamo's asserts on the range of its count (u0 >= 0 and u0 <= the
+    input's numel, which capture_dynamic_output_shape_ops adds, and which cannot fail) is unused:
+    it goes with them. transformers' MoE computes such an `expert_hit` for its loop; looped over
+    range(E) instead, it is left unread."""
+    for node in list(graph.nodes):
+        op = canon(node) if node.op == "call_function" or node.op == "call_method" else None
+        checks = _count_checks(node) if op is not None and op.kind == "nonzero" else None
+        if checks is not None:
+            for check in checks + [node]:
+                graph.erase_node(check)
+
+
+def _count_checks(node):
+    """The asserts, comparisons and sizes (in that order) of node's count, where they are all its
+    users and can never fail; else None."""
+    src = shape(node.args[0]) if isinstance(node.args[0], torch.fx.Node) else None
+    numel = None if src is None or not all(isinstance(n, int) for n in src) else math.prod(src)
+    asserts, compares, sizes = [], [], list(node.users)
+    for size in sizes:
+        if size.target is not torch.ops.aten.sym_size.int or size.args[1] != 0:
+            return None
+        for compare in size.users:
+            bound = compare.args[1] if compare.args[0] is size and isinstance(compare.args[1], int) else None
+            holds = bound is not None and (compare.target is operator.ge and bound <= 0 or
+                                           compare.target is operator.le and numel is not None and bound >= numel)
+            if not holds or any(a.target is not torch.ops.aten._assert_scalar.default for a in compare.users):
+                return None
+            compares.append(compare)
+            asserts.extend(compare.users)
+    return asserts + compares + sizes
 
 
 def _indexes_by_tensor(index):
@@ -625,7 +667,7 @@ def _moe_failure(walk, nodes, anchor):
     leaving = [n for n in valued if out_node in n.users and walk.vals[n].kind in _ROUTING]
     if leaving:
         return leaving[0], (f"{leaving[0].name}: the MoE after top-k {anchor.name} leaves this graph unfinished "
-                            f"(a graph break splits the region, e.g. at torch.where/nonzero); {SPLIT_HINT}")
+                            f"(a graph break splits the region, e.g. at torch.where/nonzero); {_split_hint()}")
     top = walk.vals.get(anchor)
     if top is not None and top.info.get("on_logits"):
         return anchor, (f"{anchor.name}: top-k is taken on the router logits and its values are not normalised by "
@@ -889,13 +931,22 @@ def _check_no_coarser_rounding(nodes, region, ctx, tok, autocast):
 def _check_one_grad_mode(nodes, modes, covered, out, at_out):
     """A region whose nodes run under different grad modes (the pool or the router under no_grad:
     a frozen part, whose parameters take no gradient) would become one op run in the mode where
-    out is (at_out), giving gradients the user's graph does not: a near-miss."""
+    out is (at_out), giving gradients the user's graph does not: a near-miss. A node with no
+    floating output (the one_hot of the top-k indices, under no_grad in transformers' MoE) takes
+    no gradient in either mode."""
     for n in sorted(covered, key=nodes.order.__getitem__):
-        if modes(n) != at_out:
+        if modes(n) != at_out and not _integers_only(n):
             grad = {True: "enabled", False: "disabled"}
             raise _Miss(n, f"{n.name} runs with grad {grad[modes(n)]} where the region's output {out.name} runs "
                            f"with it {grad[at_out]} (torch.no_grad() or inference_mode() around part of the block): "
                            f"one op cannot give gradients to one part of it and not to the other")
+
+
+def _integers_only(node):
+    """Whether every output of node is a tensor of a non-floating dtype (indices, masks, counts)."""
+    value = node.meta.get("example_value")
+    values = value if isinstance(value, (tuple, list)) else (value,)
+    return all(isinstance(v, torch.Tensor) and not v.is_floating_point() and not v.is_complex() for v in values)
 
 
 def _copied(nodes, ctx, tok, region, out):
@@ -963,6 +1014,7 @@ _FRESH = frozenset({
     "isnan", "isfinite", "ne", "lt", "gt", "le", "ge", "clamp", "clip", "minimum", "maximum", "logical_and",
     "logical_or", "sign", "reciprocal", "erf", "prod", "var", "std", "truediv", "sub", "mul", "add", "eq",
     "scaled_dot_product_attention", "linear", "softmax", "sum", "matmul", "bmm", "mm", "baddbmm", "addmm",
+    "greater", "greater_equal", "less", "less_equal", "not_equal", "any", "all", "count_nonzero",
 })
 
 # Of those, the calls that only compute from their arguments: no random draw, no dropout
@@ -991,6 +1043,9 @@ def _storage_parent(node):
         return None if fresh else first
     if not op.args or not isinstance(op.args[0], torch.fx.Node):
         return None
+    if op.kind == "getitem" and isinstance(op.args[0].meta.get("example_value"), (tuple, list)) and \
+            _storage_parent(op.args[0]) is None:
+        return None  # an item of a fresh tuple (topk's values, its indices): a tensor of its own
     if op.kind in _VIEW_KINDS:
         return op.args[0]
     if op.kind != "cast" or node.target in ("clone", torch.clone):

@@ -414,6 +414,53 @@ class FusedGateUp(SpelledBlock):
         return out.reshape(y.shape)
 
 
+class TransformersMoE(SpelledBlock):
+    """The MoE as transformers (v5) writes Mixtral's: a router nn.Linear whose logits are also
+    returned, softmax in float32, top_k_weights /= their sum in place, a one_hot mask under
+    no_grad with the experts hit (expert_hit) computed from it, experts stored fused
+    (gate_up_proj [E, 2F, D], down_proj [E, D, F], read by F.linear), torch.where and index_add_.
+    hit: loop over expert_hit as transformers does (a graph break: a loop over a tensor), else
+    over range(E), expert_hit then left unread."""
+
+    def __init__(self, hit=False, F_=64, **block):
+        super().__init__(act="swiglu", F_=F_, **block)
+        E, D = self.E, self.D
+        self.w1 = self.w2 = self.w3 = self.b1 = self.b2 = self.router = None
+        self.hit = hit
+        self.gate = nn.Linear(D, E, bias=False)
+        self.gate_up_proj = nn.Parameter(torch.randn(E, 2 * F_, D) / math.sqrt(D))
+        self.down_proj = nn.Parameter(torch.randn(E, D, F_) / math.sqrt(F_))
+        self.act_fn = nn.SiLU()
+
+    def run_experts(self, hidden_states, top_k_index, top_k_weights):
+        final_hidden_states = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            expert_mask = F.one_hot(top_k_index, num_classes=self.E).permute(2, 1, 0)
+            expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+        for expert_idx in expert_hit if self.hit else range(self.E):
+            if self.hit:
+                expert_idx = expert_idx[0]
+            top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
+            gate, up = F.linear(hidden_states[token_idx], self.gate_up_proj[expert_idx]).chunk(2, dim=-1)
+            current = F.linear(self.act_fn(gate) * up, self.down_proj[expert_idx])
+            current = current * top_k_weights[token_idx, top_k_pos, None]
+            final_hidden_states.index_add_(0, token_idx, current.to(final_hidden_states.dtype))
+        return final_hidden_states
+
+    def moe_forward(self, y):
+        hidden_states = y.view(-1, y.shape[-1])
+        router_logits = self.gate(hidden_states)
+        routing_weights = F.softmax(router_logits.float(), dim=-1)
+        top_k_weights, top_k_index = torch.topk(routing_weights, self.k, dim=-1)
+        top_k_weights /= top_k_weights.sum(dim=-1, keepdim=True)
+        top_k_weights = top_k_weights.to(router_logits.dtype)
+        out = self.run_experts(hidden_states, top_k_index, top_k_weights.to(hidden_states.dtype))
+        return out.reshape(y.shape), router_logits
+
+    def forward(self, ctx, tok, pad=None):
+        return self.moe_forward(self.merge_forward(ctx, self.pool_forward(tok, pad)))
+
+
 def inputs(B=4, H=3, N=5, D=32, dtype=torch.float32, mask=False, generator=None):
     ctx = torch.randn(B, H, D, dtype=dtype, generator=generator)
     tok = torch.randn(B, N, D, dtype=dtype, generator=generator)

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from numerics import TOLERANCE, compiled_reports, relative_error
-from spellings import ACTS, EXPERTS, MERGES, MOES, POOLS, FusedGateUp, SpelledBlock, inputs
+from spellings import ACTS, EXPERTS, MERGES, MOES, POOLS, FusedGateUp, SpelledBlock, TransformersMoE, inputs
 
 ZERO_GRAD = ("key.bias",)  # SPEC §1: ∂bk is exactly zero; eager leaves roundoff there
 
@@ -1574,3 +1574,60 @@ def test_fused_gate_up_projection_split_in_columns(config):
     gate, up = (f"{F_}:{2 * F_}]", f"0:{F_}]") if config.get("up_first") else (f"0:{F_}]", f"{F_}:{2 * F_}]")
     assert match["config"]["act"] == "swiglu"
     assert gate in match["params"]["w1"] and up in match["params"]["w3"], match["params"]
+
+
+def _compare_with_logits(model, args, reports_of):
+    """Compile a copy (strict), run both, compare out and the router logits the model also returns,
+    then every parameter's and input's gradient of a loss on both (an auxiliary loss on the logits,
+    as transformers' load balancing adds). Returns the reports."""
+    compiled = copy.deepcopy(model)
+    args_e = [a.clone().requires_grad_() for a in args]
+    args_c = [a.clone().requires_grad_() for a in args]
+    with compiled_reports() as reports:
+        torch._dynamo.reset()
+        with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+            got = torch.compile(compiled, backend="mha", options=reports_of)(*args_c)
+    want = model(*args_e)
+    tol = TOLERANCE[args[0].dtype]
+    for g, w in zip(got, want):
+        assert relative_error(g, w) <= tol, relative_error(g, w)
+    weights = torch.randn_like(want[0])
+    for out in (got, want):
+        ((out[0] * weights).sum() + out[1].softmax(-1).square().sum()).backward()
+    for (name, p_e), p_c in zip(model.named_parameters(), compiled.parameters()):
+        assert p_c.grad is not None, name
+        if name.endswith(ZERO_GRAD):  # exactly zero where the op ran; eager's roundoff where it did not
+            matched = any(r.matches for r in reports)
+            assert (torch.count_nonzero(p_c.grad) == 0) if matched else (p_c.grad.abs().max() <= 1e-6)
+            continue
+        assert relative_error(p_c.grad, p_e.grad) <= tol, (name, relative_error(p_c.grad, p_e.grad))
+    for a_c, a_e in zip(args_c, args_e):
+        assert relative_error(a_c.grad, a_e.grad) <= tol
+    return reports
+
+
+def test_transformers_moe_loop_over_range_matches():
+    """transformers' Mixtral MoE, its loop over range(E): the in-place top_k_weights /= Σ before
+    the indices are read (an item of topk's tuple is no view of the other: it read as a write
+    before a read), the one_hot under no_grad (integers take no gradient in either mode), the
+    unread expert_hit (a nonzero kept by the range asserts on its count) and the fused
+    gate_up_proj all matched, the logits it returns kept for the caller."""
+    torch.manual_seed(0)
+    model = TransformersMoE()
+    reports = _compare_with_logits(model, inputs(dtype=torch.float32), {"strict": True})
+    match = _assert_one_match(reports)
+    assert match["config"]["act"] == "swiglu" and match["config"]["renorm"] is True
+    assert "0:64]" in match["params"]["w1"] and "64:128]" in match["params"]["w3"], match["params"]
+
+
+def test_transformers_moe_loop_over_expert_hit_is_a_graph_break_reported():
+    """Looping over the tensor expert_hit breaks the graph even with capture_dynamic_output_shape_ops
+    set: the near-miss says the flag is set already and what else breaks a graph, not to set it."""
+    torch.manual_seed(0)
+    model = TransformersMoE(hit=True)
+    reports = _compare_with_logits(model, inputs(dtype=torch.float32), None)
+    assert not any(r.matches for r in reports)
+    reasons = [m["reason"] for r in reports for m in r.near_misses]
+    assert any("set already" in r and "range(E)" in r for r in reasons), reasons
+    assert not any("= True so that" in r for r in reasons), reasons
+    assert any(r.ended_by and "graph break" in r.ended_by for r in reports), [r.ended_by for r in reports]
