@@ -40,6 +40,8 @@ _KERNEL_MODULES = {
 }
 # Inputs of the region in op order; the backward returns one gradient for each.
 REGION_INPUTS = ("ctx", "tok", "q", "wk", "bk", "wv", "bv", "wo", "bo", "wg", "w1", "b1", "w2", "b2", "w3")
+# The inputs whose gradient comes through out alone (inv's reaches the pool's)
+MOE_SIDE = ("ctx", "wg", "w1", "b1", "w2", "b2", "w3")
 # What reference.pool_backward returns, in its order.
 POOL_GRADS = ("tok", "q", "wk", "wv", "bv", "wo", "bo")
 # The kernel sets whose region_forward and region_backward take `kept` (kernels/triton_region.py):
@@ -245,7 +247,8 @@ def _backward(ctx, grad_out, grad_inv, *unused_aux_grads):
     likewise out's, when only inv was read."""
     refuse_batched(grad_out, grad_inv)
     saved = list(ctx.saved_tensors)
-    if grad_out is None:
+    out_unread = grad_out is None
+    if out_unread:
         grad_out = torch.zeros_like(saved[0])  # out is ctx's shape and dtype
     tensors = [None if absent else saved.pop(0) for absent in ctx.absent]
     extra = grad_inv.contiguous() if ctx.export_inv and grad_inv is not None else None
@@ -262,7 +265,10 @@ def _backward(ctx, grad_out, grad_inv, *unused_aux_grads):
         grads = region_backward(*args, *ctx.config, grad_inv=extra, graphs=ctx.graphs, keep_hidden=ctx.keep_hidden)
     else:
         grads = _region_gradients(args, *ctx.config, extra, ctx.graphs, ctx.keep_hidden, ctx.kept)
-    grads = [None if t is None else g for g, t in zip(grads, tensors)]
+    # Only inv in the loss (the router logits the graph rebuilds from y, say): eager gives the
+    # MoE's own inputs no gradient, None and not zeros (an optimizer steps a zero gradient)
+    grads = [None if t is None or out_unread and name in MOE_SIDE else g
+             for name, g, t in zip(REGION_INPUTS, grads, tensors)]
     return (*grads, None, None, None, None, None, None, None, None)
 
 

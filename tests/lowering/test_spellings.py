@@ -1631,3 +1631,25 @@ def test_transformers_moe_loop_over_expert_hit_is_a_graph_break_reported():
     assert any("set already" in r and "range(E)" in r for r in reasons), reasons
     assert not any("= True so that" in r for r in reasons), reasons
     assert any(r.ended_by and "graph break" in r.ended_by for r in reports), [r.ended_by for r in reports]
+
+
+def test_a_loss_on_the_returned_logits_alone_leaves_the_experts_without_gradient():
+    """Only the router logits in the loss (a router trained by its auxiliary loss alone): eager
+    gives the experts no gradient at all, and so must the op (None, not zeros: Adam steps a zero
+    gradient). The pool's and the router's gradients still equal eager's."""
+    torch.manual_seed(0)
+    model = TransformersMoE()
+    compiled = copy.deepcopy(model)
+    args = inputs(dtype=torch.float32)
+    with compiled_reports() as reports:
+        torch._dynamo.reset()
+        with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+            got = torch.compile(compiled, backend="mha", options={"strict": True})(*args)
+    _assert_one_match(reports)
+    for out in (got, model(*args)):
+        out[1].softmax(-1).square().sum().backward()
+    for (name, p_e), p_c in zip(model.named_parameters(), compiled.parameters()):
+        assert (p_c.grad is None) == (p_e.grad is None), (name, p_e.grad is None)
+        if p_e.grad is not None and not name.endswith(ZERO_GRAD):
+            assert relative_error(p_c.grad, p_e.grad) <= TOLERANCE[torch.float32], name
+    assert model.gate_up_proj.grad is None and model.gate.weight.grad is not None
