@@ -461,6 +461,29 @@ class TransformersMoE(SpelledBlock):
         return self.moe_forward(self.merge_forward(ctx, self.pool_forward(tok, pad)))
 
 
+class GptFastMoE(SpelledBlock):
+    """gpt-fast's MOEFeedForward (mixtral-moe/model.py): W1, W3 [E, F, D] and W2 [E, D, F] gathered
+    by the top-k indices into einsums, the top-k weights renormalised in place (/=) before the
+    indices are read."""
+
+    def __init__(self, F_=64, **block):
+        super().__init__(act="swiglu", F_=F_, bias=False, **block)
+        E, D = self.E, self.D
+        self.w1 = nn.Parameter(torch.randn(E, F_, D) / math.sqrt(D))
+        self.w2 = nn.Parameter(torch.randn(E, D, F_) / math.sqrt(F_))
+        self.w3 = nn.Parameter(torch.randn(E, F_, D) / math.sqrt(D))
+
+    def moe_forward(self, y):
+        x = y.view(-1, self.D)
+        expert_weights = F.softmax(self.router(x), dim=-1)
+        expert_weights, expert_indices = torch.topk(expert_weights, self.k, dim=-1)
+        expert_weights /= expert_weights.sum(dim=-1, keepdim=True)
+        x1 = F.silu(torch.einsum("ti,taoi -> tao", x, self.w1[expert_indices]))
+        x3 = torch.einsum("ti, taoi -> tao", x, self.w3[expert_indices])
+        expert_outs = torch.einsum("tao, taio -> tai", (x1 * x3), self.w2[expert_indices])
+        return torch.einsum("tai,ta -> ti", expert_outs, expert_weights).view_as(y)
+
+
 def inputs(B=4, H=3, N=5, D=32, dtype=torch.float32, mask=False, generator=None):
     ctx = torch.randn(B, H, D, dtype=dtype, generator=generator)
     tok = torch.randn(B, N, D, dtype=dtype, generator=generator)

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from numerics import TOLERANCE, compiled_reports, relative_error
-from spellings import ACTS, EXPERTS, MERGES, MOES, POOLS, FusedGateUp, SpelledBlock, TransformersMoE, inputs
+from spellings import ACTS, EXPERTS, MERGES, MOES, POOLS, FusedGateUp, GptFastMoE, SpelledBlock, TransformersMoE, inputs
 
 ZERO_GRAD = ("key.bias",)  # SPEC §1: ∂bk is exactly zero; eager leaves roundoff there
 
@@ -1653,3 +1653,11 @@ def test_a_loss_on_the_returned_logits_alone_leaves_the_experts_without_gradient
         if p_e.grad is not None and not name.endswith(ZERO_GRAD):
             assert relative_error(p_c.grad, p_e.grad) <= TOLERANCE[torch.float32], name
     assert model.gate_up_proj.grad is None and model.gate.weight.grad is not None
+
+
+def test_gpt_fast_moe_matches():
+    """gpt-fast's MoE renormalises topk's values in place (/=) and then reads topk's indices: the
+    indices are no view of the values (session 64's in-place check made it a near-miss; c5c672b)."""
+    torch.manual_seed(0)
+    match = _assert_one_match(compile_and_compare(GptFastMoE().double(), inputs(dtype=torch.float64), torch.float64))
+    assert match["config"] == {"top_k": 2, "renorm": True, "act": "swiglu"}
