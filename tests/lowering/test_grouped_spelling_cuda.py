@@ -9,8 +9,9 @@ from test_grouped_spelling import compile_against_math
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-@pytest.mark.parametrize("variant", [dict(), dict(act="swiglu", bias=False), dict(stored_t=True, E=5, k=3, F_=48)],
-                         ids=["plain", "swiglu", "stored_t"])
+@pytest.mark.parametrize("variant", [dict(), dict(act="swiglu", bias=False), dict(stored_t=True, E=5, k=3, F_=48),
+                                     dict(act="swiglu", fused=True, F_=48)],
+                         ids=["plain", "swiglu", "stored_t", "swiglu_fused_w13"])
 @pytest.mark.parametrize("kernels", ["fused", "staged"])
 def test_grouped_spelling_on_the_gpu_kernels(variant, kernels):
     torch.manual_seed(0)
