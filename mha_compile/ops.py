@@ -260,7 +260,7 @@ def _backward(ctx, grad_out, grad_inv, *unused_aux_grads):
         top_k, renorm, act, _ = ctx.config
         at = lambda *t: reference.region_at(*t, index=saved[3], renorm=renorm, act=act)
         with _no_autocast(tensors[0]):  # the reference picks its own precisions, as the kernels do
-            grads = gradients_with_graph(at, tensors, (grad_out, extra))[:len(REGION_INPUTS)]
+            grads = gradients_with_graph(at, tensors, (None if out_unread else grad_out, extra))[:len(REGION_INPUTS)]
     elif _traced(args):
         grads = region_backward(*args, *ctx.config, grad_inv=extra, graphs=ctx.graphs, keep_hidden=ctx.keep_hidden)
     else:

@@ -44,7 +44,8 @@ class ParamRef:
     query that goes through a query projection (nn.MultiheadAttention: q = Wq·query + bq).
     """
     node: object
-    perm: tuple | None = None  # permutation of the (selected) tensor's axes, None for identity
+    perm: tuple | None = None  # permutation of the stored tensor's axes (with select: expert axis 0 first,
+    # the rest applied to the expert's slice), None for identity
     select: int | None = None  # index taken on axis 0 first (a per-expert slice)
     steps: tuple = ()
 

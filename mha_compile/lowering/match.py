@@ -864,9 +864,14 @@ def _grad_step(n, state):
 
 
 def _grad_modes(nodes):
-    """mode(node): whether grad is enabled where node runs."""
+    """mode(node): whether grad is enabled where node runs; mode.inference(node): whether an
+    inference_mode context is entered there."""
     at = _states(nodes, (torch.is_grad_enabled(), ()), _grad_step)
-    return lambda node: at(node)[0]
+
+    def mode(node):
+        return at(node)[0]
+    mode.inference = lambda node: bool(at(node)[1])
+    return mode
 
 
 def _autocast_step(n, stack):
@@ -933,9 +938,10 @@ def _check_one_grad_mode(nodes, modes, covered, out, at_out):
     a frozen part, whose parameters take no gradient) would become one op run in the mode where
     out is (at_out), giving gradients the user's graph does not: a near-miss. A node with no
     floating output (the one_hot of the top-k indices, under no_grad in transformers' MoE) takes
-    no gradient in either mode."""
+    no gradient in either mode; not under inference_mode, whose tensors eager refuses to save for
+    the backward (an error the op would not raise)."""
     for n in sorted(covered, key=nodes.order.__getitem__):
-        if modes(n) != at_out and not _integers_only(n):
+        if modes(n) != at_out and not (_integers_only(n) and not modes.inference(n)):
             grad = {True: "enabled", False: "disabled"}
             raise _Miss(n, f"{n.name} runs with grad {grad[modes(n)]} where the region's output {out.name} runs "
                            f"with it {grad[at_out]} (torch.no_grad() or inference_mode() around part of the block): "

@@ -46,12 +46,15 @@ def _param(graph, ref, per_expert=False):
                                        (node, _param(graph, step[1]), _param(graph, step[2])))
         else:
             raise NotImplementedError(f"parameter step {step[0]!r} has no rewrite")
+    perm = ref.perm
     if ref.select is not None:
         if not per_expert:
             raise ValueError(f"parameter {node.name} is used per expert but was not stacked")
         node = graph.call_function(operator.getitem, (node, ref.select))
-    if ref.perm is not None:
-        node = graph.call_method("permute", (node, *ref.perm))
+        if perm is not None:  # counted on the stored tensor, expert axis first (moe._weight_product)
+            perm = tuple(p - 1 for p in perm[1:])
+    if perm is not None:
+        node = graph.call_method("permute", (node, *perm))
     return node
 
 

@@ -1661,3 +1661,96 @@ def test_gpt_fast_moe_matches():
     torch.manual_seed(0)
     match = _assert_one_match(compile_and_compare(GptFastMoE().double(), inputs(dtype=torch.float64), torch.float64))
     assert match["config"] == {"top_k": 2, "renorm": True, "act": "swiglu"}
+
+
+class SwappedInOneExpert(SpelledBlock):
+    """SwiGLU with W1 and W3 stored [E, F, D] (nn.Linear's way) and read by F.linear, or W13
+    [E, 2F, D] split in columns (fused), expert 2 using them the other way round: the experts'
+    parameters are no views of one tensor in expert order, so the rewrite stacks their slices,
+    each read transposed (its per-expert permute crashed the rewritten graph, found by a review)."""
+
+    def __init__(self, fused):
+        super().__init__(act="swiglu", bias=False)
+        E, D, F_ = self.E, self.D, 64
+        self.fused = fused
+        if fused:
+            self.w13 = torch.nn.Parameter(torch.randn(E, 2 * F_, D) / math.sqrt(D))
+            self.w1 = self.w3 = None
+        else:
+            self.w1 = torch.nn.Parameter(torch.randn(E, F_, D) / math.sqrt(D))
+            self.w3 = torch.nn.Parameter(torch.randn(E, F_, D) / math.sqrt(D))
+
+    def expert(self, e, x):
+        if self.fused:
+            gate, up = F.linear(x, self.w13[e]).chunk(2, dim=-1)
+        else:
+            gate, up = F.linear(x, self.w1[e]), F.linear(x, self.w3[e])
+        if e == 2:
+            gate, up = up, gate
+        return (F.silu(gate) * up) @ self.w2[e]
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["w1_w3", "w13"])
+def test_experts_reading_their_weights_transposed_in_another_order(fused):
+    torch.manual_seed(0)
+    match = _assert_one_match(compile_and_compare(SwappedInOneExpert(fused).double(), inputs(dtype=torch.float64),
+                                                  torch.float64))
+    assert match["params"]["w1"].startswith("stack("), match["params"]["w1"]
+
+
+class MaskUnderInferenceMode(SpelledBlock):
+    """The loop's expert masks (index == e, integers) computed under torch.inference_mode(): eager
+    refuses to save the inference tensors for the backward, so the compiled model must raise too."""
+
+    def moe_forward(self, y):
+        x = y.reshape(-1, y.shape[-1])
+        weight, index = self.route(x)
+        out = torch.zeros_like(x)
+        for e in range(self.E):
+            with torch.inference_mode():
+                mask = index == e
+            out = out + (weight * mask).sum(dim=-1, keepdim=True) * self.expert(e, x)
+        return out.reshape(y.shape)
+
+
+def test_integer_masks_under_inference_mode_raise_as_in_eager():
+    torch.manual_seed(0)
+    model = MaskUnderInferenceMode().double()
+    args = inputs(dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="Inference tensors"):
+        model(*args)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="Inference tensors|inference tensor"):
+        torch.compile(copy.deepcopy(model), backend="mha")(*args).sum().backward()
+
+
+class PoolReturned(SpelledBlock):
+    def forward(self, ctx, tok):
+        inv = self.pool_forward(tok)
+        return self.moe_forward(self.merge_forward(ctx, inv)), inv
+
+
+def test_a_gradient_penalty_on_inv_alone_leaves_the_experts_without_gradient():
+    """Only inv in the loss, differentiated twice (a gradient penalty on the pool's parameters):
+    eager leaves the MoE's parameters and ctx without gradient (None) and so must the op, whose
+    first-order gradients were taken with a zero cotangent for out, tying the experts into them."""
+    torch.manual_seed(0)
+    model = PoolReturned().double()
+    twin = copy.deepcopy(model)
+    ctx, tok = inputs(dtype=torch.float64)
+    torch._dynamo.reset()
+    grads = []
+    for m, run in ((model, model), (twin, torch.compile(twin, backend="mha"))):
+        c, t = ctx.clone().requires_grad_(), tok.clone().requires_grad_()
+        with compiled_reports() as reports:
+            loss = run(c, t)[1].square().sum()
+        assert m is model or _assert_one_match(reports)
+        pool = [p for n, p in m.named_parameters() if n.startswith(("key.", "value.", "query"))]
+        sum(g.square().sum() for g in torch.autograd.grad(loss, pool, create_graph=True)).backward()
+        grads.append({"ctx": c.grad, "tok": t.grad, **{n: p.grad for n, p in m.named_parameters()}})
+    eager, got = grads
+    for name in eager:
+        assert (got[name] is None) == (eager[name] is None), name
+        if eager[name] is not None and not name.endswith(ZERO_GRAD):
+            assert relative_error(got[name], eager[name]) <= TOLERANCE[torch.float64], name
+    assert eager["w1"] is None and eager["ctx"] is None and eager["value.weight"] is not None
