@@ -29,6 +29,7 @@ from mha_compile.lowering.interpret import (ONE, ParamRef, Reject, StackRef, Val
                                             einsum_roles, ext_ref, is_one, known_eq, layout_rule, move_roles,
                                             select_rule)
 from mha_compile.lowering.moe_grouped import grouped_rule
+from mha_compile.lowering.moe_pairs import pair_rows
 from mha_compile.lowering.moe_split import WIDE, split_later, split_rule
 
 ACT_OF = {("gelu", "none"): "gelu", ("gelu", "tanh"): "gelu_tanh", ("silu", None): "silu"}
@@ -43,8 +44,8 @@ def moe_rule(walk, node, op):
     """The Val of `op`; a product x·W whose columns are split later has its hidden axis WIDE
     (moe_split.py: the blocks are the experts' W1 and W3)."""
     val = split_rule(walk, node, op) or _read(walk, node, op)
-    if val is not None and val.kind == "u" and val.roles and val.roles[-1] == "f" and split_later(node):
-        return Val("u", val.roles[:-1] + (WIDE,), val.info)
+    if val is not None and val.kind == "u" and val.roles and "f" in val.roles and split_later(node):
+        return Val("u", tuple(WIDE if r == "f" else r for r in val.roles), val.info)
     return val
 
 
@@ -81,6 +82,8 @@ def _read(walk, node, op):
         return _weight_product(walk, node, x, ext_ref(w), linear=True, bias=ext_ref(b))
     if op.kind == "matmul" and args[1] is not None and args[1].kind == "wsel":
         return _gathered_matmul(walk, args[0], args[1])
+    if op.kind == "matmul" and args[0] is not None and args[0].kind == "wsel":
+        return _gathered_matmul_first(args[0], args[1])
     if op.kind == "matmul" and ext_ref(args[1]) is not None:
         return _weight_product(walk, node, args[0], ext_ref(args[1]), linear=False, bias=None)
     if op.kind == "einsum" and len(args) == 3:
@@ -123,7 +126,7 @@ def _read(walk, node, op):
             return Val("where", src.roles, dict(src.info, tag=node))
         return None
     if op.kind == "index_add":
-        return _index_add(walk, node, op, *args[:4])
+        return _index_add(walk, node, op, *args[:4]) or _pairs_added(walk, op, args[0], args[1], args[3])
     if op.kind in ("gelu", "silu"):
         return _activation(node, op, args[0])
     if op.kind == "mul":
@@ -151,6 +154,9 @@ def _getitem(walk, node, op):
         return Val("emask", src.roles[1:], dict(src.info, expert=index))
     items = index if isinstance(index, tuple) else (index,)
     vals = [walk.val(i) if hasattr(i, "op") else None for i in items]
+    if src.kind == "x" and len(items) == 1 and len(src.roles) == 2 and isinstance(items[0], torch.fx.Node) and \
+            pair_rows(items[0], shape(op.args[0])[0], walk.axes.sizes.get("s")):  # x[arange(R·k) // k]
+        return Val("x", (f"{src.roles[0]}*s", src.roles[1]), src.info)
     if src.kind == "x" and len(items) == 1 and vals[0] is not None and vals[0].kind == "selidx":
         sel = vals[0].info
         if sel["axis"] != src.roles[0] or len(src.roles) != 2:
@@ -228,6 +234,22 @@ def _gathered_matmul(walk, a, w):
     if a.kind == "h" and (a.info["expert"] != "gathered" or a.info["topk"] is not w.info["topk"]):
         return None
     return _gathered_out(a, lead + (ONE,), w, 0)  # matmul contracts W's second to last axis
+
+
+def _gathered_matmul_first(w, a):
+    """W1[topi] @ x[..., :, None] -> u and W2[topi] @ h[..., :, None] -> f (transformers' batched_mm
+    experts): W [..., N, K] against a column [..., K, 1], the product [..., N, 1]."""
+    n_own = sum(1 for r in w.roles if r is None)
+    if a is None or a.roles is None or a.kind not in ("x", "h") or n_own != 2 or len(a.roles) != len(w.roles):
+        return None
+    lead = w.roles[:-2]
+    if a.roles[-1] != ONE or a.roles[-2] != ("d" if a.kind == "x" else "f") or \
+            any(r not in (l, ONE) for r, l in zip(a.roles[:-2], lead)):
+        return None
+    if a.kind == "h" and (a.info["expert"] != "gathered" or a.info["topk"] is not w.info["topk"]):
+        return None
+    out = _gathered_out(a, lead, w, 1)  # the product contracts W's last axis
+    return Val(out.kind, out.roles + (ONE,), out.info)
 
 
 def _gathered_out(src, rows, w, own_axis):
@@ -695,6 +717,22 @@ def _index_add(walk, node, op, out, dim, index, src):
         val = _complete(walk, val)
     if val is not None and op.kwargs.get("_inplace"):
         walk.vals[op.args[0]] = val  # the in-place add changes what later readers of `out` see
+    return val
+
+
+def _pairs_added(walk, op, out, dim, src):
+    """out.index_add_(0, arange(R·k) // k, f · w) onto zeros: each (row, slot) pair's contribution
+    added into its row, Σ_s topw · f (transformers' batched_mm experts)."""
+    if out is None or src is None or out.kind != "zero" or src.kind != "gcontrib" or dim is None or \
+            dim.kind != "const" or dim.info["value"] != 0 or op.args[4] not in (None, 1) or len(src.roles) != 2 or \
+            not src.roles[0].endswith("*s") or src.roles[1] != "d":
+        return None
+    rows = src.roles[0][:-len("*s")]
+    if not pair_rows(op.args[2], walk.axes.sizes.get(rows), walk.axes.sizes.get("s")):
+        return None
+    val = Val("moe_out", (rows, "d"), dict(src.info))
+    if op.kwargs.get("_inplace"):
+        walk.vals[op.args[0]] = val
     return val
 
 

@@ -73,6 +73,9 @@ def _flat_pairs(walk, val):
 
 def _sort(walk, node, op):
     src, dim, descending = walk.val(op.args[0]), op.args[1], op.args[2]
+    if src is not None and src.kind == "order" and op.kind == "argsort" and not descending and dim in (None, 0, -1):
+        # argsort of the order, its inverse: at each flat pair, its place among the sorted ones
+        return Val("unorder", (src.info["flat"],), src.info)
     if src is None or src.kind != "topi" or src.roles is None or len(src.roles) != 1:
         return None
     flat = _flat_pairs(walk, src)
@@ -108,6 +111,11 @@ def _index(walk, src, index):
         return Val("wsorted", (pairs,) + src.roles[1:] + (ONE,) * len(rest), dict(src.info, order=info["order"]))
     if by.kind == "prow" and src.kind == "x" and not rest and src.roles == (info["rows"], "d"):
         return Val("xs", (pairs, "d"), info)
+    if by.kind == "order" and src.kind == "x" and not rest and src.roles == (info["flat"], "d"):
+        return Val("xs", (pairs, "d"), info)  # x at each flat pair's row (x[arange(R·k) // k]), sorted
+    if by.kind == "unorder" and src.kind == "pcontrib" and not rest and src.info["order"] is info["order"] and \
+            src.roles == (f"pairs:{info['order'].name}", "d"):  # back in the flat pairs' order
+        return Val("gcontrib", (info["flat"], "d"), {"gate": src.info["gate"], "experts": src.info["experts"]})
     ref = ext_ref(src)
     if by.kind == "pexpert" and ref is not None and not rest and ref.perm is None and ref.select is None and \
             not ref.steps:
@@ -185,9 +193,10 @@ def _counts(walk, node, op):
             return None
         flat = _flat_pairs(walk, src)
         return None if flat is None else Val("ecount", ("e",), _flat_info(src, flat))
-    if op.kind == "histc":
+    if op.kind == "histc":  # of the flat experts, or of them sorted (the same counts)
         src, bins, low, high = args[0], op.args[1], op.args[2], op.args[3]
         flat = _flat_pairs(walk, src) if src is not None and src.kind == "topi" and len(src.roles) == 1 else None
+        flat = (src.info["flat"],) if src is not None and src.kind == "pexpert" else flat
         if flat is None or not isinstance(experts, int):
             return None
         if bins != experts or not _histc_bins_are_experts(experts, low, high):

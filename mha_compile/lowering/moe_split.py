@@ -14,10 +14,10 @@ from mha_compile.lowering.interpret import ParamRef, Val, known_eq, with_step
 WIDE = "fw"
 
 
-def split_later(node):
+def split_later(node, hops=3):
     """Whether u's columns are split: a chunk, split or slice of its last axis reads u, or reads
-    the bias added to it."""
-    return any(_splits_columns(user) or _kind(user) == "add" and any(_splits_columns(after) for after in user.users)
+    the bias added to it or a view of it (squeeze(-1) of a batched product), within `hops` steps."""
+    return any(_splits_columns(user) or hops > 0 and _kind(user) in ("add", "reshape") and split_later(user, hops - 1)
                for user in node.users)
 
 

@@ -419,14 +419,20 @@ class TransformersMoE(SpelledBlock):
     returned, softmax in float32, top_k_weights /= their sum in place, a one_hot mask under
     no_grad with the experts hit (expert_hit) computed from it, experts stored fused
     (gate_up_proj [E, 2F, D], down_proj [E, D, F], read by F.linear), torch.where and index_add_.
-    hit: loop over expert_hit as transformers does (a graph break: a loop over a tensor), else
-    over range(E), expert_hit then left unread."""
+    impl: "hit" loops over expert_hit as transformers does (a graph break: a loop over a tensor);
+    "loop" over range(E), expert_hit then left unread; "batched_mm" and "grouped_mm" are its other
+    experts implementations (transformers/integrations/moe.py): every (row, slot) pair's row
+    gathered by arange(R)[:, None].expand(-1, k).reshape(-1), then W13[expert] @ x as a column by
+    torch.bmm, or grouped GEMMs over the pairs sorted by expert, put back in order by the inverse
+    sort; added into the rows by index_add_ over the same index. wrong (not the block): "rows" pairs
+    pair p with row p % R (arange(R).repeat(k)), "back" puts the grouped outputs back by the sort
+    itself instead of its inverse."""
 
-    def __init__(self, hit=False, F_=64, **block):
+    def __init__(self, impl="loop", F_=64, wrong=None, **block):
         super().__init__(act="swiglu", F_=F_, **block)
         E, D = self.E, self.D
         self.w1 = self.w2 = self.w3 = self.b1 = self.b2 = self.router = None
-        self.hit = hit
+        self.impl, self.hit, self.wrong = impl, impl == "hit", wrong
         self.gate = nn.Linear(D, E, bias=False)
         self.gate_up_proj = nn.Parameter(torch.randn(E, 2 * F_, D) / math.sqrt(D))
         self.down_proj = nn.Parameter(torch.randn(E, D, F_) / math.sqrt(F_))
@@ -447,6 +453,32 @@ class TransformersMoE(SpelledBlock):
             final_hidden_states.index_add_(0, token_idx, current.to(final_hidden_states.dtype))
         return final_hidden_states
 
+    def _pairs(self, x, top_k_index, top_k_weights):
+        """Each (row, slot) pair's row, expert and weight, row-major."""
+        rows = torch.arange(x.shape[0], device=x.device).unsqueeze(1).expand(-1, top_k_index.shape[-1]).reshape(-1)
+        if self.wrong == "rows":
+            rows = torch.arange(x.shape[0], device=x.device).repeat(top_k_index.shape[-1])
+        return rows, top_k_index.reshape(-1), top_k_weights.reshape(-1)
+
+    def batched_experts(self, x, top_k_index, top_k_weights):
+        rows, experts, weights = self._pairs(x, top_k_index, top_k_weights)
+        u13 = torch.bmm(self.gate_up_proj[experts], x[rows].unsqueeze(-1)).squeeze(-1)
+        gate, up = u13.chunk(2, dim=-1)
+        f = torch.bmm(self.down_proj[experts], (self.act_fn(gate) * up).unsqueeze(-1)).squeeze(-1)
+        return torch.zeros_like(x).index_add_(0, rows, (f * weights.unsqueeze(-1)).to(x.dtype))
+
+    def grouped_experts(self, x, top_k_index, top_k_weights):
+        rows, experts, weights = self._pairs(x, top_k_index, top_k_weights)
+        order = torch.argsort(experts, stable=True)
+        back = order if self.wrong == "back" else torch.argsort(order, stable=True)
+        counts = torch.histc(experts[order].float(), bins=self.E, min=0, max=self.E - 1)
+        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        u13 = torch._grouped_mm(x[rows][order], self.gate_up_proj.transpose(-2, -1), offs=offsets)
+        gate, up = u13.chunk(2, dim=-1)
+        f = torch._grouped_mm(self.act_fn(gate) * up, self.down_proj.transpose(-2, -1), offs=offsets)
+        f = (f * weights[order].unsqueeze(-1))[back]
+        return torch.zeros_like(x).index_add_(0, rows, f.to(x.dtype))
+
     def moe_forward(self, y):
         hidden_states = y.view(-1, y.shape[-1])
         router_logits = self.gate(hidden_states)
@@ -454,7 +486,8 @@ class TransformersMoE(SpelledBlock):
         top_k_weights, top_k_index = torch.topk(routing_weights, self.k, dim=-1)
         top_k_weights /= top_k_weights.sum(dim=-1, keepdim=True)
         top_k_weights = top_k_weights.to(router_logits.dtype)
-        out = self.run_experts(hidden_states, top_k_index, top_k_weights.to(hidden_states.dtype))
+        run = {"batched_mm": self.batched_experts, "grouped_mm": self.grouped_experts}.get(self.impl, self.run_experts)
+        out = run(hidden_states, top_k_index, top_k_weights.to(hidden_states.dtype))
         return out.reshape(y.shape), router_logits
 
     def forward(self, ctx, tok, pad=None):

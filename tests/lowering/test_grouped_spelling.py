@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from numerics import compiled_reports, relative_error
-from spellings import GroupedMM, inputs
+from spellings import GroupedMM, TransformersMoE, inputs
 
 pytestmark = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"),
                                 reason=f"torch {torch.__version__} has no _grouped_mm")
@@ -150,3 +150,46 @@ def test_grouped_near_miss_is_reported_and_not_rewritten(name):
     misses = [m for r in reports for m in r.near_misses]
     assert misses and any(needle in m["reason"] for m in misses), misses
     assert relative_error(got, model(ctx, tok)) <= 1e-6  # the graph as captured: eager's own result
+
+
+def test_transformers_grouped_mm_experts_match_the_math():
+    """transformers' grouped_mm experts: x[pair rows][order] into the grouped GEMMs, histc of the
+    sorted experts with max=E-1, W13 chunked, the outputs put back by argsort(order) (the inverse
+    sort) and added by index_add_ over the pairs' rows: one match, and the output and every
+    gradient against its loop over range(E) in float64 on the same bf16 parameters and inputs."""
+    torch.manual_seed(0)
+    model = TransformersMoE(impl="grouped_mm").to(torch.bfloat16)
+    ctx, tok = inputs(4, 3, 5, model.D, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1))
+    compiled = copy.deepcopy(model)
+    args_c = [ctx.clone().requires_grad_(), tok.clone().requires_grad_()]
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        (out, logits), reports = _observed(lambda: torch.compile(compiled, backend="mha",
+                                                                 options={"strict": True})(*args_c))
+    assert [len(r.matches) for r in reports] == [1] and not reports[0].near_misses, [str(r) for r in reports]
+    math = TransformersMoE(impl="loop").double()
+    math.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
+    args_m = [ctx.double().requires_grad_(), tok.double().requires_grad_()]
+    want, want_logits = math(*args_m)
+    assert relative_error(out, want) <= BF16 and relative_error(logits, want_logits) <= BF16
+    grad = torch.randn(want.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    out.backward(grad.to(torch.bfloat16))
+    want.backward(grad)
+    for (name, p), p_m in zip(compiled.named_parameters(), math.parameters()):
+        if name == "key.bias":  # SPEC §1: exactly zero
+            assert torch.count_nonzero(p.grad) == 0
+            continue
+        assert relative_error(p.grad, p_m.grad) <= BF16, (name, relative_error(p.grad, p_m.grad))
+    for a, a_m in zip(args_c, args_m):
+        assert relative_error(a.grad, a_m.grad) <= BF16
+
+
+def test_transformers_grouped_mm_put_back_by_the_sort_itself_is_not_replaced():
+    """The grouped outputs put back by the sort instead of its inverse: not the block (the pairs
+    land on other rows), so no match, and eager's result."""
+    torch.manual_seed(0)
+    model = TransformersMoE(impl="grouped_mm", wrong="back").to(torch.bfloat16)
+    ctx, tok = inputs(4, 3, 5, model.D, dtype=torch.bfloat16)
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        (out, _), reports = _observed(lambda: torch.compile(copy.deepcopy(model), backend="mha")(ctx, tok))
+    assert not any(r.matches for r in reports) and any(r.near_misses for r in reports)
+    assert torch.equal(out, model(ctx, tok)[0])

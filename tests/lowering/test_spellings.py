@@ -1606,25 +1606,36 @@ def _compare_with_logits(model, args, reports_of):
     return reports
 
 
-def test_transformers_moe_loop_over_range_matches():
+@pytest.mark.parametrize("impl", ["loop", "batched_mm"])
+def test_transformers_moe_matches(impl):
     """transformers' Mixtral MoE, its loop over range(E): the in-place top_k_weights /= Σ before
     the indices are read (an item of topk's tuple is no view of the other: it read as a write
     before a read), the one_hot under no_grad (integers take no gradient in either mode), the
     unread expert_hit (a nonzero kept by the range asserts on its count) and the fused
-    gate_up_proj all matched, the logits it returns kept for the caller."""
+    gate_up_proj all matched, the logits it returns kept for the caller. Its batched_mm experts:
+    the pairs' rows as an index (arange(R)[:, None].expand(-1, k).reshape(-1), read by its values),
+    W13[expert] @ x as a column, index_add_ over the pairs' rows."""
     torch.manual_seed(0)
-    model = TransformersMoE()
+    model = TransformersMoE(impl=impl)
     reports = _compare_with_logits(model, inputs(dtype=torch.float32), {"strict": True})
     match = _assert_one_match(reports)
     assert match["config"]["act"] == "swiglu" and match["config"]["renorm"] is True
     assert "0:64]" in match["params"]["w1"] and "64:128]" in match["params"]["w3"], match["params"]
 
 
+def test_transformers_batched_mm_with_other_pair_rows_is_not_replaced():
+    """The pairs' rows as arange(R).repeat(k) (pair p to row p % R): not the rows topi.reshape(-1)
+    pairs with, so no match; and the model computes as eager."""
+    torch.manual_seed(0)
+    reports = _compare_with_logits(TransformersMoE(impl="batched_mm", wrong="rows"), inputs(dtype=torch.float32), None)
+    assert not any(r.matches for r in reports) and any(r.near_misses for r in reports)
+
+
 def test_transformers_moe_loop_over_expert_hit_is_a_graph_break_reported():
     """Looping over the tensor expert_hit breaks the graph even with capture_dynamic_output_shape_ops
     set: the near-miss says the flag is set already and what else breaks a graph, not to set it."""
     torch.manual_seed(0)
-    model = TransformersMoE(hit=True)
+    model = TransformersMoE(impl="hit")
     reports = _compare_with_logits(model, inputs(dtype=torch.float32), None)
     assert not any(r.matches for r in reports)
     reasons = [m["reason"] for r in reports for m in r.near_misses]

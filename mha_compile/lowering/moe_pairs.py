@@ -1,0 +1,69 @@
+"""The (row, slot) pairs' rows as an index: pair p = r·k + s (topi.reshape(-1)'s order) belongs to
+row r = p // k. transformers' batched_mm experts write it
+
+    token_idx = torch.arange(R).unsqueeze(1).expand(-1, k).reshape(-1)
+    x[token_idx] ...  out.index_add_(0, token_idx, f · w.reshape(-1, 1))
+
+and others write arange(R·k) // k or arange(R).repeat_interleave(k). Whatever the spelling, the
+index is computed from constants alone, so it is read by its values: the calls that compute it
+are run here, on the CPU, and the result compared with arange(R·k) // k (`pair_rows`).
+"""
+import operator
+
+import torch
+
+# Calls an index computed from constants may go through: they compute from their arguments only
+_FUNCTIONS = {torch.arange, torch.repeat_interleave, operator.floordiv, torch.div, torch.floor_divide}
+_METHODS = {"unsqueeze", "expand", "reshape", "view", "flatten", "repeat_interleave", "repeat", "contiguous", "to",
+            "long", "int", "squeeze"}
+_MAX_NUMEL = 1 << 24  # the index of 16M pairs at most: larger ones are not read
+
+
+def pair_rows(node, rows, k):
+    """Whether `node` is the row of each of rows·k pairs: arange(rows·k) // k."""
+    if not isinstance(rows, int) or not isinstance(k, int) or rows * k > _MAX_NUMEL:
+        return False
+    value = _constant(node)
+    return value is not None and value.dtype in (torch.int32, torch.int64) and value.shape == (rows * k,) and \
+        torch.equal(value, torch.arange(rows * k) // k)
+
+
+def _constant(node, seen=None):
+    """node's value where it is computed from literals by the calls above, else None."""
+    seen = {} if seen is None else seen
+    if node in seen:
+        return seen[node]
+    seen[node] = None
+    pure = (node.op == "call_function" and node.target in _FUNCTIONS) or \
+        (node.op == "call_method" and node.target in _METHODS)
+    if not pure:
+        return None
+    args = [_literal(a, seen) for a in node.args]
+    kwargs = {k: _literal(v, seen) for k, v in node.kwargs.items() if k != "device"}
+    if any(a is _NOT for a in args) or any(v is _NOT for v in kwargs.values()):
+        return None
+    try:
+        value = node.target(*args, **kwargs) if node.op == "call_function" else getattr(args[0], node.target)(
+            *args[1:], **kwargs)
+    except (RuntimeError, TypeError, ValueError):
+        return None
+    if not isinstance(value, torch.Tensor) or value.numel() > _MAX_NUMEL:
+        return None
+    seen[node] = value
+    return value
+
+
+_NOT = object()
+
+
+def _literal(arg, seen):
+    """A call's argument as a value: a literal, or the value of a node computed from literals."""
+    if isinstance(arg, torch.fx.Node):
+        value = _constant(arg, seen)
+        return _NOT if value is None else value
+    if isinstance(arg, (tuple, list)):
+        items = [_literal(a, seen) for a in arg]
+        return _NOT if any(i is _NOT for i in items) else (tuple(items) if isinstance(arg, tuple) else items)
+    if arg is None or isinstance(arg, (bool, int, str, torch.dtype, torch.device)):
+        return arg
+    return _NOT
