@@ -525,6 +525,13 @@ def _draws_random(node):
     return node.op in ("call_method", "call_function") and _name(node) in _RANDOM
 
 
+def written_in_place(node):
+    """Whether the graph writes node's tensor in place, through it or any view of its storage
+    (moe_pairs reads an index by the values its calls compute: a write would change them)."""
+    aliases = _aliases(node)
+    return any(_written(u) in aliases for a in aliases for u in a.users)
+
+
 def _written(node):
     """The node whose tensor `node` writes in place, or None."""
     if not _is_inplace(node):
@@ -710,6 +717,10 @@ def _region_nodes(nodes, inputs, out, exportable=None, keepable=None):
             upstream |= _ancestors(i, nodes.order)
     upstream |= set(inputs)
     region = (ancestors & reach) - upstream
+    if out not in reach:
+        raise _Miss(out, f"{out.name}: the MoE's output is summed into a tensor made from none of the block's inputs "
+                         f"(torch.zeros(R, D) filled in place, say): the rewrite replaces values the block computes; "
+                         f"start the sum from torch.zeros_like(x)")
     changed = True
     while changed:
         changed = False

@@ -12,6 +12,8 @@ import operator
 
 import torch
 
+from mha_compile.lowering.canonicalize import shape
+
 # Calls an index computed from constants may go through: they compute from their arguments only
 _FUNCTIONS = {torch.arange, torch.repeat_interleave, operator.floordiv, torch.div, torch.floor_divide}
 _METHODS = {"unsqueeze", "expand", "reshape", "view", "flatten", "repeat_interleave", "repeat", "contiguous", "to",
@@ -20,8 +22,11 @@ _MAX_NUMEL = 1 << 24  # the index of 16M pairs at most: larger ones are not read
 
 
 def pair_rows(node, rows, k):
-    """Whether `node` is the row of each of rows·k pairs: arange(rows·k) // k."""
-    if not isinstance(rows, int) or not isinstance(k, int) or rows * k > _MAX_NUMEL:
+    """Whether `node` is the row of each of rows·k pairs: arange(rows·k) // k, as computed and
+    never written in place (rows[0] = R - 1 would move a pair the values read here do not)."""
+    size = shape(node)
+    if not isinstance(rows, int) or not isinstance(k, int) or rows * k > _MAX_NUMEL or size is None or \
+            len(size) != 1 or not isinstance(size[0], int) or size[0] != rows * k:  # no guard on a symbolic size
         return False
     value = _constant(node)
     return value is not None and value.dtype in (torch.int32, torch.int64) and value.shape == (rows * k,) and \
@@ -29,14 +34,16 @@ def pair_rows(node, rows, k):
 
 
 def _constant(node, seen=None):
-    """node's value where it is computed from literals by the calls above, else None."""
+    """node's value where it is computed from literals by the calls above (on the CPU, whatever
+    device they name) and nothing writes it in place, else None."""
+    from mha_compile.lowering.match import written_in_place  # match reads the MoE through moe.py
     seen = {} if seen is None else seen
     if node in seen:
         return seen[node]
     seen[node] = None
     pure = (node.op == "call_function" and node.target in _FUNCTIONS) or \
         (node.op == "call_method" and node.target in _METHODS)
-    if not pure:
+    if not pure or written_in_place(node):
         return None
     args = [_literal(a, seen) for a in node.args]
     kwargs = {k: _literal(v, seen) for k, v in node.kwargs.items() if k != "device"}
@@ -64,6 +71,8 @@ def _literal(arg, seen):
     if isinstance(arg, (tuple, list)):
         items = [_literal(a, seen) for a in arg]
         return _NOT if any(i is _NOT for i in items) else (tuple(items) if isinstance(arg, tuple) else items)
-    if arg is None or isinstance(arg, (bool, int, str, torch.dtype, torch.device)):
+    if isinstance(arg, torch.device):
+        return torch.device("cpu")
+    if arg is None or isinstance(arg, (bool, int, str, torch.dtype)):
         return arg
     return _NOT

@@ -1631,6 +1631,62 @@ def test_transformers_batched_mm_with_other_pair_rows_is_not_replaced():
     assert not any(r.matches for r in reports) and any(r.near_misses for r in reports)
 
 
+class PairRowMoved(TransformersMoE):
+    """The pairs' rows as transformers computes them, then one written in place (pair 0 to the
+    last row): the index's calls alone say arange(R·k) // k, the tensor does not."""
+
+    def _pairs(self, x, top_k_index, top_k_weights):
+        rows, experts, weights = super()._pairs(x, top_k_index, top_k_weights)
+        rows.view(-1, top_k_index.shape[-1])[0, 0] = x.shape[0] - 1
+        return rows, experts, weights
+
+
+def test_pair_rows_written_in_place_are_not_read_as_computed():
+    torch.manual_seed(0)
+    reports = _compare_with_logits(PairRowMoved(impl="batched_mm"), inputs(dtype=torch.float32), None)
+    assert not any(r.matches for r in reports) and any(r.near_misses for r in reports)
+
+
+def test_pair_rows_are_evaluated_on_the_cpu_whatever_device_they_name():
+    """An index moved by .to(device) is computed here on the CPU (on a GPU it compared a CUDA
+    tensor with a CPU one: a failed rewrite, found by a review)."""
+    from mha_compile.lowering.moe_pairs import pair_rows
+    graph = torch.fx.Graph()
+    rows = graph.call_function(torch.arange, (3,))
+    moved = graph.call_method("to", (graph.call_method("repeat_interleave", (rows, 2)), torch.device("meta")))
+    moved.meta["example_value"] = torch.empty(6, dtype=torch.int64, device="meta")
+    assert pair_rows(moved, 3, 2) and not pair_rows(moved, 2, 3)
+
+
+class SumIntoFreshZeros(SpelledBlock):
+    """Mixtral's experts added into torch.zeros(R, D) made from none of the block's inputs."""
+
+    def moe_forward(self, y):
+        x = y.reshape(-1, y.shape[-1])
+        weight, index = self.route(x)
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=x.dtype)
+        mask = F.one_hot(index, self.E).permute(2, 1, 0)
+        for e in range(self.E):
+            slot, rows = torch.where(mask[e])
+            out.index_add_(0, rows, self.expert(e, x[rows]) * weight[rows, slot, None])
+        return out.reshape(y.shape)
+
+
+def test_experts_summed_into_fresh_zeros_are_a_near_miss():
+    """The sum's zeros from torch.zeros(R, D): the region read as empty and the match crashed (a
+    failed rewrite, or an error under strict); now a near-miss that says so, eager's result."""
+    torch.manual_seed(0)
+    model = SumIntoFreshZeros(moe="mixtral").double()
+    args = inputs(dtype=torch.float64)
+    with compiled_reports() as reports:
+        torch._dynamo.reset()
+        with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+            got = torch.compile(copy.deepcopy(model), backend="mha", options={"strict": True})(*args)
+    reasons = [m["reason"] for r in reports for m in r.near_misses]
+    assert not any(r.matches for r in reports) and any("torch.zeros_like(x)" in r for r in reasons), reasons
+    assert relative_error(got, model(*args)) <= TOLERANCE[torch.float64]
+
+
 def test_transformers_moe_loop_over_expert_hit_is_a_graph_break_reported():
     """Looping over the tensor expert_hit breaks the graph even with capture_dynamic_output_shape_ops
     set: the near-miss says the flag is set already and what else breaks a graph, not to set it."""
