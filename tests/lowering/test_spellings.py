@@ -1631,6 +1631,30 @@ def test_transformers_batched_mm_with_other_pair_rows_is_not_replaced():
     assert not any(r.matches for r in reports) and any(r.near_misses for r in reports)
 
 
+class SharedExpertMoE(TransformersMoE):
+    """Qwen2-MoE's block in transformers: the routed experts plus a shared SwiGLU expert on the same
+    rows, gated by sigmoid(x·w): the shared expert reads y outside the region, which the op exports."""
+
+    def __init__(self):
+        super().__init__()
+        D = self.D
+        self.shared_gate = torch.nn.Linear(D, 1, bias=False)
+        self.shared_w1, self.shared_w3 = torch.nn.Linear(D, 96, bias=False), torch.nn.Linear(D, 96, bias=False)
+        self.shared_w2 = torch.nn.Linear(96, D, bias=False)
+
+    def moe_forward(self, y):
+        out, logits = super().moe_forward(y)
+        x = y.view(-1, y.shape[-1])
+        shared = torch.sigmoid(self.shared_gate(x)) * self.shared_w2(F.silu(self.shared_w1(x)) * self.shared_w3(x))
+        return out + shared.view_as(out), logits
+
+
+def test_transformers_moe_with_a_shared_expert_matches():
+    torch.manual_seed(0)
+    match = _assert_one_match(_compare_with_logits(SharedExpertMoE(), inputs(dtype=torch.float32), {"strict": True}))
+    assert set(match["exports"]) == {"y"} and "router_logits" in match["kept"], match
+
+
 class PairRowMoved(TransformersMoE):
     """The pairs' rows as transformers computes them, then one written in place (pair 0 to the
     last row): the index's calls alone say arange(R·k) // k, the tensor does not."""
