@@ -468,6 +468,14 @@ def _count_checks(node):
     return asserts + compares + sizes
 
 
+def _indexes_by_rows(index):
+    """Whether an index holds a tensor of one or more axes, which makes t[index] a copy (a 0-dim
+    integer tensor indexes as an int does: t[torch.tensor(0)] is a view)."""
+    items = index if isinstance(index, (tuple, list)) else (index,)
+    values = [i.meta.get("example_value") for i in items if isinstance(i, torch.fx.Node)]
+    return any(isinstance(v, torch.Tensor) and v.dim() > 0 for v in values)
+
+
 def _indexes_by_tensor(index):
     items = index if isinstance(index, (tuple, list)) else (index,)
     return any(isinstance(i, torch.fx.Node) for i in items)
@@ -989,7 +997,7 @@ def _callers(nodes, aliases):
 
 # Writes in place whose rules give the written tensor its new meaning (walk.vals[target]): its
 # later readers read that
-_TRACKED_WRITES = ("scatter", "index_add", "scatter_add")
+_TRACKED_WRITES = ("scatter", "index_add", "scatter_add", "setitem")
 
 
 def _check_write_read_after(nodes, n, y, data):
@@ -1063,6 +1071,8 @@ def _storage_parent(node):
     if op.kind == "getitem" and isinstance(op.args[0].meta.get("example_value"), (tuple, list)) and \
             _storage_parent(op.args[0]) is None:
         return None  # an item of a fresh tuple (topk's values, its indices): a tensor of its own
+    if op.kind == "getitem" and _indexes_by_rows(op.args[1]):
+        return None  # indexed by a tensor of indices or a mask (out[rows]): a copy
     if op.kind in _VIEW_KINDS:
         return op.args[0]
     if op.kind != "cast" or node.target in ("clone", torch.clone):

@@ -122,11 +122,13 @@ def _read(walk, node, op):
         return _one_hot(walk, node, *args)
     if op.kind == "nonzero":
         src = args[0]
-        if src is not None and src.kind == "emask" and op.args[1] is True:
+        if src is not None and src.kind in ("emask", "eqmask") and op.args[1] is True:  # where(topi == e) too
             return Val("where", src.roles, dict(src.info, tag=node))
         return None
     if op.kind == "index_add":
         return _index_add(walk, node, op, *args[:4]) or _pairs_added(walk, op, args[0], args[1], args[3])
+    if op.kind == "setitem":
+        return _set_rows(walk, node, op, *args)
     if op.kind in ("gelu", "silu"):
         return _activation(node, op, args[0])
     if op.kind == "mul":
@@ -157,6 +159,8 @@ def _getitem(walk, node, op):
     if src.kind == "x" and len(items) == 1 and len(src.roles) == 2 and isinstance(items[0], torch.fx.Node) and \
             pair_rows(items[0], walk.axes.sizes.get(src.roles[0]), walk.axes.sizes.get("s")):  # x[arange(R·k) // k]
         return Val("x", (f"{src.roles[0]}*s", src.roles[1]), src.info)
+    if src.kind in ("zero", "contrib") and len(items) == 1 and vals[0] is not None and vals[0].kind == "selidx":
+        return Val("taken", None, {"base": op.args[0], "was": src, "index": items[0]})  # out[rows], a copy
     if src.kind == "x" and len(items) == 1 and vals[0] is not None and vals[0].kind == "selidx":
         sel = vals[0].info
         if sel["axis"] != src.roles[0] or len(src.roles) != 2:
@@ -637,6 +641,9 @@ def _add(walk, node, a, b):
         if node is not None and any(v is not None and v.kind == "contrib" for v in (a, b)):
             _summed_onto_other(node)
         return None
+    if {a.kind, b.kind} == {"taken", "contrib_sel"}:  # out[rows] += f(x[rows]) · w[rows, slots], then stored
+        taken, more = (a, b) if a.kind == "taken" else (b, a)
+        return Val("taken_plus", None, dict(taken.info, plus=more))
     if "sumw" in (a.kind, b.kind) and "const" in (a.kind, b.kind):
         return _sum_plus_eps(walk, node, a if a.kind == "sumw" else b, b if b.kind == "const" else a)
     a, b = (Val("zero") if _is_zero(v) else v for v in (a, b))  # Python's sum() over the experts starts at 0
@@ -718,6 +725,17 @@ def _index_add(walk, node, op, out, dim, index, src):
     if val is not None and op.kwargs.get("_inplace"):
         walk.vals[op.args[0]] = val  # the in-place add changes what later readers of `out` see
     return val
+
+
+def _set_rows(walk, node, op, out, index, value):
+    """out[rows] = out[rows] + f(x[rows]) · w[rows, slots] (mistral's `results[batch_idx] += ...`):
+    out.index_add_(0, rows, ...) where rows, one expert's from torch.where, name each row at most
+    once (top-k picks distinct experts), and nothing wrote out between the read and the store."""
+    if value is None or value.kind != "taken_plus" or value.info["base"] is not op.args[0] or \
+            value.info["index"] is not op.args[1] or out is not value.info["was"]:
+        return None
+    added = Op("index_add", (op.args[0], 0, op.args[1], None, 1), {"_inplace": True})
+    return _index_add(walk, node, added, out, walk.val(0), index, value.info["plus"])
 
 
 def _pairs_added(walk, op, out, dim, src):

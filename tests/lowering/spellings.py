@@ -517,6 +517,32 @@ class GptFastMoE(SpelledBlock):
         return torch.einsum("tai,ta -> ti", expert_outs, expert_weights).view_as(y)
 
 
+class MistralMoE(SpelledBlock):
+    """mistral-src's MoeLayer (the reference Mixtral code): top-k of the router logits, a softmax of
+    the k in float32, torch.where(selected == i) and `results[batch_idx] += w · expert(x[batch_idx])`
+    (stored by setitem: each row once an expert, as top-k picks distinct experts), results.view_as.
+    store: "iadd" as written | "set" (results[batch_idx] = ..., which drops the earlier experts':
+    not the block)."""
+
+    def __init__(self, store="iadd"):
+        super().__init__(act="swiglu", experts="modules", bias=False, topk_logits=True)
+        self.store = store
+
+    def moe_forward(self, y):
+        inputs = y.view(-1, y.shape[-1])
+        weights, selected_experts = torch.topk(self.router(inputs), self.k)
+        weights = F.softmax(weights, dim=1, dtype=torch.float).to(inputs.dtype)
+        results = torch.zeros_like(inputs)
+        for i in range(self.E):
+            batch_idx, nth_expert = torch.where(selected_experts == i)
+            term = weights[batch_idx, nth_expert, None] * self.expert(i, inputs[batch_idx])
+            if self.store == "iadd":
+                results[batch_idx] += term
+            else:
+                results[batch_idx] = term
+        return results.view_as(y)
+
+
 def inputs(B=4, H=3, N=5, D=32, dtype=torch.float32, mask=False, generator=None):
     ctx = torch.randn(B, H, D, dtype=dtype, generator=generator)
     tok = torch.randn(B, N, D, dtype=dtype, generator=generator)

@@ -3,6 +3,7 @@ match, and the output and every gradient equal eager. Near-misses: no match, a r
 node, results equal eager."""
 import copy
 import math
+import operator
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from numerics import TOLERANCE, compiled_reports, relative_error
-from spellings import ACTS, EXPERTS, MERGES, MOES, POOLS, FusedGateUp, GptFastMoE, SpelledBlock, TransformersMoE, inputs
+from spellings import ACTS, EXPERTS, MERGES, MOES, POOLS, FusedGateUp, GptFastMoE, MistralMoE, SpelledBlock, TransformersMoE, inputs
 
 ZERO_GRAD = ("key.bias",)  # SPEC §1: ∂bk is exactly zero; eager leaves roundoff there
 
@@ -1845,3 +1846,39 @@ def test_a_gradient_penalty_on_inv_alone_leaves_the_experts_without_gradient():
         if eager[name] is not None and not name.endswith(ZERO_GRAD):
             assert relative_error(got[name], eager[name]) <= TOLERANCE[torch.float64], name
     assert eager["w1"] is None and eager["ctx"] is None and eager["value.weight"] is not None
+
+
+def test_mistral_reference_moe_matches():
+    """mistral-src's MoeLayer: where(selected == i) (a mask by ==, not one_hot), results[rows] +=
+    (getitem, iadd on the copy, setitem: index_add_ where each row comes once), view_as."""
+    torch.manual_seed(0)
+    match = _assert_one_match(compile_and_compare(MistralMoE().float(), inputs(dtype=torch.float32), torch.float32,
+                                                  dynamic_where=True))
+    assert match["config"] == {"top_k": 2, "renorm": True, "act": "swiglu"}
+
+
+def test_mistral_moe_storing_without_adding_is_not_replaced():
+    """results[rows] = term (no +=): a later expert overwrites an earlier one's rows; not the block."""
+    torch.manual_seed(0)
+    model = MistralMoE(store="set").float()
+    args = inputs(dtype=torch.float32)
+    with compiled_reports() as reports:
+        torch._dynamo.reset()
+        with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+            got = torch.compile(copy.deepcopy(model), backend="mha")(*args)
+    assert not any(r.matches for r in reports) and any(r.near_misses for r in reports)
+    assert relative_error(got, model(*args)) <= TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("index, copies", [(torch.tensor([0, 1]), True), (torch.tensor([True, False]), True),
+                                           (torch.tensor(0), False)], ids=["rows", "mask", "0-dim"])
+def test_a_tensor_index_copies_unless_it_has_no_axis(index, copies):
+    """t[rows] and t[mask] are copies (out[rows] += ... writes the copy, then stores it), while
+    t[torch.tensor(0)] is a view, as t[0] (a write through it changes t): the alias reading."""
+    from mha_compile.lowering.match import _storage_parent
+    graph = torch.fx.Graph()
+    t, i = graph.placeholder("t"), graph.placeholder("i")
+    t.meta["example_value"], i.meta["example_value"] = torch.zeros(2, 3), index
+    item = graph.call_function(operator.getitem, (t, i))
+    item.meta["example_value"] = torch.zeros(2, 3)[index]
+    assert (_storage_parent(item) is None) == copies
