@@ -377,8 +377,10 @@ def layout_rule(walk, node, op):
         return None
     if op.kind == "cast" and src.kind not in INTEGER_KINDS + ("ext",) and _to_integers(op.args[0], node):
         return None  # u.to(torch.int64) changes its values: no layout op (found by a review)
-    if src.kind == "zero":
-        return Val("zero", None)
+    if op.kind == "cast" and src.kind in INTEGER_KINDS and src.kind != "zero" and not _keeps_integers(op.args[0], node):
+        return None  # topi.to(torch.bool) makes every expert but 0 one (found by a review)
+    if src.kind == "zero":  # expanded, its rows would share memory: no sum may be written into it in place
+        return None if op.kind == "expand" else Val("zero", None)
     in_shape, out_shape = shape(op.args[0]), shape(node)
     if src.kind == "ext":
         return _ext_layout(walk, node, op, src, in_shape, out_shape)
@@ -386,6 +388,14 @@ def layout_rule(walk, node, op):
         return Val(src.kind, None, src.info) if op.kind == "cast" else None
     roles = move_roles(walk, op, src.roles, in_shape, out_shape)
     return None if roles is None else Val(src.kind, roles, src.info)
+
+
+def _keeps_integers(src, node):
+    """Whether node's cast keeps the values of integers (indices, counts) or a mask: to int32,
+    int64, float32 or float64 (a bool mask to any dtype); not to bool, int8, uint8 or a 16-bit float."""
+    before, after = dtype(src), dtype(node)
+    return before is not None and after is not None and (
+        before == torch.bool or after in (torch.int32, torch.int64, torch.float32, torch.float64))
 
 
 def _to_integers(src, node):

@@ -121,10 +121,7 @@ def _read(walk, node, op):
     if op.kind == "one_hot":
         return _one_hot(walk, node, *args)
     if op.kind == "nonzero":
-        src = args[0]
-        if src is not None and src.kind in ("emask", "eqmask") and op.args[1] is True:  # where(topi == e) too
-            return Val("where", src.roles, dict(src.info, tag=node))
-        return None
+        return _where(walk, node, args[0], op.args[1])
     if op.kind == "index_add":
         return _index_add(walk, node, op, *args[:4]) or _pairs_added(walk, op, args[0], args[1], args[3])
     if op.kind == "setitem":
@@ -136,6 +133,19 @@ def _read(walk, node, op):
     if op.kind == "add":
         return _add(walk, node, *args)
     return None
+
+
+def _where(walk, node, mask, as_tuple):
+    """torch.where(one_hot(topi)[..., e]) or torch.where(topi == e): the (row, slot) pairs that chose
+    expert e. The mask's axes must be the top-k's own rows and slots, so that a row comes at most
+    once (top-k picks distinct experts): topi expanded over a new axis and merged into the slots
+    repeats each row (found by a review)."""
+    if mask is None or mask.kind not in ("emask", "eqmask") or as_tuple is not True:
+        return None
+    topk = walk.vals.get(mask.info["topk"])
+    if topk is None or len(mask.roles) != 2 or set(mask.roles) != set(topk.roles):
+        return None
+    return Val("where", mask.roles, dict(mask.info, tag=node))
 
 
 def _index_into_one(node, op):

@@ -1882,3 +1882,42 @@ def test_a_tensor_index_copies_unless_it_has_no_axis(index, copies):
     item = graph.call_function(operator.getitem, (t, i))
     item.meta["example_value"] = torch.zeros(2, 3)[index]
     assert (_storage_parent(item) is None) == copies
+
+
+class MistralVariant(MistralMoE):
+    """mistral-src's MoeLayer with one piece changed so that it is not the block (found by a review):
+    "repeated": topi and the weights expanded over a new axis merged into the slots (each row
+    twice in an expert's rows), "bool_mask": where(topi.to(torch.bool) == e), "shared_zeros": the
+    sum stored into zeros_like(x[:1]).expand(R, D), whose rows share memory."""
+
+    def __init__(self, variant):
+        super().__init__()
+        self.variant = variant
+
+    def moe_forward(self, y):
+        x = y.view(-1, y.shape[-1])
+        weights, selected = torch.topk(self.router(x), self.k)
+        weights = F.softmax(weights, dim=1)
+        R, k = selected.shape
+        if self.variant == "repeated":
+            selected = selected[:, None, :].expand(R, 2, k).reshape(R, 2 * k)
+            weights = weights[:, None, :].expand(R, 2, k).reshape(R, 2 * k)
+        mask = selected.to(torch.bool) if self.variant == "bool_mask" else selected
+        results = torch.zeros_like(x[:1]).expand(R, -1) if self.variant == "shared_zeros" else torch.zeros_like(x)
+        for i in range(self.E):
+            rows, slots = torch.where(mask == i)
+            results[rows] += weights[rows, slots, None] * self.expert(i, x[rows])
+        return results.view_as(y)
+
+
+@pytest.mark.parametrize("variant", ["repeated", "bool_mask", "shared_zeros"])
+def test_mistral_variants_that_are_not_the_block_are_not_replaced(variant):
+    torch.manual_seed(0)
+    model = MistralVariant(variant).double()
+    args = inputs(dtype=torch.float64)
+    with compiled_reports() as reports:
+        torch._dynamo.reset()
+        with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+            got = torch.compile(copy.deepcopy(model), backend="mha")(*args)
+    assert not any(r.matches for r in reports) and any(r.near_misses for r in reports)
+    assert relative_error(got, model(*args)) <= TOLERANCE[torch.float64]
