@@ -1701,15 +1701,8 @@ def test_experts_summed_into_fresh_zeros_are_a_near_miss():
     """The sum's zeros from torch.zeros(R, D): the region read as empty and the match crashed (a
     failed rewrite, or an error under strict); now a near-miss that says so, eager's result."""
     torch.manual_seed(0)
-    model = SumIntoFreshZeros(moe="mixtral").double()
-    args = inputs(dtype=torch.float64)
-    with compiled_reports() as reports:
-        torch._dynamo.reset()
-        with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
-            got = torch.compile(copy.deepcopy(model), backend="mha", options={"strict": True})(*args)
-    reasons = [m["reason"] for r in reports for m in r.near_misses]
-    assert not any(r.matches for r in reports) and any("torch.zeros_like(x)" in r for r in reasons), reasons
-    assert relative_error(got, model(*args)) <= TOLERANCE[torch.float64]
+    reasons = _runs_as_written(SumIntoFreshZeros(moe="mixtral").double(), torch.float64, {"strict": True})
+    assert any("torch.zeros_like(x)" in r for r in reasons), reasons
 
 
 def test_transformers_moe_loop_over_expert_hit_is_a_graph_break_reported():
@@ -1857,17 +1850,24 @@ def test_mistral_reference_moe_matches():
     assert match["config"] == {"top_k": 2, "renorm": True, "act": "swiglu"}
 
 
-def test_mistral_moe_storing_without_adding_is_not_replaced():
-    """results[rows] = term (no +=): a later expert overwrites an earlier one's rows; not the block."""
-    torch.manual_seed(0)
-    model = MistralMoE(store="set").float()
-    args = inputs(dtype=torch.float32)
+def _runs_as_written(model, dtype, options=None):
+    """Compile a copy (capture_dynamic_output_shape_ops on): no match, a near-miss, eager's result.
+    Returns the near-misses' reasons."""
+    args = inputs(dtype=dtype)
     with compiled_reports() as reports:
         torch._dynamo.reset()
         with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
-            got = torch.compile(copy.deepcopy(model), backend="mha")(*args)
-    assert not any(r.matches for r in reports) and any(r.near_misses for r in reports)
-    assert relative_error(got, model(*args)) <= TOLERANCE[torch.float32]
+            got = torch.compile(copy.deepcopy(model), backend="mha", options=options)(*args)
+    reasons = [m["reason"] for r in reports for m in r.near_misses]
+    assert not any(r.matches for r in reports) and reasons
+    assert relative_error(got, model(*args)) <= TOLERANCE[dtype]
+    return reasons
+
+
+def test_mistral_moe_storing_without_adding_is_not_replaced():
+    """results[rows] = term (no +=): a later expert overwrites an earlier one's rows; not the block."""
+    torch.manual_seed(0)
+    _runs_as_written(MistralMoE(store="set").float(), torch.float32)
 
 
 @pytest.mark.parametrize("index, copies", [(torch.tensor([0, 1]), True), (torch.tensor([True, False]), True),
@@ -1913,11 +1913,4 @@ class MistralVariant(MistralMoE):
 @pytest.mark.parametrize("variant", ["repeated", "bool_mask", "shared_zeros"])
 def test_mistral_variants_that_are_not_the_block_are_not_replaced(variant):
     torch.manual_seed(0)
-    model = MistralVariant(variant).double()
-    args = inputs(dtype=torch.float64)
-    with compiled_reports() as reports:
-        torch._dynamo.reset()
-        with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
-            got = torch.compile(copy.deepcopy(model), backend="mha")(*args)
-    assert not any(r.matches for r in reports) and any(r.near_misses for r in reports)
-    assert relative_error(got, model(*args)) <= TOLERANCE[torch.float64]
+    _runs_as_written(MistralVariant(variant).double(), torch.float64)
