@@ -379,8 +379,8 @@ def layout_rule(walk, node, op):
         return None  # u.to(torch.int64) changes its values: no layout op (found by a review)
     if op.kind == "cast" and src.kind in INTEGER_KINDS and src.kind != "zero" and not _keeps_integers(op.args[0], node):
         return None  # topi.to(torch.bool) makes every expert but 0 one (found by a review)
-    if src.kind == "zero":  # expanded, its rows would share memory: no sum may be written into it in place
-        return None if op.kind == "expand" else Val("zero", None)
+    if src.kind == "zero":  # expanded, its rows share memory: no sum may be written into it in place (moe_rule)
+        return Val("zero", None, {"shared": True} if op.kind == "expand" or src.info.get("shared") else {})
     in_shape, out_shape = shape(op.args[0]), shape(node)
     if src.kind == "ext":
         return _ext_layout(walk, node, op, src, in_shape, out_shape)

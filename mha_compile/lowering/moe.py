@@ -43,10 +43,22 @@ def _rows(roles):
 def moe_rule(walk, node, op):
     """The Val of `op`; a product x·W whose columns are split later has its hidden axis WIDE
     (moe_split.py: the blocks are the experts' W1 and W3)."""
+    if _into_shared_zeros(walk, node, op):
+        return None
     val = split_rule(walk, node, op) or _read(walk, node, op)
     if val is not None and val.kind == "u" and val.roles and "f" in val.roles and split_later(node):
         return Val("u", tuple(WIDE if r == "f" else r for r in val.roles), val.info)
     return val
+
+
+def _into_shared_zeros(walk, node, op):
+    """Whether op writes in place into zeros whose rows share memory (zeros_like(x[:1]).expand(R, D),
+    which the dense gates' out-of-place scatter may start from): eager raises there or sums into one
+    row, the op would not (found by a review)."""
+    target = walk.val(op.args[0]) if op.args and isinstance(op.args[0], torch.fx.Node) else None
+    in_place = op.kwargs.get("_inplace") or op.kind == "setitem" or node.target is operator.iadd or \
+        (node.op == "call_method" and node.target in ("add_", "__iadd__"))
+    return bool(in_place) and target is not None and target.kind == "zero" and target.info.get("shared", False)
 
 
 def _read(walk, node, op):
