@@ -684,7 +684,8 @@ def _moe_failure(walk, nodes, anchor):
         return leaving[0], (f"{leaving[0].name}: the MoE after top-k {anchor.name} leaves this graph unfinished "
                             f"(a graph break splits the region, e.g. at torch.where/nonzero); {_split_hint()}")
     top = walk.vals.get(anchor)
-    if top is not None and top.info.get("on_logits"):
+    normalised = any(v.kind == "topw" and v.info.get("topk") is anchor for v in walk.vals.values())
+    if top is not None and top.info.get("on_logits") and not normalised:  # a softmax of the k chosen reads as topw
         return anchor, (f"{anchor.name}: top-k is taken on the router logits and its values are not normalised by "
                         f"a softmax over the k chosen (which would equal the renormalised top-k of the softmax)")
     partial = [n for n in valued if walk.vals[n].kind == "contrib"]
