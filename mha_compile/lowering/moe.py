@@ -93,9 +93,9 @@ def _read(walk, node, op):
             return None
         return _weight_product(walk, node, x, ext_ref(w), linear=True, bias=ext_ref(b))
     if op.kind == "matmul" and args[1] is not None and args[1].kind == "wsel":
-        return _gathered_matmul(walk, args[0], args[1])
+        return _gathered_matmul(args[0], args[1])
     if op.kind == "matmul" and args[0] is not None and args[0].kind == "wsel":
-        return _gathered_matmul_first(args[0], args[1])
+        return _gathered_matmul(args[1], args[0], column=True)
     if op.kind == "matmul" and ext_ref(args[1]) is not None:
         return _weight_product(walk, node, args[0], ext_ref(args[1]), linear=False, bias=None)
     if op.kind == "einsum" and len(args) == 3:
@@ -245,36 +245,23 @@ def _slot_broadcast(walk, node, val):
     return Val(val.kind, tuple("s" if i == slots[0] else r for i, r in enumerate(val.roles)), val.info)
 
 
-def _gathered_matmul(walk, a, w):
+def _gathered_matmul(a, w, column=False):
     """x @ W1[topi] -> u and h @ W2[topi] -> f, per (row, slot) pair, as torch.matmul/bmm read
-    them: a [..., 1, K] against W [..., K, N] with the same leading (row, slot) axes, or a
-    broadcast along them (x[:, None, None, :] @ W1[topi])."""
+    them: a row a [..., 1, K] against W [..., K, N] with the same leading (row, slot) axes, or a
+    broadcast along them (x[:, None, None, :] @ W1[topi]); with `column`, W first: W [..., N, K]
+    against a column a [..., K, 1] (transformers' batched_mm experts), the product [..., N, 1]."""
     n_own = sum(1 for r in w.roles if r is None)
     if a is None or a.roles is None or a.kind not in ("x", "h") or n_own != 2 or len(a.roles) != len(w.roles):
         return None
     lead = w.roles[:-2]
-    if a.roles[-2] != ONE or any(r not in (l, ONE) for r, l in zip(a.roles[:-2], lead)):
-        return None
-    if a.roles[-1] != ("d" if a.kind == "x" else "f"):
-        return None
-    if a.kind == "h" and (a.info["expert"] != "gathered" or a.info["topk"] is not w.info["topk"]):
-        return None
-    return _gathered_out(a, lead + (ONE,), w, 0)  # matmul contracts W's second to last axis
-
-
-def _gathered_matmul_first(w, a):
-    """W1[topi] @ x[..., :, None] -> u and W2[topi] @ h[..., :, None] -> f (transformers' batched_mm
-    experts): W [..., N, K] against a column [..., K, 1], the product [..., N, 1]."""
-    n_own = sum(1 for r in w.roles if r is None)
-    if a is None or a.roles is None or a.kind not in ("x", "h") or n_own != 2 or len(a.roles) != len(w.roles):
-        return None
-    lead = w.roles[:-2]
-    if a.roles[-1] != ONE or a.roles[-2] != ("d" if a.kind == "x" else "f") or \
-            any(r not in (l, ONE) for r, l in zip(a.roles[:-2], lead)):
+    vector = a.roles[:-3:-1] if column else a.roles[-2:]  # (the size-1 axis, the contracted one)
+    if vector != (ONE, "d" if a.kind == "x" else "f") or any(r not in (l, ONE) for r, l in zip(a.roles[:-2], lead)):
         return None
     if a.kind == "h" and (a.info["expert"] != "gathered" or a.info["topk"] is not w.info["topk"]):
         return None
-    out = _gathered_out(a, lead, w, 1)  # the product contracts W's last axis
+    if not column:
+        return _gathered_out(a, lead + (ONE,), w, 0)  # matmul contracts W's second to last axis
+    out = _gathered_out(a, lead, w, 1)  # W first: the product contracts its last axis
     return Val(out.kind, out.roles + (ONE,), out.info)
 
 
