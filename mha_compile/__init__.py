@@ -8,9 +8,9 @@ Importing this package does no work: the op registers when the backend first run
 from mha_compile.options import Options
 
 
-def explain(model_or_fn, *args, options=None, **kwargs):
+def explain(model_or_fn, *args, **kwargs):
     from mha_compile.debug.explain import explain as _explain
-    return _explain(model_or_fn, *args, options=options, **kwargs)
+    return _explain(model_or_fn, *args, **kwargs)
 
 
 def __getattr__(name):

@@ -71,7 +71,7 @@ def explain_command(args):
     options = {"kernels": args.kernels, "rest": args.rest}
     if args.dump:
         options["dump"] = args.dump
-    report = explain(model, *inputs, options=options)
+    report = explain(model, *inputs, mha_options=options)
     print(json.dumps(report.to_json(), indent=2, default=str) if args.json else report)
     if args.dump:
         run = dump.current_run(args.dump)

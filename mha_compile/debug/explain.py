@@ -3,6 +3,7 @@
 import collections
 import contextlib
 import copy
+import inspect
 import types
 
 import torch
@@ -10,6 +11,7 @@ from torch.utils import _pytree
 
 from mha_compile import backend
 from mha_compile.debug.report import ExplainReport
+from mha_compile.options import Options
 
 NO_GRAPH = ("Dynamo handed the backend no graph, so nothing was matched or missed: the call ran no "
             "operation Dynamo captured (a function that returns its inputs as they are, a forward under "
@@ -20,10 +22,14 @@ NO_BLOCK = ("No MHA block was found, nor anything close: no graph here takes a t
             "MoE's routing), where the matcher starts looking")
 
 
-def explain(model_or_fn, *args, options=None, **kwargs):
+def explain(model_or_fn, *args, mha_options=None, **kwargs):
     """Compile with backend="mha", run the forward once (no backward) in the caller's grad mode,
     and return an ExplainReport. The module's buffers, the tensors given and the random-number
     state are left as found (`_state_kept`).
+
+    The keywords are the model's, as `args` are (SPEC's `explain(model_or_fn, *args, **kwargs)`),
+    but for the backend's options: `mha_options=` always, and `options=` where the forward names
+    no parameter `options` (`_backend_options`), so that a forward of its own `options` gets them.
 
     The caller's mode, not no_grad: it is the mode the model will train in, and what is compiled
     depends on it (Dynamo records a torch.no_grad() inside the model only where grad is on, so
@@ -35,6 +41,8 @@ def explain(model_or_fn, *args, options=None, **kwargs):
     forward, the ninth explain of a model got an empty report, and the user's own torch.compile
     of that model ran a new shape eagerly. So Dynamo starts here from a copy of that code (`_own_code`),
     whose entries go with it."""
+    options, kwargs = _backend_options(model_or_fn, mha_options, kwargs)
+    Options.parse(options)  # a bad key or value raises here as itself, not wrapped by Dynamo after tracing
     reports = []
 
     def observe(report, gm, lowered):
@@ -54,6 +62,26 @@ def explain(model_or_fn, *args, options=None, **kwargs):
         return ExplainReport(reports, note=NO_GRAPH, graph_breaks=breaks)
     nothing = not any(r.matches or r.near_misses for r in reports)
     return ExplainReport(reports, note=NO_BLOCK if nothing else "", graph_breaks=breaks)
+
+
+def _backend_options(model_or_fn, mha_options, kwargs):
+    """(the backend's options, the model's keywords). `options=` was the backend's alone until
+    session 66, so a forward with an `options` parameter could not be explained with it; it still is
+    the backend's where the forward does not name it (or takes it positionally only, or through
+    **kwargs), and mha_options= is not given."""
+    if mha_options is not None or "options" not in kwargs or _names_options(model_or_fn):
+        return mha_options, kwargs
+    kwargs = dict(kwargs)
+    return kwargs.pop("options"), kwargs
+
+
+def _names_options(model_or_fn):
+    fn = model_or_fn.forward if isinstance(model_or_fn, torch.nn.Module) else model_or_fn
+    try:
+        parameter = inspect.signature(fn).parameters.get("options")
+    except (TypeError, ValueError):  # a builtin or an extension's function: no signature to read
+        return False
+    return parameter is not None and parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)
 
 
 @contextlib.contextmanager

@@ -222,3 +222,30 @@ def test_a_graph_break_between_the_pool_and_the_moe_is_named():
         assert report.graphs[1].ended_by == "" and f"ended by {report.graphs[0].ended_by}" in str(report)
     whole = mha_compile.explain(MHABlock(12, 3, 8, 3, 2), *_inputs(4, 5))
     assert len(whole.matches) == 1 and whole.graph_breaks == [] and "Dynamo broke" not in str(whole)
+
+
+class _WithOptions(MHABlock):
+    """A forward with a keyword of its own named `options`, as a user's model may have."""
+
+    def forward(self, ctx, tok, options=None):
+        out = super().forward(ctx, tok)
+        return out * options["scale"] if options else out
+
+
+def test_a_forward_s_own_options_keyword_reaches_the_forward():
+    """explain took `options=` as the backend's whatever the forward was: a forward with a keyword
+    `options` could not be explained with it (session 64's note). Now the forward's own keyword
+    goes to the forward, the backend's through mha_options=, and `options=` stays the backend's
+    for a forward that does not name it."""
+    torch.manual_seed(5)
+    block, inputs = _WithOptions(12, 3, 8, 3, 2), _inputs(4, 5)
+    seen = []
+    block.register_forward_hook(lambda module, args, kwargs, out: seen.append((kwargs, out)), with_kwargs=True)
+    report = mha_compile.explain(block, *inputs, options={"scale": 3.0}, mha_options={"kernels": "reference"})
+    assert len(report.matches) == 1 and report.graphs[0].options["kernels"] == "reference", str(report)
+    assert seen[-1][0] == {"options": {"scale": 3.0}}
+    torch.testing.assert_close(seen[-1][1], 3.0 * MHABlock.forward(block, *inputs))
+    plain = MHABlock(12, 3, 8, 3, 2)
+    assert mha_compile.explain(plain, *inputs, options={"kernels": "staged"}).graphs[0].options["kernels"] == "staged"
+    with pytest.raises(ValueError, match="kernels"):
+        mha_compile.explain(plain, *inputs, mha_options={"kernels": "fast"})
