@@ -14,6 +14,8 @@ Kinds that only move or relabel elements are grouped by what they keep:
 - "cast": values kept, dtype/memory changed (to(dtype), float, contiguous, clone, type_as).
 """
 import dataclasses
+import functools
+import inspect
 import operator
 
 import torch
@@ -337,3 +339,59 @@ def float_dtype(node):
 
 def is_one(size):
     return isinstance(size, int) and size == 1
+
+
+# Writes in place: which call writes into which tensor (match reads aliases by them, moe refuses a sum
+# into zeros whose rows share memory). x += y and the like, and x[i] = v, as Dynamo records them:
+INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                      operator.imod, operator.ipow, operator.imatmul, operator.iand, operator.ior, operator.ixor,
+                      operator.ilshift, operator.irshift, operator.setitem}
+
+
+def is_inplace(node):
+    """Whether node writes into a tensor it is given (_written names which): a method or function
+    whose name ends in "_" (add_, scatter_, torch.nn.init.normal_, aten's mul_.Scalar), x += y,
+    x[i] = v, out=, or inplace=True (F.relu(x, inplace=True))."""
+    if node.op not in ("call_method", "call_function"):
+        return False
+    if node.target in INPLACE_OPERATORS or node.kwargs.get("out") is not None \
+            or argument(node, "inplace") is True:  # out= a tensor, or a tuple of them (torch.max's)
+        return True
+    name = call_name(node)
+    if name.startswith("__") and name.endswith("__"):  # __iadd__, not __add__ or __getitem__
+        return name[2:-2] in {op.__name__.strip("_") for op in INPLACE_OPERATORS}
+    return name.endswith("_")
+
+
+def argument(node, name):
+    """A call_function's argument by name, given by keyword or by position (F.dropout(x, 0.5,
+    True, True): inplace), or None."""
+    if name in node.kwargs or node.op != "call_function":
+        return node.kwargs.get(name)
+    parameters = _parameters(node.target)
+    return node.args[parameters.index(name)] if name in parameters[:len(node.args)] else None
+
+
+@functools.lru_cache(maxsize=None)
+def _parameters(function):
+    try:
+        return tuple(inspect.signature(function).parameters)
+    except (TypeError, ValueError):  # a builtin without a signature
+        return ()
+
+
+def call_name(node):
+    """A call's name: the method's, or the function's (an aten overload's without its overload:
+    mul_.Scalar is mul_)."""
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return str(name).split(".")[0]
+
+
+def written(node):
+    """The node whose tensor `node` writes in place, or None."""
+    if not is_inplace(node):
+        return None
+    target = node.kwargs.get("out", node.args[0] if node.args else None)
+    if isinstance(target, (tuple, list)):  # torch.max(x, -1, out=(values, indices)): the first, at least
+        target = next((t for t in target if isinstance(t, torch.fx.Node)), None)
+    return target if isinstance(target, torch.fx.Node) else None

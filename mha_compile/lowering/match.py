@@ -12,14 +12,12 @@ then read forward. Every candidate ends as a Match or as a NearMiss with a reaso
 """
 import bisect
 import dataclasses
-import functools
-import inspect
 import math
 import operator
 
 import torch
 
-from mha_compile.lowering.canonicalize import canon, dtype, float_dtype, shape
+from mha_compile.lowering.canonicalize import call_name, canon, dtype, float_dtype, is_inplace, shape, written
 from mha_compile.lowering.interpret import ONE, StackRef, Val, Walk, broadcast, known_eq, layout_rule
 from mha_compile.lowering.moe import moe_params, moe_rule
 from mha_compile.lowering.pool import pool_params, pool_rule
@@ -121,7 +119,7 @@ def _shape_str(node):
 
 def _mutators(node):
     """Users of `node` that change it in place (out.index_add_(...), ctx += ...)."""
-    return [u for u in node.users if _written(u) is node]
+    return [u for u in node.users if written(u) is node]
 
 
 def _ancestors(node, order, stop=()):
@@ -218,14 +216,14 @@ def _routed_otherwise(nodes):
     that softmax: the matcher starts from top-k only, so without this such a model got no report."""
     misses = []
     for n in nodes:
-        name = _name(n)
+        name = call_name(n)
         if n.op not in ("call_function", "call_method") or name not in ("max", "argmax", "sort", "argsort") or \
                 not n.args or not isinstance(n.args[0], torch.fx.Node) or (name == "max" and len(n.args) < 2
                                                                             and "dim" not in n.kwargs):
             continue
         probs = _strip(n.args[0])
         op = canon(probs)
-        if op is None or op.kind != "softmax" or any(_name(u) == "topk" for u in probs.users):
+        if op is None or op.kind != "softmax" or any(call_name(u) == "topk" for u in probs.users):
             continue
         router = canon(_strip(op.args[0]))
         if router is not None and router.kind in ("linear", "matmul") and _selects_experts(n):
@@ -272,14 +270,14 @@ def _selects_experts(choice, hops=6):
     own) pick experts: compared with an expert's number (or an arange of them), one-hot encoded,
     scattered into, or used to index or gather (W1[index]), within `hops` layout steps. A
     classifier's argmax is none of these (found by a review: it read as a router)."""
-    stack = [(choice, 0)] if _name(choice) in ("argmax", "argsort") else [
+    stack = [(choice, 0)] if call_name(choice) in ("argmax", "argsort") else [
         (u, 0) for u in choice.users if canon(u) is not None and canon(u).kind == "getitem" and u.args[1] == 1]
     while stack:
         n, depth = stack.pop()
         for user in n.users:
             op = canon(user)
             kind = None if op is None else op.kind
-            if kind == "eq" and any(type(a) is int or isinstance(a, torch.fx.Node) and _name(a) == "arange"
+            if kind == "eq" and any(type(a) is int or isinstance(a, torch.fx.Node) and call_name(a) == "arange"
                                     for a in op.args if a is not n) \
                     or kind in ("one_hot", "gather", "index_select") \
                     or kind == "scatter" and op.args[2] is n or kind == "getitem" and _indexes_by_tensor(op.args[1]):
@@ -326,12 +324,12 @@ def _match_at(nodes, anchor):
                          f"can rebuild from the op's [B,H,D]")
     # y and inv may also be read outside (a residual): the op's inv output rebuilds them. Not
     # for an in-place merge, whose y is ctx's own storage.
-    exportable = {"inv": inv} if _is_inplace(y) else {"inv": inv, "y": y}
+    exportable = {"inv": inv} if is_inplace(y) else {"inv": inv, "y": y}
     index = [n for n, v in moe_walk.vals.items() if v.kind == "topi" and v.info["topk"] is anchor and
              v.roles == ("b*h", "s") and n.target is operator.getitem]
     if index:
         exportable["index"] = index[0]
-    keepable = None if _is_inplace(y) else _router_chain(moe_walk, y)
+    keepable = None if is_inplace(y) else _router_chain(moe_walk, y)
     region, exports, kept, moved = _region_nodes(nodes, (ctx, tok), out, exportable, keepable)
     modes = _grad_modes(nodes)
     training = modes(out)
@@ -345,7 +343,7 @@ def _match_at(nodes, anchor):
     kept_autocast = {n: change for n in kept if (change := _autocast_change(autocast(n), autocast(out)))}
     data = _descendants(ctx) | _descendants(tok)  # not the mask's or the parameters' own preparation
     for n in region:  # a write in place the walks gave no meaning would be dropped with the region
-        if _is_inplace(n) and n is not y and n in data and n not in moe_walk.vals and n not in pool_walk.vals:
+        if is_inplace(n) and n is not y and n in data and n not in moe_walk.vals and n not in pool_walk.vals:
             raise _Miss(n, f"{n.name} writes in place into {n.args[0].name} inside the region, and is not part of "
                            f"the block's math as far as the matcher can read it")
         _check_write_read_after(nodes, n, y, data)
@@ -404,12 +402,6 @@ def out_layout(roles, sizes):
     return perm, tuple(len(g) for g in groups), len(missing)
 
 
-# x += y and the like, and x[i] = v, as Dynamo records them
-_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
-                      operator.imod, operator.ipow, operator.imatmul, operator.iand, operator.ior, operator.ixor,
-                      operator.ilshift, operator.irshift, operator.setitem}
-
-
 def drop_dead_math(graph):
     """Erase the calls whose results nothing reads and that only compute (a kind canon knows, not
     written in place): a statistic computed and left unused read as a use outside the region
@@ -421,10 +413,10 @@ def drop_dead_math(graph):
     not changed."""
     _drop_count_checks(graph)
     for node in reversed(list(graph.nodes)):
-        if node.users or node.op not in ("call_function", "call_method") or _is_inplace(node):
+        if node.users or node.op not in ("call_function", "call_method") or is_inplace(node):
             continue
         op = canon(node)
-        if (op.kind not in _KEPT_DEAD if op is not None else _name(node) in _COMPUTES_ONLY) and \
+        if (op.kind not in _KEPT_DEAD if op is not None else call_name(node) in _COMPUTES_ONLY) and \
                 not (op is not None and op.kind == "getitem" and _indexes_by_tensor(op.args[1])):
             graph.erase_node(node)
 
@@ -481,45 +473,6 @@ def _indexes_by_tensor(index):
     return any(isinstance(i, torch.fx.Node) for i in items)
 
 
-def _is_inplace(node):
-    """Whether node writes into a tensor it is given (_written names which): a method or function
-    whose name ends in "_" (add_, scatter_, torch.nn.init.normal_, aten's mul_.Scalar), x += y,
-    x[i] = v, out=, or inplace=True (F.relu(x, inplace=True))."""
-    if node.op not in ("call_method", "call_function"):
-        return False
-    if node.target in _INPLACE_OPERATORS or node.kwargs.get("out") is not None \
-            or _argument(node, "inplace") is True:  # out= a tensor, or a tuple of them (torch.max's)
-        return True
-    name = _name(node)
-    if name.startswith("__") and name.endswith("__"):  # __iadd__, not __add__ or __getitem__
-        return name[2:-2] in {op.__name__.strip("_") for op in _INPLACE_OPERATORS}
-    return name.endswith("_")
-
-
-def _argument(node, name):
-    """A call_function's argument by name, given by keyword or by position (F.dropout(x, 0.5,
-    True, True): inplace), or None."""
-    if name in node.kwargs or node.op != "call_function":
-        return node.kwargs.get(name)
-    parameters = _parameters(node.target)
-    return node.args[parameters.index(name)] if name in parameters[:len(node.args)] else None
-
-
-@functools.lru_cache(maxsize=None)
-def _parameters(function):
-    try:
-        return tuple(inspect.signature(function).parameters)
-    except (TypeError, ValueError):  # a builtin without a signature
-        return ()
-
-
-def _name(node):
-    """A call's name: the method's, or the function's (an aten overload's without its overload:
-    mul_.Scalar is mul_)."""
-    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
-    return str(name).split(".")[0]
-
-
 # Calls that draw random numbers (torch's functions and methods, and aten's names for them)
 _RANDOM = frozenset({
     "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout", "native_dropout",
@@ -530,24 +483,14 @@ _RANDOM = frozenset({
 
 
 def _draws_random(node):
-    return node.op in ("call_method", "call_function") and _name(node) in _RANDOM
+    return node.op in ("call_method", "call_function") and call_name(node) in _RANDOM
 
 
 def written_in_place(node):
     """Whether the graph writes node's tensor in place, through it or any view of its storage
     (moe_pairs reads an index by the values its calls compute: a write would change them)."""
     aliases = _aliases(node)
-    return any(_written(u) in aliases for a in aliases for u in a.users)
-
-
-def _written(node):
-    """The node whose tensor `node` writes in place, or None."""
-    if not _is_inplace(node):
-        return None
-    target = node.kwargs.get("out", node.args[0] if node.args else None)
-    if isinstance(target, (tuple, list)):  # torch.max(x, -1, out=(values, indices)): the first, at least
-        target = next((t for t in target if isinstance(t, torch.fx.Node)), None)
-    return target if isinstance(target, torch.fx.Node) else None
+    return any(written(u) in aliases for a in aliases for u in a.users)
 
 
 def _merge_operands(y, y_op):
@@ -774,14 +717,14 @@ def _deferred(nodes, region, out, early):
             if n in region:
                 raise _Miss(root, f"{root.name} reads the region's router and the region reads it back (by "
                                   f"{n.name}); the region cannot be replaced by one op")
-            if _is_inplace(n):
+            if is_inplace(n):
                 raise _Miss(root, f"{root.name} reads the region's router before the region ends, and {n.name} "
                                   f"writes in place after it: moving them after the op would reorder that write")
             moved.add(n)
     if moved:  # a write in place between them and the op could change what they read
         start = min(nodes.order[n] for n in moved)
         for n in nodes[start:nodes.order[out]]:
-            if n not in region and n not in moved and _is_inplace(n):
+            if n not in region and n not in moved and is_inplace(n):
                 raise _Miss(n, f"{n.name} writes in place between where the region's router is read "
                                f"({_in_order(nodes, moved)[0].name}) and the region's end; moving the reader after "
                                f"the op would reorder them")
@@ -804,7 +747,7 @@ def _written_in_place(nodes, region, out):
     tensors stay outside the region for them."""
     found = set()
     for n in region:
-        target = _written(n)
+        target = written(n)
         if target is None or n is out:
             continue
         aliases = _aliases(target)
@@ -832,7 +775,7 @@ def _check_no_write_meanwhile(nodes, region, out):
     order = nodes.order
     start = min(order[n] for n in region)
     for w in nodes[start:order[out]]:
-        target = None if w in region else _written(w)
+        target = None if w in region else written(w)
         if target is None:
             continue
         aliases = _aliases(target)
@@ -1006,7 +949,7 @@ def _check_write_read_after(nodes, n, y, data):
     through n's result): the walks read the tensor as it was before the write, so `u.add_(b1[e]);
     F.silu(u)` lost its bias and `u.mul_(2); F.silu(u)` its factor (found by a review). Only the
     rules of _TRACKED_WRITES follow the write."""
-    target = _written(n)
+    target = written(n)
     op = canon(n)
     if target is None or n is y or n not in data or (op is not None and op.kind in _TRACKED_WRITES):
         return
@@ -1016,13 +959,13 @@ def _check_write_read_after(nodes, n, y, data):
     if readers:
         raise _Miss(n, f"{n.name} writes {target.name} in place, and {readers[0].name} reads {target.name} after the "
                        f"write, where the matcher reads it as it was before: write it out of place "
-                       f"({target.name} = {target.name} + ..., not {target.name} += ... nor {_name(n)})")
+                       f"({target.name} = {target.name} + ..., not {target.name} += ... nor {call_name(n)})")
 
 
 def _written_after(nodes, aliases, region, out):
     """Whether the graph writes a tensor (any of its aliases) in place after the region ends (an
     in-place residual, h += block(h, tok))."""
-    return any(nodes.order[u] > nodes.order[out] and u not in region and _written(u) in aliases
+    return any(nodes.order[u] > nodes.order[out] and u not in region and written(u) in aliases
                for a in aliases for u in a.users)
 
 
@@ -1053,9 +996,9 @@ def _storage_parent(node):
     dtype return the tensor itself), of a write in place (h += x returns h), or of a call the
     matcher does not know (taken as a view, to be safe: see _FRESH). clone and a cast to another
     dtype copy."""
-    written = _written(node)
-    if written is not None:
-        return written
+    target = written(node)
+    if target is not None:
+        return target
     if node.op not in ("call_method", "call_function"):
         return None
     value = node.meta.get("example_value")
@@ -1064,7 +1007,7 @@ def _storage_parent(node):
     first = next((a for a in node.args if isinstance(a, torch.fx.Node)), None)
     op = canon(node)
     if op is None:
-        name = _name(node)
+        name = call_name(node)
         fresh = name in _FRESH or name.endswith("_like") or name.startswith("new_")
         return None if fresh else first
     if not op.args or not isinstance(op.args[0], torch.fx.Node):

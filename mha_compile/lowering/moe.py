@@ -24,7 +24,7 @@ import operator
 import torch
 
 from mha_compile.lowering.activation import KINDS as ELEMENTWISE, written_out
-from mha_compile.lowering.canonicalize import Op, float_dtype, shape, sum_of_product
+from mha_compile.lowering.canonicalize import Op, float_dtype, shape, sum_of_product, written
 from mha_compile.lowering.interpret import (ONE, ParamRef, Reject, StackRef, Val, broadcast, canonical_perm,
                                             einsum_roles, ext_ref, is_one, known_eq, layout_rule, move_roles,
                                             select_rule)
@@ -52,13 +52,12 @@ def moe_rule(walk, node, op):
 
 
 def _into_shared_zeros(walk, node, op):
-    """Whether op writes in place into zeros whose rows share memory (zeros_like(x[:1]).expand(R, D),
+    """Whether node writes in place into zeros whose rows share memory (zeros_like(x[:1]).expand(R, D),
     which the dense gates' out-of-place scatter may start from): eager raises there or sums into one
-    row, the op would not (found by a review)."""
-    target = walk.val(op.args[0]) if op.args and isinstance(op.args[0], torch.fx.Node) else None
-    in_place = op.kwargs.get("_inplace") or op.kind == "setitem" or node.target is operator.iadd or \
-        (node.op == "call_method" and node.target in ("add_", "__iadd__"))
-    return bool(in_place) and target is not None and target.kind == "zero" and target.info.get("shared", False)
+    row, the op would not (found by a review). Any write: x += y, index_add_, x[i] = v, out=."""
+    target = written(node)
+    val = walk.val(target) if target is not None else None
+    return val is not None and val.kind == "zero" and val.info.get("shared", False)
 
 
 def _read(walk, node, op):
