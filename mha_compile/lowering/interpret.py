@@ -295,6 +295,7 @@ class Walk:
         self.rule, self.vals, self.reasons, self.axes = rule, dict(start), {}, Axes(trivial_split)
         self.inside = inside  # nodes that depend on a start: everything else is external
         self.lazy = {}  # Vals of external call nodes, computed when a region node reads them
+        self.memo = {}  # what a rule works out once a walk (moe_pairs' index values, read at x[i] and index_add_)
         self.__dict__.update(context)  # what a rule may need to know (the router node, say)
         for node, val in start.items():
             self.axes.bind_all(val.roles, shape(node))

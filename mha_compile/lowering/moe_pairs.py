@@ -21,9 +21,17 @@ _METHODS = {"unsqueeze", "expand", "reshape", "view", "flatten", "repeat_interle
 _MAX_NUMEL = 1 << 24  # the index of 16M pairs at most: larger ones are not read
 
 
-def pair_rows(node, rows, k):
+def pair_rows(memo, node, rows, k):
     """Whether `node` is the row of each of rows·k pairs: arange(rows·k) // k, as computed and
-    never written in place (rows[0] = R - 1 would move a pair the values read here do not)."""
+    never written in place (rows[0] = R - 1 would move a pair the values read here do not).
+    `memo` (a walk's) keeps the answer: the index is read at x[index] and again at index_add_."""
+    key = ("pair_rows", node, rows, k)
+    if key not in memo:
+        memo[key] = _is_pair_rows(node, rows, k)
+    return memo[key]
+
+
+def _is_pair_rows(node, rows, k):
     size = shape(node)
     if not isinstance(rows, int) or not isinstance(k, int) or rows * k > _MAX_NUMEL or size is None or \
             len(size) != 1 or not isinstance(size[0], int) or size[0] != rows * k:  # no guard on a symbolic size

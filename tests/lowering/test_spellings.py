@@ -1680,7 +1680,18 @@ def test_pair_rows_are_evaluated_on_the_cpu_whatever_device_they_name():
     rows = graph.call_function(torch.arange, (3,))
     moved = graph.call_method("to", (graph.call_method("repeat_interleave", (rows, 2)), torch.device("meta")))
     moved.meta["example_value"] = torch.empty(6, dtype=torch.int64, device="meta")
-    assert pair_rows(moved, 3, 2) and not pair_rows(moved, 2, 3)
+    assert pair_rows({}, moved, 3, 2) and not pair_rows({}, moved, 2, 3)
+
+
+def test_the_pair_rows_index_is_evaluated_once_a_walk(monkeypatch):
+    """batched_mm reads one index twice, at x[rows] and at index_add_(0, rows, ...): it was
+    evaluated (each of its calls run, its aliases read) at both (session 65's note)."""
+    from mha_compile.lowering import moe_pairs
+    evaluated, is_pair_rows = [], moe_pairs._is_pair_rows
+    monkeypatch.setattr(moe_pairs, "_is_pair_rows", lambda *a: evaluated.append(a[0]) or is_pair_rows(*a))
+    torch.manual_seed(0)
+    _assert_one_match(_compare_with_logits(TransformersMoE(impl="batched_mm"), inputs(dtype=torch.float32), None))
+    assert evaluated and len(evaluated) == len(set(evaluated)), evaluated
 
 
 class SumIntoFreshZeros(SpelledBlock):
