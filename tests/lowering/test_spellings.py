@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from numerics import TOLERANCE, compiled_reports, relative_error
+from mha_compile.models import MHABlock
 from spellings import ACTS, EXPERTS, MERGES, MOES, POOLS, FusedGateUp, GptFastMoE, MistralMoE, SpelledBlock, TransformersMoE, inputs
 
 ZERO_GRAD = ("key.bias",)  # SPEC §1: ∂bk is exactly zero; eager leaves roundoff there
@@ -1928,3 +1929,35 @@ def test_mistral_variants_that_are_not_the_block_are_not_replaced(variant):
     torch.manual_seed(0)
     reasons = _runs_as_written(MistralVariant(variant).double(), torch.float64)
     assert not any("not normalised by a softmax" in r for r in reasons), reasons
+
+
+class UsedOutside(MHABlock):
+    """The pool's output projection and the experts' b2 also read outside the region."""
+
+    def forward(self, ctx, tok):
+        return super().forward(ctx, tok) + (tok.mean(1) @ self.pool.out.weight.T)[:, None] + self.moe.b2.sum(0)
+
+
+def _tied(tie, spelling):
+    torch.manual_seed(0)
+    model = (UsedOutside if tie == "used_outside" else MHABlock)(32, 4, 16, 4, 2, act="swiglu", spelling=spelling)
+    if tie == "w3_is_w1":
+        model.moe.w3 = model.moe.w1
+    elif tie == "wk_is_wv":
+        model.pool.key.weight = model.pool.value.weight
+    elif tie == "bv_is_bo":
+        model.pool.value.bias = model.pool.out.bias
+    elif tie == "router_is_b2":  # [E, D] both: the experts' output bias read as the router's weight too
+        model.moe.router.weight = model.moe.b2
+    return model.double()
+
+
+@pytest.mark.parametrize("spelling", ["loop", "dense"])
+@pytest.mark.parametrize("tie", ["w3_is_w1", "wk_is_wv", "bv_is_bo", "router_is_b2", "used_outside"])
+def test_a_parameter_used_twice_gets_the_gradient_of_both_uses(tie, spelling):
+    """One parameter in two places of the block (a tied W1 = W3, Wk = Wv), or read again outside
+    it: the region's op returns a gradient for each of its inputs and autograd sums them with the
+    other use's. Matched, and every gradient as eager's (float64)."""
+    model = _tied(tie, spelling)
+    assert len(list(model.parameters())) < len(list(model.named_parameters(remove_duplicate=False))) or tie == "used_outside"
+    _assert_one_match(compile_and_compare(model, inputs(dtype=torch.float64), torch.float64))
