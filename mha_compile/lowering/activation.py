@@ -32,12 +32,13 @@ import torch.nn.functional as F
 from mha_compile.lowering.canonicalize import float_dtype
 from mha_compile.lowering.interpret import Val
 
-UNARY = ("erf", "tanh", "sigmoid", "exp", "neg")
+UNARY = ("erf", "ndtr", "tanh", "sigmoid", "exp", "neg")
 KINDS = UNARY + ("add", "sub", "mul", "div", "pow")
 # Python's operators apply alike to tensors (as eager does, numbers on either side) and to sympy's expressions
 _OPERATORS = {"add": operator.add, "sub": operator.sub, "mul": operator.mul, "div": operator.truediv,
               "pow": operator.pow, "neg": operator.neg}
-_TORCH = {**_OPERATORS, "erf": torch.erf, "tanh": torch.tanh, "sigmoid": torch.sigmoid, "exp": torch.exp}
+_TORCH = {**_OPERATORS, "erf": torch.erf, "ndtr": torch.special.ndtr, "tanh": torch.tanh, "sigmoid": torch.sigmoid,
+          "exp": torch.exp}
 _ACTS = {"gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "silu": F.silu}
 # Where the activations differ from each other and from their asymptotes, 0 (where a division by
 # u gives a NaN), and far out, where a term too small to see on [-6, 6] would not be
@@ -187,4 +188,5 @@ def _equal(expr, act):
 
 
 _SYMPY = {**_OPERATORS, "erf": lambda a: _sympy().erf(a), "tanh": lambda a: _sympy().tanh(a),
+          "ndtr": lambda a: (1 + _sympy().erf(a / _sympy().sqrt(2))) / 2,
           "sigmoid": lambda a: 1 / (1 + _sympy().exp(-a)), "exp": lambda a: _sympy().exp(a)}
