@@ -24,7 +24,7 @@ import operator
 import torch
 
 from mha_compile.lowering.activation import KINDS as ELEMENTWISE, written_out
-from mha_compile.lowering.canonicalize import Op, float_dtype, shape, sum_of_product, written
+from mha_compile.lowering.canonicalize import Op, dtype, float_dtype, shape, sum_of_product, written
 from mha_compile.lowering.interpret import (ONE, ParamRef, Reject, StackRef, Val, broadcast, canonical_perm,
                                             einsum_roles, ext_ref, is_one, known_eq, layout_rule, move_roles,
                                             select_rule)
@@ -72,7 +72,8 @@ def _read(walk, node, op):
                 return val
         src = walk.val(op.args[0]) if op.args else None
         if src is not None and src.kind == "ufn":  # values at points, which a layout op would reorder
-            return None
+            keeps = op.kind == "cast" and dtype(node) is not None and dtype(node) == dtype(op.args[0])
+            return src if keeps else None  # sigmoid(u).contiguous(), .clone(), .to(its dtype): every value kept
         if src is not None and src.kind == "wsel":
             return _wsel_layout(walk, node, op, src)
         val = layout_rule(walk, node, op)

@@ -1040,6 +1040,9 @@ WRITTEN_ACTS = {  # activations written out in elementwise ops, as model code ha
     "tanh": lambda u: 0.5 * u * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (u + 0.044715 * torch.pow(u, 3.0)))),
     "tanh_cube": lambda u: 0.5 * u * (1 + (math.sqrt(2 / math.pi) * (u + 0.044715 * u * u * u)).tanh()),
     "ndtr": lambda u: u * torch.special.ndtr(u),  # gelu as u · Φ(u)
+    "contiguous": lambda u: u * torch.sigmoid(u).contiguous(),  # the same values, in the same layout
+    "clone": lambda u: u * torch.clone(u.sigmoid()),
+    "to_own_dtype": lambda u: u * torch.sigmoid(u).to(u.dtype),
     # Not the block's activations, and refused: a tanh gelu whose constant is cut to 8 digits (1e-9
     # off), the "quick" gelu u · sigmoid(1.702 u), and silu of u + 1
     "tanh_cut": lambda u: 0.5 * u * (1.0 + torch.tanh(0.79788456 * (u + 0.044715 * u ** 3))),
@@ -1163,6 +1166,8 @@ def test_unused_calls_that_write_or_check_are_kept():
 @pytest.mark.parametrize("how, act, read", [("sigmoid", "silu", "silu"), ("sigmoid", "swiglu", "swiglu"),
                                             ("erf", "gelu", "gelu"), ("tanh", "gelu", "gelu_tanh"),
                                             ("tanh_cube", "gelu", "gelu_tanh"), ("ndtr", "gelu", "gelu"),
+                                            ("contiguous", "silu", "silu"), ("clone", "swiglu", "swiglu"),
+                                            ("to_own_dtype", "silu", "silu"),
                                             ("clamp", "silu", "silu"), ("normalize", "silu", "silu")])
 def test_written_out_spellings_match(how, act, read):
     """The activation is read by its values (on float64 points, to 1e-12), not by its ops."""
