@@ -15,6 +15,7 @@ import dataclasses
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from mha_compile.lowering.aliases import written_in_place
 from mha_compile.lowering.canonicalize import canon, canon_kind, dtype, float_dtype, shape
 
 ONE = "1"  # the role of a size-1 axis
@@ -307,7 +308,7 @@ class Walk:
                     and not _reads_through(node):
                 continue  # nothing it reads has a meaning: it cannot get one (keeps a long graph linear)
             op = canon(node)
-            if op is None:
+            if op is None or node not in inside and self._written(node):
                 continue
             try:
                 val = rule(self, node, op)
@@ -320,6 +321,15 @@ class Walk:
                     continue
                 self.vals[node] = val
 
+    def _written(self, node):
+        """Whether the graph writes an external call's tensor in place: it is then read as itself,
+        not by how it was made (a query expanded over the batch read as its row 0, with q[0] *= 3
+        after the expand's clone: a review's)."""
+        key = ("written", node)
+        if key not in self.memo:
+            self.memo[key] = node.op in ("call_function", "call_method") and written_in_place(node)
+        return self.memo[key]
+
     def val(self, arg):
         """The Val of an argument: computed, external (a parameter-like tensor), or a constant."""
         if isinstance(arg, torch.fx.Node):
@@ -328,7 +338,7 @@ class Walk:
             if arg not in self.inside and arg.op in ("call_function", "call_method"):
                 if arg not in self.lazy:  # a view of parameters outside the region: read on demand
                     self.lazy[arg] = None
-                    op = canon(arg)
+                    op = None if self._written(arg) else canon(arg)
                     try:
                         val = None if op is None else self.rule(self, arg, op)
                     except Reject:
@@ -359,6 +369,12 @@ class Walk:
         for node in nodes:
             if node in ancestors and node in self.reasons:
                 return node, self.reasons[node]
+        for node in nodes:
+            written = [i for i in node.all_input_nodes if self.memo.get(("written", i))]
+            if node in ancestors and node not in self.vals and written:
+                return node, (f"{node.name} reads {written[0].name}, which the graph writes in place after making it; "
+                              f"the matcher then reads it as the tensor it is, not by how it was made (a query expanded "
+                              f"over the batch, a float mask of 0 and -inf), and as that it is not the block's")
         for node in nodes:
             if node in ancestors and node not in self.vals and canon(node) is not None and any(
                     i in self.vals for i in node.all_input_nodes):

@@ -17,6 +17,7 @@ import operator
 
 import torch
 
+from mha_compile.lowering.aliases import FRESH, aliases as storage_aliases
 from mha_compile.lowering.canonicalize import call_name, canon, dtype, float_dtype, is_inplace, shape, written
 from mha_compile.lowering.interpret import ONE, StackRef, Val, Walk, broadcast, known_eq, layout_rule
 from mha_compile.lowering.moe import moe_params, moe_rule
@@ -460,14 +461,6 @@ def _count_checks(node):
     return asserts + compares + sizes
 
 
-def _indexes_by_rows(index):
-    """Whether an index holds a tensor of one or more axes, which makes t[index] a copy (a 0-dim
-    integer tensor indexes as an int does: t[torch.tensor(0)] is a view)."""
-    items = index if isinstance(index, (tuple, list)) else (index,)
-    values = [i.meta.get("example_value") for i in items if isinstance(i, torch.fx.Node)]
-    return any(isinstance(v, torch.Tensor) and v.dim() > 0 for v in values)
-
-
 def _indexes_by_tensor(index):
     items = index if isinstance(index, (tuple, list)) else (index,)
     return any(isinstance(i, torch.fx.Node) for i in items)
@@ -484,13 +477,6 @@ _RANDOM = frozenset({
 
 def _draws_random(node):
     return node.op in ("call_method", "call_function") and call_name(node) in _RANDOM
-
-
-def written_in_place(node):
-    """Whether the graph writes node's tensor in place, through it or any view of its storage
-    (moe_pairs reads an index by the values its calls compute: a write would change them)."""
-    aliases = _aliases(node)
-    return any(written(u) in aliases for a in aliases for u in a.users)
 
 
 def _merge_operands(y, y_op):
@@ -750,7 +736,7 @@ def _written_in_place(nodes, region, out):
         target = written(n)
         if target is None or n is out:
             continue
-        aliases = _aliases(target)
+        aliases = storage_aliases(target)
         given = [a for a in aliases if a.op not in ("call_function", "call_method")]
         if given:
             what = "the graph input" if given[0].op == "placeholder" else "the module's tensor"
@@ -778,7 +764,7 @@ def _check_no_write_meanwhile(nodes, region, out):
         target = None if w in region else written(w)
         if target is None:
             continue
-        aliases = _aliases(target)
+        aliases = storage_aliases(target)
         readers = [n for n in region if order[n] < order[w] and any(i in aliases for i in n.all_input_nodes)]
         if readers:
             first = min(readers, key=order.__getitem__)
@@ -926,7 +912,7 @@ def _copied(nodes, ctx, tok, region, out):
     write there as here), so only the graph's own write calls for its copy."""
     copied = []
     for name, node in (("ctx", ctx), ("tok", tok)):
-        aliases = _aliases(node)
+        aliases = storage_aliases(node)
         if _written_after(nodes, aliases, region, out) or (name == "ctx" and _callers(nodes, aliases)):
             copied.append(name)
     return tuple(copied)
@@ -954,7 +940,7 @@ def _check_write_read_after(nodes, n, y, data):
     if target is None or n is y or n not in data or (op is not None and op.kind in _TRACKED_WRITES):
         return
     after = _descendants(n)
-    readers = [u for a in _aliases(target) if a is not n and a not in after for u in a.users
+    readers = [u for a in storage_aliases(target) if a is not n and a not in after for u in a.users
                if u is not n and nodes.order[u] > nodes.order[n]]
     if readers:
         raise _Miss(n, f"{n.name} writes {target.name} in place, and {readers[0].name} reads {target.name} after the "
@@ -969,76 +955,8 @@ def _written_after(nodes, aliases, region, out):
                for a in aliases for u in a.users)
 
 
-# Kinds canon reads that may return their input's storage (a view, or a tuple of views); the
-# other kinds it reads compute new tensors
-_VIEW_KINDS = ("reshape", "permute", "expand", "getitem", "chunk", "split", "unbind")
-# Calls canon does not read that always return new tensors (besides names ending in "_like"
-# and new_*); any other call the matcher does not know is taken as possibly returning a view of
-# its first tensor argument (detach, narrow, select, movedim, diagonal, as_strided, .data, and
-# dropout in eval mode, which returns its input itself)
-_FRESH = frozenset({
-    "cat", "concat", "concatenate", "pad", "layer_norm", "rms_norm", "group_norm", "batch_norm", "relu", "gelu", "silu",
-    "sigmoid", "tanh", "exp", "log", "sqrt", "rsqrt", "abs", "neg", "square", "pow", "mean", "amax", "amin", "max",
-    "min", "norm", "logsumexp", "log_softmax", "einsum", "arange", "full", "ones", "zeros", "empty", "rand", "randn",
-    "isnan", "isfinite", "ne", "lt", "gt", "le", "ge", "clamp", "clip", "minimum", "maximum", "logical_and",
-    "logical_or", "sign", "reciprocal", "erf", "prod", "var", "std", "truediv", "sub", "mul", "add", "eq",
-    "scaled_dot_product_attention", "linear", "softmax", "sum", "matmul", "bmm", "mm", "baddbmm", "addmm",
-    "greater", "greater_equal", "less", "less_equal", "not_equal", "any", "all", "count_nonzero",
-})
-
 # Of those, the calls that only compute from their arguments: no random draw, no dropout
-_COMPUTES_ONLY = _FRESH - {"rand", "randn", "scaled_dot_product_attention"}
-
-
-def _storage_parent(node):
-    """The node whose tensor `node` may be read another way, or None: the input of a view, of a
-    cast that changes nothing (contiguous() of a contiguous tensor, to() or float() of its own
-    dtype return the tensor itself), of a write in place (h += x returns h), or of a call the
-    matcher does not know (taken as a view, to be safe: see _FRESH). clone and a cast to another
-    dtype copy."""
-    target = written(node)
-    if target is not None:
-        return target
-    if node.op not in ("call_method", "call_function"):
-        return None
-    value = node.meta.get("example_value")
-    if not isinstance(value, (torch.Tensor, list, tuple)):
-        return None  # a size, a shape: not a tensor
-    first = next((a for a in node.args if isinstance(a, torch.fx.Node)), None)
-    op = canon(node)
-    if op is None:
-        name = call_name(node)
-        fresh = name in _FRESH or name.endswith("_like") or name.startswith("new_")
-        return None if fresh else first
-    if not op.args or not isinstance(op.args[0], torch.fx.Node):
-        return None
-    if op.kind == "getitem" and isinstance(op.args[0].meta.get("example_value"), (tuple, list)) and \
-            _storage_parent(op.args[0]) is None:
-        return None  # an item of a fresh tuple (topk's values, its indices): a tensor of its own
-    if op.kind == "getitem" and _indexes_by_rows(op.args[1]):
-        return None  # indexed by a tensor of indices or a mask (out[rows]): a copy
-    if op.kind in _VIEW_KINDS:
-        return op.args[0]
-    if op.kind != "cast" or node.target in ("clone", torch.clone):
-        return None
-    return op.args[0] if dtype(node) is None or dtype(node) == dtype(op.args[0]) else None
-
-
-def _aliases(node):
-    """node's storage's tensors in the graph: up its chain of views to the base, then every view
-    made of that base (a view may also copy, contiguous() of a strided tensor: taken as sharing,
-    to be safe)."""
-    base = node
-    while (parent := _storage_parent(base)) is not None:
-        base = parent
-    found, stack = set(), [base]
-    while stack:
-        n = stack.pop()
-        if n in found:
-            continue
-        found.add(n)
-        stack.extend(user for user in n.users if _storage_parent(user) is n)
-    return found
+_COMPUTES_ONLY = FRESH - {"rand", "randn", "scaled_dot_product_attention"}
 
 
 def _is_size_query(node):

@@ -12,6 +12,7 @@ import operator
 
 import torch
 
+from mha_compile.lowering.aliases import written_in_place
 from mha_compile.lowering.canonicalize import shape
 
 # Calls an index computed from constants may go through: they compute from their arguments only
@@ -44,7 +45,6 @@ def _is_pair_rows(node, rows, k):
 def _constant(node, seen=None):
     """node's value where it is computed from literals by the calls above (on the CPU, whatever
     device they name) and nothing writes it in place, else None."""
-    from mha_compile.lowering.match import written_in_place  # match reads the MoE through moe.py
     seen = {} if seen is None else seen
     if node in seen:
         return seen[node]

@@ -24,6 +24,7 @@ import math
 
 import torch
 
+from mha_compile.lowering.aliases import written_in_place
 from mha_compile.lowering.canonicalize import canon, dtype, shape, sum_of_product
 from mha_compile.lowering.interpret import (BATCH_HEADS, ONE, ParamRef, Reject, Val, base_layout, broadcast,
                                             canonical_perm,
@@ -233,17 +234,21 @@ def _matmul(walk, node, a, b):
 
 def _neg_inf_mask(node):
     """True when `node` (up to layout ops) is zeros.masked_fill(bool, -inf): a float mask that
-    holds only 0 and -inf, so it is exactly the boolean mask isneginf(node)."""
+    holds only 0 and -inf, so it is exactly the boolean mask isneginf(node). Not where the graph
+    writes any tensor of that chain in place (fm[:, 0] = -1 after the fill: a review's)."""
+    chain = [node]
     while True:
         op = canon(node)
         if op is not None and op.kind in ("reshape", "permute", "expand", "cast") and hasattr(op.args[0], "op"):
             node = op.args[0]
+            chain.append(node)
             continue
         break
     if op is None or op.kind != "masked_fill" or op.args[2] != float("-inf") or dtype(op.args[1]) != torch.bool:
         return False
     base = canon(op.args[0]) if hasattr(op.args[0], "op") else None
-    return base is not None and base.kind in ("zeros_like", "zeros")
+    return base is not None and base.kind in ("zeros_like", "zeros") and \
+        not any(written_in_place(n) for n in chain + [op.args[0]])
 
 
 def _mask_ref(val, wanted, node, invert):

@@ -1894,13 +1894,13 @@ def test_mistral_moe_storing_without_adding_is_not_replaced():
 def test_a_tensor_index_copies_unless_it_has_no_axis(index, copies):
     """t[rows] and t[mask] are copies (out[rows] += ... writes the copy, then stores it), while
     t[torch.tensor(0)] is a view, as t[0] (a write through it changes t): the alias reading."""
-    from mha_compile.lowering.match import _storage_parent
+    from mha_compile.lowering.aliases import storage_parent
     graph = torch.fx.Graph()
     t, i = graph.placeholder("t"), graph.placeholder("i")
     t.meta["example_value"], i.meta["example_value"] = torch.zeros(2, 3), index
     item = graph.call_function(operator.getitem, (t, i))
     item.meta["example_value"] = torch.zeros(2, 3)[index]
-    assert (_storage_parent(item) is None) == copies
+    assert (storage_parent(item) is None) == copies
 
 
 class MistralVariant(MistralMoE):
@@ -1967,3 +1967,65 @@ def test_a_parameter_used_twice_gets_the_gradient_of_both_uses(tie, spelling):
     model = _tied(tie, spelling)
     assert len(list(model.parameters())) < len(list(model.named_parameters(remove_duplicate=False))) or tie == "used_outside"
     _assert_one_match(compile_and_compare(model, inputs(dtype=torch.float64), torch.float64))
+
+
+class WrittenAfterMade(SpelledBlock):
+    """A tensor the matcher reads by how it was made, then written in place before the pool reads
+    it (a review's): "query_row" the query expanded over the batch and cloned, row 0 tripled (read
+    as row 0 for every row: 0.085 off); "mask_head" the padding mask expanded over the heads and
+    cloned, one head masking one more token; "float_mask" zeros.masked_fill(pad, -inf), then a
+    finite entry (read as isneginf: 0.024 off); "prescaled" query / √Dh, then + 1 (read as the
+    query with the scale moved to the scores: 0.072 off). written=False: the same without the
+    write, which matches."""
+
+    def __init__(self, how, written=True):
+        super().__init__(pool="sdpa")
+        self.how, self.written = how, written
+
+    def pool_forward(self, tok, pad=None):
+        B, N, D = tok.shape
+        P, Dh = self.P, self.Dh
+        k, v = (t.view(B, N, P, Dh) for t in (self.key(tok), self.value(tok)))
+        if self.how == "prescaled":
+            q = self.query / math.sqrt(Dh)
+            if self.written:
+                q.add_(1.0)
+            attn = torch.softmax(torch.einsum("pd,bnpd->bpn", q, k), dim=-1)
+            return self.out(torch.einsum("bpn,bnpd->bpd", attn, v).reshape(B, D))
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+        q = self.query.view(1, P, 1, Dh).expand(B, -1, -1, -1).clone()
+        if self.how == "query_row" and self.written:
+            q[0] = q[0] * 3.0
+        mask = None
+        if self.how == "mask_head":
+            mask = (~pad)[:, None, None, :].expand(B, P, 1, N).clone()
+            if self.written:
+                mask[:, 1, 0, 1] = False
+        if self.how == "float_mask":
+            mask = torch.zeros(B, N, dtype=tok.dtype).masked_fill(pad, float("-inf"))
+            if self.written:
+                mask[:, 1] = -1.0
+            mask = mask[:, None, None, :]
+        return self.out(F.scaled_dot_product_attention(q, k, v, attn_mask=mask).reshape(B, D))
+
+
+@pytest.mark.parametrize("how", ["query_row", "mask_head", "float_mask", "prescaled"])
+def test_a_tensor_read_by_how_it_was_made_and_then_written_is_read_as_itself(how):
+    torch.manual_seed(0)
+    args = inputs(dtype=torch.float64, mask=True, generator=torch.Generator().manual_seed(1))
+    args[2][:, 1] = False  # the token the written masks change is not padding
+    _assert_one_match(compile_and_compare(WrittenAfterMade(how, written=False).double(), args, torch.float64))
+    model = WrittenAfterMade(how).double()
+    compiled = copy.deepcopy(model)
+    args_e, args_c = ([a.clone().requires_grad_(a.is_floating_point()) for a in args] for _ in range(2))
+    with compiled_reports() as reports:
+        torch._dynamo.reset()
+        got = torch.compile(compiled, backend="mha")(*args_c)
+    assert not any(r.matches for r in reports) and any(r.near_misses for r in reports), [str(r) for r in reports]
+    want = model(*args_e)
+    assert relative_error(got, want) <= TOLERANCE[torch.float64]
+    cotangent = torch.randn_like(want)
+    got.backward(cotangent)
+    want.backward(cotangent)
+    for (name, p_e), p_c in zip(model.named_parameters(), compiled.parameters()):
+        assert relative_error(p_c.grad, p_e.grad) <= TOLERANCE[torch.float64], name
