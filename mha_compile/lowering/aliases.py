@@ -79,12 +79,12 @@ def aliases(node):
     return found
 
 
-def written_in_place(node):
-    """Whether the graph writes node's tensor in place, through it or any view of its storage
-    (moe_pairs reads an index by the values its calls compute, the walk a query or a mask by
-    how it was made: a write would change them)."""
+def written_in_place(node, besides=()):
+    """Whether the graph writes node's tensor in place, through it or any view of its storage, by
+    a call other than those in `besides` (moe_pairs reads an index by the values its calls compute,
+    the walk a query or a mask by how it was made: a write would change them)."""
     shared = aliases(node)
-    return any(written(u) in shared for a in shared for u in a.users)
+    return any(u not in besides and written(u) in shared for a in shared for u in a.users)
 
 
 def indexes_by_rows(index):

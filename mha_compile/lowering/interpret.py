@@ -15,7 +15,7 @@ import dataclasses
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from mha_compile.lowering.aliases import written_in_place
+from mha_compile.lowering.aliases import storage_parent, written_in_place
 from mha_compile.lowering.canonicalize import canon, canon_kind, dtype, float_dtype, shape
 
 ONE = "1"  # the role of a size-1 axis
@@ -308,26 +308,28 @@ class Walk:
                     and not _reads_through(node):
                 continue  # nothing it reads has a meaning: it cannot get one (keeps a long graph linear)
             op = canon(node)
-            if op is None or node not in inside and self._written(node):
+            if op is None:
                 continue
             try:
                 val = rule(self, node, op)
             except Reject as reason:
                 self.reasons[node] = str(reason)
                 continue
-            if val is not None and (node in inside or val.kind in OUTSIDE_KINDS):
+            if val is not None and (node in inside or val.kind in OUTSIDE_KINDS and not self._remade(node, val)):
                 if val.roles is not None and shape(node) is not None and not self.axes.bind_all(val.roles, shape(node)):
                     self.reasons[node] = f"axis sizes of {node.name} do not agree with the roles {val.roles}"
                     continue
                 self.vals[node] = val
 
-    def _written(self, node):
-        """Whether the graph writes an external call's tensor in place: it is then read as itself,
-        not by how it was made (a query expanded over the batch read as its row 0, with q[0] *= 3
-        after the expand's clone: a review's)."""
+    def _remade(self, node, val):
+        """Whether an external tensor read by how it was made ("ext": a query expanded over the batch
+        and cloned, read as its row 0; query / √Dh read as the query and a factor) is a new tensor
+        the graph then writes in place (q[0] *= 3 after the clone: a review's, 0.085 off). It is then
+        read as the tensor it is. A view (w1[e], with w1 written) reads what its base holds, as the op
+        does: not refused."""
         key = ("written", node)
         if key not in self.memo:
-            self.memo[key] = node.op in ("call_function", "call_method") and written_in_place(node)
+            self.memo[key] = val.kind == "ext" and storage_parent(node) is None and written_in_place(node)
         return self.memo[key]
 
     def val(self, arg):
@@ -338,12 +340,13 @@ class Walk:
             if arg not in self.inside and arg.op in ("call_function", "call_method"):
                 if arg not in self.lazy:  # a view of parameters outside the region: read on demand
                     self.lazy[arg] = None
-                    op = None if self._written(arg) else canon(arg)
+                    op = canon(arg)
                     try:
                         val = None if op is None else self.rule(self, arg, op)
                     except Reject:
                         val = None
-                    self.lazy[arg] = val if val is not None and val.kind in OUTSIDE_KINDS else None
+                    self.lazy[arg] = val if val is not None and val.kind in OUTSIDE_KINDS and not self._remade(arg, val) \
+                        else None
                 if self.lazy[arg] is not None:
                     return self.lazy[arg]
             if arg not in self.inside:

@@ -586,6 +586,10 @@ def _check_merge(nodes, y, ctx, inv, bcast, pool_walk):
         got = "an unreadable layout" if val is None else f"axes {val.roles}"
         raise _Miss(bcast, f"{y.name}: inv is broadcast with {got}; the merge adds inv[b] to every horizon "
                            f"of ctx[b] (inv.unsqueeze(1))")
+    if dtype(y) != dtype(ctx):  # bf16 ctx in a float32 model: eager's MoE runs on the promoted y (a review's)
+        raise _Miss(y, f"{y.name}: ctx is {dtype(ctx)} and the merge promotes it to {dtype(y)}; the op computes the "
+                       f"MoE in ctx's dtype, where the model computes it in {dtype(y)} (cast ctx to {dtype(y)} "
+                       f"before the block)")
 
 
 def _read_moe(nodes, anchor, y, router):

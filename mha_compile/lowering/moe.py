@@ -804,11 +804,19 @@ def _stacked(keys, experts):
         elif any(r is None for r in refs):
             return None
         elif all(r.node is refs[0].node and r.select == e and r.perm == refs[0].perm and r.steps == refs[0].steps
-                 for e, r in enumerate(refs)):  # steps act on the stored tensor, before the select
-            out[name] = ParamRef(refs[0].node, refs[0].perm, steps=refs[0].steps)
+                 for e, r in enumerate(refs)) and _holds_just(refs[0].node, experts):
+            out[name] = ParamRef(refs[0].node, refs[0].perm, steps=refs[0].steps)  # steps act before the select
         else:
             out[name] = StackRef(tuple(refs))
     return out
+
+
+def _holds_just(node, experts):
+    """Whether a stored tensor's first axis is the experts, no more: a W1 of E + 1 rows read for e in
+    range(E) (padded storage) went to the op whole, which took E from it and crashed (a review's);
+    it is stacked from its E slices instead."""
+    size = shape(node)
+    return size is not None and len(size) > 0 and known_eq(size[0], experts)
 
 
 def _complete(walk, contrib):

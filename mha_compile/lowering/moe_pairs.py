@@ -79,8 +79,16 @@ def _literal(arg, seen):
     if isinstance(arg, (tuple, list)):
         items = [_literal(a, seen) for a in arg]
         return _NOT if any(i is _NOT for i in items) else (tuple(items) if isinstance(arg, tuple) else items)
-    if isinstance(arg, torch.device):
-        return torch.device("cpu")
+    if isinstance(arg, torch.device) or isinstance(arg, str) and _names_device(arg):
+        return torch.device("cpu")  # .to("cuda") too (a review's: only torch.device was mapped)
     if arg is None or isinstance(arg, (bool, int, str, torch.dtype)):
         return arg
     return _NOT
+
+
+def _names_device(text):
+    try:
+        torch.device(text)
+    except (RuntimeError, ValueError):  # "floor", a rounding mode
+        return False
+    return True

@@ -25,13 +25,12 @@ import math
 import torch
 
 from mha_compile.lowering.aliases import written_in_place
-from mha_compile.lowering.canonicalize import canon, dtype, shape, sum_of_product
+from mha_compile.lowering.canonicalize import canon, dtype, float_dtype, shape, sum_of_product
 from mha_compile.lowering.interpret import (BATCH_HEADS, ONE, ParamRef, Reject, Val, base_layout, broadcast,
                                             canonical_perm,
                                             einsum_roles, ext_ref, ext_val, known_eq, layout_rule, query_ref,
                                             select_rule, with_step)
 
-SCALE_RTOL = 1e-6
 HEAD_ROLES = ("d.0", "d.1")
 
 
@@ -78,7 +77,7 @@ def pool_rule(walk, node, op):
     if op.kind == "add":
         return _add_bias(walk, node, *args)
     if op.kind in ("mul", "div"):
-        return _scale(op.kind, *args) or _prescaled(walk, node, op.kind, *args)
+        return _scale(node, op.kind, *args) or _prescaled(walk, node, op.kind, *args)
     if op.kind == "einsum":
         return _einsum(walk, node, op.args[0], args[1:])
     if op.kind == "softmax":
@@ -116,13 +115,17 @@ def _add_bias(walk, node, a, b):
     return Val(a.kind, a.roles, dict(a.info, **{key: ext_ref(b)}))
 
 
-def _scale(kind, a, b):
+def _scale(node, kind, a, b):
     if a is not None and a.kind == "const" and kind == "mul":
         a, b = b, a
     if a is None or b is None or a.kind != "scores" or b.kind != "const" or \
             not isinstance(b.info["value"], (int, float)):
         return None
     c = float(b.info["value"])
+    if a.info.get("mask") is not None and not c > 0:  # -inf · -1 = +inf: the masked tokens would take all the weight
+        raise Reject(f"{node.name}: the masked scores are {'multiplied' if kind == 'mul' else 'divided'} by {c:g}, "
+                     f"which turns the mask's -inf into {'+inf' if c < 0 else 'nan'}; the pool scales the scores by "
+                     f"1/√Dh > 0 and masks them after (or before) that")
     return Val("scores", a.roles, dict(a.info, scale=a.info["scale"] * (c if kind == "mul" else 1.0 / c)))
 
 
@@ -160,6 +163,12 @@ def _einsum(walk, node, equation, operands):
                 canonical_perm(q_roles, HEAD_ROLES) is False or k.roles[:2] != ("b", "n") or ext_ref(q) is None:
             return None
         ref, perm = ext_ref(q), canonical_perm(q_roles, HEAD_ROLES)
+        q_shape = shape(q.info["node"])
+        if q_shape is None or len(q_shape) != len(q_roles) or not all(
+                known_eq(n, walk.axes.sizes.get(r)) for n, r in zip(q_shape, q_roles)):
+            raise Reject(f"{node.name}: the query has shape {list(q_shape or ())}, broadcast to "
+                         f"{[walk.axes.sizes.get(r) for r in q_roles]} (heads, head dim); the pool's query is a "
+                         f"vector of its own per head, [P, Dh]")  # the op took the [1, Dh] for [P, Dh] and crashed (a review's)
         info = {"k": k.info, "q": ParamRef(ref.node, perm), "scale": 1.0, "mask": None}
         inner, factor = q.info.get("prescaled", (None, None))
         if inner is not None and inner.perm is None and inner.select is None and not inner.steps:
@@ -248,7 +257,7 @@ def _neg_inf_mask(node):
         return False
     base = canon(op.args[0]) if hasattr(op.args[0], "op") else None
     return base is not None and base.kind in ("zeros_like", "zeros") and \
-        not any(written_in_place(n) for n in chain + [op.args[0]])
+        not any(written_in_place(n, besides={node}) for n in chain + [op.args[0]])  # masked_fill_ fills its zeros
 
 
 def _mask_ref(val, wanted, node, invert):
@@ -400,9 +409,12 @@ def _mha(walk, node, op, args):
             shape(query.info["node"])[2] != d:
         raise Reject(f"{node.name}: the attention query is not one learned vector broadcast over the batch "
                      f"(shape {shape(query.info['node'])}); the pool's query is a parameter")
-    for name, ok in (("bias_k", _absent(a["bias_k"])), ("bias_v", _absent(a["bias_v"])),
+    given = dict(zip(names, op.args))  # as written: a tensor the walk cannot read is no absent one
+    for name, ok in (("bias_k", given.get("bias_k") is None), ("bias_v", given.get("bias_v") is None),
                      ("add_zero_attn", _const(a["add_zero_attn"], False) is False),
-                     ("attn_mask", _absent(a["attn_mask"])), ("is_causal", _const(a["is_causal"], False) is False),
+                     ("attn_mask", given.get("attn_mask") is None),
+                     ("is_causal", _const(a["is_causal"], False) is False),
+                     ("static_k", given.get("static_k") is None), ("static_v", given.get("static_v") is None),
                      ("use_separate_proj_weight", _const(a["use_separate_proj_weight"], False) is False),
                      ("dropout_p", _const(a["dropout_p"], 0.0) in (0, 0.0) or _const(a["training"], True) is False)):
         if not ok:
@@ -441,14 +453,23 @@ def _softmax(walk, node, scores, dim, safe=False):
     info = dict(scores.info)
     info["empty_rows"] = "" if info.get("mask") is None else "zero" if safe else "nan"
     inner, factor = info.pop("prescaled", (None, None))
-    if abs(info["scale"] - expected) > SCALE_RTOL * expected and inner is not None and \
-            abs(info["scale"] * factor - expected) <= SCALE_RTOL * expected:
+    rtol = _scale_rtol(node)
+    if abs(info["scale"] - expected) > rtol * expected and inner is not None and \
+            abs(info["scale"] * factor - expected) <= rtol * expected:
         info.update(q=inner, scale=info["scale"] * factor)  # q = c·query: the scale lives in the query
-    if abs(info["scale"] - expected) > SCALE_RTOL * expected:
-        also = f" (with the query's own factor {factor:.6g}: {info['scale'] * factor:.6g})" if inner is not None else ""
-        raise Reject(f"{node.name}: scores are scaled by {info['scale']:.6g}{also}; the pool's scale is "
-                     f"1/√Dh = {expected:.6g}")
+    if abs(info["scale"] - expected) > rtol * expected:
+        also = f" (with the query's own factor {factor:.12g}: {info['scale'] * factor:.12g})" if inner is not None else ""
+        raise Reject(f"{node.name}: scores are scaled by {info['scale']:.12g}{also}; the pool's scale is "
+                     f"1/√Dh = {expected:.12g}")
     return Val("attn", scores.roles, info)
+
+
+def _scale_rtol(node):
+    """How far the scores' scale may be from 1/√Dh, which the op multiplies by: 4 ulps of the
+    precision the scale multiplies in (float32's for 16-bit scores, as torch's opmath). It was 1e-6
+    in every dtype, and `/ 2.0000009` (Dh = 4) matched in float64, 3e-8 off (a review's)."""
+    kind = float_dtype(node) or torch.float32
+    return 4 * torch.finfo(torch.promote_types(kind, torch.float32)).eps
 
 
 _ROLE_NAMES = {"b": "batch", "n": "token", "d.0": "head", "d.1": "head-dim", "d": "feature", ONE: "size-1"}

@@ -8,6 +8,7 @@ import operator
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -1688,6 +1689,9 @@ def test_pair_rows_are_evaluated_on_the_cpu_whatever_device_they_name():
     moved = graph.call_method("to", (graph.call_method("repeat_interleave", (rows, 2)), torch.device("meta")))
     moved.meta["example_value"] = torch.empty(6, dtype=torch.int64, device="meta")
     assert pair_rows({}, moved, 3, 2) and not pair_rows({}, moved, 2, 3)
+    named = graph.call_method("to", (graph.call_method("repeat_interleave", (rows, 2)), "meta"))
+    named.meta["example_value"] = torch.empty(6, dtype=torch.int64, device="meta")
+    assert pair_rows({}, named, 3, 2)  # a device named by a string: .to("cuda") (a review's)
 
 
 def test_the_pair_rows_index_is_evaluated_once_a_walk(monkeypatch):
@@ -2029,3 +2033,97 @@ def test_a_tensor_read_by_how_it_was_made_and_then_written_is_read_as_itself(how
     want.backward(cotangent)
     for (name, p_e), p_c in zip(model.named_parameters(), compiled.parameters()):
         assert relative_error(p_c.grad, p_e.grad) <= TOLERANCE[torch.float64], name
+
+
+class NotQuiteThePool(SpelledBlock):
+    """Pools a review found matched though not the block: "static_k" F.multi_head_attention_forward
+    with static_k (keys not tok's: 0.38 off); "shared_query" one query [1, Dh] for every head (the
+    op crashed); "scale_near" scores / 2.0000009 with Dh = 4 (3e-8 off in float64); "negated_mask"
+    scores · -1, masked with -inf, then · -1/√Dh (the mask's -inf turned +inf: NaN rows in eager)."""
+
+    def __init__(self, how):
+        super().__init__(D=32, P=8)  # Dh = 4
+        self.how = how
+        if how == "static_k":
+            self.attn = nn.MultiheadAttention(32, 8)
+            self.query = nn.Parameter(torch.randn(1, 1, 32))
+            self.static_k = nn.Parameter(torch.randn(4 * 8, 5, 4))
+        if how == "shared_query":
+            self.query = nn.Parameter(torch.randn(1, 4))
+
+    def pool_forward(self, tok, pad=None):
+        B, N, D = tok.shape
+        if self.how == "static_k":
+            t, a = tok.transpose(0, 1), self.attn
+            out, _ = F.multi_head_attention_forward(
+                self.query.expand(1, B, D), t, t, D, 8, a.in_proj_weight, a.in_proj_bias, None, None, False, 0.0,
+                a.out_proj.weight, a.out_proj.bias, training=False, need_weights=False, static_k=self.static_k)
+            return out[0]
+        k, v = self.key(tok).view(B, N, 8, 4), self.value(tok).view(B, N, 8, 4)
+        s = torch.einsum("pd,bnpd->bpn", self.query, k)
+        if self.how == "negated_mask":
+            s = (s * -1.0).masked_fill(pad[:, None, :], float("-inf")) * -0.5
+        else:
+            s = s / (2.0000009 if self.how == "scale_near" else 2.0)
+        return self.out(torch.einsum("bpn,bnpd->bpd", torch.softmax(s, -1), v).reshape(B, D))
+
+
+def _as_eager_in_every_gradient(model, args, dtype):
+    """Compile a copy: no match, a near-miss, and eager's output and every gradient (NaNs where
+    eager's are). Returns the near-misses' reasons."""
+    compiled = copy.deepcopy(model)
+    args_e, args_c = ([a.clone().requires_grad_(a.is_floating_point()) for a in args] for _ in range(2))
+    with compiled_reports() as reports:
+        torch._dynamo.reset()
+        got = torch.compile(compiled, backend="mha")(*args_c)
+    reasons = [m["reason"] for r in reports for m in r.near_misses]
+    assert not any(r.matches for r in reports) and reasons, [str(r) for r in reports]
+    want = model(*args_e)
+    torch.testing.assert_close(got, want, rtol=TOLERANCE[dtype], atol=0, equal_nan=True)
+    cotangent = torch.randn_like(want)
+    got.backward(cotangent)
+    want.backward(cotangent)
+    for (name, p_e), p_c in zip(model.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(p_c.grad, p_e.grad, rtol=TOLERANCE[dtype], atol=0, equal_nan=True, msg=name)
+    return reasons
+
+
+@pytest.mark.parametrize("how, reason", [("static_k", "static_k"), ("shared_query", "query has shape [1, 4]"),
+                                         ("scale_near", "scaled by 0.499999775"), ("negated_mask", "into +inf")])
+def test_pools_that_are_not_the_block_run_as_written(how, reason):
+    torch.manual_seed(0)
+    args = inputs(dtype=torch.float64, mask=how == "negated_mask", generator=torch.Generator().manual_seed(1))
+    reasons = _as_eager_in_every_gradient(NotQuiteThePool(how).double(), args, torch.float64)
+    assert any(reason in r for r in reasons), reasons
+
+
+@pytest.mark.parametrize("ctx_dtype, dtype", [(torch.bfloat16, torch.float32), (torch.float16, torch.float64)])
+def test_a_ctx_coarser_than_the_model_is_not_replaced(ctx_dtype, dtype):
+    """y = ctx + inv promotes a bf16 ctx to a float32 model's dtype, and eager's MoE runs there; the op
+    computed in ctx's dtype (1.4e-3 off, a review's)."""
+    torch.manual_seed(0)
+    ctx, tok = inputs(dtype=dtype, generator=torch.Generator().manual_seed(1))
+    reasons = _as_eager_in_every_gradient(SpelledBlock().to(dtype), (ctx.to(ctx_dtype), tok), dtype)
+    assert any("promotes it to" in r for r in reasons), reasons
+
+
+class PaddedExperts(SpelledBlock):
+    """Expert weights stored for one expert more than the router has, read for e in range(E)."""
+
+    def __init__(self, padded, **kwargs):
+        super().__init__(**kwargs)
+        for name in padded:
+            stored = getattr(self, name)
+            setattr(self, name, nn.Parameter(torch.cat([stored.detach(), torch.randn_like(stored[:1])])))
+
+
+@pytest.mark.parametrize("padded", [("w1", "b1"), ("w2",), ("b2",), ("w1", "b1", "w2", "b2")])
+@pytest.mark.parametrize("moe", ["loop", "mixtral"])
+def test_experts_stored_for_more_experts_than_the_router_has(padded, moe):
+    """Their first E slices are the experts: stacked from them. The stored tensor went to the op
+    whole, which took E from W1 and crashed in the forward, or gave W2 a gradient of the wrong
+    shape (a review's)."""
+    torch.manual_seed(0)
+    args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    model = PaddedExperts(padded, moe=moe).double()
+    _assert_one_match(compile_and_compare(model, args, torch.float64, dynamic_where=moe == "mixtral"))
