@@ -93,3 +93,14 @@ def indexes_by_rows(index):
     items = index if isinstance(index, (tuple, list)) else (index,)
     values = [i.meta.get("example_value") for i in items if isinstance(i, torch.fx.Node)]
     return any(isinstance(v, torch.Tensor) and v.dim() > 0 for v in values)
+
+
+# Calls that may copy though storage_parent takes them for views, to be safe there (a repeat of
+# size-1 axes reads as an expand, contiguous() of an expanded tensor copies, reshape may)
+_MAY_COPY = frozenset({"repeat", "contiguous", "reshape", "flatten", "repeat_interleave"})
+
+
+def may_copy(node):
+    """Whether node's tensor may be a copy of its input, not a view: a write into it is then not
+    seen in its input, nor one into its input in it."""
+    return node.op in ("call_function", "call_method") and (storage_parent(node) is None or call_name(node) in _MAY_COPY)

@@ -15,7 +15,7 @@ import dataclasses
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from mha_compile.lowering.aliases import storage_parent, written_in_place
+from mha_compile.lowering.aliases import may_copy, written_in_place
 from mha_compile.lowering.canonicalize import canon, canon_kind, dtype, float_dtype, shape
 
 ONE = "1"  # the role of a size-1 axis
@@ -323,13 +323,16 @@ class Walk:
 
     def _remade(self, node, val):
         """Whether an external tensor read by how it was made ("ext": a query expanded over the batch
-        and cloned, read as its row 0; query / √Dh read as the query and a factor) is a new tensor
-        the graph then writes in place (q[0] *= 3 after the clone: a review's, 0.085 off). It is then
-        read as the tensor it is. A view (w1[e], with w1 written) reads what its base holds, as the op
-        does: not refused."""
+        and cloned, read as its row 0; query / √Dh read as the query and a factor) may be a copy that
+        the graph writes in place, or whose source it writes (q[0] *= 3 after the clone, or after a
+        repeat or contiguous(): reviews', 0.085 and 0.144 off). It is then read as the tensor it is.
+        A view (w1[e], with w1 written) reads what its base holds, as the op does: not refused."""
         key = ("written", node)
         if key not in self.memo:
-            self.memo[key] = val.kind == "ext" and storage_parent(node) is None and written_in_place(node)
+            sources = [r.node for r in (val.info.get("ref"), val.info.get("prescaled", (None,))[0]) if r is not None] \
+                if val.kind == "ext" else []
+            self.memo[key] = val.kind == "ext" and may_copy(node) and (
+                written_in_place(node) or any(written_in_place(s) for s in sources))
         return self.memo[key]
 
     def val(self, arg):
@@ -375,7 +378,8 @@ class Walk:
         for node in nodes:
             written = [i for i in node.all_input_nodes if self.memo.get(("written", i))]
             if node in ancestors and node not in self.vals and written:
-                return node, (f"{node.name} reads {written[0].name}, which the graph writes in place after making it; "
+                return node, (f"{node.name} reads {written[0].name}, which the graph writes in place after making it "
+                              f"(or writes what it was copied from); "
                               f"the matcher then reads it as the tensor it is, not by how it was made (a query expanded "
                               f"over the batch, a float mask of 0 and -inf), and as that it is not the block's")
         for node in nodes:

@@ -340,6 +340,7 @@ def _match_at(nodes, anchor):
     moved_modes = {n: modes(n) for n in moved if modes(n) != training}
     kept = _in_order(nodes, kept | moved)
     autocast = _autocast_states(nodes)
+    _check_promoted_ctx(y, ctx, autocast)
     _check_no_coarser_rounding(nodes, region, ctx, tok, autocast)
     kept_autocast = {n: change for n in kept if (change := _autocast_change(autocast(n), autocast(out)))}
     data = _descendants(ctx) | _descendants(tok)  # not the mask's or the parameters' own preparation
@@ -586,10 +587,6 @@ def _check_merge(nodes, y, ctx, inv, bcast, pool_walk):
         got = "an unreadable layout" if val is None else f"axes {val.roles}"
         raise _Miss(bcast, f"{y.name}: inv is broadcast with {got}; the merge adds inv[b] to every horizon "
                            f"of ctx[b] (inv.unsqueeze(1))")
-    if dtype(y) != dtype(ctx):  # bf16 ctx in a float32 model: eager's MoE runs on the promoted y (a review's)
-        raise _Miss(y, f"{y.name}: ctx is {dtype(ctx)} and the merge promotes it to {dtype(y)}; the op computes the "
-                       f"MoE in ctx's dtype, where the model computes it in {dtype(y)} (cast ctx to {dtype(y)} "
-                       f"before the block)")
 
 
 def _read_moe(nodes, anchor, y, router):
@@ -853,6 +850,20 @@ def _autocast_change(was, there):
                 torch.get_autocast_dtype(device), torch.is_autocast_enabled(device), torch.is_autocast_cache_enabled())
             change.append((device, dtype, enabled, cache))
     return change
+
+
+def _check_promoted_ctx(y, ctx, autocast):
+    """A ctx coarser than y = ctx + inv (a bf16 ctx in a float32 model): eager's MoE runs on the
+    promoted y, the op computed it in ctx's dtype (1.4e-3 off, a review's). Under autocast both run
+    the MoE's products in autocast's dtype: not refused there."""
+    if dtype(y) == dtype(ctx):
+        return
+    device = ctx.meta["example_value"].device.type
+    _, enabled, _ = autocast(y).get(device, None) or (None, torch.is_autocast_enabled(device), None)
+    if not enabled:
+        raise _Miss(y, f"{y.name}: ctx is {dtype(ctx)} and the merge promotes it to {dtype(y)}; the op computes the "
+                       f"MoE in ctx's dtype, where the model computes it in {dtype(y)} (cast ctx to {dtype(y)} "
+                       f"before the block)")
 
 
 def _check_no_coarser_rounding(nodes, region, ctx, tok, autocast):

@@ -160,7 +160,8 @@ def _einsum(walk, node, equation, operands):
         q_term = terms[kinds.index("ext")]
         q_roles = tuple(letters.get(l) for l in q_term)
         if {letters.get(l) for l in contracted} != {"d.1"} or set(out_roles) != {"b", "n", "d.0"} or \
-                canonical_perm(q_roles, HEAD_ROLES) is False or k.roles[:2] != ("b", "n") or ext_ref(q) is None:
+                canonical_perm(q_roles, HEAD_ROLES) is False or sorted(k.roles) != ["b", "d.0", "d.1", "n"] or \
+                ext_ref(q) is None:
             return None
         ref, perm = ext_ref(q), canonical_perm(q_roles, HEAD_ROLES)
         q_shape = shape(q.info["node"])
@@ -359,7 +360,10 @@ def _const(val, default=None):
 
 
 def _absent(val):
-    return val is None or (val.kind == "const" and val.info["value"] is None)
+    """Whether an optional argument was not given (None as written). An argument the walk cannot
+    read (val None: a mask computed from tok itself) is no absent one: read as absent, SDPA's
+    attn_mask was dropped, 0.17 off (a review's)."""
+    return val is not None and val.kind == "const" and val.info["value"] is None
 
 
 def _sdpa(walk, node, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
@@ -386,7 +390,8 @@ def _sdpa(walk, node, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gq
         return None
     mask = None if _absent(attn_mask) else _mask_ref(attn_mask, k.roles[:-2] + (ONE, "n"), node, invert=True)
     if not _absent(attn_mask) and mask is None:
-        return None
+        raise Reject(f"{node.name}: its attn_mask could not be read as a key-padding mask given to the region (one "
+                     f"computed from tok inside it, say); the op would attend without it")
     attn = _softmax(walk, node, Val("scores", k.roles[:-2] + (ONE, "n"),
                                     {"k": k.info, "q": ref, "scale": float(scale), "mask": mask}), -1, safe=True)
     return Val("pooled", k.roles[:-2] + (ONE, "d.1"), dict(attn.info, v=v.info))
@@ -419,8 +424,10 @@ def _mha(walk, node, op, args):
                      ("dropout_p", _const(a["dropout_p"], 0.0) in (0, 0.0) or _const(a["training"], True) is False)):
         if not ok:
             raise Reject(f"{node.name}: nn.MultiheadAttention with {name} set; the pool has no such term")
-    w_in, b_in, wo, bo = (None if _absent(a[n]) else ext_ref(a[n])
-                          for n in ("in_proj_weight", "in_proj_bias", "out_proj_weight", "out_proj_bias"))
+    projections = ("in_proj_weight", "in_proj_bias", "out_proj_weight", "out_proj_bias")
+    w_in, b_in, wo, bo = (None if _absent(a[n]) else ext_ref(a[n]) for n in projections)
+    if any(not _absent(a[n]) and ext_ref(a[n]) is None for n in projections):
+        return None  # given, and not a parameter-like tensor the op can take
     if w_in is None or wo is None or not isinstance(heads, int) or not isinstance(d, int) or d % heads:
         return None
     if not walk.axes.bind("d.0", heads) or not walk.axes.bind("d.1", d // heads):
@@ -428,8 +435,10 @@ def _mha(walk, node, op, args):
     cut = lambda ref, i: with_step(ref, ("index", (("range", i * d, (i + 1) * d),)))
     q_vec = with_step(ParamRef(query.info["node"]), ("index", (0, 0, ":")),
                       ("linear", cut(w_in, 0), cut(b_in, 0)), ("reshape", (heads, d // heads)))
-    mask = a["key_padding_mask"]
-    mask = None if _absent(mask) else _mask_ref(mask, ("b", "n"), node, invert=False)
+    mask = None if _absent(a["key_padding_mask"]) else _mask_ref(a["key_padding_mask"], ("b", "n"), node, invert=False)
+    if mask is None and not _absent(a["key_padding_mask"]):  # it was dropped (a review's)
+        raise Reject(f"{node.name}: its key_padding_mask could not be read as a mask given to the region (one "
+                     f"computed from tok inside it, say); the op would attend without it")
     info = {"k": {"w": cut(w_in, 1), "b": cut(b_in, 1)}, "v": {"w": cut(w_in, 2), "b": cut(b_in, 2)},
             "q": q_vec, "scale": 1.0 / math.sqrt(d // heads), "mask": mask, "wo": wo, "bo": bo,
             # need_weights=False goes through SDPA (safe softmax: a row with every key masked is 0);
