@@ -203,9 +203,10 @@ def find_regions(gm):
             matches.append(_apart(_match_at(nodes, anchor), matches))
         except _Miss as miss:
             if _leaves_graph(anchor) and "graph break" not in miss.reason:
-                miss = _Miss(anchor, f"{anchor.name}: the top-k's weights or indices leave this graph unreplaced: "
-                                     "a graph break splits the MHA region (e.g. at torch.where/nonzero); "
-                                     f"{_split_hint()}")
+                miss = _Miss(anchor, f"{anchor.name}: the top-k's weights or indices are outputs of this graph, "
+                                     f"so the region is not replaced ({miss.reason}). If the forward does not "
+                                     "return them, a graph break splits the MHA region (e.g. at torch.where/"
+                                     f"nonzero); {_split_hint()}")  # returned w read as only a break: a review's
             misses.append(NearMiss(anchor.name, getattr(miss.node, "name", str(miss.node)), miss.reason))
     if not anchors:
         misses.extend(_split_experts(nodes))
@@ -328,7 +329,8 @@ def _match_at(nodes, anchor):
     exportable = {"inv": inv} if is_inplace(y) else {"inv": inv, "y": y}
     index = [n for n, v in moe_walk.vals.items() if v.kind == "topi" and v.info["topk"] is anchor and
              v.roles == ("b*h", "s") and n.target is operator.getitem]
-    if index:
+    sorted_k = canon(anchor).args[4] if len(canon(anchor).args) > 4 else True
+    if index and sorted_k is not False:  # sorted=False: eager's order of the k, not the op's (a review's)
         exportable["index"] = index[0]
     keepable = None if is_inplace(y) else _router_chain(moe_walk, y)
     region, exports, kept, moved = _region_nodes(nodes, (ctx, tok), out, exportable, keepable)

@@ -284,6 +284,8 @@ def _gather(walk, op, probs, dim, index):
     topk = index.info["topk"]
     if topk.args[0] is not op.args[0] or probs.roles[dim.info["value"]] != "e" or topk not in walk.vals:
         return None
+    if index.roles != walk.vals[topk].roles or tuple("s" if r == "e" else r for r in probs.roles) != index.roles:
+        return None  # the indices in another row order gather other rows' values (0.56 off, a review's)
     return _tuple_item(walk.vals[topk], 0)
 
 
@@ -550,15 +552,28 @@ def _renorm(topw, total):
         return None
     if total.info["topk"] is not topw.info["topk"] or topw.info["renorm"] or total.info["renorm"]:
         return None
+    if total.roles is None or topw.roles is None or not _divides_own_row(topw.roles, total.roles):
+        return None
     return Val("topw", topw.roles, dict(topw.info, renorm=True))
+
+
+def _divides_own_row(weights, sums):
+    """Whether w / Σw, broadcast as written, divides each row's weights by that row's own sum: Σw's
+    axes, aligned from the right, are w's with the slots' axis of size 1. w / w.sum(-1) without
+    keepdim ([R, k] / [R], R = k: column j by row j's sum) and a sum taken in another row order
+    matched (0.10 and 0.146 off, a review's)."""
+    if len(sums) > len(weights):
+        return False
+    sums = (ONE,) * (len(weights) - len(sums)) + tuple(sums)
+    return all(t == ONE if w == "s" else t == w for w, t in zip(weights, sums))
 
 
 def _scatter(walk, node, zero, dim, index, src):
     if zero is None or zero.kind != "zero" or index is None or index.kind != "topi" or src is None or \
             src.kind != "topw":
         return None
-    if index.info["topk"] is not src.info["topk"] or dim is None or dim.kind != "const":
-        return None
+    if index.info["topk"] is not src.info["topk"] or dim is None or dim.kind != "const" or index.roles != src.roles:
+        return None  # (indices in another row order than their weights scattered other rows' gates: a review's)
     out = shape(node)
     if dim.info["value"] % len(out) != len(out) - 1 or not walk.axes.bind("e", out[-1]):
         return None
@@ -592,9 +607,10 @@ def _mul(walk, node, a, b):
     pair = {a.kind: a, b.kind: b}
     if "topw" in pair and "eqmask" in pair:
         topw, mask = pair["topw"], pair["eqmask"]
-        if topw.info["topk"] is not mask.info["topk"]:
+        roles = broadcast(topw.roles, mask.roles)  # None where the mask's rows are in another order (a review's)
+        if topw.info["topk"] is not mask.info["topk"] or roles is None:
             return None
-        return Val("maskedw", broadcast(topw.roles, mask.roles), dict(topw.info, expert=mask.info["expert"]))
+        return Val("maskedw", roles, dict(topw.info, expert=mask.info["expert"]))
     if "topw" in pair and "onehot" in pair:
         topw, onehot = pair["topw"], pair["onehot"]
         roles = broadcast(topw.roles, onehot.roles)

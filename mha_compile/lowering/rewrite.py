@@ -18,6 +18,7 @@ import operator
 import torch
 
 from mha_compile import ops
+from mha_compile.lowering.aliases import written_in_place
 from mha_compile.lowering.canonicalize import dtype
 from mha_compile.lowering.interpret import StackRef
 
@@ -151,7 +152,11 @@ def _rebuild_exports(graph, call, match, ctx, nan_rows):
     With export_inv set on the op, gradients reaching inv and y flow back through the pool."""
     if not match.exports:
         return {}
-    inv = graph.call_method("to", (graph.call_function(operator.getitem, (call, 1)), dtype(match.inv)))
+    inv = graph.call_function(operator.getitem, (call, 1))
+    if "inv" in match.exports and written_in_place(match.exports["inv"]):
+        inv = graph.call_method("clone", (inv,))  # the op keeps its output 1 for its backward (F.relu(inv,
+        # inplace=True) after the block made that backward raise: a review's); a [B, D] copy only here
+    inv = graph.call_method("to", (inv, dtype(match.inv)))
     if nan_rows is not None:
         inv = graph.call_function(operator.add, (inv, graph.call_method("view", (nan_rows, -1, 1))))
     rebuilt = {"inv": inv}

@@ -2175,3 +2175,97 @@ def test_a_ctx_promoted_by_the_merge_under_autocast_still_matches():
     reference = copy.deepcopy(model).double()
     want = SpelledBlock.forward(reference, ctx.bfloat16().double(), tok.double())
     assert relative_error(got, want) <= 2e-2  # SPEC §4's bf16 bound, against float64
+
+
+def _horizon_major(t, B, H):
+    """[B·H, ...] rows reordered horizon-major: row h·B + b holds b·H + h's."""
+    return t.view(B, H, *t.shape[1:]).transpose(0, 1).reshape(B * H, *t.shape[1:])
+
+
+class RoutedAcross(SpelledBlock):
+    """Gates whose parts come from different rows (a review's): "sum_no_keepdim" w / w.sum(-1) (with
+    R = k: column j by row j's sum, 0.10 off); "sums_reordered" each row divided by another row's
+    sum (0.146 off); "gather_reordered" probs.gather(-1, index) with the indices' rows reordered
+    (0.56 off); "scatter_reordered" zeros.scatter(1, index, w) likewise (0.96 off); "mask_reordered"
+    the loop's (index == e) mask likewise (the matcher crashed)."""
+
+    def __init__(self, how, moe="loop"):
+        super().__init__(moe=moe, renorm=False)
+        self.how = how
+
+    def route(self, x):
+        weight, index = torch.softmax(self.router(x), dim=-1).topk(self.k, dim=-1)
+        B, H = self.rows
+        if self.how == "sum_no_keepdim":
+            weight = weight / weight.sum(-1)
+        if self.how == "sums_reordered":
+            weight = weight / _horizon_major(weight.sum(-1, keepdim=True), B, H)
+        return weight, index
+
+    def moe_forward(self, y):
+        self.rows = y.shape[:2]
+        if self.how not in ("gather_reordered", "scatter_reordered", "mask_reordered"):
+            return super().moe_forward(y)
+        x = y.reshape(-1, y.shape[-1])
+        probs = torch.softmax(self.router(x), dim=-1)
+        weight, index = probs.topk(self.k, dim=-1)
+        other = _horizon_major(index, *self.rows)
+        if self.how == "gather_reordered":
+            weight = probs.gather(-1, other)
+        if self.how == "scatter_reordered":  # the dense spelling's gates
+            gates = torch.zeros(x.shape[0], self.E, dtype=x.dtype).scatter(1, other, weight)
+            f = torch.einsum("ref,efd->red", self._act(torch.einsum("rd,edf->ref", x, self.w1) + self.b1, None),
+                             self.w2) + self.b2
+            return torch.einsum("re,red->rd", gates, f).reshape(y.shape)
+        out = torch.zeros_like(x)
+        for e in range(self.E):
+            mask = other == e if self.how == "mask_reordered" else index == e
+            out = out + (weight * mask).sum(dim=-1, keepdim=True) * self.expert(e, x)
+        return out.reshape(y.shape)
+
+
+@pytest.mark.parametrize("how, B, H", [("sum_no_keepdim", 1, 2), ("sums_reordered", 4, 3), ("gather_reordered", 4, 3),
+                                       ("scatter_reordered", 4, 3), ("mask_reordered", 4, 3)])
+def test_gates_whose_parts_come_from_other_rows_are_not_replaced(how, B, H):
+    torch.manual_seed(0)
+    args = inputs(B=B, H=H, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    _as_eager_in_every_gradient(RoutedAcross(how).double(), args, torch.float64)
+
+
+class UnsortedIndexRead(SpelledBlock):
+    """topk(sorted=False), its indices returned beside the output: eager's order of the k, which the
+    op's (sorted) top-k does not give (a review's)."""
+
+    def route(self, x):
+        weight, index = torch.softmax(self.router(x), dim=-1).topk(self.k, dim=-1, sorted=False)
+        self.index = index
+        return weight / weight.sum(-1, keepdim=True), index
+
+    def forward(self, ctx, tok, pad=None):
+        out = super().forward(ctx, tok, pad)
+        return out + self.index[:, :1].reshape(out.shape[0], out.shape[1], 1)
+
+
+def test_unsorted_top_k_indices_read_outside_are_not_replaced():
+    torch.manual_seed(0)
+    model = UnsortedIndexRead(E=5, k=3).double()
+    args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    reasons = _as_eager_in_every_gradient(model, args, torch.float64)
+    assert any("outputs of this graph" in r or "used outside the region" in r for r in reasons), reasons
+
+
+class InvWrittenAfter(SpelledBlock):
+    """inv read again after the block by a second head that writes it in place."""
+
+    def forward(self, ctx, tok, pad=None):
+        inv = self.pool_forward(tok, pad)
+        out = self.moe_forward(self.merge_forward(ctx, inv))
+        return out + F.relu(inv, inplace=True).sum(-1)[:, None, None]
+
+
+def test_inv_written_in_place_after_the_block_trains_as_eager():
+    """The exported inv was the op's own output 1, which it keeps for its backward: the backward
+    raised "modified by an inplace operation" (a review's). It is a copy where the graph writes it."""
+    torch.manual_seed(0)
+    args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    _assert_one_match(compile_and_compare(InvWrittenAfter().double(), args, torch.float64))
