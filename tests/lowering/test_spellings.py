@@ -2269,3 +2269,27 @@ def test_inv_written_in_place_after_the_block_trains_as_eager():
     torch.manual_seed(0)
     args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     _assert_one_match(compile_and_compare(InvWrittenAfter().double(), args, torch.float64))
+
+
+class HeadsFirstEinsum(SpelledBlock):
+    """K and V viewed [B, P, N, Dh] (heads before tokens, as for SDPA), the scores and the sum by
+    einsum: "pd,bpnd->bpn". The einsum reading wanted K's axes batch and tokens first."""
+
+    def __init__(self, prescaled):
+        super().__init__()
+        self.prescaled = prescaled
+
+    def pool_forward(self, tok, pad=None):
+        B, N, D = tok.shape
+        k, v = (t.view(B, N, self.P, self.Dh).transpose(1, 2) for t in (self.key(tok), self.value(tok)))
+        q = self.query / math.sqrt(self.Dh) if self.prescaled else self.query
+        scores = torch.einsum("pd,bpnd->bpn", q, k)
+        attn = torch.softmax(scores if self.prescaled else scores / math.sqrt(self.Dh), dim=-1)
+        return self.out(torch.einsum("bpn,bpnd->bpd", attn, v).reshape(B, D))
+
+
+@pytest.mark.parametrize("prescaled", [False, True])
+def test_keys_with_heads_before_tokens_match_in_an_einsum(prescaled):
+    torch.manual_seed(0)
+    args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    _assert_one_match(compile_and_compare(HeadsFirstEinsum(prescaled).double(), args, torch.float64))
