@@ -317,7 +317,9 @@ class Walk:
                 continue
             if val is not None and (node in inside or val.kind in OUTSIDE_KINDS and not self._remade(node, val)):
                 if val.roles is not None and shape(node) is not None and not self.axes.bind_all(val.roles, shape(node)):
-                    self.reasons[node] = f"axis sizes of {node.name} do not agree with the roles {val.roles}"
+                    sizes = [self.axes.sizes.get(r, "?") for r in val.roles]
+                    self.reasons[node] = (f"{node.name} has shape {list(shape(node))}, where the block's axes it would "
+                                          f"be, {val.roles}, have sizes {sizes} (a second top-k of another k, say)")
                     continue
                 self.vals[node] = val
 
