@@ -62,7 +62,8 @@ for kind, targets in {
     "silu": [F.silu, *_fn("torch._C._nn.silu")],
     "sigmoid": [F.sigmoid, *_fn("torch.sigmoid", "torch.special.expit")],
     "erf": _fn("torch.erf", "torch.special.erf"),
-    "ndtr": _fn("torch.special.ndtr"),  # the normal distribution's cdf, (1 + erf(u / √2)) / 2: u · ndtr(u) is gelu
+    "ndtr": _fn("torch.special.ndtr"),
+    "dropout": [F.dropout, *_fn("torch.dropout")],  # read where it draws nothing (_read_dropout)  # the normal distribution's cdf, (1 + erf(u / √2)) / 2: u · ndtr(u) is gelu
     "tanh": [F.tanh, *_fn("torch.tanh")],
     "exp": _fn("torch.exp"),
     "neg": [operator.neg, *_fn("torch.neg", "torch.negative")],
@@ -195,6 +196,8 @@ def canon(node):
         # "trunc" is the same)
         return Op("floordiv", args[:2]) if kwargs["rounding_mode"] in ("floor", "trunc") and len(args) == 2 else None
     kwargs.pop("rounding_mode", None)
+    if kind == "dropout":
+        return _read_dropout(args, kwargs)
     if kind == "getitem":
         return _read_getitem(node, args)
     if kind == "repeat":
@@ -218,6 +221,18 @@ def canon(node):
         merged.update({k: v for k, v in kwargs.items() if k in names or k == "dim"})
         return Op(kind, tuple(merged.get(n) for n in names), {k: v for k, v in kwargs.items() if k.startswith("_")})
     return Op(kind, args, kwargs)
+
+
+def _read_dropout(args, kwargs):
+    """F.dropout(x, p, training, inplace) or torch.dropout(x, p, train) that draws nothing (in eval
+    mode, or p = 0) returns x itself: a "cast" that keeps every value (an attention pool's dropout
+    on its weights, in eval mode). In training it draws random numbers: not read."""
+    given = dict(zip(("input", "p", "training"), args))
+    given.update(kwargs)
+    training, p = given.get("training", given.get("train", True)), given.get("p", 0.5)
+    if "input" in given and (training is False or type(p) in (int, float) and p == 0):
+        return Op("cast", (given["input"],))
+    return None
 
 
 def _read_getitem(node, args):

@@ -16,7 +16,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from mha_compile.lowering.aliases import may_copy, written_in_place
-from mha_compile.lowering.canonicalize import canon, canon_kind, dtype, float_dtype, shape
+from mha_compile.lowering.canonicalize import call_name, canon, canon_kind, dtype, float_dtype, shape
 
 ONE = "1"  # the role of a size-1 axis
 OUTSIDE_KINDS = ("ext", "zero")  # Vals a node outside the region may have
@@ -384,6 +384,11 @@ class Walk:
                               f"(or writes what it was copied from); "
                               f"the matcher then reads it as the tensor it is, not by how it was made (a query expanded "
                               f"over the batch, a float mask of 0 and -inf), and as that it is not the block's")
+        for node in nodes:
+            if node in ancestors and node not in self.vals and "dropout" in call_name(node) and any(
+                    i in self.vals for i in node.all_input_nodes):
+                return node, (f"{node.name}: dropout in training mode draws random numbers, which the block does "
+                              f"not (in eval mode, or with p = 0, it matches)")
         for node in nodes:
             if node in ancestors and node not in self.vals and canon(node) is not None and any(
                     i in self.vals for i in node.all_input_nodes):

@@ -479,7 +479,8 @@ _RANDOM = frozenset({
 
 
 def _draws_random(node):
-    return node.op in ("call_method", "call_function") and call_name(node) in _RANDOM
+    drawn = node.op in ("call_method", "call_function") and call_name(node) in _RANDOM
+    return drawn and not (canon(node) is not None and canon(node).kind == "cast")  # dropout in eval mode
 
 
 def _merge_operands(y, y_op):

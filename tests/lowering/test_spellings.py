@@ -2293,3 +2293,35 @@ def test_keys_with_heads_before_tokens_match_in_an_einsum(prescaled):
     torch.manual_seed(0)
     args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     _assert_one_match(compile_and_compare(HeadsFirstEinsum(prescaled).double(), args, torch.float64))
+
+
+class AttentionDropout(SpelledBlock):
+    """nn.Dropout on the pool's attention weights, as attention layers have it."""
+
+    def __init__(self, p=0.1):
+        super().__init__()
+        self.drop = nn.Dropout(p)
+
+    def pool_forward(self, tok, pad=None):
+        B, N, D = tok.shape
+        k, v = (t.view(B, N, self.P, self.Dh) for t in (self.key(tok), self.value(tok)))
+        attn = torch.softmax(torch.einsum("pd,bnpd->bpn", self.query, k) / math.sqrt(self.Dh), dim=-1)
+        return self.out(torch.einsum("bpn,bnpd->bpd", self.drop(attn), v).reshape(B, D))
+
+
+def test_attention_dropout_matches_in_eval_mode_and_not_in_training():
+    """In eval mode (or with p = 0) dropout returns its input: the block. In training it draws
+    random numbers: a near-miss that says so (it said the einsum after it was not the block's)."""
+    torch.manual_seed(0)
+    args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    _assert_one_match(compile_and_compare(AttentionDropout().double().eval(), args, torch.float64))
+    _assert_one_match(compile_and_compare(AttentionDropout(p=0.0).double(), args, torch.float64))
+    model = AttentionDropout().double().train()
+    with compiled_reports() as reports:
+        torch._dynamo.reset()
+        torch.manual_seed(5)
+        got = torch.compile(copy.deepcopy(model), backend="mha")(*args)
+    torch.manual_seed(5)
+    assert relative_error(got, model(*args)) <= TOLERANCE[torch.float64]
+    reasons = [m["reason"] for r in reports for m in r.near_misses]
+    assert not any(r.matches for r in reports) and any("dropout in training mode" in r for r in reasons), reasons
