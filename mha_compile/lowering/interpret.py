@@ -261,8 +261,8 @@ def einsum_roles(equation, operand_roles):
         return None
     inputs, output = equation.split("->")
     terms = inputs.split(",")
-    if len(terms) != len(operand_roles):
-        return None
+    if len(terms) != len(operand_roles) or any(len(set(t)) != len(t) for t in terms + [output]):
+        return None  # a letter twice in one term takes a diagonal ("rkdd": x · diag(W1[e]), a review's)
     letters = {}
     for term, roles in zip(terms, operand_roles):
         if roles is None:
@@ -276,6 +276,9 @@ def einsum_roles(equation, operand_roles):
                 return None
             if letters.get(letter) in (None, ONE):
                 letters[letter] = role
+    named = [r for r in letters.values() if r not in (None, ONE)]
+    if len(named) != len(set(named)):
+        return None  # two letters on one axis: "re,rxd->rd" sums each apart, (Σ_e g)·(Σ_x f) (a review's)
     contracted = set("".join(terms)) - set(output)
     return tuple(letters.get(l) for l in output), letters, contracted, terms
 

@@ -694,6 +694,8 @@ def _add(walk, node, a, b):
                 return None
         elif a.info["expert"] != "all" or not _bias_shape_ok(walk, a, ref):
             return None
+        if not _lines_up(shape(b.info["node"]), a.roles, ("e", a.roles[-1]) if a.info["expert"] == "all" else a.roles[-1:]):
+            return None
         return Val(a.kind, a.roles, dict(a.info, **{key: ref}))
     if {a.kind, b.kind} == {"moe_out", "contrib"}:
         done, more = (a, b) if a.kind == "moe_out" else (b, a)
@@ -795,6 +797,16 @@ def _stack(walk, node, vals, dim):
     if roles[-2:] != ["e", "d"]:
         return None
     return Val("f", tuple(roles), dict(refs, expert="all"))
+
+
+def _lines_up(used, roles, own):
+    """Whether a bias, as the add broadcasts it (`used`, its shape there, right-aligned on `roles`),
+    varies along its own axes only: b1[:, None, :] added to the dense u [R, E, F] puts b1's experts
+    on the rows (with E = R it broadcast, 0.117 off: a review's), b1[e][:, None] its F on them."""
+    if used is None or len(used) > len(roles):
+        return False
+    placed = roles[len(roles) - len(used):]
+    return all(is_one(size) or role in own for size, role in zip(used, placed))
 
 
 def _bias_shape_ok(walk, val, ref):

@@ -2325,3 +2325,47 @@ def test_attention_dropout_matches_in_eval_mode_and_not_in_training():
     assert relative_error(got, model(*args)) <= TOLERANCE[torch.float64]
     reasons = [m["reason"] for r in reports for m in r.near_misses]
     assert not any(r.matches for r in reports) and any("dropout in training mode" in r for r in reasons), reasons
+
+
+class EinsumAside(SpelledBlock):
+    """Einsums and biases that are almost the dense or gathered MoE (a review's): "two_letters"
+    combines by "re,rxd->rd" ((Σ_e g)·(Σ_x f): 0.80 off), "onehot_letters" builds the gates by
+    "rk,rje->re" (0.51), "gathered_letters" sums the slots by "rk,rjd->rd" (0.51); "diagonal"
+    reads W1[idx] by "rd,rkdd->rkd", its diagonal (F = D: 4.7 off); "bias_rows" adds b1[:, None, :]
+    to the dense u [R, E, F] (E = R: the bias on the rows, 0.117 off); "bias_column" adds b1[e][:, None]
+    in the loop (F = R: 0.13 off)."""
+
+    def __init__(self, how):
+        E, F_ = (12, 64) if how == "bias_rows" else (4, 12) if how == "bias_column" else (4, 32)
+        super().__init__(E=E, F_=F_, renorm=False)
+        self.how = how
+
+    def expert(self, e, x):
+        if self.how != "bias_column":
+            return super().expert(e, x)
+        return F.gelu(x @ self.w1[e] + self.b1[e][:, None]) @ self.w2[e] + self.b2[e]
+
+    def moe_forward(self, y):
+        if self.how == "bias_column":
+            return super().moe_forward(y)
+        x = y.reshape(-1, y.shape[-1])
+        w, i = self.route(x)
+        if self.how in ("gathered_letters", "diagonal"):
+            u = torch.einsum("rd,rkdd->rkd" if self.how == "diagonal" else "rd,rkdf->rkf", x, self.w1[i]) + self.b1[i]
+            f = torch.einsum("rkf,rkfd->rkd", F.gelu(u), self.w2[i]) + self.b2[i]
+            return torch.einsum("rk,rjd->rd" if self.how == "gathered_letters" else "rk,rkd->rd", w, f).reshape(y.shape)
+        if self.how == "onehot_letters":
+            g = torch.einsum("rk,rje->re", w, F.one_hot(i, self.E).to(x.dtype))
+        else:
+            g = torch.zeros(x.shape[0], self.E, dtype=x.dtype).scatter(1, i, w)
+        u = torch.einsum("rd,edf->ref", x, self.w1) + (self.b1[:, None, :] if self.how == "bias_rows" else self.b1)
+        f = torch.einsum("ref,efd->red", F.gelu(u), self.w2) + self.b2
+        return torch.einsum("re,rxd->rd" if self.how == "two_letters" else "re,red->rd", g, f).reshape(y.shape)
+
+
+@pytest.mark.parametrize("how", ["two_letters", "onehot_letters", "gathered_letters", "diagonal", "bias_rows",
+                                 "bias_column"])
+def test_einsums_and_biases_that_are_almost_the_moe_are_not_replaced(how):
+    torch.manual_seed(0)
+    args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    _as_eager_in_every_gradient(EinsumAside(how).double(), args, torch.float64)
