@@ -322,7 +322,7 @@ class Walk:
                 if val.roles is not None and shape(node) is not None and not self.axes.bind_all(val.roles, shape(node)):
                     sizes = [self.axes.sizes.get(r, "?") for r in val.roles]
                     self.reasons[node] = (f"{node.name} has shape {list(shape(node))}, where the block's axes it would "
-                                          f"be, {val.roles}, have sizes {sizes} (a second top-k of another k, say)")
+                                          f"be, {val.roles}, have sizes {sizes}")
                     continue
                 self.vals[node] = val
 
