@@ -694,7 +694,9 @@ def _add(walk, node, a, b):
                 return None
         elif a.info["expert"] != "all" or not _bias_shape_ok(walk, a, ref):
             return None
-        if not _lines_up(shape(b.info["node"]), a.roles, ("e", a.roles[-1]) if a.info["expert"] == "all" else a.roles[-1:]):
+        used = b.info.get("node")  # none for F.linear's bias, which it adds on the last axis
+        own = ("e", a.roles[-1]) if a.info["expert"] == "all" else a.roles[-1:]
+        if used is not None and not _lines_up(shape(used), a.roles, own):
             return None
         return Val(a.kind, a.roles, dict(a.info, **{key: ref}))
     if {a.kind, b.kind} == {"moe_out", "contrib"}:

@@ -2369,3 +2369,13 @@ def test_einsums_and_biases_that_are_almost_the_moe_are_not_replaced(how):
     torch.manual_seed(0)
     args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     _as_eager_in_every_gradient(EinsumAside(how).double(), args, torch.float64)
+
+
+@pytest.mark.parametrize("pool", ["einsum", "sdpa", "bmm"])
+def test_a_pool_over_no_tokens_is_not_replaced(pool):
+    """tok [B, 0, D]: eager's weighted sum is empty (inv = bo), the op's reassociation gives
+    Wo·bv + bo (4.4% off, and ∂bv 9.4 where eager's is 0: a review's)."""
+    torch.manual_seed(0)
+    ctx, tok = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    reasons = _as_eager_in_every_gradient(SpelledBlock(pool=pool).double(), (ctx, tok[:, :0]), torch.float64)
+    assert any("no tokens" in r for r in reasons), reasons
