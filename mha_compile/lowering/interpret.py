@@ -390,8 +390,9 @@ class Walk:
         for node in nodes:
             if node in ancestors and node not in self.vals and "dropout" in call_name(node) and any(
                     i in self.vals for i in node.all_input_nodes):
-                return node, (f"{node.name}: dropout in training mode draws random numbers, which the block does "
-                              f"not (in eval mode, or with p = 0, it matches)")
+                return node, (f"{node.name} ({call_name(node)}) is not read: dropout in training mode draws random "
+                              f"numbers, which the block does not (F.dropout, nn.Dropout or torch.dropout in eval mode, "
+                              f"or with p = 0, is read as its input)")
         for node in nodes:
             if node in ancestors and node not in self.vals and canon(node) is not None and any(
                     i in self.vals for i in node.all_input_nodes):

@@ -170,7 +170,9 @@ def _einsum(walk, node, equation, operands):
             raise Reject(f"{node.name}: the query has shape {list(q_shape or ())}, broadcast to "
                          f"{[walk.axes.sizes.get(r) for r in q_roles]} (heads, head dim); the pool's query is a "
                          f"vector of its own per head, [P, Dh]")  # the op took the [1, Dh] for [P, Dh] and crashed (a review's)
-        info = {"k": k.info, "q": ParamRef(ref.node, perm), "scale": 1.0, "mask": None}
+        if ref.select is not None:
+            return None  # a slice of a larger parameter (q3[1]): the op got the whole of it and crashed (a review's)
+        info = {"k": k.info, "q": dataclasses.replace(ref, perm=_then(ref.perm, perm)), "scale": 1.0, "mask": None}
         inner, factor = q.info.get("prescaled", (None, None))
         if inner is not None and inner.perm is None and inner.select is None and not inner.steps:
             info["prescaled"] = (ParamRef(inner.node, perm), factor)  # a scalar multiple keeps the layout
@@ -184,6 +186,19 @@ def _einsum(walk, node, equation, operands):
             return None
         return Val("pooled", out_roles, dict(attn.info, v=v.info))
     return None
+
+
+def _then(first, second):
+    """The permutation of a tensor's axes by `first`, then by `second` (None: identity). The
+    einsum's letters put the query in [P, Dh] order from the layout it has at the einsum, which is
+    the stored tensor's permuted by its ParamRef's own perm: query.t() read by "dp,..." was
+    transposed twice (0.075 off, a review's)."""
+    if second is None:
+        return first
+    if first is None:
+        return second
+    composed = tuple(first[i] for i in second)
+    return None if composed == tuple(range(len(composed))) else composed
 
 
 def _matmul_roles(a, b):

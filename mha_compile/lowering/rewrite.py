@@ -18,7 +18,7 @@ import operator
 import torch
 
 from mha_compile import ops
-from mha_compile.lowering.aliases import written_in_place
+from mha_compile.lowering.aliases import aliases, written_in_place
 from mha_compile.lowering.canonicalize import dtype
 from mha_compile.lowering.interpret import StackRef
 
@@ -153,7 +153,7 @@ def _rebuild_exports(graph, call, match, ctx, nan_rows):
     if not match.exports:
         return {}
     inv = graph.call_function(operator.getitem, (call, 1))
-    if "inv" in match.exports and written_in_place(match.exports["inv"]):
+    if "inv" in match.exports and _may_be_written(match.exports["inv"]):
         inv = graph.call_method("clone", (inv,))  # the op keeps its output 1 for its backward (F.relu(inv,
         # inplace=True) after the block made that backward raise: a review's); a [B, D] copy only here
     inv = graph.call_method("to", (inv, dtype(match.inv)))
@@ -170,6 +170,12 @@ def _rebuild_exports(graph, call, match, ctx, nan_rows):
         if source is not None:
             node.meta.update({k: v for k, v in source.meta.items() if k in ("example_value", "val")})
     return rebuilt
+
+
+def _may_be_written(node):
+    """Whether the graph writes node's tensor in place, or hands it (a view of it) on to the caller
+    or to a later graph, where a write cannot be seen from here (after a graph break, or returned)."""
+    return written_in_place(node) or any(u.op == "output" for a in aliases(node) for u in a.users)
 
 
 def rewrite(gm, matches):

@@ -2379,3 +2379,63 @@ def test_a_pool_over_no_tokens_is_not_replaced(pool):
     ctx, tok = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     reasons = _as_eager_in_every_gradient(SpelledBlock(pool=pool).double(), (ctx, tok[:, :0]), torch.float64)
     assert any("no tokens" in r for r in reasons), reasons
+
+
+class QueryAsStored(SpelledBlock):
+    """The query read through a view of how it is stored: "transposed" stored [Dh, P] and read
+    as query.t() by "dp,bnpd->bpn" (the einsum's own order composed with the view's: it was
+    transposed twice, 0.075 off); "slice" a [3, P, Dh] parameter's q3[1] (the op got all of it
+    and crashed). A review's."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        if how == "transposed":
+            self.query = nn.Parameter(torch.randn(self.Dh, self.P) / math.sqrt(self.Dh))
+        else:
+            self.query = nn.Parameter(torch.randn(3, self.P, self.Dh) / math.sqrt(self.Dh))
+
+    def pool_forward(self, tok, pad=None):
+        B, N, D = tok.shape
+        k, v = (t.view(B, N, self.P, self.Dh) for t in (self.key(tok), self.value(tok)))
+        if self.how == "transposed":
+            scores = torch.einsum("dp,bnpd->bpn", self.query, k)
+        else:
+            scores = torch.einsum("pd,bnpd->bpn", self.query[1], k)
+        attn = torch.softmax(scores / math.sqrt(self.Dh), dim=-1)
+        return self.out(torch.einsum("bpn,bnpd->bpd", attn, v).reshape(B, D))
+
+
+def test_a_query_read_through_a_view_of_its_storage():
+    torch.manual_seed(0)
+    args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    _assert_one_match(compile_and_compare(QueryAsStored("transposed").double(), args, torch.float64))
+    _as_eager_in_every_gradient(QueryAsStored("slice").double(), args, torch.float64)
+
+
+class InvReturned(SpelledBlock):
+    """inv returned beside the output, for the caller to use (and write in place)."""
+
+    def forward(self, ctx, tok, pad=None):
+        inv = self.pool_forward(tok, pad)
+        return self.moe_forward(self.merge_forward(ctx, inv)), inv
+
+
+def test_inv_returned_and_written_by_the_caller_trains_as_eager():
+    """A write the graph cannot see (the caller's, or one after a graph break) into the op's output
+    1, which it keeps for its backward, made the backward raise (a review's): it gets a copy."""
+    torch.manual_seed(0)
+    model = InvReturned().double()
+    args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    compiled = copy.deepcopy(model)
+    with compiled_reports() as reports:
+        torch._dynamo.reset()
+        out_c, inv_c = torch.compile(compiled, backend="mha")(*args)
+    _assert_one_match(reports)
+    out_e, inv_e = model(*args)
+    for out, inv in ((out_c, inv_c), (out_e, inv_e)):
+        inv.relu_()
+        (out.sum() + inv.square().sum()).backward()
+    for (name, p_e), p_c in zip(model.named_parameters(), compiled.parameters()):
+        if not name.endswith("key.bias"):
+            assert relative_error(p_c.grad, p_e.grad) <= TOLERANCE[torch.float64], name
