@@ -103,4 +103,5 @@ _MAY_COPY = frozenset({"repeat", "contiguous", "reshape", "flatten", "repeat_int
 def may_copy(node):
     """Whether node's tensor may be a copy of its input, not a view: a write into it is then not
     seen in its input, nor one into its input in it."""
-    return node.op in ("call_function", "call_method") and (storage_parent(node) is None or call_name(node) in _MAY_COPY)
+    return node.op in ("call_function", "call_method") and (
+        storage_parent(node) is None or call_name(node) in _MAY_COPY)

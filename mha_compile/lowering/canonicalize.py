@@ -62,8 +62,8 @@ for kind, targets in {
     "silu": [F.silu, *_fn("torch._C._nn.silu")],
     "sigmoid": [F.sigmoid, *_fn("torch.sigmoid", "torch.special.expit")],
     "erf": _fn("torch.erf", "torch.special.erf"),
-    "ndtr": _fn("torch.special.ndtr"),
-    "dropout": [F.dropout, *_fn("torch.dropout")],  # read where it draws nothing (_read_dropout)  # the normal distribution's cdf, (1 + erf(u / √2)) / 2: u · ndtr(u) is gelu
+    "ndtr": _fn("torch.special.ndtr"),  # the normal distribution's cdf, (1 + erf(u / √2)) / 2: u · ndtr(u) is gelu
+    "dropout": [F.dropout, *_fn("torch.dropout")],  # read where it draws nothing (_read_dropout)
     "tanh": [F.tanh, *_fn("torch.tanh")],
     "exp": _fn("torch.exp"),
     "neg": [operator.neg, *_fn("torch.neg", "torch.negative")],

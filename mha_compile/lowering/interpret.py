@@ -353,8 +353,8 @@ class Walk:
                         val = None if op is None else self.rule(self, arg, op)
                     except Reject:
                         val = None
-                    self.lazy[arg] = val if val is not None and val.kind in OUTSIDE_KINDS and not self._remade(arg, val) \
-                        else None
+                    kept = val is not None and val.kind in OUTSIDE_KINDS and not self._remade(arg, val)
+                    self.lazy[arg] = val if kept else None
                 if self.lazy[arg] is not None:
                     return self.lazy[arg]
             if arg not in self.inside:
@@ -385,14 +385,15 @@ class Walk:
             if node in ancestors and node not in self.vals and written:
                 return node, (f"{node.name} reads {written[0].name}, which the graph writes in place after making it "
                               f"(or writes what it was copied from); "
-                              f"the matcher then reads it as the tensor it is, not by how it was made (a query expanded "
-                              f"over the batch, a float mask of 0 and -inf), and as that it is not the block's")
+                              f"the matcher then reads it as the tensor it is, not by how it was made (a query "
+                              f"expanded over the batch, a float mask of 0 and -inf), and as that it is not the "
+                              f"block's")
         for node in nodes:
             if node in ancestors and node not in self.vals and "dropout" in call_name(node) and any(
                     i in self.vals for i in node.all_input_nodes):
-                return node, (f"{node.name} ({call_name(node)}) is not read: dropout in training mode draws random "
-                              f"numbers, which the block does not (F.dropout, nn.Dropout or torch.dropout in eval mode, "
-                              f"or with p = 0, is read as its input)")
+                return node, (f"{node.name} ({call_name(node)}) is not read: dropout in training mode draws "
+                              f"random numbers, which the block does not (F.dropout, nn.Dropout or torch.dropout in "
+                              f"eval mode, or with p = 0, is read as its input)")
         for node in nodes:
             if node in ancestors and node not in self.vals and canon(node) is not None and any(
                     i in self.vals for i in node.all_input_nodes):

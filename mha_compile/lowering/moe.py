@@ -179,7 +179,8 @@ def _getitem(walk, node, op):
     items = index if isinstance(index, tuple) else (index,)
     vals = [walk.val(i) if hasattr(i, "op") else None for i in items]
     if src.kind == "x" and len(items) == 1 and len(src.roles) == 2 and isinstance(items[0], torch.fx.Node) and \
-            pair_rows(walk.memo, items[0], walk.axes.sizes.get(src.roles[0]), walk.axes.sizes.get("s")):  # x[arange(R·k) // k]
+            pair_rows(walk.memo, items[0], walk.axes.sizes.get(src.roles[0]),
+                      walk.axes.sizes.get("s")):  # x[arange(R·k) // k]
         return Val("x", (f"{src.roles[0]}*s", src.roles[1]), src.info)
     if src.kind in ("zero", "contrib") and len(items) == 1 and vals[0] is not None and vals[0].kind == "selidx":
         return Val("taken", None, {"base": op.args[0], "was": src, "index": items[0]})  # out[rows], a copy

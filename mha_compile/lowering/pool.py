@@ -169,7 +169,7 @@ def _einsum(walk, node, equation, operands):
                 known_eq(n, walk.axes.sizes.get(r)) for n, r in zip(q_shape, q_roles)):
             raise Reject(f"{node.name}: the query has shape {list(q_shape or ())}, broadcast to "
                          f"{[walk.axes.sizes.get(r) for r in q_roles]} (heads, head dim); the pool's query is a "
-                         f"vector of its own per head, [P, Dh]")  # the op took the [1, Dh] for [P, Dh] and crashed (a review's)
+                         f"vector of its own per head, [P, Dh]")  # the op took [1, Dh] for [P, Dh]: a crash
         if ref.select is not None:
             return None  # a slice of a larger parameter (q3[1]): the op got the whole of it and crashed (a review's)
         info = {"k": k.info, "q": dataclasses.replace(ref, perm=_then(ref.perm, perm)), "scale": 1.0, "mask": None}
@@ -482,7 +482,7 @@ def _softmax(walk, node, scores, dim, safe=False):
             abs(info["scale"] * factor - expected) <= rtol * expected:
         info.update(q=inner, scale=info["scale"] * factor)  # q = c·query: the scale lives in the query
     if abs(info["scale"] - expected) > rtol * expected:
-        also = f" (with the query's own factor {factor:.12g}: {info['scale'] * factor:.12g})" if inner is not None else ""
+        also = "" if inner is None else f" (with the query's own factor {factor:.12g}: {info['scale'] * factor:.12g})"
         raise Reject(f"{node.name}: scores are scaled by {info['scale']:.12g}{also}; the pool's scale is "
                      f"1/√Dh = {expected:.12g}")
     return Val("attn", scores.roles, info)
