@@ -429,18 +429,16 @@ def _mha(walk, node, op, args):
             shape(query.info["node"])[2] != d:
         raise Reject(f"{node.name}: the attention query is not one learned vector broadcast over the batch "
                      f"(shape {shape(query.info['node'])}); the pool's query is a parameter")
-    given = dict(zip(names, op.args))  # as written: a tensor the walk cannot read is no absent one
-    for name, ok in (("bias_k", given.get("bias_k") is None), ("bias_v", given.get("bias_v") is None),
+    for name, ok in (("bias_k", _absent(a["bias_k"])), ("bias_v", _absent(a["bias_v"])),
                      ("add_zero_attn", _const(a["add_zero_attn"], False) is False),
-                     ("attn_mask", given.get("attn_mask") is None),
-                     ("is_causal", _const(a["is_causal"], False) is False),
-                     ("static_k", given.get("static_k") is None), ("static_v", given.get("static_v") is None),
+                     ("attn_mask", _absent(a["attn_mask"])), ("is_causal", _const(a["is_causal"], False) is False),
+                     ("static_k", _absent(a["static_k"])), ("static_v", _absent(a["static_v"])),
                      ("use_separate_proj_weight", _const(a["use_separate_proj_weight"], False) is False),
                      ("dropout_p", _const(a["dropout_p"], 0.0) in (0, 0.0) or _const(a["training"], True) is False)):
         if not ok:
             raise Reject(f"{node.name}: nn.MultiheadAttention with {name} set; the pool has no such term")
     projections = ("in_proj_weight", "in_proj_bias", "out_proj_weight", "out_proj_bias")
-    w_in, b_in, wo, bo = (None if _absent(a[n]) else ext_ref(a[n]) for n in projections)
+    w_in, b_in, wo, bo = (ext_ref(a[n]) for n in projections)  # None where absent (a None constant's Val)
     if any(not _absent(a[n]) and ext_ref(a[n]) is None for n in projections):
         return None  # given, and not a parameter-like tensor the op can take
     if w_in is None or wo is None or not isinstance(heads, int) or not isinstance(d, int) or d % heads:
