@@ -333,8 +333,7 @@ def _match_at(nodes, anchor):
     exportable = {"inv": inv} if is_inplace(y) else {"inv": inv, "y": y}
     index = [n for n, v in moe_walk.vals.items() if v.kind == "topi" and v.info["topk"] is anchor and
              v.roles == ("b*h", "s") and n.target is operator.getitem]
-    sorted_k = canon(anchor).args[4] if len(canon(anchor).args) > 4 else True
-    if index and sorted_k is not False:  # sorted=False: eager's order of the k, not the op's (a review's)
+    if index and canon(anchor).args[4] is not False:  # sorted=False: eager's order of the k, not the op's
         exportable["index"] = index[0]
     keepable = None if is_inplace(y) else _router_chain(moe_walk, y)
     region, exports, kept, moved = _region_nodes(nodes, (ctx, tok), out, exportable, keepable)
@@ -484,7 +483,7 @@ _RANDOM = frozenset({
 
 def _draws_random(node):
     drawn = node.op in ("call_method", "call_function") and call_name(node) in _RANDOM
-    return drawn and not (canon(node) is not None and canon(node).kind == "cast")  # dropout in eval mode
+    return drawn and getattr(canon(node), "kind", None) != "cast"  # dropout in eval mode draws nothing
 
 
 def _merge_operands(y, y_op):
