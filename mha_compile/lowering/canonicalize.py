@@ -357,29 +357,29 @@ def is_one(size):
     return isinstance(size, int) and size == 1
 
 
-# Writes in place: which call writes into which tensor (match reads aliases by them, moe refuses a sum
-# into zeros whose rows share memory). x += y and the like, and x[i] = v, as Dynamo records them:
-INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
-                      operator.imod, operator.ipow, operator.imatmul, operator.iand, operator.ior, operator.ixor,
-                      operator.ilshift, operator.irshift, operator.setitem}
+# Writes in place: which call writes into which tensor (aliases.py reads storage by them, moe refuses a
+# sum into zeros whose rows share memory). x += y and the like, and x[i] = v, as Dynamo records them:
+_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                       operator.imod, operator.ipow, operator.imatmul, operator.iand, operator.ior, operator.ixor,
+                       operator.ilshift, operator.irshift, operator.setitem}
 
 
 def is_inplace(node):
-    """Whether node writes into a tensor it is given (_written names which): a method or function
+    """Whether node writes into a tensor it is given (`written` names which): a method or function
     whose name ends in "_" (add_, scatter_, torch.nn.init.normal_, aten's mul_.Scalar), x += y,
     x[i] = v, out=, or inplace=True (F.relu(x, inplace=True))."""
     if node.op not in ("call_method", "call_function"):
         return False
-    if node.target in INPLACE_OPERATORS or node.kwargs.get("out") is not None \
-            or argument(node, "inplace") is True:  # out= a tensor, or a tuple of them (torch.max's)
+    if node.target in _INPLACE_OPERATORS or node.kwargs.get("out") is not None \
+            or _argument(node, "inplace") is True:  # out= a tensor, or a tuple of them (torch.max's)
         return True
     name = call_name(node)
     if name.startswith("__") and name.endswith("__"):  # __iadd__, not __add__ or __getitem__
-        return name[2:-2] in {op.__name__.strip("_") for op in INPLACE_OPERATORS}
+        return name[2:-2] in {op.__name__.strip("_") for op in _INPLACE_OPERATORS}
     return name.endswith("_")
 
 
-def argument(node, name):
+def _argument(node, name):
     """A call_function's argument by name, given by keyword or by position (F.dropout(x, 0.5,
     True, True): inplace), or None."""
     if name in node.kwargs or node.op != "call_function":
