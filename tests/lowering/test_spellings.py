@@ -2029,20 +2029,8 @@ def test_a_tensor_read_by_how_it_was_made_and_then_written_is_read_as_itself(how
     args = inputs(dtype=torch.float64, mask=True, generator=torch.Generator().manual_seed(1))
     args[2][:, 1] = False  # the token the written masks change is not padding
     _assert_one_match(compile_and_compare(WrittenAfterMade(how, written=False).double(), args, torch.float64))
-    model = WrittenAfterMade(how).double()
-    compiled = copy.deepcopy(model)
-    args_e, args_c = ([a.clone().requires_grad_(a.is_floating_point()) for a in args] for _ in range(2))
-    with compiled_reports() as reports:
-        torch._dynamo.reset()
-        got = torch.compile(compiled, backend="mha")(*args_c)
-    assert not any(r.matches for r in reports) and any(r.near_misses for r in reports), [str(r) for r in reports]
-    want = model(*args_e)
-    assert relative_error(got, want) <= TOLERANCE[torch.float64]
-    cotangent = torch.randn_like(want)
-    got.backward(cotangent)
-    want.backward(cotangent)
-    for (name, p_e), p_c in zip(model.named_parameters(), compiled.parameters()):
-        assert relative_error(p_c.grad, p_e.grad) <= TOLERANCE[torch.float64], name
+    reasons = _as_eager_in_every_gradient(WrittenAfterMade(how).double(), args, torch.float64)
+    assert reasons, reasons
 
 
 class NotQuiteThePool(SpelledBlock):
