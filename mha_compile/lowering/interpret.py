@@ -62,6 +62,38 @@ def with_step(ref, *steps):
     return None if ref is None else dataclasses.replace(ref, steps=ref.steps + tuple(steps))
 
 
+def ref_shape(ref):
+    """The shape of what `ref` hands the op (rewrite._param builds it), or None where a size is
+    not known."""
+    if isinstance(ref, StackRef):
+        parts = {ref_shape(r) for r in ref.refs}
+        return None if len(parts) != 1 or None in parts else (len(ref.refs), *parts.pop())
+    sizes = shape(ref.node)
+    if sizes is None:
+        return None
+    sizes = list(sizes)
+    for step in ref.steps:
+        if step[0] == "index":
+            items = list(step[1]) + [":"] * (len(sizes) - len(step[1]))
+            if len(items) != len(sizes) or any(isinstance(i, tuple) and not isinstance(i[2], int) for i in items):
+                return None
+            sizes = [s if i == ":" else i[2] - i[1] for i, s in zip(items, sizes) if not isinstance(i, int)]
+        elif step[0] == "reshape":
+            sizes = list(step[1])
+        elif step[0] == "linear":
+            weight = ref_shape(step[1])
+            if weight is None:
+                return None
+            sizes = sizes[:-1] + [weight[0]]
+        elif step[0] not in ("isneginf", "not"):
+            return None
+    perm = ref.perm
+    if ref.select is not None:
+        sizes = sizes[1:]
+        perm = None if perm is None else tuple(p - 1 for p in perm[1:])
+    return tuple(sizes if perm is None else [sizes[p] for p in perm])
+
+
 def ext_val(node, ref, lay):
     """An external tensor: `ref` reads it as a parameter (None if it cannot be), `lay` are its axes'
     roles from its base (fresh names; ONE for size-1 and broadcast axes), `node` the node itself."""

@@ -19,7 +19,8 @@ import torch
 
 from mha_compile.lowering.aliases import FRESH, aliases as storage_aliases
 from mha_compile.lowering.canonicalize import call_name, canon, dtype, float_dtype, is_inplace, shape, written
-from mha_compile.lowering.interpret import ONE, StackRef, Val, Walk, broadcast, known_eq, layout_rule
+from mha_compile.lowering.interpret import (ONE, StackRef, Val, Walk, broadcast, known_eq, layout_rule,
+                                           ref_shape, with_step)
 from mha_compile.lowering.moe import moe_params, moe_rule
 from mha_compile.lowering.pool import pool_params, pool_rule
 
@@ -345,8 +346,8 @@ def _match_at(nodes, anchor):
     moved_modes = {n: modes(n) for n in moved if modes(n) != training}
     kept = _in_order(nodes, kept | moved)
     autocast = _autocast_states(nodes)
-    _check_promoted_ctx(y, ctx, autocast)
-    _check_no_coarser_rounding(nodes, region, ctx, tok, autocast)
+    _check_promoted_ctx(y, ctx, out, autocast)
+    _check_no_coarser_rounding(nodes, region, ctx, tok, y, autocast)
     kept_autocast = {n: change for n in kept if (change := _autocast_change(autocast(n), autocast(out)))}
     data = _descendants(ctx) | _descendants(tok)  # not the mask's or the parameters' own preparation
     for n in region:  # a write in place the walks gave no meaning would be dropped with the region
@@ -358,10 +359,35 @@ def _match_at(nodes, anchor):
         exports["y"] = y  # the kept router nodes read y again, rebuilt from the op
     params, config = moe_params(moe_walk.vals[out])
     params.update(pool_params(pool_walk.vals[inv]))
+    params = _fitted(params, {**moe_walk.axes.sizes, **pool_walk.axes.sizes}, out)
     copied = _copied(nodes, ctx, tok, region, out) if training else ()  # under no_grad the op keeps nothing
     return Match(anchor, out, ctx, tok, params, config, region, exports=exports, inv=inv, out_layout=layout,
                  empty_rows=pool_walk.vals[inv].info.get("empty_rows", ""), kept=kept, copied=copied,
                  kept_modes=moved_modes, out_mode=training, kept_autocast=kept_autocast)
+
+
+def _fitted(params, sizes, out):
+    """params, each in the shape the op takes it. The walks read a tensor through views that add or
+    drop size-1 axes as the tensor itself (a query stored [1, P, Dh] read as query[0], a bias [D, 1]
+    read as .view(D)): such a parameter is reshaped as the user's view does. Any other difference is
+    a near-miss (a review's: these crashed the op, or with P = 1 a query [Dh, 1] read as .view(1, Dh)
+    made Dh heads of width 1)."""
+    P, Dh, D, E, F, B, N = (sizes.get(k) for k in ("d.0", "d.1", "d", "e", "f", "b", "n"))
+    wanted = {"q": (P, Dh), "wk": (D, D), "bk": (D,), "wv": (D, D), "bv": (D,), "wo": (D, D), "bo": (D,),
+              "wg": (E, D), "w1": (E, D, F), "b1": (E, F), "w2": (E, F, D), "b2": (E, D), "w3": (E, D, F),
+              "mask": (B, N)}
+    squeezed = lambda sizes: [s for s in sizes if s != 1]
+    fitted = dict(params)
+    for name, ref in params.items():
+        want, got = wanted.get(name), None if ref is None else ref_shape(ref)
+        if want is None or got is None or not all(isinstance(s, int) for s in (*want, *got)) or got == want:
+            continue
+        plain = not isinstance(ref, StackRef) and ref.perm is None and ref.select is None
+        if not plain or squeezed(got) != squeezed(want):
+            raise _Miss(out, f"{out.name}: the block's {name} would reach the region as {list(got)}, where it takes "
+                             f"{list(want)} (the matcher read it through views it cannot rebuild)")
+        fitted[name] = with_step(ref, ("reshape", want))
+    return fitted
 
 
 # The router's own values: y's rows, the logits x·Wgᵀ and their softmax π, in any layout or dtype.
@@ -571,7 +597,7 @@ def _read_pool(nodes, inv):
         for trivial in (None, "d"):
             walk = Walk(pool_rule, {tok: Val("tok", ("b", "n", "d"))}, inner, _descendants(tok), trivial_split=trivial)
             val = walk.vals.get(inv)
-            if val is not None and val.kind == "inv":
+            if val is not None and val.kind == "inv" and val.roles == ("b", "d"):
                 return tok, walk
             if trivial is None:
                 reason = walk.first_reason(inv, inner)
@@ -588,6 +614,10 @@ def _check_merge(nodes, y, ctx, inv, bcast, pool_walk):
     ctx_shape, inv_shape = shape(ctx), shape(inv)
     if not (known_eq(ctx_shape[0], inv_shape[0]) and known_eq(ctx_shape[2], inv_shape[1])):
         raise _Miss(y, f"{y.name}: ctx {list(ctx_shape)} and inv {list(inv_shape)} do not share batch and width")
+    if not all(known_eq(c, s) for c, s in zip(ctx_shape, shape(y))):  # (a review's: ctx[:, :1] + inv[:, None]
+        # .expand(B, H, D) became a region over one horizon)
+        raise _Miss(y, f"{y.name}: the merge broadcasts ctx {list(ctx_shape)} to {list(shape(y))}; the region "
+                       f"takes ctx with every horizon of its output [B,H,D]")
     roles = None if val is None else broadcast(("b", "h", "d"), val.roles)
     if roles != ("b", "h", "d"):
         got = "an unreadable layout" if val is None else f"axes {val.roles}"
@@ -633,8 +663,20 @@ def _moe_failure(walk, nodes, anchor):
                                  f"a bias or a width differs between them)")
         return partial[-1], (f"{partial[-1].name}: the expert outputs summed cover experts {covered} of "
                              f"{experts}; every expert must be added exactly once")
-    return anchor, (f"{anchor.name}: the experts after this router could not be read as act(x W1 + b1) W2 + b2 "
-                    "weighted by the top-k gates")
+    generic = (f"{anchor.name}: the experts after this router could not be read as act(x W1 + b1) W2 + b2 "
+               "weighted by the top-k gates")
+    for n in _in_order(nodes, walk.inside):  # the first step off an expert's values
+        read = [walk.vals[i].kind for i in n.all_input_nodes if walk.vals.get(i) is not None]
+        if n not in walk.vals and n.op in ("call_function", "call_method") and any(k in _EXPERT_KINDS for k in read):
+            what = next(_EXPERT_KINDS[k] for k in read if k in _EXPERT_KINDS)
+            return n, (f"{generic}: {n.name} ({call_name(n)}) on {what} is not part of that math (the activations "
+                       f"read are gelu (erf or tanh), silu and swiglu, each as torch writes it or written out)")
+    return anchor, generic
+
+
+# The experts' values, as a reason names them (_moe_failure)
+_EXPERT_KINDS = {"u": "the expert's pre-activation x W1 + b1", "ublocks": "the expert's pre-activation x W1 + b1",
+                 "h": "the expert's hidden activation", "f": "the expert's output"}
 
 
 def _region_nodes(nodes, inputs, out, exportable=None, keepable=None):
@@ -858,47 +900,55 @@ def _autocast_change(was, there):
     return change
 
 
-def _check_promoted_ctx(y, ctx, autocast):
+def _check_promoted_ctx(y, ctx, out, autocast):
     """A ctx coarser than y = ctx + inv (a bf16 ctx in a float32 model): eager's MoE runs on the
-    promoted y, the op computed it in ctx's dtype (1.4e-3 off, a review's). Under autocast both run
-    the MoE's products in autocast's dtype: not refused there."""
+    promoted y, the op computed it in ctx's dtype (1.4e-3 off, a review's). Under an autocast to
+    ctx's dtype at the merge and at the MoE's output, a float32 model runs the MoE's products in
+    that dtype too: not refused there. Autocast leaves float64 alone, and a MoE under
+    autocast(enabled=False) runs in y's dtype (1.5e-3 and 1.7e-3 off, a review's). An integer or
+    bool ctx is never the block's: the op returned out in its dtype (truncated, with no gradient)."""
+    if float_dtype(ctx) is None:
+        raise _Miss(y, f"{y.name}: ctx is {dtype(ctx)}; the region takes a floating-point ctx (cast it to the "
+                       f"model's dtype before the block)")
     if dtype(y) == dtype(ctx):
         return
     device = ctx.meta["example_value"].device.type
-    _, enabled, _ = autocast(y).get(device, None) or (None, torch.is_autocast_enabled(device), None)
-    if not enabled:
-        raise _Miss(y, f"{y.name}: ctx is {dtype(ctx)} and the merge promotes it to {dtype(y)}; the op computes the "
-                       f"MoE in ctx's dtype, where the model computes it in {dtype(y)} (cast ctx to {dtype(y)} "
-                       f"before the block)")
+    for n in (y, out):
+        cast, enabled, _ = autocast(n).get(device, None) or (None, torch.is_autocast_enabled(device), None)
+        if not (enabled and dtype(y) == torch.float32 and (cast or torch.get_autocast_dtype(device)) == dtype(ctx)):
+            raise _Miss(y, f"{y.name}: ctx is {dtype(ctx)} and the merge promotes it to {dtype(y)}; the op computes "
+                           f"the MoE in ctx's dtype, where the model computes it in {dtype(y)} (cast ctx to {dtype(y)} "
+                           f"before the block)")
 
 
-def _check_no_coarser_rounding(nodes, region, ctx, tok, autocast):
-    """A region node that rounds to floats coarser than the region's activations (the coarser of
-    ctx's and tok's dtype): a user's `x.bfloat16()` around the experts of a float32 model, a float64
-    model's `softmax(..., dtype=torch.float32)`. The op computes in the activations' dtype and
-    would not round there: a float32 model whose experts ran in bf16 came out 5e-3 from eager
-    (found by a read-through). A near-miss; the block then runs as written. Not a rounding: a node
-    whose inputs are as coarse (weights stored in bf16 and read as they are), rounding back to the
-    activations' dtype (a bf16 model's router softmax in fp32, then .to(bf16)), and autocast's own
-    to its dtype (entered with a dtype or without, around the call or inside it)."""
+def _check_no_coarser_rounding(nodes, region, ctx, tok, y, autocast):
+    """A region node that rounds to floats coarser than the region's activations (y's dtype in the
+    MoE, which runs on y's rows: a bf16 tok let a float32 model's bf16 experts through, 3.9e-3 off, a
+    review's; the coarser of ctx's and tok's in the pool): a user's `x.bfloat16()` around the
+    experts of a float32 model, a float64 model's `softmax(..., dtype=torch.float32)`. The op
+    computes in the activations' dtype and would not round there: a float32 model whose experts
+    ran in bf16 came out 5e-3 from eager (found by a read-through). A near-miss; the block then
+    runs as written. Not a rounding: a node whose inputs are as coarse (weights stored in bf16 and
+    read as they are), rounding back to the activations' dtype (a bf16 model's router softmax in
+    fp32, then .to(bf16)), and autocast's own to its dtype (entered with a dtype or without,
+    around the call or inside it)."""
     def eps(node):
         kind = float_dtype(node)
         return None if kind is None else torch.finfo(kind).eps
 
-    coarser = max((ctx, tok), key=lambda n: eps(n) or 0.0)
-    if eps(coarser) is None:
-        return
-    device = coarser.meta["example_value"].device.type
+    coarser, moe = max((ctx, tok), key=lambda n: eps(n) or 0.0), _descendants(y)
     for n in sorted(region, key=nodes.order.__getitem__):
+        own = y if n in moe else coarser
         rounded = eps(n)
         finer_input = rounded is not None and any((eps(a) or rounded) < rounded for a in n.all_input_nodes)
-        if not finer_input or rounded <= eps(coarser):
+        if eps(own) is None or not finer_input or rounded <= eps(own):
             continue
+        device = own.meta["example_value"].device.type
         # the autocast Dynamo recorded around n (its dtype None: the device's default), else the
         # caller's (Dynamo compiles in it)
         cast, enabled, _ = autocast(n).get(device, None) or (None, torch.is_autocast_enabled(device), None)
         if not (enabled and dtype(n) == (cast or torch.get_autocast_dtype(device))):
-            raise _Miss(n, f"{n.name} rounds to {dtype(n)}, coarser than the region's {dtype(coarser)} activations: "
+            raise _Miss(n, f"{n.name} rounds to {dtype(n)}, coarser than the region's {dtype(own)} activations: "
                            f"the op computes in their dtype and would not round there, so the model would compute "
                            f"otherwise (cast the block's inputs, or use torch.autocast)")
 

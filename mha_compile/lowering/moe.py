@@ -465,8 +465,10 @@ def _topk(node, probs, k, dim, largest, sorted_):
         raise Reject(f"{node.name}: top-k runs over dim {dim}, not over the experts")
     if largest is not None and largest.info["value"] is False:
         raise Reject(f"{node.name}: top-k picks the smallest probabilities (largest=False)")
-    return Val("topk", _rows(probs.roles) + ("s",), dict(probs.info, k=k.info["value"], topk=node,
-                                                         on_logits=probs.kind == "logits"))
+    if not isinstance(k.info["value"], int) or k.info["value"] < 1:  # (a review's: k = 0 crashed the op)
+        raise Reject(f"{node.name}: top-k keeps k = {k.info['value']} experts a row; the region needs k ≥ 1")
+    roles = tuple("s" if r == "e" else r for r in probs.roles)  # the k slots where the experts were
+    return Val("topk", roles, dict(probs.info, k=k.info["value"], topk=node, on_logits=probs.kind == "logits"))
 
 
 def _sum(walk, node, src, dim, keepdim):

@@ -69,6 +69,8 @@ def pool_rule(walk, node, op):
         x, w, b = args
         if ext_ref(w) is None or (b is not None and b.kind not in ("ext", "const")):
             return None
+        if b is not None and b.kind == "ext" and ext_ref(b) is None:  # (a review's: b.reshape(D), b.expand(D)
+            return None  # were read as no bias, 0.48 off)
         return _affine(walk, node, x, ext_ref(w), ext_ref(b))
     if op.kind == "matmul" and args[0] is not None and args[0].kind != "ext" and ext_ref(args[1]) is not None:
         return _affine(walk, node, args[0], _transposed(ext_ref(args[1])), None)
@@ -112,6 +114,9 @@ def _add_bias(walk, node, a, b):
     key = "b" if a.kind == "proj" else "bo"
     if a.info.get(key) is not None or shape(b.info["ref"].node) != (walk.axes.sizes.get("d"),):
         return None
+    if a.roles[-1] != "d":  # (a review's: (tok @ Wvᵀ).transpose(1, 2) + bv with N = D added bv per token)
+        raise Reject(f"{node.name}: a [D] bias is added along the {_ROLE_NAMES.get(a.roles[-1], a.roles[-1])} "
+                     f"axis of a projection; the region adds it to the features (the last axis of x Wᵀ)")
     return Val(a.kind, a.roles, dict(a.info, **{key: ext_ref(b)}))
 
 

@@ -60,7 +60,9 @@ def _param(graph, ref, per_expert=False):
 
 
 def replace_region(gm, match):
-    """Insert the op before match.output, reroute its users, erase the dead region nodes."""
+    """Insert the op before match.output, reroute its users, erase the dead region nodes.
+    Returns {region node the rest read: the node that now holds its value} (the output, and the
+    exports rebuilt from the op)."""
     graph = gm.graph
     with graph.inserting_before(match.output):
         params = [_param(graph, match.params.get(name)) for name in ops.REGION_INPUTS[2:]]  # after ctx, tok
@@ -105,7 +107,7 @@ def replace_region(gm, match):
     for node in reversed(match.nodes):
         if not node.users:
             graph.erase_node(node)
-    return out
+    return {match.output: out, **{node: rebuilt[name] for name, node in match.exports.items()}}
 
 
 def _copy(graph, node):
@@ -181,13 +183,14 @@ def _may_be_written(node):
 def rewrite(gm, matches):
     """Replace every match in gm (in place) and recompile it.
 
-    A later region may read an earlier one's output (two blocks in a row): that output node is
-    replaced, so later matches are pointed at its replacement first.
+    A later region may read an earlier one's output or exports (two blocks in a row; a second
+    block on the first one's y): those nodes are replaced, so later matches are pointed at their
+    replacements first.
     """
     replaced = {}
     for match in matches:
         match.ctx, match.tok = replaced.get(match.ctx, match.ctx), replaced.get(match.tok, match.tok)
-        replaced[match.output] = replace_region(gm, match)
+        replaced.update(replace_region(gm, match))
     gm.graph.lint()
     gm.recompile()
     return gm
