@@ -238,7 +238,7 @@ def run_rest(gm, example_inputs, opts, mode, whole, split=None, report=None):
         elif mode not in (None, "default"):
             log.info("mha_compile: mode=%r with rest='eager': everything outside the region runs eagerly, without "
                      "the mode's autotuning or CUDA graphs (rest='inductor' takes them)", mode)
-        return _region_calls(gm, ops.region_call, opts.graphs).forward
+        return _retargeted(gm, {**_region_target(ops.region_call, opts.graphs), **_EAGER_CHECKPOINTS}).forward
     with cache_key_tagged():
         if split is not None:
             try:
@@ -258,15 +258,15 @@ def _own_step_graphs(gm, example_inputs, asked, strict):
     """step_graphs.compile on gm, run eagerly with its region calls on RegionFunction (graphs off:
     the step's graphs take the region with the rest); torch's trees (whole_graph.capture) where it
     refuses gm, with a warning where step_graphs=True asked for them; strict: a failed capture raises."""
-    return step_graphs.compile(gm, example_inputs, _region_calls(gm, ops.region_call, "off").forward,
-                               whole_graph.capture, asked, strict)
+    eager = _retargeted(gm, {**_region_target(ops.region_call, "off"), **_EAGER_CHECKPOINTS}).forward
+    return step_graphs.compile(gm, example_inputs, eager, whole_graph.capture, asked, strict)
 
 
 def _inductor(gm, example_inputs, mode, graphs):
     """Inductor's compile_fx on gm under `mode`'s settings (patched for this compile only), its
     region calls with the `graphs` setting."""
     from torch._inductor.compile_fx import compile_fx
-    return compile_fx(_region_calls(gm, torch.ops.mha.region.default, graphs), example_inputs,
+    return compile_fx(_retargeted(gm, _region_target(torch.ops.mha.region.default, graphs)), example_inputs,
                       config_patches=_inductor_patches(mode))
 
 
@@ -326,21 +326,51 @@ def cache_key_tagged():
     return torch.compiler.config.patch(cache_key_tag=f"{tag}|{ours}" if tag else ours)
 
 
-def _region_calls(gm, target, graphs):
-    """gm, or a copy whose `mha::region` calls go to `target` with the `graphs` setting.
+def _region_target(target, graphs):
+    """The retargeting (_retargeted) of the `mha::region` calls to `target` with the `graphs` setting.
 
     ops.region_call is for a graph that runs eagerly: nothing traces it, so the region can skip
     the custom op's per-call overhead (the same kernels and gradients; ops.RegionFunction).
     Reports and dumps keep showing the op as the rewrite made it."""
+    if target is torch.ops.mha.region.default and graphs == "off":
+        return {}
+    return {torch.ops.mha.region.default: (target, {"graphs": graphs})}
+
+
+def _checkpoint_keeping_rng(body, *args, **kwargs):
+    """torch.utils.checkpoint as Dynamo captured it (the tag_activation_checkpoint higher-order op),
+    for a graph that runs eagerly. The op's own eager implementation sets preserve_rng_state=False,
+    leaving the random numbers to Inductor's functionalisation: run eagerly, the backward's
+    recomputation drew new dropout masks, and every gradient was off (0.63 of a Linear's before
+    the checkpointed dropout; a review's, with or without a region matched). Here the RNG state is
+    kept as eager's checkpoint keeps it, unless the user's call said preserve_rng_state=False."""
+    from torch._higher_order_ops.wrap import TagActivationCheckpoint
+    from torch.utils.checkpoint import checkpoint
+    options, body_kwargs = TagActivationCheckpoint.divide_kwargs(kwargs)
+    options.pop("use_reentrant", None)  # the op always runs the non-reentrant form; the gradients are the same
+    if "_checkpoint_context_fn" in body.meta:  # selective checkpointing's policy
+        options["context_fn"] = body.meta["_checkpoint_context_fn"]
+    return checkpoint(lambda *a: torch.fx.Interpreter(body).run(*a), *args, use_reentrant=False,
+                      **options, **body_kwargs)
+
+
+# The checkpoints of a graph run eagerly (rest="eager": plain, or the step graphs' eager runs)
+_EAGER_CHECKPOINTS = {torch.ops.higher_order.tag_activation_checkpoint: (_checkpoint_keeping_rng, {})}
+
+
+def _retargeted(gm, targets):
+    """gm, or a copy whose calls of each target in `targets` ({target: (new target, kwargs added)})
+    call the new target instead, in gm and in its subgraphs."""
     paths = [path for path, sub in _graph_modules(gm)
-             if sub.graph.find_nodes(op="call_function", target=torch.ops.mha.region.default)]
-    if not paths or (target is torch.ops.mha.region.default and graphs == "off"):
+             if any(sub.graph.find_nodes(op="call_function", target=t) for t in targets)]
+    if not paths:
         return gm
     new, copies = whole_graph.copy_graph(gm)[0], {}
     for path in paths:
         sub = _copy_attribute(new, path, copies)
-        for node in sub.graph.find_nodes(op="call_function", target=torch.ops.mha.region.default):
-            node.target = target
-            node.kwargs = {**node.kwargs, "graphs": graphs}
+        for old, (target, kwargs) in targets.items():
+            for node in sub.graph.find_nodes(op="call_function", target=old):
+                node.target = target
+                node.kwargs = {**node.kwargs, **kwargs}
         sub.recompile()
     return new

@@ -342,12 +342,13 @@ def has_tangents(args):
         isinstance(a, torch.Tensor) and forward_ad.unpack_dual(a).tangent is not None for a in args)
 
 
-def _traced(args):
+def _traced(args, functorch=True):
     """Whether something could be tracing or transforming a call on `args`: Dynamo, a dispatch
-    mode (FakeTensor, make_fx), functorch, or a tensor subclass. Those must see the ops."""
+    mode (FakeTensor, make_fx), functorch (unless functorch=False), or a tensor subclass. Those
+    must see the ops."""
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     return (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
-            or torch._C._are_functorch_transforms_active()
+            or functorch and torch._C._are_functorch_transforms_active()
             or any(type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter for t in tensors))
 
 
@@ -376,20 +377,28 @@ def region_call(*args, graphs="off", keep_hidden=False):
     as FakeTensor or make_fx, functorch, a tensor subclass), since those must see `mha::region`;
     or, for a call carrying forward-mode tangents (has_tangents), reference.region_forward.
     args: the op's, up to export_inv; graphs, keep_hidden: as for the op."""
-    if _traced(args):
+    if _traced(args, functorch=False):
         return torch.ops.mha.region.default(*args, graphs=graphs, keep_hidden=keep_hidden)
-    if has_tangents(args):
+    transformed = torch._C._are_functorch_transforms_active()
+    if has_tangents(args) or transformed:
         # forward-mode AD: the kernel sets have no jvp (RegionFunction raised "You must implement
         # the jvp function"); the reference's plain ops carry the tangents, and the gradients too.
+        # So for torch.func's transforms inside the compiled graph (grad, jvp, vmap of them: a
+        # review's per-sample gradients), which the op's autograd does not support (it raised);
+        # their experts as a masked loop, whose ops vmap takes.
         # bk cancels in the softmax and the reference never reads it: 0·Σbk gives it the zero
         # gradient the kernel sets give it, not none (an optimizer skips a parameter without one)
         with _no_autocast(args[0]):  # the reference picks its own precisions, as the kernels do
-            out, *rest = reference.region_forward(*args[:19])
+            out, *rest = reference.region_forward(*args[:19], experts=reference.moe_masked if transformed else None)
         bk = args[4]
         return (out if bk is None else out + 0 * bk.sum(), *rest)
     export_inv = args[20] if len(args) > 20 else False
     # A model's enable_grad under the caller's inference_mode: eager's ops record nothing there,
     # where a Function would (and raise, saving inference tensors for a backward)
     recording = not torch.is_inference_mode_enabled()
+    if recording and torch.is_grad_enabled():
+        # An inference tensor (tok made under inference_mode) cannot be saved for the backward,
+        # where a spelling's own copy of it (nn.MultiheadAttention's) let eager train: a review's
+        args = tuple(a.clone() if isinstance(a, torch.Tensor) and a.is_inference() else a for a in args)
     with contextlib.nullcontext() if recording else torch.no_grad():
         return RegionFunction.apply(*args[:20], export_inv, graphs, keep_hidden)

@@ -259,6 +259,21 @@ def moe_forward(x, weight, index, w1, b1, w2, b2, w3, act):
     return contrib.view(R, top_k, D).sum(1)
 
 
+def moe_masked(x, weight, index, w1, b1, w2, b2, w3, act):
+    """moe_forward's out as a loop over the experts, each on every row and kept where the row chose
+    it (E/k times the work): out-of-place ops only, which torch.func's transforms take (vmap refuses
+    moe_forward's writes into a buffer it made, a review's per-sample gradients in a compiled graph)."""
+    out = torch.zeros_like(x)
+    for e in range(w1.shape[0]):
+        chosen = index == e  # [R,k]
+        u = x @ w1[e] if b1 is None else x @ w1[e] + b1[e]
+        h = act_forward(act, u, None if w3 is None else x @ w3[e])
+        f = h @ w2[e] if b2 is None else h @ w2[e] + b2[e]
+        gate = (weight * chosen).sum(-1, keepdim=True)
+        out = out + torch.where(chosen.any(-1, keepdim=True), gate * f, 0.0)
+    return out
+
+
 def moe_backward(grad_out, x, weight, index, w1, b1, w2, b2, w3, act):
     """Gradients of the experts: ∂x [R,D], ∂w [R,k], ∂W1, ∂b1, ∂W2, ∂b2, ∂W3 (recomputes u)."""
     R, D = x.shape
@@ -305,11 +320,12 @@ def reuse_size(ctx, tok, q, w1, top_k, act, mask, keep_hidden=False):
 
 
 def region_forward(ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, mask, top_k, renorm, act,
-                   keep_hidden=False):
+                   keep_hidden=False, experts=None):
     """out [B,H,D] and what the backward keeps: inv [B,D], attn [B,N,P], topk weight and index,
     the router's softmax π [R,E], and `reuse`, empty here (int32, no elements): the kernel sets'
     buffer of what their backward takes from the forward (triton_region); this one computes it all
     again, keep_hidden or not (the kernel sets' setting, which keeps the experts' u).
+    experts: the MoE's function, moe_forward unless given (moe_masked, for torch.func's transforms).
 
     Computes in fp32 (fp64 for fp64 inputs) and returns `out` in the input dtype.
     """
@@ -319,7 +335,7 @@ def region_forward(ctx, tok, q, wk, bk, wv, bv, wo, bo, wg, w1, b1, w2, b2, w3, 
     inv, attn = pool_forward(c(tok), c(q), c(wk), c(wv), c(bv), c(wo), c(bo), mask)
     x = (c(ctx) + inv[:, None, :]).reshape(B * H, D)
     probs, weight, index = route(x, c(wg), top_k, renorm)
-    out = moe_forward(x, weight, index, c(w1), c(b1), c(w2), c(b2), c(w3), act)
+    out = (experts or moe_forward)(x, weight, index, c(w1), c(b1), c(w2), c(b2), c(w3), act)
     index = index.to(torch.int32)
     return out.view(B, H, D).to(ctx.dtype), inv, attn, weight, index, probs, index.new_empty(0)
 
