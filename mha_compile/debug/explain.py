@@ -89,16 +89,23 @@ def _graph_breaks():
     """The graph breaks Dynamo took while explain compiled, as a list it fills on leaving: each
     reason's first lines (what was called, Dynamo's explanation and hint), with how often. A region split
     by a break cannot be replaced, and the near-miss in the later graph sees only its own half.
-    Read from Dynamo's counters (torch._dynamo.utils.counters["graph_break"]), before and after."""
+    Read from Dynamo's counters (torch._dynamo.utils.counters), before and after: "graph_break",
+    and "unimplemented" for what made Dynamo skip a whole frame and run it eagerly (a break inside
+    a loop: a review's print() in the expert loop left no break listed)."""
     from torch._dynamo.utils import counters  # torch imports Dynamo lazily
-    counts = counters["graph_break"]
-    before, breaks = collections.Counter(counts), []
+    before = {kind: collections.Counter(counters[kind]) for kind in ("graph_break", "unimplemented")}
+    breaks = []
     try:
         yield breaks
     finally:
-        for reason, count in (collections.Counter(counts) - before).items():
-            lines = [line.strip() for line in str(reason).splitlines() if line.strip()]
-            breaks.append(f"{' '.join(lines[:3])} ({count}x)")
+        first = lambda reason: [line.strip() for line in str(reason).splitlines() if line.strip()]
+        seen = set()
+        for kind, suffix in (("graph_break", ""), ("unimplemented", "; Dynamo skipped the frame, which ran eagerly")):
+            for reason, count in (collections.Counter(counters[kind]) - before[kind]).items():
+                lines = first(reason)
+                if lines[:1] and lines[0] not in seen:
+                    seen.add(lines[0])
+                    breaks.append(f"{' '.join(lines[:3])} ({count}x{suffix})")
 
 
 @contextlib.contextmanager

@@ -249,3 +249,55 @@ def test_a_forward_s_own_options_keyword_reaches_the_forward():
     assert mha_compile.explain(plain, *inputs, options={"kernels": "reference"}).graphs[0].options["kernels"] == "reference"
     with pytest.raises(ValueError, match="kernels"):
         mha_compile.explain(plain, *inputs, mha_options={"kernels": "fast"})
+
+
+class _PrintInTheExpertLoop(torch.nn.Module):
+    """A print() inside the loop over the experts: Dynamo skips the whole forward and runs it eagerly."""
+
+    def __init__(self):
+        super().__init__()
+        from lowering.spellings import SpelledBlock
+        self.block = SpelledBlock()
+
+    def forward(self, ctx, tok):
+        b = self.block
+        x = b.merge_forward(ctx, b.pool_forward(tok)).reshape(-1, b.D)
+        weight, index = b.route(x)
+        out = torch.zeros_like(x)
+        for e in range(b.E):
+            if e == 1:
+                print("expert 1")
+            out = out + (weight * (index == e)).sum(-1, keepdim=True) * b.expert(e, x)
+        return out.view(ctx.shape)
+
+
+def test_a_break_that_made_dynamo_skip_the_frame_is_named():
+    """Dynamo's reason for a skipped frame goes to its "unimplemented" counter, not "graph_break":
+    explain listed no break, and its reason pointed at one (a review's)."""
+    from lowering.spellings import inputs
+    torch.manual_seed(0)
+    report = mha_compile.explain(_PrintInTheExpertLoop().double(), *inputs(dtype=torch.float64))
+    assert not report.matches
+    assert len(report.graph_breaks) == 1 and "print" in report.graph_breaks[0], report.graph_breaks
+    assert "skipped the frame" in report.graph_breaks[0]
+
+
+class _ReluExperts(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        from lowering.spellings import SpelledBlock
+        self.block = SpelledBlock()
+        self.block._act = lambda u, gate_u=None: torch.relu(u)
+
+    def forward(self, ctx, tok):
+        return self.block(ctx, tok)
+
+
+def test_an_expert_off_the_block_names_the_node_that_leaves_it():
+    """ReLU experts (not one of the block's activations): the reason said only that the experts
+    could not be read (a review's); it names the relu and what it reads now."""
+    from lowering.spellings import inputs
+    torch.manual_seed(0)
+    report = mha_compile.explain(_ReluExperts().double(), *inputs(dtype=torch.float64))
+    reasons = [m["reason"] for m in report.near_misses]
+    assert not report.matches and any("(relu) on the expert's pre-activation" in r for r in reasons), reasons
