@@ -364,6 +364,11 @@ _INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itru
                        operator.ilshift, operator.irshift, operator.setitem}
 
 
+# operator's functions named with a trailing "_" only to avoid a keyword: pad | pad2 (a review's: read
+# as a write into pad, and refused with that reason)
+_OUT_OF_PLACE_OPERATORS = {operator.and_, operator.or_, operator.not_, operator.is_}
+
+
 def is_inplace(node):
     """Whether node writes into a tensor it is given (`written` names which): a method or function
     whose name ends in "_" (add_, scatter_, torch.nn.init.normal_, aten's mul_.Scalar), x += y,
@@ -376,7 +381,7 @@ def is_inplace(node):
     name = call_name(node)
     if name.startswith("__") and name.endswith("__"):  # __iadd__, not __add__ or __getitem__
         return name[2:-2] in {op.__name__.strip("_") for op in _INPLACE_OPERATORS}
-    return name.endswith("_")
+    return name.endswith("_") and node.target not in _OUT_OF_PLACE_OPERATORS
 
 
 def _argument(node, name):

@@ -26,6 +26,8 @@ def pair_rows(memo, node, rows, k):
     """Whether `node` is the row of each of rows·k pairs: arange(rows·k) // k, as computed and
     never written in place (rows[0] = R - 1 would move a pair the values read here do not).
     `memo` (a walk's) keeps the answer: the index is read at x[index] and again at index_add_."""
+    if not isinstance(rows, int) or not isinstance(k, int):  # a SymInt is no key (a review's: dynamic shapes crashed
+        return False  # the matcher); _is_pair_rows takes no symbolic size anyway
     key = ("pair_rows", node, rows, k)
     if key not in memo:
         memo[key] = _is_pair_rows(node, rows, k)

@@ -131,6 +131,8 @@ def _scale(node, kind, a, b):
         raise Reject(f"{node.name}: the masked scores are {'multiplied' if kind == 'mul' else 'divided'} by {c:g}, "
                      f"which turns the mask's -inf into {'+inf' if c < 0 else 'nan'}; the pool scales the scores by "
                      f"1/√Dh > 0 and masks them after (or before) that")
+    if kind == "div" and c == 0:  # (a review's: the matcher raised ZeroDivisionError)
+        raise Reject(f"{node.name}: the scores are divided by 0; the pool scales them by 1/√Dh")
     return Val("scores", a.roles, dict(a.info, scale=a.info["scale"] * (c if kind == "mul" else 1.0 / c)))
 
 
@@ -269,12 +271,14 @@ def _neg_inf_mask(node):
     chain = [node]
     while True:
         op = canon(node)
-        if op is not None and op.kind in ("reshape", "permute", "expand", "cast") and hasattr(op.args[0], "op"):
+        if op is not None and op.kind in ("reshape", "permute", "expand", "cast") and hasattr(op.args[0], "op") and \
+                float_dtype(node) is not None:  # .to(int64) of -inf is INT64_MIN, a finite mask (a review's: 0.13 off)
             node = op.args[0]
             chain.append(node)
             continue
         break
-    if op is None or op.kind != "masked_fill" or op.args[2] != float("-inf") or dtype(op.args[1]) != torch.bool:
+    if op is None or op.kind != "masked_fill" or op.args[2] != float("-inf") or dtype(op.args[1]) != torch.bool or \
+            float_dtype(node) is None:
         return False
     base = canon(op.args[0]) if hasattr(op.args[0], "op") else None
     return base is not None and base.kind in ("zeros_like", "zeros") and \

@@ -1,11 +1,16 @@
 """Blocks at the edges of what the matcher reads: a ctx the merge itself broadcasts, top-k of no
 expert, and a second block fed by the first one's values. Each was matched and went wrong before
 session 67 (a review's)."""
+import copy
+import math
+
+import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from compiled_checks import as_eager_in_every_gradient, compile_and_compare
-from numerics import graph_has_region, observing
+from compiled_checks import as_eager_in_every_gradient, assert_one_match, compile_and_compare
+from numerics import compiled_reports, graph_has_region, observing, relative_error
 from spellings import SpelledBlock, inputs
 
 
@@ -65,3 +70,80 @@ def test_a_block_fed_by_the_firsts_values_is_replaced_with_it():
         reports = compile_and_compare(model, args, torch.float64)  # strict: a failed rewrite raises
         assert sum(len(r.matches) for r in reports) == 2, [str(r) for r in reports]
         assert _replaced(model, args) == [(2, True)], how
+
+
+class IntegerCastMask(SpelledBlock):
+    """A 0/-inf float mask cast to int64 (-inf becomes INT64_MIN, finite) and added to the scores,
+    as is or cast back to float for SDPA."""
+
+    def __init__(self, pool):
+        super().__init__(pool=pool, mask=True)
+
+    def pool_forward(self, tok, pad=None):
+        B, N, D = tok.shape
+        P, Dh = self.P, self.Dh
+        bias = torch.zeros(B, N, dtype=tok.dtype).masked_fill(pad, float("-inf")).to(torch.int64)
+        k, v = self.key(tok).view(B, N, P, Dh), self.value(tok).view(B, N, P, Dh)
+        if self.pool == "sdpa":
+            q = self.query.view(1, P, 1, Dh).expand(B, -1, -1, -1)
+            pooled = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2),
+                                                    attn_mask=bias.to(tok.dtype)[:, None, None, :])
+            return self.out(pooled.reshape(B, D))
+        s = torch.einsum("pd,bnpd->bpn", self.query, k) / math.sqrt(Dh) + bias[:, None, :]
+        return self.out(torch.einsum("bpn,bnpd->bpd", s.softmax(-1), v).reshape(B, D))
+
+
+@pytest.mark.parametrize("pool", ["einsum", "sdpa"])
+def test_a_float_mask_cast_to_integers_is_not_read_as_its_minus_infinities(pool):
+    """The mask reader followed the cast to int64 and read isneginf of a tensor without -inf: the op
+    attended to every token (0.128 off, ∂tok 0.648)."""
+    torch.manual_seed(0)
+    args = inputs(dtype=torch.float64, mask=True, generator=torch.Generator().manual_seed(1))
+    as_eager_in_every_gradient(IntegerCastMask(pool).double(), args, torch.float64)
+
+
+class CombinedMasks(SpelledBlock):
+    def forward(self, ctx, tok, pad):
+        return super().forward(ctx, tok, pad | torch.zeros_like(pad))
+
+
+def test_a_mask_combined_with_or_is_read():
+    """operator.or_ was taken for a write in place (its name ends in "_") and refused with that reason."""
+    torch.manual_seed(0)
+    args = inputs(dtype=torch.float64, mask=True, generator=torch.Generator().manual_seed(1))
+    assert_one_match(compile_and_compare(CombinedMasks(pool="sdpa", mask=True).double(), args, torch.float64))
+
+
+class ScoresOverZero(SpelledBlock):
+    def pool_forward(self, tok, pad=None):
+        B, N, D = tok.shape
+        k, v = self.key(tok).view(B, N, self.P, self.Dh), self.value(tok).view(B, N, self.P, self.Dh)
+        s = torch.einsum("pd,bnpd->bpn", self.query, k) / 0.0
+        return self.out(torch.einsum("bpn,bnpd->bpd", s.softmax(-1), v).reshape(B, D))
+
+
+def test_scores_divided_by_zero_are_a_near_miss():
+    """The matcher raised ZeroDivisionError (the backend then ran the graph as captured, with a warning)."""
+    torch.manual_seed(0)
+    model = ScoresOverZero().double()
+    args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    with compiled_reports() as reports:
+        torch._dynamo.reset()
+        torch.compile(model, backend="mha", options={"strict": True})(*args)
+    reasons = [m["reason"] for r in reports for m in r.near_misses]
+    assert any("divided by 0" in r for r in reasons), reasons
+
+
+def test_a_recompile_at_a_symbolic_batch_keeps_the_mixtral_spelling_matched():
+    """A second batch size makes Dynamo recompile with B symbolic: the pair-row reader hashed a SymInt
+    and the matcher raised (the graph then ran as captured; strict: a compile error)."""
+    torch.manual_seed(0)
+    model = SpelledBlock(moe="mixtral").double()
+    compiled = torch.compile(copy.deepcopy(model), backend="mha", options={"strict": True})
+    torch._dynamo.reset()
+    for B in (4, 3):
+        args = inputs(B=B, dtype=torch.float64, generator=torch.Generator().manual_seed(B))
+        with compiled_reports() as reports, torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+            got = compiled(*args)
+        assert relative_error(got, model(*args)) <= 1e-10
+        assert sum(len(r.matches) for r in reports) == 1 and all(r.fallback is None for r in reports), B
