@@ -69,10 +69,11 @@ def test_a_gradient_penalty_trains_as_eager(kernels, dtype, spelling, ask):
 
 
 def test_rest_inductor_refuses_a_double_backward():
-    """AOTAutograd's own refusal: loud, as under torch.compile's default backend."""
+    """AOTAutograd's own refusal: loud, as under torch.compile's default backend. torch 2.11 words it
+    by its donated buffers (the GPU machine's torch, session 67), 2.13 as a double backward."""
     model = _block("loop", torch.float64)
     compiled = torch.compile(model, backend="mha", options={"kernels": "reference", "rest": "inductor"})
-    with pytest.raises(RuntimeError, match="double backward"):
+    with pytest.raises(RuntimeError, match="double backward|donated buffer.*create_graph=False"):
         _penalty_grads(compiled, *_inputs(torch.float64), ask="grad_unused")
 
 
