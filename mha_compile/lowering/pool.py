@@ -166,6 +166,12 @@ def _einsum(walk, node, equation, operands):
         k, q = (operands[0], operands[1]) if kinds[0] == "proj" else (operands[1], operands[0])
         q_term = terms[kinds.index("ext")]
         q_roles = tuple(letters.get(l) for l in q_term)
+        if "b" in q_roles and {letters.get(l) for l in contracted} == {"d.1"} and set(out_roles) == {"b", "n", "d.0"} \
+                and sorted(k.roles) == ["b", "d.0", "d.1", "n"]:
+            # the query expanded over the batch ("bpd,bnpd->bpn"): read where the batch axis is a broadcast
+            ref = query_ref(q, tuple(None if r == "b" else r for r in q_roles), one_head=_one_head(walk),
+                            heads=walk.axes.sizes.get("d.0"))
+            return None if ref is None else Val("scores", out_roles, {"k": k.info, "q": ref, "scale": 1.0, "mask": None})
         if {letters.get(l) for l in contracted} != {"d.1"} or set(out_roles) != {"b", "n", "d.0"} or \
                 canonical_perm(q_roles, HEAD_ROLES) is False or sorted(k.roles) != ["b", "d.0", "d.1", "n"] or \
                 ext_ref(q) is None:

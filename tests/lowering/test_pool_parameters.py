@@ -107,3 +107,31 @@ def test_a_bias_added_along_another_axis_than_the_features_is_not_the_block(wher
     args = inputs(B=B, N=N, D=4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     reasons = as_eager_in_every_gradient(BiasAlongAnotherAxis(where).double(), args, torch.float64)
     assert any("bias is added along the" in r for r in reasons), reasons
+
+
+class ExpandedQueryEinsum(SpelledBlock):
+    """The learned query expanded over the batch before the einsum (SPEC §2), in either axis order."""
+
+    def __init__(self, order, P=2):
+        super().__init__(P=P)
+        self.order = order
+
+    def pool_forward(self, tok, pad=None):
+        B, N, D = tok.shape
+        P, Dh = self.P, self.Dh
+        k, v = self.key(tok).view(B, N, P, Dh), self.value(tok).view(B, N, P, Dh)
+        if self.order == "bpd":
+            s = torch.einsum("bpd,bnpd->bpn", self.query.expand(B, P, Dh), k)
+        else:
+            s = torch.einsum("bdp,bnpd->bpn", self.query.t().expand(B, Dh, P), k)
+        a = torch.softmax(s / math.sqrt(Dh), dim=-1)
+        return self.out(torch.einsum("bpn,bnpd->bpd", a, v).reshape(B, D))
+
+
+@pytest.mark.parametrize("order", ["bpd", "bdp"])
+@pytest.mark.parametrize("P", [2, 1])
+def test_a_query_expanded_over_the_batch_in_an_einsum_matches(order, P):
+    """Refused before ("einsum ... not part of the block's math", a review's)."""
+    torch.manual_seed(0)
+    args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    assert_one_match(compile_and_compare(ExpandedQueryEinsum(order, P).double(), args, torch.float64))
