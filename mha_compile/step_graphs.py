@@ -243,7 +243,7 @@ def _fake_run(gm, inputs, watching):
     put back as found, also where the run raises midway (a nonzero under no_grad left grad mode
     off, and a compile after it built an inference graph for training)."""
     fake_mode = torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)
-    fakes = [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in inputs]
+    fakes = [_fake_copy(fake_mode, t) for t in inputs]
     watch = watching(fakes)
     grad = torch.is_grad_enabled()
     autocast = {device: (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
@@ -256,6 +256,34 @@ def _fake_run(gm, inputs, watching):
         for device, (enabled, dtype) in autocast.items():
             torch.set_autocast_enabled(device, enabled)
             torch.set_autocast_dtype(device, dtype)
+
+
+def _fake_copy(fake_mode, value):
+    """value as a fake of fake_mode; one with symbolic sizes (Dynamo's example inputs under dynamic
+    shapes), and a symbolic size itself, at its hints. A run on Dynamo's own symbols adds guards to
+    Dynamo's shape environment: rest="inductor" in training then compiled a graph per batch size,
+    and mark_dynamic raised (a review's)."""
+    if isinstance(value, torch.SymInt):
+        return _hint(value)
+    if not isinstance(value, torch.Tensor):
+        return value
+    if not any(isinstance(s, torch.SymInt) for s in (*value.shape, *value.stride(), value.storage_offset())):
+        return fake_mode.from_tensor(value)
+    with fake_mode:
+        copy = torch.empty_strided([_hint(s) for s in value.shape], [_hint(s) for s in value.stride()],
+                                   dtype=value.dtype, device=value.device)
+    return copy.requires_grad_(value.requires_grad)
+
+
+def _hint(size):
+    """A size's value: an int as it is, a SymInt's hint (Dynamo's example value for it), read
+    without a guard. A size with no hint (data-dependent) raises."""
+    if isinstance(size, int):
+        return size
+    hint = size.node.hint
+    if hint is None:
+        raise ValueError(f"the size {size} has no example value")
+    return int(hint)
 
 
 class StepGraphs:

@@ -1,10 +1,11 @@
 """options["verify"]: on the first call, the rewritten graph beside the graph as captured; where
 they disagree, a warning, and the captured graph from then on.
 
-Forward: every floating output. Training (grad enabled and a gradient to take): both graphs
-also run on detached clones of the inputs, backward with one random cotangent, and the gradient of
-every input is compared, and of every parameter the graph holds as an attribute (Dynamo passes
-parameters as inputs, but as attributes under inline_inbuilt_nn_modules=False).
+Forward: every output (integer ones exactly), and the inputs the graph writes. Training (grad
+enabled and a gradient to take): both graphs also run on detached clones of the inputs, backward
+with one random cotangent, and the gradient of every input is compared, and of every parameter
+the graph holds as an attribute (Dynamo passes parameters as inputs, but as attributes under
+inline_inbuilt_nn_modules=False).
 
 fp32 and fp64 graphs are compared with each other, each output and gradient to its dtype's bound
 (BOUND). A bf16 or fp16 graph as captured is itself far from its math: top-k choices flip through
@@ -65,12 +66,19 @@ def verified(gm, original, compiled, report, strict=False, fell_back=None):
     def run(*args):
         if state["use"] is not None:
             return state["use"](*args)
+        # The backward runs with retain_graph (_gradients): a graph Inductor compiles on this call
+        # must donate no buffers (a checkpointed block under rest="inductor" raised there, and a
+        # right rewrite fell back: a review's)
+        with torch._functorch.config.patch(donated_buffer=False):
+            return checked(*args)
+
+    def checked(*args):
         found = _CallState(args, _written_inputs(gm, args, report))
-        versions = [t._version for _, t in attributes]
+        versions = [_version(t) for _, t in attributes]
         with torch.no_grad(), found.same() as stand_ins:
             expected = original(*stand_ins)
         unkept = [inputs[i] for i in found.unkept] + [name for (name, t), v in zip(attributes, versions)
-                                                      if t._version != v]
+                                                      if _version(t) != v]
         if unkept:
             log.warning("mha_compile: %s: verify: the graph wrote parameter(s) %s in place, which verify did "
                         "not find it writing (step_graphs.written_inputs), or held as its attributes, so it kept no "
@@ -88,6 +96,8 @@ def verified(gm, original, compiled, report, strict=False, fell_back=None):
                 log.info("mha_compile: %s: verify: the captured graph does not run in fp32 (%s: %s); "
                          "comparing the two directly", report.name, type(error).__name__, error)
         what = _outputs_disagree(_tensors(got), _tensors(expected), None if fp32 is None else _tensors(fp32), precision)
+        if not what and found.written_by_original:
+            what = _writes_disagree(args, found, precision, report, inputs)
         if what:
             return fall_back(what, args, found)
         nan_step = any(isinstance(e, torch.Tensor) and e.is_floating_point() and not torch.isfinite(e).all()
@@ -168,12 +178,36 @@ def _relative(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def _writes_disagree(args, found, precision, report, names):
+    """What disagrees between the values the call's inputs were written to by the captured graph
+    and by the rewrite (a model that copies its result into a caller's buffer: a review's planted
+    20% went through), or None. In bf16 or fp16 they are not compared (the captured graph's own
+    writes are as far from its math as its outputs, which are measured in fp32), which the log says."""
+    if precision is not None:
+        log.info("mha_compile: %s: verify: the inputs the graph writes are not compared in %s", report.name, precision)
+        return None
+    for i, value in sorted(found.written_by_original.items()):
+        what = _outputs_disagree([args[i]], [value], None)
+        if what:
+            return what.replace("output 0", f"input {names[i]} as written", 1)
+    return None
+
+
 def _outputs_disagree(got, expected, fp32, precision=None):
-    """What disagrees among the floating outputs, or None; fp32: the captured graph's outputs in
-    fp32, which the rewrite's are then measured against, to `precision`'s bound. Entries that are
-    not finite must be where the captured graph's are (a NaN row of the user's own, a row with
-    every key masked under a plain softmax, say); the finite rest is compared."""
+    """What disagrees among the outputs, or None; fp32: the captured graph's outputs in fp32, which
+    the rewrite's are then measured against, to `precision`'s bound. Entries that are not finite
+    must be where the captured graph's are (a NaN row of the user's own, a row with every key
+    masked under a plain softmax, say); the finite rest is compared. Integer and bool outputs (the
+    top-k's indices read outside) must be equal, to fp32's where it is given (a review's planted
+    shift of the exported index went through)."""
     for i, (g, e) in enumerate(zip(got, expected)):
+        if isinstance(e, torch.Tensor) and isinstance(g, torch.Tensor) and not e.is_floating_point() \
+                and not e.is_complex():
+            want = e if fp32 is None or not isinstance(fp32[i], torch.Tensor) else fp32[i]
+            if g.shape != want.shape or not torch.equal(g, want.to(g.dtype)):
+                differ = int((g != want.to(g.dtype)).sum()) if g.shape == want.shape else "all"
+                return f"output {i} ({g.dtype}) differs in {differ} of {want.numel()} entries"
+            continue
         if not isinstance(e, torch.Tensor) or not e.is_floating_point():
             continue
         g, e, yardstick = g.detach(), e.detach(), None if fp32 is None else fp32[i].detach()
@@ -308,8 +342,9 @@ class _CallState:
         tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         parameters = {i for i in tensors if args[i].is_leaf and args[i].requires_grad and i not in writes}
         self.found = {i: args[i].detach().clone() for i in tensors if i not in parameters}
-        self.versions = {i: args[i]._version for i in tensors}
+        self.versions = {i: _version(args[i]) for i in tensors}
         self.written = None  # positions of the inputs a run writes, once the first block ran
+        self.written_by_original = {}  # what the first block wrote into them
         self.unkept = []  # parameters the first block wrote, of which no copy was kept
 
     @contextlib.contextmanager
@@ -322,11 +357,12 @@ class _CallState:
             self._restore_draws()
             yield args
         if self.written is None:
-            self.written = [i for i in self.found if self.args[i]._version != self.versions[i]
+            self.written = [i for i in self.found if _version(self.args[i]) != self.versions[i]
                             or not torch.equal(self.args[i], self.found[i])]
             self.unkept = [i for i in self.versions
-                           if i not in self.found and self.args[i]._version != self.versions[i]]
+                           if i not in self.found and _version(self.args[i]) != self.versions[i]]
             self.found = {i: self.found[i] for i in self.written}
+            self.written_by_original = {i: self.args[i].detach().clone() for i in self.written}
             self._restore_written()
 
     def restore(self):
@@ -343,6 +379,12 @@ class _CallState:
         with torch.no_grad():
             for i, value in self.found.items():
                 self.args[i].copy_(value)
+
+
+def _version(t):
+    """t's version counter, or None for an inference tensor, which has none (verify on a call under
+    inference_mode raised: a review's); a write into one shows in its value (_CallState.same)."""
+    return None if t.is_inference() else t._version
 
 
 def _upcast(args):
