@@ -2085,7 +2085,8 @@ class AutocastPromotedCtx(SpelledBlock):
 
 
 def test_a_ctx_promoted_by_the_merge_under_autocast_still_matches():
-    """The promoted-ctx refusal is for no autocast only (it refused this at first: a review's)."""
+    """The promoted-ctx refusal spares an autocast to ctx's dtype around the MoE of a float32 model
+    (it refused this at first: a review's; test_block_dtypes.py has where it refuses under one)."""
     torch.manual_seed(0)
     model = AutocastPromotedCtx().float()
     ctx, tok = inputs(dtype=torch.float32, generator=torch.Generator().manual_seed(1))
