@@ -1,5 +1,6 @@
 """The backend's options on paths a review found wrong (session 67): rest="inductor" under dynamic
-shapes, and what verify compares and where it runs. Each test fails on the code before its fix."""
+shapes, and what verify compares and where it runs. Each test fails on the code before its fix, but
+the checkpointed one (its docstring says why)."""
 import copy
 import logging
 
@@ -77,10 +78,13 @@ class Checkpointed(nn.Module):
 
 def test_verify_keeps_a_right_rewrite_of_a_checkpointed_block_under_rest_inductor():
     """verify's backward retains its graph, which a backward compiled with donated buffers refuses:
-    a right rewrite fell back ("its backward raised"), and strict=True raised on the first call."""
-    torch._dynamo.reset()
+    in a review's run a right rewrite fell back ("its backward raised"), and strict=True raised on
+    the first call. This test did not reproduce it in a process of its own on the code before (the
+    review's came after other compiles of the model: Inductor's and AOTAutograd's caches, whose keys
+    hold the donated-buffer setting, are the likely difference); it holds what the fix keeps."""
     model = Checkpointed()
     ctx, tok = _inputs()
+    torch._dynamo.reset()
     with compiled_reports() as reports:
         got = torch.compile(copy.deepcopy(model), backend="mha",
                             options={"rest": "inductor", "verify": True, "strict": True})(ctx, tok)
