@@ -19,6 +19,7 @@ import inspect
 import operator
 
 import torch
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.nn import functional as F
 
 
@@ -337,9 +338,13 @@ def _read_permute(node, args, kwargs):
 
 
 def shape(node):
-    """The node's shape from Dynamo's example value, or None."""
+    """The node's shape from Dynamo's example value, or None. A size that is a SymInt of a known
+    value (under dynamic=True, D = 32 of a parameter's width) is that int: the readers check sizes
+    as ints, and refused nn.MultiheadAttention and the fused K|V projection under dynamic=True."""
     value = node.meta.get("example_value") if hasattr(node, "meta") else None
-    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+    if not isinstance(value, torch.Tensor):
+        return None
+    return tuple(int(s) if isinstance(s, torch.SymInt) and is_concrete_int(s) else s for s in value.shape)
 
 
 def dtype(node):

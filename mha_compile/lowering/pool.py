@@ -171,7 +171,8 @@ def _einsum(walk, node, equation, operands):
             # the query expanded over the batch ("bpd,bnpd->bpn"): read where the batch axis is a broadcast
             ref = query_ref(q, tuple(None if r == "b" else r for r in q_roles), one_head=_one_head(walk),
                             heads=walk.axes.sizes.get("d.0"))
-            return None if ref is None else Val("scores", out_roles, {"k": k.info, "q": ref, "scale": 1.0, "mask": None})
+            info = {"k": k.info, "q": ref, "scale": 1.0, "mask": None}
+            return None if ref is None else Val("scores", out_roles, info)
         if {letters.get(l) for l in contracted} != {"d.1"} or set(out_roles) != {"b", "n", "d.0"} or \
                 canonical_perm(q_roles, HEAD_ROLES) is False or sorted(k.roles) != ["b", "d.0", "d.1", "n"] or \
                 ext_ref(q) is None:
@@ -438,6 +439,10 @@ def _mha(walk, node, op, args):
     if key is None or value is None or key.kind != "tok" or value.kind != "tok" or key.roles != ("n", "b", "d") \
             or value.roles != key.roles or query is None or query.kind != "ext":
         return None
+    if _const(a["dropout_p"], 0.0) == "?" and _const(a["training"], True) is not False:
+        raise Reject(f"{node.name}: nn.MultiheadAttention's dropout_p is a value of the graph, not a constant "
+                     f"(under dynamic=True Dynamo passes a module's float as a tensor, which may change with no "
+                     f"recompile); the pool has no dropout, so in training it runs as written (in eval it is read)")
     d, heads = walk.axes.sizes.get("d"), _const(a["num_heads"])
     lay = query.info.get("lay")
     if lay is None or len(lay) != 3 or lay[0] != ONE or lay[1] != ONE or lay[2] == ONE or \

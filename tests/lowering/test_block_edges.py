@@ -147,3 +147,41 @@ def test_a_recompile_at_a_symbolic_batch_keeps_the_mixtral_spelling_matched():
             got = compiled(*args)
         assert relative_error(got, model(*args)) <= 1e-10
         assert sum(len(r.matches) for r in reports) == 1 and all(r.fallback is None for r in reports), B
+
+
+@pytest.mark.parametrize("pool", ["mha", "fused_kv", "fused_kv_unbind"])
+def test_dynamic_true_keeps_the_pools_whose_readers_checked_sizes_as_ints(pool):
+    """Under torch.compile(dynamic=True) a static width is a SymInt of known value: the readers of
+    nn.MultiheadAttention and of the fused K|V projection checked it as an int and refused the
+    block (a review's sweep of sizes). One compile, two batch sizes, eager's output and gradients."""
+    torch.manual_seed(0)
+    model = SpelledBlock(pool=pool).double()
+    if pool == "mha":  # in training its dropout_p is a tensor of the graph there: refused, below
+        model.attn.eval()
+    compiled_model = copy.deepcopy(model)
+    torch._dynamo.reset()
+    compiled = torch.compile(compiled_model, backend="mha", dynamic=True)
+    with compiled_reports() as reports:
+        for B in (4, 3):
+            args = inputs(B=B, dtype=torch.float64, generator=torch.Generator().manual_seed(B))
+            got, want = compiled(*args), model(*args)
+            assert relative_error(got, want) <= 1e-10
+            cotangent = torch.randn_like(want)
+            got.backward(cotangent)
+            want.backward(cotangent)
+    assert [len(r.matches) for r in reports] == [1], [str(r) for r in reports]
+    for (name, p), q in zip(model.named_parameters(), compiled_model.parameters()):
+        assert relative_error(q.grad, p.grad) <= 1e-10, name
+
+
+def test_dynamic_true_refuses_multihead_attention_in_training_with_its_dropout_a_graph_value():
+    """Its dropout_p comes as a tensor, which a later attn.dropout = 0.1 would change with no
+    recompile: the region, which has no dropout, must not take it (the reason said "dropout_p set")."""
+    torch.manual_seed(0)
+    model = SpelledBlock(pool="mha").double()
+    args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    with compiled_reports() as reports:
+        torch._dynamo.reset()
+        torch.compile(model, backend="mha", dynamic=True)(*args)
+    reasons = [m["reason"] for r in reports for m in r.near_misses]
+    assert not any(r.matches for r in reports) and any("dropout_p is a value of the graph" in r for r in reasons)
