@@ -103,7 +103,7 @@ def _add_bias(walk, node, a, b):
         a, b = b, a
     if a is not None and b is not None and a.kind == "scores" and b.kind == "ext" and a.info.get("mask") is None \
             and _neg_inf_mask(b.info["node"]):
-        ref = _mask_ref(b, a.roles, node, invert=False)
+        ref = _mask_ref(b, a.roles, node, invert=False, sizes=walk.axes.sizes)
         return None if ref is None else Val("scores", a.roles, dict(a.info, mask=ref))
     if a is not None and b is not None and a.kind == "scores" and b.kind == "ext":
         raise Reject(f"{node.name}: an additive float mask on the scores that is not zeros.masked_fill(pad, -inf); the "
@@ -292,9 +292,10 @@ def _neg_inf_mask(node):
         not any(written_in_place(n, besides={node}) for n in chain + [op.args[0]])  # masked_fill_ fills its zeros
 
 
-def _mask_ref(val, wanted, node, invert):
+def _mask_ref(val, wanted, node, invert, sizes):
     """A boolean key-padding mask [B,N] read from a mask broadcast against roles `wanted`
-    (a float mask of only 0 and -inf is read as the boolean where it is -inf)."""
+    (a float mask of only 0 and -inf is read as the boolean where it is -inf). sizes: the walk's;
+    a batch or token axis of size 1 is the mask's own there (B = 1: refused before, a review's)."""
     lay = val.info.get("lay") if val is not None and val.kind == "ext" else None
     if lay is None or len(lay) != len(wanted):
         return None
@@ -303,7 +304,7 @@ def _mask_ref(val, wanted, node, invert):
         raise Reject(f"{node.name}: the attention mask is {dtype(val.info['node'])}, not bool; the region takes a "
                      f"boolean key-padding mask (True = ignore the token)")
     for w, r in zip(wanted, lay):
-        if (w in ("b", "n")) == (r == ONE):
+        if (w in ("b", "n")) == (r == ONE) and not (w in ("b", "n") and known_eq(sizes.get(w), 1)):
             raise Reject(f"{node.name}: the mask varies along {[w for w, r in zip(wanted, lay) if r != ONE]}; "
                          f"a key-padding mask varies along batch and tokens only")
     items = tuple(":" if w in ("b", "n") else 0 for w in wanted)
@@ -324,7 +325,7 @@ def _masked_fill(walk, node, scores, mask, value):
         raise Reject(f"{node.name}: masked scores are filled with {value.info['value']}; a key-padding mask fills -inf")
     if scores.info.get("mask") is not None:
         return None
-    ref = _mask_ref(mask, scores.roles, node, invert=False)
+    ref = _mask_ref(mask, scores.roles, node, invert=False, sizes=walk.axes.sizes)
     return None if ref is None else Val("scores", scores.roles, dict(scores.info, mask=ref))
 
 
@@ -419,7 +420,8 @@ def _sdpa(walk, node, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gq
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     if not isinstance(scale, (int, float)):
         return None
-    mask = None if _absent(attn_mask) else _mask_ref(attn_mask, k.roles[:-2] + (ONE, "n"), node, invert=True)
+    mask = None if _absent(attn_mask) else _mask_ref(attn_mask, k.roles[:-2] + (ONE, "n"), node, invert=True,
+                                                         sizes=walk.axes.sizes)
     if not _absent(attn_mask) and mask is None:
         raise Reject(f"{node.name}: its attn_mask could not be read as a key-padding mask given to the region (one "
                      f"computed from tok inside it, say); the op would attend without it")
@@ -468,7 +470,8 @@ def _mha(walk, node, op, args):
     cut = lambda ref, i: with_step(ref, ("index", (("range", i * d, (i + 1) * d),)))
     q_vec = with_step(ParamRef(query.info["node"]), ("index", (0, 0, ":")),
                       ("linear", cut(w_in, 0), cut(b_in, 0)), ("reshape", (heads, d // heads)))
-    mask = None if _absent(a["key_padding_mask"]) else _mask_ref(a["key_padding_mask"], ("b", "n"), node, invert=False)
+    mask = None if _absent(a["key_padding_mask"]) else _mask_ref(a["key_padding_mask"], ("b", "n"), node, invert=False,
+                                                                     sizes=walk.axes.sizes)
     if mask is None and not _absent(a["key_padding_mask"]):  # it was dropped (a review's)
         raise Reject(f"{node.name}: its key_padding_mask could not be read as a mask given to the region (one "
                      f"computed from tok inside it, say); the op would attend without it")

@@ -185,3 +185,14 @@ def test_dynamic_true_refuses_multihead_attention_in_training_with_its_dropout_a
         torch.compile(model, backend="mha", dynamic=True)(*args)
     reasons = [m["reason"] for r in reports for m in r.near_misses]
     assert not any(r.matches for r in reports) and any("dropout_p is a value of the graph" in r for r in reasons)
+
+
+@pytest.mark.parametrize("pool", ["einsum", "sdpa", "mha", "matmul"])
+@pytest.mark.parametrize("B, N", [(1, 5), (3, 1)])
+def test_a_mask_over_one_batch_row_or_one_token_is_read(pool, B, N):
+    """Its batch (or token) axis has size 1, which the mask reader took for a broadcast and refused
+    ("the mask varies along ['n']"): single-sample inference lost the region (a review's)."""
+    torch.manual_seed(0)
+    args = inputs(B=B, N=N, dtype=torch.float64, mask=True, generator=torch.Generator().manual_seed(1))
+    model = SpelledBlock(pool=pool, mask=True).double()
+    assert_one_match(compile_and_compare(model, args, torch.float64))
