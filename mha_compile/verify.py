@@ -203,9 +203,9 @@ def _outputs_disagree(got, expected, fp32, precision=None):
     for i, (g, e) in enumerate(zip(got, expected)):
         if isinstance(e, torch.Tensor) and isinstance(g, torch.Tensor) and not e.is_floating_point() \
                 and not e.is_complex():
-            want = e if fp32 is None or not isinstance(fp32[i], torch.Tensor) else fp32[i]
-            if g.shape != want.shape or not torch.equal(g, want.to(g.dtype)):
-                differ = int((g != want.to(g.dtype)).sum()) if g.shape == want.shape else "all"
+            want = (e if fp32 is None or not isinstance(fp32[i], torch.Tensor) else fp32[i]).to(g.dtype)
+            if g.shape != want.shape or not torch.equal(g, want):
+                differ = int((g != want).sum()) if g.shape == want.shape else "all"
                 return f"output {i} ({g.dtype}) differs in {differ} of {want.numel()} entries"
             continue
         if not isinstance(e, torch.Tensor) or not e.is_floating_point():

@@ -67,10 +67,9 @@ def pool_rule(walk, node, op):
     args = [walk.val(a) for a in op.args]
     if op.kind == "linear":
         x, w, b = args
-        if ext_ref(w) is None or (b is not None and b.kind not in ("ext", "const")):
+        # a bias read as no parameter (b.reshape(D), b.expand(D): a review's, read as no bias, 0.48 off)
+        if ext_ref(w) is None or (b is not None and b.kind != "const" and ext_ref(b) is None):
             return None
-        if b is not None and b.kind == "ext" and ext_ref(b) is None:  # (a review's: b.reshape(D), b.expand(D)
-            return None  # were read as no bias, 0.48 off)
         return _affine(walk, node, x, ext_ref(w), ext_ref(b))
     if op.kind == "matmul" and args[0] is not None and args[0].kind != "ext" and ext_ref(args[1]) is not None:
         return _affine(walk, node, args[0], _transposed(ext_ref(args[1])), None)
@@ -166,16 +165,15 @@ def _einsum(walk, node, equation, operands):
         k, q = (operands[0], operands[1]) if kinds[0] == "proj" else (operands[1], operands[0])
         q_term = terms[kinds.index("ext")]
         q_roles = tuple(letters.get(l) for l in q_term)
-        if "b" in q_roles and {letters.get(l) for l in contracted} == {"d.1"} and set(out_roles) == {"b", "n", "d.0"} \
-                and sorted(k.roles) == ["b", "d.0", "d.1", "n"]:
-            # the query expanded over the batch ("bpd,bnpd->bpn"): read where the batch axis is a broadcast
+        if {letters.get(l) for l in contracted} != {"d.1"} or set(out_roles) != {"b", "n", "d.0"} or \
+                sorted(k.roles) != ["b", "d.0", "d.1", "n"]:
+            return None
+        if "b" in q_roles:  # the query expanded over the batch ("bpd,bnpd->bpn"): read where it is a broadcast
             ref = query_ref(q, tuple(None if r == "b" else r for r in q_roles), one_head=_one_head(walk),
                             heads=walk.axes.sizes.get("d.0"))
             info = {"k": k.info, "q": ref, "scale": 1.0, "mask": None}
             return None if ref is None else Val("scores", out_roles, info)
-        if {letters.get(l) for l in contracted} != {"d.1"} or set(out_roles) != {"b", "n", "d.0"} or \
-                canonical_perm(q_roles, HEAD_ROLES) is False or sorted(k.roles) != ["b", "d.0", "d.1", "n"] or \
-                ext_ref(q) is None:
+        if canonical_perm(q_roles, HEAD_ROLES) is False or ext_ref(q) is None:
             return None
         ref, perm = ext_ref(q), canonical_perm(q_roles, HEAD_ROLES)
         q_shape = shape(q.info["node"])
@@ -441,10 +439,6 @@ def _mha(walk, node, op, args):
     if key is None or value is None or key.kind != "tok" or value.kind != "tok" or key.roles != ("n", "b", "d") \
             or value.roles != key.roles or query is None or query.kind != "ext":
         return None
-    if _const(a["dropout_p"], 0.0) == "?" and _const(a["training"], True) is not False:
-        raise Reject(f"{node.name}: nn.MultiheadAttention's dropout_p is a value of the graph, not a constant "
-                     f"(under dynamic=True Dynamo passes a module's float as a tensor, which may change with no "
-                     f"recompile); the pool has no dropout, so in training it runs as written (in eval it is read)")
     d, heads = walk.axes.sizes.get("d"), _const(a["num_heads"])
     lay = query.info.get("lay")
     if lay is None or len(lay) != 3 or lay[0] != ONE or lay[1] != ONE or lay[2] == ONE or \
@@ -457,6 +451,10 @@ def _mha(walk, node, op, args):
                      ("static_k", _absent(a["static_k"])), ("static_v", _absent(a["static_v"])),
                      ("use_separate_proj_weight", _const(a["use_separate_proj_weight"], False) is False),
                      ("dropout_p", _const(a["dropout_p"], 0.0) in (0, 0.0) or _const(a["training"], True) is False)):
+        if not ok and name == "dropout_p" and _const(a["dropout_p"]) == "?":
+            raise Reject(f"{node.name}: nn.MultiheadAttention's dropout_p is a value of the graph, not a constant "
+                         f"(under dynamic=True Dynamo passes a module's float as a tensor, which may change with no "
+                         f"recompile); the pool has no dropout, so in training it runs as written (in eval it is read)")
         if not ok:
             raise Reject(f"{node.name}: nn.MultiheadAttention with {name} set; the pool has no such term")
     projections = ("in_proj_weight", "in_proj_bias", "out_proj_weight", "out_proj_bias")
