@@ -58,8 +58,20 @@ def mha_backend(gm, example_inputs, options=None, mode=None):
     dumped = publish(report, gm, lowered, opts.dump, replayed=split.graph if split else None)
     for observer in list(observers):
         observer(report, gm, lowered)
-    compiled = run_rest(lowered, example_inputs, opts, mode, whole, split, report)
-    if opts.verify and report.matches:
+    try:
+        compiled = run_rest(lowered, example_inputs, opts, mode, whole, split, report)
+    except Exception as error:
+        if opts.strict or lowered is gm:
+            raise
+        # as for a failed rewrite: Inductor could not compile the op where torch.func's transforms
+        # run inside the graph (the op's autograd is not theirs; a session 68 test), say
+        report.fallback = f"compiling the rewritten graph failed ({_first_line(error)}); running it as captured"
+        log.warning("mha_compile: %s: %s", report.name, report.fallback)
+        if dumped:
+            refresh_dump(dumped, report, gm, lowered)
+        lowered = gm
+        compiled = run_rest(gm, example_inputs, opts, mode, whole)
+    if opts.verify and lowered is not gm:
         original = run_rest(gm, example_inputs, opts, mode, whole)
         fell_back = functools.partial(refresh_dump, dumped, report, gm, lowered) if dumped else None
         compiled = verify.verified(gm, original, compiled, report, opts.strict, fell_back)
@@ -150,7 +162,8 @@ def lower(gm, opts, report, whole_graph_captured=False):
     torch.utils.checkpoint, say), whose GraphModules hang off gm as attributes. The search runs
     once, on copies (graph_copy keeps node names, so reports read the same); a rewritten
     subgraph is rewritten on its own copy, so the captured graph is never touched, and when
-    nothing matches gm itself is returned.
+    nothing matches gm itself is returned. Raises where the rest cannot run the op: rest="inductor"
+    under torch.func's grad or jvp (_differentiating_transform).
     """
     new, copies, found = whole_graph.copy_graph(gm)[0], {}, {}
     for path, _ in _graph_modules(gm):
@@ -173,8 +186,27 @@ def lower(gm, opts, report, whole_graph_captured=False):
         report.matches += [dict(m.summary(), graph=path or "<top>") for m in matches]
         if matches:
             rewrite(sub, matches)
+    transform = opts.rest == "inductor" and _differentiating_transform(gm)
+    if transform:
+        raise NotImplementedError(
+            f"torch.func's {transform} runs inside the graph; rest='inductor' compiles mha::region through "
+            f"AOTAutograd, and the op's autograd cannot run under {transform} (rest='eager' runs the region's "
+            "reference math there)")
     log.info("mha_compile: %s: replaced %d region(s)", report.name, len(report.matches))
     return new
+
+
+def _differentiating_transform(gm):
+    """"grad" or "jvp" where the graph (or a subgraph) enters a torch.func transform that
+    differentiates (grad, vjp, jacrev; jvp, jacfwd), else None. Under them a traced mha::region
+    raised ("must override the setup_context staticmethod"), and the failed trace left the
+    transform's level entered, so that compiling the captured graph after it failed too."""
+    entries = {"_grad_increment_nesting": "grad", "_jvp_increment_nesting": "jvp"}
+    for _, sub in _graph_modules(gm):
+        for node in sub.graph.nodes:
+            if node.op == "call_function" and getattr(node.target, "__name__", None) in entries:
+                return entries[node.target.__name__]
+    return None
 
 
 def _graph_modules(gm, prefix=""):

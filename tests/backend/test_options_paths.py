@@ -10,7 +10,7 @@ import torch._dynamo.utils
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from mha_compile import models
+from mha_compile import backend, models
 from mha_compile.kernels import reference
 from numerics import compiled_reports, relative_error
 
@@ -153,3 +153,41 @@ def test_verify_compares_integer_outputs_and_the_inputs_written(monkeypatch, whe
     assert report.fallback is not None and expected in report.fallback, report.fallback
     if where == "index":
         assert torch.equal(got[1], want[1])  # the original's, from this first call on
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_rewritten_graph_inductor_cannot_compile_runs_as_captured(monkeypatch, tmp_path, caplog, strict):
+    """Inductor failing on the rewritten graph raised out of torch.compile (session 68: the op under
+    torch.func's grad), where plain Inductor compiles the function: a failure inside the backend must
+    leave the graph as captured, as a failed rewrite does. The dump and the report say so; strict raises."""
+    real = backend._inductor
+
+    def failing_on_the_op(gm, example_inputs, **kwargs):
+        if any(n.target is torch.ops.mha.region.default for n in gm.graph.nodes):
+            raise RuntimeError("planted compile failure")
+        return real(gm, example_inputs, **kwargs)
+
+    monkeypatch.setattr(backend, "_inductor", failing_on_the_op)
+    model = _block()
+    ctx, tok = _inputs()
+    options = {"rest": "inductor", "dump": str(tmp_path), "strict": strict}
+    torch._dynamo.reset()
+    if strict:
+        with pytest.raises(Exception, match="planted compile failure"):
+            torch.compile(copy.deepcopy(model), backend="mha", options=options)(ctx, tok)
+        return
+    compiled = copy.deepcopy(model)
+    with compiled_reports() as reports, caplog.at_level(logging.WARNING, logger="mha_compile"):
+        got = torch.compile(compiled, backend="mha", options=options)(ctx, tok)
+    want = model(ctx, tok)
+    assert len(reports) == 1 and len(reports[0].matches) == 1
+    assert reports[0].fallback.startswith("compiling the rewritten graph failed (RuntimeError: planted compile failure)")
+    assert "planted compile failure" in caplog.text
+    dumped = [p.read_text() for p in tmp_path.rglob("report.txt")]
+    assert len(dumped) == 1 and "planted compile failure" in dumped[0], dumped
+    assert relative_error(got, want) <= 1e-12
+    got.sum().backward()
+    want.sum().backward()
+    for (name, p), q in zip(model.named_parameters(), compiled.parameters()):
+        if name != "pool.key.bias":  # SPEC §1: ∂bk is zero, rounding in either
+            assert relative_error(q.grad, p.grad) <= 1e-12, name

@@ -81,10 +81,14 @@ def _transformed(model, how):
     return lambda p, c, t, g: vmap(lambda c: functional_call(model, p, (c, t)))(c[None].expand(2, -1, -1, -1))
 
 
+@pytest.mark.parametrize("rest", ["eager", "inductor"])
 @pytest.mark.parametrize("how", ["grad", "per-sample grad", "jvp", "vmap"])
-def test_torch_func_transforms_inside_the_compiled_function(how):
+def test_torch_func_transforms_inside_the_compiled_function(how, rest):
     """grad, vmap(grad) and jvp raised inside the op's autograd ("must override the setup_context
-    staticmethod", a tangent dropped); the region now runs its reference under them."""
+    staticmethod", a tangent dropped); with rest="eager" the region now runs its reference under
+    them. With rest="inductor" Inductor traces the op itself, which cannot take them: compiling the
+    rewritten graph raised out of torch.compile (session 68), where plain Inductor compiles the
+    function. Under grad and jvp it now compiles the graph as captured, and the report says why."""
     torch.manual_seed(0)
     model = SpelledBlock().double()
     ctx, tok = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
@@ -94,8 +98,13 @@ def test_torch_func_transforms_inside_the_compiled_function(how):
     want = fn(params, ctx, tok, cotangent)
     with compiled_reports() as reports:
         torch._dynamo.reset()
-        got = torch.compile(fn, backend="mha")(params, ctx, tok, cotangent)
+        got = torch.compile(fn, backend="mha", options={"rest": rest})(params, ctx, tok, cotangent)
     assert sum(len(r.matches) for r in reports) == 1, [str(r) for r in reports]
+    fallbacks = [r.fallback for r in reports if r.fallback]
+    if rest == "inductor" and how != "vmap":  # vmap alone does not differentiate: the op runs under it
+        assert len(fallbacks) == 1 and fallbacks[0].startswith("NotImplementedError: torch.func's"), fallbacks
+    else:
+        assert not fallbacks, fallbacks
     pairs = [(k, got[k], want[k]) for k in want if not k.endswith("key.bias")] if isinstance(want, dict) else \
         [("out", got, want)]
     for name, g, w in pairs:
