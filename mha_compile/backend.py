@@ -163,7 +163,7 @@ def lower(gm, opts, report, whole_graph_captured=False):
     once, on copies (graph_copy keeps node names, so reports read the same); a rewritten
     subgraph is rewritten on its own copy, so the captured graph is never touched, and when
     nothing matches gm itself is returned. Raises where the rest cannot run the op: rest="inductor"
-    under torch.func's grad or jvp (_differentiating_transform).
+    or CUDA graphs of the whole graph, under torch.func's grad or jvp (_differentiating_transform).
     """
     new, copies, found = whole_graph.copy_graph(gm)[0], {}, {}
     for path, _ in _graph_modules(gm):
@@ -186,12 +186,13 @@ def lower(gm, opts, report, whole_graph_captured=False):
         report.matches += [dict(m.summary(), graph=path or "<top>") for m in matches]
         if matches:
             rewrite(sub, matches)
-    transform = opts.rest == "inductor" and _differentiating_transform(gm)
+    transform = (opts.rest == "inductor" or whole_graph_captured) and _differentiating_transform(gm)
     if transform:
         raise NotImplementedError(
-            f"torch.func's {transform} runs inside the graph; rest='inductor' compiles mha::region through "
-            f"AOTAutograd, and the op's autograd cannot run under {transform} (rest='eager' runs the region's "
-            "reference math there)")
+            f"torch.func's {transform} runs inside the graph; "
+            f"{'Inductor' if opts.rest == 'inductor' else 'CUDA graphs'} compile mha::region through AOTAutograd, "
+            f"and the op's autograd cannot run under {transform} "
+            "(rest='eager' without CUDA graphs runs the region's reference math there)")
     log.info("mha_compile: %s: replaced %d region(s)", report.name, len(report.matches))
     return new
 

@@ -9,7 +9,9 @@ from torch import nn
 from torch.func import functional_call, grad, jvp, vmap
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from mha_compile import backend
 from numerics import TOLERANCE, compiled_reports, relative_error
+from test_whole_graph import _stub_cuda_graphs
 from lowering.spellings import SpelledBlock, inputs
 
 
@@ -81,14 +83,20 @@ def _transformed(model, how):
     return lambda p, c, t, g: vmap(lambda c: functional_call(model, p, (c, t)))(c[None].expand(2, -1, -1, -1))
 
 
-@pytest.mark.parametrize("rest", ["eager", "inductor"])
+@pytest.mark.parametrize("rest", ["eager", "inductor", "trees"])
 @pytest.mark.parametrize("how", ["grad", "per-sample grad", "jvp", "vmap"])
-def test_torch_func_transforms_inside_the_compiled_function(how, rest):
+def test_torch_func_transforms_inside_the_compiled_function(how, rest, monkeypatch):
     """grad, vmap(grad) and jvp raised inside the op's autograd ("must override the setup_context
     staticmethod", a tangent dropped); with rest="eager" the region now runs its reference under
     them. With rest="inductor" Inductor traces the op itself, which cannot take them: compiling the
     rewritten graph raised out of torch.compile (session 68), where plain Inductor compiles the
-    function. Under grad and jvp it now compiles the graph as captured, and the report says why."""
+    function, and so did the CUDA-graph trees (mode="reduce-overhead", stood in for on the CPU).
+    Under grad and jvp both now compile the graph as captured, and the report says why."""
+    options = {"rest": rest}
+    if rest == "trees":
+        monkeypatch.setattr(backend, "_whole_graph_captured", lambda *args: True)
+        _stub_cuda_graphs(monkeypatch)
+        options = {"mode": "reduce-overhead", "step_graphs": False}
     torch.manual_seed(0)
     model = SpelledBlock().double()
     ctx, tok = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
@@ -98,10 +106,10 @@ def test_torch_func_transforms_inside_the_compiled_function(how, rest):
     want = fn(params, ctx, tok, cotangent)
     with compiled_reports() as reports:
         torch._dynamo.reset()
-        got = torch.compile(fn, backend="mha", options={"rest": rest})(params, ctx, tok, cotangent)
+        got = torch.compile(fn, backend="mha", options=options)(params, ctx, tok, cotangent)
     assert sum(len(r.matches) for r in reports) == 1, [str(r) for r in reports]
     fallbacks = [r.fallback for r in reports if r.fallback]
-    if rest == "inductor" and how != "vmap":  # vmap alone does not differentiate: the op runs under it
+    if rest != "eager" and how != "vmap":  # vmap alone does not differentiate: the op runs under it
         assert len(fallbacks) == 1 and fallbacks[0].startswith("NotImplementedError: torch.func's"), fallbacks
     else:
         assert not fallbacks, fallbacks
