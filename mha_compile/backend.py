@@ -18,7 +18,7 @@ import torch
 from mha_compile import ops, step_graphs, verify, whole_graph
 from mha_compile.debug.dump import publish, refresh_dump
 from mha_compile.debug.report import GraphReport
-from mha_compile.lowering.match import drop_dead_math, find_regions
+from mha_compile.lowering.match import DDP_HINT, DDP_PIECE, HOP_BODY, drop_dead_math, find_regions
 from mha_compile.lowering.rewrite import rewrite
 from mha_compile.lowering.select import (CAPTURED_WHOLE, choose_kernels, describe_graphs, describe_keep_hidden,
                                          describe_slot_runs, size_text)
@@ -166,14 +166,17 @@ def lower(gm, opts, report, whole_graph_captured=False):
     or CUDA graphs of the whole graph, under torch.func's grad or jvp (_differentiating_transform).
     """
     new, copies, found = whole_graph.copy_graph(gm)[0], {}, {}
+    ddp = "DDPOptimizer" in str(getattr(getattr(gm, "compile_subgraph_reason", None), "reason", ""))
     for path, _ in _graph_modules(gm):
         sub = _copy_attribute(new, path, copies)
         drop_dead_math(sub.graph)
-        found[path] = (sub, find_regions(sub))
+        found[path] = (sub, find_regions(sub, HOP_BODY if path else DDP_PIECE if ddp else None))
     for path, (_, (_, misses)) in found.items():
         report.near_misses += [dict(m.summary(), graph=path or "<top>") for m in misses]
         for miss in misses:
-            log.info("mha_compile: near-miss at %s: %s", miss.node, miss.reason)
+            # a block cut by DDP's graph split is no spelling of the user's: said louder than a near-miss
+            (log.warning if DDP_HINT in miss.reason else log.info)("mha_compile: near-miss at %s: %s", miss.node,
+                                                                   miss.reason)
     if not any(matches for _, (matches, _) in found.values()):
         return gm
     for path, (sub, (matches, _)) in found.items():

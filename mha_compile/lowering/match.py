@@ -157,11 +157,33 @@ def _in_order(nodes, subset):
 
 
 class _Nodes(list):
-    """The graph's nodes in order, with each node's position (so subsets sort without a scan)."""
+    """The graph's nodes in order, with each node's position (so subsets sort without a scan), and
+    what cut the graph from the rest of the model (find_regions' `piece`)."""
 
-    def __init__(self, graph):
+    def __init__(self, graph, piece=None):
         super().__init__(graph.nodes)
         self.order = {n: i for i, n in enumerate(self)}
+        self.piece = piece
+
+
+# What a graph is a piece of, where a cut other than a graph break can split the block (find_regions)
+DDP_PIECE, HOP_BODY = "ddp", "body"
+DDP_HINT = ("this graph is a piece of DDP's graph split (DDPOptimizer: under torch._dynamo.config.optimize_ddp = True, "
+            "the default, Dynamo cuts a DistributedDataParallel model's graph where a gradient bucket fills), and the "
+            "cut falls inside the block: set torch._dynamo.config.optimize_ddp = False (one graph; DDP's all-reduce "
+            "then waits for the whole backward) or \"python_reducer\" with compiled autograd")
+BODY_HINT = ("a function Dynamo keeps apart (torch.utils.checkpoint's, say), which holds only part of the block: put "
+             "the whole block inside that function or outside it")
+
+
+def _elsewhere(nodes, between):
+    """Where the rest of a block ran whose MoE or merge reads an input of this graph, for a near-miss."""
+    if nodes.piece == DDP_PIECE:
+        return f"in an earlier piece of the model's graph, cut off {between}: {DDP_HINT}"
+    if nodes.piece == HOP_BODY:
+        return f"outside this graph, the body of {BODY_HINT}"
+    return (f"in an earlier graph, which Dynamo ended {between} (explain lists where Dynamo broke the graph), or "
+            f"outside the compiled function")
 
 
 def _strip(node, kinds=_LAYOUT):
@@ -179,9 +201,12 @@ class _Miss(Exception):
 
 
 _ROUTING = ("topk", "topw", "topi", "sumw", "onehot", "emask", "where", "selidx", "gate", "gate_s", "gatecol", "probs")
-def _split_hint():
+def _split_hint(nodes):
     """What to do about a graph break in the region: the flag where it is off; where it is on
-    already, the break is something else (a loop over a tensor: `for e in expert_hit`)."""
+    already, the break is something else (a loop over a tensor: `for e in expert_hit`). In a piece
+    of DDP's graph split, the split is the cause (a review's: the flag was advised in vain)."""
+    if nodes.piece == DDP_PIECE:
+        return DDP_HINT
     if not torch._dynamo.config.capture_dynamic_output_shape_ops:
         return ("set torch._dynamo.config.capture_dynamic_output_shape_ops = True so that Dynamo keeps "
                 "torch.where/nonzero or torch.bincount (data-dependent shapes) in one graph with the router")
@@ -190,9 +215,11 @@ def _split_hint():
             "Loop over range(E) instead")
 
 
-def find_regions(gm):
-    """All MHA regions of gm's graph: (matches, near_misses). The graph is not changed."""
-    nodes = _Nodes(gm.graph)
+def find_regions(gm, piece=None):
+    """All MHA regions of gm's graph: (matches, near_misses). The graph is not changed. piece:
+    DDP_PIECE where gm is a piece of DDP's graph split, HOP_BODY where it is a higher-order op's
+    body (a checkpointed function), for the reasons of a block the cut splits."""
+    nodes = _Nodes(gm.graph, piece)
     matches, misses = [], []
     anchors = [n for n in nodes
                if n.op in ("call_function", "call_method") and getattr(n.target, "__name__", n.target) == "topk"]
@@ -203,11 +230,11 @@ def find_regions(gm):
         try:
             matches.append(_apart(_match_at(nodes, anchor), matches))
         except _Miss as miss:
-            if _leaves_graph(anchor) and "graph break" not in miss.reason:
+            if _leaves_graph(anchor) and "graph break" not in miss.reason and DDP_HINT not in miss.reason:
                 miss = _Miss(anchor, f"{anchor.name}: the top-k's weights or indices are outputs of this graph, "
                                      f"so the region is not replaced ({miss.reason}). If the forward does not "
                                      "return them, a graph break splits the MHA region (e.g. at torch.where/"
-                                     f"nonzero); {_split_hint()}")  # returned w read as only a break: a review's
+                                     f"nonzero); {_split_hint(nodes)}")  # returned w read as only a break: a review's
             misses.append(NearMiss(anchor.name, getattr(miss.node, "name", str(miss.node)), miss.reason))
     if not anchors:
         misses.extend(_split_experts(nodes))
@@ -298,7 +325,7 @@ def _split_experts(nodes):
         return []
     return [NearMiss(adds[0].name, adds[0].name,
                      f"{adds[0].name}: this graph adds expert outputs (index_add_) but holds no router top-k: the MHA "
-                     f"region was split by a graph break and cannot be replaced; {_split_hint()}")]
+                     f"region was split by a graph break and cannot be replaced; {_split_hint(nodes)}")]
 
 
 def _match_at(nodes, anchor):
@@ -311,8 +338,7 @@ def _match_at(nodes, anchor):
     y_op = canon(y)
     if y.op == "placeholder":
         raise _Miss(y, f"{anchor.name}: the MoE's input {y.name} is an input of this graph, so the merge and the "
-                       f"pool ran elsewhere: in an earlier graph, which Dynamo ended before the MoE (explain lists "
-                       f"where Dynamo broke the graph), or outside the compiled function")
+                       f"pool ran elsewhere: {_elsewhere(nodes, 'before the MoE')}")
     if y_op is None or y_op.kind != "add":
         raise _Miss(y, f"{anchor.name}: the MoE's input {y.name} is not a broadcast-add of a pooled vector "
                        f"over horizons (no merge ctx + inv[:, None] before the router)")
@@ -575,6 +601,16 @@ def _pool_ancestors(inv, order):
     return seen
 
 
+def _from_body(node):
+    """The name of the higher-order op (tag_activation_checkpoint, say) whose output `node` is one
+    of (getitem of its result), else None."""
+    op = canon(node)
+    if op is None or op.kind != "getitem" or not isinstance(op.args[0], torch.fx.Node):
+        return None
+    target = op.args[0].target
+    return getattr(target, "__name__", str(target)) if isinstance(target, torch._ops.HigherOrderOperator) else None
+
+
 def _read_pool(nodes, inv):
     """Read the pool backwards from inv: try each token tensor that feeds a projection."""
     ancestors = _pool_ancestors(inv, nodes.order)
@@ -589,8 +625,10 @@ def _read_pool(nodes, inv):
     reason = (inv, f"{inv.name}: no [B,N,D] token tensor feeds a projection of the pool")
     if _strip(inv).op == "placeholder" and not candidates:
         reason = (inv, f"{inv.name}: the pooled vector added over horizons is an input of this graph, so its pool "
-                       f"ran elsewhere: in an earlier graph, which Dynamo ended between the pool and the MoE "
-                       f"(explain lists where Dynamo broke the graph), or outside the compiled function")
+                       f"ran elsewhere: {_elsewhere(nodes, 'between the pool and the MoE')}")
+    elif _from_body(_strip(inv)) and not candidates:
+        reason = (inv, f"{inv.name}: the pooled vector added over horizons comes out of {_from_body(_strip(inv))}, "
+                       f"{BODY_HINT}")
     for tok in candidates:
         # A one-head pool (P = 1) views [B,N,D] as [B,N,1,D], which reads the same as an
         # unsqueeze: try the usual reading first, then the one-head one.
@@ -647,8 +685,9 @@ def _moe_failure(walk, nodes, anchor):
     out_node = next((n for n in reversed(nodes) if n.op == "output"), None)
     leaving = [n for n in valued if out_node in n.users and walk.vals[n].kind in _ROUTING]
     if leaving:
-        return leaving[0], (f"{leaving[0].name}: the MoE after top-k {anchor.name} leaves this graph unfinished "
-                            f"(a graph break splits the region, e.g. at torch.where/nonzero); {_split_hint()}")
+        cut = "" if nodes.piece == DDP_PIECE else " (a graph break splits the region, e.g. at torch.where/nonzero)"
+        return leaving[0], (f"{leaving[0].name}: the MoE after top-k {anchor.name} leaves this graph unfinished"
+                            f"{cut}; {_split_hint(nodes)}")
     top = walk.vals.get(anchor)
     normalised = any(v.kind == "topw" and v.info.get("topk") is anchor for v in walk.vals.values())
     if top is not None and top.info.get("on_logits") and not normalised:  # a softmax of the k chosen reads as topw

@@ -3,6 +3,7 @@ import pathlib
 import re
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 
 import mha_compile
 from mha_compile.debug import explain as explain_module
@@ -222,6 +223,40 @@ def test_a_graph_break_between_the_pool_and_the_moe_is_named():
         assert report.graphs[1].ended_by == "" and f"ended by {report.graphs[0].ended_by}" in str(report)
     whole = mha_compile.explain(MHABlock(12, 3, 8, 3, 2), *_inputs(4, 5))
     assert len(whole.matches) == 1 and whole.graph_breaks == [] and "Dynamo broke" not in str(whole)
+
+
+class _CheckpointedPart(MHABlock):
+    """The block with only its pool, or only its MoE, under torch.utils.checkpoint: one graph and no
+    break, the checkpointed part in a body of its own. Its near-miss blamed a graph break (a review's)."""
+
+    def __init__(self, part, *sizes):
+        super().__init__(*sizes)
+        self.part = part
+
+    def forward(self, ctx, tok):
+        if self.part == "pool":
+            return self.moe(ctx + checkpoint(self.pool, tok, use_reentrant=False).unsqueeze(1))
+        if self.part == "moe":
+            return checkpoint(self.moe, ctx + self.pool(tok).unsqueeze(1), use_reentrant=False)
+        return checkpoint(super().forward, ctx, tok, use_reentrant=False)
+
+
+@pytest.mark.parametrize("part", ["pool", "moe", "whole"])
+def test_a_checkpoint_around_part_of_the_block_is_named(part):
+    torch.manual_seed(5)
+    report = mha_compile.explain(_CheckpointedPart(part, 12, 3, 8, 3, 2), *_inputs(4, 5))
+    assert len(report.graphs) == 1 and report.graph_breaks == [], str(report)
+    if part == "whole":
+        assert len(report.matches) == 1 and not report.near_misses, str(report)
+        return
+    assert not report.matches and len(report.near_misses) == 1, str(report)
+    miss = report.near_misses[0]
+    assert "put the whole block inside that function or outside it" in miss["reason"], miss
+    assert "Dynamo ended" not in miss["reason"] and "graph break" not in miss["reason"], miss
+    if part == "pool":  # the MoE in the graph itself, its pooled vector out of the checkpoint
+        assert miss["graph"] == "<top>" and "comes out of tag_activation_checkpoint" in miss["reason"], miss
+    else:  # the MoE in the checkpoint's body
+        assert miss["graph"] != "<top>" and "the merge and the pool ran elsewhere" in miss["reason"], miss
 
 
 class _WithOptions(MHABlock):
