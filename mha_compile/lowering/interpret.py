@@ -109,6 +109,22 @@ class Reject(Exception):
     """Raised by a rule that recognised an op but found it is not the block's: the reason."""
 
 
+def graph_scalar(node):
+    """Whether node is a scalar that is a value of the graph (a SymInt or SymFloat, a 0-d tensor),
+    where the block needs a constant (the scores' scale, top-k's k)."""
+    value = node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
+    return isinstance(value, (torch.SymInt, torch.SymFloat)) or isinstance(value, torch.Tensor) and value.dim() == 0
+
+
+def graph_value_reason(node, what, arg):
+    """A near-miss's reason for `what` of node given as `arg`, a value of the graph (graph_scalar)."""
+    return (f"{node.name}: {what} is {arg.name}, a value of the graph, not a constant: the op fixes it when the "
+            f"graph is compiled. Dynamo makes a number such a value under dynamic=True, or once it has seen it take "
+            f"two (automatic dynamic shapes: a number passed to the forward; a float attribute too, under "
+            f"torch._dynamo.config.specialize_float = False, the default): compile with dynamic=False, or keep it "
+            f"a constant (a module's int attribute, self.k; 1 / math.sqrt(Dh) of a fixed Dh)")
+
+
 def known_eq(a, b):
     if isinstance(a, int) and isinstance(b, int):
         return a == b

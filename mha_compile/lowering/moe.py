@@ -24,10 +24,10 @@ import operator
 import torch
 
 from mha_compile.lowering.activation import KINDS as ELEMENTWISE, written_out
-from mha_compile.lowering.canonicalize import Op, dtype, float_dtype, shape, sum_of_product, written
+from mha_compile.lowering.canonicalize import Op, canon, dtype, float_dtype, shape, sum_of_product, written
 from mha_compile.lowering.interpret import (ONE, ParamRef, Reject, StackRef, Val, broadcast, canonical_perm,
-                                            einsum_roles, ext_ref, is_one, known_eq, layout_rule, move_roles,
-                                            select_rule)
+                                            einsum_roles, ext_ref, graph_scalar, graph_value_reason, is_one,
+                                            known_eq, layout_rule, move_roles, select_rule)
 from mha_compile.lowering.moe_grouped import grouped_rule
 from mha_compile.lowering.moe_pairs import pair_rows
 from mha_compile.lowering.moe_split import WIDE, split_later, split_rule
@@ -458,6 +458,9 @@ def _softmax(node, logits, dim):
 
 
 def _topk(node, probs, k, dim, largest, sorted_):
+    if probs is not None and probs.kind in ("probs", "logits") and k is not None and k.kind != "const" and \
+            graph_scalar(canon(node).args[1]):
+        raise Reject(graph_value_reason(node, "top-k's k", canon(node).args[1]))
     if probs is None or k is None or probs.kind not in ("probs", "logits") or k.kind != "const":
         return None
     dim = -1 if dim is None or dim.info["value"] is None else dim.info["value"]

@@ -27,9 +27,9 @@ import torch
 from mha_compile.lowering.aliases import written_in_place
 from mha_compile.lowering.canonicalize import canon, dtype, float_dtype, shape, sum_of_product
 from mha_compile.lowering.interpret import (BATCH_HEADS, ONE, ParamRef, Reject, Val, base_layout, broadcast,
-                                            canonical_perm,
-                                            einsum_roles, ext_ref, ext_val, known_eq, layout_rule, query_ref,
-                                            select_rule, with_step)
+                                            canonical_perm, einsum_roles, ext_ref, ext_val, graph_scalar,
+                                            graph_value_reason, known_eq, layout_rule, query_ref, select_rule,
+                                            with_step)
 
 HEAD_ROLES = ("d.0", "d.1")
 
@@ -120,6 +120,9 @@ def _add_bias(walk, node, a, b):
 
 
 def _scale(node, kind, a, b):
+    for val, other, arg in zip((a, b), (b, a), canon(node).args):
+        if other is not None and other.kind == "scores" and (val is None or val.kind != "const") and graph_scalar(arg):
+            raise Reject(graph_value_reason(node, f"the scores' {'factor' if kind == 'mul' else 'divisor'}", arg))
     if a is not None and a.kind == "const" and kind == "mul":
         a, b = b, a
     if a is None or b is None or a.kind != "scores" or b.kind != "const" or \
@@ -384,9 +387,11 @@ def _item(walk, node, op):
 
 
 def _const(val, default=None):
-    if val is None or (val.kind == "const" and val.info["value"] is None):
+    """An argument's constant value: `default` where it was not given (None as written), "?" where it
+    is a value of the graph or one the walk cannot read (val None: an unread dropout_p is no 0)."""
+    if val is not None and val.kind == "const" and val.info["value"] is None:
         return default
-    return val.info["value"] if val.kind == "const" else "?"
+    return val.info["value"] if val is not None and val.kind == "const" else "?"
 
 
 def _absent(val):
@@ -414,8 +419,10 @@ def _sdpa(walk, node, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gq
     if _const(enable_gqa, False) is not False:
         return None
     head_dim = walk.axes.sizes.get("d.1")
-    scale = _const(scale)
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    given = _const(scale)
+    if given == "?" and graph_scalar(canon(node).args[6]):
+        raise Reject(graph_value_reason(node, "its scale", canon(node).args[6]))
+    scale = 1.0 / math.sqrt(head_dim) if given is None else given
     if not isinstance(scale, (int, float)):
         return None
     mask = None if _absent(attn_mask) else _mask_ref(attn_mask, k.roles[:-2] + (ONE, "n"), node, invert=True,
