@@ -238,7 +238,10 @@ def find_regions(gm, piece=None):
             misses.append(NearMiss(anchor.name, getattr(miss.node, "name", str(miss.node)), miss.reason))
     if not anchors:
         misses.extend(_split_experts(nodes))
-    return matches, misses + _routed_otherwise(nodes)
+    # a top-k that runs after a replaced region on its router's softmax (a load-balancing loss's own
+    # selection) is no MoE: its walk blamed the matched experts (a review's)
+    kept = {n.name for match in matches for n in match.kept}
+    return matches, [m for m in misses if m.anchor not in kept] + _routed_otherwise(nodes)
 
 
 def _routed_otherwise(nodes):
