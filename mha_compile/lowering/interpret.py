@@ -519,6 +519,13 @@ def _ext_layout(walk, node, op, src, in_shape, out_shape):
     elif ref is not None and op.kind == "reshape" and in_shape is not None and out_shape is not None and \
             [s for s in in_shape if not is_one(s)] == [s for s in out_shape if not is_one(s)] and ref.perm is None:
         new_ref = ref
+    elif ref is not None and op.kind == "reshape" and ref.perm is None and ref.select is None and not ref.steps:
+        # a parameter stored in another shape (W1 kept [E, D·F] and viewed [E, D, F], a query kept
+        # [D]): the view itself is the parameter the op takes, as a parametrization's result is;
+        # autograd carries its gradient back. Unread, the block was refused (a review's).
+        own = base_layout(node)
+        if own is not None and walk.axes.bind_all(own, shape(node)):
+            return ext_val(node, ParamRef(node), own)
     if new_ref is None and lay is None:
         return None
     return ext_val(node, new_ref, lay)

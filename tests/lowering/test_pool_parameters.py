@@ -50,7 +50,10 @@ class StoredPool(SpelledBlock):
 
 
 READ_AS_STORED = ["query [1,P,Dh] read as query[0]", "query [Dh,1] read as .view(1,Dh)", "bo [D,1] read as .view(D)",
-                  "bv [1,D] read as b[0]"]
+                  "bv [1,D] read as b[0]",
+                  # since session 68 the reshape itself is the parameter the op takes (a review's: a
+                  # parameter stored in another shape lost the block)
+                  "bv [P,Dh] given as .reshape(D)", "bo [P,Dh] given as .reshape(D)"]
 
 
 @pytest.mark.parametrize("how", READ_AS_STORED)
@@ -65,11 +68,10 @@ def test_a_parameter_stored_with_other_size_one_axes_is_passed_as_the_user_views
     assert_one_match(compile_and_compare(model, args, torch.float64))
 
 
-@pytest.mark.parametrize("how", ["bv [P,Dh] given as .reshape(D)", "bo [P,Dh] given as .reshape(D)",
-                                 "bv [1] given as .expand(D)"])
+@pytest.mark.parametrize("how", ["bv [1] given as .expand(D)"])
 def test_a_bias_given_to_linear_through_a_view_it_cannot_read_is_not_dropped(how):
     """F.linear's bias as a reshape or an expand of a parameter was read as no bias (0.48, 0.79
-    and 0.15 off); it now runs as written."""
+    and 0.15 off); the expand now runs as written, the reshape is read (READ_AS_STORED)."""
     torch.manual_seed(0)
     args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     reasons = as_eager_in_every_gradient(StoredPool(how).double(), args, torch.float64)

@@ -1,0 +1,45 @@
+"""Parameters stored in another shape than the block reads them, and viewed into it in the forward:
+W1 kept [E, D·F], the query kept [D], b1 kept flat, or every weight a view of one flat buffer (as
+sharded or fused-optimizer training keeps them). The block was refused before session 68, its
+near-miss blaming the activation (a review's); the view itself is now the parameter the op takes,
+and autograd carries each gradient back to the stored tensor."""
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from compiled_checks import assert_one_match, compile_and_compare
+from spellings import SpelledBlock, inputs
+
+
+class ViewedParameters(SpelledBlock):
+    """SpelledBlock whose `stored` parameters live in one flat Parameter, each read as a view."""
+
+    def __init__(self, stored, **kwargs):
+        super().__init__(**kwargs)
+        tensors = {name: getattr(self, name).detach() for name in stored}
+        for name in stored:
+            delattr(self, name)
+        self.shapes = {name: t.shape for name, t in tensors.items()}
+        self.flat = nn.Parameter(torch.cat([t.reshape(-1) for t in tensors.values()]))
+
+    def __getattr__(self, name):
+        shapes = self.__dict__.get("shapes", {})
+        if name not in shapes:
+            return super().__getattr__(name)
+        start = 0
+        for other, size in shapes.items():
+            if other == name:
+                return self.flat[start:start + math.prod(size)].view(size)
+            start += math.prod(size)
+
+
+@pytest.mark.parametrize("stored", [("w1",), ("query",), ("b1",), ("w1", "w2", "b1", "b2", "query")],
+                         ids=["w1", "query", "b1", "all"])
+@pytest.mark.parametrize("moe", ["loop", "dense_scatter", "gathered"])
+def test_parameters_viewed_from_another_shape_match_and_train_as_eager(stored, moe):
+    torch.manual_seed(0)
+    model = ViewedParameters(stored, moe=moe).double()
+    args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    assert_one_match(compile_and_compare(model, args, torch.float64))
