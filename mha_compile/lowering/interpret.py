@@ -569,9 +569,11 @@ def select_rule(walk, node, op):
     if src is None or src.kind != "ext" or not isinstance(index, int):
         return None
     ref = src.info["ref"]
-    if ref is None or ref.perm is not None or ref.select is not None:
+    if ref is None or ref.select is not None or ref.perm is not None and ref.perm[0] != 0:
         return None
-    return ext_val(node, dataclasses.replace(ref, select=index), None)
+    # a stack permuted behind its expert axis (w2.transpose(1, 2)[e]): the slice, then its own axes permuted
+    perm = None if ref.perm is None else tuple(p - 1 for p in ref.perm[1:])
+    return ext_val(node, dataclasses.replace(ref, select=index, perm=None if perm == (0, 1) else perm), None)
 
 
 def ext_ref(val):

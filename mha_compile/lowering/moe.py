@@ -379,11 +379,14 @@ def _einsum(walk, node, equation, operands):
     src, w = (operands[0], operands[1]) if kinds[1] == "ext" else (operands[1], operands[0])
     if ext_ref(w) is None:
         return None
-    w_term, w_shape = terms[kinds.index("ext")], shape(ext_ref(w).node)
+    w_term, stored = terms[kinds.index("ext")], shape(ext_ref(w).node)
     fresh = [l for l in w_term if letters.get(l) is None]
-    if w_shape is None or len(w_shape) != len(w_term) or ext_ref(w).select is not None or ext_ref(w).perm is not None \
-            or ext_ref(w).steps:
+    if stored is None or len(stored) != len(w_term) or ext_ref(w).select is not None or ext_ref(w).steps:
         return None
+    # a weight stored in another axis order and permuted for the einsum (W2 kept [E, D, F], nn.Linear's
+    # [out, in] per expert, read as .transpose(1, 2)): its letters name the permuted view's axes
+    view = ext_ref(w).perm or tuple(range(len(stored)))
+    w_shape = tuple(stored[p] for p in view)
     size = dict(zip(w_term, w_shape))
     if src.kind == "x" and {letters.get(l) for l in contracted} == {"d"} and len(fresh) == 2:
         # The weight's two own letters are its expert axis and its hidden axis: the expert
@@ -400,10 +403,12 @@ def _einsum(walk, node, equation, operands):
         key = "w2"
     else:
         return None
-    w_roles = tuple(letters[l] for l in w_term)
+    w_roles = [None] * len(view)  # the stored tensor's axes' roles
+    for letter, axis in zip(w_term, view):
+        w_roles[axis] = letters[letter]
     out = tuple(letters.get(l) for l in _output(equation))
     rows = src.roles[:-2] if src.kind == "h" else src.roles[:-1]
-    perm = canonical_perm(w_roles, canonical)
+    perm = canonical_perm(tuple(w_roles), canonical)
     if perm is False or out != rows + (canonical[0], canonical[2]):
         return None
     return Val(kind, out, dict(extra, **{key: ParamRef(ext_ref(w).node, perm)}))

@@ -43,3 +43,32 @@ def test_parameters_viewed_from_another_shape_match_and_train_as_eager(stored, m
     model = ViewedParameters(stored, moe=moe).double()
     args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     assert_one_match(compile_and_compare(model, args, torch.float64))
+
+
+class StoredTransposed(SpelledBlock):
+    """Expert weights stored as nn.Linear's [out, in] per expert ([E, F, D] for W1, [E, D, F] for
+    W2) and transposed into the block's layout for the whole stack, before any expert is taken."""
+
+    def __init__(self, stored, **kwargs):
+        super().__init__(**kwargs)
+        for name in stored:
+            weight = getattr(self, name).detach()
+            delattr(self, name)
+            self.register_parameter(f"{name}_t", nn.Parameter(weight.transpose(1, 2).contiguous()))
+        self.stored = stored
+
+    def __getattr__(self, name):
+        if name in self.__dict__.get("stored", ()):
+            return super().__getattr__(f"{name}_t").transpose(1, 2)
+        return super().__getattr__(name)
+
+
+@pytest.mark.parametrize("stored", [("w1",), ("w2",), ("w1", "w2")], ids=["w1", "w2", "both"])
+@pytest.mark.parametrize("moe", ["loop", "dense_scatter", "dense_onehot"])
+def test_expert_weights_stored_transposed_match_and_train_as_eager(stored, moe):
+    """Refused before session 68 (select_rule took no permuted stack; the dense einsum no permuted
+    weight), the near-miss blaming the activation: a review's."""
+    torch.manual_seed(0)
+    model = StoredTransposed(stored, moe=moe).double()
+    args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    assert_one_match(compile_and_compare(model, args, torch.float64))
