@@ -25,7 +25,7 @@ import torch
 
 from mha_compile import backend, models, step_graphs
 from mha_compile.lowering.select import CAPTURED_WHOLE
-from numerics import compiled_reports
+from numerics import compiled_reports, needs_interpreter
 from dropout_model import DroppedTokens
 from mha_compile.step_graphs import CudaGraphs  # the real one: the tests replace the module's
 
@@ -711,6 +711,7 @@ def test_verify_leaves_the_parameters_read_in_place(monkeypatch, caplog):
     assert _backward_replays() >= 2
 
 
+@needs_interpreter  # the split takes the fused kernels' pool, which on the CPU runs under the interpreter only
 def test_the_pool_outside_the_step_graphs_trains_as_eager(monkeypatch):
     """The pool run eagerly before the step's graphs (whole_graph.plan_pool_split, here at every
     size) hands them its inv as an input: its gradient must reach the pool's backward, and every
