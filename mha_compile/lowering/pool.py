@@ -63,6 +63,10 @@ def pool_rule(walk, node, op):
         return layout_rule(walk, node, op)
     if op.kind == "getitem":
         return select_rule(walk, node, op) or _item(walk, node, op)
+    if op.kind == "not":  # ~mask after its broadcast over the heads: elementwise, so it keeps the broadcast
+        src = walk.val(op.args[0])
+        lay = src.info.get("lay") if src is not None and src.kind == "ext" else None
+        return None if lay is None else ext_val(node, ParamRef(node), lay)
     op = sum_of_product(op) or op  # (k * q).sum(-1), (attn[..., None] * v).sum(1): einsums
     args = [walk.val(a) for a in op.args]
     if op.kind == "linear":

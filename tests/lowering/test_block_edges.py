@@ -224,3 +224,31 @@ def test_a_loss_s_own_top_k_of_the_router_is_no_near_miss(moe):
     reports = compile_and_compare(SecondTopKInTheLoss(moe=moe).double(), args, torch.float64,
                                   dynamic_where=moe == "mixtral")
     assert_one_match(reports)
+
+
+class SdpaMaskOverHeads(SpelledBlock):
+    """SDPA's attn_mask broadcast over the heads before or after its inversion (True = take part)."""
+
+    def __init__(self, how):
+        super().__init__(pool="sdpa", mask=True)
+        self.how = how
+
+    def pool_forward(self, tok, pad=None):
+        B, N, D = tok.shape
+        P, Dh = self.P, self.Dh
+        k, v = (t.view(B, N, P, Dh).transpose(1, 2) for t in self._kv(tok))
+        q = self.query.view(1, P, 1, Dh).expand(B, -1, -1, -1)
+        mask = {"invert then expand": lambda: (~pad)[:, None, None, :].expand(B, P, 1, N),
+                "expand then invert": lambda: ~pad[:, None, None, :].expand(B, P, 1, N),
+                "repeat then invert": lambda: ~pad[:, None, None, :].repeat(1, P, 1, 1)}[self.how]()
+        pooled = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.out(pooled.reshape(B, D))
+
+
+@pytest.mark.parametrize("how", ["invert then expand", "expand then invert", "repeat then invert"])
+def test_an_sdpa_mask_inverted_after_its_broadcast_over_the_heads_matches(how):
+    """~ after the broadcast made a tensor of its own, read as varying along the heads: a near-miss
+    ("the mask varies along ['b', 'd.0', 'n']") where the mask is constant over them (a review's)."""
+    torch.manual_seed(0)
+    args = inputs(dtype=torch.float64, mask=True, generator=torch.Generator().manual_seed(1))
+    assert_one_match(compile_and_compare(SdpaMaskOverHeads(how).double(), args, torch.float64))
