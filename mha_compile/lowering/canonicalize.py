@@ -256,6 +256,11 @@ def _read_getitem(node, args):
     if all(i is None or i is Ellipsis or i == slice(None) for i in items if not isinstance(i, int)) and \
             not any(isinstance(i, int) for i in items) and any(i is None for i in items):
         return Op("reshape", (base,))
+    first = items[0] if items else None
+    if type(first) is int and all(i is Ellipsis or i == slice(None) for i in items[1:]) and in_shape is not None \
+            and isinstance(in_shape[0], int) and -in_shape[0] <= first < in_shape[0]:
+        # W[e, :, :], W[e, ...] and W[e - E] are W[e] (a review's: mixed with W[e], they lost the block)
+        return Op("getitem", (base, first % in_shape[0]))
     return Op("getitem", (base, index))
 
 

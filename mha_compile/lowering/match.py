@@ -711,9 +711,38 @@ def _moe_failure(walk, nodes, anchor):
         read = [walk.vals[i].kind for i in n.all_input_nodes if walk.vals.get(i) is not None]
         if n not in walk.vals and n.op in ("call_function", "call_method") and any(k in _EXPERT_KINDS for k in read):
             what = next(_EXPERT_KINDS[k] for k in read if k in _EXPERT_KINDS)
+            unread = _unread_operand(walk, nodes, n)
+            if unread is not None:
+                return unread, f"{generic}: {n.name} ({call_name(n)}) on {what} takes {_unread_text(walk, unread)}"
             return n, (f"{generic}: {n.name} ({call_name(n)}) on {what} is not part of that math (the activations "
                        f"read are gelu (erf or tanh), silu and swiglu, each as torch writes it or written out)")
     return anchor, generic
+
+
+def _unread_operand(walk, nodes, n):
+    """Where n, a step on an expert's value, fails for its other operand rather than for itself: the
+    first node, on that operand's side, that the walk gave no meaning (a detach or a gradient hook
+    on the gates: a review's, whose reason blamed the activation), or the operand itself where it is
+    a tensor from outside the region that the walk reads as no expert's slice (W2 of another
+    spelling than W1's, a stack unbound). None where every operand was read."""
+    for i in n.all_input_nodes:
+        val = walk.vals.get(i) if i in walk.inside else walk.val(i)  # outside: read on demand, as the walk did
+        if val is not None and val.kind in _EXPERT_KINDS:
+            continue
+        if i in walk.inside and val is None:
+            ancestors = [a for a in _ancestors(i, nodes.order) if a in walk.inside and a not in walk.vals]
+            return min(ancestors + [i], key=nodes.order.get)
+        if val is not None and val.kind == "ext" and call_name(n) in ("matmul", "mm", "bmm", "einsum", "linear"):
+            return i
+    return None
+
+
+def _unread_text(walk, node):
+    """What _unread_operand found, for a reason."""
+    if node not in walk.inside:  # a weight from outside
+        return (f"{node.name} ({call_name(node)}), which could not be read as this expert's weight: W[e] of one "
+                f"stacked parameter (or its transpose), or one nn.Linear per expert, spelled alike for W1 and W2")
+    return f"what {node.name} ({call_name(node)}) gives, and {node.name} is not part of the block's math"
 
 
 # The experts' values, as a reason names them (_moe_failure)

@@ -252,3 +252,20 @@ def test_an_sdpa_mask_inverted_after_its_broadcast_over_the_heads_matches(how):
     torch.manual_seed(0)
     args = inputs(dtype=torch.float64, mask=True, generator=torch.Generator().manual_seed(1))
     assert_one_match(compile_and_compare(SdpaMaskOverHeads(how).double(), args, torch.float64))
+
+
+class DetachedGates(SpelledBlock):
+    def route(self, x):
+        weight, index = super().route(x)
+        return weight.detach(), index
+
+
+@pytest.mark.parametrize("moe", ["loop", "dense_scatter"])
+def test_detached_gates_are_refused_naming_the_detach(moe):
+    """The router trained by nothing but its aux loss: not the block (its gates carry no gradient).
+    The near-miss blamed the activation ("mul_1 (mul) on the expert's output is not part of that
+    math (the activations read are ...)"), a review's; it names the detach now."""
+    torch.manual_seed(0)
+    args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    reasons = as_eager_in_every_gradient(DetachedGates(moe=moe).double(), args, torch.float64)
+    assert len(reasons) == 1 and "(detach)" in reasons[0] and "activations read" not in reasons[0], reasons

@@ -72,3 +72,25 @@ def test_expert_weights_stored_transposed_match_and_train_as_eager(stored, moe):
     model = StoredTransposed(stored, moe=moe).double()
     args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     assert_one_match(compile_and_compare(model, args, torch.float64))
+
+
+class SelectedOtherwise(SpelledBlock):
+    """Each expert's W2 (and b2) taken by another spelling of W[e] than W1's."""
+
+    def __init__(self, how, **kwargs):
+        super().__init__(**kwargs)
+        self.how = how
+
+    def expert(self, e, x):
+        w2, b2 = {"[e, :, :]": lambda: (self.w2[e, :, :], self.b2[e, :]),
+                  "[e, ...]": lambda: (self.w2[e, ...], self.b2[e, ...]),
+                  "[e - E]": lambda: (self.w2[e - self.E], self.b2[e - self.E])}[self.how]()
+        return self._act(x @ self.w1[e] + self.b1[e]) @ w2 + b2
+
+
+@pytest.mark.parametrize("how", ["[e, :, :]", "[e, ...]", "[e - E]"])
+def test_an_expert_s_weights_selected_by_spellings_of_w_e_match(how):
+    """W2[e, :, :] beside W1[e] was refused, the near-miss blaming the activation (a review's)."""
+    torch.manual_seed(0)
+    args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    assert_one_match(compile_and_compare(SelectedOtherwise(how).double(), args, torch.float64))
