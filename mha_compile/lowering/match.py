@@ -17,7 +17,7 @@ import operator
 
 import torch
 
-from mha_compile.lowering.aliases import FRESH, aliases as storage_aliases
+from mha_compile.lowering.aliases import FRESH, aliases as storage_aliases, storage_parent
 from mha_compile.lowering.canonicalize import call_name, canon, dtype, float_dtype, is_inplace, shape, written
 from mha_compile.lowering.interpret import (ONE, StackRef, Val, Walk, broadcast, known_eq, layout_rule,
                                            ref_shape, with_step)
@@ -823,9 +823,10 @@ def _deferred(nodes, region, out, early):
             if n in region:
                 raise _Miss(root, f"{root.name} reads the region's router and the region reads it back (by "
                                   f"{n.name}); the region cannot be replaced by one op")
-            if is_inplace(n):
-                raise _Miss(root, f"{root.name} reads the region's router before the region ends, and {n.name} "
-                                  f"writes in place after it: moving them after the op would reorder that write")
+            if is_inplace(n) and not _writes_its_own(n, root):
+                raise _Miss(root, f"{root.name} reads a value of the region (its router's, or one it exports) before "
+                                  f"the region ends, and {n.name} writes in place after it: moving them after the op "
+                                  f"would reorder that write")
             moved.add(n)
     if moved:  # a write in place between them and the op could change what they read
         start = min(nodes.order[n] for n in moved)
@@ -842,6 +843,18 @@ def _deferred(nodes, region, out, early):
                            f"and draws too, and before the region's end: moving that reader after the op would "
                            f"swap their draws (other numbers than eager's for one seed)")
     return moved
+
+
+def _writes_its_own(n, root):
+    """Whether n writes in place a tensor that root, a reader of the region's value, or what follows
+    from it made (the ReLU(inplace=True) of a head on inv: a review's, refused as a reordered write):
+    every tensor that shares its storage is root or comes after it, none a view of the region's
+    value or of anything before."""
+    base = written(n)
+    while base is not None and (parent := storage_parent(base)) is not None:
+        base = parent
+    later = set(_descendants(root)) | {root}
+    return base is not None and base in later and all(a in later for a in storage_aliases(base))
 
 
 def _written_in_place(nodes, region, out):

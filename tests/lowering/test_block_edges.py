@@ -269,3 +269,42 @@ def test_detached_gates_are_refused_naming_the_detach(moe):
     args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     reasons = as_eager_in_every_gradient(DetachedGates(moe=moe).double(), args, torch.float64)
     assert len(reasons) == 1 and "(detach)" in reasons[0] and "activations read" not in reasons[0], reasons
+
+
+class HeadOnInvBeforeTheMoE(SpelledBlock):
+    """A second head on the pooled vector, computed between the merge and the MoE, added to the output."""
+
+    def __init__(self, how, **kwargs):
+        super().__init__(**kwargs)
+        self.how = how
+        self.head = nn.Sequential(nn.Linear(self.D, 16), nn.ReLU(inplace=True), nn.Linear(16, 3))
+
+    def forward(self, ctx, tok, pad=None):
+        inv = self.pool_forward(tok)
+        y = ctx + inv[:, None]
+        if self.how == "relu(inplace=True)":
+            g = self.head(inv)
+        elif self.how == "add_ on its own product":
+            g = inv * 2
+            g.add_(1)
+        else:  # "mul_ on a view of inv": writes inv itself, which the region exports
+            g = inv.view(inv.shape)
+            g.mul_(2)
+        return self.moe_forward(y) + g.mean()
+
+
+@pytest.mark.parametrize("how", ["relu(inplace=True)", "add_ on its own product"])
+def test_a_head_on_inv_that_writes_its_own_tensor_in_place_matches(how):
+    """Refused before session 68 as a write reordered against the region ("reads the region's
+    router"), though the write touches only the head's own tensor (a review's)."""
+    torch.manual_seed(0)
+    args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    assert_one_match(compile_and_compare(HeadOnInvBeforeTheMoE(how).double(), args, torch.float64))
+
+
+def test_a_head_that_writes_inv_itself_in_place_runs_as_written():
+    torch.manual_seed(0)
+    args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    reasons = as_eager_in_every_gradient(HeadOnInvBeforeTheMoE("mul_ on a view of inv").double(), args,
+                                         torch.float64)
+    assert reasons and any("writes in place" in r for r in reasons), reasons
