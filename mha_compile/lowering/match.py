@@ -361,12 +361,19 @@ def _match_at(nodes, anchor):
     # y and inv may also be read outside (a residual): the op's inv output rebuilds them. Not
     # for an in-place merge, whose y is ctx's own storage.
     exportable = {"inv": inv} if is_inplace(y) else {"inv": inv, "y": y}
-    index = [n for n, v in moe_walk.vals.items() if v.kind == "topi" and v.info["topk"] is anchor and
-             v.roles == ("b*h", "s") and n.target is operator.getitem]
-    if index and canon(anchor).args[4] is not False:  # sorted=False: eager's order of the k, not the op's
+    chosen = [n for n, v in moe_walk.vals.items() if v.kind == "topi" and v.info["topk"] is anchor and
+              n.target is operator.getitem]
+    index = [n for n in chosen if moe_walk.vals[n].roles == ("b*h", "s")]
+    unsorted = canon(anchor).args[4] is False  # sorted=False: eager's order of the k, not the op's
+    if index and not unsorted:
         exportable["index"] = index[0]
+    # why an index read outside cannot be the op's (a review's: "used outside the region" said not why)
+    why_not = {n: ("top-k is taken with sorted=False, whose order of the k chosen is eager's own, not the op's"
+                   if unsorted else f"the op gives top-k's indices for rows taken batch-major ([B·H, k]); these are "
+                                    f"[{', '.join(str(r) for r in moe_walk.vals[n].roles)}]")
+               for n in chosen if n not in index or unsorted}
     keepable = None if is_inplace(y) else _router_chain(moe_walk, y)
-    region, exports, kept, moved = _region_nodes(nodes, (ctx, tok), out, exportable, keepable)
+    region, exports, kept, moved = _region_nodes(nodes, (ctx, tok), out, exportable, keepable, why_not)
     modes = _grad_modes(nodes)
     training = modes(out)
     _check_one_grad_mode(nodes, modes, list(region) + list(kept), out, training)
@@ -750,7 +757,7 @@ _EXPERT_KINDS = {"u": "the expert's pre-activation x W1 + b1", "ublocks": "the e
                  "h": "the expert's hidden activation", "f": "the expert's output"}
 
 
-def _region_nodes(nodes, inputs, out, exportable=None, keepable=None):
+def _region_nodes(nodes, inputs, out, exportable=None, keepable=None, why_not=None):
     """(nodes the op replaces, exports, kept, moved): the nodes on a path from ctx or tok to out,
     plus parameter views only they use; exports names the `exportable` nodes also read outside;
     kept are the nodes `keepable` gives for a region node read outside, which stay, moved after
@@ -758,8 +765,8 @@ def _region_nodes(nodes, inputs, out, exportable=None, keepable=None):
     before the region's end (_deferred), moved after the op too.
 
     Any other intermediate used outside the region (other than for its size) makes it a
-    near-miss, and so does an export or a kept node read before the region ends (its rebuilt
-    value comes later).
+    near-miss (why_not: {node: why it cannot be exported}, said there), and so does an export or a
+    kept node read before the region ends (its rebuilt value comes later).
     """
     ancestors = _ancestors(out, nodes.order, stop=set(inputs))
     reach = set()
@@ -799,8 +806,9 @@ def _region_nodes(nodes, inputs, out, exportable=None, keepable=None):
                 continue
             chain = None if n in exportable or keepable is None else keepable(n)
             if n not in exportable and chain is None:
+                because = f": {why_not[n]}" if why_not and n in why_not else ""
                 raise _Miss(n, f"{n.name} is used outside the region (by {user.name}); replacing the region would "
-                               f"drop it")
+                               f"drop it{because}")
             if n in exportable:
                 exports[exportable[n]] = n
             else:

@@ -308,3 +308,40 @@ def test_a_head_that_writes_inv_itself_in_place_runs_as_written():
     reasons = as_eager_in_every_gradient(HeadOnInvBeforeTheMoE("mul_ on a view of inv").double(), args,
                                          torch.float64)
     assert reasons and any("writes in place" in r for r in reasons), reasons
+
+
+class SwitchLossOnTheIndices(SpelledBlock):
+    """A Switch load-balancing loss on the chosen experts' indices, added to the output."""
+
+    def __init__(self, how, **kwargs):
+        super().__init__(**kwargs)
+        self.how = how
+
+    def forward(self, ctx, tok, pad=None):
+        y = ctx + self.pool_forward(tok)[:, None]
+        B, H, D = y.shape
+        x = y.transpose(0, 1).reshape(-1, D) if self.how == "horizon-major rows" else y.reshape(-1, D)
+        probs = torch.softmax(self.router(x), dim=-1)
+        weight, index = probs.topk(self.k, dim=-1, sorted=self.how != "sorted=False")
+        weight = weight / weight.sum(-1, keepdim=True)
+        out = torch.zeros_like(x)
+        for e in range(self.E):
+            out = out + (weight * (index == e)).sum(-1, keepdim=True) * self.expert(e, x)
+        out = out.reshape(H, B, D).transpose(0, 1) if self.how == "horizon-major rows" else out.reshape(B, H, D)
+        return out + self.E * (probs.mean(0) * F.one_hot(index, self.E).to(probs.dtype).sum(1).mean(0)).sum()
+
+
+@pytest.mark.parametrize("how, why", [("sorted=False", "sorted=False"), ("horizon-major rows", "batch-major")])
+def test_indices_the_op_cannot_give_are_refused_saying_why(how, why):
+    """The reason said only "index is used outside the region" (a review's), where the same loss on
+    sorted, batch-major indices matches."""
+    torch.manual_seed(0)
+    args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    reasons = as_eager_in_every_gradient(SwitchLossOnTheIndices(how).double(), args, torch.float64)
+    assert len(reasons) == 1 and "is used outside the region" in reasons[0] and why in reasons[0], reasons
+
+
+def test_a_switch_loss_on_sorted_batch_major_indices_matches():
+    torch.manual_seed(0)
+    args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    assert_one_match(compile_and_compare(SwitchLossOnTheIndices("sorted").double(), args, torch.float64))
