@@ -230,7 +230,8 @@ def find_regions(gm, piece=None):
         try:
             matches.append(_apart(_match_at(nodes, anchor), matches))
         except _Miss as miss:
-            if _leaves_graph(anchor) and "graph break" not in miss.reason and DDP_HINT not in miss.reason:
+            if _leaves_graph(anchor) and not any(said in miss.reason for said in ("graph break", "ran elsewhere",
+                                                                                    DDP_HINT)):
                 miss = _Miss(anchor, f"{anchor.name}: the top-k's weights or indices are outputs of this graph, "
                                      f"so the region is not replaced ({miss.reason}). If the forward does not "
                                      "return them, a graph break splits the MHA region (e.g. at torch.where/"
@@ -334,11 +335,17 @@ def _split_experts(nodes):
 def _match_at(nodes, anchor):
     router = _strip(anchor.args[0], _LAYOUT + ("softmax",))
     op = canon(router)
+    if router.op == "placeholder":  # (a review's: a print of the router's load broke the graph there)
+        raise _Miss(anchor, f"{anchor.name}: top-k's input {router.name} is an input of this graph, so the router "
+                            f"ran elsewhere: {_elsewhere(nodes, 'between the router and its top-k')}")
     if op is None or op.kind not in ("linear", "matmul"):
         raise _Miss(anchor, f"{anchor.name}: top-k is not taken on a softmax of a router product x·Wgᵀ")
     x = op.args[0]
     y = _strip(x)
     y_op = canon(y)
+    if any(known_eq(size, 0) for size in shape(x) or ()):  # (a review's: read as experts it could not read)
+        raise _Miss(anchor, f"{anchor.name}: the router's rows {list(shape(x))} are empty (a batch or horizon of "
+                            f"size 0): nothing to replace, the graph runs as written")
     if y.op == "placeholder":
         raise _Miss(y, f"{anchor.name}: the MoE's input {y.name} is an input of this graph, so the merge and the "
                        f"pool ran elsewhere: {_elsewhere(nodes, 'before the MoE')}")

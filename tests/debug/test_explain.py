@@ -9,6 +9,7 @@ import mha_compile
 from mha_compile.debug import explain as explain_module
 from mha_compile.models import MHABlock
 from numerics import compiled_reports
+from lowering.spellings import SpelledBlock, inputs as spelled_inputs
 
 
 @pytest.fixture(autouse=True)
@@ -257,6 +258,35 @@ def test_a_checkpoint_around_part_of_the_block_is_named(part):
         assert miss["graph"] == "<top>" and "comes out of tag_activation_checkpoint" in miss["reason"], miss
     else:  # the MoE in the checkpoint's body
         assert miss["graph"] != "<top>" and "the merge and the pool ran elsewhere" in miss["reason"], miss
+
+
+class _LogsTheRouter(SpelledBlock):
+    """A print of the router's largest probability between the softmax and the top-k: a graph break."""
+
+    def route(self, x):
+        probs = torch.softmax(self.router(x), dim=-1)
+        print(f"largest router probability {probs.max().item():.3f}")
+        weight, index = probs.topk(self.k, dim=-1)
+        return weight / weight.sum(-1, keepdim=True), index
+
+
+def test_a_graph_break_between_the_router_and_its_top_k_is_named(capsys):
+    """The near-miss said top-k was not taken on a router's softmax, and advised
+    capture_dynamic_output_shape_ops, which does nothing for this break (a review's)."""
+    torch.manual_seed(6)
+    report = mha_compile.explain(_LogsTheRouter(), *spelled_inputs())
+    reasons = [m["reason"] for m in report.near_misses]
+    assert not report.matches and report.graph_breaks and len(reasons) == 1, str(report)
+    assert "so the router ran elsewhere" in reasons[0] and "capture_dynamic_output_shape_ops" not in reasons[0], reasons
+
+
+@pytest.mark.parametrize("B, H", [(0, 3), (4, 0)])
+def test_an_empty_batch_is_named(B, H):
+    """The near-miss blamed the experts ("could not be read as act(x W1 + b1) W2 + b2"), a review's."""
+    torch.manual_seed(6)
+    report = mha_compile.explain(MHABlock(12, 3, 8, 3, 2), torch.randn(B, H, 12), torch.randn(B, 5, 12))
+    reasons = [m["reason"] for m in report.near_misses]
+    assert not report.matches and len(reasons) == 1 and "are empty" in reasons[0], reasons
 
 
 class _WithOptions(MHABlock):
