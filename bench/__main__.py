@@ -177,10 +177,10 @@ def _group_of(row):
 def resumed_rows(path, jobs, env, isolated=False, rounds=1, settings=None, quick=False):
     """(The rows of an earlier run to keep, its meta), whole groups only: a group (preset, dtype,
     pass) is what one speedup compares, so all its rows must come from one process. A group this
-    run plans is kept when every planned job of it has a row that ran (ok or error, not skipped);
-    an incomplete one runs again in full. A group this run does not plan (a chain's earlier call
-    ran other presets: h200_session.sh's PRESETS=medium, then RESUME=1 PRESETS=small,large) is
-    kept as it is, first. The earlier run must match `env` (device, versions, commit), and its
+    run plans is kept when every planned job of it has a row that ran (ok in every round asked, or
+    error; not skipped, nor cut to fewer rounds); an incomplete one runs again in full. A group
+    this run does not plan (a chain's earlier call ran other presets: h200_session.sh's
+    PRESETS=medium, then RESUME=1 PRESETS=small,large) is kept as it is, first. The earlier run must match `env` (device, versions, commit), and its
     rounds, isolation, --quick and MHA_COMPILE_* settings."""
     if not os.path.exists(path):
         raise SystemExit(f"--resume: {path} does not exist; run without --resume first")
@@ -205,8 +205,11 @@ def resumed_rows(path, jobs, env, isolated=False, rounds=1, settings=None, quick
         raise SystemExit(f"--resume: {path} was measured with MHA_COMPILE_* settings "
                          f"{earlier['meta'].get('settings', {})}, this run with {settings or {}}; "
                          "a table's rows must be measured the same way")
+    # An ok row the budget or a stop cut to fewer rounds than asked (round_ms shorter) did not
+    # run as this table's rows must: its group runs again, as an incomplete one does.
     ran = {tuple(r[k] for k in ("preset", "dtype", "pass", "spelling", "mode")): r
-           for r in earlier["rows"] if r.get("status") in ("ok", "error")}
+           for r in earlier["rows"] if r.get("status") == "error"
+           or (r.get("status") == "ok" and (rounds == 1 or len(r.get("round_ms") or ()) >= rounds))}
     planned = dict.fromkeys(_group_of(job) for job in jobs)
     kept = [r for r in earlier["rows"] if _group_of(r) not in planned]
     for group in planned:

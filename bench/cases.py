@@ -4,13 +4,17 @@ Every spelling of a preset is built from the same seed, so dense, loop and group
 same parameters and their times and errors compare row for row. Inputs are random normals
 (never zeros: a kernel can be fast on zeros and wrong everywhere else).
 """
+import math
+
 import torch
 
 from bench.grouped_mm_moe import GroupedMMBlock
 from mha_compile.models import PRESETS, MHABlock
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-PARAM_SEED, INPUT_SEED = 0, 1
+# OTHER_SEED: the timed steps' second batch (measure._measure), values of its own: a copy of the
+# first let a step that computed on a stale batch pass the check (a review's audit).
+PARAM_SEED, INPUT_SEED, OTHER_SEED = 0, 1, 2
 
 
 def make_model(preset, spelling, dtype, device):
@@ -21,10 +25,10 @@ def make_model(preset, spelling, dtype, device):
     return GroupedMMBlock(block) if spelling == "grouped_mm" else block
 
 
-def make_inputs(preset, dtype, device):
-    """ctx [B,H,D], tok [B,N,D] and the upstream gradient [B,H,D], from INPUT_SEED."""
+def make_inputs(preset, dtype, device, seed=INPUT_SEED):
+    """ctx [B,H,D], tok [B,N,D] and the upstream gradient [B,H,D], from `seed`."""
     p = PRESETS[preset]
-    gen = torch.Generator(device=device).manual_seed(INPUT_SEED)
+    gen = torch.Generator(device=device).manual_seed(seed)
     draw = lambda *shape: torch.randn(*shape, generator=gen, device=device).to(DTYPES[dtype])
     return draw(p["B"], p["H"], p["D"]), draw(p["B"], p["N"], p["D"]), draw(p["B"], p["H"], p["D"])
 
@@ -46,27 +50,42 @@ TIE_MARGIN = {"fp32": 2**-16, "bf16": 2**-5, "fp16": 2**-8}
 FLIPPED_ROW_ERROR = 0.1
 
 
-def reference(preset, dtype, device):
-    """Eager loop spelling in fp32 on the same (dtype-rounded) parameters and inputs.
+def reference(preset, dtype, device, seeds=(INPUT_SEED,)):
+    """Eager loop spelling in fp32 on the same (dtype-rounded) parameters and inputs: one
+    (output, gradients of (ctx, tok, *parameters), ties) for each seed's batch (make_inputs).
 
-    Returns the output, the gradients of (ctx, tok, *parameters) and `ties` [B,H] (bool): the rows
-    near a top-k tie (TIE_MARGIN), whose upstream gradient is zero here, as it is in the rows' own
-    check (zero_tie_rows_), so that the gradients do not depend on their choice (SPEC §1: each
-    row's contributions are scaled by its G). On the CPU, so that they do not count in the peak
-    memory of the rows measured after.
+    ties [B,H] (bool): the batch's rows near a top-k tie (TIE_MARGIN). The upstream gradient is
+    INPUT_SEED's for every batch, as the timed steps share one, and zero in the tie rows of all the
+    batches, as it is in the rows' own check (zero_tie_rows_), so that no gradient depends on their
+    choice (SPEC §1: each row's contributions are scaled by its G). Computed on `device` and
+    returned on the CPU, so that they do not count in the peak memory of the rows measured after.
     """
     block = make_model(preset, "loop", dtype, device).float()
-    ctx, tok, grad_out = (t.float() for t in make_inputs(preset, dtype, device))
-    ctx.requires_grad_(True)
-    tok.requires_grad_(True)
+    grad_out = make_inputs(preset, dtype, device)[2].float()
+    batches = [[t.float() for t in make_inputs(preset, dtype, device, seed)[:2]] for seed in seeds]
+    # every batch's ties first (a forward each), then one batch's graph at a time
+    ties = [_tie_rows(block, ctx, tok, dtype) for ctx, tok in batches]
+    zero_tie_rows_(grad_out, torch.stack(ties).any(0))
+    results = []
+    for (ctx, tok), batch_ties in zip(batches, ties):
+        ctx.requires_grad_(True)
+        tok.requires_grad_(True)
+        out = block(ctx, tok)
+        grads = torch.autograd.grad(out, [ctx, tok, *block.parameters()], grad_out)
+        results.append((out.detach().cpu(), [g.cpu() for g in grads], batch_ties.cpu()))
+    return results
+
+
+def _tie_rows(block, ctx, tok, dtype):
+    """[B,H] bool: the rows whose k-th router probability exceeds the (k+1)-th by less than
+    TIE_MARGIN[dtype] of the k-th."""
     logits = []
     hook = block.moe.router.register_forward_hook(lambda module, args, out: logits.append(out.detach()))
-    out = block(ctx, tok)
+    with torch.no_grad():
+        out = block(ctx, tok)
     hook.remove()
     top = torch.softmax(logits[0], dim=-1).topk(block.moe.top_k + 1, dim=-1).values
-    ties = ((top[:, -2] - top[:, -1]) < TIE_MARGIN[dtype] * top[:, -2]).view(out.shape[:-1])
-    grads = torch.autograd.grad(out, [ctx, tok, *block.parameters()], zero_tie_rows_(grad_out, ties))
-    return out.detach().cpu(), [g.cpu() for g in grads], ties.cpu()
+    return ((top[:, -2] - top[:, -1]) < TIE_MARGIN[dtype] * top[:, -2]).view(out.shape[:-1])
 
 
 def zero_tie_rows_(grad_out, ties):
@@ -87,6 +106,20 @@ def errors(out, grads, ref_out, ref_grads, ties):
                 tie_rows=int(ties.sum()), tie_rows_flipped=int(off[ties].sum()), rows_off=int(off[~ties].sum()))
 
 
+def merge_errors(checks):
+    """One row's check from each batch's (errors): the worst rel_err and grad_rel_err (a NaN the
+    worst of all: max() would pass over it), and the rows counted over every batch."""
+    grads = [c["grad_rel_err"] for c in checks]
+    return dict(rel_err=_worst(c["rel_err"] for c in checks),
+                grad_rel_err=None if None in grads else _worst(grads),
+                **{name: sum(c[name] for c in checks) for name in ("tie_rows", "tie_rows_flipped", "rows_off")})
+
+
+def _worst(errors):
+    """The largest error, a NaN above every number (max() keeps whichever came first)."""
+    return max(errors, key=lambda error: math.inf if math.isnan(error) else error)
+
+
 def relative_error(got, ref):
     """‖got − ref‖ / ‖ref‖ in fp32 on the CPU."""
     got = got.detach().float().cpu()
@@ -101,11 +134,11 @@ def gradient_error(grads, refs):
     A missing gradient (None) counts as an error of 1: that parameter got nothing.
     """
     scale = max(float(r.norm()) for r in refs)
-    worst = 0.0
+    errors = [0.0]
     for g, r in zip(grads, refs):
         if g is None:
-            worst = max(worst, 1.0)
+            errors.append(1.0)
             continue
-        err = float((g.detach().float().cpu() - r).norm()) / max(float(r.norm()), 1e-3 * scale)
-        worst = max(worst, err)
-    return worst
+        # 1e-30: every gradient is zero where every row is a tie row (its upstream gradient zero)
+        errors.append(float((g.detach().float().cpu() - r).norm()) / max(float(r.norm()), 1e-3 * scale, 1e-30))
+    return _worst(errors)  # a NaN gradient is the worst (max(0.0, nan) was 0.0)

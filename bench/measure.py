@@ -31,6 +31,9 @@ def run_row(job, cache, quick=False):
     try:
         row.update(_measure(job, cache, quick))
         row["status"] = "ok"
+        ran = mode_that_ran(job["mode"], row)
+        if ran != job["mode"]:  # the FLOPs of what ran (a fallback's), not of what the name asks
+            row["flops_mode"] = cost_fields(dict(job, mode=ran))["flops_mode"]
     except Exception as error:  # noqa: BLE001 - every failure is a result here
         row.update(status="error", error=error_line(error), traceback=traceback.format_exc())
     finally:
@@ -47,6 +50,19 @@ def skip_reason(job):
     if job["spelling"] == "grouped_mm":
         return grouped_mm_moe.available(job["device_type"], cases.DTYPES[job["dtype"]])
     return None
+
+
+def mode_that_ran(mode, row):
+    """The mode whose FLOP family (cost.mode_family) is what a measured row ran: for a mha row
+    that replaced no region eager's (the backend ran the graph as captured), for one whose every
+    match fell back to the reference kernels (lowering/select.py) mha-reference's; else its own."""
+    if mode not in modes.MHA_MODES:
+        return mode
+    if row.get("regions_replaced") == 0:
+        return "eager"
+    if row.get("kernels_chosen") and set(row["kernels_chosen"]) == {"reference"}:
+        return "mha-reference"
+    return mode
 
 
 def cost_fields(job):
@@ -77,23 +93,26 @@ def _measure(job, cache, quick):
     device = job["device_type"]
     key = ("reference", job["preset"], job["dtype"])
     if key not in cache:
-        cache[key] = cases.reference(job["preset"], job["dtype"], device)
+        cache[key] = cases.reference(job["preset"], job["dtype"], device, (cases.INPUT_SEED, cases.OTHER_SEED))
         _drop_cublas_workspaces(device)  # the reference's, which this row's step may not use
-    ref_out, ref_grads, ties = cache[key]
+    refs = cache[key]  # (out, grads, ties) of the first batch, then of the other
 
     model = cases.make_model(job["preset"], job["spelling"], job["dtype"], device)
     ctx, tok, grad_out = cases.make_inputs(job["preset"], job["dtype"], device)
-    # The timed steps alternate between the batch and a copy of it at other addresses, as a
+    # The timed steps alternate between the batch and a second one at other addresses, as a
     # training loop's batches come: mha_compile's step graphs read an input found where the first
     # call had it in place, and on one batch every step our rows skipped the copy-in that torch's
-    # CUDA-graph trees (max-autotune's, reduce-overhead's) pay each replay (a helper's audit).
-    other = (ctx.clone(), tok.clone())
+    # CUDA-graph trees (max-autotune's, reduce-overhead's) pay each replay (a helper's audit). The
+    # second holds values of its own and is checked too: a copy of the first let a step that
+    # computed on a stale batch pass (a review's audit).
+    other = tuple(cases.make_inputs(job["preset"], job["dtype"], device, cases.OTHER_SEED)[:2])
     training = job["pass"] == "fwd+bwd"
-    leaves = timed_leaves = []
+    leaves = timed_leaves = other_leaves = []
     if training:
         for t in (ctx, tok, *other):
             t.requires_grad_(True)
         leaves = [ctx, tok, *model.parameters()]
+        other_leaves = [*other, *model.parameters()]
         timed_leaves = leaves + list(other)
     torch._dynamo.reset()  # each compiled row starts from a clean cache: no reuse, no recompiles
     fn = modes.build(job["mode"], model)
@@ -104,17 +123,22 @@ def _measure(job, cache, quick):
     _, result["first_call_s"] = timing.timed_call(step, device)
     result["host_probe_ms"] = timing.host_probe_ms()  # the host's speed just before the timing
     result["time_ms"] = timing.median_ms(step, device, quick, timed_leaves or None)
-    del step, other, timed_leaves  # the copy is not counted in the peak: a loop's next batch is its loader's
+    # The check runs after timing, on the path that was timed (CUDA graphs replay only by now),
+    # on each batch, the upstream gradient zero in the rows near a top-k tie of either
+    # (cases.reference): zeroed in place, where the graphs read it (a new tensor would be a moved
+    # input, and a moved input a new capture, whose warm-up would count in the peak).
+    cases.zero_tie_rows_(grad_out, refs[0][2] | refs[1][2])
+    # The second batch first, one step as timed, so that its tensors are gone before the peak:
+    # a loop's next batch is its loader's.
+    out = timed_step(fn, *other, grad_out, other_leaves, training)()
+    checks = [cases.errors(out, [t.grad for t in other_leaves] if training else None, *refs[1])]
+    del out, step, other, other_leaves, timed_leaves
     for t in leaves:
         t.grad = None
-    # The check runs after timing, on the path that was timed (CUDA graphs replay only by now),
-    # on the first batch, its upstream gradient zero in the rows near a top-k tie (cases.reference):
-    # zeroed in place, where the graphs read it (a new tensor would be a moved input, and a moved
-    # input a new capture, whose warm-up would count in the peak).
-    cases.zero_tie_rows_(grad_out, ties)
     out, *memory = timing.peak_memory_call(timed_step(fn, ctx, tok, grad_out, leaves, training), device)
     result["peak_mib"], result["peak_delta_mib"], result["graph_pool_mib"] = memory
-    result.update(cases.errors(out, [t.grad for t in leaves] if training else None, ref_out, ref_grads, ties))
+    checks.insert(0, cases.errors(out, [t.grad for t in leaves] if training else None, *refs[0]))
+    result.update(cases.merge_errors(checks))
     if job["mode"] in modes.MHA_MODES:
         # asked once a pass: a training compile can decide otherwise than an inference one (the
         # rewrite keeps copies there, and a failure only it meets would time eager under our name)

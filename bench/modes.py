@@ -43,9 +43,12 @@ def build(mode, model):
 
 
 def mha_options(mode):
-    """The backend options a mha-* mode compiles with (None: the defaults, kernels "auto")."""
+    """The backend options a mha-* mode compiles with, as the timed compile gets them (the lowering
+    check's explain compiles with these too)."""
     if mode == "mha-fused-cudagraphs":
-        return None
+        # build() passes mode= to torch.compile (what a user writes), which hands it to the backend;
+        # explain takes options alone, and a check compiled without the mode checked another compile.
+        return {"mode": "reduce-overhead"}
     if mode == "mha-fused-nographs":
         return {"kernels": "fused", "graphs": "off"}
     if mode == "mha-fused-keep":
@@ -55,3 +58,15 @@ def mha_options(mode):
     if mode == "mha-fused-trees":
         return {"mode": "reduce-overhead", "step_graphs": False}
     return {"kernels": mode.split("-", 1)[1]}
+
+
+def kernels_named(mode):
+    """The kernel set a mha-* mode's name says it times (None for a peer): the backend falls back
+    fused -> staged -> reference where a set cannot run (lowering/select.py: on the CPU always,
+    on CUDA for some dtypes and shapes), and a row that ran another set is not its mode's. The
+    modes with kernels "auto" (cudagraphs, keep, trees) are named for fused, which auto picks on CUDA."""
+    if mode == "mha-reference":
+        return "reference"
+    if mode == "mha-staged":
+        return "staged"
+    return "fused" if mode.startswith("mha-fused") else None

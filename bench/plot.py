@@ -6,6 +6,16 @@ on its own: `python -m bench.plot results.json speedup.png`.
 import json
 import sys
 
+from bench import report
+
+
+def plotted_rows(rows):
+    """The rows the picture draws: those with a speedup, of the first such row's dtype (one dtype
+    a picture). A row not lowered as its mode names (report.not_lowered) is left out, even where a
+    JSON written before that check gave it a speedup: its bar would be another path's time."""
+    ok = [r for r in rows if r.get("speedup") and not report.not_lowered(r)]
+    return [r for r in ok if r["dtype"] == ok[0]["dtype"]]
+
 
 def plot_speedup(rows, path):
     """Bars of speedup per preset and mode (best spelling of each mode); returns a message."""
@@ -16,10 +26,9 @@ def plot_speedup(rows, path):
         import matplotlib.ticker
     except ImportError:
         return "plot skipped: matplotlib is not installed"
-    ok = [r for r in rows if r.get("speedup")]
+    ok = plotted_rows(rows)
     if not ok:
         return "plot skipped: no row has a speedup"
-    ok = [r for r in ok if r["dtype"] == ok[0]["dtype"]]  # one dtype per picture: the first
     passes = list(dict.fromkeys(r["pass"] for r in ok))
     presets = list(dict.fromkeys(r["preset"] for r in ok))
     modes = list(dict.fromkeys(r["mode"] for r in ok))
