@@ -180,8 +180,9 @@ def resumed_rows(path, jobs, env, isolated=False, rounds=1, settings=None, quick
     run plans is kept when every planned job of it has a row that ran (ok in every round asked, or
     error; not skipped, nor cut to fewer rounds); an incomplete one runs again in full. A group
     this run does not plan (a chain's earlier call ran other presets: h200_session.sh's
-    PRESETS=medium, then RESUME=1 PRESETS=small,large) is kept as it is, first. The earlier run must match `env` (device, versions, commit), and its
-    rounds, isolation, --quick and MHA_COMPILE_* settings."""
+    PRESETS=medium, then RESUME=1 PRESETS=small,large) is kept as it is, first. The earlier run
+    must match `env` (device, versions, commit), and its rounds, isolation, --quick and
+    MHA_COMPILE_* settings."""
     if not os.path.exists(path):
         raise SystemExit(f"--resume: {path} does not exist; run without --resume first")
     with open(path) as f:

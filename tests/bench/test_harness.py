@@ -590,7 +590,7 @@ def test_the_check_zeroes_the_tie_rows_of_the_timed_upstream_gradient_in_place(m
     job = dict(preset="tiny", dtype="fp32", mode="eager", spelling="loop", device_type="cpu", **{"pass": "fwd+bwd"})
     row = measure.run_row(job, {}, quick=True)
     assert row["status"] == "ok", row
-    (timed, before), (check, seen) = used[0], used[-1]
+    (timed, before), (_, seen) = used[0], used[-1]
     assert len(used) == 3 and all(grad_out is timed for grad_out, _ in used)
     refs = cases.reference("tiny", "fp32", "cpu", (cases.INPUT_SEED, cases.OTHER_SEED))
     want = refs[0][2] | refs[1][2]
