@@ -4,6 +4,7 @@ train it beside eager on synthetic series, and time eager against mha on this CP
     python -m mha_compile.demo [--steps 100] [--no-speed]
 """
 import argparse
+import contextlib
 import copy
 import math
 import time
@@ -13,8 +14,14 @@ from tabulate import tabulate
 
 import mha_compile
 from mha_compile import models
+from mha_compile.tasks import require_lowered
 
 WINDOW, VARIATES, HORIZONS = 24, 6, 4
+# The largest relative gap between eager's loss and the compiled one's the demo accepts (fp32, the
+# reference kernels on the CPU: 6.6e-7 over 100 steps in session 68). The demo checks what it shows:
+# a region replaced in what it trains and times, and the losses eager's (a review's: it exited 0 with
+# the rewrite switched off).
+LOSS_GAP = 1e-4
 
 
 def synthetic_series(batch, generator):
@@ -37,20 +44,23 @@ def train(steps):
     gen = torch.Generator().manual_seed(0)
     print(f"\nTraining {steps} steps, eager and backend='mha' side by side (same seed, same batches):")
     rows, worst = [], 0.0
-    for step in range(1, steps + 1):
-        x, y = synthetic_series(32, gen)
-        losses = []
-        for model, opt in ((eager, opt_e), (compiled, opt_c)):
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        worst = max(worst, abs(losses[0] - losses[1]) / abs(losses[0]))
-        if step == 1 or step % 10 == 0:
-            print(f"  step {step:4d}  loss eager {losses[0]:.5f}  mha {losses[1]:.5f}")
-            rows.append(losses)
+    with require_lowered("the forecaster the demo trains"):  # raises if the training compile replaced nothing
+        for step in range(1, steps + 1):
+            x, y = synthetic_series(32, gen)
+            losses = []
+            for model, opt in ((eager, opt_e), (compiled, opt_c)):
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+            worst = max(worst, abs(losses[0] - losses[1]) / abs(losses[0]))
+            if step == 1 or step % 10 == 0:
+                print(f"  step {step:4d}  loss eager {losses[0]:.5f}  mha {losses[1]:.5f}")
+                rows.append(losses)
     print(f"  loss {rows[0][1]:.4f} -> {rows[-1][1]:.4f}; largest relative gap to eager over all steps: {worst:.2e}")
+    if not worst <= LOSS_GAP:  # (a NaN gap fails too)
+        raise SystemExit(f"demo: the compiled model's loss left eager's by {worst:.2e} (relative), past {LOSS_GAP:g}")
     return rows
 
 
@@ -78,9 +88,12 @@ def speed_table(preset="small", repeats=3):
         tok = torch.randn(p["B"], p["N"], p["D"], requires_grad=True)
         times = {}
         for name, fn in (("eager", block), ("mha", mha)):
-            with torch.no_grad():
+            # each of mha's compiles (inference, training) must replace a region, or its row is eager's time
+            checked = contextlib.nullcontext if name == "eager" else lambda: require_lowered(f"the {spelling} block")
+            with checked(), torch.no_grad():
                 times[name, "fwd"] = median_ms(lambda: fn(ctx, tok), repeats)
-            times[name, "fwd+bwd"] = median_ms(lambda: fn(ctx, tok).square().mean().backward(), repeats)
+            with checked():
+                times[name, "fwd+bwd"] = median_ms(lambda: fn(ctx, tok).square().mean().backward(), repeats)
         for phase in ("fwd", "fwd+bwd"):
             e, m = times["eager", phase], times["mha", phase]
             rows.append([spelling, phase, f"{e:.1f}", f"{m:.1f}", f"{e / m:.2f}x"])

@@ -186,8 +186,9 @@ def require_lowered(what="the model"):
         yield reports
     finally:
         backend.observers.remove(observe)
-    if not any(r.matches for r in reports):
-        reasons = "; ".join(m["reason"] for r in reports for m in r.near_misses) or "no candidate region"
+    if not any(r.matches and not r.fallback for r in reports):  # a graph that fell back ran as captured
+        reasons = "; ".join([f"fallback: {r.fallback}" for r in reports if r.fallback] +
+                            [m["reason"] for r in reports for m in r.near_misses]) or "no candidate region"
         raise RuntimeError(f"backend='mha' replaced no region of {what}: {reasons}")
 
 

@@ -122,7 +122,7 @@ def write_dump(folder, report, captured, lowered, doc=None, text=None, replayed=
         run = run_folder(folder)
         out = run / f"graph_{report.index:03d}"
         out.mkdir()
-    except OSError as error:
+    except (OSError, ValueError) as error:  # ValueError: a path the OS refuses (a NUL byte, a lone surrogate)
         _warn_once(("folder", str(folder)), "mha_compile: cannot write graph dumps to %r (%s); compiling without "
                    "dumps. Set MHA_COMPILE_DUMP / options['dump'] to a folder you can write.", str(folder), error)
         return None
@@ -137,8 +137,10 @@ def write_dump(folder, report, captured, lowered, doc=None, text=None, replayed=
             files["replayed"] = _write_script(out, "replayed", replayed, f"{report.name} as the CUDA graphs "
                                               "capture it (each pool run before them: mha::pool)", True)
         _write_report(out, report, captured, lowered, doc, text)
-    except OSError as error:
-        _warn_once(("write", str(folder)), "mha_compile: graph dump to %r incomplete (%s)", str(out), error)
+    except Exception as error:  # noqa: BLE001 - a dump that fails must not cost the user's compile (a review's:
+        # an ASCII locale's UnicodeError failed it)
+        _warn_once(("write", str(folder)), "mha_compile: graph dump to %r incomplete (%s: %s)", str(out),
+                   type(error).__name__, error)
     log.info("mha_compile: graph %d dumped to %s", report.index, out)
     return out
 

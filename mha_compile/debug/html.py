@@ -32,7 +32,7 @@ def write_index(run):
     graphs = []
     for folder in sorted(Path(run).glob("graph_*")):
         try:
-            graphs.append((folder, json.loads((folder / "report.json").read_text())))
+            graphs.append((folder, json.loads((folder / "report.json").read_text(encoding="utf-8"))))
         except (OSError, ValueError):
             continue  # a graph still being written, or one whose report failed: not listed
     parts = [f"<!DOCTYPE html>\n<html><head><meta charset='utf-8'><title>mha_compile dump {html.escape(Path(run).name)}"
@@ -100,7 +100,7 @@ def _graph_section(folder, doc):
                    "</details>")
     text = folder / files.get("text", "report.txt")
     if text.exists():
-        out.append(f"<details><summary>report.txt</summary><pre>{html.escape(text.read_text())}</pre></details>")
+        out.append(f"<details><summary>report.txt</summary><pre>{html.escape(text.read_text(encoding='utf-8'))}</pre></details>")
     return "\n".join(out)
 
 

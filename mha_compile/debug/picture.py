@@ -271,8 +271,9 @@ def render_svg(dot_text, svg_path):
                    "dot -Tsvg graph.dot -o graph.svg")
         return None
     try:
-        result = subprocess.run([dot, "-Tsvg", "-o", str(svg_path)], input=dot_text, text=True,
-                                capture_output=True, timeout=DOT_TIMEOUT_S)
+        # utf-8 whatever the locale (the labels hold arrows and √): graphviz reads utf-8
+        result = subprocess.run([dot, "-Tsvg", "-o", str(svg_path)], input=dot_text, text=True, encoding="utf-8",
+                                errors="replace", capture_output=True, timeout=DOT_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as error:
         _warn_once("failed", "mha_compile: graphviz could not draw a graph dump (%s); the .dot file is there", error)
         return None

@@ -65,7 +65,16 @@ class ExplainReport:
 
     @property
     def matches(self):
-        return [m for g in self.graphs for m in g.matches]
+        """The regions replaced. A graph that fell back (its rewrite failed, its rest could not
+        compile it, verify disagreed) ran as captured: its matches are not counted here (the
+        graph's own `.matches` keeps them, beside its `.fallback`). They were, and a check that
+        a run was lowered (tasks.require_lowered, the bench's) passed on eager's code (a review's)."""
+        return [m for g in self.graphs if not g.fallback for m in g.matches]
+
+    @property
+    def not_replaced(self):
+        """Matches of the graphs that fell back, which ran as captured (see `.matches`)."""
+        return [m for g in self.graphs if g.fallback for m in g.matches]
 
     @property
     def near_misses(self):
@@ -75,7 +84,9 @@ class ExplainReport:
         return {"graphs": [g.to_json() for g in self.graphs], "note": self.note, "graph_breaks": self.graph_breaks}
 
     def __str__(self):
-        head = (f"mha_compile: {len(self.graphs)} graph(s), {len(self.matches)} match(es), "
+        unreplaced = f" ({len(self.not_replaced)} more matched, not replaced: see the fallback)" \
+            if self.not_replaced else ""
+        head = (f"mha_compile: {len(self.graphs)} graph(s), {len(self.matches)} match(es){unreplaced}, "
                 f"{len(self.near_misses)} near-miss(es)")
         breaks = [f"Dynamo broke the graph ({len(self.graph_breaks)} reason(s)):"] if self.graph_breaks else []
         breaks += [f"  {reason}" for reason in self.graph_breaks]

@@ -245,6 +245,47 @@ def test_bad_dump_folder_warns_once_and_compiles(bad, tmp_path, caplog):
         assert torch.allclose(out, model(*inputs), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("name", ["nul\0byte", "lone\ud800surrogate"])
+def test_a_dump_path_the_os_refuses_warns_and_compiles(name, tmp_path, caplog):
+    """A path with a NUL byte or a lone surrogate raised ValueError, not OSError, out of the user's
+    compile (BackendCompilerFailed), naming no dump (a review's)."""
+    model = models.MHABlock(32, 2, 64, 4, 2)
+    inputs = _inputs(8)
+    with caplog.at_level(logging.WARNING, logger="mha_compile"):
+        out, seen = _compile(model, inputs, dump=str(tmp_path / name))
+    assert len(seen) == 1 and len(seen[0][0].matches) == 1
+    assert [r for r in caplog.records if "cannot write graph dumps" in r.getMessage()]
+    with torch.no_grad():
+        assert torch.allclose(out, model(*inputs), rtol=1e-5, atol=1e-6)
+
+
+_ASCII_CHILD = """
+import sys, torch
+sys.path[:0] = sys.argv[2:]
+from near_misses import NEAR_MISSES
+from mha_compile import models
+torch.manual_seed(0)
+for model in (models.MHABlock(32, 2, 64, 4, 2), NEAR_MISSES[%r][0]()):
+    torch._dynamo.reset()
+    torch.compile(model, backend="mha", options={"dump": sys.argv[1]})(torch.randn(4, 3, 32), torch.randn(4, 5, 32))
+print("compiled")
+""" % MISS
+
+
+def test_a_dump_under_an_ascii_locale_compiles(tmp_path):
+    """Under LC_ALL=C (no UTF-8 mode) the picture's arrows and a near-miss's √ failed the user's
+    compile with a UnicodeError (a review's): the dump writes and reads utf-8, and no failure of
+    its own reaches the compile."""
+    env = dict(os.environ, LC_ALL="C", LANG="C", PYTHONUTF8="0", PYTHONCOERCECLOCALE="0",
+               PYTHONIOENCODING="ascii")
+    tests = Path(__file__).parents[1]
+    proc = subprocess.run([sys.executable, "-c", _ASCII_CHILD, str(tmp_path), str(tests / "lowering"), str(tests)],
+                          env=env, capture_output=True, text=True, encoding="utf-8", errors="replace", timeout=300)
+    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
+    reports = list(tmp_path.glob("run-*/graph_*/report.txt"))
+    assert len(reports) == 2 and any("√" in r.read_text(encoding="utf-8") for r in reports)
+
+
 def test_taken_run_folder_name_gets_a_suffix(tmp_path, monkeypatch):
     monkeypatch.setattr(dump, "_run_folders", {})
     monkeypatch.setattr(dump.time, "strftime", lambda fmt: "20260101-000000")

@@ -289,6 +289,28 @@ def test_an_empty_batch_is_named(B, H):
     assert not report.matches and len(reasons) == 1 and "are empty" in reasons[0], reasons
 
 
+def test_a_graph_that_fell_back_counts_no_match(monkeypatch):
+    """A graph that fell back ran as captured, but explain's matches (and its headline, and
+    tasks.require_lowered, and the bench's lowering check) counted its region as replaced (a
+    review's: require_lowered passed on eager's code)."""
+    from mha_compile import backend
+    from mha_compile.tasks import require_lowered
+
+    def broken(gm, matches):
+        raise RuntimeError("planted failure")
+
+    monkeypatch.setattr(backend, "rewrite", broken)
+    torch.manual_seed(7)
+    block = MHABlock(12, 3, 8, 3, 2)
+    report = mha_compile.explain(block, *_inputs(4, 5))
+    assert report.matches == [] and len(report.not_replaced) == 1 and "planted failure" in report.graphs[0].fallback
+    assert "0 match(es) (1 more matched, not replaced: see the fallback)" in str(report).splitlines()[0], str(report)
+    torch._dynamo.reset()
+    with pytest.raises(RuntimeError, match="replaced no region of the block: fallback: RuntimeError: planted"):
+        with require_lowered("the block"):
+            torch.compile(block, backend="mha")(*_inputs(4, 5))
+
+
 class _WithOptions(MHABlock):
     """A forward with a keyword of its own named `options`, as a user's model may have."""
 
