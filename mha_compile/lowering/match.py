@@ -17,7 +17,7 @@ import operator
 
 import torch
 
-from mha_compile.lowering.aliases import FRESH, aliases as storage_aliases, storage_parent
+from mha_compile.lowering.aliases import FRESH, aliases as storage_aliases
 from mha_compile.lowering.canonicalize import call_name, canon, dtype, float_dtype, is_inplace, shape, written
 from mha_compile.lowering.interpret import (ONE, StackRef, Val, Walk, broadcast, known_eq, layout_rule,
                                            ref_shape, with_step)
@@ -838,7 +838,7 @@ def _deferred(nodes, region, out, early):
             if n in region:
                 raise _Miss(root, f"{root.name} reads the region's router and the region reads it back (by "
                                   f"{n.name}); the region cannot be replaced by one op")
-            if is_inplace(n) and not _writes_its_own(n, root):
+            if is_inplace(n) and not _write_moves_safely(nodes, n, root, region, out):
                 raise _Miss(root, f"{root.name} reads a value of the region (its router's, or one it exports) before "
                                   f"the region ends, and {n.name} writes in place after it: moving them after the op "
                                   f"would reorder that write")
@@ -860,16 +860,20 @@ def _deferred(nodes, region, out, early):
     return moved
 
 
-def _writes_its_own(n, root):
-    """Whether n writes in place a tensor that root, a reader of the region's value, or what follows
-    from it made (the ReLU(inplace=True) of a head on inv: a review's, refused as a reordered write):
-    every tensor that shares its storage is root or comes after it, none a view of the region's
-    value or of anything before."""
-    base = written(n)
-    while base is not None and (parent := storage_parent(base)) is not None:
-        base = parent
-    later = set(_descendants(root)) | {root}
-    return base is not None and base in later and all(a in later for a in storage_aliases(base))
+def _write_moves_safely(nodes, n, root, region, out):
+    """Whether n, a write in place that moves after the op with root (a reader of the region's
+    value), writes a tensor nothing else reads before the region's end: no region node, and no node
+    from root to the region's end that stays where it is, reads any tensor sharing its storage.
+    Reviews': the ReLU(inplace=True) of a head on inv (the head's own tensor), and an expert-load
+    counter buffer (`self.load += one_hot(index).sum(0)` under no_grad), were refused as a
+    reordered write. A view of the region's value (inv, y, the router's) is a region node: refused."""
+    target = written(n)
+    if target is None:
+        return False
+    shared = set(storage_aliases(target))
+    moving = set(_descendants(root))
+    stays = [m for m in nodes[nodes.order[root]:nodes.order[out] + 1] if m not in moving]
+    return not any(m in shared or shared.intersection(m.all_input_nodes) for m in [*region, *stays])
 
 
 def _written_in_place(nodes, region, out):

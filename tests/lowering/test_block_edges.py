@@ -345,3 +345,51 @@ def test_a_switch_loss_on_sorted_batch_major_indices_matches():
     torch.manual_seed(0)
     args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     assert_one_match(compile_and_compare(SwitchLossOnTheIndices("sorted").double(), args, torch.float64))
+
+
+class CountsExpertLoad(SpelledBlock):
+    """The loop MoE counting the rows each expert takes into a buffer, in place under no_grad
+    (monitoring, or balancing without an aux loss), before or after the experts run."""
+
+    def __init__(self, how, where):
+        super().__init__()
+        self.how, self.where = how, where
+        self.register_buffer("load", torch.zeros(self.E, dtype=torch.float64))
+
+    def _count(self, index):
+        counts = F.one_hot(index, self.E).sum((0, 1)).to(self.load.dtype)
+        with torch.no_grad():
+            if self.how == "+=":
+                self.load += counts
+            else:
+                self.load.index_add_(0, torch.arange(self.E), counts)
+
+    def moe_forward(self, y):
+        x = y.reshape(-1, self.D)
+        weight, index = self.route(x)
+        if self.where == "before":
+            self._count(index)
+        out = torch.zeros_like(x)
+        for e in range(self.E):
+            out = out + (weight * (index == e)).sum(-1, keepdim=True) * self.expert(e, x)
+        if self.where == "after":
+            self._count(index)
+        return out.reshape(y.shape)
+
+
+@pytest.mark.parametrize("how, where", [("+=", "after"), ("+=", "before"), ("index_add_", "after")])
+def test_an_expert_load_counter_written_in_place_matches(how, where):
+    """Refused before session 68 as a write reordered against the region, though nothing in it reads
+    the buffer (a review's): the counter moves after the op, and counts as eager's."""
+    torch.manual_seed(0)
+    model = CountsExpertLoad(how, where).double()
+    args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    eager, compiled = copy.deepcopy(model), copy.deepcopy(model)
+    assert_one_match(compile_and_compare(model, args, torch.float64))  # output and every gradient
+    with compiled_reports() as reports:
+        torch._dynamo.reset()
+        got = torch.compile(compiled, backend="mha")(*args)
+    want = eager(*args)
+    assert_one_match(reports)
+    assert relative_error(got, want) <= 1e-12
+    assert torch.equal(compiled.load, eager.load) and int(eager.load.sum()) == 4 * 3 * 2, (compiled.load, eager.load)
