@@ -87,7 +87,9 @@ def _emit_class(gm, class_name, classes, constants, prefix):
         if isinstance(value, torch.fx.GraphModule):
             sub = f"{class_name}_{node.target.replace('.', '_')}"
             _emit_class(value, sub, classes, constants, prefix + node.target + ".")
-            init.append(f"_set(self, {node.target!r}, {sub}())")
+            # traced back into a GraphModule: the higher-order op that calls it reads its graph and meta
+            # (tag_activation_checkpoint; as a plain module the scripts of a checkpointed block raised)
+            init.append(f"_set(self, {node.target!r}, torch.fx.symbolic_trace({sub}()))")
         elif isinstance(value, torch.Tensor):
             key = prefix + node.target
             constants[key] = value.detach().cpu().clone()

@@ -131,6 +131,32 @@ def test_dumped_scripts_reproduce_the_graph(dumped, tmp_path):
     assert error < 1e-5, error  # the replaced region computes the captured one
 
 
+class _Checkpointed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = models.MHABlock(32, 2, 64, 4, 2)
+
+    def forward(self, ctx, tok):
+        return torch.utils.checkpoint.checkpoint(self.block, ctx, tok, use_reentrant=False)
+
+
+def test_the_scripts_of_a_checkpointed_block_run_and_agree(tmp_path):
+    """The block inside torch.utils.checkpoint: the scripts wrote its body as a plain module, and
+    the checkpoint op, which reads the body's graph and meta, raised in both (a review's)."""
+    torch.manual_seed(0)
+    _, seen = _compile(_Checkpointed(), _inputs(9), dump=str(tmp_path))
+    assert len(seen) == 1 and len(seen[0][0].matches) == 1 and seen[0][0].matches[0]["graph"] != "<top>"
+    (folder,) = tmp_path.glob("run-*/graph_*")
+    saved = {}
+    for stem in ("captured", "rewritten"):
+        proc = subprocess.run([sys.executable, str(folder / f"{stem}.py"), "--seed", "3", "--save",
+                               str(tmp_path / f"{stem}.pt")], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        saved[stem] = torch.load(tmp_path / f"{stem}.pt")
+    want, got = saved["captured"]["outputs"][0], saved["rewritten"]["outputs"][0]
+    assert (got - want).norm() / want.norm() < 1e-5
+
+
 @pytest.mark.skipif(not HAS_DOT, reason="graphviz's dot is not installed")
 def test_svg_highlights_the_region(dumped):
     folder, report, gm, lowered = dumped["block"]
