@@ -9,6 +9,7 @@ or with --json as JSON. --dump writes the same graph dump folder as MHA_COMPILE_
 """
 import argparse
 import importlib.util
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -67,11 +68,14 @@ def explain_command(args):
     from mha_compile.debug import dump
     from mha_compile.debug.explain import explain
 
-    model, inputs = call_factory(load_factory(args.spec), args.spec)
-    options = {"kernels": args.kernels, "rest": args.rest}
-    if args.dump:
-        options["dump"] = args.dump
-    report = explain(model, *inputs, mha_options=options)
+    # with --json, what the factory and the model print goes to stderr: stdout is the report alone,
+    # for a JSON reader (a review's: a model's print made it unreadable)
+    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+        model, inputs = call_factory(load_factory(args.spec), args.spec)
+        options = {"kernels": args.kernels, "rest": args.rest}
+        if args.dump:
+            options["dump"] = args.dump
+        report = explain(model, *inputs, mha_options=options)
     print(json.dumps(report.to_json(), indent=2, default=str) if args.json else report)
     if args.dump:
         run = dump.current_run(args.dump)

@@ -1,4 +1,5 @@
 """`python -m mha_compile explain script.py:factory`: the report, the dump, clear errors."""
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +26,7 @@ def test_explain_prints_the_report_and_writes_the_dump(tmp_path):
     ("no/such/script.py:make_block", "no/such/script.py: no such file"),
     (f"{SCRIPT}", "expected path/to/script.py:function"),
     (f"{SCRIPT}:make_nothing", "has no function 'make_nothing'; functions defined there: make_block, "
-                               "make_model_only, make_single_input"),
+                               "make_model_only, make_printing, make_single_input"),
     (f"{SCRIPT}:make_model_only", "must return (model, example_inputs); it returned a mha_compile.models.MHABlock"),
     (f"{SCRIPT}:make_single_input", "must return example_inputs as a tuple"),
 ])
@@ -33,3 +34,10 @@ def test_bad_spec_is_a_clear_error(spec, message, capsys):
     assert main(["explain", spec]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err, err
+
+
+def test_json_is_the_report_alone_where_the_model_prints(capsys):
+    """A model's print went into the JSON's stream, which no JSON reader could then read (a review's)."""
+    assert main(["explain", f"{SCRIPT}:make_printing", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert len(json.loads(captured.out)["graphs"]) >= 1 and "the model prints this" in captured.err
