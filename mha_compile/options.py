@@ -22,7 +22,8 @@ class Options:
 
     kernels: which kernels replace the region ("auto": fused on CUDA where supported, else
         the reference path). rest: how everything outside the region runs. dump: a folder for
-        graph dumps (default: $MHA_COMPILE_DUMP). verify: run the original region beside the
+        graph dumps (default: $MHA_COMPILE_DUMP; "~" is the home folder; False: none, whatever the
+        environment says). verify: run the original region beside the
         replacement on the first call and fall back with a warning if they disagree.
         strict: raise instead of falling back when the backend fails (verify's disagreement and a
             failed capture of mode="reduce-overhead"'s step graphs included).
@@ -55,7 +56,7 @@ class Options:
 
     kernels: str = DEFAULT_KERNELS
     rest: str = DEFAULT_REST
-    dump: str | None = None
+    dump: str | bool | None = None
     verify: bool = False
     strict: bool = False
     graphs: str = DEFAULT_GRAPHS
@@ -77,10 +78,12 @@ class Options:
         if self.step_graphs is True and self.rest != "eager":
             raise ValueError(f"mha options: step_graphs=True replays the step through mha_compile's own CUDA graphs "
                              f"with rest='eager'; rest={self.rest!r} takes its own (Inductor's)")
-        if self.dump is not None and not isinstance(self.dump, (str, os.PathLike)):
-            raise TypeError(f"mha options: dump={self.dump!r} must be a folder path (str or os.PathLike)")
-        if self.dump is not None and not os.fspath(self.dump):
-            raise ValueError("mha options: dump='' names no folder; give a folder path, or leave dump out for no dumps")
+        if self.dump is not None and self.dump is not False and not isinstance(self.dump, (str, os.PathLike)):
+            raise TypeError(f"mha options: dump={self.dump!r} must be a folder path (str or os.PathLike), or False "
+                            f"for no dumps")
+        if isinstance(self.dump, (str, os.PathLike)) and not os.fspath(self.dump):
+            raise ValueError("mha options: dump='' names no folder; give a folder path, or dump=False for no dumps "
+                             f"(${DUMP_ENV} too)")
 
     def own_step_graphs(self, mode):
         """Whether a step captured whole under torch.compile's `mode` replays through
@@ -100,6 +103,8 @@ class Options:
             raise ValueError(f"mha options: unknown key(s) {unknown}; allowed keys are {allowed}")
         if options.get("dump") is None and os.environ.get(DUMP_ENV):
             options["dump"] = os.environ[DUMP_ENV]
+        if isinstance(options.get("dump"), (str, os.PathLike)):  # "~/dumps" is the home folder's, as a shell's
+            options["dump"] = os.path.expanduser(options["dump"])
         return cls(**options)
 
 

@@ -191,3 +191,21 @@ def test_a_rewritten_graph_inductor_cannot_compile_runs_as_captured(monkeypatch,
     for (name, p), q in zip(model.named_parameters(), compiled.parameters()):
         if name != "pool.key.bias":  # SPEC §1: ∂bk is zero, rounding in either
             assert relative_error(q.grad, p.grad) <= 1e-12, name
+
+
+def test_dump_false_turns_the_environment_s_dumps_off_and_a_tilde_is_home(monkeypatch, tmp_path):
+    """With MHA_COMPILE_DUMP set, a compile had no way to write no dumps (dump=None takes the
+    variable, dump='' raised "leave dump out", which does not); "~/x" made a folder named "~"
+    (a review's)."""
+    monkeypatch.setenv("MHA_COMPILE_DUMP", str(tmp_path / "from_env"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    ctx, tok = _inputs()
+    for dump, where in ((False, None), ("~/dumps", tmp_path / "home" / "dumps"), (None, tmp_path / "from_env")):
+        torch._dynamo.reset()
+        with compiled_reports() as reports:
+            torch.compile(_block(), backend="mha", options={} if dump is None else {"dump": dump})(ctx, tok)
+        assert len(reports) == 1 and len(reports[0].matches) == 1
+        if where is not None:
+            assert list(where.glob("run-*/graph_*/report.json")), (dump, list(tmp_path.rglob("*"))[:20])
+    assert not (tmp_path / "from_env").exists() or len(list((tmp_path / "from_env").glob("run-*"))) == 1
+    assert not list(tmp_path.rglob("~"))
