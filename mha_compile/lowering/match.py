@@ -230,8 +230,8 @@ def find_regions(gm, piece=None):
         try:
             matches.append(_apart(_match_at(nodes, anchor), matches))
         except _Miss as miss:
-            if _leaves_graph(anchor) and not any(said in miss.reason for said in ("graph break", "ran elsewhere",
-                                                                                    DDP_HINT)):
+            if _leaves_graph(anchor) and not any(said in miss.reason for said in (
+                    "graph break", "so the router ran elsewhere", DDP_HINT)):
                 miss = _Miss(anchor, f"{anchor.name}: the top-k's weights or indices are outputs of this graph, "
                                      f"so the region is not replaced ({miss.reason}). If the forward does not "
                                      "return them, a graph break splits the MHA region (e.g. at torch.where/"
