@@ -1,5 +1,6 @@
 """What the backend did to each graph, as data (for JSON) and as text (for people)."""
 import dataclasses
+import textwrap
 
 
 @dataclasses.dataclass
@@ -40,7 +41,10 @@ class GraphReport:
                 lines.append("    a row with every key masked: " + (
                     "NaN, as the spelling's plain softmax gives it (added to ctx)" if m["empty_rows"] == "nan" else
                     "attends to nothing (inv = bo), as SDPA's safe softmax gives it"))
-            lines.append(f"    covers {len(m['nodes'])} nodes: {', '.join(m['nodes'])}")
+            # wrapped: at E = 16 the loop spelling's nodes made one line of ~2000 characters (a review's)
+            lines += textwrap.wrap(f"covers {len(m['nodes'])} nodes: {', '.join(m['nodes'])}", width=100,
+                                   initial_indent="    ", subsequent_indent="      ", break_on_hyphens=False,
+                                   break_long_words=False)
             if m.get("copied"):
                 lines.append(f"    takes a copy of {' and '.join(m['copied'])}, which the op keeps for its backward: "
                              f"the caller holds it (a graph input or output) or the graph writes it in place after "

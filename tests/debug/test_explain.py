@@ -1,4 +1,5 @@
 """mha_compile.explain called again and again, beside the user's own torch.compile of the model."""
+import itertools
 import pathlib
 import re
 import pytest
@@ -309,6 +310,19 @@ def test_a_graph_that_fell_back_counts_no_match(monkeypatch):
     with pytest.raises(RuntimeError, match="replaced no region of the block: fallback: RuntimeError: planted"):
         with require_lowered("the block"):
             torch.compile(block, backend="mha")(*_inputs(4, 5))
+
+
+def test_a_report_of_many_nodes_stays_readable():
+    """The covered nodes were one line (~2000 characters at E = 16, a review's); wrapped, every
+    name whole."""
+    torch.manual_seed(8)
+    report = mha_compile.explain(MHABlock(12, 3, 8, 16, 2), *_inputs(4, 5))
+    lines = str(report).splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("    covers "))
+    covers = [lines[start]] + list(itertools.takewhile(lambda line: line.startswith("      "), lines[start + 1:]))
+    assert len(report.matches) == 1 and len(covers) > 1 and max(len(line) for line in covers) <= 100, covers
+    words = set(" ".join(covers).replace(",", " ").split())
+    assert all(name in words for name in report.matches[0]["nodes"])
 
 
 class _WithOptions(MHABlock):
