@@ -100,7 +100,8 @@ def _graph_section(folder, doc):
                    "</details>")
     text = folder / files.get("text", "report.txt")
     if text.exists():
-        out.append(f"<details><summary>report.txt</summary><pre>{html.escape(text.read_text(encoding='utf-8'))}</pre></details>")
+        body = html.escape(text.read_text(encoding="utf-8"))
+        out.append(f"<details><summary>report.txt</summary><pre>{body}</pre></details>")
     return "\n".join(out)
 
 

@@ -943,46 +943,30 @@ def test_residual_exports_y_and_inv_with_their_gradients(expose_inv):
         assert_close_rel(a_c.grad, a_e.grad, torch.float64, f"∂{name}")
 
 
-def test_a_region_value_read_before_the_region_ends_moves_after_the_op():
+@pytest.mark.parametrize("early_read", [True, "in place"])
+def test_a_region_value_read_before_the_region_ends_moves_after_the_op(early_read):
     """y.mean() read before the MoE runs (a near-miss until session 49): the reader moves after
-    the op, onto y rebuilt from it; output and every gradient eager's."""
+    the op, onto y rebuilt from it; output and every gradient eager's. "in place": the reader also
+    writes a buffer's running statistic in place, a near-miss until session 68 ("would reorder that
+    write"), though nothing in the region, nor before its end, reads the buffer: the write moves
+    with its reader (an expert-load counter, a review's, is the same case), and the buffer is
+    eager's. A write into a value the region reads is still refused (test_block_edges.py, a head
+    writing inv)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = _Residual(32, 2, 64, 4, 2, early_read=True).double()
+    model = _Residual(32, 2, 64, 4, 2, early_read=early_read).double()
     ctx, tok = torch.randn(4, 3, 32, dtype=torch.float64), torch.randn(4, 5, 32, dtype=torch.float64)
     report = mha_compile.explain(copy.deepcopy(model), ctx, tok)
-    assert len(report.matches) == 1 and not report.near_misses and report.matches[0]["kept"]
+    assert len(report.matches) == 1 and not report.near_misses and report.matches[0]["kept"], str(report)
+    torch._dynamo.reset()
     compiled_model = copy.deepcopy(model)
     out_c, out_e = torch.compile(compiled_model, backend="mha")(ctx, tok), model(ctx, tok)
     assert_close_rel(out_c, out_e, torch.float64, "output")
+    assert_close_rel(compiled_model.seen, model.seen, torch.float64, "the buffer")
     cotangent = torch.randn(out_e.shape, dtype=torch.float64)
     out_c.backward(cotangent)
     out_e.backward(cotangent)
     for (name, p_e), p_c in zip(model.named_parameters(), compiled_model.parameters()):
-        if not name.endswith(BK):
-            assert_close_rel(p_c.grad, p_e.grad, torch.float64, f"∂{name}")
-
-
-def test_a_region_value_read_early_into_a_buffer_written_in_place_moves_after_the_op():
-    """The early reader writes a buffer's running statistic in place. Until session 68 that was a
-    near-miss ("would reorder that write"), but nothing in the region, nor before its end, reads the
-    buffer: the write moves after the op with its reader (an expert-load counter, a review's, is
-    the same case). Output, the buffer and every gradient are eager's. A write into a value the
-    region reads is still refused (tests/lowering/test_block_edges.py, a head writing inv)."""
-    torch.manual_seed(0)
-    model = _Residual(32, 2, 64, 4, 2, early_read="in place").double()
-    ctx, tok = torch.randn(4, 3, 32, dtype=torch.float64), torch.randn(4, 5, 32, dtype=torch.float64)
-    report = mha_compile.explain(copy.deepcopy(model), ctx, tok)
-    assert len(report.matches) == 1 and not report.near_misses, str(report)
-    torch._dynamo.reset()
-    eager, compiled_model = copy.deepcopy(model), copy.deepcopy(model)
-    out_c, out_e = torch.compile(compiled_model, backend="mha")(ctx, tok), eager(ctx, tok)
-    assert_close_rel(out_c, out_e, torch.float64, "output")
-    assert_close_rel(compiled_model.seen, eager.seen, torch.float64, "the buffer")
-    cotangent = torch.randn(out_e.shape, dtype=torch.float64)
-    out_c.backward(cotangent)
-    out_e.backward(cotangent)
-    for (name, p_e), p_c in zip(eager.named_parameters(), compiled_model.parameters()):
         if not name.endswith(BK):
             assert_close_rel(p_c.grad, p_e.grad, torch.float64, f"∂{name}")
 
