@@ -393,3 +393,24 @@ def test_an_expert_load_counter_written_in_place_matches(how, where):
     assert_one_match(reports)
     assert relative_error(got, want) <= 1e-12
     assert torch.equal(compiled.load, eager.load) and int(eager.load.sum()) == 4 * 3 * 2, (compiled.load, eager.load)
+
+
+def _doubled(grad):
+    return grad * 2
+
+
+class HookOnTheKeys(SpelledBlock):
+    """A gradient hook on K inside the pool's forward: its gradient is not the block's."""
+
+    def _kv(self, tok):
+        k, v = super()._kv(tok)
+        k.register_hook(_doubled)
+        return k, v
+
+
+def test_a_gradient_hook_inside_the_pool_is_named():
+    """The near-miss named the einsum after the hook ("einsum_1 is not part of the block's math"), a review's."""
+    torch.manual_seed(0)
+    args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    reasons = as_eager_in_every_gradient(HookOnTheKeys().double(), args, torch.float64)
+    assert len(reasons) == 1 and reasons[0].startswith("register_hook"), reasons
