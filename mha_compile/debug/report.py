@@ -17,6 +17,11 @@ class GraphReport:
     options: dict = dataclasses.field(default_factory=dict)
 
     @property
+    def replaced(self):
+        """The matches the graph runs with: none where it fell back and ran as captured."""
+        return [] if self.fallback else self.matches
+
+    @property
     def name(self):
         """How warnings and reports name the graph: "graph 3 (Dynamo 0/1, forward at models.py:131)"."""
         return f"graph {self.index}" + (f" ({self.source})" if self.source else "")
@@ -73,12 +78,12 @@ class ExplainReport:
         compile it, verify disagreed) ran as captured: its matches are not counted here (the
         graph's own `.matches` keeps them, beside its `.fallback`). They were, and a check that
         a run was lowered (tasks.require_lowered, the bench's) passed on eager's code (a review's)."""
-        return [m for g in self.graphs if not g.fallback for m in g.matches]
+        return [m for g in self.graphs for m in g.replaced]
 
     @property
     def not_replaced(self):
         """Matches of the graphs that fell back, which ran as captured (see `.matches`)."""
-        return [m for g in self.graphs if g.fallback for m in g.matches]
+        return [m for g in self.graphs if not g.replaced for m in g.matches]
 
     @property
     def near_misses(self):

@@ -19,7 +19,7 @@ from mha_compile.lowering.aliases import may_copy, written_in_place
 from mha_compile.lowering.canonicalize import call_name, canon, canon_kind, dtype, float_dtype, shape
 
 ONE = "1"  # the role of a size-1 axis
-SIZE_CALLS = ("size", "dim", "numel", "stride", "sym_size")  # read a tensor's shape, not its values
+SIZE_QUERIES = ("size", "dim", "numel", "stride")  # calls that read a tensor's shape, not its values
 OUTSIDE_KINDS = ("ext", "zero")  # Vals a node outside the region may have
 # Vals whose values are whole numbers (indices, masks, counts, offsets): a cast of one to an
 # integer dtype is exact, where of any other it rounds
@@ -448,7 +448,7 @@ class Walk:
                 what = f"{node.name} ({node.op} {getattr(node.target, '__name__', node.target)})"
                 if canon(node) is not None:
                     return node, f"{what} is not part of the block's math as far as the matcher can read it"
-                if node.op in ("call_function", "call_method") and call_name(node) not in SIZE_CALLS:
+                if node.op in ("call_function", "call_method") and call_name(node) not in SIZE_QUERIES + ("sym_size",):
                     # a gradient hook on K or the attention weights, say (a review's: the einsum after it was named)
                     return node, (f"{what} is a call the matcher does not read, between the block's values (a "
                                   f"gradient hook, a call of its own): the block's math has none")

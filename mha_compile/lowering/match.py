@@ -19,13 +19,12 @@ import torch
 
 from mha_compile.lowering.aliases import FRESH, aliases as storage_aliases
 from mha_compile.lowering.canonicalize import call_name, canon, dtype, float_dtype, is_inplace, shape, written
-from mha_compile.lowering.interpret import (ONE, StackRef, Val, Walk, broadcast, known_eq, layout_rule,
+from mha_compile.lowering.interpret import (ONE, SIZE_QUERIES, StackRef, Val, Walk, broadcast, known_eq, layout_rule,
                                            ref_shape, with_step)
 from mha_compile.lowering.moe import moe_params, moe_rule
 from mha_compile.lowering.pool import pool_params, pool_rule
 
 _LAYOUT = ("reshape", "permute", "expand", "cast")
-_SIZE_QUERIES = ("size", "dim", "numel", "stride")
 
 
 @dataclasses.dataclass
@@ -832,13 +831,14 @@ def _deferred(nodes, region, out, early):
     in-place op (its order against the region's reads would change)."""
     moved = set()
     for root in early:
-        for n in _descendants(root):
+        later = _descendants(root)
+        for n in later:
             if nodes.order.get(n, -1) >= nodes.order[out]:
                 continue
             if n in region:
                 raise _Miss(root, f"{root.name} reads the region's router and the region reads it back (by "
                                   f"{n.name}); the region cannot be replaced by one op")
-            if is_inplace(n) and not _write_moves_safely(nodes, n, root, region, out):
+            if is_inplace(n) and not _write_moves_safely(nodes, n, root, later, region, out):
                 raise _Miss(root, f"{root.name} reads a value of the region (its router's, or one it exports) before "
                                   f"the region ends, and {n.name} writes in place after it: moving them after the op "
                                   f"would reorder that write")
@@ -860,10 +860,11 @@ def _deferred(nodes, region, out, early):
     return moved
 
 
-def _write_moves_safely(nodes, n, root, region, out):
+def _write_moves_safely(nodes, n, root, later, region, out):
     """Whether n, a write in place that moves after the op with root (a reader of the region's
-    value), writes a tensor nothing else reads before the region's end: no region node, and no node
-    from root to the region's end that stays where it is, reads any tensor sharing its storage.
+    value; later: what follows from root, which moves with it), writes a tensor nothing else reads
+    before the region's end: no region node, and no node from root to the region's end that stays
+    where it is, reads any tensor sharing its storage.
     Reviews': the ReLU(inplace=True) of a head on inv (the head's own tensor), and an expert-load
     counter buffer (`self.load += one_hot(index).sum(0)` under no_grad), were refused as a
     reordered write. A view of the region's value (inv, y, the router's) is a region node: refused."""
@@ -871,8 +872,7 @@ def _write_moves_safely(nodes, n, root, region, out):
     if target is None:
         return False
     shared = set(storage_aliases(target))
-    moving = set(_descendants(root))
-    stays = [m for m in nodes[nodes.order[root]:nodes.order[out] + 1] if m not in moving]
+    stays = [m for m in nodes[nodes.order[root]:nodes.order[out] + 1] if m not in later]
     return not any(m in shared or shared.intersection(m.all_input_nodes) for m in [*region, *stays])
 
 
@@ -1134,7 +1134,7 @@ _COMPUTES_ONLY = FRESH - {"rand", "randn", "scaled_dot_product_attention"}
 
 
 def _is_size_query(node):
-    return (node.op == "call_method" and node.target in _SIZE_QUERIES) or (
+    return (node.op == "call_method" and node.target in SIZE_QUERIES) or (
         node.op == "call_function" and "sym_size" in str(node.target))
 
 
