@@ -11,7 +11,7 @@ import torch
 
 from bench import cases, grouped_mm_moe, modes, timing
 from mha_compile import cost
-from mha_compile.kernels import region_graphs
+from mha_compile.kernels import reference, region_graphs
 from mha_compile.models import PRESETS
 
 ACT = "gelu"  # MHABlock's default activation, which every spelling here uses
@@ -65,6 +65,17 @@ def mode_that_ran(mode, row):
     return mode
 
 
+def family_work(family, dims):
+    """region_flops's pairs and tiles for what a family computes at dims: the reference's slots,
+    padding included, and its tiles (whose weight-gradient sums its backward adds); none otherwise."""
+    if family != cost.REGION_KERNELS:
+        return {}
+    pairs = dims["B"] * dims["H"] * dims["k"]
+    tile = reference.tile_rows(pairs, dims["E"])
+    slots = cost.reference_pairs(pairs, dims["E"], tile)
+    return dict(pairs=slots, tiles=slots // tile)
+
+
 def cost_fields(job):
     """Shapes, minimum and per-mode FLOPs, minimum bytes and the floor (bf16 on CUDA only)."""
     dims = PRESETS[job["preset"]]
@@ -74,7 +85,8 @@ def cost_fields(job):
     return dict(
         dims,
         flops_min=cost.evaluate(cost.region_flops(cost.MINIMUM, ACT, pass_), dims),
-        flops_mode=cost.evaluate(cost.region_flops(family, ACT, pass_, job["spelling"]), dims),
+        flops_mode=cost.evaluate(cost.region_flops(family, ACT, pass_, job["spelling"], **family_work(family, dims)),
+                                 dims),
         bytes_min=cost.evaluate(cost.region_bytes(ACT, pass_, True, cost.DTYPE_BYTES[job["dtype"]]), dims),
         floor_s=floor,
     )
