@@ -5,7 +5,9 @@
 inputs. The model is compiled with backend="mha" and run once, forward only, with grad
 enabled (as training compiles it; mha_compile.explain runs in its caller's grad mode); the
 explain report (what matched, which kernels, what nearly matched and why) is printed, as text
-or with --json as JSON. --dump writes the same graph dump folder as MHA_COMPILE_DUMP.
+or with --json as JSON. --dump writes the same graph dump folder as MHA_COMPILE_DUMP. --option
+KEY=VALUE sets any other backend option (README's Options; true/false and none as Python's True,
+False and None), and --dynamic compiles as torch.compile(..., dynamic=True) does.
 """
 import argparse
 import importlib.util
@@ -14,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from mha_compile.options import KERNELS, REST
+from mha_compile.options import KERNELS, REST, Options
 
 
 class UsageError(Exception):
@@ -64,6 +66,24 @@ def _kind(value):
     return f"a {type(value).__module__}.{type(value).__qualname__}"
 
 
+def backend_options(args):
+    """The backend's options from --kernels, --rest, --dump and each --option KEY=VALUE, checked
+    as torch.compile would check them (a bad key or value is a usage error naming what is allowed)."""
+    options = {"kernels": args.kernels, "rest": args.rest}
+    for item in args.option:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--option {item!r}: expected KEY=VALUE, e.g. --option keep_hidden=true")
+        options[key] = {"true": True, "false": False, "none": None}.get(text.lower(), text)
+    if args.dump:
+        options["dump"] = args.dump
+    try:
+        Options.parse(options)
+    except (TypeError, ValueError) as error:
+        raise UsageError(str(error)) from None
+    return options
+
+
 def explain_command(args):
     from mha_compile.debug import dump
     from mha_compile.debug.explain import explain
@@ -71,11 +91,9 @@ def explain_command(args):
     # with --json, what the factory and the model print goes to stderr: stdout is the report alone,
     # for a JSON reader (a review's: a model's print made it unreadable)
     with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+        options = backend_options(args)
         model, inputs = call_factory(load_factory(args.spec), args.spec)
-        options = {"kernels": args.kernels, "rest": args.rest}
-        if args.dump:
-            options["dump"] = args.dump
-        report = explain(model, *inputs, mha_options=options)
+        report = explain(model, *inputs, mha_options=options, mha_dynamic=True if args.dynamic else None)
     print(json.dumps(report.to_json(), indent=2, default=str) if args.json else report)
     if args.dump:
         run = dump.current_run(args.dump)
@@ -95,6 +113,9 @@ def main(argv=None):
                          help="also write a graph dump (scripts, reports, pictures, index.html)")
     explain.add_argument("--kernels", choices=KERNELS, default="auto")
     explain.add_argument("--rest", choices=REST, default="eager")
+    explain.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                         help="another backend option (repeatable), e.g. --option keep_hidden=true")
+    explain.add_argument("--dynamic", action="store_true", help="compile with dynamic=True (symbolic sizes)")
     explain.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
     try:

@@ -22,7 +22,7 @@ NO_BLOCK = ("No MHA block was found, nor anything close: no graph here takes a t
             "MoE's routing), where the matcher starts looking")
 
 
-def explain(model_or_fn, *args, mha_options=None, **kwargs):
+def explain(model_or_fn, *args, mha_options=None, mha_dynamic=None, **kwargs):
     """Compile with backend="mha", run the forward once (no backward) in the caller's grad mode,
     and return an ExplainReport. The module's buffers, the tensors given and the random-number
     state are left as found (`_state_kept`).
@@ -30,6 +30,8 @@ def explain(model_or_fn, *args, mha_options=None, **kwargs):
     The keywords are the model's, as `args` are (SPEC's `explain(model_or_fn, *args, **kwargs)`),
     but for the backend's options: `mha_options=` always, and `options=` where the forward names
     no parameter `options` (`_backend_options`), so that a forward of its own `options` gets them.
+    `mha_dynamic=` is torch.compile's `dynamic` (True: sizes and int inputs symbolic from the start,
+    where what is matched can differ: a top-k k given as an int becomes a value of the graph).
 
     The caller's mode, not no_grad: it is the mode the model will train in, and what is compiled
     depends on it (Dynamo records a torch.no_grad() inside the model only where grad is on, so
@@ -55,7 +57,7 @@ def explain(model_or_fn, *args, mha_options=None, **kwargs):
     try:
         with (_own_code(model_or_fn) as target, _state_kept(model_or_fn, args, kwargs), _sizes_seen_kept(),
               _graph_breaks() as breaks):
-            torch.compile(target, backend=mha)(*args, **kwargs)
+            torch.compile(target, backend=mha, dynamic=mha_dynamic)(*args, **kwargs)
     finally:
         backend.observers.remove(observe)
     if not reports:

@@ -41,3 +41,32 @@ def test_json_is_the_report_alone_where_the_model_prints(capsys):
     assert main(["explain", f"{SCRIPT}:make_printing", "--json"]) == 0
     captured = capsys.readouterr()
     assert len(json.loads(captured.out)["graphs"]) >= 1 and "the model prints this" in captured.err
+
+
+def test_options_and_dynamic_reach_explain(monkeypatch, capsys):
+    """--option KEY=VALUE and --dynamic: before session 69 the command took --kernels and --rest only,
+    and no way to explain a dynamic=True compile."""
+    seen = {}
+
+    def explain(model, *inputs, mha_options=None, mha_dynamic=None):
+        seen.update(options=mha_options, dynamic=mha_dynamic)
+        return "the report"
+
+    monkeypatch.setattr("mha_compile.debug.explain.explain", explain)
+    assert main(["explain", f"{SCRIPT}:make_block", "--option", "keep_hidden=true", "--option", "mode=reduce-overhead",
+                 "--option", "step_graphs=False", "--dynamic"]) == 0
+    assert seen == dict(options={"kernels": "auto", "rest": "eager", "keep_hidden": True, "mode": "reduce-overhead",
+                                 "step_graphs": False}, dynamic=True)
+    assert main(["explain", f"{SCRIPT}:make_block"]) == 0
+    assert seen == dict(options={"kernels": "auto", "rest": "eager"}, dynamic=None)
+
+
+@pytest.mark.parametrize("option, message", [
+    ("verify", "--option 'verify': expected KEY=VALUE"),
+    ("bogus=1", "unknown key(s) ['bogus']; allowed keys are ['kernels', 'rest', 'dump', 'verify'"),
+    ("graphs=sometimes", "graphs='sometimes' is not allowed; expected one of ('auto', 'on', 'off')"),
+])
+def test_a_bad_option_is_a_clear_error(option, message, capsys):
+    assert main(["explain", f"{SCRIPT}:make_block", "--option", option]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err

@@ -402,3 +402,20 @@ def test_an_expert_off_the_block_names_the_node_that_leaves_it():
     report = mha_compile.explain(_ReluExperts().double(), *inputs(dtype=torch.float64))
     reasons = [m["reason"] for m in report.near_misses]
     assert not report.matches and any("(relu) on the expert's pre-activation" in r for r in reasons), reasons
+
+
+def test_mha_dynamic_explains_a_dynamic_true_compile(monkeypatch):
+    """mha_dynamic=True compiles as torch.compile(..., dynamic=True): an int k of the forward is then
+    a value of the graph, which the op cannot take (before session 69 explain had no way to show it;
+    its keywords all went to the model). The next explain, without it, matches again."""
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parents[1] / "lowering"))  # its `from spellings import`
+    from test_graph_values import TopKArgument
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = TopKArgument().double()
+    ctx, tok = spelled_inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    assert len(mha_compile.explain(model, ctx, tok, 2).matches) == 1
+    report = mha_compile.explain(model, ctx, tok, 2, mha_dynamic=True)
+    reasons = [miss["reason"] for miss in report.near_misses]
+    assert not report.matches and len(reasons) == 1 and "top-k's k is " in reasons[0], str(report)
+    assert len(mha_compile.explain(model, ctx, tok, 2).matches) == 1
