@@ -78,6 +78,8 @@ for kind, targets in {
     "mha": [F.multi_head_attention_forward],
     "chunk": _fn("torch.chunk"),
     "unbind": _fn("torch.unbind"),
+    "select": _fn("torch.select"),  # read as the index it takes (_read_select)
+    "narrow": _fn("torch.narrow"),
     "split": _fn("torch.split", "torch.functional.split"),
     "one_hot": [F.one_hot, *_fn("torch._C._nn.one_hot")],
     "where": _fn("torch.where"),
@@ -119,6 +121,7 @@ _METHODS = {
     "to": "cast", "float": "cast", "double": "cast", "half": "cast", "bfloat16": "cast",
     "type_as": "cast", "contiguous": "cast", "clone": "cast",
     "masked_fill": "masked_fill", "masked_fill_": "masked_fill", "chunk": "chunk", "split": "split", "unbind": "unbind",
+    "select": "select", "narrow": "narrow",
     "nonzero": "nonzero",
     "index_add_": "index_add", "index_add": "index_add", "new_zeros": "zeros", "zero_": "zeros",
     "logical_not": "not", "bitwise_not": "not", "__invert__": "not", "iadd": "add", "__iadd__": "add",
@@ -148,6 +151,8 @@ _SIGNATURES = {
     "chunk": ("input", "chunks", "dim"),
     "split": ("input", "split_size_or_sections", "dim"),
     "unbind": ("input", "dim"),
+    "select": ("input", "dim", "index"),
+    "narrow": ("input", "dim", "start", "length"),
     "one_hot": ("input", "num_classes"),
     "nonzero": ("input", "as_tuple"),
     "index_add": ("input", "dim", "index", "source", "alpha"),
@@ -220,8 +225,29 @@ def canon(node):
         merged = dict(_DEFAULTS.get(kind, {}))
         merged.update(zip(names, args))
         merged.update({k: v for k, v in kwargs.items() if k in names or k == "dim"})
-        return Op(kind, tuple(merged.get(n) for n in names), {k: v for k, v in kwargs.items() if k.startswith("_")})
+        args = tuple(merged.get(n) for n in names)
+        if kind in ("select", "narrow"):
+            return _read_select(node, kind, *args)
+        return Op(kind, args, {k: v for k, v in kwargs.items() if k.startswith("_")})
     return Op(kind, args, kwargs)
+
+
+def _read_select(node, kind, base, dim, index, length=None):
+    """x.select(d, i) is x[:, ..., i] and x.narrow(d, start, n) is x[:, ..., start:start + n] (d full
+    slices before), read as that getitem: W.select(0, e) as W[e], an expert's slice (it was read as a
+    tensor of its own, stacked again on every call). None where an argument is not a constant."""
+    in_shape = shape(base) if hasattr(base, "meta") else None
+    if in_shape is None or not all(type(a) is int for a in (dim, index) + ((length,) if kind == "narrow" else ())) \
+            or not -len(in_shape) <= dim < len(in_shape):
+        return None
+    dim %= len(in_shape)
+    if kind == "narrow":
+        if not isinstance(in_shape[dim], int):
+            return None
+        start = index + in_shape[dim] if index < 0 else index  # narrow's start counts from the end where negative
+        index = slice(start, start + length)
+    items = (slice(None),) * dim + (index,)
+    return _read_getitem(node, (base, items[0] if len(items) == 1 else items))
 
 
 def _read_dropout(args, kwargs):

@@ -16,7 +16,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from mha_compile.lowering.aliases import may_copy, written_in_place
-from mha_compile.lowering.canonicalize import call_name, canon, canon_kind, dtype, float_dtype, shape
+from mha_compile.lowering.canonicalize import Op, call_name, canon, canon_kind, dtype, float_dtype, shape
 
 ONE = "1"  # the role of a size-1 axis
 SIZE_QUERIES = ("size", "dim", "numel", "stride")  # calls that read a tensor's shape, not its values
@@ -513,6 +513,9 @@ def _ext_layout(walk, node, op, src, in_shape, out_shape):
     batch keeps its own axes and gains broadcast ones); as a parameter, a permute is remembered
     in the ParamRef, a cast or a size-1 reshape is transparent, anything else unreads it."""
     ref = src.info["ref"]
+    if op.kind == "reshape" and in_shape and out_shape == in_shape[1:] and is_one(in_shape[0]) and \
+            _slice_of(walk, op.args[0], 0) is not None:  # W.narrow(0, e, 1).squeeze(0): W[e]
+        return select_rule(walk, node, Op("getitem", (op.args[0], 0)))
     lay = move_roles(walk, op, src.info.get("lay"), in_shape, out_shape)
     new_ref = None
     if ref is not None and op.kind == "cast":
@@ -568,17 +571,49 @@ def query_ref(val, wanted, one_head=False, heads=None):
 
 
 def select_rule(walk, node, op):
-    """W[e] on a parameter: a per-expert slice, remembered in the ParamRef."""
-    src = walk.val(op.args[0])
-    index = op.args[1]
+    """W[e] on a parameter: a per-expert slice, remembered in the ParamRef. An item of W.unbind(0),
+    and row 0 of a one-row slice W[e:e+1] (W.narrow(0, e, 1)), are W[e] too (_slice_of)."""
+    stack, index = _slice_of(walk, op.args[0], op.args[1]) or op.args[:2]
+    src = walk.val(stack)
     if src is None or src.kind != "ext" or not isinstance(index, int):
         return None
     ref = src.info["ref"]
-    if ref is None or ref.select is not None or ref.perm is not None and ref.perm[0] != 0:
-        return None
+    if ref is None or ref.select is not None or ref.perm is not None and ref.perm[0] != 0 or ref_shape(ref) is None:
+        return None  # no shape: a tuple (an item of W.unbind(1) is a tensor of its own, as W[:, e] is)
     # a stack permuted behind its expert axis (w2.transpose(1, 2)[e]): the slice, then its own axes permuted
     perm = None if ref.perm is None else tuple(p - 1 for p in ref.perm[1:])
     return ext_val(node, dataclasses.replace(ref, select=index, perm=None if perm == (0, 1) else perm), None)
+
+
+def _slice_of(walk, base, index):
+    """(W, e) where base[index] is W[e] for an external W, spelled through one more node: base an
+    unbind of W along axis 0 (w1s = W1.unbind(0); w1s[e], or zip(W1.unbind(0), ...) in a loop), or
+    base a one-row slice W[e:e+1] of W's axis 0 and index 0 (W.narrow(0, e, 1)[0]). Else None. Read
+    as tensors of their own, these slices were stacked again on every call, or refused where the
+    slice kept W's 3 axes (an unbind's tuple, W[e:e+1].squeeze(0))."""
+    op = canon(base) if isinstance(base, torch.fx.Node) and base not in walk.inside else None
+    if op is None or type(index) is not int or not isinstance(op.args[0], torch.fx.Node):
+        return None
+    size = shape(op.args[0])
+    if not size or not isinstance(size[0], int):
+        return None
+    if op.kind == "unbind" and type(op.args[1]) is int and op.args[1] % len(size) == 0 and \
+            -size[0] <= index < size[0]:
+        return op.args[0], index % size[0]
+    row = one_row(op.args[1], size) if op.kind == "getitem" else None
+    return (op.args[0], row) if row is not None and index in (0, -1) else None
+
+
+def one_row(index, size):
+    """e where index takes the one row e of axis 0 (e:e+1, -1:, with any full slices after), or None."""
+    items = index if isinstance(index, tuple) else (index,)
+    first = items[0] if items else None
+    if not isinstance(first, slice) or first.step not in (None, 1) or \
+            not all(type(b) is int or b is None for b in (first.start, first.stop)) or \
+            not all(i == slice(None) or i is Ellipsis for i in items[1:]):
+        return None
+    rows = range(size[0])[first]  # Python's own reading of the slice: negative and open bounds
+    return rows[0] if len(rows) == 1 else None
 
 
 def ext_ref(val):

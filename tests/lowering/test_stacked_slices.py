@@ -1,0 +1,104 @@
+"""Slices of a stacked parameter spelled otherwise than W[e]: the experts unbound (W1.unbind(0), in a
+loop over zip(...)), taken by torch.select or W.select(0, e), by W.narrow(0, e, 1).squeeze(0) or
+W[e:e+1][0]; K's and V's weights kept as one kv_w [2, D, D] and read by kv_w[i], .select(0, i) or
+.unbind(0). Before, the unbound, narrowed and kv_w[i] spellings were refused (their
+near-misses blamed the experts or the key projection), and W.select(0, e) was read as a tensor of its
+own, stacked again on every call; the op now takes the stored stack, each slice as the user took it."""
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from compiled_checks import as_eager_in_every_gradient, assert_one_match, compile_and_compare
+from spellings import SpelledBlock, inputs
+
+# SPEC's tiny preset (SpelledBlock's and inputs' defaults), and odd sizes: (block, inputs) keywords
+SIZES = {"tiny": ({}, {}), "odd": (dict(D=21, P=3, F_=13, E=5, k=3), dict(B=3, H=2, N=7, D=21))}
+
+
+def _args(sizes):
+    return inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1), **SIZES[sizes][1])
+
+
+def _stored(names):
+    """Each parameter's node in the graph (Dynamo's l_self_parameters_<name>_), by its name."""
+    return {name: f"l_self_parameters_{name}_" for name in names}
+
+
+class SlicedExperts(SpelledBlock):
+    """The loop MoE with each expert's W1, W2, b1 and b2 taken from the stacks by `how`."""
+
+    TAKE = {
+        "torch.select": lambda p, e: torch.select(p, 0, e),
+        "select": lambda p, e: p.select(0, e),
+        "narrow.squeeze": lambda p, e: p.narrow(0, e, 1).squeeze(0),
+        "[e:e+1].squeeze": lambda p, e: p[e:e + 1].squeeze(0),
+        "[e:e+1][0]": lambda p, e: p[e:e + 1][0],
+    }
+
+    def __init__(self, how, **block):
+        super().__init__(**block)
+        self.how = how
+
+    def _experts(self):
+        """(e, (w1, w2, b1, b2)) for every expert."""
+        stacks = (self.w1, self.w2, self.b1, self.b2)
+        if self.how == "unbind zip":
+            return enumerate(zip(*(p.unbind(0) for p in stacks)))
+        if self.how == "unbind list":
+            w1s, w2s, b1s, b2s = (p.unbind(0) for p in stacks)
+            return ((e, (w1s[e], w2s[e], b1s[e], b2s[e])) for e in range(self.E))
+        return ((e, tuple(self.TAKE[self.how](p, e) for p in stacks)) for e in range(self.E))
+
+    def moe_forward(self, y):
+        x = y.reshape(-1, y.shape[-1])
+        weight, index = self.route(x)
+        out = torch.zeros_like(x)
+        for e, (w1, w2, b1, b2) in self._experts():
+            gate = (weight * (index == e)).sum(dim=-1, keepdim=True)
+            out = out + gate * (self._act(x @ w1 + b1) @ w2 + b2)
+        return out.reshape(y.shape)
+
+
+@pytest.mark.parametrize("sizes", list(SIZES))
+@pytest.mark.parametrize("how", ["unbind zip", "unbind list", *SlicedExperts.TAKE])
+def test_experts_sliced_from_their_stacks_match_and_train_as_eager(how, sizes):
+    """The op takes the stored stacks themselves, not a torch.stack of their slices."""
+    torch.manual_seed(0)
+    model = SlicedExperts(how, **SIZES[sizes][0]).double()
+    match = assert_one_match(compile_and_compare(model, _args(sizes), torch.float64))
+    params = {name: match["params"][name] for name in ("w1", "w2", "b1", "b2")}
+    assert params == _stored(params), params
+
+
+class ExpertAxisSecond(SpelledBlock):
+    """W1 stored [D, E, F] and W2 [F, E, D], their experts on axis 1: W1.unbind(1)[e] is expert e's
+    [D, F], which is no W1[e] of the stored tensor (that would be [E, F]): each is read as a tensor of
+    its own (an expert's nn.Linear weight, say), W1 and W2 alike."""
+
+    def __init__(self, **block):
+        super().__init__(**block)
+        self.w1 = nn.Parameter(self.w1.detach().transpose(0, 1).contiguous())
+        self.w2 = nn.Parameter(self.w2.detach().transpose(0, 1).contiguous())
+
+    def moe_forward(self, y):
+        x = y.reshape(-1, y.shape[-1])
+        weight, index = self.route(x)
+        out = torch.zeros_like(x)
+        w1s, w2s = self.w1.unbind(1), self.w2.unbind(1)
+        for e in range(self.E):
+            gate = (weight * (index == e)).sum(dim=-1, keepdim=True)
+            out = out + gate * (self._act(x @ w1s[e] + self.b1[e]) @ w2s[e] + self.b2[e])
+        return out.reshape(y.shape)
+
+
+def test_an_unbind_along_another_axis_is_no_expert_select():
+    """Refused before (an item of the unbind's tuple was taken as a select on the tuple); now its
+    items are stacked as separate experts' weights, and b1 is still read as its stored stack."""
+    torch.manual_seed(0)
+    model = ExpertAxisSecond().double()
+    match = assert_one_match(compile_and_compare(model, _args("tiny"), torch.float64))
+    assert match["params"]["w1"].startswith("stack(") and match["params"]["w2"].startswith("stack("), match["params"]
+    assert match["params"]["b1"] == "l_self_parameters_b1_", match["params"]
