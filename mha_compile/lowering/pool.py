@@ -28,8 +28,8 @@ from mha_compile.lowering.aliases import written_in_place
 from mha_compile.lowering.canonicalize import canon, dtype, float_dtype, shape, sum_of_product
 from mha_compile.lowering.interpret import (BATCH_HEADS, ONE, ParamRef, Reject, Val, base_layout, broadcast,
                                             canonical_perm, einsum_roles, ext_ref, ext_val, graph_scalar,
-                                            graph_value_reason, known_eq, layout_rule, query_ref, select_rule,
-                                            with_step)
+                                            graph_value_reason, known_eq, layout_rule, query_ref, ref_shape,
+                                            select_rule, with_step)
 
 HEAD_ROLES = ("d.0", "d.1")
 
@@ -41,13 +41,23 @@ def _transposed(ref):
     return dataclasses.replace(ref, perm=None if perm == (0, 1) else perm)
 
 
+def _unselected(ref):
+    """A slice W[i] of a stacked parameter (K's and V's weights kept as one kv_w [2, D, D], read as
+    kv_w[0], kv_w.select(0, 1) or kv_w.unbind(0)) as the tensor it is: its select an index step,
+    which the rewrite takes as written (a select is an expert's, which it stacks per expert)."""
+    if ref is None or ref.select is None:
+        return ref
+    return dataclasses.replace(ref, select=None, steps=ref.steps + (("index", (ref.select,)),))
+
+
 def _affine(walk, node, x, weight, bias):
     """x Wᵀ + b on the last axis: a projection of the tokens, or the output projection."""
     if x is None or weight is None or x.roles is None or x.roles[-1] != "d":
         return None
     d = walk.axes.sizes.get("d")
-    w_shape = shape(weight.node)
-    if w_shape is None or len(w_shape) != 2 or weight.steps or weight.select is not None:
+    weight, bias = _unselected(weight), _unselected(bias)
+    w_shape = ref_shape(weight)
+    if w_shape is None or len(w_shape) != 2:
         return None
     if x.kind == "tok" and shape(node)[-1] == d:
         return Val("proj", x.roles, {"w": weight, "b": bias})
@@ -114,13 +124,13 @@ def _add_bias(walk, node, a, b):
                      f"write scores.masked_fill(pad[:, None, :], float('-inf')) (pad: True = ignore)")
     if a is None or b is None or b.kind != "ext" or a.kind not in ("proj", "inv") or ext_ref(b) is None:
         return None
-    key = "b" if a.kind == "proj" else "bo"
-    if a.info.get(key) is not None or shape(b.info["ref"].node) != (walk.axes.sizes.get("d"),):
+    key, bias = "b" if a.kind == "proj" else "bo", _unselected(ext_ref(b))
+    if a.info.get(key) is not None or ref_shape(bias) != (walk.axes.sizes.get("d"),):
         return None
     if a.roles[-1] != "d":  # (a review's: (tok @ Wvᵀ).transpose(1, 2) + bv with N = D added bv per token)
         raise Reject(f"{node.name}: a [D] bias is added along the {_ROLE_NAMES.get(a.roles[-1], a.roles[-1])} "
                      f"axis of a projection; the region adds it to the features (the last axis of x Wᵀ)")
-    return Val(a.kind, a.roles, dict(a.info, **{key: ext_ref(b)}))
+    return Val(a.kind, a.roles, dict(a.info, **{key: bias}))
 
 
 def _scale(node, kind, a, b):

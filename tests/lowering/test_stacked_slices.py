@@ -102,3 +102,69 @@ def test_an_unbind_along_another_axis_is_no_expert_select():
     match = assert_one_match(compile_and_compare(model, _args("tiny"), torch.float64))
     assert match["params"]["w1"].startswith("stack(") and match["params"]["w2"].startswith("stack("), match["params"]
     assert match["params"]["b1"] == "l_self_parameters_b1_", match["params"]
+
+
+class StackedKV(SpelledBlock):
+    """K's and V's weights (and biases) kept as one stack kv_w [S, D, D] (kv_b [S, D]), read by `how`;
+    K takes slice `key_at`, V slice `value_at` (S = the larger + 1, at least 2)."""
+
+    TAKE = {
+        "[i]": lambda p, i: p[i],
+        "select": lambda p, i: p.select(0, i),
+        "unbind": lambda p, i: p.unbind(0)[i],
+    }
+
+    def __init__(self, how, key_at=0, value_at=1, **block):
+        super().__init__(**block)
+        self.how, self.at = how, (key_at, value_at)
+        size = max(key_at, value_at, 1) + 1
+        self.kv_w = nn.Parameter(torch.randn(size, self.D, self.D) / math.sqrt(self.D))
+        self.kv_b = nn.Parameter(0.1 * torch.randn(size, self.D))
+        del self.key, self.value
+
+    def _kv(self, tok):
+        if self.how == "matmul":  # x @ Wᵀ + b, the bias added by hand
+            return tuple(tok @ self.kv_w[i].mT + self.kv_b[i] for i in self.at)
+        take = self.TAKE[self.how]
+        return tuple(F.linear(tok, take(self.kv_w, i), take(self.kv_b, i)) for i in self.at)
+
+
+@pytest.mark.parametrize("sizes", list(SIZES))
+@pytest.mark.parametrize("how", [*StackedKV.TAKE, "matmul"])
+def test_k_and_v_weights_in_one_stack_match_and_train_as_eager(how, sizes):
+    torch.manual_seed(0)
+    model = StackedKV(how, **SIZES[sizes][0]).double()
+    match = assert_one_match(compile_and_compare(model, _args(sizes), torch.float64))
+    assert {name: match["params"][name] for name in ("wk", "bk", "wv", "bv")} == {
+        "wk": "l_self_parameters_kv_w_[0]", "bk": "l_self_parameters_kv_b_[0]",
+        "wv": "l_self_parameters_kv_w_[1]", "bv": "l_self_parameters_kv_b_[1]"}, match["params"]
+
+
+@pytest.mark.parametrize("key_at, value_at", [(0, 0), (2, 0)], ids=["one slice for both", "K from 2 of 3"])
+def test_k_and_v_read_by_use_not_by_their_place_in_the_stack(key_at, value_at):
+    """Which slice is K is read from the projection it feeds, not from its index: K and V tied to one
+    slice (kv_w[0] for both) is the block with Wk = Wv, and the op gets that slice twice (autograd sums
+    both gradients into it); a stack of three read at 2 and 0 gives the op those slices."""
+    torch.manual_seed(0)
+    model = StackedKV("[i]", key_at=key_at, value_at=value_at).double()
+    match = assert_one_match(compile_and_compare(model, _args("tiny"), torch.float64))
+    assert (match["params"]["wk"], match["params"]["wv"]) == (
+        f"l_self_parameters_kv_w_[{key_at}]", f"l_self_parameters_kv_w_[{value_at}]"), match["params"]
+
+
+class StackedKVBiasOnTokens(StackedKV):
+    """V's bias kv_b[1] added along the token axis of (tok @ kv_w[1]ᵀ)ᵀ (N = D): not the block's V."""
+
+    def _kv(self, tok):
+        k = F.linear(tok, self.kv_w[0], self.kv_b[0])
+        v = ((tok @ self.kv_w[1].mT).transpose(1, 2) + self.kv_b[1]).transpose(1, 2)
+        return k, v
+
+
+def test_a_stacked_bias_added_along_the_tokens_is_named():
+    """kv_b[1] is read as V's [D] bias, so the near-miss says where it is added; it blamed the
+    key's projection before (no slice of a stack was read as a projection's parameter)."""
+    torch.manual_seed(0)
+    args = inputs(N=32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    reasons = as_eager_in_every_gradient(StackedKVBiasOnTokens("[i]").double(), args, torch.float64)
+    assert len(reasons) == 1 and "bias is added along the token axis" in reasons[0], reasons
