@@ -645,15 +645,18 @@ def _read_pool(nodes, inv):
     elif _from_body(_strip(inv)) and not candidates:
         reason = (inv, f"{inv.name}: the pooled vector added over horizons comes out of {_from_body(_strip(inv))}, "
                        f"{BODY_HINT}")
+    below = {t: _descendants(t) for t in candidates}
     for tok in candidates:
         # A one-head pool (P = 1) views [B,N,D] as [B,N,1,D], which reads the same as an
         # unsqueeze: try the usual reading first, then the one-head one.
         for trivial in (None, "d"):
-            walk = Walk(pool_rule, {tok: Val("tok", ("b", "n", "d"))}, inner, _descendants(tok), trivial_split=trivial)
+            walk = Walk(pool_rule, {tok: Val("tok", ("b", "n", "d"))}, inner, below[tok], trivial_split=trivial)
             val = walk.vals.get(inv)
             if val is not None and val.kind == "inv" and val.roles == ("b", "d"):
                 return tok, walk
-            if trivial is None:
+            if trivial is None and not any(tok in below[t] for t in candidates if t is not tok):
+                # a candidate made from another (tok + 0.5 fed to the value projection by a pre-hook) is
+                # no token tensor: its walk blamed the einsum where the other projection is unread
                 reason = walk.first_reason(inv, inner)
     raise _Miss(*reason) if isinstance(reason, tuple) else _Miss(inv, reason)
 

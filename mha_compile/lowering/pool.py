@@ -79,6 +79,10 @@ def pool_rule(walk, node, op):
         return None if lay is None else ext_val(node, ParamRef(node), lay)
     op = sum_of_product(op) or op  # (k * q).sum(-1), (attn[..., None] * v).sum(1): einsums
     args = [walk.val(a) for a in op.args]
+    if op.kind in ("add", "sub", "mul", "div") and any(a is not None and a.kind == "tok" for a in args):
+        raise Reject(f"{node.name}: the tokens are changed by {op.kind} before a projection of the pool, while "
+                     f"another projection reads them as they are; K and V project the same tokens (a forward pre-hook "
+                     f"on the key or value projection that changes its input, say)")
     if op.kind == "linear":
         x, w, b = args
         # a bias read as no parameter (b.reshape(D), b.expand(D): a review's, read as no bias, 0.48 off)

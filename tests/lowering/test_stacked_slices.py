@@ -168,3 +168,23 @@ def test_a_stacked_bias_added_along_the_tokens_is_named():
     args = inputs(N=32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     reasons = as_eager_in_every_gradient(StackedKVBiasOnTokens("[i]").double(), args, torch.float64)
     assert len(reasons) == 1 and "bias is added along the token axis" in reasons[0], reasons
+
+
+class ShiftedProjectionInput(SpelledBlock):
+    """A forward pre-hook on the key or value projection that shifts its input: tok + 0.5 projected
+    there, tok itself by the other projection. Not the block."""
+
+    def __init__(self, where):
+        super().__init__()
+        getattr(self, where).register_forward_pre_hook(lambda module, args: (args[0] + 0.5,))
+
+
+@pytest.mark.parametrize("where", ["value", "key"])
+def test_a_pre_hook_shifting_a_projection_s_input_is_named(where):
+    """The near-miss named the einsum after the value projection (the reason of the walk from the
+    shifted tokens, tried last); it names the add and says what it changes."""
+    torch.manual_seed(0)
+    args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    reasons = as_eager_in_every_gradient(ShiftedProjectionInput(where).double(), args, torch.float64)
+    assert len(reasons) == 1 and reasons[0].startswith("add: the tokens are changed by add"), reasons
+    assert "pre-hook" in reasons[0], reasons
