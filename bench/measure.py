@@ -66,14 +66,12 @@ def mode_that_ran(mode, row):
 
 
 def family_work(family, dims):
-    """region_flops's pairs and tiles for what a family computes at dims: the reference's slots,
-    padding included, and its tiles (whose weight-gradient sums its backward adds); none otherwise."""
+    """region_flops's pairs for what a family computes at dims: the reference's slots, padding
+    included; none otherwise (R·k)."""
     if family != cost.REGION_KERNELS:
         return {}
     pairs = dims["B"] * dims["H"] * dims["k"]
-    tile = reference.tile_rows(pairs, dims["E"])
-    slots = cost.reference_pairs(pairs, dims["E"], tile)
-    return dict(pairs=slots, tiles=slots // tile)
+    return dict(pairs=cost.reference_pairs(pairs, dims["E"], reference.tile_rows(pairs, dims["E"])))
 
 
 def cost_fields(job):

@@ -22,9 +22,8 @@ same way but only the chosen experts; the mha backend reassociates the pool and,
 `kernels/reference.py`, recomputes the pool's pooled value and the experts' forward in the
 backward (the router's softmax π is kept from the forward); with options keep_hidden=True the
 Triton sets keep u = x W1 + b1 from the forward instead (not for swiglu, where it does not
-apply). The reference pads expert tiles (see `reference_pairs`) and its backward sums
-its weight gradients per tile (`tile_sum_flops`); `region_flops` leaves both out unless given
-its pairs and tiles (≈3% at medium; the bench gives them for mha-reference rows).
+apply). The reference pads expert tiles (see `reference_pairs`); `region_flops` leaves padding
+out (≈3% at medium) unless given its pairs (the bench gives them for mha-reference rows).
 """
 import sympy
 
@@ -114,24 +113,11 @@ def combine_flops(pass_):
     return sympy.expand(2 * R * E * D * (3 if pass_ == "fwd+bwd" else 1))
 
 
-def tile_sum_flops(tiles, act, pass_):
-    """The reference backward's per-expert sums of its per-tile weight and bias gradients
-    (kernels/reference.py's _sum_tiles): a product with the [E, T] tile->expert one-hot over each of
-    ∂W1, ∂W2 (∂W3), ∂b1 and ∂b2; none in the forward."""
-    _check_pass(pass_)
-    if pass_ == "fwd":
-        return sympy.Integer(0)
-    return sympy.expand(2 * tiles * E * ((3 if act == "swiglu" else 2) * D * F + F + D))
-
-
-def region_flops(family, act="gelu", pass_="fwd", spelling="dense", pairs=None, tiles=None):
+def region_flops(family, act="gelu", pass_="fwd", spelling="dense", pairs=None):
     """FLOPs of the region as a mode family (one of FAMILIES) computes it.
 
     pairs: (row, expert) pairs the chosen-expert families compute; R·k unless given
     (e.g. `reference_pairs(...)` to count the reference's padded tiles).
-    tiles: the reference's expert tiles (reference_pairs(...) / its tile): REGION_KERNELS's backward
-    also sums its weight gradients over them (`tile_sum_flops`), which None leaves out (13.8% of
-    the reference's forward+backward at tiny, 1.7% at small).
     """
     pairs = R * k if pairs is None else pairs
     if family == MINIMUM:
@@ -147,7 +133,6 @@ def region_flops(family, act="gelu", pass_="fwd", spelling="dense", pairs=None, 
             total += (4 if act == "swiglu" else 2) * pairs * D * F  # every set recomputes u = x W1 (and u3)
             if family == REGION_KERNELS:  # the reference also recomputes u_p, t̄ and pooled
                 total += 2 * D * D + 2 * B * N * D * P + 2 * B * D * D
-                total += 0 if tiles is None else tile_sum_flops(tiles, act, pass_)
         return sympy.expand(total)
     raise ValueError(f"family={family!r}: expected one of {FAMILIES}")
 

@@ -371,6 +371,51 @@ def check_nan_rows(module, where, device, E=5, k=2, dtype=torch.float32):
             assert rel_err(g[rows], r[rows]) <= TOLERANCE[dtype], f"∂{name}'s clean rows differ from the reference"
 
 
+EXPERT_PARAMS = (8, 9, 10, 11)  # W1, b1, W2, b2 in region-op order (params; their gradients are 2 further on)
+
+
+def check_non_finite_experts(module, device, E=8, k=2):
+    """SPEC §1 computes the chosen experts only, so (a) a NaN or inf in the weights of an expert no
+    row chooses, the last (whose weights the reference's trailing tiles of padding take), reaches no
+    output and no gradient, its own being 0; and (b) a NaN in one row of G reaches only the gradients
+    of that row's experts. Before session 69 the reference's per-expert sums of its tiles (a one-hot
+    GEMM: 0·NaN) gave every expert's ∂W1, ∂W2 and ∂b1 a NaN in both cases (a review's): with (a), a
+    finite loss and a NaN in every expert after the optimiser's step."""
+    ctx, tok, params = make_case(2, 2, 6, 24, 2, 40, E, k, device=device, seed=5)
+    index = module.region_forward(ctx, tok, *params, None, k, True, "gelu")[4]
+    unchosen = sorted(set(range(E)) - set(index.flatten().tolist()))
+    assert unchosen, f"every expert chosen: {index.tolist()}"
+    order = list(range(E))  # one unchosen expert moved last, the rest as they were
+    order.remove(unchosen[0])
+    order.append(unchosen[0])
+    for i in (7,) + EXPERT_PARAMS:
+        params[i] = params[i][order].contiguous()
+    clean = list(params)
+    for i, spot in zip(EXPERT_PARAMS, [(E - 1, 0, 0), (E - 1, 3), (E - 1, 1, 2), (E - 1, 4)]):
+        params[i] = params[i].clone()
+        params[i][spot] = float("nan") if i != 10 else float("inf")
+    saved = module.region_forward(ctx, tok, *params, None, k, True, "gelu")
+    assert (saved[4] != E - 1).all(), "the moved expert is chosen"
+    want = module.region_forward(ctx, tok, *clean, None, k, True, "gelu")
+    assert torch.equal(saved[0], want[0]), "a non-finite unchosen expert changed the output"
+    grad_out = torch.randn(saved[0].shape, generator=torch.Generator().manual_seed(6)).to(device)
+    grads = module.region_backward(grad_out, ctx, tok, *params, None, *saved[1:], k, True, "gelu")
+    wanted = module.region_backward(grad_out, ctx, tok, *clean, None, *want[1:], k, True, "gelu")
+    for i in EXPERT_PARAMS:
+        g = grads[i + 2]
+        bad = sorted(set((~g.isfinite()).nonzero()[:, 0].tolist()))
+        assert not bad, f"param {i}: a non-finite gradient in experts {bad}"
+        assert (g[E - 1] == 0).all() and torch.equal(g, wanted[i + 2]), f"param {i}: not the clean experts' gradient"
+    # (b) a NaN in G's row 0: the gradients of row 0's experts take it, no other expert's
+    grad_out[0, 0, 0] = float("nan")
+    grads = module.region_backward(grad_out, ctx, tok, *clean, None, *want[1:], k, True, "gelu")
+    reached = set(want[4].view(2, 2, k)[0, 0].tolist())
+    for i in EXPERT_PARAMS:
+        nan_experts = {e for e in range(E) if grads[i + 2][e].isnan().any()}
+        assert nan_experts <= reached, f"param {i}: NaN in experts {sorted(nan_experts)}, row 0 chose {sorted(reached)}"
+        assert nan_experts == reached, f"param {i}: NaN in experts {sorted(nan_experts)} of {sorted(reached)}"
+
+
 def _cotangent(shape, seed, ref, ctx, params, act):
     """A random G [B,H,D] in float64; see CANCEL_COS for the few-pair cases."""
     B, H, D = shape

@@ -9,6 +9,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from mha_compile import models, ops
 from mha_compile.kernels import reference
+from kernel_cases import check_non_finite_experts
 from numerics import relative_error
 
 CONFIGS = list(itertools.product(models.ACTIVATIONS, (True, False), (True, False)))
@@ -180,3 +181,8 @@ def test_a_row_with_every_key_masked_attends_to_nothing_as_sdpa(kernels):
             continue
         assert relative_error(h, w) <= tol, f"∂{name}: {relative_error(h, w):.3g}"
     assert torch.count_nonzero(have[names.index("tok")][1]) == 0  # the row's tokens take none
+
+
+def test_a_non_finite_expert_reaches_only_its_rows():
+    """kernel_cases.check_non_finite_experts on the reference (kernels="reference", the CPU's)."""
+    check_non_finite_experts(reference, "cpu")

@@ -14,9 +14,9 @@ import subprocess
 import pytest
 import torch
 
-from kernel_cases import (autocast_case, check_activation, check_nan_rows, check_pool_products, check_region,
-                          check_route_split_ctx, check_router_weight_grad_split, launched, make_case,
-                          one_expert_router, only_config, pool_backward_way, pool_case, pool_grad_errors,
+from kernel_cases import (autocast_case, check_activation, check_nan_rows, check_non_finite_experts,
+                          check_pool_products, check_region, check_route_split_ctx, check_router_weight_grad_split,
+                          launched, make_case, one_expert_router, only_config, pool_backward_way, pool_case, pool_grad_errors,
                           read_at_import, UnfitLauncher)
 from numerics import record_calls
 from mha_compile.kernels import (fused, reference, staged, triton_moe, triton_pool, triton_region, triton_router,
@@ -94,6 +94,12 @@ def test_a_nan_reaches_only_its_rows_and_chooses_real_experts(module, where):
     (1/k each: its output still NaN through x, but a NaN router weight gave every row a finite,
     wrong output where eager's is NaN), and which expert argmax took over NaN was the backend's."""
     check_nan_rows(module, where, "cpu")
+
+
+@pytest.mark.parametrize("module", SETS)
+def test_a_non_finite_expert_reaches_only_its_rows(module):
+    """kernel_cases.check_non_finite_experts: the kernels held to what the README says of them."""
+    check_non_finite_experts(module, "cpu")
 
 
 @pytest.mark.parametrize("module", SETS)

@@ -8,15 +8,21 @@ import textwrap
 import pytest
 import torch
 
-from kernel_cases import (check_activation, check_nan_rows, check_pool_products, check_region, check_route_split_ctx,
-                          check_router_weight_grad_split, fmt, launched, make_case, one_expert_router, only_config,
-                          pool_backward_way, preset_case, rel_err)
+from kernel_cases import (check_activation, check_nan_rows, check_non_finite_experts, check_pool_products, check_region,
+                          check_route_split_ctx, check_router_weight_grad_split, fmt, launched, make_case,
+                          one_expert_router, only_config, pool_backward_way, preset_case, rel_err)
 from mha_compile.kernels import fused, reference, staged, triton_moe
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 SETS = [pytest.param(fused, id="fused"), pytest.param(staged, id="staged")]
 DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float32, id="fp32")]
+
+
+@pytest.mark.parametrize("module", SETS + [pytest.param(reference, id="reference")])
+def test_a_non_finite_expert_reaches_only_its_rows(module):
+    """kernel_cases.check_non_finite_experts on the GPU (the reference's index_add there too)."""
+    check_non_finite_experts(module, "cuda")
 
 
 @pytest.mark.parametrize("module", SETS)
