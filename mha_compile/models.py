@@ -139,6 +139,8 @@ class MHABlock(nn.Module):
 
     @classmethod
     def from_preset(cls, name, **kwargs):
+        """The block at SPEC §5's widths of preset `name` (one of PRESETS)."""
+        _check_choice("preset", name, tuple(PRESETS))
         p = PRESETS[name]
         return cls(p["D"], p["P"], p["F"], p["E"], p["k"], **kwargs)
 
