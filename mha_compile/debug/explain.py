@@ -21,6 +21,10 @@ NO_GRAPH = ("Dynamo handed the backend no graph, so nothing was matched or misse
 NO_BLOCK = ("No MHA block was found, nor anything close: no graph here takes a top-k of a router's softmax (the "
             "MoE's routing), where the matcher starts looking")
 
+RECOMPILE_LIMIT = ("Dynamo reached its recompile limit on {frames} and runs it eagerly, so nothing in it was "
+                   "compiled or matched, here or in your own torch.compile of the model: each explain adds an "
+                   "entry to the frame of a submodule after a graph break. torch._dynamo.reset() clears them")
+
 
 def explain(model_or_fn, *args, mha_options=None, mha_dynamic=None, **kwargs):
     """Compile with backend="mha", run the forward once (no backward) in the caller's grad mode,
@@ -45,7 +49,7 @@ def explain(model_or_fn, *args, mha_options=None, mha_dynamic=None, **kwargs):
     whose entries go with it."""
     options, kwargs = _backend_options(model_or_fn, mha_options, kwargs)
     Options.parse(options)  # a bad key or value raises here as itself, not wrapped by Dynamo after tracing
-    reports = []
+    reports, full = [], _frames_at_limit(model_or_fn)  # frames Dynamo will run eagerly this time
 
     def observe(report, gm, lowered):
         reports.append(report)
@@ -60,10 +64,28 @@ def explain(model_or_fn, *args, mha_options=None, mha_dynamic=None, **kwargs):
             torch.compile(target, backend=mha, dynamic=mha_dynamic)(*args, **kwargs)
     finally:
         backend.observers.remove(observe)
+    if full or any(line.startswith("Dynamo recompile limit exceeded") for line in breaks):
+        frames = ", ".join(full) if full else "a frame (graph_breaks)"
+        return ExplainReport(reports, note=RECOMPILE_LIMIT.format(frames=frames), graph_breaks=breaks)
     if not reports:
         return ExplainReport(reports, note=NO_GRAPH, graph_breaks=breaks)
     nothing = not any(r.matches or r.near_misses for r in reports)
     return ExplainReport(reports, note=NO_BLOCK if nothing else "", graph_breaks=breaks)
+
+
+def _frames_at_limit(model_or_fn):
+    """The forwards of the model's modules whose code holds Dynamo's recompile limit of entries,
+    which Dynamo runs eagerly from then on without a word (its warning and counter come once, at the call
+    that reached the limit). Read through Dynamo's debug list of a code object's entries; a torch
+    without it: none."""
+    entries = getattr(torch._C._dynamo.eval_frame, "_debug_get_cache_entry_list", None)
+    modules = model_or_fn.modules() if isinstance(model_or_fn, torch.nn.Module) else ()
+    if entries is None:
+        return []
+    codes = {type(m).forward.__code__: type(m).__qualname__ for m in modules
+             if hasattr(type(m).forward, "__code__")}
+    limit = torch._dynamo.config.recompile_limit
+    return [f"{name}.forward" for code, name in codes.items() if len(entries(code)) >= limit]
 
 
 def _backend_options(model_or_fn, mha_options, kwargs):

@@ -419,3 +419,39 @@ def test_mha_dynamic_explains_a_dynamic_true_compile(monkeypatch):
     reasons = [miss["reason"] for miss in report.near_misses]
     assert not report.matches and len(reasons) == 1 and "top-k's k is " in reasons[0], str(report)
     assert len(mha_compile.explain(model, ctx, tok, 2).matches) == 1
+
+
+class _BreakInside(torch.nn.Module):
+    """A graph break inside a submodule's forward: that forward is a frame of its own, on the
+    model's code, where each explain adds an entry (README: not fixed, torch cannot drop one)."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = MHABlock(12, 3, 8, 3, 2)
+
+    def forward(self, ctx, tok):
+        torch._dynamo.graph_break()
+        return self.block(ctx, tok)
+
+
+class _Outer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = _BreakInside()
+
+    def forward(self, ctx, tok):
+        return self.inner(ctx * 1.0, tok) + 0
+
+
+def test_explain_past_the_recompile_limit_says_so():
+    """Past the limit, Dynamo runs the submodule's frame eagerly and explain saw no block: its note
+    said none was found, "nor anything close" (a review's), where the cause is the limit."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Outer()
+    notes = [mha_compile.explain(model, *_inputs(4, 5)).note for _ in range(10)]
+    assert notes[:8] == [""] * 8, notes
+    for note in notes[8:]:  # Dynamo's counter tells the first time only: the frame's entries tell every time
+        assert "recompile limit on _BreakInside.forward" in note and "torch._dynamo.reset()" in note, notes
+    torch._dynamo.reset()
+    assert mha_compile.explain(model, *_inputs(4, 5)).note == ""
