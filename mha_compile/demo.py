@@ -65,8 +65,7 @@ def train(steps):
 
 
 def median_ms(fn, repeats, clock=time.perf_counter):
-    """Median milliseconds of fn() over `repeats` calls after one warm-up, by `clock` (wall time
-    here; bench/cpu_speed.py passes time.process_time)."""
+    """Median milliseconds of fn() over `repeats` calls after one warm-up, by `clock`."""
     fn()
     times = []
     for _ in range(repeats):
@@ -76,9 +75,21 @@ def median_ms(fn, repeats, clock=time.perf_counter):
     return 1e3 * sorted(times)[len(times) // 2]
 
 
-def speed_table(preset="small", repeats=3):
+def speed_table(preset="small", repeats=5):
+    """Eager against backend="mha" (the reference kernels, on the CPU) in CPU time of one thread, as
+    bench/cpu_speed.py times them: wall time on a shared machine gave 0.46x in one run and 43x in
+    the next for the same row (a review's, 2 cores shared)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _speed_rows(preset, repeats)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _speed_rows(preset, repeats):
     p = models.PRESETS[preset]
-    print(f"\nCPU speed, preset {preset!r} {p}, fp32, median of {repeats} ({torch.get_num_threads()} threads):")
+    print(f"\nCPU speed, preset {preset!r} {p}, fp32, CPU time of one thread, median of {repeats}:")
     rows = []
     for spelling in models.MOE_SPELLINGS:
         torch.manual_seed(0)
@@ -91,9 +102,10 @@ def speed_table(preset="small", repeats=3):
             # each of mha's compiles (inference, training) must replace a region, or its row is eager's time
             checked = contextlib.nullcontext if name == "eager" else lambda: require_lowered(f"the {spelling} block")
             with checked(), torch.no_grad():
-                times[name, "fwd"] = median_ms(lambda: fn(ctx, tok), repeats)
+                times[name, "fwd"] = median_ms(lambda: fn(ctx, tok), repeats, clock=time.process_time)
             with checked():
-                times[name, "fwd+bwd"] = median_ms(lambda: fn(ctx, tok).square().mean().backward(), repeats)
+                times[name, "fwd+bwd"] = median_ms(lambda: fn(ctx, tok).square().mean().backward(), repeats,
+                                                   clock=time.process_time)
         for phase in ("fwd", "fwd+bwd"):
             e, m = times["eager", phase], times["mha", phase]
             rows.append([spelling, phase, f"{e:.1f}", f"{m:.1f}", f"{e / m:.2f}x"])
