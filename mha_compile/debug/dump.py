@@ -28,15 +28,18 @@ report.json fields:
     schema         1 (bumped when a field changes meaning)
     index          the graph's number in this process's compile order (the NNN of graph_NNN)
     run            the run folder's name
+    source         where the graph comes from: Dynamo's compile id and the file and line its code starts at
+    ended_by       the graph break that ended the graph and where, or ""
     options        the backend options in effect, as strings
     matches        one per replaced region: output, ctx, tok (node names), nodes (every node the
                    region covers), config (act, top_k, renorm...), params (region parameter ->
                    the graph input it is read from), kernels (the kernel set chosen) and
                    kernels_reason (why), shapes ({ctx, tok, out}: sizes as strings, symbolic
-                   ones by name), dtype
+                   ones by name), dtype, graph ("<top>" or a nested graph's path), graphs,
+                   keep_hidden, slot_runs, exports, kept, copied, empty_rows (debug/README.md)
     near_misses    one per candidate that is almost the block: anchor (its top-k node), node
                    (where it stops being the block), reason (what to change), and, added here,
-                   target (what that node calls), shape and dtype of that node
+                   target (what that node calls), shape and dtype of that node, graph
     fallback       why the graph runs as captured (the rewrite failed, or verify disagreed), or null
     inputs         the graph's inputs in order: name, kind (tensor | int | float | none), and
                    for tensors shape (concrete), symbolic (sizes as strings), stride, dtype, device

@@ -4,6 +4,7 @@ import ast
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -56,6 +57,28 @@ def dumped(tmp_path_factory):
     (run,) = root.glob("run-*")
     folder = lambda seen: run / f"graph_{seen[0][0].index:03d}"  # noqa: E731
     return {"run": run, "block": (folder(block), *block[0]), "miss": (folder(miss), *miss[0])}
+
+
+def _documented(row):
+    """The backticked names of debug/README.md's report.json row `row` (its first cell's name)."""
+    text = Path(dump.__file__).with_name("README.md").read_text()
+    section = text[text.index("## report.json"):]
+    line = next(line for line in section.splitlines() if line.startswith(f"| `{row}"))
+    return set(re.findall(r"`([a-z_]+)", line))
+
+
+def test_report_json_s_every_field_is_documented(dumped):
+    """The README's table left out source, ended_by, files' replayed and five fields of a match (a
+    review's): every field a dump writes is named there now."""
+    doc = _doc(dumped["block"][0])
+    section = Path(dump.__file__).with_name("README.md").read_text().split("## report.json")[1]
+    first_cells = re.findall(r"^\| ([^|]+) \|", section, flags=re.M)
+    rows = {name for cell in first_cells for name in re.findall(r"`([a-z_]+)", cell)}
+    assert set(doc) <= rows, set(doc) - rows
+    assert set(doc["matches"][0]) <= _documented("matches"), set(doc["matches"][0]) - _documented("matches")
+    miss = _doc(dumped["miss"][0])["near_misses"][0]
+    assert set(miss) <= _documented("near_misses"), set(miss) - _documented("near_misses")
+    assert set(doc["files"]) <= _documented("files"), set(doc["files"]) - _documented("files")
 
 
 def _doc(folder):
