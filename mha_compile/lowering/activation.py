@@ -19,8 +19,11 @@ autograd graph from a leaf), and become the activation's h only where all four c
    tested agreed with silu at each of them (a review), and a constant cut to 8 digits is 1e-9 off.
 
 Beyond |u| = LIMIT a written-out form may overflow where the op does not; that is not checked.
+Ops that pass none are told, for a near-miss's reason, by refusal: the nearest activation and the
+first check failed for it, in numbers (a review found the reason said only "could not be read").
 """
 import contextlib
+import dataclasses
 import functools
 import math
 import operator
@@ -96,17 +99,43 @@ def _which(wide, own, leaf, expr):
     """The activation wide, own (from leaf) and expr are (module docstring), or None."""
     if not isinstance(wide, torch.Tensor) or wide.shape != POINTS.shape or own.shape != leaf.shape:
         return None
-    for act, fn in _ACTS.items():
-        want = fn(POINTS)
-        if not bool(((wide - want).abs() <= 1e-12 * (1 + want.abs())).all()):
-            continue
-        with _autograd():
-            x = leaf.detach().requires_grad_()
-            theirs = fn(x)
-            grads = torch.autograd.grad(own.sum(), leaf, retain_graph=True)[0], torch.autograd.grad(theirs.sum(), x)[0]
-        if _near(own, theirs, x, "forward") and _near(*grads, x, "backward") and _equal(expr, act):
-            return act
-    return None
+    return next((act for act in _ACTS if _checks(act, wide, own, leaf, expr).passed == 4), None)
+
+
+@dataclasses.dataclass
+class _Checked:
+    """How far the ops got through the module docstring's checks for `act`: `passed` of the four,
+    `off` their largest float64 difference on POINTS (relative to 1 + |act(u)|), `why` the first
+    check failed in words, and `at` the index in leaf where a check 2 or 3 failed worst."""
+    act: str
+    passed: int
+    off: float
+    why: str = ""
+    at: int = None
+
+
+def _checks(act, wide, own, leaf, expr):
+    want = _ACTS[act](POINTS)
+    off = torch.nan_to_num((wide - want).abs() / (1 + want.abs()), nan=math.inf)  # for the words only
+    if not bool(((wide - want).abs() <= 1e-12 * (1 + want.abs())).all()):
+        at = int(off.argmax())
+        why = (f"{off[at]:.2g} off it, relative to 1 + |{act}(u)|, at u = {POINTS[at]:g} in float64, where the same "
+               f"ops of {act} are within 1e-12")
+        return _Checked(act, 0, float(off[at]), why)
+    with _autograd():
+        x = leaf.detach().requires_grad_()
+        theirs = _ACTS[act](x)
+        grads = torch.autograd.grad(own.sum(), leaf, retain_graph=True)[0], torch.autograd.grad(theirs.sum(), x)[0]
+    for passed, (way, got, want) in enumerate((("forward", own, theirs), ("backward", *grads)), start=1):
+        if not _near(got, want, x, way):
+            at = int(_ulps(got, want, x).argmax())
+            return _Checked(act, passed, float(off.max()), _ulps_off(way, got, want, x, at, act), at)
+    if _equal(expr, act):
+        return _Checked(act, 4, float(off.max()))
+    count = _sympy().count_ops(expr)
+    why = (f"{count} ops, more than the {_MOST_OPS} sympy is given to show it equal" if count > _MOST_OPS
+           else f"sympy does not show it equal to {_shown(_formulas()[act])}")
+    return _Checked(act, 3, float(off.max()), why)
 
 
 @contextlib.contextmanager
@@ -118,6 +147,19 @@ def _autograd():
 def _near(got, want, x, way):
     scale = _ULPS[way] * torch.finfo(x.dtype).eps * (1 + x.detach().double().abs())
     return bool(((got.detach().double() - want.detach().double()).abs() <= scale).all())
+
+
+def _ulps(got, want, x):
+    """|got - want| in x's dtype's ulps of (1 + |x|), a NaN as infinitely far: for a reason's numbers."""
+    scale = torch.finfo(x.dtype).eps * (1 + x.detach().double().abs())
+    return torch.nan_to_num((got.detach().double() - want.detach().double()).abs() / scale, nan=math.inf)
+
+
+def _ulps_off(way, got, want, x, at, act):
+    what = "value" if way == "forward" else "gradient (autograd's)"
+    g, w, u = float(got.detach()[at]), float(want.detach()[at]), float(x.detach()[at])
+    ulps = f", {float(_ulps(got, want, x)[at]):.3g} ulps off, more than {_ULPS[way]}" if math.isfinite(g) else ""
+    return f"in {x.dtype}, its {what} at u = {u:g} is {g:g}, where {act}'s is {w:g}{ulps}"
 
 
 @functools.cache
@@ -190,3 +232,46 @@ def _equal(expr, act):
 _SYMPY = {**_OPERATORS, "erf": lambda a: _sympy().erf(a), "tanh": lambda a: _sympy().tanh(a),
           "ndtr": lambda a: (1 + _sympy().erf(a / _sympy().sqrt(2))) / 2,
           "sigmoid": lambda a: 1 / (1 + _sympy().exp(-a)), "exp": lambda a: _sympy().exp(a)}
+
+
+
+def refusal(steps):
+    """Why written-out ops are none of the activations, for a near-miss's reason. steps: the
+    (node, "ufn" Val) of each op on u, in graph order, the last the one that a W2 product (or
+    SwiGLU's gate) read. Told for the activation they come nearest: the one whose checks they pass
+    furthest, then the one they are nearest in float64."""
+    node, val = steps[-1]
+    info = val.info
+    checked = [_checks(act, info["wide"], info["own"], _LEAVES[info["of"]], info["expr"]) for act in _ACTS]
+    nearest = max(checked, key=lambda c: (c.passed, -c.off))
+    where = "" if nearest.at is None else _first_unfinite(steps, nearest.at)
+    return (f"{node.name} gives {_shown(info['expr'])} of u = {info['of'].name} (an expert's x W + b), which is not "
+            f"gelu, gelu_tanh or silu; nearest {nearest.act}: {nearest.why}{where}{_cut_constant(info['expr'])}")
+
+
+def _first_unfinite(steps, at):
+    """The first step whose value at the leaf's index `at` is not finite, named, or ""."""
+    for node, val in steps:
+        value = val.info["own"].detach()
+        if value.shape == _LEAVES[val.info["of"]].shape and not math.isfinite(float(value[at])):
+            return f"; there {node.name} = {_shown(val.info['expr'])} is {float(value[at]):g}"
+    return ""
+
+
+def _shown(expr, most=100):
+    sp = _sympy()  # a large whole number (1e40, snapped to an Integer) shown as 1.0e+40, not in 41 digits
+    expr = expr.xreplace({n: sp.Float(n, 6) for n in expr.atoms(sp.Integer) if abs(n) >= 10 ** 6})
+    text = sp.sstr(expr, full_prec=False)
+    return text if len(text) <= most else text[:most] + "..."
+
+
+def _cut_constant(expr):
+    """A number near a constant of the formulas, but not within the 4 ulps that read it as that
+    constant (0.79788456 for √(2/π)): the likeliest cause, said."""
+    sp = _sympy()
+    for number in sorted(expr.atoms(sp.Float), key=float):
+        for near, exact in _constants():
+            if 0 < abs(float(number) - near) <= 1e-6 * near:
+                return (f"; its number {float(number)!r} stands for {sp.sstr(exact)} = {near!r}, but is "
+                        f"{abs(float(number) - near):.1g} from it, and is read as that constant only within 4 ulps")
+    return ""

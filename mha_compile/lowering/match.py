@@ -17,6 +17,7 @@ import operator
 
 import torch
 
+from mha_compile.lowering.activation import KINDS as ELEMENTWISE, refusal
 from mha_compile.lowering.aliases import FRESH, aliases as storage_aliases
 from mha_compile.lowering.canonicalize import call_name, canon, dtype, float_dtype, is_inplace, shape, written
 from mha_compile.lowering.interpret import (ONE, SIZE_QUERIES, StackRef, Val, Walk, broadcast, known_eq, layout_rule,
@@ -698,8 +699,12 @@ def _read_moe(nodes, anchor, y, router):
 
 
 def _moe_failure(walk, nodes, anchor):
+    refused = _refused_activation(walk, nodes)
+    # A rule's reason, unless it comes after a refused activation, which caused it (an expert's
+    # output, given no meaning, was "added to something other than zeros")
     for n in _in_order(nodes, walk.reasons):
-        return n, walk.reasons[n]
+        if refused is None or nodes.order[n] < nodes.order[refused[0]]:
+            return n, walk.reasons[n]
     valued = _in_order(nodes, walk.vals)
     out_node = next((n for n in reversed(nodes) if n.op == "output"), None)
     leaving = [n for n in valued if out_node in n.users and walk.vals[n].kind in _ROUTING]
@@ -712,6 +717,8 @@ def _moe_failure(walk, nodes, anchor):
     if top is not None and top.info.get("on_logits") and not normalised:  # a softmax of the k chosen reads as topw
         return anchor, (f"{anchor.name}: top-k is taken on the router logits and its values are not normalised by "
                         f"a softmax over the k chosen (which would equal the renormalised top-k of the softmax)")
+    if refused is not None:
+        return refused
     partial = [n for n in valued if walk.vals[n].kind == "contrib"]
     if partial:
         covered, experts = sorted(walk.vals[partial[-1]].info["covered"]), walk.axes.sizes.get("e")
@@ -733,6 +740,43 @@ def _moe_failure(walk, nodes, anchor):
             return n, (f"{generic}: {n.name} ({call_name(n)}) on {what} is not part of that math (the activations "
                        f"read are gelu (erf or tanh), silu and swiglu, each as torch writes it or written out)")
     return anchor, generic
+
+
+def _refused_activation(walk, nodes):
+    """(node, reason) where an expert's activation written out in elementwise ops of u is none of
+    the four (activation.py): the ops' last node, read by a step that takes an activation (the W2
+    product, SwiGLU's gate) and is refused for it alone; else None. Before this the reason said
+    only that the experts could not be read. Not where the step reads the ops through a layout op
+    (sigmoid(u).t()), adds them to an activation read (silu(u) + 1e-30 exp(u): the add is named) or
+    reads a value given no meaning (a - a folded to 0)."""
+    for n in _in_order(nodes, walk.inside):
+        if n in walk.vals or n.op not in ("call_function", "call_method"):
+            continue
+        read = [walk.vals.get(i) for i in n.all_input_nodes]
+        ufn = next((i for i, v in zip(n.all_input_nodes, read) if v is not None and v.kind == "ufn"), None)
+        if ufn is None or not _takes_activation(walk, n, read, walk.vals[ufn].info["of"]):
+            continue
+        of = walk.vals[ufn].info["of"]
+        steps = [(a, walk.vals[a]) for a in _in_order(nodes, _ancestors(ufn, nodes.order, stop={of}))
+                 if getattr(walk.vals.get(a), "kind", None) == "ufn" and walk.vals[a].info["of"] is of]
+        gate = next((i for i, v in zip(n.all_input_nodes, read) if v is not None and v.kind == "u"), None)
+        said = "" if gate is None else f" (and times {gate.name}, not SwiGLU's silu(x W1) ⊙ x W3)"
+        return ufn, f"{ufn.name}: the experts' activation could not be read; {refusal(steps)}{said}"
+    return None
+
+
+def _takes_activation(walk, n, read, of):
+    """Whether n, refused, reads a value of written-out ops on u (node `of`) where an activation goes:
+    not a layout op, nor an elementwise one on the same u alone (activation.written_out declined it
+    for itself: a - a), nor one with an activation read (silu(u) + 1e-30 exp(u)), nor one with an
+    operand given no meaning."""
+    op = canon(n)
+    if op is None or op.kind in _LAYOUT or any(v is not None and v.kind == "h" for v in read):
+        return False
+    if any(v is None and i in walk.inside for i, v in zip(n.all_input_nodes, read)):
+        return False
+    return op.kind not in ELEMENTWISE or any(v is not None and v.kind == "u" and i is not of
+                                             for i, v in zip(n.all_input_nodes, read))  # SwiGLU's gate
 
 
 def _unread_operand(walk, nodes, n):

@@ -1068,6 +1068,48 @@ def test_a_written_out_activation_that_rounds_otherwise_in_the_models_dtype_is_r
     assert any("could not be read" in m["reason"] for r in reports for m in r.near_misses)
 
 
+class OneExpertWrittenOut(WrittenOut):
+    """Expert 2's activation written out, the others' torch's own gelu."""
+
+    def expert(self, e, x):
+        self.written = e == 2
+        return super().expert(e, x)
+
+    def _act(self, u, gate_u=None):
+        return super()._act(u, gate_u) if self.written else SpelledBlock._act(self, u, gate_u)
+
+
+@pytest.mark.parametrize("model, dtype, causes", [
+    (lambda: WrittenOut("quick", "gelu"), torch.float64, ["h gives u/(1 + exp(-1.702*u))", "nearest gelu: 0.02 off"]),
+    (lambda: WrittenOut("exp", "silu"), torch.float32,
+     ["in torch.float32, its gradient (autograd's) at u = -88.7", "is nan", "there exp = exp(-u) is inf"]),
+    (lambda: WrittenOut("exp", "silu"), torch.float64, ["in torch.float64, its gradient", "exp = exp(-u) is inf"]),
+    (lambda: WrittenOut("tanh_cut", "gelu"), torch.float64,
+     ["nearest gelu_tanh: 2.3e-10 off", "0.79788456 stands for sqrt(2)/sqrt(pi)"]),
+    (lambda: WrittenOut("coarse_in_bf16", "silu"), torch.bfloat16, ["in torch.bfloat16, its value at u = 1 is 0"]),
+    (lambda: WrittenOut("overflow_in_fp32", "silu"), torch.float32, ["1.0e+40/(1 + exp(-u)) is inf"]),
+    (lambda: WrittenOut("bump", "silu"), torch.float64, ["nearest silu", "at u = 0.55", "ulps off, more than 3"]),
+    (lambda: WrittenOut("long", "silu"), torch.float64, ["sympy does not show it equal to u/(1 + exp(-u))"]),
+    (lambda: WrittenOut("quick", "swiglu"), torch.float64, ["h gives u/(1 + exp(-1.702*u))", "not SwiGLU's silu"]),
+    (lambda: OneExpertWrittenOut("quick", "gelu"), torch.float64, ["h gives u/(1 + exp(-1.702*u))"]),
+], ids=["quick gelu", "exp in float32", "exp in float64", "tanh constant cut", "coarse in bf16", "overflow in fp32",
+        "bump", "too long", "quick in SwiGLU", "one expert's"])
+def test_a_refused_written_out_activation_is_named_with_its_cause(model, dtype, causes):
+    """The near-miss names the last of the written-out ops and what fails: the nearest activation,
+    by how much and where (the value, gradient or constant). It said only "the experts after this
+    router could not be read" (a review's), and with one expert's activation refused, that the
+    experts summed did not cover expert 2."""
+    torch.manual_seed(0)
+    with compiled_reports() as reports:
+        torch._dynamo.reset()
+        torch.compile(model().to(dtype), backend="mha")(*inputs(dtype=dtype))
+    misses = [m for r in reports for m in r.near_misses]
+    assert not any(r.matches for r in reports) and len(misses) == 1, [str(r) for r in reports]
+    reason = misses[0]["reason"]
+    assert misses[0]["node"] == "h" and reason.startswith("h: the experts' activation could not be read"), reason
+    assert "is not gelu, gelu_tanh or silu" in reason and all(cause in reason for cause in causes), reason
+
+
 class InPlaceBias(SpelledBlock):
     """The expert's bias added in place into u: silu then reads u with the bias (a review's)."""
 
