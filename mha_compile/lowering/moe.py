@@ -542,16 +542,68 @@ def _normalize(walk, node, topw, p, dim, eps):
 
 
 def _floor_never_acts(walk, node, weights, floor, what):
-    """Whether a floor under Σw (a clamp's min, F.normalize's eps) never acts: it is at most half of
-    k/E, which Σw is at least (less its rounding); at or below 0 it never acts either. None where E
-    is not known; a floor that can act (or a NaN one) is a near-miss."""
-    least = _least_sum(walk, weights)
+    """Whether a floor under Σw (a clamp's min, F.normalize's eps) never acts: it is at most the
+    least Σw that eager can compute (_least_computed_sum); at or below 0 it never acts either. None
+    where E is not known; a floor that can act (or a NaN one) is a near-miss."""
+    least, kind = _least_sum(walk, weights), _coarsest(_dtypes_from(node, weights.info["topk"]))
     if least is None:
         return None
-    if not floor <= least / 2:
+    bound = _least_computed_sum(least, walk.axes.sizes["e"], weights.info["k"], kind)
+    if not _as_compared(floor, float_dtype(node) or kind) <= bound:
+        name = str(kind).removeprefix("torch.")
+        acts = ("a floor at or above k/E acts on each row whose Σw is below it" if floor >= least else
+                f"a floor above {bound:.6g} may act where Σw rounds below k/E (near-equal probabilities, or k = E)")
         raise Reject(f"{node.name}: the top-k weights are renormalised with {what}{floor:g}; Σw ≥ k/E = {least:g}, "
-                     f"so a floor above {least / 2:g} can act and change the weights, which the region divides by Σw")
+                     f"and ≥ {bound:.6g} as {name} rounds it: {acts}, where the region divides by Σw itself")
     return True
+
+
+def _as_compared(floor, kind):
+    """The largest the floor may be when the clamp compares it with Σw (of dtype kind): as written,
+    or rounded to kind (the CPU's clamp_min) or, for a 16-bit kind, to float32 (its opmath)."""
+    opmath = torch.float32 if torch.finfo(kind).bits <= 16 else kind
+    return max(floor, *(torch.tensor(floor, dtype=d).item() for d in (kind, opmath)))
+
+
+def _least_computed_sum(least, E, k, kind):
+    """The least Σw of the top k of a softmax over E experts that eager computes in `kind`: k/E
+    (`least`) times 1 - m, m = eps(kind) + (E + 2k + 8) eps(acc), acc the dtype torch accumulates in
+    (float32 for a 16-bit kind, at::opmath_type, on the CPU and CUDA; else kind).
+
+    Why (u = eps/2 of acc, each op rounding by at most u, any order of summation): with e_j the
+    computed exp(x_j - max), the k largest e_j sum to at least k/E of Σe in exact arithmetic,
+    whatever exp's error. The computed Σe is at most Σe / (1 - (E-1)u) (Higham's γ_{E-1}); the
+    quotient, or a product with 1/Σe, costs 2u; exp evaluated apart for the sum and the quotient,
+    within 2 ulps each (CUDA's expf, SLEEF, glibc), 8u. The top k of the computed π sum to at least
+    these k's π; summing them costs γ_{k-1} <= 2(k-1)u; rounding each π and Σw to a kind coarser than
+    acc costs eps(kind) in all (counted always). That is m <= eps(kind) + (E + 2k + 7)u: half the
+    margin taken, the rest slack for products of the (1 - δ) terms.
+    Σw falls below k/E only by rounding, where k = E (a bf16 Σw of 0.996 in 2% of rows of random
+    logits, E = 4) or the probabilities are near-equal: measured at most eps(kind)/2 below. The
+    bound k/(2E) kept before refused floors that never act (a review's)."""
+    acc = torch.float32 if torch.finfo(kind).bits <= 16 else kind
+    return least * (1 - torch.finfo(kind).eps - (E + 2 * k + 8) * torch.finfo(acc).eps)
+
+
+def _dtypes_from(node, topk):
+    """The floating dtypes from the top-k's input to node (π, a cast of w, Σw), where known."""
+    kinds, seen, stack = set(), set(), [node]
+    while stack and len(seen) < 16:  # a few nodes: the sum, a cast, the top-k's getitem
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        kinds.add(float_dtype(n))
+        if n is topk:
+            kinds.update(float_dtype(i) for i in n.all_input_nodes)
+        else:
+            stack.extend(n.all_input_nodes)
+    return kinds - {None}
+
+
+def _coarsest(kinds):
+    """The coarsest of kinds; bfloat16, the coarsest a softmax gives, where none is known."""
+    return max(kinds, key=lambda kind: torch.finfo(kind).eps, default=torch.bfloat16)
 
 
 def _one_slot(walk):

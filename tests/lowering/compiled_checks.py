@@ -6,11 +6,12 @@ import torch
 from numerics import TOLERANCE, compiled_reports, relative_error
 
 ZERO_GRAD = ("key.bias",)  # SPEC §1: ∂bk is exactly zero; eager leaves roundoff there
+_NOISE = {torch.bfloat16: 1e-2}  # that roundoff's bound: 2.5e-3 measured in bf16 (eps 7.8e-3), ~1e-17 in float64
 
 
-def compile_and_compare(model, args, dtype, dynamic_where=False):
+def compile_and_compare(model, args, dtype, dynamic_where=False, tol=None):
     """Compile a copy with backend="mha"; compare output and every parameter and input gradient
-    with eager. Returns the reports of the compiled graphs."""
+    with eager, to tol (TOLERANCE[dtype] unless given). Returns the reports of the compiled graphs."""
     compiled_model = copy.deepcopy(model)
     args_e = [a.clone().requires_grad_(a.is_floating_point()) for a in args]
     args_c = [a.clone().requires_grad_(a.is_floating_point()) for a in args]
@@ -19,7 +20,7 @@ def compile_and_compare(model, args, dtype, dynamic_where=False):
         with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=dynamic_where):
             out_c = torch.compile(compiled_model, backend="mha", options={"strict": True})(*args_c)
     out_e = model(*args_e)
-    tol = TOLERANCE[dtype]
+    tol = TOLERANCE[dtype] if tol is None else tol
     assert relative_error(out_c, out_e) <= tol, f"output: {relative_error(out_c, out_e):.3g}"
     cotangent = torch.randn_like(out_e)
     out_e.backward(cotangent)
@@ -39,7 +40,7 @@ def compile_and_compare(model, args, dtype, dynamic_where=False):
         assert p_c.grad is not None, f"{name} received no gradient through the compiled path"
         if (name.endswith(ZERO_GRAD) or router_zero and "router" in name
                 or scores_zero and name in ("query", "key.weight")):
-            assert torch.count_nonzero(p_c.grad) == 0 and p_e.grad.abs().max() <= 1e-6
+            assert torch.count_nonzero(p_c.grad) == 0 and p_e.grad.abs().max() <= _NOISE.get(dtype, 1e-6)
             continue
         assert relative_error(p_c.grad, p_e.grad) <= tol, f"∂{name}: {relative_error(p_c.grad, p_e.grad):.3g}"
     for i, (a_e, a_c) in enumerate(zip(args_e, args_c)):
