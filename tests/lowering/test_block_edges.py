@@ -409,8 +409,11 @@ class HookOnTheKeys(SpelledBlock):
 
 
 def test_a_gradient_hook_inside_the_pool_is_named():
-    """The near-miss named the einsum after the hook ("einsum_1 is not part of the block's math"), a review's."""
+    """The near-miss named the einsum after the hook ("einsum_1 is not part of the block's math"), a review's.
+    Dynamo records the hook as a call of register_hook (torch 2.13) or as autograd_function_apply, the
+    function it wraps the hook in (torch 2.11, session 69 on the GPU machine): either is named."""
     torch.manual_seed(0)
     args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     reasons = as_eager_in_every_gradient(HookOnTheKeys().double(), args, torch.float64)
-    assert len(reasons) == 1 and reasons[0].startswith("register_hook"), reasons
+    assert len(reasons) == 1 and reasons[0].startswith(("register_hook", "autograd_function_apply")), reasons
+    assert "a gradient hook" in reasons[0], reasons
