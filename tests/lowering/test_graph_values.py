@@ -83,3 +83,33 @@ def test_top_k_s_k_made_a_value_of_the_graph_is_named():
     assert sum(len(r.matches) for r in second) == 0 and len(reasons) == 1, reasons
     assert "top-k's k is " in reasons[0] and "a value of the graph" in reasons[0], reasons
     assert relative_error(got1, want1) <= 1e-12 and relative_error(got2, want2) <= 1e-12
+
+
+class FlooredByAnAttribute(SpelledBlock):
+    """The top-k weights renormalised by Σw clamped at a float attribute (self.floor), or by
+    F.normalize with eps=self.floor: a floor far under k/E, which never acts."""
+
+    def __init__(self, how, **kwargs):
+        super().__init__(**kwargs)
+        self.how, self.floor = how, 1e-6
+
+    def route(self, x):
+        weight, index = torch.softmax(self.router(x), dim=-1).topk(self.k, dim=-1)
+        if self.how == "clamp":
+            return weight / weight.sum(-1, keepdim=True).clamp(min=self.floor), index
+        return torch.nn.functional.normalize(weight, p=1, dim=-1, eps=self.floor), index
+
+
+@pytest.mark.parametrize("how, what", [("clamp", "the floor under Σw is "), ("normalize", "F.normalize's eps is ")])
+def test_a_renorm_floor_made_a_value_of_the_graph_is_named(how, what):
+    """The reason said the clamp "is not part of the block's math" (a review's)."""
+    torch.manual_seed(0)
+    model = FlooredByAnAttribute(how).double()
+    ctx, tok = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    (first, got1, want1), (second, got2, want2) = _calls(model, [((ctx, tok), {"floor": 1e-6}),
+                                                                 ((ctx, tok), {"floor": 1e-7})])
+    assert sum(len(r.matches) for r in first) == 1, [str(r) for r in first]
+    reasons = [m["reason"] for r in second for m in r.near_misses]
+    assert sum(len(r.matches) for r in second) == 0 and len(reasons) == 1, reasons
+    assert what in reasons[0] and "a value of the graph" in reasons[0], reasons
+    assert relative_error(got1, want1) <= 1e-12 and relative_error(got2, want2) <= 1e-12

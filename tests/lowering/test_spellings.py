@@ -1282,6 +1282,35 @@ def test_a_floor_that_can_act_is_refused_with_the_bound_it_passes(dtype, floor, 
     assert cause in misses[0]["reason"], misses[0]["reason"]
 
 
+class CastUpBeforeTopK(WrittenOut):
+    """The router's softmax in the model's 16-bit dtype, cast to float32 before its top-k, then Σw
+    clamped: π is rounded to the 16-bit dtype all the same."""
+
+    def route(self, x):
+        weight, index = torch.softmax(self.router(x), dim=-1).float().topk(self.k, dim=-1)
+        return weight / weight.sum(dim=-1, keepdim=True).clamp(min=self.eps), index
+
+
+@pytest.mark.parametrize("dtype, bound", [(torch.bfloat16, "0.992185 as bfloat16"),
+                                          (torch.float16, "0.999021 as float16")])
+def test_a_floor_past_the_softmax_s_dtype_is_refused_through_a_cast_up(dtype, bound):
+    """The bound took the dtype of top-k's input, float32 after the cast, and the floor 0.9999 matched
+    where eager's clamp acts (177 of 512 rows in bf16, 127 in fp16; a review's): the op then ignored
+    it. The dtypes back to the softmax count now."""
+    torch.manual_seed(0)
+    model = CastUpBeforeTopK("clamp", eps=0.9999, E=4, k=4).to(dtype)
+    args = inputs(B=64, H=8, dtype=dtype, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        x = model.merge_forward(args[0], model.pool_forward(args[1])).reshape(-1, model.D)
+        assert (torch.softmax(model.router(x), dim=-1).float().topk(4, dim=-1).values.sum(-1) < 0.9999).any()
+    with compiled_reports() as reports:
+        torch._dynamo.reset()
+        torch.compile(model, backend="mha")(*args)
+    misses = [m for r in reports for m in r.near_misses]
+    assert not any(r.matches for r in reports) and len(misses) == 1, [str(r) for r in reports]
+    assert f"≥ {bound} rounds it" in misses[0]["reason"], misses[0]["reason"]
+
+
 class SmallestExperts(SpelledBlock):
     def route(self, x):
         weight, index = torch.softmax(self.router(x), dim=-1).topk(self.k, dim=-1, largest=False)
