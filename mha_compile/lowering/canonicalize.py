@@ -335,14 +335,15 @@ def _read_repeat(node, args):
 
 
 def _read_attribute(node):
-    """x.mT (Dynamo records getattr(x, "mT")): the last two axes swapped. Other attributes: None."""
+    """x.mT (Dynamo records getattr(x, "mT")): the last two axes swapped; x.T: every axis reversed (a
+    bias stored [E, F] read as b1.T[:, e]). Other attributes: None."""
     base, name = node.args[:2]
     in_shape = shape(base) if hasattr(base, "meta") else None
-    if name != "mT" or in_shape is None or len(in_shape) < 2:
+    if name not in ("mT", "T") or in_shape is None or len(in_shape) < 2:
         return None
     dims = list(range(len(in_shape)))
     dims[-2], dims[-1] = dims[-1], dims[-2]
-    return Op("permute", (base, tuple(dims)))
+    return Op("permute", (base, tuple(dims) if name == "mT" else tuple(reversed(range(len(in_shape))))))
 
 
 def _read_permute(node, args, kwargs):

@@ -513,9 +513,9 @@ def _ext_layout(walk, node, op, src, in_shape, out_shape):
     batch keeps its own axes and gains broadcast ones); as a parameter, a permute is remembered
     in the ParamRef, a cast or a size-1 reshape is transparent, anything else unreads it."""
     ref = src.info["ref"]
-    if op.kind == "reshape" and in_shape and out_shape == in_shape[1:] and is_one(in_shape[0]) and \
-            _slice_of(walk, op.args[0], 0) is not None:  # W.narrow(0, e, 1).squeeze(0): W[e]
-        return select_rule(walk, node, Op("getitem", (op.args[0], 0)))
+    taken = _squeezed_slice(walk, op, in_shape, out_shape)
+    if taken is not None:  # W.narrow(d, e, 1).squeeze(d) is W.select(d, e), read as that select is
+        return select_rule(walk, node, taken)  # None: a tensor of its own, as W.select(1, e) is
     lay = move_roles(walk, op, src.info.get("lay"), in_shape, out_shape)
     new_ref = None
     if ref is not None and op.kind == "cast":
@@ -572,17 +572,33 @@ def query_ref(val, wanted, one_head=False, heads=None):
 
 def select_rule(walk, node, op):
     """W[e] on a parameter: a per-expert slice, remembered in the ParamRef. An item of W.unbind(0),
-    and row 0 of a one-row slice W[e:e+1] (W.narrow(0, e, 1)), are W[e] too (_slice_of)."""
+    and row 0 of a one-row slice W[e:e+1] (W.narrow(0, e, 1)), are W[e] too (_slice_of); so is
+    W.T[:, e], an index on the axis a permute put the stored axis 0 at (b1 read as b1.T[:, e])."""
     stack, index = _slice_of(walk, op.args[0], op.args[1]) or op.args[:2]
     src = walk.val(stack)
-    if src is None or src.kind != "ext" or not isinstance(index, int):
+    if src is None or src.kind != "ext":
         return None
     ref = src.info["ref"]
-    if ref is None or ref.select is not None or ref.perm is not None and ref.perm[0] != 0 or ref_shape(ref) is None:
+    sizes = ref_shape(ref) if ref is not None and ref.select is None else None
+    axis, index = _selected_axis(index, sizes)
+    perm = ref.perm or tuple(range(len(sizes))) if axis is not None else None
+    if axis is None or perm[axis] != 0:
         return None  # no shape: a tuple (an item of W.unbind(1) is a tensor of its own, as W[:, e] is)
     # a stack permuted behind its expert axis (w2.transpose(1, 2)[e]): the slice, then its own axes permuted
-    perm = None if ref.perm is None else tuple(p - 1 for p in ref.perm[1:])
-    return ext_val(node, dataclasses.replace(ref, select=index, perm=None if perm == (0, 1) else perm), None)
+    rest = tuple(p - 1 for i, p in enumerate(perm) if i != axis)
+    return ext_val(node, dataclasses.replace(ref, select=index, perm=None if rest == tuple(sorted(rest)) else rest),
+                   None)
+
+
+def _selected_axis(index, sizes):
+    """(d, e) where index takes item e of axis d of a tensor of `sizes` (W[e], W[:, e]), e counted from
+    the start; (None, None) for any other index, or where the sizes are not known."""
+    items = index if isinstance(index, tuple) else (index,)
+    axis = len(items) - 1
+    if sizes is None or type(items[-1]) is not int or axis >= len(sizes) or not isinstance(sizes[axis], int) or \
+            not all(i == slice(None) for i in items[:-1]) or not -sizes[axis] <= items[-1] < sizes[axis]:
+        return None, None
+    return axis, items[-1] % sizes[axis]
 
 
 def _slice_of(walk, base, index):
@@ -600,20 +616,51 @@ def _slice_of(walk, base, index):
     if op.kind == "unbind" and type(op.args[1]) is int and op.args[1] % len(size) == 0 and \
             -size[0] <= index < size[0]:
         return op.args[0], index % size[0]
-    row = one_row(op.args[1], size) if op.kind == "getitem" else None
-    return (op.args[0], row) if row is not None and index in (0, -1) else None
+    wide = _one_wide(walk, base)
+    return (wide[0], wide[2]) if wide is not None and wide[1] == 0 and index in (0, -1) else None
 
 
-def one_row(index, size):
-    """e where index takes the one row e of axis 0 (e:e+1, -1:, with any full slices after), or None."""
-    items = index if isinstance(index, tuple) else (index,)
-    first = items[0] if items else None
+def _one_wide(walk, base):
+    """(W, d, e) where base, outside the region, is the one-wide slice W[:, ..., e:e+1] of W's axis d
+    (W.narrow(d, e, 1)), W a node; else None."""
+    op = canon(base) if isinstance(base, torch.fx.Node) and base not in walk.inside else None
+    if op is None or op.kind != "getitem" or not isinstance(op.args[0], torch.fx.Node):
+        return None
+    size = shape(op.args[0])
+    items = op.args[1] if isinstance(op.args[1], tuple) else (op.args[1],)
+    axis = next((d for d, i in enumerate(items) if i != slice(None)), None)
+    if size is None or axis is None or axis >= len(size) or not isinstance(size[axis], int):
+        return None
+    rest, first = items[axis + 1:], items[axis]
     if not isinstance(first, slice) or first.step not in (None, 1) or \
             not all(type(b) is int or b is None for b in (first.start, first.stop)) or \
-            not all(i == slice(None) or i is Ellipsis for i in items[1:]):
+            not all(i == slice(None) or i is Ellipsis for i in rest):
         return None
-    rows = range(size[0])[first]  # Python's own reading of the slice: negative and open bounds
-    return rows[0] if len(rows) == 1 else None
+    rows = range(size[axis])[first]  # Python's own reading of the slice: negative and open bounds
+    return (op.args[0], axis, rows[0]) if len(rows) == 1 else None
+
+
+def _squeezed_slice(walk, op, in_shape, out_shape):
+    """W.select(d, e), as a getitem, where op squeezes axis d of the one-wide slice W.narrow(d, e, 1)
+    (W[:, e:e+1].squeeze(1)); else None. Read as the slice it squeezes, it kept the size-1 axis and
+    was no weight the block's math reads (a [D, 1, F] W1, a [D, 1, D] key weight)."""
+    wide = _one_wide(walk, op.args[0]) if op.kind == "reshape" and in_shape and out_shape is not None else None
+    kept = tuple(in_shape[:wide[1]]) + tuple(in_shape[wide[1] + 1:]) if wide is not None else ()
+    if wide is None or len(out_shape) != len(kept) or not all(known_eq(a, b) for a, b in zip(out_shape, kept)):
+        return None
+    stack, axis, e = wide
+    return Op("getitem", (stack, (slice(None),) * axis + (e,) if axis else e))
+
+
+def row_as_select(walk, ref):
+    """W[e] for a bias kept as the one-row slice W[e:e+1] (W.narrow(0, e, 1)) of a stack W: its size-1
+    axis leads, so added to an expert's rows it broadcasts as W[e] does; the op takes the stack. None
+    for any other ref (b1.T[:, e:e+1] is [F, 1]: along the rows)."""
+    wide = _one_wide(walk, ref.node) if ref is not None and ref.select is None and ref.perm is None and \
+        not ref.steps else None
+    if wide is None or wide[1] != 0:
+        return None
+    return ext_ref(select_rule(walk, ref.node, Op("getitem", (wide[0], wide[2]))))
 
 
 def ext_ref(val):

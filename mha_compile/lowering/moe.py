@@ -27,7 +27,7 @@ from mha_compile.lowering.activation import KINDS as ELEMENTWISE, written_out
 from mha_compile.lowering.canonicalize import Op, canon, dtype, float_dtype, shape, sum_of_product, written
 from mha_compile.lowering.interpret import (ONE, ParamRef, Reject, StackRef, Val, broadcast, canonical_perm,
                                             einsum_roles, ext_ref, graph_scalar, graph_value_reason, is_one,
-                                            known_eq, layout_rule, move_roles, select_rule)
+                                            known_eq, layout_rule, move_roles, row_as_select, select_rule)
 from mha_compile.lowering.moe_grouped import grouped_rule
 from mha_compile.lowering.moe_pairs import pair_rows
 from mha_compile.lowering.moe_split import WIDE, split_later, split_rule
@@ -331,6 +331,11 @@ def _weight_product(walk, node, x, ref, linear, bias):
         val = Val("f", _rows(x.roles) + ("d",), dict(x.info, w2=base, b2=None))
         return _with_bias(walk, val, "b2", bias)
     return None
+
+
+def _per_expert(expert):
+    """Whether an expert's value is one expert's: a slice W[e] (e) or a weight of its own (None)."""
+    return expert is None or type(expert) is int
 
 
 def _swap(perm):
@@ -766,13 +771,15 @@ def _add(walk, node, a, b):
     if a.kind in ("u", "f") and b.kind == "ext" and ext_ref(b) is not None:
         key = "b1" if a.kind == "u" else "b2"
         ref = ext_ref(b)
+        if _per_expert(a.info["expert"]) and ref.select is None:
+            ref = row_as_select(walk, ref) or ref  # b1[e:e+1], b1.narrow(0, e, 1): [1, F], as b1[e] added
         if a.info[key] is not None or ref.steps:
             return None
         b_shape = shape(ref.node)
         if ref.select is not None:
             if ref.perm is not None or b_shape is None or len(b_shape) != 2:
                 return None
-        elif a.info["expert"] is None:
+        elif _per_expert(a.info["expert"]):  # a bias of its own (b1.T[e] where E = F): stacked, as a weight is
             if ref.perm is not None or b_shape is None or len(b_shape) != 1:
                 return None
         elif a.info["expert"] != "all" or not _bias_shape_ok(walk, a, ref):
