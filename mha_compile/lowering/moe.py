@@ -327,7 +327,9 @@ def _weight_product(walk, node, x, ref, linear, bias):
     if x.kind == "x" and x.roles[-1] == "d":
         val = Val("u", _rows(x.roles) + ("f",), {"expert": expert, "w1": base, "b1": None})
         return _with_bias(walk, val, "b1", bias)
-    if x.kind == "h" and x.info["expert"] == expert:
+    if x.kind == "h" and _per_expert(x.info["expert"]) and _per_expert(expert):
+        # W2[e] after another slice's W1 (W1 permuted, W1[0] for every expert, a shared W1 expanded):
+        # each gate's expert keeps the slices it used, stacked in gate order (_stacked), so it is the block
         val = Val("f", _rows(x.roles) + ("d",), dict(x.info, w2=base, b2=None))
         return _with_bias(walk, val, "b2", bias)
     return None

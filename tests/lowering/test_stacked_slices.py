@@ -278,3 +278,37 @@ def test_k_and_v_narrowed_from_a_stack_along_axis_1_match_and_train_as_eager(siz
     .select(1, i) and .unbind(1) matched."""
     torch.manual_seed(0)
     _one_match(StackedKVAxisOne(**SIZES[sizes][0]), sizes)
+
+
+class OtherExpertsW1(SpelledBlock):
+    """Expert e's W1 is not W1[e]: another expert's (`permuted`, W1[(e + 1) % E]), W1[0] for every
+    expert (`first`), or one W1 [D, F] shared, read as w1_shared.expand(E, D, F)[e] (`expanded`)."""
+
+    TAKE = {
+        "permuted": lambda s, e: s.w1[(e + 1) % s.E],
+        "first": lambda s, e: s.w1[0],
+        "expanded": lambda s, e: s.w1_shared.expand(s.E, *s.w1_shared.shape)[e],
+    }
+
+    def __init__(self, how, **block):
+        super().__init__(**block)
+        self.how = how
+        if how == "expanded":
+            self.w1_shared = nn.Parameter(self.w1.detach()[0].clone())
+            del self.w1
+
+    def expert(self, e, x):
+        return self._act(x @ self.TAKE[self.how](self, e) + self.b1[e]) @ self.w2[e] + self.b2[e]
+
+
+@pytest.mark.parametrize("sizes", list(SIZES))
+@pytest.mark.parametrize("how", list(OtherExpertsW1.TAKE))
+def test_an_expert_s_w1_taken_from_another_slice_is_stacked_per_gate(how, sizes):
+    """Refused before, the near-miss naming the wrong node or cause: W2[e] (getitem_4) as the weight
+    that could not be read (permuted, expanded), or "an expert's output is added to something other
+    than zeros" (W1[0]). Each gate's expert keeps the W1 it used: the op takes their stack (autograd
+    sums a shared W1's gradients), W2, b1 and b2 as stored."""
+    torch.manual_seed(0)
+    match = _one_match(OtherExpertsW1(how, **SIZES[sizes][0]), sizes)
+    assert match["params"]["w1"].startswith("stack("), match["params"]
+    _assert_stored(match, ("w2", "b1", "b2"))
