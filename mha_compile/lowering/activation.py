@@ -234,7 +234,6 @@ _SYMPY = {**_OPERATORS, "erf": lambda a: _sympy().erf(a), "tanh": lambda a: _sym
           "sigmoid": lambda a: 1 / (1 + _sympy().exp(-a)), "exp": lambda a: _sympy().exp(a)}
 
 
-
 def refusal(steps):
     """Why written-out ops are none of the activations, for a near-miss's reason. steps: the
     (node, "ufn" Val) of each op on u, in graph order, the last the one that a W2 product (or

@@ -607,7 +607,7 @@ def _slice_of(walk, base, index):
     base a one-row slice W[e:e+1] of W's axis 0 and index 0 (W.narrow(0, e, 1)[0]). Else None. Read
     as tensors of their own, these slices were stacked again on every call, or refused where the
     slice kept W's 3 axes (an unbind's tuple, W[e:e+1].squeeze(0))."""
-    op = canon(base) if isinstance(base, torch.fx.Node) and base not in walk.inside else None
+    op = _outside_op(walk, base)
     if op is None or type(index) is not int or not isinstance(op.args[0], torch.fx.Node):
         return None
     size = shape(op.args[0])
@@ -616,14 +616,19 @@ def _slice_of(walk, base, index):
     if op.kind == "unbind" and type(op.args[1]) is int and op.args[1] % len(size) == 0 and \
             -size[0] <= index < size[0]:
         return op.args[0], index % size[0]
-    wide = _one_wide(walk, base)
+    wide = _one_wide(walk, base, op)
     return (wide[0], wide[2]) if wide is not None and wide[1] == 0 and index in (0, -1) else None
 
 
-def _one_wide(walk, base):
+def _outside_op(walk, base):
+    """canon(base) where base is a node outside the region; else None."""
+    return canon(base) if isinstance(base, torch.fx.Node) and base not in walk.inside else None
+
+
+def _one_wide(walk, base, op=None):
     """(W, d, e) where base, outside the region, is the one-wide slice W[:, ..., e:e+1] of W's axis d
-    (W.narrow(d, e, 1)), W a node; else None."""
-    op = canon(base) if isinstance(base, torch.fx.Node) and base not in walk.inside else None
+    (W.narrow(d, e, 1)), W a node; else None. op: base's canon, where the caller has read it."""
+    op = op or _outside_op(walk, base)
     if op is None or op.kind != "getitem" or not isinstance(op.args[0], torch.fx.Node):
         return None
     size = shape(op.args[0])

@@ -23,6 +23,7 @@ import operator
 
 import torch
 
+from mha_compile.kernels.reference import accumulation_dtype
 from mha_compile.lowering.activation import KINDS as ELEMENTWISE, written_out
 from mha_compile.lowering.canonicalize import Op, canon, dtype, float_dtype, shape, sum_of_product, written
 from mha_compile.lowering.interpret import (ONE, ParamRef, Reject, StackRef, Val, broadcast, canonical_perm,
@@ -572,8 +573,7 @@ def _floor_never_acts(walk, node, weights, floor, what):
 def _as_compared(floor, kind):
     """The largest the floor may be when the clamp compares it with Σw (of dtype kind): as written,
     or rounded to kind (the CPU's clamp_min) or, for a 16-bit kind, to float32 (its opmath)."""
-    opmath = torch.float32 if torch.finfo(kind).bits <= 16 else kind
-    return max(floor, *(torch.tensor(floor, dtype=d).item() for d in (kind, opmath)))
+    return max(floor, *(torch.tensor(floor, dtype=d).item() for d in (kind, accumulation_dtype(kind))))
 
 
 def _least_computed_sum(least, E, k, kind):
@@ -592,8 +592,7 @@ def _least_computed_sum(least, E, k, kind):
     Σw falls below k/E only by rounding, where k = E (a bf16 Σw of 0.996 in 2% of rows of random
     logits, E = 4) or the probabilities are near-equal: measured at most eps(kind)/2 below. The
     bound k/(2E) kept before refused floors that never act (a review's)."""
-    acc = torch.float32 if torch.finfo(kind).bits <= 16 else kind
-    return least * (1 - torch.finfo(kind).eps - (E + 2 * k + 8) * torch.finfo(acc).eps)
+    return least * (1 - torch.finfo(kind).eps - (E + 2 * k + 8) * torch.finfo(accumulation_dtype(kind)).eps)
 
 
 def _dtypes_from(node, topk):
