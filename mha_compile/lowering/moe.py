@@ -724,7 +724,11 @@ def _mul(walk, node, a, b):
                                    "covered": frozenset([gate.info["expert"]])})
     if "h" in pair and "u" in pair:  # swiglu: silu(x W1 + b1) ⊙ (x W3)
         h, u3 = pair["h"], pair["u"]
-        if h.info["act"] != "silu" or h.info["w3"] is not None or u3.info["expert"] != h.info["expert"] or \
+        # W3 from another slice than W1 (permuted, W3[0] for every expert, a shared W3 expanded) is the
+        # block, as W1's is beside W2: each gate's expert keeps the slices it used (_stacked)
+        experts_agree = u3.info["expert"] == h.info["expert"] or \
+            _per_expert(u3.info["expert"]) and _per_expert(h.info["expert"])
+        if h.info["act"] != "silu" or h.info["w3"] is not None or not experts_agree or \
                 h.roles != u3.roles or h.info.get("topk") is not u3.info.get("topk"):
             return None
         if u3.info["b1"] is not None:

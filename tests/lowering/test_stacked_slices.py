@@ -312,3 +312,37 @@ def test_an_expert_s_w1_taken_from_another_slice_is_stacked_per_gate(how, sizes)
     match = _one_match(OtherExpertsW1(how, **SIZES[sizes][0]), sizes)
     assert match["params"]["w1"].startswith("stack("), match["params"]
     _assert_stored(match, ("w2", "b1", "b2"))
+
+
+class OtherExpertsW3(SpelledBlock):
+    """A SwiGLU expert e's W3 is not W3[e]: another expert's (`permuted`), W3[0] for every expert
+    (`first`), or one W3 [D, F] shared, read as w3_shared.expand(E, D, F)[e] (`expanded`)."""
+
+    TAKE = {
+        "permuted": lambda s, e: s.w3[(e + 1) % s.E],
+        "first": lambda s, e: s.w3[0],
+        "expanded": lambda s, e: s.w3_shared.expand(s.E, *s.w3_shared.shape)[e],
+    }
+
+    def __init__(self, how, **block):
+        super().__init__(act="swiglu", **block)
+        self.how = how
+        if how == "expanded":
+            self.w3_shared = nn.Parameter(self.w3.detach()[0].clone())
+            del self.w3
+
+    def expert(self, e, x):
+        hidden = F.silu(x @ self.w1[e] + self.b1[e]) * (x @ self.TAKE[self.how](self, e))
+        return hidden @ self.w2[e] + self.b2[e]
+
+
+@pytest.mark.parametrize("sizes", list(SIZES))
+@pytest.mark.parametrize("how", list(OtherExpertsW3.TAKE))
+def test_a_swiglu_expert_s_w3_taken_from_another_slice_is_stacked_per_gate(how, sizes):
+    """W1's case above, for SwiGLU's W3: refused before (the two up projections' experts had to be
+    one slice). Each gate's expert keeps the W3 it used: the op takes their stack, W1, W2, b1 and
+    b2 as stored."""
+    torch.manual_seed(0)
+    match = _one_match(OtherExpertsW3(how, **SIZES[sizes][0]), sizes)
+    assert match["params"]["w3"].startswith("stack("), match["params"]
+    _assert_stored(match, ("w1", "w2", "b1", "b2"))
