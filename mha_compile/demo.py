@@ -76,9 +76,9 @@ def median_ms(fn, repeats, clock=time.perf_counter):
 
 
 def speed_table(preset="small", repeats=5):
-    """Eager against backend="mha" (the reference kernels, on the CPU) in CPU time of one thread, as
-    bench/cpu_speed.py times them: wall time on a shared machine gave 0.46x in one run and 43x in
-    the next for the same row (a review's, 2 cores shared)."""
+    """Eager against backend="mha" (the reference kernels, on the CPU) in CPU time of one thread
+    (also bench/cpu_speed.py's table): wall time on a shared machine gave 0.46x in one run and 43x
+    in the next for the same row (a review's, 2 cores shared)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
