@@ -11,7 +11,7 @@ Kinds that only move or relabel elements are grouped by what they keep:
   unflatten, unsqueeze, squeeze, indexing with only full slices and None);
 - "permute": axes reordered (transpose, permute, t, mT);
 - "expand": size-1 axes broadcast (expand, expand_as, broadcast_to, and a repeat of size-1 axes);
-- "cast": values kept, dtype/memory changed (to(dtype), float, contiguous, clone, type_as).
+- "cast": values kept, dtype/memory changed (to(dtype), type(dtype), float, contiguous, clone, type_as).
 """
 import dataclasses
 import functools
@@ -119,7 +119,7 @@ _METHODS = {
     "transpose": "permute", "permute": "permute", "t": "permute",
     "expand": "expand", "expand_as": "expand", "broadcast_to": "expand", "repeat": "repeat",
     "to": "cast", "float": "cast", "double": "cast", "half": "cast", "bfloat16": "cast",
-    "type_as": "cast", "contiguous": "cast", "clone": "cast",
+    "type_as": "cast", "type": "cast", "contiguous": "cast", "clone": "cast",
     "masked_fill": "masked_fill", "masked_fill_": "masked_fill", "chunk": "chunk", "split": "split", "unbind": "unbind",
     "select": "select", "narrow": "narrow",
     "nonzero": "nonzero",
