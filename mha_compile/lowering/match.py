@@ -71,6 +71,9 @@ class Match:
     # Autocast of the kept nodes whose autocast differs from out's: {node: [(device type, dtype,
     # enabled, cache)]}, the contexts the rewrite enters around each after the op
     kept_autocast: dict = dataclasses.field(default_factory=dict)
+    # tok is [N,B,D] (nn.MultiheadAttention's default layout, batch_first=False): the op takes it
+    # transposed, [B,N,D]
+    tok_seq_first: bool = False
 
     def summary(self):
         return {"output": self.output.name, "ctx": self.ctx.name, "tok": self.tok.name,
@@ -338,8 +341,11 @@ def _match_at(nodes, anchor):
     if router.op == "placeholder":  # (a review's: a print of the router's load broke the graph there)
         raise _Miss(anchor, f"{anchor.name}: top-k's input {router.name} is an input of this graph, so the router "
                             f"ran elsewhere: {_elsewhere(nodes, 'between the router and its top-k')}")
-    if op is None or op.kind not in ("linear", "matmul"):
-        raise _Miss(anchor, f"{anchor.name}: top-k is not taken on a softmax of a router product x·Wgᵀ")
+    if op is None or op.kind not in ("linear", "matmul"):  # (a review's: the reason named no op)
+        what = f"{router.name} ({router.op} {getattr(router.target, '__name__', router.target)})"
+        raise _Miss(anchor, f"{anchor.name}: top-k is not taken on a softmax of a router product x·Wgᵀ: it reads "
+                            f"{what} there (a temperature, a bias, noise, sigmoid scores or a detach between x·Wgᵀ "
+                            f"and the softmax are not the block's router)")
     x = op.args[0]
     y = _strip(x)
     y_op = canon(y)
@@ -353,7 +359,7 @@ def _match_at(nodes, anchor):
         raise _Miss(y, f"{anchor.name}: the MoE's input {y.name} is not a broadcast-add of a pooled vector "
                        f"over horizons (no merge ctx + inv[:, None] before the router)")
     ctx, inv, bcast = _merge_operands(y, y_op)
-    tok, pool_walk = _read_pool(nodes, inv)
+    tok, pool_walk, tok_seq_first = _read_pool(nodes, inv)
     if known_eq(pool_walk.axes.sizes.get("n"), 0):  # (a review's: 4.4% off, ∂bv 9.4 where eager's is 0)
         raise _Miss(inv, f"{inv.name}: the pool attends over no tokens (tok {list(shape(tok))}): eager's weighted "
                          f"sum is empty, so inv = bo, where the op's reassociation, whose weights sum to 1, gives "
@@ -406,7 +412,7 @@ def _match_at(nodes, anchor):
     copied = _copied(nodes, ctx, tok, region, out) if training else ()  # under no_grad the op keeps nothing
     return Match(anchor, out, ctx, tok, params, config, region, exports=exports, inv=inv, out_layout=layout,
                  empty_rows=pool_walk.vals[inv].info.get("empty_rows", ""), kept=kept, copied=copied,
-                 kept_modes=moved_modes, out_mode=training, kept_autocast=kept_autocast)
+                 kept_modes=moved_modes, out_mode=training, kept_autocast=kept_autocast, tok_seq_first=tok_seq_first)
 
 
 def _fitted(params, sizes, out):
@@ -628,6 +634,9 @@ def _from_body(node):
     return getattr(target, "__name__", str(target)) if isinstance(target, torch._ops.HigherOrderOperator) else None
 
 
+TOKENS, SEQ_FIRST = ("b", "n", "d"), ("n", "b", "d")  # the token tensor's axes: [B,N,D], or [N,B,D]
+
+
 def _read_pool(nodes, inv):
     """Read the pool backwards from inv: try each token tensor that feeds a projection."""
     ancestors = _pool_ancestors(inv, nodes.order)
@@ -649,17 +658,21 @@ def _read_pool(nodes, inv):
     below = {t: _descendants(t) for t in candidates}
     for tok in candidates:
         # A one-head pool (P = 1) views [B,N,D] as [B,N,1,D], which reads the same as an
-        # unsqueeze: try the usual reading first, then the one-head one.
-        for trivial in (None, "d"):
-            walk = Walk(pool_rule, {tok: Val("tok", ("b", "n", "d"))}, inner, below[tok], trivial_split=trivial)
+        # unsqueeze: try the usual reading first, then the one-head one. Then the tokens
+        # sequence-first, [N,B,D] (nn.MultiheadAttention's default, batch_first=False; a review's:
+        # refused, with a softmax over "the batch axis" blamed in the einsum pool): the op takes
+        # them transposed. The reason kept is the batch-first reading's.
+        for roles, trivial in ((TOKENS, None), (TOKENS, "d"), (SEQ_FIRST, None), (SEQ_FIRST, "d")):
+            walk = Walk(pool_rule, {tok: Val("tok", roles)}, inner, below[tok], trivial_split=trivial)
             val = walk.vals.get(inv)
             if val is not None and val.kind == "inv" and val.roles == ("b", "d"):
-                return tok, walk
-            if trivial is None and not any(tok in below[t] for t in candidates if t is not tok):
+                return tok, walk, roles == SEQ_FIRST
+            if (roles, trivial) == (TOKENS, None) and not any(tok in below[t] for t in candidates if t is not tok):
                 # a candidate made from another (tok + 0.5 fed to the value projection by a pre-hook) is
                 # no token tensor: its walk blamed the einsum where the other projection is unread
                 reason = walk.first_reason(inv, inner)
     raise _Miss(*reason) if isinstance(reason, tuple) else _Miss(inv, reason)
+
 
 
 def _check_merge(nodes, y, ctx, inv, bcast, pool_walk):

@@ -123,9 +123,11 @@ def _add_bias(walk, node, a, b):
         ref = _mask_ref(b, a.roles, node, invert=False, sizes=walk.axes.sizes)
         return None if ref is None else Val("scores", a.roles, dict(a.info, mask=ref))
     if a is not None and b is not None and a.kind == "scores" and b.kind == "ext":
-        raise Reject(f"{node.name}: an additive float mask on the scores that is not zeros.masked_fill(pad, -inf); the "
-                     f"region takes a boolean key-padding mask: "
-                     f"write scores.masked_fill(pad[:, None, :], float('-inf')) (pad: True = ignore)")
+        # (a review's: a learned position bias was told to become a boolean mask, which changes the model)
+        raise Reject(f"{node.name}: a tensor is added to the scores (a position bias, or a float mask not built as "
+                     f"zeros.masked_fill(pad, -inf)); the pool's scores are ⟨q, K⟩/√Dh with at most a key-padding "
+                     f"mask: a float mask built that way, or scores.masked_fill(pad[:, None, :], float('-inf')) "
+                     f"(pad: True = ignore), is read as one; a bias is not the block's")
     if a is None or b is None or b.kind != "ext" or a.kind not in ("proj", "inv") or ext_ref(b) is None:
         return None
     key, bias = "b" if a.kind == "proj" else "bo", _unselected(ext_ref(b))
@@ -320,8 +322,11 @@ def _mask_ref(val, wanted, node, invert, sizes):
         return None
     as_float = dtype(val.info["node"]) != torch.bool and _neg_inf_mask(val.info["node"])
     if dtype(val.info["node"]) != torch.bool and not as_float:
-        raise Reject(f"{node.name}: the attention mask is {dtype(val.info['node'])}, not bool; the region takes a "
-                     f"boolean key-padding mask (True = ignore the token)")
+        # SDPA's boolean attn_mask (invert) means True = take part (a review's: the reason gave the other sense)
+        sense = "True = take part, as SDPA reads it" if invert else "True = ignore the token"
+        raise Reject(f"{node.name}: the attention mask is {dtype(val.info['node'])}, and not built as "
+                     f"zeros.masked_fill(pad, -inf) (a float mask of only 0 and -inf); the region takes a boolean "
+                     f"key-padding mask ({sense}) or a float mask built that way")
     for w, r in zip(wanted, lay):
         if (w in ("b", "n")) == (r == ONE) and not (w in ("b", "n") and known_eq(sizes.get(w), 1)):
             raise Reject(f"{node.name}: the mask varies along {[w for w, r in zip(wanted, lay) if r != ONE]}; "
@@ -466,10 +471,13 @@ def _mha(walk, node, op, args):
         return None
     d, heads = walk.axes.sizes.get("d"), _const(a["num_heads"])
     lay = query.info.get("lay")
-    if lay is None or len(lay) != 3 or lay[0] != ONE or lay[1] != ONE or lay[2] == ONE or \
-            shape(query.info["node"])[2] != d:
+    if lay is None or len(lay) != 3 or lay[0] != ONE or lay[1] != ONE or lay[2] == ONE:
         raise Reject(f"{node.name}: the attention query is not one learned vector broadcast over the batch "
                      f"(shape {shape(query.info['node'])}); the pool's query is a parameter")
+    if shape(query.info["node"])[2] != d:  # (a review's: the reason blamed the query)
+        raise Reject(f"{node.name}: the query is {shape(query.info['node'])[2]} wide and the tokens {d} "
+                     f"(nn.MultiheadAttention with kdim or vdim other than embed_dim); the block's K and V project "
+                     f"tokens as wide as the query")
     for name, ok in (("bias_k", _absent(a["bias_k"])), ("bias_v", _absent(a["bias_v"])),
                      ("add_zero_attn", _const(a["add_zero_attn"], False) is False),
                      ("attn_mask", _absent(a["attn_mask"])), ("is_causal", _const(a["is_causal"], False) is False),

@@ -74,6 +74,8 @@ def replace_region(gm, match):
             ctx = _copy(graph, ctx)
         if "tok" in match.copied:
             tok = _copy(graph, tok)
+        if match.tok_seq_first:  # [N,B,D] (nn.MultiheadAttention's batch_first=False): the op takes [B,N,D]
+            tok = _transposed(graph, tok)
         cfg = match.config
         call = graph.call_function(torch.ops.mha.region.default, (
             ctx, tok, *params, mask, cfg["top_k"], cfg["renorm"],
@@ -115,6 +117,13 @@ def _copy(graph, node):
     copy = graph.call_function(ops.kept_copy, (node,))
     copy.meta.update({k: v for k, v in node.meta.items() if k in ("example_value", "val")})
     return copy
+
+
+def _transposed(graph, node):
+    """node.transpose(0, 1), with its example value transposed (later passes read shapes from it)."""
+    out = graph.call_method("transpose", (node, 0, 1))
+    out.meta.update({k: v.transpose(0, 1) for k, v in node.meta.items() if k in ("example_value", "val")})
+    return out
 
 
 def _to_layout(graph, out, layout):

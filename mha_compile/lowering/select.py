@@ -27,6 +27,8 @@ def choose_kernels(match, requested):
     if requested == "reference":
         return "reference", "kernels='reference' was requested"
     ctx, tok = _example(match.ctx), _example(match.tok)
+    if match.tok_seq_first:  # [N,B,D]: the op takes it transposed
+        tok = tok.transpose(0, 1)
     w1 = _expert_weights(match.params["w1"])
     if requested == "auto" and ctx.device.type != "cuda":
         return "reference", (f"inputs are on {ctx.device.type}; the Triton kernels need CUDA "

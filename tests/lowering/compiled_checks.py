@@ -9,9 +9,10 @@ ZERO_GRAD = ("key.bias",)  # SPEC §1: ∂bk is exactly zero; eager leaves round
 _NOISE = {torch.bfloat16: 1e-2}  # that roundoff's bound: 2.5e-3 measured in bf16 (eps 7.8e-3), ~1e-17 in float64
 
 
-def compile_and_compare(model, args, dtype, dynamic_where=False, tol=None):
+def compile_and_compare(model, args, dtype, dynamic_where=False, tol=None, token_axis=1):
     """Compile a copy with backend="mha"; compare output and every parameter and input gradient
-    with eager, to tol (TOLERANCE[dtype] unless given). Returns the reports of the compiled graphs."""
+    with eager, to tol (TOLERANCE[dtype] unless given). Returns the reports of the compiled graphs.
+    token_axis: the tokens' axis of args[1] (0 where they come sequence-first, [N,B,D])."""
     compiled_model = copy.deepcopy(model)
     args_e = [a.clone().requires_grad_(a.is_floating_point()) for a in args]
     args_c = [a.clone().requires_grad_(a.is_floating_point()) for a in args]
@@ -32,7 +33,7 @@ def compile_and_compare(model, args, dtype, dynamic_where=False, tol=None):
     # With one token the pool's softmax is exactly 1 whatever the scores, so the query's and the
     # keys' gradients are zero in exact math: the same case again (eager's noise there depends on
     # the CPU's kernels: ~1e-17 on an AVX2 host, where an earlier host gave zeros).
-    scores_zero = args[1].shape[1] == 1
+    scores_zero = args[1].shape[token_axis] == 1
     for (name, p_e), p_c in zip(model.named_parameters(), compiled_model.parameters()):
         if p_e.grad is None:  # a parameter the model leaves unused (a second block's own pool)
             assert p_c.grad is None, f"{name} received a gradient through the compiled path, and none in eager"

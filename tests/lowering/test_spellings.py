@@ -685,6 +685,26 @@ def test_the_router_s_chain_computed_again_keeps_its_autocast():
     assert relative_error(z_c, z_e) <= 1e-3 and relative_error(out_c, out_e) <= 2e-2
 
 
+class TypeCastRouter(SpelledBlock):
+    """DeepSeek's MoEGate (transformers): F.linear(x.type(torch.float32), W.type(torch.float32)), the
+    probabilities cast back with .type(x.dtype)."""
+
+    def route(self, x):
+        logits = F.linear(x.type(torch.float32), self.router.weight.type(torch.float32))
+        weight, index = logits.softmax(-1).topk(self.k, dim=-1)
+        return (weight / weight.sum(dim=-1, keepdim=True)).type(x.dtype), index
+
+
+@pytest.mark.parametrize("moe", ["loop", "dense_scatter"])
+def test_a_router_cast_by_tensor_type_is_read_as_a_cast(moe):
+    """Tensor.type(dtype) is .to(dtype): refused before (a review's), the near-miss blaming the merge
+    ("the MoE's input type_1 is not a broadcast-add"), which was there."""
+    torch.manual_seed(0)
+    model = TypeCastRouter(moe=moe).float()
+    args = [a.float() for a in inputs(dtype=torch.float64)]
+    _assert_one_match(compile_and_compare(model, args, torch.float32))
+
+
 # ---- near-misses ------------------------------------------------------------------------------
 
 
@@ -718,6 +738,53 @@ class FloatMask(SpelledBlock):
         k, v = self.key(tok).view(B, N, self.P, self.Dh), self.value(tok).view(B, N, self.P, self.Dh)
         scores = torch.einsum("pd,bnpd->bpn", self.query, k) / math.sqrt(self.Dh) + pad[:, None, :]
         return self.out(torch.einsum("bpn,bnpd->bpd", scores.softmax(-1), v).reshape(B, D))
+
+
+class PositionBias(SpelledBlock):
+    """A learned per-head, per-token bias on the scores (T5- or ALiBi-like): not the block's pool."""
+
+    def __init__(self, **block):
+        super().__init__(**block)
+        self.pos_bias = nn.Parameter(0.5 * torch.randn(self.P, 8))
+
+    def pool_forward(self, tok, pad=None):
+        B, N, D = tok.shape
+        k, v = self.key(tok).view(B, N, self.P, self.Dh), self.value(tok).view(B, N, self.P, self.Dh)
+        scores = torch.einsum("pd,bnpd->bpn", self.query, k) / math.sqrt(self.Dh) + self.pos_bias[None, :, :N]
+        return self.out(torch.einsum("bpn,bnpd->bpd", scores.softmax(-1), v).reshape(B, D))
+
+
+class SdpaWhereMask(SpelledBlock):
+    """SDPA's float attn_mask of 0 and -inf built by torch.where, not zeros.masked_fill."""
+
+    def pool_forward(self, tok, pad=None):
+        B, N, D = tok.shape
+        k = self.key(tok).view(B, N, self.P, self.Dh).transpose(1, 2)
+        v = self.value(tok).view(B, N, self.P, self.Dh).transpose(1, 2)
+        q = self.query.view(1, self.P, 1, self.Dh).expand(B, -1, -1, -1)
+        pad = torch.arange(N)[None, :] >= torch.tensor([5, 3, 1, 4])[:, None]
+        mask = torch.where(pad, float("-inf"), 0.0).to(tok.dtype)[:, None, None, :]
+        return self.out(F.scaled_dot_product_attention(q, k, v, attn_mask=mask).reshape(B, D))
+
+
+class NarrowKeys(SpelledBlock):
+    """nn.MultiheadAttention(D, P, kdim=vdim=24): tokens narrower than the query."""
+
+    def __init__(self, **block):
+        super().__init__(pool="mha", **block)
+        self.attn = nn.MultiheadAttention(self.D, self.P, batch_first=True, kdim=24, vdim=24)
+
+    def pool_forward(self, tok, pad=None):
+        tok = tok[..., :24]
+        return self.attn(self.query.expand(tok.shape[0], -1, -1), tok, tok, need_weights=False)[0][:, 0]
+
+
+class RouterTemperature(SpelledBlock):
+    """The router's logits divided by a temperature before the softmax: not the block's router."""
+
+    def route(self, x):
+        weight, index = torch.softmax(self.router(x) / 2.0, dim=-1).topk(self.k, dim=-1)
+        return weight / weight.sum(dim=-1, keepdim=True), index
 
 
 class OtherExpertInput(SpelledBlock):
@@ -1468,7 +1535,11 @@ NEAR_MISSES = {
     "in-place merge into a graph input": (IaddIntoInput, {}, "in place into the graph input"),
     "causal SDPA": (CausalSdpa, {"pool": "sdpa"}, "is_causal"),
     "SDPA scale 1/Dh": (WrongSdpaScale, {"pool": "sdpa"}, "scaled by"),
-    "additive float mask": (FloatMask, {}, "additive float mask"),
+    "additive float mask": (FloatMask, {}, "float mask not built as zeros.masked_fill(pad, -inf)"),
+    "a learned position bias on the scores": (PositionBias, {}, "a bias is not the block's"),
+    "SDPA float mask by torch.where": (SdpaWhereMask, {}, "True = take part, as SDPA reads it"),
+    "nn.MultiheadAttention with kdim=vdim=24": (NarrowKeys, {}, "kdim or vdim other than embed_dim"),
+    "router logits / temperature": (RouterTemperature, {}, "it reads truediv"),
     "experts fed another x": (OtherExpertInput, {}, "could not be read"),
     "an expert missing from the loop": (MissingExpert, {}, "cover experts [0, 1, 2] of 4"),
     "largest=False": (SmallestExperts, {}, "largest=False"),
