@@ -242,10 +242,13 @@ def find_regions(gm, piece=None):
             misses.append(NearMiss(anchor.name, getattr(miss.node, "name", str(miss.node)), miss.reason))
     if not anchors:
         misses.extend(_split_experts(nodes))
-    # a top-k that runs after a replaced region on its router's softmax (a load-balancing loss's own
-    # selection) is no MoE: its walk blamed the matched experts (a review's)
-    kept = {n.name for match in matches for n in match.kept}
-    return matches, [m for m in misses if m.anchor not in kept] + _routed_otherwise(nodes)
+    # a top-k that runs after a replaced region on its router's softmax, or on a softmax of its own of
+    # the router's logits the region keeps (a load-balancing loss's own selection, transformers'
+    # load_balancing_loss_func), is no MoE: its walk blamed the matched experts (reviews')
+    kept = {n for match in matches for n in match.kept}
+    on_kept = {n.name for n in anchors if n in kept or n.args and isinstance(n.args[0], torch.fx.Node)
+               and _strip(n.args[0], _LAYOUT + ("softmax",)) in kept}
+    return matches, [m for m in misses if m.anchor not in on_kept] + _routed_otherwise(nodes)
 
 
 def _routed_otherwise(nodes):
