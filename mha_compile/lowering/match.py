@@ -731,8 +731,11 @@ def _moe_failure(walk, nodes, anchor):
     top = walk.vals.get(anchor)
     normalised = any(v.kind == "topw" and v.info.get("topk") is anchor for v in walk.vals.values())
     if top is not None and top.info.get("on_logits") and not normalised:  # a softmax of the k chosen reads as topw
-        return anchor, (f"{anchor.name}: top-k is taken on the router logits and its values are not normalised by "
-                        f"a softmax over the k chosen (which would equal the renormalised top-k of the softmax)")
+        # (a review's: "not normalised by a softmax" was said of π gathered by the logits' indices too)
+        return anchor, (f"{anchor.name}: top-k is taken on the router logits, whose weights the matcher reads only as "
+                        f"a softmax over the k chosen logits (Mixtral's, equal to the renormalised top-k of the "
+                        f"softmax); here they come otherwise (π gathered by the logits' indices, a slice of the "
+                        f"top-k): take the top-k of the softmax itself, probs.topk(k), which is read")
     if refused is not None:
         return refused
     partial = [n for n in valued if walk.vals[n].kind == "contrib"]
