@@ -532,6 +532,8 @@ def _ext_layout(walk, node, op, src, in_shape, out_shape):
         # [D]): the view itself is the parameter the op takes, as a parametrization's result is;
         # autograd carries its gradient back. Unread, the block was refused (a review's).
         own = base_layout(node)
+        if lay is not None and any(r == ONE and not is_one(s) for r, s in zip(lay, out_shape)):
+            own = lay  # broadcast axes kept (a latent expanded over the batch, projected, then viewed in heads)
         if own is not None and walk.axes.bind_all(own, shape(node)):
             return ext_val(node, ParamRef(node), own)
     if new_ref is None and lay is None:

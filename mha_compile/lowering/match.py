@@ -19,7 +19,7 @@ import torch
 
 from mha_compile.lowering.activation import KINDS as ELEMENTWISE, refusal
 from mha_compile.lowering.aliases import FRESH, aliases as storage_aliases
-from mha_compile.lowering.canonicalize import call_name, canon, dtype, float_dtype, is_inplace, shape, written
+from mha_compile.lowering.canonicalize import call_name, canon, dtype, float_dtype, is_inplace, is_one, shape, written
 from mha_compile.lowering.interpret import (ONE, SIZE_QUERIES, StackRef, Val, Walk, broadcast, known_eq, layout_rule,
                                            ref_shape, with_step)
 from mha_compile.lowering.moe import moe_params, moe_rule
@@ -621,8 +621,9 @@ def _pool_ancestors(inv, order):
         seen.add(n)
         if n in stop:
             continue
-        tokens = _token_inputs(n)
-        stop.update(tokens)
+        # a [B, 1, D] input is searched past too: the one latent's pooled row, projected before its
+        # [:, 0] (timm's, Perceiver's order; a review's), hid the tokens behind it. It stays a candidate
+        stop.update(t for t in _token_inputs(n) if not is_one(shape(t)[1]))
         stack.extend(n.all_input_nodes)
     return seen
 

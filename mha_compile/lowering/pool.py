@@ -25,7 +25,7 @@ import math
 import torch
 
 from mha_compile.lowering.aliases import written_in_place
-from mha_compile.lowering.canonicalize import canon, dtype, float_dtype, shape, sum_of_product
+from mha_compile.lowering.canonicalize import canon, dtype, float_dtype, is_one, shape, sum_of_product
 from mha_compile.lowering.interpret import (BATCH_HEADS, ONE, ParamRef, Reject, Val, base_layout, broadcast,
                                             canonical_perm, einsum_roles, ext_ref, ext_val, graph_scalar,
                                             graph_value_reason, known_eq, layout_rule, query_ref, ref_shape,
@@ -63,7 +63,8 @@ def _affine(walk, node, x, weight, bias):
         return Val("proj", x.roles, {"w": weight, "b": bias})
     if x.kind == "tok" and isinstance(d, int) and shape(node)[-1] == 2 * d and weight.perm is None:
         return Val("projcat", x.roles[:-1] + ("kv",), {"w": weight, "b": bias})
-    if x.kind == "pooled" and x.roles == ("b", "d") and shape(node)[-1] == d:
+    if x.kind == "pooled" and tuple(r for r in x.roles if r != ONE) == ("b", "d") and x.roles[-1] == "d" and \
+            shape(node)[-1] == d:  # [B, 1, D] too (one latent projected, then x[:, 0]: a review's)
         return Val("inv", x.roles, dict(x.info, wo=weight, bo=bias))
     return None
 
@@ -88,6 +89,13 @@ def pool_rule(walk, node, op):
         # a bias read as no parameter (b.reshape(D), b.expand(D): a review's, read as no bias, 0.48 off)
         if ext_ref(w) is None or (b is not None and b.kind != "const" and ext_ref(b) is None):
             return None
+        if x is not None and x.kind == "ext" and x.info.get("lay") is not None and shape(node) is not None:
+            # a batch-invariant tensor projected (a latent query expanded over the batch, then q = Linear(it):
+            # timm's and Perceiver's order): a row-wise map keeps its broadcast axes, so it is read as one
+            # too, by its row 0 (a review's: read as a tensor of its own, [B, 1, D], the pool was refused)
+            out = shape(node)
+            lay = x.info["lay"][:-1] + (ONE if is_one(out[-1]) else f"@{node.name}.{len(out) - 1}",)
+            return ext_val(node, ParamRef(node), lay) if walk.axes.bind_all(lay, out) else None
         return _affine(walk, node, x, ext_ref(w), ext_ref(b))
     if op.kind == "matmul" and args[0] is not None and args[0].kind != "ext" and ext_ref(args[1]) is not None:
         return _affine(walk, node, args[0], _transposed(ext_ref(args[1])), None)

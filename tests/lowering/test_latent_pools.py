@@ -1,0 +1,56 @@
+"""Pools over one learned latent written in timm's and Perceiver's order (timm's AttentionPoolLatent
+without its MLP): the latent expanded over the batch and then projected by the query's Linear
+(q = Linear(latent.expand(B, -1, -1))), and the output projection applied to the one latent's row
+[B, 1, D] before x[:, 0]. Before, both were refused (a review's): the projected query was read as a
+tensor of its own, varying over the batch, and the [B, 1, D] row hid the tokens from the search.
+Each is SPEC §1's pool: output and every gradient are eager's."""
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from compiled_checks import assert_one_match, compile_and_compare
+from spellings import SpelledBlock, inputs
+
+SIZES = {"tiny": ({}, {}), "odd": (dict(D=21, P=3, F_=13, E=5, k=3), dict(B=3, H=2, N=7, D=21)),
+         "B=1": ({}, dict(B=1))}
+
+
+class LatentPool(SpelledBlock):
+    """q = Linear(latent.expand(B, -1, -1)) (`q_after_expand`) or Linear(latent).expand (`q_before`);
+    the output projection on [B, 1, D] then [:, 0] (`proj_on_row`) or on [B, D]; SDPA or matmul."""
+
+    def __init__(self, q_after_expand, proj_on_row, attention, **block):
+        super().__init__(**block)
+        self.q_after_expand, self.proj_on_row, self.attention = q_after_expand, proj_on_row, attention
+        self.latent = nn.Parameter(torch.randn(1, 1, self.D) / math.sqrt(self.D))
+        self.q = nn.Linear(self.D, self.D)
+        del self.query
+
+    def pool_forward(self, tok, pad=None):
+        B, N, D = tok.shape
+        P, Dh = self.P, self.Dh
+        latent = self.q(self.latent.expand(B, -1, -1)) if self.q_after_expand else self.q(self.latent).expand(B, -1, -1)
+        q = latent.reshape(B, 1, P, Dh).transpose(1, 2)
+        k = self.key(tok).reshape(B, N, P, Dh).transpose(1, 2)
+        v = self.value(tok).reshape(B, N, P, Dh).transpose(1, 2)
+        if self.attention == "sdpa":
+            x = F.scaled_dot_product_attention(q, k, v)
+        else:
+            x = (q @ k.transpose(-2, -1) / math.sqrt(Dh)).softmax(dim=-1) @ v
+        x = x.transpose(1, 2).reshape(B, 1, D)
+        return self.out(x)[:, 0] if self.proj_on_row else self.out(x[:, 0])
+
+
+@pytest.mark.parametrize("sizes", list(SIZES))
+@pytest.mark.parametrize("attention", ["sdpa", "matmul"])
+@pytest.mark.parametrize("q_after_expand,proj_on_row", [(True, True), (True, False), (False, True)],
+                         ids=["timm", "q_after_expand", "proj_on_row"])
+def test_a_latent_pool_in_timm_s_order_matches_and_trains_as_eager(q_after_expand, proj_on_row, attention, sizes):
+    torch.manual_seed(0)
+    model = LatentPool(q_after_expand, proj_on_row, attention, **SIZES[sizes][0]).double()
+    args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1), **SIZES[sizes][1])
+    match = assert_one_match(compile_and_compare(model, args, torch.float64))
+    assert match["params"]["q"] is not None, match["params"]
