@@ -447,8 +447,10 @@ def _sdpa(walk, node, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gq
         raise Reject(f"{node.name}: attention dropout (dropout_p={_const(dropout_p)}); the pool has none")
     if _const(is_causal, False) is not False:
         raise Reject(f"{node.name}: is_causal=True masks tokens by position; the pool attends to all of them")
-    if _const(enable_gqa, False) is not False:
+    if _const(enable_gqa, False) not in (False, True):
         return None
+    # enable_gqa=True where K and V have as many heads as the query (query_ref bound both to d.0): the
+    # same attention (a review's: refused with a reason naming SDPA); fewer K/V heads fail that binding
     head_dim = walk.axes.sizes.get("d.1")
     given = _const(scale)
     if given == "?" and graph_scalar(canon(node).args[6]):

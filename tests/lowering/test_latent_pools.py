@@ -4,6 +4,7 @@ without its MLP): the latent expanded over the batch and then projected by the q
 [B, 1, D] before x[:, 0]. Before, both were refused (a review's): the projected query was read as a
 tensor of its own, varying over the batch, and the [B, 1, D] row hid the tokens from the search.
 Each is SPEC §1's pool: output and every gradient are eager's."""
+import copy
 import math
 
 import pytest
@@ -12,6 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from compiled_checks import assert_one_match, compile_and_compare
+from numerics import TOLERANCE, compiled_reports, relative_error
 from spellings import SpelledBlock, inputs
 
 SIZES = {"tiny": ({}, {}), "odd": (dict(D=21, P=3, F_=13, E=5, k=3), dict(B=3, H=2, N=7, D=21)),
@@ -54,3 +56,40 @@ def test_a_latent_pool_in_timm_s_order_matches_and_trains_as_eager(q_after_expan
     args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1), **SIZES[sizes][1])
     match = assert_one_match(compile_and_compare(model, args, torch.float64))
     assert match["params"]["q"] is not None, match["params"]
+
+
+class GqaFlag(SpelledBlock):
+    """SDPA with enable_gqa=True, K and V with as many heads as the query (`equal`: the same attention),
+    or with one head shared by the P query heads (`shared`, multi-query: not the block's pool)."""
+
+    def __init__(self, heads):
+        super().__init__(pool="sdpa")
+        self.heads = heads
+        if heads == "shared":
+            self.key, self.value = nn.Linear(self.D, self.Dh), nn.Linear(self.D, self.Dh)
+
+    def pool_forward(self, tok, pad=None):
+        B, N, D = tok.shape
+        G = self.P if self.heads == "equal" else 1
+        k = self.key(tok).view(B, N, G, self.Dh).transpose(1, 2)
+        v = self.value(tok).view(B, N, G, self.Dh).transpose(1, 2)
+        q = self.query.view(1, self.P, 1, self.Dh).expand(B, -1, -1, -1)
+        return self.out(F.scaled_dot_product_attention(q, k, v, enable_gqa=True).reshape(B, D))
+
+
+def test_sdpa_with_enable_gqa_and_as_many_key_heads_matches():
+    """Refused before (a review's), the reason naming scaled_dot_product_attention."""
+    torch.manual_seed(0)
+    args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    assert_one_match(compile_and_compare(GqaFlag("equal").double(), args, torch.float64))
+
+
+def test_sdpa_with_one_key_head_shared_by_the_query_heads_runs_as_written():
+    torch.manual_seed(0)
+    model = GqaFlag("shared").double()
+    args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    with compiled_reports() as reports:
+        torch._dynamo.reset()
+        got = torch.compile(copy.deepcopy(model), backend="mha")(*args)
+    assert not any(r.matches for r in reports) and any(r.near_misses for r in reports), [str(r) for r in reports]
+    assert relative_error(got, model(*args)) <= TOLERANCE[torch.float64]
