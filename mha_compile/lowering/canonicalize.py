@@ -71,6 +71,7 @@ for kind, targets in {
     "pow": [operator.pow, *_fn("torch.pow")],
     "clamp": _fn("torch.clamp", "torch.clip", "torch.clamp_min"),
     "normalize": [F.normalize],
+    "norm": _fn("torch.norm", "torch.functional.norm", "torch.linalg.vector_norm"),
     "reshape": _fn("torch.reshape", "torch.flatten", "torch.unsqueeze", "torch.squeeze"),
     "permute": _fn("torch.permute", "torch.transpose", "torch.t"),
     "masked_fill": _fn("torch.masked_fill"),
@@ -129,7 +130,7 @@ _METHODS = {
     "index_select": "index_select", "histc": "histc", "scatter_add": "scatter_add", "scatter_add_": "scatter_add",
     "cumsum": "cumsum", "bincount": "bincount", "gather": "gather", "scatter_": "scatter",
     "sigmoid": "sigmoid", "clamp": "clamp", "clip": "clamp", "clamp_min": "clamp",
-    "erf": "erf", "tanh": "tanh", "exp": "exp", "neg": "neg", "__neg__": "neg", "pow": "pow", "__pow__": "pow",
+    "norm": "norm", "erf": "erf", "tanh": "tanh", "exp": "exp", "neg": "neg", "__neg__": "neg", "pow": "pow", "__pow__": "pow",
 }
 _CASTS_BY_FUNCTION = {torch.clone: "cast"}
 
@@ -168,6 +169,7 @@ _SIGNATURES = {
     "bincount": ("input", "weights", "minlength"),
     "clamp": ("input", "min", "max"),
     "normalize": ("input", "p", "dim", "eps"),
+    "norm": ("input", "p", "dim", "keepdim"),
 }
 _DEFAULTS = {"chunk": {"dim": 0}, "split": {"dim": 0}, "unbind": {"dim": 0}, "stack": {"dim": 0},
              "one_hot": {"num_classes": -1},
@@ -220,6 +222,11 @@ def canon(node):
         return None  # scatter(..., reduce="multiply" | "add"): not the plain write the gates are
     if kind in ("index_add", "scatter_add", "scatter"):  # out.index_add_(...) changes `out` for its later readers
         kwargs["_inplace"] = node.op == "call_method" and node.target.endswith("_")
+    if kind == "norm":  # torch.linalg.vector_norm names p ord; a dtype or out changes what it computes
+        if kwargs.get("dtype") is not None or kwargs.get("out") is not None:
+            return None
+        if "ord" in kwargs:
+            kwargs["p"] = kwargs.pop("ord")
     if kind in _SIGNATURES:
         names = _SIGNATURES[kind]
         merged = dict(_DEFAULTS.get(kind, {}))

@@ -117,6 +117,8 @@ def _read(walk, node, op):
         return _sum_clamped(walk, node, args[0], *op.args[1:])
     if op.kind == "normalize":
         return _normalize(walk, node, args[0], *op.args[1:])
+    if op.kind == "norm":
+        return _l1_sum(walk, node, args[0], *op.args[1:])
     if op.kind == "eq":
         topi, e = args
         if topi is not None and topi.kind == "topi" and e is not None and e.kind == "const" and \
@@ -551,6 +553,19 @@ def _normalize(walk, node, topw, p, dim, eps):
                      f"the block renormalises them by their sum, p=1")
     _floor_never_acts(walk, node, topw, eps, "F.normalize's eps=")
     return Val("topw", topw.roles, dict(topw.info, renorm=True))
+
+
+def _l1_sum(walk, node, topw, p, dim, keepdim):
+    """torch.norm(w, p=1, dim=slots) (DBRX's router): Σ|w| = Σw, the top-k weights being non-negative
+    probabilities (a review's: refused before). Where one rounds to 0, the norm's gradient there
+    (sign 0) differs from the sum's (1), but π = 0 multiplies it in the softmax's backward."""
+    if topw is None or topw.kind != "topw" or topw.info["renorm"] or not isinstance(dim, int) or \
+            topw.roles[dim] != "s":
+        return None
+    if p != 1 or isinstance(p, bool):
+        raise Reject(f"{node.name}: the top-k weights are divided by their norm with p={p!r}; the block "
+                     f"renormalises them by their sum, the norm with p=1")
+    return _sum(walk, node, topw, dim, bool(keepdim))
 
 
 def _floor_never_acts(walk, node, weights, floor, what):

@@ -1130,6 +1130,12 @@ class WrittenOut(SpelledBlock):
             return weight / weight.sum(dim=-1, keepdim=True).clamp(min=self.eps), index
         if self.how == "normalize":
             return F.normalize(weight, p=self.p, dim=-1, eps=self.eps), index
+        if self.how == "torch.norm":  # DBRX's router
+            return weight / torch.norm(weight, p=self.p, dim=-1, keepdim=True), index
+        if self.how == "Tensor.norm":
+            return weight / weight.norm(p=self.p, dim=-1, keepdim=True), index
+        if self.how == "vector_norm":
+            return weight / torch.linalg.vector_norm(weight, ord=self.p, dim=-1)[:, None], index
         return weight / weight.sum(dim=-1, keepdim=True), index
 
 
@@ -1242,7 +1248,9 @@ def test_unused_calls_that_write_or_check_are_kept():
                                             ("tanh_cube", "gelu", "gelu_tanh"), ("ndtr", "gelu", "gelu"),
                                             ("contiguous", "silu", "silu"), ("clone", "swiglu", "swiglu"),
                                             ("to_own_dtype", "silu", "silu"),
-                                            ("clamp", "silu", "silu"), ("normalize", "silu", "silu")])
+                                            ("clamp", "silu", "silu"), ("normalize", "silu", "silu"),
+                                            ("torch.norm", "silu", "silu"), ("Tensor.norm", "silu", "silu"),
+                                            ("vector_norm", "silu", "silu")])
 def test_written_out_spellings_match(how, act, read):
     """The activation is read by its values (on float64 points, to 1e-12), not by its ops."""
     torch.manual_seed(0)
@@ -1559,6 +1567,7 @@ NEAR_MISSES = {
     "renorm by Σw clamped at 0.9": (WrittenOut, {"how": "clamp", "eps": 0.9}, "clamped at 0.9"),
     "F.normalize with p=2": (WrittenOut, {"how": "normalize", "p": 2}, "L2 norm"),
     "F.normalize with eps=0.5": (WrittenOut, {"how": "normalize", "eps": 0.5}, "eps=0.5"),
+    "w / torch.norm(w, p=2)": (WrittenOut, {"how": "torch.norm", "p": 2}, "norm with p=2"),
     "u · sigmoid(x W3), not silu": (WrittenOut, {"how": "sigmoid_of_other", "act": "swiglu"}, "could not be read"),
     "top-1 by max": (RoutedOtherwise, {"how": "max"}, "chosen by max of the router's softmax"),
     "top-1 by max, gates by == arange(E)": (RoutedOtherwise, {"how": "max_arange"}, "chosen by max of the router's"),
