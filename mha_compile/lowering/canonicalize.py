@@ -130,7 +130,8 @@ _METHODS = {
     "index_select": "index_select", "histc": "histc", "scatter_add": "scatter_add", "scatter_add_": "scatter_add",
     "cumsum": "cumsum", "bincount": "bincount", "gather": "gather", "scatter_": "scatter",
     "sigmoid": "sigmoid", "clamp": "clamp", "clip": "clamp", "clamp_min": "clamp",
-    "norm": "norm", "erf": "erf", "tanh": "tanh", "exp": "exp", "neg": "neg", "__neg__": "neg", "pow": "pow", "__pow__": "pow",
+    "erf": "erf", "tanh": "tanh", "exp": "exp", "neg": "neg", "__neg__": "neg", "pow": "pow", "__pow__": "pow",
+    "norm": "norm",
 }
 _CASTS_BY_FUNCTION = {torch.clone: "cast"}
 
