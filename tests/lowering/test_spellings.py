@@ -714,21 +714,25 @@ class IaddIntoInput(SpelledBlock):
         return ctx
 
 
+def _sdpa_heads(block, tok):
+    """(q, k, v) in SDPA's [B, P, ., Dh], the learned query expanded over the batch."""
+    B, N, D = tok.shape
+    k = block.key(tok).view(B, N, block.P, block.Dh).transpose(1, 2)
+    v = block.value(tok).view(B, N, block.P, block.Dh).transpose(1, 2)
+    return block.query.view(1, block.P, 1, block.Dh).expand(B, -1, -1, -1), k, v
+
+
 class CausalSdpa(SpelledBlock):
     def pool_forward(self, tok, pad=None):
         B, N, D = tok.shape
-        k = self.key(tok).view(B, N, self.P, self.Dh).transpose(1, 2)
-        v = self.value(tok).view(B, N, self.P, self.Dh).transpose(1, 2)
-        q = self.query.view(1, self.P, 1, self.Dh).expand(B, -1, -1, -1)
+        q, k, v = _sdpa_heads(self, tok)
         return self.out(torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).reshape(B, D))
 
 
 class WrongSdpaScale(SpelledBlock):
     def pool_forward(self, tok, pad=None):
         B, N, D = tok.shape
-        k = self.key(tok).view(B, N, self.P, self.Dh).transpose(1, 2)
-        v = self.value(tok).view(B, N, self.P, self.Dh).transpose(1, 2)
-        q = self.query.view(1, self.P, 1, self.Dh).expand(B, -1, -1, -1)
+        q, k, v = _sdpa_heads(self, tok)
         return self.out(torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=1.0 / self.Dh).reshape(B, D))
 
 
@@ -759,9 +763,7 @@ class SdpaWhereMask(SpelledBlock):
 
     def pool_forward(self, tok, pad=None):
         B, N, D = tok.shape
-        k = self.key(tok).view(B, N, self.P, self.Dh).transpose(1, 2)
-        v = self.value(tok).view(B, N, self.P, self.Dh).transpose(1, 2)
-        q = self.query.view(1, self.P, 1, self.Dh).expand(B, -1, -1, -1)
+        q, k, v = _sdpa_heads(self, tok)
         pad = torch.arange(N)[None, :] >= torch.tensor([5, 3, 1, 4])[:, None]
         mask = torch.where(pad, float("-inf"), 0.0).to(tok.dtype)[:, None, None, :]
         return self.out(F.scaled_dot_product_attention(q, k, v, attn_mask=mask).reshape(B, D))
