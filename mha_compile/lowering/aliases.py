@@ -57,8 +57,8 @@ def storage_parent(node):
         return None  # indexed by a tensor of indices or a mask (out[rows]): a copy
     if op.kind in VIEW_KINDS:
         return op.args[0]
-    if op.kind != "cast" or node.target in ("clone", torch.clone):
-        return None
+    if op.kind != "cast" or node.target in ("clone", torch.clone) or node.kwargs.get("copy") is True:
+        return None  # .to(dtype, copy=True) copies too (a review's: a write into it was taken for the parameter's)
     return op.args[0] if dtype(node) is None or dtype(node) == dtype(op.args[0]) else None
 
 

@@ -518,6 +518,11 @@ def _ext_layout(walk, node, op, src, in_shape, out_shape):
         return select_rule(walk, node, taken)  # None: a tensor of its own, as W.select(1, e) is
     lay = move_roles(walk, op, src.info.get("lay"), in_shape, out_shape)
     new_ref = None
+    if op.kind == "cast" and not (float_dtype(op.args[0]) and float_dtype(node)):
+        # to or from an integer or bool dtype: the values change (w.to(int64).to(float) truncates, and
+        # takes no gradient), so the cast is a tensor of its own, not the parameter (a review's: read
+        # as the parameter, 1.64 off)
+        return ext_val(node, ParamRef(node), lay)
     if ref is not None and op.kind == "cast":
         new_ref = ref
     elif ref is not None and op.kind == "permute" and in_shape is not None:
