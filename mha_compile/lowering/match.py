@@ -688,6 +688,10 @@ def _check_merge(nodes, y, ctx, inv, bcast, pool_walk):
     val = walk.vals.get(bcast)
     ctx_shape, inv_shape = shape(ctx), shape(inv)
     if not (known_eq(ctx_shape[0], inv_shape[0]) and known_eq(ctx_shape[2], inv_shape[1])):
+        if known_eq(ctx_shape[1], inv_shape[0]) and known_eq(ctx_shape[2], inv_shape[1]):  # (a review's)
+            raise _Miss(y, f"{y.name}: ctx {list(ctx_shape)} is horizon-first, [H, B, D], with inv {list(inv_shape)} "
+                           f"added along its first axis; the region takes ctx batch-first, [B, H, D], and adds "
+                           f"inv[:, None]")
         raise _Miss(y, f"{y.name}: ctx {list(ctx_shape)} and inv {list(inv_shape)} do not share batch and width")
     if not all(known_eq(c, s) for c, s in zip(ctx_shape, shape(y))):  # (a review's: ctx[:, :1] + inv[:, None]
         # .expand(B, H, D) became a region over one horizon)
@@ -697,7 +701,7 @@ def _check_merge(nodes, y, ctx, inv, bcast, pool_walk):
     if roles != ("b", "h", "d"):
         got = "an unreadable layout" if val is None else f"axes {val.roles}"
         raise _Miss(bcast, f"{y.name}: inv is broadcast with {got}; the merge adds inv[b] to every horizon "
-                           f"of ctx[b] (inv.unsqueeze(1))")
+                           f"of ctx[b], ctx being [B, H, D] (inv.unsqueeze(1))")
 
 
 def _read_moe(nodes, anchor, y, router):

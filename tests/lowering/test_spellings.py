@@ -799,6 +799,13 @@ class GatheredByLogitIndices(SpelledBlock):
         return weight / weight.sum(dim=-1, keepdim=True), index
 
 
+class HorizonFirstCtx(SpelledBlock):
+    """ctx kept horizon-first, [H, B, D], and inv added along its first axis (inv[None])."""
+
+    def forward(self, ctx, tok, pad=None):
+        return self.moe_forward(ctx.transpose(0, 1).contiguous() + self.pool_forward(tok)[None])
+
+
 class OtherExpertInput(SpelledBlock):
     def moe_forward(self, y):
         x = y.reshape(-1, y.shape[-1])
@@ -1560,6 +1567,7 @@ NEAR_MISSES = {
     "SDPA float mask by torch.where": (SdpaWhereMask, {}, "True = take part, as SDPA reads it"),
     "nn.MultiheadAttention with kdim=vdim=24": (NarrowKeys, {}, "kdim or vdim other than embed_dim"),
     "router logits / temperature": (RouterTemperature, {}, "it reads truediv"),
+    "ctx horizon-first, + inv[None]": (HorizonFirstCtx, {}, "is horizon-first, [H, B, D]"),
     "top-k of the logits, π gathered by its indices": (GatheredByLogitIndices, {"moe": "dense_scatter"},
                                                         "take the top-k of the softmax itself"),
     "experts fed another x": (OtherExpertInput, {}, "could not be read"),
