@@ -382,6 +382,15 @@ def _unbind(walk, node, src, dim):
         return None
     in_shape = shape(node.args[0])
     axis = dim.info["value"] % len(src.roles)
+    if sorted(r for r in src.roles if r.startswith("kv.")) == ["kv.0", "kv.1", "kv.2"] and \
+            src.roles[axis] == "kv.0" and in_shape is not None and in_shape[axis] == 2:
+        # timm's kv(x).reshape(B, N, 2, P, Dh).permute(2, 0, 3, 1, 4).unbind(0): the halves' axis,
+        # then each half's D features as P heads of Dh, in any order of the other axes (a review's)
+        sizes = walk.axes.sizes
+        if not (walk.axes.bind("d.0", sizes.get("kv.1")) and walk.axes.bind("d.1", sizes.get("kv.2"))):
+            return None
+        heads = tuple({"kv.1": "d.0", "kv.2": "d.1"}.get(r, r) for i, r in enumerate(src.roles) if i != axis)
+        return Val("projparts", None, dict(src.info, heads=heads))
     if src.roles[-2:] != ("kv.0", "kv.1") or axis != len(src.roles) - 2 or in_shape is None or \
             in_shape[-2] != 2 or in_shape[-1] != walk.axes.sizes.get("d"):
         return None
@@ -400,7 +409,7 @@ def _item(walk, node, op):
     d = walk.axes.sizes.get("d")
     if src.kind == "projparts" and index in (0, 1):
         half = _half(src.info, index, d)
-        return Val("proj", src.roles[:-1] + ("d",), half.info)
+        return Val("proj", src.info.get("heads") or src.roles[:-1] + ("d",), half.info)
     if src.kind == "projcat":  # kv[..., :D] / kv[:, :, D:]
         items = index if isinstance(index, tuple) else (index,)
         last = items[-1]

@@ -93,3 +93,47 @@ def test_sdpa_with_one_key_head_shared_by_the_query_heads_runs_as_written():
         got = torch.compile(copy.deepcopy(model), backend="mha")(*args)
     assert not any(r.matches for r in reports) and any(r.near_misses for r in reports), [str(r) for r in reports]
     assert relative_error(got, model(*args)) <= TOLERANCE[torch.float64]
+
+
+class TimmFusedKV(SpelledBlock):
+    """K and V from one Linear(D, 2D) as timm writes it: kv(x).reshape(B, N, 2, P, Dh).permute(2, 0, 3,
+    1, 4).unbind(0), then SDPA or the scores by einsum; `interleaved`: reshape(B, N, P, 2, Dh), K and V
+    alternating per head, which is another weight layout and not the block's fused KV."""
+
+    def __init__(self, attention, interleaved=False, **block):
+        super().__init__(pool="fused_kv", **block)
+        self.attention, self.interleaved = attention, interleaved
+
+    def pool_forward(self, tok, pad=None):
+        B, N, D = tok.shape
+        P, Dh = self.P, self.Dh
+        if self.interleaved:
+            k, v = self.kv(tok).reshape(B, N, P, 2, Dh).permute(3, 0, 2, 1, 4).unbind(0)
+        else:
+            k, v = self.kv(tok).reshape(B, N, 2, P, Dh).permute(2, 0, 3, 1, 4).unbind(0)
+        if self.attention == "sdpa":
+            q = self.query.view(1, P, 1, Dh).expand(B, -1, -1, -1)
+            return self.out(F.scaled_dot_product_attention(q, k, v).reshape(B, D))
+        scores = torch.einsum("pd,bpnd->bpn", self.query, k) / math.sqrt(Dh)
+        return self.out(torch.einsum("bpn,bpnd->bpd", scores.softmax(-1), v).reshape(B, D))
+
+
+@pytest.mark.parametrize("sizes", list(SIZES))
+@pytest.mark.parametrize("attention", ["sdpa", "einsum"])
+def test_timm_s_fused_kv_matches_and_trains_as_eager(attention, sizes):
+    """Refused before (a review's): the unbind was read only after view(B, N, 2, D)."""
+    torch.manual_seed(0)
+    model = TimmFusedKV(attention, **SIZES[sizes][0]).double()
+    args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1), **SIZES[sizes][1])
+    assert_one_match(compile_and_compare(model, args, torch.float64))
+
+
+def test_k_and_v_interleaved_per_head_run_as_written():
+    torch.manual_seed(0)
+    model = TimmFusedKV("einsum", interleaved=True).double()
+    args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    with compiled_reports() as reports:
+        torch._dynamo.reset()
+        got = torch.compile(copy.deepcopy(model), backend="mha")(*args)
+    assert not any(r.matches for r in reports) and any(r.near_misses for r in reports), [str(r) for r in reports]
+    assert relative_error(got, model(*args)) <= TOLERANCE[torch.float64]
