@@ -678,7 +678,6 @@ def _read_pool(nodes, inv):
     raise _Miss(*reason) if isinstance(reason, tuple) else _Miss(inv, reason)
 
 
-
 def _check_merge(nodes, y, ctx, inv, bcast, pool_walk):
     """inv [B,D] must be added along the horizon axis: bcast's roles are (b, 1, d)."""
     between = _in_order(nodes, _ancestors(bcast, nodes.order, stop={inv}) & _descendants(inv))
