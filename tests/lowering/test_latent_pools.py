@@ -58,6 +58,16 @@ def test_a_latent_pool_in_timm_s_order_matches_and_trains_as_eager(q_after_expan
     assert match["params"]["q"] is not None, match["params"]
 
 
+def _runs_as_written(model):
+    """No match, a near-miss, and eager's output (float64)."""
+    args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    with compiled_reports() as reports:
+        torch._dynamo.reset()
+        got = torch.compile(copy.deepcopy(model), backend="mha")(*args)
+    assert not any(r.matches for r in reports) and any(r.near_misses for r in reports), [str(r) for r in reports]
+    assert relative_error(got, model(*args)) <= TOLERANCE[torch.float64]
+
+
 class GqaFlag(SpelledBlock):
     """SDPA with enable_gqa=True, K and V with as many heads as the query (`equal`: the same attention),
     or with one head shared by the P query heads (`shared`, multi-query: not the block's pool)."""
@@ -87,12 +97,7 @@ def test_sdpa_with_enable_gqa_and_as_many_key_heads_matches():
 def test_sdpa_with_one_key_head_shared_by_the_query_heads_runs_as_written():
     torch.manual_seed(0)
     model = GqaFlag("shared").double()
-    args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    with compiled_reports() as reports:
-        torch._dynamo.reset()
-        got = torch.compile(copy.deepcopy(model), backend="mha")(*args)
-    assert not any(r.matches for r in reports) and any(r.near_misses for r in reports), [str(r) for r in reports]
-    assert relative_error(got, model(*args)) <= TOLERANCE[torch.float64]
+    _runs_as_written(model)
 
 
 class TimmFusedKV(SpelledBlock):
@@ -131,9 +136,4 @@ def test_timm_s_fused_kv_matches_and_trains_as_eager(attention, sizes):
 def test_k_and_v_interleaved_per_head_run_as_written():
     torch.manual_seed(0)
     model = TimmFusedKV("einsum", interleaved=True).double()
-    args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    with compiled_reports() as reports:
-        torch._dynamo.reset()
-        got = torch.compile(copy.deepcopy(model), backend="mha")(*args)
-    assert not any(r.matches for r in reports) and any(r.near_misses for r in reports), [str(r) for r in reports]
-    assert relative_error(got, model(*args)) <= TOLERANCE[torch.float64]
+    _runs_as_written(model)
