@@ -174,14 +174,34 @@ def _prescaled(walk, node, kind, a, b):
     if a is not None and a.kind == "const" and kind == "mul":
         a, b = b, a
     value = None if b is None or b.kind != "const" else b.info["value"]
-    if ext_ref(a) is None or isinstance(value, bool) or not isinstance(value, (int, float)) or value == 0:
+    if a is None or a.kind != "ext" or isinstance(value, bool) or not isinstance(value, (int, float)) or value == 0:
         return None
-    lay = base_layout(node)
-    if lay is None or not walk.axes.bind_all(lay, shape(node)):
+    inner, lay = ext_ref(a), base_layout(node)
+    if inner is None and a.info.get("lay") is not None and ONE in a.info["lay"] and \
+            shape(a.info["node"]) == shape(node):
+        # a query expanded over the batch, then scaled (timm's q = q * self.scale): the product keeps the
+        # broadcast axes, and the expanded query is the inner one (a review's: refused before)
+        inner, lay = ParamRef(a.info["node"]), a.info["lay"]
+    if inner is None or lay is None or not walk.axes.bind_all(lay, shape(node)):
         return None
     val = ext_val(node, ParamRef(node), lay)
-    val.info["prescaled"] = (ext_ref(a), float(value) if kind == "mul" else 1.0 / float(value))
+    val.info["prescaled"] = (inner, float(value) if kind == "mul" else 1.0 / float(value))
+    val.info["scaled"] = a.info["node"]  # the tensor scaled, as it is there (a view of the parameter, say)
     return val
+
+
+def _prescaled_query(query, ref_of):
+    """A pre-scaled query's inner query, read as the query itself is (ref_of: an ext Val -> its [P, Dh]
+    ParamRef), with the factor; None where the query is not pre-scaled. The matmul and SDPA pools take
+    it as the einsum pool does (_softmax moves the factor into the scale)."""
+    inner, factor = query.info.get("prescaled", (None, None))
+    if inner is None or inner.perm is not None or inner.select is not None or inner.steps:
+        return None
+    scaled = inner.node if shape(inner.node) == shape(query.info["node"]) else query.info["scaled"]
+    if shape(scaled) != shape(query.info["node"]):
+        return None
+    inner_ref = ref_of(ext_val(scaled, ParamRef(scaled), query.info["lay"]))
+    return None if inner_ref is None else (inner_ref, factor)
 
 
 def _einsum(walk, node, equation, operands):
@@ -285,7 +305,10 @@ def _matmul(walk, node, a, b):
             out, contracted = roles
             if contracted != ("d.1", "d.1") or not ({"b", "d.0"} <= set(out) or BATCH_HEADS in out):
                 return None
-            return Val("scores", out, {"k": k.info, "q": ref, "scale": 1.0, "mask": None})
+            info = {"k": k.info, "q": ref, "scale": 1.0, "mask": None}
+            prescaled = _prescaled_query(query, lambda val: query_ref(val, wanted, one_head=_one_head(walk),
+                                                                      heads=walk.axes.sizes.get("d.0")))
+            return Val("scores", out, dict(info, prescaled=prescaled) if prescaled else info)
     if a.kind == "attn" and b.kind == "proj":
         roles = _matmul_roles(a.roles, b.roles)
         if roles is None:
@@ -472,8 +495,11 @@ def _sdpa(walk, node, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gq
     if not _absent(attn_mask) and mask is None:
         raise Reject(f"{node.name}: its attn_mask could not be read as a key-padding mask given to the region (one "
                      f"computed from tok inside it, say); the op would attend without it")
+    info = {"k": k.info, "q": ref, "scale": float(scale), "mask": mask}
+    prescaled = _prescaled_query(q, lambda val: query_ref(val, [r if r in HEAD_ROLES else None for r in k.roles[:-2]]
+                                                          + [None, "d.1"], one_head=_one_head(walk)))
     attn = _softmax(walk, node, Val("scores", k.roles[:-2] + (ONE, "n"),
-                                    {"k": k.info, "q": ref, "scale": float(scale), "mask": mask}), -1, safe=True)
+                                    dict(info, prescaled=prescaled) if prescaled else info), -1, safe=True)
     return Val("pooled", k.roles[:-2] + (ONE, "d.1"), dict(attn.info, v=v.info))
 
 

@@ -137,3 +137,41 @@ def test_k_and_v_interleaved_per_head_run_as_written():
     torch.manual_seed(0)
     model = TimmFusedKV("einsum", interleaved=True).double()
     _runs_as_written(model)
+
+
+class PrescaledQuery(SpelledBlock):
+    """The query scaled by 1/√Dh before the scores, which are then not scaled: timm's non-fused path
+    (q = q * self.scale after the expand, attn = q @ k.transpose(-2, -1)), the same with SDPA(scale=1.0),
+    or the query viewed in heads and scaled before any expand (`viewed`)."""
+
+    def __init__(self, attention, where, **block):
+        super().__init__(**block)
+        self.attention, self.where = attention, where
+
+    def pool_forward(self, tok, pad=None):
+        B, N, D = tok.shape
+        P, Dh = self.P, self.Dh
+        k = self.key(tok).view(B, N, P, Dh).transpose(1, 2)
+        v = self.value(tok).view(B, N, P, Dh).transpose(1, 2)
+        if self.where == "viewed":
+            q = self.query.view(1, P, 1, Dh) * Dh ** -0.5
+        else:
+            q = self.query.view(1, P, 1, Dh).expand(B, -1, -1, -1) * Dh ** -0.5
+        if self.attention == "sdpa":
+            x = F.scaled_dot_product_attention(q, k, v, scale=1.0)
+        else:
+            x = (q @ k.transpose(-2, -1)).softmax(dim=-1) @ v
+        return self.out(x.reshape(B, D))
+
+
+@pytest.mark.parametrize("sizes", list(SIZES))
+@pytest.mark.parametrize("attention,where", [("matmul", "expanded"), ("sdpa", "expanded"), ("matmul", "viewed"),
+                                             ("sdpa", "viewed")])
+def test_a_query_scaled_before_the_scores_matches_and_trains_as_eager(attention, where, sizes):
+    """Refused before (a review's), the reason saying the scores are scaled by 1: the matmul and SDPA
+    pools did not carry the query's own factor, which the einsum pool did."""
+    torch.manual_seed(0)
+    model = PrescaledQuery(attention, where, **SIZES[sizes][0]).double()
+    args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1), **SIZES[sizes][1])
+    match = assert_one_match(compile_and_compare(model, args, torch.float64))
+    assert "mul" not in match["params"]["q"], match["params"]["q"]  # the query itself, the factor in the scale
