@@ -71,7 +71,7 @@ for kind, targets in {
     "pow": [operator.pow, *_fn("torch.pow")],
     "clamp": _fn("torch.clamp", "torch.clip", "torch.clamp_min"),
     "normalize": [F.normalize],
-    "norm": _fn("torch.norm", "torch.functional.norm", "torch.linalg.vector_norm"),
+    "norm": _fn("torch.norm", "torch.linalg.vector_norm"),  # torch.norm is torch.functional.norm
     "reshape": _fn("torch.reshape", "torch.flatten", "torch.unsqueeze", "torch.squeeze"),
     "permute": _fn("torch.permute", "torch.transpose", "torch.t"),
     "masked_fill": _fn("torch.masked_fill"),

@@ -20,12 +20,13 @@ whether a row with every key masked is NaN (a plain softmax) or attends to nothi
 nn.MultiheadAttention's safe softmax, the op's own) is read too (info "empty_rows").
 """
 import dataclasses
+import functools
 import math
 
 import torch
 
 from mha_compile.lowering.aliases import written_in_place
-from mha_compile.lowering.canonicalize import canon, dtype, float_dtype, is_one, shape, sum_of_product
+from mha_compile.lowering.canonicalize import canon, dtype, float_dtype, shape, sum_of_product
 from mha_compile.lowering.interpret import (BATCH_HEADS, ONE, ParamRef, Reject, Val, base_layout, broadcast,
                                             canonical_perm, einsum_roles, ext_ref, ext_val, graph_scalar,
                                             graph_value_reason, known_eq, layout_rule, query_ref, ref_shape,
@@ -93,9 +94,8 @@ def pool_rule(walk, node, op):
             # a batch-invariant tensor projected (a latent query expanded over the batch, then q = Linear(it):
             # timm's and Perceiver's order): a row-wise map keeps its broadcast axes, so it is read as one
             # too, by its row 0 (a review's: read as a tensor of its own, [B, 1, D], the pool was refused)
-            out = shape(node)
-            lay = x.info["lay"][:-1] + (ONE if is_one(out[-1]) else f"@{node.name}.{len(out) - 1}",)
-            return ext_val(node, ParamRef(node), lay) if walk.axes.bind_all(lay, out) else None
+            lay = x.info["lay"][:-1] + base_layout(node)[-1:]  # the features' axis its own, as a base's
+            return ext_val(node, ParamRef(node), lay) if walk.axes.bind_all(lay, shape(node)) else None
         return _affine(walk, node, x, ext_ref(w), ext_ref(b))
     if op.kind == "matmul" and args[0] is not None and args[0].kind != "ext" and ext_ref(args[1]) is not None:
         return _affine(walk, node, args[0], _transposed(ext_ref(args[1])), None)
@@ -295,7 +295,9 @@ def _matmul(walk, node, a, b):
             if len(lay) < 2 or len(lay) > len(k.roles) or k.roles[-1 if query_first else -2] != "n":
                 return None
             wanted = _wanted(len(lay), k.roles, query_first)
-            ref = query_ref(query, wanted, one_head=_one_head(walk), heads=walk.axes.sizes.get("d.0"))
+            read = functools.partial(query_ref, wanted=wanted, one_head=_one_head(walk),
+                                     heads=walk.axes.sizes.get("d.0"))  # the query, and a pre-scaled one's
+            ref = read(query)
             if ref is None:
                 return None
             q_roles = tuple(w or ONE for w in wanted)
@@ -306,8 +308,7 @@ def _matmul(walk, node, a, b):
             if contracted != ("d.1", "d.1") or not ({"b", "d.0"} <= set(out) or BATCH_HEADS in out):
                 return None
             info = {"k": k.info, "q": ref, "scale": 1.0, "mask": None}
-            prescaled = _prescaled_query(query, lambda val: query_ref(val, wanted, one_head=_one_head(walk),
-                                                                      heads=walk.axes.sizes.get("d.0")))
+            prescaled = _prescaled_query(query, read)
             return Val("scores", out, dict(info, prescaled=prescaled) if prescaled else info)
     if a.kind == "attn" and b.kind == "proj":
         roles = _matmul_roles(a.roles, b.roles)
@@ -472,7 +473,9 @@ def _sdpa(walk, node, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gq
     lay = q.info.get("lay")
     if lay is None or len(lay) != len(k.roles):
         return None
-    ref = query_ref(q, [r if r in HEAD_ROLES else None for r in k.roles[:-2]] + [None, "d.1"], one_head=_one_head(walk))
+    wanted = [r if r in HEAD_ROLES else None for r in k.roles[:-2]] + [None, "d.1"]
+    read = functools.partial(query_ref, wanted=wanted, one_head=_one_head(walk))  # the query, and a pre-scaled one's
+    ref = read(q)
     if ref is None:
         return None
     if _const(dropout_p, 0.0) not in (0, 0.0):
@@ -496,8 +499,7 @@ def _sdpa(walk, node, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gq
         raise Reject(f"{node.name}: its attn_mask could not be read as a key-padding mask given to the region (one "
                      f"computed from tok inside it, say); the op would attend without it")
     info = {"k": k.info, "q": ref, "scale": float(scale), "mask": mask}
-    prescaled = _prescaled_query(q, lambda val: query_ref(val, [r if r in HEAD_ROLES else None for r in k.roles[:-2]]
-                                                          + [None, "d.1"], one_head=_one_head(walk)))
+    prescaled = _prescaled_query(q, read)
     attn = _softmax(walk, node, Val("scores", k.roles[:-2] + (ONE, "n"),
                                     dict(info, prescaled=prescaled) if prescaled else info), -1, safe=True)
     return Val("pooled", k.roles[:-2] + (ONE, "d.1"), dict(attn.info, v=v.info))
