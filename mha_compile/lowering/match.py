@@ -153,6 +153,18 @@ def _descendants(node):
     return seen
 
 
+def _value_descendants(node):
+    """The nodes whose values depend on node's: a size query (tok.size(2), which Dynamo emits under
+    dynamic=True for a width it knows) and what reads only it depend on no value of node's."""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(u for u in n.users if not _is_size_query(u))
+    return seen
+
+
 def _in_order(nodes, subset):
     """The nodes of `subset` in graph order (sorting the subset, not scanning the graph)."""
     order = nodes.order
@@ -659,7 +671,7 @@ def _read_pool(nodes, inv):
     elif _from_body(_strip(inv)) and not candidates:
         reason = (inv, f"{inv.name}: the pooled vector added over horizons comes out of {_from_body(_strip(inv))}, "
                        f"{BODY_HINT}")
-    below = {t: _descendants(t) for t in candidates}
+    below = {t: _value_descendants(t) for t in candidates}
     for tok in candidates:
         # A one-head pool (P = 1) views [B,N,D] as [B,N,1,D], which reads the same as an
         # unsqueeze: try the usual reading first, then the one-head one. Then the tokens
