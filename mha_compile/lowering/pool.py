@@ -434,6 +434,10 @@ def _item(walk, node, op):
     if src.kind == "projparts" and index in (0, 1):
         half = _half(src.info, index, d)
         return Val("proj", src.info.get("heads") or src.roles[:-1] + ("d",), half.info)
+    if src.kind == "projcat" and index in (0, 1):  # timm's permuted K|V taken as kv[0], kv[1] (older timm)
+        parts = _unbind(walk, node, src, Val("const", None, {"value": 0}))
+        heads = None if parts is None else parts.info.get("heads")
+        return None if heads is None else Val("proj", heads, _half(parts.info, index, d).info)
     if src.kind == "projcat":  # kv[..., :D] / kv[:, :, D:]
         items = index if isinstance(index, tuple) else (index,)
         last = items[-1]

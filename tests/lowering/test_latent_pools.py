@@ -102,20 +102,23 @@ def test_sdpa_with_one_key_head_shared_by_the_query_heads_runs_as_written():
 
 class TimmFusedKV(SpelledBlock):
     """K and V from one Linear(D, 2D) as timm writes it: kv(x).reshape(B, N, 2, P, Dh).permute(2, 0, 3,
-    1, 4).unbind(0), then SDPA or the scores by einsum; `interleaved`: reshape(B, N, P, 2, Dh), K and V
-    alternating per head, which is another weight layout and not the block's fused KV."""
+    1, 4).unbind(0) (`take`: or kv[0], kv[1] as older timm writes it, or kv[1], kv[0]: K from the second
+    half, another model, which the op must then be given), then SDPA or the scores by einsum;
+    `interleaved`: reshape(B, N, P, 2, Dh), K and V alternating per head, which is another weight layout
+    and not the block's fused KV."""
 
-    def __init__(self, attention, interleaved=False, **block):
+    def __init__(self, attention, interleaved=False, take="unbind", **block):
         super().__init__(pool="fused_kv", **block)
-        self.attention, self.interleaved = attention, interleaved
+        self.attention, self.interleaved, self.take = attention, interleaved, take
 
     def pool_forward(self, tok, pad=None):
         B, N, D = tok.shape
         P, Dh = self.P, self.Dh
         if self.interleaved:
-            k, v = self.kv(tok).reshape(B, N, P, 2, Dh).permute(3, 0, 2, 1, 4).unbind(0)
+            kv = self.kv(tok).reshape(B, N, P, 2, Dh).permute(3, 0, 2, 1, 4)
         else:
-            k, v = self.kv(tok).reshape(B, N, 2, P, Dh).permute(2, 0, 3, 1, 4).unbind(0)
+            kv = self.kv(tok).reshape(B, N, 2, P, Dh).permute(2, 0, 3, 1, 4)
+        k, v = kv.unbind(0) if self.take == "unbind" else (kv[0], kv[1]) if self.take == "index" else (kv[1], kv[0])
         if self.attention == "sdpa":
             q = self.query.view(1, P, 1, Dh).expand(B, -1, -1, -1)
             return self.out(F.scaled_dot_product_attention(q, k, v).reshape(B, D))
@@ -133,9 +136,20 @@ def test_timm_s_fused_kv_matches_and_trains_as_eager(attention, sizes):
     assert_one_match(compile_and_compare(model, args, torch.float64))
 
 
-def test_k_and_v_interleaved_per_head_run_as_written():
+@pytest.mark.parametrize("sizes", list(SIZES))
+@pytest.mark.parametrize("take", ["index", "index_swapped"])
+def test_timm_s_fused_kv_taken_by_index_matches_and_trains_as_eager(take, sizes):
+    """kv[0], kv[1] in place of unbind(0): refused before (session 70's note)."""
     torch.manual_seed(0)
-    model = TimmFusedKV("einsum", interleaved=True).double()
+    model = TimmFusedKV("sdpa", take=take, **SIZES[sizes][0]).double()
+    args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1), **SIZES[sizes][1])
+    assert_one_match(compile_and_compare(model, args, torch.float64))
+
+
+@pytest.mark.parametrize("take", ["unbind", "index"])
+def test_k_and_v_interleaved_per_head_run_as_written(take):
+    torch.manual_seed(0)
+    model = TimmFusedKV("einsum", interleaved=True, take=take).double()
     _runs_as_written(model)
 
 
