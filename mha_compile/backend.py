@@ -18,7 +18,8 @@ import torch
 from mha_compile import ops, step_graphs, verify, whole_graph
 from mha_compile.debug.dump import publish, refresh_dump
 from mha_compile.debug.report import GraphReport
-from mha_compile.lowering.match import DDP_HINT, DDP_PIECE, HOP_BODY, drop_dead_math, find_regions
+from mha_compile.lowering.match import (DDP_HINT, DDP_PIECE, HOP_BODY, drop_dead_math, find_regions,
+                                        read_accumulators_by_view)
 from mha_compile.lowering.rewrite import rewrite
 from mha_compile.lowering.select import (CAPTURED_WHOLE, choose_kernels, describe_graphs, describe_keep_hidden,
                                          describe_slot_runs, size_text)
@@ -170,6 +171,7 @@ def lower(gm, opts, report, whole_graph_captured=False):
     for path, _ in _graph_modules(gm):
         sub = _copy_attribute(new, path, copies)
         drop_dead_math(sub.graph)
+        read_accumulators_by_view(sub.graph)
         found[path] = (sub, find_regions(sub, HOP_BODY if path else DDP_PIECE if ddp else None))
     for path, (_, (_, misses)) in found.items():
         report.near_misses += [dict(m.summary(), graph=path or "<top>") for m in misses]

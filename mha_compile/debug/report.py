@@ -50,13 +50,17 @@ class GraphReport:
             lines += textwrap.wrap(f"covers {len(m['nodes'])} nodes: {', '.join(m['nodes'])}", width=100,
                                    initial_indent="    ", subsequent_indent="      ", break_on_hyphens=False,
                                    break_long_words=False)
+            if m.get("transposed"):
+                layouts = {"ctx": "horizon-first, [H, B, D]", "tok": "sequence-first, [N, B, D]"}
+                lines.append("    takes " + " and ".join(f"{name} transposed ({layouts[name]})"
+                                                        for name in m["transposed"]))
             if m.get("copied"):
                 lines.append(f"    takes a copy of {' and '.join(m['copied'])}, which the op keeps for its backward: "
                              f"the caller holds it (a graph input or output) or the graph writes it in place after "
                              f"the region, where eager's ops keep none of it")
             if m.get("kept"):
-                lines.append(f"    after the op, on its outputs (the router read outside, a load-balancing loss say): "
-                             f"{', '.join(m['kept'])}")
+                lines.append(f"    after the op, on its outputs (the router or a view of y read outside: a "
+                             f"load-balancing loss, a shared expert): {', '.join(m['kept'])}")
         for miss in self.near_misses:
             lines.append(f"  near-miss at {miss['node']} (top-k {miss['anchor']}): {miss['reason']}")
         if self.fallback:

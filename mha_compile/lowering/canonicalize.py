@@ -192,7 +192,7 @@ def canon(node):
             return None
     else:
         return None
-    args, kwargs = tuple(node.args), dict(node.kwargs)
+    args, kwargs = known_numbers(tuple(node.args)), known_numbers(dict(node.kwargs))
     if kind == "einsum":
         operands = args[1:]
         if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
@@ -385,6 +385,57 @@ def shape(node):
     if not isinstance(value, torch.Tensor):
         return None
     return tuple(int(s) if isinstance(s, torch.SymInt) and is_concrete_int(s) else s for s in value.shape)
+
+
+def known_number(node):
+    """The int or float a node stands for where it is a SymInt or SymFloat of a known value computed
+    from sizes alone (under dynamic=True, D read off tok.shape where a weight's width pins it, and
+    Dh ** -0.5 of it: Dynamo's guards on the sizes recompile the graph for another value); None
+    where it is none. Refused as "a value of the graph" before (a review's). A number read off a
+    tensor's values by .item() is none, whatever its expression: a module's float that Dynamo
+    passes as a tensor (nn.MultiheadAttention's dropout_p) may change with no recompile."""
+    value = node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
+    expr = getattr(getattr(value, "node", None), "expr", None)
+    if not isinstance(value, (torch.SymInt, torch.SymFloat)) or not getattr(expr, "is_number", False) or \
+            not _from_sizes(node):
+        return None
+    return int(expr) if isinstance(value, torch.SymInt) else float(expr)
+
+
+def _from_sizes(node, depth=8):
+    """Whether a number node is computed from tensors' sizes and constants alone: size queries, items
+    of them, and arithmetic (operator's, math's and torch's sym_ functions) on such numbers."""
+    if not isinstance(node, torch.fx.Node):
+        return isinstance(node, (int, float)) and not isinstance(node, bool)
+    if node.op == "call_method" and node.target in ("size", "numel", "dim"):
+        return True
+    if node.op != "call_function" or depth == 0:
+        return False
+    if node.target is torch.ops.aten.sym_size.int:
+        return True
+    if node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node) and \
+            node.args[0].op == "call_method" and node.args[0].target == "size":
+        return True
+    module = getattr(node.target, "__module__", None) or ""
+    name = getattr(node.target, "__name__", "")
+    arithmetic = module in ("_operator", "operator", "math") or name.startswith("sym_") or name.startswith("_sym_")
+    return arithmetic and node.target is not operator.getitem and not node.kwargs and \
+        all(_from_sizes(a, depth - 1) for a in node.args)
+
+
+def known_numbers(args):
+    """args with each node that stands for a known number (known_number) replaced by it, in tuples,
+    lists, dicts and slices too."""
+    if isinstance(args, torch.fx.Node):
+        number = known_number(args)
+        return args if number is None else number
+    if isinstance(args, (tuple, list)):
+        return type(args)(known_numbers(a) for a in args)
+    if isinstance(args, dict):
+        return {k: known_numbers(v) for k, v in args.items()}
+    if isinstance(args, slice):
+        return slice(known_numbers(args.start), known_numbers(args.stop), known_numbers(args.step))
+    return args
 
 
 def dtype(node):

@@ -16,7 +16,8 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from mha_compile.lowering.aliases import may_copy, written_in_place
-from mha_compile.lowering.canonicalize import Op, call_name, canon, canon_kind, dtype, float_dtype, shape
+from mha_compile.lowering.canonicalize import (Op, call_name, canon, canon_kind, dtype, float_dtype, known_number,
+                                               known_numbers, shape)
 
 ONE = "1"  # the role of a size-1 axis
 SIZE_QUERIES = ("size", "dim", "numel", "stride")  # calls that read a tensor's shape, not its values
@@ -114,6 +115,8 @@ def graph_scalar(node):
     """Whether node is a scalar that is a value of the graph (a SymInt or SymFloat, a 0-d tensor),
     where the block needs a constant (the scores' scale, top-k's k)."""
     value = node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
+    if known_number(node) is not None:  # a SymInt or SymFloat of a known value: a constant (canonicalize)
+        return False
     return isinstance(value, (torch.SymInt, torch.SymFloat)) or isinstance(value, torch.Tensor) and value.dim() == 0
 
 
@@ -391,6 +394,7 @@ class Walk:
 
     def val(self, arg):
         """The Val of an argument: computed, external (a parameter-like tensor), or a constant."""
+        arg = known_numbers(arg)
         if isinstance(arg, torch.fx.Node):
             if arg in self.vals:
                 return self.vals[arg]

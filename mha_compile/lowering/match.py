@@ -74,6 +74,11 @@ class Match:
     # tok is [N,B,D] (nn.MultiheadAttention's default layout, batch_first=False): the op takes it
     # transposed, [B,N,D]
     tok_seq_first: bool = False
+    # the rows of an exported top-k index: "b*h" (batch-major, the op's) or "h*b"
+    index_rows: str = "b*h"
+    # ctx is [H,B,D] (horizon-first, inv added along its batch axis, inv[None]): the op takes it
+    # transposed, [B,H,D], and the output's layout (out_layout) transposes it back
+    ctx_horizon_first: bool = False
 
     def summary(self):
         return {"output": self.output.name, "ctx": self.ctx.name, "tok": self.tok.name,
@@ -83,6 +88,7 @@ class Match:
                 "keep_hidden": self.keeps, "slot_runs": self.runs, "empty_rows": self.empty_rows,
                 "exports": {k: v.name for k, v in self.exports.items()}, "kept": [n.name for n in self.kept],
                 "copied": list(self.copied),
+                "transposed": [name for name, t in (("ctx", self.ctx_horizon_first), ("tok", self.tok_seq_first)) if t],
                 "shapes": {"ctx": _shape_str(self.ctx), "tok": _shape_str(self.tok), "out": _shape_str(self.output)},
                 "dtype": str(dtype(self.ctx))}
 
@@ -225,9 +231,11 @@ def _split_hint(nodes):
     if not torch._dynamo.config.capture_dynamic_output_shape_ops:
         return ("set torch._dynamo.config.capture_dynamic_output_shape_ops = True so that Dynamo keeps "
                 "torch.where/nonzero or torch.bincount (data-dependent shapes) in one graph with the router")
-    return ("capture_dynamic_output_shape_ops is set already, so the break is another: a Python loop over a tensor "
-            "(for e in expert_hit), .item() or .tolist(), a print; the report's ended_by names it and its line. "
-            "Loop over range(E) instead")
+    return ("capture_dynamic_output_shape_ops is set already, so the break is another: a Python if on a "
+            "data-dependent size (if top_x.shape[0] == 0: continue, as older transformers' Mixtral and DBRX skip an "
+            "expert with no rows: drop it, an empty index_add_ adds nothing), a Python loop over a tensor (for e in "
+            "expert_hit: loop over range(E) instead), .item() or .tolist(), a print; the report's ended_by names it "
+            "and its line")
 
 
 def find_regions(gm, piece=None):
@@ -252,7 +260,8 @@ def find_regions(gm, piece=None):
                                      "return them, a graph break splits the MHA region (e.g. at torch.where/"
                                      f"nonzero); {_split_hint(nodes)}")  # returned w read as only a break: a review's
             misses.append(NearMiss(anchor.name, getattr(miss.node, "name", str(miss.node)), miss.reason))
-    if not anchors:
+    routed = _routed_otherwise(nodes)
+    if not anchors and not routed:  # experts chosen by argmax is no split region (a review's: said so)
         misses.extend(_split_experts(nodes))
     # a top-k that runs after a replaced region on its router's softmax, or on a softmax of its own of
     # the router's logits the region keeps (a load-balancing loss's own selection, transformers'
@@ -260,7 +269,7 @@ def find_regions(gm, piece=None):
     kept = {n for match in matches for n in match.kept}
     on_kept = {n.name for n in anchors if n in kept or n.args and isinstance(n.args[0], torch.fx.Node)
                and _strip(n.args[0], _LAYOUT + ("softmax",)) in kept}
-    return matches, [m for m in misses if m.anchor not in on_kept] + _routed_otherwise(nodes)
+    return matches, [m for m in misses if m.anchor not in on_kept] + routed
 
 
 def _routed_otherwise(nodes):
@@ -379,8 +388,8 @@ def _match_at(nodes, anchor):
         raise _Miss(inv, f"{inv.name}: the pool attends over no tokens (tok {list(shape(tok))}): eager's weighted "
                          f"sum is empty, so inv = bo, where the op's reassociation, whose weights sum to 1, gives "
                          f"Wo·bv + bo")
-    _check_merge(nodes, y, ctx, inv, bcast, pool_walk)
-    out, moe_walk = _read_moe(nodes, anchor, y, router)
+    horizon_first = _check_merge(nodes, y, ctx, inv, bcast, pool_walk)
+    out, moe_walk = _read_moe(nodes, anchor, y, router, HORIZON_FIRST if horizon_first else _OP_AXES)
     layout = out_layout(moe_walk.vals[out].roles, moe_walk.axes.sizes)
     if layout is None:
         raise _Miss(out, f"{out.name}: the MoE's output leaves the region with axes {moe_walk.vals[out].roles}, "
@@ -391,13 +400,15 @@ def _match_at(nodes, anchor):
     exportable = {"inv": inv} if is_inplace(y) else {"inv": inv, "y": y}
     chosen = [n for n, v in moe_walk.vals.items() if v.kind == "topi" and v.info["topk"] is anchor and
               n.target is operator.getitem]
-    index = [n for n in chosen if moe_walk.vals[n].roles == ("b*h", "s")]
+    # rows batch-major, as the op takes them, or horizon-major (a ctx [H,B,D]): rebuilt transposed
+    index = [n for n in chosen if moe_walk.vals[n].roles in (("b*h", "s"), ("h*b", "s"))]
     unsorted = canon(anchor).args[4] is False  # sorted=False: eager's order of the k, not the op's
     if index and not unsorted:
         exportable["index"] = index[0]
     # why an index read outside cannot be the op's (a review's: "used outside the region" said not why)
     why_not = {n: ("top-k is taken with sorted=False, whose order of the k chosen is eager's own, not the op's"
-                   if unsorted else f"the op gives top-k's indices for rows taken batch-major ([B·H, k]); these are "
+                   if unsorted else f"the op gives top-k's indices for rows taken batch-major or horizon-major "
+                                    f"([B·H, k] or [H·B, k]); these are "
                                     f"[{', '.join(str(r) for r in moe_walk.vals[n].roles)}]")
                for n in chosen if n not in index or unsorted}
     keepable = None if is_inplace(y) else _router_chain(moe_walk, y)
@@ -427,7 +438,9 @@ def _match_at(nodes, anchor):
     copied = _copied(nodes, ctx, tok, region, out) if training else ()  # under no_grad the op keeps nothing
     return Match(anchor, out, ctx, tok, params, config, region, exports=exports, inv=inv, out_layout=layout,
                  empty_rows=pool_walk.vals[inv].info.get("empty_rows", ""), kept=kept, copied=copied,
-                 kept_modes=moved_modes, out_mode=training, kept_autocast=kept_autocast, tok_seq_first=tok_seq_first)
+                 kept_modes=moved_modes, out_mode=training, kept_autocast=kept_autocast, tok_seq_first=tok_seq_first,
+                 ctx_horizon_first=horizon_first,
+                 index_rows=moe_walk.vals[exports["index"]].roles[0] if "index" in exports else "b*h")
 
 
 def _fitted(params, sizes, out):
@@ -474,11 +487,12 @@ def _router_chain(walk, y):
                 return None
             found.add(n)
             stack.extend(i for i in n.all_input_nodes if i is y or i in walk.inside)
-        return found if node in found and walk.vals[node].kind != "x" else None
+        return found if node in found and node is not y else None
     return chain
 
 
 _OP_AXES = ("b", "h", "d")  # the op's output [B,H,D]
+HORIZON_FIRST = ("h", "b", "d")  # a ctx (and y) [H,B,D]
 
 
 def out_layout(roles, sizes):
@@ -516,6 +530,27 @@ def drop_dead_math(graph):
         if (op.kind not in _KEPT_DEAD if op is not None else call_name(node) in _COMPUTES_ONLY) and \
                 not (op is not None and op.kind == "getitem" and _indexes_by_tensor(op.args[1])):
             graph.erase_node(node)
+
+
+def read_accumulators_by_view(graph):
+    """An expert accumulator the graph fills in place (out.index_add_(0, rows, ...), Mixtral's and
+    Qwen2-MoE's spelling) and then reads as it is, by other than a layout op (out + shared_expert(x):
+    a review's; read through out.reshape(...) it matched) is read through out.view_as(out), placed
+    after its last write: the same tensor, and the matcher reads the region's output there, after
+    the writes, as in the reshaped spelling. Run on the copy the rewrite works on."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for node in list(graph.nodes):
+        writes = sorted(_mutators(node), key=order.__getitem__)
+        if not writes or not all(call_name(w) in ("index_add_", "scatter_add_") for w in writes):
+            continue
+        readers = [u for u in node.users if u not in writes and order[u] > order[writes[-1]]]
+        if not any(getattr(canon(u), "kind", None) not in _LAYOUT for u in readers if not _is_size_query(u)):
+            continue
+        with graph.inserting_after(writes[-1]):
+            view = graph.call_method("view_as", (node, node))
+        view.meta.update({k: v for k, v in node.meta.items() if k in ("example_value", "val")})
+        for user in readers:
+            user.replace_input_with(node, view)
 
 
 # Kinds canon reads that are kept unused: attention (it may draw dropout), nonzero (it defines a
@@ -691,33 +726,39 @@ def _read_pool(nodes, inv):
 
 
 def _check_merge(nodes, y, ctx, inv, bcast, pool_walk):
-    """inv [B,D] must be added along the horizon axis: bcast's roles are (b, 1, d)."""
+    """inv [B,D] must be added along the horizon axis: bcast's roles are (b, 1, d), or (1, b, d)
+    with ctx horizon-first, [H,B,D] (nn.Transformer's default layout; a review's: refused before).
+    Returns whether ctx is horizon-first. The layout of the broadcast decides, not the sizes: with
+    B = H either reading of ctx's axes computes what the user's add does."""
     between = _in_order(nodes, _ancestors(bcast, nodes.order, stop={inv}) & _descendants(inv))
     walk = Walk(lambda w, n, op: layout_rule(w, n, op) if op.kind in _LAYOUT else None,
                 {inv: Val("inv", ("b", "d"))}, between, _descendants(inv))
     walk.axes = pool_walk.axes
     val = walk.vals.get(bcast)
     ctx_shape, inv_shape = shape(ctx), shape(inv)
-    if not (known_eq(ctx_shape[0], inv_shape[0]) and known_eq(ctx_shape[2], inv_shape[1])):
-        if known_eq(ctx_shape[1], inv_shape[0]) and known_eq(ctx_shape[2], inv_shape[1]):  # (a review's)
-            raise _Miss(y, f"{y.name}: ctx {list(ctx_shape)} is horizon-first, [H, B, D], with inv {list(inv_shape)} "
-                           f"added along its first axis; the region takes ctx batch-first, [B, H, D], and adds "
-                           f"inv[:, None]")
-        raise _Miss(y, f"{y.name}: ctx {list(ctx_shape)} and inv {list(inv_shape)} do not share batch and width")
+    fits = lambda batch: known_eq(ctx_shape[batch], inv_shape[0]) and known_eq(ctx_shape[2], inv_shape[1])
+    # With B = 1 an axis of size 1 may take either role (inv[None] reads as (b, 1, d)): it is a
+    # broadcast one, and ctx's sizes decide between the layouts that both read
+    roles = None if val is None else tuple(ONE if is_one(n) else r for r, n in zip(val.roles, shape(bcast)))
+    reads = lambda axes: roles is not None and broadcast(axes, roles) == axes
+    horizon_first = reads(HORIZON_FIRST) and fits(1) and not (reads(_OP_AXES) and fits(0))
     if not all(known_eq(c, s) for c, s in zip(ctx_shape, shape(y))):  # (a review's: ctx[:, :1] + inv[:, None]
         # .expand(B, H, D) became a region over one horizon)
         raise _Miss(y, f"{y.name}: the merge broadcasts ctx {list(ctx_shape)} to {list(shape(y))}; the region "
                        f"takes ctx with every horizon of its output [B,H,D]")
-    roles = None if val is None else broadcast(("b", "h", "d"), val.roles)
-    if roles != ("b", "h", "d"):
+    if not fits(1 if horizon_first else 0):
+        raise _Miss(y, f"{y.name}: ctx {list(ctx_shape)} and inv {list(inv_shape)} do not share batch and width "
+                       f"(ctx [B, H, D] with inv[:, None], or [H, B, D] with inv[None])")
+    if not horizon_first and not reads(_OP_AXES):
         got = "an unreadable layout" if val is None else f"axes {val.roles}"
         raise _Miss(bcast, f"{y.name}: inv is broadcast with {got}; the merge adds inv[b] to every horizon "
-                           f"of ctx[b], ctx being [B, H, D] (inv.unsqueeze(1))")
+                           f"of ctx[b], ctx being [B, H, D] (inv.unsqueeze(1)) or [H, B, D] (inv[None])")
+    return horizon_first
 
 
-def _read_moe(nodes, anchor, y, router):
+def _read_moe(nodes, anchor, y, router, roles):
     inside = _descendants(y)
-    walk = Walk(moe_rule, {y: Val("x", ("b", "h", "d"))}, _in_order(nodes, inside), inside, router=router)
+    walk = Walk(moe_rule, {y: Val("x", roles)}, _in_order(nodes, inside), inside, router=router)
     outs = [n for n in _in_order(nodes, walk.vals) if walk.vals[n].kind == "moe_out"
             and walk.vals[n].info["gate"]["topk"] is anchor]
     if not outs:

@@ -154,12 +154,16 @@ def _where(walk, node, mask, as_tuple):
     """torch.where(one_hot(topi)[..., e]) or torch.where(topi == e): the (row, slot) pairs that chose
     expert e. The mask's axes must be the top-k's own rows and slots, so that a row comes at most
     once (top-k picks distinct experts): topi expanded over a new axis and merged into the slots
-    repeats each row (found by a review)."""
-    if mask is None or mask.kind not in ("emask", "eqmask") or as_tuple is not True:
+    repeats each row (found by a review). Or mask.nonzero(), the pairs as the columns of one [n, 2]
+    tensor, read as nz[:, 0] and nz[:, 1] (expert-parallel code's spelling; a review's): its axes are
+    kept in info, and no layout op reads it."""
+    if mask is None or mask.kind not in ("emask", "eqmask") or as_tuple not in (True, False, None):
         return None
     topk = walk.vals.get(mask.info["topk"])
     if topk is None or len(mask.roles) != 2 or set(mask.roles) != set(topk.roles):
         return None
+    if as_tuple is not True:
+        return Val("where", None, dict(mask.info, tag=node, columns=mask.roles))
     return Val("where", mask.roles, dict(mask.info, tag=node))
 
 
@@ -175,8 +179,11 @@ def _getitem(walk, node, op):
     src, index = walk.val(op.args[0]), op.args[1]
     if src is None:
         return None
-    if src.kind in ("topk", "where") and isinstance(index, int):
+    if src.kind in ("topk", "where") and isinstance(index, int) and "columns" not in src.info:
         return _tuple_item(src, index)
+    if src.kind == "where" and "columns" in src.info and isinstance(index, tuple) and len(index) == 2 and \
+            index[0] == slice(None) and isinstance(index[1], int):  # nz[:, i] of mask.nonzero()
+        return _tuple_item(src, index[1])
     if src.kind == "onehot" and isinstance(index, int) and src.roles[0] == "e":  # one_hot(...).permute(2,1,0)[e]
         return Val("emask", src.roles[1:], dict(src.info, expert=index))
     items = index if isinstance(index, tuple) else (index,)
@@ -187,11 +194,13 @@ def _getitem(walk, node, op):
         return Val("x", (f"{src.roles[0]}*s", src.roles[1]), src.info)
     if src.kind in ("zero", "contrib") and len(items) == 1 and vals[0] is not None and vals[0].kind == "selidx":
         return Val("taken", None, {"base": op.args[0], "was": src, "index": items[0]})  # out[rows], a copy
-    if src.kind == "x" and len(items) == 1 and vals[0] is not None and vals[0].kind == "selidx":
-        sel = vals[0].info
+    if src.kind == "x" and len(items) in (1, 2) and items[:-1] in ((), (None,)) and vals[-1] is not None and \
+            vals[-1].kind == "selidx":  # x[rows], or x[None, rows] (transformers 4.3x's Mixtral, then reshaped)
+        sel = vals[-1].info
         if sel["axis"] != src.roles[0] or len(src.roles) != 2:
             return None
-        return Val("x", (f"sel:{sel['tag'].name}", src.roles[1]), {"sel": sel["tag"], "rows": src.roles[:-1]})
+        rows = (f"sel:{sel['tag'].name}", src.roles[1])
+        return Val("x", (ONE,) * (len(items) - 1) + rows, {"sel": sel["tag"], "rows": src.roles[:-1]})
     if src.kind == "topw" and len(items) == 3 and items[2] is None and all(
             v is not None and v.kind == "selidx" for v in vals[:2]):
         rows, slots = vals[0].info, vals[1].info
@@ -297,7 +306,8 @@ def _tuple_item(src, i):
     if src.kind == "where":
         if i not in (0, 1):
             return None
-        return Val("selidx", None, dict(src.info, axis=src.roles[i]))
+        axes = src.info.get("columns") or src.roles
+        return Val("selidx", None, {k: v for k, v in src.info.items() if k != "columns"} | {"axis": axes[i]})
     if i == 0:
         return Val("toplogit" if src.info.get("on_logits") else "topw", src.roles, dict(src.info, renorm=False))
     if i == 1:

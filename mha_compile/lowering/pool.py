@@ -112,7 +112,7 @@ def pool_rule(walk, node, op):
     if op.kind == "masked_fill":
         return _masked_fill(walk, node, *args)
     if op.kind in ("chunk", "split"):
-        return _split(walk, node, op.kind, *args)
+        return _split(walk, node, op.kind, args[0], op.args[1], args[2])
     if op.kind == "unbind":
         return _unbind(walk, node, *args)
     if op.kind == "sdpa":
@@ -132,10 +132,11 @@ def _add_bias(walk, node, a, b):
         return None if ref is None else Val("scores", a.roles, dict(a.info, mask=ref))
     if a is not None and b is not None and a.kind == "scores" and b.kind == "ext":
         # (a review's: a learned position bias was told to become a boolean mask, which changes the model)
-        raise Reject(f"{node.name}: a tensor is added to the scores (a position bias, or a float mask not built as "
-                     f"zeros.masked_fill(pad, -inf)); the pool's scores are ⟨q, K⟩/√Dh with at most a key-padding "
-                     f"mask: a float mask built that way, or scores.masked_fill(pad[:, None, :], float('-inf')) "
-                     f"(pad: True = ignore), is read as one; a bias is not the block's")
+        raise Reject(f"{node.name}: a tensor is added to the scores (a position bias, or a float mask not built "
+                     f"as zeros.masked_fill(pad, -inf) or torch.where(pad, -inf, 0)); the pool's scores are "
+                     f"⟨q, K⟩/√Dh with at most a key-padding mask: a float mask built that way, or "
+                     f"scores.masked_fill(pad[:, None, :], float('-inf')) (pad: True = ignore), is read as one; a "
+                     f"bias is not the block's")
     if a is None or b is None or b.kind != "ext" or a.kind not in ("proj", "inv") or ext_ref(b) is None:
         return None
     key, bias = "b" if a.kind == "proj" else "bo", _unselected(ext_ref(b))
@@ -325,9 +326,10 @@ def _matmul(walk, node, a, b):
 
 
 def _neg_inf_mask(node):
-    """True when `node` (up to layout ops) is zeros.masked_fill(bool, -inf): a float mask that
-    holds only 0 and -inf, so it is exactly the boolean mask isneginf(node). Not where the graph
-    writes any tensor of that chain in place (fm[:, 0] = -1 after the fill: a review's)."""
+    """True when `node` (up to layout ops) is zeros.masked_fill(bool, -inf), or torch.where(bool,
+    -inf, 0) either way round: a float mask that holds only 0 and -inf, so it is exactly the
+    boolean mask isneginf(node). Not where the graph writes any tensor of that chain in place
+    (fm[:, 0] = -1 after the fill: a review's)."""
     chain = [node]
     while True:
         op = canon(node)
@@ -337,12 +339,23 @@ def _neg_inf_mask(node):
             chain.append(node)
             continue
         break
+    if _where_neg_inf(node):
+        return float_dtype(node) is not None and not any(written_in_place(n) for n in chain)
     if op is None or op.kind != "masked_fill" or op.args[2] != float("-inf") or dtype(op.args[1]) != torch.bool or \
             float_dtype(node) is None:
         return False
     base = canon(op.args[0]) if hasattr(op.args[0], "op") else None
     return base is not None and base.kind in ("zeros_like", "zeros") and \
         not any(written_in_place(n, besides={node}) for n in chain + [op.args[0]])  # masked_fill_ fills its zeros
+
+
+def _where_neg_inf(node):
+    """torch.where(bool, -inf, 0) or torch.where(bool, 0, -inf), of numbers (a review's: refused)."""
+    if node.op != "call_function" or node.target is not torch.where or len(node.args) != 3 or node.kwargs:
+        return False
+    cond, *values = node.args
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+    return numbers and dtype(cond) == torch.bool and sorted(map(float, values)) == [float("-inf"), 0.0]
 
 
 def _mask_ref(val, wanted, node, invert, sizes):
@@ -357,8 +370,8 @@ def _mask_ref(val, wanted, node, invert, sizes):
         # SDPA's boolean attn_mask (invert) means True = take part (a review's: the reason gave the other sense)
         sense = "True = take part, as SDPA reads it" if invert else "True = ignore the token"
         raise Reject(f"{node.name}: the attention mask is {dtype(val.info['node'])}, and not built as "
-                     f"zeros.masked_fill(pad, -inf) (a float mask of only 0 and -inf); the region takes a boolean "
-                     f"key-padding mask ({sense}) or a float mask built that way")
+                     f"zeros.masked_fill(pad, -inf) or torch.where(pad, -inf, 0) (a float mask of only 0 and -inf); "
+                     f"the region takes a boolean key-padding mask ({sense}) or a float mask built that way")
     for w, r in zip(wanted, lay):
         if (w in ("b", "n")) == (r == ONE) and not (w in ("b", "n") and known_eq(sizes.get(w), 1)):
             raise Reject(f"{node.name}: the mask varies along {[w for w, r in zip(wanted, lay) if r != ONE]}; "
@@ -386,14 +399,14 @@ def _masked_fill(walk, node, scores, mask, value):
 
 
 def _split(walk, node, kind, src, size, dim):
-    """One fused K|V projection split in two halves on its last axis (chunk(2) or split(D))."""
+    """One fused K|V projection split in two halves on its last axis (chunk(2), split(D) or
+    split([D, D]): the list refused before, a review's). size: the call's own argument."""
     if src is None or src.kind != "projcat" or dim is None or dim.kind != "const":
         return None
     if dim.info["value"] not in (-1, len(src.roles) - 1):
         return None
     d = walk.axes.sizes.get("d")
-    size = size.info["value"] if size is not None and size.kind == "const" else None
-    if (kind == "chunk" and size == 2) or (kind == "split" and size == d):
+    if (kind == "chunk" and size == 2) or (kind == "split" and size in (d, [d, d], (d, d))):
         return Val("projparts", src.roles, dict(src.info))
     return None
 

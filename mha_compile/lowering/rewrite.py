@@ -68,7 +68,9 @@ def replace_region(gm, match):
         params = [_param(graph, match.params.get(name)) for name in ops.REGION_INPUTS[2:]]  # after ctx, tok
         mask = _param(graph, match.params.get("mask"))
         nan_rows = _nan_rows(graph, mask, dtype(match.ctx)) if match.empty_rows == "nan" else None
-        ctx = match.ctx if nan_rows is None else graph.call_function(operator.add, (match.ctx, nan_rows))
+        # [H,B,D] (horizon-first): the op takes it [B,H,D], and _to_layout transposes its output back
+        ctx = _transposed(graph, match.ctx) if match.ctx_horizon_first else match.ctx
+        ctx = ctx if nan_rows is None else graph.call_function(operator.add, (ctx, nan_rows))
         tok = match.tok
         if "ctx" in match.copied:  # after the add too: a partitioner may recompute an add from ctx
             ctx = _copy(graph, ctx)
@@ -171,11 +173,17 @@ def _rebuild_exports(graph, call, match, ctx, nan_rows):
     if nan_rows is not None:
         inv = graph.call_function(operator.add, (inv, graph.call_method("view", (nan_rows, -1, 1))))
     rebuilt = {"inv": inv}
-    if "y" in match.exports:
+    if "y" in match.exports and match.ctx_horizon_first:  # as the merge wrote it: [H,B,D], contiguous
+        rebuilt["y"] = graph.call_function(operator.add, (match.ctx, graph.call_method("unsqueeze", (inv, 0))))
+    elif "y" in match.exports:
         rebuilt["y"] = graph.call_function(operator.add, (ctx, graph.call_method("unsqueeze", (inv, 1))))
     if "index" in match.exports:  # the experts the op chose, [R,k] as top-k's indices (int64)
-        rebuilt["index"] = graph.call_method("to", (graph.call_function(operator.getitem, (call, 4)),
-                                                    dtype(match.exports["index"])))
+        index = graph.call_function(operator.getitem, (call, 4))
+        if match.index_rows == "h*b":  # the op's rows are batch-major: [B,H,k] -> [H,B,k] -> [H·B,k]
+            k = match.config["top_k"]
+            index = graph.call_method("view", (index, graph.call_method("size", (ctx, 0)), -1, k))
+            index = graph.call_method("reshape", (graph.call_method("transpose", (index, 0, 1)), -1, k))
+        rebuilt["index"] = graph.call_method("to", (index, dtype(match.exports["index"])))
     for name, node in rebuilt.items():
         source = match.exports.get(name)
         if source is not None:

@@ -44,8 +44,6 @@ class Block(nn.Module):
         inv = self.pool(tok)
         if self.merge == "unsqueeze":
             y = ctx + inv.unsqueeze(1)
-        elif self.merge == "batch_axis":  # broadcast along the wrong axis (needs B == H)
-            y = ctx + inv.unsqueeze(0)
         else:  # no merge at all: the MoE runs on ctx alone
             y = ctx
         moe = self.moe
@@ -59,17 +57,16 @@ class Block(nn.Module):
             weight, index = torch.topk(probs, moe.top_k, dim=-1)
             weight = weight / weight.sum(-1, keepdim=True)
         out = loop_experts(moe, x, weight, index).reshape(y.shape)
-        if self.expose_attn:  # the MoE's row view of y leaves the region: not one the op rebuilds
-            return out, x.norm(dim=-1)
+        if self.expose_attn:  # the top-k's renormalised weights leave the region: not a value the op rebuilds
+            return out, weight.square().sum(-1)
         return out
 
 
 NEAR_MISSES = {
     "pool softmax over heads": (lambda: Block(pool=SoftmaxOverHeads(32, 2)), "softmax over dim 1"),
     "pool scale 1/Dh": (lambda: Block(pool=WrongScale(32, 2)), "scale"),
-    "merge along batch axis": (lambda: Block(merge="batch_axis"), "broadcast"),
     "no merge": (lambda: Block(merge="none"), "merge"),
     "router softmax over rows": (lambda: Block(router_dim=0), "softmax"),
     "top-k on logits": (lambda: Block(topk_on_logits=True), "top-k is taken on the router logits"),
-    "row view of y used outside": (lambda: Block(expose_attn=True), "used outside the region"),
+    "gate weights used outside": (lambda: Block(expose_attn=True), "used outside the region"),
 }

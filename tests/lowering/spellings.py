@@ -420,7 +420,9 @@ class TransformersMoE(SpelledBlock):
     no_grad with the experts hit (expert_hit) computed from it, experts stored fused
     (gate_up_proj [E, 2F, D], down_proj [E, D, F], read by F.linear), torch.where and index_add_.
     impl: "hit" loops over expert_hit as transformers does (a graph break: a loop over a tensor);
-    "loop" over range(E), expert_hit then left unread; "batched_mm" and "grouped_mm" are its other
+    "loop" over range(E), expert_hit then left unread ("v4": so, each expert's rows taken as transformers
+    4.3x-4.4x did, hidden_states[None, token_idx].reshape(-1, D); "skip": an expert with no rows skipped
+    by an if, as transformers 4.36-4.38 and DBRX do); "batched_mm" and "grouped_mm" are its other
     experts implementations (transformers/integrations/moe.py): every (row, slot) pair's row
     gathered by arange(R)[:, None].expand(-1, k).reshape(-1), then W13[expert] @ x as a column by
     torch.bmm, or grouped GEMMs over the pairs sorted by expert, put back in order by the inverse
@@ -447,7 +449,10 @@ class TransformersMoE(SpelledBlock):
             if self.hit:
                 expert_idx = expert_idx[0]
             top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
-            gate, up = F.linear(hidden_states[token_idx], self.gate_up_proj[expert_idx]).chunk(2, dim=-1)
+            if self.impl == "skip" and token_idx.shape[0] == 0:  # transformers 4.36-4.38, DBRX: a graph break
+                continue
+            rows = hidden_states[None, token_idx].reshape(-1, self.D) if self.impl == "v4" else hidden_states[token_idx]
+            gate, up = F.linear(rows, self.gate_up_proj[expert_idx]).chunk(2, dim=-1)
             current = F.linear(self.act_fn(gate) * up, self.down_proj[expert_idx])
             current = current * top_k_weights[token_idx, top_k_pos, None]
             final_hidden_states.index_add_(0, token_idx, current.to(final_hidden_states.dtype))

@@ -230,6 +230,60 @@ def test_dynamic_true_reads_a_query_expanded_to_sizes_read_from_tok(where):
     _trains_as_eager_under_dynamic_true(model, make_args)
 
 
+class WidthFromTokShape(SpelledBlock):
+    """The width unpacked from tok.shape before any projection (B, N, D = tok.shape; Dh = D // P), then
+    the scores scaled by Dh ** -0.5 (matmul), SDPA given scale=Dh ** -0.5, the query pre-scaled so
+    (timm's), or the fused K|V split at D: kv.split(D), kv[..., :D] and kv[..., D:], kv.narrow, or
+    kv.split([D, D]) (the list refused at any shapes before)."""
+
+    def __init__(self, how):
+        super().__init__(pool="fused_kv" if how.startswith("kv") else "matmul")
+        self.how = how
+
+    def _kv(self, tok):
+        B, N, D = tok.shape
+        kv = self.kv(tok)
+        if self.how == "kv_split":
+            return kv.split(D, dim=-1)
+        if self.how == "kv_slices":
+            return kv[..., :D], kv[..., D:]
+        if self.how == "kv_narrow":
+            return kv.narrow(-1, 0, D), kv.narrow(-1, D, D)
+        return torch.split(kv, [D, D], dim=-1)
+
+    def pool_forward(self, tok, pad=None):
+        B, N, D = tok.shape
+        P, Dh = self.P, D // self.P
+        k, v = (t.view(B, N, P, Dh).transpose(1, 2) for t in (self.key(tok), self.value(tok))) \
+            if not self.how.startswith("kv") else (t.view(B, N, P, Dh).transpose(1, 2) for t in self._kv(tok))
+        q = self.query.view(1, P, 1, Dh).expand(B, -1, -1, -1)
+        if self.how == "sdpa_scale":
+            return self.out(F.scaled_dot_product_attention(q, k, v, scale=Dh ** -0.5).reshape(B, D))
+        if self.how == "query_prescaled":
+            scores = (q * Dh ** -0.5) @ k.transpose(-2, -1)
+        else:
+            scores = (q @ k.transpose(-2, -1)) * Dh ** -0.5
+        return self.out((scores.softmax(-1) @ v).reshape(B, D))
+
+
+@pytest.mark.parametrize("how", ["scores_pow", "sdpa_scale", "query_prescaled", "kv_split", "kv_slices", "kv_narrow",
+                                 "kv_split_list"])
+def test_dynamic_true_reads_a_width_from_tok_shape_as_the_number_it_is(how):
+    """Under dynamic=True that D is a SymInt whose value the weights pin (32), and Dh ** -0.5 a SymFloat
+    of known value: the scale was refused as "a value of the graph" and the K|V split went unread
+    (a review's). Both are read as the numbers they are; Dynamo's guards recompile for another."""
+    torch.manual_seed(0)
+    model = WidthFromTokShape(how).double()
+    _trains_as_eager_under_dynamic_true(
+        model, lambda B: inputs(B=B, dtype=torch.float64, generator=torch.Generator().manual_seed(B)))
+
+
+def test_a_fused_kv_split_by_a_list_of_sizes_matches():
+    torch.manual_seed(0)
+    args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    assert_one_match(compile_and_compare(WidthFromTokShape("kv_split_list").double(), args, torch.float64))
+
+
 def test_dynamic_true_refuses_multihead_attention_in_training_with_its_dropout_a_graph_value():
     """Its dropout_p comes as a tensor, which a later attn.dropout = 0.1 would change with no
     recompile: the region, which has no dropout, must not take it (the reason said "dropout_p set")."""
@@ -412,20 +466,23 @@ class SwitchLossOnTheIndices(SpelledBlock):
         return out + self.E * (probs.mean(0) * F.one_hot(index, self.E).to(probs.dtype).sum(1).mean(0)).sum()
 
 
-@pytest.mark.parametrize("how, why", [("sorted=False", "sorted=False"), ("horizon-major rows", "batch-major")])
-def test_indices_the_op_cannot_give_are_refused_saying_why(how, why):
+def test_indices_the_op_cannot_give_are_refused_saying_why():
     """The reason said only "index is used outside the region" (a review's), where the same loss on
-    sorted, batch-major indices matches."""
+    sorted indices matches."""
     torch.manual_seed(0)
     args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    reasons = as_eager_in_every_gradient(SwitchLossOnTheIndices(how).double(), args, torch.float64)
-    assert len(reasons) == 1 and "is used outside the region" in reasons[0] and why in reasons[0], reasons
+    reasons = as_eager_in_every_gradient(SwitchLossOnTheIndices("sorted=False").double(), args, torch.float64)
+    assert len(reasons) == 1 and "is used outside the region" in reasons[0] and "sorted=False" in reasons[0], reasons
 
 
-def test_a_switch_loss_on_sorted_batch_major_indices_matches():
+@pytest.mark.parametrize("how", ["sorted", "horizon-major rows"])
+def test_a_switch_loss_on_sorted_indices_matches(how):
+    """Horizon-major rows were refused before session 71 ("the op gives top-k's indices for rows taken
+    batch-major"): the op's are transposed to them now."""
     torch.manual_seed(0)
     args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    assert_one_match(compile_and_compare(SwitchLossOnTheIndices("sorted").double(), args, torch.float64))
+    match = assert_one_match(compile_and_compare(SwitchLossOnTheIndices(how).double(), args, torch.float64))
+    assert match["exports"]["index"], match
 
 
 class CountsExpertLoad(SpelledBlock):

@@ -759,14 +759,37 @@ class PositionBias(SpelledBlock):
 
 
 class SdpaWhereMask(SpelledBlock):
-    """SDPA's float attn_mask of 0 and -inf built by torch.where, not zeros.masked_fill."""
+    """A float mask built by torch.where from the tokens' lengths, not zeros.masked_fill: given to
+    SDPA as attn_mask (`to`="sdpa"), or added to the einsum pool's scores ("scores"). `fill` stands
+    where a token is ignored; `kept_first` writes torch.where(keep, 0, fill)."""
+
+    def __init__(self, fill=float("-inf"), kept_first=False, to="sdpa", **block):
+        super().__init__(**block)
+        self.fill, self.kept_first, self.to = fill, kept_first, to
 
     def pool_forward(self, tok, pad=None):
         B, N, D = tok.shape
-        q, k, v = _sdpa_heads(self, tok)
         pad = torch.arange(N)[None, :] >= torch.tensor([5, 3, 1, 4])[:, None]
-        mask = torch.where(pad, float("-inf"), 0.0).to(tok.dtype)[:, None, None, :]
+        mask = torch.where(~pad, 0.0, self.fill) if self.kept_first else torch.where(pad, self.fill, 0.0)
+        if self.to == "scores":
+            k, v = self.key(tok).view(B, N, self.P, self.Dh), self.value(tok).view(B, N, self.P, self.Dh)
+            scores = torch.einsum("pd,bnpd->bpn", self.query, k) / math.sqrt(self.Dh) + mask.to(tok.dtype)[:, None, :]
+            return self.out(torch.einsum("bpn,bnpd->bpd", scores.softmax(-1), v).reshape(B, D))
+        q, k, v = _sdpa_heads(self, tok)
+        mask = mask.to(tok.dtype)[:, None, None, :]
         return self.out(F.scaled_dot_product_attention(q, k, v, attn_mask=mask).reshape(B, D))
+
+
+@pytest.mark.parametrize("to", ["sdpa", "scores"])
+@pytest.mark.parametrize("kept_first", [False, True], ids=["where(pad, -inf, 0)", "where(keep, 0, -inf)"])
+def test_a_float_mask_of_0_and_minus_inf_built_by_torch_where_is_read(kept_first, to):
+    """It holds only 0 and -inf, as zeros.masked_fill(pad, -inf) does: refused before (session 70's note)."""
+    torch.manual_seed(0)
+    model = SdpaWhereMask(kept_first=kept_first, to=to).double()
+    match = _assert_one_match(compile_and_compare(model, inputs(dtype=torch.float64,
+                                                                generator=torch.Generator().manual_seed(1)),
+                                                  torch.float64))
+    assert match["params"]["mask"] is not None, match["params"]
 
 
 class NarrowKeys(SpelledBlock):
@@ -797,13 +820,6 @@ class GatheredByLogitIndices(SpelledBlock):
         _, index = logits.topk(self.k, dim=-1)
         weight = logits.softmax(-1).gather(-1, index)
         return weight / weight.sum(dim=-1, keepdim=True), index
-
-
-class HorizonFirstCtx(SpelledBlock):
-    """ctx kept horizon-first, [H, B, D], and inv added along its first axis (inv[None])."""
-
-    def forward(self, ctx, tok, pad=None):
-        return self.moe_forward(ctx.transpose(0, 1).contiguous() + self.pool_forward(tok)[None])
 
 
 class OtherExpertInput(SpelledBlock):
@@ -962,8 +978,8 @@ class RoutedOtherwise(SpelledBlock):
     """The experts chosen by max (k = 1), argmax or a descending sort of the router's softmax; with
     how="topk_and_max", by topk, the softmax's max read beside it (a confidence logged, say)."""
 
-    def __init__(self, how):
-        super().__init__(k=1 if how in ("max", "argmax", "max_arange") else 2)
+    def __init__(self, how, **block):
+        super().__init__(k=1 if how in ("max", "argmax", "max_arange") else 2, **block)
         self.how = how
 
     def route(self, x):
@@ -993,6 +1009,20 @@ class RoutedOtherwise(SpelledBlock):
         gates = (index[:, None] == torch.arange(self.E)).to(x.dtype) * weight[:, None]
         f = torch.stack([self.expert(e, x) for e in range(self.E)], dim=1)
         return torch.einsum("re,red->rd", gates, f).reshape(y.shape)
+
+
+@pytest.mark.parametrize("how", ["max", "argmax"])
+def test_experts_chosen_by_argmax_with_mixtral_s_dispatch_say_so_and_claim_no_graph_break(how):
+    """The graph holds index_add_ and no top-k: a second near-miss said the region "was split by a
+    graph break", which did not happen, beside the right one (a review's)."""
+    torch.manual_seed(0)
+    with compiled_reports() as reports:
+        torch._dynamo.reset()
+        with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+            model = RoutedOtherwise(how, moe="mixtral", renorm=False).double()
+            torch.compile(model, backend="mha")(*inputs(dtype=torch.float64))
+    reasons = [m["reason"] for r in reports for m in r.near_misses]
+    assert len(reports) == 1 and len(reasons) == 1 and f"chosen by {how} of the router" in reasons[0], reasons
 
 
 class WithClassifier(SpelledBlock):
@@ -1564,10 +1594,11 @@ NEAR_MISSES = {
     "SDPA scale 1/Dh": (WrongSdpaScale, {"pool": "sdpa"}, "scaled by"),
     "additive float mask": (FloatMask, {}, "float mask not built as zeros.masked_fill(pad, -inf)"),
     "a learned position bias on the scores": (PositionBias, {}, "a bias is not the block's"),
-    "SDPA float mask by torch.where": (SdpaWhereMask, {}, "True = take part, as SDPA reads it"),
+    "SDPA float mask by torch.where, of -1e9": (SdpaWhereMask, {"fill": -1e9}, "True = take part, as SDPA reads it"),
+    "float mask of -1e9 by torch.where on the scores": (SdpaWhereMask, {"fill": -1e9, "to": "scores"},
+                                                        "a tensor is added to the scores"),
     "nn.MultiheadAttention with kdim=vdim=24": (NarrowKeys, {}, "kdim or vdim other than embed_dim"),
     "router logits / temperature": (RouterTemperature, {}, "it reads truediv"),
-    "ctx horizon-first, + inv[None]": (HorizonFirstCtx, {}, "is horizon-first, [H, B, D]"),
     "top-k of the logits, π gathered by its indices": (GatheredByLogitIndices, {"moe": "dense_scatter"},
                                                         "take the top-k of the softmax itself"),
     "experts fed another x": (OtherExpertInput, {}, "could not be read"),
@@ -1828,7 +1859,7 @@ def _compare_with_logits(model, args, reports_of):
     return reports
 
 
-@pytest.mark.parametrize("impl", ["loop", "batched_mm"])
+@pytest.mark.parametrize("impl", ["loop", "v4", "batched_mm"])
 def test_transformers_moe_matches(impl):
     """transformers' Mixtral MoE, its loop over range(E): the in-place top_k_weights /= Σ before
     the indices are read (an item of topk's tuple is no view of the other: it read as a write
@@ -1836,7 +1867,8 @@ def test_transformers_moe_matches(impl):
     unread expert_hit (a nonzero kept by the range asserts on its count) and the fused
     gate_up_proj all matched, the logits it returns kept for the caller. Its batched_mm experts:
     the pairs' rows as an index (arange(R)[:, None].expand(-1, k).reshape(-1), read by its values),
-    W13[expert] @ x as a column, index_add_ over the pairs' rows."""
+    W13[expert] @ x as a column, index_add_ over the pairs' rows. Its rows as transformers 4.3x-4.4x
+    took them, hidden_states[None, token_idx].reshape(-1, D): refused before session 71 (a review's)."""
     torch.manual_seed(0)
     model = TransformersMoE(impl=impl)
     reports = _compare_with_logits(model, inputs(dtype=torch.float32), {"strict": True})
@@ -1951,6 +1983,17 @@ def test_transformers_moe_loop_over_expert_hit_is_a_graph_break_reported():
     assert any("set already" in r and "range(E)" in r for r in reasons), reasons
     assert not any("= True so that" in r for r in reasons), reasons
     assert any(r.ended_by and "graph break" in r.ended_by for r in reports), [r.ended_by for r in reports]
+
+
+def test_transformers_moe_skipping_an_expert_with_no_rows_is_a_graph_break_named():
+    """`if token_idx.shape[0] == 0: continue` guards on a data-dependent size, a graph break even with
+    capture_dynamic_output_shape_ops set: the hint named loops over tensors, .item() and prints, and
+    told the user to loop over range(E), which the model already does (a review's)."""
+    torch.manual_seed(0)
+    reports = _compare_with_logits(TransformersMoE(impl="skip"), inputs(dtype=torch.float32), None)
+    assert not any(r.matches for r in reports)
+    reasons = [m["reason"] for r in reports for m in r.near_misses]
+    assert any("if top_x.shape[0] == 0: continue" in r and "drop it" in r for r in reasons), reasons
 
 
 def test_a_loss_on_the_returned_logits_alone_leaves_the_experts_without_gradient():
@@ -2074,6 +2117,47 @@ def test_a_gradient_penalty_on_inv_alone_leaves_the_experts_without_gradient():
         if eager[name] is not None and not name.endswith(ZERO_GRAD):
             assert relative_error(got[name], eager[name]) <= TOLERANCE[torch.float64], name
     assert eager["w1"] is None and eager["ctx"] is None and eager["value.weight"] is not None
+
+
+class NonzeroPairs(SpelledBlock):
+    """Mixtral's dispatch with each expert's (slot, row) pairs as the columns of mask.nonzero() (or
+    torch.nonzero(mask, as_tuple=False)), as expert-parallel code takes them; `wrong`: the rows read
+    from column 0 too, the slots' (not the block's: rows 0 and 1 take every pair's output)."""
+
+    def __init__(self, call="method", wrong=False):
+        super().__init__(moe="mixtral")
+        self.call, self.wrong = call, wrong
+
+    def moe_forward(self, y):
+        x = y.reshape(-1, y.shape[-1])
+        weight, index = self.route(x)
+        out = torch.zeros_like(x)
+        mask = F.one_hot(index, self.E).permute(2, 1, 0)
+        for e in range(self.E):
+            nz = mask[e].nonzero() if self.call == "method" else torch.nonzero(mask[e], as_tuple=False)
+            slot, rows = nz[:, 0], nz[:, 0 if self.wrong else 1]
+            out.index_add_(0, rows, self.expert(e, x[rows]) * weight[rows, slot, None])
+        return out.reshape(y.shape)
+
+
+@pytest.mark.parametrize("call", ["method", "function"])
+def test_expert_pairs_as_the_columns_of_nonzero_match(call):
+    """Refused before session 71 with a reason that named nothing (a review's)."""
+    torch.manual_seed(0)
+    args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    _assert_one_match(compile_and_compare(NonzeroPairs(call).double(), args, torch.float64, dynamic_where=True))
+
+
+def test_nonzero_s_slot_column_read_as_the_rows_runs_as_written():
+    torch.manual_seed(0)
+    model = NonzeroPairs(wrong=True).double()
+    args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    with compiled_reports() as reports:
+        torch._dynamo.reset()
+        with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+            got = torch.compile(copy.deepcopy(model), backend="mha")(*args)
+    assert not any(r.matches for r in reports), [str(r) for r in reports]
+    torch.testing.assert_close(got, model(*args), rtol=TOLERANCE[torch.float64], atol=0)
 
 
 def test_mistral_reference_moe_matches():
