@@ -379,6 +379,13 @@ def _match_at(nodes, anchor):
     if y.op == "placeholder":
         raise _Miss(y, f"{anchor.name}: the MoE's input {y.name} is an input of this graph, so the merge and the "
                        f"pool ran elsewhere: {_elsewhere(nodes, 'before the MoE')}")
+    if call_name(y) == "detach" or y.op == "call_function" and y.target is torch.detach:  # (a review's: the reason
+        # blamed a missing merge, which is there)
+        if any(u is not y for u in getattr(y.args[0], "users", ())):  # the experts read x itself
+            raise _Miss(y, f"{anchor.name}: the router reads {y.name}, a detach of the MoE's input: eager sends no "
+                           f"gradient from the router back into x, where the block's router does (x·Wgᵀ of x itself)")
+        raise _Miss(y, f"{anchor.name}: the MoE's input is detached ({y.name}): no gradient reaches ctx and the pool "
+                       f"through the MoE, where the block's does")
     if y_op is None or y_op.kind != "add":
         raise _Miss(y, f"{anchor.name}: the MoE's input {y.name} is not a broadcast-add of a pooled vector "
                        f"over horizons (no merge ctx + inv[:, None] before the router)")

@@ -812,6 +812,22 @@ class RouterTemperature(SpelledBlock):
         return weight / weight.sum(dim=-1, keepdim=True), index
 
 
+class Detached(SpelledBlock):
+    """router(x.detach()) (`where`="router"), or the MoE on y.detach() ("moe"): the forward is the
+    block's, the gradients are not (the reason blamed a missing merge, a review's)."""
+
+    def __init__(self, where, **block):
+        super().__init__(**block)
+        self.where = where
+
+    def route(self, x):
+        return super().route(x.detach() if self.where == "router" else x)
+
+    def forward(self, ctx, tok, pad=None):
+        y = self.merge_forward(ctx, self.pool_forward(tok, pad))
+        return self.moe_forward(y.detach() if self.where == "moe" else y)
+
+
 class GatheredByLogitIndices(SpelledBlock):
     """The experts chosen by the top-k of the logits, their weights gathered from the softmax."""
 
@@ -1599,6 +1615,8 @@ NEAR_MISSES = {
                                                         "a tensor is added to the scores"),
     "nn.MultiheadAttention with kdim=vdim=24": (NarrowKeys, {}, "kdim or vdim other than embed_dim"),
     "router logits / temperature": (RouterTemperature, {}, "it reads truediv"),
+    "router(x.detach())": (Detached, {"where": "router"}, "a detach of the MoE's input: eager sends no gradient"),
+    "MoE(y.detach())": (Detached, {"where": "moe"}, "the MoE's input is detached"),
     "top-k of the logits, π gathered by its indices": (GatheredByLogitIndices, {"moe": "dense_scatter"},
                                                         "take the top-k of the softmax itself"),
     "experts fed another x": (OtherExpertInput, {}, "could not be read"),
