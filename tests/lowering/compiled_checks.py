@@ -9,17 +9,18 @@ ZERO_GRAD = ("key.bias",)  # SPEC §1: ∂bk is exactly zero; eager leaves round
 _NOISE = {torch.bfloat16: 1e-2}  # that roundoff's bound: 2.5e-3 measured in bf16 (eps 7.8e-3), ~1e-17 in float64
 
 
-def compile_and_compare(model, args, dtype, dynamic_where=False, tol=None, token_axis=1):
-    """Compile a copy with backend="mha"; compare output and every parameter and input gradient
-    with eager, to tol (TOLERANCE[dtype] unless given). Returns the reports of the compiled graphs.
-    token_axis: the tokens' axis of args[1] (0 where they come sequence-first, [N,B,D])."""
+def compile_and_compare(model, args, dtype, dynamic_where=False, tol=None, token_axis=1, options=None):
+    """Compile a copy with backend="mha" (options strict, and `options`); compare output and every
+    parameter and input gradient with eager, to tol (TOLERANCE[dtype] unless given). Returns the
+    reports of the compiled graphs. token_axis: the tokens' axis of args[1] (0 where they come
+    sequence-first, [N,B,D])."""
     compiled_model = copy.deepcopy(model)
     args_e = [a.clone().requires_grad_(a.is_floating_point()) for a in args]
     args_c = [a.clone().requires_grad_(a.is_floating_point()) for a in args]
     with compiled_reports() as reports:
         torch._dynamo.reset()
         with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=dynamic_where):
-            out_c = torch.compile(compiled_model, backend="mha", options={"strict": True})(*args_c)
+            out_c = torch.compile(compiled_model, backend="mha", options={"strict": True, **(options or {})})(*args_c)
     out_e = model(*args_e)
     tol = TOLERANCE[dtype] if tol is None else tol
     assert relative_error(out_c, out_e) <= tol, f"output: {relative_error(out_c, out_e):.3g}"

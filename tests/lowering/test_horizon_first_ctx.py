@@ -5,7 +5,6 @@ region takes ctx batch-first). The op takes ctx transposed and its output is tra
 y the rest reads is rebuilt [H,B,D], and top-k's indices read outside (a load-balancing loss) in
 the rows' horizon-major order. Output and every gradient are eager's."""
 import copy
-import math
 
 import pytest
 import torch
@@ -181,24 +180,6 @@ def test_the_kernels_take_a_horizon_first_ctx_transposed(kernels):
     """The kernels read the transposed ctx by its strides: float32 against eager's."""
     B, H, N, D, P = SIZES["odd"]
     torch.manual_seed(0)
-    model = HorizonFirst(D=D, P=P)
-    compiled = copy.deepcopy(model)
-    args = _inputs(B, H, N, D, torch.float32)
-    args_e = [a.clone().requires_grad_() for a in args]
-    args_c = [a.clone().requires_grad_() for a in args]
-    with compiled_reports() as reports:
-        torch._dynamo.reset()
-        out = torch.compile(compiled, backend="mha", options={"strict": True, "kernels": kernels})(*args_c)
+    reports = compile_and_compare(HorizonFirst(D=D, P=P), _inputs(B, H, N, D, torch.float32), torch.float32,
+                                  options={"kernels": kernels})
     assert assert_one_match(reports)["kernels"] == kernels
-    want = model(*args_e)
-    tol = TOLERANCE[torch.float32]
-    assert relative_error(out, want) <= tol
-    grad = torch.randn_like(want)
-    out.backward(grad)
-    want.backward(grad)
-    for (name, p_c), p_e in zip(compiled.named_parameters(), model.parameters()):
-        if not name.endswith(ZERO_GRAD):
-            assert relative_error(p_c.grad, p_e.grad) <= tol, name
-    for a_c, a_e in zip(args_c, args_e):
-        assert relative_error(a_c.grad, a_e.grad) <= tol
-    assert math.isfinite(float(out.sum()))
