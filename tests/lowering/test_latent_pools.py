@@ -59,13 +59,14 @@ def test_a_latent_pool_in_timm_s_order_matches_and_trains_as_eager(q_after_expan
 
 
 def _runs_as_written(model):
-    """No match, a near-miss, and eager's output (float64)."""
+    """No match, a near-miss, and eager's output (float64). Returns the near-misses' reasons."""
     args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     with compiled_reports() as reports:
         torch._dynamo.reset()
         got = torch.compile(copy.deepcopy(model), backend="mha")(*args)
     assert not any(r.matches for r in reports) and any(r.near_misses for r in reports), [str(r) for r in reports]
     assert relative_error(got, model(*args)) <= TOLERANCE[torch.float64]
+    return [m["reason"] for r in reports for m in r.near_misses]
 
 
 class GqaFlag(SpelledBlock):
@@ -95,9 +96,10 @@ def test_sdpa_with_enable_gqa_and_as_many_key_heads_matches():
 
 
 def test_sdpa_with_one_key_head_shared_by_the_query_heads_runs_as_written():
+    """The reason named the key's linear alone before session 71."""
     torch.manual_seed(0)
-    model = GqaFlag("shared").double()
-    _runs_as_written(model)
+    reasons = _runs_as_written(GqaFlag("shared").double())
+    assert any("fewer heads than the query" in r for r in reasons), reasons
 
 
 class TimmFusedKV(SpelledBlock):
