@@ -89,3 +89,46 @@ def test_an_accumulator_read_between_its_writes_runs_as_written():
             got = torch.compile(copy.deepcopy(model), backend="mha")(*args)
     assert not any(r.matches for r in reports) and any(r.near_misses for r in reports), [str(r) for r in reports]
     assert relative_error(got, model(*args)) <= TOLERANCE[torch.float64]
+
+
+class ViewBeforeTheLoop(SpelledBlock):
+    """The accumulator viewed before the experts fill it (o = out.view(B, H, D), then index_add_ or
+    mistral-src's out[rows] += ... per expert), o returned, or o + a shared expert. Matched in
+    session 71's first version of the shared-expert reading: the region ended at the view, and the
+    loop, left after the op, added every expert into the op's output again (a review's: twice
+    eager's output and every gradient)."""
+
+    def __init__(self, write, shared):
+        super().__init__(moe="mixtral")
+        self.write, self.shared = write, shared
+        self.up, self.down = nn.Linear(self.D, 48, bias=False), nn.Linear(48, self.D, bias=False)
+
+    def moe_forward(self, y):
+        x = y.view(-1, self.D)
+        weight, index = self.route(x)
+        out = torch.zeros_like(x)
+        o = out.view(y.shape)
+        mask = F.one_hot(index, self.E).permute(2, 1, 0)
+        for e in range(self.E):
+            slot, rows = torch.where(mask[e])
+            contribution = self.expert(e, x[rows]) * weight[rows, slot, None]
+            if self.write == "index_add_":
+                out.index_add_(0, rows, contribution)
+            else:
+                out[rows] += contribution
+        return o + self.down(F.silu(self.up(x))).view(y.shape) if self.shared else o
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["", "shared"])
+@pytest.mark.parametrize("write", ["index_add_", "setitem"])
+def test_the_sum_viewed_before_the_experts_write_it_runs_as_written(write, shared):
+    torch.manual_seed(0)
+    model = ViewBeforeTheLoop(write, shared).double()
+    args = inputs(dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    with compiled_reports() as reports:
+        torch._dynamo.reset()
+        with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+            got = torch.compile(copy.deepcopy(model), backend="mha")(*args)
+    reasons = [m["reason"] for r in reports for m in r.near_misses]
+    assert not any(r.matches for r in reports) and any("take the view after the loop" in r for r in reasons), reasons
+    assert relative_error(got, model(*args)) <= TOLERANCE[torch.float64]
