@@ -397,17 +397,6 @@ def _match_at(nodes, anchor):
                          f"Wo·bv + bo")
     horizon_first = _check_merge(nodes, y, ctx, inv, bcast, pool_walk)
     out, moe_walk = _read_moe(nodes, anchor, y, router, HORIZON_FIRST if horizon_first else _OP_AXES)
-    # The experts' writes into the sum must all come before where the region's output is read: a view of
-    # the accumulator taken before the loop (o = out.view(B, H, D); out.index_add_(...) per expert) made
-    # the region end there, and the loop, left after the op, added every expert into its output again
-    # (a review's: twice eager's output and gradients)
-    aliases = set(storage_aliases(out))
-    late = [n for n in _in_order(nodes, moe_walk.vals) if nodes.order[n] > nodes.order[out] and is_inplace(n)
-            and written(n) in aliases]
-    if late:
-        raise _Miss(late[0], f"{late[0].name} writes the MoE's sum after {out.name}, where the region would end: the "
-                             f"rest reads the sum through a view taken before the experts' writes (o = out.view(...) "
-                             f"before the loop); take the view after the loop")
     layout = out_layout(moe_walk.vals[out].roles, moe_walk.axes.sizes)
     if layout is None:
         raise _Miss(out, f"{out.name}: the MoE's output leaves the region with axes {moe_walk.vals[out].roles}, "
@@ -431,6 +420,17 @@ def _match_at(nodes, anchor):
                for n in chosen if n not in index or unsorted}
     keepable = None if is_inplace(y) else _router_chain(moe_walk, y)
     region, exports, kept, moved = _region_nodes(nodes, (ctx, tok), out, exportable, keepable, why_not)
+    # The experts' writes into the sum must all come before where the region's output is read: a view of
+    # the accumulator taken before the loop (o = out.view(B, H, D); out.index_add_(...) per expert) made
+    # the region end there, and the loop, left after the op, added every expert into its output again
+    # (a review's: twice eager's output and gradients)
+    aliases = set(storage_aliases(out))
+    late = [n for n in _in_order(nodes, moe_walk.vals) if nodes.order[n] > nodes.order[out] and is_inplace(n)
+            and written(n) in aliases]
+    if late:
+        raise _Miss(late[0], f"{late[0].name} writes the MoE's sum after {out.name}, where the region would end: the "
+                             f"rest reads the sum through a view taken before the experts' writes (o = out.view(...) "
+                             f"before the loop); take the view after the loop")
     modes = _grad_modes(nodes)
     training = modes(out)
     _check_one_grad_mode(nodes, modes, list(region) + list(kept), out, training)
