@@ -149,25 +149,16 @@ def _ancestors(node, order, stop=()):
     return seen
 
 
-def _descendants(node):
+def _descendants(node, values_only=False):
+    """The nodes that read node, through any chain. values_only: those whose values depend on
+    node's; a size query (tok.size(2), which Dynamo emits under dynamic=True for a width it knows)
+    and what reads only it depend on no value of node's."""
     seen, stack = set(), [node]
     while stack:
         n = stack.pop()
         if n not in seen:
             seen.add(n)
-            stack.extend(n.users)
-    return seen
-
-
-def _value_descendants(node):
-    """The nodes whose values depend on node's: a size query (tok.size(2), which Dynamo emits under
-    dynamic=True for a width it knows) and what reads only it depend on no value of node's."""
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(u for u in n.users if not _is_size_query(u))
+            stack.extend(u for u in n.users if not (values_only and _is_size_query(u)))
     return seen
 
 
@@ -379,8 +370,8 @@ def _match_at(nodes, anchor):
     if y.op == "placeholder":
         raise _Miss(y, f"{anchor.name}: the MoE's input {y.name} is an input of this graph, so the merge and the "
                        f"pool ran elsewhere: {_elsewhere(nodes, 'before the MoE')}")
-    if call_name(y) == "detach" or y.op == "call_function" and y.target is torch.detach:  # (a review's: the reason
-        # blamed a missing merge, which is there)
+    if call_name(y) == "detach":  # x.detach() or torch.detach(x) (a review's: the reason blamed a missing
+        # merge, which is there)
         if any(u is not y for u in getattr(y.args[0], "users", ())):  # the experts read x itself
             raise _Miss(y, f"{anchor.name}: the router reads {y.name}, a detach of the MoE's input: eager sends no "
                            f"gradient from the router back into x, where the block's router does (x·Wgᵀ of x itself)")
@@ -724,7 +715,7 @@ def _read_pool(nodes, inv):
     elif _from_body(_strip(inv)) and not candidates:
         reason = (inv, f"{inv.name}: the pooled vector added over horizons comes out of {_from_body(_strip(inv))}, "
                        f"{BODY_HINT}")
-    below = {t: _value_descendants(t) for t in candidates}
+    below = {t: _descendants(t, values_only=True) for t in candidates}
     for tok in candidates:
         # A one-head pool (P = 1) views [B,N,D] as [B,N,1,D], which reads the same as an
         # unsqueeze: try the usual reading first, then the one-head one. Then the tokens

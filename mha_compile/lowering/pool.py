@@ -67,9 +67,9 @@ def _affine(walk, node, x, weight, bias):
     if x.kind == "pooled" and tuple(r for r in x.roles if r != ONE) == ("b", "d") and x.roles[-1] == "d" and \
             shape(node)[-1] == d:  # [B, 1, D] too (one latent projected, then x[:, 0]: a review's)
         return Val("inv", x.roles, dict(x.info, wo=weight, bo=bias))
-    heads = walk.axes.sizes.get("d.0")
     if x.kind == "tok" and isinstance(d, int) and isinstance(shape(node)[-1], int) and shape(node)[-1] < d:
         # (a review's: the reason named the linear alone)
+        heads = walk.axes.sizes.get("d.0")
         raise Reject(f"{node.name}: a projection of the tokens to {shape(node)[-1]} features, where the pool's K and "
                      f"V keep all D = {d}: K and V with fewer heads than the query (multi-query or grouped-query "
                      f"attention{f', the query having {heads} heads' if heads else ''}) are not the block's pool, "
